@@ -1,0 +1,221 @@
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from vitattn.layers import (
+    DecoderLayer,
+    EncoderLayer,
+    LayerCache,
+    MultiHeadAttention,
+    point_wise_feed_forward_network,
+    record_attention,
+    scaled_dot_product_attention,
+)
+from tests import seed_reference as seed
+
+B, L, D, H = 2, 7, 32, 4
+
+
+def _keras(linear: nn.Linear) -> tuple[np.ndarray, np.ndarray]:
+    """A torch Linear as a Keras Dense (kernel is the transposed weight)."""
+    return linear.weight.detach().numpy().T.copy(), linear.bias.detach().numpy().copy()
+
+
+def _mha_weights(mha: MultiHeadAttention) -> dict:
+    return {name: _keras(getattr(mha, name)) for name in ("wq", "wk", "wv", "dense")}
+
+
+def _padding_mask(lk: int) -> torch.Tensor:
+    """Float mask (B, 1, 1, Lk), 1 = masked out: the last two keys of the second item."""
+    mask = torch.zeros(B, 1, 1, lk)
+    mask[1, ..., -2:] = 1.0
+    return mask
+
+
+def test_scaled_dot_product_attention_matches_document():
+    q, k, v = torch.randn(B, H, L, 8), torch.randn(B, H, 5, 8), torch.randn(B, H, 5, 6)
+    mask = _padding_mask(5)
+    out, w = scaled_dot_product_attention(q, k, v, mask)
+    ref_out, ref_w = seed.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), mask.numpy())
+    torch.testing.assert_close(out, torch.from_numpy(ref_out), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w, torch.from_numpy(ref_w), atol=1e-5, rtol=1e-5)
+    assert w[1, ..., -2:].abs().max() < 1e-6  # masked keys get no weight
+
+
+def test_scaled_dot_product_attention_bool_mask_equals_float_mask():
+    q, k, v = torch.randn(3, B, H, L, 8).unbind(0)
+    mask = _padding_mask(L)
+    out_f, w_f = scaled_dot_product_attention(q, k, v, mask)
+    out_b, w_b = scaled_dot_product_attention(q, k, v, mask.bool())
+    torch.testing.assert_close(out_f, out_b)
+    torch.testing.assert_close(w_f, w_b)
+
+
+@pytest.mark.parametrize("self_attention", [True, False])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_multi_head_attention_matches_document(self_attention, need_weights):
+    mha = MultiHeadAttention(D, H).eval()
+    x = torch.randn(B, L, D)
+    k = x if self_attention else torch.randn(B, 5, D)
+    mask = _padding_mask(k.shape[1])
+    out, w = mha(q=x, k=k, v=k, mask=mask, need_weights=need_weights)
+    ref = seed.MultiHeadAttention(D, H, _mha_weights(mha))
+    ref_out, ref_w = ref.call(k.numpy(), k.numpy(), x.numpy(), mask.numpy())  # document's (v, k, q) order
+    torch.testing.assert_close(out, torch.from_numpy(ref_out), atol=1e-5, rtol=1e-5)
+    if need_weights:
+        assert w.shape == (B, H, L, k.shape[1])
+        torch.testing.assert_close(w, torch.from_numpy(ref_w), atol=1e-5, rtol=1e-5)
+    else:
+        assert w is None
+
+
+def test_multi_head_attention_split_heads_shape():
+    mha = MultiHeadAttention(D, H)
+    x = torch.randn(B, L, D)
+    heads = mha.split_heads(x, B)
+    assert heads.shape == (B, H, L, D // H)
+    torch.testing.assert_close(heads[:, 1], x[..., D // H : 2 * D // H])  # head 1 = channels 8..15
+
+
+def test_multi_head_attention_fused_equals_explicit_with_mask():
+    mha = MultiHeadAttention(D, H).eval()
+    x, mask = torch.randn(B, L, D), _padding_mask(L)
+    fused, _ = mha(x, x, x, mask)
+    explicit, w = mha(x, x, x, mask, need_weights=True)
+    torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
+    mha.fused = False
+    torch.testing.assert_close(mha(x, x, x, mask)[0], explicit, atol=1e-5, rtol=1e-5)
+
+
+def test_multi_head_attention_causal_masks_future():
+    mha = MultiHeadAttention(D, H).eval()
+    x = torch.randn(B, L, D)
+    _, w = mha(x, x, x, need_weights=True, is_causal=True)
+    assert torch.all(w.triu(diagonal=1) == 0)
+    y = x.clone()
+    y[:, -1] += 1.0  # changing the last position must not change earlier outputs
+    torch.testing.assert_close(mha(x, x, x, is_causal=True)[0][:, :-1], mha(y, y, y, is_causal=True)[0][:, :-1])
+
+
+def test_multi_head_attention_rejects_bad_heads():
+    with pytest.raises(ValueError, match="num_heads=5 must divide d_model=32"):
+        MultiHeadAttention(32, 5)
+
+
+def test_point_wise_feed_forward_network_structure_and_values():
+    ffn = point_wise_feed_forward_network(D, 64)
+    assert [type(m) for m in ffn] == [nn.Linear, nn.ReLU, nn.Linear]
+    assert ffn[0].out_features == 64 and ffn[2].out_features == D
+    x = torch.randn(B, L, D)
+    w = {"ffn1": _keras(ffn[0]), "ffn2": _keras(ffn[2])}
+    torch.testing.assert_close(ffn(x), torch.from_numpy(seed.point_wise_feed_forward_network(x.numpy(), w)), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="activation='swish' is unknown"):
+        point_wise_feed_forward_network(D, 64, "swish")
+
+
+def _encoder_seed_weights(layer: EncoderLayer) -> dict:
+    ln = lambda m: (m.weight.detach().numpy(), m.bias.detach().numpy())  # noqa: E731
+    return {
+        "mha": _mha_weights(layer.mha),
+        "ffn1": _keras(layer.ffn[0]),
+        "ffn2": _keras(layer.ffn[2]),
+        "layernorm1": ln(layer.layernorm1),
+        "layernorm2": ln(layer.layernorm2),
+    }
+
+
+def _randomize_norms(layer: nn.Module) -> None:
+    for m in layer.modules():
+        if isinstance(m, nn.LayerNorm):
+            nn.init.normal_(m.weight, 1.0, 0.3)
+            nn.init.normal_(m.bias, 0.0, 0.3)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_encoder_layer_matches_document(masked):
+    layer = EncoderLayer(D, H, 64, rate=0.1).eval()
+    _randomize_norms(layer)
+    assert layer.layernorm1.eps == 1e-6 and layer.dropout1.p == 0.1
+    x = torch.randn(B, L, D)
+    mask = _padding_mask(L) if masked else None
+    ref = seed.encoder_layer(x.numpy(), None if mask is None else mask.numpy(), D, H, _encoder_seed_weights(layer))
+    torch.testing.assert_close(layer(x, mask), torch.from_numpy(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_encoder_layer_dropout_only_in_training():
+    layer = EncoderLayer(D, H, 64, rate=0.5)
+    x = torch.randn(B, L, D)
+    layer.eval()
+    torch.testing.assert_close(layer(x), layer(x))
+    layer.train()
+    assert not torch.allclose(layer(x), layer(x))
+
+
+def _torch_encoder_layer_from(layer: EncoderLayer, norm_first: bool, activation: str) -> nn.TransformerEncoderLayer:
+    ref = nn.TransformerEncoderLayer(
+        D, H, 64, dropout=0.0, activation=activation, batch_first=True, norm_first=norm_first, layer_norm_eps=1e-6
+    ).eval()
+    m = layer.mha
+    with torch.no_grad():
+        ref.self_attn.in_proj_weight.copy_(torch.cat([m.wq.weight, m.wk.weight, m.wv.weight]))
+        ref.self_attn.in_proj_bias.copy_(torch.cat([m.wq.bias, m.wk.bias, m.wv.bias]))
+        ref.self_attn.out_proj.load_state_dict(m.dense.state_dict())
+        ref.linear1.load_state_dict(layer.ffn[0].state_dict())
+        ref.linear2.load_state_dict(layer.ffn[2].state_dict())
+        ref.norm1.load_state_dict(layer.layernorm1.state_dict())
+        ref.norm2.load_state_dict(layer.layernorm2.state_dict())
+    return ref
+
+
+@pytest.mark.parametrize("norm_first,activation", [(False, "relu"), (True, "gelu")])
+def test_encoder_layer_matches_torch_transformer_encoder_layer(norm_first, activation):
+    layer = EncoderLayer(D, H, 64, norm_first=norm_first, activation=activation).eval()
+    _randomize_norms(layer)
+    ref = _torch_encoder_layer_from(layer, norm_first, activation)
+    x = torch.randn(B, L, D)
+    pad = torch.zeros(B, L, dtype=torch.bool)
+    pad[1, -2:] = True
+    torch.testing.assert_close(layer(x), ref(x), atol=1e-5, rtol=1e-5)
+    # torch's key padding mask is True = ignore, like ours; ours broadcasts as (B, 1, 1, L)
+    torch.testing.assert_close(layer(x, pad[:, None, None, :]), ref(x, src_key_padding_mask=pad), atol=1e-5, rtol=1e-5)
+
+
+def test_encoder_layer_gradient_reaches_every_parameter():
+    layer = EncoderLayer(D, H, 64, norm_first=True, activation="gelu", drop_path=0.1)
+    layer(torch.randn(B, L, D)).square().mean().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_record_attention_records_without_changing_outputs():
+    layer = EncoderLayer(D, H, 64).eval()
+    x = torch.randn(B, L, D)
+    fused = layer(x)
+    with record_attention(layer) as maps:
+        recorded = layer(x)
+    torch.testing.assert_close(fused, recorded, atol=1e-5, rtol=1e-5)
+    (w,) = maps["mha"]
+    assert w.shape == (B, H, L, L)
+    torch.testing.assert_close(w.sum(-1), torch.ones(B, H, L))
+    assert layer.mha._record is None  # recording ends with the block
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_decoder_layer_cached_steps_equal_full_pass(norm_first):
+    layer = DecoderLayer(D, H, 64, norm_first=norm_first).eval()
+    x, memory = torch.randn(B, L, D), torch.randn(B, 9, D)
+    full = layer(x, memory)
+    cache = LayerCache()
+    steps = [layer(x[:, t : t + 1], memory, cache) for t in range(L)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert cache.k.shape == (B, H, L, D // H) and cache.cross_k.shape == (B, H, 9, D // H)
+
+
+def test_decoder_layer_is_causal_and_reads_memory():
+    layer = DecoderLayer(D, H, 64).eval()
+    x, memory = torch.randn(B, L, D), torch.randn(B, 9, D)
+    y = x.clone()
+    y[:, 3:] = torch.randn(B, L - 3, D)
+    torch.testing.assert_close(layer(x, memory)[:, :3], layer(y, memory)[:, :3])
+    assert not torch.allclose(layer(x, memory), layer(x, memory + 1.0))

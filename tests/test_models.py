@@ -1,0 +1,223 @@
+import pytest
+import timm
+import torch
+
+from vitattn.layers import record_attention
+from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer, load_timm_weights, vit_preset
+from vitattn.models.caption import _sample
+
+TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
+
+
+@pytest.mark.parametrize("norm_first,activation", [(False, "relu"), (True, "gelu")])
+@pytest.mark.parametrize("global_pool", ["cls", "mean"])
+def test_vit_shapes_and_gradients(norm_first, activation, global_pool):
+    model = VisionTransformer(**TINY, num_classes=5, norm_first=norm_first, activation=activation, global_pool=global_pool)
+    x = torch.randn(3, 3, 32, 32)
+    feats = model.forward_features(x)
+    assert feats.shape == (3, 1 + 16, 32)
+    logits = model(x)
+    assert logits.shape == (3, 5) and torch.isfinite(logits).all()
+    logits.logsumexp(-1).mean().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_vit_fused_equals_explicit_and_records_maps():
+    model = VisionTransformer(**TINY, num_classes=5).eval()
+    x = torch.randn(2, 3, 32, 32)
+    fused = model(x)
+    with record_attention(model) as maps:
+        explicit = model(x)
+    torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
+    assert len(maps) == 2 and maps["blocks.0.mha"][0].shape == (2, 2, 17, 17)
+
+
+@pytest.mark.parametrize("name,kwargs,timm_name", [
+    ("tiny", dict(num_classes=10), "vit_tiny_patch16_224"),
+    ("cpu", dict(num_classes=7), None),
+])
+def test_vit_matches_timm_with_its_weights(name, kwargs, timm_name):
+    if timm_name is None:  # same config built explicitly in timm
+        cfg = dict(vit_preset(name).config)
+        ref = timm.models.vision_transformer.VisionTransformer(
+            img_size=cfg["img_size"], patch_size=cfg["patch_size"], embed_dim=cfg["embed_dim"], depth=cfg["depth"],
+            num_heads=cfg["num_heads"], mlp_ratio=cfg["mlp_ratio"], num_classes=kwargs["num_classes"],
+        )
+    else:
+        ref = timm.create_model(timm_name, pretrained=False, **kwargs)
+    ref.eval()
+    ours = vit_preset(name, **kwargs).eval()
+    load_timm_weights(ours, ref)
+    x = torch.randn(2, 3, ours.config["img_size"], ours.config["img_size"])
+    torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-5)
+
+
+def test_load_timm_weights_from_local_files(tmp_path):
+    from safetensors.torch import save_file
+
+    ref = timm.models.vision_transformer.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3).eval()
+    save_file(ref.state_dict(), tmp_path / "vit.safetensors")
+    torch.save({"state_dict": ref.state_dict()}, tmp_path / "vit.pth")
+    x = torch.randn(2, 3, 32, 32)
+    for path in ("vit.safetensors", "vit.pth"):
+        ours = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3).eval()
+        load_timm_weights(ours, tmp_path / path)
+        torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-5)
+    with pytest.raises(FileNotFoundError, match="missing.pth"):
+        load_timm_weights(ours, tmp_path / "missing.pth")
+
+
+def test_load_timm_weights_skips_a_head_of_another_size():
+    ref = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=1000)
+    ours = vit_preset("tiny", num_classes=4)
+    head_before = ours.head.weight.clone()
+    load_timm_weights(ours, ref)
+    torch.testing.assert_close(ours.blocks[0].mha.wq.weight, ref.blocks[0].attn.qkv.weight[:192])
+    torch.testing.assert_close(ours.head.weight, head_before)
+
+
+def test_vit_pos_embed_resampled_on_load():
+    src = VisionTransformer(**{**TINY, "img_size": 32})
+    dst = VisionTransformer(**{**TINY, "img_size": 48})
+    dst.load_state_dict(src.state_dict())
+    assert dst.pos_embed.shape == (1, 1 + 36, 32)
+    torch.testing.assert_close(dst.pos_embed[:, 0], src.pos_embed[:, 0])  # class token position kept
+    grid = dst.pos_embed[0, 1:].reshape(6, 6, 32)
+    assert torch.isfinite(grid).all() and not torch.allclose(grid[0, 0], grid[5, 5])
+    assert dst(torch.randn(1, 3, 48, 48)).shape == (1, 32)
+
+
+@pytest.mark.parametrize("name,width,depth,heads", [("tiny", 192, 12, 3), ("small", 384, 12, 6), ("base", 768, 12, 12)])
+def test_vit_presets(name, width, depth, heads):
+    model = vit_preset(name)
+    assert (model.embed_dim, len(model.blocks), model.blocks[0].mha.num_heads) == (width, depth, heads)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_heads=5), "num_heads=5 must divide embed_dim=32"),
+    (dict(img_size=30), "img_size=30 must be divisible by patch_size=8"),
+    (dict(global_pool="max"), "global_pool='max' is unknown"),
+    (dict(activation="tanh"), "activation='tanh' is unknown"),
+])
+def test_vit_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        VisionTransformer(**{**TINY, **kwargs})
+
+
+def _captioner(norm_first: bool = True, vocab: int = 13) -> ImageCaptioner:
+    encoder = VisionTransformer(**TINY)
+    decoder = CaptionDecoder(vocab, embed_dim=24, depth=2, num_heads=2, max_len=16, memory_dim=32, norm_first=norm_first,
+                             activation="gelu" if norm_first else "relu")
+    model = ImageCaptioner(encoder, decoder).eval()
+    with torch.no_grad():  # far from the init: sharp, context-dependent outputs, so decoders differ
+        for p in decoder.parameters():
+            p.normal_(0.0, 0.5)
+    return model
+
+
+def test_caption_decoder_output_tied_to_embedding():
+    model = _captioner()
+    assert model.decoder.head.weight is model.decoder.token_embed.weight
+    logits = model(torch.randn(2, 3, 32, 32), torch.randint(3, 13, (2, 6)))
+    assert logits.shape == (2, 6, 13)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_generate_cached_equals_recompute(norm_first, num_beams):
+    model = _captioner(norm_first)
+    images = torch.randn(4, 3, 32, 32)
+    cached = model.generate(images, max_new_tokens=10, num_beams=num_beams)
+    full = model.generate(images, max_new_tokens=10, num_beams=num_beams, use_cache=False)
+    torch.testing.assert_close(cached, full, rtol=0, atol=0)
+
+
+def test_beam_search_with_one_beam_equals_greedy():
+    model = _captioner()
+    images = torch.randn(4, 3, 32, 32)
+    greedy = model.generate(images, max_new_tokens=10)
+    memory = model.encode(images)
+    with torch.no_grad():
+        beam1 = model._beam_search(memory, 10, num_beams=1, length_penalty=1.0, use_cache=True)
+    torch.testing.assert_close(beam1, greedy, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_beam_search_at_least_as_likely_as_greedy(seed):
+    torch.manual_seed(seed)
+    model = _captioner()
+    images = torch.randn(6, 3, 32, 32)
+    greedy = model.generate(images, max_new_tokens=8)
+    beam = model.generate(images, max_new_tokens=8, num_beams=4, length_penalty=0.0)
+    with torch.no_grad():
+        lp_greedy, lp_beam = model.sequence_log_prob(images, greedy), model.sequence_log_prob(images, beam)
+    assert torch.all(lp_beam >= lp_greedy - 1e-4), (lp_beam, lp_greedy)
+    assert torch.any(lp_beam > lp_greedy + 1e-4)  # the sharpened model leaves room to improve
+
+
+def test_generate_pads_after_eos_and_lengths_vary():
+    model = _captioner()
+    eos, pad = model.decoder.eos_id, model.decoder.pad_id
+    head = torch.nn.Linear(24, 13)  # untied head with an <eos> bias: captions end at different steps
+    with torch.no_grad():
+        head.weight.copy_(model.decoder.token_embed.weight)
+        head.bias.zero_()
+        head.bias[eos] = 4.0
+    model.decoder.head = head
+    images = torch.randn(16, 3, 32, 32)
+    for beams in (1, 3):
+        out = model.generate(images, max_new_tokens=12, num_beams=beams)
+        torch.testing.assert_close(out, model.generate(images, max_new_tokens=12, num_beams=beams, use_cache=False))
+        lengths = set()
+        for row in out.tolist():
+            n = row.index(eos) + 1 if eos in row else len(row)
+            assert all(t == pad for t in row[n:]) and pad not in row[:n]
+            lengths.add(n)
+        assert len(lengths) > 1, f"all captions have one length with num_beams={beams}"
+
+
+def test_generate_beam_lengths_match_log_prob_of_returned_tokens():
+    model = _captioner()
+    images = torch.randn(3, 3, 32, 32)
+    out = model.generate(images, max_new_tokens=6, num_beams=3, length_penalty=0.0)
+    assert out.shape[1] <= 6 and torch.isfinite(model.sequence_log_prob(images, out)).all()
+
+
+def test_sampling_filters():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, -1.0]]).repeat(2000, 1)
+    g = torch.Generator().manual_seed(0)
+    top_k = _sample(logits, temperature=1.0, top_k=2, top_p=1.0, generator=g)
+    assert set(top_k.tolist()) == {0, 1}
+    # probs ≈ .64 .24 .09 .03 .004: the smallest set reaching 0.8 is {0, 1}
+    top_p = _sample(logits, temperature=1.0, top_k=0, top_p=0.8, generator=g)
+    assert set(top_p.tolist()) == {0, 1}
+    cold = _sample(logits, temperature=0.05, top_k=0, top_p=1.0, generator=g)
+    assert set(cold.tolist()) == {0}
+    hot = _sample(logits, temperature=5.0, top_k=0, top_p=1.0, generator=g)
+    assert set(hot.tolist()) == {0, 1, 2, 3, 4}
+
+
+def test_generate_sampling_is_reproducible_with_a_generator():
+    model = _captioner()
+    images = torch.randn(4, 3, 32, 32)
+    a = model.generate(images, do_sample=True, temperature=1.5, generator=torch.Generator().manual_seed(3))
+    b = model.generate(images, do_sample=True, temperature=1.5, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_generate_rejects_bad_arguments():
+    model = _captioner()
+    images = torch.randn(1, 3, 32, 32)
+    with pytest.raises(ValueError, match="max_new_tokens=40 exceeds"):
+        model.generate(images, max_new_tokens=40)
+    with pytest.raises(ValueError, match="do_sample=True needs num_beams=1"):
+        model.generate(images, do_sample=True, num_beams=2)
+
+
+def test_captioner_config_round_trip():
+    model = _captioner()
+    clone = ImageCaptioner.from_config(model.config).eval()
+    clone.load_state_dict(model.state_dict())
+    images = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(clone.generate(images), model.generate(images), rtol=0, atol=0)

@@ -1,0 +1,226 @@
+"""The document's attention: `scaled_dot_product_attention` and `MultiHeadAttention`.
+
+Dimension letters: B batch, H heads, L/Lq/Lk sequence lengths, D width (``d_model``), d head width
+(the document's ``depth``).
+
+The document's mask convention is kept: a mask holds **1 where attention is not allowed** and is
+added to the logits as ``mask * -1e9``. A bool mask (True = masked out) is accepted too.
+
+Two paths compute the same numbers. The fused path calls
+``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient kernels) and returns
+no weights. The explicit path is the document's code and returns the weights. The explicit path is
+taken for a single call with ``need_weights=True``, for every call inside ``record_attention``, or
+when ``fused`` is off; nothing global changes and no model is reloaded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "record_attention", "causal_mask"]
+
+
+def _additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """The document's ``mask * -1e9``, in a dtype that can hold it (fp16 saturates at its minimum)."""
+    big = min(1e9, torch.finfo(dtype).max)
+    return mask.to(dtype) * -big
+
+
+def causal_mask(lq: int, lk: int, device: torch.device | None = None) -> Tensor:
+    """Look-ahead mask (1 = masked out) for ``lq`` new queries at the end of ``lk`` keys.
+
+    Returns:
+        (Lq, Lk) float mask; query i may see keys ``0 .. lk - lq + i``.
+    """
+    return torch.ones(lq, lk, device=device).triu(diagonal=lk - lq + 1)
+
+
+def scaled_dot_product_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """The document's attention, softmax(q kᵀ / √d + mask · -1e9) v.
+
+    Args:
+        q: (..., Lq, d) queries.
+        k: (..., Lk, d) keys.
+        v: (..., Lk, dv) values.
+        mask: broadcastable to (..., Lq, Lk); 1 (or True) marks a position that may not be attended.
+        dropout_p: dropout on the attention weights (not in the document; 0 keeps it exact).
+
+    Returns:
+        ``(output, attention_weights)``: (..., Lq, dv) and (..., Lq, Lk).
+    """
+    matmul_qk = q @ k.transpose(-2, -1)  # (..., Lq, Lk)
+    dk = k.shape[-1]
+    scaled_attention_logits = matmul_qk / math.sqrt(dk)
+    if mask is not None:
+        scaled_attention_logits = scaled_attention_logits + _additive_mask(mask, q.dtype)
+    attention_weights = scaled_attention_logits.softmax(dim=-1)  # (..., Lq, Lk)
+    if dropout_p > 0.0:
+        attention_weights = F.dropout(attention_weights, p=dropout_p)
+    output = attention_weights @ v  # (..., Lq, dv)
+    return output, attention_weights
+
+
+class MultiHeadAttention(nn.Module):
+    """The document's ``MultiHeadAttention`` with ``wq``, ``wk``, ``wv``, ``dense`` and ``split_heads``.
+
+    Call it as ``mha(q, k, v, mask)``. The document's Keras layer is called ``call(v, k, q, mask)``:
+    the order differs, the computation does not. Self-attention (``q is k is v``) runs the three
+    projections as one matrix multiply over the concatenated weights, as timm's fused ``qkv`` does.
+
+    Args:
+        d_model: width D; must be divisible by ``num_heads``.
+        num_heads: number of heads H.
+        qkv_bias: bias in ``wq``, ``wk``, ``wv`` (the document's Dense layers have one).
+        attn_drop: dropout on the attention weights (training only).
+        fused: use ``F.scaled_dot_product_attention`` when weights are not asked for.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        qkv_bias: bool = True,
+        attn_drop: float = 0.0,
+        fused: bool = True,
+    ) -> None:
+        super().__init__()
+        if num_heads <= 0 or d_model % num_heads != 0:
+            raise ValueError(f"num_heads={num_heads} must divide d_model={d_model}")
+        self.num_heads = num_heads
+        self.d_model = d_model
+        self.depth = d_model // num_heads
+        self.attn_drop = attn_drop
+        self.fused = fused
+        self.wq = nn.Linear(d_model, d_model, bias=qkv_bias)
+        self.wk = nn.Linear(d_model, d_model, bias=qkv_bias)
+        self.wv = nn.Linear(d_model, d_model, bias=qkv_bias)
+        self.dense = nn.Linear(d_model, d_model)
+        self._record: list[Tensor] | None = None  # set by `record_attention`
+
+    def split_heads(self, x: Tensor, batch_size: int) -> Tensor:
+        """(B, L, D) -> (B, H, L, d), as the document's ``split_heads``."""
+        x = x.view(batch_size, -1, self.num_heads, self.depth)  # (B, L, H, d)
+        return x.transpose(1, 2)  # (B, H, L, d)
+
+    def project_q(self, q: Tensor) -> Tensor:
+        """(B, Lq, D) -> query heads (B, H, Lq, d)."""
+        return self.split_heads(self.wq(q), q.shape[0])
+
+    def project_kv(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, Lk, D) keys and values -> heads (B, H, Lk, d) each; one matmul when ``k is v``."""
+        if k is v:
+            B, L, _ = k.shape
+            kv = F.linear(k, _cat(self.wk.weight, self.wv.weight), _cat(self.wk.bias, self.wv.bias))
+            kv = kv.view(B, L, 2, self.num_heads, self.depth).permute(2, 0, 3, 1, 4)  # (2, B, H, L, d)
+            return kv[0], kv[1]
+        return self.split_heads(self.wk(k), k.shape[0]), self.split_heads(self.wv(v), v.shape[0])
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention projections of (B, L, D) in one matmul -> three (B, H, L, d)."""
+        B, L, _ = x.shape
+        w = _cat(self.wq.weight, self.wk.weight, self.wv.weight)
+        b = _cat(self.wq.bias, self.wk.bias, self.wv.bias)
+        qkv = F.linear(x, w, b).view(B, L, 3, self.num_heads, self.depth)
+        qkv = qkv.permute(2, 0, 3, 1, 4)  # (3, B, H, L, d)
+        return qkv[0], qkv[1], qkv[2]
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attention over projected heads, then concatenation and ``dense``.
+
+        Args:
+            q: (B, H, Lq, d); k, v: (B, H, Lk, d).
+            mask: broadcastable to (B, H, Lq, Lk), 1/True = masked out.
+            is_causal: add the look-ahead mask (queries are the last Lq of the Lk positions).
+            need_weights: return the (B, H, Lq, Lk) weights (explicit path).
+
+        Returns:
+            ``(output, weights)``: (B, Lq, D) and the weights or None.
+        """
+        B, _, Lq, _ = q.shape
+        Lk = k.shape[2]
+        if is_causal and Lq > 1:
+            look_ahead = causal_mask(Lq, Lk, q.device).to(torch.bool)
+            mask = look_ahead if mask is None else (mask.to(torch.bool) | look_ahead)
+        dropout_p = self.attn_drop if self.training else 0.0
+        explicit = need_weights or self._record is not None or not self.fused
+        if explicit:
+            out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p)
+            if self._record is not None:
+                self._record.append(weights.detach())
+        else:
+            attn_mask = None if mask is None else _additive_mask(mask, q.dtype)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+            weights = None
+        out = out.transpose(1, 2).reshape(B, Lq, self.d_model)  # (B, Lq, D)
+        return self.dense(out), (weights if need_weights else None)
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None = None,
+        need_weights: bool = False,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Multi-head attention of queries ``q`` over keys ``k`` and values ``v``.
+
+        Args:
+            q: (B, Lq, D); k, v: (B, Lk, D).
+            mask: broadcastable to (B, H, Lq, Lk); 1 (or True) = masked out, added as ``mask * -1e9``.
+            need_weights: also return the attention weights (explicit path for this call only).
+            is_causal: apply the look-ahead mask.
+
+        Returns:
+            ``(output, attention_weights)``: (B, Lq, D) and (B, H, Lq, Lk), or None for the weights
+            when they were not asked for.
+        """
+        if q is k and k is v:
+            qh, kh, vh = self.project_qkv(q)
+        else:
+            qh = self.project_q(q)
+            kh, vh = self.project_kv(k, v)
+        return self.attend(qh, kh, vh, mask, is_causal, need_weights)
+
+
+def _cat(*tensors: Tensor | None) -> Tensor | None:
+    return None if tensors[0] is None else torch.cat(tensors)
+
+
+@contextmanager
+def record_attention(model: nn.Module) -> Iterator[dict[str, list[Tensor]]]:
+    """Record the attention weights of every ``MultiHeadAttention`` in ``model``.
+
+    Inside the block each attention layer takes the explicit path and appends its detached
+    (B, H, Lq, Lk) weights, one entry per call, under the layer's module name.
+
+    Example:
+        >>> with record_attention(model) as maps:
+        ...     model(images)
+        >>> maps["blocks.11.mha"][0].shape  # (B, H, N, N)
+    """
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)}
+    records: dict[str, list[Tensor]] = {name: [] for name in layers}
+    for name, layer in layers.items():
+        layer._record = records[name]
+    try:
+        yield records
+    finally:
+        for layer in layers.values():
+            layer._record = None

@@ -1,0 +1,121 @@
+"""``DecoderLayer``: the encoder layer's counterpart for captions, with a key/value cache.
+
+Dimension letters: B batch, T caption positions (t new ones per call), N image tokens, D width,
+H heads, d head width.
+
+Names follow the TensorFlow transformer tutorial that the document's layers come from: ``mha1``
+(masked self-attention), ``mha2`` (cross-attention over the image tokens), ``ffn``,
+``layernorm1..3``, ``dropout1..3``. Post-norm by default, pre-norm with ``norm_first=True``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from timm.layers import DropPath
+from torch import Tensor, nn
+
+import torch
+
+from vitattn.layers.attention import MultiHeadAttention
+from vitattn.layers.feedforward import point_wise_feed_forward_network
+
+__all__ = ["DecoderLayer", "LayerCache"]
+
+
+@dataclass
+class LayerCache:
+    """One decoder layer's cached heads: self-attention keys/values grow by t each step, the
+    cross-attention ones are computed once from the image tokens."""
+
+    k: Tensor | None = None  # (B, H, T, d)
+    v: Tensor | None = None
+    cross_k: Tensor | None = None  # (B, H, N, d)
+    cross_v: Tensor | None = None
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep the batch rows in ``index`` (beam search); cross heads are per image and beams of
+        one image share them, so they are left as they are."""
+        if self.k is not None:
+            self.k = self.k.index_select(0, index)
+            self.v = self.v.index_select(0, index)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, cross-attention over image tokens, feed-forward.
+
+    Args:
+        d_model: width D.
+        num_heads: attention heads; must divide ``d_model``.
+        dff: feed-forward hidden width.
+        rate: dropout after each sub-layer.
+        norm_first: pre-norm instead of post-norm.
+        activation: ``relu`` or ``gelu``.
+        attn_drop: dropout on attention weights.
+        drop_path: stochastic-depth rate.
+        layer_norm_eps: LayerNorm epsilon.
+        fused_attn: fused attention kernels when weights are not asked for.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        dff: int,
+        rate: float = 0.1,
+        norm_first: bool = False,
+        activation: str = "relu",
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+        layer_norm_eps: float = 1e-6,
+        fused_attn: bool = True,
+    ) -> None:
+        super().__init__()
+        self.norm_first = norm_first
+        self.mha1 = MultiHeadAttention(d_model, num_heads, attn_drop=attn_drop, fused=fused_attn)
+        self.mha2 = MultiHeadAttention(d_model, num_heads, attn_drop=attn_drop, fused=fused_attn)
+        self.ffn = point_wise_feed_forward_network(d_model, dff, activation)
+        self.layernorm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.layernorm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.layernorm3 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.dropout1 = nn.Dropout(rate)
+        self.dropout2 = nn.Dropout(rate)
+        self.dropout3 = nn.Dropout(rate)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def _self_attention(self, h: Tensor, cache: LayerCache | None) -> Tensor:
+        q, k, v = self.mha1.project_qkv(h)  # (B, H, t, d) each
+        if cache is not None:
+            if cache.k is not None:
+                k = torch.cat([cache.k, k], dim=2)  # (B, H, T, d)
+                v = torch.cat([cache.v, v], dim=2)
+            cache.k, cache.v = k, v
+        return self.mha1.attend(q, k, v, is_causal=True)[0]
+
+    def _cross_attention(self, h: Tensor, memory: Tensor, cache: LayerCache | None) -> Tensor:
+        if cache is not None and cache.cross_k is not None:
+            k, v = cache.cross_k, cache.cross_v
+        else:
+            k, v = self.mha2.project_kv(memory, memory)  # (B, H, N, d)
+            if cache is not None:
+                cache.cross_k, cache.cross_v = k, v
+        return self.mha2.attend(self.mha2.project_q(h), k, v)[0]
+
+    def forward(self, x: Tensor, memory: Tensor, cache: LayerCache | None = None) -> Tensor:
+        """Decode t new positions.
+
+        Args:
+            x: (B, t, D) embeddings of the new caption positions (all T when not caching).
+            memory: (B, N, D) image tokens.
+            cache: filled and extended in place for incremental decoding; None to recompute.
+
+        Returns:
+            (B, t, D).
+        """
+        if self.norm_first:
+            x = x + self.drop_path(self.dropout1(self._self_attention(self.layernorm1(x), cache)))
+            x = x + self.drop_path(self.dropout2(self._cross_attention(self.layernorm2(x), memory, cache)))
+            return x + self.drop_path(self.dropout3(self.ffn(self.layernorm3(x))))
+        out1 = self.layernorm1(x + self.drop_path(self.dropout1(self._self_attention(x, cache))))
+        out2 = self.layernorm2(out1 + self.drop_path(self.dropout2(self._cross_attention(out1, memory, cache))))
+        return self.layernorm3(out2 + self.drop_path(self.dropout3(self.ffn(out2))))

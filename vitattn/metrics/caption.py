@@ -1,0 +1,285 @@
+"""Corpus-level caption metrics computed as the COCO caption toolkit (pycocoevalcap) computes them.
+
+No Java and no torch: captions are tokenised with :func:`coco_tokenize` (a stand-in for the
+toolkit's Stanford PTB tokenizer) and scored with the toolkit's own arithmetic, quirks included:
+
+- BLEU (``Bleu(4)``): clipped n-gram counts and lengths summed over the corpus, the reference
+  length of each image is the one closest to the prediction (ties go to the shorter), and every
+  precision is ``(correct + 1e-15) / (guess + 1e-9)``, so a perfect match scores just under 1 and a
+  missing n-gram order gives a tiny positive number instead of 0.
+- ROUGE-L (``Rouge``): per image, the best LCS precision and the best LCS recall over the references
+  (each maximised on its own), combined as an F-measure with beta 1.2; averaged over images.
+- CIDEr-D (``Cider``): tf-idf n-gram vectors whose document frequencies come from the references of
+  the corpus being scored, clipped cosine similarity, a gaussian penalty on the length difference,
+  averaged over n-gram orders and references, times 10; averaged over images.
+
+Each image has one prediction and one or more references.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+from vitattn.metrics.tokenize import coco_tokenize
+
+Tokens = list[str]
+Ngram = tuple[str, ...]
+
+# pycocoevalcap's BLEU smoothing: 'tiny' keeps a zero count from giving log(0), 'small' a zero guess
+# from dividing by zero.
+_TINY = 1e-15
+_SMALL = 1e-9
+
+
+def _tokenize_corpus(
+    predictions: Sequence[str], references: Sequence[Sequence[str]]
+) -> tuple[list[Tokens], list[list[Tokens]]]:
+    """Validate the corpus and tokenise every caption."""
+    if isinstance(predictions, str):
+        raise ValueError("predictions must be a sequence of captions, got a single str")
+    if len(predictions) != len(references):
+        raise ValueError(
+            f"predictions has {len(predictions)} items but references has {len(references)}"
+        )
+    if not predictions:
+        raise ValueError("the corpus is empty: need at least one prediction and its references")
+    for i, image_refs in enumerate(references):
+        if isinstance(image_refs, str):
+            raise ValueError(
+                f"references[{i}] must be a sequence of reference captions, got str {image_refs!r}"
+            )
+        if not image_refs:
+            raise ValueError(f"references[{i}] is empty: each image needs at least one reference")
+    hyps = [coco_tokenize(p) for p in predictions]
+    refs = [[coco_tokenize(r) for r in image_refs] for image_refs in references]
+    return hyps, refs
+
+
+def _ngram_counts(tokens: Tokens, max_n: int) -> Counter[Ngram]:
+    """Counts of every n-gram of order 1..max_n."""
+    return Counter(
+        tuple(tokens[i : i + k]) for k in range(1, max_n + 1) for i in range(len(tokens) - k + 1)
+    )
+
+
+# --------------------------------------------------------------------------------------------- BLEU
+
+
+def _closest_ref_len(hyp_len: int, ref_lens: Sequence[int]) -> int:
+    """The reference length nearest the prediction's; a tie goes to the shorter one."""
+    return min(ref_lens, key=lambda ref_len: (abs(ref_len - hyp_len), ref_len))
+
+
+def _bleu(hyps: list[Tokens], refs: list[list[Tokens]], max_n: int) -> list[float]:
+    hyp_len = ref_len = 0
+    correct = [0] * max_n  # clipped matches per order, summed over the corpus
+    guess = [0] * max_n  # prediction n-grams per order
+    for hyp, image_refs in zip(hyps, refs):
+        hyp_len += len(hyp)
+        ref_len += _closest_ref_len(len(hyp), [len(r) for r in image_refs])
+        max_ref_counts: Counter[Ngram] = Counter()
+        for ref in image_refs:
+            max_ref_counts |= _ngram_counts(ref, max_n)  # | keeps the max count of each n-gram
+        for gram, count in _ngram_counts(hyp, max_n).items():
+            correct[len(gram) - 1] += min(count, max_ref_counts[gram])
+        for k in range(max_n):
+            guess[k] += max(0, len(hyp) - k)
+
+    # The brevity penalty compares corpus totals, so short and long predictions offset each other.
+    ratio = (hyp_len + _TINY) / (ref_len + _SMALL)
+    brevity = math.exp(1 - 1 / ratio) if ratio < 1 else 1.0
+    scores, precision_product = [], 1.0
+    for k in range(max_n):
+        precision_product *= (correct[k] + _TINY) / (guess[k] + _SMALL)
+        scores.append(precision_product ** (1 / (k + 1)) * brevity)  # geometric mean of p_1..p_k
+    return scores
+
+
+def corpus_bleu(
+    predictions: Sequence[str], references: Sequence[Sequence[str]], max_n: int = 4
+) -> list[float]:
+    """Corpus BLEU-1..BLEU-``max_n`` as pycocoevalcap's ``Bleu(max_n)`` reports it.
+
+    Args:
+        predictions: one caption per image, length I.
+        references: I sequences of one or more reference captions.
+        max_n: the highest n-gram order.
+
+    Returns:
+        ``[BLEU-1, ..., BLEU-max_n]``, each in [0, 1].
+
+    Raises:
+        ValueError: if the corpus is empty, the lengths differ, an image has no reference or
+            ``max_n < 1``.
+    """
+    if max_n < 1:
+        raise ValueError(f"max_n={max_n} must be at least 1")
+    return _bleu(*_tokenize_corpus(predictions, references), max_n=max_n)
+
+
+# ------------------------------------------------------------------------------------------ ROUGE-L
+
+
+def _lcs_length(a: Tokens, b: Tokens) -> int:
+    """Length of the longest common subsequence, one DP row at a time."""
+    row = [0] * (len(b) + 1)
+    for token in a:
+        diag = 0  # row[j - 1] before this token's update
+        for j, other in enumerate(b, start=1):
+            up = row[j]
+            row[j] = diag + 1 if token == other else max(up, row[j - 1])
+            diag = up
+    return row[-1]
+
+
+def _rouge_l_image(hyp: Tokens, image_refs: list[Tokens], beta: float) -> float:
+    # pycocoevalcap splits the space-joined caption on " ", so an empty caption is one empty token.
+    hyp = hyp or [""]
+    lcs = [(_lcs_length(ref or [""], hyp), len(ref or [""])) for ref in image_refs]
+    precision = max(common / len(hyp) for common, _ in lcs)
+    recall = max(common / ref_len for common, ref_len in lcs)
+    if precision == 0 or recall == 0:
+        return 0.0
+    return (1 + beta**2) * precision * recall / (recall + beta**2 * precision)
+
+
+def _rouge_l(hyps: list[Tokens], refs: list[list[Tokens]], beta: float) -> float:
+    return math.fsum(_rouge_l_image(h, r, beta) for h, r in zip(hyps, refs)) / len(hyps)
+
+
+def rouge_l(
+    predictions: Sequence[str], references: Sequence[Sequence[str]], beta: float = 1.2
+) -> float:
+    """ROUGE-L as pycocoevalcap's ``Rouge`` reports it: the mean over images.
+
+    Args:
+        predictions: one caption per image, length I.
+        references: I sequences of one or more reference captions.
+        beta: weight of recall against precision in the F-measure.
+
+    Returns:
+        The mean per-image F-measure, in [0, 1].
+
+    Raises:
+        ValueError: if the corpus is empty, the lengths differ or an image has no reference.
+    """
+    return _rouge_l(*_tokenize_corpus(predictions, references), beta=beta)
+
+
+# ------------------------------------------------------------------------------------------ CIDEr-D
+
+
+def _document_frequency(ref_counts: list[list[Counter[Ngram]]]) -> Counter[Ngram]:
+    """In how many images' reference sets each n-gram occurs."""
+    return Counter(gram for image in ref_counts for gram in set().union(*image))
+
+
+def _tfidf(
+    counts: Counter[Ngram], doc_freq: Counter[Ngram], log_num_images: float, n: int
+) -> tuple[dict[Ngram, float], list[float]]:
+    """tf-idf weight of each n-gram and the vector norm of each order."""
+    # An n-gram in every image weighs 0; one in no reference counts as if it were in one.
+    vec = {
+        gram: tf * (log_num_images - math.log(max(1.0, doc_freq[gram])))
+        for gram, tf in counts.items()
+    }
+    squares = [0.0] * n
+    for gram, weight in vec.items():
+        squares[len(gram) - 1] += weight**2
+    return vec, [math.sqrt(s) for s in squares]
+
+
+def _cider_d_sim(
+    hyp: tuple[dict[Ngram, float], list[float]],
+    ref: tuple[dict[Ngram, float], list[float]],
+    length_delta: int,
+    n: int,
+    sigma: float,
+) -> list[float]:
+    """Clipped cosine similarity per n-gram order, times the gaussian length penalty."""
+    (hyp_vec, hyp_norm), (ref_vec, ref_norm) = hyp, ref
+    dots = [0.0] * n
+    for gram, weight in hyp_vec.items():
+        ref_weight = ref_vec.get(gram, 0.0)
+        # Clipping: repeating an n-gram more often than the reference does earns nothing.
+        dots[len(gram) - 1] += min(weight, ref_weight) * ref_weight
+    penalty = math.exp(-(length_delta**2) / (2 * sigma**2))
+    # An order with an all-zero vector (too short, or only n-grams found in every image) gives 0.
+    return [
+        dot / (hn * rn) * penalty if hn and rn else 0.0
+        for dot, hn, rn in zip(dots, hyp_norm, ref_norm)
+    ]
+
+
+def _cider_d(hyps: list[Tokens], refs: list[list[Tokens]], sigma: float, n: int) -> float:
+    ref_counts = [[_ngram_counts(r, n) for r in image_refs] for image_refs in refs]
+    doc_freq = _document_frequency(ref_counts)
+    log_num_images = math.log(len(refs))
+    scores = []
+    for hyp, image_refs, image_ref_counts in zip(hyps, refs, ref_counts):
+        hyp_tfidf = _tfidf(_ngram_counts(hyp, n), doc_freq, log_num_images, n)
+        total = 0.0
+        for ref, counts in zip(image_refs, image_ref_counts):
+            # pycocoevalcap measures length in bigrams, which gives the same difference as tokens
+            # whenever both captions are non-empty (an empty one scores 0 anyway).
+            ref_tfidf = _tfidf(counts, doc_freq, log_num_images, n)
+            sims = _cider_d_sim(hyp_tfidf, ref_tfidf, len(hyp) - len(ref), n, sigma)
+            total += sum(sims) / n  # mean over n-gram orders
+        scores.append(10.0 * total / len(image_refs))  # mean over references, times 10
+    return math.fsum(scores) / len(scores)
+
+
+def cider_d(
+    predictions: Sequence[str],
+    references: Sequence[Sequence[str]],
+    sigma: float = 6.0,
+    n: int = 4,
+) -> float:
+    """CIDEr-D as pycocoevalcap's ``Cider`` reports it: the mean over images.
+
+    Document frequencies come from the references passed in, so score the whole evaluation set in
+    one call: the mean of per-batch scores is a different number, and a single image scores 0
+    (every idf is log 1 - log 1).
+
+    Args:
+        predictions: one caption per image, length I.
+        references: I sequences of one or more reference captions.
+        sigma: width of the gaussian penalty on the length difference, in tokens.
+        n: the highest n-gram order.
+
+    Returns:
+        The mean per-image score, in [0, 10].
+
+    Raises:
+        ValueError: if the corpus is empty, the lengths differ, an image has no reference or
+            ``n < 1``.
+    """
+    if n < 1:
+        raise ValueError(f"n={n} must be at least 1")
+    return _cider_d(*_tokenize_corpus(predictions, references), sigma=sigma, n=n)
+
+
+def compute_caption_metrics(
+    predictions: Sequence[str], references: Sequence[Sequence[str]]
+) -> dict[str, float]:
+    """BLEU-1..4, ROUGE-L and CIDEr-D of a corpus, tokenised once.
+
+    Args:
+        predictions: one caption per image, length I.
+        references: I sequences of one or more reference captions.
+
+    Returns:
+        ``{"bleu1", "bleu2", "bleu3", "bleu4", "rouge_l", "cider_d"}`` mapped to floats.
+
+    Raises:
+        ValueError: if the corpus is empty, the lengths differ or an image has no reference.
+    """
+    hyps, refs = _tokenize_corpus(predictions, references)
+    bleu = _bleu(hyps, refs, max_n=4)
+    return {
+        **{f"bleu{k}": score for k, score in enumerate(bleu, start=1)},
+        "rouge_l": _rouge_l(hyps, refs, beta=1.2),
+        "cider_d": _cider_d(hyps, refs, sigma=6.0, n=4),
+    }

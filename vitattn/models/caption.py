@@ -1,0 +1,313 @@
+"""Caption decoder and the image captioner with greedy, beam and sampled decoding.
+
+Dimension letters: B batch, K beams, N image tokens, D width, T caption positions, V vocabulary.
+
+The image is encoded once per ``generate`` call; each decoder layer caches its self-attention
+keys/values (growing by one position per step) and its cross-attention keys/values (computed once).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.layers import trunc_normal_
+from torch import Tensor, nn
+
+from vitattn.layers import DecoderLayer, LayerCache
+from vitattn.models.vit import VisionTransformer
+
+__all__ = ["CaptionDecoder", "ImageCaptioner"]
+
+
+class CaptionDecoder(nn.Module):
+    """Token + position embedding, a stack of ``DecoderLayer``s, an output projection tied to the
+    token embedding.
+
+    Args:
+        vocab_size: vocabulary size V.
+        embed_dim: decoder width D.
+        depth: number of decoder layers.
+        num_heads: attention heads; must divide ``embed_dim``.
+        mlp_ratio: feed-forward width / D.
+        max_len: most caption positions, ``<bos>`` included.
+        memory_dim: width of the image tokens; projected to D when it differs.
+        drop_rate: dropout inside the layers and on the embeddings.
+        attn_drop_rate: dropout on attention weights.
+        norm_first: pre-norm layers (with a final LayerNorm) or post-norm.
+        activation: ``relu`` or ``gelu``.
+        pad_id, bos_id, eos_id: special token ids.
+        fused_attn: fused attention kernels when weights are not asked for.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        embed_dim: int = 256,
+        depth: int = 2,
+        num_heads: int = 4,
+        mlp_ratio: float = 4.0,
+        max_len: int = 32,
+        memory_dim: int | None = None,
+        drop_rate: float = 0.1,
+        attn_drop_rate: float = 0.0,
+        norm_first: bool = True,
+        activation: str = "gelu",
+        layer_norm_eps: float = 1e-6,
+        pad_id: int = 0,
+        bos_id: int = 1,
+        eos_id: int = 2,
+        fused_attn: bool = True,
+    ) -> None:
+        config = dict(locals())
+        del config["self"], config["__class__"]
+        super().__init__()
+        if num_heads <= 0 or embed_dim % num_heads != 0:
+            raise ValueError(f"num_heads={num_heads} must divide embed_dim={embed_dim}")
+        if vocab_size <= max(pad_id, bos_id, eos_id):
+            raise ValueError(f"vocab_size={vocab_size} must exceed the special token ids")
+        self.config = config
+        self.vocab_size, self.max_len = vocab_size, max_len
+        self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
+        memory_dim = memory_dim or embed_dim
+        self.memory_proj = nn.Linear(memory_dim, embed_dim) if memory_dim != embed_dim else nn.Identity()
+        self.token_embed = nn.Embedding(vocab_size, embed_dim, padding_idx=pad_id)
+        self.pos_embed = nn.Parameter(torch.zeros(1, max_len, embed_dim))
+        self.embed_drop = nn.Dropout(drop_rate)
+        self.layers = nn.ModuleList(
+            DecoderLayer(
+                embed_dim,
+                num_heads,
+                int(embed_dim * mlp_ratio),
+                rate=drop_rate,
+                norm_first=norm_first,
+                activation=activation,
+                attn_drop=attn_drop_rate,
+                layer_norm_eps=layer_norm_eps,
+                fused_attn=fused_attn,
+            )
+            for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps) if norm_first else nn.Identity()
+        self.head = nn.Linear(embed_dim, vocab_size, bias=False)
+        self._init_weights()
+        self.head.weight = self.token_embed.weight  # tied output projection
+
+    def _init_weights(self) -> None:
+        trunc_normal_(self.pos_embed, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        trunc_normal_(self.token_embed.weight, std=0.02)
+        with torch.no_grad():
+            self.token_embed.weight[self.pad_id].zero_()
+
+    def new_cache(self) -> list[LayerCache]:
+        """An empty key/value cache, one entry per layer."""
+        return [LayerCache() for _ in self.layers]
+
+    def forward(
+        self, tokens: Tensor, memory: Tensor, cache: list[LayerCache] | None = None, start: int = 0
+    ) -> Tensor:
+        """Next-token logits for each given position.
+
+        Args:
+            tokens: (B, t) token ids at positions ``start .. start + t - 1``.
+            memory: (B, N, D) image tokens, already through ``memory_proj``.
+            cache: from ``new_cache()``, extended in place; None recomputes from position 0.
+            start: position of ``tokens[:, 0]`` (the cache length).
+
+        Returns:
+            (B, t, V) logits.
+        """
+        B, t = tokens.shape
+        if start + t > self.max_len:
+            raise ValueError(f"caption position {start + t} exceeds max_len={self.max_len}")
+        x = self.token_embed(tokens) + self.pos_embed[:, start : start + t]  # (B, t, D)
+        x = self.embed_drop(x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, memory, None if cache is None else cache[i])
+        return self.head(self.norm(x))  # (B, t, V)
+
+
+class ImageCaptioner(nn.Module):
+    """A ``VisionTransformer`` encoder and a ``CaptionDecoder`` over its tokens.
+
+    ``forward(images, tokens)`` gives teacher-forced logits; ``generate`` decodes.
+    """
+
+    def __init__(self, encoder: VisionTransformer, decoder: CaptionDecoder) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.decoder = decoder
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return {"encoder": self.encoder.config, "decoder": self.decoder.config}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ImageCaptioner:
+        """Rebuild from ``config`` (the ``config`` property of a saved model)."""
+        return cls(VisionTransformer(**config["encoder"]), CaptionDecoder(**config["decoder"]))
+
+    def encode(self, images: Tensor) -> Tensor:
+        """(B, C, H, W) -> (B, N, D) image tokens in the decoder's width."""
+        return self.decoder.memory_proj(self.encoder.forward_features(images))
+
+    def forward(self, images: Tensor, tokens: Tensor) -> Tensor:
+        """Teacher forcing: (B, C, H, W), (B, T) -> (B, T, V) next-token logits."""
+        return self.decoder(tokens, self.encode(images))
+
+    def sequence_log_prob(self, images: Tensor, generated: Tensor) -> Tensor:
+        """Total log-probability of generated captions (``<bos>`` excluded, padded after ``<eos>``).
+
+        Returns:
+            (B,) sum over the non-pad tokens.
+        """
+        dec = self.decoder
+        bos = generated.new_full((generated.shape[0], 1), dec.bos_id)
+        logits = self(images, torch.cat([bos, generated[:, :-1]], dim=1))  # (B, T, V)
+        logp = logits.float().log_softmax(-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)  # (B, T)
+        return (logp * (generated != dec.pad_id)).sum(dim=1)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        images: Tensor,
+        max_new_tokens: int | None = None,
+        num_beams: int = 1,
+        length_penalty: float = 1.0,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Caption images.
+
+        Args:
+            images: (B, C, H, W).
+            max_new_tokens: most tokens per caption, ``<eos>`` included; None: ``max_len - 1``.
+            num_beams: beam width; 1 is greedy (or sampling with ``do_sample``).
+            length_penalty: beams are ranked by ``log p / length ** length_penalty``.
+            do_sample: sample instead of taking the most likely token (``num_beams`` must be 1).
+            temperature, top_k, top_p: sampling filters (``top_k=0`` and ``top_p=1`` keep all).
+            use_cache: incremental decoding with the key/value cache; False recomputes every step.
+            generator: random generator for sampling.
+
+        Returns:
+            (B, T') token ids without ``<bos>``, ending in ``<eos>`` and padded with ``<pad>``;
+            T' ≤ ``max_new_tokens``.
+        """
+        if max_new_tokens is None:
+            max_new_tokens = self.decoder.max_len - 1
+        if max_new_tokens + 1 > self.decoder.max_len:
+            raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the decoder's max_len={self.decoder.max_len} - 1")
+        if num_beams < 1:
+            raise ValueError(f"num_beams={num_beams} must be at least 1")
+        if do_sample and num_beams > 1:
+            raise ValueError("do_sample=True needs num_beams=1 (beam sampling is not supported)")
+        memory = self.encode(images)
+        if num_beams > 1:
+            return self._beam_search(memory, max_new_tokens, num_beams, length_penalty, use_cache)
+        sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator) if do_sample else None
+        return self._greedy_or_sample(memory, max_new_tokens, sample, use_cache)
+
+    def _step_logits(self, tokens: Tensor, memory: Tensor, cache: list[LayerCache] | None) -> Tensor:
+        """Log-probabilities (B, V) of the next token after ``tokens`` (B, t), specials banned."""
+        if cache is None:
+            logits = self.decoder(tokens, memory)[:, -1]
+        else:
+            logits = self.decoder(tokens[:, -1:], memory, cache, start=tokens.shape[1] - 1)[:, -1]
+        logits = logits.float()
+        logits[:, [self.decoder.pad_id, self.decoder.bos_id]] = float("-inf")  # never generated
+        return logits
+
+    def _greedy_or_sample(
+        self, memory: Tensor, max_new_tokens: int, sample: dict | None, use_cache: bool
+    ) -> Tensor:
+        dec = self.decoder
+        B = memory.shape[0]
+        cache = dec.new_cache() if use_cache else None
+        tokens = memory.new_full((B, 1), dec.bos_id, dtype=torch.long)  # (B, 1)
+        finished = torch.zeros(B, dtype=torch.bool, device=memory.device)
+        for _ in range(max_new_tokens):
+            logits = self._step_logits(tokens, memory, cache)  # (B, V)
+            nxt = logits.argmax(-1) if sample is None else _sample(logits, **sample)  # (B,)
+            nxt = nxt.masked_fill(finished, dec.pad_id)
+            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+            finished |= nxt == dec.eos_id
+            if bool(finished.all()):
+                break
+        return tokens[:, 1:]
+
+    def _beam_search(
+        self, memory: Tensor, max_new_tokens: int, num_beams: int, length_penalty: float, use_cache: bool
+    ) -> Tensor:
+        dec, K = self.decoder, num_beams
+        B = memory.shape[0]
+        memory = memory.repeat_interleave(K, dim=0)  # (B*K, N, D)
+        cache = dec.new_cache() if use_cache else None
+        tokens = memory.new_full((B * K, 1), dec.bos_id, dtype=torch.long)
+        scores = memory.new_zeros(B, K, dtype=torch.float)
+        scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
+        scores = scores.view(-1)  # (B*K,)
+        finished = torch.zeros(B * K, dtype=torch.bool, device=memory.device)
+        offsets = torch.arange(B, device=memory.device)[:, None] * K  # (B, 1)
+        for _ in range(max_new_tokens):
+            logp = self._step_logits(tokens, memory, cache).log_softmax(-1)  # (B*K, V)
+            V = logp.shape[-1]
+            # A finished beam continues only with <pad>, at no cost, so its score stays as it was.
+            logp[finished] = float("-inf")
+            logp[finished, dec.pad_id] = 0.0
+            cand = (scores[:, None] + logp).view(B, K * V)
+            top_scores, top_idx = cand.topk(K, dim=1)  # (B, K)
+            src = (offsets + top_idx // V).view(-1)  # (B*K,) beam each new one extends
+            nxt = (top_idx % V).view(-1)
+            tokens = torch.cat([tokens.index_select(0, src), nxt[:, None]], dim=1)
+            finished = finished.index_select(0, src) | (nxt == dec.eos_id)
+            scores = top_scores.view(-1)
+            if cache is not None:
+                for layer_cache in cache:
+                    layer_cache.reorder(src)
+            if bool(finished.all()):
+                break
+        generated = tokens[:, 1:]  # (B*K, T')
+        lengths = (generated != dec.pad_id).sum(dim=1).clamp(min=1).float()
+        ranked = (scores / lengths**length_penalty).view(B, K)
+        best = offsets.squeeze(1) + ranked.argmax(dim=1)  # (B,)
+        return _trim(generated.index_select(0, best), dec.pad_id)
+
+
+def _sample(logits: Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None) -> Tensor:
+    """One token per row from temperature-scaled logits (B, V), after top-k and top-p filtering."""
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be positive")
+    logits = logits / temperature
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest set whose mass reaches top_p
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def _trim(tokens: Tensor, pad_id: int) -> Tensor:
+    """Drop trailing columns that are padding in every row."""
+    keep = int((tokens != pad_id).any(dim=0).nonzero().max().item()) + 1 if (tokens != pad_id).any() else 1
+    return tokens[:, :keep]
+
+
+def num_params(module: nn.Module) -> int:
+    """Parameter count, tied weights once."""
+    return sum(p.numel() for p in module.parameters())
+
+

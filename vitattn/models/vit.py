@@ -1,0 +1,171 @@
+"""Vision transformer encoder built from the document's ``EncoderLayer``.
+
+Dimension letters: B batch, C channels, N tokens (patches + class token), D width, P patch side.
+
+Stages as in timm: ``forward_features`` (B, N, D) -> ``pool`` (B, D) -> ``forward_head`` (B, classes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from timm.layers import PatchEmbed, resample_abs_pos_embed, trunc_normal_
+from torch import Tensor, nn
+
+from vitattn.layers import EncoderLayer
+
+__all__ = ["VisionTransformer", "PRESETS", "vit_preset"]
+
+POOLS = ("cls", "mean")
+
+# Width / depth / heads of the standard sizes, and a CPU-friendly one for the built-in data.
+PRESETS: dict[str, dict[str, Any]] = {
+    "cpu": dict(img_size=64, patch_size=8, embed_dim=128, depth=4, num_heads=4, mlp_ratio=2.0),
+    "tiny": dict(embed_dim=192, depth=12, num_heads=3),
+    "small": dict(embed_dim=384, depth=12, num_heads=6),
+    "base": dict(embed_dim=768, depth=12, num_heads=12),
+}
+
+
+class VisionTransformer(nn.Module):
+    """ViT: strided-conv patch embedding, class token, learned positions, ``EncoderLayer`` stack.
+
+    Args:
+        img_size: input side in pixels; must be divisible by ``patch_size``.
+        patch_size: patch side P.
+        in_chans: input channels C.
+        num_classes: classification outputs; 0 for a feature extractor (``head`` is Identity).
+        global_pool: ``cls`` (class token) or ``mean`` (mean of patch tokens).
+        embed_dim: width D.
+        depth: number of encoder layers.
+        num_heads: attention heads; must divide ``embed_dim``.
+        mlp_ratio: feed-forward width / D.
+        qkv_bias: bias in the q/k/v projections.
+        norm_first: pre-norm layers (pretrained ViTs) or the document's post-norm.
+        activation: ``gelu`` (ViT) or ``relu`` (the document).
+        drop_rate: dropout inside the layers (the document's ``rate``) and before the head.
+        pos_drop_rate: dropout after adding position embeddings.
+        attn_drop_rate: dropout on attention weights.
+        drop_path_rate: stochastic depth, rising linearly to this rate over the layers.
+        layer_norm_eps: LayerNorm epsilon.
+        fused_attn: fused attention kernels when weights are not asked for.
+    """
+
+    def __init__(
+        self,
+        img_size: int = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 0,
+        global_pool: str = "cls",
+        embed_dim: int = 192,
+        depth: int = 12,
+        num_heads: int = 3,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        norm_first: bool = True,
+        activation: str = "gelu",
+        drop_rate: float = 0.0,
+        pos_drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        layer_norm_eps: float = 1e-6,
+        fused_attn: bool = True,
+    ) -> None:
+        config = dict(locals())
+        del config["self"], config["__class__"]
+        super().__init__()
+        if img_size % patch_size != 0:
+            raise ValueError(f"img_size={img_size} must be divisible by patch_size={patch_size}")
+        if num_heads <= 0 or embed_dim % num_heads != 0:
+            raise ValueError(f"num_heads={num_heads} must divide embed_dim={embed_dim}")
+        if global_pool not in POOLS:
+            raise ValueError(f"global_pool={global_pool!r} is unknown; choose one of {list(POOLS)}")
+        self.config = config  # plain values that rebuild this model (bundles, checkpoints)
+        self.num_classes = num_classes
+        self.global_pool = global_pool
+        self.embed_dim = self.num_features = embed_dim
+        self.num_prefix_tokens = 1
+
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        num_patches = self.patch_embed.num_patches
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, embed_dim))
+        self.pos_drop = nn.Dropout(pos_drop_rate)
+        dpr = torch.linspace(0, drop_path_rate, depth).tolist()
+        self.blocks = nn.Sequential(
+            *[
+                EncoderLayer(
+                    embed_dim,
+                    num_heads,
+                    int(embed_dim * mlp_ratio),
+                    rate=drop_rate,
+                    norm_first=norm_first,
+                    activation=activation,
+                    attn_drop=attn_drop_rate,
+                    drop_path=dpr[i],
+                    layer_norm_eps=layer_norm_eps,
+                    qkv_bias=qkv_bias,
+                    fused_attn=fused_attn,
+                )
+                for i in range(depth)
+            ]
+        )
+        # Post-norm layers end in a LayerNorm already; pre-norm stacks need a final one.
+        self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps) if norm_first else nn.Identity()
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.normal_(self.cls_token, std=1e-6)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001
+        # Weights trained at another image size: resample their position grid to ours.
+        key = prefix + "pos_embed"
+        if key in state_dict and state_dict[key].shape != self.pos_embed.shape:
+            state_dict[key] = resample_abs_pos_embed(
+                state_dict[key], new_size=list(self.patch_embed.grid_size), num_prefix_tokens=self.num_prefix_tokens
+            )
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """(B, C, H, W) images -> (B, N, D) tokens, class token first."""
+        x = self.patch_embed(x)  # (B, N-1, D)
+        cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, D)
+        x = self.pos_drop(torch.cat([cls, x], dim=1) + self.pos_embed)  # (B, N, D)
+        x = self.blocks(x)
+        return self.norm(x)
+
+    def pool(self, x: Tensor) -> Tensor:
+        """(B, N, D) -> (B, D): the class token, or the mean of the patch tokens."""
+        if self.global_pool == "mean":
+            return x[:, self.num_prefix_tokens :].mean(dim=1)
+        return x[:, 0]
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """(B, N, D) -> (B, num_classes) logits, or the pooled (B, D) feature with ``pre_logits``."""
+        x = self.head_drop(self.pool(x))
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, C, H, W) -> (B, num_classes) logits, or (B, D) features when ``num_classes=0``."""
+        return self.forward_head(self.forward_features(x))
+
+
+def vit_preset(name: str, **overrides: Any) -> VisionTransformer:
+    """A ``VisionTransformer`` of a named size (``cpu``, ``tiny``, ``small``, ``base``).
+
+    Example:
+        >>> model = vit_preset("tiny", num_classes=10)  # ViT-Ti/16 at 224 px
+    """
+    if name not in PRESETS:
+        raise ValueError(f"preset={name!r} is unknown; choose one of {sorted(PRESETS)}")
+    return VisionTransformer(**{**PRESETS[name], **overrides})
