@@ -1,0 +1,35 @@
+# make train   train the default captioner on the built-in shapes (CPU, no download)
+# make test    run the test suite
+# Both create .venv and install the project into it when needed.
+VENV   ?= .venv
+PYTHON ?= python3
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.vitattn-installed
+ARGS   ?=
+
+.PHONY: install train test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/vitattn-train $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(PY) -m pip install -q -e ".[dev,bench]"
+	$(PY) scripts/bench.py $(ARGS)
+
+clean:
+	rm -rf runs multirun bench_results .pytest_cache

@@ -1,0 +1,176 @@
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import hydra
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from omegaconf import OmegaConf
+
+from tests.helpers import CONF_DIR, TINY, TINY_SHAPES, compose_train, make_coco, make_image_folder
+from vitattn.models import VisionTransformer
+from vitattn.training import train
+
+GROUPS = {g: sorted(p.stem for p in (Path(CONF_DIR) / g).glob("*.yaml")) for g in
+          ("head", "model", "data", "trainer", "logger", "callbacks", "experiment")}
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    folder = make_image_folder(root / "folder")
+    coco = make_coco(root / "coco")
+    return {
+        "imagefolder": [f"data.root={folder}"],
+        "coco": [f"data.{k}={v}" for k, v in coco.items()],
+    }
+
+
+def _data_overrides(name, datasets):
+    head = "head=caption" if name in ("coco", "shapes") else "head=classification"
+    return [head, f"data={name}", *datasets.get(name, [])]
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_every_config_composes_and_instantiates(group, option, datasets, tmp_path):
+    overrides = [f"{group}={option}"]
+    if group == "data":
+        overrides = _data_overrides(option, datasets)
+    if group == "experiment" and "coco" in option:
+        overrides += datasets["coco"]
+    cfg = compose_train(overrides, tmp_path)
+    OmegaConf.resolve(cfg)  # every interpolation resolves
+    if group == "model":
+        model = hydra.utils.instantiate(cfg.model)
+        assert isinstance(model, VisionTransformer) and model.embed_dim == cfg.model.embed_dim
+    elif group == "data":
+        dm = hydra.utils.instantiate(cfg.data)
+        dm.setup("fit")
+        assert dm.img_size == cfg.data.img_size
+    elif group == "trainer":
+        trainer_cfg = OmegaConf.merge(cfg.trainer, {"accelerator": "cpu", "precision": "32-true", "devices": 1, "strategy": "auto"})
+        assert isinstance(hydra.utils.instantiate(trainer_cfg, logger=False), Trainer)
+        if option in ("gpu", "ddp"):
+            assert cfg.trainer.precision == "bf16-mixed"
+        if option == "ddp":
+            assert cfg.trainer.strategy == "ddp"
+    elif group in ("logger", "callbacks"):
+        objects = [hydra.utils.instantiate(node) for node in (cfg[group] or {}).values()]
+        assert all(type(o).__module__.startswith("lightning") for o in objects)
+        assert (len(objects) > 0) == (option != "none")
+    elif group == "head":
+        assert cfg.head.task == option
+    elif group == "experiment":
+        assert cfg.head.task in ("caption", "classification")
+
+
+def test_derived_values_are_interpolated_not_repeated(tmp_path):
+    cfg = compose_train(["data.img_size=48", "data.max_caption_len=30", "model=tiny"], tmp_path)
+    assert cfg.model.img_size == 48 and cfg.head.decoder.max_len == 30
+    assert cfg.head.decoder.embed_dim == cfg.model.embed_dim == 192
+
+
+@pytest.mark.parametrize("name", ["shapes-caption", "shapes-classification", "imagefolder", "coco"])
+def test_fast_dev_run_through_train(name, datasets, tmp_path):
+    data = name.split("-")[0]
+    overrides = _data_overrides(data, datasets)
+    if name == "shapes-classification":
+        overrides[0] = "head=classification"
+    if data == "shapes":
+        overrides += TINY_SHAPES
+    else:
+        overrides += ["data.num_workers=0"]
+    if data == "coco":
+        overrides += ["data.min_word_freq=1"]
+    if "head=caption" in overrides:
+        overrides += ["head.decoder.depth=1"]
+    cfg = compose_train([*overrides, *TINY, "trainer.fast_dev_run=true"], tmp_path)
+    result = train(cfg)
+    assert result.global_step == 1
+    assert "val/loss" in result.metrics and torch.isfinite(torch.tensor(result.metrics["val/loss"]))
+    assert (tmp_path / "config.yaml").is_file()
+    if cfg.head.task == "caption":
+        assert (tmp_path / "vocab.json").is_file() and "val/bleu4" in result.metrics
+    else:
+        assert "val/acc" in result.metrics
+
+
+def test_overfit_one_batch_classifier(tmp_path):
+    cfg = compose_train(["head=classification", *TINY, *TINY_SHAPES, "trainer.overfit_batches=1", "trainer.max_steps=120",
+                         "trainer.max_epochs=-1", "head.label_smoothing=0", "optim.lr=3e-3", "optim.warmup_steps=5",
+                         "optim.weight_decay=0", "callbacks=none", "test=false", "export_bundle=false",
+                         "trainer.check_val_every_n_epoch=1000"], tmp_path)
+    result = train(cfg)
+    assert result.global_step == 120
+    from vitattn.data import ShapesDataModule
+    dm = ShapesDataModule(task="classification", img_size=32, num_train=64, num_val=16, num_test=16, batch_size=8)
+    dm.setup("fit")
+    images, labels = next(iter(torch.utils.data.DataLoader(dm.train_dataset, batch_size=8)))
+    system = _load_system(tmp_path, result)
+    assert (system.model(images).argmax(-1) == labels).all()
+
+
+def test_overfit_one_batch_captioner(tmp_path):
+    cfg = compose_train(["head=caption", *TINY, *TINY_SHAPES, "trainer.overfit_batches=1", "trainer.max_steps=250",
+                         "trainer.max_epochs=-1", "head.decoder.drop_rate=0", "optim.lr=3e-3", "optim.warmup_steps=5",
+                         "optim.weight_decay=0", "callbacks=none", "test=false", "export_bundle=false",
+                         "trainer.check_val_every_n_epoch=1000"], tmp_path)
+    result = train(cfg)
+    from vitattn.data import ShapesDataModule
+    from vitattn.data.captions import collate_captions
+    dm = ShapesDataModule(task="caption", img_size=32, num_train=64, num_val=16, num_test=16, batch_size=8)
+    dm.setup("fit")
+    batch = collate_captions([dm.train_dataset[i] for i in range(8)])
+    system = _load_system(tmp_path, result)
+    captions = system.vocab.decode_batch(system.model.generate(batch["images"]))
+    targets = [system.vocab.decode(t) for t in batch["tokens"]]
+    assert captions == targets
+
+
+def _load_system(run_dir, result):
+    """The trained system that train() returns."""
+    return result.system.eval()
+
+
+def _steps_logged(run_dir: Path) -> list[int]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return sorted({int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")})
+
+
+def test_resume_continues_step_optimizer_and_schedule(tmp_path):
+    common = ["head=classification", *TINY, *TINY_SHAPES, "trainer.max_epochs=-1", "trainer.log_every_n_steps=1",
+              "callbacks.step_checkpoint.every_n_train_steps=2", "test=false", "export_bundle=false",
+              "optim.warmup_steps=100", "trainer.check_val_every_n_epoch=1000"]
+    first = tmp_path / "first"
+    train(compose_train([*common, "trainer.max_steps=4"], first))
+    ckpt = torch.load(first / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 4
+    second = tmp_path / "second"
+    result = train(compose_train([*common, "trainer.max_steps=8", f"resume={first}"], second))
+    assert result.global_step == 8
+    assert _steps_logged(second) == [4, 5, 6, 7]  # continues, nothing repeated
+    final = torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)
+    adam_steps = {int(s["step"]) for s in final["optimizer_states"][0]["state"].values()}
+    assert adam_steps == {8}  # optimizer moments restored, not restarted
+    assert final["lr_schedulers"][0]["last_epoch"] == 8
+
+
+def test_ddp_two_processes_through_the_cli(tmp_path):
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "vitattn.cli.train", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+           "trainer.precision=32-true", "trainer.max_steps=3", "trainer.benchmark=false", *TINY, *TINY_SHAPES,
+           "logger=tensorboard", f"paths.runs_dir={runs}", "export_bundle=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dirs = [p for p in (runs / "caption").iterdir() if p.is_dir()]
+    assert len(run_dirs) == 1, run_dirs  # one run directory, not one per process
+    run = run_dirs[0]
+    writers = {p.name.split(".")[-2] for p in (run / "tensorboard").glob("events.out.tfevents.*")}
+    assert len(writers) == 1, writers  # one process (rank 0) logs; its pid is in each event file's name
+    assert proc.stdout.count("run directory:") == 1
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 3

@@ -1,0 +1,67 @@
+"""``vitattn-train``: Hydra entry point around ``vitattn.training.train``.
+
+``resume=RUN_DIR`` continues that run in place: its saved overrides are replayed, the run directory
+is reused and training restarts from ``RUN_DIR/checkpoints/last.ckpt``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from vitattn.cli.errors import user_errors
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+log = logging.getLogger("vitattn")
+
+
+def _resume_argv(argv: list[str]) -> list[str]:
+    """Expand ``resume=RUN_DIR`` into the run's saved overrides plus ``hydra.run.dir=RUN_DIR``."""
+    resume = next((a.split("=", 1)[1] for a in argv if a.startswith("resume=")), None)
+    if not resume or any(a.startswith("hydra.run.dir=") for a in argv):
+        return argv  # not resuming, or already expanded (DDP child processes)
+    saved = Path(resume) / ".hydra" / "overrides.yaml"
+    previous = [str(o) for o in OmegaConf.load(saved)] if saved.is_file() else []
+    keys = {a.split("=", 1)[0].lstrip("+~") for a in argv}
+    replay = [o for o in previous if o.split("=", 1)[0].lstrip("+~") not in keys]
+    return replay + argv + [f"hydra.run.dir={resume}"]
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+def _hydra_main(cfg: DictConfig) -> float | None:
+    from vitattn.training import train
+
+    with user_errors(cfg.get("debug", False)):
+        result = train(cfg)
+    _report(result)
+    return result.metrics.get("val/loss")
+
+
+def _report(result) -> None:  # noqa: ANN001
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if rank_zero_only.rank != 0:
+        return
+    lines = [f"run directory: {result.run_dir}"]
+    if result.bundle_dir:
+        lines.append(f"model bundle:  {result.bundle_dir}")
+    for key in sorted(result.metrics):
+        lines.append(f"  {key:<22} {result.metrics[key]:.4f}")
+    if result.samples:
+        lines.append("validation captions (generated | reference):")
+        lines += [f"  {caption!r:<60} | {refs[0]!r}" for caption, refs in result.samples]
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    sys.argv = [sys.argv[0], *_resume_argv(sys.argv[1:])]
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""COCO-style caption files: parsing with clear errors, and a dataset of (image, captions)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, ImageOps
+from torch.utils.data import Dataset
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CocoImage:
+    """One image of a caption file with all of its captions, in file order."""
+
+    image_id: int
+    file_name: str
+    captions: tuple[str, ...]
+
+
+def _require(entry: Any, keys: tuple[str, ...], where: str) -> None:
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} must be an object with keys {list(keys)}, got {entry!r:.80}")
+    missing = [key for key in keys if key not in entry]
+    if missing:
+        raise ValueError(f"{where} has no {missing}; it needs {list(keys)}")
+
+
+def load_coco_captions(path: str | os.PathLike) -> list[CocoImage]:
+    """Parse a COCO caption JSON file into images with their captions.
+
+    The file needs ``images`` (each with ``id``, ``file_name``) and ``annotations`` (each with
+    ``image_id``, ``caption``). Images without any caption are left out with a warning.
+
+    Raises:
+        ValueError: the file is missing, is not JSON, lacks a key, or an annotation names an
+            image id that ``images`` does not list.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"COCO caption file not found: {path}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"COCO caption file {path} is not valid JSON: {err}") from None
+    _require(data, ("images", "annotations"), f"COCO caption file {path}")
+
+    captions: dict[int, list[str]] = {}
+    file_names: dict[int, str] = {}
+    for i, image in enumerate(data["images"]):
+        _require(image, ("id", "file_name"), f"{path}: images[{i}]")
+        image_id = image["id"]
+        if not isinstance(image_id, int) or isinstance(image_id, bool):
+            raise ValueError(f"{path}: images[{i}] has id={image_id!r}; ids must be integers")
+        if image_id in file_names:
+            raise ValueError(f"{path}: images[{i}] repeats id={image_id}")
+        file_names[image_id] = str(image["file_name"])
+        captions[image_id] = []
+    for i, annotation in enumerate(data["annotations"]):
+        _require(annotation, ("image_id", "caption"), f"{path}: annotations[{i}]")
+        image_id, caption = annotation["image_id"], annotation["caption"]
+        if image_id not in captions:
+            raise ValueError(
+                f"{path}: annotations[{i}] has image_id={image_id!r}, which is not in 'images'"
+            )
+        if not isinstance(caption, str):
+            raise ValueError(
+                f"{path}: annotations[{i}] has caption={caption!r}; it must be a string"
+            )
+        captions[image_id].append(caption.strip())
+
+    uncaptioned = [image_id for image_id, texts in captions.items() if not texts]
+    if uncaptioned:
+        log.warning("%s: leaving out %d images without captions", path, len(uncaptioned))
+    return [
+        CocoImage(image_id, file_names[image_id], tuple(texts))
+        for image_id, texts in captions.items()
+        if texts
+    ]
+
+
+def load_image(path: str | os.PathLike) -> Image.Image:
+    """Open an image as RGB, turned upright according to its EXIF orientation."""
+    with Image.open(path) as image:
+        return ImageOps.exif_transpose(image).convert("RGB")
+
+
+class CocoCaptionDataset(Dataset):
+    """Images of a COCO caption file with their captions.
+
+    Items are dicts ``{"image", "caption", "references", "image_id"}``: ``image`` is the RGB PIL
+    image after ``transform``, ``caption`` the image's first caption, ``references`` all of them.
+
+    Args:
+        image_dir: folder that the ``file_name`` entries are relative to.
+        annotations: a COCO caption JSON path, or images already parsed by ``load_coco_captions``.
+        transform: applied to the PIL image.
+    """
+
+    def __init__(
+        self,
+        image_dir: str | os.PathLike,
+        annotations: str | os.PathLike | Sequence[CocoImage],
+        transform: Callable[[Image.Image], Any] | None = None,
+    ) -> None:
+        self.image_dir = Path(image_dir)
+        if not self.image_dir.is_dir():
+            raise ValueError(f"COCO image folder not found: {self.image_dir}")
+        if isinstance(annotations, (str, os.PathLike)):
+            annotations = load_coco_captions(annotations)
+        self.images: list[CocoImage] = list(annotations)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    @property
+    def captions(self) -> list[str]:
+        """Every caption of every image."""
+        return [caption for image in self.images for caption in image.captions]
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        entry = self.images[index]
+        image = load_image(self.image_dir / entry.file_name)
+        if self.transform is not None:
+            image = self.transform(image)
+        return {
+            "image": image,
+            "caption": entry.captions[0],
+            "references": list(entry.captions),
+            "image_id": entry.image_id,
+        }

@@ -1,0 +1,135 @@
+"""Word-level caption vocabulary, stored as plain JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from vitattn.metrics.tokenize import coco_tokenize
+
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIALS))
+_FORMAT = "vitattn.vocabulary"
+_VERSION = 1
+
+
+class Vocabulary:
+    """Maps caption words to ids and back; ids 0-3 are ``<pad> <bos> <eos> <unk>``.
+
+    Args:
+        words: the ordinary words in id order; they get ids from ``len(SPECIALS)`` on.
+    """
+
+    def __init__(self, words: Sequence[str]) -> None:
+        self.itos: list[str] = [*SPECIALS, *words]
+        self.stoi: dict[str, int] = {word: i for i, word in enumerate(self.itos)}
+        if len(self.stoi) != len(self.itos):
+            repeated = sorted(w for w, n in Counter(self.itos).items() if n > 1)
+            raise ValueError(
+                f"vocabulary words must be unique and not special; repeated: {repeated}"
+            )
+
+    @classmethod
+    def build(cls, captions: Iterable[str], min_freq: int = 1) -> Vocabulary:
+        """Vocabulary of the words seen at least ``min_freq`` times, most frequent first.
+
+        Ties are broken alphabetically, so the same captions always give the same ids.
+        """
+        if min_freq < 1:
+            raise ValueError(f"min_freq={min_freq} must be at least 1")
+        counts = Counter(word for caption in captions for word in coco_tokenize(caption))
+        words = [w for w in counts if counts[w] >= min_freq and w not in SPECIALS]
+        return cls(sorted(words, key=lambda w: (-counts[w], w)))
+
+    @property
+    def pad_id(self) -> int:
+        return PAD_ID
+
+    @property
+    def bos_id(self) -> int:
+        return BOS_ID
+
+    @property
+    def eos_id(self) -> int:
+        return EOS_ID
+
+    @property
+    def unk_id(self) -> int:
+        return UNK_ID
+
+    def __len__(self) -> int:
+        return len(self.itos)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Vocabulary):
+            return NotImplemented
+        return self.itos == other.itos
+
+    __hash__ = None  # mutable lists inside; equal vocabularies need not hash alike
+
+    def __repr__(self) -> str:
+        return f"Vocabulary({len(self)} tokens)"
+
+    def encode(self, text: str, max_len: int | None = None) -> list[int]:
+        """Token ids ``[bos, w1, ..., wn, eos]``; unknown words map to ``unk_id``.
+
+        Args:
+            text: a raw caption; tokenised with ``coco_tokenize``.
+            max_len: longest result, bos and eos included; longer captions lose words, keep eos.
+        """
+        ids = [self.stoi.get(word, self.unk_id) for word in coco_tokenize(text)]
+        if max_len is not None:
+            if max_len < 2:
+                raise ValueError(f"max_len={max_len} must be at least 2 to hold <bos> and <eos>")
+            ids = ids[: max_len - 2]
+        return [self.bos_id, *ids, self.eos_id]
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        """Words for ``ids`` up to the first eos, special tokens left out."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        words = []
+        for i in ids:
+            if i == self.eos_id:
+                break
+            if not 0 <= i < len(self.itos):
+                raise ValueError(f"token id {i} is outside the vocabulary of {len(self)} tokens")
+            if i >= len(SPECIALS):
+                words.append(self.itos[i])
+        return " ".join(words)
+
+    def decode_batch(self, ids: Sequence[Sequence[int]] | torch.Tensor) -> list[str]:
+        """``decode`` each row of ``ids`` (B, T)."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return [self.decode(row) for row in ids]
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the vocabulary as JSON (specials included, in id order)."""
+        payload = {"format": _FORMAT, "version": _VERSION, "itos": self.itos}
+        Path(path).write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Vocabulary:
+        """Read a vocabulary written by ``save``."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"vocabulary file not found: {path}")
+        try:
+            payload = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"vocabulary file {path} is not valid JSON: {err}") from None
+        itos = payload.get("itos") if isinstance(payload, dict) else None
+        if not isinstance(itos, list) or not all(isinstance(w, str) for w in itos):
+            raise ValueError(f"vocabulary file {path} needs an 'itos' list of strings")
+        if tuple(itos[: len(SPECIALS)]) != SPECIALS:
+            raise ValueError(
+                f"vocabulary file {path} starts with {itos[: len(SPECIALS)]}, "
+                f"expected {list(SPECIALS)}"
+            )
+        return cls(itos[len(SPECIALS) :])

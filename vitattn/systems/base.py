@@ -1,0 +1,57 @@
+"""What both systems share: the optimizer, its schedule, and the non-finite loss guard."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from vitattn.systems.optim import build_optimizer
+
+__all__ = ["VisionSystem", "NonFiniteLossError"]
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN or infinite loss."""
+
+
+class VisionSystem(pl.LightningModule):
+    """Base LightningModule: AdamW + warmup/cosine, and what to do with a non-finite loss.
+
+    Subclasses build ``self.model`` from plain-value hyperparameters (saved with
+    ``save_hyperparameters``), so a checkpoint loads with ``torch.load(weights_only=True)``.
+
+    Args:
+        optim: keyword arguments of ``build_optimizer`` (lr, weight_decay, warmup_steps, ...).
+        nonfinite: ``raise`` stops training naming the step; ``skip`` skips the batch and counts it.
+    """
+
+    model: torch.nn.Module
+
+    def __init__(self, optim: dict[str, Any] | None = None, nonfinite: str = "raise") -> None:
+        super().__init__()
+        if nonfinite not in ("raise", "skip"):
+            raise ValueError(f"nonfinite={nonfinite!r} is unknown; choose 'raise' or 'skip'")
+        self.optim = dict(optim or {})
+        self.nonfinite = nonfinite
+        self.skipped_batches = 0
+
+    def guard(self, loss: Tensor) -> Tensor | None:
+        """The loss, or None (batch skipped) / an error when it is not finite."""
+        if torch.isfinite(loss):
+            return loss
+        message = f"non-finite training loss {loss.item()} at step {self.global_step} (epoch {self.current_epoch})"
+        if self.nonfinite == "raise":
+            raise NonFiniteLossError(message + "; the last good checkpoint is kept. Set nonfinite=skip to skip such batches")
+        self.skipped_batches += 1
+        rank_zero_warn(message + f"; batch skipped ({self.skipped_batches} so far)")
+        self.log("train/skipped_batches", float(self.skipped_batches))
+        return None
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        total = int(self.trainer.estimated_stepping_batches)
+        optimizer, scheduler = build_optimizer(self.model, total_steps=total, **self.optim)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,133 @@
+"""Image captioning: teacher-forced cross-entropy; validation decodes and scores the whole split.
+
+Under DDP each rank decodes its share; the captions are gathered from all ranks, the distributed
+sampler's padding duplicates are dropped by image id, and BLEU / CIDEr-D are computed once over the
+whole split, so every rank logs the same value and it equals the single-process figure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import Tensor
+
+from vitattn.data.vocab import Vocabulary
+from vitattn.metrics import compute_caption_metrics, coco_tokenize
+from vitattn.models import ImageCaptioner
+from vitattn.systems.base import VisionSystem
+
+__all__ = ["CaptionSystem", "gather_predictions"]
+
+
+def gather_predictions(local: list[tuple[int, str, list[str]]]) -> list[tuple[int, str, list[str]]]:
+    """All ranks' ``(image_id, caption, references)``, one per image id, sorted by id."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+        local = [item for part in parts for item in part]
+    unique = {image_id: (image_id, caption, refs) for image_id, caption, refs in reversed(local)}
+    return [unique[k] for k in sorted(unique)]
+
+
+def _same_caption(prediction: str, references: list[str]) -> bool:
+    tokens = coco_tokenize(prediction)
+    return any(coco_tokenize(ref) == tokens for ref in references)
+
+
+class CaptionSystem(VisionSystem):
+    """Trains an ``ImageCaptioner`` with teacher forcing and scores generated captions.
+
+    Args:
+        model_config: ``{"encoder": VisionTransformer kwargs, "decoder": CaptionDecoder kwargs}``.
+        vocab: the vocabulary's ordinary words in id order (``Vocabulary(vocab)`` rebuilds it).
+        preprocess: evaluation preprocessing kept with the checkpoint for inference.
+        label_smoothing: cross-entropy label smoothing.
+        generate: ``ImageCaptioner.generate`` keyword arguments used in validation and test.
+        num_samples: captions shown in the log (TensorBoard text) each validation.
+        optim: ``build_optimizer`` keyword arguments.
+        nonfinite: ``raise`` or ``skip`` on a non-finite loss.
+    """
+
+    task = "caption"
+
+    def __init__(
+        self,
+        model_config: dict[str, Any],
+        vocab: list[str],
+        preprocess: dict[str, Any] | None = None,
+        label_smoothing: float = 0.0,
+        generate: dict[str, Any] | None = None,
+        num_samples: int = 8,
+        optim: dict[str, Any] | None = None,
+        nonfinite: str = "raise",
+    ) -> None:
+        super().__init__(optim, nonfinite)
+        self.vocab = Vocabulary(vocab)
+        vocab_size = model_config["decoder"]["vocab_size"]
+        if vocab_size != len(self.vocab):
+            raise ValueError(f"decoder vocab_size={vocab_size} does not match the vocabulary's {len(self.vocab)} tokens")
+        self.save_hyperparameters()
+        self.model = ImageCaptioner.from_config(model_config)
+        self.label_smoothing = label_smoothing
+        self.generate_kwargs = dict(generate or {})
+        self.num_samples = num_samples
+        self._outputs: list[tuple[int, str, list[str]]] = []
+        self.last_samples: list[tuple[str, list[str]]] = []  # (caption, references) of the last evaluation
+
+    def forward(self, images: Tensor, tokens: Tensor) -> Tensor:
+        return self.model(images, tokens)
+
+    def _loss(self, batch: dict[str, Any], label_smoothing: float = 0.0) -> Tensor:
+        tokens = batch["tokens"]  # (B, T): bos ... eos pad
+        logits = self.model(batch["images"], tokens[:, :-1])  # (B, T-1, V)
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            tokens[:, 1:].reshape(-1),
+            ignore_index=self.vocab.pad_id,
+            label_smoothing=label_smoothing,
+        )
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor | None:
+        loss = self._loss(batch, self.label_smoothing)
+        self.log("train/loss", loss, prog_bar=True)
+        return self.guard(loss)
+
+    def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
+        self.log(f"{stage}/loss", self._loss(batch), sync_dist=True, prog_bar=True)
+        captions = self.vocab.decode_batch(self.model.generate(batch["images"], **self.generate_kwargs))
+        ids = batch["image_ids"].tolist()
+        self._outputs.extend(zip(ids, captions, batch["references"]))
+
+    def _score(self, stage: str) -> None:
+        outputs = gather_predictions(self._outputs)
+        self._outputs = []
+        if not outputs or self.trainer.sanity_checking:
+            return
+        captions = [caption for _, caption, _ in outputs]
+        references = [refs for _, _, refs in outputs]
+        metrics = compute_caption_metrics(captions, references)
+        metrics["exact_match"] = sum(map(_same_caption, captions, references)) / len(outputs)
+        metrics["distinct"] = len(set(captions)) / len(captions)  # collapse alarm: near 0 = one caption for all
+        metrics["num_images"] = float(len(outputs))
+        # Every rank holds the whole split, so the values already agree: no reduction.
+        self.log_dict({f"{stage}/{k}": float(v) for k, v in metrics.items()}, sync_dist=False, rank_zero_only=False)
+        self.last_samples = [(caption, refs) for caption, refs in zip(captions, references)][: self.num_samples]
+        if isinstance(self.logger, TensorBoardLogger) and self.trainer.is_global_zero:
+            text = "\n\n".join(f"**{c}**  \nreference: {r[0]}" for c, r in self.last_samples)
+            self.logger.experiment.add_text(f"{stage}/samples", text, self.global_step)
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self._score("val")
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self._score("test")

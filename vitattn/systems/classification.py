@@ -1,0 +1,79 @@
+"""Image classification: cross-entropy (optional label smoothing), top-1 / top-5 accuracy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor
+from torchmetrics.classification import MulticlassAccuracy
+
+from vitattn.models import VisionTransformer
+from vitattn.systems.base import VisionSystem
+
+__all__ = ["ClassificationSystem"]
+
+
+class ClassificationSystem(VisionSystem):
+    """Trains a ``VisionTransformer`` with a classification head.
+
+    Args:
+        model_config: ``VisionTransformer`` keyword arguments, ``num_classes`` included.
+        class_names: one name per class, in label order.
+        preprocess: evaluation preprocessing (img_size, crop_pct, mean, std, interpolation), kept
+            with the checkpoint for inference.
+        label_smoothing: cross-entropy label smoothing.
+        optim: ``build_optimizer`` keyword arguments.
+        nonfinite: ``raise`` or ``skip`` on a non-finite loss.
+    """
+
+    task = "classification"
+
+    def __init__(
+        self,
+        model_config: dict[str, Any],
+        class_names: list[str],
+        preprocess: dict[str, Any] | None = None,
+        label_smoothing: float = 0.0,
+        optim: dict[str, Any] | None = None,
+        nonfinite: str = "raise",
+    ) -> None:
+        super().__init__(optim, nonfinite)
+        if model_config.get("num_classes") != len(class_names):
+            raise ValueError(f"model num_classes={model_config.get('num_classes')} but {len(class_names)} class names")
+        self.save_hyperparameters()
+        self.model = VisionTransformer(**model_config)
+        self.label_smoothing = label_smoothing
+        n = len(class_names)
+        self.train_acc = MulticlassAccuracy(n, average="micro")
+        self.val_acc = MulticlassAccuracy(n, average="micro")
+        self.val_top5 = MulticlassAccuracy(n, top_k=min(5, n), average="micro")
+        self.test_acc = MulticlassAccuracy(n, average="micro")
+        self.test_top5 = MulticlassAccuracy(n, top_k=min(5, n), average="micro")
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.model(images)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
+        images, labels = batch
+        logits = self.model(images)
+        loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
+        self.train_acc(logits, labels)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=True, on_epoch=False)
+        return self.guard(loss)
+
+    def _evaluate(self, batch: tuple[Tensor, Tensor], stage: str, top1, top5) -> None:  # noqa: ANN001
+        images, labels = batch
+        logits = self.model(images)
+        self.log(f"{stage}/loss", F.cross_entropy(logits, labels), sync_dist=True)
+        top1(logits, labels)
+        top5(logits, labels)
+        self.log(f"{stage}/acc", top1, prog_bar=True)
+        self.log(f"{stage}/top5", top5)
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_acc, self.val_top5)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_acc, self.test_top5)

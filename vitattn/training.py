@@ -1,0 +1,123 @@
+"""``train(cfg)``: the whole training run, callable without the command line.
+
+Data flows one way: config -> DataModule + model config -> system -> Trainer -> run directory
+(resolved config, checkpoints, logs, vocabulary, exported bundle).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+from vitattn.config import check_config, data_preprocess, model_config_from
+from vitattn.systems import CaptionSystem, ClassificationSystem, VisionSystem
+
+__all__ = ["TrainResult", "train", "build_system"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What a run produced."""
+
+    run_dir: Path
+    metrics: dict[str, float] = field(default_factory=dict)
+    samples: list[tuple[str, list[str]]] = field(default_factory=list)
+    bundle_dir: Path | None = None
+    global_step: int = 0
+    system: VisionSystem | None = None
+
+
+def build_system(cfg: DictConfig, datamodule: pl.LightningDataModule) -> VisionSystem:
+    """The LightningModule for ``cfg.head.task``, sized from the data (classes, vocabulary, image)."""
+    head = cfg.head
+    model_config = model_config_from(cfg, datamodule)
+    common = dict(
+        preprocess=data_preprocess(datamodule),
+        label_smoothing=head.label_smoothing,
+        optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        nonfinite=head.nonfinite,
+    )
+    if head.task == "classification":
+        return ClassificationSystem(model_config, class_names=list(datamodule.class_names), **common)
+    return CaptionSystem(
+        model_config,
+        vocab=datamodule.vocab.itos[4:],
+        generate=OmegaConf.to_container(head.generate, resolve=True),
+        num_samples=head.num_samples,
+        **common,
+    )
+
+
+def _instantiate_group(group: DictConfig | None) -> list[Any]:
+    if not group:
+        return []
+    return [hydra.utils.instantiate(node) for node in group.values() if node is not None and "_target_" in node]
+
+
+def train(cfg: DictConfig) -> TrainResult:
+    """Train (and test, and export) as ``cfg`` says.
+
+    Args:
+        cfg: the composed ``conf/train.yaml``; ``cfg.paths.output_dir`` is the run directory.
+
+    Returns:
+        The run directory, the final validation (and test) metrics, sample captions and the bundle.
+    """
+    check_config(cfg)  # every user error surfaces here, before data is read
+    run_dir = Path(cfg.paths.output_dir)
+    pl.seed_everything(cfg.seed, workers=True)
+    datamodule = hydra.utils.instantiate(cfg.data)
+    datamodule.setup("fit")
+    system = build_system(cfg, datamodule)
+    if cfg.compile:
+        system.model = torch.compile(system.model)
+
+    trainer: pl.Trainer = hydra.utils.instantiate(
+        cfg.trainer, callbacks=_instantiate_group(cfg.get("callbacks")), logger=_instantiate_group(cfg.get("logger")) or False,
+        default_root_dir=str(run_dir),
+    )
+    _save_run_files(cfg, datamodule, run_dir)
+    trainer.fit(system, datamodule=datamodule, ckpt_path=_resume_checkpoint(cfg))
+
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    if cfg.test and not cfg.trainer.get("fast_dev_run"):
+        for row in trainer.test(system, datamodule=datamodule, verbose=False):
+            metrics.update({k: float(v) for k, v in row.items()})
+    result = TrainResult(run_dir, metrics, getattr(system, "last_samples", []), global_step=trainer.global_step, system=system)
+    if cfg.export_bundle and trainer.is_global_zero:
+        result.bundle_dir = _export(system, run_dir)
+    return result
+
+
+def _resume_checkpoint(cfg: DictConfig) -> str | None:
+    if cfg.ckpt_path:
+        return str(cfg.ckpt_path)
+    if cfg.resume:
+        return str(Path(cfg.resume) / "checkpoints" / "last.ckpt")
+    return None
+
+
+@rank_zero_only
+def _save_run_files(cfg: DictConfig, datamodule: pl.LightningDataModule, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    if getattr(datamodule, "vocab", None) is not None:
+        datamodule.vocab.save(run_dir / "vocab.json")
+
+
+def _export(system: VisionSystem, run_dir: Path) -> Path | None:
+    try:
+        from vitattn.bundle import bundle_from_system
+    except ImportError:  # bundles arrive with the captioning tools
+        return None
+    return bundle_from_system(system, run_dir / "bundle")
