@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from vitattn.bundle import bundle_from_system
 from vitattn.config import check_config, data_preprocess, model_config_from
 from vitattn.systems import CaptionSystem, ClassificationSystem, VisionSystem
 
@@ -115,9 +116,10 @@ def _save_run_files(cfg: DictConfig, datamodule: pl.LightningDataModule, run_dir
         datamodule.vocab.save(run_dir / "vocab.json")
 
 
-def _export(system: VisionSystem, run_dir: Path) -> Path | None:
+def _export(system: VisionSystem, run_dir: Path) -> Path:
+    model = system.model
+    system.model = getattr(model, "_orig_mod", model)  # a compiled model exports its plain weights
     try:
-        from vitattn.bundle import bundle_from_system
-    except ImportError:  # bundles arrive with the captioning tools
-        return None
-    return bundle_from_system(system, run_dir / "bundle")
+        return bundle_from_system(system, run_dir / "bundle")
+    finally:
+        system.model = model

@@ -16,6 +16,7 @@ from typing import Literal
 
 import lightning.pytorch as pl
 import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import ImageFolder
 
@@ -27,7 +28,14 @@ from vitattn.data.vocab import Vocabulary
 
 
 class _ImageDataModule(pl.LightningDataModule):
-    """Loader settings shared by every DataModule; subclasses fill the datasets in ``setup``."""
+    """Loader settings shared by every DataModule; subclasses fill the datasets in ``setup``.
+
+    ``tasks`` says which heads the data can train; ``preprocess`` describes the evaluation transform
+    of an image file (timm's ``create_transform`` arguments) so inference reproduces it.
+    """
+
+    tasks: tuple[str, ...] = ()
+    crop = {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bicubic"}  # whole image, squashed
 
     def __init__(self, batch_size: int, num_workers: int, img_size: int) -> None:
         super().__init__()
@@ -41,6 +49,15 @@ class _ImageDataModule(pl.LightningDataModule):
         self.test_dataset: Dataset | None = None
         self.collate_fn = None  # the DataLoader default unless captions set one
         self.vocab: Vocabulary | None = None
+
+    @property
+    def preprocess(self) -> dict:
+        return {
+            "img_size": self.img_size,
+            **self.crop,
+            "mean": list(IMAGENET_DEFAULT_MEAN),
+            "std": list(IMAGENET_DEFAULT_STD),
+        }
 
     def _use_captions(
         self,
@@ -105,6 +122,8 @@ class ShapesDataModule(_ImageDataModule):
         vocab_path: a saved ``Vocabulary`` to use rather than one built from training captions.
     """
 
+    tasks = ("caption", "classification")
+
     def __init__(
         self,
         task: Literal["caption", "classification"] = "caption",
@@ -167,6 +186,9 @@ class ImageFolderDataModule(_ImageDataModule):
             ``train``; otherwise training images get the evaluation transform.
     """
 
+    tasks = ("classification",)
+    crop = {"crop_pct": 0.875, "crop_mode": "center", "interpolation": "bilinear"}  # timm eval default
+
     def __init__(
         self,
         root: str | os.PathLike,
@@ -221,6 +243,8 @@ class CocoCaptionDataModule(_ImageDataModule):
         max_caption_len: longest token sequence, bos and eos included.
         vocab_path: a saved ``Vocabulary`` to use rather than one built from training captions.
     """
+
+    tasks = ("caption",)
 
     def __init__(
         self,

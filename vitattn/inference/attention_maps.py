@@ -1,0 +1,194 @@
+"""Where the captioner looks: cross-attention of each generated word, and encoder attention rollout.
+
+Dimension letters: B batch, H heads, T' generated tokens, N image tokens (class token first, then
+the gh x gw patches), C channels, H/W image side (in ``save_attention_figure``).
+
+Captions are generated as usual (fused attention, no weights); then one teacher-forced pass of the
+generated tokens runs under ``record_attention``. Position t of that pass is the step that produced
+word t, so its cross-attention is the map of word t, for greedy, beam and sampled captions alike.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import Tensor
+
+from vitattn.layers import record_attention
+from vitattn.models import ImageCaptioner
+
+__all__ = ["attention_from_tokens", "attention_rollout", "caption_attention_maps", "save_attention_figure"]
+
+
+def attention_rollout(attentions: Sequence[Tensor], num_prefix_tokens: int = 1) -> Tensor:
+    """Attention rollout (Abnar & Zuidema, 2020) of the class token over the patches.
+
+    Each layer's weights are averaged over heads, the identity is added for the residual path and
+    rows are renormalised; the layers are multiplied through, first layer rightmost.
+
+    Args:
+        attentions: per encoder layer, first to last, (B, H, N, N) self-attention weights.
+        num_prefix_tokens: tokens before the patches (the class token).
+
+    Returns:
+        (B, N - num_prefix_tokens) the class token's row over the patches, summing to 1.
+    """
+    rollout = None
+    for weights in attentions:
+        a = weights.float().mean(dim=1)  # (B, N, N)
+        a = a + torch.eye(a.shape[-1], device=a.device, dtype=a.dtype)
+        a = a / a.sum(dim=-1, keepdim=True)
+        rollout = a if rollout is None else a @ rollout  # (B, N, N)
+    if rollout is None:
+        raise ValueError("attention_rollout needs the weights of at least one layer")
+    cls = rollout[:, 0, num_prefix_tokens:]  # (B, N - prefix)
+    return cls / cls.sum(dim=-1, keepdim=True)
+
+
+@torch.no_grad()
+def attention_from_tokens(
+    model: ImageCaptioner, images: Tensor, tokens: Tensor, layer: int = -1
+) -> tuple[Tensor, Tensor]:
+    """Cross-attention maps of given captions and the encoder rollout, from one recorded forward pass.
+
+    Args:
+        model: the captioner (in eval mode, so dropout does not disturb the maps).
+        images: (B, C, H, W) model inputs.
+        tokens: (B, T') captions as ``generate`` returns them (no ``<bos>``; ``<eos>``, then ``<pad>``).
+        layer: which decoder layer's cross-attention (negative counts from the last).
+
+    Returns:
+        ``(cross_maps, rollout)``: (B, T', gh, gw), the chosen layer's cross-attention averaged over
+        heads, class token dropped, each map summing to 1 over the patches (positions after
+        ``<eos>`` are padding); and (B, gh, gw), the encoder rollout, summing to 1.
+    """
+    dec, enc = model.decoder, model.encoder
+    depth = len(dec.layers)
+    if not -depth <= layer < depth:
+        raise ValueError(f"layer={layer} is out of range for a decoder of depth {depth}")
+    layer %= depth
+    B, T = tokens.shape
+    gh, gw = enc.patch_embed.grid_size
+    prefix = enc.num_prefix_tokens
+    bos = tokens.new_full((B, 1), dec.bos_id)
+    inputs = torch.cat([bos, tokens[:, :-1]], dim=1)  # (B, T') position t produces word t
+    with record_attention(model) as maps:
+        model(images, inputs)
+    cross = maps[f"decoder.layers.{layer}.mha2"][0].float().mean(dim=1)[..., prefix:]  # (B, T', gh*gw)
+    cross = cross / cross.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(cross.dtype).tiny)
+    rollout = attention_rollout([maps[f"encoder.blocks.{i}.mha"][0] for i in range(len(enc.blocks))], prefix)
+    return cross.view(B, T, gh, gw), rollout.view(B, gh, gw)
+
+
+@torch.no_grad()
+def caption_attention_maps(
+    model: ImageCaptioner, images: Tensor, layer: int = -1, **generate_kwargs: Any
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Caption ``images`` and say where each generated word looked.
+
+    Generation runs exactly as ``model.generate`` (fused attention); the maps come from one extra
+    teacher-forced pass of the generated tokens, so for beam search they are those of the returned beam.
+
+    Args:
+        model: the captioner, in eval mode.
+        images: (B, C, H, W).
+        layer: decoder layer whose cross-attention is returned (default the last).
+        **generate_kwargs: passed to ``model.generate``.
+
+    Returns:
+        ``(tokens, cross_maps, rollout)``: (B, T') as ``generate`` returns them; (B, T', gh, gw)
+        per-word cross-attention over the patches, each summing to 1; (B, gh, gw) encoder rollout.
+    """
+    tokens = model.generate(images, **generate_kwargs)  # (B, T')
+    cross, rollout = attention_from_tokens(model, images, tokens, layer)
+    return tokens, cross, rollout
+
+
+def _as_rgb_array(image: Image.Image | np.ndarray | Tensor) -> np.ndarray:
+    """(H, W, 3) floats in [0, 1] from a PIL image, an (H, W[, 3]) array or a (3, H, W) tensor in [0, 1]."""
+    if isinstance(image, Image.Image):
+        return np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+    if isinstance(image, Tensor):
+        image = image.detach().float().cpu()
+        image = (image.permute(1, 2, 0) if image.ndim == 3 else image).numpy()
+    a = np.asarray(image, dtype=np.float32)
+    if a.ndim == 2:
+        a = np.repeat(a[..., None], 3, axis=-1)
+    if a.max(initial=0.0) > 1.0:
+        a = a / 255.0
+    return np.clip(a, 0.0, 1.0)
+
+
+def _upsample(heat: Tensor | np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """(gh, gw) -> (H, W) bilinear, scaled to a maximum of 1 for display."""
+    h = torch.as_tensor(heat, dtype=torch.float32).cpu()[None, None]  # (1, 1, gh, gw)
+    h = F.interpolate(h, size=size, mode="bilinear", align_corners=False)[0, 0]  # (H, W)
+    return (h / h.max().clamp_min(1e-12)).numpy()
+
+
+def save_attention_figure(
+    image: Image.Image | np.ndarray | Tensor,
+    words: Sequence[str],
+    cross_maps: Tensor | np.ndarray,
+    rollout: Tensor | np.ndarray,
+    path: str | os.PathLike,
+    *,
+    title: str | None = None,
+    max_cols: int = 6,
+) -> Path:
+    """Draw the image, one heat-map overlay per word, and the encoder rollout; write a PNG atomically.
+
+    Args:
+        image: the image the maps belong to (the model's input view aligns best): PIL, (H, W, 3)
+            array, or (3, H, W) tensor in [0, 1].
+        words: the caption's words; panel i shows ``cross_maps[i]``.
+        cross_maps: (T', gh, gw) with T' >= len(words).
+        rollout: (gh, gw).
+        path: the PNG to write.
+        title: a figure title, e.g. the caption.
+        max_cols: panels per row.
+
+    Returns:
+        ``path``.
+    """
+    from matplotlib.figure import Figure  # no pyplot: no global state, Agg chosen by savefig
+
+    if len(cross_maps) < len(words):
+        raise ValueError(f"{len(words)} words but only {len(cross_maps)} cross-attention maps")
+    rgb = _as_rgb_array(image)
+    size = rgb.shape[:2]
+    panels = [("image", None), *((w, cross_maps[i]) for i, w in enumerate(words)), ("rollout", rollout)]
+    cols = min(max_cols, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig = Figure(figsize=(2.2 * cols, 2.4 * rows + (0.4 if title else 0.0)))
+    for k, (label, heat) in enumerate(panels):
+        ax = fig.add_subplot(rows, cols, k + 1)
+        ax.imshow(rgb)
+        if heat is not None:
+            ax.imshow(_upsample(heat, size), cmap="jet", alpha=0.5, vmin=0.0, vmax=1.0)
+        ax.set_title(label, fontsize=10)
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", dpi=80)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
