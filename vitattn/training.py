@@ -7,6 +7,7 @@ Data flows one way: config -> DataModule + model config -> system -> Trainer -> 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,14 +15,15 @@ from typing import Any
 import hydra
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from vitattn.bundle import bundle_from_system
-from vitattn.config import check_config, data_preprocess, model_config_from
+from vitattn.config import check_config, data_preprocess, model_config_from, setup_data
 from vitattn.systems import CaptionSystem, ClassificationSystem, VisionSystem
 
-__all__ = ["TrainResult", "train", "build_system"]
+__all__ = ["TrainResult", "train", "build_system", "AtomicCheckpointIO"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,27 @@ def build_system(cfg: DictConfig, datamodule: pl.LightningDataModule) -> VisionS
     )
 
 
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes each checkpoint to ``PATH.tmp`` beside it, then renames it: a kill leaves the old file whole.
+
+    Lightning's own ``_atomic_save`` stages the bytes in ``tempfile.mkstemp()`` (the system temp
+    folder, fsspec's ``LocalFileOpener``) and commits with ``shutil.move``: a rename only when that
+    folder is on the run directory's filesystem, otherwise a copy onto the checkpoint itself.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None or "://" in str(path):  # remote storage: fsspec's way
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
 def _instantiate_group(group: DictConfig | None) -> list[Any]:
     if not group:
         return []
@@ -78,14 +101,14 @@ def train(cfg: DictConfig) -> TrainResult:
     run_dir = Path(cfg.paths.output_dir)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = hydra.utils.instantiate(cfg.data)
-    datamodule.setup("fit")
+    setup_data(cfg, datamodule, _resume_checkpoint(cfg))  # empty data, wrong vocabulary: one line, no step run
     system = build_system(cfg, datamodule)
     if cfg.compile:
         system.model = torch.compile(system.model)
 
     trainer: pl.Trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=_instantiate_group(cfg.get("callbacks")), logger=_instantiate_group(cfg.get("logger")) or False,
-        default_root_dir=str(run_dir),
+        default_root_dir=str(run_dir), plugins=[AtomicCheckpointIO()],
     )
     _save_run_files(cfg, datamodule, run_dir)
     trainer.fit(system, datamodule=datamodule, ckpt_path=_resume_checkpoint(cfg))

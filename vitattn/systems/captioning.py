@@ -93,11 +93,11 @@ class CaptionSystem(VisionSystem):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor | None:
         loss = self._loss(batch, self.label_smoothing)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["images"]))
         return self.guard(loss)
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
-        self.log(f"{stage}/loss", self._loss(batch), sync_dist=True, prog_bar=True)
+        self.log(f"{stage}/loss", self._loss(batch), sync_dist=True, prog_bar=True, batch_size=len(batch["images"]))
         captions = self.vocab.decode_batch(self.model.generate(batch["images"], **self.generate_kwargs))
         ids = batch["image_ids"].tolist()
         self._outputs.extend(zip(ids, captions, batch["references"]))
