@@ -1,0 +1,101 @@
+"""What the ``key=value`` entry points share: parsing into a dataclass schema, the device, the
+decoding settings, and ``main``'s one-line errors (exit status 2)."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import logging
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+__all__ = ["GENERATE_KEYS", "UsageError", "generate_settings", "parse_key_values", "resolve_device", "run_main"]
+
+log = logging.getLogger("vitattn")
+
+GENERATE_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "do_sample", "temperature", "top_k", "top_p")
+# What a path, a file or the data can cause; anything else is a bug and keeps its traceback.
+_USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, FileExistsError)
+
+
+class UsageError(ValueError):
+    """A bad command line."""
+
+
+def parse_key_values(argv: Sequence[str], schema: type, prog: str) -> Any:
+    """``key=value`` arguments -> a validated structured config of the dataclass ``schema``.
+
+    Values are taken literally (a glob such as ``images=*.jpg`` is not YAML); ``null`` clears an
+    option; each value is converted and checked against its field's type.
+
+    Raises:
+        UsageError: an argument that is not ``key=value``, an unknown key (the closest known one is
+            suggested), a value of the wrong type, or a required key left out.
+    """
+    known = [f.name for f in fields(schema)]
+    given: dict[str, Any] = {}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        key = key.lstrip("+")
+        if not sep or not key:
+            raise UsageError(f"argument {arg!r} is not key=value; see {prog} --help")
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(known)}"
+            raise UsageError(f"unknown key {key!r}{hint}")
+        given[key] = None if value.lower() in ("null", "none", "~") else value
+    cfg = OmegaConf.structured(schema)
+    try:
+        for key, value in given.items():
+            cfg[key] = value
+    except OmegaConfBaseException as err:
+        raise UsageError(f"{key}={given[key]!r}: {str(err).splitlines()[0]}") from None
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise UsageError(f"missing {', '.join(f'{k}=...' for k in missing)}; see {prog} --help")
+    if "device" in cfg and cfg.device not in ("auto", "cpu", "cuda") and not str(cfg.device).startswith("cuda:"):
+        raise UsageError(f"device={cfg.device!r} is unknown; choose auto, cpu, cuda or cuda:N")
+    return cfg
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` -> ``cuda`` when available, else ``cpu``; a CUDA device without CUDA is refused."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"device={name} but CUDA is not available; use device=cpu or device=auto")
+    return name
+
+
+def generate_settings(bundle: Any, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``ImageCaptioner.generate`` keyword arguments: the bundle's defaults, then the ``overrides``
+    that are not None; bundle defaults that ``generate`` does not accept are dropped with a warning."""
+    accepted = inspect.signature(bundle.model.generate).parameters
+    settings = {k: v for k, v in bundle.generate.items() if k in accepted}
+    if len(settings) < len(bundle.generate):
+        log.warning("ignoring the bundle's unknown decoding settings %s", sorted(set(bundle.generate) - set(settings)))
+    settings.update({k: v for k, v in overrides.items() if v is not None})
+    return settings
+
+
+def run_main(doc: str, argv: Sequence[str] | None, parse: Callable[[list[str]], Any], run: Callable[[Any], int]) -> int:
+    """A console entry point: ``--help`` prints ``doc``; user errors print ``error: <one line>`` on
+    stderr and give exit status 2; otherwise ``run(parse(argv))``'s status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(doc.strip())
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        return run(parse(argv))
+    except _USER_ERRORS as err:
+        text = str(err).strip()
+        print(f"error: {text.splitlines()[0] if text else type(err).__name__}", file=sys.stderr, flush=True)
+        return 2

@@ -1,0 +1,108 @@
+"""``vitattn-eval``: score a trained model on a split; print a table and write ``metrics.json``.
+
+Usage::
+
+    vitattn-eval model=PATH [split=val|test] [out=DIR] [batch_size=32] [num_workers=2]
+        [device=auto|cpu|cuda] [progress=true]
+      captions:       [references=COCO_JSON [image_dir=DIR]] [predictions=FILE]
+                      [num_beams=N] [max_new_tokens=N] [length_penalty=X]
+      classification: [data_root=DIR]
+
+``model`` is a training run folder, a ``.ckpt`` or a bundle. Captions are generated on the split
+(decoding settings left out come from the bundle) or read from ``predictions`` (JSON Lines from
+vitattn-caption, or COCO results ``[{"image_id", "caption"}]``) and scored against ``references``
+(a COCO caption file; ``image_dir`` defaults to its folder) or, without them, the run's own data
+(``RUN/config.yaml``: the built-in shapes split, or a COCO run's annotations): BLEU-1..4, ROUGE-L,
+CIDEr-D, and exact match on the synthetic shapes captions. A classifier gets top-1 / top-5 accuracy
+on ``data_root/<split>/<class>/<image>`` or the run's data, and a confusion matrix PNG.
+
+``out`` (default ``RUN/eval-<split>``, or ``./eval-<split>`` for a model outside a run) receives
+``metrics.json`` (the metrics, the decoding settings, the model and the split), ``captions.jsonl``
+or ``confusion_matrix.png``. Exit status: 0 when every image was scored, 1 when some could not be
+read or have no prediction, 2 on a usage, data or model error.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+from vitattn.cli.args import UsageError, generate_settings, parse_key_values, resolve_device, run_main
+
+__all__ = ["EvalConfig", "main", "parse_args", "run"]
+
+_DECODING = ("num_beams", "max_new_tokens", "length_penalty")
+_CAPTION_ONLY = ("references", "image_dir", "predictions", *_DECODING)
+
+
+@dataclass
+class EvalConfig:
+    """``vitattn-eval`` arguments; decoding ones left None take the bundle's defaults."""
+
+    model: str = MISSING
+    split: str = "val"
+    predictions: Optional[str] = None
+    references: Optional[str] = None
+    image_dir: Optional[str] = None
+    data_root: Optional[str] = None
+    num_beams: Optional[int] = None
+    max_new_tokens: Optional[int] = None
+    length_penalty: Optional[float] = None
+    batch_size: int = 32
+    num_workers: int = 2
+    out: Optional[str] = None
+    device: str = "auto"
+    progress: bool = True
+
+
+def parse_args(argv: list[str]) -> Any:
+    """``key=value`` arguments -> a validated ``EvalConfig``."""
+    cfg = parse_key_values(argv, EvalConfig, "vitattn-eval")
+    if cfg.split not in ("val", "test"):
+        raise UsageError(f"split={cfg.split!r} is unknown; choose val or test")
+    if cfg.batch_size < 1 or cfg.num_workers < 0:
+        raise UsageError(f"batch_size={cfg.batch_size} must be at least 1 and num_workers={cfg.num_workers} non-negative")
+    if cfg.predictions is not None and any(cfg[k] is not None for k in _DECODING):
+        given = [k for k in _DECODING if cfg[k] is not None]
+        raise UsageError(f"{', '.join(given)} set how captions are generated; predictions= scores captions already made")
+    return cfg
+
+
+def run(cfg: Any) -> int:
+    """Evaluate as ``cfg`` says; returns the exit status (0 every image scored, 1 some were not)."""
+    from vitattn.bundle import load_bundle
+    from vitattn.evaluation import evaluate_captions, evaluate_classification, find_run_dir, format_report, write_report
+
+    bundle = load_bundle(cfg.model, device=resolve_device(cfg.device))
+    run_dir = find_run_dir(cfg.model)
+    loading = dict(split=cfg.split, run_dir=run_dir, batch_size=cfg.batch_size, num_workers=cfg.num_workers, progress=cfg.progress)
+    if bundle.task == "caption":
+        if cfg.data_root is not None:
+            raise UsageError(f"data_root= is for classifiers; model={cfg.model} is a caption model (use references=COCO_JSON)")
+        generate = None if cfg.predictions is not None else generate_settings(bundle, {k: cfg[k] for k in _DECODING})
+        report = evaluate_captions(
+            bundle, references=cfg.references, image_dir=cfg.image_dir, predictions=cfg.predictions, generate=generate, **loading
+        )
+    else:
+        given = [k for k in _CAPTION_ONLY if cfg[k] is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} apply to caption models; model={cfg.model} is a {bundle.task} model")
+        report = evaluate_classification(bundle, data_root=cfg.data_root, **loading)
+    out = Path(cfg.out) if cfg.out is not None else (run_dir or Path.cwd()) / f"eval-{cfg.split}"
+    files = write_report(report, out, model=str(Path(cfg.model).resolve()))
+    print(format_report(report))
+    print(f"metrics -> {files[0]}", flush=True)
+    return 0 if report.complete else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
+    return run_main(__doc__, argv, parse_args, run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

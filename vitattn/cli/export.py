@@ -1,0 +1,64 @@
+"""``vitattn-export``: write a model as a bundle folder (safetensors + config.json + vocab.json).
+
+Usage::
+
+    vitattn-export model=PATH out=DIR [device=cpu]
+
+``model`` is a training run folder, a Lightning ``.ckpt`` or a bundle. Checkpoints are read with
+``torch.load(weights_only=True)``: one that holds pickled objects is refused, never unpickled. The
+bundle is written atomically; an earlier bundle at ``out`` is replaced, any other folder is kept.
+Exit status: 0 on success, 2 on a usage or model error.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import MISSING
+
+from vitattn.cli.args import parse_key_values, resolve_device, run_main
+
+__all__ = ["ExportConfig", "main", "parse_args", "run"]
+
+
+@dataclass
+class ExportConfig:
+    """``vitattn-export`` arguments."""
+
+    model: str = MISSING
+    out: str = MISSING
+    device: str = "cpu"
+
+
+def parse_args(argv: list[str]) -> Any:
+    """``key=value`` arguments -> a validated ``ExportConfig``."""
+    return parse_key_values(argv, ExportConfig, "vitattn-export")
+
+
+def run(cfg: Any) -> int:
+    """Load ``cfg.model`` and save it as a bundle at ``cfg.out``."""
+    from vitattn.bundle import load_bundle, save_bundle
+
+    bundle = load_bundle(cfg.model, device=resolve_device(cfg.device))
+    out = save_bundle(
+        cfg.out,
+        bundle.model,
+        task=bundle.task,
+        preprocess=bundle.preprocess,
+        vocab=bundle.vocab,
+        class_names=bundle.class_names,
+        generate=bundle.generate,
+    )
+    print(f"{bundle.task} bundle -> {out}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
+    return run_main(__doc__, argv, parse_args, run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
