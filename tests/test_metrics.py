@@ -244,3 +244,20 @@ def test_metrics_reject_bad_orders():
         corpus_bleu(["a"], [["a"]], max_n=0)
     with pytest.raises(ValueError, match="n=0 must be at least 1"):
         cider_d(["a"], [["a"]], n=0)
+
+
+def test_exact_match_compares_tokens_against_any_reference():
+    from vitattn.metrics import exact_match
+
+    predictions = ["A red circle.", "a blue square", "a green triangle"]
+    references = [["a red circle"], ["a blue circle", "A blue square!"], ["a green square"]]
+    assert exact_match(predictions, references) == pytest.approx(2 / 3)  # case and punctuation ignored
+
+
+def test_distinct_share_flags_collapse():
+    from vitattn.metrics import distinct_share
+
+    assert distinct_share(["a cat"] * 4) == 0.25
+    assert distinct_share(["a cat", "a dog"]) == 1.0
+    with pytest.raises(ValueError, match="empty"):
+        distinct_share([])

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from vitattn.bundle import Bundle
-from vitattn.metrics import coco_tokenize, compute_caption_metrics
+from vitattn.metrics import compute_caption_metrics, distinct_share, exact_match
 
 __all__ = [
     "EvalReport",
@@ -174,19 +174,13 @@ def _check_img_size(bundle: Bundle, img_size: int, where: str) -> None:
 # ---------------------------------------------------------------------------------------- captions
 
 
-def exact_match(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
-    """Fraction of predictions equal, token for token (``coco_tokenize``), to one of their references."""
-    same = [any(coco_tokenize(r) == coco_tokenize(p) for r in refs) for p, refs in zip(predictions, references)]
-    return sum(same) / len(same)
-
-
 def _caption_metrics(items: Sequence[tuple[Any, str, list[str]]], synthetic: bool) -> dict[str, float]:
     captions = [caption for _, caption, _ in items]
     references = [refs for _, _, refs in items]
     metrics = compute_caption_metrics(captions, references)
     if synthetic:  # one right answer up to the reading direction: exact match is meaningful
         metrics["exact_match"] = exact_match(captions, references)
-    metrics["distinct"] = len(set(captions)) / len(captions)  # near 0: one caption for every image
+    metrics["distinct"] = distinct_share(captions)
     metrics["num_images"] = len(items)
     return metrics
 

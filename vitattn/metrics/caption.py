@@ -283,3 +283,16 @@ def compute_caption_metrics(
         "rouge_l": _rouge_l(hyps, refs, beta=1.2),
         "cider_d": _cider_d(hyps, refs, sigma=6.0, n=4),
     }
+
+
+def exact_match(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
+    """Fraction of predictions equal, token for token (``coco_tokenize``), to one of their references."""
+    hyps, refs = _tokenize_corpus(predictions, references)
+    return sum(hyp in image_refs for hyp, image_refs in zip(hyps, refs)) / len(hyps)
+
+
+def distinct_share(predictions: Sequence[str]) -> float:
+    """Distinct captions / captions: near 0 when the model says the same thing for every image."""
+    if not predictions:
+        raise ValueError("predictions is empty")
+    return len(set(predictions)) / len(predictions)

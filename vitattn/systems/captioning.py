@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
 from vitattn.data.vocab import Vocabulary
-from vitattn.metrics import compute_caption_metrics, coco_tokenize
+from vitattn.metrics import compute_caption_metrics, distinct_share, exact_match
 from vitattn.models import ImageCaptioner
 from vitattn.systems.base import VisionSystem
 
@@ -31,11 +31,6 @@ def gather_predictions(local: list[tuple[int, str, list[str]]]) -> list[tuple[in
         local = [item for part in parts for item in part]
     unique = {image_id: (image_id, caption, refs) for image_id, caption, refs in reversed(local)}
     return [unique[k] for k in sorted(unique)]
-
-
-def _same_caption(prediction: str, references: list[str]) -> bool:
-    tokens = coco_tokenize(prediction)
-    return any(coco_tokenize(ref) == tokens for ref in references)
 
 
 class CaptionSystem(VisionSystem):
@@ -110,8 +105,8 @@ class CaptionSystem(VisionSystem):
         captions = [caption for _, caption, _ in outputs]
         references = [refs for _, _, refs in outputs]
         metrics = compute_caption_metrics(captions, references)
-        metrics["exact_match"] = sum(map(_same_caption, captions, references)) / len(outputs)
-        metrics["distinct"] = len(set(captions)) / len(captions)  # collapse alarm: near 0 = one caption for all
+        metrics["exact_match"] = exact_match(captions, references)
+        metrics["distinct"] = distinct_share(captions)  # collapse alarm: near 0 = one caption for all
         metrics["num_images"] = float(len(outputs))
         # Every rank holds the whole split, so the values already agree: no reduction.
         self.log_dict({f"{stage}/{k}": float(v) for k, v in metrics.items()}, sync_dist=False, rank_zero_only=False)
