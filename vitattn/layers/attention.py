@@ -120,7 +120,8 @@ class MultiHeadAttention(nn.Module):
             B, L, _ = k.shape
             kv = F.linear(k, _cat(self.wk.weight, self.wv.weight), _cat(self.wk.bias, self.wv.bias))
             kv = kv.view(B, L, 2, self.num_heads, self.depth).permute(2, 0, 3, 1, 4)  # (2, B, H, L, d)
-            return kv[0], kv[1]
+            k, v = kv.unbind(0)  # views; backward stacks the two gradients instead of zero-filling per index
+            return k, v
         return self.split_heads(self.wk(k), k.shape[0]), self.split_heads(self.wv(v), v.shape[0])
 
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -130,7 +131,10 @@ class MultiHeadAttention(nn.Module):
         b = _cat(self.wq.bias, self.wk.bias, self.wv.bias)
         qkv = F.linear(x, w, b).view(B, L, 3, self.num_heads, self.depth)
         qkv = qkv.permute(2, 0, 3, 1, 4)  # (3, B, H, L, d)
-        return qkv[0], qkv[1], qkv[2]
+        # unbind, not qkv[0], qkv[1], qkv[2]: the same views, but one backward (a stack) instead of
+        # three that each zero-fill a full (3, B, H, L, d) gradient and add them up (~1 % of a train step).
+        q, k, v = qkv.unbind(0)
+        return q, k, v
 
     def attend(
         self,
