@@ -414,11 +414,8 @@ def bench_compile(env: Env, timeout_s: float, names: Sequence[str] | None = None
 # ---------------------------------------------------------------------------------------- caption
 
 
-def build_captioners(device: str, max_len: int | None = None) -> tuple[nn.Module, nn.Module]:
-    """Our ``ImageCaptioner`` and a Hugging Face ``VisionEncoderDecoderModel`` (ViT + GPT-2 with
-    cross-attention) of matching sizes, both randomly initialised from configs (nothing downloaded)."""
-    from transformers import GenerationConfig, GPT2Config, ViTConfig, VisionEncoderDecoderConfig, VisionEncoderDecoderModel
-
+def build_ours(device: str, max_len: int | None = None) -> nn.Module:
+    """Our ``ImageCaptioner`` of the bench size, randomly initialised."""
     from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 
     enc, dec = ENCODERS["vit_192d6_32px"], dict(CAPTION_DECODER)
@@ -428,6 +425,18 @@ def build_captioners(device: str, max_len: int | None = None) -> tuple[nn.Module
         VisionTransformer(num_classes=0, **enc),
         CaptionDecoder(memory_dim=enc["embed_dim"], drop_rate=0.0, norm_first=True, activation="gelu", **dec),
     )
+    return ours.to(device).eval()
+
+
+def build_captioners(device: str, max_len: int | None = None) -> tuple[nn.Module, nn.Module]:
+    """Our ``ImageCaptioner`` and a Hugging Face ``VisionEncoderDecoderModel`` (ViT + GPT-2 with
+    cross-attention) of matching sizes, both randomly initialised from configs (nothing downloaded)."""
+    from transformers import GenerationConfig, GPT2Config, ViTConfig, VisionEncoderDecoderConfig, VisionEncoderDecoderModel
+
+    enc, dec = ENCODERS["vit_192d6_32px"], dict(CAPTION_DECODER)
+    if max_len is not None:
+        dec["max_len"] = max_len
+    ours = build_ours(device, max_len)
     vit = ViTConfig(
         image_size=enc["img_size"], patch_size=enc["patch_size"], hidden_size=enc["embed_dim"],
         num_hidden_layers=enc["depth"], num_attention_heads=enc["num_heads"],
@@ -444,7 +453,7 @@ def build_captioners(device: str, max_len: int | None = None) -> tuple[nn.Module
     config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 1, 0, 2
     hf = VisionEncoderDecoderModel(config=config)
     hf.generation_config = GenerationConfig(decoder_start_token_id=1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    return ours.to(device).eval(), hf.to(device).eval()
+    return ours, hf.to(device).eval()
 
 
 @contextlib.contextmanager
@@ -620,7 +629,7 @@ def bench_end_to_end(env: Env, n_images: int = 256, batch: int | None = None, to
     import numpy as np
     from PIL import Image
 
-    ours, _ = build_captioners(env.device)
+    ours = build_ours(env.device)
     img = ENCODERS["vit_192d6_32px"]["img_size"]
     vocab = Vocabulary([f"w{i}" for i in range(CAPTION_DECODER["vocab_size"] - len(SPECIALS))])
     preprocess = dict(img_size=img, crop_pct=1.0, mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225],
