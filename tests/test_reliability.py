@@ -307,3 +307,13 @@ def test_nan_loss_skipped_and_counted_with_nonfinite_skip(tmp_path, monkeypatch)
         counts = [float(r["train/skipped_batches"]) for r in csv.DictReader(f) if r.get("train/skipped_batches")]
     assert counts[0] == 1.0 and max(counts) == 2.0  # Lightning repeats the last value on later rows
     assert all(torch.isfinite(p).all() for p in result.system.parameters())
+
+
+def test_class_list_differing_from_the_checkpoint_fails_before_any_step(tmp_path):
+    root = make_image_folder(tmp_path / "folder", classes=("bird", "cat"), per_class=2)
+    ckpt = tmp_path / "trained.ckpt"
+    torch.save({"hyper_parameters": {"class_names": ["cat", "dog"]}}, ckpt)
+    cfg = compose_train(["head=classification", "data=imagefolder", f"data.root={root}", f"ckpt_path={ckpt}"], tmp_path / "run")
+    dm = instantiate(cfg.data)
+    with pytest.raises(ConfigError, match=r"classes \['bird', 'cat'\] differ from the checkpoint's \['cat', 'dog'\]"):
+        setup_data(cfg, dm, str(ckpt))

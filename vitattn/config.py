@@ -183,7 +183,7 @@ def _check_checkpoint_matches(cfg: DictConfig, datamodule: Any, ckpt_path: str) 
     if task == "classification" and trained == "classification":
         names, theirs = list(datamodule.class_names), list(hparams["class_names"])
         if names != theirs:
-            raise ConfigError(f"{where}: classes {names} differ from the checkpoint's {theirs}; train on the same classes")
+            raise ConfigError(f"data: classes {names} differ from the checkpoint's {theirs} ({ckpt_path}); train on the same classes")
 
 
 def model_config_from(cfg: DictConfig, datamodule: Any) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from vitattn.bundle import Bundle
+from vitattn.fileio import atomic_write
 from vitattn.metrics import compute_caption_metrics, distinct_share, exact_match
 
 __all__ = [
@@ -547,20 +548,6 @@ def evaluate_classification(
 # ---------------------------------------------------------------------------------------- output
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the results from the rest of the team
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_confusion_matrix(confusion: Tensor, class_names: Sequence[str], path: str | os.PathLike, title: str | None = None) -> Path:
     """Draw a (K, K) confusion matrix (rows true, columns predicted) with the class names on the
     axes (counts in the cells up to 30 classes); write the PNG atomically."""
@@ -590,7 +577,7 @@ def save_confusion_matrix(confusion: Tensor, class_names: Sequence[str], path: s
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
     path = Path(path)
-    _atomic_write(path, buffer.getvalue())
+    atomic_write(path, buffer.getvalue())
     return path
 
 
@@ -612,11 +599,11 @@ def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) 
     written = []
     if report.task == "caption" and report.predictions is None:
         lines = (json.dumps({"image_id": k, "caption": c, "references": r}, ensure_ascii=False) + "\n" for k, c, r in report.captions)
-        _atomic_write(out / "captions.jsonl", "".join(lines).encode("utf-8"))
+        atomic_write(out / "captions.jsonl", "".join(lines).encode("utf-8"))
         written.append(out / "captions.jsonl")
     if report.confusion is not None:
         table = {"class_names": report.class_names, "rows": "true class", "columns": "predicted class", "matrix": report.confusion.tolist()}
-        _atomic_write(out / "confusion_matrix.json", (json.dumps(table) + "\n").encode("utf-8"))
+        atomic_write(out / "confusion_matrix.json", (json.dumps(table) + "\n").encode("utf-8"))
         title = f"{report.split}: top-1 {report.metrics['top1']:.3f} over {report.metrics['num_images']} images"
         written += [out / "confusion_matrix.json", save_confusion_matrix(report.confusion, report.class_names, out / "confusion_matrix.png", title)]
     summary = {
@@ -628,7 +615,7 @@ def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) 
         "decoding": report.decoding,
         "metrics": _plain(report.metrics),
     }
-    _atomic_write(out / "metrics.json", (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
+    atomic_write(out / "metrics.json", (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
     return [out / "metrics.json", *written]
 
 

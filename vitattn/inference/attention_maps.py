@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
+from vitattn.fileio import atomic_open
 from vitattn.layers import record_attention
 from vitattn.models import ImageCaptioner
 
@@ -181,14 +181,6 @@ def save_attention_figure(
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=80)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=80)
     return path

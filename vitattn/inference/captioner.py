@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from vitattn.bundle import Bundle
+from vitattn.fileio import atomic_write
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -473,7 +473,7 @@ def caption_to_file(
                 done.setdefault(r["image"], r)
     records = [done[x.path] for x in inputs]
     if format != "jsonl":
-        _atomic_write(out, _coco_text(records) if format == "coco" else _csv_text(records))
+        atomic_write(out, _coco_text(records) if format == "coco" else _csv_text(records))
         progress_path.unlink(missing_ok=True)
     failed = sum("caption" not in r for r in records)
     return CaptionSummary(len(records) - failed, failed, skipped, out, records)
@@ -511,19 +511,6 @@ def _csv_text(records: Sequence[Mapping[str, Any]]) -> str:
     writer.writeheader()
     writer.writerows(records)
     return buffer.getvalue()
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _figure_paths(inputs: Sequence[InputImage], folder: Path) -> dict[str, Path]:

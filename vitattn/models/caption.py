@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from timm.layers import trunc_normal_
 from torch import Tensor, nn
 

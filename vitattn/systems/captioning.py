@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger

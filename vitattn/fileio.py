@@ -1,0 +1,41 @@
+"""Files that are whole or absent: written to a temporary file beside the target, then renamed."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["atomic_open", "atomic_write"]
+
+
+@contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "wb", **open_kwargs: Any) -> Iterator[IO]:
+    """Open a temporary file beside ``path``; on a clean exit it is synced and renamed to ``path``.
+
+    A crash or kill at any point leaves ``path`` as it was (absent or the previous version).
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide results from everyone else
+        with os.fdopen(fd, mode, **open_kwargs) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
+    """Write ``data`` (bytes, or text as UTF-8) to ``path`` atomically."""
+    if isinstance(data, str):
+        data = data.encode("utf-8", errors="surrogateescape")
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+    return Path(path)
