@@ -174,3 +174,27 @@ def test_ddp_two_processes_through_the_cli(tmp_path):
     assert proc.stdout.count("run directory:") == 1
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 3
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([], False),                                   # CPU trainer: eager
+    (["trainer=gpu"], True),                       # GPU trainer: compiled
+    (["trainer=gpu", "compile=false"], False),
+    (["compile=true"], True),
+])
+def test_compile_auto_follows_the_accelerator(overrides, expected, tmp_path):
+    from vitattn.training import _should_compile
+
+    assert _should_compile(compose_train(overrides, tmp_path)) is expected
+
+
+def test_compiled_training_keeps_parameter_names(tmp_path):
+    cfg = compose_train(["head=classification", *TINY, *TINY_SHAPES, "compile=true", "trainer.max_steps=2",
+                         "test=false", "trainer.check_val_every_n_epoch=1000"], tmp_path)
+    result = train(cfg)
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert not any("_orig_mod" in k for k in ckpt["state_dict"])
+    from vitattn.bundle import load_bundle
+    bundle = load_bundle(result.bundle_dir)
+    images = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(bundle.model(images), result.system.model.eval()(images), atol=1e-4, rtol=1e-4)

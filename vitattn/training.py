@@ -103,8 +103,8 @@ def train(cfg: DictConfig) -> TrainResult:
     datamodule = hydra.utils.instantiate(cfg.data)
     setup_data(cfg, datamodule, _resume_checkpoint(cfg))  # empty data, wrong vocabulary: one line, no step run
     system = build_system(cfg, datamodule)
-    if cfg.compile:
-        system.model = torch.compile(system.model)
+    if _should_compile(cfg):
+        system.model.compile()  # in place: parameter names (checkpoints, bundles) stay as they are
 
     trainer: pl.Trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=_instantiate_group(cfg.get("callbacks")), logger=_instantiate_group(cfg.get("logger")) or False,
@@ -139,10 +139,12 @@ def _save_run_files(cfg: DictConfig, datamodule: pl.LightningDataModule, run_dir
         datamodule.vocab.save(run_dir / "vocab.json")
 
 
+def _should_compile(cfg: DictConfig) -> bool:
+    """``compile=auto`` compiles on GPUs only: on CPUs eager is as fast (see docs/benchmarks.md)."""
+    if str(cfg.compile).lower() == "auto":
+        return cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
+    return bool(cfg.compile)
+
+
 def _export(system: VisionSystem, run_dir: Path) -> Path:
-    model = system.model
-    system.model = getattr(model, "_orig_mod", model)  # a compiled model exports its plain weights
-    try:
-        return bundle_from_system(system, run_dir / "bundle")
-    finally:
-        system.model = model
+    return bundle_from_system(system, run_dir / "bundle")
