@@ -1,0 +1,355 @@
+"""Memory and speed of ``vitattn-caption`` over many files: does either change as a run gets longer?
+
+    python scripts/load_caption.py                                  # N = 1000 and 5000, a tiny random model
+    python scripts/load_caption.py --model /tmp/final_default/caption/RUN/bundle
+    python scripts/load_caption.py --sizes 200 --num-workers 0 num_beams=3   # key=value goes to vitattn-caption
+
+For each N: N small JPEGs (built-in shape scenes, all different) are written to a folder, and
+``vitattn-caption`` captions that folder in a subprocess. Every ``--interval`` seconds the script
+reads the resident memory (``VmRSS``) of the subprocess and of its descendants (the DataLoader
+workers) and counts the complete lines of the JSON Lines output, which is how far the run has got.
+
+Reported per N: peak RSS while captioning (the process tree's sum, and the main process alone) and
+after the last record (``exit``: interpreter shutdown, which by itself takes ~1 s and ~170 MiB with
+torch, timm and Lightning imported); the tree's RSS at 20/40/60/80/100 % of the images; images/s in each fifth of the run, timed from the first written
+batch (start-up -- imports, model load, workers -- is reported on its own); total wall time.
+A run whose memory does not grow with N has the same peak at every N (within a few %), and one
+that does not slow down has no downward trend over its fifths. On a shared machine a dip in one
+fifth is usually a neighbour: the CPU that other processes took in each fifth is reported beside it.
+
+The tree sum counts pages that a forked worker shares with its parent once per process, so it
+overstates what the machine holds; it is the figure to compare between sizes, not a footprint.
+Writes a table to stdout and JSON (with every sample) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "vitattn-load-caption/1"
+FRACTIONS = (0.2, 0.4, 0.6, 0.8, 1.0)
+DEFAULT_TRAINED = "/tmp/final_default/caption/*/bundle"
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+def write_images(folder: Path, n: int, img_size: int = 64, seed: int = 0) -> Path:
+    """``n`` JPEGs of shape scenes, ``img_000000.jpg`` ...; a folder that already holds them is reused."""
+    from vitattn.data.shapes import generate_scene, render_scene
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if len(list(folder.glob("img_*.jpg"))) == n:
+        return folder
+    for i in range(n):
+        render_scene(generate_scene(seed, "test", i), img_size).save(folder / f"img_{i:06d}.jpg", quality=90)
+    return folder
+
+
+def tiny_bundle(directory: Path) -> Path:
+    """A random captioner (32 px, width 32, depth 2, captions up to 16 tokens) saved as a bundle."""
+    import torch
+
+    from vitattn.bundle import default_preprocess, save_bundle
+    from vitattn.data.shapes import generate_scene, scene_caption
+    from vitattn.data.vocab import Vocabulary
+    from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
+
+    torch.manual_seed(0)
+    vocab = Vocabulary.build(scene_caption(generate_scene(0, "train", i)) for i in range(500))
+    encoder = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
+    decoder = CaptionDecoder(len(vocab), embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, max_len=16)
+    model = ImageCaptioner(encoder, decoder).eval()
+    return save_bundle(directory, model, task="caption", preprocess=default_preprocess(32), vocab=vocab)
+
+
+def find_trained(pattern: str = DEFAULT_TRAINED) -> str | None:
+    """The newest bundle matching ``pattern``, if any."""
+    import glob
+
+    found = sorted(glob.glob(pattern))
+    return found[-1] if found else None
+
+
+def caption_command() -> list[str]:
+    """The installed ``vitattn-caption``, else the module run by this interpreter."""
+    script = Path(sys.executable).with_name("vitattn-caption")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "vitattn.cli.caption"]
+
+
+# ------------------------------------------------------------------------------------------ sampling
+
+
+def scan_processes() -> dict[int, tuple[int, int]]:
+    """Every live process: pid -> (parent pid, CPU ticks used so far); zombies left out."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                text = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = text[text.rfind(")") + 2 :].split()  # the name in (...) may hold spaces
+            if fields[0] != "Z":
+                found[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
+    return found
+
+
+def process_tree(root: int, processes: dict[int, tuple[int, int]] | None = None) -> list[int]:
+    """``root`` and its live descendants."""
+    processes = scan_processes() if processes is None else processes
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in processes.items():
+        children.setdefault(ppid, []).append(pid)
+    tree, todo = [], [root] if root in processes else []
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def busy_ticks() -> int:
+    """CPU ticks the whole machine has spent busy (``/proc/stat``: all but idle and iowait)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(values) - values[3] - values[4]
+
+
+def rss_kib(pid: int) -> int:
+    """``VmRSS`` of ``pid`` in KiB; 0 when it is gone (or a zombie, which has none)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class LineCounter:
+    """Complete lines of a growing file, read incrementally."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.lines = path, 0, 0
+
+    def __call__(self) -> int:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return self.lines
+        end = data.rfind(b"\n") + 1  # a partial last line is counted once it is complete
+        self.lines += data.count(b"\n", 0, end)
+        self.offset += end
+        return self.lines
+
+
+def run_sampled(cmd: Sequence[str], out: Path, logs: Path, interval: float, timeout: float) -> dict[str, Any]:
+    """Run ``cmd`` in its own process group, sampling its tree's RSS, ``out``'s line count, and the
+    CPU time that other processes (neither the tree nor this script) took meanwhile.
+
+    Returns ``{"returncode", "total_s", "samples": [[t_s, tree_kib, main_kib, processes, lines,
+    other_cpu_s], ...]}`` (``other_cpu_s`` counts from the start).
+    """
+    hz = os.sysconf("SC_CLK_TCK")
+    count = LineCounter(out)
+    samples: list[list[float]] = []
+    ticks: dict[int, int] = {}  # CPU ticks of each process of the tree, and of this script, as last seen
+    with open(logs.with_suffix(".stdout"), "wb") as stdout, open(logs.with_suffix(".stderr"), "wb") as stderr:
+        me, busy0 = os.getpid(), busy_ticks()
+        mine0 = scan_processes().get(me, (0, 0))[1]
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, start_new_session=True)
+        try:
+            while True:
+                done = proc.poll() is not None
+                t = time.perf_counter() - start
+                processes = scan_processes()
+                tree = process_tree(proc.pid, processes) if not done else []
+                for pid in [*tree, me]:
+                    ticks[pid] = processes.get(pid, (0, ticks.get(pid, 0)))[1]
+                other = busy_ticks() - busy0 - (sum(ticks.values()) - mine0)
+                rss = [rss_kib(p) for p in tree]
+                samples.append([round(t, 3), sum(rss), rss[0] if rss else 0, len(tree), count(), round(other / hz, 2)])
+                if done:
+                    break
+                if t > timeout:
+                    raise TimeoutError(f"{' '.join(cmd)} ran past {timeout:.0f} s")
+                time.sleep(interval)
+        finally:
+            if proc.poll() is None:  # interrupted or timed out: take the workers down too
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    total = time.perf_counter() - start
+    return {"returncode": proc.returncode, "total_s": round(total, 3), "samples": samples}
+
+
+# ------------------------------------------------------------------------------------------ summary
+
+
+def summarise(samples: Sequence[Sequence[float]], n: int, total_s: float) -> dict[str, Any]:
+    """Peak RSS, RSS at each fifth of the images, images/s per fifth, start-up and total time.
+
+    Peaks are taken up to the sample that first sees all ``n`` records; what the process holds
+    after that (interpreter shutdown, which does not depend on ``n``) is reported on its own.
+    """
+    live = [s for s in samples if s[3] > 0]  # the last sample is taken after exit
+    if not live:
+        raise ValueError("no sample was taken while the run was alive; lower --interval")
+    end = next((i for i, s in enumerate(live) if s[4] >= n), len(live) - 1) + 1
+    running, exiting = live[:end], live[end:]
+    rss_at = {}
+    for f in FRACTIONS:
+        hit = next((s for s in live if s[4] >= math.ceil(f * n)), None)
+        rss_at[f"{round(f * 100)}%"] = round((hit or live[-1])[1] / 1024, 1)  # exited first: the last sample
+    first = next((s for s in samples if s[4] > 0), None)
+    rates: list[float | None] = []
+    others: list[float | None] = []  # cores' worth of CPU that other processes took in each fifth
+    if first is not None:
+        start = first
+        for k in range(1, 6):
+            end = next((s for s in samples if s[4] >= math.ceil(k * n / 5)), samples[-1])
+            if end[0] > start[0] and end[4] > start[4]:
+                rates.append(round((end[4] - start[4]) / (end[0] - start[0]), 1))
+                others.append(round((end[5] - start[5]) / (end[0] - start[0]), 2))
+                start = end
+            else:  # a fifth inside one sampling interval: too short to time
+                rates.append(None)
+                others.append(None)
+    steady = [r for r in rates if r is not None]
+    return {
+        "images": n,
+        "captioned": int(samples[-1][4]),
+        "peak_rss_tree_mib": round(max(s[1] for s in running) / 1024, 1),
+        "peak_rss_main_mib": round(max(s[2] for s in running) / 1024, 1),
+        "peak_rss_exit_mib": round(max(s[1] for s in exiting) / 1024, 1) if exiting else None,
+        "max_processes": int(max(s[3] for s in live)),
+        "rss_tree_mib_at": rss_at,
+        "images_per_s_by_fifth": rates,
+        "last_over_first_fifth": round(steady[-1] / steady[0], 3) if len(steady) >= 2 else None,
+        "other_cpu_cores_by_fifth": others,
+        "other_cpu_s": samples[-1][5],
+        "startup_s": round(first[0], 2) if first else None,
+        "total_s": round(total_s, 2),
+    }
+
+
+def print_table(rows: Sequence[dict[str, Any]]) -> None:
+    head = (
+        f"{'N':>6} {'peak tree':>10} {'peak main':>10} {'exit':>7} {'RSS tree MiB at 20/40/60/80/100 %':>36}"
+        f" {'images/s per fifth':>34} {'start':>6} {'total':>7}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        at = "/".join(f"{v:.0f}" for v in r["rss_tree_mib_at"].values())
+        fifths = "/".join("-" if v is None else f"{v:.0f}" for v in r["images_per_s_by_fifth"])
+        print(
+            f"{r['images']:>6} {r['peak_rss_tree_mib']:>8.0f}Mi {r['peak_rss_main_mib']:>8.0f}Mi {r['peak_rss_exit_mib'] or 0:>5.0f}Mi"
+            f" {at:>36} {fifths:>34}"
+            f" {r['startup_s'] or 0:>5.1f}s {r['total_s']:>6.1f}s"
+        )
+    if len(rows) >= 2:
+        a, b = rows[0], rows[-1]
+        print(
+            f"\npeak RSS N={b['images']} / N={a['images']}: tree {b['peak_rss_tree_mib'] / a['peak_rss_tree_mib']:.3f}, "
+            f"main {b['peak_rss_main_mib'] / a['peak_rss_main_mib']:.3f}"
+        )
+    for r in rows:
+        busy = "/".join("-" if v is None else f"{v:.2f}" for v in r["other_cpu_cores_by_fifth"])
+        print(
+            f"N={r['images']}: images/s last fifth / first fifth = {r['last_over_first_fifth']}; "
+            f"other processes' CPU per fifth (cores, of {os.cpu_count()}): {busy}"
+        )
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[1000, 5000], help="image counts, one run each")
+    p.add_argument("--model", help=f"a bundle or run folder; 'trained' = the newest {DEFAULT_TRAINED}; default: a tiny random bundle")
+    p.add_argument("--dir", type=Path, help="where the images go (reused when the count matches); default: a temp folder")
+    p.add_argument("--img-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--interval", type=float, default=0.2, help="seconds between samples")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
+    p.add_argument("--out", type=Path, default=Path("bench_results/load_caption.json"))
+    p.add_argument("--keep", action="store_true", help="keep the temp folder (images, outputs, logs)")
+    p.add_argument("overrides", nargs="*", help="key=value arguments passed to vitattn-caption")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="load_caption-"))
+    try:
+        model = find_trained() if args.model == "trained" else args.model
+        if args.model == "trained" and model is None:
+            raise SystemExit(f"--model trained: nothing matches {DEFAULT_TRAINED}")
+        if model is None:
+            model = str(tiny_bundle(work / "tiny_bundle"))
+        print(f"model: {model}", flush=True)
+        rows, runs = [], []
+        for n in args.sizes:
+            t = time.perf_counter()
+            folder = write_images((args.dir or work / "images") / f"n{n}_{args.img_size}px", n, args.img_size)
+            print(f"N={n}: {n} images written in {time.perf_counter() - t:.1f} s; captioning ...", flush=True)
+            out = work / f"captions_{n}.jsonl"
+            out.unlink(missing_ok=True)
+            cmd = [
+                *caption_command(), f"model={model}", f"images={folder}", f"out={out}",
+                f"batch_size={args.batch_size}", f"num_workers={args.num_workers}", f"device={args.device}",
+                "progress=false", *args.overrides,
+            ]
+            run = run_sampled(cmd, out, work / f"run_{n}", args.interval, args.timeout)
+            if run["returncode"] != 0:
+                err = (work / f"run_{n}.stderr").read_text(errors="replace")[-2000:]
+                raise SystemExit(f"N={n}: vitattn-caption exited with {run['returncode']}:\n{err}")
+            row = summarise(run["samples"], n, run["total_s"])
+            if row["captioned"] != n:
+                raise SystemExit(f"N={n}: {row['captioned']} lines in {out}, expected {n}")
+            rows.append(row)
+            runs.append({"command": cmd, **row, "samples": run["samples"]})
+        print()
+        print_table(rows)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        report = {
+            "schema": SCHEMA,
+            "model": model,
+            "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+            "settings": {k: v for k, v in vars(args).items() if k not in ("out", "dir")},
+            "sample_fields": ["t_s", "rss_tree_kib", "rss_main_kib", "processes", "lines", "other_cpu_s"],
+            "runs": runs,
+        }
+        args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        print(f"\nwrote {args.out}")
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
