@@ -295,3 +295,18 @@ def test_a_second_run_on_the_same_output_is_refused(bundle_dir, tmp_path):
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
         with pytest.raises(ValueError, match="being written by another run"):
             caption_to_file(load_bundle(bundle_dir), list_inputs(tmp_path / "x.png"), out, num_workers=0, progress=False)
+
+
+def test_cli_num_threads_sets_torch_threads(bundle_dir, tmp_path, monkeypatch):
+    import torch
+
+    from vitattn.cli import caption
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    Image.new("RGB", (20, 20), (200, 30, 30)).save(folder / "a.png")
+    seen = []
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)
+    code = caption.main([f"model={bundle_dir}", f"images={folder}", f"out={tmp_path / 'o.jsonl'}", "num_threads=1",
+                         "progress=false", "num_workers=0"])
+    assert code == 0 and seen == [1]

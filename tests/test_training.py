@@ -198,3 +198,11 @@ def test_compiled_training_keeps_parameter_names(tmp_path):
     bundle = load_bundle(result.bundle_dir)
     images = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(bundle.model(images), result.system.model.eval()(images), atol=1e-4, rtol=1e-4)
+
+
+def test_num_threads_sets_torch_threads(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)
+    cfg = compose_train(["head=classification", *TINY, *TINY_SHAPES, "num_threads=1", "trainer.fast_dev_run=true"], tmp_path)
+    train(cfg)
+    assert seen == [1]

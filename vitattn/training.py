@@ -99,6 +99,8 @@ def train(cfg: DictConfig) -> TrainResult:
     """
     check_config(cfg)  # every user error surfaces here, before data is read
     run_dir = Path(cfg.paths.output_dir)
+    if cfg.get("num_threads"):
+        torch.set_num_threads(cfg.num_threads)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = hydra.utils.instantiate(cfg.data)
     setup_data(cfg, datamodule, _resume_checkpoint(cfg))  # empty data, wrong vocabulary: one line, no step run

@@ -5,7 +5,7 @@ Usage::
     vitattn-caption model=PATH images=INPUT out=FILE [image_dir=DIR] [format=jsonl|coco|csv]
         [batch_size=32] [num_workers=2] [num_beams=N] [max_new_tokens=N] [length_penalty=X]
         [do_sample=true temperature=X top_k=N top_p=X] [seed=N] [device=auto|cpu|cuda]
-        [attention_maps=DIR] [progress=true]
+        [attention_maps=DIR] [progress=true] [num_threads=N]
 
 ``model`` is a bundle folder, a training run folder or a ``.ckpt``; ``images`` a folder, a glob, a
 text file of paths or a COCO JSON file. Decoding settings left out come from the bundle. Running
@@ -49,6 +49,7 @@ class CaptionConfig:
     top_p: Optional[float] = None
     seed: Optional[int] = None
     device: str = "auto"
+    num_threads: Optional[int] = None  # torch CPU threads; 1 is steadier on a shared machine
     attention_maps: Optional[str] = None
     progress: bool = True
 
@@ -71,6 +72,8 @@ def run(cfg: Any) -> int:
     from vitattn.bundle import load_bundle
     from vitattn.inference.captioner import caption_to_file, list_inputs
 
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
     device = resolve_device(cfg.device)
     bundle = load_bundle(cfg.model, device=device)
     if bundle.task != "caption":
