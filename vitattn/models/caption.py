@@ -305,8 +305,5 @@ def _trim(tokens: Tensor, pad_id: int) -> Tensor:
     return tokens[:, :keep]
 
 
-def num_params(module: nn.Module) -> int:
-    """Parameter count, tied weights once."""
-    return sum(p.numel() for p in module.parameters())
 
 
