@@ -303,7 +303,3 @@ def _trim(tokens: Tensor, pad_id: int) -> Tensor:
     """Drop trailing columns that are padding in every row."""
     keep = int((tokens != pad_id).any(dim=0).nonzero().max().item()) + 1 if (tokens != pad_id).any() else 1
     return tokens[:, :keep]
-
-
-
-
