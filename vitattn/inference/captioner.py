@@ -325,7 +325,8 @@ def iter_caption_batches(
             tokens = None
             if images is not None:
                 images = images.to(device, non_blocking=True)
-                with torch.inference_mode():
+                # bf16 autocast on GPUs (as the GPU training configs); fp32 on CPUs, where bf16 is slow
+                with torch.inference_mode(), torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
                     tokens = model.generate(images, **generate_kwargs)  # (b, T')
                 for i, caption in zip(ok, bundle.vocab.decode_batch(tokens)):
                     records[pos[i]]["caption"] = caption
