@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from vitattn.fileio import atomic_write
 from vitattn.metrics.tokenize import coco_tokenize
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -110,9 +111,9 @@ class Vocabulary:
         return [self.decode(row) for row in ids]
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the vocabulary as JSON (specials included, in id order)."""
+        """Write the vocabulary as JSON (specials included, in id order), atomically."""
         payload = {"format": _FORMAT, "version": _VERSION, "itos": self.itos}
-        Path(path).write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+        atomic_write(path, json.dumps(payload, indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Vocabulary:
