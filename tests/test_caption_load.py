@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.test_captioner import bundle_dir  # noqa: F401 - the tiny caption bundle fixture, reused  # noqa: F401  (a pytest fixture, used by name)
+from tests.test_captioner import bundle_dir  # noqa: F401 - the tiny caption bundle fixture, reused
 from vitattn.bundle import load_bundle
 from vitattn.inference import caption_to_file, list_inputs
 
