@@ -125,7 +125,10 @@ def test_main_writes_the_json_schema_and_plot(tiny_bench, tmp_path):
         if r["status"] in ("PASS", "MISS"):
             assert r["ratio"] > 0 and (r["status"] == "PASS") == (r["ratio"] >= r["target"])
     names = [r["name"] for r in saved["rows"]]
-    assert sum(n.startswith(("forward ", "train step ")) for n in names) == 6
+    assert sum(n.startswith(("forward ", "train step ")) for n in names) == 8  # 4 rows x 2 CPU encoders
+    mfu = [r for r in saved["rows"] if r["name"].startswith("train step MFU")]
+    assert len(mfu) == 2 and all(0 < r["ratio"] < 1.5 for r in mfu)  # a share of the measured matmul rate
+    assert "vit_b16_224 b128" not in " ".join(names)  # ViT-B/16 runs on GPUs only
     assert all(d["max_abs_diff_vs_timm"] < 1e-4 for d in saved["details"]["encoder"].values())  # same network
     assert Path(saved["scaling"]["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [r["batch"] for r in saved["scaling"]["by_batch"]] == [1, 4, 8]
