@@ -219,3 +219,12 @@ def test_decoder_layer_is_causal_and_reads_memory():
     y[:, 3:] = torch.randn(B, L - 3, D)
     torch.testing.assert_close(layer(x, memory)[:, :3], layer(y, memory)[:, :3])
     assert not torch.allclose(layer(x, memory), layer(x, memory + 1.0))
+
+
+def test_multi_head_attention_fused_causal_equals_explicit_causal():
+    mha = MultiHeadAttention(D, H).eval()
+    x = torch.randn(B, L, D)
+    fused, _ = mha(x, x, x, is_causal=True)  # SDPA's is_causal
+    explicit, w = mha(x, x, x, is_causal=True, need_weights=True)  # the document's mask * -1e9
+    torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
+    assert torch.all(w.triu(diagonal=1) == 0)

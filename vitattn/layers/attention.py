@@ -158,18 +158,23 @@ class MultiHeadAttention(nn.Module):
         """
         B, _, Lq, _ = q.shape
         Lk = k.shape[2]
-        if is_causal and Lq > 1:
-            look_ahead = causal_mask(Lq, Lk, q.device).to(torch.bool)
-            mask = look_ahead if mask is None else (mask.to(torch.bool) | look_ahead)
         dropout_p = self.attn_drop if self.training else 0.0
         explicit = need_weights or self._record is not None or not self.fused
+        # A plain square causal mask goes to the fused kernel as `is_causal` (flash attention takes
+        # no explicit mask); any other look-ahead is built as a mask.
+        fused_causal = is_causal and not explicit and mask is None and Lq == Lk
+        if is_causal and Lq > 1 and not fused_causal:
+            look_ahead = causal_mask(Lq, Lk, q.device).to(torch.bool)
+            mask = look_ahead if mask is None else (mask.to(torch.bool) | look_ahead)
         if explicit:
             out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p)
             if self._record is not None:
                 self._record.append(weights.detach())
         else:
             attn_mask = None if mask is None else _additive_mask(mask, q.dtype)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=fused_causal and Lq > 1
+            )
             weights = None
         out = out.transpose(1, 2).reshape(B, Lq, self.d_model)  # (B, Lq, D)
         return self.dense(out), (weights if need_weights else None)
