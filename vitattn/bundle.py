@@ -33,6 +33,7 @@ from PIL import Image
 from torch import nn
 
 from vitattn.data.vocab import Vocabulary
+from vitattn.fileio import read_json
 from vitattn.models import ImageCaptioner, VisionTransformer
 
 __all__ = [
@@ -349,10 +350,7 @@ def _load_bundle_dir(directory: Path, device: str | torch.device) -> Bundle:
     from safetensors.torch import load_model
 
     config_path = directory / CONFIG_FILE
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{config_path} is not valid JSON: {_one_line(err)}") from None
+    config = read_json(config_path, "bundle config")
     if not isinstance(config, dict) or config.get("format") != BUNDLE_FORMAT:
         raise ValueError(f"{config_path} is not a vitattn bundle config (format must be {BUNDLE_FORMAT!r})")
     if config.get("version") != BUNDLE_VERSION:

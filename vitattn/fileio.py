@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -9,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_open", "atomic_write"]
+__all__ = ["atomic_open", "atomic_write", "read_json"]
 
 
 @contextmanager
@@ -39,3 +40,19 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     with atomic_open(path, "wb") as f:
         f.write(data)
     return Path(path)
+
+
+def read_json(path: str | os.PathLike, what: str) -> Any:
+    """Parse the JSON file at ``path``; ``what`` names it in the one-line errors.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        ValueError: it is not UTF-8 JSON.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{what} {path} is not valid JSON: {' '.join(str(err).split())}") from None

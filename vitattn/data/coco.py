@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -12,6 +11,8 @@ from typing import Any
 
 from PIL import Image, ImageOps
 from torch.utils.data import Dataset
+
+from vitattn.fileio import read_json
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,9 @@ def load_coco_captions(path: str | os.PathLike) -> list[CocoImage]:
             image id that ``images`` does not list.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.is_file():  # a ValueError, as every other problem with the annotations
         raise ValueError(f"COCO caption file not found: {path}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"COCO caption file {path} is not valid JSON: {err}") from None
+    data = read_json(path, "COCO caption file")
     _require(data, ("images", "annotations"), f"COCO caption file {path}")
 
     captions: dict[int, list[str]] = {}

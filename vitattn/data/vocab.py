@@ -6,11 +6,10 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import torch
 
-from vitattn.fileio import atomic_write
+from vitattn.fileio import atomic_write, read_json
 from vitattn.metrics.tokenize import coco_tokenize
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -118,13 +117,7 @@ class Vocabulary:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Vocabulary:
         """Read a vocabulary written by ``save``."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"vocabulary file not found: {path}")
-        try:
-            payload = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"vocabulary file {path} is not valid JSON: {err}") from None
+        payload = read_json(path, "vocabulary file")
         itos = payload.get("itos") if isinstance(payload, dict) else None
         if not isinstance(itos, list) or not all(isinstance(w, str) for w in itos):
             raise ValueError(f"vocabulary file {path} needs an 'itos' list of strings")

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from vitattn.bundle import Bundle
-from vitattn.fileio import atomic_write
+from vitattn.fileio import atomic_write, read_json
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -142,10 +142,7 @@ def _text_list(path: Path, image_dir: str | os.PathLike | None) -> list[str]:
 
 
 def _coco_inputs(path: Path, image_dir: str | os.PathLike | None) -> list[InputImage]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"images={path} is not valid JSON: {err}") from None
+    data = read_json(path, "images file")
     entries = data.get("images") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ValueError(f"images={path}: a COCO file needs an 'images' list of {{'id', 'file_name'}}")
