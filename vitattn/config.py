@@ -13,12 +13,11 @@ from typing import Any
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from vitattn.layers.feedforward import ACTIVATIONS
 from vitattn.models.vit import POOLS
 
-__all__ = ["ConfigError", "check_config", "check_targets", "setup_data", "model_config_from", "data_preprocess",
+__all__ = ["ConfigError", "check_config", "check_targets", "setup_data", "model_config_from",
            "ALLOWED_TARGET_PREFIXES"]
 
 TASKS = ("caption", "classification")
@@ -197,18 +196,3 @@ def model_config_from(cfg: DictConfig, datamodule: Any) -> dict[str, Any]:
     decoder = OmegaConf.to_container(cfg.head.decoder, resolve=True)
     decoder.update(vocab_size=len(vocab), memory_dim=encoder["embed_dim"], pad_id=vocab.pad_id, bos_id=vocab.bos_id, eos_id=vocab.eos_id)
     return {"encoder": {**encoder, "num_classes": 0}, "decoder": decoder}
-
-
-def data_preprocess(datamodule: Any) -> dict[str, Any]:
-    """How to turn an image file into the model's input: the DataModule's own, else a squash resize."""
-    preprocess = getattr(datamodule, "preprocess", None)
-    if preprocess is not None:
-        return dict(preprocess)
-    return {
-        "img_size": datamodule.img_size,
-        "crop_pct": 1.0,
-        "crop_mode": "squash",
-        "interpolation": "bicubic",
-        "mean": list(IMAGENET_DEFAULT_MEAN),
-        "std": list(IMAGENET_DEFAULT_STD),
-    }

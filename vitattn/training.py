@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from vitattn.bundle import bundle_from_system
-from vitattn.config import check_config, data_preprocess, model_config_from, setup_data
+from vitattn.config import check_config, model_config_from, setup_data
 from vitattn.systems import CaptionSystem, ClassificationSystem, VisionSystem
 
 __all__ = ["TrainResult", "train", "build_system", "AtomicCheckpointIO"]
@@ -45,7 +45,7 @@ def build_system(cfg: DictConfig, datamodule: pl.LightningDataModule) -> VisionS
     head = cfg.head
     model_config = model_config_from(cfg, datamodule)
     common = dict(
-        preprocess=data_preprocess(datamodule),
+        preprocess=dict(datamodule.preprocess),
         label_smoothing=head.label_smoothing,
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
         nonfinite=head.nonfinite,
@@ -103,7 +103,8 @@ def train(cfg: DictConfig) -> TrainResult:
         torch.set_num_threads(cfg.num_threads)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = hydra.utils.instantiate(cfg.data)
-    setup_data(cfg, datamodule, _resume_checkpoint(cfg))  # empty data, wrong vocabulary: one line, no step run
+    ckpt_path = _resume_checkpoint(cfg)
+    setup_data(cfg, datamodule, ckpt_path)  # empty data, wrong vocabulary: one line, no step run
     system = build_system(cfg, datamodule)
     if _should_compile(cfg):
         system.model.compile()  # in place: parameter names (checkpoints, bundles) stay as they are
@@ -113,7 +114,7 @@ def train(cfg: DictConfig) -> TrainResult:
         default_root_dir=str(run_dir), plugins=[AtomicCheckpointIO()],
     )
     _save_run_files(cfg, datamodule, run_dir)
-    trainer.fit(system, datamodule=datamodule, ckpt_path=_resume_checkpoint(cfg))
+    trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     if cfg.test and not cfg.trainer.get("fast_dev_run"):

@@ -223,7 +223,9 @@ class ImageCaptioner(nn.Module):
         else:
             logits = self.decoder(tokens[:, -1:], memory, cache, start=tokens.shape[1] - 1)[:, -1]
         logits = logits.float()
-        logits[:, [self.decoder.pad_id, self.decoder.bos_id]] = float("-inf")  # never generated
+        # never generated; scalar indices: no index tensor is built (and copied to the GPU) per step
+        logits[:, self.decoder.pad_id] = float("-inf")
+        logits[:, self.decoder.bos_id] = float("-inf")
         return logits
 
     def _greedy_or_sample(
