@@ -98,41 +98,36 @@ def test_fast_dev_run_through_train(name, datasets, tmp_path):
         assert "val/acc" in result.metrics
 
 
+# Train on the first batch only, with a high learning rate and nothing else in the way.
+OVERFIT = [*TINY, *TINY_SHAPES, "trainer.overfit_batches=1", "trainer.max_epochs=-1", "optim.lr=3e-3",
+           "optim.warmup_steps=5", "optim.weight_decay=0", "callbacks=none", "test=false", "export_bundle=false",
+           "trainer.check_val_every_n_epoch=1000"]
+
+
 def test_overfit_one_batch_classifier(tmp_path):
-    cfg = compose_train(["head=classification", *TINY, *TINY_SHAPES, "trainer.overfit_batches=1", "trainer.max_steps=120",
-                         "trainer.max_epochs=-1", "head.label_smoothing=0", "optim.lr=3e-3", "optim.warmup_steps=5",
-                         "optim.weight_decay=0", "callbacks=none", "test=false", "export_bundle=false",
-                         "trainer.check_val_every_n_epoch=1000"], tmp_path)
+    cfg = compose_train(["head=classification", *OVERFIT, "trainer.max_steps=120", "head.label_smoothing=0"], tmp_path)
     result = train(cfg)
     assert result.global_step == 120
     from vitattn.data import ShapesDataModule
     dm = ShapesDataModule(task="classification", img_size=32, num_train=64, num_val=16, num_test=16, batch_size=8)
     dm.setup("fit")
     images, labels = next(iter(torch.utils.data.DataLoader(dm.train_dataset, batch_size=8)))
-    system = _load_system(tmp_path, result)
+    system = result.system.eval()
     assert (system.model(images).argmax(-1) == labels).all()
 
 
 def test_overfit_one_batch_captioner(tmp_path):
-    cfg = compose_train(["head=caption", *TINY, *TINY_SHAPES, "trainer.overfit_batches=1", "trainer.max_steps=250",
-                         "trainer.max_epochs=-1", "head.decoder.drop_rate=0", "optim.lr=3e-3", "optim.warmup_steps=5",
-                         "optim.weight_decay=0", "callbacks=none", "test=false", "export_bundle=false",
-                         "trainer.check_val_every_n_epoch=1000"], tmp_path)
+    cfg = compose_train(["head=caption", *OVERFIT, "trainer.max_steps=250", "head.decoder.drop_rate=0"], tmp_path)
     result = train(cfg)
     from vitattn.data import ShapesDataModule
     from vitattn.data.captions import collate_captions
     dm = ShapesDataModule(task="caption", img_size=32, num_train=64, num_val=16, num_test=16, batch_size=8)
     dm.setup("fit")
     batch = collate_captions([dm.train_dataset[i] for i in range(8)])
-    system = _load_system(tmp_path, result)
+    system = result.system.eval()
     captions = system.vocab.decode_batch(system.model.generate(batch["images"]))
     targets = [system.vocab.decode(t) for t in batch["tokens"]]
     assert captions == targets
-
-
-def _load_system(run_dir, result):
-    """The trained system that train() returns."""
-    return result.system.eval()
 
 
 def _steps_logged(run_dir: Path) -> list[int]:
