@@ -139,19 +139,44 @@ def status(value: float | None, target: float | None) -> str:
 
 
 def row(
-    name: str, ours: float | None, ref: float | None, unit: str, ratio: float | None, kind: str | None,
-    ref_name: str = "", note: str = "", percent: bool = False,
+    name: str,
+    ours: float | None,
+    ref: float | None,
+    unit: str,
+    ratio: float | None,
+    kind: str | None,
+    ref_name: str = "",
+    note: str = "",
+    percent: bool = False,
 ) -> dict[str, Any]:
     """One table row; ``kind`` names its target in ``TARGETS`` (None: informational)."""
     target = TARGETS[kind] if kind else None
     return dict(
-        name=name, ours=ours, ref=ref, unit=unit, ref_name=ref_name, ratio=ratio, percent=percent,
-        target=target, kind=kind, status=status(ratio, target), note=note,
+        name=name,
+        ours=ours,
+        ref=ref,
+        unit=unit,
+        ref_name=ref_name,
+        ratio=ratio,
+        percent=percent,
+        target=target,
+        kind=kind,
+        status=status(ratio, target),
+        note=note,
     )
 
 
-def compare(name: str, ours: Sequence[float], ref: Sequence[float], work: float, unit: str, kind: str | None,
-            ref_name: str, note: str = "", percent: bool = False) -> dict[str, Any]:
+def compare(
+    name: str,
+    ours: Sequence[float],
+    ref: Sequence[float],
+    work: float,
+    unit: str,
+    kind: str | None,
+    ref_name: str,
+    note: str = "",
+    percent: bool = False,
+) -> dict[str, Any]:
     """A row from interleaved samples (seconds per call) of one call doing ``work`` units (images, tokens).
 
     ``ours`` and ``ref`` are ``work / median seconds``; the ratio is ``paired_speedup``; the note
@@ -163,8 +188,17 @@ def compare(name: str, ours: Sequence[float], ref: Sequence[float], work: float,
     spread = f"IQR {fmt(q[0])}-{fmt(q[2])}"
     if kind and q[0] <= TARGETS[kind] <= q[2]:
         spread += ", target inside: within noise"
-    return row(name, work / statistics.median(ours), work / statistics.median(ref), unit, paired_speedup(ours, ref),
-               kind, ref_name, note=f"{spread}; {note}" if note else spread, percent=percent)
+    return row(
+        name,
+        work / statistics.median(ours),
+        work / statistics.median(ref),
+        unit,
+        paired_speedup(ours, ref),
+        kind,
+        ref_name,
+        note=f"{spread}; {note}" if note else spread,
+        percent=percent,
+    )
 
 
 def pending_row(name: str, kind: str, note: str, state: str = "pending") -> dict[str, Any]:
@@ -181,15 +215,25 @@ def matmul_fn(n: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -
     return lambda: torch.mm(a, b, out=out)
 
 
-def matmul_gflops(n: int = 2048, repeats: int = 5, device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def matmul_gflops(
+    n: int = 2048, repeats: int = 5, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
     """The machine's dense matmul rate: ``torch.mm`` of two (n, n) matrices, median GFLOP/s."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else None
     seconds = interleaved({"mm": matmul_fn(n, device, dtype)}, repeats=repeats, warmup=2, sync=sync)["mm"]
     return dict(n=n, seconds=seconds, gflops=2 * n**3 / statistics.median(seconds) / 1e9)
 
 
-def vit_flops(img_size: int, patch_size: int, embed_dim: int, depth: int, mlp_ratio: float = 4.0,
-              num_classes: int = 0, in_chans: int = 3, **_: Any) -> int:
+def vit_flops(
+    img_size: int,
+    patch_size: int,
+    embed_dim: int,
+    depth: int,
+    mlp_ratio: float = 4.0,
+    num_classes: int = 0,
+    in_chans: int = 3,
+    **_: Any,
+) -> int:
     """Forward FLOPs of one image through a ViT (2 per multiply-add; matmuls and the patch conv only).
 
     Per layer with N tokens and width D: q/k/v 6ND², attention scores and values 4N²D, output
@@ -267,20 +311,31 @@ class Env:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def time(self, fns: Mapping[str, Callable[[], Any]], repeats: int | None = None, warmup: int = 1) -> dict[str, list[float]]:
+    def time(
+        self, fns: Mapping[str, Callable[[], Any]], repeats: int | None = None, warmup: int = 1
+    ) -> dict[str, list[float]]:
         return interleaved(fns, repeats or self.repeats, warmup, self.min_time, self.sync)
 
 
 def machine_info(threads: int) -> dict[str, Any]:
     cpu, isa = platform.processor() or "unknown", []
     with contextlib.suppress(OSError):
-        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines() if ":" in line)
+        fields = dict(
+            line.split(":", 1)
+            for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+            if ":" in line
+        )
         fields = {k.strip(): v.strip() for k, v in fields.items()}
         cpu = f"{fields.get('model name', cpu)} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
         isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in fields.get("flags", "").split()]
     info = dict(
-        cpu=cpu, isa=isa, logical_cpus=os.cpu_count(), torch_threads=threads, torch=torch.__version__,
-        python=platform.python_version(), platform=platform.platform(),
+        cpu=cpu,
+        isa=isa,
+        logical_cpus=os.cpu_count(),
+        torch_threads=threads,
+        torch=torch.__version__,
+        python=platform.python_version(),
+        platform=platform.platform(),
         loadavg_start=os.getloadavg() if hasattr(os, "getloadavg") else None,
         mkldnn=torch.backends.mkldnn.is_available(),
     )
@@ -353,7 +408,9 @@ def bench_encoder(env: Env, matmul_n: int, names: Sequence[str] | None = None) -
         fwd = env.time({"ours": forward_fn(ours, images, env), "timm": forward_fn(ref, images, env), "matmul": mm})
         mm_seconds = fwd.pop("matmul")
         ours.train(), ref.train()
-        train = env.time({"ours": train_step_fn(ours, images, labels, env), "timm": train_step_fn(ref, images, labels, env)})
+        train = env.time(
+            {"ours": train_step_fn(ours, images, labels, env), "timm": train_step_fn(ref, images, labels, env)}
+        )
         ours.eval(), ref.eval()
         flops, mm_flops = vit_flops(**cfg, num_classes=NUM_CLASSES) * B, 2 * matmul_n**3
         ips = {k: B / statistics.median(v) for k, v in fwd.items()}
@@ -363,24 +420,54 @@ def bench_encoder(env: Env, matmul_n: int, names: Sequence[str] | None = None) -
         # Per round: (flops / t_forward) / (mm_flops / t_mm); the median over rounds.
         share = {k: flops / mm_flops * paired_speedup(v, mm_seconds) for k, v in fwd.items()}
         details[name] = dict(
-            config=cfg, batch=B, max_abs_diff_vs_timm=diff, forward_seconds=fwd, train_seconds=train,
-            matmul_n=matmul_n, matmul_seconds=mm_seconds, matmul_gflops=mm_gflops, forward_share_of_matmul=share,
-            forward_images_per_s=ips, train_images_per_s=tips, forward_gflop=flops / 1e9,
-            forward_gflops=gflops, train_gflops_3x={k: 3 * flops / statistics.median(v) / 1e9 for k, v in train.items()},
+            config=cfg,
+            batch=B,
+            max_abs_diff_vs_timm=diff,
+            forward_seconds=fwd,
+            train_seconds=train,
+            matmul_n=matmul_n,
+            matmul_seconds=mm_seconds,
+            matmul_gflops=mm_gflops,
+            forward_share_of_matmul=share,
+            forward_images_per_s=ips,
+            train_images_per_s=tips,
+            forward_gflop=flops / 1e9,
+            forward_gflops=gflops,
+            train_gflops_3x={k: 3 * flops / statistics.median(v) / 1e9 for k, v in train.items()},
         )
         tag = f"{name} b{B}"
         rows.append(compare(f"forward {tag}", fwd["ours"], fwd["timm"], B, "img/s", "forward", "timm eager"))
         rows.append(compare(f"train step {tag}", train["ours"], train["timm"], B, "img/s", "train", "timm eager"))
-        rows.append(row(f"forward GFLOP/s {tag}", gflops["ours"], mm_gflops, "GFLOP/s", share["ours"],
-                        "mfu" if cfg["img_size"] == 224 else None, f"{matmul_n}² matmul", percent=True,
-                        note=f"timm {100 * share['timm']:.0f} %"))
+        rows.append(
+            row(
+                f"forward GFLOP/s {tag}",
+                gflops["ours"],
+                mm_gflops,
+                "GFLOP/s",
+                share["ours"],
+                "mfu" if cfg["img_size"] == 224 else None,
+                f"{matmul_n}² matmul",
+                percent=True,
+                note=f"timm {100 * share['timm']:.0f} %",
+            )
+        )
         # Training step model-FLOP utilisation: 3x the forward FLOPs (forward + backward) per step,
         # against the matmul rate measured in this run (bf16 on a GPU, fp32 on a CPU).
         train_share = {k: 3 * flops / mm_flops * paired_speedup(v, mm_seconds) for k, v in train.items()}
         details[name]["train_share_of_matmul"] = train_share
-        rows.append(row(f"train step MFU {tag}", 3 * flops / statistics.median(train["ours"]) / 1e9, mm_gflops,
-                        "GFLOP/s", train_share["ours"], None, f"{matmul_n}² matmul", percent=True,
-                        note=f"timm {100 * train_share['timm']:.0f} %"))
+        rows.append(
+            row(
+                f"train step MFU {tag}",
+                3 * flops / statistics.median(train["ours"]) / 1e9,
+                mm_gflops,
+                "GFLOP/s",
+                train_share["ours"],
+                None,
+                f"{matmul_n}² matmul",
+                percent=True,
+                note=f"timm {100 * train_share['timm']:.0f} %",
+            )
+        )
         del ours, ref
     return rows, details
 
@@ -414,8 +501,18 @@ def bench_compile(env: Env, timeout_s: float, names: Sequence[str] | None = None
             t = env.time({"ours_compiled": forward_fn(compiled, images, env), "timm": forward_fn(ref, images, env)})
         ips = {k: B / statistics.median(v) for k, v in t.items()}
         details[name] = dict(compile_seconds=compile_s, seconds=t, images_per_s=ips, freezing=not env.cuda)
-        rows.append(compare(tag, t["ours_compiled"], t["timm"], B, "img/s", "compiled", "timm eager",
-                            note=f"compile {compile_s:.0f} s"))
+        rows.append(
+            compare(
+                tag,
+                t["ours_compiled"],
+                t["timm"],
+                B,
+                "img/s",
+                "compiled",
+                "timm eager",
+                note=f"compile {compile_s:.0f} s",
+            )
+        )
         torch._dynamo.reset()
     return rows, details
 
@@ -440,23 +537,48 @@ def build_ours(device: str, max_len: int | None = None) -> nn.Module:
 def build_captioners(device: str, max_len: int | None = None) -> tuple[nn.Module, nn.Module]:
     """Our ``ImageCaptioner`` and a Hugging Face ``VisionEncoderDecoderModel`` (ViT + GPT-2 with
     cross-attention) of matching sizes, both randomly initialised from configs (nothing downloaded)."""
-    from transformers import GenerationConfig, GPT2Config, ViTConfig, VisionEncoderDecoderConfig, VisionEncoderDecoderModel
+    from transformers import (
+        GenerationConfig,
+        GPT2Config,
+        VisionEncoderDecoderConfig,
+        VisionEncoderDecoderModel,
+        ViTConfig,
+    )
 
     enc, dec = ENCODERS["vit_192d6_32px"], dict(CAPTION_DECODER)
     if max_len is not None:
         dec["max_len"] = max_len
     ours = build_ours(device, max_len)
     vit = ViTConfig(
-        image_size=enc["img_size"], patch_size=enc["patch_size"], hidden_size=enc["embed_dim"],
-        num_hidden_layers=enc["depth"], num_attention_heads=enc["num_heads"],
-        intermediate_size=int(enc["embed_dim"] * enc["mlp_ratio"]), hidden_act="gelu", layer_norm_eps=1e-6,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, qkv_bias=True,
+        image_size=enc["img_size"],
+        patch_size=enc["patch_size"],
+        hidden_size=enc["embed_dim"],
+        num_hidden_layers=enc["depth"],
+        num_attention_heads=enc["num_heads"],
+        intermediate_size=int(enc["embed_dim"] * enc["mlp_ratio"]),
+        hidden_act="gelu",
+        layer_norm_eps=1e-6,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        qkv_bias=True,
     )
     gpt2 = GPT2Config(
-        vocab_size=dec["vocab_size"], n_positions=dec["max_len"], n_embd=dec["embed_dim"], n_layer=dec["depth"],
-        n_head=dec["num_heads"], n_inner=int(dec["embed_dim"] * dec["mlp_ratio"]), activation_function="gelu",
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-6,
-        add_cross_attention=True, is_decoder=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=dec["vocab_size"],
+        n_positions=dec["max_len"],
+        n_embd=dec["embed_dim"],
+        n_layer=dec["depth"],
+        n_head=dec["num_heads"],
+        n_inner=int(dec["embed_dim"] * dec["mlp_ratio"]),
+        activation_function="gelu",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=1e-6,
+        add_cross_attention=True,
+        is_decoder=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(vit, gpt2)
     config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 1, 0, 2
@@ -478,8 +600,9 @@ def given_memory(captioner: nn.Module, memory: Tensor) -> Iterator[None]:
         del captioner.encode
 
 
-def caption_fns(ours: nn.Module, hf: nn.Module, images: Tensor, tokens: int, beams: int, env: Env,
-                decode_only: bool) -> dict[str, Callable[[], Tensor]]:
+def caption_fns(
+    ours: nn.Module, hf: nn.Module, images: Tensor, tokens: int, beams: int, env: Env, decode_only: bool
+) -> dict[str, Callable[[], Tensor]]:
     """Generation of exactly ``tokens`` new tokens per image: ours cached, ours recomputed, Hugging Face.
 
     Ours: ``<eos>`` made unreachable (``forced_length``). Hugging Face: ``min_new_tokens =
@@ -502,17 +625,30 @@ def caption_fns(ours: nn.Module, hf: nn.Module, images: Tensor, tokens: int, bea
 
     def hf_gen() -> Tensor:
         # A new BaseModelOutput each call: beam search expands the one it is given in place.
-        inputs = dict(encoder_outputs=BaseModelOutput(last_hidden_state=hf_memory)) if decode_only else dict(pixel_values=images)
+        inputs = (
+            dict(encoder_outputs=BaseModelOutput(last_hidden_state=hf_memory))
+            if decode_only
+            else dict(pixel_values=images)
+        )
         with torch.inference_mode(), env.autocast():
-            out = hf.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, num_beams=beams,
-                              do_sample=False, use_cache=True, early_stopping=False)
+            out = hf.generate(
+                **inputs,
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                num_beams=beams,
+                do_sample=False,
+                use_cache=True,
+                early_stopping=False,
+            )
         return out[:, 1:]  # drop the decoder start token
 
     def checked(fn: Callable[[], Tensor]) -> Callable[[], Tensor]:
         def call() -> Tensor:  # every timed call must emit exactly `tokens` tokens per image
             out = fn()
             if tuple(out.shape) != (images.shape[0], tokens):
-                raise RuntimeError(f"generation length not forced: got {tuple(out.shape)}, want {(images.shape[0], tokens)}")
+                raise RuntimeError(
+                    f"generation length not forced: got {tuple(out.shape)}, want {(images.shape[0], tokens)}"
+                )
             return out
 
         return call
@@ -520,8 +656,9 @@ def caption_fns(ours: nn.Module, hf: nn.Module, images: Tensor, tokens: int, bea
     return {"ours_cached": checked(ours_gen(True)), "ours_recompute": checked(ours_gen(False)), "hf": checked(hf_gen)}
 
 
-def bench_caption(env: Env, batch: int | None = None, tokens: int | None = None,
-                  beams_list: Sequence[int] = (1, 3)) -> tuple[list[dict], dict[str, Any]]:
+def bench_caption(
+    env: Env, batch: int | None = None, tokens: int | None = None, beams_list: Sequence[int] = (1, 3)
+) -> tuple[list[dict], dict[str, Any]]:
     """Row (d): caption tokens/s, ours cached vs ours recompute vs Hugging Face ``generate``.
 
     Target rows time the decoding loop alone (the encoder's output given; the encoders are the same
@@ -541,16 +678,39 @@ def bench_caption(env: Env, batch: int | None = None, tokens: int | None = None,
             tps = {k: batch * tokens / statistics.median(v) for k, v in t.items()}
             mode = "greedy" if beams == 1 else f"beam {beams}"
             part = "decode only" if decode_only else "generate incl. encoder"
-            details[f"{part}, {mode}"] = dict(batch=batch, new_tokens=tokens, num_beams=beams, seconds=t,
-                                              tokens_per_s=tps)
+            details[f"{part}, {mode}"] = dict(
+                batch=batch, new_tokens=tokens, num_beams=beams, seconds=t, tokens_per_s=tps
+            )
             tag = f"caption {part} {mode} b{batch}"
             if decode_only:
-                rows.append(compare(f"{tag}: cached vs recompute", t["ours_cached"], t["ours_recompute"], batch * tokens,
-                                    "tok/s", "cache_vs_recompute", "ours, no cache"))
-            rows.append(compare(f"{tag}: cached vs HF", t["ours_cached"], t["hf"], batch * tokens, "tok/s",
-                                "cache_vs_hf" if decode_only else None, "HF generate"))
-    details["models"] = dict(encoder=ENCODERS["vit_192d6_32px"], decoder=CAPTION_DECODER, new_tokens=tokens,
-                             hf="VisionEncoderDecoderModel(ViTModel, GPT2LMHeadModel with cross-attention)")
+                rows.append(
+                    compare(
+                        f"{tag}: cached vs recompute",
+                        t["ours_cached"],
+                        t["ours_recompute"],
+                        batch * tokens,
+                        "tok/s",
+                        "cache_vs_recompute",
+                        "ours, no cache",
+                    )
+                )
+            rows.append(
+                compare(
+                    f"{tag}: cached vs HF",
+                    t["ours_cached"],
+                    t["hf"],
+                    batch * tokens,
+                    "tok/s",
+                    "cache_vs_hf" if decode_only else None,
+                    "HF generate",
+                )
+            )
+    details["models"] = dict(
+        encoder=ENCODERS["vit_192d6_32px"],
+        decoder=CAPTION_DECODER,
+        new_tokens=tokens,
+        hf="VisionEncoderDecoderModel(ViTModel, GPT2LMHeadModel with cross-attention)",
+    )
     return rows, details
 
 
@@ -568,21 +728,52 @@ def bench_scaling(env: Env, out_png: Path) -> tuple[list[dict], dict[str, Any]]:
         ours, ref, _ = build_pair({**cfg, "img_size": img}, 0, env.device)
         x = torch.randn(8, 3, img, img, device=env.device)
         t = env.time({"ours": forward_fn(ours, x, env), "timm": forward_fn(ref, x, env)}, repeats=repeats)
-        by_size.append(dict(img_size=img, tokens=(img // cfg["patch_size"]) ** 2 + 1, batch=8,
-                            ours_ms=1e3 * statistics.median(t["ours"]), timm_ms=1e3 * statistics.median(t["timm"]),
-                            speedup=paired_speedup(t["ours"], t["timm"])))
+        by_size.append(
+            dict(
+                img_size=img,
+                tokens=(img // cfg["patch_size"]) ** 2 + 1,
+                batch=8,
+                ours_ms=1e3 * statistics.median(t["ours"]),
+                timm_ms=1e3 * statistics.median(t["timm"]),
+                speedup=paired_speedup(t["ours"], t["timm"]),
+            )
+        )
     ours, ref, _ = build_pair(cfg, 0, env.device)
     for B in batches:
         x = torch.randn(B, 3, cfg["img_size"], cfg["img_size"], device=env.device)
         t = env.time({"ours": forward_fn(ours, x, env), "timm": forward_fn(ref, x, env)}, repeats=repeats)
-        by_batch.append(dict(img_size=cfg["img_size"], batch=B,
-                             ours_ms=1e3 * statistics.median(t["ours"]), timm_ms=1e3 * statistics.median(t["timm"]),
-                             speedup=paired_speedup(t["ours"], t["timm"])))
+        by_batch.append(
+            dict(
+                img_size=cfg["img_size"],
+                batch=B,
+                ours_ms=1e3 * statistics.median(t["ours"]),
+                timm_ms=1e3 * statistics.median(t["timm"]),
+                speedup=paired_speedup(t["ours"], t["timm"]),
+            )
+        )
     plot_scaling(by_size, by_batch, out_png)
-    rows = [row(f"scaling: forward vs tokens ({by_size[0]['tokens']}..{by_size[-1]['tokens']})", None, None, "", 
-                statistics.median(r["speedup"] for r in by_size), None, "timm eager", note="median speedup, see plot"),
-            row(f"scaling: forward vs batch ({batches[0]}..{batches[-1]})", None, None, "",
-                statistics.median(r["speedup"] for r in by_batch), None, "timm eager", note="median speedup, see plot")]
+    rows = [
+        row(
+            f"scaling: forward vs tokens ({by_size[0]['tokens']}..{by_size[-1]['tokens']})",
+            None,
+            None,
+            "",
+            statistics.median(r["speedup"] for r in by_size),
+            None,
+            "timm eager",
+            note="median speedup, see plot",
+        ),
+        row(
+            f"scaling: forward vs batch ({batches[0]}..{batches[-1]})",
+            None,
+            None,
+            "",
+            statistics.median(r["speedup"] for r in by_batch),
+            None,
+            "timm eager",
+            note="median speedup, see plot",
+        ),
+    ]
     return rows, dict(model=cfg, by_image_size=by_size, by_batch=by_batch, plot=str(out_png))
 
 
@@ -592,7 +783,6 @@ def plot_scaling(by_size: Sequence[Mapping], by_batch: Sequence[Mapping], path: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
@@ -600,8 +790,13 @@ def plot_scaling(by_size: Sequence[Mapping], by_batch: Sequence[Mapping], path: 
         a.plot([r["tokens"] for r in by_size], [r[key] / r["batch"] for r in by_size], style, label=label)
         b.plot([r["batch"] for r in by_batch], [1e3 * r["batch"] / r[key] for r in by_batch], style, label=label)
     sizes = ", ".join(str(r["img_size"]) for r in by_size)
-    a.set(xscale="log", yscale="log", xlabel=f"tokens per image (ViT-Ti/16 at {sizes} px)", ylabel="ms per image",
-          title="forward time vs tokens, batch 8")
+    a.set(
+        xscale="log",
+        yscale="log",
+        xlabel=f"tokens per image (ViT-Ti/16 at {sizes} px)",
+        ylabel="ms per image",
+        title="forward time vs tokens, batch 8",
+    )
     b.set(xscale="log", xlabel="batch", ylabel="images / s", title="forward throughput vs batch, 224 px")
     b.set_ylim(bottom=0)
     for ax, ticks in ((a, [r["tokens"] for r in by_size]), (b, [r["batch"] for r in by_batch])):
@@ -622,7 +817,9 @@ def plot_scaling(by_size: Sequence[Mapping], by_batch: Sequence[Mapping], path: 
 # ------------------------------------------------------------------------------------- end to end
 
 
-def bench_end_to_end(env: Env, n_images: int = 256, batch: int | None = None, tokens: int | None = None) -> tuple[list[dict], dict[str, Any]]:
+def bench_end_to_end(
+    env: Env, n_images: int = 256, batch: int | None = None, tokens: int | None = None
+) -> tuple[list[dict], dict[str, Any]]:
     """Row (f): JPEG files -> captions (``caption_images`` on a saved bundle) vs model-only images/s.
 
     Reports ``pending`` while ``vitattn.inference.captioner`` or ``vitattn.bundle`` is missing.
@@ -641,8 +838,9 @@ def bench_end_to_end(env: Env, n_images: int = 256, batch: int | None = None, to
     ours = build_ours(env.device)
     img = ENCODERS["vit_192d6_32px"]["img_size"]
     vocab = Vocabulary([f"w{i}" for i in range(CAPTION_DECODER["vocab_size"] - len(SPECIALS))])
-    preprocess = dict(img_size=img, crop_pct=1.0, mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225],
-                      interpolation="bicubic")
+    preprocess = dict(
+        img_size=img, crop_pct=1.0, mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225], interpolation="bicubic"
+    )
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="vitattn-bench-") as tmp:
         paths = []
@@ -650,8 +848,10 @@ def bench_end_to_end(env: Env, n_images: int = 256, batch: int | None = None, to
             pixels = rng.integers(0, 256, (2 * img, 2 * img, 3), dtype=np.uint8)
             paths.append(os.path.join(tmp, f"img{i:04d}.jpg"))
             Image.fromarray(pixels).save(paths[-1], quality=90)
-        bundle = load_bundle(save_bundle(os.path.join(tmp, "bundle"), ours.cpu(), task="caption",
-                                         preprocess=preprocess, vocab=vocab), device=env.device)
+        bundle = load_bundle(
+            save_bundle(os.path.join(tmp, "bundle"), ours.cpu(), task="caption", preprocess=preprocess, vocab=vocab),
+            device=env.device,
+        )
         model = bundle.model
         images = torch.stack([bundle.transform(_read_rgb(p)) for p in paths[:batch]]).to(env.device)
         n_batches = math.ceil(n_images / batch)
@@ -669,8 +869,17 @@ def bench_end_to_end(env: Env, n_images: int = 256, batch: int | None = None, to
 
         t = env.time({"files": files, "model_only": model_only}, repeats=3)
     ips = {k: n_images / statistics.median(v) for k, v in t.items()}
-    r = compare(name, t["files"], t["model_only"], n_images, "img/s", "e2e", "model only",
-                note="caption_images, num_workers=0", percent=True)
+    r = compare(
+        name,
+        t["files"],
+        t["model_only"],
+        n_images,
+        "img/s",
+        "e2e",
+        "model only",
+        note="caption_images, num_workers=0",
+        percent=True,
+    )
     return [r], dict(status="measured", n_images=n_images, batch=batch, seconds=t, images_per_s=ips)
 
 
@@ -712,13 +921,25 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer repeats and sizes (about two minutes)")
-    p.add_argument("--out", type=Path, default=Path("bench_results/bench.json"), help="JSON results; scaling.png goes beside it")
-    p.add_argument("--device", default="cpu", help="cpu, or cuda (bf16 autocast; untested on this project's CPU machines)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads (default 1: repeatable on a shared machine; see docs/benchmarks.md)")
+    p.add_argument(
+        "--out", type=Path, default=Path("bench_results/bench.json"), help="JSON results; scaling.png goes beside it"
+    )
+    p.add_argument(
+        "--device", default="cpu", help="cpu, or cuda (bf16 autocast; untested on this project's CPU machines)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads (default 1: repeatable on a shared machine; see docs/benchmarks.md)",
+    )
     p.add_argument("--repeats", type=int, default=None, help="timed samples per side (default 7, quick 3)")
-    p.add_argument("--min-time", type=float, default=None, help="shortest timed sample in seconds (default 0.2, quick 0.05)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="benchmark torch.compile (default on)")
+    p.add_argument(
+        "--min-time", type=float, default=None, help="shortest timed sample in seconds (default 0.2, quick 0.05)"
+    )
+    p.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=True, help="benchmark torch.compile (default on)"
+    )
     p.add_argument("--compile-timeout", type=float, default=300.0, help="seconds allowed for each compilation")
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     return p.parse_args(argv)
@@ -733,11 +954,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     env = Env(args.device, args.quick, args.repeats, args.min_time)
     info = machine_info(torch.get_num_threads())
-    print(f"torch {info['torch']} | threads {info['torch_threads']} | {info['cpu']} | device {args.device}"
-          f" | {'quick' if args.quick else 'full'} | load {info['loadavg_start']}", flush=True)
+    print(
+        f"torch {info['torch']} | threads {info['torch_threads']} | {info['cpu']} | device {args.device}"
+        f" | {'quick' if args.quick else 'full'} | load {info['loadavg_start']}",
+        flush=True,
+    )
     started = time.perf_counter()
-    mm = matmul_gflops(1024 if args.quick else 2048, repeats=env.repeats, device=args.device,
-                       dtype=torch.bfloat16 if env.cuda else torch.float32)
+    mm = matmul_gflops(
+        1024 if args.quick else 2048,
+        repeats=env.repeats,
+        device=args.device,
+        dtype=torch.bfloat16 if env.cuda else torch.float32,
+    )
     print(f"matmul rate: {mm['gflops']:.1f} GFLOP/s ({mm['n']}x{mm['n']} torch.mm)", flush=True)
     rows: list[dict] = []
     details: dict[str, Any] = {}
@@ -765,9 +993,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not args.compile:
         rows.append(pending_row("compiled forward", "compiled", "skipped (--no-compile)", state="info"))
     result = dict(
-        schema=SCHEMA, created=time.strftime("%Y-%m-%d %H:%M:%S"), argv=list(argv if argv is not None else sys.argv[1:]),
-        quick=args.quick, device=args.device, machine=info, matmul=mm, targets=TARGETS, rows=rows,
-        details=details, scaling=scaling, total_seconds=time.perf_counter() - started,
+        schema=SCHEMA,
+        created=time.strftime("%Y-%m-%d %H:%M:%S"),
+        argv=list(argv if argv is not None else sys.argv[1:]),
+        quick=args.quick,
+        device=args.device,
+        machine=info,
+        matmul=mm,
+        targets=TARGETS,
+        rows=rows,
+        details=details,
+        scaling=scaling,
+        total_seconds=time.perf_counter() - started,
     )
     result["machine"]["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     args.out.parent.mkdir(parents=True, exist_ok=True)

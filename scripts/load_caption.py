@@ -285,8 +285,13 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[1000, 5000], help="image counts, one run each")
-    p.add_argument("--model", help=f"a bundle or run folder; 'trained' = the newest {DEFAULT_TRAINED}; default: a tiny random bundle")
-    p.add_argument("--dir", type=Path, help="where the images go (reused when the count matches); default: a temp folder")
+    p.add_argument(
+        "--model",
+        help=f"a bundle or run folder; 'trained' = the newest {DEFAULT_TRAINED}; default: a tiny random bundle",
+    )
+    p.add_argument(
+        "--dir", type=Path, help="where the images go (reused when the count matches); default: a temp folder"
+    )
     p.add_argument("--img-size", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--num-workers", type=int, default=2)
@@ -317,9 +322,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = work / f"captions_{n}.jsonl"
             out.unlink(missing_ok=True)
             cmd = [
-                *caption_command(), f"model={model}", f"images={folder}", f"out={out}",
-                f"batch_size={args.batch_size}", f"num_workers={args.num_workers}", f"device={args.device}",
-                "progress=false", *args.overrides,
+                *caption_command(),
+                f"model={model}",
+                f"images={folder}",
+                f"out={out}",
+                f"batch_size={args.batch_size}",
+                f"num_workers={args.num_workers}",
+                f"device={args.device}",
+                "progress=false",
+                *args.overrides,
             ]
             run = run_sampled(cmd, out, work / f"run_{n}", args.interval, args.timeout)
             if run["returncode"] != 0:

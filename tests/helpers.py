@@ -6,11 +6,13 @@ import json
 from pathlib import Path
 
 import numpy as np
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 from PIL import Image
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+import vitattn.conf
+
+CONF_DIR = Path(vitattn.conf.__file__).parent
 
 # A small model and data for fast runs: 32 px images, 8 px patches, width 32, 2 layers.
 TINY = [
@@ -30,7 +32,7 @@ TINY_SHAPES = ["data.num_train=64", "data.num_val=16", "data.num_test=16"]
 def compose_train(overrides: list[str], output_dir: Path | None = None) -> DictConfig:
     """``conf/train.yaml`` composed with ``overrides``, writing into ``output_dir``."""
     extra = [f"paths.output_dir={output_dir}"] if output_dir is not None else []
-    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+    with initialize_config_module("vitattn.conf", version_base="1.3"):
         return compose("train", overrides=[*overrides, *extra])
 
 

@@ -17,7 +17,9 @@ WORDS = "a red blue green circle square on the left right".split()
 
 def tiny_captioner(norm_first: bool = True) -> ImageCaptioner:
     vocab = Vocabulary(WORDS)
-    decoder = CaptionDecoder(len(vocab), embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, max_len=8, norm_first=norm_first)
+    decoder = CaptionDecoder(
+        len(vocab), embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, max_len=8, norm_first=norm_first
+    )
     with torch.no_grad():
         decoder.token_embed.weight[vocab.eos_id].mul_(0.2)  # some captions stop early, some run to the end
     encoder = VisionTransformer(**TINY, norm_first=norm_first, activation="gelu" if norm_first else "relu")
@@ -94,7 +96,9 @@ def test_masking_half_the_image_changes_the_maps():
 def test_save_attention_figure_writes_a_png(tmp_path):
     image = Image.new("RGB", (32, 32), (120, 60, 30))
     cross = torch.rand(4, 4, 4)
-    path = save_attention_figure(image, ["a", "red", "circle"], cross, torch.rand(4, 4), tmp_path / "fig.png", title="a red circle")
+    path = save_attention_figure(
+        image, ["a", "red", "circle"], cross, torch.rand(4, 4), tmp_path / "fig.png", title="a red circle"
+    )
     with Image.open(path) as png:
         assert png.format == "PNG" and png.size[0] > png.size[1]
     assert [p.name for p in tmp_path.iterdir()] == ["fig.png"]  # no temporary file left
@@ -106,7 +110,10 @@ def test_save_attention_figure_writes_a_png(tmp_path):
 def test_cli_writes_one_figure_per_captioned_image(tmp_path):
     model = tiny_captioner()
     bundle = save_bundle(
-        tmp_path / "bundle", model, task="caption", vocab=Vocabulary(WORDS),
+        tmp_path / "bundle",
+        model,
+        task="caption",
+        vocab=Vocabulary(WORDS),
         preprocess=dict(img_size=32, crop_pct=1.0, mean=[0.5] * 3, std=[0.5] * 3, interpolation="bicubic"),
     )
     for sub, color in (("a", (255, 0, 0)), ("b", (0, 0, 255))):
@@ -114,10 +121,28 @@ def test_cli_writes_one_figure_per_captioned_image(tmp_path):
         Image.new("RGB", (40, 40), color).save(tmp_path / "imgs" / sub / "same.png")  # same stem twice
     (tmp_path / "imgs" / "bad.png").write_text("not an image")
     out, figs = tmp_path / "out.jsonl", tmp_path / "maps"
-    args = [f"model={bundle}", f"images={tmp_path / 'imgs'}", f"out={out}", f"attention_maps={figs}", "num_workers=0", "progress=false"]
+    args = [
+        f"model={bundle}",
+        f"images={tmp_path / 'imgs'}",
+        f"out={out}",
+        f"attention_maps={figs}",
+        "num_workers=0",
+        "progress=false",
+    ]
     assert main(args) == 1
     assert sorted(p.name for p in figs.iterdir()) == ["same-2.png", "same.png"]
     records = [json.loads(line) for line in out.read_text().splitlines()]
     # The same captions as without maps.
-    assert main([f"model={bundle}", f"images={tmp_path / 'imgs'}", f"out={tmp_path / 'plain.jsonl'}", "num_workers=0", "progress=false"]) == 1
+    assert (
+        main(
+            [
+                f"model={bundle}",
+                f"images={tmp_path / 'imgs'}",
+                f"out={tmp_path / 'plain.jsonl'}",
+                "num_workers=0",
+                "progress=false",
+            ]
+        )
+        == 1
+    )
     assert records == [json.loads(line) for line in (tmp_path / "plain.jsonl").read_text().splitlines()]

@@ -23,12 +23,18 @@ TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_r
 @pytest.fixture
 def tiny_bench(monkeypatch):
     """The bench's model sizes shrunk to tiny ones (same code paths)."""
-    monkeypatch.setattr(bench, "ENCODERS", {
-        "vit_ti16_224": dict(img_size=32, patch_size=16, embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0),
-        "vit_192d6_32px": dict(TINY),
-    })
+    monkeypatch.setattr(
+        bench,
+        "ENCODERS",
+        {
+            "vit_ti16_224": dict(img_size=32, patch_size=16, embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0),
+            "vit_192d6_32px": dict(TINY),
+        },
+    )
     monkeypatch.setattr(bench, "ENCODER_BATCH", {"vit_ti16_224": 2, "vit_192d6_32px": 2})
-    monkeypatch.setattr(bench, "CAPTION_DECODER", dict(vocab_size=40, embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0, max_len=8))
+    monkeypatch.setattr(
+        bench, "CAPTION_DECODER", dict(vocab_size=40, embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0, max_len=8)
+    )
     monkeypatch.setattr(bench, "CAPTION_BATCH", 2)
     monkeypatch.setattr(bench, "CAPTION_TOKENS", 5)
 
@@ -115,7 +121,9 @@ def test_main_writes_the_json_schema_and_plot(tiny_bench, tmp_path):
     if has_hf:
         sections.append("caption")
     out = tmp_path / "bench.json"
-    result = bench.main(["--quick", "--no-compile", "--repeats", "2", "--min-time", "0", "--out", str(out), "--sections", *sections])
+    result = bench.main(
+        ["--quick", "--no-compile", "--repeats", "2", "--min-time", "0", "--out", str(out), "--sections", *sections]
+    )
     saved = json.loads(out.read_text())
     assert saved["schema"] == bench.SCHEMA and saved["machine"]["torch_threads"] == 1
     assert saved["matmul"]["gflops"] > 0 and set(saved["targets"]) == set(bench.TARGETS)

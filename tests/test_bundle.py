@@ -29,7 +29,13 @@ def lightning_checkpoint(path: Path, model: torch.nn.Module, **hparams) -> Path:
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
     state["train_acc.tp"] = torch.zeros(1)  # system-level state that is not the model's
     torch.save(
-        {"epoch": 1, "global_step": 10, "pytorch-lightning_version": "2.6.0", "state_dict": state, "hyper_parameters": hparams},
+        {
+            "epoch": 1,
+            "global_step": 10,
+            "pytorch-lightning_version": "2.6.0",
+            "state_dict": state,
+            "hyper_parameters": hparams,
+        },
         path,
     )
     return path
@@ -43,7 +49,9 @@ def captioner_and_vocab():
 
 def test_bundle_round_trip_generates_the_same_captions(tmp_path, captioner_and_vocab):
     model, vocab = captioner_and_vocab
-    directory = save_bundle(tmp_path / "bundle", model, task="caption", preprocess=PREPROCESS, vocab=vocab, generate={"num_beams": 2})
+    directory = save_bundle(
+        tmp_path / "bundle", model, task="caption", preprocess=PREPROCESS, vocab=vocab, generate={"num_beams": 2}
+    )
     assert sorted(os.listdir(directory)) == ["config.json", "model.safetensors", "vocab.json"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
     config = json.loads((directory / "config.json").read_text())  # plain JSON
@@ -57,7 +65,9 @@ def test_bundle_round_trip_generates_the_same_captions(tmp_path, captioner_and_v
     assert bundle.model.decoder.head.weight is bundle.model.decoder.token_embed.weight  # still tied
     images = torch.randn(3, 3, 32, 32)
     for kwargs in (dict(), dict(num_beams=3)):
-        torch.testing.assert_close(bundle.model.generate(images, **kwargs), model.generate(images, **kwargs), rtol=0, atol=0)
+        torch.testing.assert_close(
+            bundle.model.generate(images, **kwargs), model.generate(images, **kwargs), rtol=0, atol=0
+        )
     assert bundle.transform(Image.new("RGB", (50, 30), (255, 0, 0))).shape == (3, 32, 32)
 
 
@@ -75,7 +85,9 @@ def test_load_bundle_from_run_folders_and_checkpoints(tmp_path, captioner_and_vo
     images = torch.randn(2, 3, 32, 32)
     expected = model.generate(images)
     # (c) a Lightning checkpoint, hyperparameters as CaptionSystem saves them (no 'task' key; vocab without specials)
-    hparams = dict(model_config=model.config, vocab=WORDS, preprocess=PREPROCESS, generate={"num_beams": 1}, label_smoothing=0.0)
+    hparams = dict(
+        model_config=model.config, vocab=WORDS, preprocess=PREPROCESS, generate={"num_beams": 1}, label_smoothing=0.0
+    )
     ckpt = lightning_checkpoint(tmp_path / "model.ckpt", model, **hparams)
     # (b) a run folder with only checkpoints/last.ckpt, then one with a bundle too
     run = tmp_path / "run"
@@ -92,7 +104,9 @@ def test_load_bundle_from_run_folders_and_checkpoints(tmp_path, captioner_and_vo
 
 def test_load_bundle_classification_checkpoint(tmp_path):
     model = VisionTransformer(**TINY, num_classes=2).eval()
-    ckpt = lightning_checkpoint(tmp_path / "c.ckpt", model, model_config=model.config, class_names=["a", "b"], preprocess=PREPROCESS)
+    ckpt = lightning_checkpoint(
+        tmp_path / "c.ckpt", model, model_config=model.config, class_names=["a", "b"], preprocess=PREPROCESS
+    )
     bundle = load_bundle(ckpt)
     assert bundle.task == "classification" and bundle.class_names == ["a", "b"]
     x = torch.randn(2, 3, 32, 32)
@@ -187,7 +201,13 @@ def test_save_bundle_checks_its_arguments(tmp_path, captioner_and_vocab):
     with pytest.raises(ValueError, match="vocab_size"):
         save_bundle(tmp_path / "b", model, task="caption", preprocess=PREPROCESS, vocab=Vocabulary(["x"]))
     with pytest.raises(ValueError, match="has no \\['crop_pct'\\]"):
-        save_bundle(tmp_path / "b", model, task="caption", preprocess={k: v for k, v in PREPROCESS.items() if k != "crop_pct"}, vocab=vocab)
+        save_bundle(
+            tmp_path / "b",
+            model,
+            task="caption",
+            preprocess={k: v for k, v in PREPROCESS.items() if k != "crop_pct"},
+            vocab=vocab,
+        )
     with pytest.raises(ValueError, match="task='detect' is unknown"):
         save_bundle(tmp_path / "b", model, task="detect", preprocess=PREPROCESS, vocab=vocab)
     assert not (tmp_path / "b").exists()
@@ -196,7 +216,10 @@ def test_save_bundle_checks_its_arguments(tmp_path, captioner_and_vocab):
 def test_bundle_from_system_uses_the_system_settings(tmp_path, captioner_and_vocab):
     model, vocab = captioner_and_vocab
     system = SimpleNamespace(
-        model=model, task="caption", vocab=vocab, generate_kwargs={"num_beams": 2},
+        model=model,
+        task="caption",
+        vocab=vocab,
+        generate_kwargs={"num_beams": 2},
         hparams={"model_config": model.config, "vocab": WORDS, "preprocess": PREPROCESS},
     )
     bundle = load_bundle(bundle_from_system(system, tmp_path / "bundle"))

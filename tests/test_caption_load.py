@@ -44,8 +44,16 @@ def test_killed_caption_run_resumes_with_each_image_once(bundle_dir, tmp_path): 
     stall = folder / "zzz_stall.jpg"
     os.mkfifo(stall)
     out = tmp_path / "captions.jsonl"
-    cmd = [str(script), f"model={bundle_dir}", f"images={folder}", f"out={out}",
-           "batch_size=8", "num_workers=2", "device=cpu", "progress=false"]
+    cmd = [
+        str(script),
+        f"model={bundle_dir}",
+        f"images={folder}",
+        f"out={out}",
+        "batch_size=8",
+        "num_workers=2",
+        "device=cpu",
+        "progress=false",
+    ]
     count = load_caption.LineCounter(out)
     with open(tmp_path / "first.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -108,7 +116,9 @@ def test_caption_to_file_memory_does_not_grow_with_the_number_of_images(bundle_d
         refs.clear()
         tracemalloc.start()
         try:
-            summary = caption_to_file(bundle, inputs[:n], tmp_path / f"out{n}.jsonl", batch_size=16, num_workers=0, progress=False)
+            summary = caption_to_file(
+                bundle, inputs[:n], tmp_path / f"out{n}.jsonl", batch_size=16, num_workers=0, progress=False
+            )
             peaks[n] = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()

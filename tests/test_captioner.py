@@ -33,7 +33,9 @@ def bundle_dir(tmp_path_factory) -> Path:
     with torch.no_grad():
         decoder.token_embed.weight[vocab.eos_id].zero_()  # captions of a few words, not empty ones
     model = ImageCaptioner(VisionTransformer(**TINY), decoder).eval()
-    return save_bundle(tmp_path_factory.mktemp("model") / "bundle", model, task="caption", preprocess=PREPROCESS, vocab=vocab)
+    return save_bundle(
+        tmp_path_factory.mktemp("model") / "bundle", model, task="caption", preprocess=PREPROCESS, vocab=vocab
+    )
 
 
 def _png_header(path: Path, width: int, height: int) -> None:
@@ -123,10 +125,15 @@ def test_list_inputs_kinds(tmp_path):
     assert len(list_inputs(str(tmp_path / "imgs" / "*.png"))) == 4
     (tmp_path / "list.txt").write_text("# images\nrgb.jpg\n\ngray.png\nrgb.jpg\n")
     assert [x.path for x in list_inputs(tmp_path / "list.txt", image_dir=tmp_path / "imgs")] == [
-        str(tmp_path / "imgs" / "gray.png"), str(tmp_path / "imgs" / "rgb.jpg")]
+        str(tmp_path / "imgs" / "gray.png"),
+        str(tmp_path / "imgs" / "rgb.jpg"),
+    ]
     coco = {"images": [{"id": 42, "file_name": "rgb.jpg"}, {"id": 7, "file_name": "gray.png"}], "annotations": []}
     (tmp_path / "imgs" / "val.json").write_text(json.dumps(coco))
-    assert [(Path(x.path).name, x.image_id) for x in list_inputs(tmp_path / "imgs" / "val.json")] == [("rgb.jpg", 42), ("gray.png", 7)]
+    assert [(Path(x.path).name, x.image_id) for x in list_inputs(tmp_path / "imgs" / "val.json")] == [
+        ("rgb.jpg", 42),
+        ("gray.png", 7),
+    ]
     with pytest.raises(FileNotFoundError, match="missing"):
         list_inputs(tmp_path / "missing")
     with pytest.raises(ValueError, match="matches no files"):
@@ -154,7 +161,9 @@ def test_cli_captions_good_images_and_records_bad_ones(bundle_dir, tmp_path, cap
     good = write_good_images(folder)
     bad = write_bad_images(folder)
     out = tmp_path / "out" / "captions.jsonl"
-    status = main([f"model={bundle_dir}", f"images={folder}", f"out={out}", "batch_size=3", "num_workers=2", "progress=false"])
+    status = main(
+        [f"model={bundle_dir}", f"images={folder}", f"out={out}", "batch_size=3", "num_workers=2", "progress=false"]
+    )
     assert status == 1
     assert f"captioned {len(good)} images, {len(bad)} failed -> {out}" in capsys.readouterr().out
     records = {Path(r["image"]).name: r for r in _jsonl(out)}
@@ -199,9 +208,21 @@ def test_rerun_after_an_interrupted_run_records_each_image_once(bundle_dir, tmp_
 def test_coco_and_csv_outputs_parse_back(bundle_dir, tmp_path):
     folder = tmp_path / "imgs"
     write_good_images(folder)
-    coco = {"images": [{"id": 101, "file_name": "rgb.jpg"}, {"id": 205, "file_name": "missing.jpg"}, {"id": 309, "file_name": "cmyk.jpg"}]}
+    coco = {
+        "images": [
+            {"id": 101, "file_name": "rgb.jpg"},
+            {"id": 205, "file_name": "missing.jpg"},
+            {"id": 309, "file_name": "cmyk.jpg"},
+        ]
+    }
     (tmp_path / "val.json").write_text(json.dumps(coco))
-    base = [f"model={bundle_dir}", f"images={tmp_path / 'val.json'}", f"image_dir={folder}", "num_workers=0", "progress=false"]
+    base = [
+        f"model={bundle_dir}",
+        f"images={tmp_path / 'val.json'}",
+        f"image_dir={folder}",
+        "num_workers=0",
+        "progress=false",
+    ]
     assert main([*base, f"out={tmp_path / 'res.json'}", "format=coco"]) == 1
     results = json.loads((tmp_path / "res.json").read_text())
     assert [r["image_id"] for r in results] == [101, 309]
@@ -210,8 +231,14 @@ def test_coco_and_csv_outputs_parse_back(bundle_dir, tmp_path):
     assert main([*base, f"out={tmp_path / 'res.csv'}", "format=csv"]) == 1
     with open(tmp_path / "res.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [(Path(r["image"]).name, r["image_id"]) for r in rows] == [("rgb.jpg", "101"), ("missing.jpg", "205"), ("cmyk.jpg", "309")]
-    assert rows[0]["caption"] == results[0]["caption"] and rows[1]["error"] == "file not found" and not rows[1]["caption"]
+    assert [(Path(r["image"]).name, r["image_id"]) for r in rows] == [
+        ("rgb.jpg", "101"),
+        ("missing.jpg", "205"),
+        ("cmyk.jpg", "309"),
+    ]
+    assert (
+        rows[0]["caption"] == results[0]["caption"] and rows[1]["error"] == "file not found" and not rows[1]["caption"]
+    )
 
 
 def test_coco_output_resumes_from_its_partial_file(bundle_dir, tmp_path):
@@ -221,7 +248,12 @@ def test_coco_output_resumes_from_its_partial_file(bundle_dir, tmp_path):
     partial = tmp_path / "res.json.partial.jsonl"
     record = {"image": str(folder / "animated.gif"), "image_id": 0, "caption": "kept from the first run"}
     partial.write_text(json.dumps(record) + "\n" + '{"image": "cut')
-    assert main([f"model={bundle_dir}", f"images={folder}", f"out={out}", "format=coco", "num_workers=0", "progress=false"]) == 0
+    assert (
+        main(
+            [f"model={bundle_dir}", f"images={folder}", f"out={out}", "format=coco", "num_workers=0", "progress=false"]
+        )
+        == 0
+    )
     results = json.loads(out.read_text())
     assert len(results) == 8 and results[0] == {"image_id": 0, "caption": "kept from the first run"}
     assert [r["image_id"] for r in results] == list(range(8)) and not partial.exists()
@@ -230,19 +262,31 @@ def test_coco_output_resumes_from_its_partial_file(bundle_dir, tmp_path):
 def test_cli_sampling_with_a_seed_is_reproducible(bundle_dir, tmp_path):
     folder = tmp_path / "imgs"
     write_good_images(folder)
-    args = [f"model={bundle_dir}", f"images={folder}", "do_sample=true", "temperature=2.0", "top_k=5", "seed=3", "num_workers=0", "progress=false"]
+    args = [
+        f"model={bundle_dir}",
+        f"images={folder}",
+        "do_sample=true",
+        "temperature=2.0",
+        "top_k=5",
+        "seed=3",
+        "num_workers=0",
+        "progress=false",
+    ]
     assert main([*args, f"out={tmp_path / 'a.jsonl'}"]) == 0 and main([*args, f"out={tmp_path / 'b.jsonl'}"]) == 0
     assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
 
 
-@pytest.mark.parametrize("args,message", [
-    (["model=m", "images=i", "out=o", "beams=3"], "unknown key 'beams'; did you mean 'num_beams'?"),
-    (["model=m", "images=i"], "missing out=..."),
-    (["model=m", "images=i", "out=o", "batch_size=many"], "batch_size="),
-    (["model=m", "images=i", "out=o", "format=xml"], "format='xml' is unknown"),
-    (["model=m", "images=i", "out=o", "--fast"], "is not key=value"),
-    (["model=nowhere", "images=i", "out=o"], "model not found: nowhere"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["model=m", "images=i", "out=o", "beams=3"], "unknown key 'beams'; did you mean 'num_beams'?"),
+        (["model=m", "images=i"], "missing out=..."),
+        (["model=m", "images=i", "out=o", "batch_size=many"], "batch_size="),
+        (["model=m", "images=i", "out=o", "format=xml"], "format='xml' is unknown"),
+        (["model=m", "images=i", "out=o", "--fast"], "is not key=value"),
+        (["model=nowhere", "images=i", "out=o"], "model not found: nowhere"),
+    ],
+)
 def test_cli_usage_errors_are_one_line(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -258,7 +302,15 @@ def test_console_script_end_to_end(bundle_dir, tmp_path):
     Image.new("RGB", (40, 40), (255, 0, 0)).save(folder / "red.png")
     (folder / "broken.jpg").write_bytes(b"nope")
     out = tmp_path / "captions.csv"
-    cmd = [str(script), f"model={bundle_dir}", f"images={folder / '*'}", f"out={out}", "format=csv", "device=cpu", "num_workers=1"]
+    cmd = [
+        str(script),
+        f"model={bundle_dir}",
+        f"images={folder / '*'}",
+        f"out={out}",
+        "format=csv",
+        "device=cpu",
+        "num_workers=1",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == f"captioned 1 images, 1 failed -> {out}"
@@ -271,7 +323,7 @@ def test_console_script_end_to_end(bundle_dir, tmp_path):
 def test_odd_file_names_are_recorded_once(bundle_dir, tmp_path):
     folder = tmp_path / "imgs"
     folder.mkdir()
-    names = ["café ☕.png", os.fsdecode(b"latin1-caf\xe9.png"), "comma, \"quote\".png"]
+    names = ["café ☕.png", os.fsdecode(b"latin1-caf\xe9.png"), 'comma, "quote".png']
     for name in names:
         Image.new("RGB", (20, 20), (0, 128, 0)).save(folder / name)
     bundle = load_bundle(bundle_dir)
@@ -294,7 +346,9 @@ def test_a_second_run_on_the_same_output_is_refused(bundle_dir, tmp_path):
     with open(out, "ab") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
         with pytest.raises(ValueError, match="being written by another run"):
-            caption_to_file(load_bundle(bundle_dir), list_inputs(tmp_path / "x.png"), out, num_workers=0, progress=False)
+            caption_to_file(
+                load_bundle(bundle_dir), list_inputs(tmp_path / "x.png"), out, num_workers=0, progress=False
+            )
 
 
 def test_cli_num_threads_sets_torch_threads(bundle_dir, tmp_path, monkeypatch):
@@ -307,6 +361,14 @@ def test_cli_num_threads_sets_torch_threads(bundle_dir, tmp_path, monkeypatch):
     Image.new("RGB", (20, 20), (200, 30, 30)).save(folder / "a.png")
     seen = []
     monkeypatch.setattr(torch, "set_num_threads", seen.append)
-    code = caption.main([f"model={bundle_dir}", f"images={folder}", f"out={tmp_path / 'o.jsonl'}", "num_threads=1",
-                         "progress=false", "num_workers=0"])
+    code = caption.main(
+        [
+            f"model={bundle_dir}",
+            f"images={folder}",
+            f"out={tmp_path / 'o.jsonl'}",
+            "num_threads=1",
+            "progress=false",
+            "num_workers=0",
+        ]
+    )
     assert code == 0 and seen == [1]

@@ -51,12 +51,7 @@ def _components(mask: np.ndarray) -> list[np.ndarray]:
             y, x = stack.pop()
             pixels.append((y, x))
             for ny, nx in ((y + 1, x), (y - 1, x), (y, x + 1), (y, x - 1)):
-                if (
-                    0 <= ny < mask.shape[0]
-                    and 0 <= nx < mask.shape[1]
-                    and mask[ny, nx]
-                    and not seen[ny, nx]
-                ):
+                if 0 <= ny < mask.shape[0] and 0 <= nx < mask.shape[1] and mask[ny, nx] and not seen[ny, nx]:
                     seen[ny, nx] = True
                     stack.append((ny, nx))
         found.append(np.array(pixels))
@@ -103,9 +98,7 @@ def caption_from_objects(objects: list[dict]) -> str:
         if i:
             prev = objects[i - 1]
             dx, dy = obj["cx"] - prev["cx"], obj["cy"] - prev["cy"]
-            words.append(
-                "left of" if abs(dx) >= abs(dy) else "above" if prev["cy"] < obj["cy"] else "below"
-            )
+            words.append("left of" if abs(dx) >= abs(dy) else "above" if prev["cy"] < obj["cy"] else "below")
         words.append(f"a {obj['size']} {obj['colour']} {obj['shape']}")
     return " ".join(words)
 
@@ -173,9 +166,7 @@ def test_shapes_references_add_the_reversed_chain():
         if len(names) == 1:
             assert refs == [names[0]]
         else:
-            relations = re.split("|".join(map(re.escape, names)), refs[0])[
-                1:-1
-            ]  # text between phrases
+            relations = re.split("|".join(map(re.escape, names)), refs[0])[1:-1]  # text between phrases
             reversed_chain = [names[-1]]
             for rel, name in zip(reversed(relations), reversed(names[:-1])):
                 reversed_chain += [INVERSE[rel.strip()], name]
@@ -371,9 +362,7 @@ def test_shapes_caption_datamodule_truncates_and_reuses_vocab(tmp_path):
 
 
 def test_shapes_classification_datamodule_batches():
-    dm = ShapesDataModule(
-        task="classification", img_size=32, num_train=12, num_val=6, num_test=6, batch_size=6
-    )
+    dm = ShapesDataModule(task="classification", img_size=32, num_train=12, num_val=6, num_test=6, batch_size=6)
     dm.setup()
     images, labels = next(iter(dm.val_dataloader()))
     assert images.shape == (6, 3, 32, 32) and images.dtype == torch.float32
@@ -435,13 +424,9 @@ def test_image_folder_datamodule_clear_errors(tmp_path):
 
 
 def test_coco_datamodule_batches(coco):
-    dm = CocoCaptionDataModule(
-        coco / "images", coco / "train.json", coco / "val.json", img_size=32, batch_size=2
-    )
+    dm = CocoCaptionDataModule(coco / "images", coco / "train.json", coco / "val.json", img_size=32, batch_size=2)
     dm.setup("fit")
-    assert dm.vocab == Vocabulary.build(
-        c for cs in TRAIN_CAPTIONS.values() for c in cs
-    )  # train only
+    assert dm.vocab == Vocabulary.build(c for cs in TRAIN_CAPTIONS.values() for c in cs)  # train only
     assert "zebra" not in dm.vocab.stoi
     val = list(dm.val_dataloader())
     for batch in val:
@@ -456,14 +441,10 @@ def test_coco_datamodule_batches(coco):
 
 
 def test_coco_datamodule_samples_every_training_caption(coco):
-    dm = CocoCaptionDataModule(
-        coco / "images", coco / "train.json", coco / "val.json", img_size=32, batch_size=2
-    )
+    dm = CocoCaptionDataModule(coco / "images", coco / "train.json", coco / "val.json", img_size=32, batch_size=2)
     dm.setup()
     torch.manual_seed(0)
-    seen = {
-        dm.vocab.decode(dm.train_dataset[0]["tokens"]) for _ in range(30)
-    }  # each missed w.p. 2**-30
+    seen = {dm.vocab.decode(dm.train_dataset[0]["tokens"]) for _ in range(30)}  # each missed w.p. 2**-30
     assert seen == {" ".join(coco_tokenize(c)) for c in TRAIN_CAPTIONS[1]}
 
 

@@ -32,9 +32,21 @@ def caption_run(tmp_path_factory):
     """A tiny captioner trained for 40 steps on the shapes (16 val, 16 test images); its final
     validation metrics ride along."""
     run = tmp_path_factory.mktemp("caption_run")
-    cfg = compose_train(["head=caption", *TINY, *TINY_SHAPES, "head.decoder.depth=1", "trainer.max_steps=40",
-                         "trainer.max_epochs=-1", "trainer.check_val_every_n_epoch=5", "optim.lr=3e-3",
-                         "optim.warmup_steps=5", "test=false"], run)
+    cfg = compose_train(
+        [
+            "head=caption",
+            *TINY,
+            *TINY_SHAPES,
+            "head.decoder.depth=1",
+            "trainer.max_steps=40",
+            "trainer.max_epochs=-1",
+            "trainer.check_val_every_n_epoch=5",
+            "optim.lr=3e-3",
+            "optim.warmup_steps=5",
+            "test=false",
+        ],
+        run,
+    )
     result = train(cfg)
     return run, result.metrics
 
@@ -59,7 +71,9 @@ def _generated(run: Path, split: str, **generate) -> tuple[list[str], list[list[
     return captions, [data.references(i) for i in range(len(data))]
 
 
-@pytest.mark.parametrize("split,decoding", [("val", {}), ("test", {"num_beams": 2, "max_new_tokens": 6, "length_penalty": 0.5})])
+@pytest.mark.parametrize(
+    "split,decoding", [("val", {}), ("test", {"num_beams": 2, "max_new_tokens": 6, "length_penalty": 0.5})]
+)
 def test_eval_captions_on_the_run_split_match_the_oracle(caption_run, split, decoding, tmp_path, capsys):
     run, _ = caption_run
     args = [f"model={run}", f"split={split}", *FAST, *(f"{k}={v}" for k, v in decoding.items())]
@@ -69,18 +83,34 @@ def test_eval_captions_on_the_run_split_match_the_oracle(caption_run, split, dec
     out = tmp_path if split == "val" else run / "eval-test"  # default: RUN/eval-<split>
     report = _metrics(out)
     assert {"task", "model", "split", "data", "predictions", "decoding", "metrics"} <= set(report)
-    assert (report["task"], report["split"], report["model"], report["predictions"]) == ("caption", split, str(run), None)
+    assert (report["task"], report["split"], report["model"], report["predictions"]) == (
+        "caption",
+        split,
+        str(run),
+        None,
+    )
     assert report["decoding"] == {"num_beams": 1, "max_new_tokens": 23, "length_penalty": 1.0, **decoding}
     assert set(report["metrics"]) == CAPTION_KEYS | {"exact_match"}
     captions, references = _generated(run, split, **decoding)
-    expected = {**compute_caption_metrics(captions, references), "exact_match": exact_match(captions, references),
-                "distinct": len(set(captions)) / 16, "num_images": 16}
+    expected = {
+        **compute_caption_metrics(captions, references),
+        "exact_match": exact_match(captions, references),
+        "distinct": len(set(captions)) / 16,
+        "num_images": 16,
+    }
     for key, value in expected.items():
         assert report["metrics"][key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
     written = [json.loads(line) for line in (out / "captions.jsonl").read_text().splitlines()]
-    assert [(r["image_id"], r["caption"], r["references"]) for r in written] == list(zip(range(16), captions, references))
+    assert [(r["image_id"], r["caption"], r["references"]) for r in written] == list(
+        zip(range(16), captions, references)
+    )
     table = capsys.readouterr().out
-    assert "BLEU-4" in table and "CIDEr-D" in table and "exact match" in table and f"metrics -> {out / 'metrics.json'}" in table
+    assert (
+        "BLEU-4" in table
+        and "CIDEr-D" in table
+        and "exact match" in table
+        and f"metrics -> {out / 'metrics.json'}" in table
+    )
 
 
 def test_eval_equals_the_trainers_validation(caption_run, tmp_path):
@@ -114,9 +144,14 @@ def test_eval_predictions_are_matched_by_image_id(caption_run, tmp_path):
     run, _ = caption_run
     data = ShapesDataset("val", 16, img_size=32, seed=0, task="caption")
     refs = [data.references(i) for i in range(16)]
-    captions = {i: refs[i][0] if i % 2 else refs[(i + 1) % 16][0] for i in range(14)}  # half right, half another image's
+    captions = {
+        i: refs[i][0] if i % 2 else refs[(i + 1) % 16][0] for i in range(14)
+    }  # half right, half another image's
     lines = [{"image_id": str(i), "caption": captions[i]} for i in reversed(range(14))]  # reversed, ids as strings
-    lines += [{"image": "x.png", "image_id": 14, "error": "file not found"}, {"image_id": 3, "caption": "repeated: not scored"}]
+    lines += [
+        {"image": "x.png", "image_id": 14, "error": "file not found"},
+        {"image_id": 3, "caption": "repeated: not scored"},
+    ]
     path = tmp_path / "predictions.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"image_id": 15, "capt')  # a cut-off last line
     assert eval_main([f"model={run}", f"predictions={path}", f"out={tmp_path}", *FAST]) == 1  # not every image scored
@@ -130,7 +165,12 @@ def test_eval_predictions_are_matched_by_image_id(caption_run, tmp_path):
 def test_eval_generated_captions_read_back_as_predictions_give_the_same_scores(caption_run, tmp_path):
     run, _ = caption_run
     assert eval_main([f"model={run}", f"out={tmp_path / 'gen'}", *FAST]) == 0
-    assert eval_main([f"model={run}", f"predictions={tmp_path / 'gen' / 'captions.jsonl'}", f"out={tmp_path / 'pred'}", *FAST]) == 0
+    assert (
+        eval_main(
+            [f"model={run}", f"predictions={tmp_path / 'gen' / 'captions.jsonl'}", f"out={tmp_path / 'pred'}", *FAST]
+        )
+        == 0
+    )
     assert _metrics(tmp_path / "pred")["metrics"] == _metrics(tmp_path / "gen")["metrics"]
 
 
@@ -141,16 +181,25 @@ def test_eval_coco_references_and_vitattn_caption_predictions(caption_run, tmp_p
     base = [f"model={run}", f"references={refs_file}", f"image_dir={image_dir}", *FAST]
     assert eval_main([*base, f"out={tmp_path / 'gen'}"]) == 0
     generated = _metrics(tmp_path / "gen")
-    assert generated["data"] == str(refs_file) and set(generated["metrics"]) == CAPTION_KEYS  # no exact match on free text
+    assert (
+        generated["data"] == str(refs_file) and set(generated["metrics"]) == CAPTION_KEYS
+    )  # no exact match on free text
     coco_json = json.loads(refs_file.read_text())
     bundle = load_bundle(run)
     inputs = [InputImage(str(image_dir / im["file_name"]), im["id"]) for im in coco_json["images"]]
     captions = [r["caption"] for r in caption_images(bundle, inputs, **bundle.generate)]
-    references = [[a["caption"] for a in coco_json["annotations"] if a["image_id"] == im["id"]] for im in coco_json["images"]]
+    references = [
+        [a["caption"] for a in coco_json["annotations"] if a["image_id"] == im["id"]] for im in coco_json["images"]
+    ]
     expected = compute_caption_metrics(captions, references)
     assert {k: generated["metrics"][k] for k in expected} == pytest.approx(expected, rel=1e-12)
     # the same captions through vitattn-caption's JSON Lines, scored by image id
-    assert caption_main([f"model={run}", f"images={refs_file}", f"image_dir={image_dir}", f"out={tmp_path / 'c.jsonl'}", *FAST]) == 0
+    assert (
+        caption_main(
+            [f"model={run}", f"images={refs_file}", f"image_dir={image_dir}", f"out={tmp_path / 'c.jsonl'}", *FAST]
+        )
+        == 0
+    )
     assert eval_main([*base[:2], f"predictions={tmp_path / 'c.jsonl'}", f"out={tmp_path / 'pred'}", *FAST]) == 0
     assert _metrics(tmp_path / "pred")["metrics"] == generated["metrics"]
 
@@ -159,15 +208,28 @@ def test_eval_takes_coco_and_image_folder_data_from_the_run_config(caption_run, 
     coco = make_coco(tmp_path / "coco")
     folder = make_image_folder(tmp_path / "folder", classes=("blue square", "red circle"), per_class=2, size=40)
     runs = {
-        "coco": (caption_run[0], {"_target_": "vitattn.data.CocoCaptionDataModule", **{k: str(v) for k, v in coco.items()}, "test_annotations": None},
-                 [f"references={coco['val_annotations']}", f"image_dir={coco['image_dir']}"]),
-        "folder": (classifier_run, {"_target_": "vitattn.data.ImageFolderDataModule", "root": str(folder)}, [f"data_root={folder}"]),
+        "coco": (
+            caption_run[0],
+            {
+                "_target_": "vitattn.data.CocoCaptionDataModule",
+                **{k: str(v) for k, v in coco.items()},
+                "test_annotations": None,
+            },
+            [f"references={coco['val_annotations']}", f"image_dir={coco['image_dir']}"],
+        ),
+        "folder": (
+            classifier_run,
+            {"_target_": "vitattn.data.ImageFolderDataModule", "root": str(folder)},
+            [f"data_root={folder}"],
+        ),
     }
     for name, (trained, data, explicit) in runs.items():
         run = tmp_path / f"{name}_run"
         shutil.copytree(trained / "bundle", run / "bundle")
         OmegaConf.save(OmegaConf.create({"data": data}), run / "config.yaml")
-        assert eval_main([f"model={run}", "split=test", *FAST]) == 0  # no test annotations / folder: val, as in training
+        assert (
+            eval_main([f"model={run}", "split=test", *FAST]) == 0
+        )  # no test annotations / folder: val, as in training
         assert eval_main([f"model={run / 'bundle'}", *explicit, f"out={tmp_path / name}", *FAST]) == 0
         from_run, given = _metrics(run / "eval-test"), _metrics(tmp_path / name)
         assert from_run["metrics"] == given["metrics"] and from_run["data"] == given["data"]
@@ -207,7 +269,9 @@ def test_eval_classification_on_an_image_folder_maps_classes_by_name(classifier_
     root = make_image_folder(tmp_path / "folder", classes=("blue square", "red circle"), per_class=4, size=40)
     (root / "val" / "red circle" / "broken.png").write_bytes(b"not a png")
     out = tmp_path / "eval"
-    assert eval_main([f"model={classifier_run}", f"data_root={root}", f"out={out}", "batch_size=3", *FAST]) == 1  # one unreadable
+    assert (
+        eval_main([f"model={classifier_run}", f"data_root={root}", f"out={out}", "batch_size=3", *FAST]) == 1
+    )  # one unreadable
     metrics = _metrics(out)["metrics"]
     bundle = load_bundle(classifier_run)
     paths = sorted((root / "val").glob("*/[0-9].png"))
@@ -253,7 +317,11 @@ def test_export_checkpoint_equals_the_runs_own_bundle(which, request, tmp_path):
     out = tmp_path / "exported"
     assert export_main([f"model={run / 'checkpoints' / 'last.ckpt'}", f"out={out}"]) == 0
     files = {p.name for p in out.iterdir()}
-    assert files == ({"config.json", "model.safetensors", "vocab.json"} if which == "caption_run" else {"config.json", "model.safetensors"})
+    assert files == (
+        {"config.json", "model.safetensors", "vocab.json"}
+        if which == "caption_run"
+        else {"config.json", "model.safetensors"}
+    )
     assert json.loads((out / "config.json").read_text()) == json.loads((run / "bundle" / "config.json").read_text())
     ours, theirs = load_file(out / "model.safetensors"), load_file(run / "bundle" / "model.safetensors")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
@@ -287,7 +355,10 @@ def test_export_refuses_pickled_checkpoints_without_unpickling(caption_run, tmp_
     assert export_main([f"model={run}"]) == 2 and "missing out=..." in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("script,usage", [("vitattn-eval", "vitattn-eval model=PATH"), ("vitattn-export", "vitattn-export model=PATH out=DIR")])
+@pytest.mark.parametrize(
+    "script,usage",
+    [("vitattn-eval", "vitattn-eval model=PATH"), ("vitattn-export", "vitattn-export model=PATH out=DIR")],
+)
 def test_console_scripts_print_their_usage(script, usage):
     path = Path(sys.executable).with_name(script)
     if not path.exists():

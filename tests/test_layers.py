@@ -3,6 +3,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests import seed_reference as seed
 from vitattn.layers import (
     DecoderLayer,
     EncoderLayer,
@@ -12,7 +13,6 @@ from vitattn.layers import (
     record_attention,
     scaled_dot_product_attention,
 )
-from tests import seed_reference as seed
 
 B, L, D, H = 2, 7, 32, 4
 
@@ -109,7 +109,9 @@ def test_point_wise_feed_forward_network_structure_and_values():
     assert ffn[0].out_features == 64 and ffn[2].out_features == D
     x = torch.randn(B, L, D)
     w = {"ffn1": _keras(ffn[0]), "ffn2": _keras(ffn[2])}
-    torch.testing.assert_close(ffn(x), torch.from_numpy(seed.point_wise_feed_forward_network(x.numpy(), w)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        ffn(x), torch.from_numpy(seed.point_wise_feed_forward_network(x.numpy(), w)), atol=1e-5, rtol=1e-5
+    )
     with pytest.raises(ValueError, match="activation='swish' is unknown"):
         point_wise_feed_forward_network(D, 64, "swish")
 

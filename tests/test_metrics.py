@@ -105,10 +105,7 @@ def test_corpus_bleu_matches_torchmetrics_when_every_order_matches():
     tokenized_preds = [" ".join(coco_tokenize(p)) for p in predictions]
     tokenized_refs = [[" ".join(coco_tokenize(r)) for r in refs] for refs in references]
     ours = corpus_bleu(predictions, references)
-    theirs = [
-        torchmetrics_text.BLEUScore(n_gram=n)(tokenized_preds, tokenized_refs).item()
-        for n in range(1, 5)
-    ]
+    theirs = [torchmetrics_text.BLEUScore(n_gram=n)(tokenized_preds, tokenized_refs).item() for n in range(1, 5)]
     assert ours == pytest.approx(theirs, rel=1e-5)
     assert ours[0] < 1.0  # the brevity penalty is really exercised
 
@@ -208,9 +205,7 @@ def test_cider_d_gaussian_length_penalty():
     score = cider_d(["dog runs fast", "sun"], [["dog runs"], ["sun"]])
     assert score == pytest.approx((image1 + 2.5) / 2, rel=1e-12)
     no_penalty = (10 * cosines / 4 + 2.5) / 2
-    assert cider_d(["dog runs fast", "sun"], [["dog runs"], ["sun"]], sigma=1e9) == pytest.approx(
-        no_penalty, rel=1e-12
-    )
+    assert cider_d(["dog runs fast", "sun"], [["dog runs"], ["sun"]], sigma=1e9) == pytest.approx(no_penalty, rel=1e-12)
 
 
 def test_cider_d_averages_over_references():

@@ -12,7 +12,9 @@ TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_r
 @pytest.mark.parametrize("norm_first,activation", [(False, "relu"), (True, "gelu")])
 @pytest.mark.parametrize("global_pool", ["cls", "mean"])
 def test_vit_shapes_and_gradients(norm_first, activation, global_pool):
-    model = VisionTransformer(**TINY, num_classes=5, norm_first=norm_first, activation=activation, global_pool=global_pool)
+    model = VisionTransformer(
+        **TINY, num_classes=5, norm_first=norm_first, activation=activation, global_pool=global_pool
+    )
     x = torch.randn(3, 3, 32, 32)
     feats = model.forward_features(x)
     assert feats.shape == (3, 1 + 16, 32)
@@ -33,16 +35,24 @@ def test_vit_fused_equals_explicit_and_records_maps():
     assert len(maps) == 2 and maps["blocks.0.mha"][0].shape == (2, 2, 17, 17)
 
 
-@pytest.mark.parametrize("name,kwargs,timm_name", [
-    ("tiny", dict(num_classes=10), "vit_tiny_patch16_224"),
-    ("cpu", dict(num_classes=7), None),
-])
+@pytest.mark.parametrize(
+    "name,kwargs,timm_name",
+    [
+        ("tiny", dict(num_classes=10), "vit_tiny_patch16_224"),
+        ("cpu", dict(num_classes=7), None),
+    ],
+)
 def test_vit_matches_timm_with_its_weights(name, kwargs, timm_name):
     if timm_name is None:  # same config built explicitly in timm
         cfg = dict(vit_preset(name).config)
         ref = timm.models.vision_transformer.VisionTransformer(
-            img_size=cfg["img_size"], patch_size=cfg["patch_size"], embed_dim=cfg["embed_dim"], depth=cfg["depth"],
-            num_heads=cfg["num_heads"], mlp_ratio=cfg["mlp_ratio"], num_classes=kwargs["num_classes"],
+            img_size=cfg["img_size"],
+            patch_size=cfg["patch_size"],
+            embed_dim=cfg["embed_dim"],
+            depth=cfg["depth"],
+            num_heads=cfg["num_heads"],
+            mlp_ratio=cfg["mlp_ratio"],
+            num_classes=kwargs["num_classes"],
         )
     else:
         ref = timm.create_model(timm_name, pretrained=False, **kwargs)
@@ -56,7 +66,9 @@ def test_vit_matches_timm_with_its_weights(name, kwargs, timm_name):
 def test_load_timm_weights_from_local_files(tmp_path):
     from safetensors.torch import save_file
 
-    ref = timm.models.vision_transformer.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3).eval()
+    ref = timm.models.vision_transformer.VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3
+    ).eval()
     save_file(ref.state_dict(), tmp_path / "vit.safetensors")
     torch.save({"state_dict": ref.state_dict()}, tmp_path / "vit.pth")
     x = torch.randn(2, 3, 32, 32)
@@ -94,12 +106,15 @@ def test_vit_presets(name, width, depth, heads):
     assert (model.embed_dim, len(model.blocks), model.blocks[0].mha.num_heads) == (width, depth, heads)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(num_heads=5), "num_heads=5 must divide embed_dim=32"),
-    (dict(img_size=30), "img_size=30 must be divisible by patch_size=8"),
-    (dict(global_pool="max"), "global_pool='max' is unknown"),
-    (dict(activation="tanh"), "activation='tanh' is unknown"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(num_heads=5), "num_heads=5 must divide embed_dim=32"),
+        (dict(img_size=30), "img_size=30 must be divisible by patch_size=8"),
+        (dict(global_pool="max"), "global_pool='max' is unknown"),
+        (dict(activation="tanh"), "activation='tanh' is unknown"),
+    ],
+)
 def test_vit_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         VisionTransformer(**{**TINY, **kwargs})
@@ -107,8 +122,16 @@ def test_vit_rejects_bad_arguments(kwargs, message):
 
 def _captioner(norm_first: bool = True, vocab: int = 13) -> ImageCaptioner:
     encoder = VisionTransformer(**TINY)
-    decoder = CaptionDecoder(vocab, embed_dim=24, depth=2, num_heads=2, max_len=16, memory_dim=32, norm_first=norm_first,
-                             activation="gelu" if norm_first else "relu")
+    decoder = CaptionDecoder(
+        vocab,
+        embed_dim=24,
+        depth=2,
+        num_heads=2,
+        max_len=16,
+        memory_dim=32,
+        norm_first=norm_first,
+        activation="gelu" if norm_first else "relu",
+    )
     model = ImageCaptioner(encoder, decoder).eval()
     with torch.no_grad():  # far from the init: sharp, context-dependent outputs, so decoders differ
         for p in decoder.parameters():

@@ -48,23 +48,47 @@ def data(tmp_path_factory):
 # (overrides, what the error must say); {name} is filled from the `data` fixture; shapes data unless data= is given.
 CONFIG_ERRORS = {
     "encoder-heads": ("model.num_heads=3", r"^model\.num_heads=3 must divide model\.embed_dim=32"),
-    "decoder-heads": ("head=caption head.decoder.num_heads=3", r"^head\.decoder\.num_heads=3 must divide head\.decoder\.embed_dim=32"),
+    "decoder-heads": (
+        "head=caption head.decoder.num_heads=3",
+        r"^head\.decoder\.num_heads=3 must divide head\.decoder\.embed_dim=32",
+    ),
     "patch": ("data.img_size=36", r"^data\.img_size=36 must be divisible by model\.patch_size=8"),
     "task": ("head.task=segment", r"^head\.task='segment' is unknown; choose head=caption or head=classification"),
     "pool": ("model.global_pool=max", r"^model\.global_pool='max' is unknown"),
     "activation": ("model.activation=swish", r"^model\.activation='swish' is unknown"),
-    "decoder-activation": ("head=caption head.decoder.activation=swish", r"^head\.decoder\.activation='swish' is unknown"),
+    "decoder-activation": (
+        "head=caption head.decoder.activation=swish",
+        r"^head\.decoder\.activation='swish' is unknown",
+    ),
     "nonfinite": ("head.nonfinite=ignore", r"^head\.nonfinite='ignore' is unknown; choose raise or skip"),
-    "caption-on-imagefolder": ("data=imagefolder head=caption data.root={folder}", r"no captions for head=caption; use head=classification"),
-    "classification-on-coco": ("data=coco head=classification {coco}", r"no class labels for head=classification; use head=caption"),
+    "caption-on-imagefolder": (
+        "data=imagefolder head=caption data.root={folder}",
+        r"no captions for head=caption; use head=classification",
+    ),
+    "classification-on-coco": (
+        "data=coco head=classification {coco}",
+        r"no class labels for head=classification; use head=caption",
+    ),
     "root-missing": ("data=imagefolder head=classification", r"^data\.root is required: add data\.root=PATH"),
-    "root-not-found": ("data=imagefolder head=classification data.root=/no/such/dir", r"^data\.root=/no/such/dir does not exist"),
-    "annotations-not-found": ("data=coco {coco} data.train_annotations={missing}", r"^data\.train_annotations=.*missing\.json does not exist"),
-    "annotations-not-a-file": ("data=coco {coco} data.val_annotations={ann_dir}", r"^data\.val_annotations=.* is not a file"),
+    "root-not-found": (
+        "data=imagefolder head=classification data.root=/no/such/dir",
+        r"^data\.root=/no/such/dir does not exist",
+    ),
+    "annotations-not-found": (
+        "data=coco {coco} data.train_annotations={missing}",
+        r"^data\.train_annotations=.*missing\.json does not exist",
+    ),
+    "annotations-not-a-file": (
+        "data=coco {coco} data.val_annotations={ann_dir}",
+        r"^data\.val_annotations=.* is not a file",
+    ),
     "empty-shapes": ("data.num_train=0", r"^data\.num_train=0 leaves that split empty; use 1 or more"),
     "resume-without-checkpoint": ("resume={folder}", r"^resume=.* has no checkpoints/last\.ckpt"),
     "untrusted-target": ("data._target_=os.system", r"^data\._target_=os\.system is not allowed"),
-    "unknown-target": ("data._target_=vitattn.data.NoSuchData", r"^data\._target_=vitattn\.data\.NoSuchData cannot be imported"),
+    "unknown-target": (
+        "data._target_=vitattn.data.NoSuchData",
+        r"^data\._target_=vitattn\.data\.NoSuchData cannot be imported",
+    ),
 }
 
 
@@ -96,7 +120,9 @@ def test_check_targets_refuses_a_saved_config_pointing_outside(tmp_path):
 
 
 def test_empty_image_folder_fails_before_any_step(data, tmp_path):
-    cfg = compose_train([*TINY, "data=imagefolder", "head=classification", f"data.root={data['empty']}", "data.num_workers=0"], tmp_path)
+    cfg = compose_train(
+        [*TINY, "data=imagefolder", "head=classification", f"data.root={data['empty']}", "data.num_workers=0"], tmp_path
+    )
     with pytest.raises(ConfigError, match=r"^data\.root=.*empty: .*train.*expected ROOT/train/<class>/<image>") as err:
         train(cfg)
     assert "\n" not in str(err.value)
@@ -208,9 +234,18 @@ def test_atomic_checkpoint_io_replaces_whole_file(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_killed_training_resumes_with_at_most_one_interval_repeated(tmp_path):
     runs = tmp_path / "runs"
-    args = [*CLS, "callbacks.step_checkpoint.every_n_train_steps=5", "trainer.max_steps=40", "trainer.max_epochs=-1",
-            "logger=csv", "trainer.log_every_n_steps=1", "+logger.csv.flush_logs_every_n_steps=1",  # rows on disk at each step
-            "test=false", "export_bundle=false", f"paths.runs_dir={runs}"]
+    args = [
+        *CLS,
+        "callbacks.step_checkpoint.every_n_train_steps=5",
+        "trainer.max_steps=40",
+        "trainer.max_epochs=-1",
+        "logger=csv",
+        "trainer.log_every_n_steps=1",
+        "+logger.csv.flush_logs_every_n_steps=1",  # rows on disk at each step
+        "test=false",
+        "export_bundle=false",
+        f"paths.runs_dir={runs}",
+    ]
     train_cli = [str(Path(sys.executable).parent / "vitattn-train")]
     with open(tmp_path / "first.log", "w") as log:
         proc = subprocess.Popen([*train_cli, *args], stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=tmp_path)
@@ -234,7 +269,9 @@ def test_killed_training_resumes_with_at_most_one_interval_repeated(tmp_path):
 
     # the CSVLogger of the second process deletes metrics.csv when it starts (Lightning's
     # _ExperimentWriter._check_log_dir_exists), so the file then holds that process's steps only
-    proc = subprocess.run([*train_cli, f"resume={run_dir}"], capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+    proc = subprocess.run(
+        [*train_cli, f"resume={run_dir}"], capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 40
     _assert_checkpoints_whole(run_dir)
@@ -278,8 +315,10 @@ def test_nan_loss_stops_naming_the_step_and_keeps_last_checkpoint(tmp_path, monk
 
 
 def test_inf_loss_is_non_finite_too():
-    system = ClassificationSystem({"embed_dim": 32, "depth": 1, "num_heads": 2, "patch_size": 8, "img_size": 32, "num_classes": 2},
-                                  class_names=["a", "b"])
+    system = ClassificationSystem(
+        {"embed_dim": 32, "depth": 1, "num_heads": 2, "patch_size": 8, "img_size": 32, "num_classes": 2},
+        class_names=["a", "b"],
+    )
     with pytest.raises(NonFiniteLossError, match=r"non-finite training loss inf at step 0"):
         system.guard(torch.tensor(float("inf")))
 
@@ -287,8 +326,18 @@ def test_inf_loss_is_non_finite_too():
 def test_nan_loss_from_the_cli_is_one_line_and_keeps_the_good_checkpoint(tmp_path):
     runs = tmp_path / "runs"
     # a learning rate that overflows the weights: the loss turns NaN after the first update or two
-    proc = _cli([*CLS, *QUIET, "optim.lr=1e38", "optim.warmup_steps=0", "trainer.max_steps=10",
-                 "callbacks.step_checkpoint.every_n_train_steps=1", f"paths.runs_dir={runs}"], tmp_path)
+    proc = _cli(
+        [
+            *CLS,
+            *QUIET,
+            "optim.lr=1e38",
+            "optim.warmup_steps=0",
+            "trainer.max_steps=10",
+            "callbacks.step_checkpoint.every_n_train_steps=1",
+            f"paths.runs_dir={runs}",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr
@@ -313,7 +362,9 @@ def test_class_list_differing_from_the_checkpoint_fails_before_any_step(tmp_path
     root = make_image_folder(tmp_path / "folder", classes=("bird", "cat"), per_class=2)
     ckpt = tmp_path / "trained.ckpt"
     torch.save({"hyper_parameters": {"class_names": ["cat", "dog"]}}, ckpt)
-    cfg = compose_train(["head=classification", "data=imagefolder", f"data.root={root}", f"ckpt_path={ckpt}"], tmp_path / "run")
+    cfg = compose_train(
+        ["head=classification", "data=imagefolder", f"data.root={root}", f"ckpt_path={ckpt}"], tmp_path / "run"
+    )
     dm = instantiate(cfg.data)
     with pytest.raises(ConfigError, match=r"classes \['bird', 'cat'\] differ from the checkpoint's \['cat', 'dog'\]"):
         setup_data(cfg, dm, str(ckpt))

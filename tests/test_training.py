@@ -14,8 +14,10 @@ from tests.helpers import CONF_DIR, TINY, TINY_SHAPES, compose_train, make_coco,
 from vitattn.models import VisionTransformer
 from vitattn.training import train
 
-GROUPS = {g: sorted(p.stem for p in (Path(CONF_DIR) / g).glob("*.yaml")) for g in
-          ("head", "model", "data", "trainer", "logger", "callbacks", "experiment")}
+GROUPS = {
+    g: sorted(p.stem for p in (CONF_DIR / g).glob("*.yaml"))
+    for g in ("head", "model", "data", "trainer", "logger", "callbacks", "experiment")
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,9 @@ def test_every_config_composes_and_instantiates(group, option, datasets, tmp_pat
         dm.setup("fit")
         assert dm.img_size == cfg.data.img_size
     elif group == "trainer":
-        trainer_cfg = OmegaConf.merge(cfg.trainer, {"accelerator": "cpu", "precision": "32-true", "devices": 1, "strategy": "auto"})
+        trainer_cfg = OmegaConf.merge(
+            cfg.trainer, {"accelerator": "cpu", "precision": "32-true", "devices": 1, "strategy": "auto"}
+        )
         assert isinstance(hydra.utils.instantiate(trainer_cfg, logger=False), Trainer)
         if option in ("gpu", "ddp"):
             assert cfg.trainer.precision == "bf16-mixed"
@@ -99,9 +103,19 @@ def test_fast_dev_run_through_train(name, datasets, tmp_path):
 
 
 # Train on the first batch only, with a high learning rate and nothing else in the way.
-OVERFIT = [*TINY, *TINY_SHAPES, "trainer.overfit_batches=1", "trainer.max_epochs=-1", "optim.lr=3e-3",
-           "optim.warmup_steps=5", "optim.weight_decay=0", "callbacks=none", "test=false", "export_bundle=false",
-           "trainer.check_val_every_n_epoch=1000"]
+OVERFIT = [
+    *TINY,
+    *TINY_SHAPES,
+    "trainer.overfit_batches=1",
+    "trainer.max_epochs=-1",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=5",
+    "optim.weight_decay=0",
+    "callbacks=none",
+    "test=false",
+    "export_bundle=false",
+    "trainer.check_val_every_n_epoch=1000",
+]
 
 
 def test_overfit_one_batch_classifier(tmp_path):
@@ -109,6 +123,7 @@ def test_overfit_one_batch_classifier(tmp_path):
     result = train(cfg)
     assert result.global_step == 120
     from vitattn.data import ShapesDataModule
+
     dm = ShapesDataModule(task="classification", img_size=32, num_train=64, num_val=16, num_test=16, batch_size=8)
     dm.setup("fit")
     images, labels = next(iter(torch.utils.data.DataLoader(dm.train_dataset, batch_size=8)))
@@ -121,6 +136,7 @@ def test_overfit_one_batch_captioner(tmp_path):
     result = train(cfg)
     from vitattn.data import ShapesDataModule
     from vitattn.data.captions import collate_captions
+
     dm = ShapesDataModule(task="caption", img_size=32, num_train=64, num_val=16, num_test=16, batch_size=8)
     dm.setup("fit")
     batch = collate_captions([dm.train_dataset[i] for i in range(8)])
@@ -136,9 +152,18 @@ def _steps_logged(run_dir: Path) -> list[int]:
 
 
 def test_resume_continues_step_optimizer_and_schedule(tmp_path):
-    common = ["head=classification", *TINY, *TINY_SHAPES, "trainer.max_epochs=-1", "trainer.log_every_n_steps=1",
-              "callbacks.step_checkpoint.every_n_train_steps=2", "test=false", "export_bundle=false",
-              "optim.warmup_steps=100", "trainer.check_val_every_n_epoch=1000"]
+    common = [
+        "head=classification",
+        *TINY,
+        *TINY_SHAPES,
+        "trainer.max_epochs=-1",
+        "trainer.log_every_n_steps=1",
+        "callbacks.step_checkpoint.every_n_train_steps=2",
+        "test=false",
+        "export_bundle=false",
+        "optim.warmup_steps=100",
+        "trainer.check_val_every_n_epoch=1000",
+    ]
     first = tmp_path / "first"
     train(compose_train([*common, "trainer.max_steps=4"], first))
     ckpt = torch.load(first / "checkpoints" / "last.ckpt", weights_only=True)
@@ -155,9 +180,22 @@ def test_resume_continues_step_optimizer_and_schedule(tmp_path):
 
 def test_ddp_two_processes_through_the_cli(tmp_path):
     runs = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "vitattn.cli.train", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-           "trainer.precision=32-true", "trainer.max_steps=3", "trainer.benchmark=false", *TINY, *TINY_SHAPES,
-           "logger=tensorboard", f"paths.runs_dir={runs}", "export_bundle=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vitattn.cli.train",
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.precision=32-true",
+        "trainer.max_steps=3",
+        "trainer.benchmark=false",
+        *TINY,
+        *TINY_SHAPES,
+        "logger=tensorboard",
+        f"paths.runs_dir={runs}",
+        "export_bundle=false",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -171,12 +209,15 @@ def test_ddp_two_processes_through_the_cli(tmp_path):
     assert ckpt["global_step"] == 3
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    ([], False),                                   # CPU trainer: eager
-    (["trainer=gpu"], True),                       # GPU trainer: compiled
-    (["trainer=gpu", "compile=false"], False),
-    (["compile=true"], True),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        ([], False),  # CPU trainer: eager
+        (["trainer=gpu"], True),  # GPU trainer: compiled
+        (["trainer=gpu", "compile=false"], False),
+        (["compile=true"], True),
+    ],
+)
 def test_compile_auto_follows_the_accelerator(overrides, expected, tmp_path):
     from vitattn.training import _should_compile
 
@@ -184,12 +225,23 @@ def test_compile_auto_follows_the_accelerator(overrides, expected, tmp_path):
 
 
 def test_compiled_training_keeps_parameter_names(tmp_path):
-    cfg = compose_train(["head=classification", *TINY, *TINY_SHAPES, "compile=true", "trainer.max_steps=2",
-                         "test=false", "trainer.check_val_every_n_epoch=1000"], tmp_path)
+    cfg = compose_train(
+        [
+            "head=classification",
+            *TINY,
+            *TINY_SHAPES,
+            "compile=true",
+            "trainer.max_steps=2",
+            "test=false",
+            "trainer.check_val_every_n_epoch=1000",
+        ],
+        tmp_path,
+    )
     result = train(cfg)
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert not any("_orig_mod" in k for k in ckpt["state_dict"])
     from vitattn.bundle import load_bundle
+
     bundle = load_bundle(result.bundle_dir)
     images = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(bundle.model(images), result.system.model.eval()(images), atol=1e-4, rtol=1e-4)
@@ -198,6 +250,8 @@ def test_compiled_training_keeps_parameter_names(tmp_path):
 def test_num_threads_sets_torch_threads(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(torch, "set_num_threads", seen.append)
-    cfg = compose_train(["head=classification", *TINY, *TINY_SHAPES, "num_threads=1", "trainer.fast_dev_run=true"], tmp_path)
+    cfg = compose_train(
+        ["head=classification", *TINY, *TINY_SHAPES, "num_threads=1", "trainer.fast_dev_run=true"], tmp_path
+    )
     train(cfg)
     assert seen == [1]

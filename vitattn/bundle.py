@@ -237,7 +237,9 @@ def load_bundle(path: str | os.PathLike, device: str | torch.device = "cpu") -> 
         if path.name == CONFIG_FILE:
             return _load_bundle_dir(path.parent, device)
         return _load_checkpoint(path, device)
-    raise FileNotFoundError(f"model not found: {path} (expected a bundle folder, a training run folder or a .ckpt file)")
+    raise FileNotFoundError(
+        f"model not found: {path} (expected a bundle folder, a training run folder or a .ckpt file)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- save
@@ -305,7 +307,9 @@ def _check_preprocess(preprocess: Any, where: str) -> dict[str, Any]:
     p["img_size"], p["crop_pct"] = int(p["img_size"]), float(p["crop_pct"])
     if preprocess.get("crop_mode") is not None:
         if preprocess["crop_mode"] not in CROP_MODES:
-            raise ValueError(f"{where}: crop_mode={preprocess['crop_mode']!r} is unknown; choose one of {list(CROP_MODES)}")
+            raise ValueError(
+                f"{where}: crop_mode={preprocess['crop_mode']!r} is unknown; choose one of {list(CROP_MODES)}"
+            )
         p["crop_mode"] = preprocess["crop_mode"]
     return p
 
@@ -354,7 +358,9 @@ def _load_bundle_dir(directory: Path, device: str | torch.device) -> Bundle:
     if not isinstance(config, dict) or config.get("format") != BUNDLE_FORMAT:
         raise ValueError(f"{config_path} is not a vitattn bundle config (format must be {BUNDLE_FORMAT!r})")
     if config.get("version") != BUNDLE_VERSION:
-        raise ValueError(f"{config_path} has version={config.get('version')!r}; this vitattn reads version {BUNDLE_VERSION}")
+        raise ValueError(
+            f"{config_path} has version={config.get('version')!r}; this vitattn reads version {BUNDLE_VERSION}"
+        )
     task = config.get("task")
     if task not in TASKS:
         raise ValueError(f"{config_path} has task={task!r}; expected one of {list(TASKS)}")
@@ -416,15 +422,21 @@ def _load_checkpoint(path: Path, device: str | torch.device) -> Bundle:
     if "model_config" not in hparams:
         raise ValueError(f"{path}: hyper_parameters has no 'model_config'")
     # The systems save their constructor arguments; the task follows from vocab / class_names.
-    task = hparams.get("task") or ("caption" if "vocab" in hparams else "classification" if "class_names" in hparams else None)
+    task = hparams.get("task") or (
+        "caption" if "vocab" in hparams else "classification" if "class_names" in hparams else None
+    )
     if task not in TASKS:
-        raise ValueError(f"{path}: hyper_parameters task={task!r}; expected one of {list(TASKS)} (or a 'vocab' or 'class_names')")
+        raise ValueError(
+            f"{path}: hyper_parameters task={task!r}; expected one of {list(TASKS)} (or a 'vocab' or 'class_names')"
+        )
     model = _build_model(task, hparams["model_config"], path)
     if hparams.get("preprocess"):
         preprocess = _check_preprocess(hparams["preprocess"], f"{path}: hyper_parameters preprocess")
     else:
         preprocess = default_preprocess(_img_size(model))
-        log.warning("%s has no preprocess in hyper_parameters; using a %d px squash resize", path, preprocess["img_size"])
+        log.warning(
+            "%s has no preprocess in hyper_parameters; using a %d px squash resize", path, preprocess["img_size"]
+        )
     vocab, class_names = None, None
     if task == "caption":
         words = hparams.get("vocab")

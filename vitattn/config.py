@@ -17,8 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from vitattn.layers.feedforward import ACTIVATIONS
 from vitattn.models.vit import POOLS
 
-__all__ = ["ConfigError", "check_config", "check_targets", "setup_data", "model_config_from",
-           "ALLOWED_TARGET_PREFIXES"]
+__all__ = ["ConfigError", "check_config", "check_targets", "setup_data", "model_config_from", "ALLOWED_TARGET_PREFIXES"]
 
 TASKS = ("caption", "classification")
 # Modules a saved config's `_target_` may name (configs read back from disk are not trusted further).
@@ -31,7 +30,9 @@ class ConfigError(ValueError):
 
 def _check_width(prefix: str, width: int, heads: int) -> None:
     if heads <= 0 or width % heads != 0:
-        raise ConfigError(f"{prefix}.num_heads={heads} must divide {prefix}.embed_dim={width}; pick a divisor such as {_divisor(width)}")
+        raise ConfigError(
+            f"{prefix}.num_heads={heads} must divide {prefix}.embed_dim={width}; pick a divisor such as {_divisor(width)}"
+        )
 
 
 def _divisor(n: int) -> int:
@@ -42,7 +43,9 @@ def _data_tasks(data: DictConfig) -> tuple[str, ...]:
     try:
         cls = hydra.utils.get_class(data._target_)
     except (ImportError, ValueError) as err:
-        raise ConfigError(f"data._target_={data._target_} cannot be imported ({type(err).__name__}); choose data=shapes, data=imagefolder or data=coco") from err
+        raise ConfigError(
+            f"data._target_={data._target_} cannot be imported ({type(err).__name__}); choose data=shapes, data=imagefolder or data=coco"
+        ) from err
     return tuple(getattr(cls, "tasks", TASKS))
 
 
@@ -77,13 +80,17 @@ def _check_sizes(cfg: DictConfig) -> None:
 
 def check_targets(cfg: DictConfig) -> None:
     """Refuse a ``_target_`` outside vitattn, torch, torchvision, timm and lightning."""
+
     def walk(node: Any, path: str) -> None:
         if isinstance(node, DictConfig):
             target = node.get("_target_") if "_target_" in node else None
             if target is not None and not str(target).startswith(ALLOWED_TARGET_PREFIXES):
-                raise ConfigError(f"{path}._target_={target} is not allowed; targets must be in {', '.join(p.rstrip('.') for p in ALLOWED_TARGET_PREFIXES)}")
+                raise ConfigError(
+                    f"{path}._target_={target} is not allowed; targets must be in {', '.join(p.rstrip('.') for p in ALLOWED_TARGET_PREFIXES)}"
+                )
             for key in node.keys():
                 walk(node._get_node(key), f"{path}.{key}" if path else str(key))
+
     walk(cfg, "")
 
 
@@ -115,10 +122,14 @@ def check_config(cfg: DictConfig) -> None:
         dec = cfg.head.decoder
         _check_width("head.decoder", dec.embed_dim, dec.num_heads)
         if dec.activation not in ACTIVATIONS:
-            raise ConfigError(f"head.decoder.activation={dec.activation!r} is unknown; choose one of {sorted(ACTIVATIONS)}")
+            raise ConfigError(
+                f"head.decoder.activation={dec.activation!r} is unknown; choose one of {sorted(ACTIVATIONS)}"
+            )
         max_new = cfg.head.generate.get("max_new_tokens")
         if max_new is not None and max_new + 1 > dec.max_len:
-            raise ConfigError(f"head.generate.max_new_tokens={max_new} must be below head.decoder.max_len={dec.max_len}")
+            raise ConfigError(
+                f"head.generate.max_new_tokens={max_new} must be below head.decoder.max_len={dec.max_len}"
+            )
     if cfg.get("resume") and not (Path(cfg.resume) / "checkpoints" / "last.ckpt").is_file():
         raise ConfigError(f"resume={cfg.resume} has no checkpoints/last.ckpt to continue from")
     if cfg.get("ckpt_path") and not Path(cfg.ckpt_path).is_file():
@@ -162,17 +173,25 @@ def _check_checkpoint_matches(cfg: DictConfig, datamodule: Any, ckpt_path: str) 
     try:  # mmap: the weights stay on disk, only the hyperparameters are read
         hparams = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters", {})
     except Exception as err:  # noqa: BLE001 - a truncated or foreign file; say which
-        raise ConfigError(f"{key}: checkpoint {ckpt_path} cannot be read ({_first_line(err)}); use another checkpoint") from err
+        raise ConfigError(
+            f"{key}: checkpoint {ckpt_path} cannot be read ({_first_line(err)}); use another checkpoint"
+        ) from err
     task = cfg.head.task
     trained = "caption" if "vocab" in hparams else "classification" if "class_names" in hparams else None
     if trained is not None and trained != task:
-        raise ConfigError(f"{key}: checkpoint {ckpt_path} was trained with head={trained}, not head={task}; use head={trained}")
+        raise ConfigError(
+            f"{key}: checkpoint {ckpt_path} was trained with head={trained}, not head={task}; use head={trained}"
+        )
     if task == "caption" and trained == "caption":
         words, theirs = list(datamodule.vocab.itos[4:]), list(hparams["vocab"])
         if words != theirs:
             i = next((i for i, (a, b) in enumerate(zip(words, theirs)) if a != b), min(len(words), len(theirs)))
             differ = f"{words[i]!r} vs {theirs[i]!r}" if i < min(len(words), len(theirs)) else "one list is longer"
-            source = f"data.vocab_path={cfg.data.vocab_path}" if cfg.data.get("vocab_path") else "the vocabulary built from the training captions"
+            source = (
+                f"data.vocab_path={cfg.data.vocab_path}"
+                if cfg.data.get("vocab_path")
+                else "the vocabulary built from the training captions"
+            )
             saved = Path(ckpt_path).resolve().parents[1] / "vocab.json"
             fix = f"data.vocab_path={saved}" if saved.is_file() else "data.vocab_path=<the run's vocab.json>"
             raise ConfigError(
@@ -182,7 +201,9 @@ def _check_checkpoint_matches(cfg: DictConfig, datamodule: Any, ckpt_path: str) 
     if task == "classification" and trained == "classification":
         names, theirs = list(datamodule.class_names), list(hparams["class_names"])
         if names != theirs:
-            raise ConfigError(f"data: classes {names} differ from the checkpoint's {theirs} ({ckpt_path}); train on the same classes")
+            raise ConfigError(
+                f"data: classes {names} differ from the checkpoint's {theirs} ({ckpt_path}); train on the same classes"
+            )
 
 
 def model_config_from(cfg: DictConfig, datamodule: Any) -> dict[str, Any]:
@@ -194,5 +215,11 @@ def model_config_from(cfg: DictConfig, datamodule: Any) -> dict[str, Any]:
         return {**encoder, "num_classes": datamodule.num_classes}
     vocab = datamodule.vocab
     decoder = OmegaConf.to_container(cfg.head.decoder, resolve=True)
-    decoder.update(vocab_size=len(vocab), memory_dim=encoder["embed_dim"], pad_id=vocab.pad_id, bos_id=vocab.bos_id, eos_id=vocab.eos_id)
+    decoder.update(
+        vocab_size=len(vocab),
+        memory_dim=encoder["embed_dim"],
+        pad_id=vocab.pad_id,
+        bos_id=vocab.bos_id,
+        eos_id=vocab.eos_id,
+    )
     return {"encoder": {**encoder, "num_classes": 0}, "decoder": decoder}

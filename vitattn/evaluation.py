@@ -129,7 +129,9 @@ def find_run_dir(model: str | os.PathLike) -> Path | None:
 def _run_data(run_dir: Path | None, wanted: str) -> Any:
     """The ``data`` node of the run's saved config; a one-line error says what to pass instead."""
     if run_dir is None:
-        raise ValueError(f"the model is not inside a training run (no {RUN_CONFIG} beside it), so there is no split to take; give {wanted}")
+        raise ValueError(
+            f"the model is not inside a training run (no {RUN_CONFIG} beside it), so there is no split to take; give {wanted}"
+        )
     from omegaconf import OmegaConf
 
     try:
@@ -155,7 +157,9 @@ def _shapes_datamodule(data: Any, task: str, vocab_path: Path | None, batch_size
 
     kwargs = _kwargs(data, "task", "batch_size", "num_workers", "vocab_path", "num_train")
     try:
-        dm = ShapesDataModule(task=task, num_train=0, batch_size=batch_size, num_workers=num_workers, vocab_path=vocab_path, **kwargs)
+        dm = ShapesDataModule(
+            task=task, num_train=0, batch_size=batch_size, num_workers=num_workers, vocab_path=vocab_path, **kwargs
+        )
     except TypeError as err:  # a key this version's ShapesDataModule does not take
         raise ValueError(f"the run's shapes data config cannot be rebuilt: {err}") from None
     dm.setup("validate")
@@ -234,7 +238,9 @@ def read_predictions(path: str | os.PathLike) -> tuple[dict[Any, str], list[Any]
                 if n == len(lines):  # no newline after it: cut off by an interrupted run
                     log.warning("%s:%d is an incomplete last line; ignored", path, n)
                     continue
-                raise ValueError(f"{path}:{n} is not a JSON record; predictions must be JSON Lines or a COCO results JSON list") from None
+                raise ValueError(
+                    f"{path}:{n} is not a JSON record; predictions must be JSON Lines or a COCO results JSON list"
+                ) from None
             where.append(f"{path}:{n}")
     captions: dict[Any, str] = {}
     failed: list[Any] = []
@@ -284,12 +290,16 @@ def _caption_split(
     if references is None:
         data = _run_data(run_dir, "references=COCO_JSON (and image_dir=DIR)")
         if data._target_ == _COCO:
-            references = data.test_annotations if split == "test" and data.get("test_annotations") else data.val_annotations
+            references = (
+                data.test_annotations if split == "test" and data.get("test_annotations") else data.val_annotations
+            )
             image_dir = image_dir if image_dir is not None else data.image_dir
         elif data._target_ != _SHAPES:
             raise ValueError(f"the run's data {data._target_} has no captions; give references=COCO_JSON")
         elif image_dir is not None:
-            raise ValueError(f"image_dir={image_dir} goes with references=COCO_JSON; the run's shapes data has no image files")
+            raise ValueError(
+                f"image_dir={image_dir} goes with references=COCO_JSON; the run's shapes data has no image files"
+            )
     if references is not None:
         images = load_coco_captions(references)
         if not images:
@@ -306,7 +316,9 @@ def _caption_split(
     loader = dm.val_dataloader() if split == "val" else dm.test_dataloader()
     shapes = loader.dataset.dataset  # TokenizedCaptions -> ShapesDataset
     refs = {i: shapes.references(i) for i in range(len(shapes))}
-    return _CaptionSplit(f"shapes {split} split of {(run_dir / RUN_CONFIG).resolve()}", refs, synthetic=True, loader=loader)
+    return _CaptionSplit(
+        f"shapes {split} split of {(run_dir / RUN_CONFIG).resolve()}", refs, synthetic=True, loader=loader
+    )
 
 
 def _generate(
@@ -317,7 +329,9 @@ def _generate(
     if data.inputs is not None:
         from vitattn.inference.captioner import caption_images
 
-        records = caption_images(bundle, data.inputs, batch_size=batch_size, num_workers=num_workers, progress=progress, **settings)
+        records = caption_images(
+            bundle, data.inputs, batch_size=batch_size, num_workers=num_workers, progress=progress, **settings
+        )
         for r in records:
             if "error" in r:
                 log.warning("%s: %s", r["image"], r["error"])
@@ -415,7 +429,12 @@ def evaluate_captions(
         metrics["num_failed"] = num_failed
     if num_missing:
         metrics["num_missing"] = num_missing
-        log.warning("%d of the %d reference images have no prediction; the scores cover the other %d", num_missing, len(refs), len(items))
+        log.warning(
+            "%d of the %d reference images have no prediction; the scores cover the other %d",
+            num_missing,
+            len(refs),
+            len(items),
+        )
     return EvalReport(
         "caption",
         split,
@@ -448,7 +467,9 @@ def _folder_split(root: Path, split: str, class_names: Sequence[str]) -> tuple[P
     index = {name: i for i, name in enumerate(class_names)}
     unknown = [name for name in folder.classes if name not in index]
     if unknown:
-        raise ValueError(f"{directory} has class folders {unknown} that are not among the model's classes {list(class_names)[:20]}")
+        raise ValueError(
+            f"{directory} has class folders {unknown} that are not among the model's classes {list(class_names)[:20]}"
+        )
     paths = [path for path, _ in folder.samples]
     labels = [index[folder.classes[target]] for _, target in folder.samples]
     return directory, paths, labels
@@ -460,7 +481,12 @@ def _file_batches(
     """``(images, labels)`` batches of image files; unreadable files are logged and left out."""
     from vitattn.inference.captioner import ImageFileDataset, collate_images
 
-    loader = DataLoader(ImageFileDataset(paths, bundle.transform), batch_size=batch_size, num_workers=num_workers, collate_fn=collate_images)
+    loader = DataLoader(
+        ImageFileDataset(paths, bundle.transform),
+        batch_size=batch_size,
+        num_workers=num_workers,
+        collate_fn=collate_images,
+    )
     for ok, images, errors in loader:
         for i, reason in errors:
             log.warning("%s: %s", paths[i], reason)
@@ -470,7 +496,13 @@ def _file_batches(
 
 
 def _labelled_split(
-    bundle: Bundle, split: str, run_dir: Path | None, data_root: str | os.PathLike | None, batch_size: int, num_workers: int, failed: list[str]
+    bundle: Bundle,
+    split: str,
+    run_dir: Path | None,
+    data_root: str | os.PathLike | None,
+    batch_size: int,
+    num_workers: int,
+    failed: list[str],
 ) -> tuple[str, int, Iterable[tuple[Tensor, Tensor]]]:
     """``(source, number of images, (images, labels) batches)`` of an ImageFolder split or the run's data."""
     class_names = list(bundle.class_names)
@@ -484,7 +516,9 @@ def _labelled_split(
             dm = _shapes_datamodule(data, "classification", None, batch_size, num_workers)
             _check_img_size(bundle, dm.img_size, f"the run's shapes data (data.img_size={dm.img_size})")
             if list(dm.class_names) != class_names:
-                raise ValueError(f"the model's classes {class_names[:5]}... are not the shapes classes {dm.class_names[:5]}...")
+                raise ValueError(
+                    f"the model's classes {class_names[:5]}... are not the shapes classes {dm.class_names[:5]}..."
+                )
             loader = dm.val_dataloader() if split == "val" else dm.test_dataloader()
             return f"shapes {split} split of {(run_dir / RUN_CONFIG).resolve()}", len(loader.dataset), loader
     directory, paths, labels = _folder_split(Path(data_root), split, class_names)
@@ -542,13 +576,17 @@ def evaluate_classification(
     metrics: dict[str, float] = {"top1": float(top1.compute()), "top5": float(top5.compute()), "num_images": num_images}
     if failed:
         metrics["num_failed"] = len(failed)
-    return EvalReport("classification", split, source, metrics, confusion=confusion.compute(), class_names=list(bundle.class_names))
+    return EvalReport(
+        "classification", split, source, metrics, confusion=confusion.compute(), class_names=list(bundle.class_names)
+    )
 
 
 # ---------------------------------------------------------------------------------------- output
 
 
-def save_confusion_matrix(confusion: Tensor, class_names: Sequence[str], path: str | os.PathLike, title: str | None = None) -> Path:
+def save_confusion_matrix(
+    confusion: Tensor, class_names: Sequence[str], path: str | os.PathLike, title: str | None = None
+) -> Path:
     """Draw a (K, K) confusion matrix (rows true, columns predicted) with the class names on the
     axes (counts in the cells up to 30 classes); write the PNG atomically."""
     from matplotlib.figure import Figure  # no pyplot: no global state, Agg chosen by savefig
@@ -568,7 +606,15 @@ def save_confusion_matrix(confusion: Tensor, class_names: Sequence[str], path: s
         for i in range(k):
             for j in range(k):
                 if counts[i, j]:
-                    ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=7, color="white" if counts[i, j] > high else "black")
+                    ax.text(
+                        j,
+                        i,
+                        str(counts[i, j]),
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white" if counts[i, j] > high else "black",
+                    )
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     if title:
@@ -598,14 +644,25 @@ def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) 
     out.mkdir(parents=True, exist_ok=True)
     written = []
     if report.task == "caption" and report.predictions is None:
-        lines = (json.dumps({"image_id": k, "caption": c, "references": r}, ensure_ascii=False) + "\n" for k, c, r in report.captions)
+        lines = (
+            json.dumps({"image_id": k, "caption": c, "references": r}, ensure_ascii=False) + "\n"
+            for k, c, r in report.captions
+        )
         atomic_write(out / "captions.jsonl", "".join(lines).encode("utf-8"))
         written.append(out / "captions.jsonl")
     if report.confusion is not None:
-        table = {"class_names": report.class_names, "rows": "true class", "columns": "predicted class", "matrix": report.confusion.tolist()}
+        table = {
+            "class_names": report.class_names,
+            "rows": "true class",
+            "columns": "predicted class",
+            "matrix": report.confusion.tolist(),
+        }
         atomic_write(out / "confusion_matrix.json", (json.dumps(table) + "\n").encode("utf-8"))
         title = f"{report.split}: top-1 {report.metrics['top1']:.3f} over {report.metrics['num_images']} images"
-        written += [out / "confusion_matrix.json", save_confusion_matrix(report.confusion, report.class_names, out / "confusion_matrix.png", title)]
+        written += [
+            out / "confusion_matrix.json",
+            save_confusion_matrix(report.confusion, report.class_names, out / "confusion_matrix.png", title),
+        ]
     summary = {
         "task": report.task,
         "model": model,

@@ -110,8 +110,11 @@ def train(cfg: DictConfig) -> TrainResult:
         system.model.compile()  # in place: parameter names (checkpoints, bundles) stay as they are
 
     trainer: pl.Trainer = hydra.utils.instantiate(
-        cfg.trainer, callbacks=_instantiate_group(cfg.get("callbacks")), logger=_instantiate_group(cfg.get("logger")) or False,
-        default_root_dir=str(run_dir), plugins=[AtomicCheckpointIO()],
+        cfg.trainer,
+        callbacks=_instantiate_group(cfg.get("callbacks")),
+        logger=_instantiate_group(cfg.get("logger")) or False,
+        default_root_dir=str(run_dir),
+        plugins=[AtomicCheckpointIO()],
     )
     _save_run_files(cfg, datamodule, run_dir)
     trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -120,7 +123,9 @@ def train(cfg: DictConfig) -> TrainResult:
     if cfg.test and not cfg.trainer.get("fast_dev_run"):
         for row in trainer.test(system, datamodule=datamodule, verbose=False):
             metrics.update({k: float(v) for k, v in row.items()})
-    result = TrainResult(run_dir, metrics, getattr(system, "last_samples", []), global_step=trainer.global_step, system=system)
+    result = TrainResult(
+        run_dir, metrics, getattr(system, "last_samples", []), global_step=trainer.global_step, system=system
+    )
     if cfg.export_bundle and trainer.is_global_zero:
         result.bundle_dir = _export(system, run_dir)
     return result
@@ -145,7 +150,9 @@ def _save_run_files(cfg: DictConfig, datamodule: pl.LightningDataModule, run_dir
 def _should_compile(cfg: DictConfig) -> bool:
     """``compile=auto`` compiles on GPUs only: on CPUs eager is as fast (see docs/benchmarks.md)."""
     if str(cfg.compile).lower() == "auto":
-        return cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
+        return cfg.trainer.accelerator in ("gpu", "cuda") or (
+            cfg.trainer.accelerator == "auto" and torch.cuda.is_available()
+        )
     return bool(cfg.compile)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -36,21 +36,21 @@ class CaptionConfig:
     model: str = MISSING
     images: str = MISSING
     out: str = MISSING
-    image_dir: Optional[str] = None
+    image_dir: str | None = None
     format: str = "jsonl"
     batch_size: int = 32
     num_workers: int = 2
-    num_beams: Optional[int] = None
-    max_new_tokens: Optional[int] = None
-    length_penalty: Optional[float] = None
-    do_sample: Optional[bool] = None
-    temperature: Optional[float] = None
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
-    seed: Optional[int] = None
+    num_beams: int | None = None
+    max_new_tokens: int | None = None
+    length_penalty: float | None = None
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
     device: str = "auto"
-    num_threads: Optional[int] = None  # torch CPU threads; 1 is steadier on a shared machine
-    attention_maps: Optional[str] = None
+    num_threads: int | None = None  # torch CPU threads; 1 is steadier on a shared machine
+    attention_maps: str | None = None
     progress: bool = True
 
 

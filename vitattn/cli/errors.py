@@ -11,7 +11,14 @@ from omegaconf.errors import OmegaConfBaseException
 from vitattn.systems.base import NonFiniteLossError
 
 # What a config, a path, a file or the data can cause; anything else is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, OmegaConfBaseException, NonFiniteLossError)
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    NotADirectoryError,
+    PermissionError,
+    OmegaConfBaseException,
+    NonFiniteLossError,
+)
 
 
 @contextmanager

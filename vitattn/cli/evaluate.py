@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -45,16 +45,16 @@ class EvalConfig:
 
     model: str = MISSING
     split: str = "val"
-    predictions: Optional[str] = None
-    references: Optional[str] = None
-    image_dir: Optional[str] = None
-    data_root: Optional[str] = None
-    num_beams: Optional[int] = None
-    max_new_tokens: Optional[int] = None
-    length_penalty: Optional[float] = None
+    predictions: str | None = None
+    references: str | None = None
+    image_dir: str | None = None
+    data_root: str | None = None
+    num_beams: int | None = None
+    max_new_tokens: int | None = None
+    length_penalty: float | None = None
     batch_size: int = 32
     num_workers: int = 2
-    out: Optional[str] = None
+    out: str | None = None
     device: str = "auto"
     progress: bool = True
 
@@ -65,10 +65,14 @@ def parse_args(argv: list[str]) -> Any:
     if cfg.split not in ("val", "test"):
         raise UsageError(f"split={cfg.split!r} is unknown; choose val or test")
     if cfg.batch_size < 1 or cfg.num_workers < 0:
-        raise UsageError(f"batch_size={cfg.batch_size} must be at least 1 and num_workers={cfg.num_workers} non-negative")
+        raise UsageError(
+            f"batch_size={cfg.batch_size} must be at least 1 and num_workers={cfg.num_workers} non-negative"
+        )
     if cfg.predictions is not None and any(cfg[k] is not None for k in _DECODING):
         given = [k for k in _DECODING if cfg[k] is not None]
-        raise UsageError(f"{', '.join(given)} set how captions are generated; predictions= scores captions already made")
+        raise UsageError(
+            f"{', '.join(given)} set how captions are generated; predictions= scores captions already made"
+        )
     return cfg
 
 
@@ -79,13 +83,22 @@ def run(cfg: Any) -> int:
 
     bundle = load_bundle(cfg.model, device=resolve_device(cfg.device))
     run_dir = find_run_dir(cfg.model)
-    loading = dict(split=cfg.split, run_dir=run_dir, batch_size=cfg.batch_size, num_workers=cfg.num_workers, progress=cfg.progress)
+    loading = dict(
+        split=cfg.split, run_dir=run_dir, batch_size=cfg.batch_size, num_workers=cfg.num_workers, progress=cfg.progress
+    )
     if bundle.task == "caption":
         if cfg.data_root is not None:
-            raise UsageError(f"data_root= is for classifiers; model={cfg.model} is a caption model (use references=COCO_JSON)")
+            raise UsageError(
+                f"data_root= is for classifiers; model={cfg.model} is a caption model (use references=COCO_JSON)"
+            )
         generate = None if cfg.predictions is not None else generate_settings(bundle, {k: cfg[k] for k in _DECODING})
         report = evaluate_captions(
-            bundle, references=cfg.references, image_dir=cfg.image_dir, predictions=cfg.predictions, generate=generate, **loading
+            bundle,
+            references=cfg.references,
+            image_dir=cfg.image_dir,
+            predictions=cfg.predictions,
+            generate=generate,
+            **loading,
         )
     else:
         given = [k for k in _CAPTION_ONLY if cfg[k] is not None]

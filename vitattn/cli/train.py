@@ -15,8 +15,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from vitattn.cli.errors import user_errors
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
-
 log = logging.getLogger("vitattn")
 
 
@@ -32,7 +30,7 @@ def _resume_argv(argv: list[str]) -> list[str]:
     return replay + argv + [f"hydra.run.dir={resume}"]
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+@hydra.main(version_base="1.3", config_path="pkg://vitattn.conf", config_name="train")
 def _hydra_main(cfg: DictConfig) -> float | None:
     from vitattn.training import train
 

@@ -25,9 +25,7 @@ class TokenizedCaptions(Dataset):
             the item's ``caption``.
     """
 
-    def __init__(
-        self, dataset: Dataset, vocab: Vocabulary, max_len: int, sample_caption: bool = False
-    ):
+    def __init__(self, dataset: Dataset, vocab: Vocabulary, max_len: int, sample_caption: bool = False):
         self.dataset, self.vocab, self.max_len = dataset, vocab, max_len
         self.sample_caption = sample_caption
 
@@ -58,9 +56,7 @@ def collate_captions(items: list[dict[str, Any]], pad_id: int = PAD_ID) -> dict[
     """
     return {
         "images": torch.stack([item["image"] for item in items]),  # (B, 3, H, W)
-        "tokens": pad_sequence(
-            [item["tokens"] for item in items], batch_first=True, padding_value=pad_id
-        ),  # (B, T)
+        "tokens": pad_sequence([item["tokens"] for item in items], batch_first=True, padding_value=pad_id),  # (B, T)
         "image_ids": torch.tensor([item["image_id"] for item in items], dtype=torch.long),  # (B,)
         "references": [list(item["references"]) for item in items],
     }

@@ -65,23 +65,15 @@ def load_coco_captions(path: str | os.PathLike) -> list[CocoImage]:
         _require(annotation, ("image_id", "caption"), f"{path}: annotations[{i}]")
         image_id, caption = annotation["image_id"], annotation["caption"]
         if image_id not in captions:
-            raise ValueError(
-                f"{path}: annotations[{i}] has image_id={image_id!r}, which is not in 'images'"
-            )
+            raise ValueError(f"{path}: annotations[{i}] has image_id={image_id!r}, which is not in 'images'")
         if not isinstance(caption, str):
-            raise ValueError(
-                f"{path}: annotations[{i}] has caption={caption!r}; it must be a string"
-            )
+            raise ValueError(f"{path}: annotations[{i}] has caption={caption!r}; it must be a string")
         captions[image_id].append(caption.strip())
 
     uncaptioned = [image_id for image_id, texts in captions.items() if not texts]
     if uncaptioned:
         log.warning("%s: leaving out %d images without captions", path, len(uncaptioned))
-    return [
-        CocoImage(image_id, file_names[image_id], tuple(texts))
-        for image_id, texts in captions.items()
-        if texts
-    ]
+    return [CocoImage(image_id, file_names[image_id], tuple(texts)) for image_id, texts in captions.items() if texts]
 
 
 def load_image(path: str | os.PathLike) -> Image.Image:

@@ -97,9 +97,7 @@ class _ImageDataModule(pl.LightningDataModule):
         return self._loader(self.test_dataset, shuffle=False)
 
 
-def _caption_vocab(
-    vocab_path: str | os.PathLike | None, captions: list[str], min_freq: int
-) -> Vocabulary:
+def _caption_vocab(vocab_path: str | os.PathLike | None, captions: list[str], min_freq: int) -> Vocabulary:
     """The vocabulary at ``vocab_path`` (a trained model's), else one built from ``captions``."""
     if vocab_path is not None:
         return Vocabulary.load(vocab_path)
@@ -165,9 +163,7 @@ class ShapesDataModule(_ImageDataModule):
 
 def _image_folder(directory: Path, transform) -> ImageFolder:
     if not directory.is_dir():
-        raise FileNotFoundError(
-            f"image folder not found: {directory} (expected {directory}/<class>/<image>)"
-        )
+        raise FileNotFoundError(f"image folder not found: {directory} (expected {directory}/<class>/<image>)")
     try:
         return ImageFolder(directory, transform=transform)
     except FileNotFoundError as err:  # torchvision's word for "no class folders" or "no images"
@@ -211,16 +207,11 @@ class ImageFolderDataModule(_ImageDataModule):
             classification_transform(self.img_size, training=True, augment=self.augment),
         )
         val = _image_folder(self.root / "val", eval_transform)
-        test = (
-            _image_folder(self.root / "test", eval_transform)
-            if (self.root / "test").exists()
-            else val
-        )
+        test = _image_folder(self.root / "test", eval_transform) if (self.root / "test").exists() else val
         for split in {val, test}:
             if split.classes != train.classes:
                 raise ValueError(
-                    f"classes of {split.root} {split.classes} differ from those of "
-                    f"{train.root} {train.classes}"
+                    f"classes of {split.root} {split.classes} differ from those of {train.root} {train.classes}"
                 )
         self.train_dataset, self.val_dataset, self.test_dataset = train, val, test
         self.class_names = list(train.classes)
@@ -273,16 +264,8 @@ class CocoCaptionDataModule(_ImageDataModule):
             return
         train_file, val_file, test_file = self.annotations
         eval_transform = caption_transform(self.img_size, training=False)
-        train = CocoCaptionDataset(
-            self.image_dir, train_file, caption_transform(self.img_size, training=True)
-        )
+        train = CocoCaptionDataset(self.image_dir, train_file, caption_transform(self.img_size, training=True))
         val = CocoCaptionDataset(self.image_dir, val_file, eval_transform)
-        test = (
-            val
-            if test_file == val_file
-            else CocoCaptionDataset(self.image_dir, test_file, eval_transform)
-        )
+        test = val if test_file == val_file else CocoCaptionDataset(self.image_dir, test_file, eval_transform)
         vocab = _caption_vocab(self.vocab_path, train.captions, self.min_word_freq)
-        self._use_captions(
-            (train, val, test), vocab, self.max_caption_len, sample_train_caption=True
-        )
+        self._use_captions((train, val, test), vocab, self.max_caption_len, sample_train_caption=True)

@@ -60,9 +60,7 @@ def caption_transform(img_size: int, training: bool) -> Callable[[Image.Image], 
     """Captioning transform: a mild random-resized crop when training, else the whole image
     squashed to ``img_size`` (a centre crop could cut off what the captions mention)."""
     resize = (
-        T.RandomResizedCrop(
-            img_size, scale=CAPTION_CROP_SCALE, interpolation=T.InterpolationMode.BICUBIC
-        )
+        T.RandomResizedCrop(img_size, scale=CAPTION_CROP_SCALE, interpolation=T.InterpolationMode.BICUBIC)
         if training
         else T.Resize((img_size, img_size), interpolation=T.InterpolationMode.BICUBIC)
     )

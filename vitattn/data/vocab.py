@@ -30,9 +30,7 @@ class Vocabulary:
         self.stoi: dict[str, int] = {word: i for i, word in enumerate(self.itos)}
         if len(self.stoi) != len(self.itos):
             repeated = sorted(w for w, n in Counter(self.itos).items() if n > 1)
-            raise ValueError(
-                f"vocabulary words must be unique and not special; repeated: {repeated}"
-            )
+            raise ValueError(f"vocabulary words must be unique and not special; repeated: {repeated}")
 
     @classmethod
     def build(cls, captions: Iterable[str], min_freq: int = 1) -> Vocabulary:
@@ -122,8 +120,5 @@ class Vocabulary:
         if not isinstance(itos, list) or not all(isinstance(w, str) for w in itos):
             raise ValueError(f"vocabulary file {path} needs an 'itos' list of strings")
         if tuple(itos[: len(SPECIALS)]) != SPECIALS:
-            raise ValueError(
-                f"vocabulary file {path} starts with {itos[: len(SPECIALS)]}, "
-                f"expected {list(SPECIALS)}"
-            )
+            raise ValueError(f"vocabulary file {path} starts with {itos[: len(SPECIALS)]}, expected {list(SPECIALS)}")
         return cls(itos[len(SPECIALS) :])

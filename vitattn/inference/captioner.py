@@ -67,7 +67,9 @@ class InputImage:
 # ---------------------------------------------------------------------------------------- inputs
 
 
-def list_inputs(images: str | os.PathLike | Sequence[str | os.PathLike], image_dir: str | os.PathLike | None = None) -> list[InputImage]:
+def list_inputs(
+    images: str | os.PathLike | Sequence[str | os.PathLike], image_dir: str | os.PathLike | None = None
+) -> list[InputImage]:
     """The images named by ``images``, each once.
 
     Args:
@@ -129,7 +131,9 @@ def _text_list(path: Path, image_dir: str | os.PathLike | None) -> list[str]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
-        raise ValueError(f"images={path} is neither an image, a folder, a COCO .json nor a UTF-8 text list of paths") from None
+        raise ValueError(
+            f"images={path} is neither an image, a folder, a COCO .json nor a UTF-8 text list of paths"
+        ) from None
     paths = []
     for line in lines:
         line = line.strip()
@@ -392,7 +396,9 @@ def read_records(path: str | os.PathLike, repair: bool = False) -> dict[str, dic
     end = data.rfind(b"\n") + 1
     if end < len(data):
         if repair:
-            log.warning("%s: dropping an incomplete last line (%d bytes) left by an interrupted run", path, len(data) - end)
+            log.warning(
+                "%s: dropping an incomplete last line (%d bytes) left by an interrupted run", path, len(data) - end
+            )
             with open(path, "r+b") as f:
                 f.truncate(end)
                 os.fsync(f.fileno())
@@ -458,7 +464,13 @@ def caption_to_file(
         todo = [x for x in inputs if x.path not in done]
         skipped = len(inputs) - len(todo)
         if skipped:
-            log.info("%d of %d images are already in %s; captioning the other %d", skipped, len(inputs), progress_path, len(todo))
+            log.info(
+                "%d of %d images are already in %s; captioning the other %d",
+                skipped,
+                len(inputs),
+                progress_path,
+                len(todo),
+            )
         for batch in iter_caption_batches(
             bundle, todo, batch_size=batch_size, num_workers=num_workers, progress=progress, **generate_kwargs
         ):

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from timm.layers import DropPath
 from torch import Tensor, nn
-
-import torch
 
 from vitattn.layers.attention import MultiHeadAttention
 from vitattn.layers.feedforward import point_wise_feed_forward_network

@@ -40,16 +40,12 @@ def _tokenize_corpus(
     if isinstance(predictions, str):
         raise ValueError("predictions must be a sequence of captions, got a single str")
     if len(predictions) != len(references):
-        raise ValueError(
-            f"predictions has {len(predictions)} items but references has {len(references)}"
-        )
+        raise ValueError(f"predictions has {len(predictions)} items but references has {len(references)}")
     if not predictions:
         raise ValueError("the corpus is empty: need at least one prediction and its references")
     for i, image_refs in enumerate(references):
         if isinstance(image_refs, str):
-            raise ValueError(
-                f"references[{i}] must be a sequence of reference captions, got str {image_refs!r}"
-            )
+            raise ValueError(f"references[{i}] must be a sequence of reference captions, got str {image_refs!r}")
         if not image_refs:
             raise ValueError(f"references[{i}] is empty: each image needs at least one reference")
     hyps = [coco_tokenize(p) for p in predictions]
@@ -59,9 +55,7 @@ def _tokenize_corpus(
 
 def _ngram_counts(tokens: Tokens, max_n: int) -> Counter[Ngram]:
     """Counts of every n-gram of order 1..max_n."""
-    return Counter(
-        tuple(tokens[i : i + k]) for k in range(1, max_n + 1) for i in range(len(tokens) - k + 1)
-    )
+    return Counter(tuple(tokens[i : i + k]) for k in range(1, max_n + 1) for i in range(len(tokens) - k + 1))
 
 
 # --------------------------------------------------------------------------------------------- BLEU
@@ -97,9 +91,7 @@ def _bleu(hyps: list[Tokens], refs: list[list[Tokens]], max_n: int) -> list[floa
     return scores
 
 
-def corpus_bleu(
-    predictions: Sequence[str], references: Sequence[Sequence[str]], max_n: int = 4
-) -> list[float]:
+def corpus_bleu(predictions: Sequence[str], references: Sequence[Sequence[str]], max_n: int = 4) -> list[float]:
     """Corpus BLEU-1..BLEU-``max_n`` as pycocoevalcap's ``Bleu(max_n)`` reports it.
 
     Args:
@@ -149,9 +141,7 @@ def _rouge_l(hyps: list[Tokens], refs: list[list[Tokens]], beta: float) -> float
     return math.fsum(_rouge_l_image(h, r, beta) for h, r in zip(hyps, refs)) / len(hyps)
 
 
-def rouge_l(
-    predictions: Sequence[str], references: Sequence[Sequence[str]], beta: float = 1.2
-) -> float:
+def rouge_l(predictions: Sequence[str], references: Sequence[Sequence[str]], beta: float = 1.2) -> float:
     """ROUGE-L as pycocoevalcap's ``Rouge`` reports it: the mean over images.
 
     Args:
@@ -181,10 +171,7 @@ def _tfidf(
 ) -> tuple[dict[Ngram, float], list[float]]:
     """tf-idf weight of each n-gram and the vector norm of each order."""
     # An n-gram in every image weighs 0; one in no reference counts as if it were in one.
-    vec = {
-        gram: tf * (log_num_images - math.log(max(1.0, doc_freq[gram])))
-        for gram, tf in counts.items()
-    }
+    vec = {gram: tf * (log_num_images - math.log(max(1.0, doc_freq[gram]))) for gram, tf in counts.items()}
     squares = [0.0] * n
     for gram, weight in vec.items():
         squares[len(gram) - 1] += weight**2
@@ -207,10 +194,7 @@ def _cider_d_sim(
         dots[len(gram) - 1] += min(weight, ref_weight) * ref_weight
     penalty = math.exp(-(length_delta**2) / (2 * sigma**2))
     # An order with an all-zero vector (too short, or only n-grams found in every image) gives 0.
-    return [
-        dot / (hn * rn) * penalty if hn and rn else 0.0
-        for dot, hn, rn in zip(dots, hyp_norm, ref_norm)
-    ]
+    return [dot / (hn * rn) * penalty if hn and rn else 0.0 for dot, hn, rn in zip(dots, hyp_norm, ref_norm)]
 
 
 def _cider_d(hyps: list[Tokens], refs: list[list[Tokens]], sigma: float, n: int) -> float:
@@ -261,9 +245,7 @@ def cider_d(
     return _cider_d(*_tokenize_corpus(predictions, references), sigma=sigma, n=n)
 
 
-def compute_caption_metrics(
-    predictions: Sequence[str], references: Sequence[Sequence[str]]
-) -> dict[str, float]:
+def compute_caption_metrics(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> dict[str, float]:
     """BLEU-1..4, ROUGE-L and CIDEr-D of a corpus, tokenised once.
 
     Args:

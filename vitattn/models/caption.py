@@ -108,9 +108,7 @@ class CaptionDecoder(nn.Module):
         """An empty key/value cache, one entry per layer."""
         return [LayerCache() for _ in self.layers]
 
-    def forward(
-        self, tokens: Tensor, memory: Tensor, cache: list[LayerCache] | None = None, start: int = 0
-    ) -> Tensor:
+    def forward(self, tokens: Tensor, memory: Tensor, cache: list[LayerCache] | None = None, start: int = 0) -> Tensor:
         """Next-token logits for each given position.
 
         Args:
@@ -205,7 +203,9 @@ class ImageCaptioner(nn.Module):
         if max_new_tokens is None:
             max_new_tokens = self.decoder.max_len - 1
         if max_new_tokens + 1 > self.decoder.max_len:
-            raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the decoder's max_len={self.decoder.max_len} - 1")
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens} exceeds the decoder's max_len={self.decoder.max_len} - 1"
+            )
         if num_beams < 1:
             raise ValueError(f"num_beams={num_beams} must be at least 1")
         if do_sample and num_beams > 1:
@@ -228,9 +228,7 @@ class ImageCaptioner(nn.Module):
         logits[:, self.decoder.bos_id] = float("-inf")
         return logits
 
-    def _greedy_or_sample(
-        self, memory: Tensor, max_new_tokens: int, sample: dict | None, use_cache: bool
-    ) -> Tensor:
+    def _greedy_or_sample(self, memory: Tensor, max_new_tokens: int, sample: dict | None, use_cache: bool) -> Tensor:
         dec = self.decoder
         B = memory.shape[0]
         cache = dec.new_cache() if use_cache else None

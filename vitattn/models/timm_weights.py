@@ -42,7 +42,9 @@ def convert_timm_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tenso
     out: dict[str, Tensor] = {}
     for key, value in state_dict.items():
         if key.startswith("fc_norm.") or key.startswith("head_drop."):
-            raise ValueError(f"{key!r}: timm models with fc_norm (global_pool='avg') are not supported; use global_pool='token'")
+            raise ValueError(
+                f"{key!r}: timm models with fc_norm (global_pool='avg') are not supported; use global_pool='token'"
+            )
         if ".attn.qkv." in key:
             prefix, kind = key.split(".attn.qkv.")  # kind: weight or bias
             q, k, v = value.chunk(3, dim=0)

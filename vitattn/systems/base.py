@@ -45,7 +45,9 @@ class VisionSystem(pl.LightningModule):
             return loss
         message = f"non-finite training loss {loss.item()} at step {self.global_step} (epoch {self.current_epoch})"
         if self.nonfinite == "raise":
-            raise NonFiniteLossError(message + "; the last good checkpoint is kept; set head.nonfinite=skip to skip such batches")
+            raise NonFiniteLossError(
+                message + "; the last good checkpoint is kept; set head.nonfinite=skip to skip such batches"
+            )
         self.skipped_batches += 1
         rank_zero_warn(message + f"; batch skipped ({self.skipped_batches} so far)")
         self.log("train/skipped_batches", float(self.skipped_batches))

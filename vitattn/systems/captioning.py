@@ -63,7 +63,9 @@ class CaptionSystem(VisionSystem):
         self.vocab = Vocabulary(vocab)
         vocab_size = model_config["decoder"]["vocab_size"]
         if vocab_size != len(self.vocab):
-            raise ValueError(f"decoder vocab_size={vocab_size} does not match the vocabulary's {len(self.vocab)} tokens")
+            raise ValueError(
+                f"decoder vocab_size={vocab_size} does not match the vocabulary's {len(self.vocab)} tokens"
+            )
         self.save_hyperparameters()
         self.model = ImageCaptioner.from_config(model_config)
         self.label_smoothing = label_smoothing

@@ -33,7 +33,9 @@ def build_optimizer(
     Returns:
         ``(optimizer, scheduler)``; step the scheduler once per optimizer step.
     """
-    groups = param_groups_weight_decay(model, weight_decay, no_weight_decay_list=("pos_embed", "cls_token", "token_embed"))
+    groups = param_groups_weight_decay(
+        model, weight_decay, no_weight_decay_list=("pos_embed", "cls_token", "token_embed")
+    )
     optimizer = AdamW(groups, lr=lr, betas=tuple(betas))
     warmup = max(1, min(warmup_steps, total_steps // 10))
     scheduler = SequentialLR(
