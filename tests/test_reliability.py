@@ -16,11 +16,11 @@ from omegaconf import OmegaConf
 
 from tests.helpers import TINY, TINY_SHAPES, compose_train, make_coco, make_image_folder
 from vitattn.cli.errors import user_errors
-from vitattn.config import ConfigError, check_config, check_targets, setup_data
+from vitattn.config import ConfigError, check_config, check_targets
 from vitattn.data.vocab import Vocabulary
 from vitattn.systems import ClassificationSystem
 from vitattn.systems.base import NonFiniteLossError
-from vitattn.training import AtomicCheckpointIO, train
+from vitattn.training import AtomicCheckpointIO, setup_data, train
 
 SHAPES = [*TINY, *TINY_SHAPES]
 CLS = ["head=classification", *SHAPES]

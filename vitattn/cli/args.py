@@ -14,13 +14,13 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from vitattn.cli.errors import USER_ERRORS, report_user_error
+
 __all__ = ["GENERATE_KEYS", "UsageError", "generate_settings", "parse_key_values", "resolve_device", "run_main"]
 
 log = logging.getLogger("vitattn")
 
 GENERATE_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "do_sample", "temperature", "top_k", "top_p")
-# What a path, a file or the data can cause; anything else is a bug and keeps its traceback.
-_USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, FileExistsError)
 
 
 class UsageError(ValueError):
@@ -95,7 +95,5 @@ def run_main(doc: str, argv: Sequence[str] | None, parse: Callable[[list[str]], 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         return run(parse(argv))
-    except _USER_ERRORS as err:
-        text = str(err).strip()
-        print(f"error: {text.splitlines()[0] if text else type(err).__name__}", file=sys.stderr, flush=True)
-        return 2
+    except USER_ERRORS as err:
+        return report_user_error(err)

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from vitattn.cli.errors import user_errors
+from vitattn.run_dir import RunDir
+
+if TYPE_CHECKING:
+    from vitattn.training import TrainResult
 
 log = logging.getLogger("vitattn")
 
@@ -23,8 +27,7 @@ def _resume_argv(argv: list[str]) -> list[str]:
     resume = next((a.split("=", 1)[1] for a in argv if a.startswith("resume=")), None)
     if not resume or any(a.startswith("hydra.run.dir=") for a in argv):
         return argv  # not resuming, or already expanded (DDP child processes)
-    saved = Path(resume) / ".hydra" / "overrides.yaml"
-    previous = [str(o) for o in OmegaConf.load(saved)] if saved.is_file() else []
+    previous = RunDir(resume).saved_overrides()
     keys = {a.split("=", 1)[0].lstrip("+~") for a in argv}
     replay = [o for o in previous if o.split("=", 1)[0].lstrip("+~") not in keys]
     return replay + argv + [f"hydra.run.dir={resume}"]
@@ -40,7 +43,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     return result.metrics.get("val/loss")
 
 
-def _report(result) -> None:  # noqa: ANN001
+def _report(result: TrainResult) -> None:
     from lightning.pytorch.utilities import rank_zero_only
 
     if rank_zero_only.rank != 0:

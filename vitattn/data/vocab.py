@@ -45,6 +45,11 @@ class Vocabulary:
         return cls(sorted(words, key=lambda w: (-counts[w], w)))
 
     @property
+    def words(self) -> list[str]:
+        """The ordinary words in id order: what ``Vocabulary(words)`` rebuilds this from."""
+        return self.itos[len(SPECIALS) :]
+
+    @property
     def pad_id(self) -> int:
         return PAD_ID
 

@@ -15,17 +15,27 @@ from torch import Tensor, nn
 
 from vitattn.layers import EncoderLayer
 
-__all__ = ["VisionTransformer", "PRESETS", "vit_preset"]
+__all__ = ["PRESETS", "VisionTransformer", "preset_config", "vit_preset"]
 
 POOLS = ("cls", "mean")
 
-# Width / depth / heads of the standard sizes, and a CPU-friendly one for the built-in data.
-PRESETS: dict[str, dict[str, Any]] = {
-    "cpu": dict(img_size=64, patch_size=8, embed_dim=128, depth=4, num_heads=4, mlp_ratio=2.0),
-    "tiny": dict(embed_dim=192, depth=12, num_heads=3),
-    "small": dict(embed_dim=384, depth=12, num_heads=6),
-    "base": dict(embed_dim=768, depth=12, num_heads=12),
-}
+PRESETS = ("cpu", "tiny", "small", "base")  # the size files of the ``model`` config group
+
+
+def preset_config(name: str) -> dict[str, Any]:
+    """``VisionTransformer`` keyword arguments of a named size, read from ``vitattn/conf/model/<name>.yaml``
+    (the one place the sizes are written); ``img_size`` is left to the caller (224 by default)."""
+    from importlib.resources import files
+
+    from omegaconf import OmegaConf
+
+    if name not in PRESETS:
+        raise ValueError(f"preset={name!r} is unknown; choose one of {sorted(PRESETS)}")
+    folder = files("vitattn.conf") / "model"
+    size = OmegaConf.create((folder / f"{name}.yaml").read_text())
+    base = OmegaConf.create((folder / "_vit.yaml").read_text())
+    merged = OmegaConf.merge(base, {k: v for k, v in size.items() if k != "defaults"})
+    return {k: merged[k] for k in merged if k != "img_size"}
 
 
 class VisionTransformer(nn.Module):
@@ -93,7 +103,7 @@ class VisionTransformer(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, embed_dim))
         self.pos_drop = nn.Dropout(pos_drop_rate)
-        dpr = torch.linspace(0, drop_path_rate, depth).tolist()
+        dpr = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()  # plain floats, also under a meta device
         self.blocks = nn.Sequential(
             *[
                 EncoderLayer(
@@ -161,11 +171,9 @@ class VisionTransformer(nn.Module):
 
 
 def vit_preset(name: str, **overrides: Any) -> VisionTransformer:
-    """A ``VisionTransformer`` of a named size (``cpu``, ``tiny``, ``small``, ``base``).
+    """A ``VisionTransformer`` of a named size (``cpu``, ``tiny``, ``small``, ``base``), as ``model=<name>`` builds it.
 
     Example:
         >>> model = vit_preset("tiny", num_classes=10)  # ViT-Ti/16 at 224 px
     """
-    if name not in PRESETS:
-        raise ValueError(f"preset={name!r} is unknown; choose one of {sorted(PRESETS)}")
-    return VisionTransformer(**{**PRESETS[name], **overrides})
+    return VisionTransformer(**{**preset_config(name), **overrides})

@@ -9,13 +9,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from vitattn.errors import NonFiniteLossError
 from vitattn.systems.optim import build_optimizer
 
 __all__ = ["VisionSystem", "NonFiniteLossError"]
-
-
-class NonFiniteLossError(RuntimeError):
-    """Training produced a NaN or infinite loss."""
 
 
 class VisionSystem(pl.LightningModule):

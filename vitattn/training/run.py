@@ -7,7 +7,6 @@ Data flows one way: config -> DataModule + model config -> system -> Trainer -> 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,15 +14,18 @@ from typing import Any
 import hydra
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from vitattn.bundle import bundle_from_system
-from vitattn.config import check_config, model_config_from, setup_data
-from vitattn.systems import CaptionSystem, ClassificationSystem, VisionSystem
+from vitattn.config import check_config
+from vitattn.run_dir import RunDir
+from vitattn.systems import VisionSystem
+from vitattn.training.assemble import build_system
+from vitattn.training.checkpoint_io import AtomicCheckpointIO
+from vitattn.training.data import setup_data
 
-__all__ = ["TrainResult", "train", "build_system", "AtomicCheckpointIO"]
+__all__ = ["TrainResult", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -38,48 +40,6 @@ class TrainResult:
     bundle_dir: Path | None = None
     global_step: int = 0
     system: VisionSystem | None = None
-
-
-def build_system(cfg: DictConfig, datamodule: pl.LightningDataModule) -> VisionSystem:
-    """The LightningModule for ``cfg.head.task``, sized from the data (classes, vocabulary, image)."""
-    head = cfg.head
-    model_config = model_config_from(cfg, datamodule)
-    common = dict(
-        preprocess=dict(datamodule.preprocess),
-        label_smoothing=head.label_smoothing,
-        optim=OmegaConf.to_container(cfg.optim, resolve=True),
-        nonfinite=head.nonfinite,
-    )
-    if head.task == "classification":
-        return ClassificationSystem(model_config, class_names=list(datamodule.class_names), **common)
-    return CaptionSystem(
-        model_config,
-        vocab=datamodule.vocab.itos[4:],
-        generate=OmegaConf.to_container(head.generate, resolve=True),
-        num_samples=head.num_samples,
-        **common,
-    )
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes each checkpoint to ``PATH.tmp`` beside it, then renames it: a kill leaves the old file whole.
-
-    Lightning's own ``_atomic_save`` stages the bytes in ``tempfile.mkstemp()`` (the system temp
-    folder, fsspec's ``LocalFileOpener``) and commits with ``shutil.move``: a rename only when that
-    folder is on the run directory's filesystem, otherwise a copy onto the checkpoint itself.
-    """
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None or "://" in str(path):  # remote storage: fsspec's way
-            return super().save_checkpoint(checkpoint, path, storage_options)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
 
 
 def _instantiate_group(group: DictConfig | None) -> list[Any]:
@@ -135,16 +95,16 @@ def _resume_checkpoint(cfg: DictConfig) -> str | None:
     if cfg.ckpt_path:
         return str(cfg.ckpt_path)
     if cfg.resume:
-        return str(Path(cfg.resume) / "checkpoints" / "last.ckpt")
+        return str(RunDir(cfg.resume).last_checkpoint)
     return None
 
 
 @rank_zero_only
 def _save_run_files(cfg: DictConfig, datamodule: pl.LightningDataModule, run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    run = RunDir(run_dir)
+    run.save_config(cfg)
     if getattr(datamodule, "vocab", None) is not None:
-        datamodule.vocab.save(run_dir / "vocab.json")
+        datamodule.vocab.save(run.vocab)
 
 
 def _should_compile(cfg: DictConfig) -> bool:
@@ -157,4 +117,4 @@ def _should_compile(cfg: DictConfig) -> bool:
 
 
 def _export(system: VisionSystem, run_dir: Path) -> Path:
-    return bundle_from_system(system, run_dir / "bundle")
+    return bundle_from_system(system, RunDir(run_dir).bundle)

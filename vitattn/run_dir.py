@@ -1,0 +1,106 @@
+"""The layout of a training run folder; every other module asks ``RunDir`` for its paths.
+
+A run folder (``runs/<task>/<date>_<time>/``, Hydra's ``hydra.run.dir``) holds::
+
+    config.yaml             the resolved training config
+    .hydra/overrides.yaml   the command-line overrides (replayed by ``resume=RUN``)
+    vocab.json              the caption vocabulary (caption runs)
+    checkpoints/last.ckpt   the latest checkpoint; step and best checkpoints beside it
+    bundle/                 the exported model (``vitattn.bundle``)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunDir"]
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """A training run folder.
+
+    Args:
+        path: the folder (it need not exist yet).
+    """
+
+    path: Path
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        object.__setattr__(self, "path", Path(path))
+
+    @property
+    def config(self) -> Path:
+        """The resolved training config."""
+        return self.path / "config.yaml"
+
+    @property
+    def overrides(self) -> Path:
+        """Hydra's record of the command-line overrides."""
+        return self.path / ".hydra" / "overrides.yaml"
+
+    @property
+    def vocab(self) -> Path:
+        """The caption vocabulary."""
+        return self.path / "vocab.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        """The checkpoint folder."""
+        return self.path / "checkpoints"
+
+    @property
+    def last_checkpoint(self) -> Path:
+        """The checkpoint that ``resume=RUN`` continues from."""
+        return self.checkpoints / "last.ckpt"
+
+    @property
+    def bundle(self) -> Path:
+        """The exported model folder."""
+        return self.path / "bundle"
+
+    def is_run(self) -> bool:
+        """The folder holds a training config."""
+        return self.config.is_file()
+
+    @classmethod
+    def find(cls, model: str | os.PathLike) -> RunDir | None:
+        """The run folder that ``model`` belongs to, or None.
+
+        ``model`` may be the run folder, its bundle (or the bundle's ``config.json``), or a
+        checkpoint in its checkpoint folder.
+        """
+        path = Path(model).resolve()
+        if path.is_file():
+            path = path.parent  # checkpoints/x.ckpt or bundle/config.json
+        for candidate in (cls(path), cls(path.parent)):
+            if candidate.is_run():
+                return candidate
+        return None
+
+    def load_config(self) -> Any:
+        """The saved training config (a ``DictConfig``); a one-line ``ValueError`` when unreadable."""
+        from omegaconf import OmegaConf
+
+        try:
+            return OmegaConf.load(self.config)
+        except Exception as err:  # noqa: BLE001 - YAML and OmegaConf raise their own types
+            raise ValueError(f"{self.config} cannot be read: {' '.join(str(err).split())[:200]}") from None
+
+    def saved_overrides(self) -> list[str]:
+        """The overrides the run was started with (empty when Hydra wrote none)."""
+        from omegaconf import OmegaConf
+
+        return [str(o) for o in OmegaConf.load(self.overrides)] if self.overrides.is_file() else []
+
+    def save_config(self, cfg: Any) -> None:
+        """Write the resolved config (and create the folder)."""
+        from omegaconf import OmegaConf
+
+        from vitattn.fileio import atomic_write
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.config, OmegaConf.to_yaml(cfg, resolve=True))

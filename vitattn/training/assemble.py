@@ -1,0 +1,51 @@
+"""The LightningModule of a run: model keyword arguments from the config and the data, then the system."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from omegaconf import DictConfig, OmegaConf
+
+from vitattn.systems import CaptionSystem, ClassificationSystem, VisionSystem
+
+__all__ = ["build_system", "model_config_from"]
+
+
+def model_config_from(cfg: DictConfig, datamodule: Any) -> dict[str, Any]:
+    """Plain model keyword arguments from the config and the values only the data knows."""
+    encoder = OmegaConf.to_container(cfg.model, resolve=True)
+    encoder["img_size"] = datamodule.img_size
+    if cfg.head.task == "classification":
+        return {**encoder, "num_classes": datamodule.num_classes}
+    vocab = datamodule.vocab
+    decoder = OmegaConf.to_container(cfg.head.decoder, resolve=True)
+    decoder.update(
+        vocab_size=len(vocab),
+        memory_dim=encoder["embed_dim"],
+        pad_id=vocab.pad_id,
+        bos_id=vocab.bos_id,
+        eos_id=vocab.eos_id,
+    )
+    return {"encoder": {**encoder, "num_classes": 0}, "decoder": decoder}
+
+
+def build_system(cfg: DictConfig, datamodule: pl.LightningDataModule) -> VisionSystem:
+    """The LightningModule for ``cfg.head.task``, sized from the data (classes, vocabulary, image)."""
+    head = cfg.head
+    model_config = model_config_from(cfg, datamodule)
+    common = dict(
+        preprocess=dict(datamodule.preprocess),
+        label_smoothing=head.label_smoothing,
+        optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        nonfinite=head.nonfinite,
+    )
+    if head.task == "classification":
+        return ClassificationSystem(model_config, class_names=list(datamodule.class_names), **common)
+    return CaptionSystem(
+        model_config,
+        vocab=datamodule.vocab.words,
+        generate=OmegaConf.to_container(head.generate, resolve=True),
+        num_samples=head.num_samples,
+        **common,
+    )
