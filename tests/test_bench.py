@@ -2,6 +2,9 @@
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from vitattn.bench.timing import interleaved, paired_speedup
 from vitattn.bench.workloads import forced_length
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
 
 
@@ -148,3 +152,17 @@ def test_main_writes_the_json_schema_and_plot(tiny_bench, tmp_path):
         beam = saved["details"]["caption"]["decode only, beam 3"]
         assert beam["new_tokens"] == 5 and set(beam["seconds"]) == {"ours_cached", "ours_recompute", "hf"}
     assert result["rows"] == saved["rows"]
+
+
+def test_script_runs_without_transformers_imported():
+    # `transformers` is the optional `bench` extra: no module of the package may import it on import
+    # (a None entry in sys.modules makes `import transformers` raise), and the thin script still runs.
+    code = (
+        "import runpy, sys; sys.modules['transformers'] = None; sys.argv = ['bench.py', '--help'];"
+        "runpy.run_path('scripts/bench.py', run_name='__main__')"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--sections {encoder,compile,caption,scaling,e2e}" in proc.stdout and "--no-compile" in proc.stdout
+    assert proc.stdout.split("\n\n")[1].startswith("Speed of vitattn against timm and Hugging Face")
