@@ -1,7 +1,9 @@
-"""Smoke tests of scripts/bench.py: its measurement helpers and its JSON, at tiny sizes."""
+"""Smoke tests of vitattn.bench (scripts/bench.py): its measurement helpers and its JSON, at tiny sizes."""
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -9,14 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from vitattn.bench import cli, workloads
+from vitattn.bench.caption import given_memory
+from vitattn.bench.flops import counted_flops, vit_flops
+from vitattn.bench.machine import matmul_gflops
+from vitattn.bench.report import SCHEMA, STATUSES, TARGETS, compare, format_table, pending_row, row, status
+from vitattn.bench.timing import interleaved, paired_speedup
+from vitattn.bench.workloads import forced_length
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
-_spec = importlib.util.spec_from_file_location("vitattn_bench", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["vitattn_bench"] = bench
-_spec.loader.exec_module(bench)
-
+ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
 
 
@@ -24,24 +28,24 @@ TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_r
 def tiny_bench(monkeypatch):
     """The bench's model sizes shrunk to tiny ones (same code paths)."""
     monkeypatch.setattr(
-        bench,
+        workloads,
         "ENCODERS",
         {
             "vit_ti16_224": dict(img_size=32, patch_size=16, embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0),
             "vit_192d6_32px": dict(TINY),
         },
     )
-    monkeypatch.setattr(bench, "ENCODER_BATCH", {"vit_ti16_224": 2, "vit_192d6_32px": 2})
+    monkeypatch.setattr(workloads, "ENCODER_BATCH", {"vit_ti16_224": 2, "vit_192d6_32px": 2})
     monkeypatch.setattr(
-        bench, "CAPTION_DECODER", dict(vocab_size=40, embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0, max_len=8)
+        workloads, "CAPTION_DECODER", dict(vocab_size=40, embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0, max_len=8)
     )
-    monkeypatch.setattr(bench, "CAPTION_BATCH", 2)
-    monkeypatch.setattr(bench, "CAPTION_TOKENS", 5)
+    monkeypatch.setattr(workloads, "CAPTION_BATCH", 2)
+    monkeypatch.setattr(workloads, "CAPTION_TOKENS", 5)
 
 
 def test_interleaved_calls_round_robin():
     calls = []
-    samples = bench.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=2)
+    samples = interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=2)
     assert calls == ["a", "b", "b", "a"] * 2 + ["a", "b"]  # 2 warm-up + 3 timed rounds, order reversed every other
     assert {k: len(v) for k, v in samples.items()} == {"a": 3, "b": 3}
     assert all(s >= 0 for v in samples.values() for s in v)
@@ -54,33 +58,33 @@ def test_interleaved_min_time_sizes_an_inner_loop_and_reports_per_call():
         calls.append(1)
         time.sleep(0.002)
 
-    samples = bench.interleaved({"s": sleep}, repeats=2, warmup=1, min_time=0.05)["s"]
+    samples = interleaved({"s": sleep}, repeats=2, warmup=1, min_time=0.05)["s"]
     assert len(calls) >= 1 + 2 * 2  # the inner loop repeats the call to fill min_time
     # seconds per call (~0.002), not per sample (>= min_time): a wide margin for a loaded machine
     assert all(0.002 <= s < 0.025 for s in samples)
     with pytest.raises(ValueError, match="warmup=0"):
-        bench.interleaved({"s": sleep}, warmup=0)
+        interleaved({"s": sleep}, warmup=0)
 
 
 def test_paired_speedup_is_median_of_round_ratios():
-    assert bench.paired_speedup([1.0, 2.0, 1.0], [2.0, 2.0, 3.0]) == 2.0  # ratios 2, 1, 3
-    assert bench.paired_speedup([2.0], [1.0]) == 0.5  # ours twice as slow
+    assert paired_speedup([1.0, 2.0, 1.0], [2.0, 2.0, 3.0]) == 2.0  # ratios 2, 1, 3
+    assert paired_speedup([2.0], [1.0]) == 0.5  # ours twice as slow
     with pytest.raises(ValueError, match="same number"):
-        bench.paired_speedup([1.0], [1.0, 2.0])
+        paired_speedup([1.0], [1.0, 2.0])
 
 
 def test_compare_row_ratio_status_and_table():
-    fast = bench.compare("fwd", [0.5, 0.5, 0.5], [1.0, 1.0, 1.0], 10, "img/s", "forward", "timm eager")
+    fast = compare("fwd", [0.5, 0.5, 0.5], [1.0, 1.0, 1.0], 10, "img/s", "forward", "timm eager")
     assert (fast["ours"], fast["ref"], fast["ratio"], fast["status"]) == (20.0, 10.0, 2.0, "PASS")
     assert fast["note"] == "IQR 2.000-2.000"
-    tie = bench.compare("fwd", [1.0, 1.0, 1.0], [0.98, 1.0, 1.03], 1, "img/s", "forward", "timm eager")
+    tie = compare("fwd", [1.0, 1.0, 1.0], [0.98, 1.0, 1.03], 1, "img/s", "forward", "timm eager")
     assert tie["status"] == "PASS" and "within noise" in tie["note"]
-    slow = bench.compare("fwd", [1.0, 1.0], [0.9, 0.9], 1, "img/s", "compiled", "timm eager")
-    assert slow["status"] == "MISS" and slow["target"] == bench.TARGETS["compiled"] == 1.15
-    info = bench.row("gflops", 5.0, 10.0, "GFLOP/s", 0.5, None, "matmul rate", percent=True)
+    slow = compare("fwd", [1.0, 1.0], [0.9, 0.9], 1, "img/s", "compiled", "timm eager")
+    assert slow["status"] == "MISS" and slow["target"] == TARGETS["compiled"] == 1.15
+    info = row("gflops", 5.0, 10.0, "GFLOP/s", 0.5, None, "matmul rate", percent=True)
     assert info["status"] == "info"
-    assert bench.status(None, 1.0) == "error" and bench.status(0.8, 0.8) == "PASS"
-    table = bench.format_table([fast, info, bench.pending_row("e2e", "e2e", "pending: no module")])
+    assert status(None, 1.0) == "error" and status(0.8, 0.8) == "PASS"
+    table = format_table([fast, info, pending_row("e2e", "e2e", "pending: no module")])
     assert "| fwd | 20.0 img/s | 10.0 img/s (timm eager) | 2.000x | >= 1.00x | PASS |" in table
     assert "| 50 % | - | info |" in table and "| pending | pending: no module |" in table
 
@@ -89,12 +93,12 @@ def test_vit_flops_match_the_flop_counter_on_the_explicit_path():
     # The explicit attention path runs plain matmuls, which FlopCounterMode counts (CPU flash attention it does not).
     model = VisionTransformer(**TINY, num_classes=3, fused_attn=False).eval()
     x = torch.randn(2, 3, 32, 32)
-    assert bench.counted_flops(lambda: model(x)) == 2 * bench.vit_flops(**TINY, num_classes=3)
-    assert bench.vit_flops(**bench.ENCODERS["vit_ti16_224"]) == pytest.approx(2.5e9, rel=0.02)  # ViT-Ti/16: 1.26 GMACs
+    assert counted_flops(lambda: model(x)) == 2 * vit_flops(**TINY, num_classes=3)
+    assert vit_flops(**workloads.ENCODERS["vit_ti16_224"]) == pytest.approx(2.5e9, rel=0.02)  # ViT-Ti/16: 1.26 GMACs
 
 
 def test_matmul_rate_is_positive():
-    mm = bench.matmul_gflops(n=64, repeats=2)
+    mm = matmul_gflops(n=64, repeats=2)
     assert mm["gflops"] > 0 and len(mm["seconds"]) == 2
 
 
@@ -107,9 +111,9 @@ def test_forced_length_and_given_memory_generate_exactly_n_tokens(num_beams):
         dec.norm.bias.fill_(1.0)
         dec.head.weight[dec.eos_id] = 1.0
     assert model.generate(images, max_new_tokens=9, num_beams=num_beams).shape[1] < 9  # <eos> does end it
-    with bench.forced_length(dec):
+    with forced_length(dec):
         free = model.generate(images, max_new_tokens=9, num_beams=num_beams)
-        with bench.given_memory(model, model.encode(images)):
+        with given_memory(model, model.encode(images)):
             given = model.generate(torch.empty(0), max_new_tokens=9, num_beams=num_beams)
     assert free.shape == (3, 9) and dec.eos_id == 2 and "encode" not in vars(model)
     torch.testing.assert_close(given, free)
@@ -121,15 +125,15 @@ def test_main_writes_the_json_schema_and_plot(tiny_bench, tmp_path):
     if has_hf:
         sections.append("caption")
     out = tmp_path / "bench.json"
-    result = bench.main(
+    result = cli.main(
         ["--quick", "--no-compile", "--repeats", "2", "--min-time", "0", "--out", str(out), "--sections", *sections]
     )
     saved = json.loads(out.read_text())
-    assert saved["schema"] == bench.SCHEMA and saved["machine"]["torch_threads"] == 1
-    assert saved["matmul"]["gflops"] > 0 and set(saved["targets"]) == set(bench.TARGETS)
+    assert saved["schema"] == SCHEMA and saved["machine"]["torch_threads"] == 1
+    assert saved["matmul"]["gflops"] > 0 and set(saved["targets"]) == set(TARGETS)
     keys = {"name", "ours", "ref", "unit", "ratio", "target", "status", "note"}
     for r in saved["rows"]:
-        assert keys <= set(r) and r["status"] in bench.STATUSES, r
+        assert keys <= set(r) and r["status"] in STATUSES, r
         if r["status"] in ("PASS", "MISS"):
             assert r["ratio"] > 0 and (r["status"] == "PASS") == (r["ratio"] >= r["target"])
     names = [r["name"] for r in saved["rows"]]
@@ -148,3 +152,17 @@ def test_main_writes_the_json_schema_and_plot(tiny_bench, tmp_path):
         beam = saved["details"]["caption"]["decode only, beam 3"]
         assert beam["new_tokens"] == 5 and set(beam["seconds"]) == {"ours_cached", "ours_recompute", "hf"}
     assert result["rows"] == saved["rows"]
+
+
+def test_script_runs_without_transformers_imported():
+    # `transformers` is the optional `bench` extra: no module of the package may import it on import
+    # (a None entry in sys.modules makes `import transformers` raise), and the thin script still runs.
+    code = (
+        "import runpy, sys; sys.modules['transformers'] = None; sys.argv = ['bench.py', '--help'];"
+        "runpy.run_path('scripts/bench.py', run_name='__main__')"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--sections {encoder,compile,caption,scaling,e2e}" in proc.stdout and "--no-compile" in proc.stdout
+    assert proc.stdout.split("\n\n")[1].startswith("Speed of vitattn against timm and Hugging Face")

@@ -1,0 +1,113 @@
+"""Interleaved timing rounds, their medians and quartiles, and a time limit.
+
+Every comparison runs both sides in the same process, interleaved in rounds (A B, B A, A B, ...)
+after a warm-up; each side's figure is its median over the rounds, and the ratio is the median of
+the per-round ratios, so that a noisy neighbour slowing one round slows both sides of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import FrameType
+from typing import Any, NoReturn
+
+
+def interleaved(
+    fns: Mapping[str, Callable[[], Any]],
+    repeats: int = 5,
+    warmup: int = 1,
+    min_time: float = 0.0,
+    sync: Callable[[], None] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds per call of each function, measured in interleaved rounds: A B, B A, A B, ...
+
+    Every round calls each function once (or once per inner-loop pass); the order is reversed every
+    other round, so that neither side always runs first (we saw ~1 % from position alone). Each
+    function is called ``warmup`` times first, in the same pattern; the last warm-up call sizes an
+    inner loop so that one sample lasts at least ``min_time`` seconds.
+
+    Args:
+        fns: name -> zero-argument function.
+        repeats: samples per function.
+        warmup: untimed calls per function before the samples (at least 1).
+        min_time: shortest sample, in seconds (0: one call per sample).
+        sync: called after each timed block (``torch.cuda.synchronize`` on a GPU).
+
+    Returns:
+        name -> ``repeats`` samples, seconds per call, in round order.
+    """
+    if warmup < 1 or repeats < 1:
+        raise ValueError(f"warmup={warmup} and repeats={repeats} must be at least 1")
+    sync = sync or _no_sync
+    names = list(fns)
+
+    def order(r: int) -> list[str]:
+        return names if r % 2 == 0 else names[::-1]
+
+    last = {}
+    for r in range(warmup):
+        for name in order(r):
+            t0 = time.perf_counter()
+            fns[name]()
+            sync()
+            last[name] = time.perf_counter() - t0
+    inner = {name: max(1, math.ceil(min_time / max(dt, 1e-9))) for name, dt in last.items()}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(warmup, warmup + repeats):
+        for name in order(r):
+            fn = fns[name]
+            t0 = time.perf_counter()
+            for _ in range(inner[name]):
+                fn()
+            sync()
+            samples[name].append((time.perf_counter() - t0) / inner[name])
+    return samples
+
+
+def _no_sync() -> None:
+    """Nothing to wait for (a CPU)."""
+
+
+def paired_speedup(ours: Sequence[float], ref: Sequence[float]) -> float:
+    """Speed of ours over the reference: the median over rounds of ``ref_i / ours_i`` (seconds)."""
+    if len(ours) != len(ref) or not ours:
+        raise ValueError(f"need the same number (>0) of samples, got {len(ours)} and {len(ref)}")
+    return statistics.median(r / o for o, r in zip(ours, ref, strict=True))
+
+
+def ratio_quartiles(ours: Sequence[float], ref: Sequence[float]) -> list[float]:
+    """Quartiles (Q1, median, Q3) of the per-round speed ratios ``ref_i / ours_i``: the noise of a ratio.
+
+    One round gives its one ratio three times.
+    """
+    ratios = [r / o for o, r in zip(ours, ref, strict=True)]
+    return statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
+
+
+def per_second(samples: Mapping[str, Sequence[float]], work: float) -> dict[str, float]:
+    """Rate of each side: ``work`` units (images, tokens, FLOPs) over its median seconds per call."""
+    return {name: work / statistics.median(seconds) for name, seconds in samples.items()}
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise ``TimeoutError`` in the main thread after ``seconds`` (POSIX; no limit elsewhere)."""
+    if seconds <= 0 or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def _raise(signum: int, frame: FrameType | None) -> NoReturn:
+        raise TimeoutError(f"over {seconds:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, _raise)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
