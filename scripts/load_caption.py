@@ -11,7 +11,8 @@ workers) and counts the complete lines of the JSON Lines output, which is how fa
 
 Reported per N: peak RSS while captioning (the process tree's sum, and the main process alone) and
 after the last record (``exit``: interpreter shutdown, which by itself takes ~1 s and ~170 MiB with
-torch, timm and Lightning imported); the tree's RSS at 20/40/60/80/100 % of the images; images/s in each fifth of the run, timed from the first written
+torch, timm and Lightning imported); the tree's RSS at 20/40/60/80/100 % of the images; images/s in each fifth of
+the run, timed from the first written
 batch (start-up -- imports, model load, workers -- is reported on its own); total wall time.
 A run whose memory does not grow with N has the same peak at every N (within a few %), and one
 that does not slow down has no downward trend over its fifths. On a shared machine a dip in one
@@ -63,7 +64,8 @@ def tiny_bundle(directory: Path) -> Path:
     """A random captioner (32 px, width 32, depth 2, captions up to 16 tokens) saved as a bundle."""
     import torch
 
-    from vitattn.bundle import default_preprocess, save_bundle
+    from vitattn.bundle import save_bundle
+    from vitattn.data.preprocess import default_preprocess
     from vitattn.data.shapes import generate_scene, scene_caption
     from vitattn.data.vocab import Vocabulary
     from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
@@ -261,14 +263,16 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
         at = "/".join(f"{v:.0f}" for v in r["rss_tree_mib_at"].values())
         fifths = "/".join("-" if v is None else f"{v:.0f}" for v in r["images_per_s_by_fifth"])
         print(
-            f"{r['images']:>6} {r['peak_rss_tree_mib']:>8.0f}Mi {r['peak_rss_main_mib']:>8.0f}Mi {r['peak_rss_exit_mib'] or 0:>5.0f}Mi"
+            f"{r['images']:>6} {r['peak_rss_tree_mib']:>8.0f}Mi {r['peak_rss_main_mib']:>8.0f}Mi "
+            f"{r['peak_rss_exit_mib'] or 0:>5.0f}Mi"
             f" {at:>36} {fifths:>34}"
             f" {r['startup_s'] or 0:>5.1f}s {r['total_s']:>6.1f}s"
         )
     if len(rows) >= 2:
         a, b = rows[0], rows[-1]
         print(
-            f"\npeak RSS N={b['images']} / N={a['images']}: tree {b['peak_rss_tree_mib'] / a['peak_rss_tree_mib']:.3f}, "
+            f"\npeak RSS N={b['images']} / N={a['images']}: "
+            f"tree {b['peak_rss_tree_mib'] / a['peak_rss_tree_mib']:.3f}, "
             f"main {b['peak_rss_main_mib'] / a['peak_rss_main_mib']:.3f}"
         )
     for r in rows:

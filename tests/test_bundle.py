@@ -8,7 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vitattn.bundle import Bundle, bundle_from_system, eval_transform, load_bundle, save_bundle
+from vitattn.bundle import Bundle, bundle_from_system, load_bundle, save_bundle
+from vitattn.data.preprocess import eval_transform
 from vitattn.data.vocab import Vocabulary
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 

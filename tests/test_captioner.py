@@ -17,7 +17,7 @@ from PIL import Image
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.cli.caption import main
 from vitattn.data.vocab import Vocabulary
-from vitattn.inference import caption_images, caption_to_file, list_inputs, load_rgb, read_records
+from vitattn.inference import caption_images, caption_to_file, list_inputs, read_image, read_records
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
@@ -100,18 +100,18 @@ def write_bad_images(folder: Path) -> dict[str, str]:
     }
 
 
-def test_load_rgb_converts_every_mode(tmp_path):
+def test_read_image_converts_every_mode(tmp_path):
     for name, (size, pixels) in write_good_images(tmp_path).items():
-        image = load_rgb(tmp_path / name)
+        image = read_image(tmp_path / name)
         assert image.mode == "RGB" and image.size == size, name
         for xy, rgb in pixels.items():
             assert np.abs(np.subtract(image.getpixel(xy), rgb)).max() <= 6, (name, xy, image.getpixel(xy))
 
 
-def test_load_rgb_refuses_decompression_bombs(tmp_path):
+def test_read_image_refuses_decompression_bombs(tmp_path):
     _png_header(tmp_path / "warn.png", 10_000, 10_000)
     with pytest.raises(Image.DecompressionBombWarning):
-        load_rgb(tmp_path / "warn.png")
+        read_image(tmp_path / "warn.png")
 
 
 def test_list_inputs_kinds(tmp_path):
@@ -145,7 +145,7 @@ def test_caption_images_matches_generate(bundle_dir, tmp_path):
     write_good_images(tmp_path)
     paths = [tmp_path / "rgb.jpg", tmp_path / "gray16.png", tmp_path / "nothing.png"]
     records = caption_images(bundle, paths, batch_size=2, num_beams=2)
-    images = torch.stack([bundle.transform(load_rgb(p)) for p in paths[:2]])
+    images = torch.stack([bundle.transform(read_image(p)) for p in paths[:2]])
     expected = bundle.vocab.decode_batch(bundle.model.generate(images, num_beams=2))
     assert [r.get("caption") for r in records] == [*expected, None]
     assert records[2] == {"image": str(paths[2]), "image_id": 2, "error": "file not found"}

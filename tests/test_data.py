@@ -23,8 +23,8 @@ from vitattn.data import (
     Vocabulary,
     denormalize,
     load_coco_captions,
-    load_image,
     normalize,
+    read_image,
 )
 from vitattn.data.shapes import BACKGROUND, COLOURS, SHAPES, SIZES
 from vitattn.metrics.tokenize import coco_tokenize
@@ -277,7 +277,7 @@ def test_coco_groups_captions_by_image(coco):
 
 
 def test_coco_image_is_rgb_and_upright(coco):
-    image = load_image(coco / "images" / "1.jpg")
+    image = read_image(coco / "images" / "1.jpg")
     assert image.mode == "RGB" and image.size == EXIF_SIZE[::-1]
     item = CocoCaptionDataset(coco / "images", coco / "train.json")[1]
     assert item["image"].size == EXIF_SIZE and item["references"] == TRAIN_CAPTIONS[2]

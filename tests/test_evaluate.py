@@ -18,9 +18,8 @@ from vitattn.cli.evaluate import main as eval_main
 from vitattn.cli.export import main as export_main
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
 from vitattn.data.transforms import normalize
-from vitattn.evaluation import exact_match
-from vitattn.inference import InputImage, caption_images, load_rgb
-from vitattn.metrics import compute_caption_metrics
+from vitattn.inference import InputImage, caption_images, read_image
+from vitattn.metrics import compute_caption_metrics, exact_match
 from vitattn.training import train
 
 CAPTION_KEYS = {"bleu1", "bleu2", "bleu3", "bleu4", "rouge_l", "cider_d", "distinct", "num_images"}
@@ -275,7 +274,7 @@ def test_eval_classification_on_an_image_folder_maps_classes_by_name(classifier_
     metrics = _metrics(out)["metrics"]
     bundle = load_bundle(classifier_run)
     paths = sorted((root / "val").glob("*/[0-9].png"))
-    images = torch.stack([bundle.transform(load_rgb(p)) for p in paths])
+    images = torch.stack([bundle.transform(read_image(p)) for p in paths])
     with torch.no_grad():
         logits = bundle.model(images)
     top1, top5 = _hand_count(logits, [CLASS_NAMES.index(p.parent.name) for p in paths])

@@ -84,7 +84,7 @@ def test_multi_head_attention_fused_equals_explicit_with_mask():
     fused, _ = mha(x, x, x, mask)
     explicit, w = mha(x, x, x, mask, need_weights=True)
     torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
-    mha.fused = False
+    mha.fused_attn = False
     torch.testing.assert_close(mha(x, x, x, mask)[0], explicit, atol=1e-5, rtol=1e-5)
 
 
@@ -116,14 +116,17 @@ def test_point_wise_feed_forward_network_structure_and_values():
         point_wise_feed_forward_network(D, 64, "swish")
 
 
+def _norm_weights(m: nn.LayerNorm) -> tuple:
+    return m.weight.detach().numpy(), m.bias.detach().numpy()
+
+
 def _encoder_seed_weights(layer: EncoderLayer) -> dict:
-    ln = lambda m: (m.weight.detach().numpy(), m.bias.detach().numpy())  # noqa: E731
     return {
         "mha": _mha_weights(layer.mha),
         "ffn1": _keras(layer.ffn[0]),
         "ffn2": _keras(layer.ffn[2]),
-        "layernorm1": ln(layer.layernorm1),
-        "layernorm2": ln(layer.layernorm2),
+        "layernorm1": _norm_weights(layer.layernorm1),
+        "layernorm2": _norm_weights(layer.layernorm2),
     }
 
 

@@ -146,7 +146,10 @@ def test_vocabulary_differing_from_the_checkpoint_fails_before_any_step(how, tmp
     other.save(tmp_path / "other.json")
     load = f"resume={run}" if how == "resume" else f"ckpt_path={ckpt}"
     cfg = compose_train(["head=caption", *SHAPES, f"data.vocab_path={tmp_path / 'other.json'}", load], tmp_path / "out")
-    pattern = rf"^data\.vocab_path: .*other\.json \(3 words\) differs .*'blue' vs 'red'.*data\.vocab_path={re.escape(str(run / 'vocab.json'))}$"
+    pattern = (
+        r"^data\.vocab_path: .*other\.json \(3 words\) differs .*'blue' vs 'red'.*"
+        rf"data\.vocab_path={re.escape(str(run / 'vocab.json'))}$"
+    )
     with pytest.raises(ConfigError, match=pattern):
         train(cfg)
     assert not (tmp_path / "out").exists()  # nothing written, no step run

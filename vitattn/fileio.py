@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_open", "atomic_write", "read_json"]
+__all__ = ["atomic_folder", "atomic_open", "atomic_write", "read_json"]
 
 
 @contextmanager
@@ -40,6 +41,32 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     with atomic_open(path, "wb") as f:
         f.write(data)
     return Path(path)
+
+
+@contextmanager
+def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
+    """Fill a temporary folder beside ``path``; on a clean exit its files are synced and it replaces ``path``.
+
+    A crash or kill at any point leaves ``path`` as it was (absent or the previous folder, whole).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        for name in os.listdir(tmp):
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        old = None
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.replace(path, old / path.name)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def read_json(path: str | os.PathLike, what: str) -> Any:

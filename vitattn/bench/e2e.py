@@ -21,7 +21,7 @@ def bench_end_to_end(
 ) -> tuple[list[dict], dict[str, Any]]:
     """Row (f): JPEG files -> captions (``caption_images`` on a saved bundle) vs model-only images/s.
 
-    Reports ``pending`` while ``vitattn.inference.captioner`` or ``vitattn.bundle`` is missing.
+    Reports ``pending`` while ``vitattn.inference`` or ``vitattn.bundle`` is missing.
 
     Args:
         env: the run's device and timing knobs.
@@ -37,7 +37,7 @@ def bench_end_to_end(
     try:
         from vitattn.bundle import load_bundle, save_bundle
         from vitattn.data.vocab import SPECIALS, Vocabulary
-        from vitattn.inference.captioner import caption_images
+        from vitattn.inference import caption_images
     except ImportError as err:
         return [pending_row(name, "e2e", f"pending: {err}")], dict(status="pending", reason=str(err))
     import numpy as np

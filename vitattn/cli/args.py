@@ -15,12 +15,11 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from vitattn.cli.errors import USER_ERRORS, report_user_error
+from vitattn.decoding import GENERATE_KEYS
 
 __all__ = ["GENERATE_KEYS", "UsageError", "generate_settings", "parse_key_values", "resolve_device", "run_main"]
 
 log = logging.getLogger("vitattn")
-
-GENERATE_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "do_sample", "temperature", "top_k", "top_p")
 
 
 class UsageError(ValueError):

@@ -70,7 +70,7 @@ def run(cfg: Any) -> int:
     import torch
 
     from vitattn.bundle import load_bundle
-    from vitattn.inference.captioner import caption_to_file, list_inputs
+    from vitattn.inference import caption_to_file, list_inputs
 
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)

@@ -32,11 +32,11 @@ from typing import Any
 from omegaconf import MISSING
 
 from vitattn.cli.args import UsageError, generate_settings, parse_key_values, resolve_device, run_main
+from vitattn.decoding import SEARCH_KEYS
 
 __all__ = ["EvalConfig", "main", "parse_args", "run"]
 
-_DECODING = ("num_beams", "max_new_tokens", "length_penalty")
-_CAPTION_ONLY = ("references", "image_dir", "predictions", *_DECODING)
+_CAPTION_ONLY = ("references", "image_dir", "predictions", *SEARCH_KEYS)
 
 
 @dataclass
@@ -68,8 +68,8 @@ def parse_args(argv: list[str]) -> Any:
         raise UsageError(
             f"batch_size={cfg.batch_size} must be at least 1 and num_workers={cfg.num_workers} non-negative"
         )
-    if cfg.predictions is not None and any(cfg[k] is not None for k in _DECODING):
-        given = [k for k in _DECODING if cfg[k] is not None]
+    if cfg.predictions is not None and any(cfg[k] is not None for k in SEARCH_KEYS):
+        given = [k for k in SEARCH_KEYS if cfg[k] is not None]
         raise UsageError(
             f"{', '.join(given)} set how captions are generated; predictions= scores captions already made"
         )
@@ -79,19 +79,20 @@ def parse_args(argv: list[str]) -> Any:
 def run(cfg: Any) -> int:
     """Evaluate as ``cfg`` says; returns the exit status (0 every image scored, 1 some were not)."""
     from vitattn.bundle import load_bundle
-    from vitattn.evaluation import evaluate_captions, evaluate_classification, find_run_dir, format_report, write_report
+    from vitattn.evaluation import evaluate_captions, evaluate_classification, format_report, write_report
+    from vitattn.run_dir import RunDir
 
     bundle = load_bundle(cfg.model, device=resolve_device(cfg.device))
-    run_dir = find_run_dir(cfg.model)
+    run = RunDir.find(cfg.model)
     loading = dict(
-        split=cfg.split, run_dir=run_dir, batch_size=cfg.batch_size, num_workers=cfg.num_workers, progress=cfg.progress
+        split=cfg.split, run_dir=run, batch_size=cfg.batch_size, num_workers=cfg.num_workers, progress=cfg.progress
     )
     if bundle.task == "caption":
         if cfg.data_root is not None:
             raise UsageError(
                 f"data_root= is for classifiers; model={cfg.model} is a caption model (use references=COCO_JSON)"
             )
-        generate = None if cfg.predictions is not None else generate_settings(bundle, {k: cfg[k] for k in _DECODING})
+        generate = None if cfg.predictions is not None else generate_settings(bundle, {k: cfg[k] for k in SEARCH_KEYS})
         report = evaluate_captions(
             bundle,
             references=cfg.references,
@@ -105,7 +106,7 @@ def run(cfg: Any) -> int:
         if given:
             raise UsageError(f"{', '.join(given)} apply to caption models; model={cfg.model} is a {bundle.task} model")
         report = evaluate_classification(bundle, data_root=cfg.data_root, **loading)
-    out = Path(cfg.out) if cfg.out is not None else (run_dir or Path.cwd()) / f"eval-{cfg.split}"
+    out = Path(cfg.out) if cfg.out is not None else (run.path if run else Path.cwd()) / f"eval-{cfg.split}"
     files = write_report(report, out, model=str(Path(cfg.model).resolve()))
     print(format_report(report))
     print(f"metrics -> {files[0]}", flush=True)

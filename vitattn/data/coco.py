@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, ImageOps
+from PIL import Image
 from torch.utils.data import Dataset
 
+from vitattn.data.images import read_image
 from vitattn.fileio import read_json
 
 log = logging.getLogger(__name__)
@@ -76,12 +77,6 @@ def load_coco_captions(path: str | os.PathLike) -> list[CocoImage]:
     return [CocoImage(image_id, file_names[image_id], tuple(texts)) for image_id, texts in captions.items() if texts]
 
 
-def load_image(path: str | os.PathLike) -> Image.Image:
-    """Open an image as RGB, turned upright according to its EXIF orientation."""
-    with Image.open(path) as image:
-        return ImageOps.exif_transpose(image).convert("RGB")
-
-
 class CocoCaptionDataset(Dataset):
     """Images of a COCO caption file with their captions.
 
@@ -118,7 +113,7 @@ class CocoCaptionDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         entry = self.images[index]
-        image = load_image(self.image_dir / entry.file_name)
+        image = read_image(self.image_dir / entry.file_name)
         if self.transform is not None:
             image = self.transform(image)
         return {

@@ -10,9 +10,11 @@ the samples it repeats to even out the ranks.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -22,9 +24,44 @@ from torchvision.datasets import ImageFolder
 
 from vitattn.data.captions import TokenizedCaptions, collate_captions
 from vitattn.data.coco import CocoCaptionDataset
+from vitattn.data.images import IMAGE_EXTENSIONS, read_image
+from vitattn.data.preprocess import eval_transform
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
 from vitattn.data.transforms import caption_transform, classification_transform, normalize
 from vitattn.data.vocab import Vocabulary
+
+__all__ = [
+    "CocoCaptionDataModule",
+    "EvalSplit",
+    "ImageFolderDataModule",
+    "ShapesDataModule",
+    "image_folder_split",
+    "open_image_folder",
+]
+
+SPLITS = ("val", "test")
+
+
+@dataclass
+class EvalSplit:
+    """One split of a DataModule as evaluation sees it.
+
+    Attributes:
+        source: what the images are, for reports (a folder, a file, a generated split).
+        files: image files with ``ids`` (caption image ids, or class labels for classification);
+            the caller reads them, so that an unreadable file is counted, not fatal.
+        ids: one per file.
+        loader: batches ready for the model, when the images are not files (the built-in data).
+        references: caption task: image id -> reference captions.
+        synthetic: references list every correct caption, so exact match is meaningful.
+    """
+
+    source: str
+    files: list[str] = field(default_factory=list)
+    ids: list[Any] = field(default_factory=list)
+    loader: DataLoader | None = None
+    references: dict[Any, list[str]] | None = None
+    synthetic: bool = False
 
 
 class _ImageDataModule(pl.LightningDataModule):
@@ -58,6 +95,17 @@ class _ImageDataModule(pl.LightningDataModule):
             "mean": list(IMAGENET_DEFAULT_MEAN),
             "std": list(IMAGENET_DEFAULT_STD),
         }
+
+    def eval_transform(self) -> Callable[[Any], torch.Tensor]:
+        """The evaluation transform of an image file: ``eval_transform(self.preprocess)``, as inference uses."""
+        return eval_transform(self.preprocess)
+
+    def evaluation_split(self, split: str) -> EvalSplit:
+        """The ``val`` or ``test`` split for scoring (after ``setup``); subclasses with files override this."""
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r} is unknown; choose one of {list(SPLITS)}")
+        loader = self.val_dataloader() if split == "val" else self.test_dataloader()
+        return EvalSplit(f"{type(self).__name__} {split} split", loader=loader)
 
     def _use_captions(
         self,
@@ -97,11 +145,16 @@ class _ImageDataModule(pl.LightningDataModule):
         return self._loader(self.test_dataset, shuffle=False)
 
 
-def _caption_vocab(vocab_path: str | os.PathLike | None, captions: list[str], min_freq: int) -> Vocabulary:
-    """The vocabulary at ``vocab_path`` (a trained model's), else one built from ``captions``."""
+def _caption_vocab(
+    preset: Vocabulary | None, vocab_path: str | os.PathLike | None, captions: Callable[[], list[str]], min_freq: int
+) -> Vocabulary:
+    """``preset`` (a trained model's, set before ``setup``), else the one at ``vocab_path``, else one built
+    from the training ``captions``."""
+    if preset is not None:
+        return preset
     if vocab_path is not None:
         return Vocabulary.load(vocab_path)
-    return Vocabulary.build(captions, min_freq=min_freq)
+    return Vocabulary.build(captions(), min_freq=min_freq)
 
 
 class ShapesDataModule(_ImageDataModule):
@@ -143,29 +196,54 @@ class ShapesDataModule(_ImageDataModule):
         self.num_classes = len(CLASS_NAMES)
 
     def setup(self, stage: str | None = None) -> None:
-        if self.train_dataset is not None:  # Lightning calls setup once per stage
-            return
+        fit = stage in (None, "fit")
+        if self.val_dataset is not None and (self.train_dataset is not None or not fit):
+            return  # Lightning calls setup once per stage
+        # Evaluation (stage validate / test) with the model's vocabulary needs no training scenes.
+        num_train = self.num_train if fit or (self.task == "caption" and self.vocab is None) else 0
         splits = tuple(
             ShapesDataset(split, size, self.img_size, self.seed, self.task, transform=normalize())
-            for split, size in [
-                ("train", self.num_train),
-                ("val", self.num_val),
-                ("test", self.num_test),
-            ]
+            for split, size in [("train", num_train), ("val", self.num_val), ("test", self.num_test)]
         )
         if self.task == "classification":
             self.train_dataset, self.val_dataset, self.test_dataset = splits
             return
-        vocab = _caption_vocab(self.vocab_path, splits[0].captions, min_freq=1)
+        vocab = _caption_vocab(self.vocab, self.vocab_path, lambda: splits[0].captions, min_freq=1)
         # canonical caption as the target everywhere: the synthetic captions are unambiguous
         self._use_captions(splits, vocab, self.max_caption_len, sample_train_caption=False)
 
+    def evaluation_split(self, split: str) -> EvalSplit:
+        evaluation = super().evaluation_split(split)
+        evaluation.source = f"shapes {split} split (seed {self.seed}, {self.img_size} px)"
+        if self.task == "caption":
+            shapes = evaluation.loader.dataset.dataset  # TokenizedCaptions -> ShapesDataset
+            evaluation.references = {i: shapes.references(i) for i in range(len(shapes))}
+            evaluation.synthetic = True
+        return evaluation
 
-def _image_folder(directory: Path, transform) -> ImageFolder:
+
+def image_folder_split(root: str | os.PathLike, split: str) -> Path:
+    """The folder of ``split`` under an ImageFolder ``root``: ``root/<split>``; ``test`` falls back to
+    ``root/val`` when ``root/test`` does not exist (training then tests on val)."""
+    root = Path(root)
+    if split == "test" and not (root / "test").exists():
+        return root / "val"
+    return root / split
+
+
+def _is_image_file(path: str) -> bool:
+    name = os.path.basename(path)
+    return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+
+
+def open_image_folder(directory: str | os.PathLike, transform: Callable[[Any], Any] | None = None) -> ImageFolder:
+    """``directory/<class>/<image>`` as a torchvision ``ImageFolder`` read with ``read_image``; the same file
+    extensions as the captioner (``IMAGE_EXTENSIONS``), hidden files skipped. Listing reads no image."""
+    directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"image folder not found: {directory} (expected {directory}/<class>/<image>)")
     try:
-        return ImageFolder(directory, transform=transform)
+        return ImageFolder(directory, transform=transform, loader=read_image, is_valid_file=_is_image_file)
     except FileNotFoundError as err:  # torchvision's word for "no class folders" or "no images"
         raise ValueError(f"image folder {directory} is empty: {err}") from None
 
@@ -201,13 +279,14 @@ class ImageFolderDataModule(_ImageDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:
             return
-        eval_transform = classification_transform(self.img_size, training=False)
-        train = _image_folder(
+        evaluate = self.eval_transform()
+        train = open_image_folder(
             self.root / "train",
-            classification_transform(self.img_size, training=True, augment=self.augment),
+            classification_transform(self.img_size, training=True, augment=self.augment) if self.augment else evaluate,
         )
-        val = _image_folder(self.root / "val", eval_transform)
-        test = _image_folder(self.root / "test", eval_transform) if (self.root / "test").exists() else val
+        val = open_image_folder(image_folder_split(self.root, "val"), evaluate)
+        test_dir = image_folder_split(self.root, "test")
+        test = val if test_dir == image_folder_split(self.root, "val") else open_image_folder(test_dir, evaluate)
         for split in {val, test}:
             if split.classes != train.classes:
                 raise ValueError(
@@ -216,6 +295,11 @@ class ImageFolderDataModule(_ImageDataModule):
         self.train_dataset, self.val_dataset, self.test_dataset = train, val, test
         self.class_names = list(train.classes)
         self.num_classes = len(train.classes)
+
+    def evaluation_split(self, split: str) -> EvalSplit:
+        folder = self.val_dataset if split == "val" else self.test_dataset
+        files, labels = [path for path, _ in folder.samples], [label for _, label in folder.samples]
+        return EvalSplit(str(Path(folder.root).resolve()), files=files, ids=labels)
 
 
 class CocoCaptionDataModule(_ImageDataModule):
@@ -263,9 +347,19 @@ class CocoCaptionDataModule(_ImageDataModule):
         if self.train_dataset is not None:
             return
         train_file, val_file, test_file = self.annotations
-        eval_transform = caption_transform(self.img_size, training=False)
+        evaluate = self.eval_transform()
         train = CocoCaptionDataset(self.image_dir, train_file, caption_transform(self.img_size, training=True))
-        val = CocoCaptionDataset(self.image_dir, val_file, eval_transform)
-        test = val if test_file == val_file else CocoCaptionDataset(self.image_dir, test_file, eval_transform)
-        vocab = _caption_vocab(self.vocab_path, train.captions, self.min_word_freq)
+        val = CocoCaptionDataset(self.image_dir, val_file, evaluate)
+        test = val if test_file == val_file else CocoCaptionDataset(self.image_dir, test_file, evaluate)
+        vocab = _caption_vocab(self.vocab, self.vocab_path, lambda: train.captions, self.min_word_freq)
         self._use_captions((train, val, test), vocab, self.max_caption_len, sample_train_caption=True)
+
+    def evaluation_split(self, split: str) -> EvalSplit:
+        coco = (self.val_dataset if split == "val" else self.test_dataset).dataset  # TokenizedCaptions -> COCO
+        file = self.annotations[1 if split == "val" else 2]
+        return EvalSplit(
+            str(Path(file).resolve()),
+            files=[str(coco.image_dir / im.file_name) for im in coco.images],
+            ids=[im.image_id for im in coco.images],
+            references={im.image_id: list(im.captions) for im in coco.images},
+        )

@@ -36,13 +36,6 @@ def normalize() -> Normalize:
     return Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)
 
 
-def denormalize(images: torch.Tensor) -> torch.Tensor:
-    """Undo ``normalize`` on (..., 3, H, W) images, back to [0, 1]."""
-    mean = images.new_tensor(IMAGENET_DEFAULT_MEAN).view(3, 1, 1)
-    std = images.new_tensor(IMAGENET_DEFAULT_STD).view(3, 1, 1)
-    return images * std + mean
-
-
 def classification_transform(
     img_size: int, training: bool, augment: bool = True
 ) -> Callable[[Image.Image], torch.Tensor]:

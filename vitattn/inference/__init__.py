@@ -1,23 +1,24 @@
-"""Inference: batch captioning of image files and attention maps of generated captions."""
+"""Inference: batch captioning of image files and attention maps of generated captions.
 
+``inputs`` lists what to caption, ``reading`` turns files into tensors (``vitattn.data.images``
+reads them), ``captioning`` decodes batches, ``writers`` keeps resumable output files, and
+``attention_maps`` / ``figures`` draw what the model looked at.
+"""
+
+from vitattn.data.images import read_image
 from vitattn.inference.attention_maps import (
     attention_from_tokens,
     attention_rollout,
     caption_attention_maps,
     save_attention_figure,
 )
-from vitattn.inference.captioner import (
-    CaptionSummary,
-    InputImage,
-    caption_images,
-    caption_to_file,
-    iter_caption_batches,
-    list_inputs,
-    load_rgb,
-    read_records,
-)
+from vitattn.inference.captioning import CaptionBatch, caption_images, iter_caption_batches
+from vitattn.inference.inputs import InputImage, list_inputs
+from vitattn.inference.writers import OUTPUT_FORMATS, CaptionSummary, caption_to_file, read_records
 
 __all__ = [
+    "OUTPUT_FORMATS",
+    "CaptionBatch",
     "CaptionSummary",
     "InputImage",
     "attention_from_tokens",
@@ -27,7 +28,7 @@ __all__ = [
     "caption_to_file",
     "iter_caption_batches",
     "list_inputs",
-    "load_rgb",
+    "read_image",
     "read_records",
     "save_attention_figure",
 ]

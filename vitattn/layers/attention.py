@@ -72,15 +72,29 @@ class MultiHeadAttention(nn.Module):
     """The document's ``MultiHeadAttention`` with ``wq``, ``wk``, ``wv``, ``dense`` and ``split_heads``.
 
     Call it as ``mha(q, k, v, mask)``. The document's Keras layer is called ``call(v, k, q, mask)``:
-    the order differs, the computation does not. Self-attention (``q is k is v``) runs the three
-    projections as one matrix multiply over the concatenated weights, as timm's fused ``qkv`` does.
+    the order differs, the computation does not. The document's ``call``, step by step, is here:
+
+    =====================================================  =========================================
+    document (``call``)                                    vitattn
+    =====================================================  =========================================
+    ``q = self.wq(q)`` ... ``split_heads(q, batch_size)``  ``project_q`` / ``project_kv`` /
+                                                           ``project_qkv`` (heads (B, H, L, d))
+    ``scaled_attention, attention_weights =                ``attend``: ``scaled_dot_product_attention``
+    scaled_dot_product_attention(q, k, v, mask)``          (explicit) or ``F.scaled_dot_product_attention``
+    ``concat_attention = tf.reshape(tf.transpose(...))``   ``attend``: ``transpose(1, 2).reshape(B, Lq, D)``
+    ``output = self.dense(concat_attention)``              ``attend``: ``self.dense(...)``
+    ``self.depth = d_model // num_heads``                  ``head_dim`` (``depth`` reads the same value)
+    =====================================================  =========================================
+
+    Self-attention (``q is k is v``) runs the three projections as one matrix multiply over the
+    concatenated weights, as timm's fused ``qkv`` does.
 
     Args:
         d_model: width D; must be divisible by ``num_heads``.
         num_heads: number of heads H.
         qkv_bias: bias in ``wq``, ``wk``, ``wv`` (the document's Dense layers have one).
         attn_drop: dropout on the attention weights (training only).
-        fused: use ``F.scaled_dot_product_attention`` when weights are not asked for.
+        fused_attn: use ``F.scaled_dot_product_attention`` when weights are not asked for.
     """
 
     def __init__(
@@ -89,25 +103,30 @@ class MultiHeadAttention(nn.Module):
         num_heads: int,
         qkv_bias: bool = True,
         attn_drop: float = 0.0,
-        fused: bool = True,
+        fused_attn: bool = True,
     ) -> None:
         super().__init__()
         if num_heads <= 0 or d_model % num_heads != 0:
             raise ValueError(f"num_heads={num_heads} must divide d_model={d_model}")
         self.num_heads = num_heads
         self.d_model = d_model
-        self.depth = d_model // num_heads
+        self.head_dim = d_model // num_heads  # d: the width of one head
         self.attn_drop = attn_drop
-        self.fused = fused
+        self.fused_attn = fused_attn
         self.wq = nn.Linear(d_model, d_model, bias=qkv_bias)
         self.wk = nn.Linear(d_model, d_model, bias=qkv_bias)
         self.wv = nn.Linear(d_model, d_model, bias=qkv_bias)
         self.dense = nn.Linear(d_model, d_model)
         self._record: list[Tensor] | None = None  # set by `record_attention`
 
+    @property
+    def depth(self) -> int:
+        """The document's name for ``head_dim`` (a head's width, not a number of layers)."""
+        return self.head_dim
+
     def split_heads(self, x: Tensor, batch_size: int) -> Tensor:
         """(B, L, D) -> (B, H, L, d), as the document's ``split_heads``."""
-        x = x.view(batch_size, -1, self.num_heads, self.depth)  # (B, L, H, d)
+        x = x.view(batch_size, -1, self.num_heads, self.head_dim)  # (B, L, H, d)
         return x.transpose(1, 2)  # (B, H, L, d)
 
     def project_q(self, q: Tensor) -> Tensor:
@@ -119,7 +138,7 @@ class MultiHeadAttention(nn.Module):
         if k is v:
             B, L, _ = k.shape
             kv = F.linear(k, _cat(self.wk.weight, self.wv.weight), _cat(self.wk.bias, self.wv.bias))
-            kv = kv.view(B, L, 2, self.num_heads, self.depth).permute(2, 0, 3, 1, 4)  # (2, B, H, L, d)
+            kv = kv.view(B, L, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (2, B, H, L, d)
             k, v = kv.unbind(0)  # views; backward stacks the two gradients instead of zero-filling per index
             return k, v
         return self.split_heads(self.wk(k), k.shape[0]), self.split_heads(self.wv(v), v.shape[0])
@@ -129,7 +148,7 @@ class MultiHeadAttention(nn.Module):
         B, L, _ = x.shape
         w = _cat(self.wq.weight, self.wk.weight, self.wv.weight)
         b = _cat(self.wq.bias, self.wk.bias, self.wv.bias)
-        qkv = F.linear(x, w, b).view(B, L, 3, self.num_heads, self.depth)
+        qkv = F.linear(x, w, b).view(B, L, 3, self.num_heads, self.head_dim)
         qkv = qkv.permute(2, 0, 3, 1, 4)  # (3, B, H, L, d)
         # unbind, not qkv[0], qkv[1], qkv[2]: the same views, but one backward (a stack) instead of
         # three that each zero-fill a full (3, B, H, L, d) gradient and add them up (~1 % of a train step).
@@ -142,16 +161,16 @@ class MultiHeadAttention(nn.Module):
         k: Tensor,
         v: Tensor,
         mask: Tensor | None = None,
-        is_causal: bool = False,
         need_weights: bool = False,
+        is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """Attention over projected heads, then concatenation and ``dense``.
+        """Attention over projected heads, then concatenation and ``dense`` (arguments as ``forward``'s).
 
         Args:
             q: (B, H, Lq, d); k, v: (B, H, Lk, d).
             mask: broadcastable to (B, H, Lq, Lk), 1/True = masked out.
-            is_causal: add the look-ahead mask (queries are the last Lq of the Lk positions).
             need_weights: return the (B, H, Lq, Lk) weights (explicit path).
+            is_causal: add the look-ahead mask (queries are the last Lq of the Lk positions).
 
         Returns:
             ``(output, weights)``: (B, Lq, D) and the weights or None.
@@ -159,7 +178,7 @@ class MultiHeadAttention(nn.Module):
         B, _, Lq, _ = q.shape
         Lk = k.shape[2]
         dropout_p = self.attn_drop if self.training else 0.0
-        explicit = need_weights or self._record is not None or not self.fused
+        explicit = need_weights or self._record is not None or not self.fused_attn
         # A plain square causal mask goes to the fused kernel as `is_causal` (flash attention takes
         # no explicit mask); any other look-ahead is built as a mask.
         fused_causal = is_causal and not explicit and mask is None and Lq == Lk
@@ -205,7 +224,7 @@ class MultiHeadAttention(nn.Module):
         else:
             qh = self.project_q(q)
             kh, vh = self.project_kv(k, v)
-        return self.attend(qh, kh, vh, mask, is_causal, need_weights)
+        return self.attend(qh, kh, vh, mask, need_weights, is_causal)
 
 
 def _cat(*tensors: Tensor | None) -> Tensor | None:

@@ -71,8 +71,8 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.norm_first = norm_first
-        self.mha1 = MultiHeadAttention(d_model, num_heads, attn_drop=attn_drop, fused=fused_attn)
-        self.mha2 = MultiHeadAttention(d_model, num_heads, attn_drop=attn_drop, fused=fused_attn)
+        self.mha1 = MultiHeadAttention(d_model, num_heads, attn_drop=attn_drop, fused_attn=fused_attn)
+        self.mha2 = MultiHeadAttention(d_model, num_heads, attn_drop=attn_drop, fused_attn=fused_attn)
         self.ffn = point_wise_feed_forward_network(d_model, dff, activation)
         self.layernorm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.layernorm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)

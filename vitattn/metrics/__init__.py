@@ -8,6 +8,7 @@ from vitattn.metrics.caption import (
     exact_match,
     rouge_l,
 )
+from vitattn.metrics.scoring import first_per_image, score_captions
 from vitattn.metrics.tokenize import coco_tokenize
 
 __all__ = [
@@ -17,5 +18,7 @@ __all__ = [
     "corpus_bleu",
     "distinct_share",
     "exact_match",
+    "first_per_image",
     "rouge_l",
+    "score_captions",
 ]

@@ -137,7 +137,7 @@ class VisionTransformer(nn.Module):
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001
+    def _load_from_state_dict(self, state_dict: dict[str, Tensor], prefix: str, *args: Any, **kwargs: Any) -> None:
         # Weights trained at another image size: resample their position grid to ours.
         key = prefix + "pos_embed"
         if key in state_dict and state_dict[key].shape != self.pos_embed.shape:

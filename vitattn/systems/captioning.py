@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
 from vitattn.data.vocab import Vocabulary
-from vitattn.metrics import compute_caption_metrics, distinct_share, exact_match
+from vitattn.metrics import first_per_image, score_captions
 from vitattn.models import ImageCaptioner
 from vitattn.systems.base import VisionSystem
 
@@ -28,8 +28,7 @@ def gather_predictions(local: list[tuple[int, str, list[str]]]) -> list[tuple[in
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, local)
         local = [item for part in parts for item in part]
-    unique = {image_id: (image_id, caption, refs) for image_id, caption, refs in reversed(local)}
-    return [unique[k] for k in sorted(unique)]
+    return first_per_image(local)
 
 
 class CaptionSystem(VisionSystem):
@@ -103,15 +102,10 @@ class CaptionSystem(VisionSystem):
         self._outputs = []
         if not outputs or self.trainer.sanity_checking:
             return
-        captions = [caption for _, caption, _ in outputs]
-        references = [refs for _, _, refs in outputs]
-        metrics = compute_caption_metrics(captions, references)
-        metrics["exact_match"] = exact_match(captions, references)
-        metrics["distinct"] = distinct_share(captions)  # collapse alarm: near 0 = one caption for all
-        metrics["num_images"] = float(len(outputs))
+        metrics = score_captions(outputs)
         # Every rank holds the whole split, so the values already agree: no reduction.
         self.log_dict({f"{stage}/{k}": float(v) for k, v in metrics.items()}, sync_dist=False, rank_zero_only=False)
-        self.last_samples = [(caption, refs) for caption, refs in zip(captions, references)][: self.num_samples]
+        self.last_samples = [(caption, refs) for _, caption, refs in outputs][: self.num_samples]
         if isinstance(self.logger, TensorBoardLogger) and self.trainer.is_global_zero:
             text = "\n\n".join(f"**{c}**  \nreference: {r[0]}" for c, r in self.last_samples)
             self.logger.experiment.add_text(f"{stage}/samples", text, self.global_step)

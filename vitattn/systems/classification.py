@@ -63,7 +63,9 @@ class ClassificationSystem(VisionSystem):
         self.log("train/acc", self.train_acc, on_step=True, on_epoch=False)
         return self.guard(loss)
 
-    def _evaluate(self, batch: tuple[Tensor, Tensor], stage: str, top1, top5) -> None:  # noqa: ANN001
+    def _evaluate(
+        self, batch: tuple[Tensor, Tensor], stage: str, top1: MulticlassAccuracy, top5: MulticlassAccuracy
+    ) -> None:
         images, labels = batch
         logits = self.model(images)
         self.log(f"{stage}/loss", F.cross_entropy(logits, labels), sync_dist=True)

@@ -1,0 +1,245 @@
+"""Model bundles: a folder with everything inference needs, written atomically and loaded without unpickling.
+
+A bundle folder holds ``model.safetensors`` (the weights), ``config.json`` (plain JSON: task, the
+model's ``config``, the preprocessing) and, for captioning, ``vocab.json``::
+
+    {"format": "vitattn-bundle", "version": 1, "task": "caption",
+     "model": {...}, "preprocess": {"img_size": 224, "crop_pct": 0.9, "mean": [...], "std": [...],
+     "interpolation": "bicubic"}, "vocab_file": "vocab.json", "generate": {"num_beams": 3}}
+
+``generate`` (optional) holds the decoding defaults that ``vitattn-caption`` starts from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from torch import nn
+
+from vitattn.data.preprocess import check_preprocess, eval_transform
+from vitattn.data.vocab import Vocabulary
+from vitattn.errors import first_line
+from vitattn.fileio import atomic_folder, read_json
+from vitattn.models import ImageCaptioner, VisionTransformer
+
+__all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "TASKS", "Bundle", "load_bundle_folder", "save_bundle"]
+
+log = logging.getLogger(__name__)
+
+
+BUNDLE_FORMAT = "vitattn-bundle"
+
+
+BUNDLE_VERSION = 1
+
+
+TASKS = ("caption", "classification")
+
+
+WEIGHTS_FILE, CONFIG_FILE, VOCAB_FILE = "model.safetensors", "config.json", "vocab.json"
+
+
+@dataclass
+class Bundle:
+    """A loaded model with what inference needs around it.
+
+    Attributes:
+        model: ``ImageCaptioner`` (caption) or ``VisionTransformer`` (classification), in eval mode.
+        task: ``caption`` or ``classification``.
+        preprocess: ``img_size``, ``crop_pct``, ``mean``, ``std``, ``interpolation`` (and maybe
+            ``crop_mode``); ``eval_transform(preprocess)`` turns a PIL image into the model's input.
+        config: the whole ``config.json`` content (plain JSON values).
+        vocab: the caption vocabulary (caption task), else None.
+        class_names: one name per class (classification task), else None.
+        generate: default ``ImageCaptioner.generate`` keyword arguments (may be empty).
+    """
+
+    model: nn.Module
+    task: str
+    preprocess: dict[str, Any]
+    config: dict[str, Any]
+    vocab: Vocabulary | None = None
+    class_names: list[str] | None = None
+    generate: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def transform(self) -> Callable[[Image.Image], torch.Tensor]:
+        """PIL image -> (3, img_size, img_size) normalised tensor."""
+        return eval_transform(self.preprocess)
+
+
+def save_bundle(
+    directory: str | os.PathLike,
+    model: nn.Module,
+    *,
+    task: str,
+    preprocess: Mapping[str, Any],
+    vocab: Vocabulary | None = None,
+    class_names: Sequence[str] | None = None,
+    generate: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write ``model`` as a bundle folder, atomically: a temporary folder beside it is filled, then
+    renamed into place (an existing bundle there is replaced).
+
+    Args:
+        directory: the bundle folder to create.
+        model: an ``ImageCaptioner`` (task ``caption``) or a ``VisionTransformer`` with
+            ``num_classes > 0`` (task ``classification``).
+        task: ``caption`` or ``classification``.
+        preprocess: ``img_size``, ``crop_pct``, ``mean``, ``std``, ``interpolation`` (see ``eval_transform``).
+        vocab: the caption vocabulary; its size must equal the decoder's ``vocab_size``.
+        class_names: one per class; default ``"0" .. "num_classes-1"``.
+        generate: decoding defaults (``generate`` keyword arguments) stored for ``vitattn-caption``.
+
+    Returns:
+        The bundle folder.
+    """
+    from safetensors.torch import save_model
+
+    directory = Path(directory)
+    config = _bundle_config(model, task, preprocess, vocab, class_names)
+    if generate:
+        config["generate"] = plain_json(dict(generate), "generate")
+    if directory.exists() and not _replaceable(directory):
+        raise FileExistsError(f"{directory} exists and is not a vitattn bundle; choose another folder or remove it")
+    with atomic_folder(directory) as tmp:
+        save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        if vocab is not None:
+            vocab.save(tmp / VOCAB_FILE)
+    return directory
+
+
+def _bundle_config(
+    model: nn.Module,
+    task: str,
+    preprocess: Mapping[str, Any],
+    vocab: Vocabulary | None,
+    class_names: Sequence[str] | None,
+) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "format": BUNDLE_FORMAT,
+        "version": BUNDLE_VERSION,
+        "task": task,
+        "model": plain_json(model.config, "model.config"),
+        "preprocess": check_preprocess(plain_json(preprocess, "preprocess"), "preprocess"),
+    }
+    if task == "caption":
+        if not isinstance(model, ImageCaptioner):
+            raise ValueError(f"task='caption' needs an ImageCaptioner, got {type(model).__name__}")
+        if vocab is None:
+            raise ValueError("task='caption' needs vocab=Vocabulary(...)")
+        if len(vocab) != model.decoder.vocab_size:
+            raise ValueError(f"vocab has {len(vocab)} tokens but the decoder's vocab_size={model.decoder.vocab_size}")
+        config["vocab_file"] = VOCAB_FILE
+    elif task == "classification":
+        if not isinstance(model, VisionTransformer) or model.num_classes <= 0:
+            raise ValueError("task='classification' needs a VisionTransformer with num_classes > 0")
+        names = [str(i) for i in range(model.num_classes)] if class_names is None else [str(n) for n in class_names]
+        if len(names) != model.num_classes:
+            raise ValueError(f"class_names has {len(names)} names but the model has num_classes={model.num_classes}")
+        config["class_names"] = names
+    else:
+        raise ValueError(f"task={task!r} is unknown; choose one of {list(TASKS)}")
+    return config
+
+
+def plain_json(value: Any, where: str) -> Any:
+    """Plain JSON values (OmegaConf containers and tuples become dicts and lists)."""
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - hydra is a dependency
+        pass
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where} must hold plain JSON values: {err}") from None
+
+
+def _replaceable(directory: Path) -> bool:
+    """An empty folder or an earlier bundle may be replaced; anything else is kept."""
+    if not directory.is_dir():
+        return False
+    if not any(directory.iterdir()):
+        return True
+    try:
+        return json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8")).get("format") == BUNDLE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def build_model(task: str, model_config: Any, where: Path) -> nn.Module:
+    if not isinstance(model_config, Mapping):
+        raise ValueError(f"{where}: the model config must be a mapping, got {type(model_config).__name__}")
+    try:
+        if task == "caption":
+            return ImageCaptioner.from_config(dict(model_config))
+        return VisionTransformer(**model_config)
+    except (TypeError, ValueError, KeyError) as err:
+        raise ValueError(f"{where}: cannot build the {task} model from its config: {first_line(err)}") from None
+
+
+def load_bundle_folder(directory: Path, device: str | torch.device) -> Bundle:
+    """The bundle in ``directory`` (it holds ``config.json``), on ``device``, in eval mode."""
+    from safetensors.torch import load_model
+
+    config_path = directory / CONFIG_FILE
+    config = read_json(config_path, "bundle config")
+    if not isinstance(config, dict) or config.get("format") != BUNDLE_FORMAT:
+        raise ValueError(f"{config_path} is not a vitattn bundle config (format must be {BUNDLE_FORMAT!r})")
+    if config.get("version") != BUNDLE_VERSION:
+        raise ValueError(
+            f"{config_path} has version={config.get('version')!r}; this vitattn reads version {BUNDLE_VERSION}"
+        )
+    task = config.get("task")
+    if task not in TASKS:
+        raise ValueError(f"{config_path} has task={task!r}; expected one of {list(TASKS)}")
+    for key in ("model", "preprocess"):
+        if key not in config:
+            raise ValueError(f"{config_path} has no {key!r}")
+    preprocess = check_preprocess(config["preprocess"], str(config_path))
+    vocab, class_names = None, None
+    if task == "caption":
+        name = config.get("vocab_file", VOCAB_FILE)
+        if not isinstance(name, str) or Path(name).name != name:
+            raise ValueError(f"{config_path} has vocab_file={name!r}; it must be a file name inside the bundle")
+        vocab = Vocabulary.load(directory / name)
+    else:
+        class_names = config.get("class_names")
+        if not isinstance(class_names, list):
+            raise ValueError(f"{config_path} has no 'class_names' list")
+    model = build_model(task, config["model"], config_path)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(f"bundle weights not found: {weights}")
+    try:
+        load_model(model, weights, strict=True, device=str(device))
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for corrupt files
+        raise ValueError(f"{weights} cannot be loaded into the model of {config_path}: {first_line(err)}") from None
+    generate = config.get("generate") or {}
+    if not isinstance(generate, dict):
+        raise ValueError(f"{config_path}: 'generate' must be a mapping of generate() keyword arguments")
+    return finish_bundle(Bundle(model, task, preprocess, config, vocab, class_names, dict(generate)), device)
+
+
+def finish_bundle(bundle: Bundle, device: str | torch.device) -> Bundle:
+    bundle.model.to(device).eval()
+    if bundle.vocab is not None and len(bundle.vocab) != bundle.model.decoder.vocab_size:
+        raise ValueError(
+            f"the vocabulary has {len(bundle.vocab)} tokens "
+            f"but the decoder's vocab_size={bundle.model.decoder.vocab_size}"
+        )
+    if bundle.class_names is not None and len(bundle.class_names) != bundle.model.num_classes:
+        raise ValueError(f"{len(bundle.class_names)} class_names for num_classes={bundle.model.num_classes}")
+    return bundle

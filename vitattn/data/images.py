@@ -1,0 +1,78 @@
+"""An image file becomes pixels here, for training and for inference alike.
+
+``read_image`` is the one reader: the COCO, Karpathy and ImageFolder datasets and the batch
+captioner all call it, so a model sees at inference exactly what it saw in training.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from vitattn.errors import first_line
+
+__all__ = ["IMAGE_EXTENSIONS", "read_image", "unreadable_reason"]
+
+IMAGE_EXTENSIONS = frozenset(
+    {".jpg", ".jpeg", ".jfif", ".png", ".gif", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm"}
+)
+
+
+def read_image(path: str | os.PathLike) -> Image.Image:
+    """Read an image file as an upright 8-bit RGB image.
+
+    EXIF orientation is applied; transparency is composited on white; 16-bit and 32-bit grey is
+    scaled (not clipped) to 8 bits; animations give their first frame. An image over PIL's
+    decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``) is refused, warning or not.
+
+    Raises:
+        OSError, PIL errors, ``Image.DecompressionBombWarning``: the file cannot be used.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module="PIL")
+        with Image.open(path) as image:
+            image.load()  # first frame; raises here for truncated or corrupt data
+            upright = ImageOps.exif_transpose(image)  # a loaded copy
+    return _to_rgb(upright)
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    mode = image.mode
+    if mode.startswith("I;16") or mode in ("I", "F"):
+        a = np.asarray(image, dtype=np.float64)
+        if mode.startswith("I;16"):
+            a = a / 257.0  # 65535 -> 255
+        elif mode == "F" and a.size and a.max() <= 1.0:
+            a = a * 255.0
+        elif a.size and a.max() > 255:
+            a = a / 257.0 if a.max() <= 65535 else a * (255.0 / a.max())
+        return Image.fromarray(np.clip(np.rint(a), 0, 255).astype(np.uint8), "L").convert("RGB")
+    if mode in ("RGBA", "LA", "La", "RGBa", "PA") or (mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image if mode == "RGB" else image.convert("RGB")
+
+
+def unreadable_reason(path: str, err: BaseException) -> str:
+    """A short one-line reason why ``path`` could not be read."""
+    if isinstance(err, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
+        return f"decompression bomb refused: {first_line(err, limit=200)}"
+    if isinstance(err, IsADirectoryError) or os.path.isdir(path):
+        return "is a directory, not an image file"
+    if isinstance(err, FileNotFoundError):
+        return "file not found"
+    if isinstance(err, PermissionError):
+        return "permission denied"
+    if isinstance(err, UnidentifiedImageError):
+        try:
+            if os.path.getsize(path) == 0:
+                return "empty file (0 bytes)"
+        except OSError:
+            return "file not found"
+        return "not an image (unrecognised file format)"
+    return f"unreadable image: {first_line(err, limit=200)}"

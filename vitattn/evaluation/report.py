@@ -1,0 +1,173 @@
+"""An evaluation's result, and how it is shown and kept: a table, ``metrics.json``, captions, a confusion matrix."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from vitattn.fileio import atomic_write
+
+__all__ = ["EvalReport", "format_report", "save_confusion_matrix", "write_report"]
+
+
+_LABELS = {
+    "bleu1": "BLEU-1",
+    "bleu2": "BLEU-2",
+    "bleu3": "BLEU-3",
+    "bleu4": "BLEU-4",
+    "rouge_l": "ROUGE-L",
+    "cider_d": "CIDEr-D",
+    "exact_match": "exact match",
+    "distinct": "distinct captions",
+    "top1": "top-1 accuracy",
+    "top5": "top-5 accuracy",
+    "num_images": "images",
+    "num_failed": "images failed",
+    "num_missing": "images without a prediction",
+}
+
+
+@dataclass
+class EvalReport:
+    """One evaluation: what was scored, how, and the scores.
+
+    Attributes:
+        task: ``caption`` or ``classification``.
+        split: ``val`` or ``test``.
+        data: where the images and references (or labels) came from.
+        metrics: caption: ``bleu1..4``, ``rouge_l``, ``cider_d``, ``distinct``, ``exact_match``
+            (synthetic references only); classification: ``top1``, ``top5``; both: ``num_images``
+            scored, and ``num_failed`` / ``num_missing`` when some images could not be scored.
+        decoding: the ``generate`` keyword arguments used (empty for predictions and classification).
+        predictions: the predictions file scored, if any.
+        captions: ``(image_id, caption, references)`` per scored image, sorted by id (caption task).
+        confusion: (K, K) counts, rows true class, columns predicted (classification task).
+        class_names: the model's classes (classification task).
+    """
+
+    task: str
+    split: str
+    data: str
+    metrics: dict[str, float]
+    decoding: dict[str, Any] = field(default_factory=dict)
+    predictions: str | None = None
+    captions: list[tuple[Any, str, list[str]]] = field(default_factory=list)
+    confusion: Tensor | None = None
+    class_names: list[str] | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Every image of the split was scored."""
+        return not self.metrics.get("num_failed") and not self.metrics.get("num_missing")
+
+
+def save_confusion_matrix(
+    confusion: Tensor, class_names: Sequence[str], path: str | os.PathLike, title: str | None = None
+) -> Path:
+    """Draw a (K, K) confusion matrix (rows true, columns predicted) with the class names on the
+    axes (counts in the cells up to 30 classes); write the PNG atomically."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, Agg chosen by savefig
+
+    counts = confusion.cpu().numpy()
+    k = len(class_names)
+    side = min(4.0 + 0.4 * k, 40.0)
+    fig = Figure(figsize=(side + 1.5, side))
+    ax = fig.add_subplot()
+    shown = ax.imshow(counts, cmap="Blues", interpolation="nearest")
+    fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.04)
+    if k <= 100:
+        ax.set_xticks(range(k), labels=list(class_names), rotation=90, fontsize=8)
+        ax.set_yticks(range(k), labels=list(class_names), fontsize=8)
+    if k <= 30:
+        high = counts.max() / 2 if counts.size else 0
+        for i in range(k):
+            for j in range(k):
+                if counts[i, j]:
+                    ax.text(
+                        j,
+                        i,
+                        str(counts[i, j]),
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white" if counts[i, j] > high else "black",
+                    )
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    path = Path(path)
+    atomic_write(path, buffer.getvalue())
+    return path
+
+
+def _plain(metrics: Mapping[str, float]) -> dict[str, float | int]:
+    return {k: int(v) if k.startswith("num_") else float(v) for k, v in metrics.items()}
+
+
+def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) -> list[Path]:
+    """Write ``metrics.json`` into ``out_dir`` (created), plus ``captions.jsonl`` for generated
+    captions, or ``confusion_matrix.png`` and ``confusion_matrix.json`` for a classifier.
+
+    ``metrics.json``: ``{"task", "model", "split", "data", "predictions", "decoding", "metrics"}``.
+
+    Returns:
+        The files written.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    if report.task == "caption" and report.predictions is None:
+        lines = (
+            json.dumps({"image_id": k, "caption": c, "references": r}, ensure_ascii=False) + "\n"
+            for k, c, r in report.captions
+        )
+        atomic_write(out / "captions.jsonl", "".join(lines).encode("utf-8"))
+        written.append(out / "captions.jsonl")
+    if report.confusion is not None:
+        table = {
+            "class_names": report.class_names,
+            "rows": "true class",
+            "columns": "predicted class",
+            "matrix": report.confusion.tolist(),
+        }
+        atomic_write(out / "confusion_matrix.json", (json.dumps(table) + "\n").encode("utf-8"))
+        title = f"{report.split}: top-1 {report.metrics['top1']:.3f} over {report.metrics['num_images']} images"
+        written += [
+            out / "confusion_matrix.json",
+            save_confusion_matrix(report.confusion, report.class_names, out / "confusion_matrix.png", title),
+        ]
+    summary = {
+        "task": report.task,
+        "model": model,
+        "split": report.split,
+        "data": report.data,
+        "predictions": report.predictions,
+        "decoding": report.decoding,
+        "metrics": _plain(report.metrics),
+    }
+    atomic_write(out / "metrics.json", (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
+    return [out / "metrics.json", *written]
+
+
+def format_report(report: EvalReport) -> str:
+    """The report as a small table of the metrics, with what was scored above it."""
+    lines = [f"{report.task} evaluation, split {report.split}: {report.data}"]
+    if report.predictions:
+        lines.append(f"predictions: {report.predictions}")
+    if report.decoding:
+        lines.append("decoding: " + " ".join(f"{k}={v}" for k, v in report.decoding.items()))
+    for key, value in _plain(report.metrics).items():
+        shown = str(value) if isinstance(value, int) else f"{value:.4f}"
+        lines.append(f"  {_LABELS.get(key, key):<28} {shown:>8}")
+    return "\n".join(lines)

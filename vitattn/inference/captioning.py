@@ -1,0 +1,131 @@
+"""Batched captioning of image files: read, encode, decode, one ``CaptionBatch`` at a time.
+
+Dimension letters: B batch, C channels, H/W image side, T' generated tokens.
+
+A bad file never stops a batch: it gets a record ``{"image", "image_id", "error"}`` instead of a caption.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from vitattn.bundle import Bundle
+from vitattn.inference.inputs import InputImage
+from vitattn.inference.reading import ImageFileDataset, collate_images
+
+__all__ = ["CaptionBatch", "caption_images", "iter_caption_batches"]
+
+
+@dataclass
+class CaptionBatch:
+    """One batch of results.
+
+    Attributes:
+        records: one dict per input of the batch, in input order: ``image``, ``image_id`` and
+            ``caption`` or ``error``.
+        images: (b, C, H, W) the images that were read, on the model's device; None if none were.
+        tokens: (b, T') their generated ids (``generate``'s output); None if none were read.
+        captioned: for each row of ``images``, its position in ``records``.
+    """
+
+    records: list[dict[str, Any]]
+    images: Tensor | None
+    tokens: Tensor | None
+    captioned: list[int]
+
+
+def iter_caption_batches(
+    bundle: Bundle,
+    inputs: Sequence[InputImage],
+    *,
+    batch_size: int = 32,
+    num_workers: int = 0,
+    progress: bool = False,
+    **generate_kwargs: Any,
+) -> Iterator[CaptionBatch]:
+    """Read, caption and decode ``inputs`` batch by batch (a ``DataLoader`` with worker processes).
+
+    Args:
+        bundle: a caption bundle from ``load_bundle``.
+        inputs: the images, e.g. from ``list_inputs``.
+        batch_size: images per ``generate`` call.
+        num_workers: image-reading processes (0 reads in this process).
+        progress: show a tqdm progress bar on stderr.
+        **generate_kwargs: passed to ``ImageCaptioner.generate`` (``num_beams``, ``max_new_tokens``,
+            ``do_sample``, ``generator``, ...).
+    """
+    if bundle.task != "caption" or bundle.vocab is None:
+        raise ValueError(f"this model is a {bundle.task} bundle; captioning needs a caption bundle")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be at least 1")
+    if num_workers < 0:
+        raise ValueError(f"num_workers={num_workers} must be non-negative")
+    model = bundle.model
+    device = next(model.parameters()).device
+    loader = DataLoader(
+        ImageFileDataset([x.path for x in inputs], bundle.transform),
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        collate_fn=collate_images,
+        pin_memory=device.type == "cuda",
+    )
+    with tqdm(total=len(inputs), unit="img", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
+        for ok, images, errors in loader:
+            index = sorted([*ok, *(i for i, _ in errors)])
+            pos = {i: p for p, i in enumerate(index)}
+            records = [{"image": inputs[i].path, "image_id": inputs[i].image_id} for i in index]
+            for i, reason in errors:
+                records[pos[i]]["error"] = reason
+            tokens = None
+            if images is not None:
+                images = images.to(device, non_blocking=True)
+                # bf16 autocast on GPUs (as the GPU training configs); fp32 on CPUs, where bf16 is slow
+                with torch.inference_mode(), torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
+                    tokens = model.generate(images, **generate_kwargs)  # (b, T')
+                for i, caption in zip(ok, bundle.vocab.decode_batch(tokens)):
+                    records[pos[i]]["caption"] = caption
+            bar.update(len(records))
+            yield CaptionBatch(records, images, tokens, [pos[i] for i in ok])
+
+
+def caption_images(
+    bundle: Bundle,
+    paths: Sequence[str | os.PathLike] | Sequence[InputImage],
+    batch_size: int = 32,
+    num_workers: int = 0,
+    progress: bool = False,
+    **generate_kwargs: Any,
+) -> list[dict[str, Any]]:
+    """Caption image files.
+
+    Args:
+        bundle: a caption bundle from ``load_bundle``.
+        paths: image paths (``image_id`` is the position in this list) or ``InputImage``s.
+        batch_size, num_workers, progress: as in ``iter_caption_batches``.
+        **generate_kwargs: passed to ``ImageCaptioner.generate``.
+
+    Returns:
+        One dict per path, in order: ``{"image", "image_id", "caption"}`` or, for a file that could
+        not be read, ``{"image", "image_id", "error"}``.
+
+    Example:
+        >>> caption_images(load_bundle("runs/coco/bundle"), ["cat.jpg"], num_beams=3)
+        [{'image': 'cat.jpg', 'image_id': 0, 'caption': 'a cat sitting on a couch'}]
+    """
+    inputs = [p if isinstance(p, InputImage) else InputImage(str(p), i) for i, p in enumerate(paths)]
+    results: list[dict[str, Any]] = []
+    for batch in iter_caption_batches(
+        bundle, inputs, batch_size=batch_size, num_workers=num_workers, progress=progress, **generate_kwargs
+    ):
+        results += batch.records
+    return results

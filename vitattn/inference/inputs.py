@@ -1,0 +1,121 @@
+"""What to caption: a folder, a glob, a text list, a COCO file or paths, listed as ``InputImage``s."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from vitattn.data.images import IMAGE_EXTENSIONS
+from vitattn.fileio import read_json
+
+__all__ = ["InputImage", "list_inputs"]
+
+
+_GLOB_CHARS = set("*?[")
+
+
+@dataclass(frozen=True)
+class InputImage:
+    """One image to caption: its path as listed (the output key) and its id."""
+
+    path: str
+    image_id: int
+
+
+def list_inputs(
+    images: str | os.PathLike | Sequence[str | os.PathLike], image_dir: str | os.PathLike | None = None
+) -> list[InputImage]:
+    """The images named by ``images``, each once.
+
+    Args:
+        images: a folder (searched recursively for image extensions, hidden names skipped), a glob
+            (``photos/**/*.jpg``), a text file with one path per line (``#`` comments allowed), a COCO
+            JSON file (``images[].file_name`` and ``images[].id``), a single image, or a sequence of paths.
+        image_dir: the folder that COCO ``file_name``s and relative text-list paths are relative to;
+            default: the COCO file's folder, and the current folder for text lists.
+
+    Returns:
+        ``InputImage``s; COCO files keep their order and ids, other inputs are sorted by path and
+        numbered from 0 in that order.
+    """
+    if not isinstance(images, (str, os.PathLike)):
+        return _numbered([str(p) for p in images], sort=False)
+    spec = str(images)
+    path = Path(spec)
+    if path.is_dir():
+        found = _walk_images(path)
+        if not found:
+            raise ValueError(f"images={spec}: no files with an image extension ({', '.join(sorted(IMAGE_EXTENSIONS))})")
+        return _numbered(found, sort=True)
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix == ".json":
+            return _coco_inputs(path, image_dir)
+        if suffix in IMAGE_EXTENSIONS:
+            return _numbered([spec], sort=False)
+        return _numbered(_text_list(path, image_dir), sort=True)
+    if _GLOB_CHARS & set(spec):
+        import glob
+
+        found = glob.glob(spec, recursive=True)
+        if not found:
+            raise ValueError(f"images={spec}: the glob matches no files")
+        return _numbered(found, sort=True)
+    raise FileNotFoundError(f"images={spec}: no such folder, file or glob")
+
+
+def _numbered(paths: Sequence[str], sort: bool) -> list[InputImage]:
+    unique = list(dict.fromkeys(paths))
+    if sort:
+        unique.sort()
+    return [InputImage(p, i) for i, p in enumerate(unique)]
+
+
+def _walk_images(root: Path) -> list[str]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # A folder named like an image is listed (it becomes an error record), not searched.
+        as_images = [d for d in dirnames if Path(d).suffix.lower() in IMAGE_EXTENSIONS]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in as_images]
+        names = [n for n in filenames if not n.startswith(".") and Path(n).suffix.lower() in IMAGE_EXTENSIONS]
+        found += [os.path.join(dirpath, n) for n in names + [d for d in as_images if not d.startswith(".")]]
+    return found
+
+
+def _text_list(path: Path, image_dir: str | os.PathLike | None) -> list[str]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ValueError(
+            f"images={path} is neither an image, a folder, a COCO .json nor a UTF-8 text list of paths"
+        ) from None
+    paths = []
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        paths.append(str(Path(image_dir) / line) if image_dir is not None and not os.path.isabs(line) else line)
+    if not paths:
+        raise ValueError(f"images={path}: the list names no images")
+    return paths
+
+
+def _coco_inputs(path: Path, image_dir: str | os.PathLike | None) -> list[InputImage]:
+    data = read_json(path, "images file")
+    entries = data.get("images") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f"images={path}: a COCO file needs an 'images' list of {{'id', 'file_name'}}")
+    root = Path(image_dir) if image_dir is not None else path.parent
+    inputs, seen = [], set()
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or "file_name" not in entry or "id" not in entry:
+            raise ValueError(f"images={path}: images[{i}] needs 'id' and 'file_name'")
+        p = str(root / str(entry["file_name"]))
+        if p not in seen:
+            seen.add(p)
+            inputs.append(InputImage(p, entry["id"]))
+    if not inputs:
+        raise ValueError(f"images={path}: the COCO file lists no images")
+    return inputs
