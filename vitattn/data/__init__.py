@@ -14,8 +14,6 @@ from vitattn.data.preprocess import default_preprocess, denormalize, eval_transf
 from vitattn.data.run_data import datamodule_from_run
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
 from vitattn.data.transforms import (
-    caption_transform,
-    classification_transform,
     normalize,
 )
 from vitattn.data.vocab import Vocabulary
@@ -30,8 +28,6 @@ __all__ = [
     "ShapesDataset",
     "TokenizedCaptions",
     "Vocabulary",
-    "caption_transform",
-    "classification_transform",
     "collate_captions",
     "denormalize",
     "load_coco_captions",

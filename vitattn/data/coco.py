@@ -86,14 +86,16 @@ class CocoCaptionDataset(Dataset):
     Args:
         image_dir: folder that the ``file_name`` entries are relative to.
         annotations: a COCO caption JSON path, or images already parsed by ``load_coco_captions``.
-        transform: applied to the PIL image.
+        transform: applied to the PIL image (a ``CaptionAugment`` also gets the image's captions).
+        loader: path -> RGB PIL image; ``read_image`` or an ``ImageCache``'s ``load``.
     """
 
     def __init__(
         self,
         image_dir: str | os.PathLike,
         annotations: str | os.PathLike | Sequence[CocoImage],
-        transform: Callable[[Image.Image], Any] | None = None,
+        transform: Callable[..., Any] | None = None,
+        loader: Callable[[str | os.PathLike], Image.Image] = read_image,
     ) -> None:
         self.image_dir = Path(image_dir)
         if not self.image_dir.is_dir():
@@ -102,6 +104,7 @@ class CocoCaptionDataset(Dataset):
             annotations = load_coco_captions(annotations)
         self.images: list[CocoImage] = list(annotations)
         self.transform = transform
+        self.loader = loader  # read_image, or an ImageCache's load
 
     def __len__(self) -> int:
         return len(self.images)
@@ -113,8 +116,10 @@ class CocoCaptionDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         entry = self.images[index]
-        image = read_image(self.image_dir / entry.file_name)
-        if self.transform is not None:
+        image = self.loader(self.image_dir / entry.file_name)
+        if getattr(self.transform, "reads_captions", False):  # CaptionAugment: flips and colours the captions allow
+            image = self.transform(image, entry.captions)
+        elif self.transform is not None:
             image = self.transform(image)
         return {
             "image": image,

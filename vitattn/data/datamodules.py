@@ -9,8 +9,9 @@ the samples it repeats to even out the ranks.
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -22,12 +23,14 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import ImageFolder
 
+from vitattn.data.augment import CAPTION_CROP_SCALE, Augment, CaptionAugment, classification_train_transform
+from vitattn.data.cache import ImageCache, should_cache
 from vitattn.data.captions import TokenizedCaptions, collate_captions
 from vitattn.data.coco import CocoCaptionDataset
 from vitattn.data.images import IMAGE_EXTENSIONS, read_image
 from vitattn.data.preprocess import eval_transform
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
-from vitattn.data.transforms import caption_transform, classification_transform, normalize
+from vitattn.data.transforms import normalize
 from vitattn.data.vocab import Vocabulary
 
 __all__ = [
@@ -99,6 +102,18 @@ class _ImageDataModule(pl.LightningDataModule):
     def eval_transform(self) -> Callable[[Any], torch.Tensor]:
         """The evaluation transform of an image file: ``eval_transform(self.preprocess)``, as inference uses."""
         return eval_transform(self.preprocess)
+
+    cache_mode = "none"
+    cache: ImageCache | None = None
+
+    def _cache(self, paths: list[str]) -> ImageCache | None:
+        """An ``ImageCache`` of ``paths`` when ``self.cache_mode`` asks for one (``vitattn.data.cache``)."""
+        resize = self.eval_transform().transforms[0]  # timm's eval transform starts with its resize
+        side = math.floor(self.img_size / float(self.preprocess["crop_pct"]))
+        if not should_cache(self.cache_mode, len(set(paths)), side):
+            return None
+        self.cache = ImageCache(paths, resize)
+        return self.cache
 
     def evaluation_split(self, split: str) -> EvalSplit:
         """The ``val`` or ``test`` split for scoring (after ``setup``); subclasses with files override this."""
@@ -256,8 +271,9 @@ class ImageFolderDataModule(_ImageDataModule):
         root: folder holding the splits.
         img_size: side of the square crops.
         batch_size, num_workers: DataLoader settings.
-        augment: timm's training augmentation (random-resized crop, flip, colour jitter) for
-            ``train``; otherwise training images get the evaluation transform.
+        augment: training augmentation (``vitattn.data.augment.Augment``): ``True`` for the defaults
+            that suit ``img_size``, ``False`` for the evaluation transform, or a mapping of its settings.
+        cache: ``auto``, ``ram`` or ``none``: decode and resize every image once (``vitattn.data.cache``).
     """
 
     tasks = ("classification",)
@@ -269,10 +285,14 @@ class ImageFolderDataModule(_ImageDataModule):
         img_size: int = 224,
         batch_size: int = 64,
         num_workers: int = 0,
-        augment: bool = True,
+        augment: bool | Mapping[str, Any] = True,
+        cache: str = "auto",
     ) -> None:
         super().__init__(batch_size, num_workers, img_size)
-        self.root, self.augment = Path(root), augment
+        self.root = Path(root)
+        self.augment = Augment.from_config(augment)
+        self.cache_mode = cache
+        should_cache(cache, 0, 0)  # an unknown mode fails here, before any file is read
         self.class_names: list[str] | None = None
         self.num_classes: int | None = None
 
@@ -280,10 +300,12 @@ class ImageFolderDataModule(_ImageDataModule):
         if self.train_dataset is not None:
             return
         evaluate = self.eval_transform()
-        train = open_image_folder(
-            self.root / "train",
-            classification_transform(self.img_size, training=True, augment=self.augment) if self.augment else evaluate,
+        training = (
+            classification_train_transform(self.img_size, self.augment, self.preprocess)
+            if self.augment.enabled
+            else evaluate
         )
+        train = open_image_folder(self.root / "train", training)
         val = open_image_folder(image_folder_split(self.root, "val"), evaluate)
         test_dir = image_folder_split(self.root, "test")
         test = val if test_dir == image_folder_split(self.root, "val") else open_image_folder(test_dir, evaluate)
@@ -295,6 +317,10 @@ class ImageFolderDataModule(_ImageDataModule):
         self.train_dataset, self.val_dataset, self.test_dataset = train, val, test
         self.class_names = list(train.classes)
         self.num_classes = len(train.classes)
+        cache = self._cache([path for folder in {train, val, test} for path, _ in folder.samples])
+        if cache is not None:
+            for folder in {train, val, test}:
+                folder.loader = cache.load
 
     def evaluation_split(self, split: str) -> EvalSplit:
         folder = self.val_dataset if split == "val" else self.test_dataset
@@ -333,6 +359,8 @@ class CocoCaptionDataModule(_ImageDataModule):
         min_word_freq: int = 1,
         max_caption_len: int = 32,
         vocab_path: str | os.PathLike | None = None,
+        augment: bool | Mapping[str, Any] = True,
+        cache: str = "auto",
     ) -> None:
         super().__init__(batch_size, num_workers, img_size)
         self.image_dir = image_dir
@@ -342,17 +370,28 @@ class CocoCaptionDataModule(_ImageDataModule):
             max_caption_len,
             vocab_path,
         )
+        # Captions: the mild crop always; flips and colour jitter only where asked, and only where
+        # no caption of the image says left / right or names a colour (CaptionAugment).
+        self.augment = Augment.from_config(augment, scale=CAPTION_CROP_SCALE, hflip=0.0)
+        self.cache_mode = cache
+        should_cache(cache, 0, 0)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:
             return
         train_file, val_file, test_file = self.annotations
         evaluate = self.eval_transform()
-        train = CocoCaptionDataset(self.image_dir, train_file, caption_transform(self.img_size, training=True))
+        training = CaptionAugment(self.img_size, self.augment, self.preprocess) if self.augment.enabled else evaluate
+        train = CocoCaptionDataset(self.image_dir, train_file, training)
         val = CocoCaptionDataset(self.image_dir, val_file, evaluate)
         test = val if test_file == val_file else CocoCaptionDataset(self.image_dir, test_file, evaluate)
         vocab = _caption_vocab(self.vocab, self.vocab_path, lambda: train.captions, self.min_word_freq)
         self._use_captions((train, val, test), vocab, self.max_caption_len, sample_train_caption=True)
+        splits = {train, val, test}
+        cache = self._cache([str(d.image_dir / im.file_name) for d in splits for im in d.images])
+        if cache is not None:
+            for dataset in splits:
+                dataset.loader = cache.load
 
     def evaluation_split(self, split: str) -> EvalSplit:
         coco = (self.val_dataset if split == "val" else self.test_dataset).dataset  # TokenizedCaptions -> COCO

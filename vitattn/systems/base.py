@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -12,7 +13,9 @@ from torch import Tensor
 from vitattn.errors import NonFiniteLossError
 from vitattn.systems.optim import build_optimizer
 
-__all__ = ["VisionSystem", "NonFiniteLossError"]
+__all__ = ["UNKNOWN_HORIZON", "NonFiniteLossError", "VisionSystem"]
+
+UNKNOWN_HORIZON = 10**9  # steps: a schedule with no step, epoch or time limit stays at its peak
 
 
 class VisionSystem(pl.LightningModule):
@@ -51,6 +54,9 @@ class VisionSystem(pl.LightningModule):
         return None
 
     def configure_optimizers(self) -> dict[str, Any]:
-        total = int(self.trainer.estimated_stepping_batches)
+        # The step or epoch limit, whichever ends training first; under a time budget alone the
+        # horizon is unknown here and ``TimeBudgetHorizon`` sets it once the step rate is measured.
+        limit = self.trainer.estimated_stepping_batches
+        total = int(limit) if math.isfinite(limit) else UNKNOWN_HORIZON
         optimizer, scheduler = build_optimizer(self.model, total_steps=total, **self.optim)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

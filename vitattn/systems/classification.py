@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn.functional as F
+from timm.data import Mixup
 from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -23,6 +25,8 @@ class ClassificationSystem(VisionSystem):
         preprocess: evaluation preprocessing (img_size, crop_pct, mean, std, interpolation), kept
             with the checkpoint for inference.
         label_smoothing: cross-entropy label smoothing.
+        mixup, cutmix: timm's ``Mixup`` alphas for training batches (0 = off); with both, one or the
+            other per batch. The loss then takes the mixed soft targets (smoothed as above).
         optim: ``build_optimizer`` keyword arguments.
         nonfinite: ``raise`` or ``skip`` on a non-finite loss.
     """
@@ -37,6 +41,8 @@ class ClassificationSystem(VisionSystem):
         label_smoothing: float = 0.0,
         optim: dict[str, Any] | None = None,
         nonfinite: str = "raise",
+        mixup: float = 0.0,
+        cutmix: float = 0.0,
     ) -> None:
         super().__init__(optim, nonfinite)
         if model_config.get("num_classes") != len(class_names):
@@ -45,6 +51,11 @@ class ClassificationSystem(VisionSystem):
         self.model = VisionTransformer(**model_config)
         self.label_smoothing = label_smoothing
         n = len(class_names)
+        self.mixup = (
+            Mixup(mixup_alpha=mixup, cutmix_alpha=cutmix, label_smoothing=label_smoothing, num_classes=n)
+            if mixup > 0 or cutmix > 0
+            else None
+        )
         self.train_acc = MulticlassAccuracy(n, average="micro")
         self.val_acc = MulticlassAccuracy(n, average="micro")
         self.val_top5 = MulticlassAccuracy(n, top_k=min(5, n), average="micro")
@@ -56,8 +67,13 @@ class ClassificationSystem(VisionSystem):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
         images, labels = batch
-        logits = self.model(images)
-        loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
+        if self.mixup is not None and len(images) % 2 == 0:  # timm mixes pairs: an odd last batch stays plain
+            mixed, soft = self.mixup(images, labels)  # (B, C, H, W), (B, K)
+            logits = self.model(mixed)
+            loss = torch.sum(-soft * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
+        else:
+            logits = self.model(images)
+            loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
         self.train_acc(logits, labels)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/acc", self.train_acc, on_step=True, on_epoch=False)

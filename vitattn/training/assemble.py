@@ -41,7 +41,8 @@ def build_system(cfg: DictConfig, datamodule: pl.LightningDataModule) -> VisionS
         nonfinite=head.nonfinite,
     )
     if head.task == "classification":
-        return ClassificationSystem(model_config, class_names=list(datamodule.class_names), **common)
+        mixing = {k: float(head.get(k, 0.0)) for k in ("mixup", "cutmix")}
+        return ClassificationSystem(model_config, class_names=list(datamodule.class_names), **mixing, **common)
     return CaptionSystem(
         model_config,
         vocab=datamodule.vocab.words,

@@ -14,10 +14,12 @@ from typing import Any
 import hydra
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from vitattn.bundle import bundle_from_system
+from vitattn.callbacks import EMA, TimeBudgetHorizon
 from vitattn.config import check_config
 from vitattn.run_dir import RunDir
 from vitattn.systems import VisionSystem
@@ -71,7 +73,7 @@ def train(cfg: DictConfig) -> TrainResult:
 
     trainer: pl.Trainer = hydra.utils.instantiate(
         cfg.trainer,
-        callbacks=_instantiate_group(cfg.get("callbacks")),
+        callbacks=[*_instantiate_group(cfg.get("callbacks")), *training_callbacks(cfg)],
         logger=_instantiate_group(cfg.get("logger")) or False,
         default_root_dir=str(run_dir),
         plugins=[AtomicCheckpointIO()],
@@ -89,6 +91,20 @@ def train(cfg: DictConfig) -> TrainResult:
     if cfg.export_bundle and trainer.is_global_zero:
         result.bundle_dir = _export(system, run_dir)
     return result
+
+
+def training_callbacks(cfg: DictConfig) -> list[pl.Callback]:
+    """The callbacks that the run's own switches ask for: the time-budget horizon (always; idle without
+    ``trainer.max_time``), EMA weights (``ema.decay``) and early stopping (``early_stopping.patience``)."""
+    callbacks: list[pl.Callback] = [TimeBudgetHorizon()]
+    if cfg.get("ema") and cfg.ema.get("decay"):
+        callbacks.append(EMA(cfg.ema.decay))
+    if cfg.get("early_stopping") and cfg.early_stopping.get("patience"):
+        head = cfg.head
+        callbacks.append(
+            EarlyStopping(monitor=head.monitor, mode=head.monitor_mode, patience=cfg.early_stopping.patience)
+        )
+    return callbacks
 
 
 def _resume_checkpoint(cfg: DictConfig) -> str | None:
