@@ -4,7 +4,6 @@ import os
 import random
 import struct
 import subprocess
-import sys
 import zlib
 from collections import Counter
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.helpers import console_script
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.cli.caption import main
 from vitattn.data.vocab import Vocabulary
@@ -294,9 +294,7 @@ def test_cli_usage_errors_are_one_line(args, message, capsys):
 
 
 def test_console_script_end_to_end(bundle_dir, tmp_path):
-    script = Path(sys.executable).with_name("vitattn-caption")
-    if not script.exists():
-        pytest.skip("vitattn-caption is not installed: pip install -e . --no-deps")
+    script = console_script("vitattn-caption")
     folder = tmp_path / "imgs"
     folder.mkdir()
     Image.new("RGB", (40, 40), (255, 0, 0)).save(folder / "red.png")

@@ -14,7 +14,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, make_coco, make_image_folder
+from tests.helpers import TINY, TINY_SHAPES, compose_train, console_script, make_coco, make_image_folder
 from vitattn.cli.errors import user_errors
 from vitattn.config import ConfigError, check_config, check_targets, setup_data
 from vitattn.data.vocab import Vocabulary
@@ -246,7 +246,7 @@ def test_killed_training_resumes_with_at_most_one_interval_repeated(tmp_path):
         "export_bundle=false",
         f"paths.runs_dir={runs}",
     ]
-    train_cli = [str(Path(sys.executable).parent / "vitattn-train")]
+    train_cli = [str(console_script("vitattn-train"))]
     with open(tmp_path / "first.log", "w") as log:
         proc = subprocess.Popen([*train_cli, *args], stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=tmp_path)
         deadline = time.monotonic() + 180
