@@ -182,12 +182,12 @@ def test_cli_user_error_is_one_line_exit_2(name, data, tmp_path):
 
 
 def test_user_errors_show_traceback_only_with_debug(capsys):
-    with pytest.raises(SystemExit) as exit_, user_errors(debug=False):
+    with pytest.raises(SystemExit, match="^2$") as exit_, user_errors(debug=False):
         raise NonFiniteLossError("non-finite training loss nan at step 7 (epoch 0)\nsecond line")
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: non-finite training loss nan at step 7") and err.count("\n") == 1
-    with pytest.raises(ConfigError), user_errors(debug=True):
+    with pytest.raises(ConfigError, match="model.num_heads=3 must divide model.embed_dim=32"), user_errors(debug=True):
         raise ConfigError("model.num_heads=3 must divide model.embed_dim=32")
 
 
@@ -223,10 +223,10 @@ def test_atomic_checkpoint_io_replaces_whole_file(tmp_path, monkeypatch):
 
     def killed(obj, f):  # the process dies halfway through writing the new checkpoint
         f.write(b"partial")
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt("killed while writing")
 
     monkeypatch.setattr(torch, "save", killed)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="killed while writing"):
         io.save_checkpoint({"global_step": 2}, path)
     assert torch.load(path, weights_only=True) == {"global_step": 1}
 
