@@ -300,6 +300,12 @@ def test_vit_and_decoder_layers_take_the_path_they_are_built_with():
         assert (fused.call_count, explicit.call_count) == ((4, 0) if fused_attn else (0, 4)), fused_attn
 
 
-def test_tests_run_on_one_torch_thread():
-    # tests/conftest.py pins one thread: exact float comparisons then do not depend on the core count
-    assert torch.get_num_threads() == 1
+@pytest.fixture(scope="module")
+def threads_in_a_module_fixture() -> int:
+    return torch.get_num_threads()
+
+
+def test_tests_run_on_one_torch_thread(threads_in_a_module_fixture):
+    # tests/conftest.py pins one thread, module fixtures (trained runs) included: exact float
+    # comparisons then do not depend on the core count
+    assert torch.get_num_threads() == 1 and threads_in_a_module_fixture == 1
