@@ -115,6 +115,7 @@ def test_forced_length_and_given_memory_generate_exactly_n_tokens(num_beams):
     torch.testing.assert_close(given, free)
 
 
+@pytest.mark.slow
 def test_main_writes_the_json_schema_and_plot(tiny_bench, tmp_path):
     sections = ["encoder", "scaling", "e2e"]
     has_hf = importlib.util.find_spec("transformers") is not None

@@ -118,6 +118,7 @@ OVERFIT = [
 ]
 
 
+@pytest.mark.slow
 def test_overfit_one_batch_classifier(tmp_path):
     cfg = compose_train(["head=classification", *OVERFIT, "trainer.max_steps=120", "head.label_smoothing=0"], tmp_path)
     result = train(cfg)
@@ -131,6 +132,7 @@ def test_overfit_one_batch_classifier(tmp_path):
     assert (system.model(images).argmax(-1) == labels).all()
 
 
+@pytest.mark.slow
 def test_overfit_one_batch_captioner(tmp_path):
     cfg = compose_train(["head=caption", *OVERFIT, "trainer.max_steps=250", "head.decoder.drop_rate=0"], tmp_path)
     result = train(cfg)
@@ -178,6 +180,7 @@ def test_resume_continues_step_optimizer_and_schedule(tmp_path):
     assert final["lr_schedulers"][0]["last_epoch"] == 8
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_through_the_cli(tmp_path):
     runs = tmp_path / "runs"
     cmd = [
@@ -224,6 +227,7 @@ def test_compile_auto_follows_the_accelerator(overrides, expected, tmp_path):
     assert _should_compile(compose_train(overrides, tmp_path)) is expected
 
 
+@pytest.mark.slow
 def test_compiled_training_keeps_parameter_names(tmp_path):
     cfg = compose_train(
         [
