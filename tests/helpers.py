@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,13 @@ TINY = [
     "logger=csv",
 ]
 TINY_SHAPES = ["data.num_train=64", "data.num_val=16", "data.num_test=16"]
+
+
+def console_script(name: str) -> Path:
+    """The venv's ``name`` console script. A missing one fails the test: the install is broken, nothing to skip."""
+    path = Path(sys.executable).with_name(name)
+    assert path.is_file(), f"console script {name} is missing from {path.parent}: run pip install -e . --no-deps"
+    return path
 
 
 def compose_train(overrides: list[str], output_dir: Path | None = None) -> DictConfig:

@@ -62,14 +62,14 @@ def test_interleaved_min_time_sizes_an_inner_loop_and_reports_per_call():
     assert len(calls) >= 1 + 2 * 2  # the inner loop repeats the call to fill min_time
     # seconds per call (~0.002), not per sample (>= min_time): a wide margin for a loaded machine
     assert all(0.002 <= s < 0.025 for s in samples)
-    with pytest.raises(ValueError, match="warmup=0"):
+    with pytest.raises(ValueError, match="warmup=0 and repeats=5 must be at least 1"):
         interleaved({"s": sleep}, warmup=0)
 
 
 def test_paired_speedup_is_median_of_round_ratios():
     assert paired_speedup([1.0, 2.0, 1.0], [2.0, 2.0, 3.0]) == 2.0  # ratios 2, 1, 3
     assert paired_speedup([2.0], [1.0]) == 0.5  # ours twice as slow
-    with pytest.raises(ValueError, match="same number"):
+    with pytest.raises(ValueError, match=r"need the same number \(>0\) of samples, got 1 and 2"):
         paired_speedup([1.0], [1.0, 2.0])
 
 
@@ -119,6 +119,7 @@ def test_forced_length_and_given_memory_generate_exactly_n_tokens(num_beams):
     torch.testing.assert_close(given, free)
 
 
+@pytest.mark.slow
 def test_main_writes_the_json_schema_and_plot(tiny_bench, tmp_path):
     sections = ["encoder", "scaling", "e2e"]
     has_hf = importlib.util.find_spec("transformers") is not None

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.helpers import console_script
 from tests.test_captioner import bundle_dir  # noqa: F401 - the tiny caption bundle fixture, reused
 from vitattn.bundle import load_bundle
 from vitattn.inference import caption_to_file, list_inputs
@@ -34,10 +35,9 @@ def _live(pids) -> list[int]:
     return [p for p in pids if p in running]
 
 
+@pytest.mark.slow
 def test_killed_caption_run_resumes_with_each_image_once(bundle_dir, tmp_path):  # noqa: F811
-    script = Path(sys.executable).with_name("vitattn-caption")
-    if not script.exists():
-        pytest.skip("vitattn-caption is not installed: pip install -e . --no-deps")
+    script = console_script("vitattn-caption")
     folder = load_caption.write_images(tmp_path / "imgs", 300, img_size=48)
     # A FIFO listed last: its reader blocks until killed, so however fast this machine captions,
     # the first run cannot finish before the kill.
@@ -93,6 +93,7 @@ def test_killed_caption_run_resumes_with_each_image_once(bundle_dir, tmp_path): 
     assert again.stdout.strip().splitlines()[-1] == f"captioned 301 images, 0 failed -> {out}"
 
 
+@pytest.mark.slow
 def test_caption_to_file_memory_does_not_grow_with_the_number_of_images(bundle_dir, tmp_path, monkeypatch):  # noqa: F811
     bundle = load_bundle(bundle_dir)
     rng = np.random.default_rng(0)

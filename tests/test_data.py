@@ -178,9 +178,16 @@ def test_shapes_class_names_cover_colour_times_shape():
     assert len(names) == len(set(names)) == len(COLOURS) * len(SHAPES)
 
 
-@pytest.mark.parametrize("kwargs", [dict(split="dev"), dict(task="detection"), dict(img_size=8)])
-def test_shapes_bad_arguments_raise(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(split="dev"), "split='dev' must be one of"),
+        (dict(task="detection"), "task='detection' must be one of"),
+        (dict(img_size=8), "img_size=8 is too small to draw shapes; use 16 or more"),
+    ],
+)
+def test_shapes_bad_arguments_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
         ShapesDataset(**{"split": "train", "size": 2, **kwargs})
 
 
@@ -217,7 +224,7 @@ def test_vocab_encode_truncates_but_keeps_eos():
     vocab = Vocabulary.build(["one two three four five"])
     ids = vocab.encode("one two three four five", max_len=4)
     assert len(ids) == 4 and ids[-1] == vocab.eos_id and vocab.decode(ids) == "one two"
-    with pytest.raises(ValueError, match="max_len"):
+    with pytest.raises(ValueError, match="max_len=1 must be at least 2 to hold <bos> and <eos>"):
         vocab.encode("one", max_len=1)
 
 
@@ -235,9 +242,9 @@ def test_vocab_load_rejects_bad_files(tmp_path):
     (tmp_path / "nospecials.json").write_text(json.dumps({"itos": ["a", "b"]}))
     with pytest.raises(ValueError, match="not valid JSON"):
         Vocabulary.load(tmp_path / "bad.json")
-    with pytest.raises(ValueError, match="<pad>"):
+    with pytest.raises(ValueError, match=r"starts with \['a', 'b'\], expected \['<pad>', '<bos>', '<eos>', '<unk>'\]"):
         Vocabulary.load(tmp_path / "nospecials.json")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match=r"vocabulary file not found: .*missing\.json"):
         Vocabulary.load(tmp_path / "missing.json")
 
 
@@ -286,10 +293,10 @@ def test_coco_image_is_rgb_and_upright(coco):
 @pytest.mark.parametrize(
     "content, message",
     [
-        (None, "not found"),
+        (None, "COCO caption file not found"),
         ("{oops", "not valid JSON"),
-        (json.dumps({"images": []}), "annotations"),
-        (json.dumps({"images": [{"id": 1}], "annotations": []}), "file_name"),
+        (json.dumps({"images": []}), r"has no \['annotations'\]; it needs \['images', 'annotations'\]"),
+        (json.dumps({"images": [{"id": 1}], "annotations": []}), r"images\[0\] has no \['file_name'\]"),
         (
             json.dumps({"images": [], "annotations": [{"image_id": 1, "caption": "x"}]}),
             "image_id=1",
@@ -381,7 +388,7 @@ def test_datamodule_datasets_pickle_for_spawned_workers():
 
 
 def test_datamodule_needs_setup_before_loaders():
-    with pytest.raises(RuntimeError, match="setup"):
+    with pytest.raises(RuntimeError, match=r"ShapesDataModule.setup\(\) must run before its dataloaders"):
         ShapesDataModule(num_train=4).train_dataloader()
 
 
@@ -411,15 +418,19 @@ def test_image_folder_datamodule_batches(folder):
 
 
 def test_image_folder_datamodule_clear_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="train"):
+    with pytest.raises(
+        FileNotFoundError, match=r"image folder not found: .*train \(expected .*train/<class>/<image>\)"
+    ):
         ImageFolderDataModule(tmp_path).setup()
     (tmp_path / "train").mkdir()
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match=r"image folder .*train is empty"):
         ImageFolderDataModule(tmp_path).setup()
     (tmp_path / "train").rmdir()
     _write_folder(tmp_path, "train", ["cat", "dog"], per_class=1)
     _write_folder(tmp_path, "val", ["cat", "bird"], per_class=1)
-    with pytest.raises(ValueError, match="differ"):
+    with pytest.raises(
+        ValueError, match=r"classes of .*val \['bird', 'cat'\] differ from those of .*train \['cat', 'dog'\]"
+    ):
         ImageFolderDataModule(tmp_path).setup()
 
 
@@ -458,5 +469,5 @@ def test_normalize_matches_torchvision_and_inverts():
 def test_coco_datamodule_missing_paths_raise(coco):
     with pytest.raises(ValueError, match="image folder not found"):
         CocoCaptionDataModule(coco / "nope", coco / "train.json", coco / "val.json").setup()
-    with pytest.raises(ValueError, match="not found"):
+    with pytest.raises(ValueError, match=r"COCO caption file not found: .*missing\.json"):
         CocoCaptionDataModule(coco / "images", coco / "missing.json", coco / "val.json").setup()

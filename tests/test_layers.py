@@ -1,3 +1,6 @@
+import contextlib
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -233,3 +236,79 @@ def test_multi_head_attention_fused_causal_equals_explicit_causal():
     explicit, w = mha(x, x, x, is_causal=True, need_weights=True)  # the document's mask * -1e9
     torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
     assert torch.all(w.triu(diagonal=1) == 0)
+
+
+# --- which attention path runs ---------------------------------------------------------------------
+
+
+def _spy_attention():
+    """Call-counting wrappers of the fused kernel and of the document's function, as the attention module calls them.
+
+    ``vitattn/layers/attention.py`` calls ``F.scaled_dot_product_attention`` (``F`` = ``torch.nn.functional``)
+    on the fused path and its own module-level ``scaled_dot_product_attention`` on the explicit path.
+    """
+    import torch.nn.functional as F
+
+    import vitattn.layers.attention as attention
+
+    assert attention.F is F  # patching F's attribute is patching what the module calls
+    fused = mock.patch.object(F, "scaled_dot_product_attention", wraps=F.scaled_dot_product_attention)
+    explicit = mock.patch.object(
+        attention, "scaled_dot_product_attention", wraps=attention.scaled_dot_product_attention
+    )
+    return fused, explicit
+
+
+def test_fused_path_calls_torch_sdpa_and_not_the_document_function():
+    mha = MultiHeadAttention(D, H).eval()
+    x, mask = torch.randn(B, L, D), _padding_mask(L)
+    fused_patch, explicit_patch = _spy_attention()
+    with fused_patch as fused, explicit_patch as explicit:
+        out, w = mha(x, x, x, mask)
+        assert fused.call_count == 1 and explicit.call_count == 0 and w is None
+        assert fused.call_args.kwargs["attn_mask"].shape == mask.shape  # the mask goes to the kernel, additive
+        assert fused.call_args.kwargs["attn_mask"][1, ..., -1].item() <= -1e9
+        mha(x, x, x, is_causal=True)  # a square look-ahead goes to the kernel as is_causal, without a mask
+        assert fused.call_count == 2 and explicit.call_count == 0
+        assert fused.call_args.kwargs["is_causal"] is True and fused.call_args.kwargs["attn_mask"] is None
+    torch.testing.assert_close(out, mha(x, x, x, mask, need_weights=True)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["need_weights", "fused=False", "record_attention"])
+def test_explicit_path_does_not_call_torch_sdpa(how):
+    mha = MultiHeadAttention(D, H, fused=how != "fused=False").eval()
+    x, mask = torch.randn(B, L, D), _padding_mask(L)
+    need_weights = how == "need_weights"
+    recording = record_attention(mha) if how == "record_attention" else contextlib.nullcontext({"": []})
+    fused_patch, explicit_patch = _spy_attention()
+    with fused_patch as fused, explicit_patch as explicit, recording as maps:
+        _, w = mha(x, x, x, mask, need_weights=need_weights)
+        mha(x, x, x, need_weights=need_weights, is_causal=True)
+    assert fused.call_count == 0, f"{how}: F.scaled_dot_product_attention was called"
+    assert explicit.call_count == 2  # the document's softmax(q kᵀ / √d + mask · -1e9) v, each time
+    assert (w is not None) == need_weights and len(maps[""]) == (2 if how == "record_attention" else 0)
+
+
+def test_vit_and_decoder_layers_take_the_path_they_are_built_with():
+    from vitattn.models import VisionTransformer
+
+    x, memory = torch.randn(B, 3, 32, 32), torch.randn(B, 9, D)
+    for fused_attn in (True, False):
+        vit = VisionTransformer(img_size=32, patch_size=8, embed_dim=D, depth=2, num_heads=H, fused_attn=fused_attn)
+        decoder = DecoderLayer(D, H, 64, fused_attn=fused_attn).eval()
+        fused_patch, explicit_patch = _spy_attention()
+        with fused_patch as fused, explicit_patch as explicit:
+            vit.eval()(x)
+            decoder(torch.randn(B, L, D), memory)  # self-attention, then cross-attention
+        assert (fused.call_count, explicit.call_count) == ((4, 0) if fused_attn else (0, 4)), fused_attn
+
+
+@pytest.fixture(scope="module")
+def threads_in_a_module_fixture() -> int:
+    return torch.get_num_threads()
+
+
+def test_tests_run_on_one_torch_thread(threads_in_a_module_fixture):
+    # tests/conftest.py pins one thread, module fixtures (trained runs) included: exact float
+    # comparisons then do not depend on the core count
+    assert torch.get_num_threads() == 1 and threads_in_a_module_fixture == 1

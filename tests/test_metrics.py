@@ -254,5 +254,5 @@ def test_distinct_share_flags_collapse():
 
     assert distinct_share(["a cat"] * 4) == 0.25
     assert distinct_share(["a cat", "a dog"]) == 1.0
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="predictions is empty"):
         distinct_share([])

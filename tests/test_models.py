@@ -1,6 +1,7 @@
 import pytest
 import timm
 import torch
+from timm.layers import resample_abs_pos_embed
 
 from vitattn.layers import record_attention
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer, load_timm_weights, vit_preset
@@ -76,7 +77,7 @@ def test_load_timm_weights_from_local_files(tmp_path):
         ours = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3).eval()
         load_timm_weights(ours, tmp_path / path)
         torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-5)
-    with pytest.raises(FileNotFoundError, match="missing.pth"):
+    with pytest.raises(FileNotFoundError, match=r"timm weights file not found: .*missing\.pth"):
         load_timm_weights(ours, tmp_path / "missing.pth")
 
 
@@ -98,6 +99,42 @@ def test_vit_pos_embed_resampled_on_load():
     grid = dst.pos_embed[0, 1:].reshape(6, 6, 32)
     assert torch.isfinite(grid).all() and not torch.allclose(grid[0, 0], grid[5, 5])
     assert dst(torch.randn(1, 3, 48, 48)).shape == (1, 32)
+
+
+@pytest.mark.parametrize("src_size,dst_size", [(32, 48), (48, 32), (32, 64)])
+def test_vit_pos_embed_resampling_equals_timm_resample_abs_pos_embed(src_size, dst_size):
+    src = VisionTransformer(**{**TINY, "img_size": src_size})
+    dst = VisionTransformer(**{**TINY, "img_size": dst_size})
+    dst.load_state_dict(src.state_dict())
+    grid = dst_size // TINY["patch_size"]
+    expected = resample_abs_pos_embed(src.pos_embed.detach(), new_size=[grid, grid], num_prefix_tokens=1)
+    torch.testing.assert_close(dst.pos_embed.detach(), expected, rtol=0, atol=0)
+
+
+def _timm_vit(img_size: int) -> timm.models.vision_transformer.VisionTransformer:
+    """A randomly initialised timm ViT of the TINY shape with 3 classes; its position grid made large, so
+    that a wrongly resampled grid shows in the features."""
+    model = timm.models.vision_transformer.VisionTransformer(
+        img_size=img_size, **{k: v for k, v in TINY.items() if k != "img_size"}, num_classes=3
+    )
+    with torch.no_grad():
+        model.pos_embed.normal_()
+    return model.eval()
+
+
+@pytest.mark.parametrize("src_size,dst_size", [(32, 48), (48, 32)])
+def test_timm_weights_of_another_size_give_the_features_of_timm_built_at_the_new_size(src_size, dst_size):
+    from timm.models.vision_transformer import checkpoint_filter_fn
+
+    src = _timm_vit(src_size)
+    ref = _timm_vit(dst_size)  # timm's own way to load weights of another size: its checkpoint filter
+    ref.load_state_dict(checkpoint_filter_fn(src.state_dict(), ref))
+    ours = VisionTransformer(**{**TINY, "img_size": dst_size}, num_classes=3).eval()
+    load_timm_weights(ours, src)
+    x = torch.randn(2, 3, dst_size, dst_size)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.forward_features(x), ref.forward_features(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name,width,depth,heads", [("tiny", 192, 12, 3), ("small", 384, 12, 6), ("base", 768, 12, 12)])

@@ -14,7 +14,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, make_coco, make_image_folder
+from tests.helpers import TINY, TINY_SHAPES, compose_train, console_script, make_coco, make_image_folder
 from vitattn.cli.errors import user_errors
 from vitattn.config import ConfigError, check_config, check_targets
 from vitattn.data.vocab import Vocabulary
@@ -185,12 +185,12 @@ def test_cli_user_error_is_one_line_exit_2(name, data, tmp_path):
 
 
 def test_user_errors_show_traceback_only_with_debug(capsys):
-    with pytest.raises(SystemExit) as exit_, user_errors(debug=False):
+    with pytest.raises(SystemExit, match="^2$") as exit_, user_errors(debug=False):
         raise NonFiniteLossError("non-finite training loss nan at step 7 (epoch 0)\nsecond line")
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: non-finite training loss nan at step 7") and err.count("\n") == 1
-    with pytest.raises(ConfigError), user_errors(debug=True):
+    with pytest.raises(ConfigError, match="model.num_heads=3 must divide model.embed_dim=32"), user_errors(debug=True):
         raise ConfigError("model.num_heads=3 must divide model.embed_dim=32")
 
 
@@ -226,10 +226,10 @@ def test_atomic_checkpoint_io_replaces_whole_file(tmp_path, monkeypatch):
 
     def killed(obj, f):  # the process dies halfway through writing the new checkpoint
         f.write(b"partial")
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt("killed while writing")
 
     monkeypatch.setattr(torch, "save", killed)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="killed while writing"):
         io.save_checkpoint({"global_step": 2}, path)
     assert torch.load(path, weights_only=True) == {"global_step": 1}
 
@@ -249,7 +249,7 @@ def test_killed_training_resumes_with_at_most_one_interval_repeated(tmp_path):
         "export_bundle=false",
         f"paths.runs_dir={runs}",
     ]
-    train_cli = [str(Path(sys.executable).parent / "vitattn-train")]
+    train_cli = [str(console_script("vitattn-train"))]
     with open(tmp_path / "first.log", "w") as log:
         proc = subprocess.Popen([*train_cli, *args], stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=tmp_path)
         deadline = time.monotonic() + 180

@@ -11,6 +11,7 @@ from lightning.pytorch import Trainer
 from omegaconf import OmegaConf
 
 from tests.helpers import CONF_DIR, TINY, TINY_SHAPES, compose_train, make_coco, make_image_folder
+from vitattn.bundle import load_bundle
 from vitattn.models import VisionTransformer
 from vitattn.training import train
 
@@ -118,6 +119,7 @@ OVERFIT = [
 ]
 
 
+@pytest.mark.slow
 def test_overfit_one_batch_classifier(tmp_path):
     cfg = compose_train(["head=classification", *OVERFIT, "trainer.max_steps=120", "head.label_smoothing=0"], tmp_path)
     result = train(cfg)
@@ -131,6 +133,7 @@ def test_overfit_one_batch_classifier(tmp_path):
     assert (system.model(images).argmax(-1) == labels).all()
 
 
+@pytest.mark.slow
 def test_overfit_one_batch_captioner(tmp_path):
     cfg = compose_train(["head=caption", *OVERFIT, "trainer.max_steps=250", "head.decoder.drop_rate=0"], tmp_path)
     result = train(cfg)
@@ -151,19 +154,23 @@ def _steps_logged(run_dir: Path) -> list[int]:
         return sorted({int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")})
 
 
+# A classifier run that logs and checkpoints every few steps; max_steps is added per run.
+CONTINUED = [
+    "head=classification",
+    *TINY,
+    *TINY_SHAPES,
+    "trainer.max_epochs=-1",
+    "trainer.log_every_n_steps=1",
+    "callbacks.step_checkpoint.every_n_train_steps=2",
+    "test=false",
+    "export_bundle=false",
+    "optim.warmup_steps=100",
+    "trainer.check_val_every_n_epoch=1000",
+]
+
+
 def test_resume_continues_step_optimizer_and_schedule(tmp_path):
-    common = [
-        "head=classification",
-        *TINY,
-        *TINY_SHAPES,
-        "trainer.max_epochs=-1",
-        "trainer.log_every_n_steps=1",
-        "callbacks.step_checkpoint.every_n_train_steps=2",
-        "test=false",
-        "export_bundle=false",
-        "optim.warmup_steps=100",
-        "trainer.check_val_every_n_epoch=1000",
-    ]
+    common = CONTINUED
     first = tmp_path / "first"
     train(compose_train([*common, "trainer.max_steps=4"], first))
     ckpt = torch.load(first / "checkpoints" / "last.ckpt", weights_only=True)
@@ -178,27 +185,51 @@ def test_resume_continues_step_optimizer_and_schedule(tmp_path):
     assert final["lr_schedulers"][0]["last_epoch"] == 8
 
 
+def test_ckpt_path_continues_the_saved_step_in_a_new_run_directory(tmp_path):
+    first = tmp_path / "first"
+    train(compose_train([*CONTINUED, "trainer.max_steps=4"], first))
+    ckpt = first / "checkpoints" / "last.ckpt"
+    saved = ckpt.read_bytes()
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 4
+    second = tmp_path / "second"
+    cfg = compose_train([*CONTINUED, "trainer.max_steps=10", f"ckpt_path={ckpt}"], second)
+    result = train(cfg)
+    assert result.run_dir == second and result.global_step == 10  # ends at the new trainer.max_steps
+    assert _steps_logged(second) == [4, 5, 6, 7, 8, 9]  # starts at the saved global step
+    final = torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)
+    assert final["global_step"] == 10 and final["lr_schedulers"][0]["last_epoch"] == 10
+    assert {int(s["step"]) for s in final["optimizer_states"][0]["state"].values()} == {10}
+    assert (second / "config.yaml").is_file() and str(ckpt) in (second / "config.yaml").read_text()
+    assert ckpt.read_bytes() == saved and _steps_logged(first) == [0, 1, 2, 3]  # the first run is left as it was
+
+
+# Two CPU processes (gloo), three steps of the tiny captioner on the shapes.
+DDP_CPU = [
+    "trainer=ddp",
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+    "trainer.precision=32-true",
+    "trainer.max_steps=3",
+    "trainer.benchmark=false",
+    *TINY,
+    *TINY_SHAPES,
+]
+
+
+def _run_ddp(launch: list[str], overrides: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **env}
+    proc = subprocess.run(
+        [*launch, *DDP_CPU, *overrides], capture_output=True, text=True, timeout=300, env=env, cwd=cwd
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
 def test_ddp_two_processes_through_the_cli(tmp_path):
     runs = tmp_path / "runs"
-    cmd = [
-        sys.executable,
-        "-m",
-        "vitattn.cli.train",
-        "trainer=ddp",
-        "trainer.accelerator=cpu",
-        "trainer.devices=2",
-        "trainer.precision=32-true",
-        "trainer.max_steps=3",
-        "trainer.benchmark=false",
-        *TINY,
-        *TINY_SHAPES,
-        "logger=tensorboard",
-        f"paths.runs_dir={runs}",
-        "export_bundle=false",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    launch = [sys.executable, "-m", "vitattn.cli.train"]
+    proc = _run_ddp(launch, ["logger=tensorboard", f"paths.runs_dir={runs}", "export_bundle=false"], tmp_path)
     run_dirs = [p for p in (runs / "caption").iterdir() if p.is_dir()]
     assert len(run_dirs) == 1, run_dirs  # one run directory, not one per process
     run = run_dirs[0]
@@ -207,6 +238,23 @@ def test_ddp_two_processes_through_the_cli(tmp_path):
     assert proc.stdout.count("run directory:") == 1
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 3
+
+
+@pytest.mark.slow
+def test_ddp_training_exports_one_bundle_from_rank_zero_only(tmp_path):
+    runs, exports = tmp_path / "runs", tmp_path / "exports.log"
+    launch = [sys.executable, str(Path(__file__).with_name("ddp_train.py"))]  # records each rank's export
+    proc = _run_ddp(launch, [f"paths.runs_dir={runs}", "test=false"], tmp_path, VITATTN_EXPORT_LOG=str(exports))
+    (run,) = (runs / "caption").iterdir()
+    assert exports.read_text().splitlines() == [f"0 {run / 'bundle'}"]  # written once, by rank 0
+    assert proc.stdout.count("model bundle:") == 1
+    assert sorted(p.name for p in run.iterdir() if "bundle" in p.name) == ["bundle"]  # no temporary bundle folders
+    assert sorted(os.listdir(run / "bundle")) == ["config.json", "model.safetensors", "vocab.json"]
+    bundle = load_bundle(run / "bundle")
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert bundle.task == "caption" and ckpt["global_step"] == 3
+    for key, value in bundle.model.state_dict().items():  # the trained weights, as rank 0 held them
+        assert torch.equal(value, ckpt["state_dict"][f"model.{key}"]), key
 
 
 @pytest.mark.parametrize(
@@ -224,6 +272,7 @@ def test_compile_auto_follows_the_accelerator(overrides, expected, tmp_path):
     assert _should_compile(compose_train(overrides, tmp_path)) is expected
 
 
+@pytest.mark.slow
 def test_compiled_training_keeps_parameter_names(tmp_path):
     cfg = compose_train(
         [

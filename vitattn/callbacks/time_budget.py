@@ -35,7 +35,8 @@ class TimeBudgetHorizon(Callback):
 
     The step rate is measured over the run so far (validation included, the first ``skip_steps``
     left out) and the horizon re-estimated every ``every_n_steps``: ``steps done + time left x rate``,
-    never past the step or epoch limit. Without ``max_time`` the callback does nothing.
+    never past the step or epoch limit. Without ``max_time`` it only sets the horizon to the step or
+    epoch limit when training starts (a resumed run may have new limits).
 
     Args:
         skip_steps: steps before the first measurement (start-up, first batches).
@@ -55,6 +56,10 @@ class TimeBudgetHorizon(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._first_step, self._start = trainer.global_step, None
+        # A resumed schedule keeps its saved horizon; the limits of this run (the first to end it) win.
+        schedule, limit = schedule_of(trainer), step_limit(trainer)
+        if schedule is not None and math.isfinite(limit) and schedule.total_steps != int(limit):
+            schedule.total_steps = int(limit)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

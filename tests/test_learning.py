@@ -1,0 +1,172 @@
+"""Learning from small data: schedules that end at the run's limit, augmentation, cache, EMA, early stopping."""
+
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.helpers import TINY, TINY_SHAPES, compose_train, make_image_folder
+from vitattn.callbacks import EMA
+from vitattn.data import ImageFolderDataModule
+from vitattn.data.augment import Augment, CaptionAugment, auto_min_scale, classification_train_transform
+from vitattn.data.cache import should_cache
+from vitattn.data.preprocess import default_preprocess
+from vitattn.systems.optim import WarmupCosine
+from vitattn.training import train
+
+CLS = ["head=classification", *TINY, *TINY_SHAPES, "test=false", "export_bundle=false", "num_threads=1"]
+
+
+def test_warmup_cosine_reaches_its_floor_at_the_horizon_and_follows_a_moved_one():
+    schedule = WarmupCosine(total_steps=1000, warmup_steps=50, min_lr_ratio=0.01)
+    assert schedule(0) == pytest.approx(1e-3) and schedule(50) == pytest.approx(1.0)
+    assert schedule(1000) == pytest.approx(0.01) and schedule(525) == pytest.approx(0.505)
+    schedule.total_steps = 500  # a shorter budget than first thought: the floor comes sooner
+    assert schedule(500) == pytest.approx(0.01) and schedule(275) == pytest.approx(0.505)
+    assert WarmupCosine(total_steps=100, warmup_steps=50, min_lr_ratio=0.0).warmup_steps == 10  # capped at 1/10
+
+
+def _final_lr_ratio(result) -> tuple[float, int]:
+    trainer_lr = result.system.trainer.lr_scheduler_configs[0].scheduler
+    schedule = trainer_lr.lr_lambdas[0]
+    return schedule(result.global_step), schedule.total_steps
+
+
+@pytest.mark.parametrize(
+    "limits,steps",
+    [
+        (["trainer.max_steps=12", "trainer.max_epochs=100"], 12),  # max_steps ends training first
+        (["trainer.max_steps=1000", "trainer.max_epochs=2"], 16),  # 2 epochs of 8 batches end it first
+    ],
+)
+def test_the_limit_that_ends_training_is_the_schedule_horizon(limits, steps, tmp_path):
+    result = train(compose_train([*CLS, *limits, "trainer.check_val_every_n_epoch=1000"], tmp_path))
+    ratio, horizon = _final_lr_ratio(result)
+    assert result.global_step == steps and horizon == steps and ratio == pytest.approx(0.01)
+
+
+def test_a_time_budget_anneals_the_learning_rate_to_its_floor_by_the_deadline(tmp_path):
+    overrides = [
+        *CLS,
+        "trainer.max_steps=-1",
+        "trainer.max_epochs=-1",
+        "trainer.max_time=00:00:00:12",
+        "data.num_train=64",
+        "optim.warmup_steps=5",
+        "trainer.check_val_every_n_epoch=1000",
+    ]
+    start = time.monotonic()
+    result = train(compose_train(overrides, tmp_path))
+    assert time.monotonic() - start < 60
+    ratio, horizon = _final_lr_ratio(result)
+    # The horizon was re-estimated from the step rate and the run stopped close to it: the learning
+    # rate ends near its floor instead of at its peak (the schedule of an unbounded run).
+    assert result.global_step > 20 and abs(horizon - result.global_step) <= 0.25 * result.global_step
+    assert ratio < 0.15, (ratio, horizon, result.global_step)
+
+
+def test_auto_crop_scale_is_mild_for_small_images_and_timm_like_for_large():
+    assert auto_min_scale(32) == 0.5 and auto_min_scale(64) == 0.5 and auto_min_scale(224) == 0.08
+    assert 0.08 < auto_min_scale(128) < 0.5
+    assert Augment.from_config({"scale": [0.3, 1.0]}).crop_scale(32) == (0.3, 1.0)
+    with pytest.raises(ValueError, match="unknown keys \\['flip'\\]"):
+        Augment.from_config({"flip": 0.5})
+
+
+@pytest.mark.parametrize("auto_augment", ["rand-m9-mstd0.5-inc1", "trivialaugment", "augmix-m5-w3"])
+def test_auto_augment_options_change_the_images(auto_augment):
+    preprocess = default_preprocess(32)
+    plain = classification_train_transform(32, Augment(scale=(1.0, 1.0), ratio=(1, 1), hflip=0), preprocess)
+    strong = classification_train_transform(
+        32, Augment(scale=(1.0, 1.0), ratio=(1, 1), hflip=0, auto_augment=auto_augment), preprocess
+    )
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8))
+    torch.manual_seed(0)
+    changed = sum(not torch.equal(plain(image), strong(image)) for _ in range(8))
+    assert changed >= 4
+
+
+def test_caption_augment_never_flips_or_recolours_what_captions_state():
+    preprocess = default_preprocess(16)
+    augment = CaptionAugment(16, Augment(scale=(1.0, 1.0), ratio=(1, 1), hflip=1.0, color_jitter=0.8), preprocess)
+    pixels = np.zeros((16, 16, 3), dtype=np.uint8)
+    pixels[:, :8] = (200, 40, 40)  # red on the left half
+    image = Image.fromarray(pixels)
+    plain = CaptionAugment(16, Augment(scale=(1.0, 1.0), ratio=(1, 1), hflip=0.0), preprocess)(image, ["x"])
+    kept = augment(image, ["a red square on the left"])
+    torch.testing.assert_close(kept, plain)  # neither flipped (left) nor jittered (red)
+    flipped = augment(image, ["a square"])
+    assert not torch.equal(flipped, plain)
+    no_colour_change = augment(image, ["a blue square"])  # colour named: flipped, never jittered
+    torch.testing.assert_close(no_colour_change, plain.flip(-1))
+
+
+def _folder_module(root, **kwargs):
+    dm = ImageFolderDataModule(root, img_size=32, batch_size=4, augment=False, **kwargs)
+    dm.setup("fit")
+    return dm
+
+
+def test_cache_gives_the_same_tensors_as_reading_the_files(tmp_path):
+    folder = make_image_folder(tmp_path / "folder", per_class=3, size=70)
+    cached, files = _folder_module(folder, cache="ram"), _folder_module(folder, cache="none")
+    assert cached.cache is not None and len(cached.cache) == 12 and files.cache is None
+    for i in range(len(files.val_dataset)):
+        torch.testing.assert_close(cached.val_dataset[i][0], files.val_dataset[i][0], rtol=0, atol=0)
+        torch.testing.assert_close(cached.train_dataset[i][0], files.train_dataset[i][0], rtol=0, atol=0)
+    assert should_cache("auto", 4000, 36) and not should_cache("auto", 10**7, 256) and not should_cache("none", 1, 1)
+    with pytest.raises(ValueError, match="data.cache='disk' is unknown"):
+        ImageFolderDataModule(folder, cache="disk")
+
+
+def test_cache_names_an_unreadable_file(tmp_path):
+    folder = make_image_folder(tmp_path / "folder", per_class=2, size=20)
+    (folder / "train" / "cat" / "broken.png").write_bytes(b"not a png")
+    with pytest.raises(ValueError, match="broken.png: not an image"):
+        _folder_module(folder, cache="ram")
+
+
+def test_label_smoothing_and_mixup_change_the_training_loss():
+    from vitattn.systems import ClassificationSystem
+
+    config = {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2, "num_classes": 3}
+    images, labels = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 0])
+    losses = {}
+    for name, kwargs in {"plain": {}, "smooth": {"label_smoothing": 0.3}, "mixup": {"mixup": 1.0}}.items():
+        torch.manual_seed(0)
+        system = ClassificationSystem(config, ["a", "b", "c"], **kwargs)
+        system.log = lambda *a, **k: None  # no trainer attached
+        losses[name] = float(system.training_step((images, labels), 0))
+    logits = ClassificationSystem(config, ["a", "b", "c"]).model  # same seed: same weights
+    assert losses["smooth"] != losses["plain"] and losses["mixup"] != losses["plain"]
+    assert all(math.isfinite(v) for v in losses.values()) and logits is not None
+
+
+def test_ema_weights_are_validated_tested_and_exported(tmp_path):
+    result = train(
+        compose_train(
+            [*CLS, "trainer.max_steps=6", "trainer.max_epochs=-1", "ema.decay=0.9", "export_bundle=true"], tmp_path
+        )
+    )
+    ema = next(c for c in result.system.trainer.callbacks if isinstance(c, EMA))
+    averaged = {k[len("module.") :]: v for k, v in ema._average_model.state_dict().items() if k.startswith("module.")}
+    checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    raw = checkpoint["current_model_state"]  # the weights training left, kept beside the average
+    from safetensors.torch import load_file
+
+    exported = load_file(tmp_path / "bundle" / "model.safetensors")
+    name = "blocks.0.mha.wq.weight"
+    torch.testing.assert_close(exported[name], averaged[f"model.{name}"])
+    assert not torch.allclose(exported[name], raw[f"model.{name}"])
+
+
+def test_early_stopping_ends_a_run_that_stops_improving(tmp_path):
+    overrides = [*CLS, "trainer.max_epochs=30", "optim.lr=0.0", "early_stopping.patience=2"]
+    result = train(compose_train(overrides, tmp_path))
+    assert result.system.trainer.current_epoch < 10  # nothing learns at lr 0: stopped after 1 + 2 validations
+    metrics = [json.loads(json.dumps(result.metrics))]
+    assert "val/acc" in metrics[0]
