@@ -149,19 +149,29 @@ def test_label_smoothing_and_mixup_change_the_training_loss():
 def test_ema_weights_are_validated_tested_and_exported(tmp_path):
     result = train(
         compose_train(
-            [*CLS, "trainer.max_steps=6", "trainer.max_epochs=-1", "ema.decay=0.9", "export_bundle=true"], tmp_path
+            [
+                *CLS,
+                "trainer.max_steps=6",
+                "trainer.max_epochs=-1",
+                "ema.decay=0.9",
+                "export_bundle=true",
+                "callbacks.step_checkpoint.every_n_train_steps=6",
+            ],
+            tmp_path,
         )
     )
     ema = next(c for c in result.system.trainer.callbacks if isinstance(c, EMA))
     averaged = {k[len("module.") :]: v for k, v in ema._average_model.state_dict().items() if k.startswith("module.")}
-    checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
-    raw = checkpoint["current_model_state"]  # the weights training left, kept beside the average
+    # The step checkpoint is written during the last step, before the average replaces the weights.
+    checkpoint = torch.load(tmp_path / "checkpoints" / "step000006.ckpt", weights_only=True)
+    raw = checkpoint["current_model_state"]  # the weights training reached, kept beside the average
     from safetensors.torch import load_file
 
     exported = load_file(tmp_path / "bundle" / "model.safetensors")
     name = "blocks.0.mha.wq.weight"
     torch.testing.assert_close(exported[name], averaged[f"model.{name}"])
-    assert not torch.allclose(exported[name], raw[f"model.{name}"])
+    torch.testing.assert_close(checkpoint["state_dict"][f"model.{name}"], averaged[f"model.{name}"])
+    assert (exported[name] - raw[f"model.{name}"]).abs().max() > 1e-4
 
 
 def test_early_stopping_ends_a_run_that_stops_improving(tmp_path):
@@ -170,3 +180,40 @@ def test_early_stopping_ends_a_run_that_stops_improving(tmp_path):
     assert result.system.trainer.current_epoch < 10  # nothing learns at lr 0: stopped after 1 + 2 validations
     metrics = [json.loads(json.dumps(result.metrics))]
     assert "val/acc" in metrics[0]
+
+
+def _warnings(overrides, tmp_path):
+    from hydra.utils import instantiate
+
+    from vitattn.training.advice import check_fit
+
+    cfg = compose_train(overrides, tmp_path)
+    datamodule = instantiate(cfg.data)
+    datamodule.setup("fit")
+    return check_fit(cfg, datamodule)
+
+
+def test_startup_warns_when_the_config_fights_the_data(tmp_path, caplog):
+    base = [*TINY, *TINY_SHAPES, "head=caption", "model.patch_size=4", "optim.warmup_steps=10"]
+    assert _warnings([*base, "trainer.max_steps=400"], tmp_path) == []
+    coarse = _warnings([*base, "model.patch_size=16", "trainer.max_steps=400"], tmp_path)
+    assert len(coarse) == 1 and coarse[0].startswith("model.patch_size=16 cuts 32 px images into a 2x2 grid")
+    assert "try model.patch_size=4" in coarse[0]
+    endless = _warnings([*base, "trainer.max_epochs=-1", "trainer.max_steps=-1"], tmp_path)
+    assert len(endless) == 1 and "the learning-rate schedule has no end" in endless[0]
+    short = _warnings([*base, "trainer.max_steps=50", "optim.warmup_steps=200"], tmp_path)
+    assert len(short) == 1 and "optim.warmup_steps=200 is more than a tenth of the 50-step run" in short[0]
+    timed = _warnings([*base, "trainer.max_epochs=-1", "trainer.max_time=00:00:05:00"], tmp_path)
+    assert timed == []  # a time budget sets the horizon (TimeBudgetHorizon)
+
+
+def test_startup_warns_when_most_caption_words_become_unk(tmp_path):
+    from tests.helpers import make_coco
+
+    coco = make_coco(tmp_path / "coco")
+    data = ["data=coco", *[f"data.{k}={v}" for k, v in coco.items()], "data.img_size=32", "data.batch_size=4"]
+    data += ["model.patch_size=4", "optim.warmup_steps=10", "trainer.max_epochs=-1"]
+    assert _warnings([*TINY, "head=caption", *data, "data.min_word_freq=1", "trainer.max_steps=400"], tmp_path) == []
+    rare = _warnings([*TINY, "head=caption", *data, "data.min_word_freq=1000", "trainer.max_steps=400"], tmp_path)
+    assert len(rare) == 1 and rare[0].startswith("most training caption tokens become <unk> (100.0 %")
+    assert "lower data.min_word_freq=1000" in rare[0]

@@ -23,6 +23,7 @@ from vitattn.callbacks import EMA, TimeBudgetHorizon
 from vitattn.config import check_config
 from vitattn.run_dir import RunDir
 from vitattn.systems import VisionSystem
+from vitattn.training.advice import check_fit
 from vitattn.training.assemble import build_system
 from vitattn.training.checkpoint_io import AtomicCheckpointIO
 from vitattn.training.data import setup_data
@@ -67,6 +68,8 @@ def train(cfg: DictConfig) -> TrainResult:
     datamodule = hydra.utils.instantiate(cfg.data)
     ckpt_path = _resume_checkpoint(cfg)
     setup_data(cfg, datamodule, ckpt_path)  # empty data, wrong vocabulary: one line, no step run
+    if rank_zero_only.rank == 0:
+        check_fit(cfg, datamodule)  # a coarse patch grid, a vocabulary of <unk>, a schedule with no end
     system = build_system(cfg, datamodule)
     if _should_compile(cfg):
         system.model.compile()  # in place: parameter names (checkpoints, bundles) stay as they are
