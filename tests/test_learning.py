@@ -194,7 +194,7 @@ def _warnings(overrides, tmp_path):
 
 
 def test_startup_warns_when_the_config_fights_the_data(tmp_path, caplog):
-    base = [*TINY, *TINY_SHAPES, "head=caption", "model.patch_size=4", "optim.warmup_steps=10"]
+    base = [*TINY, *TINY_SHAPES, "head=caption", "model.patch_size=4", "optim.warmup_steps=10", "trainer.max_epochs=-1"]
     assert _warnings([*base, "trainer.max_steps=400"], tmp_path) == []
     coarse = _warnings([*base, "model.patch_size=16", "trainer.max_steps=400"], tmp_path)
     assert len(coarse) == 1 and coarse[0].startswith("model.patch_size=16 cuts 32 px images into a 2x2 grid")
