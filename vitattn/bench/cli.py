@@ -23,6 +23,7 @@ import torch
 
 from vitattn.bench.caption import bench_caption
 from vitattn.bench.compile import bench_compile
+from vitattn.bench.data import bench_data
 from vitattn.bench.e2e import bench_end_to_end
 from vitattn.bench.encoder import bench_encoder
 from vitattn.bench.env import Env
@@ -38,9 +39,9 @@ from vitattn.bench.report import (
 )
 from vitattn.bench.scaling import bench_scaling
 
-SECTIONS = ("encoder", "compile", "caption", "scaling", "e2e")
+SECTIONS = ("encoder", "compile", "caption", "scaling", "e2e", "data")
 # Where each section's details go: under the JSON's ``details``; ``scaling`` has a top-level key of its own.
-DETAILS_KEY = {"encoder": "encoder", "compile": "compile", "caption": "caption", "e2e": "end_to_end"}
+DETAILS_KEY = {"encoder": "encoder", "compile": "compile", "caption": "caption", "e2e": "end_to_end", "data": "data"}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -91,6 +92,8 @@ def run_section(section: str, env: Env, args: argparse.Namespace, matmul_n: int)
         return bench_caption(env)
     if section == "scaling":
         return bench_scaling(env, args.out.parent / "scaling.png")
+    if section == "data":
+        return bench_data(env, n_images=128 if args.quick else 512)
     return bench_end_to_end(env, n_images=64 if args.quick else 256)
 
 
