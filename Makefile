@@ -1,5 +1,5 @@
 # make train   train the default captioner on the built-in shapes (CPU, no download)
-# make test    run the test suite
+# make test    lint (ruff) and run the test suite
 # Both create .venv and install the project into it when needed.
 VENV   ?= .venv
 PYTHON ?= python3
@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.vitattn-installed
 ARGS   ?=
 
-.PHONY: install train test test-fast bench clean
+.PHONY: install train lint test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,11 @@ install: $(STAMP)
 train: $(STAMP)
 	$(VENV)/bin/vitattn-train $(ARGS)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)

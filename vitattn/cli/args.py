@@ -16,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from vitattn.cli.errors import USER_ERRORS, report_user_error
 from vitattn.decoding import GENERATE_KEYS
+from vitattn.errors import first_line
 
 __all__ = ["GENERATE_KEYS", "UsageError", "generate_settings", "parse_key_values", "resolve_device", "run_main"]
 
@@ -53,7 +54,7 @@ def parse_key_values(argv: Sequence[str], schema: type, prog: str) -> Any:
         for key, value in given.items():
             cfg[key] = value
     except OmegaConfBaseException as err:
-        raise UsageError(f"{key}={given[key]!r}: {str(err).splitlines()[0]}") from None
+        raise UsageError(f"{key}={given[key]!r}: {first_line(err, limit=1000)}") from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise UsageError(f"missing {', '.join(f'{k}=...' for k in missing)}; see {prog} --help")

@@ -7,6 +7,7 @@ Data flows one way: config -> DataModule + model config -> system -> Trainer -> 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,12 +63,11 @@ def train(cfg: DictConfig) -> TrainResult:
     """
     check_config(cfg)  # every user error surfaces here, before data is read
     run_dir = Path(cfg.paths.output_dir)
-    if cfg.get("num_threads"):
-        torch.set_num_threads(cfg.num_threads)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = hydra.utils.instantiate(cfg.data)
     ckpt_path = _resume_checkpoint(cfg)
     setup_data(cfg, datamodule, ckpt_path)  # empty data, wrong vocabulary: one line, no step run
+    plan_cores(cfg, datamodule)
     if rank_zero_only.rank == 0:
         check_fit(cfg, datamodule)  # a coarse patch grid, a vocabulary of <unk>, a schedule with no end
     system = build_system(cfg, datamodule)
@@ -108,6 +108,31 @@ def training_callbacks(cfg: DictConfig) -> list[pl.Callback]:
             EarlyStopping(monitor=head.monitor, mode=head.monitor_mode, patience=cfg.early_stopping.patience)
         )
     return callbacks
+
+
+def _on_gpu(cfg: DictConfig) -> bool:
+    return cfg.trainer.accelerator in ("gpu", "cuda") or (
+        cfg.trainer.accelerator == "auto" and torch.cuda.is_available()
+    )
+
+
+def plan_cores(cfg: DictConfig, datamodule: Any) -> tuple[int, int]:
+    """Loader workers and torch threads that do not fight over the cores; returns ``(workers, threads)``.
+
+    ``data.num_workers=auto`` is resolved by the DataModule (``plan_workers``); ``num_threads=auto``
+    gives torch the cores the workers leave on a CPU run (at least one), and keeps torch's default
+    on GPUs. A number set by the user is kept as it is.
+    """
+    cores = len(os.sched_getaffinity(0))
+    plan = getattr(datamodule, "plan_workers", None)
+    workers = plan(_on_gpu(cfg), cores) if plan is not None else int(getattr(datamodule, "num_workers", 0))
+    threads = cfg.get("num_threads")
+    if threads == "auto":
+        threads = torch.get_num_threads() if _on_gpu(cfg) else max(1, cores - workers)
+    if threads:
+        torch.set_num_threads(int(threads))
+    log.info("cores: %d; loader workers: %d; torch threads: %d", cores, workers, torch.get_num_threads())
+    return workers, torch.get_num_threads()
 
 
 def _resume_checkpoint(cfg: DictConfig) -> str | None:

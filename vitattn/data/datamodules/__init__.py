@@ -1,0 +1,24 @@
+"""LightningDataModules: built-in shapes, an ImageFolder tree, COCO-style captions.
+
+Classification batches are ``(images, labels)``: (B, 3, H, W) float and (B,) long. Caption batches
+are dicts from ``collate_captions``: ``images`` (B, 3, H, W), ``tokens`` (B, T) padded
+``bos ... eos``, ``image_ids`` (B,) and ``references`` (B lists of strings). Loaders use plain
+shuffling so that Lightning can swap in its ``DistributedSampler`` under DDP; ``image_ids`` identify
+the samples it repeats to even out the ranks.
+"""
+
+from vitattn.data.datamodules.base import SPLITS, EvalSplit, ImageDataModule
+from vitattn.data.datamodules.coco import CocoCaptionDataModule
+from vitattn.data.datamodules.image_folder import ImageFolderDataModule, image_folder_split, open_image_folder
+from vitattn.data.datamodules.shapes import ShapesDataModule
+
+__all__ = [
+    "SPLITS",
+    "CocoCaptionDataModule",
+    "EvalSplit",
+    "ImageDataModule",
+    "ImageFolderDataModule",
+    "ShapesDataModule",
+    "image_folder_split",
+    "open_image_folder",
+]

@@ -1,0 +1,170 @@
+"""What every DataModule shares: loaders, preprocessing, the cache, the evaluation split.
+
+Classification batches are ``(images, labels)``: (B, 3, H, W) float and (B,) long. Caption batches
+are dicts from ``collate_captions``: ``images`` (B, 3, H, W), ``tokens`` (B, T) padded
+``bos ... eos``, ``image_ids`` (B,) and ``references`` (B lists of strings). Loaders use plain
+shuffling so that Lightning can swap in its ``DistributedSampler`` under DDP; ``image_ids`` identify
+the samples it repeats to even out the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from torch.utils.data import DataLoader, Dataset
+
+from vitattn.data.cache import ImageCache, should_cache
+from vitattn.data.captions import TokenizedCaptions, collate_captions
+from vitattn.data.preprocess import eval_transform
+from vitattn.data.vocab import Vocabulary
+
+__all__ = ["SPLITS", "EvalSplit", "ImageDataModule", "caption_vocab"]
+
+
+SPLITS = ("val", "test")
+
+
+@dataclass
+class EvalSplit:
+    """One split of a DataModule as evaluation sees it.
+
+    Attributes:
+        source: what the images are, for reports (a folder, a file, a generated split).
+        files: image files with ``ids`` (caption image ids, or class labels for classification);
+            the caller reads them, so that an unreadable file is counted, not fatal.
+        ids: one per file.
+        loader: batches ready for the model, when the images are not files (the built-in data).
+        references: caption task: image id -> reference captions.
+        synthetic: references list every correct caption, so exact match is meaningful.
+    """
+
+    source: str
+    files: list[str] = field(default_factory=list)
+    ids: list[Any] = field(default_factory=list)
+    loader: DataLoader | None = None
+    references: dict[Any, list[str]] | None = None
+    synthetic: bool = False
+
+
+class ImageDataModule(pl.LightningDataModule):
+    """Loader settings shared by every DataModule; subclasses fill the datasets in ``setup``.
+
+    ``tasks`` says which heads the data can train; ``preprocess`` describes the evaluation transform
+    of an image file (timm's ``create_transform`` arguments) so inference reproduces it.
+    """
+
+    tasks: tuple[str, ...] = ()
+    crop = {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bicubic"}  # whole image, squashed
+
+    def __init__(self, batch_size: int, num_workers: int | str, img_size: int) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be at least 1")
+        if num_workers != "auto" and (not isinstance(num_workers, int) or num_workers < 0):
+            raise ValueError(f"num_workers={num_workers!r} must be a non-negative number or auto")
+        self.batch_size, self.num_workers, self.img_size = batch_size, num_workers, img_size
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+        self.test_dataset: Dataset | None = None
+        self.collate_fn = None  # the DataLoader default unless captions set one
+        self.vocab: Vocabulary | None = None
+
+    @property
+    def preprocess(self) -> dict:
+        return {
+            "img_size": self.img_size,
+            **self.crop,
+            "mean": list(IMAGENET_DEFAULT_MEAN),
+            "std": list(IMAGENET_DEFAULT_STD),
+        }
+
+    def eval_transform(self) -> Callable[[Any], torch.Tensor]:
+        """The evaluation transform of an image file: ``eval_transform(self.preprocess)``, as inference uses."""
+        return eval_transform(self.preprocess)
+
+    cache_mode = "none"
+    cache: ImageCache | None = None
+
+    def _cache(self, paths: list[str]) -> ImageCache | None:
+        """An ``ImageCache`` of ``paths`` when ``self.cache_mode`` asks for one (``vitattn.data.cache``)."""
+        resize = self.eval_transform().transforms[0]  # timm's eval transform starts with its resize
+        side = math.floor(self.img_size / float(self.preprocess["crop_pct"]))
+        if not should_cache(self.cache_mode, len(set(paths)), side):
+            return None
+        self.cache = ImageCache(paths, resize)
+        return self.cache
+
+    def evaluation_split(self, split: str) -> EvalSplit:
+        """The ``val`` or ``test`` split for scoring (after ``setup``); subclasses with files override this."""
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r} is unknown; choose one of {list(SPLITS)}")
+        loader = self.val_dataloader() if split == "val" else self.test_dataloader()
+        return EvalSplit(f"{type(self).__name__} {split} split", loader=loader)
+
+    def _use_captions(
+        self,
+        splits: tuple[Dataset, Dataset, Dataset],
+        vocab: Vocabulary,
+        max_len: int,
+        sample_train_caption: bool,
+    ) -> None:
+        """Wrap (train, val, test) caption datasets to yield tokens and batch them as dicts."""
+        train, val, test = splits
+        self.vocab = vocab
+        self.train_dataset = TokenizedCaptions(train, vocab, max_len, sample_train_caption)
+        self.val_dataset = TokenizedCaptions(val, vocab, max_len)
+        self.test_dataset = TokenizedCaptions(test, vocab, max_len)
+        self.collate_fn = partial(collate_captions, pad_id=vocab.pad_id)
+
+    def plan_workers(self, on_gpu: bool, cores: int) -> int:
+        """Resolve ``num_workers=auto`` (after ``setup``): on GPUs ``min(8, cores - 1)`` to keep the device fed;
+        on CPUs, where the workers and torch's threads share the cores, 0 when the images are in memory
+        (cached or generated) and one worker otherwise. Returns the number."""
+        if self.num_workers == "auto":
+            in_memory = self.cache is not None or not getattr(self, "reads_files", False)
+            self.num_workers = max(0, min(8, cores - 1)) if on_gpu else (0 if in_memory else min(1, cores - 1))
+        return int(self.num_workers)
+
+    def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() must run before its dataloaders")
+        if self.num_workers == "auto":
+            self.plan_workers(torch.cuda.is_available(), len(os.sched_getaffinity(0)))
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            collate_fn=self.collate_fn,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_dataset, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_dataset, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_dataset, shuffle=False)
+
+
+def caption_vocab(
+    preset: Vocabulary | None, vocab_path: str | os.PathLike | None, captions: Callable[[], list[str]], min_freq: int
+) -> Vocabulary:
+    """``preset`` (a trained model's, set before ``setup``), else the one at ``vocab_path``, else one built
+    from the training ``captions``."""
+    if preset is not None:
+        return preset
+    if vocab_path is not None:
+        return Vocabulary.load(vocab_path)
+    return Vocabulary.build(captions(), min_freq=min_freq)

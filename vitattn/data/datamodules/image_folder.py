@@ -1,0 +1,109 @@
+"""Classification from an ImageFolder tree: ``ROOT/<split>/<class>/<image>``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from torchvision.datasets import ImageFolder
+
+from vitattn.data.augment import Augment, classification_train_transform
+from vitattn.data.cache import should_cache
+from vitattn.data.datamodules.base import EvalSplit, ImageDataModule
+from vitattn.data.images import IMAGE_EXTENSIONS, read_image
+
+__all__ = ["ImageFolderDataModule", "image_folder_split", "open_image_folder"]
+
+
+def image_folder_split(root: str | os.PathLike, split: str) -> Path:
+    """The folder of ``split`` under an ImageFolder ``root``: ``root/<split>``; ``test`` falls back to
+    ``root/val`` when ``root/test`` does not exist (training then tests on val)."""
+    root = Path(root)
+    if split == "test" and not (root / "test").exists():
+        return root / "val"
+    return root / split
+
+
+def _is_image_file(path: str) -> bool:
+    name = os.path.basename(path)
+    return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+
+
+def open_image_folder(directory: str | os.PathLike, transform: Callable[[Any], Any] | None = None) -> ImageFolder:
+    """``directory/<class>/<image>`` as a torchvision ``ImageFolder`` read with ``read_image``; the same file
+    extensions as the captioner (``IMAGE_EXTENSIONS``), hidden files skipped. Listing reads no image."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"image folder not found: {directory} (expected {directory}/<class>/<image>)")
+    try:
+        return ImageFolder(directory, transform=transform, loader=read_image, is_valid_file=_is_image_file)
+    except FileNotFoundError as err:  # torchvision's word for "no class folders" or "no images"
+        raise ValueError(f"image folder {directory} is empty: {err}") from None
+
+
+class ImageFolderDataModule(ImageDataModule):
+    """Classification from ``root/train``, ``root/val`` and (if present) ``root/test``, each laid
+    out as ``<split>/<class>/<image>``; without ``root/test`` the test loader reuses ``root/val``.
+
+    Args:
+        root: folder holding the splits.
+        img_size: side of the square crops.
+        batch_size, num_workers: DataLoader settings.
+        augment: training augmentation (``vitattn.data.augment.Augment``): ``True`` for the defaults
+            that suit ``img_size``, ``False`` for the evaluation transform, or a mapping of its settings.
+        cache: ``auto``, ``ram`` or ``none``: decode and resize every image once (``vitattn.data.cache``).
+    """
+
+    tasks = ("classification",)
+    reads_files = True
+    crop = {"crop_pct": 0.875, "crop_mode": "center", "interpolation": "bilinear"}  # timm eval default
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        img_size: int = 224,
+        batch_size: int = 64,
+        num_workers: int | str = 0,
+        augment: bool | Mapping[str, Any] = True,
+        cache: str = "auto",
+    ) -> None:
+        super().__init__(batch_size, num_workers, img_size)
+        self.root = Path(root)
+        self.augment = Augment.from_config(augment)
+        self.cache_mode = cache
+        should_cache(cache, 0, 0)  # an unknown mode fails here, before any file is read
+        self.class_names: list[str] | None = None
+        self.num_classes: int | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_dataset is not None:
+            return
+        evaluate = self.eval_transform()
+        training = (
+            classification_train_transform(self.img_size, self.augment, self.preprocess)
+            if self.augment.enabled
+            else evaluate
+        )
+        train = open_image_folder(self.root / "train", training)
+        val = open_image_folder(image_folder_split(self.root, "val"), evaluate)
+        test_dir = image_folder_split(self.root, "test")
+        test = val if test_dir == image_folder_split(self.root, "val") else open_image_folder(test_dir, evaluate)
+        for split in {val, test}:
+            if split.classes != train.classes:
+                raise ValueError(
+                    f"classes of {split.root} {split.classes} differ from those of {train.root} {train.classes}"
+                )
+        self.train_dataset, self.val_dataset, self.test_dataset = train, val, test
+        self.class_names = list(train.classes)
+        self.num_classes = len(train.classes)
+        cache = self._cache([path for folder in {train, val, test} for path, _ in folder.samples])
+        if cache is not None:
+            for folder in {train, val, test}:
+                folder.loader = cache.load
+
+    def evaluation_split(self, split: str) -> EvalSplit:
+        folder = self.val_dataset if split == "val" else self.test_dataset
+        files, labels = [path for path, _ in folder.samples], [label for _, label in folder.samples]
+        return EvalSplit(str(Path(folder.root).resolve()), files=files, ids=labels)

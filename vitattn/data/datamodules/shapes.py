@@ -1,0 +1,77 @@
+"""The built-in shapes data as a DataModule: generated, deterministic, no download."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from vitattn.data.datamodules.base import EvalSplit, ImageDataModule, caption_vocab
+from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
+from vitattn.data.transforms import normalize
+
+__all__ = ["ShapesDataModule"]
+
+
+class ShapesDataModule(ImageDataModule):
+    """The built-in shapes data (``vitattn.data.shapes``) for captioning or classification.
+
+    Images are only normalised: flips or crops would change which shape is left of which.
+
+    Args:
+        task: "caption" (dict batches, ``vocab`` after setup) or "classification" (``(images,
+            labels)``, label = colour and shape of the left-most object).
+        img_size: image side in pixels.
+        num_train, num_val, num_test: images per split.
+        seed: base seed of all three splits.
+        batch_size, num_workers: DataLoader settings.
+        max_caption_len: longest token sequence, bos and eos included.
+        vocab_path: a saved ``Vocabulary`` to use rather than one built from training captions.
+    """
+
+    tasks = ("caption", "classification")
+
+    def __init__(
+        self,
+        task: Literal["caption", "classification"] = "caption",
+        img_size: int = 64,
+        num_train: int = 20000,
+        num_val: int = 500,
+        num_test: int = 500,
+        seed: int = 0,
+        batch_size: int = 64,
+        num_workers: int | str = 0,
+        max_caption_len: int = 24,
+        vocab_path: str | os.PathLike | None = None,
+    ) -> None:
+        super().__init__(batch_size, num_workers, img_size)
+        self.task, self.seed = task, seed
+        self.num_train, self.num_val, self.num_test = num_train, num_val, num_test
+        self.max_caption_len, self.vocab_path = max_caption_len, vocab_path
+        self.class_names = list(CLASS_NAMES)
+        self.num_classes = len(CLASS_NAMES)
+
+    def setup(self, stage: str | None = None) -> None:
+        fit = stage in (None, "fit")
+        if self.val_dataset is not None and (self.train_dataset is not None or not fit):
+            return  # Lightning calls setup once per stage
+        # Evaluation (stage validate / test) with the model's vocabulary needs no training scenes.
+        num_train = self.num_train if fit or (self.task == "caption" and self.vocab is None) else 0
+        splits = tuple(
+            ShapesDataset(split, size, self.img_size, self.seed, self.task, transform=normalize())
+            for split, size in [("train", num_train), ("val", self.num_val), ("test", self.num_test)]
+        )
+        if self.task == "classification":
+            self.train_dataset, self.val_dataset, self.test_dataset = splits
+            return
+        vocab = caption_vocab(self.vocab, self.vocab_path, lambda: splits[0].captions, min_freq=1)
+        # canonical caption as the target everywhere: the synthetic captions are unambiguous
+        self._use_captions(splits, vocab, self.max_caption_len, sample_train_caption=False)
+
+    def evaluation_split(self, split: str) -> EvalSplit:
+        evaluation = super().evaluation_split(split)
+        evaluation.source = f"shapes {split} split (seed {self.seed}, {self.img_size} px)"
+        if self.task == "caption":
+            shapes = evaluation.loader.dataset.dataset  # TokenizedCaptions -> ShapesDataset
+            evaluation.references = {i: shapes.references(i) for i in range(len(shapes))}
+            evaluation.synthetic = True
+        return evaluation
