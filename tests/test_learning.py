@@ -217,3 +217,28 @@ def test_startup_warns_when_most_caption_words_become_unk(tmp_path):
     rare = _warnings([*TINY, "head=caption", *data, "data.min_word_freq=1000", "trainer.max_steps=400"], tmp_path)
     assert len(rare) == 1 and rare[0].startswith("most training caption tokens become <unk> (100.0 %")
     assert "lower data.min_word_freq=1000" in rare[0]
+
+
+def test_auto_workers_and_threads_never_oversubscribe_the_cores(tmp_path, monkeypatch):
+    import os
+
+    from hydra.utils import instantiate
+
+    from vitattn.training.run import plan_cores
+
+    folder = make_image_folder(tmp_path / "folder", per_class=2, size=20)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    before = torch.get_num_threads()
+    try:
+        for cache, workers in (("ram", 0), ("none", 1)):
+            overrides = ["head=classification", "data=imagefolder", f"data.root={folder}", *TINY, f"data.cache={cache}"]
+            cfg = compose_train([*overrides, "data.num_workers=auto", "num_threads=auto"], tmp_path)
+            datamodule = instantiate(cfg.data)
+            datamodule.setup("fit")
+            assert plan_cores(cfg, datamodule) == (workers, 4 - workers)
+        cfg = compose_train([*overrides, "data.num_workers=3", "num_threads=2"], tmp_path)
+        datamodule = instantiate(cfg.data)
+        datamodule.setup("fit")
+        assert plan_cores(cfg, datamodule) == (3, 2)  # the user's numbers are kept
+    finally:
+        torch.set_num_threads(before)
