@@ -242,3 +242,19 @@ def test_auto_workers_and_threads_never_oversubscribe_the_cores(tmp_path, monkey
         assert plan_cores(cfg, datamodule) == (3, 2)  # the user's numbers are kept
     finally:
         torch.set_num_threads(before)
+
+
+def test_auto_min_word_freq_keeps_coco_threshold_unless_it_leaves_many_unknown_words():
+    from collections import Counter
+
+    from vitattn.data.vocab import Vocabulary, auto_min_freq
+
+    common = Counter({f"w{i}": 100 for i in range(50)})
+    assert auto_min_freq(common + Counter({"rare": 1})) == 5  # one rare word of 5,001 tokens: COCO's 5
+    names = Counter({f"name{i}": 2 for i in range(40)}) + Counter({"a": 20})
+    assert auto_min_freq(names) == 2  # most tokens are names seen twice: keep them
+    assert auto_min_freq(Counter({f"n{i}": 1 for i in range(10)})) == 1
+    vocab = Vocabulary.build(["a b c", "a b", "a"], min_freq="auto")
+    assert vocab.words == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="min_freq=0 must be at least 1 or auto"):
+        Vocabulary.build(["a"], min_freq=0)

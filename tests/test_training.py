@@ -304,3 +304,24 @@ def test_num_threads_sets_torch_threads(tmp_path, monkeypatch):
     )
     train(cfg)
     assert seen == [1]
+
+
+def test_the_best_checkpoint_is_tested_and_exported(tmp_path):
+    from safetensors.torch import load_file
+
+    from vitattn.cli.export import main as export_main
+
+    overrides = ["head=classification", *TINY, *TINY_SHAPES, "trainer.max_steps=24", "trainer.max_epochs=-1"]
+    result = train(compose_train([*overrides, "optim.lr=5e-3"], tmp_path / "run"))
+    run = tmp_path / "run"
+    best = torch.load(run / "checkpoints" / "best.ckpt", weights_only=True)
+    last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert result.weights.startswith("best (val/acc ") and result.weights.endswith(f"at step {best['global_step']})")
+    bundle = load_file(run / "bundle" / "model.safetensors")
+    assert all(torch.equal(bundle[k], best["state_dict"][f"model.{k}"]) for k in bundle)
+    for which, checkpoint in (("best", best), ("last", last)):
+        out = tmp_path / which
+        assert export_main([f"model={run}", f"which={which}", f"out={out}"]) == 0
+        exported = load_file(out / "model.safetensors")
+        assert all(torch.equal(exported[k], checkpoint["state_dict"][f"model.{k}"]) for k in exported)
+    assert export_main([f"model={run}", "which=worst", f"out={tmp_path / 'x'}"]) == 2

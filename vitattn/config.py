@@ -126,6 +126,8 @@ def check_config(cfg: DictConfig) -> None:
     task = cfg.head.task
     if task not in TASKS:
         raise ConfigError(f"head.task={task!r} is unknown; choose head=caption or head=classification")
+    if cfg.get("weights", "best") not in ("best", "last"):
+        raise ConfigError(f"weights={cfg.weights!r} is unknown; choose weights=best or weights=last")
     if cfg.head.get("nonfinite", "raise") not in ("raise", "skip"):
         raise ConfigError(f"head.nonfinite={cfg.head.nonfinite!r} is unknown; choose raise or skip")
     supported = _data_tasks(cfg.data)

@@ -5,7 +5,7 @@ A run folder (``runs/<task>/<date>_<time>/``, Hydra's ``hydra.run.dir``) holds::
     config.yaml             the resolved training config
     .hydra/overrides.yaml   the command-line overrides (replayed by ``resume=RUN``)
     vocab.json              the caption vocabulary (caption runs)
-    checkpoints/last.ckpt   the latest checkpoint; step and best checkpoints beside it
+    checkpoints/last.ckpt   the latest checkpoint; best.ckpt (by head.monitor) and step checkpoints beside it
     bundle/                 the exported model (``vitattn.bundle``)
 """
 
@@ -56,6 +56,11 @@ class RunDir:
     def last_checkpoint(self) -> Path:
         """The checkpoint that ``resume=RUN`` continues from."""
         return self.checkpoints / "last.ckpt"
+
+    @property
+    def best_checkpoint(self) -> Path:
+        """The best checkpoint by the head's validation metric (``head.monitor``)."""
+        return self.checkpoints / "best.ckpt"
 
     @property
     def bundle(self) -> Path:

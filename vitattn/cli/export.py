@@ -2,9 +2,11 @@
 
 Usage::
 
-    vitattn-export model=PATH out=DIR [device=cpu]
+    vitattn-export model=PATH out=DIR [which=best|last] [device=cpu]
 
-``model`` is a training run folder, a Lightning ``.ckpt`` or a bundle. Checkpoints are read with
+``model`` is a training run folder, a Lightning ``.ckpt`` or a bundle. For a run folder, ``which``
+picks its best checkpoint (by the head's validation metric) or its last one; without ``which`` the
+run's own bundle is exported again (the best weights unless the run said ``weights=last``). Checkpoints are read with
 ``torch.load(weights_only=True)``: one that holds pickled objects is refused, never unpickled. The
 bundle is written atomically; an earlier bundle at ``out`` is replaced, any other folder is kept.
 Exit status: 0 on success, 2 on a usage or model error.
@@ -18,7 +20,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from vitattn.cli.args import parse_key_values, resolve_device, run_main
+from vitattn.cli.args import UsageError, parse_key_values, resolve_device, run_main
 
 __all__ = ["ExportConfig", "main", "parse_args", "run"]
 
@@ -29,19 +31,32 @@ class ExportConfig:
 
     model: str = MISSING
     out: str = MISSING
+    which: str | None = None
     device: str = "cpu"
 
 
 def parse_args(argv: list[str]) -> Any:
     """``key=value`` arguments -> a validated ``ExportConfig``."""
-    return parse_key_values(argv, ExportConfig, "vitattn-export")
+    cfg = parse_key_values(argv, ExportConfig, "vitattn-export")
+    if cfg.which not in (None, "best", "last"):
+        raise UsageError(f"which={cfg.which!r} is unknown; choose which=best or which=last")
+    return cfg
 
 
 def run(cfg: Any) -> int:
     """Load ``cfg.model`` and save it as a bundle at ``cfg.out``."""
     from vitattn.bundle import load_bundle, save_bundle
+    from vitattn.run_dir import RunDir
 
-    bundle = load_bundle(cfg.model, device=resolve_device(cfg.device))
+    source = cfg.model
+    if cfg.which is not None:
+        run = RunDir(cfg.model)
+        if not run.checkpoints.is_dir():
+            raise UsageError(f"which={cfg.which} needs a training run folder; model={cfg.model} is not one")
+        source = run.best_checkpoint if cfg.which == "best" else run.last_checkpoint
+        if not source.is_file():
+            raise FileNotFoundError(f"model={cfg.model} has no {source.relative_to(run.path)}")
+    bundle = load_bundle(source, device=resolve_device(cfg.device))
     out = save_bundle(
         cfg.out,
         bundle.model,
@@ -51,7 +66,7 @@ def run(cfg: Any) -> int:
         class_names=bundle.class_names,
         generate=bundle.generate,
     )
-    print(f"{bundle.task} bundle -> {out}", flush=True)
+    print(f"{bundle.task} bundle of {source} -> {out}", flush=True)
     return 0
 
 

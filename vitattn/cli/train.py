@@ -51,6 +51,7 @@ def _report(result: TrainResult) -> None:
     lines = [f"run directory: {result.run_dir}"]
     if result.bundle_dir:
         lines.append(f"model bundle:  {result.bundle_dir}")
+    lines.append(f"weights:       {result.weights}")
     for key in sorted(result.metrics):
         lines.append(f"  {key:<22} {result.metrics[key]:.4f}")
     if result.samples:

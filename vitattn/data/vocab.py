@@ -18,6 +18,18 @@ _FORMAT = "vitattn.vocabulary"
 _VERSION = 1
 
 
+AUTO_MAX_UNKNOWN = 0.02
+
+
+def auto_min_freq(counts: Counter[str], max_unknown: float = AUTO_MAX_UNKNOWN) -> int:
+    """The largest word-count threshold in 5..1 whose rarer words make at most ``max_unknown`` of all tokens."""
+    total = sum(counts.values()) or 1
+    for threshold in (5, 4, 3, 2):
+        if sum(n for n in counts.values() if n < threshold) / total <= max_unknown:
+            return threshold
+    return 1
+
+
 class Vocabulary:
     """Maps caption words to ids and back; ids 0-3 are ``<pad> <bos> <eos> <unk>``.
 
@@ -33,14 +45,18 @@ class Vocabulary:
             raise ValueError(f"vocabulary words must be unique and not special; repeated: {repeated}")
 
     @classmethod
-    def build(cls, captions: Iterable[str], min_freq: int = 1) -> Vocabulary:
+    def build(cls, captions: Iterable[str], min_freq: int | str = 1) -> Vocabulary:
         """Vocabulary of the words seen at least ``min_freq`` times, most frequent first.
 
-        Ties are broken alphabetically, so the same captions always give the same ids.
+        ``min_freq="auto"``: the largest threshold up to COCO's 5 that leaves at most
+        ``AUTO_MAX_UNKNOWN`` of the captions' tokens as ``<unk>`` (5 on COCO, 1 on a small dataset
+        of names). Ties are broken alphabetically, so the same captions always give the same ids.
         """
-        if min_freq < 1:
-            raise ValueError(f"min_freq={min_freq} must be at least 1")
         counts = Counter(word for caption in captions for word in coco_tokenize(caption))
+        if min_freq == "auto":
+            min_freq = auto_min_freq(counts)
+        if not isinstance(min_freq, int) or min_freq < 1:
+            raise ValueError(f"min_freq={min_freq!r} must be at least 1 or auto")
         words = [w for w in counts if counts[w] >= min_freq and w not in SPECIALS]
         return cls(sorted(words, key=lambda w: (-counts[w], w)))
 

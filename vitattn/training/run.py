@@ -44,6 +44,7 @@ class TrainResult:
     bundle_dir: Path | None = None
     global_step: int = 0
     system: VisionSystem | None = None
+    weights: str = "last"  # which weights were tested and exported: "last", or "best (val/cider_d 1.2 at step 800)"
 
 
 def _instantiate_group(group: DictConfig | None) -> list[Any]:
@@ -85,15 +86,42 @@ def train(cfg: DictConfig) -> TrainResult:
     trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    source = _use_best(cfg, trainer, system)  # test and export the best model, not the last
     if cfg.test and not cfg.trainer.get("fast_dev_run"):
         for row in trainer.test(system, datamodule=datamodule, verbose=False):
             metrics.update({k: float(v) for k, v in row.items()})
     result = TrainResult(
-        run_dir, metrics, getattr(system, "last_samples", []), global_step=trainer.global_step, system=system
+        run_dir,
+        metrics,
+        getattr(system, "last_samples", []),
+        global_step=trainer.global_step,
+        system=system,
+        weights=source,
     )
     if cfg.export_bundle and trainer.is_global_zero:
         result.bundle_dir = _export(system, run_dir)
     return result
+
+
+def _use_best(cfg: DictConfig, trainer: pl.Trainer, system: VisionSystem) -> str:
+    """Load the best checkpoint by ``head.monitor`` into ``system`` when ``weights=best`` and there is one;
+    returns what the tested and exported weights are."""
+    if cfg.get("weights", "best") != "best" or cfg.trainer.get("fast_dev_run"):
+        return f"last (step {trainer.global_step})"
+    best = next(
+        (
+            c
+            for c in trainer.checkpoint_callbacks
+            if getattr(c, "monitor", None) == cfg.head.monitor and c.best_model_path
+        ),
+        None,
+    )
+    if best is None or not Path(best.best_model_path).is_file():
+        return f"last (step {trainer.global_step})"
+    checkpoint = torch.load(best.best_model_path, map_location="cpu", weights_only=True)
+    system.load_state_dict(checkpoint["state_dict"])
+    score = float(best.best_model_score) if best.best_model_score is not None else float("nan")
+    return f"best ({cfg.head.monitor} {score:.4f} at step {checkpoint['global_step']})"
 
 
 def training_callbacks(cfg: DictConfig) -> list[pl.Callback]:

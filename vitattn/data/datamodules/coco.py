@@ -27,7 +27,8 @@ class CocoCaptionDataModule(ImageDataModule):
         test_annotations: the test file; ``val_annotations`` when not given.
         img_size: side of the square images.
         batch_size, num_workers: DataLoader settings.
-        min_word_freq: words seen fewer times in the training captions become ``<unk>``.
+        min_word_freq: words seen fewer times in the training captions become ``<unk>``; ``auto``:
+            the largest threshold up to 5 that leaves at most 2 % of the tokens as ``<unk>``.
         max_caption_len: longest token sequence, bos and eos included.
         vocab_path: a saved ``Vocabulary`` to use rather than one built from training captions.
     """
@@ -44,7 +45,7 @@ class CocoCaptionDataModule(ImageDataModule):
         img_size: int = 224,
         batch_size: int = 64,
         num_workers: int | str = 0,
-        min_word_freq: int = 1,
+        min_word_freq: int | str = "auto",
         max_caption_len: int = 32,
         vocab_path: str | os.PathLike | None = None,
         augment: bool | Mapping[str, Any] = True,
