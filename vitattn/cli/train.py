@@ -52,6 +52,7 @@ def _report(result: TrainResult) -> None:
     if result.bundle_dir:
         lines.append(f"model bundle:  {result.bundle_dir}")
     lines.append(f"weights:       {result.weights}")
+    lines.append(f"speed:         {result.steps_per_second:.2f} steps/s (training with its validations)")
     for key in sorted(result.metrics):
         lines.append(f"  {key:<22} {result.metrics[key]:.4f}")
     if result.samples:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ class TrainResult:
     global_step: int = 0
     system: VisionSystem | None = None
     weights: str = "last"  # which weights were tested and exported: "last", or "best (val/cider_d 1.2 at step 800)"
+    steps_per_second: float = 0.0  # optimizer steps of this run / seconds of trainer.fit (validation included)
 
 
 def _instantiate_group(group: DictConfig | None) -> list[Any]:
@@ -83,7 +85,12 @@ def train(cfg: DictConfig) -> TrainResult:
         plugins=[AtomicCheckpointIO()],
     )
     _save_run_files(cfg, datamodule, run_dir)
+    started = time.monotonic()
     trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path)
+    seconds = time.monotonic() - started
+    first_step = (
+        int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"]) if ckpt_path else 0
+    )
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     source = _use_best(cfg, trainer, system)  # test and export the best model, not the last
@@ -97,6 +104,7 @@ def train(cfg: DictConfig) -> TrainResult:
         global_step=trainer.global_step,
         system=system,
         weights=source,
+        steps_per_second=(trainer.global_step - first_step) / seconds if seconds > 0 else 0.0,
     )
     if cfg.export_bundle and trainer.is_global_zero:
         result.bundle_dir = _export(system, run_dir)
