@@ -44,7 +44,7 @@ def _data_tasks(data: DictConfig) -> tuple[str, ...]:
     except (ImportError, ValueError) as err:
         raise ConfigError(
             f"data._target_={data._target_} cannot be imported ({type(err).__name__}); "
-            "choose data=shapes, data=imagefolder or data=coco"
+            "choose data=shapes, data=imagefolder, data=coco or data=karpathy"
         ) from err
     return tuple(getattr(cls, "tasks", TASKS))
 
@@ -133,7 +133,7 @@ def check_config(cfg: DictConfig) -> None:
     supported = _data_tasks(cfg.data)
     if task not in supported:
         if task == "caption":
-            what, fix = "captions", "use head=classification, or data=shapes / data=coco"
+            what, fix = "captions", "use head=classification, or data=shapes / data=coco / data=karpathy"
         else:
             what, fix = "class labels", "use head=caption, or data=shapes / data=imagefolder"
         raise ConfigError(f"data={data_name(cfg.data)} has no {what} for head={task}; {fix}")

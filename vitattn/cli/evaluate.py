@@ -12,7 +12,8 @@ Usage::
 (decoding settings left out come from the bundle) or read from ``predictions`` (JSON Lines from
 vitattn-caption, or COCO results ``[{"image_id", "caption"}]``) and scored against ``references``
 (a COCO caption file; ``image_dir`` defaults to its folder) or, without them, the run's own data
-(``RUN/config.yaml``: the built-in shapes split, or a COCO run's annotations): BLEU-1..4, ROUGE-L,
+(``RUN/config.yaml``: the built-in shapes split, a COCO run's annotations, or a Karpathy-split run's
+val / test split): BLEU-1..4, ROUGE-L,
 CIDEr-D, and exact match on the synthetic shapes captions. A classifier gets top-1 / top-5 accuracy
 on ``data_root/<split>/<class>/<image>`` or the run's data, and a confusion matrix PNG.
 

@@ -1,4 +1,4 @@
-"""Data: built-in shapes, COCO-style captions, the caption vocabulary, and LightningDataModules."""
+"""Data: built-in shapes, COCO-style captions, Karpathy splits, the caption vocabulary, and LightningDataModules."""
 
 from vitattn.data.captions import TokenizedCaptions, collate_captions
 from vitattn.data.coco import CocoCaptionDataset, CocoImage, load_coco_captions
@@ -6,10 +6,12 @@ from vitattn.data.datamodules import (
     CocoCaptionDataModule,
     EvalSplit,
     ImageFolderDataModule,
+    KarpathyDataModule,
     ShapesDataModule,
     image_folder_split,
 )
 from vitattn.data.images import read_image
+from vitattn.data.karpathy import load_karpathy
 from vitattn.data.preprocess import default_preprocess, denormalize, eval_transform
 from vitattn.data.run_data import datamodule_from_run
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
@@ -24,6 +26,7 @@ __all__ = [
     "CocoCaptionDataset",
     "CocoImage",
     "ImageFolderDataModule",
+    "KarpathyDataModule",
     "ShapesDataModule",
     "ShapesDataset",
     "TokenizedCaptions",
@@ -31,6 +34,7 @@ __all__ = [
     "collate_captions",
     "denormalize",
     "load_coco_captions",
+    "load_karpathy",
     "read_image",
     "EvalSplit",
     "image_folder_split",

@@ -1,4 +1,4 @@
-"""LightningDataModules: built-in shapes, an ImageFolder tree, COCO-style captions.
+"""LightningDataModules: built-in shapes, an ImageFolder tree, COCO-style captions, Karpathy splits.
 
 Classification batches are ``(images, labels)``: (B, 3, H, W) float and (B,) long. Caption batches
 are dicts from ``collate_captions``: ``images`` (B, 3, H, W), ``tokens`` (B, T) padded
@@ -10,6 +10,7 @@ the samples it repeats to even out the ranks.
 from vitattn.data.datamodules.base import SPLITS, EvalSplit, ImageDataModule
 from vitattn.data.datamodules.coco import CocoCaptionDataModule
 from vitattn.data.datamodules.image_folder import ImageFolderDataModule, image_folder_split, open_image_folder
+from vitattn.data.datamodules.karpathy import KarpathyDataModule
 from vitattn.data.datamodules.shapes import ShapesDataModule
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "EvalSplit",
     "ImageDataModule",
     "ImageFolderDataModule",
+    "KarpathyDataModule",
     "ShapesDataModule",
     "image_folder_split",
     "open_image_folder",
