@@ -83,3 +83,47 @@ def make_coco(root: Path, num_train: int = 12, num_val: int = 6, size: int = 40)
         path.write_text(json.dumps({"images": images, "annotations": annotations}))
         paths[f"{split}_annotations"] = path
     return paths
+
+
+# Images per split of make_karpathy's file; restval, val and test words appear nowhere in train.
+KARPATHY_SIZES = {"train": 6, "restval": 2, "val": 3, "test": 3}
+KARPATHY_WORDS = {"restval": "giraffe", "val": "zebra", "test": "penguin"}
+
+
+def make_karpathy(root: Path, style: str = "coco", size: int = 40) -> dict[str, Path]:
+    """Images and a Karpathy-split JSON under ``root``, in exactly that file's format.
+
+    ``style="coco"``: ``dataset_coco.json``, entries with ``filepath`` (``train2014`` / ``val2014``) and
+    ``cocoid``; ``"flickr"``: ``dataset_flickr8k.json``, ``filename`` only. Image ``k`` has ``3 + k % 3``
+    sentences, each with ``raw`` (the first padded with spaces, as some in the real files are) and ``tokens``.
+    """
+    rng = np.random.default_rng(2)
+    words = ["a", "red", "blue", "dog", "cat", "on", "the", "grass", "sofa", "sleeping"]
+    image_dir = root / "images"
+    entries: list[dict] = []
+    next_sentid = 0
+    for split, n in KARPATHY_SIZES.items():
+        for _ in range(n):
+            imgid = len(entries)
+            entry: dict = {"sentids": [], "imgid": imgid, "sentences": [], "split": split}
+            if style == "coco":
+                cocoid = 1000 + 7 * imgid
+                folder = "train2014" if split == "train" else "val2014"
+                entry.update(filepath=folder, filename=f"COCO_{folder}_{cocoid:012d}.jpg", cocoid=cocoid)
+                path = image_dir / folder / entry["filename"]
+            else:
+                entry["filename"] = f"{1000 + imgid}_{rng.integers(16**9):09x}.jpg"
+                path = image_dir / entry["filename"]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _image(rng, size).save(path)
+            for k in range(3 + imgid % 3):
+                tokens = [*rng.choice(words, 4), KARPATHY_WORDS.get(split, "dog")]
+                raw = " ".join(tokens).capitalize() + "."
+                sentence = {"tokens": tokens, "raw": f"  {raw} " if k == 0 else raw, "imgid": imgid}
+                entry["sentences"].append({**sentence, "sentid": next_sentid})
+                entry["sentids"].append(next_sentid)
+                next_sentid += 1
+            entries.append(entry)
+    path = root / f"dataset_{'coco' if style == 'coco' else 'flickr8k'}.json"
+    path.write_text(json.dumps({"images": entries, "dataset": "coco" if style == "coco" else "flickr8k"}))
+    return {"dataset_json": path, "image_dir": image_dir}

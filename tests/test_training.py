@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import Trainer
 from omegaconf import OmegaConf
 
-from tests.helpers import CONF_DIR, TINY, TINY_SHAPES, compose_train, make_coco, make_image_folder
+from tests.helpers import CONF_DIR, TINY, TINY_SHAPES, compose_train, make_coco, make_image_folder, make_karpathy
 from vitattn.bundle import load_bundle
 from vitattn.models import VisionTransformer
 from vitattn.training import train
@@ -26,14 +26,16 @@ def datasets(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
     folder = make_image_folder(root / "folder")
     coco = make_coco(root / "coco")
+    karpathy = make_karpathy(root / "karpathy")
     return {
         "imagefolder": [f"data.root={folder}"],
         "coco": [f"data.{k}={v}" for k, v in coco.items()],
+        "karpathy": [f"data.{k}={v}" for k, v in karpathy.items()],
     }
 
 
 def _data_overrides(name, datasets):
-    head = "head=caption" if name in ("coco", "shapes") else "head=classification"
+    head = "head=caption" if name in ("coco", "karpathy", "shapes") else "head=classification"
     return [head, f"data={name}", *datasets.get(name, [])]
 
 
