@@ -41,5 +41,6 @@ def datamodule_from_run(
     except Exception as err:  # noqa: BLE001 - a key this version's DataModule does not take, a bad path, ...
         raise ValueError(f"the data of {run.config} cannot be rebuilt: {' '.join(str(err).split())[:200]}") from None
     datamodule.vocab = vocab
+    datamodule.cache_mode = "none"  # evaluation reads each file once itself: decoding them all first is waste
     datamodule.setup("validate")
     return datamodule
