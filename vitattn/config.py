@@ -105,6 +105,14 @@ def _check_models(cfg: DictConfig) -> None:
         )
 
 
+def _check_finetuning(cfg: DictConfig) -> None:
+    layer_decay, head_lr = cfg.optim.get("layer_decay"), cfg.optim.get("head_lr")
+    if layer_decay is not None and not 0 < layer_decay <= 1:
+        raise ConfigError(f"optim.layer_decay={layer_decay} must be in (0, 1] (e.g. 0.75), or null for none")
+    if head_lr is not None and not head_lr > 0:
+        raise ConfigError(f"optim.head_lr={head_lr} must be positive, or null for optim.lr")
+
+
 def check_targets(cfg: DictConfig) -> None:
     """Refuse a ``_target_`` outside vitattn, torch, torchvision, timm and lightning."""
 
@@ -138,6 +146,7 @@ def check_config(cfg: DictConfig) -> None:
             what, fix = "class labels", "use head=caption, or data=shapes / data=imagefolder"
         raise ConfigError(f"data={data_name(cfg.data)} has no {what} for head={task}; {fix}")
     _check_models(cfg)
+    _check_finetuning(cfg)
     if cfg.get("resume") and not RunDir(cfg.resume).last_checkpoint.is_file():
         run = RunDir(cfg.resume)
         raise ConfigError(f"resume={cfg.resume} has no {run.last_checkpoint.relative_to(run.path)} to continue from")
