@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from tests.helpers import CONF_DIR, TINY, TINY_SHAPES, compose_train, make_coco, make_image_folder, make_karpathy
 from vitattn.bundle import load_bundle
-from vitattn.models import VisionTransformer
+from vitattn.models import TRAINING_KEYS, VisionTransformer
 from vitattn.training import train
 
 GROUPS = {
@@ -49,7 +49,8 @@ def test_every_config_composes_and_instantiates(group, option, datasets, tmp_pat
     cfg = compose_train(overrides, tmp_path)
     OmegaConf.resolve(cfg)  # every interpolation resolves
     if group == "model":
-        model = VisionTransformer(**OmegaConf.to_container(cfg.model))  # the keys are its keyword arguments
+        arguments = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k not in TRAINING_KEYS}
+        model = VisionTransformer(**arguments)  # the other keys are its keyword arguments
         assert isinstance(model, VisionTransformer) and model.embed_dim == cfg.model.embed_dim
     elif group == "data":
         dm = hydra.utils.instantiate(cfg.data)

@@ -16,7 +16,7 @@ from typing import Any
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from vitattn.run_dir import RunDir
 
@@ -88,9 +88,11 @@ def _build_on_meta(build: Any, kwargs: dict[str, Any], keys: dict[str, str]) -> 
 
 
 def _check_models(cfg: DictConfig) -> None:
-    from vitattn.models import CaptionDecoder, VisionTransformer
+    from vitattn.models import TRAINING_KEYS, CaptionDecoder, VisionTransformer
 
     encoder = OmegaConf.to_container(cfg.model, resolve=True)
+    for key in TRAINING_KEYS:  # checked in _check_finetuning
+        encoder.pop(key, None)
     keys = {k: f"model.{k}" for k in encoder} | {"img_size": "data.img_size", "d_model": "model.embed_dim"}
     _build_on_meta(VisionTransformer, encoder, keys)
     if cfg.head.task != "caption":
@@ -103,6 +105,31 @@ def _check_models(cfg: DictConfig) -> None:
         raise ConfigError(
             f"head.generate.max_new_tokens={max_new} must be below head.decoder.max_len={decoder['max_len']}"
         )
+
+
+def _check_finetuning(cfg: DictConfig) -> None:
+    layer_decay, head_lr = cfg.optim.get("layer_decay"), cfg.optim.get("head_lr")
+    if layer_decay is not None and not 0 < layer_decay <= 1:
+        raise ConfigError(f"optim.layer_decay={layer_decay} must be in (0, 1] (e.g. 0.75), or null for none")
+    if head_lr is not None and not head_lr > 0:
+        raise ConfigError(f"optim.head_lr={head_lr} must be positive, or null for optim.lr")
+    epochs = cfg.model.get("freeze_encoder_epochs") or 0
+    if not isinstance(epochs, int) or epochs < 0:
+        raise ConfigError(f"model.freeze_encoder_epochs={epochs} must be a whole number of epochs, 0 for none")
+    if epochs and _distributed(cfg.trainer):
+        # DDP syncs only the parameters that train when it wraps the model (Lightning issue #20340).
+        raise ConfigError(
+            f"model.freeze_encoder_epochs={epochs} does not work with several processes (trainer.strategy="
+            f"{cfg.trainer.strategy}, trainer.devices={cfg.trainer.devices}): train on one device or set "
+            "model.freeze_encoder_epochs=0"
+        )
+
+
+def _distributed(trainer: DictConfig) -> bool:
+    devices = trainer.get("devices", 1)
+    many = len(devices) > 1 if isinstance(devices, ListConfig) else isinstance(devices, int) and devices > 1
+    strategy = str(trainer.get("strategy", "auto"))
+    return many or trainer.get("num_nodes", 1) > 1 or any(s in strategy for s in ("ddp", "fsdp", "deepspeed"))
 
 
 def check_targets(cfg: DictConfig) -> None:
@@ -138,6 +165,7 @@ def check_config(cfg: DictConfig) -> None:
             what, fix = "class labels", "use head=caption, or data=shapes / data=imagefolder"
         raise ConfigError(f"data={data_name(cfg.data)} has no {what} for head={task}; {fix}")
     _check_models(cfg)
+    _check_finetuning(cfg)
     if cfg.get("resume") and not RunDir(cfg.resume).last_checkpoint.is_file():
         run = RunDir(cfg.resume)
         raise ConfigError(f"resume={cfg.resume} has no {run.last_checkpoint.relative_to(run.path)} to continue from")

@@ -15,7 +15,7 @@ from timm.layers import trunc_normal_
 from torch import Tensor, nn
 
 from vitattn.layers import DecoderLayer, LayerCache
-from vitattn.models.vit import VisionTransformer
+from vitattn.models.vit import VisionTransformer, layer_groups
 
 __all__ = ["CaptionDecoder", "ImageCaptioner"]
 
@@ -149,6 +149,10 @@ class ImageCaptioner(nn.Module):
     def from_config(cls, config: dict[str, Any]) -> ImageCaptioner:
         """Rebuild from ``config`` (the ``config`` property of a saved model)."""
         return cls(VisionTransformer(**config["encoder"]), CaptionDecoder(**config["decoder"]))
+
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        """The encoder's layers for timm's layer-wise lr decay; the decoder matches none, so it is the top layer."""
+        return layer_groups("encoder.")
 
     def encode(self, images: Tensor) -> Tensor:
         """(B, C, H, W) -> (B, N, D) image tokens in the decoder's width."""

@@ -7,6 +7,7 @@ Stages as in timm: ``forward_features`` (B, N, D) -> ``pool`` (B, D) -> ``forwar
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -15,11 +16,14 @@ from torch import Tensor, nn
 
 from vitattn.layers import EncoderLayer
 
-__all__ = ["PRESETS", "VisionTransformer", "preset_config", "vit_preset"]
+__all__ = ["PRESETS", "TRAINING_KEYS", "VisionTransformer", "layer_groups", "preset_config", "vit_preset"]
 
 POOLS = ("cls", "mean")
 
 PRESETS = ("cpu", "tiny", "small", "base")  # the size files of the ``model`` config group
+
+# Keys of the ``model`` config group that set up training, not the VisionTransformer's arguments.
+TRAINING_KEYS = ("freeze_encoder_epochs",)
 
 
 def preset_config(name: str) -> dict[str, Any]:
@@ -35,7 +39,21 @@ def preset_config(name: str) -> dict[str, Any]:
     size = OmegaConf.create((folder / f"{name}.yaml").read_text())
     base = OmegaConf.create((folder / "_vit.yaml").read_text())
     merged = OmegaConf.merge(base, {k: v for k, v in size.items() if k != "defaults"})
-    return {k: merged[k] for k in merged if k != "img_size"}
+    return {k: merged[k] for k in merged if k != "img_size" and k not in TRAINING_KEYS}
+
+
+def layer_groups(prefix: str = "") -> dict[str, Any]:
+    """timm's ``group_matcher`` regexes for a ViT whose parameter names start with ``prefix``.
+
+    ``timm.optim.param_groups_layer_decay`` numbers the groups: the stem (patch embedding, class token,
+    positions) 0, block ``i`` ``i + 1``, the final norm with the last block, and what matches none
+    (a head, a decoder) one past it.
+    """
+    p = re.escape(prefix)
+    return dict(
+        stem=rf"^{p}(?:cls_token|pos_embed|patch_embed)",
+        blocks=[(rf"^{p}blocks\.(\d+)", None), (rf"^{p}norm", (99999,))],
+    )
 
 
 class VisionTransformer(nn.Module):
@@ -136,6 +154,10 @@ class VisionTransformer(nn.Module):
                 trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
+
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        """Parameter layers for timm's layer-wise lr decay (``coarse`` is accepted as timm's ViT does, unused)."""
+        return layer_groups()
 
     def _load_from_state_dict(self, state_dict: dict[str, Tensor], prefix: str, *args: Any, **kwargs: Any) -> None:
         # Weights trained at another image size: resample their position grid to ours.

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from vitattn.errors import NonFiniteLossError
-from vitattn.systems.optim import build_optimizer
+from vitattn.systems.optim import build_optimizer, param_groups
 
 __all__ = ["UNKNOWN_HORIZON", "NonFiniteLossError", "VisionSystem"]
 
@@ -52,6 +52,12 @@ class VisionSystem(pl.LightningModule):
         rank_zero_warn(message + f"; batch skipped ({self.skipped_batches} so far)")
         self.log("train/skipped_batches", float(self.skipped_batches))
         return None
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's groups for the parameters trainable now (``optim.param_groups``): what a
+        thawing encoder adds to the running optimizer."""
+        keys = ("lr", "weight_decay", "layer_decay", "head_lr")
+        return param_groups(self.model, **{k: v for k, v in self.optim.items() if k in keys})
 
     def configure_optimizers(self) -> dict[str, Any]:
         # The step or epoch limit, whichever ends training first; under a time budget alone the

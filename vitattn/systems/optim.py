@@ -3,18 +3,24 @@
 The horizon is the number of optimizer steps the run will take. It is fixed when ``max_steps`` or
 ``max_epochs`` ends training; under a ``max_time`` budget ``vitattn.callbacks.TimeBudgetHorizon``
 re-estimates it from the measured step rate so that the learning rate reaches its floor at the deadline.
+
+Each parameter group has its own peak learning rate (layer-wise decay over the encoder, a head or
+decoder rate); one ``WarmupCosine`` factor multiplies them all.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from timm.optim import param_groups_weight_decay
+from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from torch import nn
 from torch.optim import AdamW
 from torch.optim.lr_scheduler import LambdaLR
 
-__all__ = ["WarmupCosine", "build_optimizer"]
+__all__ = ["WarmupCosine", "add_param_groups", "build_optimizer", "head_modules", "param_groups", "schedule_all_groups"]
+
+NO_WEIGHT_DECAY = ("pos_embed", "cls_token", "token_embed")
 
 
 class WarmupCosine:
@@ -47,6 +53,54 @@ class WarmupCosine:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def head_modules(model: nn.Module) -> list[nn.Module]:
+    """What is trained at ``head_lr`` and never frozen: a captioner's decoder, or a classifier's head."""
+    decoder = getattr(model, "decoder", None)
+    return [decoder] if isinstance(decoder, nn.Module) else [model.head]
+
+
+def param_groups(
+    model: nn.Module,
+    lr: float = 1e-3,
+    weight_decay: float = 0.05,
+    layer_decay: float | None = None,
+    head_lr: float | None = None,
+) -> list[dict[str, Any]]:
+    """AdamW parameter groups of the trainable parameters, each with its own peak ``lr``.
+
+    Norms, biases and embeddings get no weight decay. With ``layer_decay`` the groups come from timm's
+    ``param_groups_layer_decay`` over ``model.group_matcher()``: a layer ``i`` of ``L`` (the stem 0, block
+    ``k`` ``k + 1``, the head or decoder ``L``) learns at ``lr * layer_decay ** (L - i)``.
+
+    Args:
+        model: a ``VisionTransformer`` or an ``ImageCaptioner``.
+        lr: peak learning rate (of the top layer).
+        weight_decay: decoupled weight decay on matrices.
+        layer_decay: layer-wise decay in (0, 1]; None: one rate for all.
+        head_lr: peak learning rate of ``head_modules(model)``; None: as above.
+
+    Returns:
+        ``[{"params", "lr", "weight_decay"}, ...]``; frozen parameters are left out.
+    """
+    if layer_decay is None:
+        groups = param_groups_weight_decay(model, weight_decay, no_weight_decay_list=NO_WEIGHT_DECAY)
+    else:
+        groups = param_groups_layer_decay(
+            model, weight_decay, no_weight_decay_list=NO_WEIGHT_DECAY, layer_decay=layer_decay
+        )
+    groups = [{**g, "lr": lr * g.pop("lr_scale", 1.0)} for g in groups]
+    if head_lr is None:
+        return groups
+    head = {id(p) for m in head_modules(model) for p in m.parameters()}
+    split = []
+    for group in groups:
+        for in_head in (False, True):
+            params = [p for p in group["params"] if (id(p) in head) == in_head]
+            if params:
+                split.append({**group, "params": params, "lr": head_lr if in_head else group["lr"]})
+    return split
+
+
 def build_optimizer(
     model: nn.Module,
     total_steps: int,
@@ -55,25 +109,43 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
     warmup_steps: int = 100,
     min_lr_ratio: float = 0.01,
+    layer_decay: float | None = None,
+    head_lr: float | None = None,
 ) -> tuple[AdamW, LambdaLR]:
     """AdamW (no decay on norms, biases and embeddings) and a warmup-then-cosine schedule.
 
     Args:
-        model: the parameters to optimise.
+        model: the parameters to optimise (the trainable ones: a frozen encoder is added when it thaws).
         total_steps: optimizer steps of the whole run (the schedule ends there; ``WarmupCosine`` may move it).
         lr: peak learning rate.
         weight_decay: decoupled weight decay on matrices.
         betas: AdamW betas.
         warmup_steps: linear warmup from ``lr / 1000``; capped at a tenth of the run.
         min_lr_ratio: final learning rate / peak.
+        layer_decay, head_lr: per-group peak rates, see ``param_groups``.
 
     Returns:
         ``(optimizer, scheduler)``; step the scheduler once per optimizer step; ``scheduler.lr_lambdas[0]``
-        is the ``WarmupCosine``.
+        is the ``WarmupCosine``, shared by every group.
     """
-    groups = param_groups_weight_decay(
-        model, weight_decay, no_weight_decay_list=("pos_embed", "cls_token", "token_embed")
-    )
+    groups = param_groups(model, lr, weight_decay, layer_decay, head_lr)
     optimizer = AdamW(groups, lr=lr, betas=tuple(betas))
     schedule = WarmupCosine(total_steps, warmup_steps, min_lr_ratio)
     return optimizer, LambdaLR(optimizer, [schedule] * len(optimizer.param_groups))
+
+
+def add_param_groups(scheduler: LambdaLR, groups: list[dict[str, Any]]) -> None:
+    """Add ``groups`` (peak rates, as ``param_groups`` gives them) to a running schedule's optimizer, at the
+    schedule's current factor: parameters that join late (an encoder that thaws) follow the same curve."""
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    for group in groups:
+        scheduler.optimizer.add_param_group({**group, "initial_lr": group["lr"], "lr": group["lr"] * factor})
+        scheduler.base_lrs.append(group["lr"])
+    schedule_all_groups(scheduler)
+
+
+def schedule_all_groups(scheduler: LambdaLR) -> None:
+    """Give the shared schedule to param groups added after the scheduler was built (its saved state has
+    one entry per group, so a resumed run needs this before the state is loaded)."""
+    missing = len(scheduler.optimizer.param_groups) - len(scheduler.lr_lambdas)
+    scheduler.lr_lambdas.extend([scheduler.lr_lambdas[0]] * missing)

@@ -7,6 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 from omegaconf import DictConfig, OmegaConf
 
+from vitattn.models import TRAINING_KEYS
 from vitattn.systems import CaptionSystem, ClassificationSystem, VisionSystem
 
 __all__ = ["build_system", "model_config_from"]
@@ -15,6 +16,8 @@ __all__ = ["build_system", "model_config_from"]
 def model_config_from(cfg: DictConfig, datamodule: Any) -> dict[str, Any]:
     """Plain model keyword arguments from the config and the values only the data knows."""
     encoder = OmegaConf.to_container(cfg.model, resolve=True)
+    for key in TRAINING_KEYS:  # callbacks' settings, not model arguments
+        encoder.pop(key, None)
     encoder["img_size"] = datamodule.img_size
     if cfg.head.task == "classification":
         return {**encoder, "num_classes": datamodule.num_classes}

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from vitattn.bundle import bundle_from_system
-from vitattn.callbacks import EMA, TimeBudgetHorizon
+from vitattn.callbacks import EMA, FreezeEncoder, TimeBudgetHorizon
 from vitattn.config import check_config
 from vitattn.run_dir import RunDir
 from vitattn.systems import VisionSystem
@@ -134,8 +134,11 @@ def _use_best(cfg: DictConfig, trainer: pl.Trainer, system: VisionSystem) -> str
 
 def training_callbacks(cfg: DictConfig) -> list[pl.Callback]:
     """The callbacks that the run's own switches ask for: the time-budget horizon (always; idle without
-    ``trainer.max_time``), EMA weights (``ema.decay``) and early stopping (``early_stopping.patience``)."""
+    ``trainer.max_time``), EMA weights (``ema.decay``), early stopping (``early_stopping.patience``) and
+    a frozen encoder (``model.freeze_encoder_epochs``)."""
     callbacks: list[pl.Callback] = [TimeBudgetHorizon()]
+    if cfg.model.get("freeze_encoder_epochs"):
+        callbacks.append(FreezeEncoder(cfg.model.freeze_encoder_epochs))
     if cfg.get("ema") and cfg.ema.get("decay"):
         callbacks.append(EMA(cfg.ema.decay))
     if cfg.get("early_stopping") and cfg.early_stopping.get("patience"):
