@@ -20,7 +20,14 @@ from torch.optim.lr_scheduler import LambdaLR
 
 __all__ = ["WarmupCosine", "add_param_groups", "build_optimizer", "head_modules", "param_groups", "schedule_all_groups"]
 
+# Parameters without weight decay, wherever they sit (``encoder.pos_embed``, ``decoder.token_embed.weight``);
+# norms and biases (one dimension) never get it either.
 NO_WEIGHT_DECAY = ("pos_embed", "cls_token", "token_embed")
+
+
+def no_weight_decay_names(model: nn.Module) -> set[str]:
+    """The full names of ``model``'s position embeddings, class tokens and token embeddings."""
+    return {name for name, _ in model.named_parameters() if any(part in NO_WEIGHT_DECAY for part in name.split("."))}
 
 
 class WarmupCosine:
@@ -83,10 +90,10 @@ def param_groups(
         ``[{"params", "lr", "weight_decay"}, ...]``; frozen parameters are left out.
     """
     if layer_decay is None:
-        groups = param_groups_weight_decay(model, weight_decay, no_weight_decay_list=NO_WEIGHT_DECAY)
+        groups = param_groups_weight_decay(model, weight_decay, no_weight_decay_list=no_weight_decay_names(model))
     else:
         groups = param_groups_layer_decay(
-            model, weight_decay, no_weight_decay_list=NO_WEIGHT_DECAY, layer_decay=layer_decay
+            model, weight_decay, no_weight_decay_list=no_weight_decay_names(model), layer_decay=layer_decay
         )
     groups = [{**g, "lr": lr * g.pop("lr_scale", 1.0)} for g in groups]
     if head_lr is None:
