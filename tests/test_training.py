@@ -47,7 +47,9 @@ def test_every_config_composes_and_instantiates(group, option, datasets, tmp_pat
     cfg = compose_train(overrides, tmp_path)
     OmegaConf.resolve(cfg)  # every interpolation resolves
     if group == "model":
-        model = VisionTransformer(**OmegaConf.to_container(cfg.model))  # the keys are its keyword arguments
+        kwargs = OmegaConf.to_container(cfg.model)
+        assert kwargs.pop("pretrained") is None  # a source of weights; every other key is a keyword argument
+        model = VisionTransformer(**kwargs)
         assert isinstance(model, VisionTransformer) and model.embed_dim == cfg.model.embed_dim
     elif group == "data":
         dm = hydra.utils.instantiate(cfg.data)
