@@ -204,7 +204,8 @@ def read_pretrained(source: str) -> PretrainedEncoder:
     except (ValueError, FileNotFoundError) as err:
         if isinstance(err, ConfigError):
             raise
-        raise ConfigError(f"model.pretrained={source}: {first_line(err, limit=600)}") from None
+        message = first_line(err, limit=600).removeprefix(f"{where}: ")  # timm_hub's lines start with the name
+        raise ConfigError(f"model.pretrained={source}: {message}") from None
 
 
 def _read_vitattn(source: str, path: Path) -> PretrainedEncoder:
