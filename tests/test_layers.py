@@ -274,9 +274,9 @@ def test_fused_path_calls_torch_sdpa_and_not_the_document_function():
     torch.testing.assert_close(out, mha(x, x, x, mask, need_weights=True)[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("how", ["need_weights", "fused=False", "record_attention"])
+@pytest.mark.parametrize("how", ["need_weights", "fused_attn=False", "record_attention"])
 def test_explicit_path_does_not_call_torch_sdpa(how):
-    mha = MultiHeadAttention(D, H, fused=how != "fused=False").eval()
+    mha = MultiHeadAttention(D, H, fused_attn=how != "fused_attn=False").eval()
     x, mask = torch.randn(B, L, D), _padding_mask(L)
     need_weights = how == "need_weights"
     recording = record_attention(mha) if how == "record_attention" else contextlib.nullcontext({"": []})

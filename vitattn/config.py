@@ -4,7 +4,8 @@ Every user error in a config is found here, before any data is read or any step 
 reported as one ``ConfigError`` line that names the key and the fix. Rules about the model's shape
 (heads that divide the width, a patch that divides the image, known activations and pools) belong
 to the models: the config is checked by building them on the ``meta`` device (no memory, no time)
-and their messages are given the config keys' full names.
+and their messages are given the config keys' full names. ``model.pretrained`` must name something
+that exists (its weights are read, and checked against the model, when the system is built).
 """
 
 from __future__ import annotations
@@ -91,10 +92,15 @@ def _check_models(cfg: DictConfig) -> None:
     from vitattn.models import TRAINING_KEYS, CaptionDecoder, VisionTransformer
 
     encoder = OmegaConf.to_container(cfg.model, resolve=True)
-    for key in TRAINING_KEYS:  # checked in _check_finetuning
+    pretrained = encoder.get("pretrained")  # a source of weights, not a keyword argument
+    for key in TRAINING_KEYS:  # pretrained is checked below, freeze_encoder_epochs in _check_finetuning
         encoder.pop(key, None)
     keys = {k: f"model.{k}" for k in encoder} | {"img_size": "data.img_size", "d_model": "model.embed_dim"}
     _build_on_meta(VisionTransformer, encoder, keys)
+    if pretrained:
+        from vitattn.training.pretrained import check_source  # imports this module
+
+        check_source(pretrained)
     if cfg.head.task != "caption":
         return
     decoder = OmegaConf.to_container(cfg.head.decoder, resolve=True)

@@ -29,7 +29,7 @@ class EncoderLayer(nn.Module):
         dff: feed-forward hidden width.
         rate: dropout after attention and after the feed-forward network.
         norm_first: pre-norm (ViT) instead of the document's post-norm.
-        activation: ``relu`` (document) or ``gelu``.
+        activation: ``relu`` (document), ``gelu`` or ``quick_gelu`` (see ``get_activation``).
         attn_drop: dropout on attention weights.
         drop_path: stochastic-depth rate of the residual branches.
         layer_norm_eps: LayerNorm epsilon (the document's 1e-6).

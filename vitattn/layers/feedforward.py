@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
-__all__ = ["point_wise_feed_forward_network", "get_activation", "ACTIVATIONS"]
+__all__ = ["point_wise_feed_forward_network", "get_activation", "ACTIVATIONS", "QuickGELU"]
 
-ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
+
+class QuickGELU(nn.Module):
+    """CLIP's sigmoid approximation of GELU, ``x * sigmoid(1.702 x)``: OpenAI's CLIP weights were trained with it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "quick_gelu": QuickGELU}
 
 
 def get_activation(name: str) -> nn.Module:
-    """A new activation module by name (``relu`` as in the document, or ``gelu`` as in ViT)."""
+    """A new activation module by name: ``relu`` (the document), ``gelu`` (ViT) or ``quick_gelu`` (OpenAI CLIP)."""
     if name not in ACTIVATIONS:
         raise ValueError(f"activation={name!r} is unknown; choose one of {sorted(ACTIVATIONS)}")
     return ACTIVATIONS[name]()
@@ -22,7 +31,7 @@ def point_wise_feed_forward_network(d_model: int, dff: int, activation: str = "r
     Args:
         d_model: input and output width D.
         dff: hidden width.
-        activation: ``relu`` (the document) or ``gelu`` (pretrained ViTs).
+        activation: ``relu`` (the document), ``gelu`` (pretrained ViTs) or ``quick_gelu`` (OpenAI CLIP).
 
     Returns:
         ``nn.Sequential(Linear(D, dff), activation, Linear(dff, D))``.

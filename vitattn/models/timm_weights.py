@@ -1,24 +1,44 @@
 """Load timm ``VisionTransformer`` weights into our encoder.
 
 timm fuses the query/key/value projections into one ``attn.qkv`` Linear (rows ordered q, k, v);
-ours keeps the document's ``wq``, ``wk``, ``wv``, so the fused matrix is split in three. Nothing is
-downloaded: the source is a timm model, a state dict, or a local ``.safetensors`` / ``.pth`` file.
+ours keeps the document's ``wq``, ``wk``, ``wv``, so the fused matrix is split in three. Local files
+are read the way timm reads them: ``timm.models.load_state_dict`` for ``.safetensors`` and torch
+files (``.pth``, ``.bin``; their ``state_dict`` / ``model`` / EMA wrappers), and timm's own JAX loader
+for the original ``.npz`` files. Nothing is downloaded here (timm names: ``vitattn.models.timm_hub``).
+
+The weights show some of the encoder's switches (``weights_config``); the others come from a timm
+model's structure (``timm_model_config``) or, for a bare file, from the caller.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from vitattn.errors import first_line
 from vitattn.models.vit import VisionTransformer
 
-__all__ = ["convert_timm_state_dict", "load_timm_weights"]
+__all__ = [
+    "TIMM_SUFFIXES",
+    "convert_timm_state_dict",
+    "load_encoder_state",
+    "load_timm_weights",
+    "quiet_timm",
+    "read_timm_file",
+    "timm_model_config",
+    "weights_config",
+]
 
 log = logging.getLogger(__name__)
+
+TIMM_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".npz")
 
 # timm name fragment -> ours, inside each block
 _BLOCK_RENAMES = {
@@ -29,22 +49,38 @@ _BLOCK_RENAMES = {
     "mlp.fc2.": "ffn.2.",
 }
 
+# timm activation classes -> our ``activation`` names
+_ACTIVATIONS = {"GELU": "gelu", "QuickGELU": "quick_gelu", "ReLU": "relu"}
+
+
+@contextmanager
+def quiet_timm() -> Iterator[None]:
+    """timm's INFO lines (``Loaded ... from checkpoint``) off for the block: a load here logs its own one line."""
+    logger = logging.getLogger("timm")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
 
 def convert_timm_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Rename a timm ViT state dict to ours and split each ``attn.qkv`` into ``mha.wq/wk/wv``.
+
+    ``norm_pre``, ``fc_norm`` and ``head`` keep their names; ``pre_logits`` (old timm weights) is
+    dropped, as timm's own checkpoint filter does.
 
     Args:
         state_dict: keys as in ``timm.models.vision_transformer.VisionTransformer``.
 
     Returns:
-        A state dict for ``vitattn.models.VisionTransformer`` (pre-norm).
+        A state dict for ``vitattn.models.VisionTransformer``.
     """
     out: dict[str, Tensor] = {}
     for key, value in state_dict.items():
-        if key.startswith("fc_norm.") or key.startswith("head_drop."):
-            raise ValueError(
-                f"{key!r}: timm models with fc_norm (global_pool='avg') are not supported; use global_pool='token'"
-            )
+        if key.startswith("pre_logits."):
+            continue
         if ".attn.qkv." in key:
             prefix, kind = key.split(".attn.qkv.")  # kind: weight or bias
             q, k, v = value.chunk(3, dim=0)
@@ -59,48 +95,221 @@ def convert_timm_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tenso
     return out
 
 
-def _read_state_dict(source: str | Path | Mapping[str, Tensor] | nn.Module) -> Mapping[str, Tensor]:
-    if isinstance(source, nn.Module):
-        return source.state_dict()
-    if isinstance(source, Mapping):
-        return source
-    path = Path(source)
+def weights_config(state: Mapping[str, Tensor]) -> dict[str, Any]:
+    """The ``VisionTransformer`` keyword arguments that an encoder state dict (ours) fixes.
+
+    Args:
+        state: keys as in ``vitattn.models.VisionTransformer`` (``convert_timm_state_dict`` output).
+
+    Returns:
+        ``embed_dim``, ``depth``, ``mlp_ratio``, ``patch_size``, ``in_chans``, ``qkv_bias``, ``norm_pre``
+        and ``fc_norm``.
+
+    Raises:
+        ValueError: not a ViT with a class token, square patches and a square grid of positions.
+    """
+    for key in ("patch_embed.proj.weight", "cls_token", "pos_embed", "blocks.0.ffn.0.weight"):
+        if key not in state:
+            raise ValueError(f"the weights have no {key}: not a ViT with a class token in timm's or vitattn's layout")
+    width, in_chans, p_h, p_w = state["patch_embed.proj.weight"].shape  # (D, C, P, P)
+    if p_h != p_w:
+        raise ValueError(f"the weights have {p_h}x{p_w} patches; vitattn's encoder takes square patches")
+    grid = math.isqrt(state["pos_embed"].shape[1] - 1)
+    if grid * grid + 1 != state["pos_embed"].shape[1]:
+        raise ValueError(
+            f"pos_embed has {state['pos_embed'].shape[1]} positions, not a square grid plus the class token "
+            "(timm's no_embed_class, as in DeiT III, is not supported)"
+        )
+    return dict(
+        embed_dim=width,
+        depth=1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks.")),
+        mlp_ratio=state["blocks.0.ffn.0.weight"].shape[0] / width,
+        patch_size=p_h,
+        in_chans=in_chans,
+        qkv_bias="blocks.0.mha.wq.bias" in state,
+        norm_pre="norm_pre.weight" in state,
+        fc_norm="fc_norm.weight" in state,
+    )
+
+
+def timm_model_config(model: nn.Module) -> dict[str, Any]:
+    """What a timm ViT's structure fixes beyond its weights: ``num_heads``, ``activation``, ``layer_norm_eps``
+    and ``norm_first`` (timm's blocks are pre-norm).
+
+    Raises:
+        ValueError: a timm model vitattn's encoder cannot copy (not a ``VisionTransformer``, a distillation
+            token, registers, ``no_embed_class``, attention pooling, layer scale, other blocks or activations).
+    """
+    from timm.layers import Mlp
+    from timm.models.vision_transformer import Attention, Block
+    from timm.models.vision_transformer import VisionTransformer as TimmViT
+
+    if not isinstance(model, TimmViT):
+        raise ValueError(f"{type(model).__name__} is not a timm VisionTransformer")
+    block = model.blocks[0]
+    act = _ACTIVATIONS.get(type(block.mlp.act).__name__) if type(block.mlp) is Mlp else None
+    if getattr(block.mlp.act, "approximate", "none") != "none":
+        act = None
+    unsupported = {
+        "a distillation token (DeiT distilled)": getattr(model, "dist_token", None) is not None,
+        "no class token": not model.has_class_token,
+        "register tokens": model.num_reg_tokens > 0,
+        "position embeddings without the class token (no_embed_class)": model.no_embed_class,
+        f"global_pool={model.global_pool!r}": model.global_pool not in ("token", "avg", ""),
+        f"{type(block).__name__} blocks": type(block) is not Block or type(block.attn) is not Attention,
+        "layer scale (init_values)": not isinstance(block.ls1, nn.Identity),
+        f"the activation {type(block.mlp.act).__name__}": act is None,
+    }
+    found = [what for what, present in unsupported.items() if present]
+    if found:
+        raise ValueError(f"{type(model).__name__} has {', '.join(found)}: not supported by vitattn's encoder")
+    return dict(num_heads=block.attn.num_heads, activation=act, layer_norm_eps=block.norm1.eps, norm_first=True)
+
+
+def read_timm_file(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """A local timm weights file as (state dict in our layout, the keyword arguments it fixes beyond its shapes).
+
+    ``.npz`` (the original JAX ViT files) goes through timm's own loader into a timm ViT of the shapes in
+    the file, so its head count, activation and LayerNorm epsilon are known too. For the other files
+    timm's blocks are pre-norm, and weights with ``norm_pre`` (timm's CLIP towers) use LayerNorm eps 1e-5.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file cannot be read, or is not in timm's ViT layout.
+    """
+    from timm.models import load_state_dict
+
+    path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"timm weights file not found: {path}")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    if path.suffix.lower() == ".npz":
+        return _read_npz(path)
+    try:
+        with quiet_timm():
+            raw = load_state_dict(
+                str(path)
+            )  # safetensors or weights_only torch.load; EMA / state_dict / model wrappers
+    except Exception as err:  # noqa: BLE001 - safetensors and torch raise their own types for unreadable files
+        raise ValueError(f"{path} cannot be read as timm weights: {first_line(err)}") from None
+    if any(k.startswith(("visual.", "module.visual.")) for k in raw):
+        raise ValueError(
+            f"{path} is an OpenAI / OpenCLIP checkpoint, not timm's layout: name the timm model it belongs to, "
+            f"e.g. vit_base_patch32_clip_quickgelu_224.openai@{path}"
+        )
+    state = convert_timm_state_dict(raw)
+    known: dict[str, Any] = {"norm_first": True}
+    if "norm_pre.weight" in state:
+        known["layer_norm_eps"] = 1e-5
+    return state, known
 
-        return load_file(str(path))
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    for wrapper in ("state_dict", "model"):  # common checkpoint wrappers
-        if isinstance(state, Mapping) and wrapper in state and isinstance(state[wrapper], Mapping):
-            state = state[wrapper]
-    return state
+
+def _read_npz(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    import numpy as np
+    from timm.models import load_checkpoint
+    from timm.models.vision_transformer import VisionTransformer as TimmViT
+
+    try:
+        with np.load(path, allow_pickle=False) as w:
+            shapes = {k: w[k].shape for k in w.files}
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path} cannot be read as a .npz file: {first_line(err)}") from None
+    prefix = next((p for p in ("", "opt/target/", "params/") if f"{p}embedding/kernel" in shapes), None)
+    block = f"{prefix}Transformer/encoderblock_0/"
+    if prefix is None or f"{prefix}cls" not in shapes or f"{block}LayerNorm_0/scale" not in shapes:
+        raise ValueError(
+            f"{path} is not an original ViT .npz (embedding, cls, Transformer/encoderblock_N): "
+            "name the timm model it belongs to, NAME@FILE"
+        )
+    patch_h, patch_w, in_chans, width = shapes[f"{prefix}embedding/kernel"]  # (P, P, C, D)
+    depth = sum(
+        1 for k in shapes if k.startswith(f"{prefix}Transformer/encoderblock_") and k.endswith("LayerNorm_0/scale")
+    )
+    heads = shapes[f"{block}MultiHeadDotProductAttention_1/query/kernel"][1]  # (D, H, d)
+    hidden = shapes[f"{block}MlpBlock_3/Dense_0/kernel"][1]  # (D, hidden)
+    grid = math.isqrt(shapes[f"{prefix}Transformer/posembed_input/pos_embedding"][1] - 1)
+    head = shapes.get(f"{prefix}head/kernel", (width, 0))[-1]
+    model = TimmViT(
+        img_size=grid * patch_h,
+        patch_size=patch_h,
+        in_chans=in_chans,
+        embed_dim=width,
+        depth=depth,
+        num_heads=heads,
+        mlp_ratio=hidden / width,
+        num_classes=head,
+        weight_init="skip",
+    )
+    with torch.no_grad(), quiet_timm():
+        try:
+            load_checkpoint(model, str(path))  # timm's _load_weights for .npz
+        except (KeyError, ValueError, RuntimeError) as err:
+            raise ValueError(f"{path} cannot be read by timm's .npz loader: {first_line(err)}") from None
+    return convert_timm_state_dict(model.state_dict()), timm_model_config(model)
+
+
+def load_encoder_state(model: VisionTransformer, state: Mapping[str, Tensor], load_head: bool = True) -> list[str]:
+    """Copy an encoder state dict (ours) into ``model``, resampling the position grid to the model's.
+
+    A classifier head of another size (or any head with ``load_head=False``) is left as it is.
+
+    Returns:
+        What was resampled, skipped or left new, for the log (``resampled pos_embed 14x14 -> 4x4``).
+
+    Raises:
+        ValueError: keys or shapes that do not fit the model.
+    """
+    own = model.state_dict()
+    state = dict(state)
+    notes = []
+    head, own_head = state.get("head.weight"), own.get("head.weight")
+    if head is not None and (not load_head or own_head is None or head.shape != own_head.shape):
+        notes.append(f"skipped head ({head.shape[0]} classes; the model has {model.num_classes or 'none'})")
+        state = {k: v for k, v in state.items() if not k.startswith("head.")}
+    elif head is None and own_head is not None:
+        notes.append(f"new head ({model.num_classes} classes)")
+    pos, own_pos = state.get("pos_embed"), own["pos_embed"]
+    if pos is not None and pos.shape != own_pos.shape:
+        old, new = math.isqrt(pos.shape[1] - 1), model.patch_embed.grid_size[0]
+        notes.append(f"resampled pos_embed {old}x{old} -> {new}x{new}")
+    wrong = [
+        f"{k} {tuple(v.shape)} (model {tuple(own[k].shape)})"
+        for k, v in state.items()
+        if k in own and k != "pos_embed" and v.shape != own[k].shape
+    ]
+    missing = sorted(k for k in own.keys() - state.keys() if not k.startswith("head."))
+    unexpected = sorted(state.keys() - own.keys())
+    for what, keys in (
+        ("have the wrong shape", wrong),
+        ("are missing", missing),
+        ("have no place in vitattn's encoder", unexpected),
+    ):
+        if keys:
+            more = f" (+{len(keys) - 4} more)" if len(keys) > 4 else ""
+            raise ValueError(f"the weights do not fit the encoder: {', '.join(keys[:4])}{more} {what}")
+    model.load_state_dict(state, strict=False)
+    return notes
 
 
 def load_timm_weights(
     model: VisionTransformer, source: str | Path | Mapping[str, Tensor] | nn.Module, load_head: bool = True
 ) -> None:
-    """Copy timm ViT weights into ``model`` (pre-norm, GELU, same width/depth/heads/patch).
+    """Copy timm ViT weights into ``model`` (pre-norm; same width, depth, patch and switches).
 
     Position embeddings of another image size are resampled (timm's ``resample_abs_pos_embed``).
     A classifier head whose shape differs from ``model.head`` is skipped with a log line.
 
     Args:
-        model: our encoder, built with ``norm_first=True, activation="gelu"``.
-        source: a timm model, its state dict, or a local ``.safetensors`` / ``.pth`` file.
+        model: our encoder, built with ``norm_first=True`` and the activation of the weights.
+        source: a timm model, its state dict, or a local ``.safetensors`` / ``.pth`` / ``.bin`` / ``.npz`` file.
         load_head: also copy the classifier head when the shapes agree.
     """
     if not model.config["norm_first"]:
         raise ValueError("timm weights are pre-norm: build the model with norm_first=True")
-    state = convert_timm_state_dict(_read_state_dict(source))
-    own_head = model.state_dict().get("head.weight")
-    if not load_head or own_head is None or state.get("head.weight", own_head).shape != own_head.shape:
-        if "head.weight" in state:
-            log.info("timm head %s not loaded", tuple(state["head.weight"].shape))
-        state = {k: v for k, v in state.items() if not k.startswith("head.")}
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if unexpected or any(not k.startswith("head.") for k in missing):
-            raise ValueError(f"timm weights do not fit: missing {missing}, unexpected {unexpected}")
-        return
-    model.load_state_dict(state)
+    if isinstance(source, nn.Module):
+        state = convert_timm_state_dict(source.state_dict())
+    elif isinstance(source, Mapping):
+        state = convert_timm_state_dict(source)
+    else:
+        state, _ = read_timm_file(source)
+    for note in load_encoder_state(model, state, load_head):
+        log.info("timm weights: %s", note)

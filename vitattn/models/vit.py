@@ -18,12 +18,12 @@ from vitattn.layers import EncoderLayer
 
 __all__ = ["PRESETS", "TRAINING_KEYS", "VisionTransformer", "layer_groups", "preset_config", "vit_preset"]
 
-POOLS = ("cls", "mean")
+POOLS = ("cls", "mean", "avg")
 
 PRESETS = ("cpu", "tiny", "small", "base")  # the size files of the ``model`` config group
 
 # Keys of the ``model`` config group that set up training, not the VisionTransformer's arguments.
-TRAINING_KEYS = ("freeze_encoder_epochs",)
+TRAINING_KEYS = ("pretrained", "freeze_encoder_epochs")  # model settings that are not VisionTransformer arguments
 
 
 def preset_config(name: str) -> dict[str, Any]:
@@ -64,14 +64,18 @@ class VisionTransformer(nn.Module):
         patch_size: patch side P.
         in_chans: input channels C.
         num_classes: classification outputs; 0 for a feature extractor (``head`` is Identity).
-        global_pool: ``cls`` (class token) or ``mean`` (mean of patch tokens).
+        global_pool: ``cls`` (class token), ``mean`` (mean of patch tokens) or ``avg`` (timm's: the mean of
+            the patch tokens, normalised by ``fc_norm`` instead of ``norm``).
         embed_dim: width D.
         depth: number of encoder layers.
         num_heads: attention heads; must divide ``embed_dim``.
         mlp_ratio: feed-forward width / D.
         qkv_bias: bias in the q/k/v projections.
         norm_first: pre-norm layers (pretrained ViTs) or the document's post-norm.
-        activation: ``gelu`` (ViT) or ``relu`` (the document).
+        activation: ``gelu`` (ViT), ``relu`` (the document) or ``quick_gelu`` (OpenAI CLIP).
+        norm_pre: a LayerNorm after the position embeddings, before the layers (timm's ``pre_norm``, CLIP
+            image towers); the patch embedding then has no bias, as in timm.
+        fc_norm: move the final LayerNorm after pooling (timm's ``fc_norm``); ``None``: on for ``avg``.
         drop_rate: dropout inside the layers (the document's ``rate``) and before the head.
         pos_drop_rate: dropout after adding position embeddings.
         attn_drop_rate: dropout on attention weights.
@@ -94,6 +98,8 @@ class VisionTransformer(nn.Module):
         qkv_bias: bool = True,
         norm_first: bool = True,
         activation: str = "gelu",
+        norm_pre: bool = False,
+        fc_norm: bool | None = None,
         drop_rate: float = 0.0,
         pos_drop_rate: float = 0.0,
         attn_drop_rate: float = 0.0,
@@ -116,11 +122,12 @@ class VisionTransformer(nn.Module):
         self.embed_dim = self.num_features = embed_dim
         self.num_prefix_tokens = 1
 
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, bias=not norm_pre)
         num_patches = self.patch_embed.num_patches
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, embed_dim))
         self.pos_drop = nn.Dropout(pos_drop_rate)
+        self.norm_pre = nn.LayerNorm(embed_dim, eps=layer_norm_eps) if norm_pre else nn.Identity()
         dpr = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()  # plain floats, also under a meta device
         self.blocks = nn.Sequential(
             *[
@@ -140,8 +147,11 @@ class VisionTransformer(nn.Module):
                 for i in range(depth)
             ]
         )
-        # Post-norm layers end in a LayerNorm already; pre-norm stacks need a final one.
-        self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps) if norm_first else nn.Identity()
+        # Post-norm layers end in a LayerNorm already; pre-norm stacks need a final one, on the tokens
+        # or (fc_norm, timm's avg pool) on the pooled feature.
+        use_fc_norm = global_pool == "avg" if fc_norm is None else fc_norm
+        self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps) if norm_first and not use_fc_norm else nn.Identity()
+        self.fc_norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps) if use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self._init_weights()
@@ -173,18 +183,18 @@ class VisionTransformer(nn.Module):
         x = self.patch_embed(x)  # (B, N-1, D)
         cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, D)
         x = self.pos_drop(torch.cat([cls, x], dim=1) + self.pos_embed)  # (B, N, D)
-        x = self.blocks(x)
+        x = self.blocks(self.norm_pre(x))
         return self.norm(x)
 
     def pool(self, x: Tensor) -> Tensor:
         """(B, N, D) -> (B, D): the class token, or the mean of the patch tokens."""
-        if self.global_pool == "mean":
+        if self.global_pool in ("mean", "avg"):
             return x[:, self.num_prefix_tokens :].mean(dim=1)
         return x[:, 0]
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """(B, N, D) -> (B, num_classes) logits, or the pooled (B, D) feature with ``pre_logits``."""
-        x = self.head_drop(self.pool(x))
+        x = self.head_drop(self.fc_norm(self.pool(x)))
         return x if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -1,0 +1,137 @@
+"""timm model names with a pretrained tag: weights through timm's own pretrained machinery and cache.
+
+``timm.create_model(name, pretrained=True)`` finds the weights in timm's cache (the Hugging Face hub
+cache, or torch hub's for the few weights behind a URL) and downloads them when they are not there.
+Here it never waits on a network that is not there: weights already cached are read with the hub
+offline, and uncached weights with the hub unreachable give one line that says how to point timm at
+a local copy (``pretrained_cfg_overlay=dict(file=...)``, which ``file`` passes).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from torch import nn
+
+from vitattn.errors import first_line
+from vitattn.models.timm_weights import quiet_timm
+
+__all__ = ["pretrained_timm_model", "timm_pretrained_cfg"]
+
+CONNECT_TIMEOUT_S = 3.0  # a reachable hub answers a TCP connect well within this
+
+
+def timm_pretrained_cfg(name: str, downloadable: bool = True) -> Any:
+    """timm's ``PretrainedCfg`` of ``name`` (``arch`` or ``arch.tag``; None for an architecture without any).
+
+    Raises:
+        ValueError: not a timm model, an unknown tag, or (``downloadable``) no weights timm can fetch.
+    """
+    import timm
+    from timm.models import get_pretrained_cfg, split_model_name_tag
+
+    arch, _ = split_model_name_tag(name)
+    if not timm.is_model(arch):
+        raise ValueError(f"{name} is not a timm model name (e.g. vit_base_patch16_224.augreg2_in21k_ft_in1k)")
+    tags = ", ".join(timm.list_pretrained(f"{arch}.*")[:6]) or "none"
+    try:
+        cfg = get_pretrained_cfg(name, allow_unregistered=not downloadable)
+    except RuntimeError:
+        raise ValueError(f"{name} has no pretrained weights in timm; its pretrained tags: {tags}") from None
+    if downloadable and not (cfg.hf_hub_id or cfg.url):
+        raise ValueError(f"{name} has no downloadable weights in timm; give its file: {name}@/path/to/weights")
+    return cfg
+
+
+def pretrained_timm_model(name: str, file: str | Path | None = None) -> nn.Module:
+    """``timm.create_model(name, pretrained=True)``, from timm's cache, a download, or ``file``.
+
+    Args:
+        name: a timm model name, with a pretrained tag or timm's default one.
+        file: a local copy of the weights (timm's ``pretrained_cfg_overlay=dict(file=...)``); ``.npz``
+            files go through the model's own JAX loader, as timm's ``custom_load`` does.
+
+    Raises:
+        ValueError: an unknown name or tag; the weights are neither cached nor reachable (one line with
+            the fix); timm cannot load them.
+    """
+    import timm
+
+    cfg = timm_pretrained_cfg(name)
+    overlay, offline = None, False
+    if file is not None:
+        overlay = dict(file=str(file), custom_load=Path(file).suffix.lower() == ".npz")
+    elif _cached(cfg):
+        offline = True  # no request at all: nothing to wait for
+    else:
+        host, port = _host(cfg)
+        if _hub_offline_set() or not _reachable(host, port):
+            raise ValueError(
+                f"{name}: its weights are not in timm's cache and {host}:{port} cannot be reached (offline); "
+                f"download them where the network is reachable, or load a local copy with timm's "
+                f"pretrained_cfg_overlay=dict(file='/path/to/model.safetensors'), in vitattn "
+                f"model.pretrained={name}@/path/to/model.safetensors"
+            )
+    try:
+        with _hub_offline(offline), quiet_timm():
+            return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay)
+    except Exception as err:  # noqa: BLE001 - the hub, torch and timm raise many types; the user gets one line
+        where = f" from {file}" if file is not None else ""
+        raise ValueError(f"{name}: timm cannot load its pretrained weights{where}: {first_line(err)}") from None
+
+
+def _cached(cfg: Any) -> bool:
+    """Whether timm would find ``cfg``'s weights in its cache (as its loader looks for them)."""
+    if cfg.hf_hub_id:
+        from huggingface_hub import try_to_load_from_cache
+
+        repo, _, revision = cfg.hf_hub_id.partition("@")
+        names = [cfg.hf_hub_filename] if cfg.hf_hub_filename else ["pytorch_model.bin"]
+        names += [n[: -len(".bin")] + ".safetensors" for n in names if n.endswith(".bin")]  # timm's safe alternatives
+        names += ["model.safetensors", "open_clip_model.safetensors"]
+        return any(isinstance(try_to_load_from_cache(repo, n, revision=revision or None), str) for n in names)
+    from timm.models._hub import check_cached_file
+
+    return check_cached_file(cfg.url, check_hash=False)
+
+
+def _host(cfg: Any) -> tuple[str, int]:
+    if cfg.hf_hub_id:
+        from huggingface_hub import constants
+
+        url = urlparse(constants.ENDPOINT)
+    else:
+        url = urlparse(cfg.url)
+    return url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError:
+        return False
+    return True
+
+
+def _hub_offline_set() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+@contextmanager
+def _hub_offline(offline: bool) -> Iterator[None]:
+    """The hub's offline mode (``HF_HUB_OFFLINE``, read by the hub once at import) for the block."""
+    from huggingface_hub import constants
+
+    before = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = offline or before
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = before

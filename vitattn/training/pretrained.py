@@ -1,0 +1,229 @@
+"""``model.pretrained``: the encoder of a run starts from pretrained weights.
+
+A source is one of:
+
+- a local timm weights file: ``.safetensors``, ``.pth``, ``.bin``, ``.npz`` (read as timm reads it);
+- a timm model name with a pretrained tag (``vit_base_patch16_224.augreg2_in21k_ft_in1k``), loaded by
+  timm's pretrained machinery and cache, or ``NAME@FILE``: that model's weights from a local file
+  (timm's ``pretrained_cfg_overlay=dict(file=FILE)``), for any layout timm's own filter reads;
+- a vitattn run folder, bundle or ``.ckpt``: its encoder (a classifier trained here first, say).
+
+The switches the weights show (patch size, ``norm_pre``, ``fc_norm`` and the pooling it implies,
+``qkv_bias``; from a timm name or a vitattn source also the activation, LayerNorm epsilon and
+``norm_first``) are set in the model config, which the run saves, so checkpoints and bundles rebuild
+the same encoder without the source. A width, depth, head count, MLP ratio or channel count that
+contradicts the weights is refused with one line naming the keys to change. Loading logs one line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+
+from vitattn.config import ConfigError
+from vitattn.errors import first_line
+from vitattn.models import VisionTransformer
+from vitattn.models.timm_weights import (
+    TIMM_SUFFIXES,
+    convert_timm_state_dict,
+    load_encoder_state,
+    read_timm_file,
+    timm_model_config,
+    weights_config,
+)
+from vitattn.models.vit import PRESETS, preset_config
+
+__all__ = ["PretrainedEncoder", "check_source", "read_pretrained"]
+
+# Keys the weights fix that the config must already agree with: changing them changes what the model is.
+_REFUSED = ("in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio")
+# Switches set from the weights (and logged) when the config says otherwise.
+_SET = ("patch_size", "qkv_bias", "norm_first", "activation", "layer_norm_eps", "norm_pre")
+_VITATTN_KEYS = ("num_heads", "norm_first", "activation", "layer_norm_eps")
+
+
+@dataclass
+class PretrainedEncoder:
+    """Encoder weights read from a source, and the ``VisionTransformer`` keyword arguments they fix.
+
+    Attributes:
+        source: the ``model.pretrained`` value.
+        what: how the log line names it (``timm file x.safetensors``, ``timm vit_base_patch16_224.augreg...``).
+        state: the encoder state dict in vitattn's layout (with its classifier head, if any).
+        known: ``VisionTransformer`` keyword arguments the source fixes.
+        notes: what the log line adds (e.g. timm's note on QuickGELU).
+        changes: the switches ``fit`` set, ``key old -> new``.
+    """
+
+    source: str
+    what: str
+    state: dict[str, Tensor]
+    known: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    changes: list[str] = field(default_factory=list)
+
+    def fit(self, encoder: dict[str, Any]) -> None:
+        """Set the switches the weights show in ``encoder`` (VisionTransformer kwargs, in place).
+
+        Raises:
+            ConfigError: a width, depth, head count, MLP ratio or channel count that contradicts the
+                weights; a patch size from the weights that does not divide the image size.
+        """
+        self._refuse_contradictions(encoder)
+        if "activation" not in self.known and self.known["norm_pre"]:
+            self.notes.append(
+                f"activation {encoder['activation']} from the config, not the weights "
+                "(OpenAI CLIP weights need model.activation=quick_gelu)"
+            )
+        for key in _SET:
+            if key in self.known and encoder[key] != self.known[key]:
+                self._set(encoder, key, self.known[key])
+        wanted = self.known["fc_norm"]
+        if wanted and not _uses_fc_norm(encoder) and encoder["global_pool"] == "cls":
+            self._set(encoder, "global_pool", "avg")  # timm's fc_norm goes with average pooling
+        if wanted != _uses_fc_norm(encoder):
+            self._set(encoder, "fc_norm", wanted)
+        if encoder["img_size"] % encoder["patch_size"]:
+            raise ConfigError(
+                f"model.pretrained={self.source}: its patch_size={encoder['patch_size']} does not divide "
+                f"data.img_size={encoder['img_size']}; use a multiple of {encoder['patch_size']}"
+            )
+
+    def load_into(self, encoder: VisionTransformer) -> None:
+        """Copy the weights into ``encoder`` (built from the fitted config) and log one line."""
+        try:
+            notes = load_encoder_state(encoder, self.state)
+        except ValueError as err:
+            raise ConfigError(f"model.pretrained={self.source}: {first_line(err)}") from None
+        set_from = f"; set from the weights: {', '.join(self.changes)}" if self.changes else ""
+        extra = "; ".join(notes + self.notes)
+        rank_zero_info(
+            f"pretrained encoder: loaded {len(self.state)} tensors of {self.what}{set_from}"
+            + (f"; {extra}" if extra else "")
+        )
+
+    def _set(self, encoder: dict[str, Any], key: str, value: Any) -> None:
+        self.changes.append(f"model.{key} {_plain(encoder[key])} -> {_plain(value)}")
+        encoder[key] = value
+
+    def _refuse_contradictions(self, encoder: dict[str, Any]) -> None:
+        def differs(key: str) -> bool:
+            if key == "mlp_ratio":  # the hidden width is what the weights hold
+                width = encoder["embed_dim"]
+                return int(width * encoder[key]) != round(width * self.known[key])
+            return encoder[key] != self.known[key]
+
+        wrong = [k for k in _REFUSED if k in self.known and differs(k)]
+        if not wrong:
+            return
+        theirs = " ".join(f"{k}={_plain(self.known[k])}" for k in _REFUSED if k in self.known)
+        fix = " ".join(f"model.{k}={_plain(self.known[k])}" for k in wrong)
+        sizes = [n for n in PRESETS if all(preset_config(n)[k] == self.known[k] for k in ("embed_dim", "depth"))]
+        hint = f" (or model={sizes[0]})" if sizes and "in_chans" not in wrong else ""
+        raise ConfigError(f"model.pretrained={self.source}: the weights have {theirs}; set {fix}{hint}")
+
+
+def _uses_fc_norm(encoder: dict[str, Any]) -> bool:
+    return encoder["global_pool"] == "avg" if encoder["fc_norm"] is None else encoder["fc_norm"]
+
+
+def _plain(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (bool, type(None))) else str(value)
+
+
+def check_source(source: str) -> tuple[str, Path | str, Path | None]:
+    """What a ``model.pretrained`` value names, without reading weights: ``(kind, where, file)``.
+
+    ``kind`` is ``vitattn`` (a run folder, bundle or .ckpt at ``where``), ``timm-file`` (a weights file) or
+    ``timm-name`` (``where`` a timm name; ``file`` its local weights for ``NAME@FILE``, else None).
+
+    Raises:
+        ConfigError: nothing at that path and no timm model of that name; an unknown tag.
+    """
+    from vitattn.models.timm_hub import timm_pretrained_cfg
+
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.exists():
+        if path.is_dir() or path.suffix == ".ckpt" or path.name == "config.json" or _in_bundle(path):
+            return "vitattn", path, None
+        if path.suffix.lower() in TIMM_SUFFIXES:
+            return "timm-file", path, None
+        raise ConfigError(
+            f"model.pretrained={text} is not a weights file; give a {', '.join(TIMM_SUFFIXES)} file, "
+            "a timm model name, or a vitattn run folder, bundle or .ckpt"
+        )
+    name, at, file = text.partition("@")
+    try:
+        timm_pretrained_cfg(name, downloadable=not at)
+    except ValueError as err:
+        if "not a timm model" in str(err) and not at:
+            raise ConfigError(
+                f"model.pretrained={text} is neither an existing file or folder nor a timm model name "
+                "with a pretrained tag (e.g. vit_base_patch16_224.augreg2_in21k_ft_in1k)"
+            ) from None
+        raise ConfigError(f"model.pretrained={text}: {first_line(err)}") from None
+    if at and not Path(file).expanduser().is_file():
+        raise ConfigError(f"model.pretrained={text}: {file} does not exist; give the weights file of {name}")
+    return "timm-name", name, Path(file).expanduser() if at else None
+
+
+def _in_bundle(path: Path) -> bool:
+    """A bundle's ``model.safetensors`` (its folder's config.json says vitattn-bundle)."""
+    from vitattn.bundle.folder import BUNDLE_FORMAT, CONFIG_FILE
+
+    config = path.parent / CONFIG_FILE
+    if path.suffix != ".safetensors" or not config.is_file():
+        return False
+    try:
+        return json.loads(config.read_text(encoding="utf-8")).get("format") == BUNDLE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def read_pretrained(source: str) -> PretrainedEncoder:
+    """Read the encoder weights that ``model.pretrained=source`` names.
+
+    Raises:
+        ConfigError: an unknown source; weights that cannot be read, are not a supported ViT, or are
+            neither cached nor reachable (timm names, offline).
+    """
+    kind, where, file = check_source(source)
+    try:
+        if kind == "vitattn":
+            return _read_vitattn(source, Path(where))
+        if kind == "timm-file":
+            state, known = read_timm_file(where)
+            return PretrainedEncoder(source, f"timm file {where}", state, {**weights_config(state), **known})
+        return _read_timm_name(source, str(where), file)
+    except (ValueError, FileNotFoundError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        message = first_line(err, limit=600).removeprefix(f"{where}: ")  # timm_hub's lines start with the name
+        raise ConfigError(f"model.pretrained={source}: {message}") from None
+
+
+def _read_vitattn(source: str, path: Path) -> PretrainedEncoder:
+    from vitattn.bundle import load_bundle
+
+    bundle = load_bundle(path.parent if _in_bundle(path) else path)
+    encoder = bundle.model.encoder if bundle.task == "caption" else bundle.model
+    state = {k: v.detach() for k, v in encoder.state_dict().items()}
+    known = {**weights_config(state), **{k: encoder.config[k] for k in _VITATTN_KEYS}}
+    return PretrainedEncoder(source, f"the vitattn {bundle.task} model {path}", state, known)
+
+
+def _read_timm_name(source: str, name: str, file: Path | None) -> PretrainedEncoder:
+    from vitattn.models.timm_hub import pretrained_timm_model
+
+    model = pretrained_timm_model(name, file)
+    known = timm_model_config(model)
+    state = convert_timm_state_dict(model.state_dict())
+    notes = [f"timm: {n}" for n in (model.pretrained_cfg.get("notes") or ())]
+    what = f"timm {name}" + (f" from {file}" if file else "")
+    return PretrainedEncoder(source, what, state, {**weights_config(state), **known}, notes)
