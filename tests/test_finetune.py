@@ -9,7 +9,7 @@ import vitattn.training.run as run
 from tests.helpers import TINY, TINY_SHAPES, compose_train
 from vitattn.config import ConfigError, check_config
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
-from vitattn.systems.optim import NO_WEIGHT_DECAY, add_param_groups, build_optimizer, head_modules, param_groups
+from vitattn.systems.optim import add_param_groups, build_optimizer, head_modules, no_weight_decay_names, param_groups
 from vitattn.training import train
 
 DEPTH = 2
@@ -67,9 +67,13 @@ def test_head_lr_applies_to_the_head_or_the_decoder_only(build, layer_decay):
 def test_without_fine_tuning_options_the_groups_are_timms_weight_decay_groups():
     model = _captioner()
     ours = param_groups(model, lr=2e-3, weight_decay=0.05)
-    timms = param_groups_weight_decay(model, 0.05, no_weight_decay_list=NO_WEIGHT_DECAY)
+    timms = param_groups_weight_decay(model, 0.05, no_weight_decay_list=no_weight_decay_names(model))
     assert [[id(p) for p in g["params"]] for g in ours] == [[id(p) for p in g["params"]] for g in timms]
     assert {g["lr"] for g in ours} == {2e-3}
+    names = {id(p): n for n, p in model.named_parameters()}
+    undecayed = {names[id(p)] for g in ours if g["weight_decay"] == 0 for p in g["params"]}
+    # the embeddings of the nested encoder and decoder too, not only top-level names
+    assert {"encoder.pos_embed", "encoder.cls_token", "decoder.pos_embed", "decoder.token_embed.weight"} <= undecayed
 
 
 def test_one_schedule_scales_every_groups_own_rate():
