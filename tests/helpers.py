@@ -26,6 +26,7 @@ TINY = [
     "trainer.enable_progress_bar=false",
     "trainer.enable_model_summary=false",
     "logger=csv",
+    "num_threads=null",  # keep the one thread tests/conftest.py pins (auto would take every core)
 ]
 TINY_SHAPES = ["data.num_train=64", "data.num_val=16", "data.num_test=16"]
 
