@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import learning_data  # noqa: E402  (a sibling script, not part of the package)
 
 from vitattn.data import Vocabulary, load_coco_captions, load_image  # noqa: E402
-from vitattn.metrics import compute_caption_metrics, exact_match  # noqa: E402
+from vitattn.metrics import compute_caption_metrics, distinct_share, exact_match  # noqa: E402
 
 SCHEMA = "vitattn-learning-bench/1"
 REPO = Path(__file__).resolve().parents[1]
@@ -300,8 +300,11 @@ class PlainCaptioner(nn.Module):
         return tokens[:, 1:]
 
 
-def plain_caption(data: learning_data.PreparedDataset, cfg: BenchConfig) -> Side:
-    """Train and score the plain timm captioner on ``data``'s COCO caption files (all training words kept)."""
+def plain_caption(data: learning_data.PreparedDataset, cfg: BenchConfig, save_to: Path | None = None) -> Side:
+    """Train and score the plain timm captioner on ``data``'s COCO caption files (all training words kept).
+
+    ``save_to``: a JSON file for the val captions with their references.
+    """
     start, cpu = time.perf_counter(), time.process_time()
     torch.manual_seed(cfg.seed)
     train, val = load_coco_captions(data.train_annotations), load_coco_captions(data.val_annotations)
@@ -323,7 +326,14 @@ def plain_caption(data: learning_data.PreparedDataset, cfg: BenchConfig) -> Side
     references = [list(image.captions) for image in val]
     metrics = compute_caption_metrics(captions, references)
     metrics["exact_match"] = exact_match(captions, references)
+    metrics["distinct"] = distinct_share(captions)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    if save_to is not None:
+        records = [
+            {"image_id": im.image_id, "caption": c, "references": list(im.captions)}
+            for im, c in zip(val, captions, strict=True)
+        ]
+        save_to.write_text(json.dumps(records, ensure_ascii=False, indent=0) + "\n")
     what = f"a {cfg.decoder_depth}-layer nn.TransformerDecoder captioner (greedy, all training words) on a"
     return Side(metrics, steps, seconds, cpu, _plain_description(cfg, what))
 
@@ -334,8 +344,12 @@ def plain_caption(data: learning_data.PreparedDataset, cfg: BenchConfig) -> Side
 def bench_row(data: learning_data.PreparedDataset, task: str, cfg: BenchConfig, out_dir: Path) -> list[dict[str, Any]]:
     """Run both sides of ``task`` on ``data``; one table row per metric."""
     torch.set_num_threads(cfg.threads)
-    ours = run_vitattn(task, data, cfg, out_dir / f"{data.name}-{task}")
-    plain = plain_classification(data, cfg) if task == "classification" else plain_caption(data, cfg)
+    run_dir = out_dir / f"{data.name}-{task}"
+    ours = run_vitattn(task, data, cfg, run_dir)
+    if task == "classification":
+        plain = plain_classification(data, cfg)
+    else:
+        plain = plain_caption(data, cfg, save_to=run_dir / "plain_captions.json")
     rows = []
     for metric in METRICS[task]:
         mine, theirs = ours.metrics.get(metric, float("nan")), plain.metrics[metric]
@@ -347,6 +361,7 @@ def bench_row(data: learning_data.PreparedDataset, task: str, cfg: BenchConfig, 
                 "vitattn": mine,
                 "plain": theirs,
                 "status": "PASS" if mine >= theirs else "MISS",
+                "note": _note(task, ours.metrics, plain.metrics),
                 "steps": cfg.steps,
                 "vitattn_steps": ours.steps,
                 "plain_steps": plain.steps,
@@ -366,15 +381,22 @@ def bench_row(data: learning_data.PreparedDataset, task: str, cfg: BenchConfig, 
     return rows
 
 
+def _note(task: str, ours: dict[str, float], plain: dict[str, float]) -> str:
+    """Caption rows: the share of distinct captions on each side (near 0: one caption for every image)."""
+    if task != "caption" or "distinct" not in ours:
+        return ""
+    return f"distinct captions {100 * ours['distinct']:.0f} % / {100 * plain['distinct']:.0f} %"
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """A Markdown table of the rows."""
-    head = "| dataset | task | metric | vitattn | plain timm | target | steps | threads | vitattn s | plain s |"
+    head = "| dataset | task | metric | vitattn | plain timm | target | steps | threads | vitattn s | plain s | note |"
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         lines.append(
             f"| {r['dataset']} | {r['task']} | {METRIC_NAMES[r['metric']]} | {_fmt(r['vitattn'], r['metric'])} | "
             f"{_fmt(r['plain'], r['metric'])} | {r['status']} | {r['steps']} | {r['threads']} | "
-            f"{r['vitattn_seconds']:.0f} | {r['plain_seconds']:.0f} |"
+            f"{r['vitattn_seconds']:.0f} | {r['plain_seconds']:.0f} | {r.get('note', '')} |"
         )
     return "\n".join(lines)
 

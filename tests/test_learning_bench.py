@@ -176,7 +176,7 @@ def test_table_and_doc_markers(tmp_path):
         plain_command="plain loop",
     )
     table = learning_bench.format_table([row])
-    assert "| d | caption | CIDEr-D | 0.500 | 0.250 | PASS | 9 | 1 | 3 | 2 |" in table
+    assert "| d | caption | CIDEr-D | 0.500 | 0.250 | PASS | 9 | 1 | 3 | 2 |  |" in table
     doc = tmp_path / "doc.md"
     doc.write_text(f"intro\n{learning_bench.DOC_START}\nold\n{learning_bench.DOC_END}\nafter\n")
     learning_bench.update_doc(table, learning_bench.commands_block([row], ["--quick"]), doc)
@@ -205,5 +205,8 @@ def test_bench_runs_both_sides_for_the_same_steps(tiny_data, tmp_path):
                 assert value <= 1
             assert r[f"{side}_seconds"] > 0
         assert r["vitattn_command"].startswith("vitattn-train ") and "trainer.max_steps=3" in r["vitattn_command"]
+    assert rows[1]["note"].startswith("distinct captions ")
+    saved = json.loads((tmp_path / "shapes-caption" / "plain_captions.json").read_text())
+    assert len(saved) == tiny_data.num_val and all(set(s) == {"image_id", "caption", "references"} for s in saved)
     table = learning_bench.format_table(rows)
     assert table.count("\n") == 1 + len(rows)
