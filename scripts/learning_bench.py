@@ -45,7 +45,8 @@ from torch.nn.utils.rnn import pad_sequence
 from torchvision.datasets import ImageFolder
 from torchvision.transforms.functional import pil_to_tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if str(Path(__file__).resolve().parent) not in sys.path:  # imported from elsewhere (tests): find the sibling
+    sys.path.append(str(Path(__file__).resolve().parent))
 import learning_data  # noqa: E402  (a sibling script, not part of the package)
 
 from vitattn.data import Vocabulary, load_coco_captions, load_image  # noqa: E402
