@@ -240,7 +240,7 @@ def _plain_description(cfg: BenchConfig, what: str) -> str:
     return (
         f"plain loop: {what} timm VisionTransformer({enc}); AdamW lr={cfg.lr} wd={cfg.weight_decay}, "
         f"warmup {max(1, min(cfg.warmup_steps, cfg.steps // 10))} + cosine; batch {cfg.batch_size}; "
-        f"{cfg.steps} steps; {cfg.threads} threads; no augmentation"
+        f"{cfg.steps} steps; {cfg.threads} thread{'s' if cfg.threads != 1 else ''}; no augmentation"
     )
 
 
@@ -417,14 +417,15 @@ def update_doc(table: str, commands: str, path: Path = DOC) -> None:
 
 
 def commands_block(rows: Sequence[dict[str, Any]], argv: Sequence[str]) -> str:
-    """The bench's own command and each vitattn run's, as a Markdown code block."""
+    """The bench's own command and each vitattn run's, as a Markdown code block (paths relative to the repo)."""
     lines = ["```bash", "python scripts/learning_bench.py " + " ".join(shlex.quote(a) for a in argv)]
     seen = set()
     for r in rows:
         key = (r["dataset"], r["task"])
         if key not in seen:
             seen.add(key)
-            lines += [f"# {r['dataset']} {r['task']}", r["vitattn_command"], f"# {r['plain_command']}"]
+            command = r["vitattn_command"].replace(f"{REPO}{os.sep}", "")
+            lines += [f"# {r['dataset']} {r['task']}", command, f"# {r['plain_command']}"]
     return "\n".join([*lines, "```"])
 
 
@@ -449,7 +450,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vitattn-args", nargs="*", default=[], help="extra vitattn-train overrides (vitattn side only)")
     p.add_argument("--cache", type=Path, default=learning_data.DEFAULT_CACHE, help="dataset cache (bench_data/)")
     p.add_argument("--out", type=Path, default=REPO / "bench_results" / "learning.json")
-    p.add_argument("--update-doc", action="store_true", help=f"rewrite the table in {DOC.relative_to(REPO)}")
+    p.add_argument("--update-doc", action="store_true", help="rewrite the table in docs/learning.md")
+    p.add_argument("--doc-from", type=Path, default=None, help="only rewrite the doc's table from a saved JSON")
     return p.parse_args(argv)
 
 
@@ -465,6 +467,11 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.doc_from is not None:
+        saved = json.loads(args.doc_from.read_text())
+        update_doc(format_table(saved["rows"]), commands_block(saved["rows"], saved["argv"]))
+        print(f"table of {args.doc_from} written into {DOC}")
+        return saved
     cfg = config_from(args)
     out_dir = args.out.parent / "learning_runs"
     rows: list[dict[str, Any]] = []

@@ -185,6 +185,22 @@ def test_table_and_doc_markers(tmp_path):
     assert table in text and "vitattn-train x=1" in text and "learning_bench.py --quick" in text
 
 
+def test_doc_from_a_saved_run_rewrites_only_the_table(tmp_path, monkeypatch):
+    row = dict(dataset="d", task="classification", metric="acc", vitattn=0.5, plain=0.75, status="MISS", steps=9)
+    row.update(
+        threads=2, vitattn_seconds=3.0, plain_seconds=2.0, vitattn_command="vitattn-train y=2", plain_command="p"
+    )
+    saved = tmp_path / "learning.json"
+    saved.write_text(json.dumps({"rows": [row], "argv": ["--steps", "9"]}))
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"{learning_bench.DOC_START}\n{learning_bench.DOC_END}\n")
+    monkeypatch.setattr(learning_bench, "DOC", doc)
+    learning_bench.main(["--doc-from", str(saved)])
+    text = doc.read_text()
+    assert "| d | classification | val accuracy | 50.0 % | 75.0 % | MISS | 9 | 2 |" in text
+    assert "learning_bench.py --steps 9" in text and "vitattn-train y=2" in text
+
+
 @pytest.mark.slow
 def test_bench_runs_both_sides_for_the_same_steps(tiny_data, tmp_path):
     cfg = learning_bench.BenchConfig(
