@@ -406,8 +406,9 @@ def _fmt(value: float, metric: str) -> str:
     return f"{100 * value:.1f} %" if metric in ("acc", "exact_match") else f"{value:.3f}"
 
 
-def update_doc(table: str, commands: str, path: Path = DOC) -> None:
-    """Replace the text between the table markers of ``path`` with ``table`` and the commands."""
+def update_doc(table: str, commands: str, path: Path | None = None) -> None:
+    """Replace the text between the table markers of ``path`` (``docs/learning.md``) with ``table`` and the commands."""
+    path = path or DOC
     text = path.read_text(encoding="utf-8")
     if DOC_START not in text or DOC_END not in text:
         raise ValueError(f"{path} has no {DOC_START} ... {DOC_END} markers to put the table between")
