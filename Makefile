@@ -1,5 +1,6 @@
 # make train   train the default captioner on the built-in shapes (CPU, no download)
 # make test    lint (ruff) and run the test suite
+# make learning-bench  vitattn against a plain timm loop on small real datasets (docs/learning.md)
 # Both create .venv and install the project into it when needed.
 VENV   ?= .venv
 PYTHON ?= python3
@@ -7,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.vitattn-installed
 ARGS   ?=
 
-.PHONY: install train lint test test-fast bench clean
+.PHONY: install train lint test test-fast bench learning-bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +35,10 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	$(PY) scripts/bench.py $(ARGS)
+
+# vitattn-train against a plain timm loop on two Debian-packaged datasets (docs/learning.md)
+learning-bench: $(STAMP)
+	$(PY) scripts/learning_bench.py $(ARGS)
 
 clean:
 	rm -rf runs multirun bench_results .pytest_cache
