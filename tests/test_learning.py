@@ -258,3 +258,11 @@ def test_auto_min_word_freq_keeps_coco_threshold_unless_it_leaves_many_unknown_w
     assert vocab.words == ["a", "b", "c"]
     with pytest.raises(ValueError, match="min_freq=0 must be at least 1 or auto"):
         Vocabulary.build(["a"], min_freq=0)
+
+
+def test_caption_crops_spare_small_images():
+    from vitattn.data.augment import CAPTION_CROP_SCALE
+
+    assert auto_min_scale(32, captions=True) == 1.0 and auto_min_scale(224, captions=True) == 0.5
+    assert Augment(scale=CAPTION_CROP_SCALE).crop_scale(32) == (1.0, 1.0)
+    assert Augment(scale=CAPTION_CROP_SCALE).crop_scale(384) == (0.5, 1.0)

@@ -5,7 +5,8 @@ mild crops: cutting 92 % of a 32 px image rarely leaves the object), a horizonta
 colour jitter, and optional RandAugment (timm), TrivialAugment or AugMix (timm); mixup / cutmix are
 batch-level and live in the classification system (``head.mixup``, ``head.cutmix``).
 
-Captions: the same crop, but nothing that changes what a caption states. An image is flipped only
+Captions: nothing that changes what a caption states. The crop is milder (none up to 64 px, where half
+the image is often what the caption names; at least half the image from 224 px), an image is flipped only
 when none of its captions says ``left`` or ``right``, and colour-jittered only when none names a
 colour (``CaptionAugment``); both are off by default and switched on with ``augment.hflip`` and
 ``augment.color_jitter``.
@@ -24,8 +25,9 @@ from torchvision import transforms as T
 
 __all__ = ["CAPTION_CROP_SCALE", "Augment", "CaptionAugment", "auto_min_scale", "classification_train_transform"]
 
-# BLIP's captioning recipe crops at least half the image.
-CAPTION_CROP_SCALE = (0.5, 1.0)
+# Captions: BLIP's recipe crops at least half of a 224-384 px photo; a small image is not cropped at all:
+# half of a 32 px emoji loses the skin tone, the flag's emblem or the hair that its name is about.
+CAPTION_CROP_SCALE = "auto_caption"
 LEFT_RIGHT = frozenset({"left", "right", "leftmost", "rightmost"})
 COLOURS = frozenset(
     "red orange yellow green blue purple violet pink brown black white gray grey silver gold golden beige "
@@ -34,14 +36,15 @@ COLOURS = frozenset(
 _WORD = re.compile(r"[a-z]+")
 
 
-def auto_min_scale(img_size: int) -> float:
-    """The smallest random-resized-crop scale for ``img_size``: 0.5 up to 64 px, timm's ImageNet 0.08 from
-    224 px, linear in between."""
+def auto_min_scale(img_size: int, captions: bool = False) -> float:
+    """The smallest random-resized-crop scale for ``img_size``. Classification: 0.5 up to 64 px, timm's ImageNet
+    0.08 from 224 px. Captions: 1 (no crop) up to 64 px, BLIP's 0.5 from 224 px. Linear in between."""
+    small, large = (1.0, 0.5) if captions else (0.5, 0.08)
     if img_size <= 64:
-        return 0.5
+        return small
     if img_size >= 224:
-        return 0.08
-    return 0.5 + (0.08 - 0.5) * (img_size - 64) / (224 - 64)
+        return large
+    return small + (large - small) * (img_size - 64) / (224 - 64)
 
 
 @dataclass
@@ -50,7 +53,8 @@ class Augment:
 
     Attributes:
         enabled: off: training images get the evaluation transform.
-        scale: random-resized-crop area range ``[min, max]``; ``auto``: ``[auto_min_scale(img_size), 1]``.
+        scale: random-resized-crop area range ``[min, max]``; ``auto``: ``[auto_min_scale(img_size), 1]``;
+            ``auto_caption``: the captions' milder rule (the default of the caption data).
         ratio: crop aspect-ratio range.
         hflip: probability of a horizontal flip.
         color_jitter: brightness / contrast / saturation jitter strength (0 = off).
@@ -82,8 +86,8 @@ class Augment:
 
     def crop_scale(self, img_size: int) -> tuple[float, float]:
         """The crop scale range for ``img_size``."""
-        if self.scale == "auto" or self.scale is None:
-            return (auto_min_scale(img_size), 1.0)
+        if self.scale in ("auto", "auto_caption") or self.scale is None:
+            return (auto_min_scale(img_size, captions=self.scale == "auto_caption"), 1.0)
         low, high = (float(x) for x in self.scale)
         if not 0.0 < low <= high <= 1.0:
             raise ValueError(f"data.augment.scale={list(self.scale)} must satisfy 0 < min <= max <= 1")
