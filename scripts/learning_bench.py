@@ -49,7 +49,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # imported from elsewh
     sys.path.append(str(Path(__file__).resolve().parent))
 import learning_data  # noqa: E402  (a sibling script, not part of the package)
 
-from vitattn.data import Vocabulary, load_coco_captions, load_image  # noqa: E402
+from vitattn.data import Vocabulary, load_coco_captions, read_image  # noqa: E402
 from vitattn.metrics import compute_caption_metrics, distinct_share, exact_match  # noqa: E402
 
 SCHEMA = "vitattn-learning-bench/1"
@@ -190,7 +190,7 @@ def _images(paths: Sequence[Path], img_size: int) -> Tensor:
     std = torch.tensor(IMAGENET_DEFAULT_STD).view(3, 1, 1)
     out = []
     for path in paths:
-        image = load_image(path)
+        image = read_image(path)
         if image.size != (img_size, img_size):
             image = image.resize((img_size, img_size))
         out.append((pil_to_tensor(image).float() / 255 - mean) / std)
