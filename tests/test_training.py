@@ -44,7 +44,9 @@ def test_every_config_composes_and_instantiates(group, option, datasets, tmp_pat
     overrides = [f"{group}={option}"]
     if group == "data":
         overrides = _data_overrides(option, datasets)
-    if group == "experiment" and "coco" in option:
+    if group == "experiment" and ("karpathy" in option or "flickr" in option):
+        overrides += datasets["karpathy"]
+    elif group == "experiment" and "coco" in option:
         overrides += datasets["coco"]
     cfg = compose_train(overrides, tmp_path)
     OmegaConf.resolve(cfg)  # every interpolation resolves
@@ -328,3 +330,13 @@ def test_the_best_checkpoint_is_tested_and_exported(tmp_path):
         exported = load_file(out / "model.safetensors")
         assert all(torch.equal(exported[k], checkpoint["state_dict"][f"model.{k}"]) for k in exported)
     assert export_main([f"model={run}", "which=worst", f"out={tmp_path / 'x'}"]) == 2
+
+
+@pytest.mark.parametrize("recipe", ["coco_karpathy_vit_b16", "flickr8k_vit_s16"])
+def test_captioning_recipes_pass_validation(recipe, datasets, tmp_path):
+    from vitattn.config import check_config
+
+    cfg = compose_train([f"experiment={recipe}", *datasets["karpathy"], "trainer.devices=1"], tmp_path)
+    check_config(cfg)  # no network: the pretrained name is checked against timm's registry only
+    assert cfg.model.pretrained.startswith("vit_") and cfg.head.generate.num_beams == 3
+    assert cfg.data._target_ == "vitattn.data.KarpathyDataModule" and cfg.optim.layer_decay == 0.75
