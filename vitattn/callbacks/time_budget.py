@@ -47,24 +47,24 @@ class TimeBudgetHorizon(Callback):
         self.skip_steps, self.every_n_steps = skip_steps, every_n_steps
         self._first_step = 0
         self._start: tuple[int, float] | None = None  # (step, elapsed seconds) where the measurement starts
+        self._timer: Timer | None = None  # found once per fit, not per step
+        self._schedule: WarmupCosine | None = None
+        self._limit = math.inf
         self.estimates: list[tuple[int, int]] = []  # (step, horizon) each time it was set
-
-    @staticmethod
-    def _timer(trainer: pl.Trainer) -> Timer | None:
-        timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
-        return timer if timer is not None and timer._duration is not None else None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._first_step, self._start = trainer.global_step, None
+        timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+        self._timer = timer if timer is not None and timer._duration is not None else None
+        self._schedule, self._limit = schedule_of(trainer), step_limit(trainer)
         # A resumed schedule keeps its saved horizon; the limits of this run (the first to end it) win.
-        schedule, limit = schedule_of(trainer), step_limit(trainer)
-        if schedule is not None and math.isfinite(limit) and schedule.total_steps != int(limit):
-            schedule.total_steps = int(limit)
+        if self._schedule is not None and math.isfinite(self._limit) and self._schedule.total_steps != int(self._limit):
+            self._schedule.total_steps = int(self._limit)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        timer, schedule = self._timer(trainer), schedule_of(trainer)
+        timer, schedule = self._timer, self._schedule
         if timer is None or schedule is None:
             return
         step, elapsed = trainer.global_step, timer.time_elapsed("train")
@@ -76,7 +76,7 @@ class TimeBudgetHorizon(Callback):
         if done < 1 or spent <= 0 or done % self.every_n_steps:
             return
         left = max(0.0, timer._duration - elapsed)
-        horizon = min(step_limit(trainer), step + left * done / spent)
+        horizon = min(self._limit, step + left * done / spent)
         horizon = int(trainer.strategy.broadcast(max(step + 1, math.floor(horizon))))
         if horizon != schedule.total_steps:
             schedule.total_steps = horizon
