@@ -2,6 +2,9 @@
 
 ``resume=RUN_DIR`` continues that run in place: its saved overrides are replayed, the run directory
 is reused and training restarts from ``RUN_DIR/checkpoints/last.ckpt``.
+
+The task function returns the final validation value of ``optimized_metric`` (``val/loss`` when it is
+null), which is what a Hydra sweeper such as ``hparams_search=optuna`` optimises.
 """
 
 from __future__ import annotations
@@ -33,14 +36,28 @@ def _resume_argv(argv: list[str]) -> list[str]:
     return replay + argv + [f"hydra.run.dir={resume}"]
 
 
+def optimized_value(metrics: dict[str, float], name: str | None) -> float | None:
+    """The value of ``optimized_metric`` among a run's final metrics; ``None`` -> ``val/loss`` if logged.
+
+    Raises:
+        ValueError: ``name`` was chosen but the run did not log it.
+    """
+    if name is None:
+        return metrics.get("val/loss")
+    if name not in metrics:
+        logged = ", ".join(sorted(metrics)) or "none"
+        raise ValueError(f"optimized_metric={name} was not logged by this run; choose one of: {logged}")
+    return metrics[name]
+
+
 @hydra.main(version_base="1.3", config_path="pkg://vitattn.conf", config_name="train")
 def _hydra_main(cfg: DictConfig) -> float | None:
     from vitattn.training import train
 
     with user_errors(cfg.get("debug", False)):
         result = train(cfg)
-    _report(result)
-    return result.metrics.get("val/loss")
+        _report(result)
+        return optimized_value(result.metrics, cfg.get("optimized_metric"))
 
 
 def _report(result: TrainResult) -> None:

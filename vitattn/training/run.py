@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,7 @@ def train(cfg: DictConfig) -> TrainResult:
     )
     if cfg.export_bundle and trainer.is_global_zero:
         result.bundle_dir = _export(system, run_dir)
+    _finish_wandb_run()
     return result
 
 
@@ -197,6 +199,14 @@ def _should_compile(cfg: DictConfig) -> bool:
             cfg.trainer.accelerator == "auto" and torch.cuda.is_available()
         )
     return bool(cfg.compile)
+
+
+def _finish_wandb_run() -> None:
+    """End the Weights & Biases run (``logger=wandb``): Lightning leaves it open, and the next run in this
+    process (a sweep's next trial) would otherwise log into it."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()
 
 
 def _export(system: VisionSystem, run_dir: Path) -> Path:
