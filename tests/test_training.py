@@ -39,9 +39,20 @@ def _data_overrides(name, datasets):
     return [head, f"data={name}", *datasets.get(name, [])]
 
 
-@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+# An MLflow logger opens (and creates) its SQLite store when it is built: seconds.
+SLOW_CONFIGS = {("logger", "mlflow"), ("logger", "many")}
+
+
+@pytest.mark.parametrize(
+    "group,option",
+    [
+        pytest.param(g, o, marks=[pytest.mark.slow] if (g, o) in SLOW_CONFIGS else [])
+        for g, opts in GROUPS.items()
+        for o in opts
+    ],
+)
 def test_every_config_composes_and_instantiates(group, option, datasets, tmp_path):
-    overrides = [f"{group}={option}"]
+    overrides = [f"{group}={option}", f"paths.runs_dir={tmp_path}"]  # a tracker's store goes under runs_dir
     if group == "data":
         overrides = _data_overrides(option, datasets)
     if group == "experiment" and ("karpathy" in option or "flickr" in option):
