@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hydra
 import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
@@ -52,12 +53,32 @@ def _hydra_compose(overrides: list[str]):
         return compose("train", overrides=overrides, return_hydra_config=True)
 
 
-def test_slurm_launcher_starts_one_task_per_gpu():
-    cfg = _hydra_compose(["hydra/launcher=slurm", "trainer=ddp", "trainer.devices=4", "trainer.num_nodes=2"])
-    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
-    assert launcher["_target_"].endswith("submitit_launcher.SlurmLauncher")
-    assert (launcher["tasks_per_node"], launcher["gpus_per_node"], launcher["nodes"]) == (4, 4, 2)
-    assert launcher["partition"] is None and "signal_delay_s" in launcher  # the plugin's own keys are kept
+def test_slurm_launcher_starts_one_task_per_gpu(tmp_path, monkeypatch):
+    """The sbatch script that hydra/launcher=slurm would submit asks for one task per GPU; no SLURM needed."""
+    import submitit
+    from submitit.slurm.slurm import SlurmExecutor
+
+    class Submitted(Exception):
+        pass
+
+    scripts = []
+
+    def submit(executor, fn, *args):  # stands in for sbatch: keep the script, submit nothing
+        scripts.append(executor._executor._make_submission_file_text("COMMAND", "uid"))
+        raise Submitted
+
+    monkeypatch.setattr(SlurmExecutor, "affinity", classmethod(lambda cls: 2))  # as if srun were on PATH
+    monkeypatch.setattr(submitit.AutoExecutor, "map_array", submit)
+    overrides = ["trainer=ddp", "trainer.devices=4", "trainer.num_nodes=2", "hydra.launcher.partition=gpu"]
+    cfg = _hydra_compose(["hydra/launcher=slurm", *overrides, f"paths.runs_dir={tmp_path}"])
+    launcher = hydra.utils.instantiate(cfg.hydra.launcher)
+    launcher.config = cfg
+    with pytest.raises(Submitted):
+        launcher.launch([["optim.lr=0.001"]], initial_job_idx=0)
+    (script,) = scripts
+    for line in ("--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--partition=gpu", "--time=1440"):
+        assert f"#SBATCH {line}\n" in script, script
+    assert "\nsrun " in script  # SLURM starts the tasks; Lightning reads their ranks from SLURM's environment
 
 
 @pytest.mark.slow
