@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -91,7 +92,7 @@ class ImageDataModule(pl.LightningDataModule):
         self.collate_fn = None  # the DataLoader default unless captions set one
         self.vocab: Vocabulary | None = None
         self.skipped_images: dict[str, str] = {}  # files left out of batches in this process: path -> reason
-        self.skipped_in_batch = 0  # of the batch on its way to the model
+        self.skipped_counts: Counter[str] = Counter()  # items left out, by the trainer's stage (train, validate, ...)
 
     @property
     def preprocess(self) -> dict:
@@ -143,14 +144,15 @@ class ImageDataModule(pl.LightningDataModule):
         check_bad_images(bad, len(set(paths)), self.bad_images, listed=self.verify)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Take the skipped files off a ``PartialBatch`` (``bad_images=skip``): the model gets the readable
-        items, or None when there are none."""
-        self.skipped_in_batch = 0
-        if isinstance(batch, PartialBatch):
-            self.skipped_in_batch = len(batch.skipped)
-            self.skipped_images.update(batch.skipped)
-            return batch.batch
-        return batch
+        """Take the skipped files off a ``PartialBatch`` (``bad_images=skip``) and count them under the trainer's
+        stage: the model gets the readable items, or None when there are none (Lightning then skips a training
+        batch without a step)."""
+        if not isinstance(batch, PartialBatch):
+            return batch
+        stage = self.trainer.state.stage if self.trainer is not None else None
+        self.skipped_counts[str(stage.value) if stage is not None else "none"] += len(batch.skipped)
+        self.skipped_images.update(batch.skipped)
+        return batch.batch
 
     def evaluation_split(self, split: str) -> EvalSplit:
         """The ``val`` or ``test`` split for scoring (after ``setup``); subclasses with files override this."""
