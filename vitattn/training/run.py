@@ -107,7 +107,7 @@ def train(cfg: DictConfig) -> TrainResult:
         system=system,
         weights=source,
         steps_per_second=(trainer.global_step - first_step) / seconds if seconds > 0 else 0.0,
-        skipped_images=gather_skipped(getattr(datamodule, "skipped_images", {})),
+        skipped_images=gather_skipped(datamodule.skipped_images) if cfg.data.get("bad_images") == "skip" else {},
     )
     if cfg.export_bundle and trainer.is_global_zero:
         result.bundle_dir = _export(system, run_dir)
