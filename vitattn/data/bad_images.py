@@ -102,8 +102,9 @@ def check_bad_images(bad: dict[str, str], total: int, mode: str, listed: bool) -
     if listed:
         for path, reason in bad.items():
             log.warning("unreadable image: %s: %s", path, reason)
-        log.info("read %d images: %d cannot be read", total, len(bad))
     if not bad:
+        if listed:
+            log.info("read %d images: every one can be read", total)
         return
     if mode == "raise":
         path, reason = next(iter(bad.items()))
