@@ -18,10 +18,17 @@ from torch._utils import ExceptionWrapper
 from tests.helpers import TINY, compose_train, make_coco, make_image_folder, make_karpathy
 from vitattn.cli.check_data import main as check_data
 from vitattn.cli.train import _report
-from vitattn.data import CocoCaptionDataModule, ImageFolderDataModule, KarpathyDataModule, load_karpathy
+from vitattn.data import (
+    CocoCaptionDataModule,
+    ImageFolderDataModule,
+    KarpathyDataModule,
+    datamodule_from_run,
+    load_karpathy,
+)
 from vitattn.data.bad_images import PartialBatch, SkippedImage, collate_skipping
 from vitattn.data.images import BadImageError, load_image
 from vitattn.errors import first_line
+from vitattn.run_dir import RunDir
 from vitattn.training import train
 
 REASONS = {
@@ -200,6 +207,14 @@ def test_a_worker_error_reads_as_the_workers_one_line():
 
 
 HEADS = {"imagefolder": "classification", "coco": "caption", "karpathy": "caption"}
+
+
+def test_evaluating_a_run_trained_with_verify_does_not_read_its_images_first(source, tmp_path):
+    name, files, *_ = source
+    overrides = [f"head={HEADS[name]}", f"data={name}", *(f"data.{k}={v}" for k, v in files.items())]
+    RunDir(tmp_path).save_config(compose_train([*overrides, "data.verify=true"], tmp_path))
+    dm = datamodule_from_run(RunDir(tmp_path))  # bad_images=raise: a verification would stop here
+    assert dm.verify is False and dm.cache is None and len(dm.val_dataset) > 0
 
 
 @pytest.mark.slow
