@@ -6,6 +6,7 @@ Every data source that reads files (ImageFolder, COCO, Karpathy) gets the same f
 
 import csv
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -120,6 +121,9 @@ def test_skip_leaves_bad_images_out_of_their_batches(source, cache):
     dm = _datamodule(source, bad_images="skip", cache=cache)
     dm.setup("fit")
     assert (dm.cache is not None) == (cache == "ram")
+    loader = dm.train_dataloader()
+    dataset, collate = pickle.loads(pickle.dumps((loader.dataset, loader.collate_fn)))  # spawned workers
+    assert isinstance(collate(list(map(dataset.__getitem__, range(len(dataset))))), PartialBatch)
     seen = {}
     for split, loader in (("train", dm.train_dataloader()), ("val", dm.val_dataloader())):
         items = 0
