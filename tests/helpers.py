@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 from PIL import Image
 
 import vitattn.conf
+from vitattn.config import compose_train as compose
 
 CONF_DIR = Path(vitattn.conf.__file__).parent
 
@@ -41,8 +41,7 @@ def console_script(name: str) -> Path:
 def compose_train(overrides: list[str], output_dir: Path | None = None) -> DictConfig:
     """``conf/train.yaml`` composed with ``overrides``, writing into ``output_dir``."""
     extra = [f"paths.output_dir={output_dir}"] if output_dir is not None else []
-    with initialize_config_module("vitattn.conf", version_base="1.3"):
-        return compose("train", overrides=[*overrides, *extra])
+    return compose([*overrides, *extra])
 
 
 def _image(rng: np.random.Generator, size: int) -> Image.Image:

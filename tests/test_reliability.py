@@ -61,6 +61,10 @@ CONFIG_ERRORS = {
         r"^head\.decoder\.activation='swish' is unknown",
     ),
     "nonfinite": ("head.nonfinite=ignore", r"^head\.nonfinite='ignore' is unknown; choose raise or skip"),
+    "bad-images": (
+        "data=imagefolder head=classification data.root={folder} data.bad_images=ignore",
+        r"^data\.bad_images='ignore' is unknown; choose raise or skip",
+    ),
     "caption-on-imagefolder": (
         "data=imagefolder head=caption data.root={folder}",
         r"no captions for head=caption; use head=classification",

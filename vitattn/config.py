@@ -21,7 +21,15 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from vitattn.run_dir import RunDir
 
-__all__ = ["ALLOWED_TARGET_PREFIXES", "ConfigError", "check_config", "check_targets", "data_name"]
+__all__ = [
+    "ALLOWED_TARGET_PREFIXES",
+    "ConfigError",
+    "check_config",
+    "check_data_paths",
+    "check_targets",
+    "compose_train",
+    "data_name",
+]
 
 TASKS = ("caption", "classification")
 # Modules a saved config's `_target_` may name (configs read back from disk are not trusted further).
@@ -32,6 +40,15 @@ _FILE_KEYS = ("train_annotations", "val_annotations", "test_annotations", "vocab
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key and the fix."""
+
+
+def compose_train(overrides: list[str]) -> DictConfig:
+    """``conf/train.yaml`` composed with Hydra ``overrides`` as ``vitattn-train`` composes it, without a run
+    directory (``paths.output_dir`` stays unresolved unless an override sets it)."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("vitattn.conf", version_base="1.3"):
+        return compose("train", overrides=list(overrides))
 
 
 def data_name(data: DictConfig) -> str:
@@ -50,7 +67,8 @@ def _data_tasks(data: DictConfig) -> tuple[str, ...]:
     return tuple(getattr(cls, "tasks", TASKS))
 
 
-def _check_paths(data: DictConfig) -> None:
+def check_data_paths(data: DictConfig) -> None:
+    """Raise ``ConfigError`` for a data folder or file that is required, missing or unreadable."""
     for key in (*_DIR_KEYS, *_FILE_KEYS):
         if key not in data.keys():  # `key in data` is False for a ??? value
             continue
@@ -163,6 +181,8 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"weights={cfg.weights!r} is unknown; choose weights=best or weights=last")
     if cfg.head.get("nonfinite", "raise") not in ("raise", "skip"):
         raise ConfigError(f"head.nonfinite={cfg.head.nonfinite!r} is unknown; choose raise or skip")
+    if cfg.data.get("bad_images", "raise") not in ("raise", "skip"):
+        raise ConfigError(f"data.bad_images={cfg.data.bad_images!r} is unknown; choose raise or skip")
     supported = _data_tasks(cfg.data)
     if task not in supported:
         if task == "caption":
@@ -178,4 +198,4 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.get("ckpt_path") and not Path(cfg.ckpt_path).is_file():
         raise ConfigError(f"ckpt_path={cfg.ckpt_path} does not exist")
     _check_sizes(cfg)
-    _check_paths(cfg.data)
+    check_data_paths(cfg.data)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 __all__ = ["NonFiniteLossError", "first_line"]
 
 
@@ -9,8 +11,25 @@ class NonFiniteLossError(RuntimeError):
     """Training produced a NaN or infinite loss."""
 
 
+# PyTorch re-raises a DataLoader worker's error as the same type with the worker's traceback as its message.
+_WORKER_ERROR = re.compile(r"^Caught \w+ in DataLoader worker process \d+\.\n")
+
+
+def _worker_message(text: str) -> str:
+    """The original message of a DataLoader worker's error: the line after the last traceback's frames."""
+    lines = text.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.endswith("Traceback (most recent call last):"))
+    last = next((line for line in lines[start + 1 :] if line and not line[0].isspace()), lines[-1])
+    return re.sub(r"^[\w.]+: ", "", last, count=1)
+
+
 def first_line(err: BaseException, limit: int = 300) -> str:
-    """The error's message on one line (whitespace collapsed), cut at ``limit`` characters; its type if empty."""
+    """The error's message on one line (whitespace collapsed), cut at ``limit`` characters; its type if empty.
+
+    An error from a DataLoader worker gives the worker's message, not PyTorch's traceback around it.
+    """
     text = str(err).strip()
+    if _WORKER_ERROR.match(text) and "Traceback (most recent call last):" in text:
+        text = _worker_message(text)
     text = " ".join(text.splitlines()[0].split()) if text else type(err).__name__
     return text if len(text) <= limit else text[:limit] + "..."

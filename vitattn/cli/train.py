@@ -72,6 +72,9 @@ def _report(result: TrainResult) -> None:
     lines.append(f"speed:         {result.steps_per_second:.2f} steps/s (training with its validations)")
     for key in sorted(result.metrics):
         lines.append(f"  {key:<22} {result.metrics[key]:.4f}")
+    if result.skipped_images:
+        lines.append(f"skipped images ({len(result.skipped_images)} files could not be read; data.bad_images=skip):")
+        lines += [f"  {path}: {reason}" for path, reason in result.skipped_images.items()]
     if result.samples:
         lines.append("validation captions (generated | reference):")
         lines += [f"  {caption!r:<60} | {refs[0]!r}" for caption, refs in result.samples]

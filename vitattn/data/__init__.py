@@ -1,5 +1,6 @@
 """Data: built-in shapes, COCO-style captions, Karpathy splits, the caption vocabulary, and LightningDataModules."""
 
+from vitattn.data.bad_images import find_bad_images
 from vitattn.data.captions import TokenizedCaptions, collate_captions
 from vitattn.data.coco import CocoCaptionDataset, CocoImage, load_coco_captions
 from vitattn.data.datamodules import (
@@ -10,7 +11,7 @@ from vitattn.data.datamodules import (
     ShapesDataModule,
     image_folder_split,
 )
-from vitattn.data.images import read_image
+from vitattn.data.images import BadImageError, read_image
 from vitattn.data.karpathy import load_karpathy
 from vitattn.data.preprocess import default_preprocess, denormalize, eval_transform
 from vitattn.data.run_data import datamodule_from_run
@@ -21,6 +22,8 @@ from vitattn.data.transforms import (
 from vitattn.data.vocab import Vocabulary
 
 __all__ = [
+    "BadImageError",
+    "find_bad_images",
     "CLASS_NAMES",
     "CocoCaptionDataModule",
     "CocoCaptionDataset",

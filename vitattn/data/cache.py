@@ -13,14 +13,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
-from vitattn.data.images import read_image, unreadable_reason
+from vitattn.data.images import BadImageError, load_image, read_many
 
 __all__ = ["AUTO_LIMIT_BYTES", "CACHE_MODES", "ImageCache", "should_cache"]
 
@@ -51,33 +50,34 @@ class ImageCache:
     """uint8 (H, W, 3) arrays of image files after ``resize``, read in parallel; ``load(path)`` gives a PIL image.
 
     Args:
-        paths: the files; a file that cannot be read stops the build with one line naming it.
+        paths: the files; those that cannot be read are kept in ``bad`` (path -> reason), and loading
+            one raises its ``BadImageError``.
         resize: the evaluation transform's resize (PIL image -> PIL image).
         threads: reading threads (PIL decodes and resizes without the GIL).
     """
 
     def __init__(self, paths: Sequence[str], resize: Callable[[Image.Image], Image.Image], threads: int = 0) -> None:
         self.resize = resize
-        threads = threads or max(1, min(8, os.cpu_count() or 1))
-        unique = list(dict.fromkeys(str(p) for p in paths))
-        with ThreadPoolExecutor(threads) as pool:
-            arrays = list(pool.map(self._read, unique))
-        self.images: dict[str, np.ndarray] = dict(zip(unique, arrays))
-        self.nbytes = sum(a.nbytes for a in arrays)
-        log.info("cached %d images in memory (%.1f MiB)", len(unique), self.nbytes / 2**20)
+        self.images, self.bad = read_many(paths, self._read, threads or max(1, min(8, os.cpu_count() or 1)))
+        self.nbytes = sum(a.nbytes for a in self.images.values())
+        log.info("cached %d images in memory (%.1f MiB)", len(self.images), self.nbytes / 2**20)
 
     def _read(self, path: str) -> np.ndarray:
-        try:
-            return np.asarray(self.resize(read_image(path)), dtype=np.uint8).copy()
-        except Exception as err:  # noqa: BLE001 - any unreadable file becomes the one-line reason
-            raise ValueError(f"{path}: {unreadable_reason(path, err)}") from None
+        return np.asarray(self.resize(load_image(path)), dtype=np.uint8).copy()
 
     def __len__(self) -> int:
         return len(self.images)
 
     def load(self, path: Any) -> Image.Image:
-        """The cached image of ``path`` (a PIL view of the array; cheap)."""
-        return Image.fromarray(self.images[str(path)])
+        """The cached image of ``path`` (a PIL view of the array; cheap).
+
+        Raises:
+            BadImageError: ``path`` could not be read when the cache was built.
+        """
+        key = str(path)
+        if key in self.bad:
+            raise BadImageError(f"{key}: {self.bad[key]}", key, self.bad[key])
+        return Image.fromarray(self.images[key])
 
     def tensor(self, path: Any) -> torch.Tensor:
         """The cached image of ``path`` as (3, H, W) uint8."""

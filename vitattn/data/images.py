@@ -1,20 +1,23 @@
 """An image file becomes pixels here, for training and for inference alike.
 
-``read_image`` is the one reader: the COCO, Karpathy and ImageFolder datasets and the batch
-captioner all call it, so a model sees at inference exactly what it saw in training.
+``read_image`` is the one reader: the COCO, Karpathy and ImageFolder datasets (through ``load_image``)
+and the batch captioner all call it, so a model sees at inference exactly what it saw in training.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from vitattn.errors import first_line
 
-__all__ = ["IMAGE_EXTENSIONS", "read_image", "unreadable_reason"]
+__all__ = ["IMAGE_EXTENSIONS", "BadImageError", "load_image", "read_image", "read_many", "unreadable_reason"]
 
 IMAGE_EXTENSIONS = frozenset(
     {".jpg", ".jpeg", ".jfif", ".png", ".gif", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm"}
@@ -38,6 +41,56 @@ def read_image(path: str | os.PathLike) -> Image.Image:
             image.load()  # first frame; raises here for truncated or corrupt data
             upright = ImageOps.exif_transpose(image)  # a loaded copy
     return _to_rgb(upright)
+
+
+class BadImageError(ValueError):
+    """An image file that cannot be used; the message is ``<path>: <reason>``.
+
+    Constructed from the message alone too, as PyTorch re-raises a DataLoader worker's error.
+    """
+
+    def __init__(self, message: str, path: str | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.path, self.reason = path, reason
+
+
+def load_image(path: str | os.PathLike) -> Image.Image:
+    """``read_image`` for datasets: any failure becomes a ``BadImageError`` naming the file and the reason."""
+    try:
+        return read_image(path)
+    except Exception as err:  # noqa: BLE001 - any unreadable file (bomb warnings too) becomes the one-line reason
+        reason = unreadable_reason(str(path), err)
+        raise BadImageError(f"{path}: {reason}", str(path), reason) from None
+
+
+def read_many(
+    paths: Sequence[str | os.PathLike], read: Callable[[str], Any] = load_image, threads: int = 0
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """``read(path)`` of each distinct path, by a pool of ``threads`` (default: the cores, at most 16);
+    PIL decodes without the GIL.
+
+    Returns:
+        ``(results, bad)``: path -> what ``read`` returned, and path -> why the file cannot be read (a
+        ``BadImageError`` from ``read``), both in the order of ``paths``.
+    """
+    unique = list(dict.fromkeys(str(p) for p in paths))
+    threads = threads or max(1, min(16, len(os.sched_getaffinity(0))))
+
+    def attempt(path: str) -> tuple[Any, str | None]:
+        try:
+            return read(path), None
+        except BadImageError as err:
+            return None, err.reason or str(err)
+
+    results: dict[str, Any] = {}
+    bad: dict[str, str] = {}
+    with ThreadPoolExecutor(threads) as pool:
+        for path, (result, reason) in zip(unique, pool.map(attempt, unique)):
+            if reason is None:
+                results[path] = result
+            else:
+                bad[path] = reason
+    return results, bad
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

@@ -42,5 +42,6 @@ def datamodule_from_run(
         raise ValueError(f"the data of {run.config} cannot be rebuilt: {' '.join(str(err).split())[:200]}") from None
     datamodule.vocab = vocab
     datamodule.cache_mode = "none"  # evaluation reads each file once itself: decoding them all first is waste
+    datamodule.verify = False  # ... and counts the unreadable ones
     datamodule.setup("validate")
     return datamodule

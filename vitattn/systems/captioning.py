@@ -86,12 +86,16 @@ class CaptionSystem(VisionSystem):
             label_smoothing=label_smoothing,
         )
 
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor | None:
+    def training_step(self, batch: dict[str, Any] | None, batch_idx: int) -> Tensor | None:
+        if batch is None:  # no image of the batch could be read (data.bad_images=skip)
+            return None
         loss = self._loss(batch, self.label_smoothing)
         self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["images"]))
         return self.guard(loss)
 
-    def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
+    def _evaluate(self, batch: dict[str, Any] | None, stage: str) -> None:
+        if batch is None:  # no image of the batch could be read (data.bad_images=skip)
+            return
         self.log(f"{stage}/loss", self._loss(batch), sync_dist=True, prog_bar=True, batch_size=len(batch["images"]))
         captions = self.vocab.decode_batch(self.model.generate(batch["images"], **self.generate_kwargs))
         ids = batch["image_ids"].tolist()

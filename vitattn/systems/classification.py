@@ -65,7 +65,9 @@ class ClassificationSystem(VisionSystem):
     def forward(self, images: Tensor) -> Tensor:
         return self.model(images)
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
+    def training_step(self, batch: tuple[Tensor, Tensor] | None, batch_idx: int) -> Tensor | None:
+        if batch is None:  # no image of the batch could be read (data.bad_images=skip)
+            return None
         images, labels = batch
         if self.mixup is not None and len(images) % 2 == 0:  # timm mixes pairs: an odd last batch stays plain
             mixed, soft = self.mixup(images, labels)  # (B, C, H, W), (B, K)
@@ -80,8 +82,10 @@ class ClassificationSystem(VisionSystem):
         return self.guard(loss)
 
     def _evaluate(
-        self, batch: tuple[Tensor, Tensor], stage: str, top1: MulticlassAccuracy, top5: MulticlassAccuracy
+        self, batch: tuple[Tensor, Tensor] | None, stage: str, top1: MulticlassAccuracy, top5: MulticlassAccuracy
     ) -> None:
+        if batch is None:  # no image of the batch could be read (data.bad_images=skip)
+            return
         images, labels = batch
         logits = self.model(images)
         self.log(f"{stage}/loss", F.cross_entropy(logits, labels), sync_dist=True)

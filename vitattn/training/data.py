@@ -9,6 +9,7 @@ import torch
 from omegaconf import DictConfig
 
 from vitattn.config import ConfigError, data_name
+from vitattn.data.images import BadImageError
 from vitattn.errors import first_line
 from vitattn.run_dir import RunDir
 
@@ -25,6 +26,8 @@ def setup_data(cfg: DictConfig, datamodule: Any, ckpt_path: str | None = None) -
     where = f"data.root={data.root}" if "root" in data else f"data={data_name(data)}"
     try:
         datamodule.setup("fit")
+    except BadImageError:
+        raise  # names the file already
     except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as err:
         layout = "; expected ROOT/train/<class>/<image> and ROOT/val/<class>/<image>" if "root" in data else ""
         raise ConfigError(f"{where}: {first_line(err)}{layout}") from err

@@ -22,8 +22,9 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from vitattn.bundle import bundle_from_system
-from vitattn.callbacks import EMA, FreezeEncoder, TimeBudgetHorizon
+from vitattn.callbacks import EMA, FreezeEncoder, SkippedImages, TimeBudgetHorizon
 from vitattn.config import check_config
+from vitattn.data.bad_images import gather_skipped
 from vitattn.run_dir import RunDir
 from vitattn.systems import VisionSystem
 from vitattn.training.advice import check_fit
@@ -48,6 +49,7 @@ class TrainResult:
     system: VisionSystem | None = None
     weights: str = "last"  # which weights were tested and exported: "last", or "best (val/cider_d 1.2 at step 800)"
     steps_per_second: float = 0.0  # optimizer steps of this run / seconds of trainer.fit (validation included)
+    skipped_images: dict[str, str] = field(default_factory=dict)  # unreadable files left out (data.bad_images=skip)
 
 
 def _instantiate_group(group: DictConfig | None) -> list[Any]:
@@ -106,6 +108,7 @@ def train(cfg: DictConfig) -> TrainResult:
         system=system,
         weights=source,
         steps_per_second=(trainer.global_step - first_step) / seconds if seconds > 0 else 0.0,
+        skipped_images=gather_skipped(datamodule.skipped_images) if cfg.data.get("bad_images") == "skip" else {},
     )
     if cfg.export_bundle and trainer.is_global_zero:
         result.bundle_dir = _export(system, run_dir)
@@ -136,9 +139,11 @@ def _use_best(cfg: DictConfig, trainer: pl.Trainer, system: VisionSystem) -> str
 
 def training_callbacks(cfg: DictConfig) -> list[pl.Callback]:
     """The callbacks that the run's own switches ask for: the time-budget horizon (always; idle without
-    ``trainer.max_time``), EMA weights (``ema.decay``), early stopping (``early_stopping.patience``) and
-    a frozen encoder (``model.freeze_encoder_epochs``)."""
+    ``trainer.max_time``), EMA weights (``ema.decay``), early stopping (``early_stopping.patience``),
+    a frozen encoder (``model.freeze_encoder_epochs``) and the count of skipped images (``data.bad_images=skip``)."""
     callbacks: list[pl.Callback] = [TimeBudgetHorizon()]
+    if cfg.data.get("bad_images") == "skip":
+        callbacks.append(SkippedImages())
     if cfg.model.get("freeze_encoder_epochs"):
         callbacks.append(FreezeEncoder(cfg.model.freeze_encoder_epochs))
     if cfg.get("ema") and cfg.ema.get("decay"):

@@ -5,12 +5,16 @@ are dicts from ``collate_captions``: ``images`` (B, 3, H, W), ``tokens`` (B, T) 
 ``bos ... eos``, ``image_ids`` (B,) and ``references`` (B lists of strings). Loaders use plain
 shuffling so that Lightning can swap in its ``DistributedSampler`` under DDP; ``image_ids`` identify
 the samples it repeats to even out the ranks.
+
+Image files that cannot be read stop the run or are skipped as ``bad_images`` says
+(``vitattn.data.bad_images``); skipped files are kept in ``skipped_images``.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -19,8 +23,16 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
+from vitattn.data.bad_images import (
+    BAD_IMAGE_MODES,
+    GuardedImages,
+    PartialBatch,
+    check_bad_images,
+    collate_skipping,
+    find_bad_images,
+)
 from vitattn.data.cache import ImageCache, should_cache
 from vitattn.data.captions import TokenizedCaptions, collate_captions
 from vitattn.data.preprocess import eval_transform
@@ -62,6 +74,9 @@ class ImageDataModule(pl.LightningDataModule):
     """
 
     tasks: tuple[str, ...] = ()
+    reads_files = False  # images come from files (which may be unreadable), not from a generator
+    bad_images = "raise"  # an unreadable file: raise | skip
+    verify = False  # read every image once before training
     crop = {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bicubic"}  # whole image, squashed
 
     def __init__(self, batch_size: int, num_workers: int | str, img_size: int) -> None:
@@ -76,6 +91,8 @@ class ImageDataModule(pl.LightningDataModule):
         self.test_dataset: Dataset | None = None
         self.collate_fn = None  # the DataLoader default unless captions set one
         self.vocab: Vocabulary | None = None
+        self.skipped_images: dict[str, str] = {}  # files left out of batches in this process: path -> reason
+        self.skipped_counts: Counter[str] = Counter()  # items left out, by the trainer's stage (train, validate, ...)
 
     @property
     def preprocess(self) -> dict:
@@ -101,6 +118,41 @@ class ImageDataModule(pl.LightningDataModule):
             return None
         self.cache = ImageCache(paths, resize)
         return self.cache
+
+    def _bad_image_settings(self, bad_images: str, verify: bool) -> None:
+        if bad_images not in BAD_IMAGE_MODES:
+            raise ValueError(f"bad_images={bad_images!r} is unknown; choose one of {list(BAD_IMAGE_MODES)}")
+        self.bad_images, self.verify = bad_images, bool(verify)
+
+    def image_files(self) -> list[str]:
+        """Every image file of the train, val and test splits (after ``setup``); none for generated images."""
+        return []
+
+    def _read_images(self, datasets: Any) -> None:
+        """Before any step: cache the images of ``datasets`` (``cache_mode``), or with ``verify`` read each file
+        once; unreadable files found then stop the run (``bad_images=raise``) or are announced (``skip``)."""
+        paths = self.image_files()
+        cache = self._cache(paths)
+        if cache is not None:
+            for dataset in datasets:
+                dataset.loader = cache.load
+            bad = cache.bad
+        elif self.verify:
+            bad = find_bad_images(paths)
+        else:
+            return
+        check_bad_images(bad, len(set(paths)), self.bad_images, listed=self.verify)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Take the skipped files off a ``PartialBatch`` (``bad_images=skip``) and count them under the trainer's
+        stage: the model gets the readable items, or None when there are none (Lightning then skips a training
+        batch without a step)."""
+        if not isinstance(batch, PartialBatch):
+            return batch
+        stage = self.trainer.state.stage if self.trainer is not None else None
+        self.skipped_counts[str(stage.value) if stage is not None else "none"] += len(batch.skipped)
+        self.skipped_images.update(batch.skipped)
+        return batch.batch
 
     def evaluation_split(self, split: str) -> EvalSplit:
         """The ``val`` or ``test`` split for scoring (after ``setup``); subclasses with files override this."""
@@ -138,12 +190,17 @@ class ImageDataModule(pl.LightningDataModule):
             raise RuntimeError(f"{type(self).__name__}.setup() must run before its dataloaders")
         if self.num_workers == "auto":
             self.plan_workers(torch.cuda.is_available(), len(os.sched_getaffinity(0)))
+        collate = self.collate_fn
+        if self.reads_files:
+            dataset = GuardedImages(dataset, self.bad_images)
+            if self.bad_images == "skip":
+                collate = partial(collate_skipping, collate=collate or default_collate)
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,
             num_workers=self.num_workers,
-            collate_fn=self.collate_fn,
+            collate_fn=collate,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
         )

@@ -30,6 +30,8 @@ class CaptionFilesDataModule(ImageDataModule):
         vocab_path: a saved ``Vocabulary`` to use rather than one built from training captions.
         augment: training augmentation (``vitattn.data.augment.Augment``).
         cache: ``auto``, ``ram`` or ``none`` (``vitattn.data.cache``).
+
+    Subclasses take ``bad_images`` and ``verify`` as ``ImageFolderDataModule`` does.
     """
 
     tasks = ("caption",)
@@ -75,11 +77,13 @@ class CaptionFilesDataModule(ImageDataModule):
         test = val if test_images is val_images else CocoCaptionDataset(self.image_dir, test_images, evaluate)
         vocab = caption_vocab(self.vocab, self.vocab_path, lambda: train.captions, self.min_word_freq)
         self._use_captions((train, val, test), vocab, self.max_caption_len, sample_train_caption=True)
-        splits = {train, val, test}
-        cache = self._cache([str(d.image_dir / im.file_name) for d in splits for im in d.images])
-        if cache is not None:
-            for dataset in splits:
-                dataset.loader = cache.load
+        self._read_images({train, val, test})
+
+    def image_files(self) -> list[str]:
+        if self.train_dataset is None:
+            return []
+        splits = dict.fromkeys(d.dataset for d in (self.train_dataset, self.val_dataset, self.test_dataset))
+        return [str(d.image_dir / im.file_name) for d in splits for im in d.images]
 
     def evaluation_split(self, split: str) -> EvalSplit:
         images = (self.val_dataset if split == "val" else self.test_dataset).dataset  # TokenizedCaptions -> images

@@ -22,6 +22,7 @@ class CocoCaptionDataModule(CaptionFilesDataModule):
         test_annotations: the test file; ``val_annotations`` when not given.
         img_size, batch_size, num_workers, min_word_freq, max_caption_len, vocab_path, augment, cache:
             as in ``CaptionFilesDataModule``.
+        bad_images, verify: unreadable image files, as in ``ImageFolderDataModule``.
     """
 
     def __init__(
@@ -38,10 +39,13 @@ class CocoCaptionDataModule(CaptionFilesDataModule):
         vocab_path: str | os.PathLike | None = None,
         augment: bool | Mapping[str, Any] = True,
         cache: str = "auto",
+        bad_images: str = "raise",
+        verify: bool = False,
     ) -> None:
         super().__init__(
             image_dir, img_size, batch_size, num_workers, min_word_freq, max_caption_len, vocab_path, augment, cache
         )
+        self._bad_image_settings(bad_images, verify)
         self.annotations = (train_annotations, val_annotations, test_annotations or val_annotations)
 
     def split_images(self) -> tuple[list[CocoImage], list[CocoImage], list[CocoImage]]:

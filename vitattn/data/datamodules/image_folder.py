@@ -12,7 +12,7 @@ from torchvision.datasets import ImageFolder
 from vitattn.data.augment import Augment, classification_train_transform
 from vitattn.data.cache import should_cache
 from vitattn.data.datamodules.base import EvalSplit, ImageDataModule
-from vitattn.data.images import IMAGE_EXTENSIONS, read_image
+from vitattn.data.images import IMAGE_EXTENSIONS, load_image
 
 __all__ = ["ImageFolderDataModule", "image_folder_split", "open_image_folder"]
 
@@ -32,13 +32,14 @@ def _is_image_file(path: str) -> bool:
 
 
 def open_image_folder(directory: str | os.PathLike, transform: Callable[[Any], Any] | None = None) -> ImageFolder:
-    """``directory/<class>/<image>`` as a torchvision ``ImageFolder`` read with ``read_image``; the same file
-    extensions as the captioner (``IMAGE_EXTENSIONS``), hidden files skipped. Listing reads no image."""
+    """``directory/<class>/<image>`` as a torchvision ``ImageFolder`` read with ``load_image`` (an unreadable file
+    raises ``BadImageError``); the same file extensions as the captioner (``IMAGE_EXTENSIONS``), hidden files
+    skipped. Listing reads no image."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"image folder not found: {directory} (expected {directory}/<class>/<image>)")
     try:
-        return ImageFolder(directory, transform=transform, loader=read_image, is_valid_file=_is_image_file)
+        return ImageFolder(directory, transform=transform, loader=load_image, is_valid_file=_is_image_file)
     except FileNotFoundError as err:  # torchvision's word for "no class folders" or "no images"
         raise ValueError(f"image folder {directory} is empty: {err}") from None
 
@@ -54,6 +55,9 @@ class ImageFolderDataModule(ImageDataModule):
         augment: training augmentation (``vitattn.data.augment.Augment``): ``True`` for the defaults
             that suit ``img_size``, ``False`` for the evaluation transform, or a mapping of its settings.
         cache: ``auto``, ``ram`` or ``none``: decode and resize every image once (``vitattn.data.cache``).
+        bad_images: an image file that cannot be read: ``raise`` stops the run naming it, ``skip`` leaves it
+            out of its batch and counts it (``vitattn.data.bad_images``).
+        verify: read every image once, in parallel, before training and list the unreadable ones.
     """
 
     tasks = ("classification",)
@@ -68,8 +72,11 @@ class ImageFolderDataModule(ImageDataModule):
         num_workers: int | str = 0,
         augment: bool | Mapping[str, Any] = True,
         cache: str = "auto",
+        bad_images: str = "raise",
+        verify: bool = False,
     ) -> None:
         super().__init__(batch_size, num_workers, img_size)
+        self._bad_image_settings(bad_images, verify)
         self.root = Path(root)
         self.augment = Augment.from_config(augment)
         self.cache_mode = cache
@@ -98,10 +105,11 @@ class ImageFolderDataModule(ImageDataModule):
         self.train_dataset, self.val_dataset, self.test_dataset = train, val, test
         self.class_names = list(train.classes)
         self.num_classes = len(train.classes)
-        cache = self._cache([path for folder in {train, val, test} for path, _ in folder.samples])
-        if cache is not None:
-            for folder in {train, val, test}:
-                folder.loader = cache.load
+        self._read_images({train, val, test})
+
+    def image_files(self) -> list[str]:
+        folders = dict.fromkeys((self.train_dataset, self.val_dataset, self.test_dataset))  # test may be val
+        return [path for folder in folders if folder is not None for path, _ in folder.samples]
 
     def evaluation_split(self, split: str) -> EvalSplit:
         folder = self.val_dataset if split == "val" else self.test_dataset

@@ -27,6 +27,7 @@ class KarpathyDataModule(CaptionFilesDataModule):
         restval_in_train: train on the ``restval`` images too (the usual COCO setting); else they are unused.
         img_size, batch_size, num_workers, min_word_freq, max_caption_len, vocab_path, augment, cache:
             as in ``CaptionFilesDataModule``.
+        bad_images, verify: unreadable image files, as in ``ImageFolderDataModule``.
     """
 
     def __init__(
@@ -42,10 +43,13 @@ class KarpathyDataModule(CaptionFilesDataModule):
         restval_in_train: bool = True,
         augment: bool | Mapping[str, Any] = True,
         cache: str = "auto",
+        bad_images: str = "raise",
+        verify: bool = False,
     ) -> None:
         super().__init__(
             image_dir, img_size, batch_size, num_workers, min_word_freq, max_caption_len, vocab_path, augment, cache
         )
+        self._bad_image_settings(bad_images, verify)
         self.dataset_json, self.restval_in_train = dataset_json, restval_in_train
 
     def split_images(self) -> tuple[list[CocoImage], list[CocoImage], list[CocoImage]]:
