@@ -51,3 +51,23 @@ def test_classification_validation_logs_the_confusion_matrix(tmp_path):
     logged = _events(tmp_path).Images("val/confusion_matrix")
     assert [e.step for e in logged] == [8, 16]
     _png(logged[-1])
+
+
+@pytest.mark.slow
+def test_pictures_go_to_mlflow_as_artifacts(tmp_path):
+    mlflow = pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow_logger = [
+        "+logger.mlflow._target_=lightning.pytorch.loggers.MLFlowLogger",
+        f"+logger.mlflow.tracking_uri={uri}",
+        f"+logger.mlflow.artifact_location={tmp_path / 'artifacts'}",
+        "+logger.mlflow.experiment_name=pictures",
+    ]
+    train(compose_train([*RUN, *mlflow_logger, "trainer.max_steps=8"], tmp_path / "run"))
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("pictures").experiment_id])
+    for k in range(4):
+        (artifact,) = client.list_artifacts(run.info.run_id, f"val/attention/{k}")
+        assert artifact.path == f"val/attention/{k}/step000008.png"
+        local = client.download_artifacts(run.info.run_id, artifact.path, str(tmp_path / "down"))
+        assert Image.open(local).format == "PNG"
