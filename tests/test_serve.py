@@ -3,6 +3,7 @@ and a real server on localhost answering concurrent clients and a headless brows
 
 import base64
 import io
+import json
 import os
 import shutil
 import signal
@@ -226,3 +227,38 @@ def test_server_page_captions_an_upload_in_a_browser(server, images, expected):
             assert page.text_content("#error") == "error: " + expected["notes.jpg"]["error"]
         finally:
             browser.close()
+
+
+def test_load_report_fails_on_a_5xx_a_wrong_reason_or_growing_memory():
+    from omegaconf import OmegaConf
+
+    from vitattn.serve.load import LoadConfig, Sample, _report
+
+    cfg = OmegaConf.structured(LoadConfig(model="m", requests=8))
+    jobs = [(i, "bad" if i == 3 else "good", "x", b"", "empty file (0 bytes)" if i == 3 else None) for i in range(8)]
+
+    def samples(bad_reason: str, status: int = 200) -> list:
+        out = [Sample(i, "good", status if i == 5 else 200, 0.1, "{}", float(i)) for i in range(8) if i != 3]
+        return [*out, Sample(3, "bad", 400, 0.1, f'{{"detail": "{bad_reason}"}}', 3.0)]
+
+    flat = [(float(t), 100) for t in range(8)]
+    good = _report(cfg, jobs, samples("empty file (0 bytes)"), flat, 1.0, 1.0)
+    assert good["passed"] and good["status_counts"] == {"200": 7, "400": 1} and good["throughput_rps"] == 8.0
+    assert not _report(cfg, jobs, samples("not an image"), flat, 1.0, 1.0)["checks"][
+        "every_bad_image_400_with_its_reason"
+    ]
+    assert not _report(cfg, jobs, samples("empty file (0 bytes)", 500), flat, 1.0, 1.0)["checks"]["no_5xx"]
+    growing = [(float(t), 100 + 10 * t) for t in range(8)]
+    assert not _report(cfg, jobs, samples("empty file (0 bytes)"), growing, 1.0, 1.0)["checks"]["rss_flat"]
+
+
+@pytest.mark.slow
+def test_load_script_passes_its_checks_on_a_small_run(bundle_dir, tmp_path):
+    out = tmp_path / "load.json"
+    command = [sys.executable, "scripts/load_serve.py", f"model={bundle_dir}", "requests=60", "clients=6"]
+    command += ["warmup=4", "num_threads=1", f"out={out}"]
+    proc = subprocess.run(command, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
+    report = json.loads(out.read_text())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report["passed"] and report["answered"] == 60 and report["status_counts"] == {"200": 54, "400": 6}
+    assert report["latency_ms"]["p50"] <= report["latency_ms"]["p99"]
