@@ -39,6 +39,7 @@ import numpy as np
 from omegaconf import MISSING
 from PIL import Image
 
+from vitattn.bench.machine import loadavg, machine_info
 from vitattn.bench.processes import tree_rss_kib
 from vitattn.cli.args import UsageError, parse_key_values, run_main
 from vitattn.data.images import read_image, unreadable_reason
@@ -203,6 +204,7 @@ def run(cfg: Any) -> int:
             name, data = good[i % len(good)]
             jobs.append((i, "good", name, data, None))
 
+    machine = machine_info(cfg.num_threads or 0)
     server = _Server(cfg)
     rss: list[tuple[float, int]] = []
     stop = threading.Event()
@@ -248,7 +250,7 @@ def run(cfg: Any) -> int:
         stop.set()
         server.stop()
 
-    report = _report(cfg, jobs, samples, rss, wall, startup)
+    report = {"machine": machine | {"loadavg_end": loadavg()}, **_report(cfg, jobs, samples, rss, wall, startup)}
     text = json.dumps(report, indent=1)
     print(text)
     if cfg.out:
@@ -286,7 +288,7 @@ def _report(cfg: Any, jobs: list, samples: list[Sample], rss: list, wall: float,
     ms = 1000.0
     return {
         "config": {k: cfg[k] for k in ("model", "requests", "clients", "bad_every", "warmup", "max_batch_size")}
-        | {"batch_timeout": cfg.batch_timeout, "num_threads": cfg.num_threads, "cpu_count": os.cpu_count()},
+        | {"batch_timeout": cfg.batch_timeout, "num_threads": cfg.num_threads},
         "startup_seconds": round(startup, 1),
         "answered": len(samples),
         "good": len(good),
