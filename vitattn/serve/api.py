@@ -127,7 +127,7 @@ class CaptionAPI(ls.LitAPI):
         self.transform = self.bundle.transform
 
     # ``request`` stays unannotated: LitServe reads the annotation to choose what the endpoint parses
-    def decode_request(self, request) -> ImageRequest:  # noqa: ANN001
+    def decode_request(self, request) -> ImageRequest:
         return decode_image_request(request, self.transform, self.max_image_bytes)
 
     def batch(self, inputs: list[ImageRequest]) -> list[ImageRequest]:
