@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vitattn.bench.processes import busy_ticks, process_tree, rss_kib, scan_processes
+
 SCHEMA = "vitattn-load-caption/1"
 FRACTIONS = (0.2, 0.4, 0.6, 0.8, 1.0)
 DEFAULT_TRAINED = "/tmp/final_default/caption/*/bundle"
@@ -95,52 +97,6 @@ def caption_command() -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ sampling
-
-
-def scan_processes() -> dict[int, tuple[int, int]]:
-    """Every live process: pid -> (parent pid, CPU ticks used so far); zombies left out."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                text = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = text[text.rfind(")") + 2 :].split()  # the name in (...) may hold spaces
-            if fields[0] != "Z":
-                found[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
-    return found
-
-
-def process_tree(root: int, processes: dict[int, tuple[int, int]] | None = None) -> list[int]:
-    """``root`` and its live descendants."""
-    processes = scan_processes() if processes is None else processes
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in processes.items():
-        children.setdefault(ppid, []).append(pid)
-    tree, todo = [], [root] if root in processes else []
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    return tree
-
-
-def busy_ticks() -> int:
-    """CPU ticks the whole machine has spent busy (``/proc/stat``: all but idle and iowait)."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return sum(values) - values[3] - values[4]
-
-
-def rss_kib(pid: int) -> int:
-    """``VmRSS`` of ``pid`` in KiB; 0 when it is gone (or a zombie, which has none)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 class LineCounter:

@@ -31,6 +31,31 @@ TINY = [
 TINY_SHAPES = ["data.num_train=64", "data.num_val=16", "data.num_test=16"]
 
 
+# A tiny untrained captioner for inference tests: 32 px images, 8 px patches, width 32, 2 layers.
+CAPTION_WORDS = "a red blue green circle square on the left right".split()
+CAPTION_PREPROCESS = dict(
+    img_size=32, crop_pct=1.0, crop_mode="squash", mean=[0.5] * 3, std=[0.5] * 3, interpolation="bicubic"
+)
+
+
+def make_caption_bundle(folder: Path) -> Path:
+    """Write a bundle of a tiny random captioner (seed 0) whose captions are a few words, not empty."""
+    import torch
+
+    from vitattn.bundle import save_bundle
+    from vitattn.data.vocab import Vocabulary
+    from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
+
+    torch.manual_seed(0)
+    vocab = Vocabulary(CAPTION_WORDS)
+    decoder = CaptionDecoder(len(vocab), embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, max_len=8)
+    with torch.no_grad():
+        decoder.token_embed.weight[vocab.eos_id].zero_()  # captions of a few words, not empty ones
+    encoder = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
+    model = ImageCaptioner(encoder, decoder).eval()
+    return save_bundle(folder, model, task="caption", preprocess=CAPTION_PREPROCESS, vocab=vocab)
+
+
 def console_script(name: str) -> Path:
     """The venv's ``name`` console script. A missing one fails the test: the install is broken, nothing to skip."""
     path = Path(sys.executable).with_name(name)

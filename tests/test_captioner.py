@@ -13,29 +13,15 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import console_script
-from vitattn.bundle import load_bundle, save_bundle
+from tests.helpers import console_script, make_caption_bundle
+from vitattn.bundle import load_bundle
 from vitattn.cli.caption import main
-from vitattn.data.vocab import Vocabulary
 from vitattn.inference import caption_images, caption_to_file, list_inputs, read_image, read_records
-from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
-
-TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
-WORDS = "a red blue green circle square on the left right".split()
-PREPROCESS = dict(img_size=32, crop_pct=1.0, crop_mode="squash", mean=[0.5] * 3, std=[0.5] * 3, interpolation="bicubic")
 
 
 @pytest.fixture(scope="module")
 def bundle_dir(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    vocab = Vocabulary(WORDS)
-    decoder = CaptionDecoder(len(vocab), embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, max_len=8)
-    with torch.no_grad():
-        decoder.token_embed.weight[vocab.eos_id].zero_()  # captions of a few words, not empty ones
-    model = ImageCaptioner(VisionTransformer(**TINY), decoder).eval()
-    return save_bundle(
-        tmp_path_factory.mktemp("model") / "bundle", model, task="caption", preprocess=PREPROCESS, vocab=vocab
-    )
+    return make_caption_bundle(tmp_path_factory.mktemp("model") / "bundle")
 
 
 def _png_header(path: Path, width: int, height: int) -> None:

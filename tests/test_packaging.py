@@ -36,6 +36,7 @@ def test_wheel_holds_every_config(wheel):
     configs = {f"vitattn/conf/{p.relative_to(CONF).as_posix()}" for p in CONF.rglob("*.yaml")}
     assert len(configs) > 20 and "vitattn/conf/train.yaml" in configs
     assert configs <= names, sorted(configs - names)
+    assert "vitattn/serve/index.html" in names  # vitattn-serve's page
 
 
 def _console_script(venv: Path, name: str) -> Path:

@@ -80,7 +80,7 @@ def test_every_config_composes_and_instantiates(group, option, datasets, tmp_pat
             assert cfg.trainer.strategy == "ddp"
     elif group in ("logger", "callbacks"):
         objects = [hydra.utils.instantiate(node) for node in (cfg[group] or {}).values()]
-        assert all(type(o).__module__.startswith("lightning") for o in objects)
+        assert all(type(o).__module__.startswith(("lightning", "vitattn.callbacks")) for o in objects)
         assert (len(objects) > 0) == (option != "none")
     elif group == "head":
         assert cfg.head.task == option

@@ -1,9 +1,11 @@
 """Lightning callbacks of a training run: a schedule that follows a time budget, EMA weights, an
-encoder frozen for the first epochs, and the count of unreadable images skipped."""
+encoder frozen for the first epochs, the count of unreadable images skipped, and pictures of every
+validation for TensorBoard and MLflow."""
 
 from vitattn.callbacks.ema import EMA
 from vitattn.callbacks.freeze import FreezeEncoder
+from vitattn.callbacks.pictures import ValidationPictures
 from vitattn.callbacks.skipped_images import SkippedImages
 from vitattn.callbacks.time_budget import TimeBudgetHorizon, schedule_of
 
-__all__ = ["EMA", "FreezeEncoder", "SkippedImages", "TimeBudgetHorizon", "schedule_of"]
+__all__ = ["EMA", "FreezeEncoder", "SkippedImages", "TimeBudgetHorizon", "ValidationPictures", "schedule_of"]

@@ -10,7 +10,7 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -24,8 +24,8 @@ IMAGE_EXTENSIONS = frozenset(
 )
 
 
-def read_image(path: str | os.PathLike) -> Image.Image:
-    """Read an image file as an upright 8-bit RGB image.
+def read_image(path: str | os.PathLike | IO[bytes]) -> Image.Image:
+    """Read an image file (a path, or an open binary file such as ``io.BytesIO``) as an upright 8-bit RGB image.
 
     EXIF orientation is applied; transparency is composited on white; 16-bit and 32-bit grey is
     scaled (not clipped) to 8 bits; animations give their first frame. An image over PIL's
@@ -111,11 +111,12 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image if mode == "RGB" else image.convert("RGB")
 
 
-def unreadable_reason(path: str, err: BaseException) -> str:
-    """A short one-line reason why ``path`` could not be read."""
+def unreadable_reason(path: str | os.PathLike | IO[bytes], err: BaseException) -> str:
+    """A short one-line reason why ``path`` (a path, or an open binary file) could not be read."""
     if isinstance(err, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
         return f"decompression bomb refused: {first_line(err, limit=200)}"
-    if isinstance(err, IsADirectoryError) or os.path.isdir(path):
+    on_disk = isinstance(path, (str, os.PathLike))
+    if on_disk and (isinstance(err, IsADirectoryError) or os.path.isdir(path)):
         return "is a directory, not an image file"
     if isinstance(err, FileNotFoundError):
         return "file not found"
@@ -123,9 +124,8 @@ def unreadable_reason(path: str, err: BaseException) -> str:
         return "permission denied"
     if isinstance(err, UnidentifiedImageError):
         try:
-            if os.path.getsize(path) == 0:
-                return "empty file (0 bytes)"
+            size = os.path.getsize(path) if on_disk else path.seek(0, os.SEEK_END)
         except OSError:
             return "file not found"
-        return "not an image (unrecognised file format)"
+        return "empty file (0 bytes)" if size == 0 else "not an image (unrecognised file format)"
     return f"unreadable image: {first_line(err, limit=200)}"

@@ -7,12 +7,14 @@ reads them), ``captioning`` decodes batches, ``writers`` keeps resumable output 
 
 from vitattn.data.images import read_image
 from vitattn.inference.attention_maps import (
+    attention_figure,
     attention_from_tokens,
     attention_rollout,
     caption_attention_maps,
+    figure_png,
     save_attention_figure,
 )
-from vitattn.inference.captioning import CaptionBatch, caption_images, iter_caption_batches
+from vitattn.inference.captioning import CaptionBatch, caption_images, generate_tokens, iter_caption_batches
 from vitattn.inference.inputs import InputImage, list_inputs
 from vitattn.inference.writers import OUTPUT_FORMATS, CaptionSummary, caption_to_file, read_records
 
@@ -21,11 +23,14 @@ __all__ = [
     "CaptionBatch",
     "CaptionSummary",
     "InputImage",
+    "attention_figure",
     "attention_from_tokens",
     "attention_rollout",
     "caption_attention_maps",
     "caption_images",
     "caption_to_file",
+    "figure_png",
+    "generate_tokens",
     "iter_caption_batches",
     "list_inputs",
     "read_image",

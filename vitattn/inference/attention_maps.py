@@ -10,11 +10,12 @@ word t, so its cross-attention is the map of word t, for greedy, beam and sample
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -22,11 +23,21 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
-from vitattn.fileio import atomic_open
+from vitattn.fileio import atomic_write
 from vitattn.layers import record_attention
 from vitattn.models import ImageCaptioner
 
-__all__ = ["attention_from_tokens", "attention_rollout", "caption_attention_maps", "save_attention_figure"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = [
+    "attention_figure",
+    "attention_from_tokens",
+    "attention_rollout",
+    "caption_attention_maps",
+    "figure_png",
+    "save_attention_figure",
+]
 
 
 def attention_rollout(attentions: Sequence[Tensor], num_prefix_tokens: int = 1) -> Tensor:
@@ -135,17 +146,16 @@ def _upsample(heat: Tensor | np.ndarray, size: tuple[int, int]) -> np.ndarray:
     return (h / h.max().clamp_min(1e-12)).numpy()
 
 
-def save_attention_figure(
+def attention_figure(
     image: Image.Image | np.ndarray | Tensor,
     words: Sequence[str],
     cross_maps: Tensor | np.ndarray,
     rollout: Tensor | np.ndarray,
-    path: str | os.PathLike,
     *,
     title: str | None = None,
     max_cols: int = 6,
-) -> Path:
-    """Draw the image, one heat-map overlay per word, and the encoder rollout; write a PNG atomically.
+) -> Figure:
+    """The image, one heat-map overlay per word, and the encoder rollout, as a matplotlib ``Figure``.
 
     Args:
         image: the image the maps belong to (the model's input view aligns best): PIL, (H, W, 3)
@@ -153,12 +163,8 @@ def save_attention_figure(
         words: the caption's words; panel i shows ``cross_maps[i]``.
         cross_maps: (T', gh, gw) with T' >= len(words).
         rollout: (gh, gw).
-        path: the PNG to write.
         title: a figure title, e.g. the caption.
         max_cols: panels per row.
-
-    Returns:
-        ``path``.
     """
     from matplotlib.figure import Figure  # no pyplot: no global state, Agg chosen by savefig
 
@@ -169,7 +175,8 @@ def save_attention_figure(
     panels = [("image", None), *((w, cross_maps[i]) for i, w in enumerate(words)), ("rollout", rollout)]
     cols = min(max_cols, len(panels))
     rows = math.ceil(len(panels) / cols)
-    fig = Figure(figsize=(2.2 * cols, 2.4 * rows + (0.4 if title else 0.0)))
+    lines = title.count("\n") + 1 if title else 0
+    fig = Figure(figsize=(2.2 * cols, 2.4 * rows + 0.4 * lines))
     for k, (label, heat) in enumerate(panels):
         ax = fig.add_subplot(rows, cols, k + 1)
         ax.imshow(rgb)
@@ -180,7 +187,26 @@ def save_attention_figure(
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    path = Path(path)
-    with atomic_open(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=80)
-    return path
+    return fig
+
+
+def figure_png(fig: Figure, dpi: int = 80) -> bytes:
+    """``fig`` as PNG bytes."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()
+
+
+def save_attention_figure(
+    image: Image.Image | np.ndarray | Tensor,
+    words: Sequence[str],
+    cross_maps: Tensor | np.ndarray,
+    rollout: Tensor | np.ndarray,
+    path: str | os.PathLike,
+    *,
+    title: str | None = None,
+    max_cols: int = 6,
+) -> Path:
+    """Draw ``attention_figure`` and write it as a PNG atomically; returns ``path``."""
+    png = figure_png(attention_figure(image, words, cross_maps, rollout, title=title, max_cols=max_cols))
+    return atomic_write(path, png)

@@ -22,7 +22,7 @@ from vitattn.bundle import Bundle
 from vitattn.inference.inputs import InputImage
 from vitattn.inference.reading import ImageFileDataset, collate_images
 
-__all__ = ["CaptionBatch", "caption_images", "iter_caption_batches"]
+__all__ = ["CaptionBatch", "caption_images", "generate_tokens", "iter_caption_batches"]
 
 
 @dataclass
@@ -41,6 +41,13 @@ class CaptionBatch:
     images: Tensor | None
     tokens: Tensor | None
     captioned: list[int]
+
+
+def generate_tokens(model: torch.nn.Module, images: Tensor, **generate_kwargs: Any) -> Tensor:
+    """``model.generate(images)`` for inference: no autograd, bf16 autocast on GPUs (as the GPU training
+    configs), fp32 on CPUs, where bf16 is slow. Returns (B, T') token ids."""
+    with torch.inference_mode(), torch.autocast("cuda", torch.bfloat16, enabled=images.device.type == "cuda"):
+        return model.generate(images, **generate_kwargs)
 
 
 def iter_caption_batches(
@@ -89,9 +96,7 @@ def iter_caption_batches(
             tokens = None
             if images is not None:
                 images = images.to(device, non_blocking=True)
-                # bf16 autocast on GPUs (as the GPU training configs); fp32 on CPUs, where bf16 is slow
-                with torch.inference_mode(), torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
-                    tokens = model.generate(images, **generate_kwargs)  # (b, T')
+                tokens = generate_tokens(model, images, **generate_kwargs)  # (b, T')
                 for i, caption in zip(ok, bundle.vocab.decode_batch(tokens)):
                     records[pos[i]]["caption"] = caption
             bar.update(len(records))

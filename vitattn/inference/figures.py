@@ -4,14 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
 
 from vitattn.bundle import Bundle
 from vitattn.data.preprocess import denormalize
+from vitattn.fileio import atomic_write
 from vitattn.inference.captioning import CaptionBatch
 from vitattn.inference.inputs import InputImage
 
-__all__ = ["figure_paths", "write_figures"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["attention_figures", "caption_words", "figure_paths", "write_figures"]
 
 
 def figure_paths(inputs: Sequence[InputImage], folder: Path) -> dict[str, Path]:
@@ -30,24 +36,45 @@ def figure_paths(inputs: Sequence[InputImage], folder: Path) -> dict[str, Path]:
     return names
 
 
+def attention_figures(
+    model: Any, images: Tensor, tokens: Tensor, vocab: Any, preprocess: Mapping[str, Any], titles: Sequence[str | None]
+) -> list[Figure]:
+    """One attention figure per row: the image as the model saw it, each word's cross-attention, the rollout.
+
+    Args:
+        model: the ``ImageCaptioner``, in eval mode.
+        images: (b, C, H, W) normalised model inputs.
+        tokens: (b, T') their generated captions (``generate``'s output).
+        vocab: the caption vocabulary.
+        preprocess: the bundle's preprocessing (its ``mean`` and ``std`` undo the normalisation).
+        titles: a figure title per row.
+    """
+    from vitattn.inference.attention_maps import attention_figure, attention_from_tokens
+
+    cross, rollout = attention_from_tokens(model, images, tokens)  # (b, T', gh, gw), (b, gh, gw)
+    shown = denormalize(images.float(), preprocess["mean"], preprocess["std"]).clamp(0, 1).cpu()  # (b, 3, H, W)
+    return [
+        attention_figure(shown[row], caption_words(tokens[row].tolist(), vocab), cross[row], rollout[row], title=title)
+        for row, title in enumerate(titles)
+    ]
+
+
 def write_figures(bundle: Bundle, batch: CaptionBatch, figures: Mapping[str, Path]) -> None:
-    from vitattn.inference.attention_maps import attention_from_tokens, save_attention_figure
+    from vitattn.inference.attention_maps import figure_png
 
     if batch.images is None:
         return
-    cross, rollout = attention_from_tokens(bundle.model, batch.images, batch.tokens)  # (b, T', gh, gw), (b, gh, gw)
-    p = bundle.preprocess
-    shown = denormalize(batch.images, p["mean"], p["std"]).clamp(0, 1).cpu()  # (b, 3, H, W) what the model saw
-    vocab = bundle.vocab
-    for row, pos in enumerate(batch.captioned):
-        record = batch.records[pos]
-        words = _words(batch.tokens[row].tolist(), vocab)
+    records = [batch.records[pos] for pos in batch.captioned]
+    drawn = attention_figures(
+        bundle.model, batch.images, batch.tokens, bundle.vocab, bundle.preprocess, [r.get("caption") for r in records]
+    )
+    for record, fig in zip(records, drawn):
         path = figures[record["image"]]
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_attention_figure(shown[row], words, cross[row], rollout[row], path, title=record.get("caption"))
+        atomic_write(path, figure_png(fig))
 
 
-def _words(ids: Sequence[int], vocab: Any) -> list[str]:
+def caption_words(ids: Sequence[int], vocab: Any) -> list[str]:
     """Tokens before ``<eos>`` as strings (``<unk>`` kept so words line up with positions)."""
     words = []
     for i in ids:

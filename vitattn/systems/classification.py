@@ -83,9 +83,9 @@ class ClassificationSystem(VisionSystem):
 
     def _evaluate(
         self, batch: tuple[Tensor, Tensor] | None, stage: str, top1: MulticlassAccuracy, top5: MulticlassAccuracy
-    ) -> None:
+    ) -> Tensor | None:
         if batch is None:  # no image of the batch could be read (data.bad_images=skip)
-            return
+            return None
         images, labels = batch
         logits = self.model(images)
         self.log(f"{stage}/loss", F.cross_entropy(logits, labels), sync_dist=True)
@@ -93,9 +93,11 @@ class ClassificationSystem(VisionSystem):
         top5(logits, labels)
         self.log(f"{stage}/acc", top1, prog_bar=True)
         self.log(f"{stage}/top5", top5)
+        return logits
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "val", self.val_acc, self.val_top5)
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        """The batch's logits (B, K), for callbacks (``ValidationPictures``' confusion matrix)."""
+        return self._evaluate(batch, "val", self.val_acc, self.val_top5)
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "test", self.test_acc, self.test_top5)

@@ -1,0 +1,114 @@
+"""``vitattn-serve``: caption images over HTTP (LitServe), requests batched across clients.
+
+Usage::
+
+    vitattn-serve model=PATH [port=8000] [host=127.0.0.1] [accelerator=auto|cpu|cuda] [devices=auto|N]
+        [workers_per_device=1] [max_batch_size=8] [batch_timeout=0.05] [max_image_bytes=20000000]
+        [timeout=60] [num_beams=N] [max_new_tokens=N] [length_penalty=X] [num_threads=N]
+
+``model`` is a bundle folder, a training run folder or a ``.ckpt``. Endpoints:
+
+    POST /predict   a multipart file field ``image``, or JSON {"image": "<base64>"}; add
+                    ``attention=true`` for the attention figure as a PNG data URL
+                    -> {"caption": "...", "tokens": ["a", ...]}; a bad image -> 400 {"detail": "<reason>"}
+    GET  /health    "ok" once the model is loaded
+    GET  /          a page: choose an image, see its caption and its attention map
+
+``host`` is 127.0.0.1 (this machine only), 0.0.0.0 or ::. Decoding settings left out come from the bundle.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import MISSING
+
+from vitattn.cli.args import UsageError, generate_settings, parse_key_values, run_main
+from vitattn.decoding import SEARCH_KEYS
+
+__all__ = ["ServeConfig", "main", "parse_args", "run"]
+
+log = logging.getLogger("vitattn")
+
+HOSTS = ("127.0.0.1", "0.0.0.0", "::")
+
+
+@dataclass
+class ServeConfig:
+    """``vitattn-serve`` arguments; decoding ones left None take the bundle's defaults."""
+
+    model: str = MISSING
+    port: int = 8000
+    host: str = "127.0.0.1"
+    accelerator: str = "auto"
+    devices: str = "auto"
+    workers_per_device: int = 1
+    max_batch_size: int = 8
+    batch_timeout: float = 0.05
+    max_image_bytes: int = 20_000_000
+    timeout: float = 60.0
+    num_beams: int | None = None
+    max_new_tokens: int | None = None
+    length_penalty: float | None = None
+    num_threads: int | None = None
+
+
+def parse_args(argv: list[str]) -> Any:
+    """``key=value`` arguments -> a validated ``ServeConfig``."""
+    cfg = parse_key_values(argv, ServeConfig, "vitattn-serve")
+    if not 1024 <= cfg.port <= 65535:
+        raise UsageError(f"port={cfg.port} must be from 1024 to 65535")
+    if cfg.host not in HOSTS:
+        raise UsageError(f"host={cfg.host!r} is not one LitServe binds; choose {', '.join(HOSTS)}")
+    if cfg.accelerator not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"accelerator={cfg.accelerator!r} is unknown; choose auto, cpu or cuda")
+    if cfg.devices != "auto" and not (cfg.devices.isdigit() and int(cfg.devices) >= 1):
+        raise UsageError(f"devices={cfg.devices!r} must be auto or a number of GPUs (1 or more)")
+    for key in ("workers_per_device", "max_batch_size", "max_image_bytes"):
+        if cfg[key] < 1:
+            raise UsageError(f"{key}={cfg[key]} must be at least 1")
+    if cfg.batch_timeout < 0 or cfg.batch_timeout >= cfg.timeout:
+        raise UsageError(f"batch_timeout={cfg.batch_timeout} must be from 0 to less than timeout={cfg.timeout}")
+    return cfg
+
+
+def run(cfg: Any) -> int:
+    """Load the model once here (a bad model fails now, in one line), then serve until interrupted."""
+    from vitattn.bundle import load_bundle
+    from vitattn.serve import CaptionAPI, build_server
+
+    bundle = load_bundle(cfg.model, device="cpu")
+    if bundle.task != "caption":
+        raise UsageError(f"model={cfg.model} is a {bundle.task} model; vitattn-serve needs a caption model")
+    generate = generate_settings(bundle, {k: cfg[k] for k in SEARCH_KEYS})
+    del bundle  # each inference worker loads its own copy on its device
+    api = CaptionAPI(
+        cfg.model,
+        generate=generate,
+        max_image_bytes=cfg.max_image_bytes,
+        num_threads=cfg.num_threads,
+        max_batch_size=cfg.max_batch_size,
+        batch_timeout=cfg.batch_timeout,
+    )
+    server = build_server(
+        api,
+        accelerator=cfg.accelerator,
+        devices=int(cfg.devices) if cfg.devices.isdigit() else "auto",
+        workers_per_device=cfg.workers_per_device,
+        timeout=cfg.timeout,
+    )
+    log.info("serving %s on http://%s:%d (POST /predict, GET /health, GET /)", cfg.model, cfg.host, cfg.port)
+    server.run(host=cfg.host, port=cfg.port, generate_client_file=False, log_level="warning")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
+    return run_main(__doc__, argv, parse_args, run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

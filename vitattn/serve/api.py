@@ -1,0 +1,178 @@
+"""The captioning ``LitAPI``: a request's image becomes a tensor or a one-line reason; good images of a
+batch are captioned together, bad ones answer HTTP 400 without failing their batch.
+
+Dimension letters: B batch, C channels, H/W image side, T' generated tokens.
+
+A request is a multipart form with an ``image`` file field, or JSON ``{"image": "<base64>"}`` (a
+``data:`` URL is accepted); ``attention=true`` in either also returns the attention figure as a PNG
+``data:`` URL. LitServe batches requests across clients (``max_batch_size``, ``batch_timeout``) and
+decodes each one apart, so one bad image never spoils the batch it arrived in.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import litserve as ls
+import torch
+from fastapi.responses import JSONResponse
+from torch import Tensor
+
+from vitattn.data.images import read_image, unreadable_reason
+
+__all__ = ["CaptionAPI", "ImageRequest", "decode_image_request"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_IMAGE_BYTES = 20_000_000
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass
+class ImageRequest:
+    """One decoded request: the (C, H, W) model input, or the one-line reason it could not be made."""
+
+    image: Tensor | None = None
+    error: str | None = None
+    attention: bool = False
+
+
+def _flag(value: Any) -> bool:
+    return value is True or str(value).strip().lower() in _TRUE
+
+
+def _image_bytes(request: Any) -> bytes | str:
+    """The request's image bytes, or a one-line reason why there are none."""
+    if not hasattr(request, "get"):
+        return 'send the image as a multipart file field \'image\' or as JSON {"image": "<base64>"}'
+    field = request.get("image")
+    if field is None:
+        return "the request has no 'image' field (a multipart file or a base64 string)"
+    if hasattr(field, "file"):  # a multipart upload (starlette UploadFile)
+        field.file.seek(0)
+        return field.file.read()
+    if not isinstance(field, str):
+        return "'image' must be a file or a base64 string"
+    data = field.partition(",")[2] if field.startswith("data:") else field
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        return "'image' is not valid base64"
+
+
+def decode_image_request(request: Any, transform: Any, max_image_bytes: int) -> ImageRequest:
+    """A request (form or JSON) -> an ``ImageRequest``; never raises.
+
+    The image is read by ``read_image`` and its failures named by ``unreadable_reason``, the reader
+    and the reasons of ``vitattn-caption``; an image over ``max_image_bytes`` is refused unread.
+    """
+    attention = _flag(request.get("attention", False)) if hasattr(request, "get") else False
+    data = _image_bytes(request)
+    if isinstance(data, str):
+        return ImageRequest(error=data, attention=attention)
+    if len(data) > max_image_bytes:
+        return ImageRequest(
+            error=f"image of {len(data)} bytes is over the limit of max_image_bytes={max_image_bytes}",
+            attention=attention,
+        )
+    source = io.BytesIO(data)
+    try:
+        return ImageRequest(image=transform(read_image(source)), attention=attention)
+    except Exception as err:  # noqa: BLE001 - any failure (bomb warnings too) becomes the request's 400
+        return ImageRequest(error=unreadable_reason(source, err), attention=attention)
+
+
+class CaptionAPI(ls.LitAPI):
+    """Captions images with a bundle on one device; LitServe gives it batches of decoded requests.
+
+    Args:
+        model: a bundle folder, a training run folder or a ``.ckpt`` (as ``load_bundle`` takes).
+        generate: ``ImageCaptioner.generate`` keyword arguments (the bundle's defaults already merged in).
+        max_image_bytes: larger images are refused with HTTP 400 before they are read.
+        num_threads: torch CPU threads of each worker (None: torch's default).
+        max_batch_size, batch_timeout: LitServe's dynamic batching (requests per ``generate`` call, and
+            how long a batch waits to fill, in seconds).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        generate: dict[str, Any] | None = None,
+        max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+        num_threads: int | None = None,
+        max_batch_size: int = 8,
+        batch_timeout: float = 0.05,
+    ) -> None:
+        super().__init__(max_batch_size=max_batch_size, batch_timeout=batch_timeout)
+        self.model_path = model
+        self.generate_kwargs = dict(generate or {})
+        self.max_image_bytes = max_image_bytes
+        self.num_threads = num_threads
+
+    def setup(self, device: str) -> None:
+        from vitattn.bundle import load_bundle
+
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
+        self.bundle = load_bundle(self.model_path, device=device)
+        if self.bundle.task != "caption":
+            raise ValueError(f"model={self.model_path} is a {self.bundle.task} model; serving needs a caption model")
+        self.device = torch.device(device)
+        self.transform = self.bundle.transform
+
+    # ``request`` stays unannotated: LitServe reads the annotation to choose what the endpoint parses
+    def decode_request(self, request) -> ImageRequest:
+        return decode_image_request(request, self.transform, self.max_image_bytes)
+
+    def batch(self, inputs: list[ImageRequest]) -> list[ImageRequest]:
+        return inputs
+
+    def predict(self, x: list[ImageRequest] | ImageRequest) -> list[dict[str, Any]] | dict[str, Any]:
+        """Caption the batch's good images in one ``generate`` call; bad ones keep their reason."""
+        requests = x if isinstance(x, list) else [x]
+        outputs: list[dict[str, Any]] = [{"error": r.error} for r in requests]
+        good = [i for i, r in enumerate(requests) if r.image is not None]
+        if good:
+            for i, result in zip(good, self._caption([requests[i] for i in good])):
+                outputs[i] = result
+        return outputs if isinstance(x, list) else outputs[0]
+
+    def _caption(self, requests: list[ImageRequest]) -> list[dict[str, Any]]:
+        from vitattn.inference.attention_maps import figure_png
+        from vitattn.inference.captioning import generate_tokens
+        from vitattn.inference.figures import attention_figures, caption_words
+
+        bundle = self.bundle
+        images = torch.stack([r.image for r in requests]).to(self.device)  # (B, C, H, W)
+        tokens = generate_tokens(bundle.model, images, **self.generate_kwargs)  # (B, T')
+        captions = bundle.vocab.decode_batch(tokens)
+        results = [
+            {"caption": c, "tokens": caption_words(row, bundle.vocab)} for c, row in zip(captions, tokens.tolist())
+        ]
+        wanted = [i for i, r in enumerate(requests) if r.attention]
+        if wanted:
+            figures = attention_figures(
+                bundle.model,
+                images[wanted],
+                tokens[wanted],
+                bundle.vocab,
+                bundle.preprocess,
+                [captions[i] for i in wanted],
+            )
+            for i, fig in zip(wanted, figures):
+                results[i]["attention"] = "data:image/png;base64," + base64.b64encode(figure_png(fig)).decode("ascii")
+        return results
+
+    def unbatch(self, output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return output
+
+    def encode_response(self, output: dict[str, Any]):  # no annotation: LitServe then returns a 400 as it is
+        if "error" in output:
+            return JSONResponse({"detail": output["error"]}, status_code=400)
+        return output
