@@ -72,6 +72,25 @@ def test_bundle_round_trip_generates_the_same_captions(tmp_path, captioner_and_v
     assert bundle.transform(Image.new("RGB", (50, 30), (255, 0, 0))).shape == (3, 32, 32)
 
 
+def test_untied_output_layer_round_trips_and_old_configs_stay_tied(tmp_path):
+    vocab = Vocabulary.build(WORDS, min_freq=1)
+    untied = CaptionDecoder(len(vocab), embed_dim=32, depth=1, num_heads=2, max_len=8, tie_embeddings=False)
+    assert untied.head.weight is not untied.token_embed.weight and untied.head.bias is not None
+    model = ImageCaptioner(VisionTransformer(**TINY), untied).eval()
+    with torch.no_grad():
+        model.decoder.head.bias[vocab.eos_id] = -5.0  # the bias is saved and loaded, or the captions differ
+    save_bundle(tmp_path / "b", model, task="caption", preprocess=PREPROCESS, vocab=vocab)
+    loaded = load_bundle(tmp_path / "b").model
+    assert loaded.decoder.head.weight is not loaded.decoder.token_embed.weight
+    images = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(loaded.generate(images), model.generate(images), rtol=0, atol=0)
+
+    # a config written before the option existed has no tie_embeddings key: it was tied
+    old = {**model.config, "decoder": {k: v for k, v in model.config["decoder"].items() if k != "tie_embeddings"}}
+    rebuilt = ImageCaptioner.from_config(old)
+    assert rebuilt.decoder.head.weight is rebuilt.decoder.token_embed.weight and rebuilt.decoder.head.bias is None
+
+
 def test_bundle_round_trip_classification(tmp_path):
     model = VisionTransformer(**TINY, num_classes=3).eval()
     save_bundle(tmp_path / "b", model, task="classification", preprocess=PREPROCESS, class_names=["cat", "dog", "owl"])

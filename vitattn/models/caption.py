@@ -21,8 +21,8 @@ __all__ = ["CaptionDecoder", "ImageCaptioner"]
 
 
 class CaptionDecoder(nn.Module):
-    """Token + position embedding, a stack of ``DecoderLayer``s, an output projection tied to the
-    token embedding.
+    """Token + position embedding, a stack of ``DecoderLayer``s, an output projection (tied to the
+    token embedding, or a separate linear layer with a bias).
 
     Args:
         vocab_size: vocabulary size V.
@@ -38,6 +38,9 @@ class CaptionDecoder(nn.Module):
         activation: ``relu`` or ``gelu``.
         pad_id, bos_id, eos_id: special token ids.
         fused_attn: fused attention kernels when weights are not asked for.
+        tie_embeddings: the output projection is the token embedding (GPT-2's choice, fewer parameters);
+            false gives it its own weight and bias (the training configs' default: it learns faster from
+            small data, see ``docs/learning.md``).
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class CaptionDecoder(nn.Module):
         bos_id: int = 1,
         eos_id: int = 2,
         fused_attn: bool = True,
+        tie_embeddings: bool = True,
     ) -> None:
         config = dict(locals())
         del config["self"], config["__class__"]
@@ -89,9 +93,10 @@ class CaptionDecoder(nn.Module):
             for _ in range(depth)
         )
         self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps) if norm_first else nn.Identity()
-        self.head = nn.Linear(embed_dim, vocab_size, bias=False)
+        self.head = nn.Linear(embed_dim, vocab_size, bias=not tie_embeddings)
         self._init_weights()
-        self.head.weight = self.token_embed.weight  # tied output projection
+        if tie_embeddings:
+            self.head.weight = self.token_embed.weight  # tied output projection
 
     def _init_weights(self) -> None:
         trunc_normal_(self.pos_embed, std=0.02)
