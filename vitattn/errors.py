@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["NonFiniteLossError", "first_line"]
+from pathlib import Path
+
+__all__ = ["NonFiniteLossError", "Preempted", "first_line"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -14,3 +16,18 @@ def first_line(err: BaseException, limit: int = 300) -> str:
     text = str(err).strip()
     text = " ".join(text.splitlines()[0].split()) if text else type(err).__name__
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+class Preempted(RuntimeError):
+    """Training stopped on a signal (SIGTERM, SIGUSR1) after a whole step, with a checkpoint to continue from.
+
+    Args:
+        signal: the signal's name, e.g. ``"SIGTERM"``.
+        step: the global step the checkpoint holds (None if it could not be written).
+        checkpoint: the checkpoint file.
+    """
+
+    def __init__(self, signal: str, step: int | None, checkpoint: Path) -> None:
+        self.signal, self.step, self.checkpoint = signal, step, checkpoint
+        where = f"at step {step}; checkpoint {checkpoint}" if step is not None else "before a checkpoint was written"
+        super().__init__(f"preempted by {signal} {where}")

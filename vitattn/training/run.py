@@ -18,10 +18,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from vitattn.bundle import bundle_from_system
-from vitattn.callbacks import EMA, FreezeEncoder, TimeBudgetHorizon
+from vitattn.callbacks import EMA, FreezeEncoder, Preemption, TimeBudgetHorizon
 from vitattn.config import check_config
 from vitattn.run_dir import RunDir
 from vitattn.systems import VisionSystem
@@ -63,6 +64,10 @@ def train(cfg: DictConfig) -> TrainResult:
 
     Returns:
         The run directory, the final validation (and test) metrics, sample captions and the bundle.
+
+    Raises:
+        Preempted: SIGTERM or SIGUSR1 stopped training after a whole step; ``checkpoints/last.ckpt``
+            holds that step and ``resume`` continues from it.
     """
     check_config(cfg)  # every user error surfaces here, before data is read
     run_dir = Path(cfg.paths.output_dir)
@@ -86,7 +91,10 @@ def train(cfg: DictConfig) -> TrainResult:
     )
     _save_run_files(cfg, datamodule, run_dir)
     started = time.monotonic()
-    trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path)
+    except SIGTERMException:  # Lightning's stop after a signal: a SystemExit with status 0
+        raise next(c for c in trainer.callbacks if isinstance(c, Preemption)).preempted() from None
     seconds = time.monotonic() - started
     first_step = (
         int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"]) if ckpt_path else 0
@@ -134,9 +142,9 @@ def _use_best(cfg: DictConfig, trainer: pl.Trainer, system: VisionSystem) -> str
 
 def training_callbacks(cfg: DictConfig) -> list[pl.Callback]:
     """The callbacks that the run's own switches ask for: the time-budget horizon (always; idle without
-    ``trainer.max_time``), EMA weights (``ema.decay``), early stopping (``early_stopping.patience``) and
-    a frozen encoder (``model.freeze_encoder_epochs``)."""
-    callbacks: list[pl.Callback] = [TimeBudgetHorizon()]
+    ``trainer.max_time``), the checkpoint on SIGTERM or SIGUSR1 (always), EMA weights (``ema.decay``),
+    early stopping (``early_stopping.patience``) and a frozen encoder (``model.freeze_encoder_epochs``)."""
+    callbacks: list[pl.Callback] = [TimeBudgetHorizon(), Preemption(RunDir(cfg.paths.output_dir).last_checkpoint)]
     if cfg.model.get("freeze_encoder_epochs"):
         callbacks.append(FreezeEncoder(cfg.model.freeze_encoder_epochs))
     if cfg.get("ema") and cfg.ema.get("decay"):
@@ -177,6 +185,10 @@ def plan_cores(cfg: DictConfig, datamodule: Any) -> tuple[int, int]:
 def _resume_checkpoint(cfg: DictConfig) -> str | None:
     if cfg.ckpt_path:
         return str(cfg.ckpt_path)
+    if cfg.resume == "auto":  # the run folder's own checkpoint when it has one: a fresh start otherwise
+        last = RunDir(cfg.paths.output_dir).last_checkpoint
+        log.info("resume=auto: %s", f"continuing from {last}" if last.is_file() else f"no {last}, starting afresh")
+        return str(last) if last.is_file() else None
     if cfg.resume:
         return str(RunDir(cfg.resume).last_checkpoint)
     return None

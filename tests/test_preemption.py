@@ -1,0 +1,131 @@
+"""Preemption: SIGTERM / SIGUSR1 stop after a whole step with a checkpoint, and ``resume=auto`` continues."""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import TINY, TINY_SHAPES, compose_train, console_script
+from vitattn.errors import Preempted
+from vitattn.systems import ClassificationSystem
+from vitattn.training import train
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+# A classifier logging every step and validating every 4; with a step checkpoint interval of max_steps,
+# the only checkpoints are the preemption's and the last step's.
+RUN = [
+    "head=classification",
+    *TINY,
+    *TINY_SHAPES,
+    "test=false",
+    "export_bundle=false",
+    "trainer.max_epochs=-1",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_check_interval=4",
+    "trainer.check_val_every_n_epoch=null",
+    "resume=auto",
+]
+
+
+def _train_steps(run_dir: Path) -> list[int]:
+    """The steps with a logged training loss, in the order logged."""
+    path = run_dir / "csv" / "metrics.csv"
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")]
+
+
+def _step(checkpoint: Path) -> int:
+    return torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"]
+
+
+@pytest.mark.parametrize("signalled_step", [3, 5])  # step 3 is followed by a validation, step 5 is not
+def test_sigusr1_stops_after_the_step_and_resume_auto_repeats_none(signalled_step, tmp_path, monkeypatch):
+    original = ClassificationSystem.training_step
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == signalled_step and not getattr(self, "signalled", False):
+            self.signalled = True
+            os.kill(os.getpid(), signal.SIGUSR1)  # arrives in the middle of the step
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(ClassificationSystem, "training_step", training_step)
+    handler = signal.getsignal(signal.SIGUSR1)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(
+        Preempted, match=rf"^preempted by SIGUSR1 at step {signalled_step + 1}; checkpoint .*last\.ckpt"
+    ):
+        train(
+            compose_train([*RUN, "trainer.max_steps=12", "callbacks.step_checkpoint.every_n_train_steps=12"], tmp_path)
+        )  # resume=auto, no checkpoint: a fresh start
+    assert signal.getsignal(signal.SIGUSR1) is handler  # restored when fit ended
+    assert _step(last) == signalled_step + 1  # the signalled step is whole and saved
+    assert _train_steps(tmp_path) == list(range(signalled_step + 1))
+
+    result = train(
+        compose_train([*RUN, "trainer.max_steps=12", "callbacks.step_checkpoint.every_n_train_steps=12"], tmp_path)
+    )
+    assert result.global_step == 12 and _step(last) == 12
+    assert not list(last.parent.glob("last-v*.ckpt"))  # the resumed run updates last.ckpt, not a copy beside it
+    assert _train_steps(tmp_path) == list(range(signalled_step + 1, 12))  # the CSV logger starts a new file
+
+
+def test_resume_auto_needs_a_fixed_run_directory(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "vitattn.cli.train", "resume=auto"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: resume=auto continues the run in hydra.run.dir: add hydra.run.dir=DIR"
+    ]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_vitattn_train_then_resume_auto_repeats_no_step(tmp_path):
+    run_dir = tmp_path / "run"
+    command = [
+        str(console_script("vitattn-train")),
+        *RUN,
+        "trainer.max_steps=40",
+        "callbacks.step_checkpoint.every_n_train_steps=40",
+        "+logger.csv.flush_logs_every_n_steps=1",  # rows on disk at each step
+        f"hydra.run.dir={run_dir}",
+    ]
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline and len(_train_steps(run_dir)) < 6:
+            time.sleep(0.05)
+        assert proc.poll() is None and len(_train_steps(run_dir)) >= 6, (tmp_path / "first.log").read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)  # mid-run: steps logged, no checkpoint yet
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 75, stderr[-3000:]
+    assert "Traceback" not in stderr
+    lines = [line for line in stderr.splitlines() if "preempted" in line]
+    saved = _step(run_dir / "checkpoints" / "last.ckpt")
+    assert lines == [
+        f"preempted by SIGTERM at step {saved}; checkpoint {run_dir / 'checkpoints' / 'last.ckpt'}; "
+        f"continue with resume={run_dir}"
+    ]
+    before = _train_steps(run_dir)
+    assert before == list(range(saved)) and 6 <= saved < 40  # every step logged is in the checkpoint
+
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = _train_steps(run_dir)
+    assert after == list(range(saved, 40))  # continues exactly at the checkpoint: no step repeated, none lost
+    assert _step(run_dir / "checkpoints" / "last.ckpt") == 40
+    print(f"SIGTERM after {len(before)} steps; resumed at step {after[0]}: {len(before) - after[0]} steps repeated")
