@@ -129,3 +129,54 @@ def test_sigterm_to_vitattn_train_then_resume_auto_repeats_no_step(tmp_path):
     assert after == list(range(saved, 40))  # continues exactly at the checkpoint: no step repeated, none lost
     assert _step(run_dir / "checkpoints" / "last.ckpt") == 40
     print(f"SIGTERM after {len(before)} steps; resumed at step {after[0]}: {len(before) - after[0]} steps repeated")
+
+
+def _workers(launcher: int) -> dict[int, int]:
+    """The launcher's child processes by their ``RANK``."""
+    workers = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+        rank = next((int(e[5:]) for e in environ if e.startswith(b"RANK=")), None)
+        if ppid == launcher and rank is not None:
+            workers[rank] = int(stat.parent.name)
+    return workers
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_the_group_after_a_rank_is_killed_and_training_continues(tmp_path):
+    run_dir = tmp_path / "run"
+    command = [
+        *[sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=1", "--nproc-per-node=2"],
+        *["-m", "vitattn.cli.train", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"],
+        *["trainer.precision=32-true", "trainer.benchmark=false", *RUN, "trainer.max_steps=40"],
+        "callbacks.step_checkpoint.every_n_train_steps=5",
+        "+logger.csv.flush_logs_every_n_steps=1",
+        f"hydra.run.dir={run_dir}",
+    ]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    with open(tmp_path / "torchrun.log", "w") as log:
+        # torch 2.14's torchrun hands each restarted group the store of the first one, whose gloo addresses
+        # (now dead) the new ranks then try to connect to: a store per group instead
+        env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+        deadline = time.monotonic() + 400
+        while proc.poll() is None and time.monotonic() < deadline:
+            if last.is_file() and len(_train_steps(run_dir)) >= 12:  # a step checkpoint, and steps past it
+                break
+            time.sleep(0.05)
+        workers = _workers(proc.pid)
+        assert proc.poll() is None and sorted(workers) == [0, 1], (tmp_path / "torchrun.log").read_text()[-3000:]
+        done = len(_train_steps(run_dir))
+        os.kill(workers[1], signal.SIGKILL)
+        proc.wait(timeout=600)
+    output = (tmp_path / "torchrun.log").read_text()
+    assert proc.returncode == 0, output[-3000:]
+    assert _step(last) == 40
+    after = _train_steps(run_dir)  # the restarted group's steps (its CSV logger starts a new file)
+    assert after == list(range(after[0], 40)) and 5 <= after[0] <= done and after[0] % 5 == 0  # from a step checkpoint
+    assert output.count("run directory:") == 1  # one summary: the restarted group's rank 0
+    print(f"rank 1 killed after {done} steps; the restarted group resumed at step {after[0]}")
