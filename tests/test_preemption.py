@@ -46,35 +46,60 @@ def _step(checkpoint: Path) -> int:
     return torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"]
 
 
-@pytest.mark.parametrize("signalled_step", [3, 5])  # step 3 is followed by a validation, step 5 is not
-def test_sigusr1_stops_after_the_step_and_resume_auto_repeats_none(signalled_step, tmp_path, monkeypatch):
+def _sigusr1_during(monkeypatch, step: int) -> None:
+    """SIGUSR1 to this process in the middle of training step ``step``."""
     original = ClassificationSystem.training_step
 
     def training_step(self, batch, batch_idx):
-        if self.global_step == signalled_step and not getattr(self, "signalled", False):
+        if self.global_step == step and not getattr(self, "signalled", False):
             self.signalled = True
-            os.kill(os.getpid(), signal.SIGUSR1)  # arrives in the middle of the step
+            os.kill(os.getpid(), signal.SIGUSR1)
         return original(self, batch, batch_idx)
 
     monkeypatch.setattr(ClassificationSystem, "training_step", training_step)
+
+
+STEPS_12 = [*RUN, "trainer.max_steps=12", "callbacks.step_checkpoint.every_n_train_steps=12"]
+
+
+@pytest.mark.parametrize("signalled_step", [3, 5])  # step 3 is followed by a validation, step 5 is not
+def test_sigusr1_stops_after_the_step_and_resume_auto_repeats_none(signalled_step, tmp_path, monkeypatch):
+    _sigusr1_during(monkeypatch, signalled_step)
     handler = signal.getsignal(signal.SIGUSR1)
     last = tmp_path / "checkpoints" / "last.ckpt"
     with pytest.raises(
         Preempted, match=rf"^preempted by SIGUSR1 at step {signalled_step + 1}; checkpoint .*last\.ckpt"
     ):
-        train(
-            compose_train([*RUN, "trainer.max_steps=12", "callbacks.step_checkpoint.every_n_train_steps=12"], tmp_path)
-        )  # resume=auto, no checkpoint: a fresh start
+        train(compose_train(STEPS_12, tmp_path))  # resume=auto, no checkpoint: a fresh start
     assert signal.getsignal(signal.SIGUSR1) is handler  # restored when fit ended
     assert _step(last) == signalled_step + 1  # the signalled step is whole and saved
     assert _train_steps(tmp_path) == list(range(signalled_step + 1))
 
-    result = train(
-        compose_train([*RUN, "trainer.max_steps=12", "callbacks.step_checkpoint.every_n_train_steps=12"], tmp_path)
-    )
+    result = train(compose_train(STEPS_12, tmp_path))
     assert result.global_step == 12 and _step(last) == 12
     assert not list(last.parent.glob("last-v*.ckpt"))  # the resumed run updates last.ckpt, not a copy beside it
     assert _train_steps(tmp_path) == list(range(signalled_step + 1, 12))  # the CSV logger starts a new file
+
+
+def test_on_slurm_sigusr1_stops_then_lightning_requeues_the_job(tmp_path, monkeypatch):
+    bin_dir, requeued = tmp_path / "bin", tmp_path / "scontrol.log"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {requeued}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "localhost"}
+    for key, value in {**slurm, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(key, value)  # what srun sets: Lightning's SLURMEnvironment with auto-requeue
+    _sigusr1_during(monkeypatch, 5)
+    run_dir = tmp_path / "run"
+    with pytest.raises(Preempted, match=r"^preempted by SIGUSR1 at step 6"):
+        train(compose_train(STEPS_12, run_dir))
+    assert requeued.read_text().split() == ["requeue", "4242"]  # once, by Lightning's handler
+    (hpc,) = run_dir.glob("hpc_ckpt_*.ckpt")  # Lightning's own checkpoint, at the same step boundary
+    assert _step(hpc) == _step(run_dir / "checkpoints" / "last.ckpt") == 6
+
+    result = train(compose_train(STEPS_12, run_dir))  # the requeued job: the same command, the same folder
+    assert result.global_step == 12 and _train_steps(run_dir) == list(range(6, 12))
 
 
 def test_resume_auto_needs_a_fixed_run_directory(tmp_path):

@@ -5,11 +5,11 @@ sets ``trainer.received_sigterm``, and the training loop then raises ``SIGTERMEx
 step under way is done (a ``SystemExit`` with status 0; nothing is saved). Two things keep that from
 serving as it is: SIGUSR1, what SLURM sends before a time limit, stops nothing outside SLURM's
 auto-requeue, and with several processes its handler broadcasts from inside the signal handler,
-wherever each rank happens to be. ``Preemption`` replaces the SIGTERM handler while training runs
-with one that only notes the signal, does the same for SIGUSR1 (after Lightning's own SIGUSR1
-handler where one is installed: SLURM's requeue), agrees across ranks after each step, sets
-Lightning's flag and writes the checkpoint from ``on_exception``. Lightning restores the previous
-handlers when ``fit`` ends.
+wherever each rank happens to be (Lightning's SLURM SIGUSR1 handler saves a checkpoint there too).
+``Preemption`` replaces the SIGTERM and SIGUSR1 handlers while training runs with one that only
+notes the signal, agrees across ranks after each step, sets Lightning's flag, writes the checkpoint
+from ``on_exception`` and then runs the SIGUSR1 handler it replaced (SLURM's requeue). Lightning
+restores the previous handlers when ``fit`` ends.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -50,20 +49,22 @@ class Preemption(Checkpoint):
         self.received: int = 0  # the signal this process received (0: none)
         self.stopped_by: int = 0  # the signal that stopped training, on any rank
         self.saved_step: int | None = None
+        self.on_sigusr1: Any = (
+            None  # the SIGUSR1 handler found installed (Lightning's SLURM requeue), run after the save
+        )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning installed its handlers just before this hook and restores the ones before them when fit ends.
         self.received, self.stopped_by, self.saved_step = 0, 0, None
         if threading.current_thread() is not threading.main_thread():
             return  # only the main thread may set handlers
+        previous = signal.getsignal(signal.SIGUSR1)
+        self.on_sigusr1 = previous if callable(previous) else None
         for signum in STOP_SIGNALS:
-            previous = signal.getsignal(signum) if signum != signal.SIGTERM else None
-            signal.signal(signum, partial(self._note, previous=previous))
+            signal.signal(signum, self._note)
 
-    def _note(self, signum: int, frame: FrameType | None, previous: Any = None) -> None:
+    def _note(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum  # all a handler should do: it runs between any two bytecodes
-        if callable(previous):
-            previous(signum, frame)  # Lightning's SIGUSR1 handler on SLURM: its checkpoint and the requeue
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._agreed_signal(trainer):
@@ -95,6 +96,10 @@ class Preemption(Checkpoint):
         self.stopped_by = self.stopped_by or signal.SIGTERM  # Lightning's own handler, before training started
         trainer.save_checkpoint(self.checkpoint)
         self.saved_step = trainer.global_step
+        if self.stopped_by == signal.SIGUSR1 and self.on_sigusr1 is not None:
+            # Lightning's SLURM auto-requeue (its own checkpoint, then `scontrol requeue`) here, where every
+            # rank is, rather than inside the signal handler, wherever each rank was: its save waits for all.
+            self.on_sigusr1(signal.SIGUSR1, None)
 
     def preempted(self) -> Preempted:
         """The error that ``train()`` raises for the stop."""
