@@ -2,6 +2,7 @@
 
 import csv
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -153,6 +154,8 @@ def test_sigterm_to_vitattn_train_then_resume_auto_repeats_no_step(tmp_path):
     after = _train_steps(run_dir)
     assert after == list(range(saved, 40))  # continues exactly at the checkpoint: no step repeated, none lost
     assert _step(run_dir / "checkpoints" / "last.ckpt") == 40
+    speed = re.search(r"^speed: +([0-9.]+) steps/s \(training with its validations\)$", proc.stdout, re.MULTILINE)
+    assert speed and float(speed.group(1)) > 0, proc.stdout[-2000:]  # the summary's rate, of this start's steps
     print(f"SIGTERM after {len(before)} steps; resumed at step {after[0]}: {len(before) - after[0]} steps repeated")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,20 +167,43 @@ def _on_gpu(cfg: DictConfig) -> bool:
 def plan_cores(cfg: DictConfig, datamodule: Any) -> tuple[int, int]:
     """Loader workers and torch threads that do not fight over the cores; returns ``(workers, threads)``.
 
-    ``data.num_workers=auto`` is resolved by the DataModule (``plan_workers``); ``num_threads=auto``
-    gives torch the cores the workers leave on a CPU run (at least one), and keeps torch's default
-    on GPUs. A number set by the user is kept as it is.
+    Each of the node's training processes (``trainer.devices`` of them, or torchrun's
+    ``LOCAL_WORLD_SIZE``) plans with its share of the cores. ``data.num_workers=auto`` is resolved
+    by the DataModule (``plan_workers``); ``num_threads=auto`` gives torch the share the workers
+    leave on a CPU run (at least one), so that on a CPU threads + workers of all processes stay
+    within the cores, and keeps torch's default on GPUs. A number set by the user is kept as it is.
     """
-    cores = len(os.sched_getaffinity(0))
+    cores, processes = len(os.sched_getaffinity(0)), processes_per_node(cfg)
+    share = max(1, cores // processes)
     plan = getattr(datamodule, "plan_workers", None)
-    workers = plan(_on_gpu(cfg), cores) if plan is not None else int(getattr(datamodule, "num_workers", 0))
+    workers = plan(_on_gpu(cfg), share) if plan is not None else int(getattr(datamodule, "num_workers", 0))
     threads = cfg.get("num_threads")
     if threads == "auto":
-        threads = torch.get_num_threads() if _on_gpu(cfg) else max(1, cores - workers)
+        threads = torch.get_num_threads() if _on_gpu(cfg) else max(1, share - workers)
     if threads:
         torch.set_num_threads(int(threads))
-    log.info("cores: %d; loader workers: %d; torch threads: %d", cores, workers, torch.get_num_threads())
+    log.info(
+        "cores: %d for %d process(es); loader workers: %d; torch threads: %d",
+        cores,
+        processes,
+        workers,
+        torch.get_num_threads(),
+    )
     return workers, torch.get_num_threads()
+
+
+def processes_per_node(cfg: DictConfig) -> int:
+    """The training processes on this machine: torchrun's ``LOCAL_WORLD_SIZE``, else ``trainer.devices``
+    (a count, or device ids: a list or ``"0,1"``); 1 for ``auto`` and ``-1``."""
+    if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+        return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    devices = cfg.trainer.get("devices", 1)
+    if isinstance(devices, str):
+        ids = [d for d in devices.split(",") if d.strip()]
+        devices = int(devices) if devices.strip().isdigit() else len(ids) if "," in devices else 1
+    if isinstance(devices, int):
+        return max(1, devices)
+    return len(devices) if isinstance(devices, Sequence) and not isinstance(devices, str) else 1
 
 
 def _resume_checkpoint(cfg: DictConfig) -> str | None:
