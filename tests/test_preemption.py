@@ -78,6 +78,7 @@ def test_sigusr1_stops_after_the_step_and_resume_auto_repeats_none(signalled_ste
 
     result = train(compose_train(STEPS_12, tmp_path))
     assert result.global_step == 12 and _step(last) == 12
+    assert result.steps_per_second > 0  # over this start's steps, though the run rewrote last.ckpt
     assert not list(last.parent.glob("last-v*.ckpt"))  # the resumed run updates last.ckpt, not a copy beside it
     assert _train_steps(tmp_path) == list(range(signalled_step + 1, 12))  # the CSV logger starts a new file
 

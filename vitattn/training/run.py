@@ -91,15 +91,15 @@ def train(cfg: DictConfig) -> TrainResult:
         plugins=[AtomicCheckpointIO()],
     )
     _save_run_files(cfg, datamodule, run_dir)
+    first_step = (  # read now: the run rewrites last.ckpt
+        int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"]) if ckpt_path else 0
+    )
     started = time.monotonic()
     try:
         trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException:  # Lightning's stop after a signal: a SystemExit with status 0
         raise next(c for c in trainer.callbacks if isinstance(c, Preemption)).preempted() from None
     seconds = time.monotonic() - started
-    first_step = (
-        int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"]) if ckpt_path else 0
-    )
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     source = _use_best(cfg, trainer, system)  # test and export the best model, not the last
