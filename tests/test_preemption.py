@@ -120,11 +120,23 @@ def test_resume_auto_needs_a_fixed_run_directory(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+# Two CPU processes that Lightning starts itself: the signal goes to the first (rank 0) only.
+DDP_CPU = [
+    "trainer=ddp",
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+    "trainer.precision=32-true",
+    "trainer.benchmark=false",
+]
+
+
 @pytest.mark.slow
-def test_sigterm_to_vitattn_train_then_resume_auto_repeats_no_step(tmp_path):
+@pytest.mark.parametrize("processes", [[], DDP_CPU], ids=["one-process", "ddp-two-processes"])
+def test_sigterm_to_vitattn_train_then_resume_auto_repeats_no_step(processes, tmp_path):
     run_dir = tmp_path / "run"
     command = [
         str(console_script("vitattn-train")),
+        *processes,
         *RUN,
         "trainer.max_steps=40",
         "callbacks.step_checkpoint.every_n_train_steps=40",
@@ -138,7 +150,7 @@ def test_sigterm_to_vitattn_train_then_resume_auto_repeats_no_step(tmp_path):
             time.sleep(0.05)
         assert proc.poll() is None and len(_train_steps(run_dir)) >= 6, (tmp_path / "first.log").read_text()[-3000:]
         proc.send_signal(signal.SIGTERM)  # mid-run: steps logged, no checkpoint yet
-        _, stderr = proc.communicate(timeout=300)
+        _, stderr = proc.communicate(timeout=300)  # until every process has closed stderr: rank 1 ends too
     assert proc.returncode == 75, stderr[-3000:]
     assert "Traceback" not in stderr
     lines = [line for line in stderr.splitlines() if "preempted" in line]
