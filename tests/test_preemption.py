@@ -83,6 +83,23 @@ def test_sigusr1_stops_after_the_step_and_resume_auto_repeats_none(signalled_ste
     assert _train_steps(tmp_path) == list(range(signalled_step + 1, 12))  # the CSV logger starts a new file
 
 
+def test_sigterm_while_testing_after_training_is_a_preemption_not_a_success(tmp_path, monkeypatch):
+    original = ClassificationSystem.test_step
+
+    def test_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # Lightning's handler: the test stops after this batch
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(ClassificationSystem, "test_step", test_step)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(
+        Preempted, match=r"^preempted by SIGTERM after training, while testing; checkpoint .*last\.ckpt"
+    ):
+        train(compose_train([*STEPS_12, "test=true"], tmp_path))  # Lightning alone: a SystemExit with status 0
+    assert _step(last) == 12  # the finished training's checkpoint, not rewritten with the weights under test
+
+
 def test_on_slurm_sigusr1_stops_then_lightning_requeues_the_job(tmp_path, monkeypatch):
     bin_dir, requeued = tmp_path / "bin", tmp_path / "scontrol.log"
     bin_dir.mkdir()

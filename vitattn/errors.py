@@ -23,11 +23,11 @@ class Preempted(RuntimeError):
 
     Args:
         signal: the signal's name, e.g. ``"SIGTERM"``.
-        step: the global step the checkpoint holds (None if it could not be written).
+        step: the global step the checkpoint holds; None when the signal came after training (while testing).
         checkpoint: the checkpoint file.
     """
 
     def __init__(self, signal: str, step: int | None, checkpoint: Path) -> None:
         self.signal, self.step, self.checkpoint = signal, step, checkpoint
-        where = f"at step {step}; checkpoint {checkpoint}" if step is not None else "before a checkpoint was written"
-        super().__init__(f"preempted by {signal} {where}")
+        where = f"at step {step}" if step is not None else "after training, while testing"
+        super().__init__(f"preempted by {signal} {where}; checkpoint {checkpoint}")

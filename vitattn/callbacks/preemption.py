@@ -24,6 +24,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vitattn.errors import Preempted
@@ -93,7 +94,9 @@ class Preemption(Checkpoint):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException):
             return
-        self.stopped_by = self.stopped_by or signal.SIGTERM  # Lightning's own handler, before training started
+        self.stopped_by = self.stopped_by or signal.SIGTERM  # Lightning's own handler: before training, or testing
+        if trainer.state.fn != TrainerFn.FITTING:
+            return  # the test after training: the weights in the system may be the best ones, not the last
         trainer.save_checkpoint(self.checkpoint)
         self.saved_step = trainer.global_step
         if self.stopped_by == signal.SIGUSR1 and self.on_sigusr1 is not None:

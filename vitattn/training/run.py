@@ -68,7 +68,8 @@ def train(cfg: DictConfig) -> TrainResult:
 
     Raises:
         Preempted: SIGTERM or SIGUSR1 stopped training after a whole step; ``checkpoints/last.ckpt``
-            holds that step and ``resume`` continues from it.
+            holds that step and ``resume`` continues from it. Also SIGTERM during the test after
+            training (nothing more is saved; the test runs again on resume).
     """
     check_config(cfg)  # every user error surfaces here, before data is read
     run_dir = Path(cfg.paths.output_dir)
@@ -98,13 +99,17 @@ def train(cfg: DictConfig) -> TrainResult:
     try:
         trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException:  # Lightning's stop after a signal: a SystemExit with status 0
-        raise next(c for c in trainer.callbacks if isinstance(c, Preemption)).preempted() from None
+        raise _preempted(trainer) from None
     seconds = time.monotonic() - started
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     source = _use_best(cfg, trainer, system)  # test and export the best model, not the last
     if cfg.test and not cfg.trainer.get("fast_dev_run"):
-        for row in trainer.test(system, datamodule=datamodule, verbose=False):
+        try:
+            rows = trainer.test(system, datamodule=datamodule, verbose=False)
+        except SIGTERMException:  # not a finished run: it must not exit with status 0
+            raise _preempted(trainer) from None
+        for row in rows:
             metrics.update({k: float(v) for k, v in row.items()})
     result = TrainResult(
         run_dir,
@@ -118,6 +123,10 @@ def train(cfg: DictConfig) -> TrainResult:
     if cfg.export_bundle and trainer.is_global_zero:
         result.bundle_dir = _export(system, run_dir)
     return result
+
+
+def _preempted(trainer: pl.Trainer) -> Exception:
+    return next(c for c in trainer.callbacks if isinstance(c, Preemption)).preempted()
 
 
 def _use_best(cfg: DictConfig, trainer: pl.Trainer, system: VisionSystem) -> str:
