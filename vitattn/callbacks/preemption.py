@@ -14,7 +14,6 @@ restores the previous handlers when ``fit`` ends.
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 from pathlib import Path
@@ -30,8 +29,6 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from vitattn.errors import Preempted
 
 __all__ = ["STOP_SIGNALS", "Preemption"]
-
-log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -50,9 +47,8 @@ class Preemption(Checkpoint):
         self.received: int = 0  # the signal this process received (0: none)
         self.stopped_by: int = 0  # the signal that stopped training, on any rank
         self.saved_step: int | None = None
-        self.on_sigusr1: Any = (
-            None  # the SIGUSR1 handler found installed (Lightning's SLURM requeue), run after the save
-        )
+        # the SIGUSR1 handler found installed (Lightning's SLURM requeue), run after the save
+        self.on_sigusr1: Any = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning installed its handlers just before this hook and restores the ones before them when fit ends.
