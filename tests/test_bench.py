@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -167,3 +168,21 @@ def test_script_runs_without_transformers_imported():
     assert proc.returncode == 0, proc.stderr
     assert "--sections {encoder,compile,caption,scaling,e2e,data}" in proc.stdout and "--no-compile" in proc.stdout
     assert proc.stdout.split("\n\n")[1].startswith("Speed of vitattn against timm and Hugging Face")
+
+
+def test_python_m_vitattn_bench_matmul_prints_the_fp32_rate_at_the_threads_asked(capsys):
+    from vitattn.bench.__main__ import main
+
+    threads = torch.get_num_threads()
+    try:
+        main(["matmul", "--threads", "1", "--size", "64", "--repeats", "2"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    match = re.fullmatch(
+        r"matmul rate: ([0-9.]+) GFLOP/s \(fp32 torch\.mm 64x64, 1 torch threads, median of 2\)\n", out
+    )
+    assert match and float(match.group(1)) > 0, out
+    with pytest.raises(SystemExit, match="^2$"):
+        main(["matmul", "--threads", "0"])
+    assert "--threads=0 must be at least 1" in capsys.readouterr().err

@@ -192,7 +192,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"data={data_name(cfg.data)} has no {what} for head={task}; {fix}")
     _check_models(cfg)
     _check_finetuning(cfg)
-    if cfg.get("resume") and not RunDir(cfg.resume).last_checkpoint.is_file():
+    if cfg.get("resume") and cfg.resume != "auto" and not RunDir(cfg.resume).last_checkpoint.is_file():
         run = RunDir(cfg.resume)
         raise ConfigError(f"resume={cfg.resume} has no {run.last_checkpoint.relative_to(run.path)} to continue from")
     if cfg.get("ckpt_path") and not Path(cfg.ckpt_path).is_file():

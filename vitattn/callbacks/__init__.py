@@ -1,11 +1,20 @@
 """Lightning callbacks of a training run: a schedule that follows a time budget, EMA weights, an
-encoder frozen for the first epochs, the count of unreadable images skipped, and pictures of every
-validation for TensorBoard and MLflow."""
+encoder frozen for the first epochs, the count of unreadable images skipped, pictures of every
+validation for TensorBoard and MLflow, and a checkpoint when the run is preempted."""
 
 from vitattn.callbacks.ema import EMA
 from vitattn.callbacks.freeze import FreezeEncoder
 from vitattn.callbacks.pictures import ValidationPictures
+from vitattn.callbacks.preemption import Preemption
 from vitattn.callbacks.skipped_images import SkippedImages
 from vitattn.callbacks.time_budget import TimeBudgetHorizon, schedule_of
 
-__all__ = ["EMA", "FreezeEncoder", "SkippedImages", "TimeBudgetHorizon", "ValidationPictures", "schedule_of"]
+__all__ = [
+    "EMA",
+    "FreezeEncoder",
+    "Preemption",
+    "SkippedImages",
+    "TimeBudgetHorizon",
+    "ValidationPictures",
+    "schedule_of",
+]

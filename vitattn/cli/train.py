@@ -1,7 +1,10 @@
 """``vitattn-train``: Hydra entry point around ``vitattn.training.train``.
 
 ``resume=RUN_DIR`` continues that run in place: its saved overrides are replayed, the run directory
-is reused and training restarts from ``RUN_DIR/checkpoints/last.ckpt``.
+is reused and training restarts from ``RUN_DIR/checkpoints/last.ckpt``. ``resume=auto`` with
+``hydra.run.dir=DIR`` continues DIR's run when it has that checkpoint and starts afresh in DIR
+otherwise. SIGTERM or SIGUSR1 stops training after the current step with that checkpoint written,
+one line on stderr and exit status 75 (``EX_TEMPFAIL``: run the same command again).
 
 The task function returns the final validation value of ``optimized_metric`` (``val/loss`` when it is
 null), which is what a Hydra sweeper such as ``hparams_search=optuna`` optimises.
@@ -10,13 +13,15 @@ null), which is what a Hydra sweeper such as ``hparams_search=optuna`` optimises
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig
 
-from vitattn.cli.errors import user_errors
+from vitattn.cli.errors import report_user_error, user_errors
+from vitattn.errors import Preempted
 from vitattn.run_dir import RunDir
 
 if TYPE_CHECKING:
@@ -24,12 +29,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vitattn")
 
+PREEMPTED_EXIT_STATUS = os.EX_TEMPFAIL  # 75: stopped by a signal with a checkpoint; start it again to continue
+
 
 def _resume_argv(argv: list[str]) -> list[str]:
     """Expand ``resume=RUN_DIR`` into the run's saved overrides plus ``hydra.run.dir=RUN_DIR``."""
     resume = next((a.split("=", 1)[1] for a in argv if a.startswith("resume=")), None)
     if not resume or any(a.startswith("hydra.run.dir=") for a in argv):
-        return argv  # not resuming, or already expanded (DDP child processes)
+        return argv  # not resuming, or already expanded (DDP child processes), or resume=auto in hydra.run.dir
+    if resume == "auto":
+        sys.exit(report_user_error(ValueError("resume=auto continues the run in hydra.run.dir: add hydra.run.dir=DIR")))
     previous = RunDir(resume).saved_overrides()
     keys = {a.split("=", 1)[0].lstrip("+~") for a in argv}
     replay = [o for o in previous if o.split("=", 1)[0].lstrip("+~") not in keys]
@@ -55,7 +64,11 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     from vitattn.training import train
 
     with user_errors(cfg.get("debug", False)):
-        result = train(cfg)
+        try:
+            result = train(cfg)
+        except Preempted as stop:
+            _report_preempted(stop)
+            sys.exit(PREEMPTED_EXIT_STATUS)
         _report(result)
         return optimized_value(result.metrics, cfg.get("optimized_metric"))
 
@@ -79,6 +92,13 @@ def _report(result: TrainResult) -> None:
         lines.append("validation captions (generated | reference):")
         lines += [f"  {caption!r:<60} | {refs[0]!r}" for caption, refs in result.samples]
     print("\n".join(lines), flush=True)
+
+
+def _report_preempted(stop: Preempted) -> None:
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if rank_zero_only.rank == 0:
+        print(f"{stop}; continue with resume={stop.checkpoint.parents[1]}", file=sys.stderr, flush=True)
 
 
 def main() -> None:

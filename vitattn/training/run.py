@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from vitattn.bundle import bundle_from_system
-from vitattn.callbacks import EMA, FreezeEncoder, SkippedImages, TimeBudgetHorizon
+from vitattn.callbacks import EMA, FreezeEncoder, Preemption, SkippedImages, TimeBudgetHorizon
 from vitattn.config import check_config
 from vitattn.data.bad_images import gather_skipped
 from vitattn.run_dir import RunDir
@@ -66,6 +68,11 @@ def train(cfg: DictConfig) -> TrainResult:
 
     Returns:
         The run directory, the final validation (and test) metrics, sample captions and the bundle.
+
+    Raises:
+        Preempted: SIGTERM or SIGUSR1 stopped training after a whole step; ``checkpoints/last.ckpt``
+            holds that step and ``resume`` continues from it. Also SIGTERM during the test after
+            training (nothing more is saved; the test runs again on resume).
     """
     check_config(cfg)  # every user error surfaces here, before data is read
     run_dir = Path(cfg.paths.output_dir)
@@ -88,17 +95,24 @@ def train(cfg: DictConfig) -> TrainResult:
         plugins=[AtomicCheckpointIO()],
     )
     _save_run_files(cfg, datamodule, run_dir)
-    started = time.monotonic()
-    trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path)
-    seconds = time.monotonic() - started
-    first_step = (
+    first_step = (  # read now: the run rewrites last.ckpt
         int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"]) if ckpt_path else 0
     )
+    started = time.monotonic()
+    try:
+        trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path)
+    except SIGTERMException:  # Lightning's stop after a signal: a SystemExit with status 0
+        raise _preempted(trainer) from None
+    seconds = time.monotonic() - started
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     source = _use_best(cfg, trainer, system)  # test and export the best model, not the last
     if cfg.test and not cfg.trainer.get("fast_dev_run"):
-        for row in trainer.test(system, datamodule=datamodule, verbose=False):
+        try:
+            rows = trainer.test(system, datamodule=datamodule, verbose=False)
+        except SIGTERMException:  # not a finished run: it must not exit with status 0
+            raise _preempted(trainer) from None
+        for row in rows:
             metrics.update({k: float(v) for k, v in row.items()})
     result = TrainResult(
         run_dir,
@@ -114,6 +128,10 @@ def train(cfg: DictConfig) -> TrainResult:
         result.bundle_dir = _export(system, run_dir)
     _finish_wandb_run()
     return result
+
+
+def _preempted(trainer: pl.Trainer) -> Exception:
+    return next(c for c in trainer.callbacks if isinstance(c, Preemption)).preempted()
 
 
 def _use_best(cfg: DictConfig, trainer: pl.Trainer, system: VisionSystem) -> str:
@@ -139,9 +157,10 @@ def _use_best(cfg: DictConfig, trainer: pl.Trainer, system: VisionSystem) -> str
 
 def training_callbacks(cfg: DictConfig) -> list[pl.Callback]:
     """The callbacks that the run's own switches ask for: the time-budget horizon (always; idle without
-    ``trainer.max_time``), EMA weights (``ema.decay``), early stopping (``early_stopping.patience``),
-    a frozen encoder (``model.freeze_encoder_epochs``) and the count of skipped images (``data.bad_images=skip``)."""
-    callbacks: list[pl.Callback] = [TimeBudgetHorizon()]
+    ``trainer.max_time``), the checkpoint on SIGTERM or SIGUSR1 (always), EMA weights (``ema.decay``),
+    early stopping (``early_stopping.patience``), a frozen encoder (``model.freeze_encoder_epochs``) and the
+    count of skipped images (``data.bad_images=skip``)."""
+    callbacks: list[pl.Callback] = [TimeBudgetHorizon(), Preemption(RunDir(cfg.paths.output_dir).last_checkpoint)]
     if cfg.data.get("bad_images") == "skip":
         callbacks.append(SkippedImages())
     if cfg.model.get("freeze_encoder_epochs"):
@@ -165,25 +184,52 @@ def _on_gpu(cfg: DictConfig) -> bool:
 def plan_cores(cfg: DictConfig, datamodule: Any) -> tuple[int, int]:
     """Loader workers and torch threads that do not fight over the cores; returns ``(workers, threads)``.
 
-    ``data.num_workers=auto`` is resolved by the DataModule (``plan_workers``); ``num_threads=auto``
-    gives torch the cores the workers leave on a CPU run (at least one), and keeps torch's default
-    on GPUs. A number set by the user is kept as it is.
+    Each of the node's training processes (``trainer.devices`` of them, or torchrun's
+    ``LOCAL_WORLD_SIZE``) plans with its share of the cores. ``data.num_workers=auto`` is resolved
+    by the DataModule (``plan_workers``); ``num_threads=auto`` gives torch the share the workers
+    leave on a CPU run (at least one), so that on a CPU threads + workers of all processes stay
+    within the cores, and keeps torch's default on GPUs. A number set by the user is kept as it is.
     """
-    cores = len(os.sched_getaffinity(0))
+    cores, processes = len(os.sched_getaffinity(0)), processes_per_node(cfg)
+    share = max(1, cores // processes)
     plan = getattr(datamodule, "plan_workers", None)
-    workers = plan(_on_gpu(cfg), cores) if plan is not None else int(getattr(datamodule, "num_workers", 0))
+    workers = plan(_on_gpu(cfg), share) if plan is not None else int(getattr(datamodule, "num_workers", 0))
     threads = cfg.get("num_threads")
     if threads == "auto":
-        threads = torch.get_num_threads() if _on_gpu(cfg) else max(1, cores - workers)
+        threads = torch.get_num_threads() if _on_gpu(cfg) else max(1, share - workers)
     if threads:
         torch.set_num_threads(int(threads))
-    log.info("cores: %d; loader workers: %d; torch threads: %d", cores, workers, torch.get_num_threads())
+    log.info(
+        "cores: %d for %d process(es); loader workers: %d; torch threads: %d",
+        cores,
+        processes,
+        workers,
+        torch.get_num_threads(),
+    )
     return workers, torch.get_num_threads()
+
+
+def processes_per_node(cfg: DictConfig) -> int:
+    """The training processes on this machine: torchrun's ``LOCAL_WORLD_SIZE``, else ``trainer.devices``
+    (a count, or device ids: a list or ``"0,1"``); 1 for ``auto`` and ``-1``."""
+    if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+        return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    devices = cfg.trainer.get("devices", 1)
+    if isinstance(devices, str):
+        ids = [d for d in devices.split(",") if d.strip()]
+        devices = int(devices) if devices.strip().isdigit() else len(ids) if "," in devices else 1
+    if isinstance(devices, int):
+        return max(1, devices)
+    return len(devices) if isinstance(devices, Sequence) and not isinstance(devices, str) else 1
 
 
 def _resume_checkpoint(cfg: DictConfig) -> str | None:
     if cfg.ckpt_path:
         return str(cfg.ckpt_path)
+    if cfg.resume == "auto":  # the run folder's own checkpoint when it has one: a fresh start otherwise
+        last = RunDir(cfg.paths.output_dir).last_checkpoint
+        log.info("resume=auto: %s", f"continuing from {last}" if last.is_file() else f"no {last}, starting afresh")
+        return str(last) if last.is_file() else None
     if cfg.resume:
         return str(RunDir(cfg.resume).last_checkpoint)
     return None

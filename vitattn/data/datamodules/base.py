@@ -177,9 +177,10 @@ class ImageDataModule(pl.LightningDataModule):
         self.collate_fn = partial(collate_captions, pad_id=vocab.pad_id)
 
     def plan_workers(self, on_gpu: bool, cores: int) -> int:
-        """Resolve ``num_workers=auto`` (after ``setup``): on GPUs ``min(8, cores - 1)`` to keep the device fed;
-        on CPUs, where the workers and torch's threads share the cores, 0 when the images are in memory
-        (cached or generated) and one worker otherwise. Returns the number."""
+        """Resolve ``num_workers=auto`` (after ``setup``) for ``cores`` (this training process's share of
+        them): on GPUs ``min(8, cores - 1)`` to keep the device fed; on CPUs, where the workers and
+        torch's threads share the cores, 0 when the images are in memory (cached or generated) and one
+        worker otherwise. Returns the number."""
         if self.num_workers == "auto":
             in_memory = self.cache is not None or not getattr(self, "reads_files", False)
             self.num_workers = max(0, min(8, cores - 1)) if on_gpu else (0 if in_memory else min(1, cores - 1))

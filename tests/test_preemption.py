@@ -1,0 +1,240 @@
+"""Preemption: SIGTERM / SIGUSR1 stop after a whole step with a checkpoint, and ``resume=auto`` continues."""
+
+import csv
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import TINY, TINY_SHAPES, compose_train, console_script
+from vitattn.errors import Preempted
+from vitattn.systems import ClassificationSystem
+from vitattn.training import train
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+# A classifier logging every step and validating every 4; with a step checkpoint interval of max_steps,
+# the only checkpoints are the preemption's and the last step's.
+RUN = [
+    "head=classification",
+    *TINY,
+    *TINY_SHAPES,
+    "test=false",
+    "export_bundle=false",
+    "trainer.max_epochs=-1",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_check_interval=4",
+    "trainer.check_val_every_n_epoch=null",
+    "resume=auto",
+]
+
+
+def _train_steps(run_dir: Path) -> list[int]:
+    """The steps with a logged training loss, in the order logged."""
+    path = run_dir / "csv" / "metrics.csv"
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")]
+
+
+def _step(checkpoint: Path) -> int:
+    return torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"]
+
+
+def _sigusr1_during(monkeypatch, step: int) -> None:
+    """SIGUSR1 to this process in the middle of training step ``step``."""
+    original = ClassificationSystem.training_step
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == step and not getattr(self, "signalled", False):
+            self.signalled = True
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(ClassificationSystem, "training_step", training_step)
+
+
+STEPS_12 = [*RUN, "trainer.max_steps=12", "callbacks.step_checkpoint.every_n_train_steps=12"]
+
+
+@pytest.mark.parametrize("signalled_step", [3, 5])  # step 3 is followed by a validation, step 5 is not
+def test_sigusr1_stops_after_the_step_and_resume_auto_repeats_none(signalled_step, tmp_path, monkeypatch):
+    _sigusr1_during(monkeypatch, signalled_step)
+    handler = signal.getsignal(signal.SIGUSR1)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(
+        Preempted, match=rf"^preempted by SIGUSR1 at step {signalled_step + 1}; checkpoint .*last\.ckpt"
+    ):
+        train(compose_train(STEPS_12, tmp_path))  # resume=auto, no checkpoint: a fresh start
+    assert signal.getsignal(signal.SIGUSR1) is handler  # restored when fit ended
+    assert _step(last) == signalled_step + 1  # the signalled step is whole and saved
+    assert _train_steps(tmp_path) == list(range(signalled_step + 1))
+
+    result = train(compose_train(STEPS_12, tmp_path))
+    assert result.global_step == 12 and _step(last) == 12
+    assert result.steps_per_second > 0  # over this start's steps, though the run rewrote last.ckpt
+    assert not list(last.parent.glob("last-v*.ckpt"))  # the resumed run updates last.ckpt, not a copy beside it
+    assert _train_steps(tmp_path) == list(range(signalled_step + 1, 12))  # the CSV logger starts a new file
+
+
+def test_sigterm_while_testing_after_training_is_a_preemption_not_a_success(tmp_path, monkeypatch):
+    original = ClassificationSystem.test_step
+
+    def test_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # Lightning's handler: the test stops after this batch
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(ClassificationSystem, "test_step", test_step)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(
+        Preempted, match=r"^preempted by SIGTERM after training, while testing; checkpoint .*last\.ckpt"
+    ):
+        train(compose_train([*STEPS_12, "test=true"], tmp_path))  # Lightning alone: a SystemExit with status 0
+    assert _step(last) == 12  # the finished training's checkpoint, not rewritten with the weights under test
+
+
+def test_on_slurm_sigusr1_stops_then_lightning_requeues_the_job(tmp_path, monkeypatch):
+    bin_dir, requeued = tmp_path / "bin", tmp_path / "scontrol.log"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {requeued}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "localhost"}
+    for key, value in {**slurm, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(key, value)  # what srun sets: Lightning's SLURMEnvironment with auto-requeue
+    _sigusr1_during(monkeypatch, 5)
+    run_dir = tmp_path / "run"
+    with pytest.raises(Preempted, match=r"^preempted by SIGUSR1 at step 6"):
+        train(compose_train(STEPS_12, run_dir))
+    assert requeued.read_text().split() == ["requeue", "4242"]  # once, by Lightning's handler
+    (hpc,) = run_dir.glob("hpc_ckpt_*.ckpt")  # Lightning's own checkpoint, at the same step boundary
+    assert _step(hpc) == _step(run_dir / "checkpoints" / "last.ckpt") == 6
+
+    result = train(compose_train(STEPS_12, run_dir))  # the requeued job: the same command, the same folder
+    assert result.global_step == 12 and _train_steps(run_dir) == list(range(6, 12))
+
+
+def test_resume_auto_needs_a_fixed_run_directory(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "vitattn.cli.train", "resume=auto"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: resume=auto continues the run in hydra.run.dir: add hydra.run.dir=DIR"
+    ]
+    assert not (tmp_path / "runs").exists()
+
+
+# Two CPU processes that Lightning starts itself: the signal goes to the first (rank 0) only.
+DDP_CPU = [
+    "trainer=ddp",
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+    "trainer.precision=32-true",
+    "trainer.benchmark=false",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [[], DDP_CPU], ids=["one-process", "ddp-two-processes"])
+def test_sigterm_to_vitattn_train_then_resume_auto_repeats_no_step(processes, tmp_path):
+    run_dir = tmp_path / "run"
+    command = [
+        str(console_script("vitattn-train")),
+        *processes,
+        *RUN,
+        "trainer.max_steps=40",
+        "callbacks.step_checkpoint.every_n_train_steps=40",
+        "+logger.csv.flush_logs_every_n_steps=1",  # rows on disk at each step
+        f"hydra.run.dir={run_dir}",
+    ]
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline and len(_train_steps(run_dir)) < 6:
+            time.sleep(0.05)
+        assert proc.poll() is None and len(_train_steps(run_dir)) >= 6, (tmp_path / "first.log").read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)  # mid-run: steps logged, no checkpoint yet
+        _, stderr = proc.communicate(timeout=300)  # until every process has closed stderr: rank 1 ends too
+    assert proc.returncode == 75, stderr[-3000:]
+    assert "Traceback" not in stderr
+    lines = [line for line in stderr.splitlines() if "preempted" in line]
+    saved = _step(run_dir / "checkpoints" / "last.ckpt")
+    assert lines == [
+        f"preempted by SIGTERM at step {saved}; checkpoint {run_dir / 'checkpoints' / 'last.ckpt'}; "
+        f"continue with resume={run_dir}"
+    ]
+    before = _train_steps(run_dir)
+    assert before == list(range(saved)) and 6 <= saved < 40  # every step logged is in the checkpoint
+
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = _train_steps(run_dir)
+    assert after == list(range(saved, 40))  # continues exactly at the checkpoint: no step repeated, none lost
+    assert _step(run_dir / "checkpoints" / "last.ckpt") == 40
+    speed = re.search(r"^speed: +([0-9.]+) steps/s \(training with its validations\)$", proc.stdout, re.MULTILINE)
+    assert speed and float(speed.group(1)) > 0, proc.stdout[-2000:]  # the summary's rate, of this start's steps
+    print(f"SIGTERM after {len(before)} steps; resumed at step {after[0]}: {len(before) - after[0]} steps repeated")
+
+
+def _workers(launcher: int) -> dict[int, int]:
+    """The launcher's child processes by their ``RANK``."""
+    workers = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+        rank = next((int(e[5:]) for e in environ if e.startswith(b"RANK=")), None)
+        if ppid == launcher and rank is not None:
+            workers[rank] = int(stat.parent.name)
+    return workers
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_the_group_after_a_rank_is_killed_and_training_continues(tmp_path):
+    run_dir = tmp_path / "run"
+    command = [
+        *[sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=1", "--nproc-per-node=2"],
+        *["-m", "vitattn.cli.train", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"],
+        *["trainer.precision=32-true", "trainer.benchmark=false", *RUN, "trainer.max_steps=40"],
+        "callbacks.step_checkpoint.every_n_train_steps=5",
+        "+logger.csv.flush_logs_every_n_steps=1",
+        f"hydra.run.dir={run_dir}",
+    ]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    with open(tmp_path / "torchrun.log", "w") as log:
+        # torch 2.14's torchrun hands each restarted group the store of the first one, whose gloo addresses
+        # (now dead) the new ranks then try to connect to: a store per group instead
+        env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+        deadline = time.monotonic() + 400
+        while proc.poll() is None and time.monotonic() < deadline:
+            if last.is_file() and len(_train_steps(run_dir)) >= 12:  # a step checkpoint, and steps past it
+                break
+            time.sleep(0.05)
+        workers = _workers(proc.pid)
+        assert proc.poll() is None and sorted(workers) == [0, 1], (tmp_path / "torchrun.log").read_text()[-3000:]
+        done = len(_train_steps(run_dir))
+        os.kill(workers[1], signal.SIGKILL)
+        proc.wait(timeout=600)
+    output = (tmp_path / "torchrun.log").read_text()
+    assert proc.returncode == 0, output[-3000:]
+    assert _step(last) == 40
+    after = _train_steps(run_dir)  # the restarted group's steps (its CSV logger starts a new file)
+    assert after == list(range(after[0], 40)) and 5 <= after[0] <= done and after[0] % 5 == 0  # from a step checkpoint
+    assert output.count("run directory:") == 1  # one summary: the restarted group's rank 0
+    print(f"rank 1 killed after {done} steps; the restarted group resumed at step {after[0]}")

@@ -1,0 +1,112 @@
+"""A polite stop (SIGTERM, SIGUSR1) ends training after the current step, with a checkpoint to continue from.
+
+Lightning 2.6 already stops on SIGTERM: its signal connector (``trainer/connectors/signal_connector.py``)
+sets ``trainer.received_sigterm``, and the training loop then raises ``SIGTERMException`` once the
+step under way is done (a ``SystemExit`` with status 0; nothing is saved). Two things keep that from
+serving as it is: SIGUSR1, what SLURM sends before a time limit, stops nothing outside SLURM's
+auto-requeue, and with several processes its handler broadcasts from inside the signal handler,
+wherever each rank happens to be (Lightning's SLURM SIGUSR1 handler saves a checkpoint there too).
+``Preemption`` replaces the SIGTERM and SIGUSR1 handlers while training runs with one that only
+notes the signal, agrees across ranks after each step, sets Lightning's flag, writes the checkpoint
+from ``on_exception`` and then runs the SIGUSR1 handler it replaced (SLURM's requeue). Lightning
+restores the previous handlers when ``fit`` ends.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from vitattn.errors import Preempted
+
+__all__ = ["STOP_SIGNALS", "Preemption"]
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preemption(Checkpoint):
+    """On SIGTERM or SIGUSR1: finish the current step (and a validation that follows it), write
+    ``checkpoint``, stop; ``preempted()`` then describes the stop.
+
+    Args:
+        checkpoint: where the checkpoint goes (the run's ``checkpoints/last.ckpt``, what ``resume``
+            continues from); written through the trainer's checkpoint IO, so atomically.
+    """
+
+    def __init__(self, checkpoint: str | Path) -> None:
+        self.checkpoint = Path(checkpoint)
+        self.received: int = 0  # the signal this process received (0: none)
+        self.stopped_by: int = 0  # the signal that stopped training, on any rank
+        self.saved_step: int | None = None
+        # the SIGUSR1 handler found installed (Lightning's SLURM requeue), run after the save
+        self.on_sigusr1: Any = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning installed its handlers just before this hook and restores the ones before them when fit ends.
+        self.received, self.stopped_by, self.saved_step = 0, 0, None
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may set handlers
+        previous = signal.getsignal(signal.SIGUSR1)
+        self.on_sigusr1 = previous if callable(previous) else None
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._note)
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum  # all a handler should do: it runs between any two bytecodes
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._agreed_signal(trainer):
+            _stop_after_this_step(trainer, True)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.stopped_by:  # let the validation due after this step run whole
+            _stop_after_this_step(trainer, False)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Stop here, as a ModelCheckpoint would save here (this callback runs after them: a Checkpoint
+        # callback, Lightning orders those last): a run restarted from this point skips the validation
+        # and counts the step for its loggers once.
+        if not trainer.sanity_checking and self._agreed_signal(trainer):
+            raise SIGTERMException
+
+    def _agreed_signal(self, trainer: pl.Trainer) -> int:
+        """The signal any rank received (0: none), the same on every rank: all stop after the same step."""
+        signum = self.received
+        if trainer.world_size > 1:
+            flag = torch.tensor(signum, device=trainer.strategy.root_device)
+            signum = int(trainer.strategy.reduce(flag, reduce_op="max").item())
+        self.stopped_by = self.stopped_by or signum
+        return self.stopped_by
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, SIGTERMException):
+            return
+        self.stopped_by = self.stopped_by or signal.SIGTERM  # Lightning's own handler: before training, or testing
+        if trainer.state.fn != TrainerFn.FITTING:
+            return  # the test after training: the weights in the system may be the best ones, not the last
+        trainer.save_checkpoint(self.checkpoint)
+        self.saved_step = trainer.global_step
+        if self.stopped_by == signal.SIGUSR1 and self.on_sigusr1 is not None:
+            # Lightning's SLURM auto-requeue (its own checkpoint, then `scontrol requeue`) here, where every
+            # rank is, rather than inside the signal handler, wherever each rank was: its save waits for all.
+            self.on_sigusr1(signal.SIGUSR1, None)
+
+    def preempted(self) -> Preempted:
+        """The error that ``train()`` raises for the stop."""
+        name = signal.Signals(self.stopped_by or signal.SIGTERM).name
+        return Preempted(name, self.saved_step, self.checkpoint)
+
+
+def _stop_after_this_step(trainer: pl.Trainer, stop: bool) -> None:
+    # The flag Lightning's own SIGTERM handler sets (``trainer.received_sigterm`` reads it): the
+    # training loop raises SIGTERMException at the end of the step, the evaluation loop after a batch.
+    trainer._signal_connector.received_sigterm = stop
