@@ -115,7 +115,8 @@ def caption_fns(
     def ours_gen(use_cache: bool) -> Callable[[], Tensor]:
         def gen() -> Tensor:
             given = given_memory(ours, memory) if decode_only else contextlib.nullcontext()
-            with given, forced_length(ours.decoder), env.autocast():
+            # inference mode as on the Hugging Face side and in ``vitattn.inference`` (generate alone: no_grad)
+            with torch.inference_mode(), given, forced_length(ours.decoder), env.autocast():
                 return ours.generate(images, max_new_tokens=tokens, num_beams=beams, use_cache=use_cache)
 
         return gen
