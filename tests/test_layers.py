@@ -221,6 +221,23 @@ def test_decoder_layer_cached_steps_equal_full_pass(norm_first, capacity):
     assert cache.k.shape == (B, H, L, D // H) and cache.cross_k.shape == (B, H, 9, D // H)
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_decoder_layer_memory_once_per_image_equals_memory_per_beam(cached):
+    K = 3  # beams per image: memory holds each image once, x holds its K beams in consecutive rows
+    layer = DecoderLayer(D, H, 64).eval()
+    x, memory = torch.randn(B * K, L, D), torch.randn(B, 9, D)
+
+    def run(mem: torch.Tensor) -> torch.Tensor:
+        if not cached:
+            return layer(x, mem)
+        cache = LayerCache(L)
+        return torch.cat([layer(x[:, t : t + 1], mem, cache) for t in range(L)], dim=1)
+
+    torch.testing.assert_close(run(memory), run(memory.repeat_interleave(K, dim=0)), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="memory batch 4 must divide the caption batch 6"):
+        layer(x, torch.randn(4, 9, D))
+
+
 def test_layer_cache_appends_in_place_and_reorders_rows():
     cache = LayerCache(capacity=4)
     k1, v1 = torch.randn(B, H, 1, 8), torch.randn(B, H, 1, 8)

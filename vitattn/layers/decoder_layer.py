@@ -130,11 +130,17 @@ class DecoderLayer(nn.Module):
         if cache is not None and cache.cross_k is not None:
             k, v = cache.cross_k, cache.cross_v
         else:
-            k, v = self.mha2.project_kv(memory, memory)  # (B, H, N, d)
-            if cache is not None:
+            B, Bm = h.shape[0], memory.shape[0]
+            if B % Bm:
+                raise ValueError(f"memory batch {Bm} must divide the caption batch {B}")
+            k, v = self.mha2.project_kv(memory, memory)  # (B / K, H, N, d)
+            if B > Bm:  # K beams per image: projected once per image, then one copy per beam
+                k, v = k.repeat_interleave(B // Bm, dim=0), v.repeat_interleave(B // Bm, dim=0)  # (B, H, N, d)
+            elif cache is not None:
                 # Copied once into their own (B, H, N, d) blocks: every later step reads them, and the
                 # interleaved k/v views of the fused projection make CPU attention up to 2x slower.
                 k, v = k.contiguous(), v.contiguous()
+            if cache is not None:
                 cache.cross_k, cache.cross_v = k, v
         return self.mha2.attend(self.mha2.project_q(h), k, v)[0]
 
@@ -143,7 +149,8 @@ class DecoderLayer(nn.Module):
 
         Args:
             x: (B, t, D) embeddings of the new caption positions (all T when not caching).
-            memory: (B, N, D) image tokens.
+            memory: (B, N, D) image tokens, or (B / K, N, D) for K consecutive rows of ``x`` per
+                image (beams): its keys/values are then projected once per image.
             cache: filled and extended in place for incremental decoding; None to recompute.
 
         Returns:

@@ -114,7 +114,8 @@ class CaptionDecoder(nn.Module):
 
         Args:
             tokens: (B, t) token ids at positions ``start .. start + t - 1``.
-            memory: (B, N, D) image tokens, already through ``memory_proj``.
+            memory: (B, N, D) image tokens, already through ``memory_proj``; or (B / K, N, D), one
+                row per K consecutive rows of ``tokens`` (beams of one image).
             cache: from ``new_cache()``, extended in place; None recomputes from position 0.
             start: position of ``tokens[:, 0]`` (the cache length).
 
@@ -255,8 +256,7 @@ class ImageCaptioner(nn.Module):
         self, memory: Tensor, max_new_tokens: int, num_beams: int, length_penalty: float, use_cache: bool
     ) -> Tensor:
         dec, K = self.decoder, num_beams
-        B = memory.shape[0]
-        memory = memory.repeat_interleave(K, dim=0)  # (B*K, N, D)
+        B = memory.shape[0]  # memory stays (B, N, D): the layers give each image's keys/values to its K beams
         cache = dec.new_cache(max_new_tokens) if use_cache else None
         tokens = memory.new_full((B * K, 1), dec.bos_id, dtype=torch.long)
         scores = memory.new_zeros(B, K, dtype=torch.float)
