@@ -210,14 +210,50 @@ def test_record_attention_records_without_changing_outputs():
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_decoder_layer_cached_steps_equal_full_pass(norm_first):
+@pytest.mark.parametrize("capacity", [None, 3, L])  # grown per call; preallocated, then grown; preallocated
+def test_decoder_layer_cached_steps_equal_full_pass(norm_first, capacity):
     layer = DecoderLayer(D, H, 64, norm_first=norm_first).eval()
     x, memory = torch.randn(B, L, D), torch.randn(B, 9, D)
     full = layer(x, memory)
-    cache = LayerCache()
+    cache = LayerCache(capacity)
     steps = [layer(x[:, t : t + 1], memory, cache) for t in range(L)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
     assert cache.k.shape == (B, H, L, D // H) and cache.cross_k.shape == (B, H, 9, D // H)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_decoder_layer_memory_once_per_image_equals_memory_per_beam(cached):
+    K = 3  # beams per image: memory holds each image once, x holds its K beams in consecutive rows
+    layer = DecoderLayer(D, H, 64).eval()
+    x, memory = torch.randn(B * K, L, D), torch.randn(B, 9, D)
+
+    def run(mem: torch.Tensor) -> torch.Tensor:
+        if not cached:
+            return layer(x, mem)
+        cache = LayerCache(L)
+        return torch.cat([layer(x[:, t : t + 1], mem, cache) for t in range(L)], dim=1)
+
+    torch.testing.assert_close(run(memory), run(memory.repeat_interleave(K, dim=0)), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="memory batch 4 must divide the caption batch 6"):
+        layer(x, torch.randn(4, 9, D))
+
+
+def test_layer_cache_appends_in_place_and_reorders_rows():
+    cache = LayerCache(capacity=4)
+    k1, v1 = torch.randn(B, H, 1, 8), torch.randn(B, H, 1, 8)
+    cache.append(k1, v1)
+    buffer = cache.k.data_ptr()
+    k2, v2 = torch.randn(B, H, 2, 8), torch.randn(B, H, 2, 8)
+    k, v = cache.append(k2, v2)
+    assert cache.k.data_ptr() == buffer  # written into the buffer of the first call, not copied
+    torch.testing.assert_close(k, torch.cat([k1, k2], dim=2), rtol=0, atol=0)
+    torch.testing.assert_close(v, torch.cat([v1, v2], dim=2), rtol=0, atol=0)
+    index = torch.tensor([1, 1])
+    cache.reorder(index)
+    torch.testing.assert_close(cache.v, torch.cat([v1, v2], dim=2)[index], rtol=0, atol=0)
+    k3, v3 = torch.randn(B, H, 2, 8), torch.randn(B, H, 2, 8)  # past the capacity: the buffers grow
+    k, _ = cache.append(k3, v3)
+    torch.testing.assert_close(k, torch.cat([torch.cat([k1, k2], dim=2)[index], k3], dim=2), rtol=0, atol=0)
 
 
 def test_decoder_layer_is_causal_and_reads_memory():

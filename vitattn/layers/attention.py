@@ -143,11 +143,20 @@ class MultiHeadAttention(nn.Module):
             return k, v
         return self.split_heads(self.wk(k), k.shape[0]), self.split_heads(self.wv(v), v.shape[0])
 
-    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Self-attention projections of (B, L, D) in one matmul -> three (B, H, L, d)."""
+    def qkv_params(self) -> tuple[Tensor, Tensor | None]:
+        """``wq``, ``wk``, ``wv`` stacked: the (3D, D) weight and (3D,) bias (None without bias) of ``project_qkv``."""
+        return _cat(self.wq.weight, self.wk.weight, self.wv.weight), _cat(self.wq.bias, self.wk.bias, self.wv.bias)
+
+    def project_qkv(
+        self, x: Tensor, params: tuple[Tensor, Tensor | None] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention projections of (B, L, D) in one matmul -> three (B, H, L, d).
+
+        ``params`` is ``qkv_params()`` computed beforehand (a decoding loop stacks the weights once,
+        not once per step); None stacks them here.
+        """
         B, L, _ = x.shape
-        w = _cat(self.wq.weight, self.wk.weight, self.wv.weight)
-        b = _cat(self.wq.bias, self.wk.bias, self.wv.bias)
+        w, b = params or self.qkv_params()
         qkv = F.linear(x, w, b).view(B, L, 3, self.num_heads, self.head_dim)
         qkv = qkv.permute(2, 0, 3, 1, 4)  # (3, B, H, L, d)
         # unbind, not qkv[0], qkv[1], qkv[2]: the same views, but one backward (a stack) instead of

@@ -10,9 +10,6 @@ Names follow the TensorFlow transformer tutorial that the document's layers come
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
 from timm.layers import DropPath
 from torch import Tensor, nn
 
@@ -22,22 +19,59 @@ from vitattn.layers.feedforward import point_wise_feed_forward_network
 __all__ = ["DecoderLayer", "LayerCache"]
 
 
-@dataclass
 class LayerCache:
-    """One decoder layer's cached heads: self-attention keys/values grow by t each step, the
-    cross-attention ones are computed once from the image tokens."""
+    """One decoder layer's cached heads for incremental decoding.
 
-    k: Tensor | None = None  # (B, H, T, d)
-    v: Tensor | None = None
-    cross_k: Tensor | None = None  # (B, H, N, d)
-    cross_v: Tensor | None = None
+    The self-attention keys/values grow by t positions per call; with a ``capacity`` they are
+    written into buffers allocated once at that many positions (no copy of the whole cache per
+    step; the buffers grow past it if needed). The cross-attention keys/values and the fused
+    q/k/v weights of the self-attention are computed once, at the first call.
+
+    Args:
+        capacity: positions to allocate at the first call; None grows the buffers to fit each call.
+    """
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.capacity = capacity
+        self.length = 0  # positions cached
+        self._k: Tensor | None = None  # (B, H, >= length, d)
+        self._v: Tensor | None = None
+        self.cross_k: Tensor | None = None  # (B, H, N, d)
+        self.cross_v: Tensor | None = None
+        self.qkv_params: tuple[Tensor, Tensor | None] | None = None  # (3D, D) weight, (3D,) bias
+
+    @property
+    def k(self) -> Tensor | None:
+        """(B, H, T, d) cached self-attention keys, or None before the first call."""
+        return None if self._k is None else self._k[:, :, : self.length]
+
+    @property
+    def v(self) -> Tensor | None:
+        """(B, H, T, d) cached self-attention values, or None before the first call."""
+        return None if self._v is None else self._v[:, :, : self.length]
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Add t new positions (B, H, t, d) each; return every cached position, (B, H, T, d) each."""
+        end = self.length + k.shape[2]
+        if self._k is None or end > self._k.shape[2]:
+            B, H, _, d = k.shape
+            size = max(end, self.capacity or 0)
+            new_k, new_v = k.new_empty(B, H, size, d), v.new_empty(B, H, size, d)
+            if self.length:
+                new_k[:, :, : self.length] = self.k
+                new_v[:, :, : self.length] = self.v
+            self._k, self._v = new_k, new_v
+        self._k[:, :, self.length : end] = k
+        self._v[:, :, self.length : end] = v
+        self.length = end
+        return self.k, self.v
 
     def reorder(self, index: Tensor) -> None:
         """Keep the batch rows in ``index`` (beam search); cross heads are per image and beams of
         one image share them, so they are left as they are."""
-        if self.k is not None:
-            self.k = self.k.index_select(0, index)
-            self.v = self.v.index_select(0, index)
+        if self._k is not None:
+            self._k = self._k.index_select(0, index)
+            self._v = self._v.index_select(0, index)
 
 
 class DecoderLayer(nn.Module):
@@ -83,23 +117,30 @@ class DecoderLayer(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def _self_attention(self, h: Tensor, cache: LayerCache | None) -> Tensor:
-        q, k, v = self.mha1.project_qkv(h)  # (B, H, t, d) each
-        if cache is not None:
-            if cache.k is not None:
-                k = torch.cat([cache.k, k], dim=2)  # (B, H, T, d)
-                v = torch.cat([cache.v, v], dim=2)
-            cache.k, cache.v = k, v
+        if cache is None:
+            q, k, v = self.mha1.project_qkv(h)  # (B, H, t, d) each
+        else:
+            if cache.qkv_params is None:  # concatenated once per decoding, not once per step
+                cache.qkv_params = self.mha1.qkv_params()
+            q, k, v = self.mha1.project_qkv(h, cache.qkv_params)
+            k, v = cache.append(k, v)  # (B, H, T, d)
         return self.mha1.attend(q, k, v, is_causal=True)[0]
 
     def _cross_attention(self, h: Tensor, memory: Tensor, cache: LayerCache | None) -> Tensor:
         if cache is not None and cache.cross_k is not None:
             k, v = cache.cross_k, cache.cross_v
         else:
-            k, v = self.mha2.project_kv(memory, memory)  # (B, H, N, d)
-            if cache is not None:
+            B, Bm = h.shape[0], memory.shape[0]
+            if B % Bm:
+                raise ValueError(f"memory batch {Bm} must divide the caption batch {B}")
+            k, v = self.mha2.project_kv(memory, memory)  # (B / K, H, N, d)
+            if B > Bm:  # K beams per image: projected once per image, then one copy per beam
+                k, v = k.repeat_interleave(B // Bm, dim=0), v.repeat_interleave(B // Bm, dim=0)  # (B, H, N, d)
+            elif cache is not None:
                 # Copied once into their own (B, H, N, d) blocks: every later step reads them, and the
                 # interleaved k/v views of the fused projection make CPU attention up to 2x slower.
                 k, v = k.contiguous(), v.contiguous()
+            if cache is not None:
                 cache.cross_k, cache.cross_v = k, v
         return self.mha2.attend(self.mha2.project_q(h), k, v)[0]
 
@@ -108,7 +149,8 @@ class DecoderLayer(nn.Module):
 
         Args:
             x: (B, t, D) embeddings of the new caption positions (all T when not caching).
-            memory: (B, N, D) image tokens.
+            memory: (B, N, D) image tokens, or (B / K, N, D) for K consecutive rows of ``x`` per
+                image (beams): its keys/values are then projected once per image.
             cache: filled and extended in place for incremental decoding; None to recompute.
 
         Returns:

@@ -109,16 +109,18 @@ class CaptionDecoder(nn.Module):
         with torch.no_grad():
             self.token_embed.weight[self.pad_id].zero_()
 
-    def new_cache(self) -> list[LayerCache]:
-        """An empty key/value cache, one entry per layer."""
-        return [LayerCache() for _ in self.layers]
+    def new_cache(self, capacity: int | None = None) -> list[LayerCache]:
+        """An empty key/value cache, one entry per layer, with room for ``capacity`` positions
+        (default ``max_len``) allocated at the first step."""
+        return [LayerCache(capacity or self.max_len) for _ in self.layers]
 
     def forward(self, tokens: Tensor, memory: Tensor, cache: list[LayerCache] | None = None, start: int = 0) -> Tensor:
         """Next-token logits for each given position.
 
         Args:
             tokens: (B, t) token ids at positions ``start .. start + t - 1``.
-            memory: (B, N, D) image tokens, already through ``memory_proj``.
+            memory: (B, N, D) image tokens, already through ``memory_proj``; or (B / K, N, D), one
+                row per K consecutive rows of ``tokens`` (beams of one image).
             cache: from ``new_cache()``, extended in place; None recomputes from position 0.
             start: position of ``tokens[:, 0]`` (the cache length).
 
@@ -226,12 +228,12 @@ class ImageCaptioner(nn.Module):
         return self._greedy_or_sample(memory, max_new_tokens, sample, use_cache)
 
     def _step_logits(self, tokens: Tensor, memory: Tensor, cache: list[LayerCache] | None) -> Tensor:
-        """Log-probabilities (B, V) of the next token after ``tokens`` (B, t), specials banned."""
+        """Logits (B, V) of the next token after ``tokens`` (B, t), specials banned, in fp32."""
         if cache is None:
             logits = self.decoder(tokens, memory)[:, -1]
         else:
             logits = self.decoder(tokens[:, -1:], memory, cache, start=tokens.shape[1] - 1)[:, -1]
-        logits = logits.float()
+        logits = logits.float()  # a no-op (no copy) when already fp32
         # never generated; scalar indices: no index tensor is built (and copied to the GPU) per step
         logits[:, self.decoder.pad_id] = float("-inf")
         logits[:, self.decoder.bos_id] = float("-inf")
@@ -240,26 +242,27 @@ class ImageCaptioner(nn.Module):
     def _greedy_or_sample(self, memory: Tensor, max_new_tokens: int, sample: dict | None, use_cache: bool) -> Tensor:
         dec = self.decoder
         B = memory.shape[0]
-        cache = dec.new_cache() if use_cache else None
-        tokens = memory.new_full((B, 1), dec.bos_id, dtype=torch.long)  # (B, 1)
+        cache = dec.new_cache(max_new_tokens) if use_cache else None
+        # every column allocated once; step i reads columns 0..i and writes column i + 1
+        tokens = memory.new_full((B, max_new_tokens + 1), dec.pad_id, dtype=torch.long)  # (B, 1 + T')
+        tokens[:, 0] = dec.bos_id
         finished = torch.zeros(B, dtype=torch.bool, device=memory.device)
-        for _ in range(max_new_tokens):
-            logits = self._step_logits(tokens, memory, cache)  # (B, V)
+        for i in range(max_new_tokens):
+            logits = self._step_logits(tokens[:, : i + 1], memory, cache)  # (B, V)
             nxt = logits.argmax(-1) if sample is None else _sample(logits, **sample)  # (B,)
-            nxt = nxt.masked_fill(finished, dec.pad_id)
-            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+            nxt.masked_fill_(finished, dec.pad_id)
+            tokens[:, i + 1] = nxt
             finished |= nxt == dec.eos_id
             if bool(finished.all()):
-                break
+                return tokens[:, 1 : i + 2]
         return tokens[:, 1:]
 
     def _beam_search(
         self, memory: Tensor, max_new_tokens: int, num_beams: int, length_penalty: float, use_cache: bool
     ) -> Tensor:
         dec, K = self.decoder, num_beams
-        B = memory.shape[0]
-        memory = memory.repeat_interleave(K, dim=0)  # (B*K, N, D)
-        cache = dec.new_cache() if use_cache else None
+        B = memory.shape[0]  # memory stays (B, N, D): the layers give each image's keys/values to its K beams
+        cache = dec.new_cache(max_new_tokens) if use_cache else None
         tokens = memory.new_full((B * K, 1), dec.bos_id, dtype=torch.long)
         scores = memory.new_zeros(B, K, dtype=torch.float)
         scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
@@ -270,8 +273,9 @@ class ImageCaptioner(nn.Module):
             logp = self._step_logits(tokens, memory, cache).log_softmax(-1)  # (B*K, V)
             V = logp.shape[-1]
             # A finished beam continues only with <pad>, at no cost, so its score stays as it was.
-            logp[finished] = float("-inf")
-            logp[finished, dec.pad_id] = 0.0
+            # (masked_fill_: no boolean indexing, which finds the rows with a device sync)
+            logp.masked_fill_(finished[:, None], float("-inf"))
+            logp[:, dec.pad_id].masked_fill_(finished, 0.0)
             cand = (scores[:, None] + logp).view(B, K * V)
             top_scores, top_idx = cand.topk(K, dim=1)  # (B, K)
             src = (offsets + top_idx // V).view(-1)  # (B*K,) beam each new one extends
