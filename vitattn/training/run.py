@@ -157,10 +157,12 @@ def _use_best(cfg: DictConfig, trainer: pl.Trainer, system: VisionSystem) -> str
 
 def training_callbacks(cfg: DictConfig) -> list[pl.Callback]:
     """The callbacks that the run's own switches ask for: the time-budget horizon (always; idle without
-    ``trainer.max_time``), the checkpoint on SIGTERM or SIGUSR1 (always), EMA weights (``ema.decay``),
-    early stopping (``early_stopping.patience``), a frozen encoder (``model.freeze_encoder_epochs``) and the
-    count of skipped images (``data.bad_images=skip``)."""
-    callbacks: list[pl.Callback] = [TimeBudgetHorizon(), Preemption(RunDir(cfg.paths.output_dir).last_checkpoint)]
+    ``trainer.max_time``), the checkpoint on SIGTERM or SIGUSR1 (unless ``trainer.enable_checkpointing=false``),
+    EMA weights (``ema.decay``), early stopping (``early_stopping.patience``), a frozen encoder
+    (``model.freeze_encoder_epochs``) and the count of skipped images (``data.bad_images=skip``)."""
+    callbacks: list[pl.Callback] = [TimeBudgetHorizon()]
+    if cfg.trainer.get("enable_checkpointing", True) is not False:  # Lightning refuses a Checkpoint callback then
+        callbacks.append(Preemption(RunDir(cfg.paths.output_dir).last_checkpoint))
     if cfg.data.get("bad_images") == "skip":
         callbacks.append(SkippedImages())
     if cfg.model.get("freeze_encoder_epochs"):
