@@ -12,6 +12,7 @@ model's ``config``, the preprocessing) and, for captioning, ``vocab.json``::
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -205,15 +206,18 @@ def _at_most_tensors(limit: int) -> Iterator[None]:
         handle.remove()
 
 
-def _check_arguments(cls: type, arguments: Any, where: str) -> None:
-    """``arguments`` (a config's mapping) are keyword arguments of ``cls`` of the types it declares,
+def _check_arguments(function: Callable, arguments: Any, where: str, unknown_ok: bool = False) -> None:
+    """``arguments`` (a config's mapping) are keyword arguments of ``function`` of the types it declares,
     floats finite: a file's ``"1e-6"`` or ``NaN`` is refused here rather than failing in a forward pass."""
+    name = function.__qualname__.removesuffix(".__init__")
     if not isinstance(arguments, Mapping):
-        raise ValueError(f"{where} must be a mapping of {cls.__name__} arguments, got {brief(arguments)}")
-    hints = typing.get_type_hints(cls.__init__)
+        raise ValueError(f"{where} must be a mapping of {name} arguments, got {brief(arguments)}")
+    hints = typing.get_type_hints(function)
     for key, value in arguments.items():
+        if key not in hints and unknown_ok:
+            continue
         if key not in hints:
-            raise ValueError(f"{where} has {brief(key)}, which is not a {cls.__name__} argument")
+            raise ValueError(f"{where} has {brief(key)}, which is not a {name} argument")
         allowed = typing.get_args(hints[key]) or (hints[key],)
         ok = (
             (value is None and type(None) in allowed)
@@ -230,9 +234,9 @@ def _check_arguments(cls: type, arguments: Any, where: str) -> None:
 def _check_config(task: str, model_config: Mapping[str, Any], where: Path) -> None:
     if task == "caption":
         for part, cls in (("encoder", VisionTransformer), ("decoder", CaptionDecoder)):
-            _check_arguments(cls, model_config.get(part), f"{where}: model.{part}")
+            _check_arguments(cls.__init__, model_config.get(part), f"{where}: model.{part}")
     else:
-        _check_arguments(VisionTransformer, model_config, f"{where}: model")
+        _check_arguments(VisionTransformer.__init__, model_config, f"{where}: model")
 
 
 def _construct(task: str, model_config: Mapping[str, Any]) -> nn.Module:
@@ -342,7 +346,14 @@ def load_bundle_folder(directory: Path, device: str | torch.device) -> Bundle:
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for corrupt files
         raise ValueError(f"{weights} cannot be loaded into the model of {config_path}: {first_line(err)}") from None
     generate = config.get("generate") or {}
-    if not isinstance(generate, dict):
+    if task == "caption":
+        _check_arguments(ImageCaptioner.generate, generate, f"{config_path}: generate", unknown_ok=True)
+        try:
+            checked = inspect.signature(model.check_generate).parameters
+            model.check_generate(**{k: v for k, v in generate.items() if k in checked})
+        except ValueError as err:
+            raise ValueError(f"{config_path}: generate: {err}") from None
+    elif not isinstance(generate, dict):
         raise ValueError(f"{config_path}: 'generate' must be a mapping of generate() keyword arguments")
     return finish_bundle(
         Bundle(model, task, preprocess, config, vocab, class_names, dict(generate)), device, config_path
