@@ -382,10 +382,9 @@ def _check_export(target: str, folder: Path, source: Path, broken: Path) -> None
         return
     bundle = load_bundle(out)
     image = bundle.transform(Image.new("RGB", (40, 30), "red"))[None]  # (1, 3, H, W)
+    decoding = generate_settings(bundle, {})  # the bundle's decoding defaults, as vitattn-caption takes them
     with torch.inference_mode():
-        tokens = bundle.model.generate(
-            image, **generate_settings(bundle, {})
-        )  # the bundle's defaults, as vitattn-caption
+        tokens = bundle.model.generate(image, **decoding)
     assert isinstance(bundle.vocab.decode(tokens[0]), str)
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "vocab.json"]
     _accepted(target)
