@@ -1,10 +1,19 @@
 import os
+import sys
 from contextlib import contextmanager
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+
+# Property-based tests (tests/test_fuzz.py): ~100 cases per target in make test-fast; HYPOTHESIS_PROFILE=ci-long
+# for 2,000. No deadline: the machine is shared, and a slow case is not a failure (a hang is: pytest-timeout).
+_FUZZ = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("dev", max_examples=100, **_FUZZ)
+settings.register_profile("ci-long", max_examples=2000, **_FUZZ)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 _set_num_threads = torch.set_num_threads  # tests may monkeypatch torch.set_num_threads
 
@@ -33,3 +42,14 @@ def _seed_and_threads():
     with _one_torch_thread():
         torch.manual_seed(0)
         yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The number of generated cases per fuzzed target, when tests/test_fuzz.py ran."""
+    fuzz = sys.modules.get("tests.test_fuzz")
+    if fuzz is None or not fuzz.CASES:
+        return
+    terminalreporter.section("fuzzed cases per target (refused / accepted)")
+    for target in sorted({target for target, _ in fuzz.CASES}):
+        refused, accepted = fuzz.CASES[target, "refused"], fuzz.CASES[target, "accepted"]
+        terminalreporter.write_line(f"{target:<42} {refused + accepted:>6}  ({refused} refused, {accepted} accepted)")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+import reprlib
 from pathlib import Path
+from typing import Any
 
-__all__ = ["NonFiniteLossError", "Preempted", "first_line"]
+__all__ = ["NonFiniteLossError", "Preempted", "brief", "first_line", "printable"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -49,3 +51,20 @@ class Preempted(RuntimeError):
         self.signal, self.step, self.checkpoint = signal, step, checkpoint
         where = f"at step {step}" if step is not None else "after training, while testing"
         super().__init__(f"preempted by {signal} {where}; checkpoint {checkpoint}")
+
+
+_brief = reprlib.Repr()
+_brief.maxlevel, _brief.maxstring, _brief.maxlong, _brief.maxother = 3, 60, 40, 60
+
+
+def brief(value: Any, limit: int = 80) -> str:
+    """A short ``repr`` of a value read from a file, for an error message: however large or deeply
+    nested the value, the result is one line of at most ``limit`` characters, computed in little time."""
+    text = _brief.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def printable(text: str) -> str:
+    """``text`` as it is when every character prints, else its ``repr``: a name that a user typed or a
+    file holds stays on one line of a message even when it holds a line break or a control character."""
+    return text if text.isprintable() else repr(text)

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_folder", "atomic_open", "atomic_write", "read_json"]
+__all__ = ["atomic_folder", "atomic_open", "atomic_write", "parse_json", "read_json"]
 
 
 @contextmanager
@@ -69,17 +69,37 @@ def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def parse_json(text: str) -> Any:
+    """``json.loads``, whose every refusal is a one-line ``ValueError`` (too deep nesting and numbers
+    too long for Python included); the caller adds where the text came from."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("it nests arrays or objects too deeply to be read") from None
+    except ValueError as err:  # JSONDecodeError, or an integer of more than sys.get_int_max_str_digits() digits
+        raise ValueError(" ".join(str(err).split())) from None
+
+
 def read_json(path: str | os.PathLike, what: str) -> Any:
     """Parse the JSON file at ``path``; ``what`` names it in the one-line errors.
 
     Raises:
         FileNotFoundError: ``path`` is not a file.
-        ValueError: it is not UTF-8 JSON.
+        PermissionError: it may not be read.
+        ValueError: it is not UTF-8 JSON, or cannot be read.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} not found: {path}")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        if not path.is_file():
+            raise FileNotFoundError(f"{what} not found: {path}")
+        text = path.read_text(encoding="utf-8")
+    except (FileNotFoundError, PermissionError):
+        raise
+    except UnicodeDecodeError as err:
         raise ValueError(f"{what} {path} is not valid JSON: {' '.join(str(err).split())}") from None
+    except OSError as err:  # a name too long for the file system, a read error
+        raise ValueError(f"{what} {str(path)[:300]} cannot be read: {err.strerror or err}") from None
+    try:
+        return parse_json(text)
+    except ValueError as err:
+        raise ValueError(f"{what} {path} is not valid JSON: {err}") from None

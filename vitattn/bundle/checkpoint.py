@@ -101,7 +101,10 @@ def load_checkpoint(path: Path, device: str | torch.device) -> Bundle:
         raise ValueError(
             f"{path}: hyper_parameters task={task!r}; expected one of {list(TASKS)} (or a 'vocab' or 'class_names')"
         )
-    model = build_model(task, hparams["model_config"], path)
+    weights = {k[len("model.") :]: v for k, v in state.items() if isinstance(k, str) and k.startswith("model.")}
+    if not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise ValueError(f"{path}: its 'model.*' weights must all be tensors")
+    model = build_model(task, hparams["model_config"], path, {k: v.shape for k, v in weights.items()})
     if hparams.get("preprocess"):
         preprocess = check_preprocess(hparams["preprocess"], f"{path}: hyper_parameters preprocess")
     else:
@@ -120,7 +123,6 @@ def load_checkpoint(path: Path, device: str | torch.device) -> Bundle:
         if not isinstance(class_names, (list, tuple)):
             raise ValueError(f"{path}: hyper_parameters needs 'class_names'")
         class_names = [str(n) for n in class_names]
-    weights = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as err:
@@ -139,4 +141,4 @@ def load_checkpoint(path: Path, device: str | torch.device) -> Bundle:
     generate = plain_json(dict(generate), "generate")
     if generate:
         config["generate"] = generate
-    return finish_bundle(Bundle(model, task, preprocess, config, vocab, class_names, generate), device)
+    return finish_bundle(Bundle(model, task, preprocess, config, vocab, class_names, generate), device, path)

@@ -12,10 +12,14 @@ model's ``config``, the preprocessing) and, for captioning, ``vocab.json``::
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
+import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+import typing
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,12 +27,13 @@ from typing import Any
 import torch
 from PIL import Image
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from vitattn.data.preprocess import check_preprocess, eval_transform
 from vitattn.data.vocab import Vocabulary
-from vitattn.errors import first_line
+from vitattn.errors import brief, first_line
 from vitattn.fileio import atomic_folder, read_json
-from vitattn.models import ImageCaptioner, VisionTransformer
+from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 
 __all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "TASKS", "Bundle", "load_bundle_folder", "save_bundle"]
 
@@ -179,19 +184,125 @@ def _replaceable(directory: Path) -> bool:
         return False
 
 
-def build_model(task: str, model_config: Any, where: Path) -> nn.Module:
+class _TooManyTensors(Exception):
+    pass
+
+
+@contextmanager
+def _at_most_tensors(limit: int) -> Iterator[None]:
+    """Raise ``_TooManyTensors`` in the module constructor that registers parameter number ``limit + 1``."""
+    count = 0
+
+    def count_parameter(module: nn.Module, name: str, parameter: Any) -> None:
+        nonlocal count
+        count += 1
+        if count > limit:
+            raise _TooManyTensors
+
+    handle = register_module_parameter_registration_hook(count_parameter)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _check_arguments(function: Callable, arguments: Any, where: str, unknown_ok: bool = False) -> None:
+    """``arguments`` (a config's mapping) are keyword arguments of ``function`` of the types it declares,
+    floats finite: a file's ``"1e-6"`` or ``NaN`` is refused here rather than failing in a forward pass."""
+    name = function.__qualname__.removesuffix(".__init__")
+    if not isinstance(arguments, Mapping):
+        raise ValueError(f"{where} must be a mapping of {name} arguments, got {brief(arguments)}")
+    hints = typing.get_type_hints(function)
+    for key, value in arguments.items():
+        if key not in hints and unknown_ok:
+            continue
+        if key not in hints:
+            raise ValueError(f"{where} has {brief(key)}, which is not a {name} argument")
+        allowed = typing.get_args(hints[key]) or (hints[key],)
+        ok = (
+            (value is None and type(None) in allowed)
+            or (isinstance(value, bool) and bool in allowed)
+            or (isinstance(value, int) and not isinstance(value, bool) and (int in allowed or float in allowed))
+            or (isinstance(value, float) and float in allowed and math.isfinite(value))
+            or (isinstance(value, str) and str in allowed)
+        )
+        if not ok:
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"{where} has {key}={brief(value)}; it must be {names}")
+
+
+def _check_config(task: str, model_config: Mapping[str, Any], where: Path) -> None:
+    if task == "caption":
+        for part, cls in (("encoder", VisionTransformer), ("decoder", CaptionDecoder)):
+            _check_arguments(cls.__init__, model_config.get(part), f"{where}: model.{part}")
+    else:
+        _check_arguments(VisionTransformer.__init__, model_config, f"{where}: model")
+
+
+def _construct(task: str, model_config: Mapping[str, Any]) -> nn.Module:
+    if task == "caption":
+        return ImageCaptioner.from_config(dict(model_config))
+    return VisionTransformer(**model_config)
+
+
+def _integers(value: Any, key: str = "") -> Iterator[tuple[str, int]]:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _integers(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, int) and not isinstance(value, bool):
+        yield key, value
+
+
+def _misfit(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """What keeps weights of these ``shapes`` from loading into ``model`` (strictly), or ``""``."""
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    aliases: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(parameter), []).append(name)
+    saved_once = {name for names in aliases.values() if any(n in shapes for n in names) for name in names}
+    for name in expected:
+        if name not in shapes and name not in saved_once:
+            return f"{name} is missing from the weights"
+        if name in shapes and shapes[name] != expected[name]:
+            return f"{name} is {list(shapes[name])} in the weights but {list(expected[name])} in the model"
+    unexpected = sorted(set(shapes) - set(expected))
+    return f"{unexpected[0]} is not in the model" if unexpected else ""
+
+
+def build_model(task: str, model_config: Any, where: Path, shapes: Mapping[str, Sequence[int]]) -> nn.Module:
+    """The ``task`` model of ``model_config``, built once a copy that takes no memory (on the meta device)
+    has shown that its tensors have the ``shapes`` (name -> shape) of the weights to be loaded into it.
+
+    A config that does not fit its weights is refused before any memory is taken, however large the
+    sizes it names: no size of a model exceeds its number of weights, and the copy stops at the first
+    tensor more than the weights hold.
+    """
     if not isinstance(model_config, Mapping):
         raise ValueError(f"{where}: the model config must be a mapping, got {type(model_config).__name__}")
-    try:
-        if task == "caption":
-            return ImageCaptioner.from_config(dict(model_config))
-        return VisionTransformer(**model_config)
-    except (TypeError, ValueError, KeyError) as err:
+    _check_config(task, model_config, where)
+    num_weights = sum(math.prod(shape) for shape in shapes.values())
+    too_large = [(k, v) for k, v in _integers(model_config) if v > num_weights]
+    if too_large:
+        key, value = too_large[0]
+        raise ValueError(f"{where}: model {key}={value} does not fit weights of {num_weights} numbers")
+    try:  # tied weights are registered (and counted) twice, but saved once
+        with torch.device("meta"), _at_most_tensors(2 * len(shapes) + 8):
+            skeleton = _construct(task, model_config)
+    except _TooManyTensors:
+        raise ValueError(
+            f"{where}: the model config has far more tensors than the {len(shapes)} of its weights"
+        ) from None
+    except Exception as err:  # noqa: BLE001 - a config can make a constructor fail in any way
         raise ValueError(f"{where}: cannot build the {task} model from its config: {first_line(err)}") from None
+    problem = _misfit(skeleton, {name: tuple(shape) for name, shape in shapes.items()})
+    if problem:
+        raise ValueError(f"{where}: the weights do not fit the model config: {problem}")
+    return _construct(task, model_config)
 
 
 def load_bundle_folder(directory: Path, device: str | torch.device) -> Bundle:
     """The bundle in ``directory`` (it holds ``config.json``), on ``device``, in eval mode."""
+    from safetensors import safe_open
     from safetensors.torch import load_model
 
     config_path = directory / CONFIG_FILE
@@ -212,34 +323,65 @@ def load_bundle_folder(directory: Path, device: str | torch.device) -> Bundle:
     vocab, class_names = None, None
     if task == "caption":
         name = config.get("vocab_file", VOCAB_FILE)
-        if not isinstance(name, str) or Path(name).name != name:
-            raise ValueError(f"{config_path} has vocab_file={name!r}; it must be a file name inside the bundle")
+        if not isinstance(name, str) or Path(name).name != name or not 0 < len(name.encode(errors="replace")) <= 255:
+            raise ValueError(f"{config_path} has vocab_file={brief(name)}; it must be a file name inside the bundle")
         vocab = Vocabulary.load(directory / name)
     else:
         class_names = config.get("class_names")
-        if not isinstance(class_names, list):
-            raise ValueError(f"{config_path} has no 'class_names' list")
-    model = build_model(task, config["model"], config_path)
+        if not isinstance(class_names, list) or not all(isinstance(name, str) for name in class_names):
+            raise ValueError(f"{config_path} has no 'class_names' list of strings")
+        if len(set(class_names)) != len(class_names):
+            raise ValueError(f"{config_path} repeats class names: {brief(class_names)}")
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise FileNotFoundError(f"bundle weights not found: {weights}")
+    try:
+        with safe_open(weights, "pt") as f:
+            shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for corrupt files
+        raise ValueError(f"{weights} cannot be loaded into the model of {config_path}: {first_line(err)}") from None
+    model = build_model(task, config["model"], config_path, shapes)
     try:
         load_model(model, weights, strict=True, device=str(device))
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for corrupt files
         raise ValueError(f"{weights} cannot be loaded into the model of {config_path}: {first_line(err)}") from None
     generate = config.get("generate") or {}
-    if not isinstance(generate, dict):
+    if task == "caption":
+        _check_arguments(ImageCaptioner.generate, generate, f"{config_path}: generate", unknown_ok=True)
+        try:
+            checked = inspect.signature(model.check_generate).parameters
+            model.check_generate(**{k: v for k, v in generate.items() if k in checked})
+        except ValueError as err:
+            raise ValueError(f"{config_path}: generate: {err}") from None
+    elif not isinstance(generate, dict):
         raise ValueError(f"{config_path}: 'generate' must be a mapping of generate() keyword arguments")
-    return finish_bundle(Bundle(model, task, preprocess, config, vocab, class_names, dict(generate)), device)
+    return finish_bundle(
+        Bundle(model, task, preprocess, config, vocab, class_names, dict(generate)), device, config_path
+    )
 
 
-def finish_bundle(bundle: Bundle, device: str | torch.device) -> Bundle:
-    bundle.model.to(device).eval()
+def finish_bundle(bundle: Bundle, device: str | torch.device, where: str | os.PathLike) -> Bundle:
+    """``bundle`` with its model on ``device`` in eval mode, once its parts are known to agree (``where`` names
+    the file they were read from)."""
+    encoder = bundle.model.encoder if isinstance(bundle.model, ImageCaptioner) else bundle.model
+    if bundle.preprocess["img_size"] != encoder.config["img_size"]:
+        raise ValueError(
+            f"{where}: preprocess img_size={bundle.preprocess['img_size']} "
+            f"but the model takes {encoder.config['img_size']} px images"
+        )
     if bundle.vocab is not None and len(bundle.vocab) != bundle.model.decoder.vocab_size:
         raise ValueError(
-            f"the vocabulary has {len(bundle.vocab)} tokens "
+            f"{where}: the vocabulary has {len(bundle.vocab)} tokens "
             f"but the decoder's vocab_size={bundle.model.decoder.vocab_size}"
         )
+    if bundle.vocab is not None:
+        decoder, vocab = bundle.model.decoder, bundle.vocab
+        if (decoder.pad_id, decoder.bos_id, decoder.eos_id) != (vocab.pad_id, vocab.bos_id, vocab.eos_id):
+            raise ValueError(
+                f"{where}: the decoder's pad, bos and eos ids {(decoder.pad_id, decoder.bos_id, decoder.eos_id)} "
+                f"are not the vocabulary's {(vocab.pad_id, vocab.bos_id, vocab.eos_id)}"
+            )
     if bundle.class_names is not None and len(bundle.class_names) != bundle.model.num_classes:
-        raise ValueError(f"{len(bundle.class_names)} class_names for num_classes={bundle.model.num_classes}")
+        raise ValueError(f"{where}: {len(bundle.class_names)} class_names for num_classes={bundle.model.num_classes}")
+    bundle.model.to(device).eval()
     return bundle

@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields
@@ -16,11 +17,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from vitattn.cli.errors import USER_ERRORS, report_user_error
 from vitattn.decoding import GENERATE_KEYS
-from vitattn.errors import first_line
+from vitattn.errors import brief, first_line
 
 __all__ = ["GENERATE_KEYS", "UsageError", "generate_settings", "parse_key_values", "resolve_device", "run_main"]
 
 log = logging.getLogger("vitattn")
+
+
+# Counts that the entry points share, and their least values.
+_COUNTS = {"batch_size": 1, "num_workers": 0, "num_threads": 1}
 
 
 class UsageError(ValueError):
@@ -35,7 +40,8 @@ def parse_key_values(argv: Sequence[str], schema: type, prog: str) -> Any:
 
     Raises:
         UsageError: an argument that is not ``key=value``, an unknown key (the closest known one is
-            suggested), a value of the wrong type, or a required key left out.
+            suggested), a value of the wrong type, a count below its least value (``batch_size`` 1,
+            ``num_workers`` 0, ``num_threads`` 1), or a required key left out.
     """
     known = [f.name for f in fields(schema)]
     given: dict[str, Any] = {}
@@ -52,15 +58,26 @@ def parse_key_values(argv: Sequence[str], schema: type, prog: str) -> Any:
     cfg = OmegaConf.structured(schema)
     try:
         for key, value in given.items():
-            cfg[key] = value
+            cfg[key] = _literal(value)
+            cfg[key]  # read back: a typed field checks a value holding ``${`` only when it is read
     except OmegaConfBaseException as err:
-        raise UsageError(f"{key}={given[key]!r}: {first_line(err, limit=1000)}") from None
+        raise UsageError(f"{key}={brief(given[key])}: {first_line(err, limit=1000)}") from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise UsageError(f"missing {', '.join(f'{k}=...' for k in missing)}; see {prog} --help")
     if "device" in cfg and cfg.device not in ("auto", "cpu", "cuda") and not str(cfg.device).startswith("cuda:"):
         raise UsageError(f"device={cfg.device!r} is unknown; choose auto, cpu, cuda or cuda:N")
+    for key, least in _COUNTS.items():
+        if cfg.get(key) is not None and cfg[key] < least:
+            raise UsageError(f"{key}={cfg[key]} must be at least {least}")
     return cfg
+
+
+def _literal(value: str | None) -> str | None:
+    """``value`` escaped so that OmegaConf keeps it as written: ``${...}`` is not an interpolation."""
+    if value is None:
+        return None
+    return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
 
 
 def resolve_device(name: str) -> str:

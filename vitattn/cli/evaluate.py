@@ -65,10 +65,6 @@ def parse_args(argv: list[str]) -> Any:
     cfg = parse_key_values(argv, EvalConfig, "vitattn-eval")
     if cfg.split not in ("val", "test"):
         raise UsageError(f"split={cfg.split!r} is unknown; choose val or test")
-    if cfg.batch_size < 1 or cfg.num_workers < 0:
-        raise UsageError(
-            f"batch_size={cfg.batch_size} must be at least 1 and num_workers={cfg.num_workers} non-negative"
-        )
     if cfg.predictions is not None and any(cfg[k] is not None for k in SEARCH_KEYS):
         given = [k for k in SEARCH_KEYS if cfg[k] is not None]
         raise UsageError(

@@ -13,6 +13,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from vitattn.data.images import load_image
+from vitattn.errors import brief
 from vitattn.fileio import read_json
 
 log = logging.getLogger(__name__)
@@ -29,10 +30,28 @@ class CocoImage:
 
 def _require(entry: Any, keys: tuple[str, ...], where: str) -> None:
     if not isinstance(entry, dict):
-        raise ValueError(f"{where} must be an object with keys {list(keys)}, got {entry!r:.80}")
+        raise ValueError(f"{where} must be an object with keys {list(keys)}, got {brief(entry)}")
     missing = [key for key in keys if key not in entry]
     if missing:
         raise ValueError(f"{where} has no {missing}; it needs {list(keys)}")
+
+
+def _require_list(value: Any, where: str) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"{where}={brief(value)}; it must be a list")
+    return value
+
+
+def _require_id(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{where}={brief(value)}; ids must be integers")
+    return value
+
+
+def _require_name(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where}={brief(value)}; it must be a non-empty string (a path)")
+    return value
 
 
 def load_coco_captions(path: str | os.PathLike) -> list[CocoImage]:
@@ -53,22 +72,21 @@ def load_coco_captions(path: str | os.PathLike) -> list[CocoImage]:
 
     captions: dict[int, list[str]] = {}
     file_names: dict[int, str] = {}
-    for i, image in enumerate(data["images"]):
+    for i, image in enumerate(_require_list(data["images"], f"{path}: images")):
         _require(image, ("id", "file_name"), f"{path}: images[{i}]")
-        image_id = image["id"]
-        if not isinstance(image_id, int) or isinstance(image_id, bool):
-            raise ValueError(f"{path}: images[{i}] has id={image_id!r}; ids must be integers")
+        image_id = _require_id(image["id"], f"{path}: images[{i}] has id")
         if image_id in file_names:
             raise ValueError(f"{path}: images[{i}] repeats id={image_id}")
-        file_names[image_id] = str(image["file_name"])
+        file_names[image_id] = _require_name(image["file_name"], f"{path}: images[{i}] has file_name")
         captions[image_id] = []
-    for i, annotation in enumerate(data["annotations"]):
+    for i, annotation in enumerate(_require_list(data["annotations"], f"{path}: annotations")):
         _require(annotation, ("image_id", "caption"), f"{path}: annotations[{i}]")
-        image_id, caption = annotation["image_id"], annotation["caption"]
+        image_id = _require_id(annotation["image_id"], f"{path}: annotations[{i}] has image_id")
+        caption = annotation["caption"]
         if image_id not in captions:
-            raise ValueError(f"{path}: annotations[{i}] has image_id={image_id!r}, which is not in 'images'")
+            raise ValueError(f"{path}: annotations[{i}] has image_id={image_id}, which is not in 'images'")
         if not isinstance(caption, str):
-            raise ValueError(f"{path}: annotations[{i}] has caption={caption!r}; it must be a string")
+            raise ValueError(f"{path}: annotations[{i}] has caption={brief(caption)}; it must be a string")
         captions[image_id].append(caption.strip())
 
     uncaptioned = [image_id for image_id, texts in captions.items() if not texts]

@@ -13,7 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vitattn.data.coco import CocoImage, _require
+from vitattn.data.coco import CocoImage, _require, _require_id, _require_list, _require_name
+from vitattn.errors import brief
 from vitattn.fileio import read_json
 
 __all__ = ["KARPATHY_SPLITS", "load_karpathy"]
@@ -26,21 +27,15 @@ _IMAGE_KEYS = ("filename", "split", "sentences")
 
 def _image_id(entry: dict[str, Any], index: int, where: str) -> int:
     key = next((key for key in ("cocoid", "imgid") if key in entry), None)
-    image_id = entry[key] if key is not None else index
-    if not isinstance(image_id, int) or isinstance(image_id, bool):
-        raise ValueError(f"{where} has {key}={image_id!r}; ids must be integers")
-    return image_id
+    return _require_id(entry[key], f"{where} has {key}") if key is not None else index
 
 
 def _captions(entry: dict[str, Any], where: str) -> tuple[str, ...]:
-    sentences = entry["sentences"]
-    if not isinstance(sentences, list):
-        raise ValueError(f"{where} has sentences={sentences!r:.80}; it must be a list of {{'raw': ...}}")
     captions = []
-    for j, sentence in enumerate(sentences):
+    for j, sentence in enumerate(_require_list(entry["sentences"], f"{where} has sentences")):
         _require(sentence, ("raw",), f"{where}.sentences[{j}]")
         if not isinstance(sentence["raw"], str):
-            raise ValueError(f"{where}.sentences[{j}] has raw={sentence['raw']!r:.80}; it must be a string")
+            raise ValueError(f"{where}.sentences[{j}] has raw={brief(sentence['raw'])}; it must be a string")
         captions.append(sentence["raw"].strip())
     return tuple(captions)
 
@@ -64,25 +59,23 @@ def load_karpathy(path: str | os.PathLike) -> dict[str, list[CocoImage]]:
         raise ValueError(f"Karpathy split file not found: {path}")
     data = read_json(path, "Karpathy split file")
     _require(data, ("images",), f"Karpathy split file {path}")
-    if not isinstance(data["images"], list):
-        raise ValueError(f"Karpathy split file {path} has images={data['images']!r:.80}; it must be a list")
 
     splits: dict[str, list[CocoImage]] = {split: [] for split in KARPATHY_SPLITS}
     seen: set[int] = set()
     uncaptioned = 0
-    for i, entry in enumerate(data["images"]):
+    for i, entry in enumerate(_require_list(data["images"], f"Karpathy split file {path} has images")):
         where = f"{path}: images[{i}]"
         _require(entry, _IMAGE_KEYS, where)
         split = entry["split"]
-        if split not in splits:
-            raise ValueError(f"{where} has split={split!r}; it must be one of {list(KARPATHY_SPLITS)}")
+        if not isinstance(split, str) or split not in splits:
+            raise ValueError(f"{where} has split={brief(split)}; it must be one of {list(KARPATHY_SPLITS)}")
         image_id = _image_id(entry, i, where)
         if image_id in seen:
             raise ValueError(f"{where} repeats image id {image_id}")
         seen.add(image_id)
-        file_name = str(entry["filename"])
+        file_name = _require_name(entry["filename"], f"{where} has filename")
         if entry.get("filepath"):
-            file_name = f"{entry['filepath']}/{file_name}"
+            file_name = f"{_require_name(entry['filepath'], f'{where} has filepath')}/{file_name}"
         captions = _captions(entry, where)
         if not captions:
             uncaptioned += 1

@@ -8,12 +8,16 @@ bundles' transforms are both ``eval_transform(preprocess)``; ``denormalize`` und
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from PIL import Image
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+from vitattn.errors import brief
 
 __all__ = ["CROP_MODES", "PREPROCESS_KEYS", "check_preprocess", "default_preprocess", "denormalize", "eval_transform"]
 
@@ -57,23 +61,43 @@ def eval_transform(preprocess: Mapping[str, Any]) -> Callable[[Image.Image], tor
 
 def check_preprocess(preprocess: Any, where: str = "preprocess") -> dict[str, Any]:
     """``preprocess`` checked and normalised to plain values; a one-line ``ValueError`` names what is wrong."""
+    from timm.data.transforms import str_to_interp_mode
+
     if not isinstance(preprocess, Mapping):
-        raise ValueError(f"{where} must be a mapping with keys {list(PREPROCESS_KEYS)}, got {preprocess!r:.80}")
+        raise ValueError(f"{where} must be a mapping with keys {list(PREPROCESS_KEYS)}, got {brief(preprocess)}")
     missing = [k for k in PREPROCESS_KEYS if k not in preprocess]
     if missing:
         raise ValueError(f"{where} has no {missing}; it needs {list(PREPROCESS_KEYS)}")
     p = {k: preprocess[k] for k in PREPROCESS_KEYS}
-    p["mean"], p["std"] = [float(x) for x in p["mean"]], [float(x) for x in p["std"]]
-    if len(p["mean"]) != 3 or len(p["std"]) != 3:
-        raise ValueError(f"{where}: mean={p['mean']} and std={p['std']} need 3 values each")
-    p["img_size"], p["crop_pct"] = int(p["img_size"]), float(p["crop_pct"])
+    p["mean"], p["std"] = _three_floats(p["mean"], f"{where}: mean"), _three_floats(p["std"], f"{where}: std")
+    if min(p["std"]) <= 0:
+        raise ValueError(f"{where}: std={p['std']} must be positive")
+    size, crop = p["img_size"], p["crop_pct"]
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+        raise ValueError(f"{where}: img_size={brief(size)} must be a positive integer")
+    if isinstance(crop, bool) or not isinstance(crop, numbers.Real) or not 0.1 <= crop <= 1:
+        raise ValueError(
+            f"{where}: crop_pct={brief(crop)} must be a number from 0.1 to 1 (the crop's share of the resized side)"
+        )
+    p["img_size"], p["crop_pct"] = int(size), float(crop)
+    try:
+        str_to_interp_mode(p["interpolation"])
+    except (KeyError, TypeError):
+        raise ValueError(f"{where}: interpolation={brief(p['interpolation'])} is unknown; try bicubic") from None
     if preprocess.get("crop_mode") is not None:
         if preprocess["crop_mode"] not in CROP_MODES:
             raise ValueError(
-                f"{where}: crop_mode={preprocess['crop_mode']!r} is unknown; choose one of {list(CROP_MODES)}"
+                f"{where}: crop_mode={brief(preprocess['crop_mode'])} is unknown; choose one of {list(CROP_MODES)}"
             )
         p["crop_mode"] = preprocess["crop_mode"]
     return p
+
+
+def _three_floats(values: Any, where: str) -> list[float]:
+    ok = isinstance(values, Sequence) and not isinstance(values, str) and len(values) == 3
+    if not ok or not all(isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) for x in values):
+        raise ValueError(f"{where}={brief(values)} must be 3 finite numbers")
+    return [float(x) for x in values]
 
 
 def denormalize(

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from vitattn.errors import brief
 from vitattn.fileio import atomic_write, read_json
 from vitattn.metrics.tokenize import coco_tokenize
 
@@ -42,7 +43,7 @@ class Vocabulary:
         self.stoi: dict[str, int] = {word: i for i, word in enumerate(self.itos)}
         if len(self.stoi) != len(self.itos):
             repeated = sorted(w for w, n in Counter(self.itos).items() if n > 1)
-            raise ValueError(f"vocabulary words must be unique and not special; repeated: {repeated}")
+            raise ValueError(f"vocabulary words must be unique and not special; repeated: {brief(repeated, 300)}")
 
     @classmethod
     def build(cls, captions: Iterable[str], min_freq: int | str = 1) -> Vocabulary:
@@ -141,5 +142,10 @@ class Vocabulary:
         if not isinstance(itos, list) or not all(isinstance(w, str) for w in itos):
             raise ValueError(f"vocabulary file {path} needs an 'itos' list of strings")
         if tuple(itos[: len(SPECIALS)]) != SPECIALS:
-            raise ValueError(f"vocabulary file {path} starts with {itos[: len(SPECIALS)]}, expected {list(SPECIALS)}")
-        return cls(itos[len(SPECIALS) :])
+            raise ValueError(
+                f"vocabulary file {path} starts with {brief(itos[: len(SPECIALS)], 300)}, expected {list(SPECIALS)}"
+            )
+        try:
+            return cls(itos[len(SPECIALS) :])
+        except ValueError as err:  # repeated words
+            raise ValueError(f"vocabulary file {path}: {err}") from None

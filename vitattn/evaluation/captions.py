@@ -5,9 +5,9 @@ Dimension letters: B batch, T' generated tokens.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,8 +18,10 @@ from tqdm.auto import tqdm
 from vitattn.bundle import Bundle
 from vitattn.data import EvalSplit
 from vitattn.decoding import SEARCH_KEYS
+from vitattn.errors import brief
 from vitattn.evaluation.report import EvalReport
 from vitattn.evaluation.splits import caption_split, check_split
+from vitattn.fileio import parse_json
 from vitattn.inference import InputImage, caption_images
 from vitattn.metrics import first_per_image, score_captions
 from vitattn.run_dir import RunDir
@@ -29,11 +31,11 @@ __all__ = ["evaluate_captions", "read_predictions"]
 log = logging.getLogger(__name__)
 
 
-def _image_key(value: Any) -> Any:
+def _image_key(value: Any, where: str) -> int | str:
     """Image ids compare as ints when they are ints or digit strings (JSON keeps either)."""
-    if isinstance(value, bool):
-        raise ValueError(f"image_id={value!r} is not an id")
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{where} has image_id={brief(value)}; an id is an integer or a string")
+    if isinstance(value, str) and re.fullmatch(r"\s*-?\d{1,100}\s*", value):
         return int(value)
     return value
 
@@ -61,8 +63,8 @@ def read_predictions(path: str | os.PathLike) -> tuple[dict[Any, str], list[Any]
         raise ValueError(f"predictions={path} is not UTF-8 text (JSON Lines or a COCO results JSON)") from None
     if text.lstrip().startswith("["):
         try:
-            records = json.loads(text)
-        except json.JSONDecodeError as err:
+            records = parse_json(text)
+        except ValueError as err:
             raise ValueError(f"predictions={path} is not valid JSON: {err}") from None
         where = [f"{path}: [{i}]" for i in range(len(records))]
     else:
@@ -72,8 +74,8 @@ def read_predictions(path: str | os.PathLike) -> tuple[dict[Any, str], list[Any]
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
+                records.append(parse_json(line))
+            except ValueError:
                 if n == len(lines):  # no newline after it: cut off by an interrupted run
                     log.warning("%s:%d is an incomplete last line; ignored", path, n)
                     continue
@@ -86,12 +88,12 @@ def read_predictions(path: str | os.PathLike) -> tuple[dict[Any, str], list[Any]
     repeated = 0
     for record, at in zip(records, where):
         if not isinstance(record, dict) or "image_id" not in record or not ("caption" in record or "error" in record):
-            raise ValueError(f"{at} needs 'image_id' and 'caption' (got {str(record)[:80]})")
-        key = _image_key(record["image_id"])
+            raise ValueError(f"{at} needs 'image_id' and 'caption' (got {brief(record)})")
+        key = _image_key(record["image_id"], at)
         if "caption" not in record:
             failed.append(key)
         elif not isinstance(record["caption"], str):
-            raise ValueError(f"{at} has caption={record['caption']!r}; it must be a string")
+            raise ValueError(f"{at} has caption={brief(record['caption'])}; it must be a string")
         elif key in captions:
             repeated += 1
         else:
@@ -185,7 +187,7 @@ def evaluate_captions(
         if unknown:
             raise ValueError(
                 f"predictions={predictions} has captions for {len(unknown)} image ids that {data.source} does not list "
-                f"(e.g. {unknown[0]!r}); caption the references' own images so the ids match"
+                f"(e.g. {brief(unknown[0])}); caption the references' own images so the ids match"
             )
         items = [(k, captions[k], refs[k]) for k in refs if k in captions]
     else:
@@ -193,7 +195,8 @@ def evaluate_captions(
         items, failed = _generate(bundle, data, decoding, batch_size, num_workers, progress)
     items = first_per_image(items)
     if not items:
-        raise ValueError(f"no image of {data.source} has a caption to score")
+        given = f"predictions={predictions} has" if predictions is not None else "there is"
+        raise ValueError(f"{given} no caption for any image of {data.source} to score")
     metrics = score_captions(items, data.synthetic)
     num_failed = len({k for k in failed if k in refs})
     num_missing = len(refs) - len(items) - num_failed

@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from vitattn.data.coco import _require_id, _require_name
 from vitattn.data.images import IMAGE_EXTENSIONS
+from vitattn.errors import printable
 from vitattn.fileio import read_json
 
 __all__ = ["InputImage", "list_inputs"]
@@ -43,11 +45,13 @@ def list_inputs(
     if not isinstance(images, (str, os.PathLike)):
         return _numbered([str(p) for p in images], sort=False)
     spec = str(images)
-    path = Path(spec)
+    path, shown = Path(spec), printable(spec)
     if path.is_dir():
         found = _walk_images(path)
         if not found:
-            raise ValueError(f"images={spec}: no files with an image extension ({', '.join(sorted(IMAGE_EXTENSIONS))})")
+            raise ValueError(
+                f"images={shown}: no files with an image extension ({', '.join(sorted(IMAGE_EXTENSIONS))})"
+            )
         return _numbered(found, sort=True)
     if path.is_file():
         suffix = path.suffix.lower()
@@ -61,9 +65,9 @@ def list_inputs(
 
         found = glob.glob(spec, recursive=True)
         if not found:
-            raise ValueError(f"images={spec}: the glob matches no files")
+            raise ValueError(f"images={shown}: the glob matches no files")
         return _numbered(found, sort=True)
-    raise FileNotFoundError(f"images={spec}: no such folder, file or glob")
+    raise FileNotFoundError(f"images={shown}: no such folder, file or glob")
 
 
 def _numbered(paths: Sequence[str], sort: bool) -> list[InputImage]:
@@ -108,14 +112,19 @@ def _coco_inputs(path: Path, image_dir: str | os.PathLike | None) -> list[InputI
     if not isinstance(entries, list):
         raise ValueError(f"images={path}: a COCO file needs an 'images' list of {{'id', 'file_name'}}")
     root = Path(image_dir) if image_dir is not None else path.parent
-    inputs, seen = [], set()
+    inputs, seen, ids = [], set(), set()
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict) or "file_name" not in entry or "id" not in entry:
             raise ValueError(f"images={path}: images[{i}] needs 'id' and 'file_name'")
-        p = str(root / str(entry["file_name"]))
-        if p not in seen:
-            seen.add(p)
-            inputs.append(InputImage(p, entry["id"]))
+        p = str(root / _require_name(entry["file_name"], f"images={path}: images[{i}] has file_name"))
+        if p in seen:  # the same image listed again is captioned once
+            continue
+        image_id = _require_id(entry["id"], f"images={path}: images[{i}] has id")
+        if image_id in ids:
+            raise ValueError(f"images={path}: images[{i}] repeats id={image_id} for another file")
+        seen.add(p)
+        ids.add(image_id)
+        inputs.append(InputImage(p, image_id))
     if not inputs:
         raise ValueError(f"images={path}: the COCO file lists no images")
     return inputs

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vitattn.bundle import Bundle
-from vitattn.fileio import atomic_write
+from vitattn.fileio import atomic_write, parse_json
 from vitattn.inference.captioning import iter_caption_batches
 from vitattn.inference.figures import figure_paths, write_figures
 from vitattn.inference.inputs import InputImage
@@ -67,8 +67,8 @@ def read_records(path: str | os.PathLike, repair: bool = False) -> dict[str, dic
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+            record = parse_json(line)
+        except ValueError:
             log.warning("%s:%d is not a JSON record; ignored", path, n)
             continue
         if isinstance(record, dict) and isinstance(record.get("image"), str):

@@ -211,21 +211,33 @@ class ImageCaptioner(nn.Module):
             (B, T') token ids without ``<bos>``, ending in ``<eos>`` and padded with ``<pad>``;
             T' ≤ ``max_new_tokens``.
         """
+        max_new_tokens = self.check_generate(max_new_tokens, num_beams, do_sample, temperature)
+        memory = self.encode(images)
+        if num_beams > 1:
+            return self._beam_search(memory, max_new_tokens, num_beams, length_penalty, use_cache)
+        sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator) if do_sample else None
+        return self._greedy_or_sample(memory, max_new_tokens, sample, use_cache)
+
+    def check_generate(
+        self, max_new_tokens: int | None = None, num_beams: int = 1, do_sample: bool = False, temperature: float = 1.0
+    ) -> int:
+        """Refuse ``generate`` settings it cannot decode with (a one-line ``ValueError``); returns
+        ``max_new_tokens`` with None replaced by ``max_len - 1``."""
         if max_new_tokens is None:
             max_new_tokens = self.decoder.max_len - 1
         if max_new_tokens + 1 > self.decoder.max_len:
             raise ValueError(
                 f"max_new_tokens={max_new_tokens} exceeds the decoder's max_len={self.decoder.max_len} - 1"
             )
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
         if num_beams < 1:
             raise ValueError(f"num_beams={num_beams} must be at least 1")
         if do_sample and num_beams > 1:
             raise ValueError("do_sample=True needs num_beams=1 (beam sampling is not supported)")
-        memory = self.encode(images)
-        if num_beams > 1:
-            return self._beam_search(memory, max_new_tokens, num_beams, length_penalty, use_cache)
-        sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator) if do_sample else None
-        return self._greedy_or_sample(memory, max_new_tokens, sample, use_cache)
+        if do_sample and temperature <= 0:
+            raise ValueError(f"temperature={temperature} must be positive")
+        return max_new_tokens
 
     def _step_logits(self, tokens: Tensor, memory: Tensor, cache: list[LayerCache] | None) -> Tensor:
         """Logits (B, V) of the next token after ``tokens`` (B, t), specials banned, in fp32."""
