@@ -60,6 +60,7 @@ ARM_NAMES = {
     "frozen": "pretrained, frozen",
 }
 METRICS = ("bleu4", "cider_d", "exact_match")
+TABLE_METRICS = (*METRICS, "loss")  # the val loss: teacher-forced cross-entropy, beside the decoded captions' scores
 LOADED = "pretrained encoder:"  # the line a run logs when model.pretrained loads
 
 
@@ -201,19 +202,19 @@ def _row(run: Run) -> dict[str, Any]:
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """A Markdown table: one row per seed and arm, then (several seeds) the mean and range of each arm."""
-    head = "| caption encoder | seed | val BLEU-4 | val CIDEr-D | val exact match | steps | seconds |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    head = "| caption encoder | seed | val BLEU-4 | val CIDEr-D | val exact match | val loss | steps | seconds |"
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m = r["metrics"]
         lines.append(
             f"| {ARM_NAMES[r['arm']]} | {r['seed']} | {m['bleu4']:.3f} | {m['cider_d']:.3f} | "
-            f"{100 * m['exact_match']:.1f} % | {r['steps']} | {r['seconds']:.0f} |"
+            f"{100 * m['exact_match']:.1f} % | {m['loss']:.3f} | {r['steps']} | {r['seconds']:.0f} |"
         )
     seeds = sorted({r["seed"] for r in rows})
     if len(seeds) > 1:
         for arm in ARMS:
-            values = {m: [r["metrics"][m] for r in rows if r["arm"] == arm] for m in METRICS}
-            cells = [_spread(values[m], scale=100 if m == "exact_match" else 1) for m in METRICS]
+            values = {m: [r["metrics"][m] for r in rows if r["arm"] == arm] for m in TABLE_METRICS}
+            cells = [_spread(values[m], scale=100 if m == "exact_match" else 1) for m in TABLE_METRICS]
             lines.append(f"| **{ARM_NAMES[arm]}** | mean (min-max) | {' | '.join(cells)} | | |")
     return "\n".join(lines)
 
@@ -233,6 +234,11 @@ def pretrain_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{r['seconds']:.0f} |"
         )
     return "\n".join(lines)
+
+
+def tables(result: dict[str, Any]) -> str:
+    """The caption table, then the classifiers'."""
+    return f"{format_table(result['rows'])}\n\n{pretrain_table(result['pretrain'])}"
 
 
 def commands_block(result: dict[str, Any], argv: Sequence[str]) -> str:
@@ -295,26 +301,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.doc_from is not None:
         saved = json.loads(args.doc_from.read_text())
-        update_doc(f"{saved['table']}\n\n{commands_block(saved, saved['argv'])}")
+        update_doc(f"{tables(saved)}\n\n{commands_block(saved, saved['argv'])}")
         print(f"table of {args.doc_from} written into {DOC}")
         return saved
     cfg = config_from(args)
     result = bench(cfg, args.out.parent / "transfer_runs", max(1, args.jobs))
-    tables = f"{format_table(result['rows'])}\n\n{pretrain_table(result['pretrain'])}"
-    print("\n" + tables)
+    print("\n" + tables(result))
     result = {
         "schema": SCHEMA,
         "argv": argv,
         "config": asdict(cfg),
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
         **result,
-        "table": tables,
+        "table": tables(result),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nwritten to {args.out}")
     if args.update_doc:
-        update_doc(f"{tables}\n\n{commands_block(result, argv)}")
+        update_doc(f"{tables(result)}\n\n{commands_block(result, argv)}")
         print(f"table written into {DOC}")
     return result
 

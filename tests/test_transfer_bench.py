@@ -36,7 +36,7 @@ def test_bench_captions_three_ways_and_transfers_the_classifiers_encoder(tmp_pat
     assert [r["arm"] for r in rows] == ["scratch", "pretrained", "frozen"]
     assert all(r["steps"] == steps for r in rows)
     for r in rows:
-        assert set(transfer_bench.METRICS) <= r["metrics"].keys()
+        assert set(transfer_bench.TABLE_METRICS) <= r["metrics"].keys()
         assert 0 <= r["metrics"]["bleu4"] <= 1 and 0 <= r["metrics"]["exact_match"] <= 1
     table = result["table"].splitlines()
     for name in transfer_bench.ARM_NAMES.values():
@@ -70,7 +70,7 @@ def test_bench_captions_three_ways_and_transfers_the_classifiers_encoder(tmp_pat
 
 
 def _row(seed: int, arm: str, bleu4: float, exact: float) -> dict:
-    metrics = {"bleu4": bleu4, "cider_d": 10 * bleu4, "exact_match": exact}
+    metrics = {"bleu4": bleu4, "cider_d": 10 * bleu4, "exact_match": exact, "loss": 1 - bleu4}
     return {"seed": seed, "arm": arm, "metrics": metrics, "steps": 300, "seconds": 12.0}
 
 
@@ -80,10 +80,10 @@ def test_table_has_a_row_per_seed_and_arm_and_the_spread_of_several_seeds():
     ]
     lines = transfer_bench.format_table(rows).splitlines()
     assert len(lines) == 2 + 6 + 3
-    assert lines[2] == "| from scratch | 0 | 0.100 | 1.000 | 0.0 % | 300 | 12 |"
+    assert lines[2] == "| from scratch | 0 | 0.100 | 1.000 | 0.0 % | 0.900 | 300 | 12 |"
     assert lines[-1] == (
         "| **pretrained, frozen** | mean (min-max) | 0.305 (0.300-0.310) | 3.050 (3.000-3.100) | "
-        "10.0 % (0.0-20.0) | | |"
+        "10.0 % (0.0-20.0) | 0.695 (0.690-0.700) | | |"
     )
     one_seed = transfer_bench.format_table(rows[:3]).splitlines()
     assert len(one_seed) == 2 + 3 and "mean" not in "".join(one_seed)
