@@ -18,9 +18,9 @@ training defaults (model=cpu: 64 px, 8 px patches, width 128, 4 layers, a 2-laye
 Every run is one pass over ``data.num_train = steps x batch`` images, so it validates once, at its
 last step; that validation (500 val images, greedy decoding) is the score. ``--jobs N`` runs N at a
 time (the classifiers first); a run is deterministic for its thread count, however many run beside
-it. A rerun keeps the runs already finished with the same overrides. Writes the table to stdout and
-``--out`` (default ``bench_results/transfer.json``, runs in ``transfer_runs/`` beside it);
-``--update-doc`` puts it in docs/transfer.md.
+it. A rerun keeps the runs already finished with the same overrides (a caption run only with its
+classifier). Writes the table to stdout and ``--out`` (default ``bench_results/transfer.json``, runs
+in ``transfer_runs/`` beside it); ``--update-doc`` puts it in docs/transfer.md.
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ class Run:
     seconds: float
     command: str
     loaded: str  # the run's "pretrained encoder: ..." log line, "" when nothing was loaded
+    kept: bool = False  # found finished in its folder, not run again
 
 
 def overrides(head: str, steps: int, seed: int, cfg: BenchConfig, run_dir: Path) -> list[str]:
@@ -114,14 +115,15 @@ def overrides(head: str, steps: int, seed: int, cfg: BenchConfig, run_dir: Path)
     ]
 
 
-def run_train(args: list[str], run_dir: Path, threads: int) -> Run:
-    """Run ``vitattn-train args`` in a subprocess (unless ``run_dir`` holds that run, finished); its last
-    validation is the score.
+def run_train(args: list[str], run_dir: Path, threads: int, keep: bool = True) -> Run:
+    """Run ``vitattn-train args`` in a subprocess (unless ``keep`` and ``run_dir`` holds that run,
+    finished); its last validation is the score.
 
     Raises:
         RuntimeError: the run failed, or logged no validation.
     """
-    if _finished(args, run_dir):  # a rerun of the bench keeps the runs it has (same overrides, validated)
+    kept = keep and _finished(args, run_dir)  # a rerun of the bench keeps the runs it has (same overrides)
+    if kept:
         seconds = (run_dir / "csv" / "metrics.csv").stat().st_mtime - RunDir(run_dir).overrides.stat().st_mtime
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -144,7 +146,7 @@ def run_train(args: list[str], run_dir: Path, threads: int) -> Run:
     text = (run_dir / "stdout.log").read_text(errors="replace")
     loaded = next((line[line.index(LOADED) :] for line in text.splitlines() if LOADED in line), "")
     command = "vitattn-train " + " ".join(shlex.quote(a) for a in args)
-    return Run(run_dir, metrics, int(validations[-1]["step"]) + 1, seconds, command, loaded)
+    return Run(run_dir, metrics, int(validations[-1]["step"]) + 1, seconds, command, loaded, kept)
 
 
 def _validations(run_dir: Path) -> list[dict[str, str]]:
@@ -177,7 +179,7 @@ def bench(cfg: BenchConfig, out_dir: Path, jobs: int = 1) -> dict[str, Any]:
     """
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         classifiers = list(pool.map(lambda seed: _pretrain(cfg, seed, out_dir / f"seed{seed}" / "pretrain"), cfg.seeds))
-        runs = [(seed, arm, c.run_dir) for seed, c in zip(cfg.seeds, classifiers) for arm in ARMS]
+        runs = [(seed, arm, c) for seed, c in zip(cfg.seeds, classifiers) for arm in ARMS]
         rows = list(pool.map(lambda run: _caption(cfg, *run, out_dir / f"seed{run[0]}" / run[1]), runs))
     return {"pretrain": [{"seed": seed, **_row(c)} for seed, c in zip(cfg.seeds, classifiers)], "rows": rows}
 
@@ -188,9 +190,11 @@ def _pretrain(cfg: BenchConfig, seed: int, run_dir: Path) -> Run:
     return classifier
 
 
-def _caption(cfg: BenchConfig, seed: int, arm: str, pretrained: Path, run_dir: Path) -> dict[str, Any]:
+def _caption(cfg: BenchConfig, seed: int, arm: str, classifier: Run, run_dir: Path) -> dict[str, Any]:
     args = overrides("caption", cfg.steps, seed, cfg, run_dir)
-    run = run_train([*args[:-1], *ARMS[arm](pretrained), args[-1]], run_dir, cfg.threads)
+    extra = ARMS[arm](classifier.run_dir)
+    # A caption run is kept only with the classifier it was kept with: a new one has the same path.
+    run = run_train([*args[:-1], *extra, args[-1]], run_dir, cfg.threads, keep=classifier.kept)
     scores = ", ".join(f"{m} {run.metrics[m]:.3f}" for m in METRICS)
     print(f"seed {seed} {arm}: {scores} ({run.seconds:.0f} s)", flush=True)
     return {"seed": seed, "arm": arm, **_row(run)}

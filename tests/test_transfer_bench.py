@@ -1,6 +1,7 @@
 """scripts/transfer_bench.py: its runs on tiny settings, its table and its doc update."""
 
 import json
+from subprocess import CompletedProcess
 
 import pytest
 from safetensors.torch import load_file
@@ -31,7 +32,8 @@ def test_bench_captions_three_ways_and_transfers_the_classifiers_encoder(tmp_pat
     steps = 3
     out = tmp_path / "transfer.json"
     argv = ["--pretrain-steps", "4", "--steps", str(steps), "--batch-size", "8", "--jobs", "2", "--out", str(out)]
-    result = transfer_bench.main([*argv, "--vitattn-args", *TINY, f"optim.lr={LR}"])
+    tiny = ["--vitattn-args", *TINY, f"optim.lr={LR}"]
+    result = transfer_bench.main([*argv, *tiny])
     rows = result["rows"]
     assert [r["arm"] for r in rows] == ["scratch", "pretrained", "frozen"]
     assert all(r["steps"] == steps for r in rows)
@@ -63,10 +65,16 @@ def test_bench_captions_three_ways_and_transfers_the_classifiers_encoder(tmp_pat
         raise AssertionError("a finished run was run again")
 
     monkeypatch.setattr(transfer_bench.subprocess, "run", no_run)
-    again = transfer_bench.main(
-        [*argv, "--vitattn-args", *TINY, f"optim.lr={LR}"]
-    )  # the same overrides: every run is kept
+    again = transfer_bench.main([*argv, *tiny])  # the same overrides: every run is kept
     assert [r["metrics"] for r in again["rows"]] == [r["metrics"] for r in rows]
+
+    launched = []  # another classifier in the same folder: it and every caption run on it run again
+    monkeypatch.setattr(
+        transfer_bench.subprocess, "run", lambda cmd, **kw: launched.append(cmd) or CompletedProcess(cmd, 0)
+    )
+    transfer_bench.main([*argv, "--pretrain-steps", "5", *tiny])
+    heads = [next(a for a in cmd if a.startswith("head=")) for cmd in launched]
+    assert heads == ["head=classification", "head=caption", "head=caption", "head=caption"]
 
 
 def _row(seed: int, arm: str, bleu4: float, exact: float) -> dict:
