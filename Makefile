@@ -1,6 +1,7 @@
 # make train   train the default captioner on the built-in shapes (CPU, no download)
 # make test    lint (ruff) and run the test suite
 # make learning-bench  vitattn against a plain timm loop on small real datasets (docs/learning.md)
+# make transfer-bench  captions on a classification-pretrained encoder against from scratch (docs/transfer.md)
 # Both create .venv and install the project into it when needed.
 VENV   ?= .venv
 PYTHON ?= python3
@@ -8,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.vitattn-installed
 ARGS   ?=
 
-.PHONY: install train lint test test-fast bench learning-bench clean
+.PHONY: install train lint test test-fast bench learning-bench transfer-bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +40,10 @@ bench: $(STAMP)
 # vitattn-train against a plain timm loop on two Debian-packaged datasets (docs/learning.md)
 learning-bench: $(STAMP)
 	$(PY) scripts/learning_bench.py $(ARGS)
+
+# captions on the shapes: encoder from scratch, pretrained by classification, and frozen (docs/transfer.md)
+transfer-bench: $(STAMP)
+	$(PY) scripts/transfer_bench.py $(ARGS)
 
 clean:
 	rm -rf runs multirun bench_results .pytest_cache

@@ -1,32 +1,18 @@
 """scripts/learning_data.py and scripts/learning_bench.py on tiny synthetic data written in the bench's format."""
 
-import importlib.util
 import json
 import math
 import os
-import sys
-from pathlib import Path
 
 import pytest
 from PIL import Image, ImageDraw
 from torchvision.datasets import ImageFolder
 
-from tests.helpers import compose_train
+from tests.helpers import compose_train, load_script
 from vitattn.data import load_coco_captions
 
-_SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, _SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-learning_data = _load("learning_data")
-learning_bench = _load("learning_bench")
+learning_data = load_script("learning_data")
+learning_bench = load_script("learning_bench")
 
 COLOURS = {"red": (220, 40, 40), "blue": (40, 80, 220), "green": (40, 170, 60)}
 
