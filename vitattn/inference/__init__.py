@@ -13,14 +13,16 @@ from vitattn.inference.attention_maps import (
     save_attention_figure,
 )
 from vitattn.inference.captioning import CaptionBatch, caption_images, iter_caption_batches
-from vitattn.inference.inputs import InputImage, list_inputs
-from vitattn.inference.writers import OUTPUT_FORMATS, CaptionSummary, caption_to_file, read_records
+from vitattn.inference.inputs import InputImage, InputList, list_inputs
+from vitattn.inference.writers import OUTPUT_FORMATS, CaptionSummary, RecordIndex, caption_to_file, read_records
 
 __all__ = [
     "OUTPUT_FORMATS",
     "CaptionBatch",
     "CaptionSummary",
     "InputImage",
+    "InputList",
+    "RecordIndex",
     "attention_from_tokens",
     "attention_rollout",
     "caption_attention_maps",

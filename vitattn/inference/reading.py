@@ -17,18 +17,25 @@ __all__ = ["ImageFileDataset", "collate_images"]
 class ImageFileDataset(Dataset):
     """Image files as model inputs; ``__getitem__`` never raises.
 
-    Items are ``(index, image)``: ``image`` is the transformed (C, H, W) tensor, or a one-line error
-    string when the file could not be read.
+    Items are ``(index, image)``: ``index`` is the file's position in ``paths``, ``image`` the
+    transformed (C, H, W) tensor, or a one-line error string when the file could not be read.
+
+    Args:
+        paths: the image files.
+        transform: PIL image -> tensor.
+        positions: which of ``paths`` to read, in order (item k is ``paths[positions[k]]``); default all.
     """
 
-    def __init__(self, paths: Sequence[str], transform: Any) -> None:
-        self.paths = list(paths)
+    def __init__(self, paths: Sequence[str], transform: Any, positions: Sequence[int] | None = None) -> None:
+        self.paths = paths
         self.transform = transform
+        self.positions = positions
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.paths) if self.positions is None else len(self.positions)
 
-    def __getitem__(self, index: int) -> tuple[int, Tensor | str]:
+    def __getitem__(self, k: int) -> tuple[int, Tensor | str]:
+        index = k if self.positions is None else int(self.positions[k])
         path = self.paths[index]
         try:
             return index, self.transform(read_image(path))
