@@ -111,13 +111,46 @@ def _ranks(root: int) -> dict[int, int]:
     return found
 
 
+def _start(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
+    with open(log, "wb") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
+def _wait_for_records(proc: subprocess.Popen, counters: list, n: int, log: Path) -> None:
+    """Until every rank's part has ``n`` more complete lines; the run must still be going then."""
+    start = [c() for c in counters]
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and min(c() - s for c, s in zip(counters, start)) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None and min(c() - s for c, s in zip(counters, start)) >= n, log.read_text()[-3000:]
+
+
+def _kill(proc: subprocess.Popen, pid: int) -> None:
+    """SIGKILL ``pid`` (one rank, or rank 0 and its group); wait until the whole job is gone."""
+    tree = load_caption.process_tree(proc.pid)
+    os.kill(pid, signal.SIGKILL)
+    if pid == proc.pid:
+        os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        proc.wait(timeout=60)  # after one rank, Lightning's observer in rank 0 kills the rest
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    deadline = time.monotonic() + 30
+    while [p for p in tree if p in load_caption.scan_processes()] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in tree if p in load_caption.scan_processes()], "processes of the killed run still alive"
+
+
 @pytest.mark.slow
 def test_two_process_run_killed_and_resumed_captions_each_image_once(bundle_dir, tmp_path):  # noqa: F811
     folder = load_caption.write_images(tmp_path / "imgs", 60, img_size=48)
     bad = write_bad_images(folder)
-    # A FIFO listed last: its reader blocks until killed, so the first run cannot finish before the kill.
+    # A FIFO listed last: its reader blocks until killed, so no run can finish while it is there.
     stall = folder / "zzz_stall.jpg"
     os.mkfifo(stall)
+    inputs = list_inputs(folder)
     out = tmp_path / "captions.jsonl"
     files = OutputFiles(out, "jsonl")
     cmd = [
@@ -125,7 +158,7 @@ def test_two_process_run_killed_and_resumed_captions_each_image_once(bundle_dir,
         f"model={bundle_dir}",
         f"images={folder}",
         f"out={out}",
-        "batch_size=4",
+        "batch_size=2",
         "num_workers=0",
         "devices=2",
         "accelerator=cpu",
@@ -134,53 +167,42 @@ def test_two_process_run_killed_and_resumed_captions_each_image_once(bundle_dir,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     counters = [load_caption.LineCounter(files.part(r)) for r in (0, 1)]
-    with open(tmp_path / "first.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        try:
-            deadline = time.monotonic() + 300
-            while proc.poll() is None and min(c() for c in counters) < 4 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-            ranks = _ranks(proc.pid)
-            assert set(ranks) == {0, 1}, ranks
 
-            # a second job on the same out, meanwhile: refused in one line
-            second = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-            errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
-            assert second.returncode == 2 and len(errors) == 1, second.stderr[-3000:]
-            assert "being written by another run" in errors[0]
+    # 1. kill -9 one rank mid-run
+    first = _start(cmd, tmp_path / "first.log", env)
+    _wait_for_records(first, counters, 4, tmp_path / "first.log")
+    ranks = _ranks(first.pid)
+    assert set(ranks) == {0, 1}, ranks
+    _kill(first, ranks[1])
+    after_first = sum(c() for c in counters)
 
-            tree = load_caption.process_tree(proc.pid)
-            os.kill(ranks[1], signal.SIGKILL)  # one rank dies; Lightning takes the others down
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # or the whole job is killed: the same resume follows
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    deadline = time.monotonic() + 30
-    while [p for p in tree if p in load_caption.scan_processes()] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in tree if p in load_caption.scan_processes()], "processes of the killed run still alive"
+    # 2. the same command resumes; a second job on the same out meanwhile is refused in one line;
+    # then the whole job is killed
+    second = _start(cmd, tmp_path / "second.log", env)
+    _wait_for_records(second, counters, 2, tmp_path / "second.log")
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert refused.returncode == 2 and len(errors) == 1, refused.stderr[-3000:]
+    assert "being written by another run" in errors[0]
+    _kill(second, second.pid)
     written = sum(c() for c in counters)
-    assert 8 <= written < len(list_inputs(folder)), written
+    assert after_first + 4 <= written < len(inputs), (after_first, written)
     assert not out.exists() or out.stat().st_size == 0  # nothing merged yet
+    print(f"killed with {after_first}, then {written} of {len(inputs)} records in the parts")
 
+    # 3. with the stalling file now an image, the same command finishes
     stall.unlink()
-    Image.new("RGB", (48, 48), (40, 90, 215)).save(stall)  # the same name, now a real image
+    Image.new("RGB", (48, 48), (40, 90, 215)).save(stall)
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    inputs = list_inputs(folder)
     assert again.returncode == 1, again.stderr[-3000:]  # the bad files failed
-    assert again.stdout.strip().splitlines() == [f"captioned {len(inputs)} images, {len(bad)} failed -> {out}"]
+    summary = f"captioned {len(inputs) - len(bad)} images, {len(bad)} failed -> {out}"
+    assert again.stdout.strip().splitlines() == [summary]  # one line, from rank 0, counting both ranks
     assert files.parts() == []
     records = _jsonl(out)
     assert [r["image"] for r in records] == inputs.paths  # each input once, in input order
-    print(f"killed with {written} of {len(inputs)} records in the parts")
 
     reference = caption_to_file(load_bundle(bundle_dir), inputs, tmp_path / "one.jsonl", num_workers=0, progress=False)
-    assert (reference.captioned, reference.failed) == (len(inputs), len(bad))
+    assert (reference.captioned, reference.failed) == (len(inputs) - len(bad), len(bad))
     expected = {r["image"]: r for r in _jsonl(tmp_path / "one.jsonl")}
     assert Counter("caption" in r for r in records) == Counter({True: len(inputs) - len(bad), False: len(bad)})
     assert {r["image"]: r for r in records} == expected  # the same captions and errors, image for image

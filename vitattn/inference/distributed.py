@@ -103,7 +103,6 @@ class PartFileWriter(BasePredictionWriter):
     def __init__(self, files: OutputFiles, progress: bool = True, attention_maps: str | os.PathLike | None = None):
         super().__init__("batch")
         self.files, self.progress, self.attention_maps = files, progress, attention_maps
-        self.summary: CaptionSummary | None = None
         self._lock: IO[bytes] | None = None
         self._part: IO[bytes] | None = None
         self._bar: _GlobalProgress | None = None
@@ -152,25 +151,29 @@ class PartFileWriter(BasePredictionWriter):
         if self._bar is not None:
             self._bar.update(len(prediction.records))
 
-    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def finish(self, trainer: pl.Trainer, inputs: InputList) -> CaptionSummary:
+        """After ``predict`` (which skips its end hooks on a rank with nothing to do): once every rank
+        is done, rank 0 merges the parts into ``out``; every rank gets the counts."""
         self._part.close()
         trainer.strategy.barrier("caption-parts-written")
         counts = None
         if trainer.is_global_zero:
             self._bar.close()
-            inputs = pl_module.inputs
-            captioned, failed = write_output(self.files, inputs, RecordIndex.read(self.files.sources()))
+            counts = write_output(self.files, inputs, RecordIndex.read(self.files.sources()))
             remove_partial_files(self.files)
-            counts = (captioned, failed)
         captioned, failed = trainer.strategy.broadcast(counts, src=0)
-        self.summary = CaptionSummary(captioned, failed, self.skipped, self.files.out)
+        return CaptionSummary(captioned, failed, self.skipped, self.files.out)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        for f in (self._part, self._lock):
-            if f is not None:
-                f.close()
+        if self._part is not None:
+            self._part.close()
         if self._bar is not None:
             self._bar.close()
+
+    def release(self) -> None:
+        """Let go of the output lock (rank 0)."""
+        if self._lock is not None:
+            self._lock.close()
 
 
 class _GlobalProgress:
@@ -246,6 +249,8 @@ def caption_with_trainer(
         enable_model_summary=False,
         use_distributed_sampler=True,
     )
-    trainer.predict(module, return_predictions=False)
-    assert writer.summary is not None
-    return writer.summary
+    try:
+        trainer.predict(module, return_predictions=False)
+        return writer.finish(trainer, module.inputs)
+    finally:
+        writer.release()
