@@ -76,10 +76,13 @@ class CaptionPredictor(pl.LightningModule):
             self.generate_kwargs["generator"] = torch.Generator(self.device).manual_seed(self.seed + self.global_rank)
 
     def predict_dataloader(self) -> DataLoader:
+        positions, world = self.positions, self.trainer.world_size
+        if 0 < len(positions) < world:  # Lightning's unrepeated sampler needs an item for every rank
+            positions = np.concatenate([positions, np.full(world - len(positions), -1)])
         return caption_loader(
             self.bundle,
             self.inputs,
-            self.positions,
+            positions,
             batch_size=self.batch_size,
             num_workers=self.num_workers,
             pin_memory=self.device.type == "cuda",
@@ -147,7 +150,8 @@ class PartFileWriter(BasePredictionWriter):
     ) -> None:
         if self._figures is not None:
             write_figures(pl_module.bundle, prediction, self._figures)
-        append_records(self._part, prediction.records)
+        if prediction.records:  # a batch of placeholders has none
+            append_records(self._part, prediction.records)
         if self._bar is not None:
             self._bar.update(len(prediction.records))
 
