@@ -165,5 +165,8 @@ def test_script_runs_without_transformers_imported():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "--sections {encoder,compile,caption,scaling,e2e,data,processes}" in proc.stdout and "--no-compile" in proc.stdout
+    assert (
+        "--sections {encoder,compile,caption,scaling,e2e,data,processes}" in proc.stdout
+        and "--no-compile" in proc.stdout
+    )
     assert proc.stdout.split("\n\n")[1].startswith("Speed of vitattn against timm and Hugging Face")

@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -206,3 +207,12 @@ def test_two_process_run_killed_and_resumed_captions_each_image_once(bundle_dir,
     expected = {r["image"]: r for r in _jsonl(tmp_path / "one.jsonl")}
     assert Counter("caption" in r for r in records) == Counter({True: len(inputs) - len(bad), False: len(bad)})
     assert {r["image"]: r for r in records} == expected  # the same captions and errors, image for image
+
+
+def test_record_index_finds_digests_that_share_their_first_eight_bytes():
+    a, b, c = bytes(range(16)), bytes(range(8)) + bytes(range(100, 108)), bytes(range(8)) + bytes(range(50, 58))
+    keys = np.unique(np.frombuffer(a + b + c, dtype="V16"))  # all three share the first 8 bytes
+    index = RecordIndex([], keys, np.zeros(3, np.int16), np.zeros(3, np.int64), np.zeros(3, bool))
+    queries = np.frombuffer(b + c + a + bytes(range(8)) + bytes(8), dtype="V16")
+    rows = index.find(queries)
+    assert rows[3] == -1 and (keys[rows[:3]] == queries[:3]).all()

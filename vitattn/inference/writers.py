@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -116,7 +117,11 @@ class OutputFiles:
 def path_digests(paths: Iterable[str]) -> np.ndarray:
     """(n,) ``V16`` digests of image paths, the keys of ``RecordIndex`` (a 128-bit hash: no collision
     in practice at any number of images)."""
-    return np.frombuffer(b"".join(_digest(p) for p in paths), dtype="V16")
+    return np.frombuffer(b"".join(map(_digest, paths)), dtype="V16")
+
+
+def _first_u64(digests: np.ndarray) -> np.ndarray:
+    return digests.view(">u8")[::2].astype(np.uint64)
 
 
 def _digest(path: str) -> bytes:
@@ -130,7 +135,7 @@ class RecordIndex:
     Attributes:
         files: the files read, in order.
         keys: (n,) sorted ``V16`` path digests, one per recorded image (the first record of a path wins).
-        file: (n,) position of the record's file in ``files``.
+        file: (n,) position of the record's file in ``files`` (int16: the parts of up to 32,767 ranks).
         offset: (n,) byte offset of the record's line in that file.
         failed: (n,) whether the record is an error record.
     """
@@ -149,32 +154,38 @@ class RecordIndex:
             files: the files; a missing one holds no records.
             repair: cut off a trailing partial line (a run killed mid-write) from each file.
         """
-        digests, file_ids, offsets, failed = bytearray(), [], [], bytearray()
+        decode = json.JSONDecoder().raw_decode  # json.loads without its wrappers: a third of the time
+        digests, file_ids, offsets, failed = bytearray(), array("h"), array("q"), bytearray()
         for k, path in enumerate(files):
             if not path.is_file():
                 continue
-            start = len(offsets)
-            end = 0
+            start, end = len(offsets), 0
             with open(path, "rb") as f:
                 for n, line in enumerate(f, start=1):
-                    if not line.endswith(b"\n"):
+                    if line[-1:] != b"\n":
                         break  # a partial last line
                     at, end = end, end + len(line)
-                    record = _parse(line, path, n)
-                    if record is not None:
-                        digests += _digest(record["image"])
+                    try:
+                        record = decode(line.decode("utf-8", errors="replace"))[0]
+                    except json.JSONDecodeError:
+                        if line.strip():
+                            log.warning("%s:%d is not a JSON record; ignored", path, n)
+                        continue
+                    image = record.get("image") if isinstance(record, dict) else None
+                    if isinstance(image, str):
+                        digests += _digest(image)
                         offsets.append(at)
                         failed.append("caption" not in record)
                 size = f.seek(0, os.SEEK_END)
             if end < size:
                 _cut_partial_line(path, end, size, repair)
-            file_ids += [k] * (len(offsets) - start)
+            file_ids.extend([k] * (len(offsets) - start))
         keys, first = np.unique(np.frombuffer(bytes(digests), dtype="V16"), return_index=True)
         return cls(
             list(files),
             keys,
-            np.asarray(file_ids, dtype=np.int16)[first],
-            np.asarray(offsets, dtype=np.int64)[first],
+            np.frombuffer(file_ids, dtype=np.int16)[first],
+            np.frombuffer(offsets, dtype=np.int64)[first],
             np.frombuffer(bytes(failed), dtype=np.bool_)[first],
         )
 
@@ -185,8 +196,17 @@ class RecordIndex:
         """(n,) the index row of each digest's record, -1 where there is none."""
         if not len(self.keys):
             return np.full(len(digests), -1)
-        rows = np.minimum(np.searchsorted(self.keys, digests), len(self.keys) - 1)
-        return np.where(self.keys[rows] == digests, rows, -1)
+        # searchsorted on 16-byte voids compares bytes one call at a time; on their first 8 bytes as
+        # integers (the same order: big-endian) it is 30x faster, and equal firsts are looked past
+        first, keys_first = _first_u64(digests), _first_u64(self.keys)
+        rows = np.minimum(np.searchsorted(keys_first, first), len(self.keys) - 1)
+        found = self.keys[rows] == digests
+        for i in np.flatnonzero(~found & (keys_first[rows] == first)):  # 64-bit prefix shared: next rows
+            row = rows[i] + 1
+            while row < len(self.keys) and keys_first[row] == first[i] and not found[i]:
+                found[i], rows[i] = self.keys[row] == digests[i], row
+                row += 1
+        return np.where(found, rows, -1)
 
     def missing(self, inputs: InputList) -> np.ndarray:
         """Positions in ``inputs`` that have no record, in order."""
@@ -200,17 +220,6 @@ class RecordIndex:
                 f = handles[self.file[row]]
                 f.seek(self.offset[row])
                 yield f.readline()
-
-
-def _parse(line: bytes, path: Path, n: int) -> dict[str, Any] | None:
-    if not line.strip():
-        return None
-    try:
-        record = json.loads(line.decode("utf-8", errors="replace"))
-    except json.JSONDecodeError:
-        log.warning("%s:%d is not a JSON record; ignored", path, n)
-        return None
-    return record if isinstance(record, dict) and isinstance(record.get("image"), str) else None
 
 
 def _cut_partial_line(path: Path, end: int, size: int, repair: bool) -> None:
@@ -336,6 +345,7 @@ def caption_to_file(
         index = RecordIndex.read(files.sources(), repair=True)
         todo = index.missing(inputs)
         skipped = len(inputs) - len(todo)
+        failed = count_failed(inputs, index) if skipped else 0
         if skipped:
             log.info("%d of %d images are already recorded; captioning the other %d", skipped, len(inputs), len(todo))
         for batch in iter_caption_batches(
@@ -350,11 +360,9 @@ def caption_to_file(
             if figures is not None:
                 write_figures(bundle, batch, figures)
             append_records(f, batch.records)
-        index = RecordIndex.read(files.sources())
-        if format == "jsonl" and not parts:
-            failed = count_failed(inputs, index)  # out is the progress file: nothing to merge
-        else:
-            failed = write_output(files, inputs, index)[1]
+            failed += sum("caption" not in r for r in batch.records)
+        if format != "jsonl" or parts:  # else out is the progress file: nothing to merge
+            failed = write_output(files, inputs, RecordIndex.read(files.sources()))[1]
             remove_partial_files(files)
     return CaptionSummary(len(inputs) - failed, failed, skipped, files.out)
 
