@@ -3,7 +3,9 @@
 On the CPU: 2 processes x 1 thread vs 1 process x 1 thread; on CUDA: every GPU of the machine vs one.
 Each run is the console command in a subprocess; its rate is timed from the complete lines of its
 output files between 10 % and 90 % of the images, so start-up (imports, model load, process
-launch) and the final merge are left out (they are reported apart).
+launch) and the final merge are left out (they are reported apart). The CPU time each run got,
+over its wall time, is reported beside it: on a shared machine that gives this job a fixed share of
+the cores, 2 processes get no more CPU than 1, and the ratio says so rather than how the code scales.
 """
 
 from __future__ import annotations
@@ -72,8 +74,11 @@ def time_caption_run(
 
     Returns:
         ``images_per_s`` (10 % -> 90 % of the ``n`` records), ``startup_s`` (to the first record),
-        ``total_s`` (the whole command, merge included) and the command.
+        ``total_s`` (the whole command, merge included), ``cores`` (CPU seconds of the command and
+        all its processes over ``total_s``: what the machine gave it) and the command.
     """
+    import resource
+
     from vitattn.inference.writers import LineCounter, OutputFiles
 
     files = OutputFiles(out, "jsonl")
@@ -82,6 +87,7 @@ def time_caption_run(
     cmd = [*caption_command(), *args, f"out={out}", f"devices={devices}", "progress=false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     marks: dict[float, float] = {}
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -99,6 +105,7 @@ def time_caption_run(
                 proc.kill()
             proc.wait()
         total = time.perf_counter() - start
+        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the run has been waited for
         if proc.returncode != 0:
             log.seek(0)
             raise RuntimeError(
@@ -111,6 +118,7 @@ def time_caption_run(
         images_per_s=round(0.8 * n / (marks[0.9] - marks[0.1]), 2),
         startup_s=round(marks[0.0], 2),
         total_s=round(total, 2),
+        cores=round((cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) / total, 2),
     )
 
 
@@ -131,7 +139,10 @@ def bench_processes(env: Env, n_images: int = 2000, workdir: Path | None = None)
     one, many = runs[1]["images_per_s"], runs[devices]["images_per_s"]
     unit = "GPUs" if env.cuda else "processes x 1 thread"
     name = f"caption files: {devices} {unit} vs 1 ({n_images} images)"
-    note = f"start-up {runs[1]['startup_s']:.0f} s / {runs[devices]['startup_s']:.0f} s, excluded"
+    note = (
+        f"start-up {runs[1]['startup_s']:.0f} s / {runs[devices]['startup_s']:.0f} s, excluded;"
+        f" cores used {runs[1]['cores']:.2f} / {runs[devices]['cores']:.2f}"
+    )
     return [row(name, many, one, "img/s", many / one, "processes", ref_name="1 process", note=note)], dict(
         devices=devices, n_images=n_images, runs=runs
     )
