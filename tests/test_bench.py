@@ -170,3 +170,17 @@ def test_script_runs_without_transformers_imported():
         and "--no-compile" in proc.stdout
     )
     assert proc.stdout.split("\n\n")[1].startswith("Speed of vitattn against timm and Hugging Face")
+
+
+@pytest.mark.slow
+def test_processes_section_times_one_and_two_caption_processes(tmp_path):
+    from vitattn.bench.env import Env
+    from vitattn.bench.processes import bench_processes
+
+    rows, details = bench_processes(Env("cpu", quick=True), n_images=300, workdir=tmp_path)
+    (only,) = rows
+    assert only["name"] == "caption files: 2 processes x 1 thread vs 1 (300 images)" and only["kind"] == "processes"
+    runs = details["runs"]
+    assert set(runs) == {1, 2} and "devices=2" in runs[2]["command"] and "devices=1" in runs[1]["command"]
+    assert all(r["images_per_s"] > 0 and 0 < r["startup_s"] < r["total_s"] and r["cores"] > 0 for r in runs.values())
+    assert only["ratio"] == pytest.approx(runs[2]["images_per_s"] / runs[1]["images_per_s"])
