@@ -119,6 +119,8 @@ class PartFileWriter(BasePredictionWriter):
             try:
                 self._lock = self.files.lock()
                 todo = RecordIndex.read(self.files.sources(), repair=True).missing(inputs)
+                others = [self.files.part(r) for r in range(1, trainer.world_size)]
+                self._bar = _GlobalProgress(len(todo), others, enabled=self.progress)  # counts from the parts' ends now
             except ValueError as err:
                 refused = str(err)
         refused, todo = trainer.strategy.broadcast((refused, todo), src=0)
@@ -134,9 +136,6 @@ class PartFileWriter(BasePredictionWriter):
         self._part = open(part, "ab")  # noqa: SIM115 - closed in teardown
         if self.attention_maps is not None:
             self._figures = figure_paths(inputs, Path(self.attention_maps))
-        if trainer.is_global_zero:
-            others = [self.files.part(r) for r in range(1, trainer.world_size)]
-            self._bar = _GlobalProgress(len(todo), others, enabled=self.progress)
 
     def write_on_batch_end(
         self,
