@@ -1,7 +1,8 @@
 """Inference: batch captioning of image files and attention maps of generated captions.
 
 ``inputs`` lists what to caption, ``reading`` turns files into tensors (``vitattn.data.images``
-reads them), ``captioning`` decodes batches, ``writers`` keeps resumable output files, and
+reads them), ``captioning`` decodes batches, ``writers`` keeps resumable output files,
+``distributed`` runs the same on many devices and machines (Lightning ``Trainer.predict``), and
 ``attention_maps`` / ``figures`` draw what the model looked at.
 """
 
