@@ -92,11 +92,14 @@ def time_caption_run(
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            while proc.poll() is None:
+            while True:
+                done = proc.poll() is not None  # one more look after the exit: the parts stay readable
                 t, lines = time.perf_counter() - start, sum(c() for c in counters)
                 for f in (0.0, 0.1, 0.9):
                     if f not in marks and lines > f * n:
                         marks[f] = t
+                if done:
+                    break
                 if t > timeout:
                     raise TimeoutError(f"{' '.join(cmd)} ran past {timeout:.0f} s")
                 time.sleep(interval)
@@ -104,6 +107,8 @@ def time_caption_run(
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+            for c in counters:
+                c.close()
         total = time.perf_counter() - start
         cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the run has been waited for
         if proc.returncode != 0:

@@ -197,6 +197,8 @@ class _GlobalProgress:
     def close(self) -> None:
         if not self.bar.disable and self.bar.n < self.bar.total:
             self.bar.update(self.bar.total - self.bar.n)  # every rank is done
+        for c in self.counters:
+            c.close()
         self.bar.close()
 
 

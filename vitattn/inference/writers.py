@@ -290,22 +290,32 @@ def count_failed(inputs: InputList, index: RecordIndex) -> int:
 
 
 class LineCounter:
-    """Complete lines of a growing file, read incrementally from ``offset``."""
+    """Complete lines of a growing file, read incrementally from ``offset``.
+
+    The file stays open once it exists, so lines written before it is removed (a part file merged
+    away) are still counted.
+    """
 
     def __init__(self, path: Path, offset: int = 0) -> None:
         self.path, self.offset, self.lines = path, offset, 0
+        self.file: IO[bytes] | None = None
 
     def __call__(self) -> int:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return self.lines
+        if self.file is None:
+            try:
+                self.file = open(self.path, "rb")  # noqa: SIM115 - kept open, see the class docstring
+            except FileNotFoundError:
+                return self.lines
+        self.file.seek(self.offset)
+        data = self.file.read()
         end = data.rfind(b"\n") + 1  # a partial last line is counted once it is complete
         self.lines += data.count(b"\n", 0, end)
         self.offset += end
         return self.lines
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
 
 def caption_to_file(
