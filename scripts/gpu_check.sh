@@ -4,7 +4,8 @@
 #   2. the bench on CUDA: ViT-Ti/16, the 32 px config and ViT-B/16 (batch 128) forward and
 #      training step vs timm under bf16 autocast, with MFU against the bf16 matmul rate measured
 #      in the same run, cached decoding vs recompute,
-#   3. two training steps of the caption head with trainer=gpu (bf16-mixed, compile=auto).
+#   3. two training steps of the caption head with trainer=gpu (bf16-mixed, compile=auto),
+#   4. vitattn-caption on 2,000 files with every GPU of the machine (devices=N, DDP) vs one.
 # Results go to ${OUT:-bench_results}/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,3 +17,5 @@ python scripts/bench.py --device cuda --threads 8 --sections encoder caption --o
   2>&1 | tee "$out/bench_gpu.txt"
 python -m vitattn.cli.train trainer=gpu trainer.max_steps=20 test=false export_bundle=false \
   logger=csv paths.runs_dir="$out/runs" trainer.enable_progress_bar=false 2>&1 | tail -20 | tee -a "$out/gpu.txt"
+python scripts/bench.py --device cuda --sections processes --out "$out/bench_processes_gpu.json" \
+  2>&1 | tail -8 | tee "$out/bench_processes_gpu.txt"

@@ -1,6 +1,8 @@
 """Memory and speed of ``vitattn-caption`` over many files: does either change as a run gets longer?
+And how long does a run take to start when its output already holds a million records?
 
-    python scripts/load_caption.py                                  # N = 1000 and 5000, a tiny random model
+    python scripts/load_caption.py                                  # N = 1000 and 20000, a tiny random model
+    python scripts/load_caption.py --sizes 1000 20000 --resume-lines 1000000   # both measurements
     python scripts/load_caption.py --model /tmp/final_default/caption/RUN/bundle
     python scripts/load_caption.py --sizes 200 --num-workers 0 num_beams=3   # key=value goes to vitattn-caption
 
@@ -20,6 +22,12 @@ fifth is usually a neighbour: the CPU that other processes took in each fifth is
 
 The tree sum counts pages that a forked worker shares with its parent once per process, so it
 overstates what the machine holds; it is the figure to compare between sizes, not a footprint.
+With ``--resume-lines L``: a JSON Lines output with L synthetic records (paths that need not exist)
+and a text list of those L paths plus ``--resume-new`` real images; ``vitattn-caption`` is run on
+the list and that output, so it must index the L records, skip them and caption the new ones.
+Reported: its start-up (to the first new record) and peak RSS, beside a run of the new images
+alone into a fresh output; the difference is what resuming against L records costs.
+
 Writes a table to stdout and JSON (with every sample) to ``--out``.
 """
 
@@ -40,44 +48,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vitattn.bench.processes import busy_ticks, process_tree, rss_kib, scan_processes
+from vitattn.bench.processes import caption_command, tiny_bundle, write_images
+from vitattn.bench.procfs import busy_ticks, process_tree, rss_kib, scan_processes
+from vitattn.inference.writers import LineCounter
 
-SCHEMA = "vitattn-load-caption/1"
+SCHEMA = "vitattn-load-caption/2"
 FRACTIONS = (0.2, 0.4, 0.6, 0.8, 1.0)
 DEFAULT_TRAINED = "/tmp/final_default/caption/*/bundle"
 
 
 # ------------------------------------------------------------------------------------------ inputs
-
-
-def write_images(folder: Path, n: int, img_size: int = 64, seed: int = 0) -> Path:
-    """``n`` JPEGs of shape scenes, ``img_000000.jpg`` ...; a folder that already holds them is reused."""
-    from vitattn.data.shapes import generate_scene, render_scene
-
-    folder.mkdir(parents=True, exist_ok=True)
-    if len(list(folder.glob("img_*.jpg"))) == n:
-        return folder
-    for i in range(n):
-        render_scene(generate_scene(seed, "test", i), img_size).save(folder / f"img_{i:06d}.jpg", quality=90)
-    return folder
-
-
-def tiny_bundle(directory: Path) -> Path:
-    """A random captioner (32 px, width 32, depth 2, captions up to 16 tokens) saved as a bundle."""
-    import torch
-
-    from vitattn.bundle import save_bundle
-    from vitattn.data.preprocess import default_preprocess
-    from vitattn.data.shapes import generate_scene, scene_caption
-    from vitattn.data.vocab import Vocabulary
-    from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
-
-    torch.manual_seed(0)
-    vocab = Vocabulary.build(scene_caption(generate_scene(0, "train", i)) for i in range(500))
-    encoder = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
-    decoder = CaptionDecoder(len(vocab), embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, max_len=16)
-    model = ImageCaptioner(encoder, decoder).eval()
-    return save_bundle(directory, model, task="caption", preprocess=default_preprocess(32), vocab=vocab)
 
 
 def find_trained(pattern: str = DEFAULT_TRAINED) -> str | None:
@@ -88,34 +68,7 @@ def find_trained(pattern: str = DEFAULT_TRAINED) -> str | None:
     return found[-1] if found else None
 
 
-def caption_command() -> list[str]:
-    """The installed ``vitattn-caption``, else the module run by this interpreter."""
-    script = Path(sys.executable).with_name("vitattn-caption")
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-m", "vitattn.cli.caption"]
-
-
 # ------------------------------------------------------------------------------------------ sampling
-
-
-class LineCounter:
-    """Complete lines of a growing file, read incrementally."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.lines = path, 0, 0
-
-    def __call__(self) -> int:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return self.lines
-        end = data.rfind(b"\n") + 1  # a partial last line is counted once it is complete
-        self.lines += data.count(b"\n", 0, end)
-        self.offset += end
-        return self.lines
 
 
 def run_sampled(cmd: Sequence[str], out: Path, logs: Path, interval: float, timeout: float) -> dict[str, Any]:
@@ -242,9 +195,89 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
 # ------------------------------------------------------------------------------------------ main
 
 
+def write_synthetic_output(out: Path, lines: int, prefix: str) -> list[str]:
+    """``lines`` caption records of ``prefix/img_0000000.jpg`` ... in ``out``; returns their paths."""
+    paths = [f"{prefix}/img_{i:07d}.jpg" for i in range(lines)]
+    with open(out, "w") as f:
+        for start in range(0, lines, 100_000):
+            f.writelines(
+                json.dumps(
+                    {"image": p, "image_id": start + i, "caption": "a small red circle left of a large blue square"}
+                )
+                + "\n"
+                for i, p in enumerate(paths[start : start + 100_000])
+            )
+    return paths
+
+
+def time_resume(model: str, work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """A run against ``--resume-lines`` recorded images, and the same new images into a fresh output."""
+    new = write_images(work / "resume_images", args.resume_new, args.img_size)
+    new_paths = sorted(str(p) for p in new.glob("img_*.jpg"))
+    results = []
+    for lines in (args.resume_lines, 0):
+        out = work / f"resume_{lines}.jsonl"
+        t = time.perf_counter()
+        recorded = write_synthetic_output(out, lines, str(work / "gone")) if lines else []
+        listing = work / f"resume_{lines}.txt"
+        listing.write_text("".join(p + "\n" for p in [*recorded, *new_paths]))
+        made = time.perf_counter() - t
+        del recorded
+        cmd = [
+            *caption_command(),
+            f"model={model}",
+            f"images={listing}",
+            f"out={out}",
+            f"batch_size={args.batch_size}",
+            f"num_workers={args.num_workers}",
+            f"device={args.device}",
+            "progress=false",
+            *args.overrides,
+        ]
+        print(f"resume against {lines} records ({made:.1f} s to write them) ...", flush=True)
+        run = run_sampled(cmd, out, work / f"resume_{lines}", args.interval, args.timeout)
+        if run["returncode"] != 0:
+            err = (work / f"resume_{lines}.stderr").read_text(errors="replace")[-2000:]
+            raise SystemExit(f"resume L={lines}: vitattn-caption exited with {run['returncode']}:\n{err}")
+        samples = run["samples"]
+        first = next((s for s in samples if s[4] > lines), None)
+        if samples[-1][4] != lines + args.resume_new:
+            raise SystemExit(f"resume L={lines}: {samples[-1][4]} lines in {out}, expected {lines + args.resume_new}")
+        results.append(
+            {
+                "command": cmd,
+                "recorded": lines,
+                "new": args.resume_new,
+                "startup_s": round(first[0], 2) if first else None,
+                "total_s": run["total_s"],
+                "peak_rss_main_mib": round(max(s[2] for s in samples) / 1024, 1),
+                "samples": samples,
+            }
+        )
+    return results
+
+
+def print_resume(results: Sequence[dict[str, Any]]) -> None:
+    print(f"{'recorded':>9} {'new':>5} {'start-up':>9} {'total':>7} {'peak RSS':>9}")
+    for r in results:
+        print(
+            f"{r['recorded']:>9} {r['new']:>5} {r['startup_s']:>8.1f}s {r['total_s']:>6.1f}s"
+            f" {r['peak_rss_main_mib']:>7.0f}Mi"
+        )
+    big, fresh = results[0], results[-1]
+    print(
+        f"resume start-up over a fresh run: +{big['startup_s'] - fresh['startup_s']:.1f} s, "
+        f"peak RSS +{big['peak_rss_main_mib'] - fresh['peak_rss_main_mib']:.0f} MiB for {big['recorded']} records"
+    )
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=int, nargs="+", default=[1000, 5000], help="image counts, one run each")
+    p.add_argument("--sizes", type=int, nargs="*", default=[1000, 20000], help="image counts, one run each")
+    p.add_argument(
+        "--resume-lines", type=int, default=0, help="also time resuming against an output of this many records"
+    )
+    p.add_argument("--resume-new", type=int, default=64, help="real images to caption in the resume runs")
     p.add_argument(
         "--model",
         help=f"a bundle or run folder; 'trained' = the newest {DEFAULT_TRAINED}; default: a tiny random bundle",
@@ -302,7 +335,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(row)
             runs.append({"command": cmd, **row, "samples": run["samples"]})
         print()
-        print_table(rows)
+        if rows:
+            print_table(rows)
+        resume = time_resume(model, work, args) if args.resume_lines else []
+        if resume:
+            print()
+            print_resume(resume)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         report = {
             "schema": SCHEMA,
@@ -311,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "settings": {k: v for k, v in vars(args).items() if k not in ("out", "dir")},
             "sample_fields": ["t_s", "rss_tree_kib", "rss_main_kib", "processes", "lines", "other_cpu_s"],
             "runs": runs,
+            "resume": resume,
         }
         args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
         print(f"\nwrote {args.out}")

@@ -166,7 +166,10 @@ def test_script_runs_without_transformers_imported():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "--sections {encoder,compile,caption,scaling,e2e,data}" in proc.stdout and "--no-compile" in proc.stdout
+    assert (
+        "--sections {encoder,compile,caption,scaling,e2e,data,processes}" in proc.stdout
+        and "--no-compile" in proc.stdout
+    )
     assert proc.stdout.split("\n\n")[1].startswith("Speed of vitattn against timm and Hugging Face")
 
 
@@ -186,3 +189,17 @@ def test_python_m_vitattn_bench_matmul_prints_the_fp32_rate_at_the_threads_asked
     with pytest.raises(SystemExit, match="^2$"):
         main(["matmul", "--threads", "0"])
     assert "--threads=0 must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_processes_section_times_one_and_two_caption_processes(tmp_path):
+    from vitattn.bench.env import Env
+    from vitattn.bench.processes import bench_processes
+
+    rows, details = bench_processes(Env("cpu", quick=True), n_images=300, workdir=tmp_path)
+    (only,) = rows
+    assert only["name"] == "caption files: 2 processes x 1 thread vs 1 (300 images)" and only["kind"] == "processes"
+    runs = details["runs"]
+    assert set(runs) == {1, 2} and "devices=2" in runs[2]["command"] and "devices=1" in runs[1]["command"]
+    assert all(r["images_per_s"] > 0 and 0 < r["startup_s"] < r["total_s"] and r["cores"] > 0 for r in runs.values())
+    assert only["ratio"] == pytest.approx(runs[2]["images_per_s"] / runs[1]["images_per_s"])

@@ -28,6 +28,7 @@ from vitattn.bench.e2e import bench_end_to_end
 from vitattn.bench.encoder import bench_encoder
 from vitattn.bench.env import Env
 from vitattn.bench.machine import loadavg, machine_info, matmul_gflops
+from vitattn.bench.processes import bench_processes
 from vitattn.bench.report import (
     SCHEMA,
     TARGETS,
@@ -39,9 +40,16 @@ from vitattn.bench.report import (
 )
 from vitattn.bench.scaling import bench_scaling
 
-SECTIONS = ("encoder", "compile", "caption", "scaling", "e2e", "data")
+SECTIONS = ("encoder", "compile", "caption", "scaling", "e2e", "data", "processes")
 # Where each section's details go: under the JSON's ``details``; ``scaling`` has a top-level key of its own.
-DETAILS_KEY = {"encoder": "encoder", "compile": "compile", "caption": "caption", "e2e": "end_to_end", "data": "data"}
+DETAILS_KEY = {
+    "encoder": "encoder",
+    "compile": "compile",
+    "caption": "caption",
+    "e2e": "end_to_end",
+    "data": "data",
+    "processes": "processes",
+}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -94,6 +102,8 @@ def run_section(section: str, env: Env, args: argparse.Namespace, matmul_n: int)
         return bench_scaling(env, args.out.parent / "scaling.png")
     if section == "data":
         return bench_data(env, n_images=128 if args.quick else 512)
+    if section == "processes":
+        return bench_processes(env, n_images=400 if args.quick else 2000)
     return bench_end_to_end(env, n_images=64 if args.quick else 256)
 
 

@@ -6,11 +6,17 @@ Usage::
         [batch_size=32] [num_workers=2] [num_beams=N] [max_new_tokens=N] [length_penalty=X]
         [do_sample=true temperature=X top_k=N top_p=X] [seed=N] [device=auto|cpu|cuda]
         [attention_maps=DIR] [progress=true] [num_threads=N]
+        [devices=N num_nodes=M accelerator=auto|cpu|gpu]
 
 ``model`` is a bundle folder, a training run folder or a ``.ckpt``; ``images`` a folder, a glob, a
 text file of paths or a COCO JSON file. Decoding settings left out come from the bundle. Running
 the same command again captions only the images not yet in ``out``. Exit status: 0 when every image
 was captioned, 1 when some could not be read, 2 on a usage or model error.
+
+``devices=N`` (and ``num_nodes=M``) caption with Lightning's ``Trainer.predict`` on N x M processes
+(DDP): each rank appends to its own part file and rank 0 merges them into ``out`` in input order.
+Lightning starts the other local processes itself; under ``torchrun`` or ``srun`` every process runs
+this same command. ``accelerator`` defaults to what ``device`` says.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from vitattn.cli.args import GENERATE_KEYS, UsageError, generate_settings, parse_key_values, resolve_device, run_main
+from vitattn.cli.errors import USER_ERRORS
 
 __all__ = ["CaptionConfig", "UsageError", "main", "parse_args", "run"]
 
@@ -52,6 +59,9 @@ class CaptionConfig:
     num_threads: int | None = None  # torch CPU threads; 1 is steadier on a shared machine
     attention_maps: str | None = None
     progress: bool = True
+    devices: int = 1  # processes per machine; more than 1 (or num_nodes > 1) runs Lightning's Trainer.predict
+    num_nodes: int = 1
+    accelerator: str | None = None  # Lightning's; default from device: auto, cpu or gpu
 
 
 def parse_args(argv: list[str]) -> Any:
@@ -62,6 +72,9 @@ def parse_args(argv: list[str]) -> Any:
     cfg = parse_key_values(argv, CaptionConfig, "vitattn-caption")
     if cfg.format not in ("jsonl", "coco", "csv"):
         raise UsageError(f"format={cfg.format!r} is unknown; choose jsonl, coco or csv")
+    for key in ("devices", "num_nodes"):
+        if cfg[key] < 1:
+            raise UsageError(f"{key}={cfg[key]} must be at least 1")
     return cfg
 
 
@@ -69,16 +82,14 @@ def run(cfg: Any) -> int:
     """Caption as ``cfg`` says; returns the exit status (0 all captioned, 1 some failed)."""
     import torch
 
-    from vitattn.bundle import load_bundle
-    from vitattn.inference import caption_to_file, list_inputs
-
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
+    if cfg.devices * cfg.num_nodes > 1:
+        return _run_distributed(cfg)
+    from vitattn.inference import caption_to_file, list_inputs
+
     device = resolve_device(cfg.device)
-    bundle = load_bundle(cfg.model, device=device)
-    if bundle.task != "caption":
-        raise UsageError(f"model={cfg.model} is a {bundle.task} model; vitattn-caption needs a caption model")
-    generate = generate_settings(bundle, {k: cfg[k] for k in GENERATE_KEYS})
+    bundle, generate = _load(cfg, device)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
         generate["generator"] = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -96,6 +107,61 @@ def run(cfg: Any) -> int:
         **generate,
     )
     print(f"captioned {summary.captioned} images, {summary.failed} failed -> {summary.out}", flush=True)
+    return 1 if summary.failed else 0
+
+
+def _load(cfg: Any, device: str) -> tuple[Any, dict[str, Any]]:
+    from vitattn.bundle import load_bundle
+
+    bundle = load_bundle(cfg.model, device=device)
+    if bundle.task != "caption":
+        raise UsageError(f"model={cfg.model} is a {bundle.task} model; vitattn-caption needs a caption model")
+    return bundle, generate_settings(bundle, {k: cfg[k] for k in GENERATE_KEYS})
+
+
+def _run_distributed(cfg: Any) -> int:
+    """This process's part of a ``Trainer.predict`` run; only rank 0 reports, every rank returns the status."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from vitattn.inference import list_inputs
+    from vitattn.inference.distributed import caption_with_trainer
+
+    zero = rank_zero_only.rank == 0  # from the launcher's environment (LOCAL_RANK, RANK, SLURM_PROCID)
+    if not zero:
+        log.setLevel(logging.WARNING)
+    accelerator = cfg.accelerator or {"auto": "auto", "cpu": "cpu", "cuda": "gpu"}.get(cfg.device, cfg.device)
+    try:
+        bundle, generate = _load(cfg, "cpu")  # Lightning moves the model to each rank's device
+        inputs = list_inputs(cfg.images, cfg.image_dir)
+        log.info(
+            "captioning %d images with %s on %d x %d %s processes",
+            len(inputs),
+            cfg.model,
+            cfg.num_nodes,
+            cfg.devices,
+            accelerator,
+        )
+        summary = caption_with_trainer(
+            bundle,
+            inputs,
+            cfg.out,
+            devices=cfg.devices,
+            num_nodes=cfg.num_nodes,
+            accelerator=accelerator,
+            format=cfg.format,
+            batch_size=cfg.batch_size,
+            num_workers=cfg.num_workers,
+            progress=cfg.progress,
+            attention_maps=cfg.attention_maps,
+            seed=cfg.seed,
+            **generate,
+        )
+    except USER_ERRORS:
+        if zero:
+            raise
+        return 2  # rank 0 says why, in one line
+    if zero:
+        print(f"captioned {summary.captioned} images, {summary.failed} failed -> {summary.out}", flush=True)
     return 1 if summary.failed else 0
 
 

@@ -1,7 +1,8 @@
 """Inference: batch captioning of image files and attention maps of generated captions.
 
 ``inputs`` lists what to caption, ``reading`` turns files into tensors (``vitattn.data.images``
-reads them), ``captioning`` decodes batches, ``writers`` keeps resumable output files, and
+reads them), ``captioning`` decodes batches, ``writers`` keeps resumable output files,
+``distributed`` runs the same on many devices and machines (Lightning ``Trainer.predict``), and
 ``attention_maps`` / ``figures`` draw what the model looked at.
 """
 
@@ -15,8 +16,8 @@ from vitattn.inference.attention_maps import (
     save_attention_figure,
 )
 from vitattn.inference.captioning import CaptionBatch, caption_images, generate_tokens, iter_caption_batches
-from vitattn.inference.inputs import InputImage, list_inputs
-from vitattn.inference.writers import OUTPUT_FORMATS, CaptionSummary, caption_to_file, read_records
+from vitattn.inference.inputs import InputImage, InputList, list_inputs
+from vitattn.inference.writers import OUTPUT_FORMATS, CaptionSummary, RecordIndex, caption_to_file, read_records
 
 __all__ = [
     "OUTPUT_FORMATS",
@@ -24,6 +25,8 @@ __all__ = [
     "CaptionSummary",
     "InputImage",
     "attention_figure",
+    "InputList",
+    "RecordIndex",
     "attention_from_tokens",
     "attention_rollout",
     "caption_attention_maps",

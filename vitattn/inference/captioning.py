@@ -19,10 +19,17 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from vitattn.bundle import Bundle
-from vitattn.inference.inputs import InputImage
+from vitattn.inference.inputs import InputImage, InputList
 from vitattn.inference.reading import ImageFileDataset, collate_images
 
-__all__ = ["CaptionBatch", "caption_images", "generate_tokens", "iter_caption_batches"]
+__all__ = [
+    "CaptionBatch",
+    "caption_batch",
+    "caption_images",
+    "caption_loader",
+    "generate_tokens",
+    "iter_caption_batches",
+]
 
 
 @dataclass
@@ -50,10 +57,74 @@ def generate_tokens(model: torch.nn.Module, images: Tensor, **generate_kwargs: A
         return model.generate(images, **generate_kwargs)
 
 
+def caption_batch(
+    model: torch.nn.Module,
+    vocab: Any,
+    inputs: Sequence[InputImage],
+    ok: list[int],
+    images: Tensor | None,
+    errors: list[tuple[int, str]],
+    **generate_kwargs: Any,
+) -> CaptionBatch:
+    """Caption one collated batch (``collate_images``' output, images already on the model's device).
+
+    Args:
+        model: an ``ImageCaptioner``.
+        vocab: its vocabulary.
+        inputs: what the batch's indices point into.
+        ok: positions in ``inputs`` of the rows of ``images``.
+        images: (b, C, H, W) or None when no file of the batch could be read.
+        errors: ``(position, reason)`` of the files that could not be read.
+        **generate_kwargs: passed to ``ImageCaptioner.generate``.
+    """
+    index = sorted([*ok, *(i for i, _ in errors)])
+    pos = {i: p for p, i in enumerate(index)}
+    records = []
+    for i in index:
+        x = inputs[i]
+        records.append({"image": x.path, "image_id": x.image_id})
+    for i, reason in errors:
+        records[pos[i]]["error"] = reason
+    tokens = None
+    if images is not None:
+        tokens = generate_tokens(model, images, **generate_kwargs)  # (b, T')
+        for i, caption in zip(ok, vocab.decode_batch(tokens)):
+            records[pos[i]]["caption"] = caption
+    return CaptionBatch(records, images, tokens, [pos[i] for i in ok])
+
+
+def caption_loader(
+    bundle: Bundle,
+    inputs: Sequence[InputImage],
+    positions: Sequence[int] | None = None,
+    *,
+    batch_size: int = 32,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+) -> DataLoader:
+    """Batches of ``collate_images`` over ``inputs`` (only ``positions`` of them when given), in order."""
+    if bundle.task != "caption" or bundle.vocab is None:
+        raise ValueError(f"this model is a {bundle.task} bundle; captioning needs a caption bundle")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be at least 1")
+    if num_workers < 0:
+        raise ValueError(f"num_workers={num_workers} must be non-negative")
+    paths = inputs.paths if isinstance(inputs, InputList) else [x.path for x in inputs]
+    return DataLoader(
+        ImageFileDataset(paths, bundle.transform, positions),
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        collate_fn=collate_images,
+        pin_memory=pin_memory,
+    )
+
+
 def iter_caption_batches(
     bundle: Bundle,
     inputs: Sequence[InputImage],
     *,
+    positions: Sequence[int] | None = None,
     batch_size: int = 32,
     num_workers: int = 0,
     progress: bool = False,
@@ -64,43 +135,26 @@ def iter_caption_batches(
     Args:
         bundle: a caption bundle from ``load_bundle``.
         inputs: the images, e.g. from ``list_inputs``.
+        positions: caption only these positions of ``inputs``, in this order; default all.
         batch_size: images per ``generate`` call.
         num_workers: image-reading processes (0 reads in this process).
         progress: show a tqdm progress bar on stderr.
         **generate_kwargs: passed to ``ImageCaptioner.generate`` (``num_beams``, ``max_new_tokens``,
             ``do_sample``, ``generator``, ...).
     """
-    if bundle.task != "caption" or bundle.vocab is None:
-        raise ValueError(f"this model is a {bundle.task} bundle; captioning needs a caption bundle")
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size} must be at least 1")
-    if num_workers < 0:
-        raise ValueError(f"num_workers={num_workers} must be non-negative")
     model = bundle.model
     device = next(model.parameters()).device
-    loader = DataLoader(
-        ImageFileDataset([x.path for x in inputs], bundle.transform),
-        batch_size=batch_size,
-        shuffle=False,
-        num_workers=num_workers,
-        collate_fn=collate_images,
-        pin_memory=device.type == "cuda",
+    loader = caption_loader(
+        bundle, inputs, positions, batch_size=batch_size, num_workers=num_workers, pin_memory=device.type == "cuda"
     )
-    with tqdm(total=len(inputs), unit="img", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
+    total = len(inputs) if positions is None else len(positions)
+    with tqdm(total=total, unit="img", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
         for ok, images, errors in loader:
-            index = sorted([*ok, *(i for i, _ in errors)])
-            pos = {i: p for p, i in enumerate(index)}
-            records = [{"image": inputs[i].path, "image_id": inputs[i].image_id} for i in index]
-            for i, reason in errors:
-                records[pos[i]]["error"] = reason
-            tokens = None
             if images is not None:
                 images = images.to(device, non_blocking=True)
-                tokens = generate_tokens(model, images, **generate_kwargs)  # (b, T')
-                for i, caption in zip(ok, bundle.vocab.decode_batch(tokens)):
-                    records[pos[i]]["caption"] = caption
-            bar.update(len(records))
-            yield CaptionBatch(records, images, tokens, [pos[i] for i in ok])
+            batch = caption_batch(model, bundle.vocab, inputs, ok, images, errors, **generate_kwargs)
+            bar.update(len(batch.records))
+            yield batch
 
 
 def caption_images(

@@ -1,18 +1,23 @@
-"""What to caption: a folder, a glob, a text list, a COCO file or paths, listed as ``InputImage``s."""
+"""What to caption: a folder, a glob, a text list, a COCO file or paths, listed as ``InputImage``s.
+
+A listing holds one ``str`` per image (``InputList``); folders are walked with ``os.scandir``, so a
+million files cost one list of paths, not several.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import overload
 
 from vitattn.data.coco import _require_id, _require_name
 from vitattn.data.images import IMAGE_EXTENSIONS
 from vitattn.errors import printable
 from vitattn.fileio import read_json
 
-__all__ = ["InputImage", "list_inputs"]
+__all__ = ["InputImage", "InputList", "list_inputs"]
 
 
 _GLOB_CHARS = set("*?[")
@@ -26,9 +31,48 @@ class InputImage:
     image_id: int
 
 
+class InputList(Sequence[InputImage]):
+    """``InputImage``s stored as a list of paths and, unless they are 0, 1, ..., a list of ids.
+
+    Items are made when asked for, so a listing costs one ``str`` per image.
+    """
+
+    def __init__(self, paths: list[str], ids: list[int] | None = None) -> None:
+        if ids is not None and len(ids) != len(paths):
+            raise ValueError(f"{len(ids)} ids for {len(paths)} paths")
+        self.paths = paths
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    @overload
+    def __getitem__(self, i: int) -> InputImage: ...
+    @overload
+    def __getitem__(self, i: slice) -> InputList: ...
+    def __getitem__(self, i: int | slice) -> InputImage | InputList:
+        if isinstance(i, slice):
+            return InputList(self.paths[i], None if self.ids is None else self.ids[i])
+        return InputImage(self.paths[i], i if self.ids is None else self.ids[i])
+
+    def __iter__(self) -> Iterator[InputImage]:
+        ids = range(len(self.paths)) if self.ids is None else self.ids
+        return (InputImage(p, i) for p, i in zip(self.paths, ids))
+
+    @classmethod
+    def unique(cls, inputs: Sequence[InputImage]) -> InputList:
+        """``inputs`` with each path once (the first kept); an ``InputList`` from ``list_inputs`` is already."""
+        if isinstance(inputs, InputList):
+            return inputs
+        first: dict[str, int] = {}
+        for x in inputs:
+            first.setdefault(x.path, x.image_id)
+        return cls(list(first), list(first.values()))
+
+
 def list_inputs(
     images: str | os.PathLike | Sequence[str | os.PathLike], image_dir: str | os.PathLike | None = None
-) -> list[InputImage]:
+) -> InputList:
     """The images named by ``images``, each once.
 
     Args:
@@ -39,7 +83,7 @@ def list_inputs(
             default: the COCO file's folder, and the current folder for text lists.
 
     Returns:
-        ``InputImage``s; COCO files keep their order and ids, other inputs are sorted by path and
+        an ``InputList``; COCO files keep their order and ids, other inputs are sorted by path and
         numbered from 0 in that order.
     """
     if not isinstance(images, (str, os.PathLike)):
@@ -52,7 +96,8 @@ def list_inputs(
             raise ValueError(
                 f"images={shown}: no files with an image extension ({', '.join(sorted(IMAGE_EXTENSIONS))})"
             )
-        return _numbered(found, sort=True)
+        found.sort()
+        return InputList(found)  # a walk lists each path once
     if path.is_file():
         suffix = path.suffix.lower()
         if suffix == ".json":
@@ -70,21 +115,26 @@ def list_inputs(
     raise FileNotFoundError(f"images={shown}: no such folder, file or glob")
 
 
-def _numbered(paths: Sequence[str], sort: bool) -> list[InputImage]:
+def _numbered(paths: Sequence[str], sort: bool) -> InputList:
     unique = list(dict.fromkeys(paths))
     if sort:
         unique.sort()
-    return [InputImage(p, i) for i, p in enumerate(unique)]
+    return InputList(unique)
 
 
 def _walk_images(root: Path) -> list[str]:
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        # A folder named like an image is listed (it becomes an error record), not searched.
-        as_images = [d for d in dirnames if Path(d).suffix.lower() in IMAGE_EXTENSIONS]
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in as_images]
-        names = [n for n in filenames if not n.startswith(".") and Path(n).suffix.lower() in IMAGE_EXTENSIONS]
-        found += [os.path.join(dirpath, n) for n in names + [d for d in as_images if not d.startswith(".")]]
+    """Image paths under ``root``, hidden names skipped; one ``os.scandir`` per folder, nothing held twice."""
+    found: list[str] = []
+    folders = [str(root)]
+    while folders:
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if entry.name.startswith("."):
+                    continue
+                if os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
+                    found.append(entry.path)  # a folder named like an image too: it becomes an error record
+                elif entry.is_dir(follow_symlinks=False):  # as os.walk: links to folders not followed
+                    folders.append(entry.path)
     return found
 
 
@@ -106,25 +156,25 @@ def _text_list(path: Path, image_dir: str | os.PathLike | None) -> list[str]:
     return paths
 
 
-def _coco_inputs(path: Path, image_dir: str | os.PathLike | None) -> list[InputImage]:
+def _coco_inputs(path: Path, image_dir: str | os.PathLike | None) -> InputList:
     data = read_json(path, "images file")
     entries = data.get("images") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ValueError(f"images={path}: a COCO file needs an 'images' list of {{'id', 'file_name'}}")
     root = Path(image_dir) if image_dir is not None else path.parent
-    inputs, seen, ids = [], set(), set()
+    first: dict[str, int] = {}
+    ids: set[int] = set()
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict) or "file_name" not in entry or "id" not in entry:
             raise ValueError(f"images={path}: images[{i}] needs 'id' and 'file_name'")
         p = str(root / _require_name(entry["file_name"], f"images={path}: images[{i}] has file_name"))
-        if p in seen:  # the same image listed again is captioned once
+        if p in first:  # the same image listed again is captioned once
             continue
         image_id = _require_id(entry["id"], f"images={path}: images[{i}] has id")
         if image_id in ids:
             raise ValueError(f"images={path}: images[{i}] repeats id={image_id} for another file")
-        seen.add(p)
         ids.add(image_id)
-        inputs.append(InputImage(p, image_id))
-    if not inputs:
+        first[p] = image_id
+    if not first:
         raise ValueError(f"images={path}: the COCO file lists no images")
-    return inputs
+    return InputList(list(first), list(first.values()))

@@ -17,18 +17,29 @@ __all__ = ["ImageFileDataset", "collate_images"]
 class ImageFileDataset(Dataset):
     """Image files as model inputs; ``__getitem__`` never raises.
 
-    Items are ``(index, image)``: ``image`` is the transformed (C, H, W) tensor, or a one-line error
-    string when the file could not be read.
+    Items are ``(index, image)``: ``index`` is the file's position in ``paths``, ``image`` the
+    transformed (C, H, W) tensor, or a one-line error string when the file could not be read.
+
+    Args:
+        paths: the image files.
+        transform: PIL image -> tensor.
+        positions: which of ``paths`` to read, in order (item k is ``paths[positions[k]]``); default all.
+            A position of -1 is a placeholder: its item is ``(-1, None)``, which ``collate_images``
+            drops (a distributed sampler needs at least one item for every rank).
     """
 
-    def __init__(self, paths: Sequence[str], transform: Any) -> None:
-        self.paths = list(paths)
+    def __init__(self, paths: Sequence[str], transform: Any, positions: Sequence[int] | None = None) -> None:
+        self.paths = paths
         self.transform = transform
+        self.positions = positions
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.paths) if self.positions is None else len(self.positions)
 
-    def __getitem__(self, index: int) -> tuple[int, Tensor | str]:
+    def __getitem__(self, k: int) -> tuple[int, Tensor | str | None]:
+        index = k if self.positions is None else int(self.positions[k])
+        if index < 0:
+            return index, None
         path = self.paths[index]
         try:
             return index, self.transform(read_image(path))
@@ -36,9 +47,11 @@ class ImageFileDataset(Dataset):
             return index, unreadable_reason(path, err)
 
 
-def collate_images(batch: Sequence[tuple[int, Tensor | str]]) -> tuple[list[int], Tensor | None, list[tuple[int, str]]]:
-    """``(indices of the images read, (b, C, H, W) images or None, [(index, error)])``."""
+def collate_images(
+    batch: Sequence[tuple[int, Tensor | str | None]],
+) -> tuple[list[int], Tensor | None, list[tuple[int, str]]]:
+    """``(indices of the images read, (b, C, H, W) images or None, [(index, error)])``; placeholders dropped."""
     ok = [(i, x) for i, x in batch if isinstance(x, Tensor)]
-    errors = [(i, x) for i, x in batch if not isinstance(x, Tensor)]
+    errors = [(i, x) for i, x in batch if isinstance(x, str)]
     images = torch.stack([x for _, x in ok]) if ok else None
     return [i for i, _ in ok], images, errors

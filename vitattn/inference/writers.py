@@ -1,28 +1,48 @@
-"""Resumable caption output: JSON Lines written whole lines at a time, converted to COCO or CSV at the end.
+"""Resumable caption output: JSON Lines written whole lines at a time, merged or converted at the end.
 
 One ``write`` + ``fsync`` per batch, so a killed run leaves only complete records; running the same
-command again captions only the images not yet in the file.
+command again captions only the images not yet recorded. A run in one process appends to its
+progress file (``out`` itself for ``jsonl``, else ``out + ".partial.jsonl"``); a run in several
+processes appends each rank's records to its own part file (``out + ".rank<k>.partial.jsonl"``) and
+rank 0 merges them into ``out`` in input order. Either kind of run resumes from what either left.
+The "already done" index (``RecordIndex``) keeps 16 bytes of path digest and 11 bytes of location
+per record, not the records.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import re
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+import numpy as np
 
 from vitattn.bundle import Bundle
-from vitattn.fileio import atomic_write, parse_json
+from vitattn.fileio import atomic_open, parse_json
 from vitattn.inference.captioning import iter_caption_batches
 from vitattn.inference.figures import figure_paths, write_figures
-from vitattn.inference.inputs import InputImage
+from vitattn.inference.inputs import InputImage, InputList
 
-__all__ = ["OUTPUT_FORMATS", "CaptionSummary", "caption_to_file", "read_records"]
+__all__ = [
+    "OUTPUT_FORMATS",
+    "CaptionSummary",
+    "LineCounter",
+    "OutputFiles",
+    "RecordIndex",
+    "append_records",
+    "caption_to_file",
+    "read_records",
+]
 
 log = logging.getLogger(__name__)
 
@@ -32,48 +52,270 @@ OUTPUT_FORMATS = ("jsonl", "coco", "csv")
 
 @dataclass
 class CaptionSummary:
-    """What ``caption_to_file`` did: counts over all the inputs, earlier runs' records included."""
+    """What a captioning run did: counts over all the inputs, earlier runs' records included."""
 
     captioned: int
     failed: int
-    skipped: int  # already in the output from an earlier run
+    skipped: int  # already recorded by an earlier run
     out: Path
-    records: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class OutputFiles:
+    """The files of one ``out``: the final file, the single-process progress file and the rank part files."""
+
+    out: Path
+    format: str
+
+    def __post_init__(self) -> None:
+        if self.format not in OUTPUT_FORMATS:
+            raise ValueError(f"format={self.format!r} is unknown; choose one of {list(OUTPUT_FORMATS)}")
+        if self.out.is_dir():
+            raise ValueError(f"out={self.out} is a folder; give a file path")
+
+    @property
+    def progress(self) -> Path:
+        """Where a single process appends records (and what every run locks)."""
+        return self.out if self.format == "jsonl" else self.out.with_name(self.out.name + ".partial.jsonl")
+
+    def part(self, rank: int) -> Path:
+        """Where rank ``rank`` of a multi-process run appends its records."""
+        return self.out.with_name(f"{self.out.name}.rank{rank}.partial.jsonl")
+
+    def parts(self) -> list[Path]:
+        """The part files on disk, by rank."""
+        pattern = re.compile(re.escape(self.out.name) + r"\.rank(\d+)\.partial\.jsonl")
+        found = []
+        if self.out.parent.is_dir():
+            with os.scandir(self.out.parent) as entries:
+                found = [(int(m[1]), Path(e.path)) for e in entries if (m := pattern.fullmatch(e.name))]
+        return [p for _, p in sorted(found)]
+
+    def sources(self) -> list[Path]:
+        """Every file that may hold records of an earlier run: the progress file first, then the parts."""
+        return [p for p in (self.progress, *self.parts()) if p.is_file()]
+
+    def lock(self) -> IO[bytes]:
+        """Open the progress file for appending, holding an exclusive lock: two runs writing the same
+        records would repeat images. Raises ValueError, in one line, when another run holds it."""
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.progress, "ab")  # noqa: SIM115 - held for the whole run
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not on POSIX
+            return f
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise ValueError(
+                f"{self.progress} is being written by another run; wait for it or choose another out="
+            ) from None
+        return f
+
+
+def path_digests(paths: Iterable[str]) -> np.ndarray:
+    """(n,) ``V16`` digests of image paths, the keys of ``RecordIndex`` (a 128-bit hash: no collision
+    in practice at any number of images)."""
+    return np.frombuffer(b"".join(map(_digest, paths)), dtype="V16")
+
+
+def _first_u64(digests: np.ndarray) -> np.ndarray:
+    return digests.view(">u8")[::2].astype(np.uint64)
+
+
+def _digest(path: str) -> bytes:
+    return hashlib.blake2b(path.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+@dataclass
+class RecordIndex:
+    """Which images have a record, and where it lies: sorted path digests and their record's location.
+
+    Attributes:
+        files: the files read, in order.
+        keys: (n,) sorted ``V16`` path digests, one per recorded image (the first record of a path wins).
+        file: (n,) position of the record's file in ``files`` (int16: the parts of up to 32,767 ranks).
+        offset: (n,) byte offset of the record's line in that file.
+        failed: (n,) whether the record is an error record.
+    """
+
+    files: list[Path]
+    keys: np.ndarray
+    file: np.ndarray
+    offset: np.ndarray
+    failed: np.ndarray
+
+    @classmethod
+    def read(cls, files: Sequence[Path], repair: bool = False) -> RecordIndex:
+        """Index the JSON Lines ``files`` (earlier files win for a path recorded twice).
+
+        Args:
+            files: the files; a missing one holds no records.
+            repair: cut off a trailing partial line (a run killed mid-write) from each file.
+        """
+        decode = json.JSONDecoder().raw_decode  # json.loads without its wrappers: a third of the time
+        digests, file_ids, offsets, failed = bytearray(), array("h"), array("q"), bytearray()
+        for k, path in enumerate(files):
+            if not path.is_file():
+                continue
+            start, end = len(offsets), 0
+            with open(path, "rb") as f:
+                for n, line in enumerate(f, start=1):
+                    if line[-1:] != b"\n":
+                        break  # a partial last line
+                    at, end = end, end + len(line)
+                    try:
+                        record = decode(line.decode("utf-8", errors="replace"))[0]
+                    except (ValueError, RecursionError):  # not JSON, too deeply nested, a too long number
+                        if line.strip():
+                            log.warning("%s:%d is not a JSON record; ignored", path, n)
+                        continue
+                    image = record.get("image") if isinstance(record, dict) else None
+                    if isinstance(image, str):
+                        digests += _digest(image)
+                        offsets.append(at)
+                        failed.append("caption" not in record)
+                size = f.seek(0, os.SEEK_END)
+            if end < size:
+                _cut_partial_line(path, end, size, repair)
+            file_ids.extend([k] * (len(offsets) - start))
+        keys, first = np.unique(np.frombuffer(bytes(digests), dtype="V16"), return_index=True)
+        return cls(
+            list(files),
+            keys,
+            np.frombuffer(file_ids, dtype=np.int16)[first],
+            np.frombuffer(offsets, dtype=np.int64)[first],
+            np.frombuffer(bytes(failed), dtype=np.bool_)[first],
+        )
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def find(self, digests: np.ndarray) -> np.ndarray:
+        """(n,) the index row of each digest's record, -1 where there is none."""
+        if not len(self.keys):
+            return np.full(len(digests), -1)
+        # searchsorted on 16-byte voids compares bytes one call at a time; on their first 8 bytes as
+        # integers (the same order: big-endian) it is 30x faster, and equal firsts are looked past
+        first, keys_first = _first_u64(digests), _first_u64(self.keys)
+        rows = np.minimum(np.searchsorted(keys_first, first), len(self.keys) - 1)
+        found = self.keys[rows] == digests
+        for i in np.flatnonzero(~found & (keys_first[rows] == first)):  # 64-bit prefix shared: next rows
+            row = rows[i] + 1
+            while row < len(self.keys) and keys_first[row] == first[i] and not found[i]:
+                found[i], rows[i] = self.keys[row] == digests[i], row
+                row += 1
+        return np.where(found, rows, -1)
+
+    def missing(self, inputs: InputList) -> np.ndarray:
+        """Positions in ``inputs`` that have no record, in order."""
+        return np.flatnonzero(self.find(path_digests(inputs.paths)) < 0)
+
+    def lines(self, rows: Iterable[int]) -> Iterable[bytes]:
+        """The record lines of index ``rows``, read from their files."""
+        with ExitStack() as stack:
+            handles = [stack.enter_context(open(p, "rb")) if p.is_file() else None for p in self.files]
+            for row in rows:
+                f = handles[self.file[row]]
+                f.seek(self.offset[row])
+                yield f.readline()
+
+
+def _cut_partial_line(path: Path, end: int, size: int, repair: bool) -> None:
+    if not repair:
+        return
+    log.warning("%s: dropping an incomplete last line (%d bytes) left by an interrupted run", path, size - end)
+    with open(path, "r+b") as f:
+        f.truncate(end)
+        os.fsync(f.fileno())
 
 
 def read_records(path: str | os.PathLike, repair: bool = False) -> dict[str, dict[str, Any]]:
     """Records of a JSON Lines output file, keyed by image path (the first record of a path wins).
 
+    Holds every record in memory: for inspecting an output; runs use ``RecordIndex``.
+
     Args:
         path: the file; missing means no records.
         repair: cut off a trailing partial line (a run killed mid-write) from the file.
     """
-    path = Path(path)
-    if not path.is_file():
-        return {}
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        if repair:
-            log.warning(
-                "%s: dropping an incomplete last line (%d bytes) left by an interrupted run", path, len(data) - end
-            )
-            with open(path, "r+b") as f:
-                f.truncate(end)
-                os.fsync(f.fileno())
-        data = data[:end]
+    index = RecordIndex.read([Path(path)], repair=repair)
     records: dict[str, dict[str, Any]] = {}
-    for n, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = parse_json(line)
-        except ValueError:
-            log.warning("%s:%d is not a JSON record; ignored", path, n)
-            continue
-        if isinstance(record, dict) and isinstance(record.get("image"), str):
-            records.setdefault(record["image"], record)
+    for line in index.lines(np.argsort(index.offset, kind="stable")):  # file order
+        record = parse_json(line.decode("utf-8", errors="replace"))
+        records.setdefault(record["image"], record)
     return records
+
+
+def append_records(f: IO[bytes], records: Sequence[Mapping[str, Any]]) -> None:
+    """Append ``records`` as whole JSON lines in one ``write``, then ``fsync``: a kill leaves at most
+    one partial line, which the next run cuts off."""
+    f.write("".join(_json_line(r) for r in records).encode("utf-8"))
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def write_output(files: OutputFiles, inputs: InputList, index: RecordIndex) -> tuple[int, int]:
+    """Write every input's record into ``files.out`` in input order, atomically; returns ``(captioned,
+    failed)``. ``jsonl`` keeps records of images that are not among ``inputs`` (after those that are);
+    ``coco`` (``[{"image_id", "caption"}]``) writes the captioned images only; ``csv`` is
+    ``image,image_id,caption,error``."""
+    rows = index.find(path_digests(inputs.paths))
+    if (rows < 0).any():
+        missing = inputs[int(np.flatnonzero(rows < 0)[0])].path
+        raise RuntimeError(f"{int((rows < 0).sum())} images have no record (the first: {missing})")
+    failed = int(index.failed[rows].sum())
+    if files.format == "jsonl":
+        extra = np.ones(len(index), dtype=bool)
+        extra[rows] = False
+        rows = np.concatenate([rows, np.flatnonzero(extra)])
+    with atomic_open(files.out, "wb") as f:
+        if files.format == "jsonl":
+            for line in index.lines(rows):
+                f.write(line)
+        else:
+            text = io.TextIOWrapper(f, encoding="utf-8", errors="surrogateescape", newline="")
+            records = (json.loads(line.decode("utf-8", errors="replace")) for line in index.lines(rows))
+            (_write_coco if files.format == "coco" else _write_csv)(text, records)
+            text.flush()
+            text.detach()
+    return len(inputs) - failed, failed
+
+
+def count_failed(inputs: InputList, index: RecordIndex) -> int:
+    """How many of ``inputs`` have an error record."""
+    rows = index.find(path_digests(inputs.paths))
+    return int(index.failed[rows[rows >= 0]].sum())
+
+
+class LineCounter:
+    """Complete lines of a growing file, read incrementally from ``offset``.
+
+    The file stays open once it exists, so lines written before it is removed (a part file merged
+    away) are still counted.
+    """
+
+    def __init__(self, path: Path, offset: int = 0) -> None:
+        self.path, self.offset, self.lines = path, offset, 0
+        self.file: IO[bytes] | None = None
+
+    def __call__(self) -> int:
+        if self.file is None:
+            try:
+                self.file = open(self.path, "rb")  # noqa: SIM115 - kept open, see the class docstring
+            except FileNotFoundError:
+                return self.lines
+        self.file.seek(self.offset)
+        data = self.file.read()
+        end = data.rfind(b"\n") + 1  # a partial last line is counted once it is complete
+        self.lines += data.count(b"\n", 0, end)
+        self.offset += end
+        return self.lines
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
 
 def caption_to_file(
@@ -88,13 +330,13 @@ def caption_to_file(
     attention_maps: str | os.PathLike | None = None,
     **generate_kwargs: Any,
 ) -> CaptionSummary:
-    """Caption ``inputs`` into ``out``, resuming where an earlier run of the same command stopped.
+    """Caption ``inputs`` into ``out`` in this process, resuming where an earlier run of the same command stopped.
 
-    Records are appended to a JSON Lines progress file (``out`` itself for ``jsonl``, else
+    Records are appended to the progress file (``out`` itself for ``jsonl``, else
     ``out + ".partial.jsonl"``), one ``write`` and ``fsync`` per batch. Images already recorded there
-    (keyed by path) are skipped, so each image appears once. For ``coco`` (``[{"image_id",
-    "caption"}]``, successes only) and ``csv`` (``image,image_id,caption,error``) the progress file is
-    converted at the end, atomically, and removed.
+    or in part files of a multi-process run (keyed by path) are skipped, so each image appears once.
+    For ``coco`` and ``csv``, and when part files were found, the records are written into ``out`` at
+    the end, in input order, atomically (see ``write_output``), and the other files are removed.
 
     Args:
         bundle: a caption bundle.
@@ -105,59 +347,42 @@ def caption_to_file(
         attention_maps: a folder for one attention figure per captioned image (``<stem>.png``).
         **generate_kwargs: passed to ``ImageCaptioner.generate``.
     """
-    if format not in OUTPUT_FORMATS:
-        raise ValueError(f"format={format!r} is unknown; choose one of {list(OUTPUT_FORMATS)}")
-    out = Path(out)
-    if out.is_dir():
-        raise ValueError(f"out={out} is a folder; give a file path")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    progress_path = out if format == "jsonl" else out.with_name(out.name + ".partial.jsonl")
-    first: dict[str, InputImage] = {}
-    for x in inputs:
-        first.setdefault(x.path, x)  # each path once, the first kept
-    inputs = list(first.values())
+    files = OutputFiles(Path(out), format)
+    inputs = InputList.unique(inputs)
     figures = figure_paths(inputs, Path(attention_maps)) if attention_maps is not None else None
-    with open(progress_path, "ab") as f:
-        _lock(f, progress_path)
-        done = read_records(progress_path, repair=True)
-        todo = [x for x in inputs if x.path not in done]
+    with files.lock() as f:
+        parts = files.parts()
+        index = RecordIndex.read(files.sources(), repair=True)
+        todo = index.missing(inputs)
         skipped = len(inputs) - len(todo)
+        failed = count_failed(inputs, index) if skipped else 0
         if skipped:
-            log.info(
-                "%d of %d images are already in %s; captioning the other %d",
-                skipped,
-                len(inputs),
-                progress_path,
-                len(todo),
-            )
+            log.info("%d of %d images are already recorded; captioning the other %d", skipped, len(inputs), len(todo))
         for batch in iter_caption_batches(
-            bundle, todo, batch_size=batch_size, num_workers=num_workers, progress=progress, **generate_kwargs
+            bundle,
+            inputs,
+            positions=todo,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            progress=progress,
+            **generate_kwargs,
         ):
             if figures is not None:
                 write_figures(bundle, batch, figures)
-            f.write("".join(_json_line(r) for r in batch.records).encode("utf-8"))  # whole lines, one write
-            f.flush()
-            os.fsync(f.fileno())
-            for r in batch.records:
-                done.setdefault(r["image"], r)
-    records = [done[x.path] for x in inputs]
-    if format != "jsonl":
-        atomic_write(out, _coco_text(records) if format == "coco" else _csv_text(records))
-        progress_path.unlink(missing_ok=True)
-    failed = sum("caption" not in r for r in records)
-    return CaptionSummary(len(records) - failed, failed, skipped, out, records)
+            append_records(f, batch.records)
+            failed += sum("caption" not in r for r in batch.records)
+        if format != "jsonl" or parts:  # else out is the progress file: nothing to merge
+            failed = write_output(files, inputs, RecordIndex.read(files.sources()))[1]
+            remove_partial_files(files)
+    return CaptionSummary(len(inputs) - failed, failed, skipped, files.out)
 
 
-def _lock(f: Any, path: Path) -> None:
-    """Hold an exclusive lock on the progress file: two runs appending to it would repeat images."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not on POSIX
-        return
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise ValueError(f"{path} is being written by another run; wait for it or choose another out=") from None
+def remove_partial_files(files: OutputFiles) -> None:
+    """Remove the part files and, unless it is ``out``, the progress file: ``out`` holds their records now."""
+    for path in files.parts():
+        path.unlink(missing_ok=True)
+    if files.progress != files.out:
+        files.progress.unlink(missing_ok=True)
 
 
 def _json_line(record: Mapping[str, Any]) -> str:
@@ -169,14 +394,17 @@ def _json_line(record: Mapping[str, Any]) -> str:
     return line + "\n"
 
 
-def _coco_text(records: Sequence[Mapping[str, Any]]) -> str:
-    results = [{"image_id": r["image_id"], "caption": r["caption"]} for r in records if "caption" in r]
-    return json.dumps(results, ensure_ascii=False, indent=1) + "\n"
+def _write_coco(f: IO[str], records: Iterable[Mapping[str, Any]]) -> None:
+    f.write("[")
+    sep = "\n"
+    for r in records:
+        if "caption" in r:
+            f.write(sep + " " + json.dumps({"image_id": r["image_id"], "caption": r["caption"]}, ensure_ascii=False))
+            sep = ",\n"
+    f.write("\n]\n")
 
 
-def _csv_text(records: Sequence[Mapping[str, Any]]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=["image", "image_id", "caption", "error"], extrasaction="ignore")
+def _write_csv(f: IO[str], records: Iterable[Mapping[str, Any]]) -> None:
+    writer = csv.DictWriter(f, fieldnames=["image", "image_id", "caption", "error"], extrasaction="ignore")
     writer.writeheader()
     writer.writerows(records)
-    return buffer.getvalue()

@@ -40,7 +40,7 @@ from omegaconf import MISSING
 from PIL import Image
 
 from vitattn.bench.machine import loadavg, machine_info
-from vitattn.bench.processes import tree_rss_kib
+from vitattn.bench.procfs import tree_rss_kib
 from vitattn.cli.args import UsageError, parse_key_values, run_main
 from vitattn.data.images import read_image, unreadable_reason
 from vitattn.fileio import atomic_write
