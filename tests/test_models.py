@@ -281,3 +281,19 @@ def test_captioner_config_round_trip():
     clone.load_state_dict(model.state_dict())
     images = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(clone.generate(images), model.generate(images), rtol=0, atol=0)
+
+
+def test_caption_decoder_init_switch():
+    """``init="timm"``: linear weights from a truncated normal of std 0.02; ``init="torch"``: PyTorch's
+    default ``nn.Linear`` init, uniform within 1/sqrt(fan_in) (std 1/sqrt(3 fan_in)); the embeddings alike."""
+    torch.manual_seed(0)
+    timm_init = CaptionDecoder(50, embed_dim=256, depth=1, num_heads=4, max_len=8, tie_embeddings=False)
+    torch_init = CaptionDecoder(50, embed_dim=256, depth=1, num_heads=4, max_len=8, tie_embeddings=False, init="torch")
+    assert timm_init.head.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    bound = 1 / 256**0.5
+    assert torch_init.head.weight.abs().max().item() <= bound
+    assert torch_init.head.weight.std().item() == pytest.approx(bound / 3**0.5, rel=0.1)
+    assert torch_init.token_embed.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert torch_init.config["init"] == "torch" and "init" in timm_init.config
+    with pytest.raises(ValueError, match="init='xavier' is unknown"):
+        CaptionDecoder(50, embed_dim=32, depth=1, num_heads=2, init="xavier")

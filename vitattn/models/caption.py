@@ -41,6 +41,9 @@ class CaptionDecoder(nn.Module):
         tie_embeddings: the output projection is the token embedding (GPT-2's choice, fewer parameters);
             false gives it its own weight and bias (the training configs' default: it learns faster from
             small data, see ``docs/learning.md``).
+        init: ``timm``: linear layers from a truncated normal of std 0.02 (timm's and GPT-2's choice);
+            ``torch``: PyTorch's default ``nn.Linear`` init, as ``nn.TransformerDecoderLayer`` has (the
+            training configs' default: it learns faster from small data, see ``docs/learning.md``).
     """
 
     def __init__(
@@ -62,12 +65,15 @@ class CaptionDecoder(nn.Module):
         eos_id: int = 2,
         fused_attn: bool = True,
         tie_embeddings: bool = True,
+        init: str = "timm",
     ) -> None:
         config = dict(locals())
         del config["self"], config["__class__"]
         super().__init__()
         if num_heads <= 0 or embed_dim % num_heads != 0:
             raise ValueError(f"num_heads={num_heads} must divide embed_dim={embed_dim}")
+        if init not in ("timm", "torch"):
+            raise ValueError(f"init={init!r} is unknown; choose timm or torch")
         if vocab_size <= max(pad_id, bos_id, eos_id):
             raise ValueError(f"vocab_size={vocab_size} must exceed the special token ids")
         self.config = config
@@ -94,13 +100,13 @@ class CaptionDecoder(nn.Module):
         )
         self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps) if norm_first else nn.Identity()
         self.head = nn.Linear(embed_dim, vocab_size, bias=not tie_embeddings)
-        self._init_weights()
+        self._init_weights(linears=init == "timm")
         if tie_embeddings:
             self.head.weight = self.token_embed.weight  # tied output projection
 
-    def _init_weights(self) -> None:
+    def _init_weights(self, linears: bool) -> None:
         trunc_normal_(self.pos_embed, std=0.02)
-        for m in self.modules():
+        for m in self.modules() if linears else ():  # else PyTorch's default Linear init
             if isinstance(m, nn.Linear):
                 trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
