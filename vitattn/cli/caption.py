@@ -106,8 +106,7 @@ def run(cfg: Any) -> int:
         attention_maps=cfg.attention_maps,
         **generate,
     )
-    print(f"captioned {summary.captioned} images, {summary.failed} failed -> {summary.out}", flush=True)
-    return 1 if summary.failed else 0
+    return _report(summary)
 
 
 def _load(cfg: Any, device: str) -> tuple[Any, dict[str, Any]]:
@@ -160,7 +159,12 @@ def _run_distributed(cfg: Any) -> int:
         if zero:
             raise
         return 2  # rank 0 says why, in one line
-    if zero:
+    return _report(summary, print_line=zero)
+
+
+def _report(summary: Any, print_line: bool = True) -> int:
+    """The one summary line (every rank's counts) and the exit status: 1 when any image failed."""
+    if print_line:
         print(f"captioned {summary.captioned} images, {summary.failed} failed -> {summary.out}", flush=True)
     return 1 if summary.failed else 0
 
