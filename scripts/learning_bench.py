@@ -4,6 +4,7 @@
     python scripts/learning_bench.py --quick             # a smoke run: 40 steps a side
     python scripts/learning_bench.py --steps 1000 --threads 2 --datasets emoji --tasks caption
     python scripts/learning_bench.py --update-doc        # also rewrite the table in docs/learning.md
+    python scripts/learning_bench.py --train-seeds 0 1 2 # three training seeds a side: means and ranges
     python scripts/learning_bench.py --vitattn-args data.augment=false head.label_smoothing=0.0
 
 For each dataset (``scripts/learning_data.py``: Debian packages, prepared into ``bench_data/``) and
@@ -14,7 +15,8 @@ greedy captioner), AdamW, linear warmup + cosine, no augmentation. Both are scor
 (vitattn's final evaluation of the split, ``test=true`` with no test split) with vitattn's metrics.
 
 Writes the table to stdout and ``--out`` (default ``bench_results/learning.json``). The target is
-vitattn >= the plain loop on every row.
+vitattn >= the plain loop on every row; with several training seeds (``--train-seeds``), the mean of
+vitattn's runs against the mean of the plain loop's, each with its range.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -345,7 +347,7 @@ def plain_caption(data: learning_data.PreparedDataset, cfg: BenchConfig, save_to
 def bench_row(data: learning_data.PreparedDataset, task: str, cfg: BenchConfig, out_dir: Path) -> list[dict[str, Any]]:
     """Run both sides of ``task`` on ``data``; one table row per metric."""
     torch.set_num_threads(cfg.threads)
-    run_dir = out_dir / f"{data.name}-{task}"
+    run_dir = out_dir / f"{data.name}-{task}-seed{cfg.seed}"
     ours = run_vitattn(task, data, cfg, run_dir)
     if task == "classification":
         plain = plain_classification(data, cfg)
@@ -364,6 +366,7 @@ def bench_row(data: learning_data.PreparedDataset, task: str, cfg: BenchConfig, 
                 "status": "PASS" if mine >= theirs else "MISS",
                 "note": _note(task, ours.metrics, plain.metrics),
                 "steps": cfg.steps,
+                "seed": cfg.seed,
                 "vitattn_steps": ours.steps,
                 "plain_steps": plain.steps,
                 "threads": cfg.threads,
@@ -389,17 +392,57 @@ def _note(task: str, ours: dict[str, float], plain: dict[str, float]) -> str:
     return f"distinct captions {100 * ours['distinct']:.0f} % / {100 * plain['distinct']:.0f} %"
 
 
+ROW_KEY = ("dataset", "task", "metric")
+
+
+def combine_seeds(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per dataset, task and metric from the runs of each training seed: the means of both sides.
+
+    The row keeps every seed's value (``vitattn_runs``, ``plain_runs``, ``seeds``); its status compares
+    the means; seconds are means too. A single seed gives the run itself (plus those lists).
+    """
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault(tuple(run[k] for k in ROW_KEY), []).append(run)
+    rows = []
+    for group in groups.values():
+        row = dict(group[0])
+        row["seeds"] = [run.get("seed") for run in group]
+        for side in ("vitattn", "plain"):
+            values = [run[side] for run in group]
+            row[f"{side}_runs"] = values
+            row[side] = sum(values) / len(values)
+            row[f"{side}_seconds"] = sum(run[f"{side}_seconds"] for run in group) / len(group)
+        row["status"] = "PASS" if row["vitattn"] >= row["plain"] else "MISS"
+        rows.append(row)
+    return rows
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """A Markdown table of the rows."""
-    head = "| dataset | task | metric | vitattn | plain timm | target | steps | threads | vitattn s | plain s | note |"
+    """A Markdown table of the rows (``combine_seeds``'s: with several seeds, each cell is the mean and its range)."""
+    head = (
+        "| dataset | task | metric | vitattn | plain timm | target | steps | seeds | threads | vitattn s | plain s "
+        "| note |"
+    )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
+        seeds = r.get("seeds") or [r.get("seed")]
         lines.append(
-            f"| {r['dataset']} | {r['task']} | {METRIC_NAMES[r['metric']]} | {_fmt(r['vitattn'], r['metric'])} | "
-            f"{_fmt(r['plain'], r['metric'])} | {r['status']} | {r['steps']} | {r['threads']} | "
+            f"| {r['dataset']} | {r['task']} | {METRIC_NAMES[r['metric']]} | {_cell(r, 'vitattn')} | "
+            f"{_cell(r, 'plain')} | {r['status']} | {r['steps']} | {len(seeds)} | {r['threads']} | "
             f"{r['vitattn_seconds']:.0f} | {r['plain_seconds']:.0f} | {r.get('note', '')} |"
         )
     return "\n".join(lines)
+
+
+def _cell(row: dict[str, Any], side: str) -> str:
+    """The side's value, and with several runs its range: ``78.0 % (77.3–79.9)``."""
+    runs, metric = row.get(f"{side}_runs") or [row[side]], row["metric"]
+    text = _fmt(row[side], metric)
+    if len(runs) > 1:
+        low, high = (_fmt(v, metric).removesuffix(" %") for v in (min(runs), max(runs)))
+        text += f" ({low}–{high})"
+    return text
 
 
 def _fmt(value: float, metric: str) -> str:
@@ -417,9 +460,15 @@ def update_doc(table: str, commands: str, path: Path | None = None) -> None:
     path.write_text(f"{before}{DOC_START}\n{table}\n\n{commands}\n{DOC_END}{after}", encoding="utf-8")
 
 
-def commands_block(rows: Sequence[dict[str, Any]], argv: Sequence[str]) -> str:
-    """The bench's own command and each vitattn run's, as a Markdown code block (paths relative to the repo)."""
-    lines = ["```bash", "python scripts/learning_bench.py " + " ".join(shlex.quote(a) for a in argv)]
+def commands_block(rows: Sequence[dict[str, Any]], argvs: Sequence[Sequence[str]]) -> str:
+    """The bench's own commands and each vitattn run's, as a Markdown code block (paths relative to the repo).
+
+    ``argvs``: the bench's arguments, one list per bench process whose runs are in ``rows``.
+    """
+    lines = [
+        "```bash",
+        *("python scripts/learning_bench.py " + " ".join(shlex.quote(a) for a in argv) for argv in argvs),
+    ]
     seen = set()
     for r in rows:
         key = (r["dataset"], r["task"])
@@ -447,12 +496,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=4, help="encoder layers")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--decoder-depth", type=int, default=2, help="caption decoder layers")
-    p.add_argument("--seed", type=int, default=0, help="data split and training seed")
+    p.add_argument("--seed", type=int, default=0, help="data split seed (and the training seed without --train-seeds)")
+    p.add_argument(
+        "--train-seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="training seeds, each a run of both sides (default: --seed)",
+    )
     p.add_argument("--vitattn-args", nargs="*", default=[], help="extra vitattn-train overrides (vitattn side only)")
     p.add_argument("--cache", type=Path, default=learning_data.DEFAULT_CACHE, help="dataset cache (bench_data/)")
     p.add_argument("--out", type=Path, default=REPO / "bench_results" / "learning.json")
     p.add_argument("--update-doc", action="store_true", help="rewrite the table in docs/learning.md")
-    p.add_argument("--doc-from", type=Path, default=None, help="only rewrite the doc's table from a saved JSON")
+    p.add_argument(
+        "--doc-from", type=Path, nargs="+", default=None, help="only rewrite the doc's table from saved JSON files"
+    )
     return p.parse_args(argv)
 
 
@@ -469,26 +527,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.doc_from is not None:
-        saved = json.loads(args.doc_from.read_text())
-        update_doc(format_table(saved["rows"]), commands_block(saved["rows"], saved["argv"]))
-        print(f"table of {args.doc_from} written into {DOC}")
-        return saved
+        saved = [json.loads(path.read_text()) for path in args.doc_from]
+        rows = combine_seeds([run for result in saved for run in result.get("runs", result["rows"])])
+        update_doc(format_table(rows), commands_block(rows, [result["argv"] for result in saved]))
+        print(f"table of {', '.join(map(str, args.doc_from))} written into {DOC}")
+        return {"rows": rows}
     cfg = config_from(args)
     out_dir = args.out.parent / "learning_runs"
-    rows: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
     datasets: dict[str, dict[str, Any]] = {}
     for name in args.datasets:
-        data = learning_data.prepare(name, cfg.img_size, cfg.seed, args.cache)
+        data = learning_data.prepare(name, cfg.img_size, args.seed, args.cache)
         datasets[name] = data.info
         print(f"{name}: {data.num_train} train / {data.num_val} val images, {len(data.classes)} classes", flush=True)
         for task in args.tasks:
-            for row in bench_row(data, task, cfg, out_dir):
-                rows.append(row)
-                print(
-                    f"  {name} {task} {row['metric']}: vitattn {row['vitattn']:.4f} ({row['vitattn_seconds']:.0f} s), "
-                    f"plain {row['plain']:.4f} ({row['plain_seconds']:.0f} s) {row['status']}",
-                    flush=True,
-                )
+            for seed in args.train_seeds or [args.seed]:
+                for run in bench_row(data, task, replace(cfg, seed=seed), out_dir):
+                    runs.append(run)
+                    print(
+                        f"  {name} {task} seed {seed} {run['metric']}: vitattn {run['vitattn']:.4f} "
+                        f"({run['vitattn_seconds']:.0f} s), plain {run['plain']:.4f} ({run['plain_seconds']:.0f} s) "
+                        f"{run['status']}",
+                        flush=True,
+                    )
+    rows = combine_seeds(runs)
     table = format_table(rows)
     print("\n" + table)
     result = {
@@ -498,13 +560,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__},
         "datasets": datasets,
         "rows": rows,
+        "runs": runs,
         "table": table,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nwritten to {args.out}")
     if args.update_doc:
-        update_doc(table, commands_block(rows, argv))
+        update_doc(table, commands_block(rows, [argv]))
         print(f"table written into {DOC}")
     return result
 

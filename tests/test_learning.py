@@ -14,7 +14,7 @@ from vitattn.callbacks import EMA
 from vitattn.data import ImageFolderDataModule
 from vitattn.data.augment import Augment, CaptionAugment, auto_min_scale, classification_train_transform
 from vitattn.data.cache import should_cache
-from vitattn.data.preprocess import default_preprocess
+from vitattn.data.preprocess import default_preprocess, eval_transform
 from vitattn.systems.optim import WarmupCosine
 from vitattn.training import train
 
@@ -75,6 +75,26 @@ def test_auto_crop_scale_is_mild_for_small_images_and_timm_like_for_large():
     assert Augment.from_config({"scale": [0.3, 1.0]}).crop_scale(32) == (0.3, 1.0)
     with pytest.raises(ValueError, match="unknown keys \\['flip'\\]"):
         Augment.from_config({"flip": 0.5})
+
+
+def test_pad_crop_shifts_the_image_without_resampling_it():
+    preprocess = default_preprocess(32)
+    shift = classification_train_transform(32, Augment(crop="pad", hflip=0), preprocess)
+    pixels = np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels)
+    # every output is a 32 px window of the image mirror-padded by 4 px: the same pixels, moved
+    padded = torch.nn.functional.pad(eval_transform(preprocess)(image)[None], (4, 4, 4, 4), mode="reflect")[0]
+    windows = {(y, x): padded[:, y : y + 32, x : x + 32] for y in range(9) for x in range(9)}
+    torch.manual_seed(0)
+    seen = set()
+    for _ in range(12):
+        out = shift(image)
+        matches = [k for k, w in windows.items() if torch.equal(out, w)]
+        assert matches, "the pad crop resampled the image"
+        seen.add(matches[0])
+    assert len(seen) > 3
+    with pytest.raises(ValueError, match="data.augment.crop='zoom' is unknown"):
+        classification_train_transform(32, Augment(crop="zoom"), preprocess)
 
 
 @pytest.mark.parametrize("auto_augment", ["rand-m9-mstd0.5-inc1", "trivialaugment", "augmix-m5-w3"])

@@ -162,29 +162,60 @@ def test_table_and_doc_markers(tmp_path):
         plain_command="plain loop",
     )
     table = learning_bench.format_table([row])
-    assert "| d | caption | CIDEr-D | 0.500 | 0.250 | PASS | 9 | 1 | 3 | 2 |  |" in table
+    assert "| d | caption | CIDEr-D | 0.500 | 0.250 | PASS | 9 | 1 | 1 | 3 | 2 |  |" in table
     doc = tmp_path / "doc.md"
     doc.write_text(f"intro\n{learning_bench.DOC_START}\nold\n{learning_bench.DOC_END}\nafter\n")
-    learning_bench.update_doc(table, learning_bench.commands_block([row], ["--quick"]), doc)
+    learning_bench.update_doc(table, learning_bench.commands_block([row], [["--quick"]]), doc)
     text = doc.read_text()
     assert "old" not in text and text.startswith("intro\n") and text.endswith("after\n")
     assert table in text and "vitattn-train x=1" in text and "learning_bench.py --quick" in text
 
 
-def test_doc_from_a_saved_run_rewrites_only_the_table(tmp_path, monkeypatch):
-    row = dict(dataset="d", task="classification", metric="acc", vitattn=0.5, plain=0.75, status="MISS", steps=9)
-    row.update(
-        threads=2, vitattn_seconds=3.0, plain_seconds=2.0, vitattn_command="vitattn-train y=2", plain_command="p"
+def _run(seed, vitattn, plain, dataset="d", metric="acc"):
+    """One training seed's run of both sides, as ``bench_row`` writes it."""
+    return dict(
+        dataset=dataset,
+        task="classification",
+        metric=metric,
+        seed=seed,
+        vitattn=vitattn,
+        plain=plain,
+        status="PASS" if vitattn >= plain else "MISS",
+        steps=9,
+        threads=2,
+        vitattn_seconds=3.0 + seed,
+        plain_seconds=2.0,
+        vitattn_command=f"vitattn-train seed={seed}",
+        plain_command="p",
     )
-    saved = tmp_path / "learning.json"
-    saved.write_text(json.dumps({"rows": [row], "argv": ["--steps", "9"]}))
+
+
+def test_seeds_combine_into_means_with_ranges_and_the_status_compares_the_means():
+    # seed 0 alone would pass and seed 1 alone would miss: the row compares the means (0.7 vs 0.75)
+    runs = [_run(0, 0.8, 0.7), _run(1, 0.6, 0.8), _run(0, 0.9, 0.1, dataset="e")]
+    rows = learning_bench.combine_seeds(runs)
+    assert [(r["dataset"], r["seeds"]) for r in rows] == [("d", [0, 1]), ("e", [0])]
+    d = rows[0]
+    assert d["vitattn"] == pytest.approx(0.7) and d["plain"] == pytest.approx(0.75) and d["status"] == "MISS"
+    assert d["vitattn_runs"] == [0.8, 0.6] and d["vitattn_seconds"] == pytest.approx(3.5)
+    table = learning_bench.format_table(rows)
+    assert "| d | classification | val accuracy | 70.0 % (60.0–80.0) | 75.0 % (70.0–80.0) | MISS | 9 | 2 | 2 |" in table
+    assert "| e | classification | val accuracy | 90.0 % | 10.0 % | PASS | 9 | 1 | 2 |" in table
+
+
+def test_doc_from_saved_runs_rewrites_only_the_table(tmp_path, monkeypatch):
+    # two bench processes (one per seed here) write a JSON each; the doc's table combines them
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps({"rows": [], "runs": [_run(0, 0.5, 0.75)], "argv": ["--steps", "9"]}))
+    second.write_text(json.dumps({"rows": [], "runs": [_run(1, 0.7, 0.75)], "argv": ["--train-seeds", "1"]}))
     doc = tmp_path / "doc.md"
     doc.write_text(f"{learning_bench.DOC_START}\n{learning_bench.DOC_END}\n")
     monkeypatch.setattr(learning_bench, "DOC", doc)
-    learning_bench.main(["--doc-from", str(saved)])
+    learning_bench.main(["--doc-from", str(first), str(second)])
     text = doc.read_text()
-    assert "| d | classification | val accuracy | 50.0 % | 75.0 % | MISS | 9 | 2 |" in text
-    assert "learning_bench.py --steps 9" in text and "vitattn-train y=2" in text
+    assert "| d | classification | val accuracy | 60.0 % (50.0–70.0) | 75.0 % (75.0–75.0) | MISS | 9 | 2 | 2 |" in text
+    assert "learning_bench.py --steps 9" in text and "learning_bench.py --train-seeds 1" in text
+    assert "vitattn-train seed=0" in text
 
 
 @pytest.mark.slow
@@ -208,7 +239,7 @@ def test_bench_runs_both_sides_for_the_same_steps(tiny_data, tmp_path):
             assert r[f"{side}_seconds"] > 0
         assert r["vitattn_command"].startswith("vitattn-train ") and "trainer.max_steps=3" in r["vitattn_command"]
     assert rows[1]["note"].startswith("distinct captions ")
-    saved = json.loads((tmp_path / "shapes-caption" / "plain_captions.json").read_text())
+    saved = json.loads((tmp_path / "shapes-caption-seed0" / "plain_captions.json").read_text())
     assert len(saved) == tiny_data.num_val and all(set(s) == {"image_id", "caption", "references"} for s in saved)
     table = learning_bench.format_table(rows)
     assert table.count("\n") == 1 + len(rows)

@@ -90,6 +90,20 @@ def test_load_timm_weights_skips_a_head_of_another_size():
     torch.testing.assert_close(ours.head.weight, head_before)
 
 
+def test_vit_sincos_position_init_is_timms_2d_sincos_and_still_learned():
+    from timm.layers import build_sincos2d_pos_embed
+
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, pos_embed_init="sincos")
+    assert torch.equal(model.pos_embed[0, 1:], build_sincos2d_pos_embed([4, 4], 32))
+    assert torch.equal(model.pos_embed[0, 0], torch.zeros(32)) and model.pos_embed.requires_grad
+    default = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)
+    assert default.pos_embed.std() < 0.03  # timm's truncated normal of 0.02
+    with pytest.raises(ValueError, match="embed_dim divisible by 4, not 30"):
+        VisionTransformer(img_size=32, patch_size=8, embed_dim=30, depth=1, num_heads=2, pos_embed_init="sincos")
+    with pytest.raises(ValueError, match="pos_embed_init='rope' is unknown"):
+        VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, pos_embed_init="rope")
+
+
 def test_vit_pos_embed_resampled_on_load():
     src = VisionTransformer(**{**TINY, "img_size": 32})
     dst = VisionTransformer(**{**TINY, "img_size": 48})

@@ -56,6 +56,9 @@ class Augment:
         scale: random-resized-crop area range ``[min, max]``; ``auto``: ``[auto_min_scale(img_size), 1]``;
             ``auto_caption``: the captions' milder rule (the default of the caption data).
         ratio: crop aspect-ratio range.
+        crop: ``resized`` (a random-resized crop of ``scale`` and ``ratio``) or ``pad`` (pad each side by an
+            eighth of the image, mirrored, and cut a random image-sized window: a shift without resampling,
+            the CIFAR recipe; ``scale`` and ``ratio`` are not used).
         hflip: probability of a horizontal flip.
         color_jitter: brightness / contrast / saturation jitter strength (0 = off).
         auto_augment: ``rand-m9-mstd0.5-inc1`` (timm RandAugment), ``trivialaugment`` (torchvision),
@@ -65,6 +68,7 @@ class Augment:
     enabled: bool = True
     scale: Any = "auto"
     ratio: Sequence[float] = (3 / 4, 4 / 3)
+    crop: str = "resized"
     hflip: float = 0.5
     color_jitter: float = 0.0
     auto_augment: str | None = None
@@ -110,6 +114,10 @@ def _auto_augment(name: str, img_size: int, mean: Sequence[float]) -> Callable[[
 
 
 def _geometry(img_size: int, augment: Augment, interpolation: str) -> list[Callable]:
+    if augment.crop == "pad":
+        return [T.RandomCrop(img_size, padding=max(1, img_size // 8), padding_mode="reflect")]
+    if augment.crop != "resized":
+        raise ValueError(f"data.augment.crop={augment.crop!r} is unknown; use resized or pad")
     mode = T.InterpolationMode(interpolation)
     ratio = tuple(float(x) for x in augment.ratio)
     return [T.RandomResizedCrop(img_size, scale=augment.crop_scale(img_size), ratio=ratio, interpolation=mode)]

@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 import torch
-from timm.layers import PatchEmbed, resample_abs_pos_embed, trunc_normal_
+from timm.layers import PatchEmbed, build_sincos2d_pos_embed, resample_abs_pos_embed, trunc_normal_
 from torch import Tensor, nn
 
 from vitattn.layers import EncoderLayer
@@ -19,6 +19,7 @@ from vitattn.layers import EncoderLayer
 __all__ = ["PRESETS", "TRAINING_KEYS", "VisionTransformer", "layer_groups", "preset_config", "vit_preset"]
 
 POOLS = ("cls", "mean", "avg")
+POS_EMBED_INITS = ("trunc_normal", "sincos")
 
 PRESETS = ("cpu", "tiny", "small", "base")  # the size files of the ``model`` config group
 
@@ -82,6 +83,9 @@ class VisionTransformer(nn.Module):
         drop_path_rate: stochastic depth, rising linearly to this rate over the layers.
         layer_norm_eps: LayerNorm epsilon.
         fused_attn: fused attention kernels when weights are not asked for.
+        pos_embed_init: how the learned position embeddings start: ``trunc_normal`` (timm's, std 0.02) or
+            ``sincos`` (the fixed 2-D sine-cosine embedding of MAE / MoCo v3, still learned from there on; the
+            class token's position starts at zero).
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class VisionTransformer(nn.Module):
         drop_path_rate: float = 0.0,
         layer_norm_eps: float = 1e-6,
         fused_attn: bool = True,
+        pos_embed_init: str = "trunc_normal",
     ) -> None:
         config = dict(locals())
         del config["self"], config["__class__"]
@@ -116,6 +121,10 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"num_heads={num_heads} must divide embed_dim={embed_dim}")
         if global_pool not in POOLS:
             raise ValueError(f"global_pool={global_pool!r} is unknown; choose one of {list(POOLS)}")
+        if pos_embed_init not in POS_EMBED_INITS:
+            raise ValueError(f"pos_embed_init={pos_embed_init!r} is unknown; choose one of {list(POS_EMBED_INITS)}")
+        if pos_embed_init == "sincos" and embed_dim % 4 != 0:
+            raise ValueError(f"pos_embed_init=sincos needs embed_dim divisible by 4, not {embed_dim}")
         self.config = config  # plain values that rebuild this model (bundles, checkpoints)
         self.num_classes = num_classes
         self.global_pool = global_pool
@@ -154,10 +163,16 @@ class VisionTransformer(nn.Module):
         self.fc_norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps) if use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        self._init_weights()
+        self._init_weights(pos_embed_init)
 
-    def _init_weights(self) -> None:
-        trunc_normal_(self.pos_embed, std=0.02)
+    def _init_weights(self, pos_embed_init: str) -> None:
+        if pos_embed_init == "sincos":
+            with torch.no_grad():
+                self.pos_embed.zero_()
+                grid = list(self.patch_embed.grid_size)
+                self.pos_embed[0, 1:] = build_sincos2d_pos_embed(grid, self.embed_dim, device=self.pos_embed.device)
+        else:
+            trunc_normal_(self.pos_embed, std=0.02)
         nn.init.normal_(self.cls_token, std=1e-6)
         for m in self.modules():
             if isinstance(m, nn.Linear):
