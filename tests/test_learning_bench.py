@@ -203,6 +203,21 @@ def test_seeds_combine_into_means_with_ranges_and_the_status_compares_the_means(
     assert "| e | classification | val accuracy | 90.0 % | 10.0 % | PASS | 9 | 1 | 2 |" in table
 
 
+def test_caption_note_gives_the_seeds_mean_share_of_distinct_captions():
+    runs = [_run(seed, 0.5, 0.5, metric="exact_match") for seed in (0, 1)]
+    for run, (mine, theirs) in zip(runs, [(0.5, 0.2), (1.0, 0.4)]):
+        run.update(task="caption", vitattn_metrics={"distinct": mine}, plain_metrics={"distinct": theirs})
+    (row,) = learning_bench.combine_seeds(runs)
+    assert row["note"] == "distinct captions 75 % / 30 %"
+
+
+def test_three_training_seeds_unless_quick_or_given():
+    args = learning_bench.parse_args
+    assert learning_bench.train_seeds(args([])) == [0, 1, 2]
+    assert learning_bench.train_seeds(args(["--quick", "--seed", "4"])) == [4]
+    assert learning_bench.train_seeds(args(["--train-seeds", "5", "6"])) == [5, 6]
+
+
 def test_doc_from_saved_runs_rewrites_only_the_table(tmp_path, monkeypatch):
     # two bench processes (one per seed here) write a JSON each; the doc's table combines them
     first, second = tmp_path / "a.json", tmp_path / "b.json"
