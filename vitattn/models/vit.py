@@ -124,7 +124,10 @@ class VisionTransformer(nn.Module):
         if pos_embed_init not in POS_EMBED_INITS:
             raise ValueError(f"pos_embed_init={pos_embed_init!r} is unknown; choose one of {list(POS_EMBED_INITS)}")
         if pos_embed_init == "sincos" and embed_dim % 4 != 0:
-            raise ValueError(f"pos_embed_init=sincos needs embed_dim divisible by 4, not {embed_dim}")
+            raise ValueError(
+                f"pos_embed_init=sincos needs embed_dim divisible by 4, not {embed_dim}; "
+                "use model.pos_embed_init=trunc_normal for this width"
+            )
         self.config = config  # plain values that rebuild this model (bundles, checkpoints)
         self.num_classes = num_classes
         self.global_pool = global_pool
