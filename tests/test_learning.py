@@ -94,7 +94,7 @@ def test_pad_crop_shifts_the_image_without_resampling_it():
         seen.add(matches[0])
     assert len(seen) > 3
     with pytest.raises(ValueError, match="data.augment.crop='zoom' is unknown"):
-        classification_train_transform(32, Augment(crop="zoom"), preprocess)
+        Augment.from_config({"crop": "zoom"})
 
 
 @pytest.mark.parametrize("auto_augment", ["rand-m9-mstd0.5-inc1", "trivialaugment", "augmix-m5-w3"])

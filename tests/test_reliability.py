@@ -65,6 +65,18 @@ CONFIG_ERRORS = {
         "data=imagefolder head=classification data.root={folder} data.bad_images=ignore",
         r"^data\.bad_images='ignore' is unknown; choose raise or skip",
     ),
+    "augment-crop": (
+        "data=imagefolder head=classification data.root={folder} data.augment.crop=zoom",
+        r"^data\.augment\.crop='zoom' is unknown; use one of \['resized', 'pad'\]",
+    ),
+    "augment-scale": (
+        "data=imagefolder head=classification data.root={folder} data.augment.scale=[0.9,0.2]",
+        r"^data\.augment\.scale=\[0\.9, 0\.2\] must satisfy 0 < min <= max <= 1",
+    ),
+    "sincos-width": (
+        "model.embed_dim=34 model.num_heads=2",
+        r"^model\.pos_embed_init=sincos needs embed_dim divisible by 4, not 34",
+    ),
     "caption-on-imagefolder": (
         "data=imagefolder head=caption data.root={folder}",
         r"no captions for head=caption; use head=classification",

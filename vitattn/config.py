@@ -171,6 +171,18 @@ def check_targets(cfg: DictConfig) -> None:
     walk(cfg, "")
 
 
+def _check_augment(data: DictConfig) -> None:
+    """``data.augment``: known keys, a known crop, a valid crop scale (``Augment`` says what is wrong)."""
+    from vitattn.data.augment import Augment
+
+    augment = data.augment
+    value = OmegaConf.to_container(augment, resolve=True) if isinstance(augment, DictConfig) else augment
+    try:
+        Augment.from_config(value).crop_scale(int(data.get("img_size", 224)))
+    except (ValueError, TypeError) as err:
+        raise ConfigError(str(err)) from None
+
+
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config)."""
     check_targets(cfg)
@@ -183,6 +195,8 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"head.nonfinite={cfg.head.nonfinite!r} is unknown; choose raise or skip")
     if cfg.data.get("bad_images", "raise") not in ("raise", "skip"):
         raise ConfigError(f"data.bad_images={cfg.data.bad_images!r} is unknown; choose raise or skip")
+    if cfg.data.get("augment") is not None:
+        _check_augment(cfg.data)
     supported = _data_tasks(cfg.data)
     if task not in supported:
         if task == "caption":

@@ -28,6 +28,7 @@ __all__ = ["CAPTION_CROP_SCALE", "Augment", "CaptionAugment", "auto_min_scale", 
 # Captions: BLIP's recipe crops at least half of a 224-384 px photo; a small image is not cropped at all:
 # half of a 32 px emoji loses the skin tone, the flag's emblem or the hair that its name is about.
 CAPTION_CROP_SCALE = "auto_caption"
+CROPS = ("resized", "pad")
 LEFT_RIGHT = frozenset({"left", "right", "leftmost", "rightmost"})
 COLOURS = frozenset(
     "red orange yellow green blue purple violet pink brown black white gray grey silver gold golden beige "
@@ -73,6 +74,10 @@ class Augment:
     color_jitter: float = 0.0
     auto_augment: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.crop not in CROPS:
+            raise ValueError(f"data.augment.crop={self.crop!r} is unknown; use one of {list(CROPS)}")
+
     @classmethod
     def from_config(cls, value: Any, **defaults: Any) -> Augment:
         """From ``True`` / ``False`` or a mapping of the attributes (unknown keys are refused)."""
@@ -116,8 +121,6 @@ def _auto_augment(name: str, img_size: int, mean: Sequence[float]) -> Callable[[
 def _geometry(img_size: int, augment: Augment, interpolation: str) -> list[Callable]:
     if augment.crop == "pad":
         return [T.RandomCrop(img_size, padding=max(1, img_size // 8), padding_mode="reflect")]
-    if augment.crop != "resized":
-        raise ValueError(f"data.augment.crop={augment.crop!r} is unknown; use resized or pad")
     mode = T.InterpolationMode(interpolation)
     ratio = tuple(float(x) for x in augment.ratio)
     return [T.RandomResizedCrop(img_size, scale=augment.crop_scale(img_size), ratio=ratio, interpolation=mode)]

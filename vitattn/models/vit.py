@@ -126,7 +126,7 @@ class VisionTransformer(nn.Module):
         if pos_embed_init == "sincos" and embed_dim % 4 != 0:
             raise ValueError(
                 f"pos_embed_init=sincos needs embed_dim divisible by 4, not {embed_dim}; "
-                "use model.pos_embed_init=trunc_normal for this width"
+                "use pos_embed_init=trunc_normal for this width"
             )
         self.config = config  # plain values that rebuild this model (bundles, checkpoints)
         self.num_classes = num_classes
