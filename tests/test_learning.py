@@ -49,6 +49,21 @@ def test_the_limit_that_ends_training_is_the_schedule_horizon(limits, steps, tmp
     assert result.global_step == steps and horizon == steps and ratio == pytest.approx(0.01)
 
 
+@pytest.mark.parametrize(
+    "overrides,peak",
+    [
+        (["head=caption"], 2e-3),
+        (["head=classification"], 1e-3),
+        (["head=classification", "optim.lr=5e-4"], 5e-4),  # given: the head's recipe does not override it
+    ],
+)
+def test_each_head_trains_at_its_recipes_peak_rate_unless_optim_lr_is_given(overrides, peak, tmp_path):
+    base = [*TINY, *TINY_SHAPES, "test=false", "export_bundle=false", "trainer.max_steps=1"]
+    result = train(compose_train([*base, *overrides, "trainer.check_val_every_n_epoch=1000"], tmp_path))
+    groups = result.system.trainer.optimizers[0].param_groups
+    assert len(groups) >= 2 and [g["initial_lr"] for g in groups] == pytest.approx([peak] * len(groups))
+
+
 def test_a_time_budget_anneals_the_learning_rate_to_its_floor_by_the_deadline(tmp_path):
     overrides = [
         *CLS,
