@@ -97,6 +97,24 @@ def test_list_inputs_walks_folders_without_following_links(tmp_path):
     assert [x.image_id for x in listed] == [0, 1, 2] and listed[1].path == listed.paths[1]
 
 
+def test_list_inputs_names_a_folder_it_cannot_read(tmp_path, monkeypatch):
+    (tmp_path / "a" / "locked").mkdir(parents=True)
+    (tmp_path / "a" / "1.png").write_bytes(b"")
+    scandir = os.scandir
+
+    def refuse(path):
+        if str(path).endswith("locked"):
+            raise PermissionError(13, "Permission denied")
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refuse)
+    with pytest.raises(ValueError) as err:
+        list_inputs(tmp_path)  # not a list without the locked folder's images
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"images={tmp_path}: cannot read the folder ")
+    assert str(tmp_path / "a" / "locked") in message and "Permission denied" in message
+
+
 # --- two processes, killed and resumed ----------------------------------------------------------------------
 
 

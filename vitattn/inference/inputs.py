@@ -91,7 +91,7 @@ def list_inputs(
     spec = str(images)
     path, shown = Path(spec), printable(spec)
     if path.is_dir():
-        found = _walk_images(path)
+        found = _walk_images(path, shown)
         if not found:
             raise ValueError(
                 f"images={shown}: no files with an image extension ({', '.join(sorted(IMAGE_EXTENSIONS))})"
@@ -122,12 +122,24 @@ def _numbered(paths: Sequence[str], sort: bool) -> InputList:
     return InputList(unique)
 
 
-def _walk_images(root: Path) -> list[str]:
-    """Image paths under ``root``, hidden names skipped; one ``os.scandir`` per folder, nothing held twice."""
+def _walk_images(root: Path, shown: str) -> list[str]:
+    """Image paths under ``root``, hidden names skipped; one ``os.scandir`` per folder, nothing held twice.
+
+    Raises:
+        ValueError: a folder under ``root`` cannot be read (its images would be missing from the list).
+    """
     found: list[str] = []
     folders = [str(root)]
     while folders:
-        with os.scandir(folders.pop()) as entries:
+        folder = folders.pop()
+        try:
+            entries = os.scandir(folder)
+        except OSError as err:
+            raise ValueError(
+                f"images={shown}: cannot read the folder {printable(folder)} ({err.strerror or err}); "
+                "fix its permissions or name the images another way"
+            ) from None
+        with entries:
             for entry in entries:
                 if entry.name.startswith("."):
                     continue
