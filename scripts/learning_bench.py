@@ -400,24 +400,25 @@ def combine_seeds(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per dataset, task and metric from the runs of each training seed: the means of both sides.
 
     The row keeps every seed's value (``vitattn_runs``, ``plain_runs``, ``seeds``); its status compares
-    the means; seconds are means too. A single seed gives the run itself (plus those lists).
+    the means; seconds and the sides' other metrics are means too. A single seed gives the run itself
+    (plus those lists).
     """
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for run in runs:
         groups.setdefault(tuple(run[k] for k in ROW_KEY), []).append(run)
     rows = []
     for group in groups.values():
-        row = dict(group[0])
+        row = {k: v for k, v in group[0].items() if k != "seed"}
         row["seeds"] = [run.get("seed") for run in group]
         for side in ("vitattn", "plain"):
-            values = [run[side] for run in group]
-            row[f"{side}_runs"] = values
-            row[side] = sum(values) / len(values)
-            row[f"{side}_seconds"] = sum(run[f"{side}_seconds"] for run in group) / len(group)
+            row[f"{side}_runs"] = [run[side] for run in group]
+        for key in ("vitattn", "plain", *(k for k in row if k.endswith("_seconds"))):
+            row[key] = sum(run[key] for run in group) / len(group)
         row["status"] = "PASS" if row["vitattn"] >= row["plain"] else "MISS"
-        if all("vitattn_metrics" in run for run in group):  # the note from the seeds' mean metrics
-            mean = [{k: sum(r[m][k] for r in group) / len(group) for k in group[0][m]} for m in SIDE_METRICS]
-            row["note"] = _note(row["task"], *mean)
+        if all(m in run for run in group for m in SIDE_METRICS):  # the note from the seeds' mean metrics
+            for m in SIDE_METRICS:
+                row[m] = {k: sum(run[m][k] for run in group) / len(group) for k in group[0][m]}
+            row["note"] = _note(row["task"], *(row[m] for m in SIDE_METRICS))
         rows.append(row)
     return rows
 

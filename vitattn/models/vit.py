@@ -173,7 +173,9 @@ class VisionTransformer(nn.Module):
             with torch.no_grad():
                 self.pos_embed.zero_()
                 grid = list(self.patch_embed.grid_size)
-                self.pos_embed[0, 1:] = build_sincos2d_pos_embed(grid, self.embed_dim, device=self.pos_embed.device)
+                self.pos_embed[0, self.num_prefix_tokens :] = build_sincos2d_pos_embed(
+                    grid, self.embed_dim, device=self.pos_embed.device
+                )
         else:
             trunc_normal_(self.pos_embed, std=0.02)
         nn.init.normal_(self.cls_token, std=1e-6)
