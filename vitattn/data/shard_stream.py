@@ -112,7 +112,7 @@ class ShardSamples:
             return {
                 "image": pixels,
                 "tokens": torch.tensor(tokens, dtype=torch.long),
-                "references": [caption],
+                "references": _references(sample, caption),
                 "image_id": sample_id,
             }
         return pixels, label
@@ -127,6 +127,17 @@ class ShardSamples:
             what = "no .cls label" if raw is None else f"class {raw[:20]!r} is not a number below {self.num_classes}"
             raise BadImageError(f"{where}: {what}", where, what)
         return label
+
+
+def _references(sample: dict[str, Any], caption: str) -> list[str]:
+    """Every caption of the sample: the ``captions`` list of its ``.json`` (vitattn-shards writes it), else the one."""
+    try:
+        listed = json.loads(sample.get("json") or b"{}").get("captions")
+    except (ValueError, AttributeError):
+        listed = None
+    if isinstance(listed, list) and listed and all(isinstance(c, str) for c in listed):
+        return listed
+    return [caption]
 
 
 def _as_is(batch: Any) -> Any:

@@ -39,7 +39,8 @@ class ShardError(ValueError):
 
 
 def expand_shards(spec: str | os.PathLike | Sequence[str | os.PathLike], where: str = "shards") -> list[str]:
-    """Shard addresses from brace notation, a list, or a file listing one shard a line (``.txt``, ``.list``).
+    """Shard addresses from brace notation, a list, a file listing one shard a line (``.txt``, ``.list``), or a
+    folder (its ``*.tar``, sorted).
 
     Relative paths in a listing file are relative to the file's folder; ``::`` separates several patterns.
 
@@ -52,7 +53,9 @@ def expand_shards(spec: str | os.PathLike | Sequence[str | os.PathLike], where: 
         raise ValueError(f"{where} is empty; give shards as DIR/{{00000..00009}}.tar, a list, or a file listing them")
     if isinstance(spec, (str, os.PathLike)):
         text = str(spec)
-        if not text.startswith("pipe:") and text.endswith(LIST_SUFFIXES) and Path(text).is_file():
+        if not text.startswith("pipe:") and Path(text).is_dir():
+            urls = sorted(str(p) for p in Path(text).glob("*.tar"))
+        elif not text.startswith("pipe:") and text.endswith(LIST_SUFFIXES) and Path(text).is_file():
             base = Path(text).parent
             lines = [ln.strip() for ln in Path(text).read_text().splitlines()]
             urls = [ln if ln.startswith("pipe:") or os.path.isabs(ln) else str(base / ln) for ln in lines if ln]

@@ -182,6 +182,8 @@ class WebDatasetDataModule(ImageDataModule):
         self.train_dataset = stream("train", training or evaluate, self.shuffle_buffer)
         self.val_dataset = stream("val", evaluate, 0)
         self.test_dataset = self.val_dataset if urls["test"] == urls["val"] else stream("test", evaluate, 0)
+        for dataset in {self.train_dataset, self.val_dataset, self.test_dataset}:
+            self._set_length(dataset, dataset is self.train_dataset)
         log.info(
             "shards: %d train (%d samples), %d val (%d samples)",
             len(urls["train"]),
@@ -199,8 +201,10 @@ class WebDatasetDataModule(ImageDataModule):
         limit = self.samples_per_epoch if train else None
         return EpochOrder(stream.sizes, self.seed, epoch, shuffle=train, limit=limit)
 
-    def _batches(self, total: int, world: int) -> int:
-        return -(-(-(-total // world)) // self.batch_size)
+    def _set_length(self, stream: ShardStream, train: bool) -> None:
+        """A whole epoch's batches on each rank (``len``), before any pass is planned."""
+        total, world = self._epoch_order(stream, 0, train).total, _rank_and_world(self.trainer)[1]
+        stream.batches = -(-(-(-total // world)) // self.batch_size)
 
     def _plan(self, stream: ShardStream, train: bool) -> None:
         """Give ``stream`` this rank's plan for the epoch now starting (training: the trainer's current epoch,
@@ -217,14 +221,13 @@ class WebDatasetDataModule(ImageDataModule):
             self.trained, self.epoch = done, epoch
         plans = split_epoch(done.complement(order.total), world, max(1, self._workers()), self.batch_size)
         seed = f"{self.seed}/{epoch}/{rank}/{len(done)}"
-        stream.configure(order, plans[rank], self._batches(order.total, world), seed)
+        self._set_length(stream, train)
+        stream.configure(order, plans[rank], stream.batches, seed)
 
     def _loader(self, dataset: Any, shuffle: bool) -> EpochLoader:
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}.setup() must run before its dataloaders")
-        rank, world = _rank_and_world(self.trainer)
-        order = self._epoch_order(dataset, 0, shuffle)
-        dataset.batches = self._batches(order.total, world)  # the length before the first pass is planned
+        self._set_length(dataset, shuffle)  # the ranks are known now
         workers = self._workers()
         return EpochLoader(
             dataset,
