@@ -18,11 +18,12 @@ run plans the rest of the epoch from the positions not yet trained, for any numb
 from __future__ import annotations
 
 import bisect
+import math
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["EpochOrder", "PositionSet", "WorkerPlan", "split_epoch"]
+__all__ = ["EpochOrder", "PositionSet", "WorkerPlan", "batches_per_rank", "split_epoch"]
 
 Range = tuple[int, int]  # [start, stop)
 
@@ -175,6 +176,11 @@ class WorkerPlan:
     batch_sizes: list[int]
 
 
+def batches_per_rank(total: int, world_size: int, batch_size: int) -> int:
+    """The batches every rank trains for ``total`` samples: what the rank with most samples needs."""
+    return math.ceil(math.ceil(total / world_size) / batch_size)
+
+
 def split_epoch(remaining: Sequence[Range], world_size: int, workers: int, batch_size: int) -> list[list[WorkerPlan]]:
     """Cut the positions still to train into ``[rank][worker]`` plans with the same batch count on every rank.
 
@@ -185,7 +191,7 @@ def split_epoch(remaining: Sequence[Range], world_size: int, workers: int, batch
     total = sum(b - a for a, b in remaining)
     workers = max(1, workers)
     per_rank = [total // world_size + (r < total % world_size) for r in range(world_size)]
-    batches = -(-max(per_rank) // batch_size) if total else 0
+    batches = batches_per_rank(total, world_size, batch_size)
     if batches and min(per_rank) < batches:
         raise ValueError(
             f"{total} samples cannot give {world_size} ranks {batches} batches each; use fewer ranks or a smaller "

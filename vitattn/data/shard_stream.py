@@ -213,7 +213,7 @@ class ShardStream(IterableDataset):
     def __getitem__(self, index: int) -> Any:
         """Sample ``index`` in the listed order (a few first samples for pictures; reads the shards up to it)."""
         for shard, offsets in self.order.shard_runs([(index, index + 1)]):
-            for offset, (key, sample) in self._shard(shard, offsets):
+            for _, (key, sample) in self._shard(shard, offsets):
                 return self._item(index, key, sample)
         raise IndexError(index)
 

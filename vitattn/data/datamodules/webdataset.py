@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from vitattn.data.augment import CAPTION_CROP_SCALE, Augment, CaptionAugment, classification_train_transform
 from vitattn.data.captions import collate_captions
 from vitattn.data.datamodules.base import EvalSplit, ImageDataModule, caption_vocab
-from vitattn.data.shard_plan import EpochOrder, PositionSet, split_epoch
+from vitattn.data.shard_plan import EpochOrder, PositionSet, batches_per_rank, split_epoch
 from vitattn.data.shard_stream import EpochLoader, ShardBatch, ShardSamples, ShardStream, sample_caption
 from vitattn.data.shards import expand_shards, local_path, read_shard, shard_sizes
 
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 def shard_captions(urls: Sequence[str], caption_key: str | None, total: int | None = None) -> list[str]:
     """Every caption of the shards (a progress bar of samples read); samples without one are left out."""
+
     def read(url: str) -> list[str]:
         captions = []
         for sample in read_shard(url, extensions={"txt", "json"}):
@@ -176,7 +177,9 @@ class WebDatasetDataModule(ImageDataModule):
             collate = default_collate
 
         def stream(split: str, transform: Any, buffer: int) -> ShardStream:
-            samples = ShardSamples(self.task, transform, self.caption_key, vocab, self.max_caption_len, self.num_classes)
+            samples = ShardSamples(
+                self.task, transform, self.caption_key, vocab, self.max_caption_len, self.num_classes
+            )
             return ShardStream(urls[split], sizes[split], samples, collate, self.bad_images, buffer)
 
         self.train_dataset = stream("train", training or evaluate, self.shuffle_buffer)
@@ -204,7 +207,7 @@ class WebDatasetDataModule(ImageDataModule):
     def _set_length(self, stream: ShardStream, train: bool) -> None:
         """A whole epoch's batches on each rank (``len``), before any pass is planned."""
         total, world = self._epoch_order(stream, 0, train).total, _rank_and_world(self.trainer)[1]
-        stream.batches = -(-(-(-total // world)) // self.batch_size)
+        stream.batches = batches_per_rank(total, world, self.batch_size)
 
     def _plan(self, stream: ShardStream, train: bool) -> None:
         """Give ``stream`` this rank's plan for the epoch now starting (training: the trainer's current epoch,
@@ -265,7 +268,8 @@ class WebDatasetDataModule(ImageDataModule):
 
     def evaluation_split(self, split: str) -> EvalSplit:
         stream = self.val_dataset if split == "val" else self.test_dataset
-        return EvalSplit(f"shards {self.shards[split] or self.shards['val']}", loader=_Unwrapped(self._loader(stream, False)))
+        source = f"shards {self.shards[split] or self.shards['val']}"
+        return EvalSplit(source, loader=_Unwrapped(self._loader(stream, False)))
 
 
 class _Unwrapped:
