@@ -31,7 +31,7 @@ from vitattn.data.shard_plan import EpochOrder, WorkerPlan
 from vitattn.data.shards import ShardError, read_shard
 from vitattn.data.vocab import Vocabulary
 
-__all__ = ["EpochLoader", "ShardBatch", "ShardSamples", "ShardStream", "sample_caption"]
+__all__ = ["EpochLoader", "ShardBatch", "ShardSamples", "ShardStream", "image_member", "sample_caption"]
 
 _IMAGE_KEYS = tuple(ext.lstrip(".") for ext in sorted(IMAGE_EXTENSIONS))
 _HINT = "data.bad_images=skip trains without such samples"
@@ -43,6 +43,11 @@ class ShardBatch(NamedTuple):
     batch: Any
     positions: list[int]
     keys: list[str]
+
+
+def image_member(sample: dict[str, Any]) -> str | None:
+    """The extension of a sample's image member (``jpg``, ``png``, ...), or None when it has none."""
+    return next((k for k in _IMAGE_KEYS if k in sample), None)
 
 
 def sample_caption(sample: dict[str, Any], caption_key: str | None) -> str | None:
@@ -87,7 +92,7 @@ class ShardSamples:
     def __call__(self, sample: dict[str, Any], sample_id: int) -> Any:
         """The item; raises ``BadImageError`` (``<shard>: <key>: <reason>``) for a sample that cannot be used."""
         where = f"{sample.get('__url__', '?')}: {sample['__key__']}"
-        name = next((k for k in _IMAGE_KEYS if k in sample), None)
+        name = image_member(sample)
         if name is None:
             raise BadImageError(f"{where}: no image member", where, "no image member")
         if self.task == "caption":
