@@ -110,6 +110,10 @@ def test_a_resumed_epoch_trains_the_rest_once_in_no_more_batches_than_left(world
     again = [p for rank in rest for plan in rank for a, b in plan.ranges for p in range(a, b)]
     assert sorted(again + [p for a, b in trained.ranges for p in range(a, b)]) == list(range(total))
     assert all(sum(len(plan.batch_sizes) for plan in rank) <= batches - done_batches for rank in rest)
+    for world2, workers2 in ((1, 3), (4, 1)):  # resumed on another number of ranks or workers: still once
+        other = split_epoch(trained.complement(total), world2, workers2, batch)
+        again = [p for rank in other for plan in rank for a, b in plan.ranges for p in range(a, b)]
+        assert sorted(again + [p for a, b in trained.ranges for p in range(a, b)]) == list(range(total))
 
 
 def _batches(plan):
@@ -228,6 +232,23 @@ def test_a_truncated_shard_raises_or_its_missing_samples_are_skipped(tmp_path):
     cut = r"00000.tar (is unreadable|holds \d samples, fewer than the 6 counted)"  # where the cut falls decides
     assert 0 < len(skipped) < 6 and all(re.search(cut, s.reason) for s in skipped)
     assert len(batch.positions) == 6  # every position of the epoch accounted for
+
+
+def test_a_shard_that_is_not_a_tar_raises_or_its_samples_are_skipped(tmp_path):
+    folder = tmp_path / "broken"
+    write_shards((ShardSample(_jpeg(), "jpg", [f"a shape {i}"]) for i in range(4)), folder, 2)
+    (folder / "00001.tar").write_bytes(b"this is not a tar file" * 100)  # its stats still say 2
+    settings = dict(img_size=32, batch_size=4, num_workers=0, shuffle_buffer=0)
+    dm = WebDatasetDataModule(str(folder), str(folder), **settings)
+    dm.vocab = Vocabulary(["a", "shape"])
+    dm.setup("fit")
+    with pytest.raises(ShardError, match=r"^shard .*00001.tar is unreadable: .*; data.bad_images=skip"):
+        list(dm.train_dataloader())
+    dm = WebDatasetDataModule(str(folder), str(folder), bad_images="skip", **settings)
+    dm.vocab = Vocabulary(["a", "shape"])
+    dm.setup("fit")
+    (batch,) = list(dm.train_dataloader())
+    assert len(batch.batch.skipped) == 2 and batch.batch.batch["images"].shape[0] == 2
 
 
 def test_the_vocabulary_is_built_from_the_train_captions_with_min_word_freq_auto(shards):
