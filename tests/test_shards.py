@@ -123,6 +123,13 @@ def _batches(plan):
         positions = positions[size:]
 
 
+def test_when_ranks_cannot_have_equal_batches_fewer_than_the_ranks_are_left_out_not_repeated(caplog):
+    plans = split_epoch([(0, 7)], 2, 1, 1)  # batch_size 1: 4 + 3 samples cannot make equal batch counts
+    positions = [p for rank in plans for plan in rank for a, b in plan.ranges for p in range(a, b)]
+    assert sorted(positions) == list(range(6)) and [len(rank[0].batch_sizes) for rank in plans] == [3, 3]
+    assert "the last 1 are left out of this epoch" in caplog.text
+
+
 def test_the_shard_order_changes_with_the_epoch_and_is_the_same_for_the_same_epoch():
     sizes = [10] * 20
     assert EpochOrder(sizes, seed=1, epoch=0).order == EpochOrder(sizes, seed=1, epoch=0).order

@@ -18,12 +18,15 @@ run plans the rest of the epoch from the positions not yet trained, for any numb
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["EpochOrder", "PositionSet", "WorkerPlan", "batches_per_rank", "split_epoch"]
+
+log = logging.getLogger(__name__)
 
 Range = tuple[int, int]  # [start, stop)
 
@@ -184,19 +187,24 @@ def batches_per_rank(total: int, world_size: int, batch_size: int) -> int:
 def split_epoch(remaining: Sequence[Range], world_size: int, workers: int, batch_size: int) -> list[list[WorkerPlan]]:
     """Cut the positions still to train into ``[rank][worker]`` plans with the same batch count on every rank.
 
-    Raises:
-        ValueError: fewer samples remain than the ranks need for one batch each (the run then cannot
-            keep its ranks in step without repeating samples).
+    Only where the ranks' samples cannot make the same number of batches (``batch_size=1`` with a total the
+    ranks do not divide, or fewer samples than ranks) are the last ``total % world_size`` positions (fewer
+    than the ranks) left out of the epoch, with a warning: the alternative is repeating samples.
     """
     total = sum(b - a for a, b in remaining)
     workers = max(1, workers)
     per_rank = [total // world_size + (r < total % world_size) for r in range(world_size)]
     batches = batches_per_rank(total, world_size, batch_size)
     if batches and min(per_rank) < batches:
-        raise ValueError(
-            f"{total} samples cannot give {world_size} ranks {batches} batches each; use fewer ranks or a smaller "
-            "batch_size"
+        log.warning(
+            "%d samples cannot give %d ranks %d batches each; the last %d are left out of this epoch",
+            total,
+            world_size,
+            batches,
+            total % world_size,
         )
+        per_rank = [total // world_size] * world_size
+        batches = batches_per_rank(sum(per_rank), world_size, batch_size)
     plans, start = [], 0
     for n in per_rank:
         q, t = divmod(n, batches) if batches else (0, 0)

@@ -115,8 +115,12 @@ class _ShardImages(IterableDataset):
             return sample["__key__"], None, {**row, "error": unreadable_reason(data, err)}
 
 
-def _collate(items: list[Any]) -> list[Any]:
-    return items
+def _collate(items: list[Any]) -> tuple[list[tuple[int, dict[str, Any]]], torch.Tensor | None, list[int]]:
+    """In the worker: ``(shard, row)`` of each item, the decoded images stacked (b, C, H, W) (one tensor to send
+    to the main process, not one per image), and the items they belong to."""
+    decoded = [i for i, item in enumerate(items) if item[2] is not None]
+    images = torch.stack([items[i][2] for i in decoded]) if decoded else None
+    return [(item[0], item[3]) for item in items], images, decoded
 
 
 def caption_shards(
@@ -169,22 +173,19 @@ def caption_shards(
     total = sum(sizes[i] for i in mine)
     with tqdm(total=total, unit="img", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
         bar.set_postfix(shards=f"0/{len(mine)}")
-        for items in loader:
-            ready = [item for item in items if item[2] is not None]
-            captions = []
-            if ready:
-                images = torch.stack([item[2] for item in ready]).to(device)  # (B, C, H, W)
-                captions = bundle.vocab.decode_batch(generate_tokens(model, images, **generate_kwargs))
-            by_item = {id(item): c for item, c in zip(ready, captions)}
-            for item in items:
-                shard, _, _, row = item
+        for rows_of_batch, images, decoded in loader:
+            captions: dict[int, str] = {}
+            if images is not None:
+                tokens = generate_tokens(model, images.to(device), **generate_kwargs)  # (b, T')
+                captions = dict(zip(decoded, bundle.vocab.decode_batch(tokens)))
+            for i, (shard, row) in enumerate(rows_of_batch):
                 if row.get("end"):
                     _write(output_path(out_dir, urls[shard], fmt), rows.pop(shard, []), fmt)
                     summary.shards += 1
                     bar.set_postfix(shards=f"{summary.shards}/{len(mine)}")
                     continue
-                if id(item) in by_item:
-                    row = {**row, "caption": by_item[id(item)]}
+                if i in captions:
+                    row = {**row, "caption": captions[i]}
                     summary.captioned += 1
                 else:
                     summary.failed += 1

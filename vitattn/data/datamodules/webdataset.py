@@ -269,14 +269,16 @@ class WebDatasetDataModule(ImageDataModule):
     def evaluation_split(self, split: str) -> EvalSplit:
         stream = self.val_dataset if split == "val" else self.test_dataset
         source = f"shards {self.shards[split] or self.shards['val']}"
-        return EvalSplit(source, loader=_Unwrapped(self._loader(stream, False)))
+        references = {} if self.task == "caption" else None  # the batches carry them; sized for progress bars
+        return EvalSplit(source, loader=_Unwrapped(self._loader(stream, False)), references=references)
 
 
 class _Unwrapped:
     """A shard loader whose batches come without their positions (what evaluation reads)."""
 
     def __init__(self, loader: EpochLoader) -> None:
-        self.loader, self.dataset = loader, loader.dataset
+        self.loader = loader
+        self.dataset = range(sum(loader.dataset.sizes))  # len(dataset): the samples, as evaluation counts them
 
     def __len__(self) -> int:
         return len(self.loader)
