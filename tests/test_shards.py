@@ -2,7 +2,9 @@
 
 import io
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -283,6 +285,43 @@ def test_train_on_shards_and_the_schedule_horizon_follows_the_epoch(shards, tmp_
     assert result.global_step == 2 * 7  # 50 samples in batches of at most 8
     schedule = result.system.lr_schedulers().lr_lambdas[0]
     assert schedule.total_steps == 14
+
+
+def test_a_preempted_epoch_resumes_with_every_sample_once_in_one_process(shards, tmp_path, monkeypatch):
+    from vitattn.errors import Preempted
+    from vitattn.systems import ClassificationSystem
+
+    original = ClassificationSystem.training_step
+
+    def training_step(self, batch, batch_idx):  # SIGUSR1 in the middle of step 3, once
+        if self.global_step == 3 and not getattr(self, "signalled", False):
+            self.signalled = True
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(ClassificationSystem, "training_step", training_step)
+    overrides = [
+        *TINY,
+        "head=classification",
+        "data=webdataset",
+        f"data.train_shards={shards['train']}",
+        f"data.val_shards={shards['val']}",
+        "data.num_workers=2",
+        f"data.count_cache={shards['cache']}",
+        "data.batch_size=4",
+        "trainer.max_epochs=1",
+        "test=false",
+        "export_bundle=false",
+        "resume=auto",
+        "+callbacks.sample_keys._target_=vitattn.callbacks.SampleKeys",
+        f"+callbacks.sample_keys.folder={tmp_path / 'keys'}",
+    ]
+    with pytest.raises(Preempted, match="at step 4"):
+        train(compose_train(overrides, tmp_path))
+    train(compose_train(overrides, tmp_path))
+    keys = [k for line in (tmp_path / "keys" / "keys.rank0.txt").open() for k in line.split()[1:]]
+    expected = [k for url in expand_shards(str(shards["train"])) for k in _keys(url)]
+    assert len(keys) == len(set(keys)) and sorted(keys) == sorted(expected)
 
 
 def test_vitattn_shards_writes_an_image_folder_as_shards(tmp_path):

@@ -102,3 +102,18 @@ def test_two_processes_killed_mid_run_then_rerun_caption_every_key_once(bundle_d
     keys = [s["__key__"] for url in urls for s in read_shard(url)]
     assert Counter(r["key"] for r in _rows(out)) == Counter(keys)
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary file left by the re-run
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["model=m", "out=o"], "error: missing images=... (image files) or shards=... (WebDataset tars)"),
+        (["model=m", "out=o", "images=i", "shards=s"], "error: images=... and shards=... are both given"),
+        (["model=m", "out=o", "shards=s", "format=coco"], "error: format='coco' is unknown for shards"),
+    ],
+)
+def test_vitattn_caption_takes_images_or_shards(argv, message, capsys):
+    from vitattn.cli.caption import main
+
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith(message)

@@ -75,8 +75,10 @@ def parse_args(argv: list[str]) -> Any:
     Values are taken literally (a glob such as ``images=*.jpg`` is not YAML); ``null`` clears an option.
     """
     cfg = parse_key_values(argv, CaptionConfig, "vitattn-caption")
-    if (cfg.images is None) == (cfg.shards is None):
-        raise UsageError("give images=INPUT (image files) or shards=SHARDS (WebDataset tars), one of them")
+    if cfg.images is None and cfg.shards is None:
+        raise UsageError("missing images=... (image files) or shards=... (WebDataset tars); see vitattn-caption --help")
+    if cfg.images is not None and cfg.shards is not None:
+        raise UsageError("images=... and shards=... are both given; caption image files or shards, not both")
     if cfg.shards is None and cfg.format not in ("jsonl", "coco", "csv"):
         raise UsageError(f"format={cfg.format!r} is unknown; choose jsonl, coco or csv")
     for key in ("devices", "num_nodes"):
