@@ -67,6 +67,14 @@ def test_a_pipe_command_reads_the_same_samples_as_the_path(shards):
     assert _keys(f"pipe:cat {path}") == _keys(path) and len(_keys(path)) == 12
 
 
+def test_shard_sizes_come_from_the_parquet_when_there_is_no_stats_file(tmp_path):
+    write_shards(shapes_samples("train", 7, img_size=32), tmp_path, 4, parquet=True)
+    for stats in tmp_path.glob("*_stats.json"):
+        stats.unlink()
+    (tmp_path / "00001.tar").write_bytes(b"")  # not read: the parquet's success rows are the count
+    assert shard_sizes(expand_shards(str(tmp_path)), tmp_path / "cache") == [4, 3]
+
+
 def test_shard_sizes_come_from_stats_or_one_cached_counting_pass(shards, tmp_path):
     urls = expand_shards(str(shards["train"]))
     stated = shard_sizes(urls)

@@ -2,7 +2,7 @@
 
 Usage::
 
-    vitattn-shards source=folder folder=DIR/train out=OUT [samples_per_shard=10000]
+    vitattn-shards source=folder folder=DIR/train out=OUT [samples_per_shard=10000] [parquet=true]
     vitattn-shards source=coco annotations=captions_train2017.json image_dir=DIR out=OUT
     vitattn-shards source=karpathy dataset_json=dataset_coco.json image_dir=DIR split=train out=OUT
     vitattn-shards source=shapes split=train count=30000 img_size=64 out=OUT
@@ -46,6 +46,7 @@ class ShardsArgs:
     count: int = 1000
     img_size: int = 64
     samples_per_shard: int = 10000
+    parquet: bool = False  # also OUT/NNNNN.parquet (key, caption, status, source), as img2dataset; needs pyarrow
 
 
 def _need(args: ShardsArgs, *keys: str) -> None:
@@ -78,7 +79,7 @@ def run(args: ShardsArgs) -> int:
         samples = coco_samples(args.image_dir, images)
     else:
         samples, classes = shapes_samples(args.split, args.count, args.img_size), CLASS_NAMES
-    shards = write_shards(samples, args.out, args.samples_per_shard, classes)
+    shards = write_shards(samples, args.out, args.samples_per_shard, classes, parquet=args.parquet)
     last = f"{len(shards) - 1:05d}" if shards else "none"
     print(f"{len(shards)} shards in {args.out}: {args.out}/{{00000..{last}}}.tar", file=sys.stdout)
     return 0

@@ -3,7 +3,8 @@
 ``OUT/00000.tar`` holds ``KEY.jpg`` (the image file's bytes as they are, under its own extension),
 ``KEY.txt`` (the caption), ``KEY.json`` (``key``, the source file, every caption, the class) and ``KEY.cls``
 (the class index, when there are classes); ``OUT/00000_stats.json`` says how many samples the tar holds
-(``successes``), as img2dataset's does; ``OUT/classes.txt`` names the classes one a line. Each file is
+(``successes``), as img2dataset's does, and with ``parquet=True`` ``OUT/00000.parquet`` a row per sample
+(``key``, ``caption``, ``status``, ``source``; needs pyarrow); ``OUT/classes.txt`` names the classes. Each file is
 written to a temporary name and renamed, so a stopped run leaves whole shards only.
 """
 
@@ -79,6 +80,7 @@ def write_shards(
     out_dir: str | Path,
     samples_per_shard: int = 10000,
     class_names: list[str] | None = None,
+    parquet: bool = False,
 ) -> list[Path]:
     """Write ``samples`` as shards of ``samples_per_shard`` into ``out_dir``; returns the shard paths.
 
@@ -110,6 +112,22 @@ def write_shards(
                     meta["label"] = sample.label
                     _add(tar, f"{key}.cls", str(sample.label).encode())
                 _add(tar, f"{key}.json", json.dumps(meta).encode())
+        if parquet:
+            rows = [
+                {"key": f"{number:05d}{i:0{digits}d}", "caption": (s.captions or [None])[0], "status": "success"}
+                | {"source": s.meta.get("source")}
+                for i, s in enumerate(batch)
+            ]
+            _write_parquet(out / f"{number:05d}.parquet", rows)
         stats = {"count": len(batch), "successes": len(batch), "failed_to_download": 0, "failed_to_resize": 0}
         atomic_write(out / f"{number:05d}_stats.json", json.dumps(stats, indent=1) + "\n")
         shards.append(path)
+
+
+def _write_parquet(path: Path, rows: list[dict]) -> None:
+    import pyarrow as pa  # optional: only parquet=True needs it
+    import pyarrow.parquet as pq
+
+    table = pa.table({column: [row[column] for row in rows] for column in rows[0]})
+    with atomic_open(path, "wb") as f:
+        pq.write_table(table, f)

@@ -8,9 +8,9 @@ or ``pipe:`` commands (``pipe:aws s3 cp s3://b/00000.tar -``). The ``webdataset`
 (``gopen``: files, ``pipe:``, URLs) and splits tars into samples (``tar_file_expander``, ``group_by_keys``),
 so the layout is read as it is, with no conversion.
 
-``shard_sizes`` gives each shard's sample count from its ``_stats.json`` where there is one, else from one
-counting pass over the shard (its member names only are grouped; nothing is decoded), kept in a cache
-file so that the pass runs once per shard.
+``shard_sizes`` gives each shard's sample count from its ``_stats.json`` (or the ``success`` rows of its
+``.parquet``) where there is one, else from one counting pass over the shard (members are grouped into
+samples, nothing is decoded), kept in a cache file so that the pass runs once per shard.
 """
 
 from __future__ import annotations
@@ -157,15 +157,26 @@ def shard_sizes(urls: Sequence[str], cache_dir: str | os.PathLike | None = None,
 
 
 def _stated_size(url: str) -> int | None:
+    """``successes`` of the shard's ``_stats.json``, else the ``success`` rows of its ``.parquet`` (pyarrow)."""
     path = stats_path(url)
-    if path is None or not path.is_file():
+    if path is None:
+        return None
+    if path.is_file():
+        try:
+            return int(json.loads(path.read_text())["successes"])
+        except (OSError, ValueError, KeyError, TypeError):
+            log.warning("%s has no readable 'successes' count; counting the shard instead", path)
+            return None
+    table = path.with_name(path.name[: -len("_stats.json")] + ".parquet")
+    if not table.is_file():
         return None
     try:
-        stats = json.loads(path.read_text())
-        return int(stats["successes"])
-    except (OSError, ValueError, KeyError, TypeError):
-        log.warning("%s has no readable 'successes' count; counting the shard instead", path)
+        import pyarrow.parquet as pq  # optional: only img2dataset's parquet beside a shard needs it
+
+        status = pq.read_table(table, columns=["status"]).column("status").to_pylist()
+    except (ImportError, OSError, KeyError, ValueError):
         return None
+    return sum(1 for s in status if s == "success")
 
 
 def _cache_key(url: str) -> str:
