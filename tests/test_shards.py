@@ -332,6 +332,23 @@ def test_a_preempted_epoch_resumes_with_every_sample_once_in_one_process(shards,
     assert len(keys) == len(set(keys)) and sorted(keys) == sorted(expected)
 
 
+def test_a_checkpoint_of_other_shards_starts_the_epoch_over(shards, caplog):
+    dm = _datamodule(shards, task="classification")
+    dm.setup("fit")
+    dm.epoch, dm.trained = 0, PositionSet([(0, 10)])
+    state = dm.state_dict()
+    same = _datamodule(shards, task="classification")
+    same.setup("fit")
+    same.load_state_dict(state)
+    assert same._resume["trained"] == [[0, 10]]
+    fewer = WebDatasetDataModule(
+        f"{shards['train']}/{{00000..00003}}.tar", str(shards["val"]), task="classification", num_workers=0
+    )
+    fewer.setup("fit")
+    fewer.load_state_dict(state)
+    assert fewer._resume is None and "the train shards (or data.samples_per_epoch) changed" in caplog.text
+
+
 def test_vitattn_shards_writes_an_image_folder_as_shards(tmp_path):
     make_image_folder(tmp_path / "tree", per_class=5)
     proc = subprocess.run(

@@ -10,6 +10,7 @@ skipped, whatever the number of ranks and workers of the resumed run (its batche
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -258,13 +259,27 @@ class WebDatasetDataModule(ImageDataModule):
             parts: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(parts, trained.ranges)
             trained = PositionSet([r for part in parts for r in part])
-        return {"epoch": self.epoch, "trained": [list(r) for r in trained.ranges], "seed": self.seed}
+        return {
+            "epoch": self.epoch,
+            "trained": [list(r) for r in trained.ranges],
+            "seed": self.seed,
+            "shards": self._fingerprint(),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("seed", self.seed) != self.seed:
-            log.warning("data.seed changed since the checkpoint: the resumed epoch starts over")
+        changed = [k for k, now in (("seed", self.seed), ("shards", self._fingerprint())) if state_dict.get(k) != now]
+        if changed:  # positions would name other samples: the epoch starts over rather than skip or repeat blindly
+            what = "data.seed" if changed == ["seed"] else "the train shards (or data.samples_per_epoch)"
+            log.warning("%s changed since the checkpoint: epoch %s starts over", what, state_dict.get("epoch"))
             return
         self._resume = dict(state_dict)
+
+    def _fingerprint(self) -> str:
+        """What the epoch positions refer to: the train shards in order, their sizes, the epoch's length limit."""
+        stream = self.train_dataset
+        listing = [] if stream is None else [f"{u} {n}" for u, n in zip(stream.urls, stream.sizes)]
+        text = "\n".join([*listing, str(self.samples_per_epoch)])
+        return hashlib.sha1(text.encode()).hexdigest()
 
     def evaluation_split(self, split: str) -> EvalSplit:
         stream = self.val_dataset if split == "val" else self.test_dataset
