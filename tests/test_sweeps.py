@@ -19,6 +19,7 @@ from optuna.trial import TrialState
 
 from hydra_plugins.vitattn_optuna_sweeper.search_space import search_space
 from hydra_plugins.vitattn_optuna_sweeper.storage import open_storage
+from hydra_plugins.vitattn_optuna_sweeper.sweeper import OptunaSweeper
 from tests.helpers import TINY, TINY_SHAPES
 from vitattn.cli.train import optimized_value
 from vitattn.run_dir import RunDir
@@ -229,6 +230,21 @@ def test_storage_spec_names_sqlite_journal_or_memory(tmp_path):
     assert isinstance(journal, JournalStorage)
     optuna.create_study(study_name="s", storage=journal).ask()
     assert (tmp_path / "b" / "s.journal").stat().st_size > 0
+
+
+def test_sweeper_seeds_each_trial_with_its_number(tmp_path):
+    """Workers that share a study with one seed draw different points; a trial number's point repeats."""
+    space, _ = search_space(["optim.lr=tag(log, interval(1e-4, 1e-2))", "head.decoder.depth=choice(1, 2, 3, 4)"])
+    sampler = OmegaConf.create({"_target_": "optuna.samplers.TPESampler", "seed": 42})
+    sweeper = OptunaSweeper("minimize", "s", None, 2, 1, 0.0, sampler, OmegaConf.create({}), None)
+
+    def draws(storage) -> list[dict]:
+        studies = [optuna.create_study(study_name="s", storage=storage, load_if_exists=True) for _ in range(2)]
+        return [sweeper.ask(study, space).params for _ in range(2) for study in studies]  # workers take turns
+
+    first = draws(open_storage(str(tmp_path / "a.journal")))
+    assert len({p["optim.lr"] for p in first}) == 4
+    assert draws(open_storage(str(tmp_path / "b.journal"))) == first
 
 
 def _study(storage: str) -> optuna.Study:
