@@ -200,6 +200,9 @@ def test_optuna_configs_name_metric_and_direction():
         cfg = _hydra_compose([f"hparams_search={search}"])
         assert cfg.optimized_metric == metric and cfg.hydra.sweeper.direction == direction
         assert set(cfg.hydra.sweeper.params) == {"optim.lr", "optim.weight_decay", "head.decoder.depth"}
+        assert cfg.callbacks.optuna_pruning.monitor == metric  # the pruner watches what the search optimises
+        assert cfg.hydra.sweeper.storage  # a study on disk: it outlives the command, and trials report to it
+    assert "optuna_pruning" not in _hydra_compose(["hparams_search=optuna", "~callbacks.optuna_pruning"]).callbacks
 
 
 def test_search_space_reads_hydras_sweep_grammar():
