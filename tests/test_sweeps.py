@@ -281,6 +281,13 @@ def test_two_workers_on_one_journal_run_six_different_trials(tmp_path):
         assert RunDir(run).load_config().optim.lr == trials[int(run.name)].params["optim.lr"]
 
 
+def _completed(storage: str) -> int:
+    try:
+        return sum(t.state == TrialState.COMPLETE for t in _study(storage).trials)
+    except KeyError:  # the search has not created its study yet
+        return 0
+
+
 @pytest.mark.slow
 def test_killed_search_continues_its_study(tmp_path):
     storage = f"sqlite:///{tmp_path}/optuna.db"
@@ -293,9 +300,7 @@ def test_killed_search_continues_its_study(tmp_path):
     )
     try:
         deadline = time.monotonic() + 600
-        while (tmp_path / "optuna.db").exists() is False or sum(
-            t.state == TrialState.COMPLETE for t in _study(storage).trials
-        ) < 2:
+        while _completed(storage) < 2:
             assert search.poll() is None and time.monotonic() < deadline, "the search ended before two trials"
             time.sleep(0.5)
     finally:

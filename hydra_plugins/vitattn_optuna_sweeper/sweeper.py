@@ -61,6 +61,8 @@ class OptunaSweeper(Sweeper):
 
     def sweep(self, arguments: list[str]) -> None:
         space, fixed = search_space([*(f"{k}={v}" for k, v in self.params.items()), *arguments])
+        # Optuna's "A new study created" line, in its own format: the line logged below says it in Hydra's
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
         study = optuna.create_study(
             study_name=self.study_name,
             storage=open_storage(self.storage),
@@ -69,7 +71,8 @@ class OptunaSweeper(Sweeper):
             direction=self.direction,
             load_if_exists=True,  # a restarted search, or another worker, continues the study
         )
-        log.info(f"Study {study.study_name} ({self.storage or 'in memory'}): {len(study.trials)} trials so far")
+        where = self.storage or "in memory"
+        log.info(f"Study {study.study_name} in {where}: {len(study.trials)} trials so far, {self.n_trials} to run")
         failures: list[str] = []
         done = 0
         while done < self.n_trials:
