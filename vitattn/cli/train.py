@@ -21,6 +21,7 @@ import hydra
 from omegaconf import DictConfig
 
 from vitattn.cli.errors import report_user_error, user_errors
+from vitattn.cli.noise import quiet_upstream
 from vitattn.errors import Preempted
 from vitattn.run_dir import RunDir
 
@@ -63,6 +64,7 @@ def optimized_value(metrics: dict[str, float], name: str | None) -> float | None
 def _hydra_main(cfg: DictConfig) -> float | None:
     from vitattn.training import train
 
+    quiet_upstream()  # after Hydra has configured logging
     with user_errors(cfg.get("debug", False)):
         try:
             result = train(cfg)
