@@ -331,10 +331,15 @@ def test_server_takes_a_raw_image_body_and_a_file_field_of_another_name(server, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_server_stops_on_a_signal_after_its_request_in_flight(bundle_dir, images, expected, signum):
-    """The signal goes to the server process alone (as ``kill PID`` sends it); a request waiting in a batch
-    (``batch_timeout=6``) is answered, new ones get 503, then every process of the group exits."""
+@pytest.mark.parametrize(
+    ("signum", "send"),
+    [(signal.SIGTERM, os.kill), (signal.SIGINT, os.kill), (signal.SIGINT, os.killpg)],
+    ids=["SIGTERM", "SIGINT", "ctrl-c-to-the-group"],
+)
+def test_server_stops_on_a_signal_after_its_request_in_flight(bundle_dir, images, expected, signum, send):
+    """The signal goes to the server process alone (as ``kill PID`` sends it) or, as Ctrl+C in a terminal, to
+    its whole process group; a request waiting in a batch (``batch_timeout=6``) is answered, new ones get
+    503, then every process of the group exits."""
     from vitattn.serve.stop import SHUTTING_DOWN
 
     proc, url = _start_server(bundle_dir, "max_batch_size=8", "batch_timeout=6", "timeout=30")
@@ -344,7 +349,7 @@ def test_server_stops_on_a_signal_after_its_request_in_flight(bundle_dir, images
         with ThreadPoolExecutor(1) as pool:
             in_flight = pool.submit(_post, url, images / "rgb.jpg", False)
             time.sleep(2)  # the request reaches the server and waits for its batch to fill
-            os.kill(proc.pid, signum)
+            send(proc.pid, signum)  # the server's pid is its group's id (start_new_session)
             deadline = time.monotonic() + 10
             while (health := httpx.get(f"{url}/health", timeout=10)).status_code != 503:
                 assert time.monotonic() < deadline, "the server did not start refusing requests in 10 s"
