@@ -1,8 +1,10 @@
 """Learning from small data: schedules that end at the run's limit, augmentation, cache, EMA, early stopping."""
 
+import csv
 import json
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +12,6 @@ import torch
 from PIL import Image
 
 from tests.helpers import TINY, TINY_SHAPES, compose_train, make_image_folder
-from vitattn.callbacks import EMA
 from vitattn.data import ImageFolderDataModule
 from vitattn.data.augment import Augment, CaptionAugment, auto_min_scale, classification_train_transform
 from vitattn.data.cache import should_cache
@@ -183,32 +184,68 @@ def test_label_smoothing_and_mixup_change_the_training_loss():
     assert all(math.isfinite(v) for v in losses.values()) and logits is not None
 
 
-def test_ema_weights_are_validated_tested_and_exported(tmp_path):
-    result = train(
-        compose_train(
-            [
-                *CLS,
-                "trainer.max_steps=6",
-                "trainer.max_epochs=-1",
-                "ema.decay=0.9",
-                "export_bundle=true",
-                "callbacks.step_checkpoint.every_n_train_steps=6",
-            ],
-            tmp_path,
-        )
-    )
-    ema = next(c for c in result.system.trainer.callbacks if isinstance(c, EMA))
-    averaged = {k[len("module.") :]: v for k, v in ema._average_model.state_dict().items() if k.startswith("module.")}
-    # The step checkpoint is written during the last step, before the average replaces the weights.
-    checkpoint = torch.load(tmp_path / "checkpoints" / "step000006.ckpt", weights_only=True)
-    raw = checkpoint["current_model_state"]  # the weights training reached, kept beside the average
+EMA_DECAY = 0.9
+EMA_ON = [f"ema.decay={EMA_DECAY}"]  # the config key that turns the EMA on
+
+
+def _independent_ema(raw: list[dict[str, torch.Tensor]], decay: float) -> list[dict[str, torch.Tensor]]:
+    """The EMA after each step, from the raw weights after each optimizer step: the first step's weights,
+    then average <- d * average + (1 - d) * weights with d = min(decay, (1 + n) / (10 + n)) after n updates
+    (timm's ModelEmaV3 warm-up)."""
+    averages = [{k: v.clone() for k, v in raw[0].items()}]
+    for n, weights in enumerate(raw[1:], start=1):
+        d = min(decay, (1.0 + n) / (10.0 + n))
+        averages.append({k: d * averages[-1][k] + (1.0 - d) * weights[k] for k in weights})
+    return averages
+
+
+def _scores(system, weights: dict[str, torch.Tensor], datamodule, stage: str) -> dict[str, float]:
+    """``system``'s own val or test metrics with ``weights`` loaded, by a Trainer without any callback."""
+    import lightning.pytorch as pl
+
+    missing, unexpected = system.model.load_state_dict(weights, strict=False)
+    assert not unexpected and all(name not in weights for name in missing)
+    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, **quiet)
+    return (trainer.validate if stage == "val" else trainer.test)(system, datamodule=datamodule, verbose=False)[0]
+
+
+def test_ema_weights_are_validated_tested_and_exported(tmp_path, monkeypatch):
+    from lightning.pytorch.loggers import CSVLogger
     from safetensors.torch import load_file
 
+    from vitattn.systems import ClassificationSystem
+
+    raw = {}  # global step -> the weights the optimizer reached, before any averaging
+
+    def record(self, outputs, batch, batch_idx):
+        raw[self.global_step] = {k: v.detach().clone() for k, v in self.model.named_parameters()}
+
+    monkeypatch.setattr(ClassificationSystem, "on_train_batch_end", record)
+    run = [*CLS, *EMA_ON, "trainer.max_steps=6", "trainer.max_epochs=-1", "trainer.val_check_interval=3"]
+    run += ["trainer.check_val_every_n_epoch=null", "test=true", "export_bundle=true", "weights=last"]
+    run += ["optim.lr=3e-2", "optim.warmup_steps=1"]  # weights that move: the average lags them visibly
+    result = train(compose_train(run, tmp_path))
+    assert sorted(raw) == [1, 2, 3, 4, 5, 6]
+    ema = dict(zip(sorted(raw), _independent_ema([raw[s] for s in sorted(raw)], EMA_DECAY)))
+    assert max((ema[6][k] - raw[6][k]).abs().max() for k in raw[6]) > 1e-4  # the average is not the last weights
+
     exported = load_file(tmp_path / "bundle" / "model.safetensors")
-    name = "blocks.0.mha.wq.weight"
-    torch.testing.assert_close(exported[name], averaged[f"model.{name}"])
-    torch.testing.assert_close(checkpoint["state_dict"][f"model.{name}"], averaged[f"model.{name}"])
-    assert (exported[name] - raw[f"model.{name}"]).abs().max() > 1e-4
+    for key, value in ema[6].items():
+        torch.testing.assert_close(exported[key], value, rtol=1e-5, atol=1e-6)
+
+    logger = next(x for x in result.system.trainer.loggers if isinstance(x, CSVLogger))
+    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv", newline="")))
+    # The CSV's step column is zero-based: validation after global step 3 is logged at step 2.
+    validated = {int(r["step"]) + 1: float(r["val/loss"]) for r in rows if r.get("val/loss")}
+    (tested,) = [float(r["test/loss"]) for r in rows if r.get("test/loss")]
+    assert sorted(validated) == [3, 6], validated
+    datamodule = result.system.trainer.datamodule
+    for step, logged in validated.items():
+        assert logged == pytest.approx(_scores(result.system, ema[step], datamodule, "val")["val/loss"], rel=1e-5)
+        assert logged != pytest.approx(_scores(result.system, raw[step], datamodule, "val")["val/loss"], rel=1e-3)
+    assert tested == pytest.approx(_scores(result.system, ema[6], datamodule, "test")["test/loss"], rel=1e-5)
+    assert tested != pytest.approx(_scores(result.system, raw[6], datamodule, "test")["test/loss"], rel=1e-3)
 
 
 def test_early_stopping_ends_a_run_that_stops_improving(tmp_path):
