@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, make_image_folder
+from tests.helpers import TINY, TINY_SHAPES, compose_train, make_image_folder, metrics_with_weights
 from vitattn.data import ImageFolderDataModule
 from vitattn.data.augment import Augment, CaptionAugment, auto_min_scale, classification_train_transform
 from vitattn.data.cache import should_cache
@@ -199,17 +199,6 @@ def _independent_ema(raw: list[dict[str, torch.Tensor]], decay: float) -> list[d
     return averages
 
 
-def _scores(system, weights: dict[str, torch.Tensor], datamodule, stage: str) -> dict[str, float]:
-    """``system``'s own val or test metrics with ``weights`` loaded, by a Trainer without any callback."""
-    import lightning.pytorch as pl
-
-    missing, unexpected = system.model.load_state_dict(weights, strict=False)
-    assert not unexpected and all(name not in weights for name in missing)
-    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, **quiet)
-    return (trainer.validate if stage == "val" else trainer.test)(system, datamodule=datamodule, verbose=False)[0]
-
-
 def test_ema_weights_are_validated_tested_and_exported(tmp_path, monkeypatch):
     from lightning.pytorch.loggers import CSVLogger
     from safetensors.torch import load_file
@@ -242,10 +231,18 @@ def test_ema_weights_are_validated_tested_and_exported(tmp_path, monkeypatch):
     assert sorted(validated) == [3, 6], validated
     datamodule = result.system.trainer.datamodule
     for step, logged in validated.items():
-        assert logged == pytest.approx(_scores(result.system, ema[step], datamodule, "val")["val/loss"], rel=1e-5)
-        assert logged != pytest.approx(_scores(result.system, raw[step], datamodule, "val")["val/loss"], rel=1e-3)
-    assert tested == pytest.approx(_scores(result.system, ema[6], datamodule, "test")["test/loss"], rel=1e-5)
-    assert tested != pytest.approx(_scores(result.system, raw[6], datamodule, "test")["test/loss"], rel=1e-3)
+        assert logged == pytest.approx(
+            metrics_with_weights(result.system, ema[step], datamodule, "val")["val/loss"], rel=1e-5
+        )
+        assert logged != pytest.approx(
+            metrics_with_weights(result.system, raw[step], datamodule, "val")["val/loss"], rel=1e-3
+        )
+    assert tested == pytest.approx(
+        metrics_with_weights(result.system, ema[6], datamodule, "test")["test/loss"], rel=1e-5
+    )
+    assert tested != pytest.approx(
+        metrics_with_weights(result.system, raw[6], datamodule, "test")["test/loss"], rel=1e-3
+    )
 
 
 def test_early_stopping_ends_a_run_that_stops_improving(tmp_path):
