@@ -180,7 +180,7 @@ def test_label_smoothing_and_mixup_change_the_training_loss():
         torch.manual_seed(0)
         system = ClassificationSystem(config, ["a", "b", "c"], **kwargs)
         system.log = lambda *a, **k: None  # no trainer attached
-        losses[name] = float(system.training_step((images, labels), 0))
+        losses[name] = float(system.training_step((images, labels), 0).detach())
     logits = ClassificationSystem(config, ["a", "b", "c"]).model  # same seed: same weights
     assert losses["smooth"] != losses["plain"] and losses["mixup"] != losses["plain"]
     assert all(math.isfinite(v) for v in losses.values()) and logits is not None
@@ -226,7 +226,8 @@ def test_ema_weights_are_validated_tested_and_exported(tmp_path, monkeypatch):
         torch.testing.assert_close(exported[key], value, rtol=1e-5, atol=1e-6)
 
     logger = next(x for x in result.system.trainer.loggers if isinstance(x, CSVLogger))
-    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv", newline="")))
+    with open(Path(logger.log_dir) / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
     # The CSV's step column is zero-based: validation after global step 3 is logged at step 2.
     validated = {int(r["step"]) + 1: float(r["val/loss"]) for r in rows if r.get("val/loss")}
     (tested,) = [float(r["test/loss"]) for r in rows if r.get("test/loss")]

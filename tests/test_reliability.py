@@ -325,6 +325,9 @@ def _poison(monkeypatch, steps) -> None:
 STEP_CKPT = ["callbacks.step_checkpoint.every_n_train_steps=5", "logger=csv", "trainer.log_every_n_steps=1"]
 
 
+# The resumed run writes into the first run's folder on purpose (resume=DIR).
+@pytest.mark.filterwarnings("ignore:Experiment logs directory .* exists and is not empty:UserWarning")
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty:UserWarning")
 def test_nan_loss_stops_naming_the_step_and_keeps_last_checkpoint(tmp_path, monkeypatch):
     train(compose_train([*CLS, *QUIET, *STEP_CKPT, "trainer.max_steps=5"], tmp_path))
     last = tmp_path / "checkpoints" / "last.ckpt"
@@ -372,7 +375,15 @@ def test_nan_loss_from_the_cli_is_one_line_and_keeps_the_good_checkpoint(tmp_pat
 
 def test_nan_loss_skipped_and_counted_with_nonfinite_skip(tmp_path, monkeypatch):
     _poison(monkeypatch, steps={3, 4})
-    result = train(compose_train([*CLS, *QUIET, *STEP_CKPT, "trainer.max_steps=8", "head.nonfinite=skip"], tmp_path))
+    with pytest.warns(UserWarning) as warned:
+        result = train(
+            compose_train([*CLS, *QUIET, *STEP_CKPT, "trainer.max_steps=8", "head.nonfinite=skip"], tmp_path)
+        )
+    messages = [str(w.message) for w in warned]
+    assert [m for m in messages if m.startswith("non-finite training loss")] == [
+        "non-finite training loss nan at step 3 (epoch 0); batch skipped (1 so far)",
+        "non-finite training loss nan at step 4 (epoch 0); batch skipped (2 so far)",
+    ]
     assert result.global_step == 8
     assert result.system.skipped_batches == 2
     with open(tmp_path / "csv" / "metrics.csv", newline="") as f:
