@@ -5,7 +5,6 @@ machine without one. Loaded by tests/conftest.py; tests/test_skip_policy.py runs
 import os
 
 import pytest
-import torch
 
 # Markers whose tests may skip in CI, and why. Keep it short: each entry is a test CI never runs.
 CI_MAY_SKIP = {"gpu": "needs a CUDA device; CI runs on CPU"}
@@ -22,10 +21,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    gpu_only = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_only:
         return
-    for item in items:
-        if item.get_closest_marker("gpu"):
+    import torch  # heavy: imported only when a gpu test was collected
+
+    if not torch.cuda.is_available():
+        for item in gpu_only:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
