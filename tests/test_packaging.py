@@ -27,6 +27,7 @@ FAST = [*TINY, *TINY_SHAPES, "trainer.fast_dev_run=true", "num_threads=1"]
 # pip offline and quiet: no index, no version check against PyPI.
 PIP_ENV = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PACKAGES = [name.rstrip("*") for name in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,8 @@ def wheel(tmp_path_factory) -> Path:
     source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
-    shutil.copytree(ROOT / "vitattn", source / "vitattn", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     command = [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "--no-index"]
     subprocess.run([*command, "-q", "-w", str(out)], check=True, capture_output=True, env=PIP_ENV)
     (built,) = out.glob("vitattn-*.whl")
@@ -60,9 +62,9 @@ def test_wheel_metadata_has_licence_version_and_types(wheel):
 
 
 def _imported_distributions() -> dict[str, set[str]]:
-    """Distribution name -> the vitattn files that import it (top-level and function-level imports alike)."""
+    """Distribution name -> the packaged files that import it (top-level and function-level imports alike)."""
     owners, found = packages_distributions(), {}
-    for path in (ROOT / "vitattn").rglob("*.py"):
+    for path in (path for package in PACKAGES for path in (ROOT / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 modules = [alias.name for alias in node.names]
@@ -72,7 +74,7 @@ def _imported_distributions() -> dict[str, set[str]]:
                 continue
             for module in modules:
                 top = module.split(".")[0]
-                if top in sys.stdlib_module_names or top == "vitattn":
+                if top in sys.stdlib_module_names or top in PACKAGES:
                     continue
                 for dist in owners.get(top, [top]):
                     found.setdefault(_normalize(dist), set()).add(path.relative_to(ROOT).as_posix())
