@@ -325,9 +325,6 @@ def _poison(monkeypatch, steps) -> None:
 STEP_CKPT = ["callbacks.step_checkpoint.every_n_train_steps=5", "logger=csv", "trainer.log_every_n_steps=1"]
 
 
-# The resumed run writes into the first run's folder on purpose (resume=DIR).
-@pytest.mark.filterwarnings("ignore:Experiment logs directory .* exists and is not empty:UserWarning")
-@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty:UserWarning")
 def test_nan_loss_stops_naming_the_step_and_keeps_last_checkpoint(tmp_path, monkeypatch):
     train(compose_train([*CLS, *QUIET, *STEP_CKPT, "trainer.max_steps=5"], tmp_path))
     last = tmp_path / "checkpoints" / "last.ckpt"
