@@ -34,6 +34,18 @@ TINY = [
 TINY_SHAPES = ["data.num_train=64", "data.num_val=16", "data.num_test=16"]
 
 
+def metrics_with_weights(system, weights: dict, datamodule, stage: str) -> dict[str, float]:
+    """``system``'s own val or test metrics with the model ``weights`` loaded, by a Trainer without callbacks:
+    what a run's logged metrics must equal when it validated or tested those weights."""
+    import lightning.pytorch as pl
+
+    missing, unexpected = system.model.load_state_dict(weights, strict=False)
+    assert not unexpected and all(name not in weights for name in missing)
+    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, **quiet)
+    return (trainer.validate if stage == "val" else trainer.test)(system, datamodule=datamodule, verbose=False)[0]
+
+
 # A tiny untrained captioner for inference tests: 32 px images, 8 px patches, width 32, 2 layers.
 CAPTION_WORDS = "a red blue green circle square on the left right".split()
 CAPTION_PREPROCESS = dict(

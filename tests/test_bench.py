@@ -6,13 +6,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from vitattn.bench import cli, workloads
+from vitattn.bench import cli, timing, workloads
 from vitattn.bench.caption import given_memory
 from vitattn.bench.flops import counted_flops, vit_flops
 from vitattn.bench.machine import matmul_gflops
@@ -52,19 +52,20 @@ def test_interleaved_calls_round_robin():
     assert all(s >= 0 for v in samples.values() for s in v)
 
 
-def test_interleaved_min_time_sizes_an_inner_loop_and_reports_per_call():
+def test_interleaved_min_time_sizes_an_inner_loop_and_reports_per_call(monkeypatch):
+    now = [0.0]  # a clock that each call moves by 2 ms: no wall-clock time in the test
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     calls = []
 
-    def sleep() -> None:
+    def two_ms() -> None:
         calls.append(1)
-        time.sleep(0.002)
+        now[0] += 0.002
 
-    samples = interleaved({"s": sleep}, repeats=2, warmup=1, min_time=0.05)["s"]
-    assert len(calls) >= 1 + 2 * 2  # the inner loop repeats the call to fill min_time
-    # seconds per call (~0.002), not per sample (>= min_time): a wide margin for a loaded machine
-    assert all(0.002 <= s < 0.025 for s in samples)
+    samples = interleaved({"s": two_ms}, repeats=2, warmup=1, min_time=0.05)["s"]
+    assert len(calls) == 1 + 2 * 25  # one warm-up call, then 0.05 / 0.002 = 25 calls per sample
+    assert samples == pytest.approx([0.002, 0.002])  # seconds per call, not per sample
     with pytest.raises(ValueError, match="warmup=0 and repeats=5 must be at least 1"):
-        interleaved({"s": sleep}, warmup=0)
+        interleaved({"s": two_ms}, warmup=0)
 
 
 def test_paired_speedup_is_median_of_round_ratios():

@@ -372,7 +372,15 @@ def test_nan_loss_from_the_cli_is_one_line_and_keeps_the_good_checkpoint(tmp_pat
 
 def test_nan_loss_skipped_and_counted_with_nonfinite_skip(tmp_path, monkeypatch):
     _poison(monkeypatch, steps={3, 4})
-    result = train(compose_train([*CLS, *QUIET, *STEP_CKPT, "trainer.max_steps=8", "head.nonfinite=skip"], tmp_path))
+    with pytest.warns(UserWarning) as warned:
+        result = train(
+            compose_train([*CLS, *QUIET, *STEP_CKPT, "trainer.max_steps=8", "head.nonfinite=skip"], tmp_path)
+        )
+    messages = [str(w.message) for w in warned]
+    assert [m for m in messages if m.startswith("non-finite training loss")] == [
+        "non-finite training loss nan at step 3 (epoch 0); batch skipped (1 so far)",
+        "non-finite training loss nan at step 4 (epoch 0); batch skipped (2 so far)",
+    ]
     assert result.global_step == 8
     assert result.system.skipped_batches == 2
     with open(tmp_path / "csv" / "metrics.csv", newline="") as f:

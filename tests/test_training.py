@@ -10,7 +10,16 @@ import torch
 from lightning.pytorch import Trainer
 from omegaconf import OmegaConf
 
-from tests.helpers import CONF_DIR, TINY, TINY_SHAPES, compose_train, make_coco, make_image_folder, make_karpathy
+from tests.helpers import (
+    CONF_DIR,
+    TINY,
+    TINY_SHAPES,
+    compose_train,
+    make_coco,
+    make_image_folder,
+    make_karpathy,
+    metrics_with_weights,
+)
 from vitattn.bundle import load_bundle
 from vitattn.models import TRAINING_KEYS, VisionTransformer
 from vitattn.training import train
@@ -322,19 +331,39 @@ def test_num_threads_sets_torch_threads(tmp_path, monkeypatch):
     assert seen == [1]
 
 
-def test_the_best_checkpoint_is_tested_and_exported(tmp_path):
+def _model_weights(checkpoint: dict) -> dict[str, torch.Tensor]:
+    return {k[len("model.") :]: v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
+
+
+def test_the_best_checkpoint_is_tested_and_exported(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     from vitattn.cli.export import main as export_main
+    from vitattn.systems import ClassificationSystem
 
+    def ruin_after_step_12(self, outputs, batch, batch_idx):
+        if self.global_step > 12:  # noise over every weight: each later validation is worse than the best
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.add_(torch.randn_like(p))
+
+    monkeypatch.setattr(ClassificationSystem, "on_train_batch_end", ruin_after_step_12)
     overrides = ["head=classification", *TINY, *TINY_SHAPES, "trainer.max_steps=24", "trainer.max_epochs=-1"]
-    result = train(compose_train([*overrides, "optim.lr=5e-3"], tmp_path / "run"))
+    overrides += ["trainer.val_check_interval=4", "trainer.check_val_every_n_epoch=null", "optim.lr=5e-3"]
+    result = train(compose_train(overrides, tmp_path / "run"))
     run = tmp_path / "run"
     best = torch.load(run / "checkpoints" / "best.ckpt", weights_only=True)
     last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert best["global_step"] <= 12 < last["global_step"] == 24  # best is not last
     assert result.weights.startswith("best (val/acc ") and result.weights.endswith(f"at step {best['global_step']})")
+    weights = {which: _model_weights(c) for which, c in (("best", best), ("last", last))}
     bundle = load_file(run / "bundle" / "model.safetensors")
-    assert all(torch.equal(bundle[k], best["state_dict"][f"model.{k}"]) for k in bundle)
+    assert bundle.keys() == weights["best"].keys()
+    assert all(torch.equal(bundle[k], weights["best"][k]) for k in bundle)
+    datamodule = result.system.trainer.datamodule
+    tested = {k: metrics_with_weights(result.system, w, datamodule, "test")["test/loss"] for k, w in weights.items()}
+    assert result.metrics["test/loss"] == pytest.approx(tested["best"], rel=1e-5)
+    assert result.metrics["test/loss"] != pytest.approx(tested["last"], rel=1e-2)
     for which, checkpoint in (("best", best), ("last", last)):
         out = tmp_path / which
         assert export_main([f"model={run}", f"which={which}", f"out={out}"]) == 0
