@@ -285,10 +285,8 @@ def _post(url: str, path: Path, as_json: bool) -> httpx.Response:
 def test_server_answers_concurrent_good_and_bad_images(server, images, expected):
     names = [n for n in expected if n != "folder.png"]
     jobs = [(n, as_json) for n in names for as_json in (False, True)]  # 28 requests, 8 clients at a time
-    started = time.monotonic()
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(8) as pool:  # a hang fails on httpx's timeout or pytest-timeout, not on a clock
         responses = list(pool.map(lambda job: _post(server, images / job[0], job[1]), jobs))
-    assert time.monotonic() - started < 120
     for (name, as_json), response in zip(jobs, responses):
         record = expected[name]
         if "error" in record:
