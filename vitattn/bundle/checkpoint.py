@@ -17,18 +17,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from vitattn.bundle.arguments import build_model
 from vitattn.bundle.folder import (
     BUNDLE_FORMAT,
     BUNDLE_VERSION,
-    TASKS,
     VOCAB_FILE,
     Bundle,
-    build_model,
     finish_bundle,
     plain_json,
     save_bundle,
 )
 from vitattn.data.preprocess import check_preprocess, default_preprocess
+from vitattn.data.tasks import TASKS
 from vitattn.data.vocab import SPECIALS, Vocabulary
 from vitattn.errors import first_line
 from vitattn.models import ImageCaptioner

@@ -34,7 +34,7 @@ log = logging.getLogger("vitattn")
 
 def parse_args(argv: list[str]) -> tuple[DictConfig, int]:
     """Hydra overrides (and ``threads=N``) -> the composed training config and the number of threads."""
-    from vitattn.config import compose_train
+    from vitattn.training.compose import compose_train
 
     threads = 0
     overrides = []
@@ -57,8 +57,9 @@ def run(args: tuple[DictConfig, int]) -> int:
     """Check the images of the composed config's data; returns the exit status (1 when some are bad)."""
     import hydra
 
-    from vitattn.config import check_data_paths, check_targets, data_name
+    from vitattn.config import check_data_paths, data_name
     from vitattn.data.bad_images import find_bad_images
+    from vitattn.targets import check_targets
     from vitattn.training.data import setup_data
 
     cfg, threads = args

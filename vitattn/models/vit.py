@@ -14,7 +14,7 @@ import torch
 from timm.layers import PatchEmbed, build_sincos2d_pos_embed, resample_abs_pos_embed, trunc_normal_
 from torch import Tensor, nn
 
-from vitattn.layers import EncoderLayer
+from vitattn.layers import EncoderLayer, check_heads
 
 __all__ = ["PRESETS", "TRAINING_KEYS", "VisionTransformer", "layer_groups", "preset_config", "vit_preset"]
 
@@ -117,8 +117,7 @@ class VisionTransformer(nn.Module):
         super().__init__()
         if img_size % patch_size != 0:
             raise ValueError(f"img_size={img_size} must be divisible by patch_size={patch_size}")
-        if num_heads <= 0 or embed_dim % num_heads != 0:
-            raise ValueError(f"num_heads={num_heads} must divide embed_dim={embed_dim}")
+        check_heads(num_heads, embed_dim)
         if global_pool not in POOLS:
             raise ValueError(f"global_pool={global_pool!r} is unknown; choose one of {list(POOLS)}")
         if pos_embed_init not in POS_EMBED_INITS:
