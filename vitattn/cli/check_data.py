@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Any
 
+import hydra
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 
@@ -34,6 +35,7 @@ log = logging.getLogger("vitattn")
 
 def parse_args(argv: list[str]) -> tuple[DictConfig, int]:
     """Hydra overrides (and ``threads=N``) -> the composed training config and the number of threads."""
+    # heavy: torch and Lightning load once the arguments are good, so --help and usage errors stay instant
     from vitattn.training.compose import compose_train
 
     threads = 0
@@ -55,8 +57,7 @@ def parse_args(argv: list[str]) -> tuple[DictConfig, int]:
 
 def run(args: tuple[DictConfig, int]) -> int:
     """Check the images of the composed config's data; returns the exit status (1 when some are bad)."""
-    import hydra
-
+    # heavy: torch and Lightning load once the arguments are good, so --help and usage errors stay instant
     from vitattn.config import check_data_paths, data_name
     from vitattn.data.bad_images import find_bad_images
     from vitattn.targets import check_targets

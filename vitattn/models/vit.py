@@ -8,9 +8,11 @@ Stages as in timm: ``forward_features`` (B, N, D) -> ``pool`` (B, D) -> ``forwar
 from __future__ import annotations
 
 import re
+from importlib.resources import files
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from timm.layers import PatchEmbed, build_sincos2d_pos_embed, resample_abs_pos_embed, trunc_normal_
 from torch import Tensor, nn
 
@@ -30,10 +32,6 @@ TRAINING_KEYS = ("pretrained", "freeze_encoder_epochs")  # model settings that a
 def preset_config(name: str) -> dict[str, Any]:
     """``VisionTransformer`` keyword arguments of a named size, read from ``vitattn/conf/model/<name>.yaml``
     (the one place the sizes are written); ``img_size`` is left to the caller (224 by default)."""
-    from importlib.resources import files
-
-    from omegaconf import OmegaConf
-
     if name not in PRESETS:
         raise ValueError(f"preset={name!r} is unknown; choose one of {sorted(PRESETS)}")
     folder = files("vitattn.conf") / "model"
