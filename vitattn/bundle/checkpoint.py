@@ -146,9 +146,8 @@ def _read_labels(path: Path, hparams: Mapping[str, Any], task: str) -> tuple[Voc
         words = hparams.get("vocab")
         if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
             raise ValueError(f"{path}: hyper_parameters needs 'vocab', the list of words in id order")
-        return Vocabulary(
-            list(words[len(SPECIALS) :]) if tuple(words[: len(SPECIALS)]) == SPECIALS else list(words)
-        ), None
+        words = list(words[len(SPECIALS) :]) if tuple(words[: len(SPECIALS)]) == SPECIALS else list(words)
+        return Vocabulary(words), None
     class_names = hparams.get("class_names")
     if not isinstance(class_names, (list, tuple)):
         raise ValueError(f"{path}: hyper_parameters needs 'class_names'")
