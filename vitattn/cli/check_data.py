@@ -35,7 +35,7 @@ log = logging.getLogger("vitattn")
 
 def parse_args(argv: list[str]) -> tuple[DictConfig, int]:
     """Hydra overrides (and ``threads=N``) -> the composed training config and the number of threads."""
-    # heavy: torch and Lightning load once the arguments are good, so --help and usage errors stay instant
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.training.compose import compose_train
 
     threads = 0
@@ -57,7 +57,7 @@ def parse_args(argv: list[str]) -> tuple[DictConfig, int]:
 
 def run(args: tuple[DictConfig, int]) -> int:
     """Check the images of the composed config's data; returns the exit status (1 when some are bad)."""
-    # heavy: torch and Lightning load once the arguments are good, so --help and usage errors stay instant
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.config import check_data_paths, data_name
     from vitattn.data.bad_images import find_bad_images
     from vitattn.targets import check_targets

@@ -75,7 +75,7 @@ def parse_args(argv: list[str]) -> Any:
 
 def run(cfg: Any) -> int:
     """Evaluate as ``cfg`` says; returns the exit status (0 every image scored, 1 some were not)."""
-    # heavy: torch and Lightning load once the arguments are good, so --help and usage errors stay instant
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.bundle import load_bundle
     from vitattn.evaluation import evaluate_captions, evaluate_classification, format_report, write_report
     from vitattn.run_dir import RunDir

@@ -45,7 +45,7 @@ def parse_args(argv: list[str]) -> Any:
 
 def run(cfg: Any) -> int:
     """Load ``cfg.model`` and save it as a bundle at ``cfg.out``."""
-    # heavy: torch and Lightning load once the arguments are good, so --help and usage errors stay instant
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.bundle import load_bundle, save_bundle
     from vitattn.run_dir import RunDir
 

@@ -77,7 +77,7 @@ def parse_args(argv: list[str]) -> Any:
 
 def run(cfg: Any) -> int:
     """Load the model once here (a bad model fails now, in one line), then serve until interrupted."""
-    # heavy: torch and Lightning load once the arguments are good, so --help and usage errors stay instant
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.bundle import load_bundle
     from vitattn.serve import CaptionAPI, build_server
 

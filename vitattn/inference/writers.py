@@ -96,7 +96,7 @@ class OutputFiles:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         f = open(self.progress, "ab")  # noqa: SIM115 - held for the whole run
         try:
-            import fcntl
+            import fcntl  # optional: POSIX only; elsewhere the progress file is not locked
         except ImportError:  # pragma: no cover - not on POSIX
             return f
         try:
