@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 from vitattn.cli.args import UsageError, run_main
 from vitattn.errors import first_line
+from vitattn.targets import check_targets
 
 __all__ = ["main", "parse_args", "run"]
 
@@ -60,7 +61,6 @@ def run(args: tuple[DictConfig, int]) -> int:
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.config import check_data_paths, data_name
     from vitattn.data.bad_images import find_bad_images
-    from vitattn.targets import check_targets
     from vitattn.training.data import setup_data
 
     cfg, threads = args

@@ -34,6 +34,7 @@ from omegaconf import MISSING
 
 from vitattn.cli.args import UsageError, generate_settings, parse_key_values, resolve_device, run_main
 from vitattn.decoding import SEARCH_KEYS
+from vitattn.run_dir import RunDir
 
 __all__ = ["EvalConfig", "main", "parse_args", "run"]
 
@@ -78,7 +79,6 @@ def run(cfg: Any) -> int:
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.bundle import load_bundle
     from vitattn.evaluation import evaluate_captions, evaluate_classification, format_report, write_report
-    from vitattn.run_dir import RunDir
 
     bundle = load_bundle(cfg.model, device=resolve_device(cfg.device))
     run = RunDir.find(cfg.model)
