@@ -5,7 +5,8 @@ reported as one ``ConfigError`` line that names the key and the fix. Rules about
 (heads that divide the width, a patch that divides the image, known activations and pools) belong
 to the models: the config is checked by building them on the ``meta`` device (no memory, no time)
 and their messages are given the config keys' full names. ``model.pretrained`` must name something
-that exists (its weights are read, and checked against the model, when the system is built).
+that exists (``check_source`` says what; ``vitattn.training.pretrained`` reads the weights, and checks
+them against the model, when the system is built).
 """
 
 from __future__ import annotations
