@@ -28,6 +28,8 @@ def test_warmup_cosine_reaches_its_floor_at_the_horizon_and_follows_a_moved_one(
     schedule.total_steps = 500  # a shorter budget than first thought: the floor comes sooner
     assert schedule(500) == pytest.approx(0.01) and schedule(275) == pytest.approx(0.505)
     assert WarmupCosine(total_steps=100, warmup_steps=50, min_lr_ratio=0.0).warmup_steps == 10  # capped at 1/10
+    assert WarmupCosine(total_steps=938, warmup_steps="auto", min_lr_ratio=0.0).warmup_steps == 93  # a tenth
+    assert WarmupCosine(total_steps=10_000, warmup_steps="auto", min_lr_ratio=0.0).warmup_steps == 200
 
 
 def _final_lr_ratio(result) -> tuple[float, int]:
@@ -238,6 +240,7 @@ def test_startup_warns_when_the_config_fights_the_data(tmp_path, caplog):
     assert len(endless) == 1 and "the learning-rate schedule has no end" in endless[0]
     short = _warnings([*base, "trainer.max_steps=50", "optim.warmup_steps=200"], tmp_path)
     assert len(short) == 1 and "optim.warmup_steps=200 is more than a tenth of the 50-step run" in short[0]
+    assert _warnings([*base, "trainer.max_steps=50", "optim.warmup_steps=auto"], tmp_path) == []  # the default
     timed = _warnings([*base, "trainer.max_epochs=-1", "trainer.max_time=00:00:05:00"], tmp_path)
     assert timed == []  # a time budget sets the horizon (TimeBudgetHorizon)
 

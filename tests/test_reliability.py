@@ -71,6 +71,10 @@ CONFIG_ERRORS = {
         "data=imagefolder head=classification data.root={folder} data.augment.crop=zoom",
         r"^data\.augment\.crop='zoom' is unknown; use one of \['resized', 'pad'\]",
     ),
+    "warmup": (
+        "optim.warmup_steps=soon",
+        r"^optim\.warmup_steps='soon' must be a whole number of steps, or auto",
+    ),
     "augment-scale": (
         "data=imagefolder head=classification data.root={folder} data.augment.scale=[0.9,0.2]",
         r"^data\.augment\.scale=\[0\.9, 0\.2\] must satisfy 0 < min <= max <= 1",

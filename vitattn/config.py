@@ -196,6 +196,9 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"data.bad_images={cfg.data.bad_images!r} is unknown; choose raise or skip")
     if cfg.data.get("augment") is not None:
         _check_augment(cfg.data)
+    warmup = cfg.optim.get("warmup_steps", "auto")
+    if warmup != "auto" and (not isinstance(warmup, int) or warmup < 0):
+        raise ConfigError(f"optim.warmup_steps={warmup!r} must be a whole number of steps, or auto")
     supported = _data_tasks(cfg.data)
     if task not in supported:
         if task == "caption":

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from vitattn.cli.errors import USER_ERRORS, report_user_error
+from vitattn.cli.noise import quiet_upstream
 from vitattn.decoding import GENERATE_KEYS
 from vitattn.errors import brief, first_line
 
@@ -111,6 +112,7 @@ def run_main(doc: str, argv: Sequence[str] | None, parse: Callable[[list[str]], 
         print(doc.strip())
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    quiet_upstream()
     try:
         return run(parse(argv))
     except USER_ERRORS as err:

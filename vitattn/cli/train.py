@@ -21,6 +21,7 @@ import hydra
 from omegaconf import DictConfig
 
 from vitattn.cli.errors import report_user_error, user_errors
+from vitattn.cli.noise import quiet_upstream
 from vitattn.errors import Preempted
 from vitattn.run_dir import RunDir
 
@@ -64,6 +65,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.training import train
 
+    quiet_upstream()  # after Hydra has configured logging
     with user_errors(cfg.get("debug", False)):
         try:
             result = train(cfg)
