@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from PIL import Image
 
 import vitattn.conf
-from vitattn.config import compose_train as compose
+from vitattn.training.compose import compose_train as compose
 
 CONF_DIR = Path(vitattn.conf.__file__).parent
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"

@@ -7,7 +7,8 @@ from timm.optim import param_groups_weight_decay
 
 import vitattn.training.run as run
 from tests.helpers import TINY, TINY_SHAPES, compose_train
-from vitattn.config import ConfigError, check_config
+from vitattn.config import check_config
+from vitattn.errors import ConfigError
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 from vitattn.systems.optim import add_param_groups, build_optimizer, head_modules, no_weight_decay_names, param_groups
 from vitattn.training import train

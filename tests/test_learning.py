@@ -299,7 +299,7 @@ def test_auto_workers_and_threads_never_oversubscribe_the_cores(tmp_path, monkey
 
     from hydra.utils import instantiate
 
-    from vitattn.training.run import plan_cores
+    from vitattn.training.resources import plan_cores
 
     folder = make_image_folder(tmp_path / "folder", per_class=2, size=20)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))

@@ -14,8 +14,9 @@ from safetensors.torch import save_file
 
 from tests.helpers import TINY, TINY_SHAPES, compose_train
 from vitattn.bundle import load_bundle, save_bundle
-from vitattn.config import ConfigError, check_config
+from vitattn.config import check_config
 from vitattn.data.preprocess import default_preprocess
+from vitattn.errors import ConfigError
 from vitattn.models import VisionTransformer
 from vitattn.models.vit import preset_config
 from vitattn.training import build_system, train

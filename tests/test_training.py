@@ -292,9 +292,9 @@ def test_ddp_training_exports_one_bundle_from_rank_zero_only(tmp_path):
     ],
 )
 def test_compile_auto_follows_the_accelerator(overrides, expected, tmp_path):
-    from vitattn.training.run import _should_compile
+    from vitattn.training.compile import should_compile
 
-    assert _should_compile(compose_train(overrides, tmp_path)) is expected
+    assert should_compile(compose_train(overrides, tmp_path)) is expected
 
 
 @pytest.mark.slow

@@ -83,6 +83,7 @@ def _literal(value: str | None) -> str | None:
 
 def resolve_device(name: str) -> str:
     """``auto`` -> ``cuda`` when available, else ``cpu``; a CUDA device without CUDA is refused."""
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     import torch
 
     if name == "auto":

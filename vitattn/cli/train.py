@@ -62,6 +62,7 @@ def optimized_value(metrics: dict[str, float], name: str | None) -> float | None
 
 @hydra.main(version_base="1.3", config_path="pkg://vitattn.conf", config_name="train")
 def _hydra_main(cfg: DictConfig) -> float | None:
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.training import train
 
     quiet_upstream()  # after Hydra has configured logging
@@ -76,6 +77,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
 
 def _report(result: TrainResult) -> None:
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from lightning.pytorch.utilities import rank_zero_only
 
     if rank_zero_only.rank != 0:
@@ -97,6 +99,7 @@ def _report(result: TrainResult) -> None:
 
 
 def _report_preempted(stop: Preempted) -> None:
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from lightning.pytorch.utilities import rank_zero_only
 
     if rank_zero_only.rank == 0:

@@ -23,13 +23,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "record_attention", "causal_mask"]
+__all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "record_attention", "causal_mask", "check_heads"]
 
 
 def _additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """The document's ``mask * -1e9``, in a dtype that can hold it (fp16 saturates at its minimum)."""
     big = min(1e9, torch.finfo(dtype).max)
     return mask.to(dtype) * -big
+
+
+def check_heads(num_heads: int, width: int, width_name: str = "embed_dim") -> None:
+    """Raise ``ValueError`` unless ``num_heads`` is positive and divides the model width ``width``."""
+    if num_heads <= 0 or width % num_heads != 0:
+        raise ValueError(f"num_heads={num_heads} must divide {width_name}={width}")
 
 
 def causal_mask(lq: int, lk: int, device: torch.device | None = None) -> Tensor:
@@ -106,8 +112,7 @@ class MultiHeadAttention(nn.Module):
         fused_attn: bool = True,
     ) -> None:
         super().__init__()
-        if num_heads <= 0 or d_model % num_heads != 0:
-            raise ValueError(f"num_heads={num_heads} must divide d_model={d_model}")
+        check_heads(num_heads, d_model, "d_model")
         self.num_heads = num_heads
         self.d_model = d_model
         self.head_dim = d_model // num_heads  # d: the width of one head

@@ -24,7 +24,11 @@ import torch
 from fastapi.responses import JSONResponse
 from torch import Tensor
 
+from vitattn.bundle import load_bundle
 from vitattn.data.images import read_image, unreadable_reason
+from vitattn.inference.attention_maps import figure_png
+from vitattn.inference.captioning import generate_tokens
+from vitattn.inference.figures import attention_figures, caption_words
 from vitattn.serve.stop import leave_interrupts_to_parent
 
 __all__ = ["CaptionAPI", "ImageRequest", "decode_image_request"]
@@ -135,8 +139,6 @@ class CaptionAPI(ls.LitAPI):
         self.num_threads = num_threads
 
     def setup(self, device: str) -> None:
-        from vitattn.bundle import load_bundle
-
         leave_interrupts_to_parent()  # this runs in the inference worker: Ctrl+C is the parent's to handle
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
@@ -164,10 +166,6 @@ class CaptionAPI(ls.LitAPI):
         return outputs if isinstance(x, list) else outputs[0]
 
     def _caption(self, requests: list[ImageRequest]) -> list[dict[str, Any]]:
-        from vitattn.inference.attention_maps import figure_png
-        from vitattn.inference.captioning import generate_tokens
-        from vitattn.inference.figures import attention_figures, caption_words
-
         bundle = self.bundle
         images = torch.stack([r.image for r in requests]).to(self.device)  # (B, C, H, W)
         tokens = generate_tokens(bundle.model, images, **self.generate_kwargs)  # (B, T')

@@ -25,11 +25,13 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from vitattn.config import ConfigError
-from vitattn.errors import first_line
+from vitattn.bundle import load_bundle
+from vitattn.bundle.folder import is_bundle_weights
+from vitattn.config import check_source
+from vitattn.errors import ConfigError, first_line
 from vitattn.models import VisionTransformer
+from vitattn.models.timm_hub import pretrained_timm_model
 from vitattn.models.timm_weights import (
-    TIMM_SUFFIXES,
     convert_timm_state_dict,
     load_encoder_state,
     read_timm_file,
@@ -38,7 +40,7 @@ from vitattn.models.timm_weights import (
 )
 from vitattn.models.vit import PRESETS, preset_config
 
-__all__ = ["PretrainedEncoder", "check_source", "read_pretrained"]
+__all__ = ["PretrainedEncoder", "read_pretrained"]
 
 # Keys the weights fix that the config must already agree with: changing them changes what the model is.
 _REFUSED = ("in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio")
@@ -136,56 +138,6 @@ def _plain(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (bool, type(None))) else str(value)
 
 
-def check_source(source: str) -> tuple[str, Path | str, Path | None]:
-    """What a ``model.pretrained`` value names, without reading weights: ``(kind, where, file)``.
-
-    ``kind`` is ``vitattn`` (a run folder, bundle or .ckpt at ``where``), ``timm-file`` (a weights file) or
-    ``timm-name`` (``where`` a timm name; ``file`` its local weights for ``NAME@FILE``, else None).
-
-    Raises:
-        ConfigError: nothing at that path and no timm model of that name; an unknown tag.
-    """
-    from vitattn.models.timm_hub import timm_pretrained_cfg
-
-    text = str(source)
-    path = Path(text).expanduser()
-    if path.exists():
-        if path.is_dir() or path.suffix == ".ckpt" or path.name == "config.json" or _in_bundle(path):
-            return "vitattn", path, None
-        if path.suffix.lower() in TIMM_SUFFIXES:
-            return "timm-file", path, None
-        raise ConfigError(
-            f"model.pretrained={text} is not a weights file; give a {', '.join(TIMM_SUFFIXES)} file, "
-            "a timm model name, or a vitattn run folder, bundle or .ckpt"
-        )
-    name, at, file = text.partition("@")
-    try:
-        timm_pretrained_cfg(name, downloadable=not at)
-    except ValueError as err:
-        if "not a timm model" in str(err) and not at:
-            raise ConfigError(
-                f"model.pretrained={text} is neither an existing file or folder nor a timm model name "
-                "with a pretrained tag (e.g. vit_base_patch16_224.augreg2_in21k_ft_in1k)"
-            ) from None
-        raise ConfigError(f"model.pretrained={text}: {first_line(err)}") from None
-    if at and not Path(file).expanduser().is_file():
-        raise ConfigError(f"model.pretrained={text}: {file} does not exist; give the weights file of {name}")
-    return "timm-name", name, Path(file).expanduser() if at else None
-
-
-def _in_bundle(path: Path) -> bool:
-    """A bundle's ``model.safetensors`` (its folder's config.json says vitattn-bundle)."""
-    from vitattn.bundle.folder import BUNDLE_FORMAT, CONFIG_FILE
-
-    config = path.parent / CONFIG_FILE
-    if path.suffix != ".safetensors" or not config.is_file():
-        return False
-    try:
-        return json.loads(config.read_text(encoding="utf-8")).get("format") == BUNDLE_FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def read_pretrained(source: str) -> PretrainedEncoder:
     """Read the encoder weights that ``model.pretrained=source`` names.
 
@@ -209,9 +161,7 @@ def read_pretrained(source: str) -> PretrainedEncoder:
 
 
 def _read_vitattn(source: str, path: Path) -> PretrainedEncoder:
-    from vitattn.bundle import load_bundle
-
-    bundle = load_bundle(path.parent if _in_bundle(path) else path)
+    bundle = load_bundle(path.parent if is_bundle_weights(path) else path)
     encoder = bundle.model.encoder if bundle.task == "caption" else bundle.model
     state = {k: v.detach() for k, v in encoder.state_dict().items()}
     known = {**weights_config(state), **{k: encoder.config[k] for k in _VITATTN_KEYS}}
@@ -219,8 +169,6 @@ def _read_vitattn(source: str, path: Path) -> PretrainedEncoder:
 
 
 def _read_timm_name(source: str, name: str, file: Path | None) -> PretrainedEncoder:
-    from vitattn.models.timm_hub import pretrained_timm_model
-
     model = pretrained_timm_model(name, file)
     known = timm_model_config(model)
     state = convert_timm_state_dict(model.state_dict())
