@@ -1,5 +1,6 @@
 """Smoke tests of the speed bench (python -m benchmarks): its measurement helpers and its JSON, at tiny sizes."""
 
+import ast
 import importlib.util
 import json
 import os
@@ -203,3 +204,23 @@ def test_processes_section_times_one_and_two_caption_processes(tmp_path):
     assert set(runs) == {1, 2} and "devices=2" in runs[2]["command"] and "devices=1" in runs[1]["command"]
     assert all(r["images_per_s"] > 0 and 0 < r["startup_s"] < r["total_s"] and r["cores"] > 0 for r in runs.values())
     assert only["ratio"] == pytest.approx(runs[2]["images_per_s"] / runs[1]["images_per_s"])
+
+
+def test_benchmarks_use_vitattn_as_a_user_would():
+    # benchmarks/ sits outside the package: it imports only vitattn's public names, and nothing in vitattn
+    # imports it back (the wheel does not ship it).
+    private = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vitattn"):
+                names = [node.module, *(alias.name for alias in node.names)]
+                private += [
+                    f"{path.name}: {node.module}.{n}" for n in names if any(p.startswith("_") for p in n.split("."))
+                ]
+    assert not private, private
+    climbing = [
+        str(p)
+        for p in (ROOT / "vitattn").rglob("*.py")
+        if re.search(r"^\s*(from|import) benchmarks", p.read_text(), re.M)
+    ]
+    assert not climbing, climbing
