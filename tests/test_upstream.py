@@ -1,6 +1,8 @@
-"""vitattn/upstream.py against the installed Lightning and timm: each adapter does what vitattn relies on,
+"""vitattn/upstream.py against the installed Lightning, LitServe and timm: each adapter does what vitattn relies on,
 and one whose private attribute is gone says which library version broke it."""
 
+import inspect
+import threading
 from importlib.metadata import version
 from types import SimpleNamespace
 
@@ -10,7 +12,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vitattn import upstream
-from vitattn.upstream import UpstreamChanged, request_sigterm_stop, timm_url_cached
+from vitattn.upstream import UpstreamChanged, request_sigterm_stop, set_litserve_shutdown, timm_url_cached
 
 
 def _trainer(**kwargs) -> pl.Trainer:
@@ -67,3 +69,31 @@ def test_timm_url_cached_names_the_timm_version_when_the_function_is_gone(monkey
         UpstreamChanged, match=rf"^timm {version('timm')} has no timm\.models\._hub\.check_cached_file;"
     ):
         timm_url_cached("https://example.invalid/w.pth")
+
+
+def test_set_litserve_shutdown_sets_the_event_litservers_run_waits_on():
+    ls = pytest.importorskip("litserve")
+
+    class Echo(ls.LitAPI):
+        def setup(self, device):
+            pass
+
+        def predict(self, x):
+            return x
+
+    server = ls.LitServer(Echo(), accelerator="cpu")
+    where = f"litserve {version('litserve')}"
+    assert "self._shutdown_event.wait()" in inspect.getsource(ls.LitServer.run), f"{where}: run() waits elsewhere"
+    ending = threading.Thread(target=set_litserve_shutdown, args=(server, 0.01))
+    ending.start()  # before run() has made the event: the adapter waits for it
+    event = threading.Event()
+    server._shutdown_event = event  # what run() does first (a manager Event)
+    ending.join(timeout=10)
+    assert event.is_set() and not ending.is_alive()
+
+
+def test_set_litserve_shutdown_names_the_litserve_version_when_the_attribute_is_gone():
+    pytest.importorskip("litserve")
+    with pytest.raises(UpstreamChanged) as err:
+        set_litserve_shutdown(SimpleNamespace())
+    assert str(err.value).startswith(f"litserve {version('litserve')} has no LitServer._shutdown_event;")

@@ -1,4 +1,4 @@
-"""The private attributes of Lightning and timm that vitattn reaches, each behind one adapter.
+"""The private attributes of Lightning, LitServe and timm that vitattn reaches, each behind one adapter.
 
 Where a public API does the job, vitattn uses it instead (Lightning's ``Timer.time_remaining``,
 OmegaConf's ``DictConfig.items_ex``); what is left has no public equivalent. Each adapter checks that
@@ -10,6 +10,7 @@ not Lightning (the inference side, which uses the timm adapter, does without it)
 
 from __future__ import annotations
 
+import time
 from importlib.metadata import version
 from typing import Any
 
@@ -18,7 +19,7 @@ try:  # timm's own cache lookup for URL weights; private (timm.models._hub) and 
 except ImportError:
     _timm_check_cached_file = None
 
-__all__ = ["UpstreamChanged", "request_sigterm_stop", "timm_url_cached"]
+__all__ = ["UpstreamChanged", "request_sigterm_stop", "set_litserve_shutdown", "timm_url_cached"]
 
 
 class UpstreamChanged(RuntimeError):
@@ -40,6 +41,19 @@ def request_sigterm_stop(trainer: Any, stop: bool) -> None:
     if connector is None or not hasattr(connector, "received_sigterm"):
         raise UpstreamChanged("lightning", "Trainer._signal_connector.received_sigterm")
     connector.received_sigterm = stop
+
+
+def set_litserve_shutdown(server: Any, poll_s: float = 0.05) -> None:
+    """End a running ``LitServer``: set the shutdown event that ``LitServer.run`` waits on, once ``run`` has made it.
+
+    LitServe then stops its API servers, inference workers and manager. Its public route, the
+    ``/shutdown`` endpoint, would let any client with the key stop the server.
+    """
+    if not hasattr(server, "_shutdown_event"):  # None from LitServer.__init__ until run() creates the event
+        raise UpstreamChanged("litserve", "LitServer._shutdown_event")
+    while server._shutdown_event is None:
+        time.sleep(poll_s)
+    server._shutdown_event.set()
 
 
 def timm_url_cached(url: str) -> bool:
