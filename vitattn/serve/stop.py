@@ -2,8 +2,8 @@
 ends every process LitServe started, so that the port is free again.
 
 ``LitServer.run`` starts a multiprocessing manager, the inference workers (spawned) and the uvicorn API
-servers (forked), then waits on its shutdown event. A SIGTERM used to kill that parent alone: its children,
-re-parented to init, went on answering on the port. Now the parent (the process that calls ``serve``):
+servers (forked), then waits on its shutdown event. A SIGTERM that killed that parent alone would leave its
+children, re-parented to init, answering on the port. So the parent (the process that calls ``serve``):
 
 1. on the first SIGTERM or SIGINT sets a flag shared with the API servers: from then on every new request
    (``GET /health`` too, so that a load balancer drops this server) gets 503 with one line;
