@@ -36,15 +36,15 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,bench]"
-	$(PY) scripts/bench.py $(ARGS)
+	$(PY) -m benchmarks $(ARGS)
 
 # vitattn-train against a plain timm loop on two Debian-packaged datasets (docs/learning.md)
 learning-bench: $(STAMP)
-	$(PY) scripts/learning_bench.py $(ARGS)
+	$(PY) -m benchmarks.learning_bench $(ARGS)
 
 # captions on the shapes: encoder from scratch, pretrained by classification, and frozen (docs/transfer.md)
 transfer-bench: $(STAMP)
-	$(PY) scripts/transfer_bench.py $(ARGS)
+	$(PY) -m benchmarks.transfer_bench $(ARGS)
 
 clean:
 	rm -rf runs multirun bench_results .pytest_cache

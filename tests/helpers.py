@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 from omegaconf import DictConfig
@@ -16,7 +14,6 @@ import vitattn.conf
 from vitattn.training.compose import compose_train as compose
 
 CONF_DIR = Path(vitattn.conf.__file__).parent
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 # A small model and data for fast runs: 32 px images, 8 px patches, width 32, 2 layers.
 TINY = [
@@ -76,15 +73,6 @@ def console_script(name: str) -> Path:
     path = Path(sys.executable).with_name(name)
     assert path.is_file(), f"console script {name} is missing from {path.parent}: run pip install -e . --no-deps"
     return path
-
-
-def load_script(name: str) -> ModuleType:
-    """``scripts/<name>.py`` imported as module ``name`` (its sibling scripts importable by their names)."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def compose_train(overrides: list[str], output_dir: Path | None = None) -> DictConfig:

@@ -105,6 +105,16 @@ def test_wheel_holds_every_config(wheel):
     assert "vitattn/serve/index.html" in names  # vitattn-serve's page
 
 
+def test_wheel_leaves_out_the_benchmarks_and_load_tests(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    modules = [n for n in names if n.endswith(".py")]
+    assert "vitattn/__init__.py" in modules and "vitattn/serve/server.py" in modules
+    # benchmarks/ (speed, learning, transfer, load tests) sits beside the package and is never shipped
+    shipped = [n for n in modules if n.startswith(("benchmarks/", "scripts/", "vitattn/bench/"))]
+    shipped += [n for n in modules if Path(n).stem in ("load", "load_serve", "load_caption")]
+    assert not shipped, shipped
+
+
 def _console_script(venv: Path, name: str) -> Path:
     script = venv / "bin" / name
     assert script.is_file(), f"{name} is missing from {venv}/bin: the wheel declares no such console script"

@@ -399,7 +399,7 @@ def test_server_page_captions_an_upload_in_a_browser(server, images, expected):
 def test_load_report_fails_on_a_5xx_a_wrong_reason_or_growing_memory():
     from omegaconf import OmegaConf
 
-    from vitattn.serve.load import LoadConfig, Sample, _report
+    from benchmarks.load_serve import LoadConfig, Sample, _report
 
     cfg = OmegaConf.structured(LoadConfig(model="m", requests=8))
     jobs = [(i, "bad" if i == 3 else "good", "x", b"", "empty file (0 bytes)" if i == 3 else None) for i in range(8)]
@@ -422,7 +422,7 @@ def test_load_report_fails_on_a_5xx_a_wrong_reason_or_growing_memory():
 @pytest.mark.slow
 def test_load_script_passes_its_checks_on_a_small_run(bundle_dir, tmp_path):
     out = tmp_path / "load.json"
-    command = [sys.executable, "scripts/load_serve.py", f"model={bundle_dir}", "requests=60", "clients=6"]
+    command = [sys.executable, "-m", "benchmarks.load_serve", f"model={bundle_dir}", "requests=60", "clients=6"]
     command += ["warmup=4", "num_threads=1", f"out={out}"]
     proc = subprocess.run(command, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
     report = json.loads(out.read_text())

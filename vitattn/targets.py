@@ -22,7 +22,7 @@ def check_targets(cfg: DictConfig) -> None:
             if target is not None and not str(target).startswith(ALLOWED_TARGET_PREFIXES):
                 allowed = ", ".join(p.rstrip(".") for p in ALLOWED_TARGET_PREFIXES)
                 raise ConfigError(f"{path}._target_={target} is not allowed; targets must be in {allowed}")
-            for key in node.keys():
-                walk(node._get_node(key), f"{path}.{key}" if path else str(key))
+            for key, child in node.items_ex(resolve=False):  # a child unresolved: a `???` elsewhere is no error here
+                walk(child, f"{path}.{key}" if path else str(key))
 
     walk(cfg, "")

@@ -27,6 +27,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vitattn.errors import Preempted
+from vitattn.upstream import request_sigterm_stop
 
 __all__ = ["STOP_SIGNALS", "Preemption"]
 
@@ -109,4 +110,4 @@ class Preemption(Checkpoint):
 def _stop_after_this_step(trainer: pl.Trainer, stop: bool) -> None:
     # The flag Lightning's own SIGTERM handler sets (``trainer.received_sigterm`` reads it): the
     # training loop raises SIGTERMException at the end of the step, the evaluation loop after a batch.
-    trainer._signal_connector.received_sigterm = stop
+    request_sigterm_stop(trainer, stop)

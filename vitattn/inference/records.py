@@ -110,7 +110,7 @@ class RecordIndex:
         if not len(self.keys):
             return np.full(len(digests), -1)
         # searchsorted on 16-byte voids compares bytes one call at a time; on their first 8 bytes as
-        # integers (the same order: big-endian) it is 30x faster, and equal firsts are looked past
+        # integers (the same order: big-endian) it is much faster (docs/benchmarks.md), and equal firsts are looked past
         first, keys_first = _first_u64(digests), _first_u64(self.keys)
         rows = np.minimum(np.searchsorted(keys_first, first), len(self.keys) - 1)
         found = self.keys[rows] == digests

@@ -18,11 +18,11 @@ from urllib.parse import urlparse
 
 import timm
 from timm.models import get_pretrained_cfg, split_model_name_tag
-from timm.models._hub import check_cached_file
 from torch import nn
 
 from vitattn.errors import first_line
 from vitattn.models.timm_weights import quiet_timm
+from vitattn.upstream import timm_url_cached
 
 __all__ = ["pretrained_timm_model", "timm_pretrained_cfg"]
 
@@ -94,7 +94,7 @@ def _cached(cfg: Any) -> bool:
         names += [n[: -len(".bin")] + ".safetensors" for n in names if n.endswith(".bin")]  # timm's safe alternatives
         names += ["model.safetensors", "open_clip_model.safetensors"]
         return any(isinstance(try_to_load_from_cache(repo, n, revision=revision or None), str) for n in names)
-    return check_cached_file(cfg.url, check_hash=False)
+    return timm_url_cached(cfg.url)
 
 
 def _host(cfg: Any) -> tuple[str, int]:

@@ -2,8 +2,8 @@
 ends every process LitServe started, so that the port is free again.
 
 ``LitServer.run`` starts a multiprocessing manager, the inference workers (spawned) and the uvicorn API
-servers (forked), then waits on its shutdown event. A SIGTERM used to kill that parent alone: its children,
-re-parented to init, went on answering on the port. Now the parent (the process that calls ``serve``):
+servers (forked), then waits on its shutdown event. A SIGTERM that killed that parent alone would leave its
+children, re-parented to init, answering on the port. So the parent (the process that calls ``serve``):
 
 1. on the first SIGTERM or SIGINT sets a flag shared with the API servers: from then on every new request
    (``GET /health`` too, so that a load balancer drops this server) gets 503 with one line;
@@ -30,6 +30,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from vitattn.upstream import set_litserve_shutdown
+
 __all__ = ["SHUTTING_DOWN", "GracefulStop", "leave_interrupts_to_parent"]
 
 log = logging.getLogger(__name__)
@@ -49,15 +51,6 @@ def leave_interrupts_to_parent() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _set_litserve_shutdown(server: Any) -> None:
-    # LitServe private: ``LitServer.run`` waits on ``_shutdown_event`` (a manager Event, created early in
-    # ``run``) and, once it is set, ends its processes. Its public route, the ``/shutdown`` endpoint, would
-    # let any client with the key stop the server. Kept to this one function so it can move to an adapter.
-    while getattr(server, "_shutdown_event", None) is None:
-        time.sleep(0.05)
-    server._shutdown_event.set()
-
-
 class GracefulStop:
     """How a ``LitServer`` stops on SIGTERM / SIGINT: drain, then end LitServe's processes.
 
@@ -66,7 +59,7 @@ class GracefulStop:
         end_server: called (in a thread of the parent) once drained; the default sets LitServe's shutdown event.
     """
 
-    def __init__(self, timeout: float, end_server: Callable[[Any], None] = _set_litserve_shutdown) -> None:
+    def __init__(self, timeout: float, end_server: Callable[[Any], None] = set_litserve_shutdown) -> None:
         self.timeout = timeout
         self.end_server = end_server
         # shared with the forked API servers: read and written under one lock, so that a request either

@@ -1,6 +1,6 @@
 """Processes as /proc shows them: a process tree, its resident memory, the machine's busy CPU time.
 
-What the load scripts (``scripts/load_caption.py``, ``scripts/load_serve.py``) sample while they run.
+What the load scripts (``benchmarks/load_caption.py``, ``benchmarks/load_serve.py``) sample while they run.
 """
 
 from __future__ import annotations

@@ -7,21 +7,25 @@ import os
 import tempfile
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 
-from vitattn.bench import workloads
-from vitattn.bench.env import Env
-from vitattn.bench.report import compare, pending_row
-from vitattn.bench.timing import per_second
-from vitattn.bench.workloads import forced_length
+from benchmarks import workloads
+from benchmarks.env import Env
+from benchmarks.report import compare
+from benchmarks.timing import per_second
+from benchmarks.workloads import forced_length
+from vitattn.bundle import load_bundle, save_bundle
+from vitattn.data import Vocabulary
+from vitattn.data.vocab import SPECIALS
+from vitattn.inference import caption_images
 
 
 def bench_end_to_end(
     env: Env, n_images: int = 256, batch: int | None = None, tokens: int | None = None
 ) -> tuple[list[dict], dict[str, Any]]:
     """Row (f): JPEG files -> captions (``caption_images`` on a saved bundle) vs model-only images/s.
-
-    Reports ``pending`` while ``vitattn.inference`` or ``vitattn.bundle`` is missing.
 
     Args:
         env: the run's device and timing knobs.
@@ -34,15 +38,6 @@ def bench_end_to_end(
     """
     batch, tokens = batch or workloads.CAPTION_BATCH, tokens or workloads.CAPTION_TOKENS
     name = f"end-to-end {n_images} JPEGs b{batch} greedy"
-    try:
-        from vitattn.bundle import load_bundle, save_bundle
-        from vitattn.data.vocab import SPECIALS, Vocabulary
-        from vitattn.inference import caption_images
-    except ImportError as err:
-        return [pending_row(name, "e2e", f"pending: {err}")], dict(status="pending", reason=str(err))
-    import numpy as np
-    from PIL import Image
-
     ours = workloads.build_ours(env.device)
     img = workloads.ENCODERS["vit_192d6_32px"]["img_size"]
     vocab = Vocabulary([f"w{i}" for i in range(workloads.CAPTION_DECODER["vocab_size"] - len(SPECIALS))])
@@ -92,7 +87,5 @@ def bench_end_to_end(
 
 def _read_rgb(path: str) -> Any:
     """The image at ``path`` as an RGB ``PIL.Image``, the file closed."""
-    from PIL import Image
-
     with Image.open(path) as image:
         return image.convert("RGB")

@@ -1,8 +1,8 @@
-"""``python -m vitattn.bench``: this machine's fp32 matmul rate, or the whole bench.
+"""``python -m benchmarks``: this machine's fp32 matmul rate, or the whole bench.
 
-    python -m vitattn.bench matmul               # GFLOP/s of a 2048x2048 fp32 torch.mm, torch's default threads
-    python -m vitattn.bench matmul --threads 2   # with 2 torch threads (what make train uses on 2 cores)
-    python -m vitattn.bench [--quick] ...        # the bench of scripts/bench.py (docs/benchmarks.md)
+    python -m benchmarks matmul               # GFLOP/s of a 2048x2048 fp32 torch.mm, torch's default threads
+    python -m benchmarks matmul --threads 2   # with 2 torch threads (what make train uses on 2 cores)
+    python -m benchmarks [--quick] ...        # the speed bench (benchmarks.cli, docs/benchmarks.md)
 
 A training run's speed follows the machine's matmul rate as much as the code: the README gives its
 ``make train`` times together with this rate, so that a run elsewhere can be compared.
@@ -14,16 +14,17 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+import torch
+
+from benchmarks.cli import main as bench_main
+from benchmarks.machine import matmul_gflops
+
 __all__ = ["main", "matmul_main"]
 
 
 def matmul_main(argv: Sequence[str]) -> str:
     """Measure and print the fp32 matmul rate; returns the printed line."""
-    import torch
-
-    from vitattn.bench.machine import matmul_gflops
-
-    p = argparse.ArgumentParser(prog="python -m vitattn.bench matmul", description=matmul_main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks matmul", description=matmul_main.__doc__)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     p.add_argument("--size", type=int, default=2048, help="side n of the (n, n) matrices (default 2048)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs; the median counts (default 5)")
@@ -44,13 +45,11 @@ def matmul_main(argv: Sequence[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``matmul [options]``: the matmul rate; anything else: the bench (``vitattn.bench.cli``)."""
+    """``matmul [options]``: the matmul rate; anything else: the bench (``benchmarks.cli``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["matmul"]:
         matmul_main(argv[1:])
         return
-    from vitattn.bench.cli import main as bench_main
-
     bench_main(argv)
 
 

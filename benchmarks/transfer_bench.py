@@ -1,9 +1,9 @@
 """Transfer benchmark: caption the built-in shapes on an encoder pretrained by classification, or from scratch.
 
-    python scripts/transfer_bench.py --seeds 0 1 --jobs 6 --update-doc   # the figures in docs/transfer.md
-    python scripts/transfer_bench.py --quick                              # a smoke run: 20 steps a run
-    python scripts/transfer_bench.py --pretrain-steps 1000 --steps 300 --vitattn-args optim.lr=1e-3
-    python scripts/transfer_bench.py --doc-from bench_results/transfer.json  # only rewrite the doc's table
+    python -m benchmarks.transfer_bench --seeds 0 1 --jobs 6 --update-doc   # the figures in docs/transfer.md
+    python -m benchmarks.transfer_bench --quick                              # a smoke run: 20 steps a run
+    python -m benchmarks.transfer_bench --pretrain-steps 1000 --steps 300 --vitattn-args optim.lr=1e-3
+    python -m benchmarks.transfer_bench --doc-from bench_results/transfer.json  # only rewrite the doc's table
 
 For each seed, four ``vitattn-train`` runs, each a subprocess with ``num_threads=1`` and vitattn's
 training defaults (model=cpu: 64 px, 8 px patches, width 128, 4 layers, a 2-layer decoder):
@@ -247,7 +247,7 @@ def tables(result: dict[str, Any]) -> str:
 
 def commands_block(result: dict[str, Any], argv: Sequence[str]) -> str:
     """The bench's own command and each run's of the first seed (paths relative to the repo), as a code block."""
-    lines = ["```bash", "python scripts/transfer_bench.py " + " ".join(shlex.quote(a) for a in argv)]
+    lines = ["```bash", "python -m benchmarks.transfer_bench " + " ".join(shlex.quote(a) for a in argv)]
     first = result["pretrain"][0]["seed"]
     for r in [result["pretrain"][0], *(r for r in result["rows"] if r["seed"] == first)]:
         lines += [f"# {ARM_NAMES.get(r.get('arm'), 'pretrain')}", r["command"].replace(f"{REPO}{os.sep}", "")]

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitattn.bench import workloads
-from vitattn.bench.env import Env
-from vitattn.bench.report import plot_scaling, row
-from vitattn.bench.timing import paired_speedup
+from benchmarks import workloads
+from benchmarks.env import Env
+from benchmarks.report import plot_scaling, row
+from benchmarks.timing import paired_speedup
 
 
 def bench_scaling(env: Env, out_png: Path) -> tuple[list[dict], dict[str, Any]]:

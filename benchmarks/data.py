@@ -13,20 +13,21 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 from torch import nn
 
-from vitattn.bench import workloads
-from vitattn.bench.env import Env
-from vitattn.bench.report import compare
+from benchmarks import workloads
+from benchmarks.env import Env
+from benchmarks.report import compare
+from vitattn.data import ImageFolderDataModule
+from vitattn.models import VisionTransformer
 
 ENCODER = "vit_192d6_32px"
 
 
 def _write_images(root: str, n: int, side: int) -> None:
-    import numpy as np
-    from PIL import Image
-
     rng = np.random.default_rng(0)
     for split, count in (("train", n), ("val", 8)):
         for i in range(count):
@@ -62,9 +63,6 @@ def bench_data(env: Env, n_images: int = 512) -> tuple[list[dict], dict[str, Any
     Returns:
         ``(rows, details)``.
     """
-    from vitattn.data import ImageFolderDataModule
-    from vitattn.models import VisionTransformer
-
     cfg = workloads.ENCODERS[ENCODER]
     batch, side = workloads.ENCODER_BATCH[ENCODER], cfg["img_size"]
     model = VisionTransformer(num_classes=4, **cfg).to(env.device).train()

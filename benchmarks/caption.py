@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vitattn.bench import workloads
-from vitattn.bench.env import Env
-from vitattn.bench.report import compare
-from vitattn.bench.timing import per_second
-from vitattn.bench.workloads import forced_length
+from benchmarks import workloads
+from benchmarks.env import Env
+from benchmarks.report import compare
+from benchmarks.timing import per_second
+from benchmarks.workloads import forced_length
 
 
 def build_captioners(device: str, max_len: int | None = None) -> tuple[nn.Module, nn.Module]:

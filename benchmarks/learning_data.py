@@ -1,7 +1,7 @@
-"""Small public datasets for ``scripts/learning_bench.py``, prepared from Debian packages without root.
+"""Small public datasets for ``benchmarks/learning_bench.py``, prepared from Debian packages without root.
 
-    python scripts/learning_data.py                        # both datasets at 32 px into bench_data/
-    python scripts/learning_data.py --datasets emoji --img-size 48
+    python -m benchmarks.learning_data                        # both datasets at 32 px into bench_data/
+    python -m benchmarks.learning_data --datasets emoji --img-size 48
 
 Packages are fetched with ``apt-get download`` and unpacked with ``dpkg-deb -x`` into
 ``CACHE/debs`` and ``CACHE/root`` (no root needed, nothing installed). Each dataset is written as

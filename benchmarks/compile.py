@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from vitattn.bench import workloads
-from vitattn.bench.env import Env
-from vitattn.bench.report import compare, error_message, pending_row
-from vitattn.bench.timing import per_second, time_limit
+from benchmarks import workloads
+from benchmarks.env import Env
+from benchmarks.report import compare, error_message, pending_row
+from benchmarks.timing import per_second, time_limit
 
 
 def bench_compile(env: Env, timeout_s: float, names: Sequence[str] | None = None) -> tuple[list[dict], dict[str, Any]]:

@@ -1,13 +1,13 @@
 """Learning benchmark: ``vitattn-train`` against a plain timm loop, same data, model size, steps, batch, threads.
 
-    python scripts/learning_bench.py                     # both datasets, both tasks (see docs/learning.md)
-    python scripts/learning_bench.py --quick             # a smoke run: 40 steps a side
-    python scripts/learning_bench.py --steps 1000 --threads 2 --datasets emoji --tasks caption
-    python scripts/learning_bench.py --update-doc        # also rewrite the table in docs/learning.md
-    python scripts/learning_bench.py --train-seeds 0     # one training seed (default 0 1 2: means and ranges)
-    python scripts/learning_bench.py --vitattn-args data.augment=false head.label_smoothing=0.0
+    python -m benchmarks.learning_bench                     # both datasets, both tasks (see docs/learning.md)
+    python -m benchmarks.learning_bench --quick             # a smoke run: 40 steps a side
+    python -m benchmarks.learning_bench --steps 1000 --threads 2 --datasets emoji --tasks caption
+    python -m benchmarks.learning_bench --update-doc        # also rewrite the table in docs/learning.md
+    python -m benchmarks.learning_bench --train-seeds 0     # one training seed (default 0 1 2: means and ranges)
+    python -m benchmarks.learning_bench --vitattn-args data.augment=false head.label_smoothing=0.0
 
-For each dataset (``scripts/learning_data.py``: Debian packages, prepared into ``bench_data/``) and
+For each dataset (``benchmarks/learning_data.py``: Debian packages, prepared into ``bench_data/``) and
 task, ``vitattn-train`` runs as a subprocess with vitattn's own training defaults, only the model
 size, batch, step count, threads and seed set; the plain side is a ~40-line loop in this process:
 a timm ``VisionTransformer`` of the same size (plus, for captions, an ``nn.TransformerDecoder``
@@ -47,12 +47,9 @@ from torch.nn.utils.rnn import pad_sequence
 from torchvision.datasets import ImageFolder
 from torchvision.transforms.functional import pil_to_tensor
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # imported from elsewhere (tests): find the sibling
-    sys.path.append(str(Path(__file__).resolve().parent))
-import learning_data  # noqa: E402  (a sibling script, not part of the package)
-
-from vitattn.data import Vocabulary, load_coco_captions, read_image  # noqa: E402
-from vitattn.metrics import compute_caption_metrics, distinct_share, exact_match  # noqa: E402
+from benchmarks import learning_data
+from vitattn.data import Vocabulary, load_coco_captions, read_image
+from vitattn.metrics import compute_caption_metrics, distinct_share, exact_match
 
 SCHEMA = "vitattn-learning-bench/1"
 REPO = Path(__file__).resolve().parents[1]
@@ -472,7 +469,7 @@ def commands_block(rows: Sequence[dict[str, Any]], argvs: Sequence[Sequence[str]
     """
     lines = [
         "```bash",
-        *("python scripts/learning_bench.py " + " ".join(shlex.quote(a) for a in argv) for argv in argvs),
+        *("python -m benchmarks.learning_bench " + " ".join(shlex.quote(a) for a in argv) for argv in argvs),
     ]
     seen = set()
     for r in rows:

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python scripts/load_serve.py model=PATH [requests=1000] [clients=16] [bad_every=10] [warmup=32]
+    python -m benchmarks.load_serve model=PATH [requests=1000] [clients=16] [bad_every=10] [warmup=32]
         [max_batch_size=8] [batch_timeout=0.05] [workers_per_device=1] [num_threads=N]
         [time_limit=900] [out=FILE.json]
 
@@ -25,11 +25,13 @@ import os
 import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,10 +41,11 @@ import numpy as np
 from omegaconf import MISSING
 from PIL import Image
 
-from vitattn.bench.machine import loadavg, machine_info
-from vitattn.bench.procfs import tree_rss_kib
+from benchmarks.machine import loadavg, machine_info
+from benchmarks.procfs import tree_rss_kib
 from vitattn.cli.args import UsageError, parse_key_values, run_main
-from vitattn.data.images import read_image, unreadable_reason
+from vitattn.data import read_image
+from vitattn.data.images import unreadable_reason
 from vitattn.fileio import atomic_write
 
 __all__ = ["LoadConfig", "main"]
@@ -93,8 +96,6 @@ def _good_images(count: int, seed: int = 0) -> list[tuple[str, bytes]]:
 
 def _png_header(width: int, height: int) -> bytes:
     """A PNG that declares ``width x height`` pixels and holds none: a decompression bomb's header."""
-    import struct
-    import zlib
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
@@ -317,9 +318,13 @@ def _report(cfg: Any, jobs: list, samples: list[Sample], rss: list, wall: float,
 
 
 def parse_args(argv: list[str]) -> Any:
-    return parse_key_values(argv, LoadConfig, "scripts/load_serve.py")
+    return parse_key_values(argv, LoadConfig, "python -m benchmarks.load_serve")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
     return run_main(__doc__, argv, parse_args, run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

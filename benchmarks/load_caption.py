@@ -1,10 +1,10 @@
 """Memory and speed of ``vitattn-caption`` over many files: does either change as a run gets longer?
 And how long does a run take to start when its output already holds a million records?
 
-    python scripts/load_caption.py                                  # N = 1000 and 20000, a tiny random model
-    python scripts/load_caption.py --sizes 1000 20000 --resume-lines 1000000   # both measurements
-    python scripts/load_caption.py --model /tmp/final_default/caption/RUN/bundle
-    python scripts/load_caption.py --sizes 200 --num-workers 0 num_beams=3   # key=value goes to vitattn-caption
+    python -m benchmarks.load_caption                                  # N = 1000 and 20000, a tiny random model
+    python -m benchmarks.load_caption --sizes 1000 20000 --resume-lines 1000000   # both measurements
+    python -m benchmarks.load_caption --model /tmp/final_default/caption/RUN/bundle
+    python -m benchmarks.load_caption --sizes 200 --num-workers 0 num_beams=3   # key=value goes to vitattn-caption
 
 For each N: N small JPEGs (built-in shape scenes, all different) are written to a folder, and
 ``vitattn-caption`` captions that folder in a subprocess. Every ``--interval`` seconds the script
@@ -34,6 +34,7 @@ Writes a table to stdout and JSON (with every sample) to ``--out``.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -48,8 +49,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vitattn.bench.processes import caption_command, tiny_bundle, write_images
-from vitattn.bench.procfs import busy_ticks, process_tree, rss_kib, scan_processes
+from benchmarks.processes import caption_command, tiny_bundle, write_images
+from benchmarks.procfs import busy_ticks, process_tree, rss_kib, scan_processes
 from vitattn.inference.writers import LineCounter
 
 SCHEMA = "vitattn-load-caption/2"
@@ -62,8 +63,6 @@ DEFAULT_TRAINED = "/tmp/final_default/caption/*/bundle"
 
 def find_trained(pattern: str = DEFAULT_TRAINED) -> str | None:
     """The newest bundle matching ``pattern``, if any."""
-    import glob
-
     found = sorted(glob.glob(pattern))
     return found[-1] if found else None
 

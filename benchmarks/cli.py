@@ -1,9 +1,9 @@
 """Speed of vitattn against timm and Hugging Face, on the same machine, in the same process.
 
-    python scripts/bench.py                 # full run (3 min on a quiet core, < 10 min shared), docs/benchmarks.md
-    python scripts/bench.py --quick         # a short version (about a minute)
-    python scripts/bench.py --no-compile --sections encoder caption
-    python scripts/bench.py --device cuda   # bf16 autocast on a GPU: UNTESTED (no GPU where this was written)
+    python -m benchmarks                 # full run (3 min on a quiet core, < 10 min shared), docs/benchmarks.md
+    python -m benchmarks --quick         # a short version (about a minute)
+    python -m benchmarks --no-compile --sections encoder caption
+    python -m benchmarks --device cuda   # bf16 autocast on a GPU: UNTESTED (no GPU where this was written)
 
 Writes a table to stdout, ``--out`` (default ``bench_results/bench.json``) and ``scaling.png`` beside it.
 A section that raises becomes an ``error`` row, and the other sections still run.
@@ -21,15 +21,15 @@ from typing import Any
 
 import torch
 
-from vitattn.bench.caption import bench_caption
-from vitattn.bench.compile import bench_compile
-from vitattn.bench.data import bench_data
-from vitattn.bench.e2e import bench_end_to_end
-from vitattn.bench.encoder import bench_encoder
-from vitattn.bench.env import Env
-from vitattn.bench.machine import loadavg, machine_info, matmul_gflops
-from vitattn.bench.processes import bench_processes
-from vitattn.bench.report import (
+from benchmarks.caption import bench_caption
+from benchmarks.compile import bench_compile
+from benchmarks.data import bench_data
+from benchmarks.e2e import bench_end_to_end
+from benchmarks.encoder import bench_encoder
+from benchmarks.env import Env
+from benchmarks.machine import loadavg, machine_info, matmul_gflops
+from benchmarks.processes import bench_processes
+from benchmarks.report import (
     SCHEMA,
     TARGETS,
     error_message,
@@ -38,7 +38,7 @@ from vitattn.bench.report import (
     status_counts,
     write_json,
 )
-from vitattn.bench.scaling import bench_scaling
+from benchmarks.scaling import bench_scaling
 
 SECTIONS = ("encoder", "compile", "caption", "scaling", "e2e", "data", "processes")
 # Where each section's details go: under the JSON's ``details``; ``scaling`` has a top-level key of its own.
@@ -54,7 +54,7 @@ DETAILS_KEY = {
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line (``argv``; None: ``sys.argv[1:]``)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer repeats and sizes (about two minutes)")
     p.add_argument(
         "--out", type=Path, default=Path("bench_results/bench.json"), help="JSON results; scaling.png goes beside it"

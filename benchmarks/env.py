@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from vitattn.bench.timing import interleaved
+from benchmarks.timing import interleaved
 
 
 class Env:

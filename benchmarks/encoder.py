@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from vitattn.bench import workloads
-from vitattn.bench.env import Env
-from vitattn.bench.flops import vit_flops
-from vitattn.bench.machine import matmul_fn
-from vitattn.bench.report import compare, row
-from vitattn.bench.timing import paired_speedup, per_second
+from benchmarks import workloads
+from benchmarks.env import Env
+from benchmarks.flops import vit_flops
+from benchmarks.machine import matmul_fn
+from benchmarks.report import compare, row
+from benchmarks.timing import paired_speedup, per_second
 
 
 def bench_encoder(env: Env, matmul_n: int, names: Sequence[str] | None = None) -> tuple[list[dict], dict[str, Any]]:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vitattn.bench.timing import interleaved
+from benchmarks.timing import interleaved
 
 
 def machine_info(threads: int) -> dict[str, Any]:

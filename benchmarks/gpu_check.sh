@@ -13,9 +13,9 @@ out="${OUT:-bench_results}"
 mkdir -p "$out"
 python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$out/gpu.txt"
 python -m pytest -q -m "not slow" -x tests/test_layers.py tests/test_models.py 2>&1 | tail -3 | tee -a "$out/gpu.txt"
-python scripts/bench.py --device cuda --threads 8 --sections encoder caption --out "$out/bench_gpu.json" \
+python -m benchmarks --device cuda --threads 8 --sections encoder caption --out "$out/bench_gpu.json" \
   2>&1 | tee "$out/bench_gpu.txt"
 python -m vitattn.cli.train trainer=gpu trainer.max_steps=20 test=false export_bundle=false \
   logger=csv paths.runs_dir="$out/runs" trainer.enable_progress_bar=false 2>&1 | tail -20 | tee -a "$out/gpu.txt"
-python scripts/bench.py --device cuda --sections processes --out "$out/bench_processes_gpu.json" \
+python -m benchmarks --device cuda --sections processes --out "$out/bench_processes_gpu.json" \
   2>&1 | tail -8 | tee "$out/bench_processes_gpu.txt"

@@ -11,6 +11,7 @@ the cores, 2 processes get no more CPU than 1, and the ratio says so rather than
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -21,16 +22,19 @@ from typing import Any
 
 import torch
 
-from vitattn.bench.env import Env
-from vitattn.bench.report import row
+from benchmarks.env import Env
+from benchmarks.report import row
+from vitattn.bundle import save_bundle
+from vitattn.data import Vocabulary, default_preprocess
+from vitattn.data.shapes import generate_scene, render_scene, scene_caption
+from vitattn.inference.writers import LineCounter, OutputFiles
+from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 
 __all__ = ["bench_processes", "caption_command", "time_caption_run", "tiny_bundle", "write_images"]
 
 
 def write_images(folder: Path, n: int, img_size: int = 64, seed: int = 0) -> Path:
     """``n`` JPEGs of shape scenes, ``img_000000.jpg`` ...; a folder that already holds them is reused."""
-    from vitattn.data.shapes import generate_scene, render_scene
-
     folder.mkdir(parents=True, exist_ok=True)
     if len(list(folder.glob("img_*.jpg"))) == n:
         return folder
@@ -42,12 +46,6 @@ def write_images(folder: Path, n: int, img_size: int = 64, seed: int = 0) -> Pat
 def tiny_bundle(directory: Path, img_size: int = 32, embed_dim: int = 32, depth: int = 2) -> Path:
     """A random captioner (``img_size`` px, 8 px patches, ``embed_dim`` wide, ``depth`` encoder layers, a
     2-layer decoder, captions up to 16 tokens) saved as a bundle; default: the smallest that runs."""
-    from vitattn.bundle import save_bundle
-    from vitattn.data.preprocess import default_preprocess
-    from vitattn.data.shapes import generate_scene, scene_caption
-    from vitattn.data.vocab import Vocabulary
-    from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
-
     torch.manual_seed(0)
     vocab = Vocabulary.build(scene_caption(generate_scene(0, "train", i)) for i in range(500))
     heads = max(2, embed_dim // 32)
@@ -77,10 +75,6 @@ def time_caption_run(
         ``total_s`` (the whole command, merge included), ``cores`` (CPU seconds of the command and
         all its processes over ``total_s``: what the machine gave it) and the command.
     """
-    import resource
-
-    from vitattn.inference.writers import LineCounter, OutputFiles
-
     files = OutputFiles(out, "jsonl")
     watched = [files.part(r) for r in range(devices)] if devices > 1 else [out]
     counters = [LineCounter(p) for p in watched]

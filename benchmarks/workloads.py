@@ -12,9 +12,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import Tensor, nn
 
-from vitattn.bench.env import Env
+from benchmarks.env import Env
+from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer, load_timm_weights
 
 # The two encoder shapes of the comparison: ViT-Ti/16 at 224 px and a small-image ViT.
 ENCODERS = {
@@ -49,10 +51,6 @@ def build_pair(cfg: Mapping[str, Any], num_classes: int, device: str) -> tuple[n
     Returns:
         ``(ours, timm_model, max_abs_diff)`` where the difference is of their eval outputs on noise.
     """
-    from timm.models.vision_transformer import VisionTransformer as TimmViT
-
-    from vitattn.models import VisionTransformer, load_timm_weights
-
     ref = TimmViT(num_classes=num_classes, global_pool="token", class_token=True, qkv_bias=True, **cfg)
     ours = VisionTransformer(num_classes=num_classes, norm_first=True, activation="gelu", global_pool="cls", **cfg)
     load_timm_weights(ours, ref)
@@ -65,8 +63,6 @@ def build_pair(cfg: Mapping[str, Any], num_classes: int, device: str) -> tuple[n
 
 def build_ours(device: str, max_len: int | None = None) -> nn.Module:
     """Our ``ImageCaptioner`` of the bench size (``vit_192d6_32px`` + ``CAPTION_DECODER``), randomly initialised."""
-    from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
-
     enc, dec = ENCODERS["vit_192d6_32px"], dict(CAPTION_DECODER)
     if max_len is not None:
         dec["max_len"] = max_len

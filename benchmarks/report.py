@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vitattn.bench.timing import paired_speedup, ratio_quartiles
+from benchmarks.timing import paired_speedup, ratio_quartiles
 
 SCHEMA = "vitattn-bench/1"
 STATUSES = ("PASS", "MISS", "info", "pending", "error")
