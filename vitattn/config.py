@@ -4,7 +4,7 @@ Every user error in a config is found here, before any data is read or any step 
 reported as one ``ConfigError`` line that names the key and the fix. Rules about the model's shape
 (heads that divide the width, a patch that divides the image, known activations and pools) belong
 to the models: the config is checked by building them on the ``meta`` device (no memory, no time)
-and their messages are given the config keys' full names. ``model.pretrained`` must name something
+and their messages are given the config keys' full names. ``finetune.pretrained`` must name something
 that exists (its weights are read, and checked against the model, when the system is built).
 """
 
@@ -26,6 +26,7 @@ __all__ = [
     "ConfigError",
     "check_config",
     "check_data_paths",
+    "check_moved_keys",
     "check_targets",
     "compose_train",
     "data_name",
@@ -38,8 +39,32 @@ _DIR_KEYS = ("root", "image_dir")
 _FILE_KEYS = ("train_annotations", "val_annotations", "test_annotations", "vocab_path", "dataset_json")
 
 
+# Keys that moved out of the model group (which holds VisionTransformer's arguments only): old -> new.
+MOVED_KEYS = {
+    "model.pretrained": "finetune.pretrained",
+    "model.freeze_encoder_epochs": "finetune.freeze_encoder_epochs",
+}
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key and the fix."""
+
+
+def check_moved_keys(overrides: list[str]) -> None:
+    """Refuse a command-line override of a key that moved (``model.pretrained=X``), naming its new key."""
+    for override in overrides:
+        key, _, value = override.partition("=")
+        new = MOVED_KEYS.get(key.lstrip("+~"))
+        if new is not None:
+            raise ConfigError(f"{key.lstrip('+~')} is now {new}: use {new}={value}")
+
+
+def _check_moved(cfg: DictConfig) -> None:
+    """A moved key set in a config file (an experiment written for the old layout)."""
+    for old, new in MOVED_KEYS.items():
+        group, key = old.split(".")
+        if key in cfg[group]:
+            raise ConfigError(f"{old} is now {new}: set {new} (finetune: {{{key}: ...}} in an experiment)")
 
 
 def compose_train(overrides: list[str]) -> DictConfig:
@@ -47,6 +72,7 @@ def compose_train(overrides: list[str]) -> DictConfig:
     directory (``paths.output_dir`` stays unresolved unless an override sets it)."""
     from hydra import compose, initialize_config_module
 
+    check_moved_keys(overrides)
     with initialize_config_module("vitattn.conf", version_base="1.3"):
         return compose("train", overrides=list(overrides))
 
@@ -107,18 +133,15 @@ def _build_on_meta(build: Any, kwargs: dict[str, Any], keys: dict[str, str]) -> 
 
 
 def _check_models(cfg: DictConfig) -> None:
-    from vitattn.models import TRAINING_KEYS, CaptionDecoder, VisionTransformer
+    from vitattn.models import CaptionDecoder, VisionTransformer
 
     encoder = OmegaConf.to_container(cfg.model, resolve=True)
-    pretrained = encoder.get("pretrained")  # a source of weights, not a keyword argument
-    for key in TRAINING_KEYS:  # pretrained is checked below, freeze_encoder_epochs in _check_finetuning
-        encoder.pop(key, None)
     keys = {k: f"model.{k}" for k in encoder} | {"img_size": "data.img_size", "d_model": "model.embed_dim"}
     _build_on_meta(VisionTransformer, encoder, keys)
-    if pretrained:
+    if cfg.finetune.get("pretrained"):
         from vitattn.training.pretrained import check_source  # imports this module
 
-        check_source(pretrained)
+        check_source(cfg.finetune.pretrained)
     if cfg.head.task != "caption":
         return
     decoder = OmegaConf.to_container(cfg.head.decoder, resolve=True)
@@ -137,15 +160,15 @@ def _check_finetuning(cfg: DictConfig) -> None:
         raise ConfigError(f"optim.layer_decay={layer_decay} must be in (0, 1] (e.g. 0.75), or null for none")
     if head_lr is not None and not head_lr > 0:
         raise ConfigError(f"optim.head_lr={head_lr} must be positive, or null for optim.lr")
-    epochs = cfg.model.get("freeze_encoder_epochs") or 0
+    epochs = cfg.finetune.get("freeze_encoder_epochs") or 0
     if not isinstance(epochs, int) or epochs < 0:
-        raise ConfigError(f"model.freeze_encoder_epochs={epochs} must be a whole number of epochs, 0 for none")
+        raise ConfigError(f"finetune.freeze_encoder_epochs={epochs} must be a whole number of epochs, 0 for none")
     if epochs and _distributed(cfg.trainer):
         # DDP syncs only the parameters that train when it wraps the model (Lightning issue #20340).
         raise ConfigError(
-            f"model.freeze_encoder_epochs={epochs} does not work with several processes (trainer.strategy="
+            f"finetune.freeze_encoder_epochs={epochs} does not work with several processes (trainer.strategy="
             f"{cfg.trainer.strategy}, trainer.devices={cfg.trainer.devices}): train on one device or set "
-            "model.freeze_encoder_epochs=0"
+            "finetune.freeze_encoder_epochs=0"
         )
 
 
@@ -186,6 +209,7 @@ def _check_augment(data: DictConfig) -> None:
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config)."""
     check_targets(cfg)
+    _check_moved(cfg)
     task = cfg.head.task
     if task not in TASKS:
         raise ConfigError(f"head.task={task!r} is unknown; choose head=caption or head=classification")

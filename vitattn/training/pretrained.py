@@ -1,4 +1,4 @@
-"""``model.pretrained``: the encoder of a run starts from pretrained weights.
+"""``finetune.pretrained``: the encoder of a run starts from pretrained weights.
 
 A source is one of:
 
@@ -52,7 +52,7 @@ class PretrainedEncoder:
     """Encoder weights read from a source, and the ``VisionTransformer`` keyword arguments they fix.
 
     Attributes:
-        source: the ``model.pretrained`` value.
+        source: the ``finetune.pretrained`` value.
         what: how the log line names it (``timm file x.safetensors``, ``timm vit_base_patch16_224.augreg...``).
         state: the encoder state dict in vitattn's layout (with its classifier head, if any).
         known: ``VisionTransformer`` keyword arguments the source fixes.
@@ -90,7 +90,7 @@ class PretrainedEncoder:
             self._set(encoder, "fc_norm", wanted)
         if encoder["img_size"] % encoder["patch_size"]:
             raise ConfigError(
-                f"model.pretrained={self.source}: its patch_size={encoder['patch_size']} does not divide "
+                f"finetune.pretrained={self.source}: its patch_size={encoder['patch_size']} does not divide "
                 f"data.img_size={encoder['img_size']}; use a multiple of {encoder['patch_size']}"
             )
 
@@ -99,7 +99,7 @@ class PretrainedEncoder:
         try:
             notes = load_encoder_state(encoder, self.state)
         except ValueError as err:
-            raise ConfigError(f"model.pretrained={self.source}: {first_line(err)}") from None
+            raise ConfigError(f"finetune.pretrained={self.source}: {first_line(err)}") from None
         set_from = f"; set from the weights: {', '.join(self.changes)}" if self.changes else ""
         extra = "; ".join(notes + self.notes)
         rank_zero_info(
@@ -125,7 +125,7 @@ class PretrainedEncoder:
         fix = " ".join(f"model.{k}={_plain(self.known[k])}" for k in wrong)
         sizes = [n for n in PRESETS if all(preset_config(n)[k] == self.known[k] for k in ("embed_dim", "depth"))]
         hint = f" (or model={sizes[0]})" if sizes and "in_chans" not in wrong else ""
-        raise ConfigError(f"model.pretrained={self.source}: the weights have {theirs}; set {fix}{hint}")
+        raise ConfigError(f"finetune.pretrained={self.source}: the weights have {theirs}; set {fix}{hint}")
 
 
 def _uses_fc_norm(encoder: dict[str, Any]) -> bool:
@@ -137,7 +137,7 @@ def _plain(value: Any) -> str:
 
 
 def check_source(source: str) -> tuple[str, Path | str, Path | None]:
-    """What a ``model.pretrained`` value names, without reading weights: ``(kind, where, file)``.
+    """What a ``finetune.pretrained`` value names, without reading weights: ``(kind, where, file)``.
 
     ``kind`` is ``vitattn`` (a run folder, bundle or .ckpt at ``where``), ``timm-file`` (a weights file) or
     ``timm-name`` (``where`` a timm name; ``file`` its local weights for ``NAME@FILE``, else None).
@@ -155,7 +155,7 @@ def check_source(source: str) -> tuple[str, Path | str, Path | None]:
         if path.suffix.lower() in TIMM_SUFFIXES:
             return "timm-file", path, None
         raise ConfigError(
-            f"model.pretrained={text} is not a weights file; give a {', '.join(TIMM_SUFFIXES)} file, "
+            f"finetune.pretrained={text} is not a weights file; give a {', '.join(TIMM_SUFFIXES)} file, "
             "a timm model name, or a vitattn run folder, bundle or .ckpt"
         )
     name, at, file = text.partition("@")
@@ -164,12 +164,12 @@ def check_source(source: str) -> tuple[str, Path | str, Path | None]:
     except ValueError as err:
         if "not a timm model" in str(err) and not at:
             raise ConfigError(
-                f"model.pretrained={text} is neither an existing file or folder nor a timm model name "
+                f"finetune.pretrained={text} is neither an existing file or folder nor a timm model name "
                 "with a pretrained tag (e.g. vit_base_patch16_224.augreg2_in21k_ft_in1k)"
             ) from None
-        raise ConfigError(f"model.pretrained={text}: {first_line(err)}") from None
+        raise ConfigError(f"finetune.pretrained={text}: {first_line(err)}") from None
     if at and not Path(file).expanduser().is_file():
-        raise ConfigError(f"model.pretrained={text}: {file} does not exist; give the weights file of {name}")
+        raise ConfigError(f"finetune.pretrained={text}: {file} does not exist; give the weights file of {name}")
     return "timm-name", name, Path(file).expanduser() if at else None
 
 
@@ -187,7 +187,7 @@ def _in_bundle(path: Path) -> bool:
 
 
 def read_pretrained(source: str) -> PretrainedEncoder:
-    """Read the encoder weights that ``model.pretrained=source`` names.
+    """Read the encoder weights that ``finetune.pretrained=source`` names.
 
     Raises:
         ConfigError: an unknown source; weights that cannot be read, are not a supported ViT, or are
@@ -205,7 +205,7 @@ def read_pretrained(source: str) -> PretrainedEncoder:
         if isinstance(err, ConfigError):
             raise
         message = first_line(err, limit=600).removeprefix(f"{where}: ")  # timm_hub's lines start with the name
-        raise ConfigError(f"model.pretrained={source}: {message}") from None
+        raise ConfigError(f"finetune.pretrained={source}: {message}") from None
 
 
 def _read_vitattn(source: str, path: Path) -> PretrainedEncoder:
