@@ -12,8 +12,10 @@ from timm.optim import param_groups_weight_decay
 
 import vitattn.config as config
 from tests.helpers import TINY, TINY_SHAPES, compose_train
-from vitattn.config import ConfigError, check_config
+from vitattn.cli.train import _resume_argv
+from vitattn.config import ConfigError, check_config, check_moved_keys
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
+from vitattn.run_dir import RunDir
 from vitattn.systems.optim import add_param_groups, build_optimizer, head_modules, no_weight_decay_names, param_groups
 from vitattn.training import train
 
@@ -159,6 +161,15 @@ def test_vitattn_train_refuses_a_moved_key_in_one_line(tmp_path):
     assert done.stderr.strip().splitlines() == [
         "error: model.freeze_encoder_epochs is now finetune.freeze_encoder_epochs: use finetune.freeze_encoder_epochs=1"
     ]
+
+
+def test_resume_of_a_run_saved_before_the_move_replays_the_new_keys(tmp_path):
+    run = RunDir(tmp_path / "old")
+    run.overrides.parent.mkdir(parents=True)
+    run.overrides.write_text("- model.pretrained=runs/a\n- model.freeze_encoder_epochs=1\n- optim.lr=0.1\n")
+    argv = _resume_argv([f"resume={run.path}"])
+    assert argv[:3] == ["finetune.pretrained=runs/a", "finetune.freeze_encoder_epochs=1", "optim.lr=0.1"]
+    check_moved_keys(argv)  # nothing old is left to refuse
 
 
 class _Snapshots(Callback):

@@ -245,7 +245,7 @@ def test_switches_are_set_from_the_weights_and_logged_in_one_line(tmp_path, capl
 )
 def test_a_config_that_contradicts_the_weights_is_refused_in_one_line(overrides, message, tmp_path):
     save_file(_timm().state_dict(), tmp_path / "vit.safetensors")
-    with pytest.raises(ConfigError, match=rf"^model\.pretrained=.*vit\.safetensors: .*{message}"):
+    with pytest.raises(ConfigError, match=rf"^finetune\.pretrained=.*vit\.safetensors: .*{message}"):
         _encoder(tmp_path / "vit.safetensors", **overrides)
 
 
@@ -283,7 +283,7 @@ def test_timm_vits_that_the_encoder_cannot_copy_are_refused(kwargs, message, tmp
 )
 def test_check_config_refuses_a_pretrained_source_that_is_not_there(value, message, tmp_path):
     cfg = compose_train([*TINY, f"finetune.pretrained={value}"], tmp_path)
-    with pytest.raises(ConfigError, match=rf"^model\.pretrained={value}.*{message}"):
+    with pytest.raises(ConfigError, match=rf"^finetune\.pretrained={value}.*{message}"):
         check_config(cfg)
 
 
