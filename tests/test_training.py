@@ -8,7 +8,7 @@ import hydra
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from omegaconf import OmegaConf
 
 from tests.helpers import (
@@ -22,7 +22,7 @@ from tests.helpers import (
     metrics_with_weights,
 )
 from vitattn.bundle import load_bundle
-from vitattn.callbacks import Preemption
+from vitattn.callbacks import EMA, FreezeEncoder, Preemption, TimeBudgetHorizon
 from vitattn.models import VisionTransformer
 from vitattn.training import train
 from vitattn.training.groups import instantiate_group
@@ -102,6 +102,31 @@ def test_every_config_composes_and_instantiates(group, option, datasets, tmp_pat
         assert cfg.head.task == option
     elif group == "experiment":
         assert cfg.head.task in ("caption", "classification")
+
+
+def test_a_group_entry_is_left_out_while_its_enabled_is_off():
+    group = OmegaConf.create(
+        {
+            name: {"_target_": "lightning.pytorch.callbacks.LearningRateMonitor", "enabled": enabled}
+            for name, enabled in {"false": False, "null": None, "zero": 0, "true": True, "set": 0.999}.items()
+        }
+        | {"unswitched": {"_target_": "lightning.pytorch.callbacks.LearningRateMonitor"}, "off": None}
+    )
+    assert [type(o).__name__ for o in instantiate_group(group)] == ["LearningRateMonitor"] * 3
+
+
+@pytest.mark.parametrize("callbacks", ["default", "none"])
+def test_the_run_keys_switch_their_callbacks_in_every_callbacks_option(callbacks, tmp_path):
+    switches = ["ema.decay=0.99", "early_stopping.patience=3", "finetune.freeze_encoder_epochs=2"]
+    built = {
+        on: {type(o): o for o in instantiate_group(compose_train([f"callbacks={callbacks}", *on], tmp_path).callbacks)}
+        for on in ((), tuple(switches))
+    }
+    switched = (EMA, EarlyStopping, FreezeEncoder)
+    assert not any(kind in built[()] for kind in switched)  # off by default
+    ema, stop, freeze = (built[tuple(switches)][kind] for kind in switched)
+    assert (ema.decay, stop.patience, stop.monitor, freeze.unfreeze_at_epoch) == (0.99, 3, "val/cider_d", 2)
+    assert Preemption in built[()] and TimeBudgetHorizon in built[()]
 
 
 def test_derived_values_are_interpolated_not_repeated(tmp_path):
