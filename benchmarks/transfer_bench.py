@@ -11,8 +11,8 @@ training defaults (model=cpu: 64 px, 8 px patches, width 128, 4 layers, a 2-laye
 1. ``head=classification`` on the shapes of ``data.seed=1`` (other images than the caption runs
    see) for ``--pretrain-steps`` steps: the encoder to transfer.
 2. ``head=caption`` on the shapes of ``data.seed=0`` for ``--steps`` steps, three ways, all else the
-   same: the encoder from scratch; from the classifier (``model.pretrained=RUN``, everything trains);
-   and from the classifier, frozen for the whole run (``model.freeze_encoder_epochs=1`` of a one-epoch
+   same: the encoder from scratch; from the classifier (``finetune.pretrained=RUN``, everything trains);
+   and from the classifier, frozen for the whole run (``finetune.freeze_encoder_epochs=1`` of a one-epoch
    run: only the decoder trains).
 
 Every run is one pass over ``data.num_train = steps x batch`` images, so it validates once, at its
@@ -51,8 +51,8 @@ PRETRAIN_DATA_SEED, CAPTION_DATA_SEED = 1, 0
 # The caption runs: what each adds to the shared overrides, given the classification run's folder.
 ARMS = {
     "scratch": lambda pretrained: [],
-    "pretrained": lambda pretrained: [f"model.pretrained={pretrained}"],
-    "frozen": lambda pretrained: [f"model.pretrained={pretrained}", "model.freeze_encoder_epochs=1"],
+    "pretrained": lambda pretrained: [f"finetune.pretrained={pretrained}"],
+    "frozen": lambda pretrained: [f"finetune.pretrained={pretrained}", "finetune.freeze_encoder_epochs=1"],
 }
 ARM_NAMES = {
     "scratch": "from scratch",
@@ -61,7 +61,7 @@ ARM_NAMES = {
 }
 METRICS = ("bleu4", "cider_d", "exact_match")
 TABLE_METRICS = (*METRICS, "loss")  # the val loss: teacher-forced cross-entropy, beside the decoded captions' scores
-LOADED = "pretrained encoder:"  # the line a run logs when model.pretrained loads
+LOADED = "pretrained encoder:"  # the line a run logs when finetune.pretrained loads
 
 
 @dataclass

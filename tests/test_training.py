@@ -8,6 +8,7 @@ import hydra
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from omegaconf import OmegaConf
 
 from tests.helpers import (
@@ -21,12 +22,14 @@ from tests.helpers import (
     metrics_with_weights,
 )
 from vitattn.bundle import load_bundle
-from vitattn.models import TRAINING_KEYS, VisionTransformer
+from vitattn.callbacks import EMA, FreezeEncoder, Preemption, TimeBudgetHorizon
+from vitattn.models import VisionTransformer
 from vitattn.training import train
+from vitattn.training.groups import instantiate_group
 
 GROUPS = {
     g: sorted(p.stem for p in (CONF_DIR / g).glob("*.yaml"))
-    for g in ("head", "model", "data", "trainer", "logger", "callbacks", "experiment")
+    for g in ("head", "model", "finetune", "data", "trainer", "logger", "callbacks", "experiment")
 }
 
 
@@ -71,8 +74,7 @@ def test_every_config_composes_and_instantiates(group, option, datasets, tmp_pat
     cfg = compose_train(overrides, tmp_path)
     OmegaConf.resolve(cfg)  # every interpolation resolves
     if group == "model":
-        arguments = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k not in TRAINING_KEYS}
-        model = VisionTransformer(**arguments)  # the other keys are its keyword arguments
+        model = VisionTransformer(**OmegaConf.to_container(cfg.model))  # the group holds its arguments only
         assert isinstance(model, VisionTransformer) and model.embed_dim == cfg.model.embed_dim
     elif group == "data":
         dm = hydra.utils.instantiate(cfg.data)
@@ -87,14 +89,44 @@ def test_every_config_composes_and_instantiates(group, option, datasets, tmp_pat
             assert cfg.trainer.precision == "bf16-mixed"
         if option == "ddp":
             assert cfg.trainer.strategy == "ddp"
-    elif group in ("logger", "callbacks"):
-        objects = [hydra.utils.instantiate(node) for node in (cfg[group] or {}).values()]
-        assert all(type(o).__module__.startswith(("lightning", "vitattn.callbacks")) for o in objects)
+    elif group == "logger":
+        objects = instantiate_group(cfg.logger)
+        assert all(type(o).__module__.startswith("lightning") for o in objects)
         assert (len(objects) > 0) == (option != "none")
+    elif group == "callbacks":
+        objects = instantiate_group(cfg.callbacks)
+        assert all(type(o).__module__.startswith(("lightning", "vitattn.callbacks")) for o in objects)
+        assert any(isinstance(o, Preemption) for o in objects)  # switched on by its key, in every option
+        assert any(isinstance(o, ModelCheckpoint) for o in objects) == (option == "default")
     elif group == "head":
         assert cfg.head.task == option
     elif group == "experiment":
         assert cfg.head.task in ("caption", "classification")
+
+
+def test_a_group_entry_is_left_out_while_its_enabled_is_off():
+    group = OmegaConf.create(
+        {
+            name: {"_target_": "lightning.pytorch.callbacks.LearningRateMonitor", "enabled": enabled}
+            for name, enabled in {"false": False, "null": None, "zero": 0, "true": True, "set": 0.999}.items()
+        }
+        | {"unswitched": {"_target_": "lightning.pytorch.callbacks.LearningRateMonitor"}, "off": None}
+    )
+    assert [type(o).__name__ for o in instantiate_group(group)] == ["LearningRateMonitor"] * 3
+
+
+@pytest.mark.parametrize("callbacks", ["default", "none"])
+def test_the_run_keys_switch_their_callbacks_in_every_callbacks_option(callbacks, tmp_path):
+    switches = ["ema.decay=0.99", "early_stopping.patience=3", "finetune.freeze_encoder_epochs=2"]
+    built = {
+        on: {type(o): o for o in instantiate_group(compose_train([f"callbacks={callbacks}", *on], tmp_path).callbacks)}
+        for on in ((), tuple(switches))
+    }
+    switched = (EMA, EarlyStopping, FreezeEncoder)
+    assert not any(kind in built[()] for kind in switched)  # off by default
+    ema, stop, freeze = (built[tuple(switches)][kind] for kind in switched)
+    assert (ema.decay, stop.patience, stop.monitor, freeze.unfreeze_at_epoch) == (0.99, 3, "val/cider_d", 2)
+    assert Preemption in built[()] and TimeBudgetHorizon in built[()]
 
 
 def test_derived_values_are_interpolated_not_repeated(tmp_path):
@@ -378,5 +410,5 @@ def test_captioning_recipes_pass_validation(recipe, datasets, tmp_path):
 
     cfg = compose_train([f"experiment={recipe}", *datasets["karpathy"], "trainer.devices=1"], tmp_path)
     check_config(cfg)  # no network: the pretrained name is checked against timm's registry only
-    assert cfg.model.pretrained.startswith("vit_") and cfg.head.generate.num_beams == 3
+    assert cfg.finetune.pretrained.startswith("vit_") and cfg.head.generate.num_beams == 3
     assert cfg.data._target_ == "vitattn.data.KarpathyDataModule" and cfg.optim.layer_decay == 0.75

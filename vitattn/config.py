@@ -4,7 +4,7 @@ Every user error in a config is found here, before any data is read or any step 
 reported as one ``ConfigError`` line that names the key and the fix. Rules about the model's shape
 (heads that divide the width, a patch that divides the image, known activations and pools) belong
 to the models: the config is checked by building them on the ``meta`` device (no memory, no time)
-and their messages are given the config keys' full names. ``model.pretrained`` must name something
+and their messages are given the config keys' full names. ``finetune.pretrained`` must name something
 that exists (``check_source`` says what; ``vitattn.training.pretrained`` reads the weights, and checks
 them against the model, when the system is built).
 """
@@ -24,9 +24,10 @@ from vitattn.bundle.folder import is_bundle_weights
 from vitattn.data.augment import Augment
 from vitattn.data.tasks import TASKS
 from vitattn.errors import ConfigError, first_line
-from vitattn.models import TRAINING_KEYS, CaptionDecoder, VisionTransformer
+from vitattn.models import CaptionDecoder, VisionTransformer
 from vitattn.models.timm_hub import timm_pretrained_cfg
 from vitattn.models.timm_weights import TIMM_SUFFIXES
+from vitattn.moved_keys import MOVED_KEYS
 from vitattn.run_dir import RunDir
 from vitattn.targets import check_targets
 
@@ -34,6 +35,14 @@ __all__ = ["check_config", "check_data_paths", "check_source", "data_name"]
 
 _DIR_KEYS = ("root", "image_dir")
 _FILE_KEYS = ("train_annotations", "val_annotations", "test_annotations", "vocab_path", "dataset_json")
+
+
+def _check_moved(cfg: DictConfig) -> None:
+    """A moved key set in a config file (an experiment written for the old layout)."""
+    for old, new in MOVED_KEYS.items():
+        group, key = old.split(".")
+        if key in cfg[group]:
+            raise ConfigError(f"{old} is now {new}: set {new} (finetune: {{{key}: ...}} in an experiment)")
 
 
 def data_name(data: DictConfig) -> str:
@@ -93,13 +102,10 @@ def _build_on_meta(build: Any, kwargs: dict[str, Any], keys: dict[str, str]) -> 
 
 def _check_models(cfg: DictConfig) -> None:
     encoder = OmegaConf.to_container(cfg.model, resolve=True)
-    pretrained = encoder.get("pretrained")  # a source of weights, not a keyword argument
-    for key in TRAINING_KEYS:  # pretrained is checked below, freeze_encoder_epochs in _check_finetuning
-        encoder.pop(key, None)
     keys = {k: f"model.{k}" for k in encoder} | {"img_size": "data.img_size", "d_model": "model.embed_dim"}
     _build_on_meta(VisionTransformer, encoder, keys)
-    if pretrained:
-        check_source(pretrained)
+    if cfg.finetune.get("pretrained"):
+        check_source(cfg.finetune.pretrained)
     if cfg.head.task != "caption":
         return
     decoder = OmegaConf.to_container(cfg.head.decoder, resolve=True)
@@ -113,7 +119,7 @@ def _check_models(cfg: DictConfig) -> None:
 
 
 def check_source(source: str) -> tuple[str, Path | str, Path | None]:
-    """What a ``model.pretrained`` value names, without reading weights: ``(kind, where, file)``.
+    """What a ``finetune.pretrained`` value names, without reading weights: ``(kind, where, file)``.
 
     ``kind`` is ``vitattn`` (a run folder, bundle or .ckpt at ``where``), ``timm-file`` (a weights file) or
     ``timm-name`` (``where`` a timm name; ``file`` its local weights for ``NAME@FILE``, else None).
@@ -129,7 +135,7 @@ def check_source(source: str) -> tuple[str, Path | str, Path | None]:
         if path.suffix.lower() in TIMM_SUFFIXES:
             return "timm-file", path, None
         raise ConfigError(
-            f"model.pretrained={text} is not a weights file; give a {', '.join(TIMM_SUFFIXES)} file, "
+            f"finetune.pretrained={text} is not a weights file; give a {', '.join(TIMM_SUFFIXES)} file, "
             "a timm model name, or a vitattn run folder, bundle or .ckpt"
         )
     name, at, file = text.partition("@")
@@ -138,12 +144,12 @@ def check_source(source: str) -> tuple[str, Path | str, Path | None]:
     except ValueError as err:
         if "not a timm model" in str(err) and not at:
             raise ConfigError(
-                f"model.pretrained={text} is neither an existing file or folder nor a timm model name "
+                f"finetune.pretrained={text} is neither an existing file or folder nor a timm model name "
                 "with a pretrained tag (e.g. vit_base_patch16_224.augreg2_in21k_ft_in1k)"
             ) from None
-        raise ConfigError(f"model.pretrained={text}: {first_line(err)}") from None
+        raise ConfigError(f"finetune.pretrained={text}: {first_line(err)}") from None
     if at and not Path(file).expanduser().is_file():
-        raise ConfigError(f"model.pretrained={text}: {file} does not exist; give the weights file of {name}")
+        raise ConfigError(f"finetune.pretrained={text}: {file} does not exist; give the weights file of {name}")
     return "timm-name", name, Path(file).expanduser() if at else None
 
 
@@ -153,15 +159,15 @@ def _check_finetuning(cfg: DictConfig) -> None:
         raise ConfigError(f"optim.layer_decay={layer_decay} must be in (0, 1] (e.g. 0.75), or null for none")
     if head_lr is not None and not head_lr > 0:
         raise ConfigError(f"optim.head_lr={head_lr} must be positive, or null for optim.lr")
-    epochs = cfg.model.get("freeze_encoder_epochs") or 0
+    epochs = cfg.finetune.get("freeze_encoder_epochs") or 0
     if not isinstance(epochs, int) or epochs < 0:
-        raise ConfigError(f"model.freeze_encoder_epochs={epochs} must be a whole number of epochs, 0 for none")
+        raise ConfigError(f"finetune.freeze_encoder_epochs={epochs} must be a whole number of epochs, 0 for none")
     if epochs and _distributed(cfg.trainer):
         # DDP syncs only the parameters that train when it wraps the model (Lightning issue #20340).
         raise ConfigError(
-            f"model.freeze_encoder_epochs={epochs} does not work with several processes (trainer.strategy="
+            f"finetune.freeze_encoder_epochs={epochs} does not work with several processes (trainer.strategy="
             f"{cfg.trainer.strategy}, trainer.devices={cfg.trainer.devices}): train on one device or set "
-            "model.freeze_encoder_epochs=0"
+            "finetune.freeze_encoder_epochs=0"
         )
 
 
@@ -185,6 +191,7 @@ def _check_augment(data: DictConfig) -> None:
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config)."""
     check_targets(cfg)
+    _check_moved(cfg)
     task = cfg.head.task
     if task not in TASKS:
         raise ConfigError(f"head.task={task!r} is unknown; choose head=caption or head=classification")

@@ -73,7 +73,7 @@ def pretrained_timm_model(name: str, file: str | Path | None = None) -> nn.Modul
                 f"{name}: its weights are not in timm's cache and {host}:{port} cannot be reached (offline); "
                 f"download them where the network is reachable, or load a local copy with timm's "
                 f"pretrained_cfg_overlay=dict(file='/path/to/model.safetensors'), in vitattn "
-                f"model.pretrained={name}@/path/to/model.safetensors"
+                f"finetune.pretrained={name}@/path/to/model.safetensors"
             )
     try:
         with _hub_offline(offline), quiet_timm():

@@ -18,15 +18,12 @@ from torch import Tensor, nn
 
 from vitattn.layers import EncoderLayer, check_heads
 
-__all__ = ["PRESETS", "TRAINING_KEYS", "VisionTransformer", "layer_groups", "preset_config", "vit_preset"]
+__all__ = ["PRESETS", "VisionTransformer", "layer_groups", "preset_config", "vit_preset"]
 
 POOLS = ("cls", "mean", "avg")
 POS_EMBED_INITS = ("trunc_normal", "sincos")
 
 PRESETS = ("cpu", "tiny", "small", "base")  # the size files of the ``model`` config group
-
-# Keys of the ``model`` config group that set up training, not the VisionTransformer's arguments.
-TRAINING_KEYS = ("pretrained", "freeze_encoder_epochs")  # model settings that are not VisionTransformer arguments
 
 
 def preset_config(name: str) -> dict[str, Any]:
@@ -38,7 +35,7 @@ def preset_config(name: str) -> dict[str, Any]:
     size = OmegaConf.create((folder / f"{name}.yaml").read_text())
     base = OmegaConf.create((folder / "_vit.yaml").read_text())
     merged = OmegaConf.merge(base, {k: v for k, v in size.items() if k != "defaults"})
-    return {k: merged[k] for k in merged if k != "img_size" and k not in TRAINING_KEYS}
+    return {k: merged[k] for k in merged if k != "img_size"}
 
 
 def layer_groups(prefix: str = "") -> dict[str, Any]:

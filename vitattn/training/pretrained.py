@@ -1,4 +1,4 @@
-"""``model.pretrained``: the encoder of a run starts from pretrained weights.
+"""``finetune.pretrained``: the encoder of a run starts from pretrained weights.
 
 A source is one of:
 
@@ -54,7 +54,7 @@ class PretrainedEncoder:
     """Encoder weights read from a source, and the ``VisionTransformer`` keyword arguments they fix.
 
     Attributes:
-        source: the ``model.pretrained`` value.
+        source: the ``finetune.pretrained`` value.
         what: how the log line names it (``timm file x.safetensors``, ``timm vit_base_patch16_224.augreg...``).
         state: the encoder state dict in vitattn's layout (with its classifier head, if any).
         known: ``VisionTransformer`` keyword arguments the source fixes.
@@ -92,7 +92,7 @@ class PretrainedEncoder:
             self._set(encoder, "fc_norm", wanted)
         if encoder["img_size"] % encoder["patch_size"]:
             raise ConfigError(
-                f"model.pretrained={self.source}: its patch_size={encoder['patch_size']} does not divide "
+                f"finetune.pretrained={self.source}: its patch_size={encoder['patch_size']} does not divide "
                 f"data.img_size={encoder['img_size']}; use a multiple of {encoder['patch_size']}"
             )
 
@@ -101,7 +101,7 @@ class PretrainedEncoder:
         try:
             notes = load_encoder_state(encoder, self.state)
         except ValueError as err:
-            raise ConfigError(f"model.pretrained={self.source}: {first_line(err)}") from None
+            raise ConfigError(f"finetune.pretrained={self.source}: {first_line(err)}") from None
         set_from = f"; set from the weights: {', '.join(self.changes)}" if self.changes else ""
         extra = "; ".join(notes + self.notes)
         rank_zero_info(
@@ -127,7 +127,7 @@ class PretrainedEncoder:
         fix = " ".join(f"model.{k}={_plain(self.known[k])}" for k in wrong)
         sizes = [n for n in PRESETS if all(preset_config(n)[k] == self.known[k] for k in ("embed_dim", "depth"))]
         hint = f" (or model={sizes[0]})" if sizes and "in_chans" not in wrong else ""
-        raise ConfigError(f"model.pretrained={self.source}: the weights have {theirs}; set {fix}{hint}")
+        raise ConfigError(f"finetune.pretrained={self.source}: the weights have {theirs}; set {fix}{hint}")
 
 
 def _uses_fc_norm(encoder: dict[str, Any]) -> bool:
@@ -139,7 +139,7 @@ def _plain(value: Any) -> str:
 
 
 def read_pretrained(source: str) -> PretrainedEncoder:
-    """Read the encoder weights that ``model.pretrained=source`` names.
+    """Read the encoder weights that ``finetune.pretrained=source`` names.
 
     Raises:
         ConfigError: an unknown source; weights that cannot be read, are not a supported ViT, or are
@@ -157,7 +157,7 @@ def read_pretrained(source: str) -> PretrainedEncoder:
         if isinstance(err, ConfigError):
             raise
         message = first_line(err, limit=600).removeprefix(f"{where}: ")  # timm_hub's lines start with the name
-        raise ConfigError(f"model.pretrained={source}: {message}") from None
+        raise ConfigError(f"finetune.pretrained={source}: {message}") from None
 
 
 def _read_vitattn(source: str, path: Path) -> PretrainedEncoder:

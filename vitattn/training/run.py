@@ -11,18 +11,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import hydra
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from vitattn.bundle import bundle_from_system
-from vitattn.callbacks import EMA, FreezeEncoder, Preemption, SkippedImages, TimeBudgetHorizon
+from vitattn.callbacks import Preemption
 from vitattn.config import check_config
 from vitattn.data.bad_images import gather_skipped
 from vitattn.run_dir import RunDir
@@ -33,6 +31,7 @@ from vitattn.training.best_weights import load_best_weights
 from vitattn.training.checkpoint_io import AtomicCheckpointIO
 from vitattn.training.compile import should_compile
 from vitattn.training.data import setup_data
+from vitattn.training.groups import instantiate_group
 from vitattn.training.resources import plan_cores
 
 __all__ = ["TrainResult", "train"]
@@ -53,12 +52,6 @@ class TrainResult:
     weights: str = "last"  # which weights were tested and exported: "last", or "best (val/cider_d 1.2 at step 800)"
     steps_per_second: float = 0.0  # optimizer steps of this run / seconds of trainer.fit (validation included)
     skipped_images: dict[str, str] = field(default_factory=dict)  # unreadable files left out (data.bad_images=skip)
-
-
-def _instantiate_group(group: DictConfig | None) -> list[Any]:
-    if not group:
-        return []
-    return [hydra.utils.instantiate(node) for node in group.values() if node is not None and "_target_" in node]
 
 
 def train(cfg: DictConfig) -> TrainResult:
@@ -90,8 +83,8 @@ def train(cfg: DictConfig) -> TrainResult:
 
     trainer: pl.Trainer = hydra.utils.instantiate(
         cfg.trainer,
-        callbacks=[*_instantiate_group(cfg.get("callbacks")), *training_callbacks(cfg)],
-        logger=_instantiate_group(cfg.get("logger")) or False,
+        callbacks=instantiate_group(cfg.get("callbacks")),
+        logger=instantiate_group(cfg.get("logger")) or False,
         default_root_dir=str(run_dir),
         plugins=[AtomicCheckpointIO()],
     )
@@ -140,28 +133,6 @@ def _test(trainer: pl.Trainer, system: VisionSystem, datamodule: pl.LightningDat
 
 def _preempted(trainer: pl.Trainer) -> Exception:
     return next(c for c in trainer.callbacks if isinstance(c, Preemption)).preempted()
-
-
-def training_callbacks(cfg: DictConfig) -> list[pl.Callback]:
-    """The callbacks that the run's own switches ask for: the time-budget horizon (always; idle without
-    ``trainer.max_time``), the checkpoint on SIGTERM or SIGUSR1 (unless ``trainer.enable_checkpointing=false``),
-    EMA weights (``ema.decay``), early stopping (``early_stopping.patience``), a frozen encoder
-    (``model.freeze_encoder_epochs``) and the count of skipped images (``data.bad_images=skip``)."""
-    callbacks: list[pl.Callback] = [TimeBudgetHorizon()]
-    if cfg.trainer.get("enable_checkpointing", True) is not False:  # Lightning refuses a Checkpoint callback then
-        callbacks.append(Preemption(RunDir(cfg.paths.output_dir).last_checkpoint))
-    if cfg.data.get("bad_images") == "skip":
-        callbacks.append(SkippedImages())
-    if cfg.model.get("freeze_encoder_epochs"):
-        callbacks.append(FreezeEncoder(cfg.model.freeze_encoder_epochs))
-    if cfg.get("ema") and cfg.ema.get("decay"):
-        callbacks.append(EMA(cfg.ema.decay))
-    if cfg.get("early_stopping") and cfg.early_stopping.get("patience"):
-        head = cfg.head
-        callbacks.append(
-            EarlyStopping(monitor=head.monitor, mode=head.monitor_mode, patience=cfg.early_stopping.patience)
-        )
-    return callbacks
 
 
 def _resume_checkpoint(cfg: DictConfig) -> str | None:
