@@ -1,5 +1,5 @@
 # make train   train the default captioner on the built-in shapes (CPU, no download)
-# make test    lint (ruff) and run the test suite
+# make test    lint (ruff, the import contract in pyproject.toml) and run the test suite
 # make learning-bench  vitattn against a plain timm loop on small real datasets (docs/learning.md)
 # make transfer-bench  captions on a classification-pretrained encoder against from scratch (docs/transfer.md)
 # Both create .venv and install the project into it when needed.
@@ -26,6 +26,7 @@ train: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 
 test: lint
 	$(PY) -m pytest -q
@@ -35,15 +36,15 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,bench]"
-	$(PY) scripts/bench.py $(ARGS)
+	$(PY) -m benchmarks $(ARGS)
 
 # vitattn-train against a plain timm loop on two Debian-packaged datasets (docs/learning.md)
 learning-bench: $(STAMP)
-	$(PY) scripts/learning_bench.py $(ARGS)
+	$(PY) -m benchmarks.learning_bench $(ARGS)
 
 # captions on the shapes: encoder from scratch, pretrained by classification, and frozen (docs/transfer.md)
 transfer-bench: $(STAMP)
-	$(PY) scripts/transfer_bench.py $(ARGS)
+	$(PY) -m benchmarks.transfer_bench $(ARGS)
 
 clean:
 	rm -rf runs multirun bench_results .pytest_cache

@@ -8,6 +8,12 @@ from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("HYDRA_FULL_ERROR", "1")
 
+pytest_plugins = ["tests.skip_policy"]
+
+# pytest-timeout: `timeout` in pyproject.toml bounds each test (a hang in an in-process train() fails that
+# test instead of hanging CI); a `slow` test without its own timeout mark gets this many seconds instead.
+SLOW_TIMEOUT = 1800
+
 # Property-based tests (tests/test_fuzz.py): ~100 cases per target in make test-fast; HYPOTHESIS_PROFILE=ci-long
 # for 2,000. No deadline: the machine is shared, and a slow case is not a failure (a hang is: pytest-timeout).
 _FUZZ = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -42,6 +48,12 @@ def _seed_and_threads():
     with _one_torch_thread():
         torch.manual_seed(0)
         yield
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT))
 
 
 def pytest_terminal_summary(terminalreporter):

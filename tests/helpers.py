@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 from omegaconf import DictConfig
 from PIL import Image
 
 import vitattn.conf
-from vitattn.config import compose_train as compose
+from vitattn.training.compose import compose_train as compose
 
 CONF_DIR = Path(vitattn.conf.__file__).parent
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 # A small model and data for fast runs: 32 px images, 8 px patches, width 32, 2 layers.
 TINY = [
@@ -32,6 +29,18 @@ TINY = [
     "num_threads=null",  # keep the one thread tests/conftest.py pins (auto would take every core)
 ]
 TINY_SHAPES = ["data.num_train=64", "data.num_val=16", "data.num_test=16"]
+
+
+def metrics_with_weights(system, weights: dict, datamodule, stage: str) -> dict[str, float]:
+    """``system``'s own val or test metrics with the model ``weights`` loaded, by a Trainer without callbacks:
+    what a run's logged metrics must equal when it validated or tested those weights."""
+    import lightning.pytorch as pl
+
+    missing, unexpected = system.model.load_state_dict(weights, strict=False)
+    assert not unexpected and all(name not in weights for name in missing)
+    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, **quiet)
+    return (trainer.validate if stage == "val" else trainer.test)(system, datamodule=datamodule, verbose=False)[0]
 
 
 # A tiny untrained captioner for inference tests: 32 px images, 8 px patches, width 32, 2 layers.
@@ -64,15 +73,6 @@ def console_script(name: str) -> Path:
     path = Path(sys.executable).with_name(name)
     assert path.is_file(), f"console script {name} is missing from {path.parent}: run pip install -e . --no-deps"
     return path
-
-
-def load_script(name: str) -> ModuleType:
-    """``scripts/<name>.py`` imported as module ``name`` (its sibling scripts importable by their names)."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def compose_train(overrides: list[str], output_dir: Path | None = None) -> DictConfig:

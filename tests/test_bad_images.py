@@ -10,13 +10,16 @@ import pickle
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from PIL import Image
 from torch._utils import ExceptionWrapper
 
 from tests.helpers import TINY, compose_train, make_coco, make_image_folder, make_karpathy
+from vitattn.callbacks import SkippedImages
 from vitattn.cli.check_data import main as check_data
 from vitattn.cli.train import _report
 from vitattn.data import (
@@ -289,3 +292,12 @@ def test_cli_bad_image_is_one_line_exit_2_and_keeps_the_checkpoint(tmp_path):
     assert last_line.startswith(f"error: {bad}: unreadable image: image file is truncated"), last_line
     assert "Traceback" not in proc.stderr and "worker process" not in proc.stderr
     assert last.read_bytes() == before
+
+
+@pytest.mark.parametrize("mode,logged", [("raise", []), ("skip", [("train/skipped_images", 2.0)])])
+def test_skipped_images_count_is_logged_only_when_images_are_skipped(mode, logged):
+    calls = []
+    module = SimpleNamespace(log=lambda name, value, **kwargs: calls.append((name, value)))
+    datamodule = SimpleNamespace(bad_images=mode, skipped_counts=Counter(train=2))
+    SkippedImages().on_train_epoch_end(SimpleNamespace(datamodule=datamodule, sanity_checking=False), module)
+    assert calls == logged

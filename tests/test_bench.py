@@ -1,24 +1,25 @@
-"""Smoke tests of vitattn.bench (scripts/bench.py): its measurement helpers and its JSON, at tiny sizes."""
+"""Smoke tests of the speed bench (python -m benchmarks): its measurement helpers and its JSON, at tiny sizes."""
 
+import ast
 import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from vitattn.bench import cli, workloads
-from vitattn.bench.caption import given_memory
-from vitattn.bench.flops import counted_flops, vit_flops
-from vitattn.bench.machine import matmul_gflops
-from vitattn.bench.report import SCHEMA, STATUSES, TARGETS, compare, format_table, pending_row, row, status
-from vitattn.bench.timing import interleaved, paired_speedup
-from vitattn.bench.workloads import forced_length
+from benchmarks import cli, timing, workloads
+from benchmarks.caption import given_memory
+from benchmarks.flops import counted_flops, vit_flops
+from benchmarks.machine import matmul_gflops
+from benchmarks.report import SCHEMA, STATUSES, TARGETS, compare, format_table, pending_row, row, status
+from benchmarks.timing import interleaved, paired_speedup
+from benchmarks.workloads import forced_length
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,19 +53,20 @@ def test_interleaved_calls_round_robin():
     assert all(s >= 0 for v in samples.values() for s in v)
 
 
-def test_interleaved_min_time_sizes_an_inner_loop_and_reports_per_call():
+def test_interleaved_min_time_sizes_an_inner_loop_and_reports_per_call(monkeypatch):
+    now = [0.0]  # a clock that each call moves by 2 ms: no wall-clock time in the test
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     calls = []
 
-    def sleep() -> None:
+    def two_ms() -> None:
         calls.append(1)
-        time.sleep(0.002)
+        now[0] += 0.002
 
-    samples = interleaved({"s": sleep}, repeats=2, warmup=1, min_time=0.05)["s"]
-    assert len(calls) >= 1 + 2 * 2  # the inner loop repeats the call to fill min_time
-    # seconds per call (~0.002), not per sample (>= min_time): a wide margin for a loaded machine
-    assert all(0.002 <= s < 0.025 for s in samples)
+    samples = interleaved({"s": two_ms}, repeats=2, warmup=1, min_time=0.05)["s"]
+    assert len(calls) == 1 + 2 * 25  # one warm-up call, then 0.05 / 0.002 = 25 calls per sample
+    assert samples == pytest.approx([0.002, 0.002])  # seconds per call, not per sample
     with pytest.raises(ValueError, match="warmup=0 and repeats=5 must be at least 1"):
-        interleaved({"s": sleep}, warmup=0)
+        interleaved({"s": two_ms}, warmup=0)
 
 
 def test_paired_speedup_is_median_of_round_ratios():
@@ -157,11 +159,11 @@ def test_main_writes_the_json_schema_and_plot(tiny_bench, tmp_path):
 
 
 def test_script_runs_without_transformers_imported():
-    # `transformers` is the optional `bench` extra: no module of the package may import it on import
-    # (a None entry in sys.modules makes `import transformers` raise), and the thin script still runs.
+    # `transformers` is the optional `bench` extra: no module of the bench may import it on import
+    # (a None entry in sys.modules makes `import transformers` raise), and `python -m benchmarks` still runs.
     code = (
-        "import runpy, sys; sys.modules['transformers'] = None; sys.argv = ['bench.py', '--help'];"
-        "runpy.run_path('scripts/bench.py', run_name='__main__')"
+        "import runpy, sys; sys.modules['transformers'] = None; sys.argv = ['benchmarks', '--help'];"
+        "runpy.run_module('benchmarks', run_name='__main__', alter_sys=True)"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -173,8 +175,8 @@ def test_script_runs_without_transformers_imported():
     assert proc.stdout.split("\n\n")[1].startswith("Speed of vitattn against timm and Hugging Face")
 
 
-def test_python_m_vitattn_bench_matmul_prints_the_fp32_rate_at_the_threads_asked(capsys):
-    from vitattn.bench.__main__ import main
+def test_python_m_benchmarks_matmul_prints_the_fp32_rate_at_the_threads_asked(capsys):
+    from benchmarks.__main__ import main
 
     threads = torch.get_num_threads()
     try:
@@ -193,8 +195,8 @@ def test_python_m_vitattn_bench_matmul_prints_the_fp32_rate_at_the_threads_asked
 
 @pytest.mark.slow
 def test_processes_section_times_one_and_two_caption_processes(tmp_path):
-    from vitattn.bench.env import Env
-    from vitattn.bench.processes import bench_processes
+    from benchmarks.env import Env
+    from benchmarks.processes import bench_processes
 
     rows, details = bench_processes(Env("cpu", quick=True), n_images=300, workdir=tmp_path)
     (only,) = rows
@@ -203,3 +205,23 @@ def test_processes_section_times_one_and_two_caption_processes(tmp_path):
     assert set(runs) == {1, 2} and "devices=2" in runs[2]["command"] and "devices=1" in runs[1]["command"]
     assert all(r["images_per_s"] > 0 and 0 < r["startup_s"] < r["total_s"] and r["cores"] > 0 for r in runs.values())
     assert only["ratio"] == pytest.approx(runs[2]["images_per_s"] / runs[1]["images_per_s"])
+
+
+def test_benchmarks_use_vitattn_as_a_user_would():
+    # benchmarks/ sits outside the package: it imports only vitattn's public names, and nothing in vitattn
+    # imports it back (the wheel does not ship it).
+    private = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vitattn"):
+                names = [node.module, *(alias.name for alias in node.names)]
+                private += [
+                    f"{path.name}: {node.module}.{n}" for n in names if any(p.startswith("_") for p in n.split("."))
+                ]
+    assert not private, private
+    climbing = [
+        str(p)
+        for p in (ROOT / "vitattn").rglob("*.py")
+        if re.search(r"^\s*(from|import) benchmarks", p.read_text(), re.M)
+    ]
+    assert not climbing, climbing

@@ -18,7 +18,8 @@ from tests.test_caption_load import load_caption
 from tests.test_captioner import bundle_dir, write_bad_images  # noqa: F401 - the tiny caption bundle fixture
 from vitattn.bundle import load_bundle
 from vitattn.inference import InputList, RecordIndex, caption_to_file, list_inputs
-from vitattn.inference.writers import OutputFiles, path_digests, write_output
+from vitattn.inference.records import path_digests
+from vitattn.inference.writers import OutputFiles, write_output
 
 
 def _jsonl(path: Path) -> list[dict]:

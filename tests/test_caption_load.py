@@ -1,7 +1,6 @@
 """Captioning many files: a killed ``vitattn-caption`` resumes with each image once, memory does not
-grow with the number of images, and the helpers of scripts/load_caption.py measure what they say."""
+grow with the number of images, and the helpers of benchmarks/load_caption.py measure what they say."""
 
-import importlib.util
 import json
 import os
 import signal
@@ -11,22 +10,16 @@ import time
 import tracemalloc
 import weakref
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from benchmarks import load_caption
 from tests.helpers import console_script
 from tests.test_captioner import bundle_dir  # noqa: F401 - the tiny caption bundle fixture, reused
 from vitattn.bundle import load_bundle
 from vitattn.inference import caption_to_file, list_inputs
-
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "load_caption.py"
-_spec = importlib.util.spec_from_file_location("vitattn_load_caption", _PATH)
-load_caption = importlib.util.module_from_spec(_spec)
-sys.modules["vitattn_load_caption"] = load_caption
-_spec.loader.exec_module(load_caption)
 
 
 def _live(pids) -> list[int]:

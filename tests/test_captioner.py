@@ -298,7 +298,8 @@ def test_console_script_end_to_end(bundle_dir, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == f"captioned 1 images, 1 failed -> {out}"
-    rows = {Path(r["image"]).name: r for r in csv.DictReader(out.open(newline=""))}
+    with out.open(newline="") as f:
+        rows = {Path(r["image"]).name: r for r in csv.DictReader(f)}
     assert rows["red.png"]["caption"] and rows["broken.jpg"]["error"]
     help_text = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert help_text.returncode == 0 and "vitattn-caption model=PATH" in help_text.stdout

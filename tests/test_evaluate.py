@@ -1,6 +1,7 @@
 import json
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -364,8 +365,6 @@ def test_console_scripts_print_their_usage(script, usage):
 
 
 def _declared_console_scripts() -> list[str]:
-    import tomllib
-
     pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
     return sorted(tomllib.loads(pyproject.read_text())["project"]["scripts"])
 

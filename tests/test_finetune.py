@@ -1,14 +1,23 @@
 """Fine-tuning controls: layer-wise lr decay, a head / decoder rate, an encoder frozen for the first epochs."""
 
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 from lightning.pytorch import Callback
+from omegaconf import open_dict
 from timm.optim import param_groups_weight_decay
 
-import vitattn.training.run as run
+import vitattn.targets as targets
 from tests.helpers import TINY, TINY_SHAPES, compose_train
-from vitattn.config import ConfigError, check_config
+from vitattn.cli.train import _resume_argv
+from vitattn.config import check_config
+from vitattn.errors import ConfigError
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
+from vitattn.moved_keys import check_moved_keys
+from vitattn.run_dir import RunDir
 from vitattn.systems.optim import add_param_groups, build_optimizer, head_modules, no_weight_decay_names, param_groups
 from vitattn.training import train
 
@@ -115,10 +124,10 @@ def test_groups_added_while_running_follow_the_schedule():
         ("optim.layer_decay=0", r"^optim\.layer_decay=0 must be in \(0, 1\]"),
         ("optim.layer_decay=1.5", r"^optim\.layer_decay=1\.5 must be in \(0, 1\]"),
         ("optim.head_lr=-0.1", r"^optim\.head_lr=-0\.1 must be positive"),
-        ("model.freeze_encoder_epochs=-1", r"^model\.freeze_encoder_epochs=-1 must be a whole number of epochs"),
+        ("finetune.freeze_encoder_epochs=-1", r"^finetune\.freeze_encoder_epochs=-1 must be a whole number of epochs"),
         (
-            "model.freeze_encoder_epochs=1 trainer=ddp",
-            r"^model\.freeze_encoder_epochs=1 does not work with several processes \(trainer\.strategy=ddp, ",
+            "finetune.freeze_encoder_epochs=1 trainer=ddp",
+            r"^finetune\.freeze_encoder_epochs=1 does not work with several processes \(trainer\.strategy=ddp, ",
         ),
     ],
 )
@@ -128,22 +137,61 @@ def test_bad_fine_tuning_values_are_one_config_error(override, message, tmp_path
         check_config(cfg)
 
 
-class _Snapshots(Callback):
-    """The model's weights by global step, when training starts and at each epoch end."""
+@pytest.mark.parametrize("old", ["model.pretrained=runs/a", "+model.freeze_encoder_epochs=2"])
+def test_a_moved_key_on_the_command_line_is_one_error_naming_its_new_key(old, tmp_path):
+    key, value = old.lstrip("+").split("=")
+    new = key.replace("model.", "finetune.")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is now {re.escape(new)}: use {re.escape(new)}={value}$"):
+        compose_train([*TINY, old], tmp_path)
 
-    def __init__(self) -> None:
-        self.at: dict[int, dict[str, torch.Tensor]] = {}
+
+def test_a_moved_key_in_a_config_file_is_one_error(tmp_path):
+    cfg = compose_train([*TINY, *TINY_SHAPES], tmp_path)
+    with open_dict(cfg.model):
+        cfg.model.pretrained = "runs/a"  # what an experiment file of the old layout merges in
+    with pytest.raises(ConfigError, match=r"^model\.pretrained is now finetune\.pretrained: set finetune\.pretrained"):
+        check_config(cfg)
+
+
+def test_vitattn_train_refuses_a_moved_key_in_one_line(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "vitattn.cli.train", "model.freeze_encoder_epochs=1", f"hydra.run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and not list(tmp_path.iterdir())
+    assert done.stderr.strip().splitlines() == [
+        "error: model.freeze_encoder_epochs is now finetune.freeze_encoder_epochs: use finetune.freeze_encoder_epochs=1"
+    ]
+
+
+def test_resume_of_a_run_saved_before_the_move_replays_the_new_keys(tmp_path):
+    run = RunDir(tmp_path / "old")
+    run.overrides.parent.mkdir(parents=True)
+    run.overrides.write_text("- model.pretrained=runs/a\n- model.freeze_encoder_epochs=1\n- optim.lr=0.1\n")
+    argv = _resume_argv([f"resume={run.path}"])
+    assert argv[:3] == ["finetune.pretrained=runs/a", "finetune.freeze_encoder_epochs=1", "optim.lr=0.1"]
+    check_moved_keys(argv)  # nothing old is left to refuse
+
+
+class _Snapshots(Callback):
+    """The model's weights by global step, when training starts and at each epoch end; what every instance
+    takes goes to the class (the runs build their own, from the callbacks group)."""
+
+    at: dict[int, dict[str, torch.Tensor]] = {}
 
     def _take(self, trainer, pl_module) -> None:
         self.at[trainer.global_step] = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
 
     on_train_start = on_train_epoch_end = _take
 
-    def encoder(self, step: int) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.at[step].items() if not k.startswith(("head.", "decoder."))}
+    @classmethod
+    def encoder(cls, step: int) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in cls.at[step].items() if not k.startswith(("head.", "decoder."))}
 
-    def head(self, step: int) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.at[step].items() if k.startswith(("head.", "decoder."))}
+    @classmethod
+    def head(cls, step: int) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in cls.at[step].items() if k.startswith(("head.", "decoder."))}
 
 
 def _changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> set[str]:
@@ -152,9 +200,10 @@ def _changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) ->
 
 @pytest.fixture
 def snapshots(monkeypatch):
-    recorder, callbacks = _Snapshots(), run.training_callbacks
-    monkeypatch.setattr(run, "training_callbacks", lambda cfg: [*callbacks(cfg), recorder])
-    return recorder
+    """``_Snapshots``, added to the runs as a user adds a callback (``+callbacks.snapshots._target_=...``)."""
+    monkeypatch.setattr(targets, "ALLOWED_TARGET_PREFIXES", (*targets.ALLOWED_TARGET_PREFIXES, "tests."))
+    monkeypatch.setattr(_Snapshots, "at", {})
+    return _Snapshots
 
 
 # 64 training images in batches of 8: 8 steps an epoch; the encoder thaws at epoch 1 (step 8).
@@ -162,7 +211,7 @@ FROZEN = [
     "head=classification",
     *TINY,
     *TINY_SHAPES,
-    "model.freeze_encoder_epochs=1",
+    "finetune.freeze_encoder_epochs=1",
     "optim.layer_decay=0.75",
     "optim.head_lr=5e-3",
     "optim.warmup_steps=2",
@@ -170,6 +219,7 @@ FROZEN = [
     "trainer.check_val_every_n_epoch=1000",
     "trainer.log_every_n_steps=1",  # the learning-rate monitor logs every group, before and after the thaw
     "callbacks.step_checkpoint.every_n_train_steps=4",
+    f"+callbacks.snapshots._target_={__name__}._Snapshots",
     "test=false",
     "export_bundle=false",
 ]

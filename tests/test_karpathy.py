@@ -5,8 +5,8 @@ import torch
 
 from tests.helpers import KARPATHY_SIZES, KARPATHY_WORDS, TINY, compose_train, make_karpathy
 from vitattn.cli.evaluate import main as eval_main
-from vitattn.config import ConfigError
 from vitattn.data import KarpathyDataModule, Vocabulary, load_karpathy
+from vitattn.errors import ConfigError
 from vitattn.metrics import compute_caption_metrics
 from vitattn.training import train
 

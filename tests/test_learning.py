@@ -1,16 +1,16 @@
 """Learning from small data: schedules that end at the run's limit, augmentation, cache, EMA, early stopping."""
 
+import csv
 import json
 import math
-import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, make_image_folder
-from vitattn.callbacks import EMA
+from tests.helpers import TINY, TINY_SHAPES, compose_train, make_image_folder, metrics_with_weights
 from vitattn.data import ImageFolderDataModule
 from vitattn.data.augment import Augment, CaptionAugment, auto_min_scale, classification_train_transform
 from vitattn.data.cache import should_cache
@@ -28,6 +28,8 @@ def test_warmup_cosine_reaches_its_floor_at_the_horizon_and_follows_a_moved_one(
     schedule.total_steps = 500  # a shorter budget than first thought: the floor comes sooner
     assert schedule(500) == pytest.approx(0.01) and schedule(275) == pytest.approx(0.505)
     assert WarmupCosine(total_steps=100, warmup_steps=50, min_lr_ratio=0.0).warmup_steps == 10  # capped at 1/10
+    assert WarmupCosine(total_steps=938, warmup_steps="auto", min_lr_ratio=0.0).warmup_steps == 93  # a tenth
+    assert WarmupCosine(total_steps=10_000, warmup_steps="auto", min_lr_ratio=0.0).warmup_steps == 200
 
 
 def _final_lr_ratio(result) -> tuple[float, int]:
@@ -64,7 +66,10 @@ def test_each_head_trains_at_its_recipes_peak_rate_unless_optim_lr_is_given(over
     assert len(groups) >= 2 and [g["initial_lr"] for g in groups] == pytest.approx([peak] * len(groups))
 
 
+@pytest.mark.slow  # twelve seconds of training
 def test_a_time_budget_anneals_the_learning_rate_to_its_floor_by_the_deadline(tmp_path):
+    from lightning.pytorch.callbacks import Timer
+
     overrides = [
         *CLS,
         "trainer.max_steps=-1",
@@ -74,9 +79,9 @@ def test_a_time_budget_anneals_the_learning_rate_to_its_floor_by_the_deadline(tm
         "optim.warmup_steps=5",
         "trainer.check_val_every_n_epoch=1000",
     ]
-    start = time.monotonic()
     result = train(compose_train(overrides, tmp_path))
-    assert time.monotonic() - start < 60
+    timer = next(c for c in result.system.trainer.callbacks if isinstance(c, Timer))
+    assert 1.0 <= timer.time_elapsed("train") / 12 < 1.5  # stopped at the budget, not long after it
     ratio, horizon = _final_lr_ratio(result)
     # The horizon was re-estimated from the step rate and the run stopped close to it: the learning
     # rate ends near its floor instead of at its peak (the schedule of an unbounded run).
@@ -175,38 +180,72 @@ def test_label_smoothing_and_mixup_change_the_training_loss():
         torch.manual_seed(0)
         system = ClassificationSystem(config, ["a", "b", "c"], **kwargs)
         system.log = lambda *a, **k: None  # no trainer attached
-        losses[name] = float(system.training_step((images, labels), 0))
+        losses[name] = float(system.training_step((images, labels), 0).detach())
     logits = ClassificationSystem(config, ["a", "b", "c"]).model  # same seed: same weights
     assert losses["smooth"] != losses["plain"] and losses["mixup"] != losses["plain"]
     assert all(math.isfinite(v) for v in losses.values()) and logits is not None
 
 
-def test_ema_weights_are_validated_tested_and_exported(tmp_path):
-    result = train(
-        compose_train(
-            [
-                *CLS,
-                "trainer.max_steps=6",
-                "trainer.max_epochs=-1",
-                "ema.decay=0.9",
-                "export_bundle=true",
-                "callbacks.step_checkpoint.every_n_train_steps=6",
-            ],
-            tmp_path,
-        )
-    )
-    ema = next(c for c in result.system.trainer.callbacks if isinstance(c, EMA))
-    averaged = {k[len("module.") :]: v for k, v in ema._average_model.state_dict().items() if k.startswith("module.")}
-    # The step checkpoint is written during the last step, before the average replaces the weights.
-    checkpoint = torch.load(tmp_path / "checkpoints" / "step000006.ckpt", weights_only=True)
-    raw = checkpoint["current_model_state"]  # the weights training reached, kept beside the average
+EMA_DECAY = 0.9
+EMA_ON = [f"ema.decay={EMA_DECAY}"]  # the config key that turns the EMA on
+
+
+def _independent_ema(raw: list[dict[str, torch.Tensor]], decay: float) -> list[dict[str, torch.Tensor]]:
+    """The EMA after each step, from the raw weights after each optimizer step: the first step's weights,
+    then average <- d * average + (1 - d) * weights with d = min(decay, (1 + n) / (10 + n)) after n updates
+    (timm's ModelEmaV3 warm-up)."""
+    averages = [{k: v.clone() for k, v in raw[0].items()}]
+    for n, weights in enumerate(raw[1:], start=1):
+        d = min(decay, (1.0 + n) / (10.0 + n))
+        averages.append({k: d * averages[-1][k] + (1.0 - d) * weights[k] for k in weights})
+    return averages
+
+
+def test_ema_weights_are_validated_tested_and_exported(tmp_path, monkeypatch):
+    from lightning.pytorch.loggers import CSVLogger
     from safetensors.torch import load_file
 
+    from vitattn.systems import ClassificationSystem
+
+    raw = {}  # global step -> the weights the optimizer reached, before any averaging
+
+    def record(self, outputs, batch, batch_idx):
+        raw[self.global_step] = {k: v.detach().clone() for k, v in self.model.named_parameters()}
+
+    monkeypatch.setattr(ClassificationSystem, "on_train_batch_end", record)
+    run = [*CLS, *EMA_ON, "trainer.max_steps=6", "trainer.max_epochs=-1", "trainer.val_check_interval=3"]
+    run += ["trainer.check_val_every_n_epoch=null", "test=true", "export_bundle=true", "weights=last"]
+    run += ["optim.lr=3e-2", "optim.warmup_steps=1"]  # weights that move: the average lags them visibly
+    result = train(compose_train(run, tmp_path))
+    assert sorted(raw) == [1, 2, 3, 4, 5, 6]
+    ema = dict(zip(sorted(raw), _independent_ema([raw[s] for s in sorted(raw)], EMA_DECAY)))
+    assert max((ema[6][k] - raw[6][k]).abs().max() for k in raw[6]) > 1e-4  # the average is not the last weights
+
     exported = load_file(tmp_path / "bundle" / "model.safetensors")
-    name = "blocks.0.mha.wq.weight"
-    torch.testing.assert_close(exported[name], averaged[f"model.{name}"])
-    torch.testing.assert_close(checkpoint["state_dict"][f"model.{name}"], averaged[f"model.{name}"])
-    assert (exported[name] - raw[f"model.{name}"]).abs().max() > 1e-4
+    for key, value in ema[6].items():
+        torch.testing.assert_close(exported[key], value, rtol=1e-5, atol=1e-6)
+
+    logger = next(x for x in result.system.trainer.loggers if isinstance(x, CSVLogger))
+    with open(Path(logger.log_dir) / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    # The CSV's step column is zero-based: validation after global step 3 is logged at step 2.
+    validated = {int(r["step"]) + 1: float(r["val/loss"]) for r in rows if r.get("val/loss")}
+    (tested,) = [float(r["test/loss"]) for r in rows if r.get("test/loss")]
+    assert sorted(validated) == [3, 6], validated
+    datamodule = result.system.trainer.datamodule
+    for step, logged in validated.items():
+        assert logged == pytest.approx(
+            metrics_with_weights(result.system, ema[step], datamodule, "val")["val/loss"], rel=1e-5
+        )
+        assert logged != pytest.approx(
+            metrics_with_weights(result.system, raw[step], datamodule, "val")["val/loss"], rel=1e-3
+        )
+    assert tested == pytest.approx(
+        metrics_with_weights(result.system, ema[6], datamodule, "test")["test/loss"], rel=1e-5
+    )
+    assert tested != pytest.approx(
+        metrics_with_weights(result.system, raw[6], datamodule, "test")["test/loss"], rel=1e-3
+    )
 
 
 def test_early_stopping_ends_a_run_that_stops_improving(tmp_path):
@@ -238,6 +277,7 @@ def test_startup_warns_when_the_config_fights_the_data(tmp_path, caplog):
     assert len(endless) == 1 and "the learning-rate schedule has no end" in endless[0]
     short = _warnings([*base, "trainer.max_steps=50", "optim.warmup_steps=200"], tmp_path)
     assert len(short) == 1 and "optim.warmup_steps=200 is more than a tenth of the 50-step run" in short[0]
+    assert _warnings([*base, "trainer.max_steps=50", "optim.warmup_steps=auto"], tmp_path) == []  # the default
     timed = _warnings([*base, "trainer.max_epochs=-1", "trainer.max_time=00:00:05:00"], tmp_path)
     assert timed == []  # a time budget sets the horizon (TimeBudgetHorizon)
 
@@ -259,7 +299,7 @@ def test_auto_workers_and_threads_never_oversubscribe_the_cores(tmp_path, monkey
 
     from hydra.utils import instantiate
 
-    from vitattn.training.run import plan_cores
+    from vitattn.training.resources import plan_cores
 
     folder = make_image_folder(tmp_path / "folder", per_class=2, size=20)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))

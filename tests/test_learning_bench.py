@@ -1,4 +1,4 @@
-"""scripts/learning_data.py and scripts/learning_bench.py on tiny synthetic data written in the bench's format."""
+"""benchmarks/learning_data.py and benchmarks/learning_bench.py on tiny synthetic data written in the bench's format."""
 
 import json
 import math
@@ -8,11 +8,9 @@ import pytest
 from PIL import Image, ImageDraw
 from torchvision.datasets import ImageFolder
 
-from tests.helpers import compose_train, load_script
+from benchmarks import learning_bench, learning_data
+from tests.helpers import compose_train
 from vitattn.data import load_coco_captions
-
-learning_data = load_script("learning_data")
-learning_bench = load_script("learning_bench")
 
 COLOURS = {"red": (220, 40, 40), "blue": (40, 80, 220), "green": (40, 170, 60)}
 
@@ -168,7 +166,7 @@ def test_table_and_doc_markers(tmp_path):
     learning_bench.update_doc(table, learning_bench.commands_block([row], [["--quick"]]), doc)
     text = doc.read_text()
     assert "old" not in text and text.startswith("intro\n") and text.endswith("after\n")
-    assert table in text and "vitattn-train x=1" in text and "learning_bench.py --quick" in text
+    assert table in text and "vitattn-train x=1" in text and "python -m benchmarks.learning_bench --quick" in text
 
 
 def _run(seed, vitattn, plain, dataset="d", metric="acc"):
@@ -229,7 +227,10 @@ def test_doc_from_saved_runs_rewrites_only_the_table(tmp_path, monkeypatch):
     learning_bench.main(["--doc-from", str(first), str(second)])
     text = doc.read_text()
     assert "| d | classification | val accuracy | 60.0 % (50.0–70.0) | 75.0 % (75.0–75.0) | MISS | 9 | 2 | 2 |" in text
-    assert "learning_bench.py --steps 9" in text and "learning_bench.py --train-seeds 1" in text
+    assert (
+        "python -m benchmarks.learning_bench --steps 9" in text
+        and "python -m benchmarks.learning_bench --train-seeds 1" in text
+    )
     assert "vitattn-train seed=0" in text
 
 

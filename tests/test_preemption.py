@@ -1,6 +1,7 @@
 """Preemption: SIGTERM / SIGUSR1 stop after a whole step with a checkpoint, and ``resume=auto`` continues."""
 
 import csv
+import json
 import os
 import re
 import signal
@@ -13,11 +14,11 @@ import pytest
 import torch
 
 from tests.helpers import TINY, TINY_SHAPES, compose_train, console_script
-from vitattn.errors import Preempted
-from vitattn.systems import ClassificationSystem
 from vitattn.training import train
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+ENV_ONE_THREAD = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+ENV = {**os.environ, **ENV_ONE_THREAD}
+ROOT = Path(__file__).resolve().parents[1]
 # A classifier logging every step and validating every 4; with a step checkpoint interval of max_steps,
 # the only checkpoints are the preemption's and the last step's.
 RUN = [
@@ -47,32 +48,28 @@ def _step(checkpoint: Path) -> int:
     return torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"]
 
 
-def _sigusr1_during(monkeypatch, step: int) -> None:
-    """SIGUSR1 to this process in the middle of training step ``step``."""
-    original = ClassificationSystem.training_step
-
-    def training_step(self, batch, batch_idx):
-        if self.global_step == step and not getattr(self, "signalled", False):
-            self.signalled = True
-            os.kill(os.getpid(), signal.SIGUSR1)
-        return original(self, batch, batch_idx)
-
-    monkeypatch.setattr(ClassificationSystem, "training_step", training_step)
+def _preempted_train(run_dir: Path, signame: str, where: str, step: int, overrides: list[str]) -> dict:
+    """tests/preempted_train.py in a subprocess: ``signame`` during training step ``step`` (``where="train"``)
+    or the first test batch (``where="test"``) goes to that process, never to pytest's."""
+    # os.environ as it is now (a test may have set SLURM variables), one thread, this checkout first on the path
+    env = {**os.environ, **ENV_ONE_THREAD, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, str(ROOT / "tests" / "preempted_train.py"), signame, where, str(step), str(run_dir)]
+    proc = subprocess.run([*command, *overrides], capture_output=True, text=True, timeout=240, env=env, cwd=run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 STEPS_12 = [*RUN, "trainer.max_steps=12", "callbacks.step_checkpoint.every_n_train_steps=12"]
 
 
 @pytest.mark.parametrize("signalled_step", [3, 5])  # step 3 is followed by a validation, step 5 is not
-def test_sigusr1_stops_after_the_step_and_resume_auto_repeats_none(signalled_step, tmp_path, monkeypatch):
-    _sigusr1_during(monkeypatch, signalled_step)
-    handler = signal.getsignal(signal.SIGUSR1)
+def test_sigusr1_stops_after_the_step_and_resume_auto_repeats_none(signalled_step, tmp_path):
     last = tmp_path / "checkpoints" / "last.ckpt"
-    with pytest.raises(
-        Preempted, match=rf"^preempted by SIGUSR1 at step {signalled_step + 1}; checkpoint .*last\.ckpt"
-    ):
-        train(compose_train(STEPS_12, tmp_path))  # resume=auto, no checkpoint: a fresh start
-    assert signal.getsignal(signal.SIGUSR1) is handler  # restored when fit ended
+    report = _preempted_train(tmp_path, "SIGUSR1", "train", signalled_step, STEPS_12)  # resume=auto: a fresh start
+    assert re.match(
+        rf"^preempted by SIGUSR1 at step {signalled_step + 1}; checkpoint .*last\.ckpt", report["preempted"]
+    )
+    assert report["handler_restored"]  # the SIGUSR1 handler in place before fit is back when fit ended
     assert _step(last) == signalled_step + 1  # the signalled step is whole and saved
     assert _train_steps(tmp_path) == list(range(signalled_step + 1))
 
@@ -83,20 +80,13 @@ def test_sigusr1_stops_after_the_step_and_resume_auto_repeats_none(signalled_ste
     assert _train_steps(tmp_path) == list(range(signalled_step + 1, 12))  # the CSV logger starts a new file
 
 
-def test_sigterm_while_testing_after_training_is_a_preemption_not_a_success(tmp_path, monkeypatch):
-    original = ClassificationSystem.test_step
-
-    def test_step(self, batch, batch_idx):
-        if batch_idx == 0:
-            os.kill(os.getpid(), signal.SIGTERM)  # Lightning's handler: the test stops after this batch
-        return original(self, batch, batch_idx)
-
-    monkeypatch.setattr(ClassificationSystem, "test_step", test_step)
+def test_sigterm_while_testing_after_training_is_a_preemption_not_a_success(tmp_path):
+    # Lightning alone ends the test with a SystemExit of status 0 after the signalled batch.
+    report = _preempted_train(tmp_path, "SIGTERM", "test", 0, [*STEPS_12, "test=true"])
+    assert re.match(
+        r"^preempted by SIGTERM after training, while testing; checkpoint .*last\.ckpt", report["preempted"]
+    )
     last = tmp_path / "checkpoints" / "last.ckpt"
-    with pytest.raises(
-        Preempted, match=r"^preempted by SIGTERM after training, while testing; checkpoint .*last\.ckpt"
-    ):
-        train(compose_train([*STEPS_12, "test=true"], tmp_path))  # Lightning alone: a SystemExit with status 0
     assert _step(last) == 12  # the finished training's checkpoint, not rewritten with the weights under test
 
 
@@ -109,10 +99,10 @@ def test_on_slurm_sigusr1_stops_then_lightning_requeues_the_job(tmp_path, monkey
     slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "localhost"}
     for key, value in {**slurm, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():
         monkeypatch.setenv(key, value)  # what srun sets: Lightning's SLURMEnvironment with auto-requeue
-    _sigusr1_during(monkeypatch, 5)
     run_dir = tmp_path / "run"
-    with pytest.raises(Preempted, match=r"^preempted by SIGUSR1 at step 6"):
-        train(compose_train(STEPS_12, run_dir))
+    run_dir.mkdir()
+    report = _preempted_train(run_dir, "SIGUSR1", "train", 5, STEPS_12)
+    assert report["preempted"].startswith("preempted by SIGUSR1 at step 6")
     assert requeued.read_text().split() == ["requeue", "4242"]  # once, by Lightning's handler
     (hpc,) = run_dir.glob("hpc_ckpt_*.ckpt")  # Lightning's own checkpoint, at the same step boundary
     assert _step(hpc) == _step(run_dir / "checkpoints" / "last.ckpt") == 6
@@ -123,17 +113,16 @@ def test_on_slurm_sigusr1_stops_then_lightning_requeues_the_job(tmp_path, monkey
 
 def test_no_preemption_checkpoint_when_checkpointing_is_off(tmp_path):
     """``+trainer.enable_checkpointing=false callbacks=none`` (the learning bench's runs) must still start:
-    Lightning refuses any Checkpoint callback then, and the preemption callback is one."""
+    Lightning refuses any Checkpoint callback then, and the preemption callback is one. ``callbacks=none``
+    keeps it otherwise."""
     from vitattn.callbacks import Preemption
-    from vitattn.training.run import training_callbacks
 
     run = [*RUN[:-1], "trainer.max_steps=2", "callbacks=none"]
-    on = compose_train(run, tmp_path / "on")
-    off = compose_train([*run, "+trainer.enable_checkpointing=false"], tmp_path / "off")
-    assert any(isinstance(c, Preemption) for c in training_callbacks(on))
-    assert not any(isinstance(c, Preemption) for c in training_callbacks(off))
-    result = train(off)  # Lightning would refuse the Trainer if a Checkpoint callback were given
-    assert result.global_step == 2 and not (tmp_path / "off" / "checkpoints" / "last.ckpt").exists()
+    on = train(compose_train(run, tmp_path / "on"))
+    off = train(compose_train([*run, "+trainer.enable_checkpointing=false"], tmp_path / "off"))
+    assert any(isinstance(c, Preemption) for c in on.system.trainer.callbacks)
+    assert not any(isinstance(c, Preemption) for c in off.system.trainer.callbacks)
+    assert off.global_step == 2 and not (tmp_path / "off" / "checkpoints" / "last.ckpt").exists()
 
 
 def test_resume_auto_needs_a_fixed_run_directory(tmp_path):

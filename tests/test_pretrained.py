@@ -1,4 +1,4 @@
-"""``model.pretrained``: every source, built from a randomly initialised timm model saved to a file, gives
+"""``finetune.pretrained``: every source, built from a randomly initialised timm model saved to a file, gives
 the encoder timm's features; the timm ViT families load with the switches their weights show."""
 
 import json
@@ -14,8 +14,9 @@ from safetensors.torch import save_file
 
 from tests.helpers import TINY, TINY_SHAPES, compose_train
 from vitattn.bundle import load_bundle, save_bundle
-from vitattn.config import ConfigError, check_config
+from vitattn.config import check_config
 from vitattn.data.preprocess import default_preprocess
+from vitattn.errors import ConfigError
 from vitattn.models import VisionTransformer
 from vitattn.models.vit import preset_config
 from vitattn.training import build_system, train
@@ -48,7 +49,7 @@ def _config(**overrides) -> dict:
 
 
 def _encoder(source, **overrides) -> VisionTransformer:
-    """What ``build_system`` does with ``model.pretrained=source``: read, fit the config, build, load."""
+    """What ``build_system`` does with ``finetune.pretrained=source``: read, fit the config, build, load."""
     weights = read_pretrained(str(source))
     config = _config(**overrides)
     weights.fit(config)
@@ -182,7 +183,7 @@ def test_a_timm_name_offline_and_uncached_is_one_line_naming_the_local_file_fix(
         read_pretrained(TIMM_TINY)
     message = str(err.value)
     assert "\n" not in message
-    assert "pretrained_cfg_overlay=dict(file=" in message and f"model.pretrained={TIMM_TINY}@/path/to/" in message
+    assert "pretrained_cfg_overlay=dict(file=" in message and f"finetune.pretrained={TIMM_TINY}@/path/to/" in message
 
 
 def _vitattn_classifier(ref: torch.nn.Module, tmp_path: Path) -> VisionTransformer:
@@ -245,7 +246,7 @@ def test_switches_are_set_from_the_weights_and_logged_in_one_line(tmp_path, capl
 )
 def test_a_config_that_contradicts_the_weights_is_refused_in_one_line(overrides, message, tmp_path):
     save_file(_timm().state_dict(), tmp_path / "vit.safetensors")
-    with pytest.raises(ConfigError, match=rf"^model\.pretrained=.*vit\.safetensors: .*{message}"):
+    with pytest.raises(ConfigError, match=rf"^finetune\.pretrained=.*vit\.safetensors: .*{message}"):
         _encoder(tmp_path / "vit.safetensors", **overrides)
 
 
@@ -282,8 +283,8 @@ def test_timm_vits_that_the_encoder_cannot_copy_are_refused(kwargs, message, tmp
     ],
 )
 def test_check_config_refuses_a_pretrained_source_that_is_not_there(value, message, tmp_path):
-    cfg = compose_train([*TINY, f"model.pretrained={value}"], tmp_path)
-    with pytest.raises(ConfigError, match=rf"^model\.pretrained={value}.*{message}"):
+    cfg = compose_train([*TINY, f"finetune.pretrained={value}"], tmp_path)
+    with pytest.raises(ConfigError, match=rf"^finetune\.pretrained={value}.*{message}"):
         check_config(cfg)
 
 
@@ -302,12 +303,12 @@ def test_train_from_timm_weights_then_caption_from_that_run(tmp_path):
     fast = [*TINY, *TINY_SHAPES, "trainer.fast_dev_run=true", "model.mlp_ratio=2.0"]
     first = train(
         compose_train(
-            [*fast, "head=classification", f"model.pretrained={tmp_path / 'clip.safetensors'}"], tmp_path / "a"
+            [*fast, "head=classification", f"finetune.pretrained={tmp_path / 'clip.safetensors'}"], tmp_path / "a"
         )
     )
     saved = json.loads((first.bundle_dir / "config.json").read_text())["model"]
     assert saved["norm_pre"] and "pretrained" not in saved
-    cfg = compose_train([*fast, "head.decoder.depth=1", f"model.pretrained={first.run_dir}"], tmp_path / "b")
+    cfg = compose_train([*fast, "head.decoder.depth=1", f"finetune.pretrained={first.run_dir}"], tmp_path / "b")
     check_config(cfg)
     datamodule = __import__("hydra").utils.instantiate(cfg.data)
     datamodule.setup("fit")

@@ -16,10 +16,12 @@ from omegaconf import OmegaConf
 
 from tests.helpers import TINY, TINY_SHAPES, compose_train, console_script, make_coco, make_image_folder
 from vitattn.cli.errors import user_errors
-from vitattn.config import ConfigError, check_config, check_targets
+from vitattn.config import check_config
 from vitattn.data.vocab import Vocabulary
+from vitattn.errors import ConfigError
 from vitattn.systems import ClassificationSystem
 from vitattn.systems.base import NonFiniteLossError
+from vitattn.targets import check_targets
 from vitattn.training import AtomicCheckpointIO, setup_data, train
 
 SHAPES = [*TINY, *TINY_SHAPES]
@@ -68,6 +70,10 @@ CONFIG_ERRORS = {
     "augment-crop": (
         "data=imagefolder head=classification data.root={folder} data.augment.crop=zoom",
         r"^data\.augment\.crop='zoom' is unknown; use one of \['resized', 'pad'\]",
+    ),
+    "warmup": (
+        "optim.warmup_steps=soon",
+        r"^optim\.warmup_steps='soon' must be a whole number of steps, or auto",
     ),
     "augment-scale": (
         "data=imagefolder head=classification data.root={folder} data.augment.scale=[0.9,0.2]",
@@ -368,7 +374,15 @@ def test_nan_loss_from_the_cli_is_one_line_and_keeps_the_good_checkpoint(tmp_pat
 
 def test_nan_loss_skipped_and_counted_with_nonfinite_skip(tmp_path, monkeypatch):
     _poison(monkeypatch, steps={3, 4})
-    result = train(compose_train([*CLS, *QUIET, *STEP_CKPT, "trainer.max_steps=8", "head.nonfinite=skip"], tmp_path))
+    with pytest.warns(UserWarning) as warned:
+        result = train(
+            compose_train([*CLS, *QUIET, *STEP_CKPT, "trainer.max_steps=8", "head.nonfinite=skip"], tmp_path)
+        )
+    messages = [str(w.message) for w in warned]
+    assert [m for m in messages if m.startswith("non-finite training loss")] == [
+        "non-finite training loss nan at step 3 (epoch 0); batch skipped (1 so far)",
+        "non-finite training loss nan at step 4 (epoch 0); batch skipped (2 so far)",
+    ]
     assert result.global_step == 8
     assert result.system.skipped_batches == 2
     with open(tmp_path / "csv" / "metrics.csv", newline="") as f:

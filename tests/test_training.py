@@ -8,18 +8,30 @@ import hydra
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from omegaconf import OmegaConf
 
-from tests.helpers import CONF_DIR, TINY, TINY_SHAPES, compose_train, make_coco, make_image_folder, make_karpathy
+from tests.helpers import (
+    CONF_DIR,
+    TINY,
+    TINY_SHAPES,
+    compose_train,
+    make_coco,
+    make_image_folder,
+    make_karpathy,
+    metrics_with_weights,
+)
 from vitattn.bundle import load_bundle
+from vitattn.callbacks import EMA, FreezeEncoder, Preemption, TimeBudgetHorizon
 from vitattn.data.shapes import CLASS_NAMES
 from vitattn.data.shard_writer import shapes_samples, write_shards
-from vitattn.models import TRAINING_KEYS, VisionTransformer
+from vitattn.models import VisionTransformer
 from vitattn.training import train
+from vitattn.training.groups import instantiate_group
 
 GROUPS = {
     g: sorted(p.stem for p in (CONF_DIR / g).glob("*.yaml"))
-    for g in ("head", "model", "data", "trainer", "logger", "callbacks", "experiment")
+    for g in ("head", "model", "finetune", "data", "trainer", "logger", "callbacks", "experiment")
 }
 
 
@@ -66,8 +78,7 @@ def test_every_config_composes_and_instantiates(group, option, datasets, tmp_pat
     cfg = compose_train(overrides, tmp_path)
     OmegaConf.resolve(cfg)  # every interpolation resolves
     if group == "model":
-        arguments = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k not in TRAINING_KEYS}
-        model = VisionTransformer(**arguments)  # the other keys are its keyword arguments
+        model = VisionTransformer(**OmegaConf.to_container(cfg.model))  # the group holds its arguments only
         assert isinstance(model, VisionTransformer) and model.embed_dim == cfg.model.embed_dim
     elif group == "data":
         dm = hydra.utils.instantiate(cfg.data)
@@ -82,14 +93,44 @@ def test_every_config_composes_and_instantiates(group, option, datasets, tmp_pat
             assert cfg.trainer.precision == "bf16-mixed"
         if option == "ddp":
             assert cfg.trainer.strategy == "ddp"
-    elif group in ("logger", "callbacks"):
-        objects = [hydra.utils.instantiate(node) for node in (cfg[group] or {}).values()]
-        assert all(type(o).__module__.startswith(("lightning", "vitattn.callbacks")) for o in objects)
+    elif group == "logger":
+        objects = instantiate_group(cfg.logger)
+        assert all(type(o).__module__.startswith("lightning") for o in objects)
         assert (len(objects) > 0) == (option != "none")
+    elif group == "callbacks":
+        objects = instantiate_group(cfg.callbacks)
+        assert all(type(o).__module__.startswith(("lightning", "vitattn.callbacks")) for o in objects)
+        assert any(isinstance(o, Preemption) for o in objects)  # switched on by its key, in every option
+        assert any(isinstance(o, ModelCheckpoint) for o in objects) == (option == "default")
     elif group == "head":
         assert cfg.head.task == option
     elif group == "experiment":
         assert cfg.head.task in ("caption", "classification")
+
+
+def test_a_group_entry_is_left_out_while_its_enabled_is_off():
+    group = OmegaConf.create(
+        {
+            name: {"_target_": "lightning.pytorch.callbacks.LearningRateMonitor", "enabled": enabled}
+            for name, enabled in {"false": False, "null": None, "zero": 0, "true": True, "set": 0.999}.items()
+        }
+        | {"unswitched": {"_target_": "lightning.pytorch.callbacks.LearningRateMonitor"}, "off": None}
+    )
+    assert [type(o).__name__ for o in instantiate_group(group)] == ["LearningRateMonitor"] * 3
+
+
+@pytest.mark.parametrize("callbacks", ["default", "none"])
+def test_the_run_keys_switch_their_callbacks_in_every_callbacks_option(callbacks, tmp_path):
+    switches = ["ema.decay=0.99", "early_stopping.patience=3", "finetune.freeze_encoder_epochs=2"]
+    built = {
+        on: {type(o): o for o in instantiate_group(compose_train([f"callbacks={callbacks}", *on], tmp_path).callbacks)}
+        for on in ((), tuple(switches))
+    }
+    switched = (EMA, EarlyStopping, FreezeEncoder)
+    assert not any(kind in built[()] for kind in switched)  # off by default
+    ema, stop, freeze = (built[tuple(switches)][kind] for kind in switched)
+    assert (ema.decay, stop.patience, stop.monitor, freeze.unfreeze_at_epoch) == (0.99, 3, "val/cider_d", 2)
+    assert Preemption in built[()] and TimeBudgetHorizon in built[()]
 
 
 def test_derived_values_are_interpolated_not_repeated(tmp_path):
@@ -287,9 +328,9 @@ def test_ddp_training_exports_one_bundle_from_rank_zero_only(tmp_path):
     ],
 )
 def test_compile_auto_follows_the_accelerator(overrides, expected, tmp_path):
-    from vitattn.training.run import _should_compile
+    from vitattn.training.compile import should_compile
 
-    assert _should_compile(compose_train(overrides, tmp_path)) is expected
+    assert should_compile(compose_train(overrides, tmp_path)) is expected
 
 
 @pytest.mark.slow
@@ -326,19 +367,39 @@ def test_num_threads_sets_torch_threads(tmp_path, monkeypatch):
     assert seen == [1]
 
 
-def test_the_best_checkpoint_is_tested_and_exported(tmp_path):
+def _model_weights(checkpoint: dict) -> dict[str, torch.Tensor]:
+    return {k[len("model.") :]: v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
+
+
+def test_the_best_checkpoint_is_tested_and_exported(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     from vitattn.cli.export import main as export_main
+    from vitattn.systems import ClassificationSystem
 
+    def ruin_after_step_12(self, outputs, batch, batch_idx):
+        if self.global_step > 12:  # noise over every weight: each later validation is worse than the best
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.add_(torch.randn_like(p))
+
+    monkeypatch.setattr(ClassificationSystem, "on_train_batch_end", ruin_after_step_12)
     overrides = ["head=classification", *TINY, *TINY_SHAPES, "trainer.max_steps=24", "trainer.max_epochs=-1"]
-    result = train(compose_train([*overrides, "optim.lr=5e-3"], tmp_path / "run"))
+    overrides += ["trainer.val_check_interval=4", "trainer.check_val_every_n_epoch=null", "optim.lr=5e-3"]
+    result = train(compose_train(overrides, tmp_path / "run"))
     run = tmp_path / "run"
     best = torch.load(run / "checkpoints" / "best.ckpt", weights_only=True)
     last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert best["global_step"] <= 12 < last["global_step"] == 24  # best is not last
     assert result.weights.startswith("best (val/acc ") and result.weights.endswith(f"at step {best['global_step']})")
+    weights = {which: _model_weights(c) for which, c in (("best", best), ("last", last))}
     bundle = load_file(run / "bundle" / "model.safetensors")
-    assert all(torch.equal(bundle[k], best["state_dict"][f"model.{k}"]) for k in bundle)
+    assert bundle.keys() == weights["best"].keys()
+    assert all(torch.equal(bundle[k], weights["best"][k]) for k in bundle)
+    datamodule = result.system.trainer.datamodule
+    tested = {k: metrics_with_weights(result.system, w, datamodule, "test")["test/loss"] for k, w in weights.items()}
+    assert result.metrics["test/loss"] == pytest.approx(tested["best"], rel=1e-5)
+    assert result.metrics["test/loss"] != pytest.approx(tested["last"], rel=1e-2)
     for which, checkpoint in (("best", best), ("last", last)):
         out = tmp_path / which
         assert export_main([f"model={run}", f"which={which}", f"out={out}"]) == 0
@@ -353,5 +414,5 @@ def test_captioning_recipes_pass_validation(recipe, datasets, tmp_path):
 
     cfg = compose_train([f"experiment={recipe}", *datasets["karpathy"], "trainer.devices=1"], tmp_path)
     check_config(cfg)  # no network: the pretrained name is checked against timm's registry only
-    assert cfg.model.pretrained.startswith("vit_") and cfg.head.generate.num_beams == 3
+    assert cfg.finetune.pretrained.startswith("vit_") and cfg.head.generate.num_beams == 3
     assert cfg.data._target_ == "vitattn.data.KarpathyDataModule" and cfg.optim.layer_decay == 0.75

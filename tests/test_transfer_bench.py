@@ -1,4 +1,4 @@
-"""scripts/transfer_bench.py: its runs on tiny settings, its table and its doc update."""
+"""benchmarks/transfer_bench.py: its runs on tiny settings, its table and its doc update."""
 
 import json
 from subprocess import CompletedProcess
@@ -6,9 +6,7 @@ from subprocess import CompletedProcess
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers import load_script
-
-transfer_bench = load_script("transfer_bench")
+from benchmarks import transfer_bench
 
 TINY = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "data.img_size=32", "data.num_val=16"]
 LR = 2e-3  # conf/train.yaml's optim.lr, which the bench keeps
@@ -52,7 +50,7 @@ def test_bench_captions_three_ways_and_transfers_the_classifiers_encoder(tmp_pat
         assert (
             r["loaded"].startswith("pretrained encoder: loaded ") and f"classification model {pretrain}" in r["loaded"]
         )
-        assert f"model.pretrained={pretrain}" in r["command"]
+        assert f"finetune.pretrained={pretrain}" in r["command"]
     classifier = _encoder(pretrain)
     assert _max_diff(_encoder(frozen["run_dir"]), classifier) == 0  # frozen from the first step to the last
     # AdamW moves a weight by about lr a step (at most ~lr early on): the fine-tuned encoder started from

@@ -4,8 +4,9 @@ Every user error in a config is found here, before any data is read or any step 
 reported as one ``ConfigError`` line that names the key and the fix. Rules about the model's shape
 (heads that divide the width, a patch that divides the image, known activations and pools) belong
 to the models: the config is checked by building them on the ``meta`` device (no memory, no time)
-and their messages are given the config keys' full names. ``model.pretrained`` must name something
-that exists (its weights are read, and checked against the model, when the system is built).
+and their messages are given the config keys' full names. ``finetune.pretrained`` must name something
+that exists (``check_source`` says what; ``vitattn.training.pretrained`` reads the weights, and checks
+them against the model, when the system is built).
 """
 
 from __future__ import annotations
@@ -19,36 +20,29 @@ import hydra
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from vitattn.bundle.folder import is_bundle_weights
+from vitattn.data.augment import Augment
+from vitattn.data.tasks import TASKS
+from vitattn.errors import ConfigError, first_line
+from vitattn.models import CaptionDecoder, VisionTransformer
+from vitattn.models.timm_hub import timm_pretrained_cfg
+from vitattn.models.timm_weights import TIMM_SUFFIXES
+from vitattn.moved_keys import MOVED_KEYS
 from vitattn.run_dir import RunDir
+from vitattn.targets import check_targets
 
-__all__ = [
-    "ALLOWED_TARGET_PREFIXES",
-    "ConfigError",
-    "check_config",
-    "check_data_paths",
-    "check_targets",
-    "compose_train",
-    "data_name",
-]
+__all__ = ["check_config", "check_data_paths", "check_source", "data_name"]
 
-TASKS = ("caption", "classification")
-# Modules a saved config's `_target_` may name (configs read back from disk are not trusted further).
-ALLOWED_TARGET_PREFIXES = ("vitattn.", "torch.", "torchvision.", "timm.", "lightning.", "pytorch_lightning.")
 _DIR_KEYS = ("root", "image_dir")
 _FILE_KEYS = ("train_annotations", "val_annotations", "test_annotations", "vocab_path", "dataset_json")
 
 
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the key and the fix."""
-
-
-def compose_train(overrides: list[str]) -> DictConfig:
-    """``conf/train.yaml`` composed with Hydra ``overrides`` as ``vitattn-train`` composes it, without a run
-    directory (``paths.output_dir`` stays unresolved unless an override sets it)."""
-    from hydra import compose, initialize_config_module
-
-    with initialize_config_module("vitattn.conf", version_base="1.3"):
-        return compose("train", overrides=list(overrides))
+def _check_moved(cfg: DictConfig) -> None:
+    """A moved key set in a config file (an experiment written for the old layout)."""
+    for old, new in MOVED_KEYS.items():
+        group, key = old.split(".")
+        if key in cfg[group]:
+            raise ConfigError(f"{old} is now {new}: set {new} (finetune: {{{key}: ...}} in an experiment)")
 
 
 def data_name(data: DictConfig) -> str:
@@ -107,18 +101,11 @@ def _build_on_meta(build: Any, kwargs: dict[str, Any], keys: dict[str, str]) -> 
 
 
 def _check_models(cfg: DictConfig) -> None:
-    from vitattn.models import TRAINING_KEYS, CaptionDecoder, VisionTransformer
-
     encoder = OmegaConf.to_container(cfg.model, resolve=True)
-    pretrained = encoder.get("pretrained")  # a source of weights, not a keyword argument
-    for key in TRAINING_KEYS:  # pretrained is checked below, freeze_encoder_epochs in _check_finetuning
-        encoder.pop(key, None)
     keys = {k: f"model.{k}" for k in encoder} | {"img_size": "data.img_size", "d_model": "model.embed_dim"}
     _build_on_meta(VisionTransformer, encoder, keys)
-    if pretrained:
-        from vitattn.training.pretrained import check_source  # imports this module
-
-        check_source(pretrained)
+    if cfg.finetune.get("pretrained"):
+        check_source(cfg.finetune.pretrained)
     if cfg.head.task != "caption":
         return
     decoder = OmegaConf.to_container(cfg.head.decoder, resolve=True)
@@ -131,21 +118,56 @@ def _check_models(cfg: DictConfig) -> None:
         )
 
 
+def check_source(source: str) -> tuple[str, Path | str, Path | None]:
+    """What a ``finetune.pretrained`` value names, without reading weights: ``(kind, where, file)``.
+
+    ``kind`` is ``vitattn`` (a run folder, bundle or .ckpt at ``where``), ``timm-file`` (a weights file) or
+    ``timm-name`` (``where`` a timm name; ``file`` its local weights for ``NAME@FILE``, else None).
+
+    Raises:
+        ConfigError: nothing at that path and no timm model of that name; an unknown tag.
+    """
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.exists():
+        if path.is_dir() or path.suffix == ".ckpt" or path.name == "config.json" or is_bundle_weights(path):
+            return "vitattn", path, None
+        if path.suffix.lower() in TIMM_SUFFIXES:
+            return "timm-file", path, None
+        raise ConfigError(
+            f"finetune.pretrained={text} is not a weights file; give a {', '.join(TIMM_SUFFIXES)} file, "
+            "a timm model name, or a vitattn run folder, bundle or .ckpt"
+        )
+    name, at, file = text.partition("@")
+    try:
+        timm_pretrained_cfg(name, downloadable=not at)
+    except ValueError as err:
+        if "not a timm model" in str(err) and not at:
+            raise ConfigError(
+                f"finetune.pretrained={text} is neither an existing file or folder nor a timm model name "
+                "with a pretrained tag (e.g. vit_base_patch16_224.augreg2_in21k_ft_in1k)"
+            ) from None
+        raise ConfigError(f"finetune.pretrained={text}: {first_line(err)}") from None
+    if at and not Path(file).expanduser().is_file():
+        raise ConfigError(f"finetune.pretrained={text}: {file} does not exist; give the weights file of {name}")
+    return "timm-name", name, Path(file).expanduser() if at else None
+
+
 def _check_finetuning(cfg: DictConfig) -> None:
     layer_decay, head_lr = cfg.optim.get("layer_decay"), cfg.optim.get("head_lr")
     if layer_decay is not None and not 0 < layer_decay <= 1:
         raise ConfigError(f"optim.layer_decay={layer_decay} must be in (0, 1] (e.g. 0.75), or null for none")
     if head_lr is not None and not head_lr > 0:
         raise ConfigError(f"optim.head_lr={head_lr} must be positive, or null for optim.lr")
-    epochs = cfg.model.get("freeze_encoder_epochs") or 0
+    epochs = cfg.finetune.get("freeze_encoder_epochs") or 0
     if not isinstance(epochs, int) or epochs < 0:
-        raise ConfigError(f"model.freeze_encoder_epochs={epochs} must be a whole number of epochs, 0 for none")
+        raise ConfigError(f"finetune.freeze_encoder_epochs={epochs} must be a whole number of epochs, 0 for none")
     if epochs and _distributed(cfg.trainer):
         # DDP syncs only the parameters that train when it wraps the model (Lightning issue #20340).
         raise ConfigError(
-            f"model.freeze_encoder_epochs={epochs} does not work with several processes (trainer.strategy="
+            f"finetune.freeze_encoder_epochs={epochs} does not work with several processes (trainer.strategy="
             f"{cfg.trainer.strategy}, trainer.devices={cfg.trainer.devices}): train on one device or set "
-            "model.freeze_encoder_epochs=0"
+            "finetune.freeze_encoder_epochs=0"
         )
 
 
@@ -156,25 +178,8 @@ def _distributed(trainer: DictConfig) -> bool:
     return many or trainer.get("num_nodes", 1) > 1 or any(s in strategy for s in ("ddp", "fsdp", "deepspeed"))
 
 
-def check_targets(cfg: DictConfig) -> None:
-    """Refuse a ``_target_`` outside vitattn, torch, torchvision, timm and lightning."""
-
-    def walk(node: Any, path: str) -> None:
-        if isinstance(node, DictConfig):
-            target = node.get("_target_") if "_target_" in node else None
-            if target is not None and not str(target).startswith(ALLOWED_TARGET_PREFIXES):
-                allowed = ", ".join(p.rstrip(".") for p in ALLOWED_TARGET_PREFIXES)
-                raise ConfigError(f"{path}._target_={target} is not allowed; targets must be in {allowed}")
-            for key in node.keys():
-                walk(node._get_node(key), f"{path}.{key}" if path else str(key))
-
-    walk(cfg, "")
-
-
 def _check_augment(data: DictConfig) -> None:
     """``data.augment``: known keys, a known crop, a valid crop scale (``Augment`` says what is wrong)."""
-    from vitattn.data.augment import Augment
-
     augment = data.augment
     value = OmegaConf.to_container(augment, resolve=True) if isinstance(augment, DictConfig) else augment
     try:
@@ -186,6 +191,7 @@ def _check_augment(data: DictConfig) -> None:
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config)."""
     check_targets(cfg)
+    _check_moved(cfg)
     task = cfg.head.task
     if task not in TASKS:
         raise ConfigError(f"head.task={task!r} is unknown; choose head=caption or head=classification")
@@ -197,6 +203,9 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"data.bad_images={cfg.data.bad_images!r} is unknown; choose raise or skip")
     if cfg.data.get("augment") is not None:
         _check_augment(cfg.data)
+    warmup = cfg.optim.get("warmup_steps", "auto")
+    if warmup != "auto" and (not isinstance(warmup, int) or warmup < 0):
+        raise ConfigError(f"optim.warmup_steps={warmup!r} must be a whole number of steps, or auto")
     supported = _data_tasks(cfg.data)
     if task not in supported:
         if task == "caption":

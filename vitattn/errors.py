@@ -7,7 +7,11 @@ import reprlib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NonFiniteLossError", "Preempted", "brief", "first_line", "printable"]
+__all__ = ["ConfigError", "NonFiniteLossError", "Preempted", "brief", "first_line", "printable"]
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key and the fix."""
 
 
 class NonFiniteLossError(RuntimeError):

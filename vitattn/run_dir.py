@@ -16,6 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
+from vitattn.fileio import atomic_write
+
 __all__ = ["RunDir"]
 
 
@@ -88,8 +92,6 @@ class RunDir:
 
     def load_config(self) -> Any:
         """The saved training config (a ``DictConfig``); a one-line ``ValueError`` when unreadable."""
-        from omegaconf import OmegaConf
-
         try:
             return OmegaConf.load(self.config)
         except Exception as err:  # noqa: BLE001 - YAML and OmegaConf raise their own types
@@ -97,15 +99,9 @@ class RunDir:
 
     def saved_overrides(self) -> list[str]:
         """The overrides the run was started with (empty when Hydra wrote none)."""
-        from omegaconf import OmegaConf
-
         return [str(o) for o in OmegaConf.load(self.overrides)] if self.overrides.is_file() else []
 
     def save_config(self, cfg: Any) -> None:
         """Write the resolved config (and create the folder)."""
-        from omegaconf import OmegaConf
-
-        from vitattn.fileio import atomic_write
-
         self.path.mkdir(parents=True, exist_ok=True)
         atomic_write(self.config, OmegaConf.to_yaml(cfg, resolve=True))

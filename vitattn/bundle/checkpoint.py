@@ -17,18 +17,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from vitattn.bundle.arguments import build_model
 from vitattn.bundle.folder import (
     BUNDLE_FORMAT,
     BUNDLE_VERSION,
-    TASKS,
     VOCAB_FILE,
     Bundle,
-    build_model,
     finish_bundle,
     plain_json,
     save_bundle,
 )
 from vitattn.data.preprocess import check_preprocess, default_preprocess
+from vitattn.data.tasks import TASKS
 from vitattn.data.vocab import SPECIALS, Vocabulary
 from vitattn.errors import first_line
 from vitattn.models import ImageCaptioner
@@ -85,22 +85,7 @@ def _read_checkpoint(path: Path) -> Any:
 
 def load_checkpoint(path: Path, device: str | torch.device) -> Bundle:
     """The model of a Lightning checkpoint written by a vitattn system, on ``device``, in eval mode."""
-    checkpoint = _read_checkpoint(path)
-    if not isinstance(checkpoint, Mapping):
-        raise ValueError(f"{path} holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict")
-    hparams, state = checkpoint.get("hyper_parameters"), checkpoint.get("state_dict")
-    if not isinstance(hparams, Mapping) or not isinstance(state, Mapping):
-        raise ValueError(f"{path} needs 'hyper_parameters' and 'state_dict' (a Lightning checkpoint)")
-    if "model_config" not in hparams:
-        raise ValueError(f"{path}: hyper_parameters has no 'model_config'")
-    # The systems save their constructor arguments; the task follows from vocab / class_names.
-    task = hparams.get("task") or (
-        "caption" if "vocab" in hparams else "classification" if "class_names" in hparams else None
-    )
-    if task not in TASKS:
-        raise ValueError(
-            f"{path}: hyper_parameters task={task!r}; expected one of {list(TASKS)} (or a 'vocab' or 'class_names')"
-        )
+    hparams, state, task = _read_parts(path)
     weights = {k[len("model.") :]: v for k, v in state.items() if isinstance(k, str) and k.startswith("model.")}
     if not all(isinstance(v, torch.Tensor) for v in weights.values()):
         raise ValueError(f"{path}: its 'model.*' weights must all be tensors")
@@ -112,17 +97,7 @@ def load_checkpoint(path: Path, device: str | torch.device) -> Bundle:
         log.warning(
             "%s has no preprocess in hyper_parameters; using a %d px squash resize", path, preprocess["img_size"]
         )
-    vocab, class_names = None, None
-    if task == "caption":
-        words = hparams.get("vocab")
-        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
-            raise ValueError(f"{path}: hyper_parameters needs 'vocab', the list of words in id order")
-        vocab = Vocabulary(list(words[len(SPECIALS) :]) if tuple(words[: len(SPECIALS)]) == SPECIALS else list(words))
-    else:
-        class_names = hparams.get("class_names")
-        if not isinstance(class_names, (list, tuple)):
-            raise ValueError(f"{path}: hyper_parameters needs 'class_names'")
-        class_names = [str(n) for n in class_names]
+    vocab, class_names = _read_labels(path, hparams, task)
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as err:
@@ -142,3 +117,38 @@ def load_checkpoint(path: Path, device: str | torch.device) -> Bundle:
     if generate:
         config["generate"] = generate
     return finish_bundle(Bundle(model, task, preprocess, config, vocab, class_names, generate), device, path)
+
+
+def _read_parts(path: Path) -> tuple[Mapping[str, Any], Mapping[str, Any], str]:
+    """The checkpoint's ``hyper_parameters`` (with a ``model_config``), its ``state_dict`` and its task."""
+    checkpoint = _read_checkpoint(path)
+    if not isinstance(checkpoint, Mapping):
+        raise ValueError(f"{path} holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict")
+    hparams, state = checkpoint.get("hyper_parameters"), checkpoint.get("state_dict")
+    if not isinstance(hparams, Mapping) or not isinstance(state, Mapping):
+        raise ValueError(f"{path} needs 'hyper_parameters' and 'state_dict' (a Lightning checkpoint)")
+    if "model_config" not in hparams:
+        raise ValueError(f"{path}: hyper_parameters has no 'model_config'")
+    # The systems save their constructor arguments; the task follows from vocab / class_names.
+    task = hparams.get("task") or (
+        "caption" if "vocab" in hparams else "classification" if "class_names" in hparams else None
+    )
+    if task not in TASKS:
+        raise ValueError(
+            f"{path}: hyper_parameters task={task!r}; expected one of {list(TASKS)} (or a 'vocab' or 'class_names')"
+        )
+    return hparams, state, task
+
+
+def _read_labels(path: Path, hparams: Mapping[str, Any], task: str) -> tuple[Vocabulary | None, list[str] | None]:
+    """The caption vocabulary (caption task) or the class names (classification task) of ``hyper_parameters``."""
+    if task == "caption":
+        words = hparams.get("vocab")
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+            raise ValueError(f"{path}: hyper_parameters needs 'vocab', the list of words in id order")
+        words = list(words[len(SPECIALS) :]) if tuple(words[: len(SPECIALS)]) == SPECIALS else list(words)
+        return Vocabulary(words), None
+    class_names = hparams.get("class_names")
+    if not isinstance(class_names, (list, tuple)):
+        raise ValueError(f"{path}: hyper_parameters needs 'class_names'")
+    return None, [str(n) for n in class_names]

@@ -15,27 +15,28 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import math
 import os
-import typing
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_model, save_model
 from torch import nn
-from torch.nn.modules.module import register_module_parameter_registration_hook
 
+from vitattn.bundle.arguments import build_model, check_arguments
 from vitattn.data.preprocess import check_preprocess, eval_transform
+from vitattn.data.tasks import TASKS
 from vitattn.data.vocab import Vocabulary
 from vitattn.errors import brief, first_line
 from vitattn.fileio import atomic_folder, read_json
-from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
+from vitattn.models import ImageCaptioner, VisionTransformer
 
-__all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "TASKS", "Bundle", "load_bundle_folder", "save_bundle"]
+__all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "Bundle", "is_bundle_weights", "load_bundle_folder", "save_bundle"]
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,6 @@ BUNDLE_FORMAT = "vitattn-bundle"
 
 
 BUNDLE_VERSION = 1
-
-
-TASKS = ("caption", "classification")
 
 
 WEIGHTS_FILE, CONFIG_FILE, VOCAB_FILE = "model.safetensors", "config.json", "vocab.json"
@@ -107,8 +105,6 @@ def save_bundle(
     Returns:
         The bundle folder.
     """
-    from safetensors.torch import save_model
-
     directory = Path(directory)
     config = _bundle_config(model, task, preprocess, vocab, class_names)
     if generate:
@@ -159,17 +155,23 @@ def _bundle_config(
 
 def plain_json(value: Any, where: str) -> Any:
     """Plain JSON values (OmegaConf containers and tuples become dicts and lists)."""
-    try:
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(value):
-            value = OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover - hydra is a dependency
-        pass
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value, resolve=True)
     try:
         return json.loads(json.dumps(value))
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where} must hold plain JSON values: {err}") from None
+
+
+def is_bundle_weights(path: Path) -> bool:
+    """A bundle's ``model.safetensors`` (its folder's config.json says vitattn-bundle)."""
+    config = path.parent / CONFIG_FILE
+    if path.suffix != ".safetensors" or not config.is_file():
+        return False
+    try:
+        return json.loads(config.read_text(encoding="utf-8")).get("format") == BUNDLE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _replaceable(directory: Path) -> bool:
@@ -184,128 +186,28 @@ def _replaceable(directory: Path) -> bool:
         return False
 
 
-class _TooManyTensors(Exception):
-    pass
-
-
-@contextmanager
-def _at_most_tensors(limit: int) -> Iterator[None]:
-    """Raise ``_TooManyTensors`` in the module constructor that registers parameter number ``limit + 1``."""
-    count = 0
-
-    def count_parameter(module: nn.Module, name: str, parameter: Any) -> None:
-        nonlocal count
-        count += 1
-        if count > limit:
-            raise _TooManyTensors
-
-    handle = register_module_parameter_registration_hook(count_parameter)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-def _check_arguments(function: Callable, arguments: Any, where: str, unknown_ok: bool = False) -> None:
-    """``arguments`` (a config's mapping) are keyword arguments of ``function`` of the types it declares,
-    floats finite: a file's ``"1e-6"`` or ``NaN`` is refused here rather than failing in a forward pass."""
-    name = function.__qualname__.removesuffix(".__init__")
-    if not isinstance(arguments, Mapping):
-        raise ValueError(f"{where} must be a mapping of {name} arguments, got {brief(arguments)}")
-    hints = typing.get_type_hints(function)
-    for key, value in arguments.items():
-        if key not in hints and unknown_ok:
-            continue
-        if key not in hints:
-            raise ValueError(f"{where} has {brief(key)}, which is not a {name} argument")
-        allowed = typing.get_args(hints[key]) or (hints[key],)
-        ok = (
-            (value is None and type(None) in allowed)
-            or (isinstance(value, bool) and bool in allowed)
-            or (isinstance(value, int) and not isinstance(value, bool) and (int in allowed or float in allowed))
-            or (isinstance(value, float) and float in allowed and math.isfinite(value))
-            or (isinstance(value, str) and str in allowed)
-        )
-        if not ok:
-            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-            raise ValueError(f"{where} has {key}={brief(value)}; it must be {names}")
-
-
-def _check_config(task: str, model_config: Mapping[str, Any], where: Path) -> None:
-    if task == "caption":
-        for part, cls in (("encoder", VisionTransformer), ("decoder", CaptionDecoder)):
-            _check_arguments(cls.__init__, model_config.get(part), f"{where}: model.{part}")
-    else:
-        _check_arguments(VisionTransformer.__init__, model_config, f"{where}: model")
-
-
-def _construct(task: str, model_config: Mapping[str, Any]) -> nn.Module:
-    if task == "caption":
-        return ImageCaptioner.from_config(dict(model_config))
-    return VisionTransformer(**model_config)
-
-
-def _integers(value: Any, key: str = "") -> Iterator[tuple[str, int]]:
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            yield from _integers(v, f"{key}.{k}" if key else str(k))
-    elif isinstance(value, int) and not isinstance(value, bool):
-        yield key, value
-
-
-def _misfit(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> str:
-    """What keeps weights of these ``shapes`` from loading into ``model`` (strictly), or ``""``."""
-    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    aliases: dict[int, list[str]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(parameter), []).append(name)
-    saved_once = {name for names in aliases.values() if any(n in shapes for n in names) for name in names}
-    for name in expected:
-        if name not in shapes and name not in saved_once:
-            return f"{name} is missing from the weights"
-        if name in shapes and shapes[name] != expected[name]:
-            return f"{name} is {list(shapes[name])} in the weights but {list(expected[name])} in the model"
-    unexpected = sorted(set(shapes) - set(expected))
-    return f"{unexpected[0]} is not in the model" if unexpected else ""
-
-
-def build_model(task: str, model_config: Any, where: Path, shapes: Mapping[str, Sequence[int]]) -> nn.Module:
-    """The ``task`` model of ``model_config``, built once a copy that takes no memory (on the meta device)
-    has shown that its tensors have the ``shapes`` (name -> shape) of the weights to be loaded into it.
-
-    A config that does not fit its weights is refused before any memory is taken, however large the
-    sizes it names: no size of a model exceeds its number of weights, and the copy stops at the first
-    tensor more than the weights hold.
-    """
-    if not isinstance(model_config, Mapping):
-        raise ValueError(f"{where}: the model config must be a mapping, got {type(model_config).__name__}")
-    _check_config(task, model_config, where)
-    num_weights = sum(math.prod(shape) for shape in shapes.values())
-    too_large = [(k, v) for k, v in _integers(model_config) if v > num_weights]
-    if too_large:
-        key, value = too_large[0]
-        raise ValueError(f"{where}: model {key}={value} does not fit weights of {num_weights} numbers")
-    try:  # tied weights are registered (and counted) twice, but saved once
-        with torch.device("meta"), _at_most_tensors(2 * len(shapes) + 8):
-            skeleton = _construct(task, model_config)
-    except _TooManyTensors:
-        raise ValueError(
-            f"{where}: the model config has far more tensors than the {len(shapes)} of its weights"
-        ) from None
-    except Exception as err:  # noqa: BLE001 - a config can make a constructor fail in any way
-        raise ValueError(f"{where}: cannot build the {task} model from its config: {first_line(err)}") from None
-    problem = _misfit(skeleton, {name: tuple(shape) for name, shape in shapes.items()})
-    if problem:
-        raise ValueError(f"{where}: the weights do not fit the model config: {problem}")
-    return _construct(task, model_config)
-
-
 def load_bundle_folder(directory: Path, device: str | torch.device) -> Bundle:
     """The bundle in ``directory`` (it holds ``config.json``), on ``device``, in eval mode."""
-    from safetensors import safe_open
-    from safetensors.torch import load_model
-
     config_path = directory / CONFIG_FILE
+    config = _read_config(config_path)
+    task = config["task"]
+    preprocess = check_preprocess(config["preprocess"], str(config_path))
+    vocab, class_names = _read_labels(directory, config_path, config)
+    weights = directory / WEIGHTS_FILE
+    model = build_model(task, config["model"], config_path, _weight_shapes(weights, config_path))
+    try:
+        load_model(model, weights, strict=True, device=str(device))
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for corrupt files
+        raise ValueError(f"{weights} cannot be loaded into the model of {config_path}: {first_line(err)}") from None
+    generate = config.get("generate") or {}
+    _check_generate(model, task, generate, config_path)
+    return finish_bundle(
+        Bundle(model, task, preprocess, config, vocab, class_names, dict(generate)), device, config_path
+    )
+
+
+def _read_config(config_path: Path) -> dict[str, Any]:
+    """``config.json`` of a bundle of this format and version, with a known task, a model and a preprocess."""
     config = read_json(config_path, "bundle config")
     if not isinstance(config, dict) or config.get("format") != BUNDLE_FORMAT:
         raise ValueError(f"{config_path} is not a vitattn bundle config (format must be {BUNDLE_FORMAT!r})")
@@ -319,35 +221,41 @@ def load_bundle_folder(directory: Path, device: str | torch.device) -> Bundle:
     for key in ("model", "preprocess"):
         if key not in config:
             raise ValueError(f"{config_path} has no {key!r}")
-    preprocess = check_preprocess(config["preprocess"], str(config_path))
-    vocab, class_names = None, None
-    if task == "caption":
+    return config
+
+
+def _read_labels(
+    directory: Path, config_path: Path, config: dict[str, Any]
+) -> tuple[Vocabulary | None, list[str] | None]:
+    """The caption vocabulary (caption task) or the class names (classification task)."""
+    if config["task"] == "caption":
         name = config.get("vocab_file", VOCAB_FILE)
         if not isinstance(name, str) or Path(name).name != name or not 0 < len(name.encode(errors="replace")) <= 255:
             raise ValueError(f"{config_path} has vocab_file={brief(name)}; it must be a file name inside the bundle")
-        vocab = Vocabulary.load(directory / name)
-    else:
-        class_names = config.get("class_names")
-        if not isinstance(class_names, list) or not all(isinstance(name, str) for name in class_names):
-            raise ValueError(f"{config_path} has no 'class_names' list of strings")
-        if len(set(class_names)) != len(class_names):
-            raise ValueError(f"{config_path} repeats class names: {brief(class_names)}")
-    weights = directory / WEIGHTS_FILE
+        return Vocabulary.load(directory / name), None
+    class_names = config.get("class_names")
+    if not isinstance(class_names, list) or not all(isinstance(name, str) for name in class_names):
+        raise ValueError(f"{config_path} has no 'class_names' list of strings")
+    if len(set(class_names)) != len(class_names):
+        raise ValueError(f"{config_path} repeats class names: {brief(class_names)}")
+    return None, class_names
+
+
+def _weight_shapes(weights: Path, config_path: Path) -> dict[str, list[int]]:
+    """Name -> shape of each tensor in the weights file, read from its header (no tensor is loaded)."""
     if not weights.is_file():
         raise FileNotFoundError(f"bundle weights not found: {weights}")
     try:
         with safe_open(weights, "pt") as f:
-            shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+            return {name: f.get_slice(name).get_shape() for name in f.keys()}
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for corrupt files
         raise ValueError(f"{weights} cannot be loaded into the model of {config_path}: {first_line(err)}") from None
-    model = build_model(task, config["model"], config_path, shapes)
-    try:
-        load_model(model, weights, strict=True, device=str(device))
-    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for corrupt files
-        raise ValueError(f"{weights} cannot be loaded into the model of {config_path}: {first_line(err)}") from None
-    generate = config.get("generate") or {}
+
+
+def _check_generate(model: nn.Module, task: str, generate: Any, config_path: Path) -> None:
+    """The stored decoding defaults are ``generate`` keyword arguments the model accepts."""
     if task == "caption":
-        _check_arguments(ImageCaptioner.generate, generate, f"{config_path}: generate", unknown_ok=True)
+        check_arguments(ImageCaptioner.generate, generate, f"{config_path}: generate", unknown_ok=True)
         try:
             checked = inspect.signature(model.check_generate).parameters
             model.check_generate(**{k: v for k, v in generate.items() if k in checked})
@@ -355,9 +263,6 @@ def load_bundle_folder(directory: Path, device: str | torch.device) -> Bundle:
             raise ValueError(f"{config_path}: generate: {err}") from None
     elif not isinstance(generate, dict):
         raise ValueError(f"{config_path}: 'generate' must be a mapping of generate() keyword arguments")
-    return finish_bundle(
-        Bundle(model, task, preprocess, config, vocab, class_names, dict(generate)), device, config_path
-    )
 
 
 def finish_bundle(bundle: Bundle, device: str | torch.device, where: str | os.PathLike) -> Bundle:

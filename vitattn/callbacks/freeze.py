@@ -26,7 +26,7 @@ class FreezeEncoder(BaseFinetuning):
     default weight decay, so the groups are added here instead; ``make_trainable`` is Lightning's.
 
     Args:
-        unfreeze_at_epoch: the first epoch that trains the encoder (``model.freeze_encoder_epochs``).
+        unfreeze_at_epoch: the first epoch that trains the encoder (``finetune.freeze_encoder_epochs``).
     """
 
     def __init__(self, unfreeze_at_epoch: int) -> None:

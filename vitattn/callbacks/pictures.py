@@ -22,6 +22,10 @@ from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, W
 from PIL import Image
 from torchmetrics.classification import MulticlassConfusionMatrix
 
+from vitattn.inference.attention_maps import figure_png
+from vitattn.inference.captioning import generate_tokens
+from vitattn.inference.figures import attention_figures
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -81,7 +85,7 @@ class ValidationPictures(pl.Callback):
             self._log_captions(trainer, pl_module, loggers)
 
     def _confusion_figure(self, matrix: torch.Tensor, class_names: list[str]) -> Figure:
-        from matplotlib.figure import Figure
+        from matplotlib.figure import Figure  # heavy: imported only when a figure is drawn
 
         n = len(class_names)
         labelled = n <= self.max_labelled_classes
@@ -95,9 +99,6 @@ class ValidationPictures(pl.Callback):
         return figure
 
     def _log_captions(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loggers: list[Logger]) -> None:
-        from vitattn.inference.captioning import generate_tokens
-        from vitattn.inference.figures import attention_figures
-
         images, references = self._validation_images(trainer)
         images = images.to(pl_module.device)
         model = pl_module.model
@@ -132,8 +133,6 @@ def _picture_loggers(trainer: pl.Trainer) -> list[Logger]:
 
 def _log_figure(loggers: list[Logger], tag: str, figure: Figure, step: int) -> None:
     """``figure`` to each logger: a TensorBoard image, an MLflow artifact ``<tag>/step<step>.png``, a wandb image."""
-    from vitattn.inference.attention_maps import figure_png
-
     pixels = np.asarray(Image.open(io.BytesIO(figure_png(figure))).convert("RGB"))  # (H, W, 3)
     for logger in loggers:
         if isinstance(logger, TensorBoardLogger):

@@ -27,6 +27,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vitattn.errors import Preempted
+from vitattn.run_dir import RunDir
+from vitattn.upstream import request_sigterm_stop
 
 __all__ = ["STOP_SIGNALS", "Preemption"]
 
@@ -34,16 +36,16 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class Preemption(Checkpoint):
-    """On SIGTERM or SIGUSR1: finish the current step (and a validation that follows it), write
-    ``checkpoint``, stop; ``preempted()`` then describes the stop.
+    """On SIGTERM or SIGUSR1: finish the current step (and a validation that follows it), write the
+    run's ``checkpoints/last.ckpt``, stop; ``preempted()`` then describes the stop.
 
     Args:
-        checkpoint: where the checkpoint goes (the run's ``checkpoints/last.ckpt``, what ``resume``
-            continues from); written through the trainer's checkpoint IO, so atomically.
+        run_dir: the run folder; the checkpoint is its ``last_checkpoint`` (what ``resume`` continues
+            from), written through the trainer's checkpoint IO, so atomically.
     """
 
-    def __init__(self, checkpoint: str | Path) -> None:
-        self.checkpoint = Path(checkpoint)
+    def __init__(self, run_dir: str | Path) -> None:
+        self.checkpoint = RunDir(run_dir).last_checkpoint
         self.received: int = 0  # the signal this process received (0: none)
         self.stopped_by: int = 0  # the signal that stopped training, on any rank
         self.saved_step: int | None = None
@@ -109,4 +111,4 @@ class Preemption(Checkpoint):
 def _stop_after_this_step(trainer: pl.Trainer, stop: bool) -> None:
     # The flag Lightning's own SIGTERM handler sets (``trainer.received_sigterm`` reads it): the
     # training loop raises SIGTERMException at the end of the step, the evaluation loop after a batch.
-    trainer._signal_connector.received_sigterm = stop
+    request_sigterm_stop(trainer, stop)

@@ -9,7 +9,8 @@ __all__ = ["SkippedImages"]
 
 class SkippedImages(pl.Callback):
     """Logs ``train/skipped_images``, ``val/skipped_images`` and ``test/skipped_images`` at the end of each epoch:
-    the images of the epoch's batches that could not be read, summed over the ranks.
+    the images of the epoch's batches that could not be read, summed over the ranks. Idle unless the
+    DataModule skips such images (``data.bad_images=skip``).
 
     The DataModule takes each batch's skipped files off it before the batch reaches the model
     (``ImageDataModule.on_before_batch_transfer``, in the main process) and counts them by stage; a
@@ -18,7 +19,7 @@ class SkippedImages(pl.Callback):
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str, name: str) -> None:
         counts = getattr(trainer.datamodule, "skipped_counts", None)
-        if counts is None or trainer.sanity_checking:
+        if counts is None or trainer.sanity_checking or getattr(trainer.datamodule, "bad_images", "raise") != "skip":
             return
         count = float(counts.pop(stage, 0))
         pl_module.log(f"{name}/skipped_images", count, on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)

@@ -55,7 +55,7 @@ class TimeBudgetHorizon(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._first_step, self._start = trainer.global_step, None
         timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
-        self._timer = timer if timer is not None and timer._duration is not None else None
+        self._timer = timer if timer is not None and timer.time_remaining() is not None else None
         self._schedule, self._limit = schedule_of(trainer), step_limit(trainer)
         # A resumed schedule keeps its saved horizon; the limits of this run (the first to end it) win.
         if self._schedule is not None and math.isfinite(self._limit) and self._schedule.total_steps != int(self._limit):
@@ -75,7 +75,7 @@ class TimeBudgetHorizon(Callback):
         done, spent = step - self._start[0], elapsed - self._start[1]
         if done < 1 or spent <= 0 or done % self.every_n_steps:
             return
-        left = max(0.0, timer._duration - elapsed)
+        left = max(0.0, timer.time_remaining("train"))
         horizon = min(self._limit, step + left * done / spent)
         horizon = int(trainer.strategy.broadcast(max(step + 1, math.floor(horizon))))
         if horizon != schedule.total_steps:

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from vitattn.cli.errors import USER_ERRORS, report_user_error
+from vitattn.cli.noise import quiet_upstream
 from vitattn.decoding import GENERATE_KEYS
 from vitattn.errors import brief, first_line
 
@@ -82,6 +83,7 @@ def _literal(value: str | None) -> str | None:
 
 def resolve_device(name: str) -> str:
     """``auto`` -> ``cuda`` when available, else ``cpu``; a CUDA device without CUDA is refused."""
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     import torch
 
     if name == "auto":
@@ -110,6 +112,7 @@ def run_main(doc: str, argv: Sequence[str] | None, parse: Callable[[list[str]], 
         print(doc.strip())
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    quiet_upstream()
     try:
         return run(parse(argv))
     except USER_ERRORS as err:

@@ -89,6 +89,7 @@ def parse_args(argv: list[str]) -> Any:
 
 def run(cfg: Any) -> int:
     """Caption as ``cfg`` says; returns the exit status (0 all captioned, 1 some failed)."""
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     import torch
 
     if cfg.num_threads is not None:
@@ -99,6 +100,7 @@ def run(cfg: Any) -> int:
         return run_shards(cfg)
     if cfg.devices * cfg.num_nodes > 1:
         return _run_distributed(cfg)
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.inference import caption_to_file, list_inputs
 
     device = resolve_device(cfg.device)
@@ -123,6 +125,7 @@ def run(cfg: Any) -> int:
 
 
 def _load(cfg: Any, device: str) -> tuple[Any, dict[str, Any]]:
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.bundle import load_bundle
 
     bundle = load_bundle(cfg.model, device=device)
@@ -133,6 +136,7 @@ def _load(cfg: Any, device: str) -> tuple[Any, dict[str, Any]]:
 
 def _run_distributed(cfg: Any) -> int:
     """This process's part of a ``Trainer.predict`` run; only rank 0 reports, every rank returns the status."""
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from lightning.pytorch.utilities import rank_zero_only
 
     from vitattn.inference import list_inputs

@@ -21,11 +21,13 @@ import sys
 import time
 from typing import Any
 
+import hydra
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 
 from vitattn.cli.args import UsageError, run_main
 from vitattn.errors import first_line
+from vitattn.targets import check_targets
 
 __all__ = ["main", "parse_args", "run"]
 
@@ -34,7 +36,8 @@ log = logging.getLogger("vitattn")
 
 def parse_args(argv: list[str]) -> tuple[DictConfig, int]:
     """Hydra overrides (and ``threads=N``) -> the composed training config and the number of threads."""
-    from vitattn.config import compose_train
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
+    from vitattn.training.compose import compose_train
 
     threads = 0
     overrides = []
@@ -55,9 +58,8 @@ def parse_args(argv: list[str]) -> tuple[DictConfig, int]:
 
 def run(args: tuple[DictConfig, int]) -> int:
     """Check the images of the composed config's data; returns the exit status (1 when some are bad)."""
-    import hydra
-
-    from vitattn.config import check_data_paths, check_targets, data_name
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
+    from vitattn.config import check_data_paths, data_name
     from vitattn.data.bad_images import find_bad_images
     from vitattn.training.data import setup_data
 

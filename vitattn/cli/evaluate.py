@@ -34,6 +34,7 @@ from omegaconf import MISSING
 
 from vitattn.cli.args import UsageError, generate_settings, parse_key_values, resolve_device, run_main
 from vitattn.decoding import SEARCH_KEYS
+from vitattn.run_dir import RunDir
 
 __all__ = ["EvalConfig", "main", "parse_args", "run"]
 
@@ -75,9 +76,9 @@ def parse_args(argv: list[str]) -> Any:
 
 def run(cfg: Any) -> int:
     """Evaluate as ``cfg`` says; returns the exit status (0 every image scored, 1 some were not)."""
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.bundle import load_bundle
     from vitattn.evaluation import evaluate_captions, evaluate_classification, format_report, write_report
-    from vitattn.run_dir import RunDir
 
     bundle = load_bundle(cfg.model, device=resolve_device(cfg.device))
     run = RunDir.find(cfg.model)

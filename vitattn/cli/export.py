@@ -21,6 +21,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from vitattn.cli.args import UsageError, parse_key_values, resolve_device, run_main
+from vitattn.run_dir import RunDir
 
 __all__ = ["ExportConfig", "main", "parse_args", "run"]
 
@@ -45,8 +46,8 @@ def parse_args(argv: list[str]) -> Any:
 
 def run(cfg: Any) -> int:
     """Load ``cfg.model`` and save it as a bundle at ``cfg.out``."""
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.bundle import load_bundle, save_bundle
-    from vitattn.run_dir import RunDir
 
     source = cfg.model
     if cfg.which is not None:

@@ -8,13 +8,17 @@ Usage::
 
 ``model`` is a bundle folder, a training run folder or a ``.ckpt``. Endpoints:
 
-    POST /predict   a multipart file field ``image``, or JSON {"image": "<base64>"}; add
-                    ``attention=true`` for the attention figure as a PNG data URL
+    POST /predict   a multipart file (field ``image``, or the form's only file), JSON {"image": "<base64>"},
+                    or the raw image with ``Content-Type: image/...``; add ``attention=true`` (a field,
+                    or ``?attention=true`` for a raw image) for the attention figure as a PNG data URL
                     -> {"caption": "...", "tokens": ["a", ...]}; a bad image -> 400 {"detail": "<reason>"}
     GET  /health    "ok" once the model is loaded
     GET  /          a page: choose an image, see its caption and its attention map
 
 ``host`` is 127.0.0.1 (this machine only), 0.0.0.0 or ::. Decoding settings left out come from the bundle.
+
+SIGTERM or SIGINT (Ctrl+C) stops the server: new requests get 503, requests in flight finish (at most
+``timeout`` seconds), then every server process exits and the port is free; a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -76,9 +80,10 @@ def parse_args(argv: list[str]) -> Any:
 
 
 def run(cfg: Any) -> int:
-    """Load the model once here (a bad model fails now, in one line), then serve until interrupted."""
+    """Load the model once here (a bad model fails now, in one line), then serve until SIGTERM or SIGINT."""
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.bundle import load_bundle
-    from vitattn.serve import CaptionAPI, build_server
+    from vitattn.serve import CaptionAPI, GracefulStop, build_server
 
     bundle = load_bundle(cfg.model, device="cpu")
     if bundle.task != "caption":
@@ -93,15 +98,18 @@ def run(cfg: Any) -> int:
         max_batch_size=cfg.max_batch_size,
         batch_timeout=cfg.batch_timeout,
     )
+    stop = GracefulStop(timeout=cfg.timeout)
     server = build_server(
         api,
         accelerator=cfg.accelerator,
         devices=int(cfg.devices) if cfg.devices.isdigit() else "auto",
         workers_per_device=cfg.workers_per_device,
         timeout=cfg.timeout,
+        stop=stop,
     )
     log.info("serving %s on http://%s:%d (POST /predict, GET /health, GET /)", cfg.model, cfg.host, cfg.port)
-    server.run(host=cfg.host, port=cfg.port, generate_client_file=False, log_level="warning")
+    stop.serve(server, host=cfg.host, port=cfg.port, generate_client_file=False, log_level="warning")
+    log.info("stopped: every server process has exited")
     return 0
 
 

@@ -21,7 +21,9 @@ import hydra
 from omegaconf import DictConfig
 
 from vitattn.cli.errors import report_user_error, user_errors
-from vitattn.errors import Preempted
+from vitattn.cli.noise import quiet_upstream
+from vitattn.errors import ConfigError, Preempted
+from vitattn.moved_keys import MOVED_KEYS, check_moved_keys
 from vitattn.run_dir import RunDir
 
 if TYPE_CHECKING:
@@ -39,10 +41,16 @@ def _resume_argv(argv: list[str]) -> list[str]:
         return argv  # not resuming, or already expanded (DDP child processes), or resume=auto in hydra.run.dir
     if resume == "auto":
         sys.exit(report_user_error(ValueError("resume=auto continues the run in hydra.run.dir: add hydra.run.dir=DIR")))
-    previous = RunDir(resume).saved_overrides()
+    previous = [_moved(o) for o in RunDir(resume).saved_overrides()]  # a run saved before its keys moved
     keys = {a.split("=", 1)[0].lstrip("+~") for a in argv}
     replay = [o for o in previous if o.split("=", 1)[0].lstrip("+~") not in keys]
     return replay + argv + [f"hydra.run.dir={resume}"]
+
+
+def _moved(override: str) -> str:
+    key, sep, value = override.partition("=")
+    prefix = key[: len(key) - len(key.lstrip("+~"))]
+    return f"{prefix}{MOVED_KEYS.get(key.lstrip('+~'), key.lstrip('+~'))}{sep}{value}"
 
 
 def optimized_value(metrics: dict[str, float], name: str | None) -> float | None:
@@ -61,8 +69,10 @@ def optimized_value(metrics: dict[str, float], name: str | None) -> float | None
 
 @hydra.main(version_base="1.3", config_path="pkg://vitattn.conf", config_name="train")
 def _hydra_main(cfg: DictConfig) -> float | None:
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.training import train
 
+    quiet_upstream()  # after Hydra has configured logging
     with user_errors(cfg.get("debug", False)):
         try:
             result = train(cfg)
@@ -74,6 +84,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
 
 def _report(result: TrainResult) -> None:
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from lightning.pytorch.utilities import rank_zero_only
 
     if rank_zero_only.rank != 0:
@@ -95,6 +106,7 @@ def _report(result: TrainResult) -> None:
 
 
 def _report_preempted(stop: Preempted) -> None:
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from lightning.pytorch.utilities import rank_zero_only
 
     if rank_zero_only.rank == 0:
@@ -103,6 +115,10 @@ def _report_preempted(stop: Preempted) -> None:
 
 def main() -> None:
     sys.argv = [sys.argv[0], *_resume_argv(sys.argv[1:])]
+    try:
+        check_moved_keys(sys.argv[1:])
+    except ConfigError as err:
+        sys.exit(report_user_error(err))
     _hydra_main()
 
 

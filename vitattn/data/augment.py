@@ -21,7 +21,10 @@ from typing import Any
 
 import torch
 from PIL import Image
+from timm.data.auto_augment import augment_and_mix_transform, rand_augment_transform
 from torchvision import transforms as T
+
+from vitattn.data.transforms import Normalize
 
 __all__ = ["CAPTION_CROP_SCALE", "Augment", "CaptionAugment", "auto_min_scale", "classification_train_transform"]
 
@@ -104,8 +107,6 @@ class Augment:
 
 
 def _auto_augment(name: str, img_size: int, mean: Sequence[float]) -> Callable[[Image.Image], Image.Image]:
-    from timm.data.auto_augment import augment_and_mix_transform, rand_augment_transform
-
     hparams = {"translate_const": int(img_size * 0.45), "img_mean": tuple(round(255 * x) for x in mean)}
     if name.startswith("rand"):
         return rand_augment_transform(name, hparams)
@@ -127,8 +128,6 @@ def _geometry(img_size: int, augment: Augment, interpolation: str) -> list[Calla
 
 
 def _to_tensor(mean: Sequence[float], std: Sequence[float]) -> list[Callable]:
-    from vitattn.data.transforms import Normalize
-
     return [T.ToTensor(), Normalize(mean, std)]
 
 

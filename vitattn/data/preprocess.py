@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 from PIL import Image
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
+from timm.data.transforms import str_to_interp_mode
 
 from vitattn.errors import brief
 
@@ -45,8 +46,6 @@ def eval_transform(preprocess: Mapping[str, Any]) -> Callable[[Image.Image], tor
         preprocess: ``img_size``, ``crop_pct``, ``mean``, ``std``, ``interpolation``; an optional
             ``crop_mode`` (``center``, ``squash``, ``border``) is passed on to timm.
     """
-    from timm.data import create_transform
-
     p = check_preprocess(preprocess, "preprocess")
     return create_transform(
         input_size=p["img_size"],
@@ -61,8 +60,6 @@ def eval_transform(preprocess: Mapping[str, Any]) -> Callable[[Image.Image], tor
 
 def check_preprocess(preprocess: Any, where: str = "preprocess") -> dict[str, Any]:
     """``preprocess`` checked and normalised to plain values; a one-line ``ValueError`` names what is wrong."""
-    from timm.data.transforms import str_to_interp_mode
-
     if not isinstance(preprocess, Mapping):
         raise ValueError(f"{where} must be a mapping with keys {list(PREPROCESS_KEYS)}, got {brief(preprocess)}")
     missing = [k for k in PREPROCESS_KEYS if k not in preprocess]

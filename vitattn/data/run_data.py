@@ -8,6 +8,7 @@ import hydra
 
 from vitattn.data.vocab import Vocabulary
 from vitattn.run_dir import RunDir
+from vitattn.targets import check_targets
 
 __all__ = ["datamodule_from_run"]
 
@@ -30,8 +31,6 @@ def datamodule_from_run(
     data = run.load_config().get("data")
     if data is None or "_target_" not in data:
         raise ValueError(f"{run.config} has no data config with a _target_; give the images and references directly")
-    from vitattn.config import check_targets
-
     check_targets(data)
     unknown = [key for key in overrides if key not in data]
     if unknown:

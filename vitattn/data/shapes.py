@@ -18,6 +18,8 @@ from PIL import Image, ImageDraw
 from torch.utils.data import Dataset
 from torchvision.transforms.functional import pil_to_tensor
 
+from vitattn.data.tasks import TASKS
+
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (215, 40, 40),
     "green": (40, 160, 60),
@@ -30,7 +32,6 @@ SIZES: dict[str, float] = {"small": 0.20, "large": 0.38}  # side of the shape's 
 BACKGROUND = (235, 235, 235)
 SPLITS = ("train", "val", "test")
 CLASS_NAMES = [f"{colour} {shape}" for colour in COLOURS for shape in SHAPES]
-TASKS = ("caption", "classification")
 
 _MAX_OBJECTS = 3
 _EDGE = 0.03  # free border between a shape and the image edge

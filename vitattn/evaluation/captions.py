@@ -5,6 +5,7 @@ Dimension letters: B batch, T' generated tokens.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
@@ -131,8 +132,6 @@ def _generate(
 
 def _decoding(bundle: Bundle, generate: Mapping[str, Any] | None) -> dict[str, Any]:
     """The settings ``generate`` will use, defaults written out (``max_new_tokens`` included)."""
-    import inspect
-
     settings = dict(generate or {})
     defaults = inspect.signature(bundle.model.generate).parameters
     for key in SEARCH_KEYS:

@@ -73,7 +73,8 @@ def save_confusion_matrix(
 ) -> Path:
     """Draw a (K, K) confusion matrix (rows true, columns predicted) with the class names on the
     axes (counts in the cells up to 30 classes); write the PNG atomically."""
-    from matplotlib.figure import Figure  # no pyplot: no global state, Agg chosen by savefig
+    # heavy: matplotlib is imported only when a figure is drawn; no pyplot: no global state, Agg chosen by savefig
+    from matplotlib.figure import Figure
 
     counts = confusion.cpu().numpy()
     k = len(class_names)

@@ -1,9 +1,9 @@
 """Inference: batch captioning of image files and attention maps of generated captions.
 
 ``inputs`` lists what to caption, ``reading`` turns files into tensors (``vitattn.data.images``
-reads them), ``captioning`` decodes batches, ``writers`` keeps resumable output files,
-``distributed`` runs the same on many devices and machines (Lightning ``Trainer.predict``), and
-``attention_maps`` / ``figures`` draw what the model looked at.
+reads them), ``captioning`` decodes batches, ``writers`` keeps resumable output files, ``records``
+indexes what they hold, ``distributed`` runs the same on many devices and machines (Lightning
+``Trainer.predict``), and ``attention_maps`` / ``figures`` draw what the model looked at.
 """
 
 from vitattn.data.images import read_image
@@ -17,7 +17,8 @@ from vitattn.inference.attention_maps import (
 )
 from vitattn.inference.captioning import CaptionBatch, caption_images, generate_tokens, iter_caption_batches
 from vitattn.inference.inputs import InputImage, InputList, list_inputs
-from vitattn.inference.writers import OUTPUT_FORMATS, CaptionSummary, RecordIndex, caption_to_file, read_records
+from vitattn.inference.records import RecordIndex, read_records
+from vitattn.inference.writers import OUTPUT_FORMATS, CaptionSummary, caption_to_file
 
 __all__ = [
     "OUTPUT_FORMATS",

@@ -166,7 +166,8 @@ def attention_figure(
         title: a figure title, e.g. the caption.
         max_cols: panels per row.
     """
-    from matplotlib.figure import Figure  # no pyplot: no global state, Agg chosen by savefig
+    # heavy: matplotlib is imported only when a figure is drawn; no pyplot: no global state, Agg chosen by savefig
+    from matplotlib.figure import Figure
 
     if len(cross_maps) < len(words):
         raise ValueError(f"{len(words)} words but only {len(cross_maps)} cross-attention maps")

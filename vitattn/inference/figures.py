@@ -11,6 +11,7 @@ from torch import Tensor
 from vitattn.bundle import Bundle
 from vitattn.data.preprocess import denormalize
 from vitattn.fileio import atomic_write
+from vitattn.inference.attention_maps import attention_figure, attention_from_tokens, figure_png
 from vitattn.inference.captioning import CaptionBatch
 from vitattn.inference.inputs import InputImage
 
@@ -49,8 +50,6 @@ def attention_figures(
         preprocess: the bundle's preprocessing (its ``mean`` and ``std`` undo the normalisation).
         titles: a figure title per row.
     """
-    from vitattn.inference.attention_maps import attention_figure, attention_from_tokens
-
     cross, rollout = attention_from_tokens(model, images, tokens)  # (b, T', gh, gw), (b, gh, gw)
     shown = denormalize(images.float(), preprocess["mean"], preprocess["std"]).clamp(0, 1).cpu()  # (b, 3, H, W)
     return [
@@ -60,8 +59,6 @@ def attention_figures(
 
 
 def write_figures(bundle: Bundle, batch: CaptionBatch, figures: Mapping[str, Path]) -> None:
-    from vitattn.inference.attention_maps import figure_png
-
     if batch.images is None:
         return
     records = [batch.records[pos] for pos in batch.captioned]

@@ -6,6 +6,7 @@ million files cost one list of paths, not several.
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -106,8 +107,6 @@ def list_inputs(
             return _numbered([spec], sort=False)
         return _numbered(_text_list(path, image_dir), sort=True)
     if _GLOB_CHARS & set(spec):
-        import glob
-
         found = glob.glob(spec, recursive=True)
         if not found:
             raise ValueError(f"images={shown}: the glob matches no files")

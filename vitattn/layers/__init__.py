@@ -1,6 +1,12 @@
 """The document's layers in PyTorch: attention, feed-forward, encoder and decoder layers."""
 
-from vitattn.layers.attention import MultiHeadAttention, causal_mask, record_attention, scaled_dot_product_attention
+from vitattn.layers.attention import (
+    MultiHeadAttention,
+    causal_mask,
+    check_heads,
+    record_attention,
+    scaled_dot_product_attention,
+)
 from vitattn.layers.decoder_layer import DecoderLayer, LayerCache
 from vitattn.layers.encoder_layer import EncoderLayer
 from vitattn.layers.feedforward import get_activation, point_wise_feed_forward_network
@@ -11,6 +17,7 @@ __all__ = [
     "LayerCache",
     "MultiHeadAttention",
     "causal_mask",
+    "check_heads",
     "get_activation",
     "point_wise_feed_forward_network",
     "record_attention",

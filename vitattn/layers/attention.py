@@ -1,7 +1,7 @@
 """The document's attention: `scaled_dot_product_attention` and `MultiHeadAttention`.
 
 Dimension letters: B batch, H heads, L/Lq/Lk sequence lengths, D width (``d_model``), d head width
-(the document's ``depth``).
+(``head_dim``: the document's ``depth``, renamed because timm's ``depth`` is the number of layers).
 
 The document's mask convention is kept: a mask holds **1 where attention is not allowed** and is
 added to the logits as ``mask * -1e9``. A bool mask (True = masked out) is accepted too.
@@ -23,13 +23,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "record_attention", "causal_mask"]
+__all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "record_attention", "causal_mask", "check_heads"]
 
 
 def _additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """The document's ``mask * -1e9``, in a dtype that can hold it (fp16 saturates at its minimum)."""
     big = min(1e9, torch.finfo(dtype).max)
     return mask.to(dtype) * -big
+
+
+def check_heads(num_heads: int, width: int, width_name: str = "embed_dim") -> None:
+    """Raise ``ValueError`` unless ``num_heads`` is positive and divides the model width ``width``."""
+    if num_heads <= 0 or width % num_heads != 0:
+        raise ValueError(f"num_heads={num_heads} must divide {width_name}={width}")
 
 
 def causal_mask(lq: int, lk: int, device: torch.device | None = None) -> Tensor:
@@ -83,7 +89,7 @@ class MultiHeadAttention(nn.Module):
     scaled_dot_product_attention(q, k, v, mask)``          (explicit) or ``F.scaled_dot_product_attention``
     ``concat_attention = tf.reshape(tf.transpose(...))``   ``attend``: ``transpose(1, 2).reshape(B, Lq, D)``
     ``output = self.dense(concat_attention)``              ``attend``: ``self.dense(...)``
-    ``self.depth = d_model // num_heads``                  ``head_dim`` (``depth`` reads the same value)
+    ``self.depth = d_model // num_heads``                  ``self.head_dim = d_model // num_heads`` (d)
     =====================================================  =========================================
 
     Self-attention (``q is k is v``) runs the three projections as one matrix multiply over the
@@ -106,8 +112,7 @@ class MultiHeadAttention(nn.Module):
         fused_attn: bool = True,
     ) -> None:
         super().__init__()
-        if num_heads <= 0 or d_model % num_heads != 0:
-            raise ValueError(f"num_heads={num_heads} must divide d_model={d_model}")
+        check_heads(num_heads, d_model, "d_model")
         self.num_heads = num_heads
         self.d_model = d_model
         self.head_dim = d_model // num_heads  # d: the width of one head
@@ -118,11 +123,6 @@ class MultiHeadAttention(nn.Module):
         self.wv = nn.Linear(d_model, d_model, bias=qkv_bias)
         self.dense = nn.Linear(d_model, d_model)
         self._record: list[Tensor] | None = None  # set by `record_attention`
-
-    @property
-    def depth(self) -> int:
-        """The document's name for ``head_dim`` (a head's width, not a number of layers)."""
-        return self.head_dim
 
     def split_heads(self, x: Tensor, batch_size: int) -> Tensor:
         """(B, L, D) -> (B, H, L, d), as the document's ``split_heads``."""

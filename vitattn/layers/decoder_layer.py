@@ -137,8 +137,8 @@ class DecoderLayer(nn.Module):
             if B > Bm:  # K beams per image: projected once per image, then one copy per beam
                 k, v = k.repeat_interleave(B // Bm, dim=0), v.repeat_interleave(B // Bm, dim=0)  # (B, H, N, d)
             elif cache is not None:
-                # Copied once into their own (B, H, N, d) blocks: every later step reads them, and the
-                # interleaved k/v views of the fused projection make CPU attention up to 2x slower.
+                # Copied once into their own (B, H, N, d) blocks: every later step reads them, and CPU
+                # attention is slower over the interleaved k/v views of the fused projection (docs/benchmarks.md).
                 k, v = k.contiguous(), v.contiguous()
             if cache is not None:
                 cache.cross_k, cache.cross_v = k, v

@@ -2,11 +2,10 @@
 
 from vitattn.models.caption import CaptionDecoder, ImageCaptioner
 from vitattn.models.timm_weights import convert_timm_state_dict, load_timm_weights
-from vitattn.models.vit import PRESETS, TRAINING_KEYS, VisionTransformer, vit_preset
+from vitattn.models.vit import PRESETS, VisionTransformer, vit_preset
 
 __all__ = [
     "PRESETS",
-    "TRAINING_KEYS",
     "CaptionDecoder",
     "ImageCaptioner",
     "VisionTransformer",

@@ -14,7 +14,7 @@ import torch
 from timm.layers import trunc_normal_
 from torch import Tensor, nn
 
-from vitattn.layers import DecoderLayer, LayerCache
+from vitattn.layers import DecoderLayer, LayerCache, check_heads
 from vitattn.models.vit import VisionTransformer, layer_groups
 
 __all__ = ["CaptionDecoder", "ImageCaptioner"]
@@ -70,8 +70,7 @@ class CaptionDecoder(nn.Module):
         config = dict(locals())
         del config["self"], config["__class__"]
         super().__init__()
-        if num_heads <= 0 or embed_dim % num_heads != 0:
-            raise ValueError(f"num_heads={num_heads} must divide embed_dim={embed_dim}")
+        check_heads(num_heads, embed_dim)
         if init not in ("timm", "torch"):
             raise ValueError(f"init={init!r} is unknown; choose timm or torch")
         if vocab_size <= max(pad_id, bos_id, eos_id):

@@ -16,10 +16,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import timm
+from timm.models import get_pretrained_cfg, split_model_name_tag
 from torch import nn
 
 from vitattn.errors import first_line
 from vitattn.models.timm_weights import quiet_timm
+from vitattn.upstream import timm_url_cached
 
 __all__ = ["pretrained_timm_model", "timm_pretrained_cfg"]
 
@@ -32,9 +35,6 @@ def timm_pretrained_cfg(name: str, downloadable: bool = True) -> Any:
     Raises:
         ValueError: not a timm model, an unknown tag, or (``downloadable``) no weights timm can fetch.
     """
-    import timm
-    from timm.models import get_pretrained_cfg, split_model_name_tag
-
     arch, _ = split_model_name_tag(name)
     if not timm.is_model(arch):
         raise ValueError(f"{name} is not a timm model name (e.g. vit_base_patch16_224.augreg2_in21k_ft_in1k)")
@@ -60,8 +60,6 @@ def pretrained_timm_model(name: str, file: str | Path | None = None) -> nn.Modul
         ValueError: an unknown name or tag; the weights are neither cached nor reachable (one line with
             the fix); timm cannot load them.
     """
-    import timm
-
     cfg = timm_pretrained_cfg(name)
     overlay, offline = None, False
     if file is not None:
@@ -75,7 +73,7 @@ def pretrained_timm_model(name: str, file: str | Path | None = None) -> nn.Modul
                 f"{name}: its weights are not in timm's cache and {host}:{port} cannot be reached (offline); "
                 f"download them where the network is reachable, or load a local copy with timm's "
                 f"pretrained_cfg_overlay=dict(file='/path/to/model.safetensors'), in vitattn "
-                f"model.pretrained={name}@/path/to/model.safetensors"
+                f"finetune.pretrained={name}@/path/to/model.safetensors"
             )
     try:
         with _hub_offline(offline), quiet_timm():
@@ -88,6 +86,7 @@ def pretrained_timm_model(name: str, file: str | Path | None = None) -> nn.Modul
 def _cached(cfg: Any) -> bool:
     """Whether timm would find ``cfg``'s weights in its cache (as its loader looks for them)."""
     if cfg.hf_hub_id:
+        # optional: huggingface_hub comes with timm (vitattn does not declare it); only where the hub is asked
         from huggingface_hub import try_to_load_from_cache
 
         repo, _, revision = cfg.hf_hub_id.partition("@")
@@ -95,13 +94,12 @@ def _cached(cfg: Any) -> bool:
         names += [n[: -len(".bin")] + ".safetensors" for n in names if n.endswith(".bin")]  # timm's safe alternatives
         names += ["model.safetensors", "open_clip_model.safetensors"]
         return any(isinstance(try_to_load_from_cache(repo, n, revision=revision or None), str) for n in names)
-    from timm.models._hub import check_cached_file
-
-    return check_cached_file(cfg.url, check_hash=False)
+    return timm_url_cached(cfg.url)
 
 
 def _host(cfg: Any) -> tuple[str, int]:
     if cfg.hf_hub_id:
+        # optional: huggingface_hub comes with timm (vitattn does not declare it); only where the hub is asked
         from huggingface_hub import constants
 
         url = urlparse(constants.ENDPOINT)
@@ -119,6 +117,7 @@ def _reachable(host: str, port: int) -> bool:
 
 
 def _hub_offline_set() -> bool:
+    # optional: huggingface_hub comes with timm (vitattn does not declare it); only where the hub is asked
     from huggingface_hub import constants
 
     return bool(constants.HF_HUB_OFFLINE)
@@ -127,6 +126,7 @@ def _hub_offline_set() -> bool:
 @contextmanager
 def _hub_offline(offline: bool) -> Iterator[None]:
     """The hub's offline mode (``HF_HUB_OFFLINE``, read by the hub once at import) for the block."""
+    # optional: huggingface_hub comes with timm (vitattn does not declare it); only where the hub is asked
     from huggingface_hub import constants
 
     before = constants.HF_HUB_OFFLINE

@@ -19,7 +19,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from timm.layers import Mlp
+from timm.models import load_checkpoint, load_state_dict
+from timm.models.vision_transformer import Attention, Block
+from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import Tensor, nn
 
 from vitattn.errors import first_line
@@ -140,10 +145,6 @@ def timm_model_config(model: nn.Module) -> dict[str, Any]:
         ValueError: a timm model vitattn's encoder cannot copy (not a ``VisionTransformer``, a distillation
             token, registers, ``no_embed_class``, attention pooling, layer scale, other blocks or activations).
     """
-    from timm.layers import Mlp
-    from timm.models.vision_transformer import Attention, Block
-    from timm.models.vision_transformer import VisionTransformer as TimmViT
-
     if not isinstance(model, TimmViT):
         raise ValueError(f"{type(model).__name__} is not a timm VisionTransformer")
     block = model.blocks[0]
@@ -177,8 +178,6 @@ def read_timm_file(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]
         FileNotFoundError: no such file.
         ValueError: the file cannot be read, or is not in timm's ViT layout.
     """
-    from timm.models import load_state_dict
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"timm weights file not found: {path}")
@@ -204,10 +203,6 @@ def read_timm_file(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]
 
 
 def _read_npz(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    import numpy as np
-    from timm.models import load_checkpoint
-    from timm.models.vision_transformer import VisionTransformer as TimmViT
-
     try:
         with np.load(path, allow_pickle=False) as w:
             shapes = {k: w[k].shape for k in w.files}

@@ -8,39 +8,34 @@ Stages as in timm: ``forward_features`` (B, N, D) -> ``pool`` (B, D) -> ``forwar
 from __future__ import annotations
 
 import re
+from importlib.resources import files
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from timm.layers import PatchEmbed, build_sincos2d_pos_embed, resample_abs_pos_embed, trunc_normal_
 from torch import Tensor, nn
 
-from vitattn.layers import EncoderLayer
+from vitattn.layers import EncoderLayer, check_heads
 
-__all__ = ["PRESETS", "TRAINING_KEYS", "VisionTransformer", "layer_groups", "preset_config", "vit_preset"]
+__all__ = ["PRESETS", "VisionTransformer", "layer_groups", "preset_config", "vit_preset"]
 
 POOLS = ("cls", "mean", "avg")
 POS_EMBED_INITS = ("trunc_normal", "sincos")
 
 PRESETS = ("cpu", "tiny", "small", "base")  # the size files of the ``model`` config group
 
-# Keys of the ``model`` config group that set up training, not the VisionTransformer's arguments.
-TRAINING_KEYS = ("pretrained", "freeze_encoder_epochs")  # model settings that are not VisionTransformer arguments
-
 
 def preset_config(name: str) -> dict[str, Any]:
     """``VisionTransformer`` keyword arguments of a named size, read from ``vitattn/conf/model/<name>.yaml``
     (the one place the sizes are written); ``img_size`` is left to the caller (224 by default)."""
-    from importlib.resources import files
-
-    from omegaconf import OmegaConf
-
     if name not in PRESETS:
         raise ValueError(f"preset={name!r} is unknown; choose one of {sorted(PRESETS)}")
     folder = files("vitattn.conf") / "model"
     size = OmegaConf.create((folder / f"{name}.yaml").read_text())
     base = OmegaConf.create((folder / "_vit.yaml").read_text())
     merged = OmegaConf.merge(base, {k: v for k, v in size.items() if k != "defaults"})
-    return {k: merged[k] for k in merged if k != "img_size" and k not in TRAINING_KEYS}
+    return {k: merged[k] for k in merged if k != "img_size"}
 
 
 def layer_groups(prefix: str = "") -> dict[str, Any]:
@@ -117,8 +112,7 @@ class VisionTransformer(nn.Module):
         super().__init__()
         if img_size % patch_size != 0:
             raise ValueError(f"img_size={img_size} must be divisible by patch_size={patch_size}")
-        if num_heads <= 0 or embed_dim % num_heads != 0:
-            raise ValueError(f"num_heads={num_heads} must divide embed_dim={embed_dim}")
+        check_heads(num_heads, embed_dim)
         if global_pool not in POOLS:
             raise ValueError(f"global_pool={global_pool!r} is unknown; choose one of {list(POOLS)}")
         if pos_embed_init not in POS_EMBED_INITS:

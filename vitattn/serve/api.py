@@ -3,10 +3,11 @@ batch are captioned together, bad ones answer HTTP 400 without failing their bat
 
 Dimension letters: B batch, C channels, H/W image side, T' generated tokens.
 
-A request is a multipart form with an ``image`` file field, or JSON ``{"image": "<base64>"}`` (a
-``data:`` URL is accepted); ``attention=true`` in either also returns the attention figure as a PNG
-``data:`` URL. LitServe batches requests across clients (``max_batch_size``, ``batch_timeout``) and
-decodes each one apart, so one bad image never spoils the batch it arrived in.
+A request is a multipart form with an ``image`` file field (or a single file field of any name), or JSON
+``{"image": "<base64>"}`` (a ``data:`` URL is accepted; ``bodies`` turns a raw image body into this);
+``attention=true`` in either also returns the attention figure as a PNG ``data:`` URL. LitServe batches
+requests across clients (``max_batch_size``, ``batch_timeout``) and decodes each one apart, so one bad
+image never spoils the batch it arrived in.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ import torch
 from fastapi.responses import JSONResponse
 from torch import Tensor
 
+from vitattn.bundle import load_bundle
 from vitattn.data.images import read_image, unreadable_reason
+from vitattn.inference.attention_maps import figure_png
+from vitattn.inference.captioning import generate_tokens
+from vitattn.inference.figures import attention_figures, caption_words
+from vitattn.serve.stop import leave_interrupts_to_parent
 
 __all__ = ["CaptionAPI", "ImageRequest", "decode_image_request"]
 
@@ -47,14 +53,31 @@ def _flag(value: Any) -> bool:
     return value is True or str(value).strip().lower() in _TRUE
 
 
+def _is_upload(value: Any) -> bool:
+    return hasattr(value, "file")  # a multipart upload (starlette UploadFile)
+
+
 def _image_bytes(request: Any) -> bytes | str:
-    """The request's image bytes, or a one-line reason why there are none."""
+    """The request's image bytes, or a one-line reason why there are none.
+
+    The ``image`` field, else the form's one file field whatever its name (``curl -F file=@x.jpg``).
+    """
     if not hasattr(request, "get"):
         return 'send the image as a multipart file field \'image\' or as JSON {"image": "<base64>"}'
     field = request.get("image")
     if field is None:
-        return "the request has no 'image' field (a multipart file or a base64 string)"
-    if hasattr(field, "file"):  # a multipart upload (starlette UploadFile)
+        pairs = request.multi_items() if hasattr(request, "multi_items") else request.items()  # a form repeats names
+        uploads = [(name, value) for name, value in pairs if _is_upload(value)]
+        if len(uploads) > 1:
+            names = ", ".join(repr(name) for name, _ in uploads)
+            return f"the form has files {names} and none named 'image'; send one file, or name it 'image'"
+        field = uploads[0][1] if uploads else None
+    if field is None:
+        return (
+            'the request has no \'image\' field; send a multipart file, JSON {"image": "<base64>"} '
+            "or the raw image with Content-Type: image/..."
+        )
+    if _is_upload(field):
         field.file.seek(0)
         return field.file.read()
     if not isinstance(field, str):
@@ -116,8 +139,7 @@ class CaptionAPI(ls.LitAPI):
         self.num_threads = num_threads
 
     def setup(self, device: str) -> None:
-        from vitattn.bundle import load_bundle
-
+        leave_interrupts_to_parent()  # this runs in the inference worker: Ctrl+C is the parent's to handle
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
         self.bundle = load_bundle(self.model_path, device=device)
@@ -144,10 +166,6 @@ class CaptionAPI(ls.LitAPI):
         return outputs if isinstance(x, list) else outputs[0]
 
     def _caption(self, requests: list[ImageRequest]) -> list[dict[str, Any]]:
-        from vitattn.inference.attention_maps import figure_png
-        from vitattn.inference.captioning import generate_tokens
-        from vitattn.inference.figures import attention_figures, caption_words
-
         bundle = self.bundle
         images = torch.stack([r.image for r in requests]).to(self.device)  # (B, C, H, W)
         tokens = generate_tokens(bundle.model, images, **self.generate_kwargs)  # (B, T')

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -67,6 +68,8 @@ class CaptionSystem(VisionSystem):
             )
         self.save_hyperparameters()
         self.model = ImageCaptioner.from_config(model_config)
+        tokens = torch.zeros(1, self.model.decoder.max_len - 1, dtype=torch.long)  # (1, T): a full-length caption
+        self.example_input_array = (self.example_images(self.model.encoder), tokens)  # summary: FLOPs per caption
         self.label_smoothing = label_smoothing
         self.generate_kwargs = dict(generate or {})
         self.num_samples = num_samples

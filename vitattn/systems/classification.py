@@ -49,6 +49,7 @@ class ClassificationSystem(VisionSystem):
             raise ValueError(f"model num_classes={model_config.get('num_classes')} but {len(class_names)} class names")
         self.save_hyperparameters()
         self.model = VisionTransformer(**model_config)
+        self.example_input_array = self.example_images(self.model)  # the model summary counts FLOPs per image
         self.label_smoothing = label_smoothing
         n = len(class_names)
         self.mixup = (

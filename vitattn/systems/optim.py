@@ -30,6 +30,9 @@ def no_weight_decay_names(model: nn.Module) -> set[str]:
     return {name for name, _ in model.named_parameters() if any(part in NO_WEIGHT_DECAY for part in name.split("."))}
 
 
+AUTO_WARMUP_STEPS = 200  # optim.warmup_steps=auto: 200 steps, or a tenth of a shorter run
+
+
 class WarmupCosine:
     """Learning-rate factor at an optimizer step: linear warmup from 1/1000, then cosine to ``min_lr_ratio``.
 
@@ -38,13 +41,14 @@ class WarmupCosine:
 
     Args:
         total_steps: the horizon: steps at which the factor reaches ``min_lr_ratio``.
-        warmup_steps: steps of linear warmup (capped at a tenth of the horizon).
+        warmup_steps: steps of linear warmup (capped at a tenth of the horizon); ``"auto"``:
+            ``AUTO_WARMUP_STEPS``, so a short run warms up for a tenth of it and a long one for 200 steps.
         min_lr_ratio: the final factor.
     """
 
-    def __init__(self, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> None:
+    def __init__(self, total_steps: int, warmup_steps: int | str, min_lr_ratio: float) -> None:
         self.total_steps = max(1, int(total_steps))
-        self.requested_warmup = int(warmup_steps)
+        self.requested_warmup = AUTO_WARMUP_STEPS if warmup_steps == "auto" else int(warmup_steps)
         self.min_lr_ratio = float(min_lr_ratio)
 
     @property
@@ -114,7 +118,7 @@ def build_optimizer(
     lr: float = 1e-3,
     weight_decay: float = 0.05,
     betas: tuple[float, float] = (0.9, 0.999),
-    warmup_steps: int = 100,
+    warmup_steps: int | str = "auto",
     min_lr_ratio: float = 0.01,
     layer_decay: float | None = None,
     head_lr: float | None = None,
@@ -127,7 +131,8 @@ def build_optimizer(
         lr: peak learning rate.
         weight_decay: decoupled weight decay on matrices.
         betas: AdamW betas.
-        warmup_steps: linear warmup from ``lr / 1000``; capped at a tenth of the run.
+        warmup_steps: linear warmup from ``lr / 1000``; capped at a tenth of the run (``"auto"``: see
+            ``WarmupCosine``).
         min_lr_ratio: final learning rate / peak.
         layer_decay, head_lr: per-group peak rates, see ``param_groups``.
 

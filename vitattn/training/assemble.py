@@ -1,26 +1,25 @@
-"""The LightningModule of a run: model keyword arguments from the config and the data, then the system
-(its encoder started from ``model.pretrained`` when one is given)."""
+"""The LightningModule of a run: ``head.system`` instantiated by Hydra, as the trainer and the loggers are,
+with what only the data knows passed in (the model config sized from the class count or the vocabulary,
+the preprocessing, the class names or the vocabulary) and its encoder started from ``finetune.pretrained``
+when one is given."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import hydra
 import lightning.pytorch as pl
 from omegaconf import DictConfig, OmegaConf
 
-from vitattn.models import TRAINING_KEYS
-from vitattn.systems import CaptionSystem, ClassificationSystem, VisionSystem
+from vitattn.systems import VisionSystem
 from vitattn.training.pretrained import read_pretrained
 
 __all__ = ["build_system", "model_config_from"]
 
 
 def model_config_from(cfg: DictConfig, datamodule: Any) -> dict[str, Any]:
-    """Plain model keyword arguments from the config and the values only the data knows
-    (``model.pretrained`` names a source of weights, not an argument: it is left out)."""
+    """Plain model keyword arguments from the config and the values only the data knows."""
     encoder = OmegaConf.to_container(cfg.model, resolve=True)
-    for key in TRAINING_KEYS:  # callbacks' settings, not model arguments
-        encoder.pop(key, None)
     encoder["img_size"] = datamodule.img_size
     if cfg.head.task == "classification":
         return {**encoder, "num_classes": datamodule.num_classes}
@@ -37,30 +36,18 @@ def model_config_from(cfg: DictConfig, datamodule: Any) -> dict[str, Any]:
 
 
 def build_system(cfg: DictConfig, datamodule: pl.LightningDataModule) -> VisionSystem:
-    """The LightningModule for ``cfg.head.task``, sized from the data (classes, vocabulary, image), its
-    encoder loaded from ``model.pretrained`` (switches the weights show set in the saved model config)."""
-    head = cfg.head
+    """The LightningModule ``cfg.head.system`` names, sized from the data (classes, vocabulary, image), its
+    encoder loaded from ``finetune.pretrained`` (switches the weights show set in the saved model config)."""
+    caption = cfg.head.task == "caption"
     model_config = model_config_from(cfg, datamodule)
-    pretrained = read_pretrained(cfg.model.pretrained) if cfg.model.get("pretrained") else None
+    source = cfg.finetune.get("pretrained")
+    pretrained = read_pretrained(source) if source else None
     if pretrained is not None:
-        pretrained.fit(model_config["encoder"] if head.task == "caption" else model_config)
-    common = dict(
-        preprocess=dict(datamodule.preprocess),
-        label_smoothing=head.label_smoothing,
-        optim=OmegaConf.to_container(cfg.optim, resolve=True),
-        nonfinite=head.nonfinite,
+        pretrained.fit(model_config["encoder"] if caption else model_config)
+    labels = {"vocab": datamodule.vocab.words} if caption else {"class_names": list(datamodule.class_names)}
+    system = hydra.utils.instantiate(
+        cfg.head.system, model_config=model_config, preprocess=dict(datamodule.preprocess), **labels
     )
-    if head.task == "classification":
-        mixing = {k: float(head.get(k, 0.0)) for k in ("mixup", "cutmix")}
-        system = ClassificationSystem(model_config, class_names=list(datamodule.class_names), **mixing, **common)
-    else:
-        system = CaptionSystem(
-            model_config,
-            vocab=datamodule.vocab.words,
-            generate=OmegaConf.to_container(head.generate, resolve=True),
-            num_samples=head.num_samples,
-            **common,
-        )
     if pretrained is not None:
-        pretrained.load_into(system.model.encoder if head.task == "caption" else system.model)
+        pretrained.load_into(system.model.encoder if caption else system.model)
     return system

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from vitattn.config import ConfigError, data_name
+from vitattn.config import data_name
 from vitattn.data.images import BadImageError
-from vitattn.errors import first_line
+from vitattn.errors import ConfigError, first_line
 from vitattn.run_dir import RunDir
 
 __all__ = ["setup_data"]

@@ -1,4 +1,4 @@
-"""``model.pretrained``: the encoder of a run starts from pretrained weights.
+"""``finetune.pretrained``: the encoder of a run starts from pretrained weights.
 
 A source is one of:
 
@@ -25,11 +25,13 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from vitattn.config import ConfigError
-from vitattn.errors import first_line
+from vitattn.bundle import load_bundle
+from vitattn.bundle.folder import is_bundle_weights
+from vitattn.config import check_source
+from vitattn.errors import ConfigError, first_line
 from vitattn.models import VisionTransformer
+from vitattn.models.timm_hub import pretrained_timm_model
 from vitattn.models.timm_weights import (
-    TIMM_SUFFIXES,
     convert_timm_state_dict,
     load_encoder_state,
     read_timm_file,
@@ -38,7 +40,7 @@ from vitattn.models.timm_weights import (
 )
 from vitattn.models.vit import PRESETS, preset_config
 
-__all__ = ["PretrainedEncoder", "check_source", "read_pretrained"]
+__all__ = ["PretrainedEncoder", "read_pretrained"]
 
 # Keys the weights fix that the config must already agree with: changing them changes what the model is.
 _REFUSED = ("in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio")
@@ -52,7 +54,7 @@ class PretrainedEncoder:
     """Encoder weights read from a source, and the ``VisionTransformer`` keyword arguments they fix.
 
     Attributes:
-        source: the ``model.pretrained`` value.
+        source: the ``finetune.pretrained`` value.
         what: how the log line names it (``timm file x.safetensors``, ``timm vit_base_patch16_224.augreg...``).
         state: the encoder state dict in vitattn's layout (with its classifier head, if any).
         known: ``VisionTransformer`` keyword arguments the source fixes.
@@ -90,7 +92,7 @@ class PretrainedEncoder:
             self._set(encoder, "fc_norm", wanted)
         if encoder["img_size"] % encoder["patch_size"]:
             raise ConfigError(
-                f"model.pretrained={self.source}: its patch_size={encoder['patch_size']} does not divide "
+                f"finetune.pretrained={self.source}: its patch_size={encoder['patch_size']} does not divide "
                 f"data.img_size={encoder['img_size']}; use a multiple of {encoder['patch_size']}"
             )
 
@@ -99,7 +101,7 @@ class PretrainedEncoder:
         try:
             notes = load_encoder_state(encoder, self.state)
         except ValueError as err:
-            raise ConfigError(f"model.pretrained={self.source}: {first_line(err)}") from None
+            raise ConfigError(f"finetune.pretrained={self.source}: {first_line(err)}") from None
         set_from = f"; set from the weights: {', '.join(self.changes)}" if self.changes else ""
         extra = "; ".join(notes + self.notes)
         rank_zero_info(
@@ -125,7 +127,7 @@ class PretrainedEncoder:
         fix = " ".join(f"model.{k}={_plain(self.known[k])}" for k in wrong)
         sizes = [n for n in PRESETS if all(preset_config(n)[k] == self.known[k] for k in ("embed_dim", "depth"))]
         hint = f" (or model={sizes[0]})" if sizes and "in_chans" not in wrong else ""
-        raise ConfigError(f"model.pretrained={self.source}: the weights have {theirs}; set {fix}{hint}")
+        raise ConfigError(f"finetune.pretrained={self.source}: the weights have {theirs}; set {fix}{hint}")
 
 
 def _uses_fc_norm(encoder: dict[str, Any]) -> bool:
@@ -136,58 +138,8 @@ def _plain(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (bool, type(None))) else str(value)
 
 
-def check_source(source: str) -> tuple[str, Path | str, Path | None]:
-    """What a ``model.pretrained`` value names, without reading weights: ``(kind, where, file)``.
-
-    ``kind`` is ``vitattn`` (a run folder, bundle or .ckpt at ``where``), ``timm-file`` (a weights file) or
-    ``timm-name`` (``where`` a timm name; ``file`` its local weights for ``NAME@FILE``, else None).
-
-    Raises:
-        ConfigError: nothing at that path and no timm model of that name; an unknown tag.
-    """
-    from vitattn.models.timm_hub import timm_pretrained_cfg
-
-    text = str(source)
-    path = Path(text).expanduser()
-    if path.exists():
-        if path.is_dir() or path.suffix == ".ckpt" or path.name == "config.json" or _in_bundle(path):
-            return "vitattn", path, None
-        if path.suffix.lower() in TIMM_SUFFIXES:
-            return "timm-file", path, None
-        raise ConfigError(
-            f"model.pretrained={text} is not a weights file; give a {', '.join(TIMM_SUFFIXES)} file, "
-            "a timm model name, or a vitattn run folder, bundle or .ckpt"
-        )
-    name, at, file = text.partition("@")
-    try:
-        timm_pretrained_cfg(name, downloadable=not at)
-    except ValueError as err:
-        if "not a timm model" in str(err) and not at:
-            raise ConfigError(
-                f"model.pretrained={text} is neither an existing file or folder nor a timm model name "
-                "with a pretrained tag (e.g. vit_base_patch16_224.augreg2_in21k_ft_in1k)"
-            ) from None
-        raise ConfigError(f"model.pretrained={text}: {first_line(err)}") from None
-    if at and not Path(file).expanduser().is_file():
-        raise ConfigError(f"model.pretrained={text}: {file} does not exist; give the weights file of {name}")
-    return "timm-name", name, Path(file).expanduser() if at else None
-
-
-def _in_bundle(path: Path) -> bool:
-    """A bundle's ``model.safetensors`` (its folder's config.json says vitattn-bundle)."""
-    from vitattn.bundle.folder import BUNDLE_FORMAT, CONFIG_FILE
-
-    config = path.parent / CONFIG_FILE
-    if path.suffix != ".safetensors" or not config.is_file():
-        return False
-    try:
-        return json.loads(config.read_text(encoding="utf-8")).get("format") == BUNDLE_FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def read_pretrained(source: str) -> PretrainedEncoder:
-    """Read the encoder weights that ``model.pretrained=source`` names.
+    """Read the encoder weights that ``finetune.pretrained=source`` names.
 
     Raises:
         ConfigError: an unknown source; weights that cannot be read, are not a supported ViT, or are
@@ -205,13 +157,11 @@ def read_pretrained(source: str) -> PretrainedEncoder:
         if isinstance(err, ConfigError):
             raise
         message = first_line(err, limit=600).removeprefix(f"{where}: ")  # timm_hub's lines start with the name
-        raise ConfigError(f"model.pretrained={source}: {message}") from None
+        raise ConfigError(f"finetune.pretrained={source}: {message}") from None
 
 
 def _read_vitattn(source: str, path: Path) -> PretrainedEncoder:
-    from vitattn.bundle import load_bundle
-
-    bundle = load_bundle(path.parent if _in_bundle(path) else path)
+    bundle = load_bundle(path.parent if is_bundle_weights(path) else path)
     encoder = bundle.model.encoder if bundle.task == "caption" else bundle.model
     state = {k: v.detach() for k, v in encoder.state_dict().items()}
     known = {**weights_config(state), **{k: encoder.config[k] for k in _VITATTN_KEYS}}
@@ -219,8 +169,6 @@ def _read_vitattn(source: str, path: Path) -> PretrainedEncoder:
 
 
 def _read_timm_name(source: str, name: str, file: Path | None) -> PretrainedEncoder:
-    from vitattn.models.timm_hub import pretrained_timm_model
-
     model = pretrained_timm_model(name, file)
     known = timm_model_config(model)
     state = convert_timm_state_dict(model.state_dict())

@@ -7,32 +7,32 @@ Data flows one way: config -> DataModule + model config -> system -> Trainer -> 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import hydra
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from vitattn.bundle import bundle_from_system
-from vitattn.callbacks import EMA, FreezeEncoder, Preemption, SkippedImages, TimeBudgetHorizon
+from vitattn.callbacks import Preemption
 from vitattn.config import check_config
 from vitattn.data.bad_images import gather_skipped
 from vitattn.run_dir import RunDir
 from vitattn.systems import VisionSystem
 from vitattn.training.advice import check_fit
 from vitattn.training.assemble import build_system
+from vitattn.training.best_weights import load_best_weights
 from vitattn.training.checkpoint_io import AtomicCheckpointIO
+from vitattn.training.compile import should_compile
 from vitattn.training.data import setup_data
+from vitattn.training.groups import instantiate_group
+from vitattn.training.resources import plan_cores
 
 __all__ = ["TrainResult", "train"]
 
@@ -52,12 +52,6 @@ class TrainResult:
     weights: str = "last"  # which weights were tested and exported: "last", or "best (val/cider_d 1.2 at step 800)"
     steps_per_second: float = 0.0  # optimizer steps of this run / seconds of trainer.fit (validation included)
     skipped_images: dict[str, str] = field(default_factory=dict)  # unreadable files left out (data.bad_images=skip)
-
-
-def _instantiate_group(group: DictConfig | None) -> list[Any]:
-    if not group:
-        return []
-    return [hydra.utils.instantiate(node) for node in group.values() if node is not None and "_target_" in node]
 
 
 def train(cfg: DictConfig) -> TrainResult:
@@ -84,13 +78,13 @@ def train(cfg: DictConfig) -> TrainResult:
     if rank_zero_only.rank == 0:
         check_fit(cfg, datamodule)  # a coarse patch grid, a vocabulary of <unk>, a schedule with no end
     system = build_system(cfg, datamodule)
-    if _should_compile(cfg):
+    if should_compile(cfg):
         system.model.compile()  # in place: parameter names (checkpoints, bundles) stay as they are
 
     trainer: pl.Trainer = hydra.utils.instantiate(
         cfg.trainer,
-        callbacks=[*_instantiate_group(cfg.get("callbacks")), *training_callbacks(cfg)],
-        logger=_instantiate_group(cfg.get("logger")) or False,
+        callbacks=instantiate_group(cfg.get("callbacks")),
+        logger=instantiate_group(cfg.get("logger")) or False,
         default_root_dir=str(run_dir),
         plugins=[AtomicCheckpointIO()],
     )
@@ -106,14 +100,9 @@ def train(cfg: DictConfig) -> TrainResult:
     seconds = time.monotonic() - started
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    source = _use_best(cfg, trainer, system)  # test and export the best model, not the last
+    source = load_best_weights(cfg, trainer, system)  # test and export the best model, not the last
     if cfg.test and not cfg.trainer.get("fast_dev_run"):
-        try:
-            rows = trainer.test(system, datamodule=datamodule, verbose=False)
-        except SIGTERMException:  # not a finished run: it must not exit with status 0
-            raise _preempted(trainer) from None
-        for row in rows:
-            metrics.update({k: float(v) for k, v in row.items()})
+        metrics.update(_test(trainer, system, datamodule))
     result = TrainResult(
         run_dir,
         metrics,
@@ -130,99 +119,20 @@ def train(cfg: DictConfig) -> TrainResult:
     return result
 
 
+def _test(trainer: pl.Trainer, system: VisionSystem, datamodule: pl.LightningDataModule) -> dict[str, float]:
+    """The test split's metrics for the weights ``system`` holds now."""
+    metrics: dict[str, float] = {}
+    try:
+        rows = trainer.test(system, datamodule=datamodule, verbose=False)
+    except SIGTERMException:  # not a finished run: it must not exit with status 0
+        raise _preempted(trainer) from None
+    for row in rows:
+        metrics.update({k: float(v) for k, v in row.items()})
+    return metrics
+
+
 def _preempted(trainer: pl.Trainer) -> Exception:
     return next(c for c in trainer.callbacks if isinstance(c, Preemption)).preempted()
-
-
-def _use_best(cfg: DictConfig, trainer: pl.Trainer, system: VisionSystem) -> str:
-    """Load the best checkpoint by ``head.monitor`` into ``system`` when ``weights=best`` and there is one;
-    returns what the tested and exported weights are."""
-    if cfg.get("weights", "best") != "best" or cfg.trainer.get("fast_dev_run"):
-        return f"last (step {trainer.global_step})"
-    best = next(
-        (
-            c
-            for c in trainer.checkpoint_callbacks
-            if getattr(c, "monitor", None) == cfg.head.monitor and c.best_model_path
-        ),
-        None,
-    )
-    if best is None or not Path(best.best_model_path).is_file():
-        return f"last (step {trainer.global_step})"
-    checkpoint = torch.load(best.best_model_path, map_location="cpu", weights_only=True)
-    system.load_state_dict(checkpoint["state_dict"])
-    score = float(best.best_model_score) if best.best_model_score is not None else float("nan")
-    return f"best ({cfg.head.monitor} {score:.4f} at step {checkpoint['global_step']})"
-
-
-def training_callbacks(cfg: DictConfig) -> list[pl.Callback]:
-    """The callbacks that the run's own switches ask for: the time-budget horizon (always; idle without
-    ``trainer.max_time``), the checkpoint on SIGTERM or SIGUSR1 (unless ``trainer.enable_checkpointing=false``),
-    EMA weights (``ema.decay``), early stopping (``early_stopping.patience``), a frozen encoder
-    (``model.freeze_encoder_epochs``) and the count of skipped images (``data.bad_images=skip``)."""
-    callbacks: list[pl.Callback] = [TimeBudgetHorizon()]
-    if cfg.trainer.get("enable_checkpointing", True) is not False:  # Lightning refuses a Checkpoint callback then
-        callbacks.append(Preemption(RunDir(cfg.paths.output_dir).last_checkpoint))
-    if cfg.data.get("bad_images") == "skip":
-        callbacks.append(SkippedImages())
-    if cfg.model.get("freeze_encoder_epochs"):
-        callbacks.append(FreezeEncoder(cfg.model.freeze_encoder_epochs))
-    if cfg.get("ema") and cfg.ema.get("decay"):
-        callbacks.append(EMA(cfg.ema.decay))
-    if cfg.get("early_stopping") and cfg.early_stopping.get("patience"):
-        head = cfg.head
-        callbacks.append(
-            EarlyStopping(monitor=head.monitor, mode=head.monitor_mode, patience=cfg.early_stopping.patience)
-        )
-    return callbacks
-
-
-def _on_gpu(cfg: DictConfig) -> bool:
-    return cfg.trainer.accelerator in ("gpu", "cuda") or (
-        cfg.trainer.accelerator == "auto" and torch.cuda.is_available()
-    )
-
-
-def plan_cores(cfg: DictConfig, datamodule: Any) -> tuple[int, int]:
-    """Loader workers and torch threads that do not fight over the cores; returns ``(workers, threads)``.
-
-    Each of the node's training processes (``trainer.devices`` of them, or torchrun's
-    ``LOCAL_WORLD_SIZE``) plans with its share of the cores. ``data.num_workers=auto`` is resolved
-    by the DataModule (``plan_workers``); ``num_threads=auto`` gives torch the share the workers
-    leave on a CPU run (at least one), so that on a CPU threads + workers of all processes stay
-    within the cores, and keeps torch's default on GPUs. A number set by the user is kept as it is.
-    """
-    cores, processes = len(os.sched_getaffinity(0)), processes_per_node(cfg)
-    share = max(1, cores // processes)
-    plan = getattr(datamodule, "plan_workers", None)
-    workers = plan(_on_gpu(cfg), share) if plan is not None else int(getattr(datamodule, "num_workers", 0))
-    threads = cfg.get("num_threads")
-    if threads == "auto":
-        threads = torch.get_num_threads() if _on_gpu(cfg) else max(1, share - workers)
-    if threads:
-        torch.set_num_threads(int(threads))
-    log.info(
-        "cores: %d for %d process(es); loader workers: %d; torch threads: %d",
-        cores,
-        processes,
-        workers,
-        torch.get_num_threads(),
-    )
-    return workers, torch.get_num_threads()
-
-
-def processes_per_node(cfg: DictConfig) -> int:
-    """The training processes on this machine: torchrun's ``LOCAL_WORLD_SIZE``, else ``trainer.devices``
-    (a count, or device ids: a list or ``"0,1"``); 1 for ``auto`` and ``-1``."""
-    if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
-        return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
-    devices = cfg.trainer.get("devices", 1)
-    if isinstance(devices, str):
-        ids = [d for d in devices.split(",") if d.strip()]
-        devices = int(devices) if devices.strip().isdigit() else len(ids) if "," in devices else 1
-    if isinstance(devices, int):
-        return max(1, devices)
-    return len(devices) if isinstance(devices, Sequence) and not isinstance(devices, str) else 1
 
 
 def _resume_checkpoint(cfg: DictConfig) -> str | None:
@@ -243,15 +153,6 @@ def _save_run_files(cfg: DictConfig, datamodule: pl.LightningDataModule, run_dir
     run.save_config(cfg)
     if getattr(datamodule, "vocab", None) is not None:
         datamodule.vocab.save(run.vocab)
-
-
-def _should_compile(cfg: DictConfig) -> bool:
-    """``compile=auto`` compiles on GPUs only: on CPUs eager is as fast (see docs/benchmarks.md)."""
-    if str(cfg.compile).lower() == "auto":
-        return cfg.trainer.accelerator in ("gpu", "cuda") or (
-            cfg.trainer.accelerator == "auto" and torch.cuda.is_available()
-        )
-    return bool(cfg.compile)
 
 
 def _finish_wandb_run() -> None:

@@ -1,0 +1,53 @@
+"""tests/skip_policy.py, run on tiny test files by a pytest of their own: in CI a skip fails the run."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PASSING = "def test_passes():\n    assert True\n"
+SKIPPED = "import pytest\n\ndef test_needs_a_browser():\n    pytest.skip('no chromium on PATH')\n"
+GPU_ONLY = "import pytest, torch\n\n@pytest.mark.gpu\ndef test_on_cuda():\n    assert torch.cuda.is_available()\n"
+MISSING_MODULE = "import pytest\n\npytest.importorskip('no_such_module_here')\n\ndef test_never_runs():\n    pass\n"
+XFAIL = "import pytest\n\n@pytest.mark.xfail(reason='known')\ndef test_known_bug():\n    assert False\n"
+
+
+def _pytest(tmp_path: Path, files: dict[str, str], ci: bool) -> subprocess.CompletedProcess:
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --strict-markers\n")
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    if ci:
+        env["CI"] = "true"
+    command = [sys.executable, "-m", "pytest", "-p", "tests.skip_policy", "-p", "no:cacheprovider", "-q", "-rs"]
+    return subprocess.run([*command, str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.parametrize("skipped", [SKIPPED, MISSING_MODULE], ids=["skip-in-test", "importorskip-in-module"])
+def test_a_skip_fails_the_run_in_ci_and_is_named(skipped, tmp_path):
+    proc = _pytest(tmp_path, {"test_pass.py": PASSING, "test_skip.py": skipped}, ci=True)
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED, proc.stdout
+    assert "skipped in CI (CI=true): each one fails the run" in proc.stdout
+    assert "test_skip.py" in proc.stdout.split("each one fails the run")[1]
+
+
+def test_a_skip_passes_outside_ci(tmp_path):
+    proc = _pytest(tmp_path, {"test_pass.py": PASSING, "test_skip.py": SKIPPED}, ci=False)
+    assert proc.returncode == pytest.ExitCode.OK, proc.stdout
+    assert "1 passed, 1 skipped" in proc.stdout and "fails the run" not in proc.stdout
+
+
+def test_only_gpu_tests_and_expected_failures_may_skip_in_ci(tmp_path):
+    proc = _pytest(tmp_path, {"test_pass.py": PASSING, "test_gpu.py": GPU_ONLY, "test_xfail.py": XFAIL}, ci=True)
+    assert proc.returncode == pytest.ExitCode.OK, proc.stdout
+    assert "fails the run" not in proc.stdout and "1 xfailed" in proc.stdout
+
+
+def test_a_failing_run_keeps_its_status_in_ci(tmp_path):
+    failing = "def test_fails():\n    assert False\n"
+    proc = _pytest(tmp_path, {"test_fail.py": failing, "test_skip.py": SKIPPED}, ci=True)
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED and "1 failed, 1 skipped" in proc.stdout

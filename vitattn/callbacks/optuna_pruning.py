@@ -1,0 +1,64 @@
+"""Stop a search's trial early when its validation metric is worse than the study's other trials.
+
+After every validation the run reports ``monitor`` at its global step to its Optuna trial; when the
+study's pruner says so, ``fit`` ends with ``optuna.TrialPruned``, which the sweeper
+(``hydra/sweeper=vitattn_optuna``) records as a pruned trial. ``hparams_search=optuna`` adds this callback.
+
+optuna-integration's ``PyTorchLightningPruningCallback`` does the same with the epoch number as the step,
+so a run that validates several times an epoch (``trainer.val_check_interval``) has all but the first
+validation of each epoch dropped, and under DDP it needs an RDB storage and a ``check_pruned()`` call after
+``fit``. This one reports the optimizer step, decides on rank 0 and stops every rank, with any storage.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import optuna
+from lightning.pytorch.trainer.states import TrainerFn
+
+from hydra_plugins.vitattn_optuna_sweeper.storage import trial_of
+
+__all__ = ["OptunaPruning"]
+
+
+class OptunaPruning(pl.Callback):
+    """Report ``monitor`` after each validation to trial ``trial_number`` of the sweeper's study.
+
+    Args:
+        monitor: the validation metric the search optimises (``optimized_metric``).
+        study_name: the sweeper's ``hydra.sweeper.study_name``.
+        storage: the sweeper's ``hydra.sweeper.storage`` (not null: the trial runs in another process).
+        trial_number: the trial this run is (``hydra.job.num``, which the sweeper sets to it).
+        pruner: the study's pruner (``hydra.sweeper.pruner``).
+    """
+
+    def __init__(
+        self,
+        monitor: str,
+        study_name: str,
+        storage: str | None,
+        trial_number: int,
+        pruner: optuna.pruners.BasePruner,
+    ) -> None:
+        self.monitor = monitor
+        self._where = (study_name, storage, trial_number, pruner)
+        self._trial: optuna.Trial | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and trainer.is_global_zero:  # only rank 0 talks to the study
+            self._trial = trial_of(*self._where)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        prune = False
+        if trainer.is_global_zero:
+            value = trainer.callback_metrics.get(self.monitor)
+            if value is None:
+                logged = ", ".join(sorted(trainer.callback_metrics)) or "none"
+                raise ValueError(f"optimized_metric={self.monitor} was not logged by validation; logged: {logged}")
+            assert self._trial is not None  # opened in setup(stage="fit")
+            self._trial.report(float(value), step=trainer.global_step)
+            prune = self._trial.should_prune()
+        if trainer.strategy.broadcast(prune):
+            raise optuna.TrialPruned(f"{self.monitor} at step {trainer.global_step} is worse than the pruner allows")
