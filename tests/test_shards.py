@@ -4,7 +4,6 @@ import io
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tarfile
@@ -23,6 +22,8 @@ from vitattn.data.shard_writer import ShardSample, shapes_samples, write_shards
 from vitattn.data.shards import ShardError, expand_shards, read_shard, shard_sizes
 from vitattn.data.vocab import Vocabulary
 from vitattn.training import train
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -295,19 +296,7 @@ def test_train_on_shards_and_the_schedule_horizon_follows_the_epoch(shards, tmp_
     assert schedule.total_steps == 14
 
 
-def test_a_preempted_epoch_resumes_with_every_sample_once_in_one_process(shards, tmp_path, monkeypatch):
-    from vitattn.errors import Preempted
-    from vitattn.systems import ClassificationSystem
-
-    original = ClassificationSystem.training_step
-
-    def training_step(self, batch, batch_idx):  # SIGUSR1 in the middle of step 3, once
-        if self.global_step == 3 and not getattr(self, "signalled", False):
-            self.signalled = True
-            os.kill(os.getpid(), signal.SIGUSR1)
-        return original(self, batch, batch_idx)
-
-    monkeypatch.setattr(ClassificationSystem, "training_step", training_step)
+def test_a_preempted_epoch_resumes_with_every_sample_once_in_one_process(shards, tmp_path):
     overrides = [
         *TINY,
         "head=classification",
@@ -324,10 +313,16 @@ def test_a_preempted_epoch_resumes_with_every_sample_once_in_one_process(shards,
         "+callbacks.sample_keys._target_=vitattn.callbacks.SampleKeys",
         f"+callbacks.sample_keys.folder={tmp_path / 'keys'}",
     ]
-    with pytest.raises(Preempted, match="at step 4"):
-        train(compose_train(overrides, tmp_path))
+    # SIGUSR1 during step 3, to a subprocess (tests/preempted_train.py), never to pytest
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    command = [sys.executable, str(ROOT / "tests" / "preempted_train.py"), "SIGUSR1", "train", "3", str(tmp_path)]
+    proc = subprocess.run([*command, *overrides], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "at step 4" in json.loads(proc.stdout.strip().splitlines()[-1])["preempted"]
     train(compose_train(overrides, tmp_path))
-    keys = [k for line in (tmp_path / "keys" / "keys.rank0.txt").open() for k in line.split()[1:]]
+    lines = (tmp_path / "keys" / "keys.rank0.txt").read_text().splitlines()
+    keys = [k for line in lines for k in line.split()[1:]]
     expected = [k for url in expand_shards(str(shards["train"])) for k in _keys(url)]
     assert len(keys) == len(set(keys)) and sorted(keys) == sorted(expected)
 

@@ -37,7 +37,11 @@ def _command(tmp_path: Path) -> list[str]:
 
 def _steps(keys: Path) -> list[tuple[int, list[str]]]:
     """Every rank's ``(step, keys)`` lines (SampleKeys)."""
-    return [(int(line.split()[0]), line.split()[1:]) for f in sorted(keys.glob("keys.rank*.txt")) for line in f.open()]
+    return [
+        (int(line.split()[0]), line.split()[1:])
+        for f in sorted(keys.glob("keys.rank*.txt"))
+        for line in f.read_text().splitlines()
+    ]
 
 
 @pytest.mark.slow

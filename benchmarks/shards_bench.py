@@ -1,7 +1,7 @@
 """Shards benchmark: the same images as WebDataset shards and as files, trained on and captioned; resume start-up.
 
-    python scripts/shards_bench.py                        # the rows in docs/benchmarks.md (a few minutes here)
-    python scripts/shards_bench.py --images 400 --steps 20  # a smoke run
+    python -m benchmarks.shards_bench                        # the rows in docs/benchmarks.md (a few minutes here)
+    python -m benchmarks.shards_bench --images 400 --steps 20  # a smoke run
 
 Rows (each ratio from one run of this script, the two sides back to back, one torch thread):
 
