@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 from vitattn.bundle import load_bundle
-from vitattn.config import compose_train
 from vitattn.data.shapes import CLASS_NAMES
 from vitattn.data.shard_plan import EpochOrder, PositionSet, split_epoch
 from vitattn.data.shard_writer import shapes_samples, write_shards
@@ -36,26 +35,15 @@ from vitattn.data.shards import expand_shards, read_shard, shard_sizes
 from vitattn.inference import caption_to_file, list_inputs
 from vitattn.inference.shards import caption_shards, finished_outputs, plan_shards, remove_temporaries
 from vitattn.training import train
+from vitattn.training.compose import compose_train
 
-TINY = [
-    "model.embed_dim=32",
-    "model.depth=2",
-    "model.num_heads=2",
-    "model.patch_size=8",
-    "data.img_size=32",
-    "data.batch_size=32",
-    "data.num_workers=1",
-    "trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false",
-    "logger=none",
-    "callbacks=none",
-    "num_threads=1",
-    "test=false",
-    "export_bundle=false",
-    "head=classification",
-    "trainer.max_epochs=-1",
-    "trainer.limit_val_batches=0",
-]
+# The tests' tiny classifier (32 px, width 32, depth 2), quiet, one thread, one loader worker, no validation.
+TINY = (
+    "model.embed_dim=32 model.depth=2 model.num_heads=2 model.patch_size=8 data.img_size=32 data.batch_size=32 "
+    "data.num_workers=1 trainer.enable_progress_bar=false trainer.enable_model_summary=false logger=none "
+    "callbacks=none num_threads=1 test=false export_bundle=false head=classification trainer.max_epochs=-1 "
+    "trainer.limit_val_batches=0"
+).split()
 
 
 def _data(root: Path, images: int) -> tuple[Path, Path]:
