@@ -23,6 +23,8 @@ from tests.helpers import (
 )
 from vitattn.bundle import load_bundle
 from vitattn.callbacks import EMA, FreezeEncoder, Preemption, TimeBudgetHorizon
+from vitattn.data.shapes import CLASS_NAMES
+from vitattn.data.shard_writer import shapes_samples, write_shards
 from vitattn.models import VisionTransformer
 from vitattn.training import train
 from vitattn.training.groups import instantiate_group
@@ -39,10 +41,12 @@ def datasets(tmp_path_factory):
     folder = make_image_folder(root / "folder")
     coco = make_coco(root / "coco")
     karpathy = make_karpathy(root / "karpathy")
+    shards = write_shards(shapes_samples("train", 12, img_size=32), root / "shards", 6, class_names=CLASS_NAMES)
     return {
         "imagefolder": [f"data.root={folder}"],
         "coco": [f"data.{k}={v}" for k, v in coco.items()],
         "karpathy": [f"data.{k}={v}" for k, v in karpathy.items()],
+        "webdataset": [f"data.train_shards={shards[0].parent}", f"data.val_shards={shards[0]}", "data.num_workers=0"],
     }
 
 

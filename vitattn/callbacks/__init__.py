@@ -1,11 +1,13 @@
 """Lightning callbacks of a training run: a schedule that follows a time budget, EMA weights, an
 encoder frozen for the first epochs, the count of unreadable images skipped, pictures of every
-validation for TensorBoard and MLflow, and a checkpoint when the run is preempted."""
+validation for TensorBoard and MLflow, a checkpoint when the run is preempted, and a record of the samples
+each step trained."""
 
 from vitattn.callbacks.ema import EMA
 from vitattn.callbacks.freeze import FreezeEncoder
 from vitattn.callbacks.pictures import ValidationPictures
 from vitattn.callbacks.preemption import Preemption
+from vitattn.callbacks.sample_keys import SampleKeys
 from vitattn.callbacks.skipped_images import SkippedImages
 from vitattn.callbacks.time_budget import TimeBudgetHorizon, schedule_of
 
@@ -13,6 +15,7 @@ __all__ = [
     "EMA",
     "FreezeEncoder",
     "Preemption",
+    "SampleKeys",
     "SkippedImages",
     "TimeBudgetHorizon",
     "ValidationPictures",

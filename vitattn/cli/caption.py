@@ -3,6 +3,7 @@
 Usage::
 
     vitattn-caption model=PATH images=INPUT out=FILE [image_dir=DIR] [format=jsonl|coco|csv]
+    vitattn-caption model=PATH shards='DIR/{00000..00999}.tar' out=OUTDIR [format=jsonl|parquet]
         [batch_size=32] [num_workers=2] [num_beams=N] [max_new_tokens=N] [length_penalty=X]
         [do_sample=true temperature=X top_k=N top_p=X] [seed=N] [device=auto|cpu|cuda]
         [attention_maps=DIR] [progress=true] [num_threads=N]
@@ -17,6 +18,9 @@ was captioned, 1 when some could not be read, 2 on a usage or model error.
 (DDP): each rank appends to its own part file and rank 0 merges them into ``out`` in input order.
 Lightning starts the other local processes itself; under ``torchrun`` or ``srun`` every process runs
 this same command. ``accelerator`` defaults to what ``device`` says.
+
+``shards`` (WebDataset tars, instead of ``images``) writes one output per shard into ``out``
+(``vitattn.cli.caption_shards``).
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ class CaptionConfig:
     """``vitattn-caption`` arguments; decoding ones left None take the bundle's defaults."""
 
     model: str = MISSING
-    images: str = MISSING
+    images: str | None = None
     out: str = MISSING
+    shards: str | None = None
     image_dir: str | None = None
     format: str = "jsonl"
     batch_size: int = 32
@@ -70,7 +75,11 @@ def parse_args(argv: list[str]) -> Any:
     Values are taken literally (a glob such as ``images=*.jpg`` is not YAML); ``null`` clears an option.
     """
     cfg = parse_key_values(argv, CaptionConfig, "vitattn-caption")
-    if cfg.format not in ("jsonl", "coco", "csv"):
+    if cfg.images is None and cfg.shards is None:
+        raise UsageError("missing images=... (image files) or shards=... (WebDataset tars); see vitattn-caption --help")
+    if cfg.images is not None and cfg.shards is not None:
+        raise UsageError("images=... and shards=... are both given; caption image files or shards, not both")
+    if cfg.shards is None and cfg.format not in ("jsonl", "coco", "csv"):
         raise UsageError(f"format={cfg.format!r} is unknown; choose jsonl, coco or csv")
     for key in ("devices", "num_nodes"):
         if cfg[key] < 1:
@@ -85,6 +94,10 @@ def run(cfg: Any) -> int:
 
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
+    if cfg.shards is not None:
+        from vitattn.cli.caption_shards import run_shards  # Lightning Fabric and the shard reader
+
+        return run_shards(cfg)
     if cfg.devices * cfg.num_nodes > 1:
         return _run_distributed(cfg)
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant

@@ -15,6 +15,7 @@ __all__ = ["quiet_upstream"]
 _LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
 # torch 2.10+ deprecates LeafSpec, which Lightning's own _pytree still builds on each fit (not our code).
 _LEAFSPEC = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+_ITERABLE_LEN = r"Your `IterableDataset` has `__len__` defined"
 
 
 class _DropMessage(logging.Filter):
@@ -36,3 +37,5 @@ def quiet_upstream() -> None:
     # An advertisement printed by every Trainer (Lightning 2.6) for a cloud service.
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropMessage("litlogger"))
     warnings.filterwarnings("ignore", message=_LEAFSPEC, category=FutureWarning)
+    # data=webdataset: its workers each read a planned part of the epoch, so the loader's length is exact.
+    warnings.filterwarnings("ignore", message=_ITERABLE_LEN, category=UserWarning)

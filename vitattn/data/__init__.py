@@ -9,6 +9,7 @@ from vitattn.data.datamodules import (
     ImageFolderDataModule,
     KarpathyDataModule,
     ShapesDataModule,
+    WebDatasetDataModule,
     image_folder_split,
 )
 from vitattn.data.images import BadImageError, read_image
@@ -32,6 +33,7 @@ __all__ = [
     "KarpathyDataModule",
     "ShapesDataModule",
     "ShapesDataset",
+    "WebDatasetDataModule",
     "TokenizedCaptions",
     "Vocabulary",
     "collate_captions",

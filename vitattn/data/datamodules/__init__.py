@@ -1,4 +1,5 @@
-"""LightningDataModules: built-in shapes, an ImageFolder tree, COCO-style captions, Karpathy splits.
+"""LightningDataModules: built-in shapes, an ImageFolder tree, COCO-style captions, Karpathy splits, WebDataset
+shards.
 
 Classification batches are ``(images, labels)``: (B, 3, H, W) float and (B,) long. Caption batches
 are dicts from ``collate_captions``: ``images`` (B, 3, H, W), ``tokens`` (B, T) padded
@@ -12,6 +13,7 @@ from vitattn.data.datamodules.coco import CocoCaptionDataModule
 from vitattn.data.datamodules.image_folder import ImageFolderDataModule, image_folder_split, open_image_folder
 from vitattn.data.datamodules.karpathy import KarpathyDataModule
 from vitattn.data.datamodules.shapes import ShapesDataModule
+from vitattn.data.datamodules.webdataset import WebDatasetDataModule
 
 __all__ = [
     "SPLITS",
@@ -21,6 +23,7 @@ __all__ = [
     "ImageFolderDataModule",
     "KarpathyDataModule",
     "ShapesDataModule",
+    "WebDatasetDataModule",
     "image_folder_split",
     "open_image_folder",
 ]

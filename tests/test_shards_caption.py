@@ -1,0 +1,119 @@
+"""Captioning shards: one output per shard, every key once, error rows, finished shards skipped on a re-run."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import make_caption_bundle
+from vitattn.bundle import load_bundle
+from vitattn.data.shard_writer import shapes_samples, write_shards
+from vitattn.data.shards import expand_shards, read_shard, shard_sizes
+from vitattn.inference.shards import caption_shards, plan_shards
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(tmp_path_factory) -> Path:
+    return make_caption_bundle(tmp_path_factory.mktemp("bundle") / "bundle")
+
+
+def _shards(folder: Path, count: int, per_shard: int) -> list[str]:
+    write_shards(shapes_samples("val", count, img_size=32), folder, per_shard)
+    return expand_shards(str(folder))
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for f in sorted(out.glob("*.jsonl")) for line in f.read_text().splitlines()]
+
+
+def test_plan_shards_keeps_every_rank_busy_when_shards_differ_in_size():
+    plans = plan_shards([100, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10], 2)
+    loads = [sum([100, *[10] * 10][i] for i in plan) for plan in plans]
+    assert sorted(loads) == [100, 100] and sorted(i for p in plans for i in p) == list(range(11))
+
+
+def test_caption_shards_writes_one_output_per_shard_and_a_rerun_redoes_only_the_missing(bundle_dir, tmp_path):
+    urls = _shards(tmp_path / "in", 20, 6)
+    with tarfile.open(urls[0], "a") as tar:  # a sample whose image is not an image: an error row
+        info = tarfile.TarInfo("zzz.jpg")
+        info.size = 4
+        tar.addfile(info, io.BytesIO(b"oops"))
+    bundle, out = load_bundle(bundle_dir), tmp_path / "out"
+    summary = caption_shards(bundle, urls, shard_sizes(urls), out, num_workers=2, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["00000.jsonl", "00001.jsonl", "00002.jsonl", "00003.jsonl"]
+    rows = _rows(out)
+    keys = [s["__key__"] for url in urls for s in read_shard(url)]
+    assert sorted(r["key"] for r in rows) == sorted(keys) and len(keys) == 21  # every key once
+    (bad,) = [r for r in rows if "error" in r]
+    assert bad["key"] == "zzz" and bad["error"] == "not an image (unrecognised file format)"
+    assert all(r["caption"] and r["original_caption"] for r in rows if r["key"] != "zzz")
+    assert (summary.shards, summary.captioned, summary.failed) == (4, 20, 1)
+
+    (out / "00002.jsonl").unlink()
+    again = caption_shards(bundle, urls, shard_sizes(urls), out, num_workers=0, progress=False)
+    assert (again.shards, again.finished_before) == (1, 3)
+    assert Counter(r["key"] for r in _rows(out)) == Counter(keys)
+
+
+def test_vitattn_caption_shards_writes_parquet(bundle_dir, tmp_path):
+    import pyarrow.parquet as pq
+
+    urls = _shards(tmp_path / "in", 7, 4)
+    command = [sys.executable, "-m", "vitattn.cli.caption", f"model={bundle_dir}", f"shards={tmp_path / 'in'}"]
+    command += [f"out={tmp_path / 'out'}", "format=parquet", "num_workers=0", "progress=false"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "captioned 7 samples of 2 shards (0 finished before), 0 failed" in proc.stdout
+    tables = [pq.read_table(tmp_path / "out" / f"{i:05d}.parquet").to_pylist() for i in range(2)]
+    assert [len(t) for t in tables] == [4, 3]
+    assert [r["key"] for r in tables[1]] == [s["__key__"] for s in read_shard(urls[1])]
+
+
+@pytest.mark.slow
+def test_two_processes_killed_mid_run_then_rerun_caption_every_key_once(bundle_dir, tmp_path):
+    urls = _shards(tmp_path / "in", 240, 6)  # 40 shards
+    command = [sys.executable, "-m", "vitattn.cli.caption", f"model={bundle_dir}", f"shards={tmp_path / 'in'}"]
+    command += [f"out={tmp_path / 'out'}", "devices=2", "accelerator=cpu", "num_workers=1", "batch_size=2"]
+    command += ["progress=false"]
+    out = tmp_path / "out"
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline and len(list(out.glob("*.jsonl"))) < 4:
+            time.sleep(0.05)
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        os.killpg(proc.pid, signal.SIGKILL)  # both ranks and their readers, at whatever they were doing
+        proc.wait(timeout=60)
+    done = len(list(out.glob("*.jsonl")))
+    assert 4 <= done < 40
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"({done} finished before)" in proc.stdout
+    keys = [s["__key__"] for url in urls for s in read_shard(url)]
+    assert Counter(r["key"] for r in _rows(out)) == Counter(keys)
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary file left by the re-run
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["model=m", "out=o"], "error: missing images=... (image files) or shards=... (WebDataset tars)"),
+        (["model=m", "out=o", "images=i", "shards=s"], "error: images=... and shards=... are both given"),
+        (["model=m", "out=o", "shards=s", "format=coco"], "error: format='coco' is unknown for shards"),
+    ],
+)
+def test_vitattn_caption_takes_images_or_shards(argv, message, capsys):
+    from vitattn.cli.caption import main
+
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith(message)

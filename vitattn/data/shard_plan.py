@@ -1,0 +1,219 @@
+"""Which samples of the shards each rank and worker trains in an epoch, and how an epoch resumes.
+
+An epoch is a sequence of sample positions ``0 .. total-1``: the shards in an order drawn from
+``(seed, epoch)``, each shard's samples in tar order (``EpochOrder``; ``locate`` maps a position to its
+shard and offset). ``split_epoch`` cuts the positions still to train into one contiguous run per rank and,
+inside a rank, per loader worker, so no sample goes to two of them, and plans every rank the same number
+of batches (DDP steps in lock step; a rank that ran out first would wait for ever in the gradient
+all-reduce). To keep every sample once, batch sizes are what varies: a rank's samples are spread over its
+``K`` batches as evenly as possible (sizes differ by at most one, the larger first), where ``K`` is what
+the rank with most samples needs at ``batch_size``; ranks differ by at most one sample, so batch sizes
+are ``batch_size`` or a little below. Batch ``j`` of a rank goes to worker ``j % workers``: the order in
+which PyTorch's loader takes batches from its workers, so batches reach the model in plan order.
+
+Positions trained are kept as ranges (``PositionSet``). A checkpoint stores them with the epoch; a resumed
+run plans the rest of the epoch from the positions not yet trained, for any number of ranks and workers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["EpochOrder", "PositionSet", "WorkerPlan", "batches_per_rank", "split_epoch"]
+
+log = logging.getLogger(__name__)
+
+Range = tuple[int, int]  # [start, stop)
+
+
+class PositionSet:
+    """A set of epoch positions as sorted, disjoint ``[start, stop)`` ranges."""
+
+    def __init__(self, ranges: Iterable[Sequence[int]] = ()) -> None:
+        self.ranges: list[Range] = []
+        for start, stop in sorted((int(a), int(b)) for a, b in ranges):
+            self._append(start, stop)
+
+    def _append(self, start: int, stop: int) -> None:
+        if start >= stop:
+            return
+        if self.ranges and start <= self.ranges[-1][1]:
+            last = self.ranges[-1]
+            self.ranges[-1] = (last[0], max(last[1], stop))
+        else:
+            self.ranges.append((start, stop))
+
+    def add(self, positions: Iterable[int]) -> None:
+        """Add positions (in any order)."""
+        for p in positions:
+            i = bisect.bisect_right(self.ranges, (p, float("inf"))) - 1
+            if i >= 0 and self.ranges[i][0] <= p < self.ranges[i][1]:
+                continue
+            joins_left = i >= 0 and self.ranges[i][1] == p
+            joins_right = i + 1 < len(self.ranges) and self.ranges[i + 1][0] == p + 1
+            if joins_left and joins_right:
+                self.ranges[i : i + 2] = [(self.ranges[i][0], self.ranges[i + 1][1])]
+            elif joins_left:
+                self.ranges[i] = (self.ranges[i][0], p + 1)
+            elif joins_right:
+                self.ranges[i + 1] = (p, self.ranges[i + 1][1])
+            else:
+                self.ranges.insert(i + 1, (p, p + 1))
+
+    def union(self, other: PositionSet) -> PositionSet:
+        return PositionSet([*self.ranges, *other.ranges])
+
+    def __len__(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+    def __contains__(self, p: int) -> bool:
+        i = bisect.bisect_right(self.ranges, (p, float("inf"))) - 1
+        return i >= 0 and self.ranges[i][0] <= p < self.ranges[i][1]
+
+    def complement(self, total: int) -> list[Range]:
+        """The ranges of ``0 .. total-1`` not in the set."""
+        gaps, start = [], 0
+        for a, b in self.ranges:
+            if a > start:
+                gaps.append((start, min(a, total)))
+            start = max(start, b)
+        if start < total:
+            gaps.append((start, total))
+        return [(a, b) for a, b in gaps if a < b]
+
+
+def _take(ranges: Sequence[Range], skip: int, count: int) -> list[Range]:
+    """``count`` positions of ``ranges`` after the first ``skip``, as ranges."""
+    out = []
+    for a, b in ranges:
+        n = b - a
+        if skip >= n:
+            skip -= n
+            continue
+        a, skip = a + skip, 0
+        take = min(count, b - a)
+        if take > 0:
+            out.append((a, a + take))
+            count -= take
+        if count == 0:
+            break
+    return out
+
+
+@dataclass
+class EpochOrder:
+    """The shards of an epoch in order, and where each sample position lies.
+
+    Args:
+        sizes: samples per shard, in the order the shards were listed.
+        seed, epoch: draw the shard order (``shuffle``); the same pair gives the same order on every rank.
+        shuffle: False keeps the listed order (validation).
+        limit: train only the first ``limit`` positions (``data.samples_per_epoch``); None: all.
+    """
+
+    sizes: Sequence[int]
+    seed: int = 0
+    epoch: int = 0
+    shuffle: bool = True
+    limit: int | None = None
+    order: list[int] = field(init=False)
+    starts: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.order = list(range(len(self.sizes)))
+        if self.shuffle:
+            random.Random(f"{self.seed}/{self.epoch}").shuffle(self.order)
+        self.starts = [0]
+        for shard in self.order:
+            self.starts.append(self.starts[-1] + int(self.sizes[shard]))
+        self._start_of = {shard: self.starts[k] for k, shard in enumerate(self.order)}
+        self._bases = [0]
+        for n in self.sizes:
+            self._bases.append(self._bases[-1] + int(n))
+
+    @property
+    def total(self) -> int:
+        """Positions in the epoch."""
+        whole = self.starts[-1]
+        return whole if self.limit is None else min(whole, int(self.limit))
+
+    def locate(self, position: int) -> tuple[int, int]:
+        """``(shard index in the listing, offset in the shard)`` of an epoch position."""
+        k = bisect.bisect_right(self.starts, position) - 1
+        return self.order[k], position - self.starts[k]
+
+    def start_of(self, shard: int) -> int:
+        """The epoch position of a shard's first sample."""
+        return self._start_of[shard]
+
+    def sample_id(self, shard: int, offset: int) -> int:
+        """A number for the sample, the same in every epoch: its place in the listed shards."""
+        return self._bases[shard] + offset
+
+    def shard_runs(self, ranges: Sequence[Range]) -> list[tuple[int, list[Range]]]:
+        """``ranges`` of positions grouped by shard, in order: ``[(shard, [offset ranges]), ...]``."""
+        runs: list[tuple[int, list[Range]]] = []
+        for a, b in ranges:
+            while a < b:
+                k = bisect.bisect_right(self.starts, a) - 1
+                stop = min(b, self.starts[k + 1])
+                shard, base = self.order[k], self.starts[k]
+                if runs and runs[-1][0] == shard:
+                    runs[-1][1].append((a - base, stop - base))
+                else:
+                    runs.append((shard, [(a - base, stop - base)]))
+                a = stop
+        return runs
+
+
+@dataclass
+class WorkerPlan:
+    """What one loader worker of one rank reads: epoch positions (``ranges``) batched as ``batch_sizes``."""
+
+    ranges: list[Range]
+    batch_sizes: list[int]
+
+
+def batches_per_rank(total: int, world_size: int, batch_size: int) -> int:
+    """The batches every rank trains for ``total`` samples: what the rank with most samples needs."""
+    return math.ceil(math.ceil(total / world_size) / batch_size)
+
+
+def split_epoch(remaining: Sequence[Range], world_size: int, workers: int, batch_size: int) -> list[list[WorkerPlan]]:
+    """Cut the positions still to train into ``[rank][worker]`` plans with the same batch count on every rank.
+
+    Only where the ranks' samples cannot make the same number of batches (``batch_size=1`` with a total the
+    ranks do not divide, or fewer samples than ranks) are the last ``total % world_size`` positions (fewer
+    than the ranks) left out of the epoch, with a warning: the alternative is repeating samples.
+    """
+    total = sum(b - a for a, b in remaining)
+    workers = max(1, workers)
+    per_rank = [total // world_size + (r < total % world_size) for r in range(world_size)]
+    batches = batches_per_rank(total, world_size, batch_size)
+    if batches and min(per_rank) < batches:
+        log.warning(
+            "%d samples cannot give %d ranks %d batches each; the last %d are left out of this epoch",
+            total,
+            world_size,
+            batches,
+            total % world_size,
+        )
+        per_rank = [total // world_size] * world_size
+        batches = batches_per_rank(sum(per_rank), world_size, batch_size)
+    plans, start = [], 0
+    for n in per_rank:
+        q, t = divmod(n, batches) if batches else (0, 0)
+        sizes = [q + 1] * t + [q] * (batches - t)  # the larger first: a resumed epoch never needs more batches
+        rank_ranges, offset, rank_plans = _take(remaining, start, n), 0, []
+        for w in range(workers):
+            mine = sizes[w::workers]
+            rank_plans.append(WorkerPlan(_take(rank_ranges, offset, sum(mine)), mine))
+            offset += sum(mine)
+        plans.append(rank_plans)
+        start += n
+    return plans

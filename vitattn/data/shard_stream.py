@@ -1,0 +1,279 @@
+"""Batches read from WebDataset shards by loader workers, every sample once per epoch.
+
+``ShardStream`` is the loader's dataset: the DataModule gives it, before each epoch, the epoch's shard
+order and this rank's plan (``vitattn.data.shard_plan``); each loader worker reads its positions from
+the shards in order, shuffles them in a buffer (a per-epoch, per-worker seed), decodes them
+(``ShardSamples``: ``read_image`` of the image bytes, the caption or the class) and yields whole batches
+of the planned sizes. Each batch travels as a ``ShardBatch`` with the epoch positions and keys of its
+samples, so that the DataModule knows exactly which samples were trained when a checkpoint is written.
+
+A sample that cannot be used (an image that does not decode, no caption, no class, a shard that ends
+early or cannot be read) stops the run with one line naming the shard and the key (``bad_images=raise``)
+or is left out of its batch and counted (``skip``), as ``vitattn.data.bad_images`` does for files.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from itertools import islice
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from vitattn.data.bad_images import SkippedImage, collate_skipping
+from vitattn.data.images import IMAGE_EXTENSIONS, BadImageError, read_image, unreadable_reason
+from vitattn.data.shard_plan import EpochOrder, WorkerPlan
+from vitattn.data.shards import ShardError, read_shard
+from vitattn.data.vocab import Vocabulary
+
+__all__ = ["EpochLoader", "ShardBatch", "ShardSamples", "ShardStream", "image_member", "sample_caption"]
+
+_IMAGE_KEYS = tuple(ext.lstrip(".") for ext in sorted(IMAGE_EXTENSIONS))
+_HINT = "data.bad_images=skip trains without such samples"
+
+
+class ShardBatch(NamedTuple):
+    """A batch (or a ``PartialBatch`` when samples were skipped) with its samples' epoch positions and keys."""
+
+    batch: Any
+    positions: list[int]
+    keys: list[str]
+
+
+def image_member(sample: dict[str, Any]) -> str | None:
+    """The extension of a sample's image member (``jpg``, ``png``, ...), or None when it has none."""
+    return next((k for k in _IMAGE_KEYS if k in sample), None)
+
+
+def sample_caption(sample: dict[str, Any], caption_key: str | None) -> str | None:
+    """A sample's caption: its ``.txt``, or ``caption_key`` inside its ``.json``; None when it has none."""
+    if caption_key is None:
+        data = sample.get("txt")
+        text = data.decode("utf-8", errors="replace") if data is not None else None
+    else:
+        try:
+            text = json.loads(sample.get("json") or b"{}").get(caption_key)
+        except (ValueError, AttributeError):
+            text = None
+    return text.strip() if isinstance(text, str) and text.strip() else None
+
+
+class ShardSamples:
+    """Decodes a shard sample into what a head trains on.
+
+    Caption items are ``{"image", "tokens", "references", "image_id"}`` (as ``TokenizedCaptions``);
+    classification items ``(image, label)`` with the label from ``.cls``.
+
+    Args:
+        task: ``caption`` or ``classification``.
+        transform: PIL image -> (3, H, W) tensor (a ``CaptionAugment`` also gets the caption).
+        caption_key: read the caption from this key of ``.json``; None: from ``.txt``.
+        vocab, max_len: caption tokens.
+        num_classes: labels must be below it.
+    """
+
+    def __init__(
+        self,
+        task: str,
+        transform: Callable[..., torch.Tensor],
+        caption_key: str | None = None,
+        vocab: Vocabulary | None = None,
+        max_len: int = 32,
+        num_classes: int | None = None,
+    ) -> None:
+        self.task, self.transform, self.caption_key = task, transform, caption_key
+        self.vocab, self.max_len, self.num_classes = vocab, max_len, num_classes
+
+    def __call__(self, sample: dict[str, Any], sample_id: int) -> Any:
+        """The item; raises ``BadImageError`` (``<shard>: <key>: <reason>``) for a sample that cannot be used."""
+        where = f"{sample.get('__url__', '?')}: {sample['__key__']}"
+        name = image_member(sample)
+        if name is None:
+            raise BadImageError(f"{where}: no image member", where, "no image member")
+        if self.task == "caption":
+            caption = sample_caption(sample, self.caption_key)
+            if caption is None:
+                what = f"no '{self.caption_key}' in .json" if self.caption_key else "no .txt caption"
+                raise BadImageError(f"{where}: {what}", where, what)
+        else:
+            label = self._label(sample, where)
+        data = io.BytesIO(sample[name])
+        try:
+            image = read_image(data)
+        except Exception as err:  # noqa: BLE001 - any undecodable image becomes the one-line reason
+            reason = unreadable_reason(data, err)
+            raise BadImageError(f"{where}: {reason}", where, reason) from None
+        if getattr(self.transform, "reads_captions", False):  # CaptionAugment: flips and colours the caption allows
+            pixels = self.transform(image, [caption])
+        else:
+            pixels = self.transform(image)
+        if self.task == "caption":
+            tokens = self.vocab.encode(caption, max_len=self.max_len)
+            return {
+                "image": pixels,
+                "tokens": torch.tensor(tokens, dtype=torch.long),
+                "references": _references(sample, caption),
+                "image_id": sample_id,
+            }
+        return pixels, label
+
+    def _label(self, sample: dict[str, Any], where: str) -> int:
+        raw = sample.get("cls")
+        try:
+            label = int(raw.decode().strip()) if raw is not None else None
+        except ValueError:
+            label = None
+        if label is None or not 0 <= label < (self.num_classes or 0):
+            what = "no .cls label" if raw is None else f"class {raw[:20]!r} is not a number below {self.num_classes}"
+            raise BadImageError(f"{where}: {what}", where, what)
+        return label
+
+
+def _references(sample: dict[str, Any], caption: str) -> list[str]:
+    """Every caption of the sample: the ``captions`` list of its ``.json`` (vitattn-shards writes it), else the one."""
+    try:
+        listed = json.loads(sample.get("json") or b"{}").get("captions")
+    except (ValueError, AttributeError):
+        listed = None
+    if isinstance(listed, list) and listed and all(isinstance(c, str) for c in listed):
+        return listed
+    return [caption]
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
+class EpochLoader(DataLoader):
+    """A ``DataLoader`` of a ``ShardStream`` (its batches whole) that calls ``before_epoch()`` before each
+    pass, so the workers it starts get that epoch's plan."""
+
+    def __init__(self, dataset: ShardStream, before_epoch: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(dataset, batch_size=None, collate_fn=_as_is, **kwargs)
+        self.before_epoch = before_epoch
+
+    def __iter__(self) -> Any:
+        self.before_epoch()
+        return super().__iter__()
+
+
+class ShardStream(IterableDataset):
+    """The samples of ``urls`` as batches, one epoch at a time as ``configure`` plans it.
+
+    Args:
+        urls: the shards; ``sizes`` their sample counts.
+        samples: decodes a sample (``ShardSamples``).
+        collate: a list of items -> a batch.
+        bad_images: ``raise`` or ``skip``.
+        shuffle_buffer: samples held for shuffling in each worker (0: read order).
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        sizes: Sequence[int],
+        samples: ShardSamples,
+        collate: Callable[[list[Any]], Any],
+        bad_images: str = "raise",
+        shuffle_buffer: int = 0,
+    ) -> None:
+        self.urls, self.sizes, self.samples = list(urls), list(sizes), samples
+        self.collate = collate if bad_images == "raise" else partial(collate_skipping, collate=collate)
+        self.bad_images, self.shuffle_buffer = bad_images, shuffle_buffer
+        self.order = EpochOrder(self.sizes, shuffle=False)
+        self.plans: list[WorkerPlan] = []
+        self.batches = 0  # this rank's batches in a whole epoch
+        self.seed = ""
+
+    def configure(self, order: EpochOrder, plans: list[WorkerPlan], batches: int, seed: str) -> None:
+        """The epoch to read next: its shard order, this rank's plan per worker, the rank's batches in a whole
+        epoch (``len``) and the shuffle seed."""
+        self.order, self.plans, self.batches, self.seed = order, plans, batches, seed
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def __iter__(self) -> Iterator[ShardBatch]:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        if worker >= len(self.plans):
+            return
+        plan = self.plans[worker]
+        stream = self._read(plan.ranges)
+        if self.shuffle_buffer > 1:
+            stream = _buffer_shuffle(stream, self.shuffle_buffer, random.Random(f"{self.seed}/{worker}"))
+        for size in plan.batch_sizes:
+            chunk = list(islice(stream, size))
+            if not chunk:
+                return
+            items = [self._item(*entry) for entry in chunk]
+            keys = [key for _, key, _ in chunk]
+            yield ShardBatch(self.collate(items), [p for p, _, _ in chunk], keys)
+
+    def __getitem__(self, index: int) -> Any:
+        """Sample ``index`` in the listed order (a few first samples for pictures; reads the shards up to it)."""
+        for shard, offsets in self.order.shard_runs([(index, index + 1)]):
+            for _, (key, sample) in self._shard(shard, offsets):
+                return self._item(index, key, sample)
+        raise IndexError(index)
+
+    def _item(self, position: int, key: str, sample: Any) -> Any:
+        if isinstance(sample, SkippedImage):
+            return sample
+        shard, offset = self.order.locate(position)
+        try:
+            return self.samples(sample, self.order.sample_id(shard, offset))
+        except BadImageError as err:
+            if self.bad_images == "raise":
+                raise BadImageError(f"{err}; {_HINT}", err.path, err.reason) from None
+            return SkippedImage(err.path or key, err.reason or str(err))
+
+    def _read(self, ranges: list[tuple[int, int]]) -> Iterator[tuple[int, str, Any]]:
+        """``(position, key, sample)`` of each position of ``ranges``, in order; a ``SkippedImage`` stands for a
+        sample its shard could not give (``skip``)."""
+        for shard, offsets in self.order.shard_runs(ranges):
+            base = self.order.start_of(shard)
+            for offset, (key, sample) in self._shard(shard, offsets):
+                yield base + offset, key, sample
+
+    def _shard(self, shard: int, offsets: list[tuple[int, int]]) -> Iterator[tuple[int, tuple[str, Any]]]:
+        url, wanted = self.urls[shard], [o for a, b in offsets for o in range(a, b)]
+        i, seen = 0, 0
+        try:
+            for offset, sample in enumerate(read_shard(url)):
+                seen = offset + 1
+                if offset == wanted[i]:
+                    i += 1
+                    yield offset, (sample["__key__"], sample)
+                    if i == len(wanted):
+                        return
+        except ShardError as err:
+            if self.bad_images == "raise":
+                raise ShardError(f"{err}; {_HINT}") from None
+            reason = str(err)
+        else:
+            reason = f"shard {url} holds {seen} samples, fewer than the {self.sizes[shard]} counted"
+            if self.bad_images == "raise":
+                raise ShardError(f"{reason}; {_HINT}")
+        for offset in wanted[i:]:  # what the shard could not give, counted as skipped
+            where = f"{url}: #{offset}"
+            yield offset, (where, SkippedImage(where, reason))
+
+
+def _buffer_shuffle(stream: Iterator[Any], size: int, rng: random.Random) -> Iterator[Any]:
+    """``stream`` shuffled through a buffer of ``size`` items (webdataset's shuffle, with our own generator)."""
+    buffer: list[Any] = []
+    for item in stream:
+        if len(buffer) < size:
+            buffer.append(item)
+            continue
+        j = rng.randrange(size)
+        buffer[j], item = item, buffer[j]
+        yield item
+    rng.shuffle(buffer)
+    yield from buffer
