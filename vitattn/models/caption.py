@@ -16,7 +16,7 @@ from timm.layers import trunc_normal_
 from torch import Tensor, nn
 
 from vitattn.layers import DecoderLayer, LayerCache, check_heads
-from vitattn.models.search import SpecialIds, beam_search, greedy_search
+from vitattn.models.search import SpecialIds, check_search, search
 from vitattn.models.vit import VisionTransformer, layer_groups
 
 __all__ = ["CaptionDecoder", "DecoderStep", "ImageCaptioner"]
@@ -221,32 +221,18 @@ class ImageCaptioner(nn.Module):
         max_new_tokens = self.check_generate(max_new_tokens, num_beams, do_sample, temperature)
         memory = self.encode(images)  # (B, N, D), once per image: beams share it
         step = self.decode_step(memory, max_new_tokens, use_cache)
-        B, device = images.shape[0], images.device
-        if num_beams > 1:
-            return beam_search(step, B, max_new_tokens, num_beams, self.special_ids, length_penalty, device)
-        sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator) if do_sample else None
-        return greedy_search(step, B, max_new_tokens, self.special_ids, device, sample)
+        settings = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        return search(
+            step, images.shape[0], max_new_tokens, self.special_ids, images.device,
+            num_beams=num_beams, length_penalty=length_penalty, **settings,
+        )  # fmt: skip
 
     def check_generate(
         self, max_new_tokens: int | None = None, num_beams: int = 1, do_sample: bool = False, temperature: float = 1.0
     ) -> int:
         """Refuse ``generate`` settings it cannot decode with (a one-line ``ValueError``); returns
         ``max_new_tokens`` with None replaced by ``max_len - 1``."""
-        if max_new_tokens is None:
-            max_new_tokens = self.decoder.max_len - 1
-        if max_new_tokens + 1 > self.decoder.max_len:
-            raise ValueError(
-                f"max_new_tokens={max_new_tokens} exceeds the decoder's max_len={self.decoder.max_len} - 1"
-            )
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
-        if num_beams < 1:
-            raise ValueError(f"num_beams={num_beams} must be at least 1")
-        if do_sample and num_beams > 1:
-            raise ValueError("do_sample=True needs num_beams=1 (beam sampling is not supported)")
-        if do_sample and temperature <= 0:
-            raise ValueError(f"temperature={temperature} must be positive")
-        return max_new_tokens
+        return check_search(self.decoder.max_len, max_new_tokens, num_beams, do_sample, temperature)
 
     def decode_step(self, memory: Tensor, max_new_tokens: int, use_cache: bool = True) -> DecoderStep:
         """The PyTorch ``DecodeStep`` over image tokens ``memory`` (B, N, D), for the shared search loops."""

@@ -14,7 +14,16 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["DecodeStep", "SpecialIds", "beam_search", "greedy_search", "sample_token"]
+__all__ = [
+    "DecodeStep",
+    "SpecialIds",
+    "beam_search",
+    "check_search",
+    "greedy_search",
+    "sample_token",
+    "search",
+    "sequence_log_prob",
+]
 
 
 class DecodeStep(Protocol):
@@ -35,6 +44,66 @@ class SpecialIds(NamedTuple):
     pad_id: int
     bos_id: int
     eos_id: int
+
+
+def check_search(
+    max_len: int,
+    max_new_tokens: int | None = None,
+    num_beams: int = 1,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+) -> int:
+    """Refuse settings a decoder of ``max_len`` positions cannot decode with (a one-line ``ValueError``);
+    returns ``max_new_tokens`` with None replaced by ``max_len - 1``."""
+    if max_new_tokens is None:
+        max_new_tokens = max_len - 1
+    if max_new_tokens + 1 > max_len:
+        raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the decoder's max_len={max_len} - 1")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+    if num_beams < 1:
+        raise ValueError(f"num_beams={num_beams} must be at least 1")
+    if do_sample and num_beams > 1:
+        raise ValueError("do_sample=True needs num_beams=1 (beam sampling is not supported)")
+    if do_sample and temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be positive")
+    return max_new_tokens
+
+
+def search(
+    step: DecodeStep,
+    batch_size: int,
+    max_new_tokens: int,
+    ids: SpecialIds,
+    device: torch.device | str = "cpu",
+    *,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Beam search when ``num_beams > 1``, else greedy or (``do_sample``) sampled decoding: ``generate``'s
+    settings, already checked by ``check_search``. Returns (B, T') token ids."""
+    if num_beams > 1:
+        return beam_search(step, batch_size, max_new_tokens, num_beams, ids, length_penalty, device)
+    sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator) if do_sample else None
+    return greedy_search(step, batch_size, max_new_tokens, ids, device, sample)
+
+
+def sequence_log_prob(step: DecodeStep, generated: Tensor, ids: SpecialIds) -> Tensor:
+    """Total log-probability of generated captions (B, T') (``<bos>`` excluded, padded after ``<eos>``),
+    fed to a fresh ``step`` one position at a time. Returns (B,) sums over the non-pad tokens."""
+    B, T = generated.shape
+    tokens = torch.cat([generated.new_full((B, 1), ids.bos_id), generated], dim=1)  # (B, 1 + T')
+    total = torch.zeros(B, dtype=torch.float, device=generated.device)
+    for i in range(T):
+        logp = step(tokens[:, : i + 1]).float().log_softmax(-1)  # (B, V)
+        token = generated[:, i]
+        total += logp.gather(1, token[:, None]).squeeze(1) * (token != ids.pad_id)
+    return total
 
 
 def _next_logits(step: DecodeStep, tokens: Tensor, ids: SpecialIds) -> Tensor:
