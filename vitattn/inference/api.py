@@ -27,9 +27,14 @@ from torch import Tensor
 
 from vitattn.bundle import Bundle, load_bundle
 from vitattn.bundle.onnx_folder import is_onnx_folder
+from vitattn.data.preprocess import denormalize
+from vitattn.inference.attention_maps import caption_attention_maps
 from vitattn.inference.captioning import generate_tokens, model_device
+from vitattn.inference.figures import caption_words
 from vitattn.inference.image_inputs import ImageLike, as_image_list, to_pixels
 from vitattn.inference.inputs import InputImage
+from vitattn.inference.onnx_runtime import load_onnx_folder
+from vitattn.inference.writers import CaptionSummary, caption_to_file
 from vitattn.models.search import sequence_log_prob
 
 __all__ = ["AttentionMaps", "Caption", "Captioner", "Classifier", "Prediction", "load_model"]
@@ -40,8 +45,6 @@ log = logging.getLogger(__name__)
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> Bundle:
     """A ``Bundle`` from an ONNX folder (run by ONNX Runtime, on the CPU) or from whatever ``load_bundle`` takes."""
     if is_onnx_folder(Path(path)):
-        from vitattn.inference.onnx_runtime import load_onnx_folder  # onnxruntime: an optional dependency
-
         return load_onnx_folder(Path(path), device)
     return load_bundle(path, device)
 
@@ -206,10 +209,6 @@ class Captioner(_TaskModel):
     def attention_maps(self, image: ImageLike, layer: int = -1, **generate: Any) -> AttentionMaps:
         """Caption one image and say where each word looked (needs the PyTorch runtime: attention
         weights are not outputs of the ONNX graphs)."""
-        from vitattn.data.preprocess import denormalize
-        from vitattn.inference.attention_maps import caption_attention_maps
-        from vitattn.inference.figures import caption_words
-
         if self.runtime != "torch":
             raise ValueError(
                 "attention maps need the PyTorch runtime; load the bundle or run folder instead of the ONNX folder"
@@ -225,12 +224,10 @@ class Captioner(_TaskModel):
             self.vocab.decode(tokens[0]), words, cross[0, : len(words)].cpu(), rollout[0].cpu(), shown.clamp(0, 1)
         )
 
-    def caption_files(self, inputs: Sequence[InputImage], out: str | os.PathLike, **options: Any) -> Any:
+    def caption_files(self, inputs: Sequence[InputImage], out: str | os.PathLike, **options: Any) -> CaptionSummary:
         """Caption image files into ``out``, resumably: ``vitattn.inference.caption_to_file`` with this model
         (``options``: ``format``, ``batch_size``, ``num_workers``, ``progress``, ``attention_maps`` and
         ``generate`` settings). Returns its ``CaptionSummary``."""
-        from vitattn.inference.writers import caption_to_file
-
         generate = {k: options.pop(k) for k in list(options) if k not in _FILE_OPTIONS}
         if options.get("attention_maps") is not None and self.runtime != "torch":
             raise ValueError(
