@@ -12,6 +12,7 @@ from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle
 from vitattn.bundle.onnx_folder import ONNX_CONFIG_FILE
 from vitattn.cli.caption import main as caption_main
+from vitattn.cli.evaluate import main as eval_main
 from vitattn.cli.export import main as export_main
 from vitattn.data.shapes import ShapesDataset
 from vitattn.data.transforms import normalize
@@ -150,6 +151,16 @@ def test_vitattn_caption_on_an_onnx_folder_writes_the_bundles_captions(caption_r
     assert outs["onnx"] == outs["torch"] and len(outs["onnx"]) == 6
 
 
+def test_vitattn_eval_on_an_onnx_folder_scores_as_its_run(caption_run, tmp_path):
+    run, onnx_dir, _ = caption_run
+    metrics = {}
+    for name, model in (("torch", run), ("onnx", onnx_dir)):  # the ONNX folder inside the run: its test split
+        out = tmp_path / name
+        assert eval_main([f"model={model}", "split=test", f"out={out}", "num_workers=0", "progress=false"]) == 0
+        metrics[name] = json.loads((out / "metrics.json").read_text())["metrics"]
+    assert metrics["onnx"] == metrics["torch"] and metrics["onnx"]["num_images"] == SPLIT
+
+
 def test_serving_an_onnx_folder_answers_the_bundles_captions(caption_run):
     pytest.importorskip("litserve")
     from vitattn.serve.api import CaptionAPI, ImageRequest
@@ -210,6 +221,15 @@ def test_a_missing_onnxruntime_names_the_extra(caption_run, tmp_path, monkeypatc
     assert caption_main([f"model={caption_run[1]}", f"images={tmp_path}", f"out={tmp_path / 'o.jsonl'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ONNX folders need onnxruntime") and "\n" not in err
+
+
+@pytest.mark.parametrize("missing", ["onnxruntime", "onnx"])
+def test_export_without_the_onnx_extra_names_it(caption_run, tmp_path, monkeypatch, capsys, missing):
+    monkeypatch.setitem(sys.modules, missing, None)
+    assert export_main([f"model={caption_run[0]}", f"out={tmp_path / 'o'}", "format=onnx"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"{missing}, which is not installed: pip install -e '.[onnx]' (or pip install 'vitattn[onnx]')")
+    assert "\n" not in err and not (tmp_path / "o").exists()
 
 
 def test_attention_maps_of_an_onnx_folder_ask_for_the_pytorch_runtime(caption_run, test_split):

@@ -206,9 +206,8 @@ def _quantize(folder: Path, graphs: tuple[str, ...]) -> None:
     activations (queries x keys, weights x values) stay fp32, and weights use 7 bits of range
     (``reduce_range``), as ONNX Runtime advises for CPUs without VNNI, whose u8 x s8 products saturate.
     """
+    require_onnxruntime(export=True)
     import onnx  # an optional dependency, as onnxruntime
-
-    require_onnxruntime()
     from onnxruntime.quantization import QuantType, quantize_dynamic  # an optional dependency
 
     for name in graphs:

@@ -18,6 +18,7 @@ Each graph's SHA-256 is checked before ONNX Runtime reads it: a graph changed af
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -54,16 +55,18 @@ DECODER_KEYS = ("depth", "num_heads", "head_dim", "max_len", "vocab_size", "pad_
 _REEXPORT = "export it again with this vitattn: vitattn-export model=RUN format=onnx out=DIR"
 
 
-def require_onnxruntime() -> ModuleType:
-    """The ``onnxruntime`` module, or a one-line ``MissingDependencyError`` saying how to install it."""
-    try:
-        import onnxruntime  # an optional dependency: the ``onnx`` extra
-    except ImportError:
-        raise MissingDependencyError(
-            "ONNX folders need onnxruntime, which is not installed: pip install -e '.[onnx]' "
-            "(or pip install 'vitattn[onnx]')"
-        ) from None
-    return onnxruntime
+def require_onnxruntime(export: bool = False) -> ModuleType:
+    """The ``onnxruntime`` module (and, to ``export``, a check that ``onnx`` is there too), or a one-line
+    ``MissingDependencyError`` saying how to install them."""
+    for name in ("onnxruntime", "onnx") if export else ("onnxruntime",):
+        try:
+            importlib.import_module(name)  # an optional dependency: the ``onnx`` extra
+        except ImportError:
+            what = "ONNX folders need" if name == "onnxruntime" else "format=onnx needs"
+            raise MissingDependencyError(
+                f"{what} {name}, which is not installed: pip install -e '.[onnx]' (or pip install 'vitattn[onnx]')"
+            ) from None
+    return importlib.import_module("onnxruntime")
 
 
 def kv_names(prefix: str, depth: int) -> list[str]:

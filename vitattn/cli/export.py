@@ -76,8 +76,7 @@ def run(cfg: Any) -> int:
         from vitattn.bundle.onnx_export import export_onnx
         from vitattn.bundle.onnx_folder import require_onnxruntime
 
-        if cfg.quantize:
-            require_onnxruntime()  # before the export's minutes, not after
+        require_onnxruntime(export=True)  # before the export's minutes, not after
         out = export_onnx(bundle, cfg.out, quantize=cfg.quantize)
         print(f"{bundle.task} ONNX folder ({cfg.quantize or 'fp32'}) of {source} -> {out}", flush=True)
         return 0

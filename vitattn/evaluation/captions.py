@@ -138,7 +138,7 @@ def _decoding(bundle: Bundle, generate: Mapping[str, Any] | None) -> dict[str, A
     for key in SEARCH_KEYS:
         settings.setdefault(key, defaults[key].default)
     if settings["max_new_tokens"] is None:
-        settings["max_new_tokens"] = bundle.model.decoder.max_len - 1
+        settings["max_new_tokens"] = bundle.model.check_generate(None)  # the decoder's max_len - 1
     return settings
 
 
