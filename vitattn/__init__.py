@@ -7,9 +7,8 @@ __all__ = ["Captioner", "Classifier", "__version__"]
 
 
 def __getattr__(name: str):
-    # The API is imported when first named, so that ``import vitattn.decoding`` (a command line's check)
-    # stays free of torch.
     if name in ("Captioner", "Classifier"):
+        # heavy: the API (torch) is imported when first named, so ``import vitattn.decoding`` stays light
         from vitattn.inference import api
 
         return getattr(api, name)

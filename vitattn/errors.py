@@ -7,7 +7,15 @@ import reprlib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigError", "MissingDependencyError", "NonFiniteLossError", "Preempted", "brief", "first_line", "printable"]
+__all__ = [
+    "ConfigError",
+    "MissingDependencyError",
+    "NonFiniteLossError",
+    "Preempted",
+    "brief",
+    "first_line",
+    "printable",
+]
 
 
 class ConfigError(ValueError):

@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-import vitattn
 from vitattn.bundle.folder import VOCAB_FILE, Bundle, plain_json
 from vitattn.bundle.onnx_folder import (
     GRAPHS,
@@ -130,7 +130,7 @@ def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | No
         "precision": precision,
         "preprocess": bundle.preprocess,
         "model": plain_json(model.config, "model.config"),
-        "vitattn_version": vitattn.__version__,
+        "vitattn_version": version("vitattn"),
         "opset": OPSET,
         "exporter": f"torch.onnx TorchScript (torch {torch.__version__})",
     }

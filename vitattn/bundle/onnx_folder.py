@@ -25,8 +25,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from vitattn.bundle.folder import TASKS
 from vitattn.data.preprocess import check_preprocess
+from vitattn.data.tasks import TASKS
 from vitattn.errors import MissingDependencyError, brief
 from vitattn.fileio import read_json
 

@@ -95,6 +95,7 @@ def resolve_device(name: str) -> str:
 def generate_settings(bundle: Any, overrides: Mapping[str, Any]) -> dict[str, Any]:
     """``ImageCaptioner.generate`` keyword arguments: the bundle's defaults, then the ``overrides``
     that are not None (``Captioner.generate_settings``)."""
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.inference.api import Captioner
 
     return Captioner(bundle).generate_settings(**overrides)

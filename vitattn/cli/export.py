@@ -73,6 +73,7 @@ def run(cfg: Any) -> int:
             raise FileNotFoundError(f"model={cfg.model} has no {source.relative_to(run.path)}")
     bundle = load_bundle(source, device=resolve_device(cfg.device))
     if cfg.format == "onnx":
+        # heavy: the ONNX exporter (torch.onnx) is imported only for format=onnx
         from vitattn.bundle.onnx_export import export_onnx
         from vitattn.bundle.onnx_folder import require_onnxruntime
 

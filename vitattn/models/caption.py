@@ -223,7 +223,7 @@ class ImageCaptioner(nn.Module):
         step = self.decode_step(memory, max_new_tokens, use_cache)
         settings = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         return search(
-            step, images.shape[0], max_new_tokens, self.special_ids, images.device,
+            step, memory.shape[0], max_new_tokens, self.special_ids, memory.device,
             num_beams=num_beams, length_penalty=length_penalty, **settings,
         )  # fmt: skip
 

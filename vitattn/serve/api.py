@@ -24,8 +24,8 @@ import torch
 from fastapi.responses import JSONResponse
 from torch import Tensor
 
-from vitattn.inference.api import load_model
 from vitattn.data.images import read_image, unreadable_reason
+from vitattn.inference.api import load_model
 from vitattn.inference.attention_maps import figure_png
 from vitattn.inference.captioning import generate_tokens
 from vitattn.inference.figures import attention_figures, caption_words
