@@ -1,7 +1,7 @@
 """ONNX Runtime (fp32, int8) against PyTorch eager on the CPU: captioning with the encoder included
 (greedy, beam 3) and classification, in one process, at one thread count.
 
-    python benchmarks/onnx_speed.py [--threads 1] [--repeats 7] [--presets cpu,vit-s16] [--out FILE.json]
+    python -m benchmarks.onnx_speed [--threads 1] [--repeats 7] [--presets cpu,vit-s16] [--out FILE.json]
 
 Random weights (speed does not depend on them). Each caption runs ``max_new_tokens`` steps: the
 ``<eos>`` logit is pushed down, so every runtime decodes the same number of steps. Runtimes are

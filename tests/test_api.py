@@ -44,7 +44,7 @@ def test_captioner_pixels_are_the_file_readers_for_every_image_kind(caption_dir,
     captioner = Captioner.load(caption_dir)
     path = photos[0]
     pil = Image.open(path)
-    array = np.asarray(pil.convert("RGB"))  # (H, W, 3) uint8
+    array = np.array(pil.convert("RGB"))  # (H, W, 3) uint8
     as_uint8 = torch.from_numpy(array).permute(2, 0, 1)  # (3, H, W)
     as_float = as_uint8.float() / 255
     expected = captioner.transform(read_image(path))  # what vitattn-caption feeds the model

@@ -45,7 +45,7 @@ def caption_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def classifier_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("classifier_run")
-    train(compose_train(["head=classification", *TINY, *SHAPES, "trainer.max_steps=30"], run))
+    train(compose_train(["head=classification", *TINY, *SHAPES, "trainer.max_steps=32"], run))
     return run, _export(run, run / "onnx")
 
 
