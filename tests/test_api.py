@@ -108,6 +108,11 @@ def test_classifier_predict_is_the_models_top_k(classifier_dir, photos):
     assert sum(single.probabilities) == pytest.approx(1.0, abs=1e-5)
 
 
+def test_an_empty_list_gives_an_empty_list(caption_dir, classifier_dir):
+    assert Captioner.load(caption_dir).caption([]) == []
+    assert Classifier.load(classifier_dir).predict([]) == []
+
+
 @pytest.mark.parametrize(
     "image,error,message",
     [

@@ -263,7 +263,7 @@ class Classifier(_TaskModel):
             for start in range(0, len(items), batch_size):
                 pixels = to_pixels(items[start : start + batch_size], self.transform).to(device)
                 rows.append(self.model(pixels).float().cpu())
-        return torch.cat(rows)
+        return torch.cat(rows) if rows else torch.empty(0, len(self.class_names))
 
     def predict(
         self, images: ImageLike | Sequence[ImageLike], top_k: int = 5, batch_size: int = 32
