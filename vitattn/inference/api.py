@@ -184,12 +184,10 @@ class Captioner(_TaskModel):
         items, single = as_image_list(images)
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1")
-        settings = self.generate_settings(**generate)
         results: list[str | Caption] = []
         for start in range(0, len(items), batch_size):
             pixels = self.pixels(items[start : start + batch_size])  # (b, C, H, W)
-            tokens = generate_tokens(self.model, pixels, **settings)  # (b, T')
-            texts = self.vocab.decode_batch(tokens)
+            texts, tokens = self.caption_pixels(pixels, **generate)  # (b, T')
             if not details:
                 results += texts
                 continue
@@ -198,6 +196,13 @@ class Captioner(_TaskModel):
             for text, row, score in zip(texts, tokens.tolist(), scores.tolist()):
                 results.append(Caption(text, [t for t in row if t != pad], score))
         return results[0] if single else results
+
+    def caption_pixels(self, pixels: Tensor, **generate: Any) -> tuple[list[str], Tensor]:
+        """Captions of model inputs already made by ``transform``, (B, C, H, W): ``(texts, tokens)``, the
+        tokens (B, T') as ``generate`` returns them (``vitattn-serve`` decodes requests into pixels itself)."""
+        settings = self.generate_settings(**generate)
+        tokens = generate_tokens(self.model, pixels.to(model_device(self.model)), **settings)  # (B, T')
+        return self.vocab.decode_batch(tokens), tokens
 
     def score(self, pixels: Tensor, tokens: Tensor) -> Tensor:
         """(B,) total log-probabilities of captions ``tokens`` (B, T') of images ``pixels`` (B, C, H, W)."""

@@ -25,9 +25,8 @@ from fastapi.responses import JSONResponse
 from torch import Tensor
 
 from vitattn.data.images import read_image, unreadable_reason
-from vitattn.inference.api import load_model
+from vitattn.inference.api import Captioner, load_model
 from vitattn.inference.attention_maps import figure_png
-from vitattn.inference.captioning import generate_tokens
 from vitattn.inference.figures import attention_figures, caption_words
 from vitattn.serve.stop import leave_interrupts_to_parent
 
@@ -145,6 +144,7 @@ class CaptionAPI(ls.LitAPI):
         self.bundle = load_model(self.model_path, device=device)  # a bundle, run folder, checkpoint or ONNX folder
         if self.bundle.task != "caption":
             raise ValueError(f"model={self.model_path} is a {self.bundle.task} model; serving needs a caption model")
+        self.captioner = Captioner(self.bundle)
         self.device = torch.device(device)
         self.transform = self.bundle.transform
 
@@ -168,8 +168,7 @@ class CaptionAPI(ls.LitAPI):
     def _caption(self, requests: list[ImageRequest]) -> list[dict[str, Any]]:
         bundle = self.bundle
         images = torch.stack([r.image for r in requests]).to(self.device)  # (B, C, H, W)
-        tokens = generate_tokens(bundle.model, images, **self.generate_kwargs)  # (B, T')
-        captions = bundle.vocab.decode_batch(tokens)
+        captions, tokens = self.captioner.caption_pixels(images, **self.generate_kwargs)  # tokens (B, T')
         results = [
             {"caption": c, "tokens": caption_words(row, bundle.vocab)} for c, row in zip(captions, tokens.tolist())
         ]
