@@ -238,6 +238,26 @@ def test_attention_maps_of_an_onnx_folder_ask_for_the_pytorch_runtime(caption_ru
         captioner.attention_maps(test_split[0][0] * 0.5 + 0.5)
 
 
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["attention_maps=maps"], "attention_maps= needs the PyTorch runtime; caption with the bundle or run folder"),
+        (
+            ["devices=2", "accelerator=cpu"],
+            "is an ONNX folder, which captions in one process; drop devices= and num_nodes=",
+        ),
+    ],
+)
+def test_vitattn_caption_asks_for_what_an_onnx_folder_cannot_do_in_one_line(
+    caption_run, tmp_path, capsys, extra, message
+):
+    args = [f"model={caption_run[1]}", f"images={tmp_path}", f"out={tmp_path / 'o.jsonl'}", "num_workers=0", *extra]
+    (tmp_path / "a.png").write_bytes(b"")  # never read: the model is refused first
+    assert caption_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
 def test_export_refuses_quantize_without_format_onnx(caption_run, tmp_path, capsys):
     assert export_main([f"model={caption_run[0]}", f"out={tmp_path / 'b'}", "quantize=int8"]) == 2
     assert capsys.readouterr().err.strip() == "error: quantize=int8 needs format=onnx"
