@@ -68,6 +68,22 @@ def make_caption_bundle(folder: Path) -> Path:
     return save_bundle(folder, model, task="caption", preprocess=CAPTION_PREPROCESS, vocab=vocab)
 
 
+def make_classifier_bundle(folder: Path, class_names=("cat", "dog", "bird")) -> Path:
+    """Write a bundle of a tiny random classifier (seed 0): 32 px images, 8 px patches, width 32, 2 layers."""
+    import torch
+
+    from vitattn.bundle import save_bundle
+    from vitattn.models import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, num_classes=len(class_names)
+    ).eval()
+    return save_bundle(
+        folder, model, task="classification", preprocess=CAPTION_PREPROCESS, class_names=list(class_names)
+    )
+
+
 def console_script(name: str) -> Path:
     """The venv's ``name`` console script. A missing one fails the test: the install is broken, nothing to skip."""
     path = Path(sys.executable).with_name(name)

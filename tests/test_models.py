@@ -5,7 +5,8 @@ from timm.layers import resample_abs_pos_embed
 
 from vitattn.layers import record_attention
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer, load_timm_weights, vit_preset
-from vitattn.models.caption import _sample
+from vitattn.models.search import beam_search
+from vitattn.models.search import sample_token as _sample
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
 
@@ -213,7 +214,7 @@ def test_beam_search_with_one_beam_equals_greedy():
     greedy = model.generate(images, max_new_tokens=10)
     memory = model.encode(images)
     with torch.no_grad():
-        beam1 = model._beam_search(memory, 10, num_beams=1, length_penalty=1.0, use_cache=True)
+        beam1 = beam_search(model.decode_step(memory, 10), 4, 10, 1, model.special_ids)
     torch.testing.assert_close(beam1, greedy, rtol=0, atol=0)
 
 

@@ -2,3 +2,14 @@
 attention tutorial's layers (``vitattn.layers``), with Lightning systems and Hydra configs."""
 
 __version__ = "0.1.0"
+
+__all__ = ["Captioner", "Classifier", "__version__"]
+
+
+def __getattr__(name: str):
+    if name in ("Captioner", "Classifier"):
+        # heavy: the API (torch) is imported when first named, so ``import vitattn.decoding`` stays light
+        from vitattn.inference import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'vitattn' has no attribute {name!r}")

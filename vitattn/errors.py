@@ -7,11 +7,23 @@ import reprlib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigError", "NonFiniteLossError", "Preempted", "brief", "first_line", "printable"]
+__all__ = [
+    "ConfigError",
+    "MissingDependencyError",
+    "NonFiniteLossError",
+    "Preempted",
+    "brief",
+    "first_line",
+    "printable",
+]
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key and the fix."""
+
+
+class MissingDependencyError(ImportError):
+    """An optional package that a feature needs is not installed; the message says how to install it."""
 
 
 class NonFiniteLossError(RuntimeError):

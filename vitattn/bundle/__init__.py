@@ -1,7 +1,7 @@
 """Model bundles: what inference loads, from a bundle folder, a training run folder or a checkpoint.
 
 ``folder`` writes and reads bundle folders; ``checkpoint`` turns Lightning checkpoints and trained
-systems into bundles.
+systems into bundles; ``onnx_folder`` describes ONNX folders and ``onnx_export`` writes them.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ decoding settings, and ``main``'s one-line errors (exit status 2)."""
 from __future__ import annotations
 
 import difflib
-import inspect
 import logging
 import re
 import sys
@@ -95,13 +94,11 @@ def resolve_device(name: str) -> str:
 
 def generate_settings(bundle: Any, overrides: Mapping[str, Any]) -> dict[str, Any]:
     """``ImageCaptioner.generate`` keyword arguments: the bundle's defaults, then the ``overrides``
-    that are not None; bundle defaults that ``generate`` does not accept are dropped with a warning."""
-    accepted = inspect.signature(bundle.model.generate).parameters
-    settings = {k: v for k, v in bundle.generate.items() if k in accepted}
-    if len(settings) < len(bundle.generate):
-        log.warning("ignoring the bundle's unknown decoding settings %s", sorted(set(bundle.generate) - set(settings)))
-    settings.update({k: v for k, v in overrides.items() if v is not None})
-    return settings
+    that are not None (``Captioner.generate_settings``)."""
+    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
+    from vitattn.inference.api import Captioner
+
+    return Captioner(bundle).generate_settings(**overrides)
 
 
 def run_main(doc: str, argv: Sequence[str] | None, parse: Callable[[list[str]], Any], run: Callable[[Any], int]) -> int:

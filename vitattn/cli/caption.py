@@ -9,7 +9,8 @@ Usage::
         [attention_maps=DIR] [progress=true] [num_threads=N]
         [devices=N num_nodes=M accelerator=auto|cpu|gpu]
 
-``model`` is a bundle folder, a training run folder or a ``.ckpt``; ``images`` a folder, a glob, a
+``model`` is a bundle folder, a training run folder, a ``.ckpt`` or an ONNX folder (``vitattn-export
+format=onnx``: run by ONNX Runtime on the CPU); ``images`` a folder, a glob, a
 text file of paths or a COCO JSON file. Decoding settings left out come from the bundle. Running
 the same command again captions only the images not yet in ``out``. Exit status: 0 when every image
 was captioned, 1 when some could not be read, 2 on a usage or model error.
@@ -101,7 +102,8 @@ def run(cfg: Any) -> int:
     if cfg.devices * cfg.num_nodes > 1:
         return _run_distributed(cfg)
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from vitattn.inference import caption_to_file, list_inputs
+    from vitattn.inference import list_inputs
+    from vitattn.inference.api import Captioner
 
     device = resolve_device(cfg.device)
     bundle, generate = _load(cfg, device)
@@ -110,8 +112,7 @@ def run(cfg: Any) -> int:
         generate["generator"] = torch.Generator(device=device).manual_seed(cfg.seed)
     inputs = list_inputs(cfg.images, cfg.image_dir)
     log.info("captioning %d images with %s on %s", len(inputs), cfg.model, device)
-    summary = caption_to_file(
-        bundle,
+    summary = Captioner(bundle).caption_files(
         inputs,
         cfg.out,
         format=cfg.format,
@@ -126,9 +127,9 @@ def run(cfg: Any) -> int:
 
 def _load(cfg: Any, device: str) -> tuple[Any, dict[str, Any]]:
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from vitattn.bundle import load_bundle
+    from vitattn.inference.api import load_model
 
-    bundle = load_bundle(cfg.model, device=device)
+    bundle = load_model(cfg.model, device=device)
     if bundle.task != "caption":
         raise UsageError(f"model={cfg.model} is a {bundle.task} model; vitattn-caption needs a caption model")
     return bundle, generate_settings(bundle, {k: cfg[k] for k in GENERATE_KEYS})
@@ -148,6 +149,10 @@ def _run_distributed(cfg: Any) -> int:
     accelerator = cfg.accelerator or {"auto": "auto", "cpu": "cpu", "cuda": "gpu"}.get(cfg.device, cfg.device)
     try:
         bundle, generate = _load(cfg, "cpu")  # Lightning moves the model to each rank's device
+        if bundle.config.get("runtime") == "onnx":
+            raise UsageError(
+                f"model={cfg.model} is an ONNX folder, which captions in one process; drop devices= and num_nodes="
+            )
         inputs = list_inputs(cfg.images, cfg.image_dir)
         log.info(
             "captioning %d images with %s on %d x %d %s processes",

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 from omegaconf.errors import OmegaConfBaseException
 
-from vitattn.errors import NonFiniteLossError, first_line
+from vitattn.errors import MissingDependencyError, NonFiniteLossError, first_line
 
 __all__ = ["USER_ERRORS", "report_user_error", "user_errors"]
 
@@ -21,6 +21,7 @@ USER_ERRORS = (
     FileExistsError,
     OmegaConfBaseException,
     NonFiniteLossError,
+    MissingDependencyError,
 )
 
 

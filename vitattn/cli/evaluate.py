@@ -77,10 +77,10 @@ def parse_args(argv: list[str]) -> Any:
 def run(cfg: Any) -> int:
     """Evaluate as ``cfg`` says; returns the exit status (0 every image scored, 1 some were not)."""
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from vitattn.bundle import load_bundle
     from vitattn.evaluation import evaluate_captions, evaluate_classification, format_report, write_report
+    from vitattn.inference.api import load_model
 
-    bundle = load_bundle(cfg.model, device=resolve_device(cfg.device))
+    bundle = load_model(cfg.model, device=resolve_device(cfg.device))  # a bundle, run, checkpoint or ONNX folder
     run = RunDir.find(cfg.model)
     loading = dict(
         split=cfg.split, run_dir=run, batch_size=cfg.batch_size, num_workers=cfg.num_workers, progress=cfg.progress

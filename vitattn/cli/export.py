@@ -1,14 +1,20 @@
-"""``vitattn-export``: write a model as a bundle folder (safetensors + config.json + vocab.json).
+"""``vitattn-export``: write a model as a bundle folder (safetensors + config.json + vocab.json), or as
+an ONNX folder for ONNX Runtime.
 
 Usage::
 
-    vitattn-export model=PATH out=DIR [which=best|last] [device=cpu]
+    vitattn-export model=PATH out=DIR [which=best|last] [device=cpu] [format=bundle|onnx] [quantize=int8]
 
 ``model`` is a training run folder, a Lightning ``.ckpt`` or a bundle. For a run folder, ``which``
 picks its best checkpoint (by the head's validation metric) or its last one; without ``which`` the
 run's own bundle is exported again (the best weights unless the run said ``weights=last``). Checkpoints are read with
 ``torch.load(weights_only=True)``: one that holds pickled objects is refused, never unpickled. The
 bundle is written atomically; an earlier bundle at ``out`` is replaced, any other folder is kept.
+
+``format=onnx`` writes the encoder, a decoder step with its key/value cache, the vocabulary and the
+decoding defaults (or, for a classifier, one graph) into one folder that ``vitattn-caption``,
+``vitattn-serve`` and ``Captioner.load`` run on ONNX Runtime; ``quantize=int8`` adds ONNX Runtime's
+dynamic int8 quantization. It needs the ``onnx`` extra: ``pip install -e '.[onnx]'``.
 Exit status: 0 on success, 2 on a usage or model error.
 """
 
@@ -34,6 +40,8 @@ class ExportConfig:
     out: str = MISSING
     which: str | None = None
     device: str = "cpu"
+    format: str = "bundle"
+    quantize: str | None = None
 
 
 def parse_args(argv: list[str]) -> Any:
@@ -41,6 +49,12 @@ def parse_args(argv: list[str]) -> Any:
     cfg = parse_key_values(argv, ExportConfig, "vitattn-export")
     if cfg.which not in (None, "best", "last"):
         raise UsageError(f"which={cfg.which!r} is unknown; choose which=best or which=last")
+    if cfg.format not in ("bundle", "onnx"):
+        raise UsageError(f"format={cfg.format!r} is unknown; choose format=bundle or format=onnx")
+    if cfg.quantize not in (None, "int8"):
+        raise UsageError(f"quantize={cfg.quantize!r} is unknown; choose quantize=int8 or leave it out")
+    if cfg.quantize is not None and cfg.format != "onnx":
+        raise UsageError("quantize=int8 needs format=onnx")
     return cfg
 
 
@@ -58,6 +72,15 @@ def run(cfg: Any) -> int:
         if not source.is_file():
             raise FileNotFoundError(f"model={cfg.model} has no {source.relative_to(run.path)}")
     bundle = load_bundle(source, device=resolve_device(cfg.device))
+    if cfg.format == "onnx":
+        # heavy: the ONNX exporter (torch.onnx) is imported only for format=onnx
+        from vitattn.bundle.onnx_export import export_onnx
+        from vitattn.bundle.onnx_folder import require_onnxruntime
+
+        require_onnxruntime(export=True)  # before the export's minutes, not after
+        out = export_onnx(bundle, cfg.out, quantize=cfg.quantize)
+        print(f"{bundle.task} ONNX folder ({cfg.quantize or 'fp32'}) of {source} -> {out}", flush=True)
+        return 0
     out = save_bundle(
         cfg.out,
         bundle.model,

@@ -6,7 +6,8 @@ Usage::
         [workers_per_device=1] [max_batch_size=8] [batch_timeout=0.05] [max_image_bytes=20000000]
         [timeout=60] [num_beams=N] [max_new_tokens=N] [length_penalty=X] [num_threads=N]
 
-``model`` is a bundle folder, a training run folder or a ``.ckpt``. Endpoints:
+``model`` is a bundle folder, a training run folder, a ``.ckpt`` or an ONNX folder (``vitattn-export
+format=onnx``, run by ONNX Runtime). Endpoints:
 
     POST /predict   a multipart file (field ``image``, or the form's only file), JSON {"image": "<base64>"},
                     or the raw image with ``Content-Type: image/...``; add ``attention=true`` (a field,
@@ -82,10 +83,10 @@ def parse_args(argv: list[str]) -> Any:
 def run(cfg: Any) -> int:
     """Load the model once here (a bad model fails now, in one line), then serve until SIGTERM or SIGINT."""
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from vitattn.bundle import load_bundle
+    from vitattn.inference.api import load_model
     from vitattn.serve import CaptionAPI, GracefulStop, build_server
 
-    bundle = load_bundle(cfg.model, device="cpu")
+    bundle = load_model(cfg.model, device="cpu")
     if bundle.task != "caption":
         raise UsageError(f"model={cfg.model} is a {bundle.task} model; vitattn-serve needs a caption model")
     generate = generate_settings(bundle, {k: cfg[k] for k in SEARCH_KEYS})

@@ -17,7 +17,15 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from vitattn.errors import first_line
 
-__all__ = ["IMAGE_EXTENSIONS", "BadImageError", "load_image", "read_image", "read_many", "unreadable_reason"]
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "BadImageError",
+    "load_image",
+    "read_image",
+    "read_many",
+    "unreadable_reason",
+    "upright_rgb",
+]
 
 IMAGE_EXTENSIONS = frozenset(
     {".jpg", ".jpeg", ".jfif", ".png", ".gif", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm"}
@@ -39,8 +47,12 @@ def read_image(path: str | os.PathLike | IO[bytes]) -> Image.Image:
         warnings.filterwarnings("ignore", category=UserWarning, module="PIL")
         with Image.open(path) as image:
             image.load()  # first frame; raises here for truncated or corrupt data
-            upright = ImageOps.exif_transpose(image)  # a loaded copy
-    return _to_rgb(upright)
+            return upright_rgb(image)
+
+
+def upright_rgb(image: Image.Image) -> Image.Image:
+    """An image already in memory as ``read_image`` makes a file's: EXIF orientation applied, 8-bit RGB."""
+    return _to_rgb(ImageOps.exif_transpose(image))  # a copy; the caller's image is left as it is
 
 
 class BadImageError(ValueError):

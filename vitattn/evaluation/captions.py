@@ -24,6 +24,7 @@ from vitattn.evaluation.report import EvalReport
 from vitattn.evaluation.splits import caption_split, check_split
 from vitattn.fileio import parse_json
 from vitattn.inference import InputImage, caption_images
+from vitattn.inference.captioning import model_device
 from vitattn.metrics import first_per_image, score_captions
 from vitattn.run_dir import RunDir
 
@@ -120,7 +121,7 @@ def _generate(
         items = [(r["image_id"], r["caption"], refs[r["image_id"]]) for r in records if "caption" in r]
         return items, [r["image_id"] for r in records if "caption" not in r]
     model, vocab = bundle.model, bundle.vocab
-    device = next(model.parameters()).device
+    device = model_device(model)  # the CPU for an ONNX folder
     items = []
     with torch.inference_mode(), tqdm(total=len(refs), unit="img", disable=not progress) as bar:
         for batch in data.loader:
@@ -137,7 +138,7 @@ def _decoding(bundle: Bundle, generate: Mapping[str, Any] | None) -> dict[str, A
     for key in SEARCH_KEYS:
         settings.setdefault(key, defaults[key].default)
     if settings["max_new_tokens"] is None:
-        settings["max_new_tokens"] = bundle.model.decoder.max_len - 1
+        settings["max_new_tokens"] = bundle.model.check_generate(None)  # the decoder's max_len - 1
     return settings
 
 

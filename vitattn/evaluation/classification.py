@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from vitattn.bundle import Bundle
 from vitattn.evaluation.report import EvalReport
 from vitattn.evaluation.splits import check_split, labelled_split
+from vitattn.inference.captioning import model_device
 from vitattn.inference.reading import ImageFileDataset, collate_images
 from vitattn.run_dir import RunDir
 
@@ -85,7 +86,7 @@ def evaluate_classification(
     top1 = MulticlassAccuracy(k, top_k=1, average="micro")
     top5 = MulticlassAccuracy(k, top_k=min(5, k), average="micro")
     confusion = MulticlassConfusionMatrix(k)
-    device = next(bundle.model.parameters()).device
+    device = model_device(bundle.model)  # the CPU for an ONNX folder
     num_images = 0
     with torch.inference_mode(), tqdm(total=total, unit="img", disable=not progress) as bar:
         for images, targets in batches:

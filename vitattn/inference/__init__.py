@@ -4,6 +4,8 @@
 reads them), ``captioning`` decodes batches, ``writers`` keeps resumable output files, ``records``
 indexes what they hold, ``distributed`` runs the same on many devices and machines (Lightning
 ``Trainer.predict``), and ``attention_maps`` / ``figures`` draw what the model looked at.
+``api`` is the Python API (``Captioner``, ``Classifier``, ``load_model``) over all of it, fed any image
+kind by ``image_inputs``; ``onnx_runtime`` runs ONNX folders on ONNX Runtime.
 """
 
 from vitattn.data.images import read_image

@@ -29,6 +29,7 @@ __all__ = [
     "caption_loader",
     "generate_tokens",
     "iter_caption_batches",
+    "model_device",
 ]
 
 
@@ -48,6 +49,12 @@ class CaptionBatch:
     images: Tensor | None
     tokens: Tensor | None
     captioned: list[int]
+
+
+def model_device(model: Any) -> torch.device:
+    """Where a model's inputs go: its weights' device; the CPU for an ONNX Runtime model (no torch weights)."""
+    parameter = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return torch.device("cpu") if parameter is None else parameter.device
 
 
 def generate_tokens(model: torch.nn.Module, images: Tensor, **generate_kwargs: Any) -> Tensor:
@@ -143,7 +150,7 @@ def iter_caption_batches(
             ``do_sample``, ``generator``, ...).
     """
     model = bundle.model
-    device = next(model.parameters()).device
+    device = model_device(model)
     loader = caption_loader(
         bundle, inputs, positions, batch_size=batch_size, num_workers=num_workers, pin_memory=device.type == "cuda"
     )

@@ -190,7 +190,8 @@ class MultiHeadAttention(nn.Module):
         explicit = need_weights or self._record is not None or not self.fused_attn
         # A plain square causal mask goes to the fused kernel as `is_causal` (flash attention takes
         # no explicit mask); any other look-ahead is built as a mask.
-        fused_causal = is_causal and not explicit and mask is None and Lq == Lk
+        # bool(): under the ONNX exporter's tracing, sizes are tensors (the comparisons are fixed by the traced shapes)
+        fused_causal = is_causal and not explicit and mask is None and bool(Lq == Lk)
         if is_causal and Lq > 1 and not fused_causal:
             look_ahead = causal_mask(Lq, Lk, q.device).to(torch.bool)
             mask = look_ahead if mask is None else (mask.to(torch.bool) | look_ahead)
@@ -201,7 +202,7 @@ class MultiHeadAttention(nn.Module):
         else:
             attn_mask = None if mask is None else _additive_mask(mask, q.dtype)
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=fused_causal and Lq > 1
+                q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=fused_causal and bool(Lq > 1)
             )
             weights = None
         out = out.transpose(1, 2).reshape(B, Lq, self.d_model)  # (B, Lq, D)

@@ -4,6 +4,7 @@ Dimension letters: B batch, K beams, N image tokens, D width, T caption position
 
 The image is encoded once per ``generate`` call; each decoder layer caches its self-attention
 keys/values (growing by one position per step) and its cross-attention keys/values (computed once).
+The search loops (greedy, sampled, beam) live in ``vitattn.models.search`` and call a ``DecoderStep``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from timm.layers import trunc_normal_
 from torch import Tensor, nn
 
 from vitattn.layers import DecoderLayer, LayerCache, check_heads
+from vitattn.models.search import SpecialIds, check_search, search
 from vitattn.models.vit import VisionTransformer, layer_groups
 
-__all__ = ["CaptionDecoder", "ImageCaptioner"]
+__all__ = ["CaptionDecoder", "DecoderStep", "ImageCaptioner"]
 
 
 class CaptionDecoder(nn.Module):
@@ -217,119 +219,46 @@ class ImageCaptioner(nn.Module):
             T' ≤ ``max_new_tokens``.
         """
         max_new_tokens = self.check_generate(max_new_tokens, num_beams, do_sample, temperature)
-        memory = self.encode(images)
-        if num_beams > 1:
-            return self._beam_search(memory, max_new_tokens, num_beams, length_penalty, use_cache)
-        sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator) if do_sample else None
-        return self._greedy_or_sample(memory, max_new_tokens, sample, use_cache)
+        memory = self.encode(images)  # (B, N, D), once per image: beams share it
+        step = self.decode_step(memory, max_new_tokens, use_cache)
+        settings = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        return search(
+            step, memory.shape[0], max_new_tokens, self.special_ids, memory.device,
+            num_beams=num_beams, length_penalty=length_penalty, **settings,
+        )  # fmt: skip
 
     def check_generate(
         self, max_new_tokens: int | None = None, num_beams: int = 1, do_sample: bool = False, temperature: float = 1.0
     ) -> int:
         """Refuse ``generate`` settings it cannot decode with (a one-line ``ValueError``); returns
         ``max_new_tokens`` with None replaced by ``max_len - 1``."""
-        if max_new_tokens is None:
-            max_new_tokens = self.decoder.max_len - 1
-        if max_new_tokens + 1 > self.decoder.max_len:
-            raise ValueError(
-                f"max_new_tokens={max_new_tokens} exceeds the decoder's max_len={self.decoder.max_len} - 1"
-            )
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
-        if num_beams < 1:
-            raise ValueError(f"num_beams={num_beams} must be at least 1")
-        if do_sample and num_beams > 1:
-            raise ValueError("do_sample=True needs num_beams=1 (beam sampling is not supported)")
-        if do_sample and temperature <= 0:
-            raise ValueError(f"temperature={temperature} must be positive")
-        return max_new_tokens
+        return check_search(self.decoder.max_len, max_new_tokens, num_beams, do_sample, temperature)
 
-    def _step_logits(self, tokens: Tensor, memory: Tensor, cache: list[LayerCache] | None) -> Tensor:
-        """Logits (B, V) of the next token after ``tokens`` (B, t), specials banned, in fp32."""
-        if cache is None:
-            logits = self.decoder(tokens, memory)[:, -1]
-        else:
-            logits = self.decoder(tokens[:, -1:], memory, cache, start=tokens.shape[1] - 1)[:, -1]
-        logits = logits.float()  # a no-op (no copy) when already fp32
-        # never generated; scalar indices: no index tensor is built (and copied to the GPU) per step
-        logits[:, self.decoder.pad_id] = float("-inf")
-        logits[:, self.decoder.bos_id] = float("-inf")
-        return logits
+    def decode_step(self, memory: Tensor, max_new_tokens: int, use_cache: bool = True) -> DecoderStep:
+        """The PyTorch ``DecodeStep`` over image tokens ``memory`` (B, N, D), for the shared search loops."""
+        return DecoderStep(self.decoder, memory, self.decoder.new_cache(max_new_tokens) if use_cache else None)
 
-    def _greedy_or_sample(self, memory: Tensor, max_new_tokens: int, sample: dict | None, use_cache: bool) -> Tensor:
-        dec = self.decoder
-        B = memory.shape[0]
-        cache = dec.new_cache(max_new_tokens) if use_cache else None
-        # every column allocated once; step i reads columns 0..i and writes column i + 1
-        tokens = memory.new_full((B, max_new_tokens + 1), dec.pad_id, dtype=torch.long)  # (B, 1 + T')
-        tokens[:, 0] = dec.bos_id
-        finished = torch.zeros(B, dtype=torch.bool, device=memory.device)
-        for i in range(max_new_tokens):
-            logits = self._step_logits(tokens[:, : i + 1], memory, cache)  # (B, V)
-            nxt = logits.argmax(-1) if sample is None else _sample(logits, **sample)  # (B,)
-            nxt.masked_fill_(finished, dec.pad_id)
-            tokens[:, i + 1] = nxt
-            finished |= nxt == dec.eos_id
-            if bool(finished.all()):
-                return tokens[:, 1 : i + 2]
-        return tokens[:, 1:]
-
-    def _beam_search(
-        self, memory: Tensor, max_new_tokens: int, num_beams: int, length_penalty: float, use_cache: bool
-    ) -> Tensor:
-        dec, K = self.decoder, num_beams
-        B = memory.shape[0]  # memory stays (B, N, D): the layers give each image's keys/values to its K beams
-        cache = dec.new_cache(max_new_tokens) if use_cache else None
-        tokens = memory.new_full((B * K, 1), dec.bos_id, dtype=torch.long)
-        scores = memory.new_zeros(B, K, dtype=torch.float)
-        scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
-        scores = scores.view(-1)  # (B*K,)
-        finished = torch.zeros(B * K, dtype=torch.bool, device=memory.device)
-        offsets = torch.arange(B, device=memory.device)[:, None] * K  # (B, 1)
-        for _ in range(max_new_tokens):
-            logp = self._step_logits(tokens, memory, cache).log_softmax(-1)  # (B*K, V)
-            V = logp.shape[-1]
-            # A finished beam continues only with <pad>, at no cost, so its score stays as it was.
-            # (masked_fill_: no boolean indexing, which finds the rows with a device sync)
-            logp.masked_fill_(finished[:, None], float("-inf"))
-            logp[:, dec.pad_id].masked_fill_(finished, 0.0)
-            cand = (scores[:, None] + logp).view(B, K * V)
-            top_scores, top_idx = cand.topk(K, dim=1)  # (B, K)
-            src = (offsets + top_idx // V).view(-1)  # (B*K,) beam each new one extends
-            nxt = (top_idx % V).view(-1)
-            tokens = torch.cat([tokens.index_select(0, src), nxt[:, None]], dim=1)
-            finished = finished.index_select(0, src) | (nxt == dec.eos_id)
-            scores = top_scores.view(-1)
-            if cache is not None:
-                for layer_cache in cache:
-                    layer_cache.reorder(src)
-            if bool(finished.all()):
-                break
-        generated = tokens[:, 1:]  # (B*K, T')
-        lengths = (generated != dec.pad_id).sum(dim=1).clamp(min=1).float()
-        ranked = (scores / lengths**length_penalty).view(B, K)
-        best = offsets.squeeze(1) + ranked.argmax(dim=1)  # (B,)
-        return _trim(generated.index_select(0, best), dec.pad_id)
+    @property
+    def special_ids(self) -> SpecialIds:
+        return SpecialIds(self.decoder.pad_id, self.decoder.bos_id, self.decoder.eos_id)
 
 
-def _sample(logits: Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None) -> Tensor:
-    """One token per row from temperature-scaled logits (B, V), after top-k and top-p filtering."""
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature} must be positive")
-    logits = logits / temperature
-    if top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest set whose mass reaches top_p
-        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+class DecoderStep:
+    """``CaptionDecoder`` as a ``DecodeStep``: the last position's logits, with the key/value cache
+    (one new position per call) or, without one, recomputed from position 0.
 
+    ``memory`` (B, N, D) may hold one row per image for K beams per image: each layer projects its
+    keys/values once per image and gives them to the image's K beams.
+    """
 
-def _trim(tokens: Tensor, pad_id: int) -> Tensor:
-    """Drop trailing columns that are padding in every row."""
-    keep = int((tokens != pad_id).any(dim=0).nonzero().max().item()) + 1 if (tokens != pad_id).any() else 1
-    return tokens[:, :keep]
+    def __init__(self, decoder: CaptionDecoder, memory: Tensor, cache: list[LayerCache] | None) -> None:
+        self.decoder, self.memory, self.cache = decoder, memory, cache
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        if self.cache is None:
+            return self.decoder(tokens, self.memory)[:, -1]  # (B, V)
+        return self.decoder(tokens[:, -1:], self.memory, self.cache, start=tokens.shape[1] - 1)[:, -1]
+
+    def reorder(self, index: Tensor) -> None:
+        for layer_cache in self.cache or ():
+            layer_cache.reorder(index)

@@ -24,10 +24,9 @@ import torch
 from fastapi.responses import JSONResponse
 from torch import Tensor
 
-from vitattn.bundle import load_bundle
 from vitattn.data.images import read_image, unreadable_reason
+from vitattn.inference.api import Captioner, load_model
 from vitattn.inference.attention_maps import figure_png
-from vitattn.inference.captioning import generate_tokens
 from vitattn.inference.figures import attention_figures, caption_words
 from vitattn.serve.stop import leave_interrupts_to_parent
 
@@ -115,7 +114,7 @@ class CaptionAPI(ls.LitAPI):
     """Captions images with a bundle on one device; LitServe gives it batches of decoded requests.
 
     Args:
-        model: a bundle folder, a training run folder or a ``.ckpt`` (as ``load_bundle`` takes).
+        model: a bundle folder, a training run folder, a ``.ckpt`` or an ONNX folder (as ``load_model`` takes).
         generate: ``ImageCaptioner.generate`` keyword arguments (the bundle's defaults already merged in).
         max_image_bytes: larger images are refused with HTTP 400 before they are read.
         num_threads: torch CPU threads of each worker (None: torch's default).
@@ -142,9 +141,10 @@ class CaptionAPI(ls.LitAPI):
         leave_interrupts_to_parent()  # this runs in the inference worker: Ctrl+C is the parent's to handle
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
-        self.bundle = load_bundle(self.model_path, device=device)
+        self.bundle = load_model(self.model_path, device=device)  # a bundle, run folder, checkpoint or ONNX folder
         if self.bundle.task != "caption":
             raise ValueError(f"model={self.model_path} is a {self.bundle.task} model; serving needs a caption model")
+        self.captioner = Captioner(self.bundle)
         self.device = torch.device(device)
         self.transform = self.bundle.transform
 
@@ -168,13 +168,17 @@ class CaptionAPI(ls.LitAPI):
     def _caption(self, requests: list[ImageRequest]) -> list[dict[str, Any]]:
         bundle = self.bundle
         images = torch.stack([r.image for r in requests]).to(self.device)  # (B, C, H, W)
-        tokens = generate_tokens(bundle.model, images, **self.generate_kwargs)  # (B, T')
-        captions = bundle.vocab.decode_batch(tokens)
+        captions, tokens = self.captioner.caption_pixels(images, **self.generate_kwargs)  # tokens (B, T')
         results = [
             {"caption": c, "tokens": caption_words(row, bundle.vocab)} for c, row in zip(captions, tokens.tolist())
         ]
         wanted = [i for i, r in enumerate(requests) if r.attention]
-        if wanted:
+        if wanted and bundle.config.get("runtime") == "onnx":
+            for i in wanted:
+                results[i] = {
+                    "error": "attention=true needs the PyTorch runtime; serve the bundle, not the ONNX folder"
+                }
+        elif wanted:
             figures = attention_figures(
                 bundle.model,
                 images[wanted],

@@ -1,0 +1,161 @@
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.helpers import make_caption_bundle, make_classifier_bundle
+from vitattn import Captioner, Classifier
+from vitattn.bundle import load_bundle
+from vitattn.data.images import BadImageError, read_image
+from vitattn.inference import caption_images
+from vitattn.inference.attention_maps import caption_attention_maps
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.fixture(scope="module")
+def caption_dir(tmp_path_factory) -> Path:
+    return make_caption_bundle(tmp_path_factory.mktemp("api") / "caption")
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory) -> Path:
+    return make_classifier_bundle(tmp_path_factory.mktemp("api") / "classifier")
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> list[Path]:
+    """Five small RGB photos of different sizes, as files."""
+    folder = tmp_path_factory.mktemp("photos")
+    rng = np.random.default_rng(0)
+    paths = []
+    for i, (w, h) in enumerate([(40, 30), (32, 32), (50, 64), (33, 45), (64, 40)]):
+        path = folder / f"p{i}.png"
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+        paths.append(path)
+    return paths
+
+
+def test_captioner_pixels_are_the_file_readers_for_every_image_kind(caption_dir, photos):
+    captioner = Captioner.load(caption_dir)
+    path = photos[0]
+    pil = Image.open(path)
+    array = np.array(pil.convert("RGB"))  # (H, W, 3) uint8
+    as_uint8 = torch.from_numpy(array).permute(2, 0, 1)  # (3, H, W)
+    as_float = as_uint8.float() / 255
+    expected = captioner.transform(read_image(path))  # what vitattn-caption feeds the model
+    pixels = captioner.pixels([str(path), path, pil, array, as_uint8, as_float])
+    for row in pixels:
+        torch.testing.assert_close(row, expected, rtol=0, atol=0)
+
+
+def test_caption_of_files_equals_vitattn_captions_batch_captioner(caption_dir, photos):
+    captioner = Captioner.load(caption_dir)
+    records = caption_images(load_bundle(caption_dir), photos, num_workers=0)
+    assert captioner.caption(photos) == [r["caption"] for r in records]
+    assert captioner.caption(photos[1]) == records[1]["caption"]  # one image -> one string
+
+
+@pytest.mark.parametrize("generate", [{}, {"num_beams": 3, "max_new_tokens": 5}])
+def test_caption_batches_give_the_captions_of_one_image_at_a_time(caption_dir, photos, generate):
+    captioner = Captioner.load(caption_dir)
+    one_by_one = [captioner.caption(p, **generate) for p in photos]
+    assert captioner.caption(photos, batch_size=2, **generate) == one_by_one
+    assert captioner.caption(tuple(photos), batch_size=32, **generate) == one_by_one
+
+
+def test_caption_details_score_is_the_models_log_probability(caption_dir, photos):
+    captioner = Captioner.load(caption_dir)
+    details = captioner.caption(photos, details=True, num_beams=2)
+    pixels = captioner.pixels(photos)
+    with torch.no_grad():
+        tokens = captioner.model.generate(pixels, num_beams=2)
+        oracle = captioner.model.sequence_log_prob(pixels, tokens)  # one teacher-forced pass
+    for caption, row, score in zip(details, tokens.tolist(), oracle.tolist()):
+        assert caption.tokens == [t for t in row if t != captioner.vocab.pad_id]
+        assert caption.text == captioner.vocab.decode(caption.tokens)
+        assert caption.score == pytest.approx(score, abs=1e-4)
+
+
+def test_attention_maps_are_the_ones_vitattn_caption_draws(caption_dir, photos):
+    captioner = Captioner.load(caption_dir)
+    maps = captioner.attention_maps(photos[2])
+    pixels = captioner.pixels([photos[2]])
+    tokens, cross, rollout = caption_attention_maps(captioner.model, pixels)
+    assert maps.caption == captioner.caption(photos[2])
+    assert len(maps.words) == maps.cross.shape[0] > 0
+    torch.testing.assert_close(maps.cross, cross[0, : len(maps.words)])
+    torch.testing.assert_close(maps.rollout, rollout[0])
+    torch.testing.assert_close(maps.cross.sum(dim=(1, 2)), torch.ones(len(maps.words)))
+
+
+def test_classifier_predict_is_the_models_top_k(classifier_dir, photos):
+    classifier = Classifier.load(classifier_dir)
+    pixels = torch.stack([classifier.transform(read_image(p)) for p in photos])
+    with torch.no_grad():
+        probs = classifier.model(pixels).softmax(-1)
+    predictions = classifier.predict(photos, top_k=2, batch_size=2)
+    for prediction, row in zip(predictions, probs):
+        values, indices = row.topk(2)
+        assert prediction.labels == [classifier.class_names[i] for i in indices.tolist()]
+        assert prediction.probabilities == pytest.approx(values.tolist(), abs=1e-6)
+    single = classifier.predict(photos[0], top_k=10)  # more than the classes: all of them
+    assert sorted(single.labels) == sorted(classifier.class_names)
+    assert sum(single.probabilities) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_an_empty_list_gives_an_empty_list(caption_dir, classifier_dir):
+    assert Captioner.load(caption_dir).caption([]) == []
+    assert Classifier.load(classifier_dir).predict([]) == []
+
+
+@pytest.mark.parametrize(
+    "image,error,message",
+    [
+        ({"path": "cat.jpg"}, TypeError, r"images\[0\] is .* \(dict\); pass a file path, a PIL image, an \(H, W, 3\)"),
+        (b"\x89PNG", TypeError, r"\(bytes\); pass a file path"),
+        (np.zeros((8, 8, 3), np.float32), ValueError, r"float32 numpy array; pass uint8 pixels"),
+        (np.zeros((4, 8, 8, 3), np.uint8), ValueError, r"shape \[4, 8, 8, 3\]; pass \(H, W, 3\)"),
+        (torch.randn(3, 8, 8), ValueError, r"float tensor outside \[0, 1\]; pass pixels in \[0, 1\]"),
+        (torch.zeros(3, 8, 8, dtype=torch.int32), ValueError, r"torch.int32 tensor; pass uint8 pixels"),
+    ],
+)
+def test_caption_refuses_an_image_of_the_wrong_kind_in_one_line(caption_dir, image, error, message):
+    captioner = Captioner.load(caption_dir)
+    with pytest.raises(error, match=message) as info:
+        captioner.caption([image])
+    assert "\n" not in str(info.value)
+
+
+def test_caption_names_a_file_it_cannot_read(caption_dir, tmp_path):
+    (tmp_path / "notes.txt").write_text("not an image")
+    with pytest.raises(BadImageError, match=r"notes.txt: not an image \(unrecognised file format\)"):
+        Captioner.load(caption_dir).caption(tmp_path / "notes.txt")
+
+
+def test_load_refuses_the_other_task_and_names_the_right_class(caption_dir, classifier_dir):
+    with pytest.raises(ValueError, match="is a classification model; load it with Classifier.load"):
+        Captioner.load(classifier_dir)
+    with pytest.raises(ValueError, match="is a caption model; load it with Captioner.load"):
+        Classifier.load(caption_dir)
+
+
+def test_readme_python_api_example_runs_as_written(caption_dir, classifier_dir, photos, tmp_path, monkeypatch):
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## Python API") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    shutil.copytree(caption_dir, tmp_path / "runs" / "caption" / "RUN")
+    shutil.copytree(classifier_dir, tmp_path / "runs" / "classification" / "RUN")
+    shutil.copy(photos[0], tmp_path / "cat.jpg")  # a PNG named .jpg: the reader goes by content
+    shutil.copy(photos[1], tmp_path / "dog.png")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, str(README), "exec"), namespace)
+    assert len(namespace["captions"]) == 3 and all(isinstance(c, str) for c in namespace["captions"])
+    assert namespace["best"].text == namespace["captioner"].caption("cat.jpg")
+    assert namespace["prediction"].labels[0] in ("cat", "dog", "bird")
+    assert (tmp_path / "cat_attention.png").stat().st_size > 0

@@ -1,0 +1,263 @@
+"""ONNX folders against the PyTorch runtime, on a captioner and a classifier trained on the shapes."""
+
+import json
+import sys
+
+import pytest
+import torch
+from PIL import Image
+
+from tests.helpers import TINY, compose_train
+from vitattn import Captioner, Classifier
+from vitattn.bundle import load_bundle
+from vitattn.bundle.onnx_folder import ONNX_CONFIG_FILE
+from vitattn.cli.caption import main as caption_main
+from vitattn.cli.evaluate import main as eval_main
+from vitattn.cli.export import main as export_main
+from vitattn.data.shapes import ShapesDataset
+from vitattn.data.transforms import normalize
+from vitattn.errors import MissingDependencyError
+from vitattn.inference import read_records
+from vitattn.metrics import compute_caption_metrics
+from vitattn.training import train
+
+pytest.importorskip("onnxruntime", reason="the onnx extra: pip install -e '.[onnx]'")
+
+SPLIT = 200  # test-split images compared
+SHAPES = ["data.num_train=256", "data.num_val=16", f"data.num_test={SPLIT}", "test=false", "trainer.max_epochs=-1"]
+
+
+def _export(model, out, *extra):
+    assert export_main([f"model={model}", f"out={out}", "format=onnx", *extra]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def caption_run(tmp_path_factory):
+    """A tiny captioner trained for 150 steps (26 distinct greedy captions on the 200 test images), and its
+    fp32 and int8 ONNX folders written by vitattn-export."""
+    run = tmp_path_factory.mktemp("caption_run")
+    overrides = ["head=caption", *TINY, *SHAPES, "trainer.max_steps=150", "trainer.check_val_every_n_epoch=50"]
+    train(compose_train([*overrides, "optim.lr=3e-3", "optim.warmup_steps=10"], run))
+    return run, _export(run, run / "onnx"), _export(run, run / "onnx-int8", "quantize=int8")
+
+
+@pytest.fixture(scope="module")
+def classifier_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("classifier_run")
+    train(compose_train(["head=classification", *TINY, *SHAPES, "trainer.max_steps=32"], run))
+    return run, _export(run, run / "onnx")
+
+
+def _split(task: str) -> tuple[torch.Tensor, list]:
+    """The 200 test images (B, 3, 32, 32) and their references (captions) or labels."""
+    data = ShapesDataset("test", SPLIT, img_size=32, seed=0, task=task, transform=normalize())
+    images = torch.stack([data[i]["image"] if task == "caption" else data[i][0] for i in range(len(data))])
+    if task == "caption":
+        return images, [data.references(i) for i in range(len(data))]
+    return images, [data.label(i) for i in range(len(data))]
+
+
+@pytest.fixture(scope="module")
+def test_split():
+    return _split("caption")
+
+
+def _tokens(captioner: Captioner, images: torch.Tensor, **generate) -> list[list[int]]:
+    with torch.inference_mode():
+        return captioner.model.generate(images, **{**captioner.bundle.generate, **generate}).tolist()
+
+
+@pytest.mark.parametrize("generate", [{}, {"num_beams": 3}], ids=["greedy", "beam3"])
+def test_onnx_fp32_captions_equal_pytorch_on_every_image(caption_run, test_split, generate):
+    run, onnx_dir, _ = caption_run
+    images, _ = test_split
+    torch_tokens = _tokens(Captioner.load(run), images, **generate)
+    onnx_captioner = Captioner.load(onnx_dir)
+    assert onnx_captioner.runtime == "onnx"
+    onnx_tokens = _tokens(onnx_captioner, images, **generate)
+    assert len(onnx_tokens) == SPLIT
+    differ = [i for i, (a, b) in enumerate(zip(torch_tokens, onnx_tokens)) if a != b]
+    assert differ == [], f"{len(differ)} of {SPLIT} captions differ, first image {differ[:1]}"
+
+
+def test_onnx_fp32_step_logits_within_1e4_of_pytorch(caption_run, test_split):
+    """Every decoder step's logits along PyTorch's greedy captions: the ONNX step (with its own cache)
+    against one teacher-forced PyTorch pass."""
+    run, onnx_dir, _ = caption_run
+    images, _ = test_split
+    model = load_bundle(run).model
+    onnx_model = Captioner.load(onnx_dir).model
+    with torch.inference_mode():
+        generated = model.generate(images)  # (B, T')
+        tokens = torch.cat([torch.full_like(generated[:, :1], model.decoder.bos_id), generated], dim=1)
+        expected = model(images, tokens[:, :-1])  # (B, T', V)
+        step = onnx_model.decode_step(onnx_model.encode(images), generated.shape[1])
+        got = torch.stack([step(tokens[:, : i + 1]) for i in range(generated.shape[1])], dim=1)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_onnx_int8_keeps_95_percent_of_greedy_captions_and_cider_within_2_percent(caption_run, test_split):
+    _, onnx_dir, int8_dir = caption_run
+    images, references = test_split
+    fp32 = Captioner.load(onnx_dir)
+    int8 = Captioner.load(int8_dir)
+    assert int8.bundle.config["precision"] == "int8"
+    fp32_captions = fp32.vocab.decode_batch(_tokens(fp32, images))
+    int8_captions = int8.vocab.decode_batch(_tokens(int8, images))
+    equal = sum(a == b for a, b in zip(fp32_captions, int8_captions)) / SPLIT
+    cider_fp32 = compute_caption_metrics(fp32_captions, references)["cider_d"]
+    cider_int8 = compute_caption_metrics(int8_captions, references)["cider_d"]
+    print(f"int8: {equal:.1%} of greedy captions equal to fp32; CIDEr-D {cider_int8:.4f} vs fp32 {cider_fp32:.4f}")
+    assert equal >= 0.95
+    assert abs(cider_int8 - cider_fp32) <= 0.02 * cider_fp32
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_onnx_classifier_top1_equals_pytorch(classifier_run, tmp_path, precision):
+    run, onnx_dir = classifier_run
+    if precision == "int8":
+        onnx_dir = _export(run, tmp_path / "int8", "quantize=int8")
+    images, _ = _split("classification")
+    model = load_bundle(run).model
+    onnx_classifier = Classifier.load(onnx_dir)
+    with torch.inference_mode():
+        expected = model(images)
+        got = onnx_classifier.model(images)
+    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    print(f"classifier {precision}: top-1 equal on {agree:.1%} of {SPLIT} images")
+    if precision == "fp32":
+        assert agree == 1.0
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    else:
+        assert agree >= 0.95
+
+
+def test_vitattn_caption_on_an_onnx_folder_writes_the_bundles_captions(caption_run, tmp_path):
+    run, onnx_dir, _ = caption_run
+    folder = tmp_path / "images"
+    folder.mkdir()
+    data = ShapesDataset("test", 6, img_size=32, seed=0, task="caption")
+    for i in range(len(data)):
+        Image.fromarray(data.image(i).permute(1, 2, 0).numpy()).save(folder / f"{i}.png")
+    outs = {}
+    for name, model in (("torch", run), ("onnx", onnx_dir)):
+        out = tmp_path / f"{name}.jsonl"
+        assert (
+            caption_main([f"model={model}", f"images={folder}", f"out={out}", "num_workers=0", "progress=false"]) == 0
+        )
+        outs[name] = {image: r["caption"] for image, r in read_records(out).items()}
+    assert outs["onnx"] == outs["torch"] and len(outs["onnx"]) == 6
+
+
+def test_vitattn_eval_on_an_onnx_folder_scores_as_its_run(caption_run, tmp_path):
+    run, onnx_dir, _ = caption_run
+    metrics = {}
+    for name, model in (("torch", run), ("onnx", onnx_dir)):  # the ONNX folder inside the run: its test split
+        out = tmp_path / name
+        assert eval_main([f"model={model}", "split=test", f"out={out}", "num_workers=0", "progress=false"]) == 0
+        metrics[name] = json.loads((out / "metrics.json").read_text())["metrics"]
+    assert metrics["onnx"] == metrics["torch"] and metrics["onnx"]["num_images"] == SPLIT
+
+
+def test_serving_an_onnx_folder_answers_the_bundles_captions(caption_run):
+    pytest.importorskip("litserve")
+    from vitattn.serve.api import CaptionAPI, ImageRequest
+
+    run, onnx_dir, _ = caption_run
+    images, _ = _split("caption")
+    answers = {}
+    for name, model in (("torch", run), ("onnx", onnx_dir)):
+        api = CaptionAPI(str(model))
+        api.setup("cpu")
+        answers[name] = api.predict(
+            [ImageRequest(image=x) for x in images[:8]] + [ImageRequest(image=images[0], attention=True)]
+        )
+    assert [a["caption"] for a in answers["onnx"][:8]] == [a["caption"] for a in answers["torch"][:8]]
+    assert answers["onnx"][8] == {
+        "error": "attention=true needs the PyTorch runtime; serve the bundle, not the ONNX folder"
+    }
+
+
+def test_an_onnx_folder_of_another_version_is_refused_in_one_line(caption_run, tmp_path, capsys):
+    import shutil
+
+    folder = shutil.copytree(caption_run[1], tmp_path / "onnx")
+    config = json.loads((folder / ONNX_CONFIG_FILE).read_text())
+    config.update(version=2, vitattn_version="9.0.0")
+    (folder / ONNX_CONFIG_FILE).write_text(json.dumps(config))
+    assert caption_main([f"model={folder}", f"images={folder}", f"out={tmp_path / 'o.jsonl'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    assert "has version=2 (written by vitattn '9.0.0'); this vitattn reads version 1" in err
+    assert "vitattn-export model=RUN format=onnx out=DIR" in err
+
+
+def test_a_tampered_onnx_graph_is_refused_in_one_line(caption_run, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(caption_run[1], tmp_path / "onnx")
+    graph = folder / "decoder_step.onnx"
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte of a weight
+    graph.write_bytes(bytes(data))
+    with pytest.raises(
+        ValueError,
+        match=r"decoder_step.onnx does not match the checksum in .*onnx.json \(the graph was changed after export\); "
+        r"export it again",
+    ) as info:
+        Captioner.load(folder)
+    assert "\n" not in str(info.value)
+
+
+def test_a_missing_onnxruntime_names_the_extra(caption_run, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime raises ImportError
+    with pytest.raises(
+        MissingDependencyError,
+        match=r"ONNX folders need onnxruntime, which is not installed: pip install -e '\.\[onnx\]'",
+    ):
+        Captioner.load(caption_run[1])
+    assert caption_main([f"model={caption_run[1]}", f"images={tmp_path}", f"out={tmp_path / 'o.jsonl'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ONNX folders need onnxruntime") and "\n" not in err
+
+
+@pytest.mark.parametrize("missing", ["onnxruntime", "onnx"])
+def test_export_without_the_onnx_extra_names_it(caption_run, tmp_path, monkeypatch, capsys, missing):
+    monkeypatch.setitem(sys.modules, missing, None)
+    assert export_main([f"model={caption_run[0]}", f"out={tmp_path / 'o'}", "format=onnx"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"{missing}, which is not installed: pip install -e '.[onnx]' (or pip install 'vitattn[onnx]')")
+    assert "\n" not in err and not (tmp_path / "o").exists()
+
+
+def test_attention_maps_of_an_onnx_folder_ask_for_the_pytorch_runtime(caption_run, test_split):
+    captioner = Captioner.load(caption_run[1])
+    with pytest.raises(ValueError, match="attention maps need the PyTorch runtime; load the bundle or run folder"):
+        captioner.attention_maps(test_split[0][0] * 0.5 + 0.5)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["attention_maps=maps"], "attention_maps= needs the PyTorch runtime; caption with the bundle or run folder"),
+        (
+            ["devices=2", "accelerator=cpu"],
+            "is an ONNX folder, which captions in one process; drop devices= and num_nodes=",
+        ),
+    ],
+)
+def test_vitattn_caption_asks_for_what_an_onnx_folder_cannot_do_in_one_line(
+    caption_run, tmp_path, capsys, extra, message
+):
+    args = [f"model={caption_run[1]}", f"images={tmp_path}", f"out={tmp_path / 'o.jsonl'}", "num_workers=0", *extra]
+    (tmp_path / "a.png").write_bytes(b"")  # never read: the model is refused first
+    assert caption_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_export_refuses_quantize_without_format_onnx(caption_run, tmp_path, capsys):
+    assert export_main([f"model={caption_run[0]}", f"out={tmp_path / 'b'}", "quantize=int8"]) == 2
+    assert capsys.readouterr().err.strip() == "error: quantize=int8 needs format=onnx"

@@ -1,0 +1,251 @@
+"""A loaded ``Bundle`` written as an ONNX folder (see ``onnx_folder``), optionally int8-quantized.
+
+Dimension letters: B batch (B * K rows when decoding K beams), L decoder layers, H heads, d head width,
+P past caption positions, N image tokens, D width, V vocabulary.
+
+The graphs come from PyTorch's TorchScript-based exporter (``dynamo=False``): it traces the same
+modules that the PyTorch runtime runs, and keeps the batch and the past length dynamic. The decoder
+step runs ``CaptionDecoder.forward`` itself with a cache whose past comes in as graph inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from vitattn.bundle.folder import VOCAB_FILE, Bundle, plain_json
+from vitattn.bundle.onnx_folder import (
+    GRAPHS,
+    ONNX_CONFIG_FILE,
+    ONNX_FORMAT,
+    ONNX_VERSION,
+    PRECISIONS,
+    is_onnx_folder,
+    kv_names,
+    require_onnxruntime,
+    sha256,
+)
+from vitattn.fileio import atomic_folder
+from vitattn.layers import LayerCache
+from vitattn.models import CaptionDecoder, ImageCaptioner
+
+__all__ = ["OPSET", "ClassifierGraph", "DecoderStepGraph", "EncoderGraph", "export_onnx"]
+
+OPSET = 17
+
+
+class EncoderGraph(nn.Module):
+    """Images -> each decoder layer's cross-attention keys and values, (B, H, N, d) each."""
+
+    def __init__(self, model: ImageCaptioner) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: Tensor) -> tuple[Tensor, ...]:
+        memory = self.model.encode(images)  # (B, N, D)
+        heads = []
+        for layer in self.model.decoder.layers:
+            k, v = layer.mha2.project_kv(memory, memory)  # (B, H, N, d) each
+            heads += [k.contiguous(), v.contiguous()]
+        return tuple(heads)
+
+
+class _PastCache(LayerCache):
+    """A ``LayerCache`` whose past keys/values are given and whose new ones are kept as ``present``."""
+
+    def __init__(self, past_k: Tensor, past_v: Tensor, cross_k: Tensor, cross_v: Tensor) -> None:
+        super().__init__()
+        self.past = (past_k, past_v)
+        self.cross_k, self.cross_v = cross_k, cross_v
+        self.present: tuple[Tensor, Tensor] = self.past
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.present = (torch.cat([self.past[0], k], dim=2), torch.cat([self.past[1], v], dim=2))  # (B, H, P+1, d)
+        return self.present
+
+
+class DecoderStepGraph(nn.Module):
+    """One token (B, 1), the past self-attention keys/values (B, H, P, d) and the cross ones (B, H, N, d)
+    of each layer -> the next token's logits (B, V) and the keys/values with the token added (B, H, P+1, d)."""
+
+    def __init__(self, decoder: CaptionDecoder) -> None:
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, tokens: Tensor, *heads: Tensor) -> tuple[Tensor, ...]:
+        L = len(self.decoder.layers)
+        past, cross = heads[: 2 * L], heads[2 * L :]
+        caches = [_PastCache(past[2 * i], past[2 * i + 1], cross[2 * i], cross[2 * i + 1]) for i in range(L)]
+        start = past[0].shape[2]  # P: traced as the input's size, so the position follows the past length
+        logits = self.decoder(tokens, None, caches, start=start)[:, -1]  # (B, V)
+        return (logits, *(t for c in caches for t in c.present))
+
+
+class ClassifierGraph(nn.Module):
+    """Images -> (B, num_classes) logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.model(images)
+
+
+def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | None = None) -> Path:
+    """Write ``bundle`` as an ONNX folder, atomically (an earlier ONNX folder at ``directory`` is replaced).
+
+    Args:
+        bundle: a caption or classification bundle (PyTorch), e.g. from ``load_bundle``.
+        directory: the folder to write.
+        quantize: None (fp32) or ``int8``: ONNX Runtime's dynamic quantization of the weights
+            (``onnxruntime.quantization.quantize_dynamic``).
+
+    Returns:
+        The folder.
+    """
+    precision = quantize or "fp32"
+    if precision not in PRECISIONS:
+        raise ValueError(f"quantize={quantize!r} is unknown; choose quantize=int8 or leave it out for fp32")
+    directory = Path(directory)
+    if directory.exists() and not (is_onnx_folder(directory) or (directory.is_dir() and not any(directory.iterdir()))):
+        raise FileExistsError(
+            f"{directory} exists and is not a vitattn ONNX folder; choose another folder or remove it"
+        )
+    model = bundle.model.to("cpu").eval()
+    size = bundle.preprocess["img_size"]
+    images = torch.rand(2, 3, size, size)
+    config: dict[str, Any] = {
+        "format": ONNX_FORMAT,
+        "version": ONNX_VERSION,
+        "runtime": "onnx",
+        "task": bundle.task,
+        "precision": precision,
+        "preprocess": bundle.preprocess,
+        "model": plain_json(model.config, "model.config"),
+        "vitattn_version": version("vitattn"),
+        "opset": OPSET,
+        "exporter": f"torch.onnx TorchScript (torch {torch.__version__})",
+    }
+    with atomic_folder(directory) as tmp:
+        if bundle.task == "caption":
+            config.update(_export_captioner(model, images, tmp), generate=dict(bundle.generate), vocab_file=VOCAB_FILE)
+            bundle.vocab.save(tmp / VOCAB_FILE)
+        else:
+            _export(ClassifierGraph(model), (images,), tmp / "classifier.onnx", ["images"], ["logits"], {})
+            config["class_names"] = list(bundle.class_names)
+        if precision == "int8":
+            _quantize(tmp, GRAPHS[bundle.task])
+        config["graphs"] = {
+            name: {"file": f"{name}.onnx", "sha256": sha256(tmp / f"{name}.onnx")} for name in GRAPHS[bundle.task]
+        }
+        (tmp / ONNX_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return directory
+
+
+def _export_captioner(model: ImageCaptioner, images: Tensor, folder: Path) -> dict[str, Any]:
+    """Write ``encoder.onnx`` and ``decoder_step.onnx``; returns the ``decoder`` sizes for ``onnx.json``."""
+    dec = model.decoder
+    L = len(dec.layers)
+    cross = EncoderGraph(model)(images)  # 2L x (B, H, N, d)
+    _export(EncoderGraph(model), (images,), folder / "encoder.onnx", ["images"], kv_names("cross", L), {})
+    B, H, _, d = cross[0].shape
+    past = [torch.randn(B, H, 3, d) for _ in range(2 * L)]  # a past of 3 positions: any length traces alike
+    tokens = torch.full((B, 1), dec.bos_id, dtype=torch.long)
+    past_axes = {name: {0: "batch", 2: "past"} for name in kv_names("past", L)}
+    present_axes = {name: {0: "batch", 2: "past_plus_one"} for name in kv_names("present", L)}
+    cross_axes = {name: {0: "batch"} for name in kv_names("cross", L)}
+    _export(
+        DecoderStepGraph(dec),
+        (tokens, *past, *cross),
+        folder / "decoder_step.onnx",
+        ["tokens", *kv_names("past", L), *kv_names("cross", L)],
+        ["logits", *kv_names("present", L)],
+        {"tokens": {0: "batch"}, "logits": {0: "batch"}, **past_axes, **present_axes, **cross_axes},
+    )
+    sizes = dict(depth=L, num_heads=H, head_dim=d, max_len=dec.max_len, vocab_size=dec.vocab_size)
+    return {"decoder": {**sizes, "pad_id": dec.pad_id, "bos_id": dec.bos_id, "eos_id": dec.eos_id}}
+
+
+def _export(
+    module: nn.Module,
+    args: tuple[Tensor, ...],
+    path: Path,
+    inputs: list[str],
+    outputs: list[str],
+    axes: dict[str, dict[int, str]],
+) -> None:
+    axes = {**{name: {0: "batch"} for name in inputs + outputs}, **axes}
+    with torch.no_grad(), warnings.catch_warnings():
+        # the traced shape checks (caption length within max_len, causal mask for one query) hold for every step
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        # the TorchScript-based exporter is chosen (dynamo=False): it traces the modules the PyTorch runtime runs
+        warnings.filterwarnings("ignore", "You are using the legacy TorchScript-based ONNX export", DeprecationWarning)
+        warnings.filterwarnings("ignore", "The feature will be removed", DeprecationWarning)
+        torch.onnx.export(
+            module.eval(),
+            args,
+            str(path),
+            input_names=inputs,
+            output_names=outputs,
+            dynamic_axes=axes,
+            opset_version=OPSET,
+            dynamo=False,
+        )
+
+
+def _quantize(folder: Path, graphs: tuple[str, ...]) -> None:
+    """Replace each graph by ONNX Runtime's dynamic int8 quantization of it: weights int8 per output
+    channel, activations quantized per call.
+
+    Two choices keep the captions (measured in ``tests/test_onnx.py``): the attention products of two
+    activations (queries x keys, weights x values) stay fp32, and weights use 7 bits of range
+    (``reduce_range``), as ONNX Runtime advises for CPUs without VNNI, whose u8 x s8 products saturate.
+    """
+    require_onnxruntime(export=True)
+    import onnx  # an optional dependency, as onnxruntime
+    from onnxruntime.quantization import QuantType, quantize_dynamic  # an optional dependency
+
+    # onnxruntime.quantization logs through the root logger: advice to pre-process (measured: no gain here)
+    # and, at INFO, one line per activation whose scale is computed at run time (all of them: dynamic)
+    advice = _DropMessage(("Please consider to run pre-processing", "Quantization parameters for tensor"))
+    logging.getLogger().addFilter(advice)
+    try:
+        for name in graphs:
+            fp32 = folder / f"{name}.fp32.onnx"
+            (folder / f"{name}.onnx").rename(fp32)
+            graph = onnx.load(fp32).graph
+            weights = {w.name for w in graph.initializer}
+            between_activations = [
+                n.name for n in graph.node if n.op_type == "MatMul" and not any(x in weights for x in n.input)
+            ]
+            quantize_dynamic(
+                fp32,
+                folder / f"{name}.onnx",
+                weight_type=QuantType.QInt8,
+                per_channel=True,
+                reduce_range=True,
+                nodes_to_exclude=between_activations,
+            )
+            fp32.unlink()
+    finally:
+        logging.getLogger().removeFilter(advice)
+
+
+class _DropMessage(logging.Filter):
+    """Drops the log records whose message starts with ``prefix`` (a string or a tuple of them)."""
+
+    def __init__(self, prefix: str | tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)

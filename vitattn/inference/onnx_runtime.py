@@ -1,0 +1,189 @@
+"""ONNX Runtime models of an ONNX folder (``vitattn-export format=onnx``), as ``Bundle`` models.
+
+Dimension letters: B images, K beams, L decoder layers, H heads, d head width, P past positions,
+N image tokens, V vocabulary, T' generated tokens.
+
+``OnnxCaptioner.generate`` takes ``ImageCaptioner.generate``'s arguments and decodes with the same
+search loops (``vitattn.models.search``); only the step differs: ``OnnxDecoderStep`` runs
+``decoder_step.onnx`` with the past keys/values it keeps. The cross-attention keys/values come from
+``encoder.onnx``, once per image, and are repeated for the K beams of an image.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from vitattn.bundle import Bundle
+from vitattn.bundle.onnx_folder import check_onnx_config, graph_path, kv_names, require_onnxruntime
+from vitattn.data.vocab import Vocabulary
+from vitattn.errors import brief, first_line
+from vitattn.models.search import SpecialIds, check_search, search
+
+__all__ = ["OnnxCaptioner", "OnnxClassifier", "OnnxDecoderStep", "load_onnx_folder"]
+
+log = logging.getLogger(__name__)
+
+
+def _numpy(x: Tensor) -> np.ndarray:
+    return x.detach().cpu().float().contiguous().numpy()
+
+
+class OnnxDecoderStep:
+    """``decoder_step.onnx`` as a ``DecodeStep``: it feeds the past keys/values of the previous call and
+    keeps the present ones it returns.
+
+    Args:
+        session: the decoder step's ``InferenceSession``.
+        cross: 2L arrays (B, H, N, d): each layer's cross-attention keys and values, one row per caption row.
+    """
+
+    def __init__(self, session: Any, cross: Sequence[np.ndarray]) -> None:
+        self.session = session
+        depth = len(cross) // 2
+        B, H, _, d = cross[0].shape
+        self.feed = dict(zip(kv_names("cross", depth), cross))
+        self.past_names = kv_names("past", depth)
+        self.past = [np.zeros((B, H, 0, d), dtype=np.float32) for _ in self.past_names]  # (B, H, P, d)
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        feed = {**self.feed, **dict(zip(self.past_names, self.past))}
+        feed["tokens"] = tokens[:, -1:].cpu().numpy().astype(np.int64)  # (B, 1)
+        logits, *self.past = self.session.run(None, feed)
+        return torch.from_numpy(logits)  # (B, V)
+
+    def reorder(self, index: Tensor) -> None:
+        rows = index.cpu().numpy()
+        self.past = [p[rows] for p in self.past]
+
+
+class OnnxCaptioner:
+    """An ONNX folder's caption model with ``ImageCaptioner``'s decoding methods.
+
+    Args:
+        encoder: ``encoder.onnx``'s session.
+        step: ``decoder_step.onnx``'s session.
+        decoder: ``onnx.json``'s ``decoder`` sizes and special ids.
+    """
+
+    def __init__(self, encoder: Any, step: Any, decoder: Mapping[str, int]) -> None:
+        self.encoder_session, self.step_session = encoder, step
+        self.max_len = decoder["max_len"]
+        self.vocab_size = decoder["vocab_size"]
+        self.special_ids = SpecialIds(decoder["pad_id"], decoder["bos_id"], decoder["eos_id"])
+
+    def eval(self) -> OnnxCaptioner:
+        return self
+
+    def check_generate(
+        self, max_new_tokens: int | None = None, num_beams: int = 1, do_sample: bool = False, temperature: float = 1.0
+    ) -> int:
+        """As ``ImageCaptioner.check_generate``."""
+        return check_search(self.max_len, max_new_tokens, num_beams, do_sample, temperature)
+
+    def encode(self, images: Tensor) -> list[np.ndarray]:
+        """(B, C, H, W) -> 2L arrays (B, H, N, d): each decoder layer's cross-attention keys and values."""
+        return self.encoder_session.run(None, {"images": _numpy(images)})
+
+    def decode_step(self, cross: Sequence[np.ndarray], max_new_tokens: int, use_cache: bool = True) -> OnnxDecoderStep:
+        """The ``DecodeStep`` over ``encode``'s output (the step always caches: ``use_cache`` is PyTorch's)."""
+        return OnnxDecoderStep(self.step_session, cross)
+
+    def generate(
+        self,
+        images: Tensor,
+        max_new_tokens: int | None = None,
+        num_beams: int = 1,
+        length_penalty: float = 1.0,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Caption images as ``ImageCaptioner.generate`` does (same arguments, same search); (B, T') on the CPU."""
+        max_new_tokens = self.check_generate(max_new_tokens, num_beams, do_sample, temperature)
+        cross = self.encode(images)
+        if num_beams > 1:  # one copy per beam, made once: the rows of an image's K beams are consecutive
+            cross = [np.repeat(c, num_beams, axis=0) for c in cross]
+        settings = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        step = self.decode_step(cross, max_new_tokens)
+        return search(
+            step, images.shape[0], max_new_tokens, self.special_ids, "cpu",
+            num_beams=num_beams, length_penalty=length_penalty, **settings,
+        )  # fmt: skip
+
+
+class OnnxClassifier:
+    """An ONNX folder's classifier: ``model(images)`` gives (B, num_classes) logits, as ``VisionTransformer``'s."""
+
+    def __init__(self, session: Any, num_classes: int) -> None:
+        self.session, self.num_classes = session, num_classes
+
+    def eval(self) -> OnnxClassifier:
+        return self
+
+    def __call__(self, images: Tensor) -> Tensor:
+        return torch.from_numpy(self.session.run(None, {"images": _numpy(images)})[0])
+
+
+def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Bundle:
+    """The ``Bundle`` of an ONNX folder, its model run by ONNX Runtime on the CPU with torch's thread count.
+
+    Raises:
+        MissingDependencyError: onnxruntime is not installed (the message says how to install it).
+        ValueError: ``onnx.json`` is from another format version, a graph was changed after export, or
+            the parts disagree (each a one-line message naming the fix).
+    """
+    ort = require_onnxruntime()
+    config = check_onnx_config(directory)
+    if torch.device(device).type != "cpu":
+        log.warning("%s runs on ONNX Runtime's CPU provider; device=%s is not used", directory, device)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()  # as many threads as the PyTorch runtime
+    options.inter_op_num_threads = 1
+    sessions = {}
+    for name in ("encoder", "decoder_step") if config["task"] == "caption" else ("classifier",):
+        path = graph_path(directory, config, name)
+        try:
+            sessions[name] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as err:  # noqa: BLE001 - onnxruntime raises its own error types for graphs it cannot run
+            raise ValueError(
+                f"{path} cannot be run by onnxruntime {ort.__version__}: {first_line(err)}; export it again with "
+                "this vitattn (vitattn-export model=RUN format=onnx out=DIR) or install a newer onnxruntime"
+            ) from None
+    preprocess, generate = config["preprocess"], dict(config.get("generate") or {})
+    if config["task"] == "classification":
+        names = config.get("class_names")
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{directory / 'onnx.json'} has no 'class_names' list of strings")
+        model = OnnxClassifier(sessions["classifier"], len(names))
+        return Bundle(model, "classification", preprocess, config, None, names, generate)
+    decoder = config["decoder"]
+    name = config.get("vocab_file", "vocab.json")
+    if not isinstance(name, str) or Path(name).name != name or not name:
+        raise ValueError(
+            f"{directory / 'onnx.json'} has vocab_file={brief(name)}; it must be a file name inside the folder"
+        )
+    vocab = Vocabulary.load(directory / name)
+    ids = (vocab.pad_id, vocab.bos_id, vocab.eos_id)
+    if len(vocab) != decoder["vocab_size"] or ids != (decoder["pad_id"], decoder["bos_id"], decoder["eos_id"]):
+        raise ValueError(
+            f"{directory}: the vocabulary ({len(vocab)} tokens, special ids {ids}) does not fit the decoder "
+            f"(vocab_size={decoder['vocab_size']}); export the folder again"
+        )
+    model = OnnxCaptioner(sessions["encoder"], sessions["decoder_step"], decoder)
+    try:
+        model.check_generate(
+            **{k: v for k, v in generate.items() if k in ("max_new_tokens", "num_beams", "do_sample", "temperature")}
+        )
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{directory / 'onnx.json'}: generate: {first_line(err)}") from None
+    return Bundle(model, "caption", preprocess, config, vocab, None, generate)
