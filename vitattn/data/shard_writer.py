@@ -125,7 +125,8 @@ def write_shards(
 
 
 def _write_parquet(path: Path, rows: list[dict]) -> None:
-    import pyarrow as pa  # optional: only parquet=True needs it
+    # optional: only parquet=True needs pyarrow
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     table = pa.table({column: [row[column] for row in rows] for column in rows[0]})

@@ -95,6 +95,7 @@ def read_shard(url: str, extensions: set[str] | None = None) -> Iterator[dict[st
         ShardError: the shard cannot be opened, is not a tar, or ends early; the message names the shard and
             the last whole sample's key.
     """
+    # webdataset loads only when shards are read, not with every import of vitattn.data
     from webdataset.gopen import gopen
     from webdataset.tariterators import group_by_keys, tar_file_expander
 

@@ -216,7 +216,8 @@ def _write(path: Path, rows: list[dict[str, Any]], fmt: str) -> None:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
         return
-    import pyarrow as pa  # optional: parquet output only
+    # optional: parquet output only
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     columns = sorted({k for row in rows for k in row} | {"key", "caption"})
