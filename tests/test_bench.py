@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -225,3 +226,18 @@ def test_benchmarks_use_vitattn_as_a_user_would():
         if re.search(r"^\s*(from|import) benchmarks", p.read_text(), re.M)
     ]
     assert not climbing, climbing
+
+
+@pytest.mark.slow
+def test_first_caption_times_the_import_and_each_caption_command():
+    from benchmarks.first_caption import first_caption, format_rows
+
+    result = first_caption(repeats=2, n_images=1)
+    wall = result["wall_s"]
+    assert set(wall) == {"import", *result["rows"]} and all(len(v) == 2 and min(v) > 0 for v in wall.values())
+    assert "vitattn-caption" in result["commands"]["caption"] and "images=" in result["commands"]["caption"]
+    for name, measured in result["rows"].items():
+        ratios = [c / i for c, i in zip(wall[name], wall["import"])]
+        assert measured["ratio"] == pytest.approx(statistics.median(wall[name]) / statistics.median(wall["import"]))
+        assert measured["ratio_range"] == [min(ratios), max(ratios)]
+    assert len(format_rows(result)) == len(result["rows"])

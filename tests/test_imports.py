@@ -1,12 +1,18 @@
 """The package's imports: the layering itself is the import-linter contract in pyproject.toml (``make lint``);
-here, the rule that an import inside a function is there for a reason written beside it."""
+here, the rule that an import inside a function is there for a reason written beside it, and that the
+inference path (the API, ``vitattn-caption``, ``vitattn-eval``, ``vitattn-serve``) imports no training package."""
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import make_caption_bundle, make_classifier_bundle, make_coco
 
 PACKAGE = Path(__file__).resolve().parents[1] / "vitattn"
 
@@ -40,3 +46,86 @@ def test_imports_inside_functions_say_why(path):
     lines = path.read_text(encoding="utf-8").splitlines()
     silent = [f"{path.name}:{node.lineno}" for node in _inner_imports(path) if not _has_reason(lines, node.lineno)]
     assert not silent, f"imports inside functions without a reason comment: {silent}"
+
+
+# What the inference path must not import: the training stack (Lightning, Hydra) and what only training,
+# figures or classification metrics use. Each case runs in a fresh interpreter, so that nothing imported by
+# the test session (conftest imports torch, helpers import Hydra) hides an import.
+TRAINING_ONLY = ("lightning", "pytorch_lightning", "hydra", "matplotlib", "torchmetrics")
+
+_REPORT = """
+import json, sys
+print(json.dumps(sorted(m for m in {modules!r} if m in sys.modules)))
+"""
+
+_INFERENCE_CASES = {
+    "Captioner.caption": """
+from vitattn import Captioner
+caption = Captioner.load(r"{caption}").caption(r"{image}")
+assert isinstance(caption, str) and caption, caption
+""",
+    "Classifier.predict": """
+from vitattn import Classifier
+prediction = Classifier.load(r"{classifier}").predict(r"{image}", top_k=2)
+assert prediction.labels and set(prediction.labels) <= {{"cat", "dog", "bird"}}, prediction
+""",
+    "vitattn-caption": """
+from pathlib import Path
+from vitattn.cli.caption import main
+status = main(["model={caption}", "images={image}", "out={out}/captions.jsonl", "num_workers=0", "progress=false"])
+assert status == 0 and len(Path(r"{out}/captions.jsonl").read_text().splitlines()) == 1
+""",
+    "vitattn-eval": """
+from vitattn.cli.evaluate import main
+status = main(["model={caption}", "references={references}", "image_dir={image_dir}", "out={out}/eval",
+               "num_workers=0", "progress=false"])
+assert status == 0, status
+""",
+    "vitattn-serve": """
+import base64
+from vitattn.cli.serve import parse_args
+from vitattn.serve import CaptionAPI, GracefulStop, build_server
+api = CaptionAPI(parse_args(["model={caption}"]).model)
+build_server(api, accelerator="cpu", stop=GracefulStop(timeout=5))
+api.setup("cpu")  # what each inference worker does, then one request
+request = api.decode_request({{"image": base64.b64encode(open(r"{image}", "rb").read()).decode()}})
+assert "caption" in api.predict([request])[0]
+""",
+}
+
+
+def _modules_after(code: str, **paths: Path) -> list[str]:
+    """The ``TRAINING_ONLY`` modules that ``code`` (formatted with ``paths``) leaves imported, in a fresh process."""
+    script = code.format(**paths) + _REPORT.format(modules=TRAINING_ONLY)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def inference_files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("inference")
+    coco = make_coco(root / "coco", num_train=1, num_val=2)
+    image = sorted(coco["image_dir"].glob("val_*.jpg"))[0]
+    return dict(
+        caption=make_caption_bundle(root / "caption"),
+        classifier=make_classifier_bundle(root / "classifier"),
+        image=image,
+        references=coco["val_annotations"],
+        image_dir=coco["image_dir"],
+        out=root,
+    )
+
+
+@pytest.mark.parametrize("case", list(_INFERENCE_CASES))
+def test_inference_path_imports_no_training_package(case, inference_files):
+    assert _modules_after(_INFERENCE_CASES[case], **inference_files) == []
+
+
+def test_attention_maps_import_matplotlib_when_asked(inference_files):
+    code = """
+from vitattn.cli.caption import main
+assert main(["model={caption}", "images={image}", "out={out}/maps.jsonl", "attention_maps={out}/maps",
+             "num_workers=0", "progress=false"]) == 0
+"""
+    assert "matplotlib" in _modules_after(code, **inference_files)

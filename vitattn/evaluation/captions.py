@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vitattn.bundle import Bundle
-from vitattn.data import EvalSplit
+from vitattn.data.eval_split import EvalSplit
 from vitattn.decoding import SEARCH_KEYS
 from vitattn.errors import brief
 from vitattn.evaluation.report import EvalReport

@@ -1,8 +1,9 @@
 """Which images to score, and against what: a user's files, or the training run's own split.
 
-The run's data comes from ``vitattn.data.datamodule_from_run`` and its ``evaluation_split``: image
-files with ids (COCO, Karpathy, ImageFolder) or ready batches (the built-in shapes). A COCO caption
-file (``references`` + ``image_dir``) or an ImageFolder tree (``data_root``) replaces the run's data.
+The run's data comes from ``vitattn.data.run_data.datamodule_from_run`` and its ``evaluation_split``:
+image files with ids (COCO, Karpathy, ImageFolder) or ready batches (the built-in shapes). A COCO
+caption file (``references`` + ``image_dir``) or an ImageFolder tree (``data_root``) replaces the
+run's data; only the run's own data imports Lightning and Hydra.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from vitattn.bundle import Bundle
-from vitattn.data import EvalSplit, datamodule_from_run, image_folder_split, load_coco_captions
-from vitattn.data.datamodules import SPLITS, open_image_folder
+from vitattn.data.coco import load_coco_captions
+from vitattn.data.eval_split import SPLITS, EvalSplit
+from vitattn.data.image_folder import image_folder_split, open_image_folder
 from vitattn.run_dir import RunDir
 
 __all__ = ["caption_split", "check_split", "labelled_split"]
@@ -43,6 +45,9 @@ def _run_split(
             "the model is not inside a training run (no config.yaml beside it), so there is no split to take; "
             f"give {wanted}"
         )
+    # heavy: the run's own data is its DataModule, rebuilt by Hydra (Lightning); a user's files need neither
+    from vitattn.data.run_data import datamodule_from_run
+
     datamodule = datamodule_from_run(
         run, vocab=bundle.vocab, batch_size=batch_size, num_workers=num_workers, **overrides
     )

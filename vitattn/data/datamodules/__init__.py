@@ -8,22 +8,18 @@ shuffling so that Lightning can swap in its ``DistributedSampler`` under DDP; ``
 the samples it repeats to even out the ranks.
 """
 
-from vitattn.data.datamodules.base import SPLITS, EvalSplit, ImageDataModule
+from vitattn.data.datamodules.base import ImageDataModule
 from vitattn.data.datamodules.coco import CocoCaptionDataModule
-from vitattn.data.datamodules.image_folder import ImageFolderDataModule, image_folder_split, open_image_folder
+from vitattn.data.datamodules.image_folder import ImageFolderDataModule
 from vitattn.data.datamodules.karpathy import KarpathyDataModule
 from vitattn.data.datamodules.shapes import ShapesDataModule
 from vitattn.data.datamodules.webdataset import WebDatasetDataModule
 
 __all__ = [
-    "SPLITS",
     "CocoCaptionDataModule",
-    "EvalSplit",
     "ImageDataModule",
     "ImageFolderDataModule",
     "KarpathyDataModule",
     "ShapesDataModule",
     "WebDatasetDataModule",
-    "image_folder_split",
-    "open_image_folder",
 ]

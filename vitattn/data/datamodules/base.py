@@ -16,7 +16,6 @@ import math
 import os
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -35,35 +34,11 @@ from vitattn.data.bad_images import (
 )
 from vitattn.data.cache import ImageCache, should_cache
 from vitattn.data.captions import TokenizedCaptions, collate_captions
+from vitattn.data.eval_split import SPLITS, EvalSplit
 from vitattn.data.preprocess import eval_transform
 from vitattn.data.vocab import Vocabulary
 
-__all__ = ["SPLITS", "EvalSplit", "ImageDataModule", "caption_vocab"]
-
-
-SPLITS = ("val", "test")
-
-
-@dataclass
-class EvalSplit:
-    """One split of a DataModule as evaluation sees it.
-
-    Attributes:
-        source: what the images are, for reports (a folder, a file, a generated split).
-        files: image files with ``ids`` (caption image ids, or class labels for classification);
-            the caller reads them, so that an unreadable file is counted, not fatal.
-        ids: one per file.
-        loader: batches ready for the model, when the images are not files (the built-in data).
-        references: caption task: image id -> reference captions.
-        synthetic: references list every correct caption, so exact match is meaningful.
-    """
-
-    source: str
-    files: list[str] = field(default_factory=list)
-    ids: list[Any] = field(default_factory=list)
-    loader: DataLoader | None = None
-    references: dict[Any, list[str]] | None = None
-    synthetic: bool = False
+__all__ = ["ImageDataModule", "caption_vocab"]
 
 
 class ImageDataModule(pl.LightningDataModule):

@@ -9,7 +9,8 @@ from typing import Any
 from vitattn.data.augment import CAPTION_CROP_SCALE, Augment, CaptionAugment
 from vitattn.data.cache import should_cache
 from vitattn.data.coco import CocoCaptionDataset, CocoImage
-from vitattn.data.datamodules.base import EvalSplit, ImageDataModule, caption_vocab
+from vitattn.data.datamodules.base import ImageDataModule, caption_vocab
+from vitattn.data.eval_split import EvalSplit
 
 __all__ = ["CaptionFilesDataModule"]
 

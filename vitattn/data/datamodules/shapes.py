@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from vitattn.data.datamodules.base import EvalSplit, ImageDataModule, caption_vocab
+from vitattn.data.datamodules.base import ImageDataModule, caption_vocab
+from vitattn.data.eval_split import EvalSplit
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
 from vitattn.data.transforms import normalize
 

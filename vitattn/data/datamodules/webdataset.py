@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 
 from vitattn.data.augment import CAPTION_CROP_SCALE, Augment, CaptionAugment, classification_train_transform
 from vitattn.data.captions import collate_captions
-from vitattn.data.datamodules.base import EvalSplit, ImageDataModule, caption_vocab
+from vitattn.data.datamodules.base import ImageDataModule, caption_vocab
+from vitattn.data.eval_split import EvalSplit
 from vitattn.data.shard_plan import EpochOrder, PositionSet, batches_per_rank, split_epoch
 from vitattn.data.shard_stream import EpochLoader, ShardBatch, ShardSamples, ShardStream, sample_caption
 from vitattn.data.shards import expand_shards, local_path, read_shard, shard_sizes
