@@ -21,6 +21,8 @@ from vitattn.inference import read_records
 from vitattn.metrics import compute_caption_metrics
 from vitattn.training import train
 
+pytestmark = pytest.mark.slow  # every test here needs the module's two trained runs (about a minute)
+
 pytest.importorskip("onnxruntime", reason="the onnx extra: pip install -e '.[onnx]'")
 
 SPLIT = 200  # test-split images compared
