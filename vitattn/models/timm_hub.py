@@ -1,20 +1,17 @@
 """timm model names with a pretrained tag: weights through timm's own pretrained machinery and cache.
 
 ``timm.create_model(name, pretrained=True)`` finds the weights in timm's cache (the Hugging Face hub
-cache, or torch hub's for the few weights behind a URL) and downloads them when they are not there.
-Here it never waits on a network that is not there: weights already cached are read with the hub
-offline, and uncached weights with the hub unreachable give one line that says how to point timm at
-a local copy (``pretrained_cfg_overlay=dict(file=...)``, which ``file`` passes).
+cache, or torch hub's for the few weights behind a URL). vitattn never downloads: it reads cached
+weights with the hub offline, or a local copy (timm's ``pretrained_cfg_overlay=dict(file=...)``, which
+``file`` passes); uncached weights give one line that says how to fetch them beforehand or give a file.
 """
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import timm
 from timm.models import get_pretrained_cfg, split_model_name_tag
@@ -25,8 +22,6 @@ from vitattn.models.timm_weights import quiet_timm
 from vitattn.upstream import timm_url_cached
 
 __all__ = ["pretrained_timm_model", "timm_pretrained_cfg"]
-
-CONNECT_TIMEOUT_S = 3.0  # a reachable hub answers a TCP connect well within this
 
 
 def timm_pretrained_cfg(name: str, downloadable: bool = True) -> Any:
@@ -49,7 +44,7 @@ def timm_pretrained_cfg(name: str, downloadable: bool = True) -> Any:
 
 
 def pretrained_timm_model(name: str, file: str | Path | None = None) -> nn.Module:
-    """``timm.create_model(name, pretrained=True)``, from timm's cache, a download, or ``file``.
+    """``timm.create_model(name, pretrained=True)``, from timm's cache or ``file``; never a download.
 
     Args:
         name: a timm model name, with a pretrained tag or timm's default one.
@@ -57,26 +52,22 @@ def pretrained_timm_model(name: str, file: str | Path | None = None) -> nn.Modul
             files go through the model's own JAX loader, as timm's ``custom_load`` does.
 
     Raises:
-        ValueError: an unknown name or tag; the weights are neither cached nor reachable (one line with
+        ValueError: an unknown name or tag; the weights are not cached and no file is given (one line with
             the fix); timm cannot load them.
     """
     cfg = timm_pretrained_cfg(name)
-    overlay, offline = None, False
+    overlay = None
     if file is not None:
         overlay = dict(file=str(file), custom_load=Path(file).suffix.lower() == ".npz")
-    elif _cached(cfg):
-        offline = True  # no request at all: nothing to wait for
-    else:
-        host, port = _host(cfg)
-        if _hub_offline_set() or not _reachable(host, port):
-            raise ValueError(
-                f"{name}: its weights are not in timm's cache and {host}:{port} cannot be reached (offline); "
-                f"download them where the network is reachable, or load a local copy with timm's "
-                f"pretrained_cfg_overlay=dict(file='/path/to/model.safetensors'), in vitattn "
-                f"finetune.pretrained={name}@/path/to/model.safetensors"
-            )
+    elif not _cached(cfg):
+        raise ValueError(
+            f"{name}: its weights are not in timm's cache and vitattn does not download; fetch them beforehand "
+            f"where the network is reachable (timm.create_model('{name}', pretrained=True)), "
+            f"or load a local copy with timm's pretrained_cfg_overlay=dict(file='/path/to/model.safetensors'), "
+            f"in vitattn finetune.pretrained={name}@/path/to/model.safetensors"
+        )
     try:
-        with _hub_offline(offline), quiet_timm():
+        with _hub_offline(), quiet_timm():  # the cache or the file: no request is ever made
             return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay)
     except Exception as err:  # noqa: BLE001 - the hub, torch and timm raise many types; the user gets one line
         where = f" from {file}" if file is not None else ""
@@ -97,40 +88,14 @@ def _cached(cfg: Any) -> bool:
     return timm_url_cached(cfg.url)
 
 
-def _host(cfg: Any) -> tuple[str, int]:
-    if cfg.hf_hub_id:
-        # optional: huggingface_hub comes with timm (vitattn does not declare it); only where the hub is asked
-        from huggingface_hub import constants
-
-        url = urlparse(constants.ENDPOINT)
-    else:
-        url = urlparse(cfg.url)
-    return url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
-
-
-def _reachable(host: str, port: int) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError:
-        return False
-    return True
-
-
-def _hub_offline_set() -> bool:
-    # optional: huggingface_hub comes with timm (vitattn does not declare it); only where the hub is asked
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE)
-
-
 @contextmanager
-def _hub_offline(offline: bool) -> Iterator[None]:
+def _hub_offline() -> Iterator[None]:
     """The hub's offline mode (``HF_HUB_OFFLINE``, read by the hub once at import) for the block."""
     # optional: huggingface_hub comes with timm (vitattn does not declare it); only where the hub is asked
     from huggingface_hub import constants
 
     before = constants.HF_HUB_OFFLINE
-    constants.HF_HUB_OFFLINE = offline or before
+    constants.HF_HUB_OFFLINE = True
     try:
         yield
     finally:
