@@ -2,6 +2,9 @@
 and one whose private attribute is gone says which library version broke it."""
 
 import inspect
+import os
+import subprocess
+import sys
 import threading
 from importlib.metadata import version
 from types import SimpleNamespace
@@ -11,7 +14,6 @@ import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from vitattn import upstream
 from vitattn.upstream import UpstreamChanged, request_sigterm_stop, set_litserve_shutdown, timm_url_cached
 
 
@@ -64,7 +66,9 @@ def test_timm_url_cached_finds_a_file_where_timms_loader_looks(tmp_path, monkeyp
 
 
 def test_timm_url_cached_names_the_timm_version_when_the_function_is_gone(monkeypatch):
-    monkeypatch.setattr(upstream, "_timm_check_cached_file", None)
+    from timm.models import _hub
+
+    monkeypatch.delattr(_hub, "check_cached_file")
     with pytest.raises(
         UpstreamChanged, match=rf"^timm {version('timm')} has no timm\.models\._hub\.check_cached_file;"
     ):
@@ -97,3 +101,37 @@ def test_set_litserve_shutdown_names_the_litserve_version_when_the_attribute_is_
     with pytest.raises(UpstreamChanged) as err:
         set_litserve_shutdown(SimpleNamespace())
     assert str(err.value).startswith(f"litserve {version('litserve')} has no LitServer._shutdown_event;")
+
+
+def _run_with_fake_wandb(tmp_path, code: str) -> str:
+    """Run ``code`` in a fresh Python whose ``wandb`` is a stand-in package that records being imported."""
+    fake = tmp_path / "site" / "wandb"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "import sys\nsys.fake_wandb_imports = getattr(sys, 'fake_wandb_imports', 0) + 1\n"
+        "def log(row):\n    sys.fake_wandb_logged = row\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip()
+
+
+def test_importing_vitattn_and_timm_leaves_wandb_unimported_until_timm_uses_it(tmp_path):
+    out = _run_with_fake_wandb(
+        tmp_path,
+        "import sys, vitattn.models, timm.utils.summary as summary\n"
+        "before = 'wandb' in sys.modules\n"
+        "summary.wandb.log({'loss': 1.0})\n"  # what timm's update_summary(log_wandb=True) does
+        "import wandb\n"
+        "print(before, sys.fake_wandb_imports, sys.fake_wandb_logged, wandb.log is summary.wandb.log)",
+    )
+    assert out == "False 1 {'loss': 1.0} True"
+
+
+def test_wandb_imported_before_vitattn_is_the_one_timm_sees(tmp_path):
+    out = _run_with_fake_wandb(
+        tmp_path,
+        "import sys, wandb, vitattn.models, timm.utils.summary as s\nprint(s.wandb is wandb, sys.fake_wandb_imports)",
+    )
+    assert out == "True 1"

@@ -1,7 +1,11 @@
 """vitattn: vision transformers for classification and captioning, built from the multi-head
 attention tutorial's layers (``vitattn.layers``), with Lightning systems and Hydra configs."""
 
+from vitattn.upstream import defer_wandb_in_timm
+
 __version__ = "0.1.0"
+
+defer_wandb_in_timm()  # before anything imports timm: its import would import wandb (see the function)
 
 __all__ = ["Captioner", "Classifier", "__version__"]
 

@@ -4,22 +4,30 @@ Where a public API does the job, vitattn uses it instead (Lightning's ``Timer.ti
 OmegaConf's ``DictConfig.items_ex``); what is left has no public equivalent. Each adapter checks that
 the attribute is still there and otherwise raises ``UpstreamChanged`` naming the library's version,
 so that an upgrade breaks here, in one line, rather than deep inside a run; ``tests/test_upstream.py``
-runs every adapter against the installed versions. This module imports only third-party code, and
-not Lightning (the inference side, which uses the timm adapter, does without it).
+runs every adapter against the installed versions. This module imports only the standard library at
+its top (``import vitattn`` runs ``defer_wandb_in_timm`` from here before anything imports timm).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.util
+import sys
 import time
 from importlib.metadata import version
+from types import ModuleType
 from typing import Any
 
-try:  # timm's own cache lookup for URL weights; private (timm.models._hub) and without a public alias
-    from timm.models._hub import check_cached_file as _timm_check_cached_file
-except ImportError:
-    _timm_check_cached_file = None
+__all__ = [
+    "UpstreamChanged",
+    "defer_wandb_in_timm",
+    "request_sigterm_stop",
+    "set_litserve_shutdown",
+    "timm_url_cached",
+]
 
-__all__ = ["UpstreamChanged", "request_sigterm_stop", "set_litserve_shutdown", "timm_url_cached"]
+_TIMM_SUMMARY = "timm.utils.summary"
 
 
 class UpstreamChanged(RuntimeError):
@@ -58,6 +66,70 @@ def set_litserve_shutdown(server: Any, poll_s: float = 0.05) -> None:
 
 def timm_url_cached(url: str) -> bool:
     """Whether timm's loader would find the weights at ``url`` in its cache (``TORCH_HOME``), without the hub."""
-    if _timm_check_cached_file is None:
+    from timm.models import _hub  # timm's own cache lookup, private and without a public alias; see module doc
+
+    check_cached_file = getattr(_hub, "check_cached_file", None)
+    if check_cached_file is None:
         raise UpstreamChanged("timm", "timm.models._hub.check_cached_file")
-    return bool(_timm_check_cached_file(url, check_hash=False))
+    return bool(check_cached_file(url, check_hash=False))
+
+
+def defer_wandb_in_timm() -> None:
+    """Keep ``import timm`` from importing wandb; timm's summary module gets wandb when it first uses it.
+
+    Every ``import timm`` reaches ``timm.utils.summary``, which imports wandb, when installed, for timm's own
+    training script (``update_summary(log_wandb=True)``): 0.4-0.8 s of every vitattn process here, for a
+    module vitattn never calls (its wandb logger is Lightning's, which imports wandb itself). While that one
+    module runs, ``import wandb`` fails as if wandb were absent, which timm expects; the module's ``wandb``
+    name then imports wandb on first use. Does nothing once timm's summary or wandb is imported.
+    """
+    if _TIMM_SUMMARY in sys.modules or "wandb" in sys.modules:
+        return
+    if not any(isinstance(finder, _TimmSummaryFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _TimmSummaryFinder())
+
+
+class _TimmSummaryFinder(importlib.abc.MetaPathFinder):
+    """Finds ``timm.utils.summary`` as the other finders do, and wraps its loader in ``_WithoutWandb``."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _TIMM_SUMMARY:
+            return None
+        sys.meta_path.remove(self)  # once: later imports of it come from sys.modules
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or "wandb" in sys.modules or importlib.util.find_spec("wandb") is None:
+            return spec
+        spec.loader = _WithoutWandb(spec.loader)
+        return spec
+
+
+class _WithoutWandb(importlib.abc.Loader):
+    """Runs a module with ``import wandb`` raising ``ImportError``; binds its ``wandb`` to an import-on-use proxy."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        sys.modules["wandb"] = None  # the import system's "not importable" mark
+        try:
+            self._loader.exec_module(module)
+        finally:
+            if "wandb" in sys.modules and sys.modules["wandb"] is None:
+                del sys.modules["wandb"]
+        module.wandb = _ImportedOnUse("wandb")
+
+    def __getattr__(self, name: str):  # get_source, get_filename, ... of the wrapped loader
+        return getattr(self._loader, name)
+
+
+class _ImportedOnUse:
+    """Stands for a module and imports it at the first attribute asked of it."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
