@@ -47,7 +47,8 @@ def read_image(path: str | os.PathLike | IO[bytes]) -> Image.Image:
         warnings.filterwarnings("ignore", category=UserWarning, module="PIL")
         with Image.open(path) as image:
             image.load()  # first frame; raises here for truncated or corrupt data
-            return upright_rgb(image)
+            ImageOps.exif_transpose(image, in_place=True)  # the image is this function's own: no copy
+            return _to_rgb(image)
 
 
 def upright_rgb(image: Image.Image) -> Image.Image:
