@@ -8,10 +8,11 @@ layers, a 2-layer decoder; speed does not depend on the weights), saved as a bun
 JPEGs of the built-in shapes. The command is the installed console script with its defaults, as a
 new user runs it; its output file is removed before each run, so that every run captions every image.
 
-With the ``trackers`` extra installed, importing timm imports wandb too (``timm.utils.summary`` tries
-it at import time, for timm's own training script), which no vitattn code asks for. So the caption
-command is timed twice: as installed here, and as in an install without that extra (a ``wandb``
-module that raises ``ImportError``, as a missing package does, first on ``PYTHONPATH``).
+With the ``trackers`` extra installed, importing timm would import wandb too (``timm.utils.summary``
+tries it at import time, for timm's own training script); ``import vitattn`` defers that import to
+wandb's first use. The caption command is timed twice, as installed here and as in an install without
+that extra (a ``wandb`` module that raises ``ImportError``, as a missing package does, first on
+``PYTHONPATH``), so that a regression shows as a gap between the two rows.
 
 All commands run with ``OMP_NUM_THREADS=--threads`` (1 by default: on a shared machine a second
 OpenMP thread that a neighbour deschedules stalls every parallel region, and the few matrix products of
