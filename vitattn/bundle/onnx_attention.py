@@ -20,9 +20,9 @@ from torch import Tensor, nn
 
 from vitattn.layers import EncoderLayer, MultiHeadAttention
 
-__all__ = ["CONTRIB_OPSET", "for_export"]
+__all__ = ["contrib_opsets", "for_export"]
 
-CONTRIB_OPSET = {"com.microsoft": 1}  # the domain of ONNX Runtime's contrib ops, for ``torch.onnx.export``
+_CONTRIB_OPSET = {"com.microsoft": 1}  # the domain of ONNX Runtime's contrib ops
 
 
 class _Attention(torch.autograd.Function):
@@ -77,3 +77,9 @@ def for_export(model: nn.Module) -> nn.Module:
         if isinstance(layer, EncoderLayer):
             layer.mha = _ContribSelfAttention(layer.mha)
     return model
+
+
+def contrib_opsets(module: nn.Module) -> dict[str, int]:
+    """``torch.onnx.export``'s ``custom_opsets`` for ``module``: the contrib domain when ``for_export``
+    wrote an ``Attention`` op in it (the exporter warns about a domain the graph does not use)."""
+    return _CONTRIB_OPSET if any(isinstance(m, _ContribSelfAttention) for m in module.modules()) else {}

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from vitattn.bundle.folder import VOCAB_FILE, Bundle, plain_json
-from vitattn.bundle.onnx_attention import CONTRIB_OPSET, for_export
+from vitattn.bundle.onnx_attention import contrib_opsets, for_export
 from vitattn.bundle.onnx_folder import (
     GRAPHS,
     ONNX_CONFIG_FILE,
@@ -199,7 +199,7 @@ def _export(
             output_names=outputs,
             dynamic_axes=axes,
             opset_version=OPSET,
-            custom_opsets=CONTRIB_OPSET,
+            custom_opsets=contrib_opsets(module),
             dynamo=False,
         )
 
