@@ -24,7 +24,7 @@ from vitattn.bundle import Bundle
 from vitattn.bundle.onnx_folder import check_onnx_config, graph_path, kv_names, require_onnxruntime
 from vitattn.data.vocab import Vocabulary
 from vitattn.errors import brief, first_line
-from vitattn.models.search import SpecialIds, check_search, search
+from vitattn.models.search import CaptionSearch, SpecialIds
 
 __all__ = ["OnnxCaptioner", "OnnxClassifier", "OnnxDecoderStep", "load_onnx_folder"]
 
@@ -63,8 +63,8 @@ class OnnxDecoderStep:
         self.past = [p[rows] for p in self.past]
 
 
-class OnnxCaptioner:
-    """An ONNX folder's caption model with ``ImageCaptioner``'s decoding methods.
+class OnnxCaptioner(CaptionSearch):
+    """An ONNX folder's caption model, decoded by ``CaptionSearch`` as ``ImageCaptioner`` is.
 
     Args:
         encoder: ``encoder.onnx``'s session.
@@ -81,12 +81,6 @@ class OnnxCaptioner:
     def eval(self) -> OnnxCaptioner:
         return self
 
-    def check_generate(
-        self, max_new_tokens: int | None = None, num_beams: int = 1, do_sample: bool = False, temperature: float = 1.0
-    ) -> int:
-        """As ``ImageCaptioner.check_generate``."""
-        return check_search(self.max_len, max_new_tokens, num_beams, do_sample, temperature)
-
     def encode(self, images: Tensor) -> list[np.ndarray]:
         """(B, C, H, W) -> 2L arrays (B, H, N, d): each decoder layer's cross-attention keys and values."""
         return self.encoder_session.run(None, {"images": _numpy(images)})
@@ -95,30 +89,14 @@ class OnnxCaptioner:
         """The ``DecodeStep`` over ``encode``'s output (the step always caches: ``use_cache`` is PyTorch's)."""
         return OnnxDecoderStep(self.step_session, cross)
 
-    def generate(
-        self,
-        images: Tensor,
-        max_new_tokens: int | None = None,
-        num_beams: int = 1,
-        length_penalty: float = 1.0,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        use_cache: bool = True,
-        generator: torch.Generator | None = None,
-    ) -> Tensor:
-        """Caption images as ``ImageCaptioner.generate`` does (same arguments, same search); (B, T') on the CPU."""
-        max_new_tokens = self.check_generate(max_new_tokens, num_beams, do_sample, temperature)
+    def start_search(
+        self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
+    ) -> tuple[OnnxDecoderStep, str]:
+        """``CaptionSearch.start_search``: ``decoder_step.onnx`` over ``encoder.onnx``'s keys/values."""
         cross = self.encode(images)
         if num_beams > 1:  # one copy per beam, made once: the rows of an image's K beams are consecutive
             cross = [np.repeat(c, num_beams, axis=0) for c in cross]
-        settings = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-        step = self.decode_step(cross, max_new_tokens)
-        return search(
-            step, images.shape[0], max_new_tokens, self.special_ids, "cpu",
-            num_beams=num_beams, length_penalty=length_penalty, **settings,
-        )  # fmt: skip
+        return self.decode_step(cross, max_new_tokens), "cpu"
 
 
 class OnnxClassifier:

@@ -16,7 +16,7 @@ from timm.layers import trunc_normal_
 from torch import Tensor, nn
 
 from vitattn.layers import DecoderLayer, LayerCache, check_heads
-from vitattn.models.search import SpecialIds, check_search, search
+from vitattn.models.search import CaptionSearch, SpecialIds
 from vitattn.models.vit import VisionTransformer, layer_groups
 
 __all__ = ["CaptionDecoder", "DecoderStep", "ImageCaptioner"]
@@ -144,7 +144,7 @@ class CaptionDecoder(nn.Module):
         return self.head(self.norm(x))  # (B, t, V)
 
 
-class ImageCaptioner(nn.Module):
+class ImageCaptioner(nn.Module, CaptionSearch):
     """A ``VisionTransformer`` encoder and a ``CaptionDecoder`` over its tokens.
 
     ``forward(images, tokens)`` gives teacher-forced logits; ``generate`` decodes.
@@ -188,51 +188,17 @@ class ImageCaptioner(nn.Module):
         logp = logits.float().log_softmax(-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)  # (B, T)
         return (logp * (generated != dec.pad_id)).sum(dim=1)
 
-    @torch.no_grad()
-    def generate(
-        self,
-        images: Tensor,
-        max_new_tokens: int | None = None,
-        num_beams: int = 1,
-        length_penalty: float = 1.0,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        use_cache: bool = True,
-        generator: torch.Generator | None = None,
-    ) -> Tensor:
-        """Caption images.
+    @property
+    def max_len(self) -> int:
+        return self.decoder.max_len
 
-        Args:
-            images: (B, C, H, W).
-            max_new_tokens: most tokens per caption, ``<eos>`` included; None: ``max_len - 1``.
-            num_beams: beam width; 1 is greedy (or sampling with ``do_sample``).
-            length_penalty: beams are ranked by ``log p / length ** length_penalty``.
-            do_sample: sample instead of taking the most likely token (``num_beams`` must be 1).
-            temperature, top_k, top_p: sampling filters (``top_k=0`` and ``top_p=1`` keep all).
-            use_cache: incremental decoding with the key/value cache; False recomputes every step.
-            generator: random generator for sampling.
-
-        Returns:
-            (B, T') token ids without ``<bos>``, ending in ``<eos>`` and padded with ``<pad>``;
-            T' ≤ ``max_new_tokens``.
-        """
-        max_new_tokens = self.check_generate(max_new_tokens, num_beams, do_sample, temperature)
-        memory = self.encode(images)  # (B, N, D), once per image: beams share it
-        step = self.decode_step(memory, max_new_tokens, use_cache)
-        settings = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-        return search(
-            step, memory.shape[0], max_new_tokens, self.special_ids, memory.device,
-            num_beams=num_beams, length_penalty=length_penalty, **settings,
-        )  # fmt: skip
-
-    def check_generate(
-        self, max_new_tokens: int | None = None, num_beams: int = 1, do_sample: bool = False, temperature: float = 1.0
-    ) -> int:
-        """Refuse ``generate`` settings it cannot decode with (a one-line ``ValueError``); returns
-        ``max_new_tokens`` with None replaced by ``max_len - 1``."""
-        return check_search(self.decoder.max_len, max_new_tokens, num_beams, do_sample, temperature)
+    def start_search(
+        self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
+    ) -> tuple[DecoderStep, torch.device]:
+        """``CaptionSearch.start_search``: the decoder's step over the image tokens (B, N, D), which it
+        projects once per image for the K beams of each."""
+        memory = self.encode(images)  # (B, N, D)
+        return self.decode_step(memory, max_new_tokens, use_cache), memory.device
 
     def decode_step(self, memory: Tensor, max_new_tokens: int, use_cache: bool = True) -> DecoderStep:
         """The PyTorch ``DecodeStep`` over image tokens ``memory`` (B, N, D), for the shared search loops."""

@@ -4,7 +4,9 @@ Dimension letters: B images, K beams, t positions so far, T' generated tokens, V
 
 A ``DecodeStep`` turns the caption so far into the next token's logits and keeps its own key/value
 cache; ``ImageCaptioner`` gives one that runs its PyTorch decoder, and the ONNX runtime one that runs
-an exported decoder step. The search loops here are the only ones, so both runtimes decode alike.
+an exported decoder step. The search loops here are the only ones, so both runtimes decode alike;
+``CaptionSearch`` gives both caption models the same ``generate``, each saying only how it encodes
+images and builds its step (``start_search``).
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "CaptionSearch",
     "DecodeStep",
     "SpecialIds",
     "beam_search",
     "check_search",
     "greedy_search",
     "sample_token",
-    "search",
     "sequence_log_prob",
 ]
 
@@ -70,27 +72,65 @@ def check_search(
     return max_new_tokens
 
 
-def search(
-    step: DecodeStep,
-    batch_size: int,
-    max_new_tokens: int,
-    ids: SpecialIds,
-    device: torch.device | str = "cpu",
-    *,
-    num_beams: int = 1,
-    length_penalty: float = 1.0,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """Beam search when ``num_beams > 1``, else greedy or (``do_sample``) sampled decoding: ``generate``'s
-    settings, already checked by ``check_search``. Returns (B, T') token ids."""
-    if num_beams > 1:
-        return beam_search(step, batch_size, max_new_tokens, num_beams, ids, length_penalty, device)
-    sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator) if do_sample else None
-    return greedy_search(step, batch_size, max_new_tokens, ids, device, sample)
+class CaptionSearch:
+    """``generate`` and ``check_generate`` of a caption model, the same for every runtime: a runtime
+    gives its ``max_len`` and ``special_ids`` and says how it encodes images and runs a step
+    (``start_search``)."""
+
+    max_len: int
+    special_ids: SpecialIds
+
+    def start_search(
+        self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
+    ) -> tuple[DecodeStep, torch.device | str]:
+        """Encode images (B, C, H, W), once per image, and return the ``DecodeStep`` over them for B * K
+        rows (the K beams of an image consecutive) and the device the search's tokens live on."""
+        raise NotImplementedError
+
+    def check_generate(
+        self, max_new_tokens: int | None = None, num_beams: int = 1, do_sample: bool = False, temperature: float = 1.0
+    ) -> int:
+        """Refuse ``generate`` settings it cannot decode with (a one-line ``ValueError``); returns
+        ``max_new_tokens`` with None replaced by ``max_len - 1``."""
+        return check_search(self.max_len, max_new_tokens, num_beams, do_sample, temperature)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        images: Tensor,
+        max_new_tokens: int | None = None,
+        num_beams: int = 1,
+        length_penalty: float = 1.0,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Caption images.
+
+        Args:
+            images: (B, C, H, W).
+            max_new_tokens: most tokens per caption, ``<eos>`` included; None: ``max_len - 1``.
+            num_beams: beam width; 1 is greedy (or sampling with ``do_sample``).
+            length_penalty: beams are ranked by ``log p / length ** length_penalty``.
+            do_sample: sample instead of taking the most likely token (``num_beams`` must be 1).
+            temperature, top_k, top_p: sampling filters (``top_k=0`` and ``top_p=1`` keep all).
+            use_cache: incremental decoding with the key/value cache; False recomputes every step.
+            generator: random generator for sampling.
+
+        Returns:
+            (B, T') token ids without ``<bos>``, ending in ``<eos>`` and padded with ``<pad>``;
+            T' ≤ ``max_new_tokens``.
+        """
+        max_new_tokens = self.check_generate(max_new_tokens, num_beams, do_sample, temperature)
+        step, device = self.start_search(images, max_new_tokens, num_beams, use_cache)
+        B = images.shape[0]
+        if num_beams > 1:
+            return beam_search(step, B, max_new_tokens, num_beams, self.special_ids, length_penalty, device)
+        sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator) if do_sample else None
+        return greedy_search(step, B, max_new_tokens, self.special_ids, device, sample)
 
 
 def sequence_log_prob(step: DecodeStep, generated: Tensor, ids: SpecialIds) -> Tensor:

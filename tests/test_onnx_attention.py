@@ -1,0 +1,48 @@
+"""The export copy whose encoder self-attention is ONNX Runtime's contrib ``Attention`` op."""
+
+import pytest
+import torch
+
+from vitattn import Classifier
+from vitattn.bundle import load_bundle, save_bundle
+from vitattn.bundle.onnx_attention import contrib_opsets, for_export
+from vitattn.bundle.onnx_export import export_onnx
+from vitattn.data.preprocess import default_preprocess
+from vitattn.layers import EncoderLayer
+from vitattn.models import VisionTransformer
+
+TINY_VIT = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_for_export_copy_computes_the_models_logits_and_leaves_it_unchanged(norm_first):
+    torch.manual_seed(0)
+    model = VisionTransformer(**TINY_VIT, norm_first=norm_first).eval()
+    images = torch.randn(3, 3, 32, 32)
+    export = for_export(model)
+    with torch.no_grad():
+        torch.testing.assert_close(export(images), model(images))
+    assert contrib_opsets(export) and not contrib_opsets(model)
+    assert all(m.mha.fused_attn for m in model.modules() if isinstance(m, EncoderLayer))
+
+
+def test_for_export_refuses_a_masked_encoder_layer():
+    layer = for_export(EncoderLayer(32, 2, 64)).eval()
+    x = torch.randn(2, 5, 32)
+    with pytest.raises(ValueError, match="unmasked self-attention"):
+        layer(x, torch.zeros(5, 5))
+
+
+def test_an_exported_classifier_runs_contrib_attention_on_onnxruntime_as_pytorch(tmp_path):
+    pytest.importorskip("onnxruntime", reason="the onnx extra: pip install -e '.[onnx]'")
+    onnx = pytest.importorskip("onnx", reason="the onnx extra: pip install -e '.[onnx]'")
+    torch.manual_seed(0)
+    model = VisionTransformer(**TINY_VIT).eval()
+    bundle = save_bundle(tmp_path / "bundle", model, task="classification", preprocess=default_preprocess(32))
+    folder = export_onnx(load_bundle(bundle), tmp_path / "onnx")
+    ops = {node.op_type for node in onnx.load(folder / "classifier.onnx").graph.node}
+    assert "Attention" in ops and "Softmax" not in ops
+    images = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        expected = model(images)
+    torch.testing.assert_close(Classifier.load(folder).model(images), expected, atol=1e-4, rtol=1e-4)
