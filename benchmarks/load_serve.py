@@ -216,9 +216,11 @@ def run(cfg: Any) -> int:
                 name, data = good[i % len(good)]
                 _send(probe, server.url, name, data, i % 2 == 1).raise_for_status()
 
-        def sample_rss() -> None:
-            while not stop.is_set():
+        def sample_rss() -> None:  # every 0.25 s, and once more when the last request is answered
+            while True:
                 rss.append((time.monotonic(), tree_rss_kib(server.proc.pid) * 1024))
+                if stop.is_set():
+                    return
                 stop.wait(0.25)
 
         sampler = threading.Thread(target=sample_rss, daemon=True)

@@ -91,12 +91,13 @@ class OnnxCaptioner(CaptionSearch):
 
     def start_search(
         self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
-    ) -> tuple[OnnxDecoderStep, str]:
+    ) -> tuple[OnnxDecoderStep, int, str]:
         """``CaptionSearch.start_search``: ``decoder_step.onnx`` over ``encoder.onnx``'s keys/values."""
         cross = self.encode(images)
+        batch = cross[0].shape[0]
         if num_beams > 1:  # one copy per beam, made once: the rows of an image's K beams are consecutive
             cross = [np.repeat(c, num_beams, axis=0) for c in cross]
-        return self.decode_step(cross, max_new_tokens), "cpu"
+        return self.decode_step(cross, max_new_tokens), batch, "cpu"
 
 
 class OnnxClassifier:

@@ -194,11 +194,11 @@ class ImageCaptioner(nn.Module, CaptionSearch):
 
     def start_search(
         self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
-    ) -> tuple[DecoderStep, torch.device]:
+    ) -> tuple[DecoderStep, int, torch.device]:
         """``CaptionSearch.start_search``: the decoder's step over the image tokens (B, N, D), which it
         projects once per image for the K beams of each."""
         memory = self.encode(images)  # (B, N, D)
-        return self.decode_step(memory, max_new_tokens, use_cache), memory.device
+        return self.decode_step(memory, max_new_tokens, use_cache), memory.shape[0], memory.device
 
     def decode_step(self, memory: Tensor, max_new_tokens: int, use_cache: bool = True) -> DecoderStep:
         """The PyTorch ``DecodeStep`` over image tokens ``memory`` (B, N, D), for the shared search loops."""

@@ -82,9 +82,10 @@ class CaptionSearch:
 
     def start_search(
         self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
-    ) -> tuple[DecodeStep, torch.device | str]:
+    ) -> tuple[DecodeStep, int, torch.device | str]:
         """Encode images (B, C, H, W), once per image, and return the ``DecodeStep`` over them for B * K
-        rows (the K beams of an image consecutive) and the device the search's tokens live on."""
+        rows (the K beams of an image consecutive), B (the images encoded) and the device the search's
+        tokens live on."""
         raise NotImplementedError
 
     def check_generate(
@@ -125,8 +126,7 @@ class CaptionSearch:
             T' ≤ ``max_new_tokens``.
         """
         max_new_tokens = self.check_generate(max_new_tokens, num_beams, do_sample, temperature)
-        step, device = self.start_search(images, max_new_tokens, num_beams, use_cache)
-        B = images.shape[0]
+        step, B, device = self.start_search(images, max_new_tokens, num_beams, use_cache)
         if num_beams > 1:
             return beam_search(step, B, max_new_tokens, num_beams, self.special_ids, length_penalty, device)
         sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator) if do_sample else None
