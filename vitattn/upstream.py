@@ -13,11 +13,13 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import sys
 import time
 from importlib.metadata import version
 from types import ModuleType
 from typing import Any
+from urllib.parse import urlparse
 
 __all__ = [
     "UpstreamChanged",
@@ -64,14 +66,17 @@ def set_litserve_shutdown(server: Any, poll_s: float = 0.05) -> None:
     server._shutdown_event.set()
 
 
-def timm_url_cached(url: str) -> bool:
-    """Whether timm's loader would find the weights at ``url`` in its cache (``TORCH_HOME``), without the hub."""
+def timm_url_cached(url: str) -> str | None:
+    """The file where timm's loader keeps the weights at ``url`` (``TORCH_HOME``), or None when it is not there."""
     from timm.models import _hub  # timm's own cache lookup, private and without a public alias; see module doc
 
     check_cached_file = getattr(_hub, "check_cached_file", None)
-    if check_cached_file is None:
+    get_cache_dir = getattr(_hub, "get_cache_dir", None)
+    if check_cached_file is None or get_cache_dir is None:
         raise UpstreamChanged("timm", "timm.models._hub.check_cached_file")
-    return bool(check_cached_file(url, check_hash=False))
+    if not check_cached_file(url, check_hash=False):
+        return None
+    return os.path.join(get_cache_dir(), os.path.basename(urlparse(url).path))
 
 
 def defer_wandb_in_timm() -> None:

@@ -1,15 +1,13 @@
 """timm model names with a pretrained tag: weights through timm's own pretrained machinery and cache.
 
-``timm.create_model(name, pretrained=True)`` finds the weights in timm's cache (the Hugging Face hub
-cache, or torch hub's for the few weights behind a URL). vitattn never downloads: it reads cached
-weights with the hub offline, or a local copy (timm's ``pretrained_cfg_overlay=dict(file=...)``, which
-``file`` passes); uncached weights give one line that says how to fetch them beforehand or give a file.
+vitattn never downloads: it finds the weights' file in timm's cache (the Hugging Face hub cache, or torch
+hub's for the few weights behind a URL) or takes a local copy (``NAME@FILE``), and has timm load that file
+(``pretrained_cfg_overlay=dict(file=...)``: timm's loader then reads the file and asks neither the hub nor
+a URL). Uncached weights give one line that says how to fetch them beforehand or give a file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +42,7 @@ def timm_pretrained_cfg(name: str, downloadable: bool = True) -> Any:
 
 
 def pretrained_timm_model(name: str, file: str | Path | None = None) -> nn.Module:
-    """``timm.create_model(name, pretrained=True)``, from timm's cache or ``file``; never a download.
+    """timm's pretrained model ``name`` with its weights from timm's cache or ``file``; never a download.
 
     Args:
         name: a timm model name, with a pretrained tag or timm's default one.
@@ -56,47 +54,33 @@ def pretrained_timm_model(name: str, file: str | Path | None = None) -> nn.Modul
             the fix); timm cannot load them.
     """
     cfg = timm_pretrained_cfg(name)
-    overlay = None
-    if file is not None:
-        overlay = dict(file=str(file), custom_load=Path(file).suffix.lower() == ".npz")
-    elif not _cached(cfg):
+    local = file if file is not None else _cached_file(cfg)
+    if local is None:
         raise ValueError(
             f"{name}: its weights are not in timm's cache and vitattn does not download; fetch them beforehand "
             f"where the network is reachable (timm.create_model('{name}', pretrained=True)), "
             f"or load a local copy with timm's pretrained_cfg_overlay=dict(file='/path/to/model.safetensors'), "
             f"in vitattn finetune.pretrained={name}@/path/to/model.safetensors"
         )
+    overlay = dict(file=str(local), custom_load=Path(local).suffix.lower() == ".npz")
     try:
-        with _hub_offline(), quiet_timm():  # the cache or the file: no request is ever made
+        with quiet_timm():  # pretrained with a file: timm loads that file (its filters, head and input adaptation)
             return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay)
     except Exception as err:  # noqa: BLE001 - the hub, torch and timm raise many types; the user gets one line
         where = f" from {file}" if file is not None else ""
         raise ValueError(f"{name}: timm cannot load its pretrained weights{where}: {first_line(err)}") from None
 
 
-def _cached(cfg: Any) -> bool:
-    """Whether timm would find ``cfg``'s weights in its cache (as its loader looks for them)."""
+def _cached_file(cfg: Any) -> str | None:
+    """The file of ``cfg``'s weights in timm's cache (where its loader looks for them), or None."""
     if cfg.hf_hub_id:
         # optional: huggingface_hub comes with timm (vitattn does not declare it); only where the hub is asked
         from huggingface_hub import try_to_load_from_cache
 
         repo, _, revision = cfg.hf_hub_id.partition("@")
         names = [cfg.hf_hub_filename] if cfg.hf_hub_filename else ["pytorch_model.bin"]
-        names += [n[: -len(".bin")] + ".safetensors" for n in names if n.endswith(".bin")]  # timm's safe alternatives
+        names = [n[: -len(".bin")] + ".safetensors" for n in names if n.endswith(".bin")] + names  # timm's safe first
         names += ["model.safetensors", "open_clip_model.safetensors"]
-        return any(isinstance(try_to_load_from_cache(repo, n, revision=revision or None), str) for n in names)
+        found = (try_to_load_from_cache(repo, n, revision=revision or None) for n in names)
+        return next((path for path in found if isinstance(path, str)), None)
     return timm_url_cached(cfg.url)
-
-
-@contextmanager
-def _hub_offline() -> Iterator[None]:
-    """The hub's offline mode (``HF_HUB_OFFLINE``, read by the hub once at import) for the block."""
-    # optional: huggingface_hub comes with timm (vitattn does not declare it); only where the hub is asked
-    from huggingface_hub import constants
-
-    before = constants.HF_HUB_OFFLINE
-    constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        constants.HF_HUB_OFFLINE = before
