@@ -232,18 +232,16 @@ def _quantize(folder: Path, graphs: tuple[str, ...]) -> None:
             (folder / f"{name}.onnx").rename(fp32)
             graph = onnx.load(fp32).graph
             weights = {w.name for w in graph.initializer}
-            between_activations = [
+            kept_fp32 = [  # the products of two activations, and the decoder step's vocabulary projection
                 n.name for n in graph.node if n.op_type == "MatMul" and not any(x in weights for x in n.input)
-            ]
-            if name == "decoder_step":
-                between_activations.append(_logits_product(graph))
+            ] + ([_logits_product(graph)] if name == "decoder_step" else [])
             quantize_dynamic(
                 fp32,
                 folder / f"{name}.onnx",
                 weight_type=QuantType.QInt8,
                 per_channel=True,
                 reduce_range=True,
-                nodes_to_exclude=between_activations,
+                nodes_to_exclude=kept_fp32,
                 op_types_to_quantize=["MatMul", "Attention"],
             )
             fp32.unlink()
