@@ -231,7 +231,9 @@ def test_decoder_layer_memory_once_per_image_equals_memory_per_beam(cached):
         if not cached:
             return layer(x, mem)
         cache = LayerCache(L)
-        return torch.cat([layer(x[:, t : t + 1], mem, cache) for t in range(L)], dim=1)
+        out = torch.cat([layer(x[:, t : t + 1], mem, cache) for t in range(L)], dim=1)
+        assert cache.cross_k.shape == (mem.shape[0], H, 9, D // H)  # one copy per image, not one per beam
+        return out
 
     torch.testing.assert_close(run(memory), run(memory.repeat_interleave(K, dim=0)), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="memory batch 4 must divide the caption batch 6"):

@@ -44,7 +44,11 @@ OPSET = 17
 
 
 class EncoderGraph(nn.Module):
-    """Images -> each decoder layer's cross-attention keys and values, (B, H, N, d) each."""
+    """Images -> each decoder layer's cross-attention keys, (B, H, d, N), and values, (B, H, N, d).
+
+    The keys leave transposed, once per image: every decoding step multiplies queries by them
+    (``q @ kᵀ``), and ONNX Runtime's product over a transposed operand reads it more slowly.
+    """
 
     def __init__(self, model: ImageCaptioner) -> None:
         super().__init__()
@@ -55,17 +59,18 @@ class EncoderGraph(nn.Module):
         heads = []
         for layer in self.model.decoder.layers:
             k, v = layer.mha2.project_kv(memory, memory)  # (B, H, N, d) each
-            heads += [k.contiguous(), v.contiguous()]
+            heads += [k.transpose(2, 3).contiguous(), v.contiguous()]  # (B, H, d, N), (B, H, N, d)
         return tuple(heads)
 
 
 class _PastCache(LayerCache):
     """A ``LayerCache`` whose past keys/values are given and whose new ones are kept as ``present``."""
 
-    def __init__(self, past_k: Tensor, past_v: Tensor, cross_k: Tensor, cross_v: Tensor) -> None:
+    def __init__(self, past_k: Tensor, past_v: Tensor, cross_kt: Tensor, cross_v: Tensor) -> None:
         super().__init__()
         self.past = (past_k, past_v)
-        self.cross_k, self.cross_v = cross_k, cross_v
+        # (B / K, H, d, N) -> (B / K, H, N, d); the attention's q @ kᵀ transposes back: ONNX Runtime drops the pair
+        self.cross_k, self.cross_v = cross_kt.transpose(2, 3), cross_v
         self.present: tuple[Tensor, Tensor] = self.past
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -74,8 +79,10 @@ class _PastCache(LayerCache):
 
 
 class DecoderStepGraph(nn.Module):
-    """One token (B, 1), the past self-attention keys/values (B, H, P, d) and the cross ones (B, H, N, d)
-    of each layer -> the next token's logits (B, V) and the keys/values with the token added (B, H, P+1, d)."""
+    """One token (B, 1), the past self-attention keys/values (B, H, P, d) and the cross ones of each
+    layer, once per image (keys (B / K, H, d, N), values (B / K, H, N, d); the K beams of an image are
+    consecutive rows) -> the next token's logits (B, V) and the keys/values with the token added
+    (B, H, P+1, d)."""
 
     def __init__(self, decoder: CaptionDecoder) -> None:
         super().__init__()
@@ -158,12 +165,13 @@ def _export_captioner(model: ImageCaptioner, images: Tensor, folder: Path) -> di
     L = len(dec.layers)
     cross = EncoderGraph(model)(images)  # 2L x (B, H, N, d)
     _export(EncoderGraph(for_export(model)), (images,), folder / "encoder.onnx", ["images"], kv_names("cross", L), {})
-    B, H, _, d = cross[0].shape
-    past = [torch.randn(B, H, 3, d) for _ in range(2 * L)]  # a past of 3 positions: any length traces alike
-    tokens = torch.full((B, 1), dec.bos_id, dtype=torch.long)
+    B, H, _, d = cross[1].shape
+    # traced with 2 rows per image (beams) and a past of 3 positions: any beam count and length run alike
+    past = [torch.randn(2 * B, H, 3, d) for _ in range(2 * L)]
+    tokens = torch.full((2 * B, 1), dec.bos_id, dtype=torch.long)
     past_axes = {name: {0: "batch", 2: "past"} for name in kv_names("past", L)}
     present_axes = {name: {0: "batch", 2: "past_plus_one"} for name in kv_names("present", L)}
-    cross_axes = {name: {0: "batch"} for name in kv_names("cross", L)}
+    cross_axes = {name: {0: "images"} for name in kv_names("cross", L)}
     _export(
         DecoderStepGraph(for_export(dec)),
         (tokens, *past, *cross),

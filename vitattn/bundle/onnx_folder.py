@@ -1,11 +1,12 @@
 """ONNX folders: a model exported for ONNX Runtime, and the ``onnx.json`` that describes it.
 
-A caption folder holds ``encoder.onnx`` (images -> each decoder layer's cross-attention keys and
-values, computed once per image), ``decoder_step.onnx`` (one token and the past self-attention keys
-and values -> the next token's logits and the keys and values with that token added) and
-``vocab.json``; a classification folder holds ``classifier.onnx`` (images -> logits)::
+A caption folder holds ``encoder.onnx`` (images -> each decoder layer's cross-attention keys,
+transposed, and values, computed once per image), ``decoder_step.onnx`` (one token per caption row,
+the past self-attention keys and values, and the cross ones once per image for the K beam rows of each
+-> the next token's logits and the keys and values with that token added) and ``vocab.json``; a
+classification folder holds ``classifier.onnx`` (images -> logits)::
 
-    {"format": "vitattn-onnx", "version": 1, "runtime": "onnx", "task": "caption", "precision": "fp32",
+    {"format": "vitattn-onnx", "version": 2, "runtime": "onnx", "task": "caption", "precision": "fp32",
      "preprocess": {...}, "generate": {"num_beams": 3}, "vocab_file": "vocab.json",
      "decoder": {"depth": 2, "num_heads": 4, "head_dim": 64, "max_len": 32, "vocab_size": 5000,
                  "pad_id": 0, "bos_id": 1, "eos_id": 2},
@@ -46,7 +47,7 @@ __all__ = [
 ]
 
 ONNX_FORMAT = "vitattn-onnx"
-ONNX_VERSION = 1
+ONNX_VERSION = 2  # 2: cross-attention keys transposed and shared by the beams of an image
 ONNX_CONFIG_FILE = "onnx.json"
 PRECISIONS = ("fp32", "int8")
 GRAPHS = {"caption": ("encoder", "decoder_step"), "classification": ("classifier",)}

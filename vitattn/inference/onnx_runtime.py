@@ -6,7 +6,7 @@ N image tokens, V vocabulary, T' generated tokens.
 ``OnnxCaptioner.generate`` takes ``ImageCaptioner.generate``'s arguments and decodes with the same
 search loops (``vitattn.models.search``); only the step differs: ``OnnxDecoderStep`` runs
 ``decoder_step.onnx`` with the past keys/values it keeps. The cross-attention keys/values come from
-``encoder.onnx``, once per image, and are repeated for the K beams of an image.
+``encoder.onnx``, once per image; the step graph shares them among the K beams of an image.
 """
 
 from __future__ import annotations
@@ -41,18 +41,23 @@ class OnnxDecoderStep:
 
     Args:
         session: the decoder step's ``InferenceSession``.
-        cross: 2L arrays (B, H, N, d): each layer's cross-attention keys and values, one row per caption row.
+        cross: 2L arrays, ``encoder.onnx``'s: each layer's cross-attention keys (B, H, d, N) and values
+            (B, H, N, d), one row per image; the first call's tokens say how many caption rows (K per
+            image, consecutive) there are.
     """
 
     def __init__(self, session: Any, cross: Sequence[np.ndarray]) -> None:
         self.session = session
         depth = len(cross) // 2
-        B, H, _, d = cross[0].shape
+        _, self.num_heads, _, self.head_dim = cross[1].shape
         self.feed = dict(zip(kv_names("cross", depth), cross))
         self.past_names = kv_names("past", depth)
-        self.past = [np.zeros((B, H, 0, d), dtype=np.float32) for _ in self.past_names]  # (B, H, P, d)
+        self.past: list[np.ndarray] | None = None  # (B * K, H, P, d) each, from the first call
 
     def __call__(self, tokens: Tensor) -> Tensor:
+        if self.past is None:
+            empty = np.zeros((tokens.shape[0], self.num_heads, 0, self.head_dim), dtype=np.float32)
+            self.past = [empty] * len(self.past_names)
         feed = {**self.feed, **dict(zip(self.past_names, self.past))}
         feed["tokens"] = tokens[:, -1:].cpu().numpy().astype(np.int64)  # (B, 1)
         logits, *self.past = self.session.run(None, feed)
@@ -82,11 +87,12 @@ class OnnxCaptioner(CaptionSearch):
         return self
 
     def encode(self, images: Tensor) -> list[np.ndarray]:
-        """(B, C, H, W) -> 2L arrays (B, H, N, d): each decoder layer's cross-attention keys and values."""
+        """(B, C, H, W) -> 2L arrays: each decoder layer's cross-attention keys (B, H, d, N) and values (B, H, N, d)."""
         return self.encoder_session.run(None, {"images": _numpy(images)})
 
     def decode_step(self, cross: Sequence[np.ndarray], max_new_tokens: int, use_cache: bool = True) -> OnnxDecoderStep:
-        """The ``DecodeStep`` over ``encode``'s output (the step always caches: ``use_cache`` is PyTorch's)."""
+        """The ``DecodeStep`` over ``encode``'s output, for K caption rows per image (the step always
+        caches: ``use_cache`` is PyTorch's)."""
         return OnnxDecoderStep(self.step_session, cross)
 
     def start_search(
@@ -94,10 +100,7 @@ class OnnxCaptioner(CaptionSearch):
     ) -> tuple[OnnxDecoderStep, int, str]:
         """``CaptionSearch.start_search``: ``decoder_step.onnx`` over ``encoder.onnx``'s keys/values."""
         cross = self.encode(images)
-        batch = cross[0].shape[0]
-        if num_beams > 1:  # one copy per beam, made once: the rows of an image's K beams are consecutive
-            cross = [np.repeat(c, num_beams, axis=0) for c in cross]
-        return self.decode_step(cross, max_new_tokens), batch, "cpu"
+        return self.decode_step(cross, max_new_tokens), cross[0].shape[0], "cpu"
 
 
 class OnnxClassifier:

@@ -36,7 +36,7 @@ class LayerCache:
         self.length = 0  # positions cached
         self._k: Tensor | None = None  # (B, H, >= length, d)
         self._v: Tensor | None = None
-        self.cross_k: Tensor | None = None  # (B, H, N, d)
+        self.cross_k: Tensor | None = None  # (B / K, H, N, d): one row per image, shared by its K beams
         self.cross_v: Tensor | None = None
         self.qkv_params: tuple[Tensor, Tensor | None] | None = None  # (3D, D) weight, (3D,) bias
 
@@ -128,21 +128,27 @@ class DecoderLayer(nn.Module):
 
     def _cross_attention(self, h: Tensor, memory: Tensor, cache: LayerCache | None) -> Tensor:
         if cache is not None and cache.cross_k is not None:
-            k, v = cache.cross_k, cache.cross_v
+            k, v = cache.cross_k, cache.cross_v  # (B / K, H, N, d)
         else:
-            B, Bm = h.shape[0], memory.shape[0]
-            if B % Bm:
-                raise ValueError(f"memory batch {Bm} must divide the caption batch {B}")
-            k, v = self.mha2.project_kv(memory, memory)  # (B / K, H, N, d)
-            if B > Bm:  # K beams per image: projected once per image, then one copy per beam
-                k, v = k.repeat_interleave(B // Bm, dim=0), v.repeat_interleave(B // Bm, dim=0)  # (B, H, N, d)
-            elif cache is not None:
-                # Copied once into their own (B, H, N, d) blocks: every later step reads them, and CPU
-                # attention is slower over the interleaved k/v views of the fused projection (docs/benchmarks.md).
-                k, v = k.contiguous(), v.contiguous()
+            if h.shape[0] % memory.shape[0]:
+                raise ValueError(f"memory batch {memory.shape[0]} must divide the caption batch {h.shape[0]}")
+            k, v = self.mha2.project_kv(memory, memory)  # (B / K, H, N, d): once per image
             if cache is not None:
-                cache.cross_k, cache.cross_v = k, v
-        return self.mha2.attend(self.mha2.project_q(h), k, v)[0]
+                # Copied once into their own (B / K, H, N, d) blocks: every later step reads them, and CPU
+                # attention is slower over the interleaved k/v views of the fused projection (docs/benchmarks.md).
+                cache.cross_k, cache.cross_v = k.contiguous(), v.contiguous()
+                k, v = cache.cross_k, cache.cross_v
+        q = self.mha2.project_q(h)  # (B, H, t, d)
+        B, H, t, d = q.shape
+        images = k.shape[0]
+        if B == images:
+            return self.mha2.attend(q, k, v)[0]
+        # K beams per image: the image's K rows of queries attend together over its one copy of the keys
+        # and values, (B / K, H, K * t, d): one product per image and head reads them once, not K times.
+        # No mask in cross-attention, so each query's result is the same as attending alone.
+        q = q.reshape(images, -1, H, t, d).transpose(1, 2).reshape(images, H, -1, d)  # (B / K, H, K * t, d)
+        out = self.mha2.attend(q, k, v)[0]  # (B / K, K * t, D), rows ordered (beam, position)
+        return out.reshape(B, t, -1)  # (B, t, D)
 
     def forward(self, x: Tensor, memory: Tensor, cache: LayerCache | None = None) -> Tensor:
         """Decode t new positions.
