@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from vitattn.bundle.folder import VOCAB_FILE, Bundle, plain_json
-from vitattn.bundle.onnx_attention import contrib_opsets, for_export
+from vitattn.bundle.onnx_contrib import contrib_opsets, for_export
 from vitattn.bundle.onnx_folder import (
     GRAPHS,
     ONNX_CONFIG_FILE,
@@ -145,10 +145,13 @@ def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | No
     }
     with atomic_folder(directory) as tmp:
         if bundle.task == "caption":
-            config.update(_export_captioner(model, images, tmp), generate=dict(bundle.generate), vocab_file=VOCAB_FILE)
+            config.update(
+                _export_captioner(model, images, tmp, precision), generate=dict(bundle.generate), vocab_file=VOCAB_FILE
+            )
             bundle.vocab.save(tmp / VOCAB_FILE)
         else:
-            _export(ClassifierGraph(for_export(model)), (images,), tmp / "classifier.onnx", ["images"], ["logits"], {})
+            graph = ClassifierGraph(for_export(model, approximate_gelu=precision == "int8"))
+            _export(graph, (images,), tmp / "classifier.onnx", ["images"], ["logits"], {})
             config["class_names"] = list(bundle.class_names)
         if precision == "int8":
             _quantize(tmp, GRAPHS[bundle.task])
@@ -159,12 +162,14 @@ def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | No
     return directory
 
 
-def _export_captioner(model: ImageCaptioner, images: Tensor, folder: Path) -> dict[str, Any]:
+def _export_captioner(model: ImageCaptioner, images: Tensor, folder: Path, precision: str) -> dict[str, Any]:
     """Write ``encoder.onnx`` and ``decoder_step.onnx``; returns the ``decoder`` sizes for ``onnx.json``."""
+    approximate_gelu = precision == "int8"  # FastGelu: see ``onnx_contrib``
     dec = model.decoder
     L = len(dec.layers)
     cross = EncoderGraph(model)(images)  # 2L x (B, H, N, d)
-    _export(EncoderGraph(for_export(model)), (images,), folder / "encoder.onnx", ["images"], kv_names("cross", L), {})
+    encoder = EncoderGraph(for_export(model, approximate_gelu))
+    _export(encoder, (images,), folder / "encoder.onnx", ["images"], kv_names("cross", L), {})
     B, H, _, d = cross[1].shape
     # traced with 2 rows per image (beams) and a past of 3 positions: any beam count and length run alike
     past = [torch.randn(2 * B, H, 3, d) for _ in range(2 * L)]
@@ -173,7 +178,7 @@ def _export_captioner(model: ImageCaptioner, images: Tensor, folder: Path) -> di
     present_axes = {name: {0: "batch", 2: "past_plus_one"} for name in kv_names("present", L)}
     cross_axes = {name: {0: "images"} for name in kv_names("cross", L)}
     _export(
-        DecoderStepGraph(for_export(dec)),
+        DecoderStepGraph(for_export(dec, approximate_gelu)),
         (tokens, *past, *cross),
         folder / "decoder_step.onnx",
         ["tokens", *kv_names("past", L), *kv_names("cross", L)],
@@ -224,7 +229,7 @@ def _quantize(folder: Path, graphs: tuple[str, ...]) -> None:
     Only the products with weights are quantized (``MatMul``, and ``Attention`` into ``QAttention``):
     the patch embedding's ``ConvInteger`` is slower than the fp32 ``Conv`` on these CPUs, and an
     int8 embedding lookup (``Gather``) saves no time. The graphs are quantized after the attention
-    is written as ONNX Runtime's op (``onnx_attention``), as Hugging Face optimum orders it.
+    is written as ONNX Runtime's op (``onnx_contrib``), as Hugging Face optimum orders it.
     """
     require_onnxruntime(export=True)
     import onnx  # an optional dependency, as onnxruntime

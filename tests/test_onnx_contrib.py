@@ -1,11 +1,11 @@
-"""The export copy whose encoder self-attention is ONNX Runtime's contrib ``Attention`` op."""
+"""The export copy whose encoder self-attention is ONNX Runtime's contrib ``Attention`` op, and int8's ``FastGelu``."""
 
 import pytest
 import torch
 
 from vitattn import Classifier
 from vitattn.bundle import load_bundle, save_bundle
-from vitattn.bundle.onnx_attention import contrib_opsets, for_export
+from vitattn.bundle.onnx_contrib import FastGelu, contrib_opsets, for_export
 from vitattn.bundle.onnx_export import export_onnx
 from vitattn.data.preprocess import default_preprocess
 from vitattn.layers import EncoderLayer
@@ -46,3 +46,28 @@ def test_an_exported_classifier_runs_contrib_attention_on_onnxruntime_as_pytorch
     with torch.no_grad():
         expected = model(images)
     torch.testing.assert_close(Classifier.load(folder).model(images), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_approximate_gelu_swaps_every_gelu_for_fast_gelu_in_the_copy_only():
+    torch.manual_seed(0)
+    model = VisionTransformer(**TINY_VIT).eval()  # GELU in every block's feed-forward network
+    export = for_export(model, approximate_gelu=True)
+    assert not any(isinstance(m, torch.nn.GELU) for m in export.modules())
+    assert sum(isinstance(m, FastGelu) for m in export.modules()) == TINY_VIT["depth"]
+    assert sum(isinstance(m, torch.nn.GELU) for m in model.modules()) == TINY_VIT["depth"]
+    x = torch.linspace(-6, 6, 1001)
+    torch.testing.assert_close(FastGelu()(x), torch.nn.functional.gelu(x, approximate="tanh"))
+    assert (FastGelu()(x) - torch.nn.functional.gelu(x)).abs().max() < 1e-3  # the tanh form is close to erf's
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_only_int8_folders_run_fast_gelu(tmp_path, quantize):
+    pytest.importorskip("onnxruntime", reason="the onnx extra: pip install -e '.[onnx]'")
+    onnx = pytest.importorskip("onnx", reason="the onnx extra: pip install -e '.[onnx]'")
+    torch.manual_seed(0)
+    model = VisionTransformer(**TINY_VIT).eval()
+    bundle = save_bundle(tmp_path / "bundle", model, task="classification", preprocess=default_preprocess(32))
+    folder = export_onnx(load_bundle(bundle), tmp_path / "onnx", quantize=quantize)
+    ops = [node.op_type for node in onnx.load(folder / "classifier.onnx").graph.node]
+    assert ops.count("FastGelu") == (TINY_VIT["depth"] if quantize else 0)
+    assert ("Erf" in ops) == (quantize is None)  # fp32 keeps the exact GELU
