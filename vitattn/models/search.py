@@ -208,11 +208,12 @@ def beam_search(
     for _ in range(max_new_tokens):
         logp = _next_logits(step, tokens, ids).log_softmax(-1)  # (B*K, V)
         V = logp.shape[-1]
-        # A finished beam continues only with <pad>, at no cost, so its score stays as it was.
-        # (masked_fill_: no boolean indexing, which finds the rows with a device sync)
-        logp.masked_fill_(finished[:, None], float("-inf"))
-        logp[:, ids.pad_id].masked_fill_(finished, 0.0)
-        cand = (scores[:, None] + logp).view(B, K * V)
+        # A finished beam continues only with <pad>, at no cost, so its score stays as it was: its
+        # row starts from -inf (one pass over the (B*K, V) candidates, the same pass that adds the
+        # scores) and its <pad> column is set back. (No boolean indexing: it finds rows with a device sync.)
+        cand = scores.masked_fill(finished, float("-inf"))[:, None] + logp  # (B*K, V)
+        cand[:, ids.pad_id] = torch.where(finished, scores, cand[:, ids.pad_id])
+        cand = cand.view(B, K * V)
         top_scores, top_idx = cand.topk(K, dim=1)  # (B, K)
         src = (offsets + top_idx // V).view(-1)  # (B*K,) beam each new one extends
         nxt = (top_idx % V).view(-1)
