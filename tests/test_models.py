@@ -191,6 +191,28 @@ def _captioner(norm_first: bool = True, vocab: int = 13) -> ImageCaptioner:
     return model
 
 
+def test_models_built_on_the_meta_device_skip_their_init_and_keep_the_shapes(monkeypatch):
+    """A copy without values (``bundle.arguments.build_model`` checks a config against its weights with
+    one) runs none of the initialisers, which are slow on meta tensors; built for real, they run."""
+    real_vit = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)
+    real_decoder = CaptionDecoder(vocab_size=20, embed_dim=32, depth=1, num_heads=2, max_len=8)
+    called = []
+    monkeypatch.setattr("vitattn.models.vit.trunc_normal_", lambda *a, **k: called.append("vit"))
+    monkeypatch.setattr("vitattn.models.caption.trunc_normal_", lambda *a, **k: called.append("decoder"))
+    with torch.device("meta"):
+        vit = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)
+        decoder = CaptionDecoder(vocab_size=20, embed_dim=32, depth=1, num_heads=2, max_len=8)
+    assert called == []
+    for meta, real in ((vit, real_vit), (decoder, real_decoder)):
+        shapes = {name: t.shape for name, t in real.state_dict().items()}
+        assert {name: t.shape for name, t in meta.state_dict().items()} == shapes
+        assert all(t.is_meta for t in meta.state_dict().values())
+    VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)
+    CaptionDecoder(vocab_size=20, embed_dim=32, depth=1, num_heads=2, max_len=8)
+    assert "vit" in called and "decoder" in called
+    assert real_vit.pos_embed.abs().sum() > 0 and real_decoder.pos_embed.abs().sum() > 0
+
+
 def test_caption_decoder_output_tied_to_embedding():
     model = _captioner()
     assert model.decoder.head.weight is model.decoder.token_embed.weight

@@ -106,6 +106,8 @@ class CaptionDecoder(nn.Module):
             self.head.weight = self.token_embed.weight  # tied output projection
 
     def _init_weights(self, linears: bool) -> None:
+        if self.pos_embed.is_meta:  # a copy without values (on the meta device): nothing to fill
+            return
         trunc_normal_(self.pos_embed, std=0.02)
         for m in self.modules() if linears else ():  # else PyTorch's default Linear init
             if isinstance(m, nn.Linear):

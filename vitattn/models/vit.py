@@ -163,6 +163,8 @@ class VisionTransformer(nn.Module):
         self._init_weights(pos_embed_init)
 
     def _init_weights(self, pos_embed_init: str) -> None:
+        if self.pos_embed.is_meta:  # a copy without values (on the meta device): nothing to fill
+            return
         if pos_embed_init == "sincos":
             with torch.no_grad():
                 self.pos_embed.zero_()
