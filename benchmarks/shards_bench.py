@@ -35,11 +35,11 @@ import torch
 
 from vitattn.bundle import load_bundle
 from vitattn.data.shapes import CLASS_NAMES
-from vitattn.data.shard_plan import EpochOrder, PositionSet, split_epoch
-from vitattn.data.shard_writer import shapes_samples, write_shards
 from vitattn.data.shards import expand_shards, read_shard, shard_sizes
+from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, split_epoch
+from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.inference import caption_to_file, list_inputs
-from vitattn.inference.shards import caption_shards, finished_outputs, plan_shards, remove_temporaries
+from vitattn.inference.shard_captioning import assign_shards, caption_shards, finished_outputs, remove_temporaries
 from vitattn.training import train
 from vitattn.training.compose import compose_train
 
@@ -163,7 +163,7 @@ def resume_rows(root: Path, shards_count: int = 10_000) -> list[dict]:
     finished = finished_outputs(out, urls, "jsonl")
     remove_temporaries(out, urls, "jsonl")
     todo = [i for i in range(shards_count) if f"{i:05d}.jsonl" not in finished]
-    plan_shards([sizes[i] for i in todo], 64)
+    assign_shards([sizes[i] for i in todo], 64)
     caption_s = time.perf_counter() - started
 
     order = EpochOrder(sizes, seed=0, epoch=3)

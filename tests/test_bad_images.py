@@ -30,7 +30,7 @@ from vitattn.data import (
     load_karpathy,
 )
 from vitattn.data.bad_images import PartialBatch, SkippedImage, collate_skipping
-from vitattn.data.images import BadImageError, load_image
+from vitattn.data.images import BadImageError, read_image
 from vitattn.errors import first_line
 from vitattn.run_dir import RunDir
 from vitattn.training import train
@@ -110,10 +110,10 @@ def _assert_reasons(found: dict[str, str], bad: dict[str, str]) -> None:
 def test_load_image_names_the_file_and_why(kind, tmp_path):
     path = tmp_path / "image.png"
     Image.effect_noise((40, 40), 60).convert("RGB").save(path)
-    assert load_image(path).size == (40, 40)
+    assert read_image(path).size == (40, 40)
     spoil(path, kind)
     with pytest.raises(BadImageError) as err:
-        load_image(path)
+        read_image(path)
     assert re.fullmatch(rf"{re.escape(str(path))}: {REASONS[kind]}", str(err.value))
     assert err.value.path == str(path) and re.fullmatch(REASONS[kind], err.value.reason)
 

@@ -16,6 +16,7 @@ from PIL import Image
 from tests.helpers import console_script, make_caption_bundle
 from vitattn.bundle import load_bundle
 from vitattn.cli.caption import main
+from vitattn.data.images import BadImageError
 from vitattn.inference import caption_images, caption_to_file, list_inputs, read_image, read_records
 
 
@@ -96,8 +97,10 @@ def test_read_image_converts_every_mode(tmp_path):
 
 def test_read_image_refuses_decompression_bombs(tmp_path):
     _png_header(tmp_path / "warn.png", 10_000, 10_000)
-    with pytest.raises(Image.DecompressionBombWarning, match="could be decompression bomb DOS attack"):
+    with pytest.raises(BadImageError, match="warn.png: decompression bomb refused: .*decompression bomb DOS attack"):
         read_image(tmp_path / "warn.png")
+    skipped = read_image(tmp_path / "warn.png", on_error="skip")
+    assert isinstance(skipped, BadImageError) and skipped.reason.startswith("decompression bomb refused")
 
 
 def test_list_inputs_kinds(tmp_path):

@@ -10,7 +10,7 @@ from lightning.pytorch import Callback
 from omegaconf import open_dict
 from timm.optim import param_groups_weight_decay
 
-import vitattn.targets as targets
+import vitattn.config_targets as targets
 from tests.helpers import TINY, TINY_SHAPES, compose_train
 from vitattn.cli.train import _resume_argv
 from vitattn.config import check_config

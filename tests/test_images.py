@@ -9,7 +9,7 @@ from PIL import Image
 
 from tests.test_captioner import write_good_images
 from vitattn.data import CocoCaptionDataModule, ImageFolderDataModule, eval_transform, read_image
-from vitattn.inference.reading import ImageFileDataset
+from vitattn.inference.file_dataset import ImageFileDataset
 
 
 def _palette_with_transparency(path):

@@ -17,11 +17,11 @@ from omegaconf import OmegaConf
 from tests.helpers import TINY, TINY_SHAPES, compose_train, console_script, make_coco, make_image_folder
 from vitattn.cli.errors import user_errors
 from vitattn.config import check_config
+from vitattn.config_targets import check_targets
 from vitattn.data.vocab import Vocabulary
 from vitattn.errors import ConfigError
 from vitattn.systems import ClassificationSystem
 from vitattn.systems.base import NonFiniteLossError
-from vitattn.targets import check_targets
 from vitattn.training import AtomicCheckpointIO, setup_data, train
 
 SHAPES = [*TINY, *TINY_SHAPES]

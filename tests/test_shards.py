@@ -17,9 +17,9 @@ from tests.helpers import TINY, compose_train, make_image_folder
 from vitattn.data import WebDatasetDataModule
 from vitattn.data.bad_images import PartialBatch
 from vitattn.data.images import BadImageError
-from vitattn.data.shard_plan import EpochOrder, PositionSet, batches_per_rank, split_epoch
-from vitattn.data.shard_writer import ShardSample, shapes_samples, write_shards
 from vitattn.data.shards import ShardError, expand_shards, read_shard, shard_sizes
+from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, batches_per_rank, split_epoch
+from vitattn.data.shards.writer import ShardSample, shapes_samples, write_shards
 from vitattn.data.vocab import Vocabulary
 from vitattn.training import train
 
@@ -347,7 +347,7 @@ def test_a_checkpoint_of_other_shards_starts_the_epoch_over(shards, caplog):
 def test_vitattn_shards_writes_an_image_folder_as_shards(tmp_path):
     make_image_folder(tmp_path / "tree", per_class=5)
     proc = subprocess.run(
-        [sys.executable, "-m", "vitattn.cli.shards", "source=folder", f"folder={tmp_path / 'tree' / 'train'}"]
+        [sys.executable, "-m", "vitattn.cli.write_shards", "source=folder", f"folder={tmp_path / 'tree' / 'train'}"]
         + [f"out={tmp_path / 'out'}", "samples_per_shard=4"],
         capture_output=True,
         text=True,

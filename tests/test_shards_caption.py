@@ -15,9 +15,9 @@ import pytest
 
 from tests.helpers import make_caption_bundle
 from vitattn.bundle import load_bundle
-from vitattn.data.shard_writer import shapes_samples, write_shards
 from vitattn.data.shards import expand_shards, read_shard, shard_sizes
-from vitattn.inference.shards import caption_shards, plan_shards
+from vitattn.data.shards.writer import shapes_samples, write_shards
+from vitattn.inference.shard_captioning import assign_shards, caption_shards
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
@@ -37,7 +37,7 @@ def _rows(out: Path) -> list[dict]:
 
 
 def test_plan_shards_keeps_every_rank_busy_when_shards_differ_in_size():
-    plans = plan_shards([100, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10], 2)
+    plans = assign_shards([100, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10], 2)
     loads = [sum([100, *[10] * 10][i] for i in plan) for plan in plans]
     assert sorted(loads) == [100, 100] and sorted(i for p in plans for i in p) == list(range(11))
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from vitattn.data.shapes import CLASS_NAMES
-from vitattn.data.shard_writer import shapes_samples, write_shards
 from vitattn.data.shards import expand_shards, read_shard
+from vitattn.data.shards.writer import shapes_samples, write_shards
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 

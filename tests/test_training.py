@@ -24,7 +24,7 @@ from tests.helpers import (
 from vitattn.bundle import load_bundle
 from vitattn.callbacks import EMA, FreezeEncoder, Preemption, TimeBudgetHorizon
 from vitattn.data.shapes import CLASS_NAMES
-from vitattn.data.shard_writer import shapes_samples, write_shards
+from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.models import VisionTransformer
 from vitattn.training import train
 from vitattn.training.groups import instantiate_group

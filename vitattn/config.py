@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from vitattn.bundle.folder import is_bundle_weights
+from vitattn.config_targets import check_targets
 from vitattn.data.augment import Augment
 from vitattn.data.tasks import TASKS
 from vitattn.errors import ConfigError, first_line
@@ -29,7 +30,6 @@ from vitattn.models.timm_hub import timm_pretrained_cfg
 from vitattn.models.timm_weights import TIMM_SUFFIXES
 from vitattn.moved_keys import MOVED_KEYS
 from vitattn.run_dir import RunDir
-from vitattn.targets import check_targets
 
 __all__ = ["check_config", "check_data_paths", "check_source", "data_name"]
 

@@ -16,8 +16,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from vitattn.cli.errors import USER_ERRORS, report_user_error
 from vitattn.cli.noise import quiet_upstream
-from vitattn.decoding import GENERATE_KEYS
 from vitattn.errors import brief, first_line
+from vitattn.generate_keys import GENERATE_KEYS
 
 __all__ = ["GENERATE_KEYS", "UsageError", "generate_settings", "parse_key_values", "resolve_device", "run_main"]
 

@@ -4,7 +4,7 @@
         [devices=N num_nodes=M accelerator=auto|cpu|gpu] [batch_size=32] [num_workers=2] [decoding settings]
 
 Several processes (``devices`` x ``num_nodes``; Lightning Fabric starts the local ones, ``torchrun`` or
-``srun`` every one) share the unfinished shards (``vitattn.inference.shards``). Running the command again
+``srun`` every one) share the unfinished shards (``vitattn.inference.shard_captioning``). Running the command again
 skips the shards whose output is there. Exit status: 0 when every sample was captioned, 1 when some
 could not be, 2 on a usage or model error.
 """
@@ -21,7 +21,7 @@ from lightning.fabric import Fabric
 from vitattn.bundle import load_bundle
 from vitattn.cli.args import GENERATE_KEYS, UsageError, generate_settings, resolve_device
 from vitattn.data.shards import expand_shards, shard_sizes
-from vitattn.inference.shards import SHARD_FORMATS, caption_shards, finished_outputs, remove_temporaries
+from vitattn.inference.shard_captioning import SHARD_FORMATS, caption_shards, finished_outputs, remove_temporaries
 
 __all__ = ["run_shards"]
 

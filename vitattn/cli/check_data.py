@@ -26,8 +26,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 
 from vitattn.cli.args import UsageError, run_main
+from vitattn.config_targets import check_targets
 from vitattn.errors import first_line
-from vitattn.targets import check_targets
 
 __all__ = ["main", "parse_args", "run"]
 

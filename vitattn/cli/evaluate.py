@@ -33,7 +33,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from vitattn.cli.args import UsageError, generate_settings, parse_key_values, resolve_device, run_main
-from vitattn.decoding import SEARCH_KEYS
+from vitattn.generate_keys import SEARCH_KEYS
 from vitattn.run_dir import RunDir
 
 __all__ = ["EvalConfig", "main", "parse_args", "run"]

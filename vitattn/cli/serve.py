@@ -32,7 +32,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from vitattn.cli.args import UsageError, generate_settings, parse_key_values, run_main
-from vitattn.decoding import SEARCH_KEYS
+from vitattn.generate_keys import SEARCH_KEYS
 
 __all__ = ["ServeConfig", "main", "parse_args", "run"]
 

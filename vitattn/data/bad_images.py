@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from vitattn.data.images import BadImageError, load_image, read_many
+from vitattn.data.images import BadImageError, read_image, read_many
 
 __all__ = [
     "BAD_IMAGE_MODES",
@@ -56,7 +56,7 @@ class PartialBatch(NamedTuple):
 
 class GuardedImages(Dataset):
     """``dataset``, whose unreadable images stop the run with one line (``raise``) or become ``SkippedImage`` items
-    (``skip``). The dataset's loader raises ``BadImageError`` for them (``load_image``, ``ImageCache.load``)."""
+    (``skip``). The dataset's loader raises ``BadImageError`` for them (``read_image``, ``ImageCache.load``)."""
 
     def __init__(self, dataset: Dataset, mode: str) -> None:
         self.dataset, self.mode = dataset, mode
@@ -89,7 +89,7 @@ def find_bad_images(paths: Sequence[str | os.PathLike], threads: int = 0) -> dic
 
 
 def _read_only(path: str) -> None:
-    load_image(path)  # decoded in full, as training reads it, then dropped
+    read_image(path)  # decoded in full, as training reads it, then dropped
 
 
 def check_bad_images(bad: dict[str, str], total: int, mode: str, listed: bool) -> None:

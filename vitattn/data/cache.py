@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vitattn.data.images import BadImageError, load_image, read_many
+from vitattn.data.images import BadImageError, read_image, read_many
 
 __all__ = ["AUTO_LIMIT_BYTES", "CACHE_MODES", "ImageCache", "should_cache"]
 
@@ -63,7 +63,7 @@ class ImageCache:
         log.info("cached %d images in memory (%.1f MiB)", len(self.images), self.nbytes / 2**20)
 
     def _read(self, path: str) -> np.ndarray:
-        return np.asarray(self.resize(load_image(path)), dtype=np.uint8).copy()
+        return np.asarray(self.resize(read_image(path)), dtype=np.uint8).copy()
 
     def __len__(self) -> int:
         return len(self.images)

@@ -12,7 +12,7 @@ from typing import Any
 from PIL import Image
 from torch.utils.data import Dataset
 
-from vitattn.data.images import load_image
+from vitattn.data.images import read_image
 from vitattn.errors import brief
 from vitattn.fileio import read_json
 
@@ -105,7 +105,7 @@ class CocoCaptionDataset(Dataset):
         image_dir: folder that the ``file_name`` entries are relative to.
         annotations: a COCO caption JSON path, or images already parsed by ``load_coco_captions``.
         transform: applied to the PIL image (a ``CaptionAugment`` also gets the image's captions).
-        loader: path -> RGB PIL image (``BadImageError`` when unreadable); ``load_image`` or an
+        loader: path -> RGB PIL image (``BadImageError`` when unreadable); ``read_image`` or an
             ``ImageCache``'s ``load``.
     """
 
@@ -114,7 +114,7 @@ class CocoCaptionDataset(Dataset):
         image_dir: str | os.PathLike,
         annotations: str | os.PathLike | Sequence[CocoImage],
         transform: Callable[..., Any] | None = None,
-        loader: Callable[[str | os.PathLike], Image.Image] = load_image,
+        loader: Callable[[str | os.PathLike], Image.Image] = read_image,
     ) -> None:
         self.image_dir = Path(image_dir)
         if not self.image_dir.is_dir():
@@ -123,7 +123,7 @@ class CocoCaptionDataset(Dataset):
             annotations = load_coco_captions(annotations)
         self.images: list[CocoImage] = list(annotations)
         self.transform = transform
-        self.loader = loader  # load_image, or an ImageCache's load
+        self.loader = loader  # read_image, or an ImageCache's load
 
     def __len__(self) -> int:
         return len(self.images)

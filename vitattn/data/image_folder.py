@@ -12,7 +12,7 @@ from typing import Any
 
 from torchvision.datasets import ImageFolder
 
-from vitattn.data.images import IMAGE_EXTENSIONS, load_image
+from vitattn.data.images import IMAGE_EXTENSIONS, read_image
 
 __all__ = ["image_folder_split", "open_image_folder"]
 
@@ -32,13 +32,13 @@ def _is_image_file(path: str) -> bool:
 
 
 def open_image_folder(directory: str | os.PathLike, transform: Callable[[Any], Any] | None = None) -> ImageFolder:
-    """``directory/<class>/<image>`` as a torchvision ``ImageFolder`` read with ``load_image`` (an unreadable file
+    """``directory/<class>/<image>`` as a torchvision ``ImageFolder`` read with ``read_image`` (an unreadable file
     raises ``BadImageError``); the same file extensions as the captioner (``IMAGE_EXTENSIONS``), hidden files
     skipped. Listing reads no image."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"image folder not found: {directory} (expected {directory}/<class>/<image>)")
     try:
-        return ImageFolder(directory, transform=transform, loader=load_image, is_valid_file=_is_image_file)
+        return ImageFolder(directory, transform=transform, loader=read_image, is_valid_file=_is_image_file)
     except FileNotFoundError as err:  # torchvision's word for "no class folders" or "no images"
         raise ValueError(f"image folder {directory} is empty: {err}") from None

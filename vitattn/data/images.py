@@ -1,7 +1,9 @@
 """An image file becomes pixels here, for training and for inference alike.
 
-``read_image`` is the one reader: the COCO, Karpathy and ImageFolder datasets (through ``load_image``)
-and the batch captioner all call it, so a model sees at inference exactly what it saw in training.
+``read_image`` is the one reader: the COCO, Karpathy and ImageFolder datasets, the batch captioner, shard
+captioning and the server all call it, so a model sees at inference exactly what it saw in training. It
+raises a ``BadImageError`` for a file it cannot use, or returns it (``on_error="skip"``) to a caller that
+records the reason and goes on.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any
+from typing import IO, Any, Literal, overload
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -20,40 +22,17 @@ from vitattn.errors import first_line
 __all__ = [
     "IMAGE_EXTENSIONS",
     "BadImageError",
-    "load_image",
     "read_image",
     "read_many",
     "unreadable_reason",
     "upright_rgb",
 ]
 
+ImageSource = str | os.PathLike | IO[bytes]
+
 IMAGE_EXTENSIONS = frozenset(
     {".jpg", ".jpeg", ".jfif", ".png", ".gif", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm"}
 )
-
-
-def read_image(path: str | os.PathLike | IO[bytes]) -> Image.Image:
-    """Read an image file (a path, or an open binary file such as ``io.BytesIO``) as an upright 8-bit RGB image.
-
-    EXIF orientation is applied; transparency is composited on white; 16-bit and 32-bit grey is
-    scaled (not clipped) to 8 bits; animations give their first frame. An image over PIL's
-    decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``) is refused, warning or not.
-
-    Raises:
-        OSError, PIL errors, ``Image.DecompressionBombWarning``: the file cannot be used.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        warnings.filterwarnings("ignore", category=UserWarning, module="PIL")
-        with Image.open(path) as image:
-            image.load()  # first frame; raises here for truncated or corrupt data
-            ImageOps.exif_transpose(image, in_place=True)  # the image is this function's own: no copy
-            return _to_rgb(image)
-
-
-def upright_rgb(image: Image.Image) -> Image.Image:
-    """An image already in memory as ``read_image`` makes a file's: EXIF orientation applied, 8-bit RGB."""
-    return _to_rgb(ImageOps.exif_transpose(image))  # a copy; the caller's image is left as it is
 
 
 class BadImageError(ValueError):
@@ -67,17 +46,54 @@ class BadImageError(ValueError):
         self.path, self.reason = path, reason
 
 
-def load_image(path: str | os.PathLike) -> Image.Image:
-    """``read_image`` for datasets: any failure becomes a ``BadImageError`` naming the file and the reason."""
+@overload
+def read_image(source: ImageSource, on_error: Literal["raise"] = "raise") -> Image.Image: ...
+
+
+@overload
+def read_image(source: ImageSource, on_error: Literal["skip"]) -> Image.Image | BadImageError: ...
+
+
+def read_image(source: ImageSource, on_error: Literal["raise", "skip"] = "raise") -> Image.Image | BadImageError:
+    """Read an image file (a path, or an open binary file such as ``io.BytesIO``) as an upright 8-bit RGB image.
+
+    EXIF orientation is applied; transparency is composited on white; 16-bit and 32-bit grey is
+    scaled (not clipped) to 8 bits; animations give their first frame. An image over PIL's
+    decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``) is refused, warning or not.
+
+    Args:
+        source: the file.
+        on_error: what a file that cannot be used gives: ``raise`` raises a ``BadImageError`` naming the file
+            and the reason (datasets, the Python API); ``skip`` returns that error instead, for a caller that
+            records it and goes on with the rest (a batch of files, a server request).
+
+    Raises:
+        BadImageError: the file cannot be used (``on_error="raise"``).
+    """
     try:
-        return read_image(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            warnings.filterwarnings("ignore", category=UserWarning, module="PIL")
+            with Image.open(source) as image:
+                image.load()  # first frame; raises here for truncated or corrupt data
+                ImageOps.exif_transpose(image, in_place=True)  # the image is this function's own: no copy
+                return _to_rgb(image)
     except Exception as err:  # noqa: BLE001 - any unreadable file (bomb warnings too) becomes the one-line reason
-        reason = unreadable_reason(str(path), err)
-        raise BadImageError(f"{path}: {reason}", str(path), reason) from None
+        reason = unreadable_reason(source, err)
+        name = str(source) if isinstance(source, (str, os.PathLike)) else str(getattr(source, "name", "image"))
+        error = BadImageError(f"{name}: {reason}", name, reason)
+    if on_error == "skip":
+        return error
+    raise error
+
+
+def upright_rgb(image: Image.Image) -> Image.Image:
+    """An image already in memory as ``read_image`` makes a file's: EXIF orientation applied, 8-bit RGB."""
+    return _to_rgb(ImageOps.exif_transpose(image))  # a copy; the caller's image is left as it is
 
 
 def read_many(
-    paths: Sequence[str | os.PathLike], read: Callable[[str], Any] = load_image, threads: int = 0
+    paths: Sequence[str | os.PathLike], read: Callable[[str], Any] = read_image, threads: int = 0
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """``read(path)`` of each distinct path, by a pool of ``threads`` (default: the cores, at most 16);
     PIL decodes without the GIL.

@@ -6,9 +6,9 @@ from typing import Any
 
 import hydra
 
+from vitattn.config_targets import check_targets
 from vitattn.data.vocab import Vocabulary
 from vitattn.run_dir import RunDir
-from vitattn.targets import check_targets
 
 __all__ = ["datamodule_from_run"]
 

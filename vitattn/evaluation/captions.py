@@ -18,11 +18,11 @@ from tqdm.auto import tqdm
 
 from vitattn.bundle import Bundle
 from vitattn.data.eval_split import EvalSplit
-from vitattn.decoding import SEARCH_KEYS
 from vitattn.errors import brief
 from vitattn.evaluation.report import EvalReport
 from vitattn.evaluation.splits import caption_split, check_split
 from vitattn.fileio import parse_json
+from vitattn.generate_keys import SEARCH_KEYS
 from vitattn.inference import InputImage, caption_images
 from vitattn.inference.captioning import model_device
 from vitattn.metrics import first_per_image, score_captions

@@ -18,7 +18,7 @@ from vitattn.bundle import Bundle
 from vitattn.evaluation.report import EvalReport
 from vitattn.evaluation.splits import check_split, labelled_split
 from vitattn.inference.captioning import model_device
-from vitattn.inference.reading import ImageFileDataset, collate_images
+from vitattn.inference.file_dataset import ImageFileDataset, collate_images
 from vitattn.run_dir import RunDir
 
 __all__ = ["evaluate_classification", "file_batches"]

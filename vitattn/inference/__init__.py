@@ -18,7 +18,7 @@ from vitattn.inference.attention_maps import (
     save_attention_figure,
 )
 from vitattn.inference.captioning import CaptionBatch, caption_images, generate_tokens, iter_caption_batches
-from vitattn.inference.inputs import InputImage, InputList, list_inputs
+from vitattn.inference.file_list import InputImage, InputList, list_inputs
 from vitattn.inference.records import RecordIndex, read_records
 from vitattn.inference.writers import OUTPUT_FORMATS, CaptionSummary, caption_to_file
 

@@ -31,8 +31,8 @@ from vitattn.data.preprocess import denormalize
 from vitattn.inference.attention_maps import caption_attention_maps
 from vitattn.inference.captioning import generate_tokens, model_device
 from vitattn.inference.figures import caption_words
-from vitattn.inference.image_inputs import ImageLike, as_image_list, to_pixels
-from vitattn.inference.inputs import InputImage
+from vitattn.inference.file_list import InputImage
+from vitattn.inference.image_like import ImageLike, as_image_list, to_pixels
 from vitattn.inference.onnx_runtime import load_onnx_folder
 from vitattn.inference.writers import CaptionSummary, caption_to_file
 from vitattn.models.search import sequence_log_prob

@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from vitattn.bundle import Bundle
-from vitattn.inference.inputs import InputImage, InputList
-from vitattn.inference.reading import ImageFileDataset, collate_images
+from vitattn.inference.file_dataset import ImageFileDataset, collate_images
+from vitattn.inference.file_list import InputImage, InputList
 
 __all__ = [
     "CaptionBatch",

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from vitattn.bundle import Bundle
 from vitattn.inference.captioning import CaptionBatch, caption_batch, caption_loader
 from vitattn.inference.figures import figure_paths, write_figures
-from vitattn.inference.inputs import InputImage, InputList
+from vitattn.inference.file_list import InputImage, InputList
 from vitattn.inference.records import RecordIndex
 from vitattn.inference.writers import (
     CaptionSummary,

@@ -13,7 +13,7 @@ from vitattn.data.preprocess import denormalize
 from vitattn.fileio import atomic_write
 from vitattn.inference.attention_maps import attention_figure, attention_from_tokens, figure_png
 from vitattn.inference.captioning import CaptionBatch
-from vitattn.inference.inputs import InputImage
+from vitattn.inference.file_list import InputImage
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

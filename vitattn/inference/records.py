@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from vitattn.fileio import parse_json
-from vitattn.inference.inputs import InputList
+from vitattn.inference.file_list import InputList
 
 __all__ = ["RecordIndex", "path_digests", "read_records"]
 

@@ -27,7 +27,7 @@ from vitattn.bundle import Bundle
 from vitattn.fileio import atomic_open
 from vitattn.inference.captioning import iter_caption_batches
 from vitattn.inference.figures import figure_paths, write_figures
-from vitattn.inference.inputs import InputImage, InputList
+from vitattn.inference.file_list import InputImage, InputList
 from vitattn.inference.records import RecordIndex, path_digests
 
 __all__ = [

@@ -24,7 +24,7 @@ import torch
 from fastapi.responses import JSONResponse
 from torch import Tensor
 
-from vitattn.data.images import read_image, unreadable_reason
+from vitattn.data.images import BadImageError, read_image
 from vitattn.inference.api import Captioner, load_model
 from vitattn.inference.attention_maps import figure_png
 from vitattn.inference.figures import attention_figures, caption_words
@@ -91,8 +91,8 @@ def _image_bytes(request: Any) -> bytes | str:
 def decode_image_request(request: Any, transform: Any, max_image_bytes: int) -> ImageRequest:
     """A request (form or JSON) -> an ``ImageRequest``; never raises.
 
-    The image is read by ``read_image`` and its failures named by ``unreadable_reason``, the reader
-    and the reasons of ``vitattn-caption``; an image over ``max_image_bytes`` is refused unread.
+    The image is read by ``read_image``, the reader and the reasons of ``vitattn-caption``; an image over
+    ``max_image_bytes`` is refused unread.
     """
     attention = _flag(request.get("attention", False)) if hasattr(request, "get") else False
     data = _image_bytes(request)
@@ -103,11 +103,10 @@ def decode_image_request(request: Any, transform: Any, max_image_bytes: int) -> 
             error=f"image of {len(data)} bytes is over the limit of max_image_bytes={max_image_bytes}",
             attention=attention,
         )
-    source = io.BytesIO(data)
-    try:
-        return ImageRequest(image=transform(read_image(source)), attention=attention)
-    except Exception as err:  # noqa: BLE001 - any failure (bomb warnings too) becomes the request's 400
-        return ImageRequest(error=unreadable_reason(source, err), attention=attention)
+    image = read_image(io.BytesIO(data), on_error="skip")
+    if isinstance(image, BadImageError):
+        return ImageRequest(error=image.reason, attention=attention)
+    return ImageRequest(image=transform(image), attention=attention)
 
 
 class CaptionAPI(ls.LitAPI):

@@ -1,7 +1,7 @@
 """Training from WebDataset shards (the img2dataset layout), across ranks and workers, resumable mid-epoch.
 
 Every sample is trained once per epoch: the epoch's positions are split over ranks and loader workers
-with no overlap and the same number of batches on every rank (``vitattn.data.shard_plan``). The samples
+with no overlap and the same number of batches on every rank (``vitattn.data.shards.epoch_split``). The samples
 each step trained are recorded as they reach the model; ``state_dict`` (which Lightning writes into every
 checkpoint) holds the epoch and the positions trained so far, gathered from every rank, and a run resumed
 from that checkpoint plans the rest of the epoch from the positions not yet trained: none twice, none
@@ -28,9 +28,9 @@ from vitattn.data.augment import CAPTION_CROP_SCALE, Augment, CaptionAugment, cl
 from vitattn.data.captions import collate_captions
 from vitattn.data.datamodules.base import ImageDataModule, caption_vocab
 from vitattn.data.eval_split import EvalSplit
-from vitattn.data.shard_plan import EpochOrder, PositionSet, batches_per_rank, split_epoch
-from vitattn.data.shard_stream import EpochLoader, ShardBatch, ShardSamples, ShardStream, sample_caption
 from vitattn.data.shards import expand_shards, local_path, read_shard, shard_sizes
+from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, batches_per_rank, split_epoch
+from vitattn.data.shards.stream import EpochLoader, ShardBatch, ShardSamples, ShardStream, sample_caption
 
 __all__ = ["WebDatasetDataModule", "shard_captions"]
 

@@ -29,9 +29,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm.auto import tqdm
 
 from vitattn.bundle import Bundle
-from vitattn.data.images import read_image, unreadable_reason
-from vitattn.data.shard_stream import image_member, sample_caption
+from vitattn.data.images import BadImageError, read_image
 from vitattn.data.shards import ShardError, read_shard
+from vitattn.data.shards.stream import image_member, sample_caption
 from vitattn.fileio import atomic_open
 from vitattn.inference.captioning import generate_tokens
 
@@ -41,7 +41,7 @@ __all__ = [
     "caption_shards",
     "finished_outputs",
     "output_path",
-    "plan_shards",
+    "assign_shards",
     "remove_temporaries",
 ]
 
@@ -66,7 +66,7 @@ def output_path(out_dir: str | Path, url: str, fmt: str) -> Path:
     return Path(out_dir) / f"{name.rsplit('.tar', 1)[0]}.{fmt}"
 
 
-def plan_shards(sizes: Sequence[int], world_size: int) -> list[list[int]]:
+def assign_shards(sizes: Sequence[int], world_size: int) -> list[list[int]]:
     """Shard indices per rank: largest first, each to the rank with the fewest samples so far."""
     load, plans = [0] * world_size, [[] for _ in range(world_size)]
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
@@ -108,11 +108,10 @@ class _ShardImages(IterableDataset):
         name = image_member(sample)
         if name is None:
             return sample["__key__"], None, {**row, "error": "no image member"}
-        data = io.BytesIO(sample[name])
-        try:
-            return sample["__key__"], self.transform(read_image(data)), row
-        except Exception as err:  # noqa: BLE001 - an undecodable image is an error row, not a stop
-            return sample["__key__"], None, {**row, "error": unreadable_reason(data, err)}
+        image = read_image(io.BytesIO(sample[name]), on_error="skip")
+        if isinstance(image, BadImageError):  # an undecodable image is an error row, not a stop
+            return sample["__key__"], None, {**row, "error": image.reason}
+        return sample["__key__"], self.transform(image), row
 
 
 def _collate(items: list[Any]) -> tuple[list[tuple[int, dict[str, Any]]], torch.Tensor | None, list[int]]:
@@ -160,7 +159,7 @@ def caption_shards(
     out_dir.mkdir(parents=True, exist_ok=True)
     finished = finished if finished is not None else finished_outputs(out_dir, urls, fmt)
     todo = [i for i, url in enumerate(urls) if output_path(out_dir, url, fmt).name not in finished]
-    mine = [todo[i] for i in plan_shards([sizes[i] for i in todo], world_size)[rank]]
+    mine = [todo[i] for i in assign_shards([sizes[i] for i in todo], world_size)[rank]]
     summary = ShardCaptionSummary(finished_before=len(urls) - len(todo))
     model, device = bundle.model, next(bundle.model.parameters()).device
     loader = DataLoader(

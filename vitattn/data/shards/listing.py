@@ -1,13 +1,10 @@
-"""WebDataset shards as img2dataset writes them: listing, reading, and how many samples each holds.
+"""WebDataset shards as img2dataset writes them: which shards a spec names, and how many samples each holds.
 
 A shard is a tar file (``00000.tar``) whose members ``KEY.jpg``, ``KEY.txt``, ``KEY.json``, ``KEY.cls``
 belong to the sample ``KEY``; beside it img2dataset writes ``00000_stats.json`` (``successes``: the
 samples in the tar) and ``00000.parquet``. ``expand_shards`` turns brace notation
 (``/data/cc/{00000..00999}.tar``), a list, or a file listing shards into shard addresses: local paths
-or ``pipe:`` commands (``pipe:aws s3 cp s3://b/00000.tar -``). The ``webdataset`` library opens them
-(``gopen``: files, ``pipe:``, URLs) and splits tars into samples (``tar_file_expander``, ``group_by_keys``),
-so the layout is read as it is, with no conversion; the members of a plain local tar come from
-``vitattn.data.tar_reader``, which reads the same files four times faster than ``tarfile``.
+or ``pipe:`` commands (``pipe:aws s3 cp s3://b/00000.tar -``), which ``vitattn.data.shards.reading`` reads.
 
 ``shard_sizes`` gives each shard's sample count from its ``_stats.json`` (or the ``success`` rows of its
 ``.parquet``) where there is one, else from one counting pass over the shard (members are grouped into
@@ -20,24 +17,19 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
-from vitattn.data.tar_reader import is_plain_tar, tar_files
+from vitattn.data.shards.reading import local_path, read_shard
 from vitattn.errors import first_line
 from vitattn.fileio import atomic_write
 
-__all__ = ["ShardError", "expand_shards", "local_path", "read_shard", "shard_sizes", "stats_path"]
+__all__ = ["expand_shards", "shard_sizes", "stats_path"]
 
 log = logging.getLogger(__name__)
 
 LIST_SUFFIXES = (".txt", ".list", ".shards")  # a file naming one shard a line
-
-
-class ShardError(ValueError):
-    """A shard that cannot be read (missing, not a tar, truncated); the message names it."""
 
 
 def expand_shards(spec: str | os.PathLike | Sequence[str | os.PathLike], where: str = "shards") -> list[str]:
@@ -74,56 +66,12 @@ def expand_shards(spec: str | os.PathLike | Sequence[str | os.PathLike], where: 
     return urls
 
 
-def local_path(url: str) -> str | None:
-    """The file a shard address reads, or None for a ``pipe:`` command or a URL."""
-    if url.startswith("pipe:") or "://" in url and not url.startswith("file://"):
-        return None
-    return url[len("file://") :] if url.startswith("file://") else url
-
-
 def stats_path(url: str) -> Path | None:
     """img2dataset's ``NNNNN_stats.json`` beside a local shard ``NNNNN.tar``."""
     path = local_path(url)
     if path is None:
         return None
     return Path(path).with_name(Path(path).name.rsplit(".", 1)[0] + "_stats.json")
-
-
-def read_shard(url: str, extensions: set[str] | None = None) -> Iterator[dict[str, Any]]:
-    """The samples of one shard, in tar order: dicts ``{"__key__": KEY, "jpg": bytes, "txt": bytes, ...}``
-    (extensions lower case; ``extensions`` keeps only those members, every sample is still yielded).
-
-    Raises:
-        ShardError: the shard cannot be opened, is not a tar, or ends early; the message names the shard and
-            the last whole sample's key.
-    """
-    # webdataset loads only when shards are read, not with every import of vitattn.data
-    from webdataset.gopen import gopen
-    from webdataset.tariterators import group_by_keys, tar_file_expander
-
-    key = None
-    try:
-        stream = gopen(url, "rb")
-    except Exception as err:  # noqa: BLE001 - any failure to open becomes the one line naming the shard
-        raise ShardError(f"shard {url} cannot be opened: {first_line(err)}") from None
-    try:
-        if local_path(url) is not None and is_plain_tar(stream):  # the common case, without tarfile's cost
-            files = ({"fname": name, "data": data, "__url__": url} for name, data in tar_files(stream))
-        else:
-            files = tar_file_expander([{"url": url, "stream": stream}], eof_value=None)
-        for sample in group_by_keys(files, suffixes=extensions):
-            key = sample["__key__"]
-            yield sample
-    except Exception as err:  # noqa: BLE001 - tarfile's ReadError, a dead pipe: one line naming the shard
-        after = f" after sample {key}" if key is not None else ""
-        raise ShardError(f"shard {url} is unreadable{after}: {_reason(err)}") from None
-    finally:
-        stream.close()
-
-
-def _reason(err: BaseException) -> str:
-    text = first_line(err).split(" @ ")[0]  # webdataset appends " @ <stream>" to tar errors
-    return text if text.strip() else type(err).__name__
 
 
 def shard_sizes(urls: Sequence[str], cache_dir: str | os.PathLike | None = None, threads: int = 8) -> list[int]:

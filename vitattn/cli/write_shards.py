@@ -26,7 +26,7 @@ from vitattn.cli.args import UsageError, parse_key_values, run_main
 from vitattn.data.coco import load_coco_captions
 from vitattn.data.karpathy import load_karpathy
 from vitattn.data.shapes import CLASS_NAMES
-from vitattn.data.shard_writer import coco_samples, folder_samples, shapes_samples, write_shards
+from vitattn.data.shards.writer import coco_samples, folder_samples, shapes_samples, write_shards
 
 __all__ = ["main"]
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from vitattn.data.images import read_image, unreadable_reason
+from vitattn.data.images import BadImageError, read_image
 
 __all__ = ["ImageFileDataset", "collate_images"]
 
@@ -41,10 +41,8 @@ class ImageFileDataset(Dataset):
         if index < 0:
             return index, None
         path = self.paths[index]
-        try:
-            return index, self.transform(read_image(path))
-        except Exception as err:  # noqa: BLE001 - any failure (bomb warnings too) becomes an error record
-            return index, unreadable_reason(path, err)
+        image = read_image(path, on_error="skip")
+        return index, image.reason if isinstance(image, BadImageError) else self.transform(image)
 
 
 def collate_images(

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vitattn.data.images import load_image, upright_rgb
+from vitattn.data.images import read_image, upright_rgb
 from vitattn.errors import brief
 
 __all__ = ["ImageLike", "as_image_list", "to_pil", "to_pixels"]
@@ -43,7 +43,7 @@ def to_pil(image: Any, where: str = "image") -> Image.Image:
         BadImageError: a file that cannot be read.
     """
     if isinstance(image, (str, os.PathLike)):
-        return load_image(image)
+        return read_image(image)
     if isinstance(image, Image.Image):
         return upright_rgb(image)
     if isinstance(image, torch.Tensor):

@@ -1,7 +1,7 @@
 """Batches read from WebDataset shards by loader workers, every sample once per epoch.
 
 ``ShardStream`` is the loader's dataset: the DataModule gives it, before each epoch, the epoch's shard
-order and this rank's plan (``vitattn.data.shard_plan``); each loader worker reads its positions from
+order and this rank's plan (``vitattn.data.shards.epoch_split``); each loader worker reads its positions from
 the shards in order, shuffles them in a buffer (a per-epoch, per-worker seed), decodes them
 (``ShardSamples``: ``read_image`` of the image bytes, the caption or the class) and yields whole batches
 of the planned sizes. Each batch travels as a ``ShardBatch`` with the epoch positions and keys of its
@@ -26,9 +26,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from vitattn.data.bad_images import SkippedImage, collate_skipping
-from vitattn.data.images import IMAGE_EXTENSIONS, BadImageError, read_image, unreadable_reason
-from vitattn.data.shard_plan import EpochOrder, WorkerPlan
-from vitattn.data.shards import ShardError, read_shard
+from vitattn.data.images import IMAGE_EXTENSIONS, BadImageError, read_image
+from vitattn.data.shards.epoch_split import EpochOrder, WorkerPlan
+from vitattn.data.shards.reading import ShardError, read_shard
 from vitattn.data.vocab import Vocabulary
 
 __all__ = ["EpochLoader", "ShardBatch", "ShardSamples", "ShardStream", "image_member", "sample_caption"]
@@ -102,12 +102,9 @@ class ShardSamples:
                 raise BadImageError(f"{where}: {what}", where, what)
         else:
             label = self._label(sample, where)
-        data = io.BytesIO(sample[name])
-        try:
-            image = read_image(data)
-        except Exception as err:  # noqa: BLE001 - any undecodable image becomes the one-line reason
-            reason = unreadable_reason(data, err)
-            raise BadImageError(f"{where}: {reason}", where, reason) from None
+        image = read_image(io.BytesIO(sample[name]), on_error="skip")
+        if isinstance(image, BadImageError):
+            raise BadImageError(f"{where}: {image.reason}", where, image.reason)
         if getattr(self.transform, "reads_captions", False):  # CaptionAugment: flips and colours the caption allows
             pixels = self.transform(image, [caption])
         else:
