@@ -20,7 +20,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from vitattn.bundle.folder import is_bundle_weights
+from vitattn.bundle.folder import CONFIG_FILE, is_bundle_weights
 from vitattn.config_targets import check_targets
 from vitattn.data.augment import Augment
 from vitattn.data.tasks import TASKS
@@ -130,7 +130,7 @@ def check_source(source: str) -> tuple[str, Path | str, Path | None]:
     text = str(source)
     path = Path(text).expanduser()
     if path.exists():
-        if path.is_dir() or path.suffix == ".ckpt" or path.name == "config.json" or is_bundle_weights(path):
+        if path.is_dir() or path.suffix == ".ckpt" or path.name == CONFIG_FILE or is_bundle_weights(path):
             return "vitattn", path, None
         if path.suffix.lower() in TIMM_SUFFIXES:
             return "timm-file", path, None

@@ -20,7 +20,9 @@ from omegaconf import OmegaConf
 
 from vitattn.fileio import atomic_write
 
-__all__ = ["RunDir"]
+__all__ = ["VOCAB_FILE", "RunDir"]
+
+VOCAB_FILE = "vocab.json"  # the caption vocabulary, in a run folder and in a bundle or ONNX folder
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class RunDir:
     @property
     def vocab(self) -> Path:
         """The caption vocabulary."""
-        return self.path / "vocab.json"
+        return self.path / VOCAB_FILE
 
     @property
     def checkpoints(self) -> Path:

@@ -35,8 +35,19 @@ from vitattn.data.vocab import Vocabulary
 from vitattn.errors import brief, first_line
 from vitattn.fileio import atomic_folder, read_json
 from vitattn.models import ImageCaptioner, VisionTransformer
+from vitattn.run_dir import VOCAB_FILE
 
-__all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "Bundle", "is_bundle_weights", "load_bundle_folder", "save_bundle"]
+__all__ = [
+    "BUNDLE_FORMAT",
+    "BUNDLE_VERSION",
+    "CONFIG_FILE",
+    "VOCAB_FILE",
+    "WEIGHTS_FILE",
+    "Bundle",
+    "is_bundle_weights",
+    "load_bundle_folder",
+    "save_bundle",
+]
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +58,7 @@ BUNDLE_FORMAT = "vitattn-bundle"
 BUNDLE_VERSION = 1
 
 
-WEIGHTS_FILE, CONFIG_FILE, VOCAB_FILE = "model.safetensors", "config.json", "vocab.json"
+WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 
 
 @dataclass

@@ -29,6 +29,7 @@ from vitattn.bundle.onnx_folder import (
     ONNX_FORMAT,
     ONNX_VERSION,
     PRECISIONS,
+    graph_file,
     is_onnx_folder,
     kv_names,
     require_onnxruntime,
@@ -151,12 +152,12 @@ def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | No
             bundle.vocab.save(tmp / VOCAB_FILE)
         else:
             graph = ClassifierGraph(for_export(model, approximate_gelu=precision == "int8"))
-            _export(graph, (images,), tmp / "classifier.onnx", ["images"], ["logits"], {})
+            _export(graph, (images,), tmp / graph_file("classifier"), ["images"], ["logits"], {})
             config["class_names"] = list(bundle.class_names)
         if precision == "int8":
             _quantize(tmp, GRAPHS[bundle.task])
         config["graphs"] = {
-            name: {"file": f"{name}.onnx", "sha256": sha256(tmp / f"{name}.onnx")} for name in GRAPHS[bundle.task]
+            name: {"file": graph_file(name), "sha256": sha256(tmp / graph_file(name))} for name in GRAPHS[bundle.task]
         }
         (tmp / ONNX_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return directory
@@ -169,7 +170,7 @@ def _export_captioner(model: ImageCaptioner, images: Tensor, folder: Path, preci
     L = len(dec.layers)
     cross = EncoderGraph(model)(images)  # 2L x (B, H, N, d)
     encoder = EncoderGraph(for_export(model, approximate_gelu))
-    _export(encoder, (images,), folder / "encoder.onnx", ["images"], kv_names("cross", L), {})
+    _export(encoder, (images,), folder / graph_file("encoder"), ["images"], kv_names("cross", L), {})
     B, H, _, d = cross[1].shape
     # traced with 2 rows per image (beams) and a past of 3 positions: any beam count and length run alike
     past = [torch.randn(2 * B, H, 3, d) for _ in range(2 * L)]
@@ -180,7 +181,7 @@ def _export_captioner(model: ImageCaptioner, images: Tensor, folder: Path, preci
     _export(
         DecoderStepGraph(for_export(dec, approximate_gelu)),
         (tokens, *past, *cross),
-        folder / "decoder_step.onnx",
+        folder / graph_file("decoder_step"),
         ["tokens", *kv_names("past", L), *kv_names("cross", L)],
         ["logits", *kv_names("present", L)],
         {"tokens": {0: "batch"}, "logits": {0: "batch"}, **past_axes, **present_axes, **cross_axes},
@@ -241,8 +242,8 @@ def _quantize(folder: Path, graphs: tuple[str, ...]) -> None:
     logging.getLogger().addFilter(advice)
     try:
         for name in graphs:
-            fp32 = folder / f"{name}.fp32.onnx"
-            (folder / f"{name}.onnx").rename(fp32)
+            fp32 = folder / f"fp32.{graph_file(name)}"
+            (folder / graph_file(name)).rename(fp32)
             graph = onnx.load(fp32).graph
             weights = {w.name for w in graph.initializer}
             kept_fp32 = [  # the products of two activations, and the decoder step's vocabulary projection
@@ -250,7 +251,7 @@ def _quantize(folder: Path, graphs: tuple[str, ...]) -> None:
             ] + ([_logits_product(graph)] if name == "decoder_step" else [])
             quantize_dynamic(
                 fp32,
-                folder / f"{name}.onnx",
+                folder / graph_file(name),
                 weight_type=QuantType.QInt8,
                 per_channel=True,
                 reduce_range=True,

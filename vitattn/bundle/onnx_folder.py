@@ -39,6 +39,7 @@ __all__ = [
     "ONNX_VERSION",
     "PRECISIONS",
     "check_onnx_config",
+    "graph_file",
     "graph_path",
     "is_onnx_folder",
     "kv_names",
@@ -73,6 +74,11 @@ def require_onnxruntime(export: bool = False) -> ModuleType:
 def kv_names(prefix: str, depth: int) -> list[str]:
     """Graph input or output names of L layers' keys and values: ``prefix_k.0, prefix_v.0, prefix_k.1, ...``."""
     return [f"{prefix}_{kv}.{i}" for i in range(depth) for kv in ("k", "v")]
+
+
+def graph_file(name: str) -> str:
+    """The file name of graph ``name`` (one of ``GRAPHS``) in an ONNX folder."""
+    return f"{name}.onnx"
 
 
 def is_onnx_folder(path: Path) -> bool:

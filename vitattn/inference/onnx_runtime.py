@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from vitattn.bundle import Bundle
-from vitattn.bundle.onnx_folder import check_onnx_config, graph_path, kv_names, require_onnxruntime
+from vitattn.bundle.folder import VOCAB_FILE
+from vitattn.bundle.onnx_folder import ONNX_CONFIG_FILE, check_onnx_config, graph_path, kv_names, require_onnxruntime
 from vitattn.data.vocab import Vocabulary
 from vitattn.errors import brief, first_line
 from vitattn.models.search import CaptionSearch, SpecialIds
@@ -145,14 +146,14 @@ def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Bun
     if config["task"] == "classification":
         names = config.get("class_names")
         if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-            raise ValueError(f"{directory / 'onnx.json'} has no 'class_names' list of strings")
+            raise ValueError(f"{directory / ONNX_CONFIG_FILE} has no 'class_names' list of strings")
         model = OnnxClassifier(sessions["classifier"], len(names))
         return Bundle(model, "classification", preprocess, config, None, names, generate)
     decoder = config["decoder"]
-    name = config.get("vocab_file", "vocab.json")
+    name = config.get("vocab_file", VOCAB_FILE)
     if not isinstance(name, str) or Path(name).name != name or not name:
         raise ValueError(
-            f"{directory / 'onnx.json'} has vocab_file={brief(name)}; it must be a file name inside the folder"
+            f"{directory / ONNX_CONFIG_FILE} has vocab_file={brief(name)}; it must be a file name inside the folder"
         )
     vocab = Vocabulary.load(directory / name)
     ids = (vocab.pad_id, vocab.bos_id, vocab.eos_id)
@@ -167,5 +168,5 @@ def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Bun
             **{k: v for k, v in generate.items() if k in ("max_new_tokens", "num_beams", "do_sample", "temperature")}
         )
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{directory / 'onnx.json'}: generate: {first_line(err)}") from None
+        raise ValueError(f"{directory / ONNX_CONFIG_FILE}: generate: {first_line(err)}") from None
     return Bundle(model, "caption", preprocess, config, vocab, None, generate)

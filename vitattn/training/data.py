@@ -64,7 +64,7 @@ def _check_checkpoint_matches(cfg: DictConfig, datamodule: Any, ckpt_path: str) 
                 else "the vocabulary built from the training captions"
             )
             saved = RunDir(Path(ckpt_path).resolve().parents[1]).vocab
-            fix = f"data.vocab_path={saved}" if saved.is_file() else "data.vocab_path=<the run's vocab.json>"
+            fix = f"data.vocab_path={saved}" if saved.is_file() else f"data.vocab_path=<the run's {saved.name}>"
             raise ConfigError(
                 f"data.vocab_path: {source} ({len(words)} words) differs from the checkpoint's ({len(theirs)} words, "
                 f"first difference at word {i}: {differ}); use the vocabulary the model was trained with: {fix}"

@@ -30,6 +30,7 @@ from vitattn.data.datamodules.base import ImageDataModule, caption_vocab
 from vitattn.data.eval_split import EvalSplit
 from vitattn.data.shards import expand_shards, local_path, read_shard, shard_sizes
 from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, batches_per_rank, split_epoch
+from vitattn.data.shards.listing import CLASSES_FILE
 from vitattn.data.shards.stream import EpochLoader, ShardBatch, ShardSamples, ShardStream, sample_caption
 
 __all__ = ["WebDatasetDataModule", "shard_captions"]
@@ -68,7 +69,7 @@ def _class_names(value: Any, urls: Sequence[str]) -> list[str]:
     if value is not None:
         return [str(name) for name in value]
     first = local_path(urls[0])
-    listing = Path(first).with_name("classes.txt") if first else None
+    listing = Path(first).with_name(CLASSES_FILE) if first else None
     if listing is None or not listing.is_file():
         raise ValueError(
             "head=classification needs the class names: data.class_names=[...] or a file with one name a line "

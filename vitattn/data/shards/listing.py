@@ -25,10 +25,11 @@ from vitattn.data.shards.reading import local_path, read_shard
 from vitattn.errors import first_line
 from vitattn.fileio import atomic_write
 
-__all__ = ["expand_shards", "shard_sizes", "stats_path"]
+__all__ = ["CLASSES_FILE", "expand_shards", "shard_sizes", "stats_path"]
 
 log = logging.getLogger(__name__)
 
+CLASSES_FILE = "classes.txt"  # a classification shard set's class names, one a line, beside its shards
 LIST_SUFFIXES = (".txt", ".list", ".shards")  # a file naming one shard a line
 
 

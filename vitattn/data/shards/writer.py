@@ -21,6 +21,7 @@ from pathlib import Path
 from vitattn.data.coco import CocoImage
 from vitattn.data.image_folder import open_image_folder
 from vitattn.data.shapes import generate_scene, render_scene, scene_label, scene_references
+from vitattn.data.shards.listing import CLASSES_FILE
 from vitattn.fileio import atomic_open, atomic_write
 
 __all__ = ["ShardSample", "coco_samples", "folder_samples", "shapes_samples", "write_shards"]
@@ -91,7 +92,7 @@ def write_shards(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if class_names is not None:
-        atomic_write(out / "classes.txt", "".join(f"{name}\n" for name in class_names))
+        atomic_write(out / CLASSES_FILE, "".join(f"{name}\n" for name in class_names))
     digits = max(4, len(str(samples_per_shard - 1)))
     shards: list[Path] = []
     iterator = iter(samples)

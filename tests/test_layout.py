@@ -1,0 +1,61 @@
+"""The names of the files vitattn writes (run folders, bundles, ONNX folders, shard sets) are each spelled in one
+module, which every other module asks; docstrings and messages may mention them."""
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import vitattn
+
+FILE_NAME = re.compile(r"^[\w.-]+\.(json|jsonl|yaml|ckpt|onnx|safetensors|txt|csv)$")
+# Names of files that are not ours to lay out: what timm's hub repositories hold (vitattn.models.timm_hub).
+NOT_OURS = {"model.safetensors", "open_clip_model.safetensors"}
+NOT_OURS_MODULE = "vitattn/models/timm_hub.py"
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                ids.add(id(first.value))
+    return ids
+
+
+def _messages(tree: ast.AST) -> set[int]:
+    """String pieces of f-strings and of arguments to raise/log calls: text for people, not paths."""
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            ids.update(id(v) for v in node.values)
+    return ids
+
+
+def spelled_file_names(root: Path) -> dict[str, set[str]]:
+    where: dict[str, set[str]] = defaultdict(set)
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skip = _docstrings(tree) | _messages(tree)
+        module = str(path.relative_to(root.parent))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+                if FILE_NAME.match(node.value) and not (node.value in NOT_OURS and module == NOT_OURS_MODULE):
+                    where[node.value].add(module)
+    return where
+
+
+def test_each_file_name_is_spelled_in_one_module():
+    where = spelled_file_names(Path(vitattn.__file__).parent)
+    assert {"vocab.json", "config.json", "config.yaml", "last.ckpt", "onnx.json", "classes.txt"} <= set(where)
+    twice = {name: sorted(modules) for name, modules in where.items() if len(modules) > 1}
+    assert not twice, f"file names spelled in several modules: {twice}"
+
+
+def test_the_check_sees_a_second_spelling(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "a.py").write_text('VOCAB = "vocab.json"\n')
+    (package / "b.py").write_text('"""Reads ``vocab.json``."""\nNAME = f"{1}.json"\nPATH = "vocab.json"\n')
+    assert spelled_file_names(package) == {"vocab.json": {"pkg/a.py", "pkg/b.py"}}
