@@ -1,7 +1,7 @@
 """A loaded ``Bundle`` written as an ONNX folder (see ``onnx_folder``), optionally int8-quantized.
 
-Dimension letters: B batch (B * K rows when decoding K beams), L decoder layers, H heads, d head width,
-P past caption positions, N image tokens, D width, V vocabulary.
+Dimension letters: B images (B * K caption rows when decoding K beams), L decoder layers, H heads,
+d head width, P past caption positions, N image tokens, D width, V vocabulary.
 
 The graphs come from PyTorch's TorchScript-based exporter (``dynamo=False``): it traces the same
 modules that the PyTorch runtime runs, and keeps the batch and the past length dynamic. The decoder

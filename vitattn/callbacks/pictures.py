@@ -118,7 +118,7 @@ class ValidationPictures(pl.Callback):
                 logger.experiment.add_text("val/attention/captions", text, step)
 
     def _validation_images(self, trainer: pl.Trainer) -> tuple[torch.Tensor, list[list[str]]]:
-        """The split's first ``num_images`` (images (b, C, H, W), references), read once."""
+        """The split's first ``num_images`` (images (b, C, height, width), references), read once."""
         if self._images is None:
             loader = trainer.val_dataloaders
             dataset = (loader[0] if isinstance(loader, (list, tuple)) else loader).dataset
@@ -133,7 +133,7 @@ def _picture_loggers(trainer: pl.Trainer) -> list[Logger]:
 
 def _log_figure(loggers: list[Logger], tag: str, figure: Figure, step: int) -> None:
     """``figure`` to each logger: a TensorBoard image, an MLflow artifact ``<tag>/step<step>.png``, a wandb image."""
-    pixels = np.asarray(Image.open(io.BytesIO(figure_png(figure))).convert("RGB"))  # (H, W, 3)
+    pixels = np.asarray(Image.open(io.BytesIO(figure_png(figure))).convert("RGB"))  # (height, width, 3)
     for logger in loggers:
         if isinstance(logger, TensorBoardLogger):
             logger.experiment.add_image(tag, pixels, step, dataformats="HWC")

@@ -47,7 +47,8 @@ def should_cache(mode: str, num_images: int, side: int) -> bool:
 
 
 class ImageCache:
-    """uint8 (H, W, 3) arrays of image files after ``resize``, read in parallel; ``load(path)`` gives a PIL image.
+    """uint8 (height, width, 3) arrays of image files after ``resize``, read in parallel; ``load(path)`` gives a PIL
+    image.
 
     Args:
         paths: the files; those that cannot be read are kept in ``bad`` (path -> reason), and loading
@@ -80,5 +81,5 @@ class ImageCache:
         return Image.fromarray(self.images[key])
 
     def tensor(self, path: Any) -> torch.Tensor:
-        """The cached image of ``path`` as (3, H, W) uint8."""
+        """The cached image of ``path`` as (3, height, width) uint8."""
         return torch.from_numpy(self.images[str(path)]).permute(2, 0, 1)

@@ -51,11 +51,11 @@ def collate_captions(items: list[dict[str, Any]], pad_id: int = PAD_ID) -> dict[
     """Batch ``TokenizedCaptions`` items.
 
     Returns:
-        ``images`` (B, 3, H, W) float, ``tokens`` (B, T) long right-padded with ``pad_id``,
+        ``images`` (B, 3, height, width) float, ``tokens`` (B, T) long right-padded with ``pad_id``,
         ``image_ids`` (B,) long, ``references`` a list of B lists of caption strings.
     """
     return {
-        "images": torch.stack([item["image"] for item in items]),  # (B, 3, H, W)
+        "images": torch.stack([item["image"] for item in items]),  # (B, 3, height, width)
         "tokens": pad_sequence([item["tokens"] for item in items], batch_first=True, padding_value=pad_id),  # (B, T)
         "image_ids": torch.tensor([item["image_id"] for item in items], dtype=torch.long),  # (B,)
         "references": [list(item["references"]) for item in items],

@@ -100,7 +100,8 @@ def _three_floats(values: Any, where: str) -> list[float]:
 def denormalize(
     images: torch.Tensor, mean: Sequence[float] = IMAGENET_DEFAULT_MEAN, std: Sequence[float] = IMAGENET_DEFAULT_STD
 ) -> torch.Tensor:
-    """Undo the normalisation of (..., 3, H, W) images (a ``preprocess``'s ``mean`` and ``std``), back to [0, 1]."""
+    """Undo the normalisation of (..., 3, height, width) images (a ``preprocess``'s ``mean`` and ``std``), back
+    to [0, 1]."""
     mean_ = images.new_tensor(list(mean)).view(3, 1, 1)
     std_ = images.new_tensor(list(std)).view(3, 1, 1)
     return images * std_ + mean_

@@ -184,7 +184,7 @@ class ShapesDataset(Dataset):
         seed: base seed; ``(seed, split, index)`` fixes an item.
         task: "caption" gives dicts ``{"image", "caption", "references", "image_id"}``;
             "classification" gives ``(image, label)`` with label the left-most object's class.
-        transform: applied to the (3, H, W) float image in [0, 1], e.g. a ``Normalize``.
+        transform: applied to the (3, height, width) float image in [0, 1], e.g. a ``Normalize``.
     """
 
     class_names = CLASS_NAMES
@@ -227,13 +227,13 @@ class ShapesDataset(Dataset):
         return scene_label(self.scenes[index])
 
     def image(self, index: int) -> torch.Tensor:
-        """The rendered image as (3, H, W) uint8, before ``transform``."""
+        """The rendered image as (3, height, width) uint8, before ``transform``."""
         return pil_to_tensor(render_scene(self.scenes[index], self.img_size))
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int] | dict:
         if not 0 <= index < len(self):
             raise IndexError(f"index={index} out of range for {len(self)} images")
-        image = self.image(index).float().div_(255)  # (3, H, W) in [0, 1]
+        image = self.image(index).float().div_(255)  # (3, height, width) in [0, 1]
         if self.transform is not None:
             image = self.transform(image)
         if self.task == "classification":

@@ -9,7 +9,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 
 class Normalize:
-    """``(image - mean) / std`` per channel, on (..., 3, H, W) float tensors in [0, 1].
+    """``(image - mean) / std`` per channel, on (..., 3, height, width) float tensors in [0, 1].
 
     ``torchvision.transforms.Normalize`` rebuilds its mean and std tensors on every call, which is
     half the per-image cost of the shapes pipeline at 64 px; this keeps them.
@@ -27,5 +27,5 @@ class Normalize:
 
 
 def normalize() -> Normalize:
-    """ImageNet mean/std normalisation of a (3, H, W) float tensor in [0, 1]."""
+    """ImageNet mean/std normalisation of a (3, height, width) float tensor in [0, 1]."""
     return Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)

@@ -1,7 +1,8 @@
 """The Python API: ``Captioner`` and ``Classifier``, loaded from a bundle, a run folder, a checkpoint or
 an ONNX folder (``vitattn-export format=onnx``), fed images of any common kind.
 
-Dimension letters: B batch, C channels, H/W image side, T' generated tokens, gh x gw patch grid.
+Dimension letters: B batch, C channels, T' generated tokens, gh x gw patch grid; image sides are written out
+(height, width): H is heads elsewhere.
 
     >>> from vitattn import Captioner
     >>> captioner = Captioner.load("runs/coco/bundle")
@@ -74,7 +75,7 @@ class AttentionMaps:
         cross: (len(words), gh, gw) the last decoder layer's cross-attention of each word, averaged over
             heads, each summing to 1 over the patches.
         rollout: (gh, gw) the encoder's attention rollout of the class token.
-        image: (3, H, W) the image as the model saw it, in [0, 1] (for drawing the maps over it).
+        image: (3, height, width) the image as the model saw it, in [0, 1] (for drawing the maps over it).
     """
 
     caption: str
@@ -133,7 +134,7 @@ class Captioner(_TaskModel):
     """Caption images with a trained model.
 
     Load with ``Captioner.load(path)``; ``caption`` takes one image or a list (file paths, PIL images,
-    (H, W, 3) uint8 arrays, (3, H, W) tensors) and batches them; ``generate`` keyword arguments left
+    (height, width, 3) uint8 arrays, (3, height, width) tensors) and batches them; ``generate`` keyword arguments left
     out come from the bundle's defaults.
 
     Args:
@@ -158,7 +159,7 @@ class Captioner(_TaskModel):
         return settings
 
     def pixels(self, images: Sequence[ImageLike]) -> Tensor:
-        """(B, C, H, W) model inputs of ``images``, on the model's device."""
+        """(B, C, height, width) model inputs of ``images``, on the model's device."""
         return to_pixels(images, self.transform).to(model_device(self.model))
 
     def caption(
@@ -172,7 +173,7 @@ class Captioner(_TaskModel):
         """Caption one image or a list of them.
 
         Args:
-            images: a file path, PIL image, (H, W, 3) uint8 array or (3, H, W) tensor (uint8, or float
+            images: a file path, PIL image, (height, width, 3) uint8 array or (3, height, width) tensor (uint8, or float
                 in [0, 1]); or a list of them.
             batch_size: images per ``generate`` call.
             details: return ``Caption``s (text, tokens, log-probability) instead of strings.
@@ -186,7 +187,7 @@ class Captioner(_TaskModel):
             raise ValueError(f"batch_size={batch_size} must be at least 1")
         results: list[str | Caption] = []
         for start in range(0, len(items), batch_size):
-            pixels = self.pixels(items[start : start + batch_size])  # (b, C, H, W)
+            pixels = self.pixels(items[start : start + batch_size])  # (b, C, height, width)
             texts, tokens = self.caption_pixels(pixels, **generate)  # (b, T')
             if not details:
                 results += texts
@@ -198,14 +199,14 @@ class Captioner(_TaskModel):
         return results[0] if single else results
 
     def caption_pixels(self, pixels: Tensor, **generate: Any) -> tuple[list[str], Tensor]:
-        """Captions of model inputs already made by ``transform``, (B, C, H, W): ``(texts, tokens)``, the
+        """Captions of model inputs already made by ``transform``, (B, C, height, width): ``(texts, tokens)``, the
         tokens (B, T') as ``generate`` returns them (``vitattn-serve`` decodes requests into pixels itself)."""
         settings = self.generate_settings(**generate)
         tokens = generate_tokens(self.model, pixels.to(model_device(self.model)), **settings)  # (B, T')
         return self.vocab.decode_batch(tokens), tokens
 
     def score(self, pixels: Tensor, tokens: Tensor) -> Tensor:
-        """(B,) total log-probabilities of captions ``tokens`` (B, T') of images ``pixels`` (B, C, H, W)."""
+        """(B,) total log-probabilities of captions ``tokens`` (B, T') of images ``pixels`` (B, C, height, width)."""
         model = self.model
         with torch.inference_mode():
             step = model.decode_step(model.encode(pixels), tokens.shape[1] + 1)
@@ -218,7 +219,7 @@ class Captioner(_TaskModel):
             raise ValueError(
                 "attention maps need the PyTorch runtime; load the bundle or run folder instead of the ONNX folder"
             )
-        pixels = self.pixels([image])  # (1, C, H, W)
+        pixels = self.pixels([image])  # (1, C, height, width)
         with torch.inference_mode():
             tokens, cross, rollout = caption_attention_maps(
                 self.model, pixels, layer, **self.generate_settings(**generate)

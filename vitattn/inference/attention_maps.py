@@ -1,7 +1,8 @@
 """Where the captioner looks: cross-attention of each generated word, and encoder attention rollout.
 
 Dimension letters: B batch, H heads, T' generated tokens, N image tokens (class token first, then
-the gh x gw patches), C channels, H/W image side (in ``save_attention_figure``).
+the gh x gw patches), C channels; image sides are written out
+(height, width): H is heads.
 
 Captions are generated as usual (fused attention, no weights); then one teacher-forced pass of the
 generated tokens runs under ``record_attention``. Position t of that pass is the step that produced
@@ -73,7 +74,7 @@ def attention_from_tokens(
 
     Args:
         model: the captioner (in eval mode, so dropout does not disturb the maps).
-        images: (B, C, H, W) model inputs.
+        images: (B, C, height, width) model inputs.
         tokens: (B, T') captions as ``generate`` returns them (no ``<bos>``; ``<eos>``, then ``<pad>``).
         layer: which decoder layer's cross-attention (negative counts from the last).
 
@@ -111,7 +112,7 @@ def caption_attention_maps(
 
     Args:
         model: the captioner, in eval mode.
-        images: (B, C, H, W).
+        images: (B, C, height, width).
         layer: decoder layer whose cross-attention is returned (default the last).
         **generate_kwargs: passed to ``model.generate``.
 
@@ -125,7 +126,8 @@ def caption_attention_maps(
 
 
 def _as_rgb_array(image: Image.Image | np.ndarray | Tensor) -> np.ndarray:
-    """(H, W, 3) floats in [0, 1] from a PIL image, an (H, W[, 3]) array or a (3, H, W) tensor in [0, 1]."""
+    """(height, width, 3) floats in [0, 1] from a PIL image, a (height, width[, 3]) array or a (3, height, width)
+    tensor in [0, 1]."""
     if isinstance(image, Image.Image):
         return np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
     if isinstance(image, Tensor):
@@ -140,9 +142,9 @@ def _as_rgb_array(image: Image.Image | np.ndarray | Tensor) -> np.ndarray:
 
 
 def _upsample(heat: Tensor | np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """(gh, gw) -> (H, W) bilinear, scaled to a maximum of 1 for display."""
+    """(gh, gw) -> (height, width) bilinear, scaled to a maximum of 1 for display."""
     h = torch.as_tensor(heat, dtype=torch.float32).cpu()[None, None]  # (1, 1, gh, gw)
-    h = F.interpolate(h, size=size, mode="bilinear", align_corners=False)[0, 0]  # (H, W)
+    h = F.interpolate(h, size=size, mode="bilinear", align_corners=False)[0, 0]  # (height, width)
     return (h / h.max().clamp_min(1e-12)).numpy()
 
 
@@ -158,8 +160,8 @@ def attention_figure(
     """The image, one heat-map overlay per word, and the encoder rollout, as a matplotlib ``Figure``.
 
     Args:
-        image: the image the maps belong to (the model's input view aligns best): PIL, (H, W, 3)
-            array, or (3, H, W) tensor in [0, 1].
+        image: the image the maps belong to (the model's input view aligns best): PIL, (height, width, 3)
+            array, or (3, height, width) tensor in [0, 1].
         words: the caption's words; panel i shows ``cross_maps[i]``.
         cross_maps: (T', gh, gw) with T' >= len(words).
         rollout: (gh, gw).

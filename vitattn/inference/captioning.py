@@ -1,6 +1,6 @@
 """Batched captioning of image files: read, encode, decode, one ``CaptionBatch`` at a time.
 
-Dimension letters: B batch, C channels, H/W image side, T' generated tokens.
+Dimension letters: B batch, C channels, T' generated tokens; image sides are written out (height, width).
 
 A bad file never stops a batch: it gets a record ``{"image", "image_id", "error"}`` instead of a caption.
 """
@@ -40,7 +40,7 @@ class CaptionBatch:
     Attributes:
         records: one dict per input of the batch, in input order: ``image``, ``image_id`` and
             ``caption`` or ``error``.
-        images: (b, C, H, W) the images that were read, on the model's device; None if none were.
+        images: (b, C, height, width) the images that were read, on the model's device; None if none were.
         tokens: (b, T') their generated ids (``generate``'s output); None if none were read.
         captioned: for each row of ``images``, its position in ``records``.
     """
@@ -80,7 +80,7 @@ def caption_batch(
         vocab: its vocabulary.
         inputs: what the batch's indices point into.
         ok: positions in ``inputs`` of the rows of ``images``.
-        images: (b, C, H, W) or None when no file of the batch could be read.
+        images: (b, C, height, width) or None when no file of the batch could be read.
         errors: ``(position, reason)`` of the files that could not be read.
         **generate_kwargs: passed to ``ImageCaptioner.generate``.
     """

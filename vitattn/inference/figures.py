@@ -44,14 +44,16 @@ def attention_figures(
 
     Args:
         model: the ``ImageCaptioner``, in eval mode.
-        images: (b, C, H, W) normalised model inputs.
+        images: (b, C, height, width) normalised model inputs.
         tokens: (b, T') their generated captions (``generate``'s output).
         vocab: the caption vocabulary.
         preprocess: the bundle's preprocessing (its ``mean`` and ``std`` undo the normalisation).
         titles: a figure title per row.
     """
     cross, rollout = attention_from_tokens(model, images, tokens)  # (b, T', gh, gw), (b, gh, gw)
-    shown = denormalize(images.float(), preprocess["mean"], preprocess["std"]).clamp(0, 1).cpu()  # (b, 3, H, W)
+    shown = (
+        denormalize(images.float(), preprocess["mean"], preprocess["std"]).clamp(0, 1).cpu()
+    )  # (b, 3, height, width)
     return [
         attention_figure(shown[row], caption_words(tokens[row].tolist(), vocab), cross[row], rollout[row], title=title)
         for row, title in enumerate(titles)

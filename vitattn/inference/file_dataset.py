@@ -18,7 +18,7 @@ class ImageFileDataset(Dataset):
     """Image files as model inputs; ``__getitem__`` never raises.
 
     Items are ``(index, image)``: ``index`` is the file's position in ``paths``, ``image`` the
-    transformed (C, H, W) tensor, or a one-line error string when the file could not be read.
+    transformed (C, height, width) tensor, or a one-line error string when the file could not be read.
 
     Args:
         paths: the image files.
@@ -48,7 +48,8 @@ class ImageFileDataset(Dataset):
 def collate_images(
     batch: Sequence[tuple[int, Tensor | str | None]],
 ) -> tuple[list[int], Tensor | None, list[tuple[int, str]]]:
-    """``(indices of the images read, (b, C, H, W) images or None, [(index, error)])``; placeholders dropped."""
+    """``(indices of the images read, (b, C, height, width) images or None, [(index, error)])``; placeholders
+    dropped."""
     ok = [(i, x) for i, x in batch if isinstance(x, Tensor)]
     errors = [(i, x) for i, x in batch if isinstance(x, str)]
     images = torch.stack([x for _, x in ok]) if ok else None

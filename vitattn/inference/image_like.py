@@ -23,7 +23,8 @@ __all__ = ["ImageLike", "as_image_list", "to_pil", "to_pixels"]
 ImageLike = str | os.PathLike | Image.Image | np.ndarray | torch.Tensor
 
 _KINDS = (
-    "a file path, a PIL image, an (H, W, 3) uint8 numpy array or a (3, H, W) torch tensor (uint8, or float in [0, 1])"
+    "a file path, a PIL image, a (height, width, 3) uint8 numpy array or a (3, height, width) torch tensor "
+    "(uint8, or float in [0, 1])"
 )
 
 
@@ -56,7 +57,7 @@ def to_pil(image: Any, where: str = "image") -> Image.Image:
 def to_pixels(
     images: Sequence[ImageLike], transform: Callable[[Image.Image], torch.Tensor], where: str = "images"
 ) -> torch.Tensor:
-    """(B, C, H, W) model inputs of ``images`` through ``transform`` (a bundle's ``eval_transform``)."""
+    """(B, C, height, width) model inputs of ``images`` through ``transform`` (a bundle's ``eval_transform``)."""
     return torch.stack([transform(to_pil(x, f"{where}[{i}]")) for i, x in enumerate(images)])
 
 
@@ -64,7 +65,10 @@ def _array_to_hwc(a: np.ndarray, where: str) -> np.ndarray:
     if a.ndim == 2:
         a = a[..., None]
     if a.ndim != 3 or a.shape[-1] not in (1, 3):
-        raise ValueError(f"{where} is a numpy array of shape {list(a.shape)}; pass (H, W, 3) or (H, W) uint8 pixels")
+        raise ValueError(
+            f"{where} is a numpy array of shape {list(a.shape)}; "
+            "pass (height, width, 3) or (height, width) uint8 pixels"
+        )
     if a.dtype != np.uint8:
         raise ValueError(f"{where} is a {a.dtype} numpy array; pass uint8 pixels (0-255), e.g. np.asarray(pil_image)")
     return np.repeat(a, 3, axis=-1) if a.shape[-1] == 1 else np.ascontiguousarray(a)
@@ -74,7 +78,9 @@ def _tensor_to_hwc(x: torch.Tensor, where: str) -> np.ndarray:
     if x.ndim == 2:
         x = x[None]
     if x.ndim != 3 or x.shape[0] not in (1, 3):
-        raise ValueError(f"{where} is a tensor of shape {list(x.shape)}; pass (3, H, W) or (H, W) pixels")
+        raise ValueError(
+            f"{where} is a tensor of shape {list(x.shape)}; pass (3, height, width) or (height, width) pixels"
+        )
     x = x.detach().cpu()
     if x.dtype == torch.uint8:
         pixels = x
@@ -87,4 +93,4 @@ def _tensor_to_hwc(x: torch.Tensor, where: str) -> np.ndarray:
         pixels = (x.float() * 255).round().to(torch.uint8)  # 8 bits, as an image file holds them
     else:
         raise ValueError(f"{where} is a {x.dtype} tensor; pass uint8 pixels or floats in [0, 1]")
-    return pixels.expand(3, -1, -1).permute(1, 2, 0).contiguous().numpy()  # (H, W, 3)
+    return pixels.expand(3, -1, -1).permute(1, 2, 0).contiguous().numpy()  # (height, width, 3)

@@ -88,7 +88,8 @@ class OnnxCaptioner(CaptionSearch):
         return self
 
     def encode(self, images: Tensor) -> list[np.ndarray]:
-        """(B, C, H, W) -> 2L arrays: each decoder layer's cross-attention keys (B, H, d, N) and values (B, H, N, d)."""
+        """(B, C, height, width) -> 2L arrays: each decoder layer's cross-attention keys (B, H, d, N) and values
+        (B, H, N, d)."""
         return self.encoder_session.run(None, {"images": _numpy(images)})
 
     def decode_step(self, cross: Sequence[np.ndarray], max_new_tokens: int, use_cache: bool = True) -> OnnxDecoderStep:

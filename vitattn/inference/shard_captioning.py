@@ -115,8 +115,8 @@ class _ShardImages(IterableDataset):
 
 
 def _collate(items: list[Any]) -> tuple[list[tuple[int, dict[str, Any]]], torch.Tensor | None, list[int]]:
-    """In the worker: ``(shard, row)`` of each item, the decoded images stacked (b, C, H, W) (one tensor to send
-    to the main process, not one per image), and the items they belong to."""
+    """In the worker: ``(shard, row)`` of each item, the decoded images stacked (b, C, height, width)
+    (one tensor to send to the main process, not one per image), and the items they belong to."""
     decoded = [i for i, item in enumerate(items) if item[2] is not None]
     images = torch.stack([items[i][2] for i in decoded]) if decoded else None
     return [(item[0], item[3]) for item in items], images, decoded

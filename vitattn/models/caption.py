@@ -171,11 +171,11 @@ class ImageCaptioner(nn.Module, CaptionSearch):
         return layer_groups("encoder.")
 
     def encode(self, images: Tensor) -> Tensor:
-        """(B, C, H, W) -> (B, N, D) image tokens in the decoder's width."""
+        """(B, C, height, width) -> (B, N, D) image tokens in the decoder's width."""
         return self.decoder.memory_proj(self.encoder.forward_features(images))
 
     def forward(self, images: Tensor, tokens: Tensor) -> Tensor:
-        """Teacher forcing: (B, C, H, W), (B, T) -> (B, T, V) next-token logits."""
+        """Teacher forcing: (B, C, height, width), (B, T) -> (B, T, V) next-token logits."""
         return self.decoder(tokens, self.encode(images))
 
     def sequence_log_prob(self, images: Tensor, generated: Tensor) -> Tensor:

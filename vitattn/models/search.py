@@ -83,7 +83,7 @@ class CaptionSearch:
     def start_search(
         self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
     ) -> tuple[DecodeStep, int, torch.device | str]:
-        """Encode images (B, C, H, W), once per image, and return the ``DecodeStep`` over them for B * K
+        """Encode images (B, C, height, width), once per image, and return the ``DecodeStep`` over them for B * K
         rows (the K beams of an image consecutive), B (the images encoded) and the device the search's
         tokens live on."""
         raise NotImplementedError
@@ -112,7 +112,7 @@ class CaptionSearch:
         """Caption images.
 
         Args:
-            images: (B, C, H, W).
+            images: (B, C, height, width).
             max_new_tokens: most tokens per caption, ``<eos>`` included; None: ``max_len - 1``.
             num_beams: beam width; 1 is greedy (or sampling with ``do_sample``).
             length_penalty: beams are ranked by ``log p / length ** length_penalty``.

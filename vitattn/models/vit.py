@@ -195,7 +195,7 @@ class VisionTransformer(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward_features(self, x: Tensor) -> Tensor:
-        """(B, C, H, W) images -> (B, N, D) tokens, class token first."""
+        """(B, C, height, width) images -> (B, N, D) tokens, class token first."""
         x = self.patch_embed(x)  # (B, N-1, D)
         cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, D)
         x = self.pos_drop(torch.cat([cls, x], dim=1) + self.pos_embed)  # (B, N, D)
@@ -214,7 +214,7 @@ class VisionTransformer(nn.Module):
         return x if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:
-        """(B, C, H, W) -> (B, num_classes) logits, or (B, D) features when ``num_classes=0``."""
+        """(B, C, height, width) -> (B, num_classes) logits, or (B, D) features when ``num_classes=0``."""
         return self.forward_head(self.forward_features(x))
 
 

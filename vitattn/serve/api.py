@@ -1,7 +1,7 @@
 """The captioning ``LitAPI``: a request's image becomes a tensor or a one-line reason; good images of a
 batch are captioned together, bad ones answer HTTP 400 without failing their batch.
 
-Dimension letters: B batch, C channels, H/W image side, T' generated tokens.
+Dimension letters: B batch, C channels, T' generated tokens; image sides are written out (height, width).
 
 A request is a multipart form with an ``image`` file field (or a single file field of any name), or JSON
 ``{"image": "<base64>"}`` (a ``data:`` URL is accepted; ``bodies`` turns a raw image body into this);
@@ -41,7 +41,7 @@ _TRUE = ("1", "true", "yes", "on")
 
 @dataclass
 class ImageRequest:
-    """One decoded request: the (C, H, W) model input, or the one-line reason it could not be made."""
+    """One decoded request: the (C, height, width) model input, or the one-line reason it could not be made."""
 
     image: Tensor | None = None
     error: str | None = None
@@ -166,7 +166,7 @@ class CaptionAPI(ls.LitAPI):
 
     def _caption(self, requests: list[ImageRequest]) -> list[dict[str, Any]]:
         bundle = self.bundle
-        images = torch.stack([r.image for r in requests]).to(self.device)  # (B, C, H, W)
+        images = torch.stack([r.image for r in requests]).to(self.device)  # (B, C, height, width)
         captions, tokens = self.captioner.caption_pixels(images, **self.generate_kwargs)  # tokens (B, T')
         results = [
             {"caption": c, "tokens": caption_words(row, bundle.vocab)} for c, row in zip(captions, tokens.tolist())

@@ -43,7 +43,7 @@ class VisionSystem(pl.LightningModule):
     def example_images(vit: torch.nn.Module) -> Tensor:
         """One blank image of the size ``vit`` takes: the model summary's FLOPs are counted on it."""
         height, width = vit.patch_embed.img_size
-        return torch.zeros(1, vit.patch_embed.proj.in_channels, height, width)  # (1, C, H, W)
+        return torch.zeros(1, vit.patch_embed.proj.in_channels, height, width)  # (1, C, height, width)
 
     def guard(self, loss: Tensor) -> Tensor | None:
         """The loss, or None (batch skipped) / an error when it is not finite."""

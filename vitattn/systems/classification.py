@@ -71,7 +71,7 @@ class ClassificationSystem(VisionSystem):
             return None
         images, labels = batch
         if self.mixup is not None and len(images) % 2 == 0:  # timm mixes pairs: an odd last batch stays plain
-            mixed, soft = self.mixup(images, labels)  # (B, C, H, W), (B, K)
+            mixed, soft = self.mixup(images, labels)  # (B, C, height, width), (B, K)
             logits = self.model(mixed)
             loss = torch.sum(-soft * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
         else:

@@ -1,7 +1,7 @@
 """What every DataModule shares: loaders, preprocessing, the cache, the evaluation split.
 
-Classification batches are ``(images, labels)``: (B, 3, H, W) float and (B,) long. Caption batches
-are dicts from ``collate_captions``: ``images`` (B, 3, H, W), ``tokens`` (B, T) padded
+Classification batches are ``(images, labels)``: (B, 3, height, width) float and (B,) long. Caption batches
+are dicts from ``collate_captions``: ``images`` (B, 3, height, width), ``tokens`` (B, T) padded
 ``bos ... eos``, ``image_ids`` (B,) and ``references`` (B lists of strings). Loaders use plain
 shuffling so that Lightning can swap in its ``DistributedSampler`` under DDP; ``image_ids`` identify
 the samples it repeats to even out the ranks.

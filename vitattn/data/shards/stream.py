@@ -71,7 +71,7 @@ class ShardSamples:
 
     Args:
         task: ``caption`` or ``classification``.
-        transform: PIL image -> (3, H, W) tensor (a ``CaptionAugment`` also gets the caption).
+        transform: PIL image -> (3, height, width) tensor (a ``CaptionAugment`` also gets the caption).
         caption_key: read the caption from this key of ``.json``; None: from ``.txt``.
         vocab, max_len: caption tokens.
         num_classes: labels must be below it.
