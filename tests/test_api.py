@@ -116,7 +116,7 @@ def test_an_empty_list_gives_an_empty_list(caption_dir, classifier_dir):
 @pytest.mark.parametrize(
     "image,error,message",
     [
-        ({"path": "cat.jpg"}, TypeError, r"images\[0\] is .* \(dict\); pass a file path, a PIL image, a \(height, width, 3\)"),
+        ({"path": "cat.jpg"}, TypeError, r"images\[0\] is .* \(dict\); pass a file path, a PIL image, a \(height, wid"),
         (b"\x89PNG", TypeError, r"\(bytes\); pass a file path"),
         (np.zeros((8, 8, 3), np.float32), ValueError, r"float32 numpy array; pass uint8 pixels"),
         (np.zeros((4, 8, 8, 3), np.uint8), ValueError, r"shape \[4, 8, 8, 3\]; pass \(height, width, 3\)"),
