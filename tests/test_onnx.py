@@ -1,13 +1,16 @@
 """ONNX folders against the PyTorch runtime, on a captioner and a classifier trained on the shapes."""
 
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY, compose_train
+from tests.helpers import TINY, compose_train, console_script
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle
 from vitattn.bundle.onnx_folder import ONNX_CONFIG_FILE, ONNX_VERSION
@@ -15,6 +18,8 @@ from vitattn.cli.caption import main as caption_main
 from vitattn.cli.evaluate import main as eval_main
 from vitattn.cli.export import main as export_main
 from vitattn.data.shapes import ShapesDataset
+from vitattn.data.shards import expand_shards, read_shard
+from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.data.transforms import normalize
 from vitattn.errors import MissingDependencyError
 from vitattn.inference import read_records
@@ -246,8 +251,8 @@ def test_attention_maps_of_an_onnx_folder_ask_for_the_pytorch_runtime(caption_ru
     [
         (["attention_maps=maps"], "attention_maps= needs the PyTorch runtime; caption with the bundle or run folder"),
         (
-            ["devices=2", "accelerator=cpu"],
-            "is an ONNX folder, which captions in one process; drop devices= and num_nodes=",
+            ["devices=2", "accelerator=gpu"],
+            "an ONNX folder runs on ONNX Runtime's CPU provider, not on GPUs; caption it on CPU processes",
         ),
     ],
 )
@@ -264,3 +269,59 @@ def test_vitattn_caption_asks_for_what_an_onnx_folder_cannot_do_in_one_line(
 def test_export_refuses_quantize_without_format_onnx(caption_run, tmp_path, capsys):
     assert export_main([f"model={caption_run[0]}", f"out={tmp_path / 'b'}", "quantize=int8"]) == 2
     assert capsys.readouterr().err.strip() == "error: quantize=int8 needs format=onnx"
+
+
+def _run_console(args: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env_extra or {})}
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_every_entry_point_runs_an_int8_onnx_folder(caption_run, tmp_path):
+    """The one loader behind the API, vitattn-caption on files and on shards (one process and two),
+    vitattn-eval and vitattn-serve: each gives the int8 folder's own captions, image for image. One image a
+    batch throughout: int8 activations are quantized with one scale per batch, so batch mates can change a
+    caption."""
+    pytest.importorskip("litserve")
+    from vitattn.serve.api import CaptionAPI, ImageRequest
+
+    run, _, int8_dir = caption_run
+    captioner = Captioner.load(int8_dir)
+    assert captioner.runtime == "onnx" and captioner.bundle.config["precision"] == "int8"
+    write_shards(shapes_samples("test", 12, img_size=32), tmp_path / "shards", 5)
+    images = {}  # shard key -> the sample's image, also written as a file
+    (tmp_path / "images").mkdir()
+    for url in expand_shards(str(tmp_path / "shards")):
+        for sample in read_shard(url):
+            images[sample["__key__"]] = tmp_path / "images" / f"{sample['__key__']}.jpg"
+            images[sample["__key__"]].write_bytes(sample["jpg"])
+    expected = {key: captioner.caption(path, batch_size=1) for key, path in images.items()}  # the API: the oracle
+    assert len(set(expected.values())) >= 4, expected  # the images get different captions: a swap would show
+
+    script = str(console_script("vitattn-caption"))
+    common = [f"model={int8_dir}", "num_workers=0", "progress=false", "num_threads=1", "batch_size=1"]
+    for devices in (1, 2):
+        out = tmp_path / f"files{devices}.jsonl"  # files, one process and two (Lightning Fabric, CPU)
+        args = [script, *common, f"images={tmp_path / 'images'}", f"out={out}", f"devices={devices}"]
+        done = _run_console([*args, "accelerator=cpu"])
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert {Path(image).stem: r["caption"] for image, r in read_records(out).items()} == expected
+        out = tmp_path / f"shards{devices}"  # shards, one process and two
+        args = [script, *common, f"shards={tmp_path / 'shards'}", f"out={out}", f"devices={devices}"]
+        done = _run_console([*args, "accelerator=cpu"])
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = [json.loads(line) for f in sorted(out.glob("*.jsonl")) for line in f.read_text().splitlines()]
+        assert {r["key"]: r["caption"] for r in rows} == expected and len(rows) == len(expected)
+
+    out = tmp_path / "eval"  # vitattn-eval: the run's test split
+    args = [f"model={int8_dir}", "split=test", f"out={out}", "num_workers=0", "progress=false", "batch_size=1"]
+    assert eval_main(args) == 0
+    lines = (out / "captions.jsonl").read_text().splitlines()
+    scored = {r["image_id"]: r["caption"] for r in map(json.loads, lines)}
+    pixels, _ = _split("caption")
+    assert [scored[i] for i in range(SPLIT)] == [captioner.caption_pixels(x[None])[0][0] for x in pixels]
+
+    api = CaptionAPI(str(int8_dir))  # vitattn-serve's worker, one request a batch
+    api.setup("cpu")
+    for key, path in images.items():
+        (answer,) = api.predict([ImageRequest(image=captioner.transform(Image.open(path).convert("RGB")))])
+        assert answer["caption"] == expected[key]

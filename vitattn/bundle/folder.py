@@ -63,7 +63,8 @@ WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 
 @dataclass
 class Bundle:
-    """A loaded model with what inference needs around it.
+    """A PyTorch model with what inference needs around it: the ``torch`` runtime of
+    ``vitattn.bundle.runtime.LoadedModel`` (``vitattn.inference.onnx_runtime.OnnxModel`` is the other).
 
     Attributes:
         model: ``ImageCaptioner`` (caption) or ``VisionTransformer`` (classification), in eval mode.
@@ -85,9 +86,24 @@ class Bundle:
     generate: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def runtime(self) -> str:
+        """``torch``: a PyTorch module (``vitattn.bundle.runtime.LoadedModel``'s first runtime)."""
+        return "torch"
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's weights."""
+        return next(self.model.parameters()).device
+
+    @property
     def transform(self) -> Callable[[Image.Image], torch.Tensor]:
         """PIL image -> (3, img_size, img_size) normalised tensor."""
         return eval_transform(self.preprocess)
+
+    def to(self, device: str | torch.device) -> Bundle:
+        """This bundle with its model moved to ``device``."""
+        self.model.to(device)
+        return self
 
 
 def save_bundle(

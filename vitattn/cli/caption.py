@@ -15,13 +15,14 @@ text file of paths or a COCO JSON file. Decoding settings left out come from the
 the same command again captions only the images not yet in ``out``. Exit status: 0 when every image
 was captioned, 1 when some could not be read, 2 on a usage or model error.
 
-``devices=N`` (and ``num_nodes=M``) caption with Lightning's ``Trainer.predict`` on N x M processes
-(DDP): each rank appends to its own part file and rank 0 merges them into ``out`` in input order.
-Lightning starts the other local processes itself; under ``torchrun`` or ``srun`` every process runs
-this same command. ``accelerator`` defaults to what ``device`` says.
+``devices=N`` (and ``num_nodes=M``) caption on N x M processes, files and shards alike
+(``vitattn.inference.processes``: Lightning Fabric starts the other local processes itself; under
+``torchrun`` or ``srun`` every process runs this same command). For files, each rank appends to its own
+part file and rank 0 merges them into ``out`` in input order. ``accelerator`` defaults to what ``device``
+says; an ONNX folder captions on CPU processes only.
 
 ``shards`` (WebDataset tars, instead of ``images``) writes one output per shard into ``out``
-(``vitattn.cli.caption_shards``).
+(``vitattn.inference.shard_captioning``); running the command again skips the shards whose output is there.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING
@@ -65,7 +67,7 @@ class CaptionConfig:
     num_threads: int | None = None  # torch CPU threads; 1 is steadier on a shared machine
     attention_maps: str | None = None
     progress: bool = True
-    devices: int = 1  # processes per machine; more than 1 (or num_nodes > 1) runs Lightning's Trainer.predict
+    devices: int = 1  # processes per machine; more than 1 (or num_nodes > 1) starts them with Lightning Fabric
     num_nodes: int = 1
     accelerator: str | None = None  # Lightning's; default from device: auto, cpu or gpu
 
@@ -93,102 +95,105 @@ def run(cfg: Any) -> int:
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     import torch
 
+    from vitattn.inference.loader import load_model, runtime_of
+    from vitattn.inference.processes import launch_processes
+
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     if cfg.shards is not None:
-        from vitattn.cli.caption_shards import run_shards  # Lightning Fabric and the shard reader
+        from vitattn.inference.shard_captioning import SHARD_FORMATS  # heavy: the shard reader, only for shards
 
-        return run_shards(cfg)
-    if cfg.devices * cfg.num_nodes > 1:
-        return _run_distributed(cfg)
+        if cfg.format not in SHARD_FORMATS:
+            raise UsageError(f"format={cfg.format!r} is unknown for shards; choose {' or '.join(SHARD_FORMATS)}")
+    accelerator = cfg.accelerator or {"auto": "auto", "cpu": "cpu", "cuda": "gpu"}.get(cfg.device, cfg.device)
+    processes = launch_processes(
+        devices=cfg.devices,
+        num_nodes=cfg.num_nodes,
+        accelerator=accelerator,
+        device=resolve_device(cfg.device),
+        runtime=runtime_of(cfg.model),
+    )
+    if not processes.is_zero:
+        log.setLevel(logging.WARNING)
+    try:
+        model = load_model(cfg.model, device=processes.device)
+        if model.task != "caption":
+            raise UsageError(f"model={cfg.model} is a {model.task} model; vitattn-caption needs a caption model")
+        generate = generate_settings(model, {k: cfg[k] for k in GENERATE_KEYS})
+        if cfg.shards is not None:
+            status = _caption_shards(cfg, model, processes, generate)
+        else:
+            status = _caption_files(cfg, model, processes, generate)
+    except USER_ERRORS:
+        if processes.is_zero:
+            raise
+        return 2  # rank 0 says why, in one line
+    return status
+
+
+def _caption_files(cfg: Any, model: Any, processes: Any, generate: dict[str, Any]) -> int:
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.inference import list_inputs
     from vitattn.inference.api import Captioner
+    from vitattn.inference.distributed import caption_files_in_processes
 
-    device = resolve_device(cfg.device)
-    bundle, generate = _load(cfg, device)
-    if cfg.seed is not None:
-        torch.manual_seed(cfg.seed)
-        generate["generator"] = torch.Generator(device=device).manual_seed(cfg.seed)
     inputs = list_inputs(cfg.images, cfg.image_dir)
-    log.info("captioning %d images with %s on %s", len(inputs), cfg.model, device)
-    summary = Captioner(bundle).caption_files(
-        inputs,
-        cfg.out,
+    log.info("captioning %d images with %s on %d process(es)", len(inputs), cfg.model, processes.world_size)
+    options = dict(
         format=cfg.format,
         batch_size=cfg.batch_size,
         num_workers=cfg.num_workers,
         progress=cfg.progress,
         attention_maps=cfg.attention_maps,
-        **generate,
     )
-    return _report(summary)
-
-
-def _load(cfg: Any, device: str) -> tuple[Any, dict[str, Any]]:
-    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from vitattn.inference.api import load_model
-
-    bundle = load_model(cfg.model, device=device)
-    if bundle.task != "caption":
-        raise UsageError(f"model={cfg.model} is a {bundle.task} model; vitattn-caption needs a caption model")
-    return bundle, generate_settings(bundle, {k: cfg[k] for k in GENERATE_KEYS})
-
-
-def _run_distributed(cfg: Any) -> int:
-    """This process's part of a ``Trainer.predict`` run; only rank 0 reports, every rank returns the status."""
-    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from lightning.pytorch.utilities import rank_zero_only
-
-    from vitattn.inference import list_inputs
-    from vitattn.inference.distributed import caption_with_trainer
-
-    zero = rank_zero_only.rank == 0  # from the launcher's environment (LOCAL_RANK, RANK, SLURM_PROCID)
-    if not zero:
-        log.setLevel(logging.WARNING)
-    accelerator = cfg.accelerator or {"auto": "auto", "cpu": "cpu", "cuda": "gpu"}.get(cfg.device, cfg.device)
-    try:
-        bundle, generate = _load(cfg, "cpu")  # Lightning moves the model to each rank's device
-        if bundle.config.get("runtime") == "onnx":
-            raise UsageError(
-                f"model={cfg.model} is an ONNX folder, which captions in one process; drop devices= and num_nodes="
-            )
-        inputs = list_inputs(cfg.images, cfg.image_dir)
-        log.info(
-            "captioning %d images with %s on %d x %d %s processes",
-            len(inputs),
-            cfg.model,
-            cfg.num_nodes,
-            cfg.devices,
-            accelerator,
-        )
-        summary = caption_with_trainer(
-            bundle,
-            inputs,
-            cfg.out,
-            devices=cfg.devices,
-            num_nodes=cfg.num_nodes,
-            accelerator=accelerator,
-            format=cfg.format,
-            batch_size=cfg.batch_size,
-            num_workers=cfg.num_workers,
-            progress=cfg.progress,
-            attention_maps=cfg.attention_maps,
-            seed=cfg.seed,
-            **generate,
-        )
-    except USER_ERRORS:
-        if zero:
-            raise
-        return 2  # rank 0 says why, in one line
-    return _report(summary, print_line=zero)
-
-
-def _report(summary: Any, print_line: bool = True) -> int:
-    """The one summary line (every rank's counts) and the exit status: 1 when any image failed."""
-    if print_line:
+    if processes.world_size == 1:
+        if cfg.seed is not None:
+            generate["generator"] = _seeded_generator(processes.device, cfg.seed)
+        summary = Captioner(model).caption_files(inputs, cfg.out, **options, **generate)
+    else:
+        summary = caption_files_in_processes(model, inputs, cfg.out, processes, **options, seed=cfg.seed, **generate)
+    if processes.is_zero:
         print(f"captioned {summary.captioned} images, {summary.failed} failed -> {summary.out}", flush=True)
     return 1 if summary.failed else 0
+
+
+def _caption_shards(cfg: Any, model: Any, processes: Any, generate: dict[str, Any]) -> int:
+    # heavy: the shard reader
+    from vitattn.data.shards import expand_shards
+    from vitattn.inference.shard_captioning import caption_shards_in_processes
+
+    urls = expand_shards(cfg.shards, "shards")
+    if Path(cfg.out).is_file():
+        raise UsageError(f"out={cfg.out} is a file; with shards= it is the folder of one output per shard")
+    if cfg.attention_maps is not None:
+        raise UsageError("attention_maps= is for image files; drop it with shards=")
+    summary = caption_shards_in_processes(
+        model,
+        urls,
+        cfg.out,
+        processes,
+        fmt=cfg.format,
+        batch_size=cfg.batch_size,
+        num_workers=cfg.num_workers,
+        progress=cfg.progress,
+        seed=cfg.seed,
+        **generate,
+    )
+    if processes.is_zero:
+        print(
+            f"captioned {summary.captioned} samples of {summary.shards} shards ({summary.finished_before} finished "
+            f"before), {summary.failed} failed -> {cfg.out}",
+            flush=True,
+        )
+    return 1 if summary.failed else 0
+
+
+def _seeded_generator(device: Any, seed: int) -> Any:
+    """Seed torch's global generator and return a ``generator`` for ``generate`` on ``device``."""
+    import torch  # heavy: out of the command's import, as in ``run``
+
+    torch.manual_seed(seed)
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def main(argv: list[str] | None = None) -> int:

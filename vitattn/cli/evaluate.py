@@ -78,7 +78,7 @@ def run(cfg: Any) -> int:
     """Evaluate as ``cfg`` says; returns the exit status (0 every image scored, 1 some were not)."""
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.evaluation import evaluate_captions, evaluate_classification, format_report, write_report
-    from vitattn.inference.api import load_model
+    from vitattn.inference.loader import load_model
 
     bundle = load_model(cfg.model, device=resolve_device(cfg.device))  # a bundle, run, checkpoint or ONNX folder
     run = RunDir.find(cfg.model)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING
@@ -62,6 +63,7 @@ def run(cfg: Any) -> int:
     """Load ``cfg.model`` and save it as a bundle at ``cfg.out``."""
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.bundle import load_bundle, save_bundle
+    from vitattn.bundle.onnx_folder import is_onnx_folder
 
     source = cfg.model
     if cfg.which is not None:
@@ -71,6 +73,11 @@ def run(cfg: Any) -> int:
         source = run.best_checkpoint if cfg.which == "best" else run.last_checkpoint
         if not source.is_file():
             raise FileNotFoundError(f"model={cfg.model} has no {source.relative_to(run.path)}")
+    if is_onnx_folder(Path(source)):
+        raise UsageError(
+            f"model={cfg.model} is an ONNX folder, which cannot be exported again; export the bundle or run folder "
+            "it came from"
+        )
     bundle = load_bundle(source, device=resolve_device(cfg.device))
     if cfg.format == "onnx":
         # heavy: the ONNX exporter (torch.onnx) is imported only for format=onnx

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from vitattn.bundle import Bundle
+from vitattn.bundle.runtime import LoadedModel
 from vitattn.data.eval_split import EvalSplit
 from vitattn.errors import brief
 from vitattn.evaluation.report import EvalReport
@@ -24,7 +24,6 @@ from vitattn.evaluation.splits import caption_split, check_split
 from vitattn.fileio import parse_json
 from vitattn.generate_keys import SEARCH_KEYS
 from vitattn.inference import InputImage, caption_images
-from vitattn.inference.captioning import model_device
 from vitattn.metrics import first_per_image, score_captions
 from vitattn.run_dir import RunDir
 
@@ -106,7 +105,7 @@ def read_predictions(path: str | os.PathLike) -> tuple[dict[Any, str], list[Any]
 
 
 def _generate(
-    bundle: Bundle, data: EvalSplit, settings: Mapping[str, Any], batch_size: int, num_workers: int, progress: bool
+    bundle: LoadedModel, data: EvalSplit, settings: Mapping[str, Any], batch_size: int, num_workers: int, progress: bool
 ) -> tuple[list[tuple[Any, str, list[str]]], list[Any]]:
     """``(image_id, caption, references)`` of every image captioned, and the ids of those that failed."""
     refs = data.references
@@ -120,8 +119,7 @@ def _generate(
                 log.warning("%s: %s", r["image"], r["error"])
         items = [(r["image_id"], r["caption"], refs[r["image_id"]]) for r in records if "caption" in r]
         return items, [r["image_id"] for r in records if "caption" not in r]
-    model, vocab = bundle.model, bundle.vocab
-    device = model_device(model)  # the CPU for an ONNX folder
+    model, vocab, device = bundle.model, bundle.vocab, bundle.device
     items = []
     with torch.inference_mode(), tqdm(total=len(refs), unit="img", disable=not progress) as bar:
         for batch in data.loader:
@@ -131,7 +129,7 @@ def _generate(
     return items, []
 
 
-def _decoding(bundle: Bundle, generate: Mapping[str, Any] | None) -> dict[str, Any]:
+def _decoding(bundle: LoadedModel, generate: Mapping[str, Any] | None) -> dict[str, Any]:
     """The settings ``generate`` will use, defaults written out (``max_new_tokens`` included)."""
     settings = dict(generate or {})
     defaults = inspect.signature(bundle.model.generate).parameters
@@ -143,7 +141,7 @@ def _decoding(bundle: Bundle, generate: Mapping[str, Any] | None) -> dict[str, A
 
 
 def evaluate_captions(
-    bundle: Bundle,
+    bundle: LoadedModel,
     *,
     split: str = "val",
     run_dir: RunDir | str | os.PathLike | None = None,

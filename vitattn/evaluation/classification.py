@@ -14,10 +14,9 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from vitattn.bundle import Bundle
+from vitattn.bundle.runtime import LoadedModel
 from vitattn.evaluation.report import EvalReport
 from vitattn.evaluation.splits import check_split, labelled_split
-from vitattn.inference.captioning import model_device
 from vitattn.inference.file_dataset import ImageFileDataset, collate_images
 from vitattn.run_dir import RunDir
 
@@ -27,7 +26,12 @@ log = logging.getLogger(__name__)
 
 
 def file_batches(
-    bundle: Bundle, paths: Sequence[str], labels: Sequence[int], batch_size: int, num_workers: int, failed: list[str]
+    bundle: LoadedModel,
+    paths: Sequence[str],
+    labels: Sequence[int],
+    batch_size: int,
+    num_workers: int,
+    failed: list[str],
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """``(images, labels)`` batches of image files; unreadable files are logged and left out."""
     loader = DataLoader(
@@ -45,7 +49,7 @@ def file_batches(
 
 
 def evaluate_classification(
-    bundle: Bundle,
+    bundle: LoadedModel,
     *,
     split: str = "val",
     run_dir: RunDir | str | os.PathLike | None = None,
@@ -86,7 +90,7 @@ def evaluate_classification(
     top1 = MulticlassAccuracy(k, top_k=1, average="micro")
     top5 = MulticlassAccuracy(k, top_k=min(5, k), average="micro")
     confusion = MulticlassConfusionMatrix(k)
-    device = model_device(bundle.model)  # the CPU for an ONNX folder
+    device = bundle.device
     num_images = 0
     with torch.inference_mode(), tqdm(total=total, unit="img", disable=not progress) as bar:
         for images, targets in batches:

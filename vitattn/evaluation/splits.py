@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vitattn.bundle import Bundle
+from vitattn.bundle.runtime import LoadedModel
 from vitattn.data.coco import load_coco_captions
 from vitattn.data.eval_split import SPLITS, EvalSplit
 from vitattn.data.image_folder import image_folder_split, open_image_folder
@@ -32,7 +32,7 @@ def check_split(split: str) -> None:
 
 
 def _run_split(
-    bundle: Bundle,
+    bundle: LoadedModel,
     run: RunDir | None,
     split: str,
     wanted: str,
@@ -79,7 +79,7 @@ def _model_labels(labels: Sequence[int], names: Sequence[str], model_names: Sequ
 
 
 def caption_split(
-    bundle: Bundle,
+    bundle: LoadedModel,
     split: str,
     run: RunDir | None,
     references: str | os.PathLike | None,
@@ -113,7 +113,7 @@ def caption_split(
 
 
 def labelled_split(
-    bundle: Bundle,
+    bundle: LoadedModel,
     split: str,
     run: RunDir | None,
     data_root: str | os.PathLike | None,

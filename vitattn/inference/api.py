@@ -20,34 +20,25 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from vitattn.bundle import Bundle, load_bundle
-from vitattn.bundle.onnx_folder import is_onnx_folder
+from vitattn.bundle.runtime import LoadedModel
 from vitattn.data.preprocess import denormalize
 from vitattn.inference.attention_maps import caption_attention_maps
-from vitattn.inference.captioning import generate_tokens, model_device
+from vitattn.inference.captioning import generate_tokens
 from vitattn.inference.figures import caption_words
 from vitattn.inference.file_list import InputImage
 from vitattn.inference.image_like import ImageLike, as_image_list, to_pixels
-from vitattn.inference.onnx_runtime import load_onnx_folder
+from vitattn.inference.loader import load_model
 from vitattn.inference.writers import CaptionSummary, caption_to_file
 from vitattn.models.search import sequence_log_prob
 
 __all__ = ["AttentionMaps", "Caption", "Captioner", "Classifier", "Prediction", "load_model"]
 
 log = logging.getLogger(__name__)
-
-
-def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> Bundle:
-    """A ``Bundle`` from an ONNX folder (run by ONNX Runtime, on the CPU) or from whatever ``load_bundle`` takes."""
-    if is_onnx_folder(Path(path)):
-        return load_onnx_folder(Path(path), device)
-    return load_bundle(path, device)
 
 
 @dataclass
@@ -100,12 +91,12 @@ class Prediction:
 
 
 class _TaskModel:
-    """What ``Captioner`` and ``Classifier`` share: a bundle of one task, loaded from any model path."""
+    """What ``Captioner`` and ``Classifier`` share: a ``LoadedModel`` of one task, loaded from any model path."""
 
     task = ""
     other = ""  # the class that loads the other task
 
-    def __init__(self, bundle: Bundle) -> None:
+    def __init__(self, bundle: LoadedModel) -> None:
         if bundle.task != self.task:
             raise ValueError(f"this is a {bundle.task} model; load it with {self.other}.load")
         self.bundle = bundle
@@ -121,13 +112,19 @@ class _TaskModel:
 
     @property
     def model(self) -> Any:
-        """The PyTorch module, or the ONNX Runtime model of an ONNX folder (``OnnxCaptioner``, ``OnnxClassifier``)."""
+        """The network: the PyTorch module, or the ONNX Runtime model of an ONNX folder (``OnnxCaptioner``,
+        ``OnnxClassifier``)."""
         return self.bundle.model
 
     @property
     def runtime(self) -> str:
         """``torch`` or ``onnx``."""
-        return "onnx" if self.bundle.config.get("runtime") == "onnx" else "torch"
+        return self.bundle.runtime
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs."""
+        return self.bundle.device
 
 
 class Captioner(_TaskModel):
@@ -138,12 +135,12 @@ class Captioner(_TaskModel):
     out come from the bundle's defaults.
 
     Args:
-        bundle: a caption ``Bundle`` (``load_model``'s output).
+        bundle: a caption model (``load_model``'s output).
     """
 
     task, other = "caption", "Classifier"
 
-    def __init__(self, bundle: Bundle) -> None:
+    def __init__(self, bundle: LoadedModel) -> None:
         super().__init__(bundle)
         self.vocab = bundle.vocab
 
@@ -160,7 +157,7 @@ class Captioner(_TaskModel):
 
     def pixels(self, images: Sequence[ImageLike]) -> Tensor:
         """(B, C, height, width) model inputs of ``images``, on the model's device."""
-        return to_pixels(images, self.transform).to(model_device(self.model))
+        return to_pixels(images, self.transform).to(self.device)
 
     def caption(
         self,
@@ -202,7 +199,7 @@ class Captioner(_TaskModel):
         """Captions of model inputs already made by ``transform``, (B, C, height, width): ``(texts, tokens)``, the
         tokens (B, T') as ``generate`` returns them (``vitattn-serve`` decodes requests into pixels itself)."""
         settings = self.generate_settings(**generate)
-        tokens = generate_tokens(self.model, pixels.to(model_device(self.model)), **settings)  # (B, T')
+        tokens = generate_tokens(self.model, pixels.to(self.device), **settings)  # (B, T')
         return self.vocab.decode_batch(tokens), tokens
 
     def score(self, pixels: Tensor, tokens: Tensor) -> Tensor:
@@ -249,12 +246,12 @@ class Classifier(_TaskModel):
     """Classify images with a trained model: ``Classifier.load(path).predict(images, top_k=5)``.
 
     Args:
-        bundle: a classification ``Bundle`` (``load_model``'s output).
+        bundle: a classification model (``load_model``'s output).
     """
 
     task, other = "classification", "Captioner"
 
-    def __init__(self, bundle: Bundle) -> None:
+    def __init__(self, bundle: LoadedModel) -> None:
         super().__init__(bundle)
         self.class_names = bundle.class_names
 
@@ -263,7 +260,7 @@ class Classifier(_TaskModel):
         items, _ = as_image_list(images)
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1")
-        device = model_device(self.model)
+        device = self.device
         rows = []
         with torch.inference_mode():
             for start in range(0, len(items), batch_size):

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from vitattn.bundle import Bundle
+from vitattn.bundle.runtime import CaptionNetwork, LoadedModel
 from vitattn.inference.file_dataset import ImageFileDataset, collate_images
 from vitattn.inference.file_list import InputImage, InputList
 
@@ -29,7 +29,6 @@ __all__ = [
     "caption_loader",
     "generate_tokens",
     "iter_caption_batches",
-    "model_device",
 ]
 
 
@@ -51,13 +50,7 @@ class CaptionBatch:
     captioned: list[int]
 
 
-def model_device(model: Any) -> torch.device:
-    """Where a model's inputs go: its weights' device; the CPU for an ONNX Runtime model (no torch weights)."""
-    parameter = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
-    return torch.device("cpu") if parameter is None else parameter.device
-
-
-def generate_tokens(model: torch.nn.Module, images: Tensor, **generate_kwargs: Any) -> Tensor:
+def generate_tokens(model: CaptionNetwork, images: Tensor, **generate_kwargs: Any) -> Tensor:
     """``model.generate(images)`` for inference: no autograd, bf16 autocast on GPUs (as the GPU training
     configs), fp32 on CPUs, where bf16 is slow. Returns (B, T') token ids."""
     with torch.inference_mode(), torch.autocast("cuda", torch.bfloat16, enabled=images.device.type == "cuda"):
@@ -65,7 +58,7 @@ def generate_tokens(model: torch.nn.Module, images: Tensor, **generate_kwargs: A
 
 
 def caption_batch(
-    model: torch.nn.Module,
+    model: CaptionNetwork,
     vocab: Any,
     inputs: Sequence[InputImage],
     ok: list[int],
@@ -101,7 +94,7 @@ def caption_batch(
 
 
 def caption_loader(
-    bundle: Bundle,
+    bundle: LoadedModel,
     inputs: Sequence[InputImage],
     positions: Sequence[int] | None = None,
     *,
@@ -128,7 +121,7 @@ def caption_loader(
 
 
 def iter_caption_batches(
-    bundle: Bundle,
+    bundle: LoadedModel,
     inputs: Sequence[InputImage],
     *,
     positions: Sequence[int] | None = None,
@@ -140,7 +133,7 @@ def iter_caption_batches(
     """Read, caption and decode ``inputs`` batch by batch (a ``DataLoader`` with worker processes).
 
     Args:
-        bundle: a caption bundle from ``load_bundle``.
+        bundle: a caption model from ``load_model``.
         inputs: the images, e.g. from ``list_inputs``.
         positions: caption only these positions of ``inputs``, in this order; default all.
         batch_size: images per ``generate`` call.
@@ -149,8 +142,7 @@ def iter_caption_batches(
         **generate_kwargs: passed to ``ImageCaptioner.generate`` (``num_beams``, ``max_new_tokens``,
             ``do_sample``, ``generator``, ...).
     """
-    model = bundle.model
-    device = model_device(model)
+    model, device = bundle.model, bundle.device
     loader = caption_loader(
         bundle, inputs, positions, batch_size=batch_size, num_workers=num_workers, pin_memory=device.type == "cuda"
     )
@@ -165,7 +157,7 @@ def iter_caption_batches(
 
 
 def caption_images(
-    bundle: Bundle,
+    bundle: LoadedModel,
     paths: Sequence[str | os.PathLike] | Sequence[InputImage],
     batch_size: int = 32,
     num_workers: int = 0,
@@ -175,7 +167,7 @@ def caption_images(
     """Caption image files.
 
     Args:
-        bundle: a caption bundle from ``load_bundle``.
+        bundle: a caption model from ``load_model``.
         paths: image paths (``image_id`` is the position in this list) or ``InputImage``s.
         batch_size, num_workers, progress: as in ``iter_caption_batches``.
         **generate_kwargs: passed to ``ImageCaptioner.generate``.
@@ -185,7 +177,7 @@ def caption_images(
         not be read, ``{"image", "image_id", "error"}``.
 
     Example:
-        >>> caption_images(load_bundle("runs/coco/bundle"), ["cat.jpg"], num_beams=3)
+        >>> caption_images(load_model("runs/coco/bundle"), ["cat.jpg"], num_beams=3)
         [{'image': 'cat.jpg', 'image_id': 0, 'caption': 'a cat sitting on a couch'}]
     """
     inputs = [p if isinstance(p, InputImage) else InputImage(str(p), i) for i, p in enumerate(paths)]

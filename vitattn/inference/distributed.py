@@ -1,10 +1,9 @@
-"""Captioning on many devices and machines: Lightning's ``Trainer.predict`` with DDP, exactly once.
+"""Captioning image files on many devices and machines, exactly once (``vitattn.inference.processes``).
 
-Every rank captions its share of the images not yet recorded (predict's unrepeated distributed
-sampler: no padding duplicates) and appends its records to its own part file, one ``write`` +
-``fsync`` per batch (``PartFileWriter``). When all ranks are done, rank 0 merges the parts into
-``out`` in input order, atomically, and removes them. A killed job, or rank, is resumed by running
-the same command: rank 0 indexes what every earlier run wrote and the ranks share what is missing.
+Rank 0 takes the output's lock and indexes what every earlier run wrote; the ranks share what is missing
+(rank k takes the images k, k + world size, ...) and each appends its records to its own part file, one
+``write`` + ``fsync`` per batch. When all ranks are done, rank 0 merges the parts into ``out`` in input
+order, atomically, and removes them. A killed job, or rank, is resumed by running the same command.
 """
 
 from __future__ import annotations
@@ -15,19 +14,16 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-import lightning.pytorch as pl
-import numpy as np
 import torch
-from lightning.pytorch.callbacks import BasePredictionWriter
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from vitattn.bundle import Bundle
-from vitattn.inference.captioning import CaptionBatch, caption_batch, caption_loader
+from vitattn.bundle.runtime import LoadedModel
+from vitattn.inference.captioning import iter_caption_batches
 from vitattn.inference.figures import figure_paths, write_figures
 from vitattn.inference.file_list import InputImage, InputList
+from vitattn.inference.processes import Processes
 from vitattn.inference.records import RecordIndex
 from vitattn.inference.writers import (
     CaptionSummary,
@@ -38,145 +34,81 @@ from vitattn.inference.writers import (
     write_output,
 )
 
-__all__ = ["CaptionPredictor", "PartFileWriter", "caption_with_trainer"]
+__all__ = ["caption_files_in_processes"]
 
 log = logging.getLogger(__name__)
 
 
-class CaptionPredictor(pl.LightningModule):
-    """A caption bundle as a LightningModule for ``Trainer.predict``: one ``CaptionBatch`` per batch.
+def caption_files_in_processes(
+    model: LoadedModel,
+    inputs: Sequence[InputImage],
+    out: str | os.PathLike,
+    processes: Processes,
+    *,
+    format: str = "jsonl",
+    batch_size: int = 32,
+    num_workers: int = 2,
+    progress: bool = True,
+    attention_maps: str | os.PathLike | None = None,
+    seed: int | None = None,
+    **generate_kwargs: Any,
+) -> CaptionSummary:
+    """Caption ``inputs`` into ``out``, this process's share of them; called the same way on every rank.
 
     Args:
-        bundle: a caption bundle.
-        inputs: every image of the run; ``positions`` (set before ``predict``) says which to caption.
-        batch_size, num_workers: of the DataLoader.
-        seed: seeds sampling, ``seed + global rank`` on each rank; None leaves it unseeded.
-        **generate_kwargs: passed to ``ImageCaptioner.generate``.
+        model: a caption model on this rank's device (``load_model(path, processes.device)``).
+        inputs: from ``list_inputs``; the same on every rank.
+        out, format, batch_size, num_workers, progress, attention_maps: as in ``caption_to_file``.
+        processes: this process among all captioning ones (``launch_processes``).
+        seed: seeds sampling, ``seed + rank`` on each rank; None leaves it unseeded.
+        **generate_kwargs: ``generate`` settings.
+
+    Returns:
+        The same summary on every rank (counts of all ranks).
     """
-
-    def __init__(
-        self,
-        bundle: Bundle,
-        inputs: InputList,
-        *,
-        batch_size: int = 32,
-        num_workers: int = 2,
-        seed: int | None = None,
-        **generate_kwargs: Any,
-    ) -> None:
-        super().__init__()
-        self.model = bundle.model
-        self.bundle, self.inputs = bundle, inputs
-        self.positions: np.ndarray = np.arange(len(inputs))
-        self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
-        self.generate_kwargs = generate_kwargs
-
-    def on_predict_start(self) -> None:
-        if self.seed is not None:
-            self.generate_kwargs["generator"] = torch.Generator(self.device).manual_seed(self.seed + self.global_rank)
-
-    def predict_dataloader(self) -> DataLoader:
-        positions, world = self.positions, self.trainer.world_size
-        if 0 < len(positions) < world:  # Lightning's unrepeated sampler needs an item for every rank
-            positions = np.concatenate([positions, np.full(world - len(positions), -1)])
-        return caption_loader(
-            self.bundle,
-            self.inputs,
-            positions,
-            batch_size=self.batch_size,
-            num_workers=self.num_workers,
-            pin_memory=self.device.type == "cuda",
-        )
-
-    def predict_step(self, batch: tuple[list[int], torch.Tensor | None, list[tuple[int, str]]]) -> CaptionBatch:
-        ok, images, errors = batch
-        return caption_batch(self.model, self.bundle.vocab, self.inputs, ok, images, errors, **self.generate_kwargs)
-
-
-class PartFileWriter(BasePredictionWriter):
-    """Appends each rank's records to its part file; rank 0 holds the job's lock, decides what is
-    left to caption, shows one progress bar for all ranks and merges the parts at the end.
-
-    Args:
-        files: the run's output files.
-        progress: show the progress bar (rank 0, stderr).
-        attention_maps: a folder for one attention figure per captioned image; each rank draws its own.
-    """
-
-    def __init__(self, files: OutputFiles, progress: bool = True, attention_maps: str | os.PathLike | None = None):
-        super().__init__("batch")
-        self.files, self.progress, self.attention_maps = files, progress, attention_maps
-        self._lock: IO[bytes] | None = None
-        self._part: IO[bytes] | None = None
-        self._bar: _GlobalProgress | None = None
-        self._figures: dict[str, Path] | None = None
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        assert isinstance(pl_module, CaptionPredictor)
-        inputs, refused, todo = pl_module.inputs, None, None
-        if trainer.is_global_zero:  # the others write nothing before rank 0 has read every file
-            try:
-                self._lock = self.files.lock()
-                todo = RecordIndex.read(self.files.sources(), repair=True).missing(inputs)
-                others = [self.files.part(r) for r in range(1, trainer.world_size)]
-                self._bar = _GlobalProgress(len(todo), others, enabled=self.progress)  # counts from the parts' ends now
-            except ValueError as err:
-                refused = str(err)
-        refused, todo = trainer.strategy.broadcast((refused, todo), src=0)
+    files = OutputFiles(Path(out), format)
+    inputs = InputList.unique(inputs)
+    lock, bar, refused, todo = None, None, None, None
+    if processes.is_zero:  # the others write nothing before rank 0 has read every file
+        try:
+            lock = files.lock()
+            todo = RecordIndex.read(files.sources(), repair=True).missing(inputs)
+            others = [files.part(r) for r in range(1, processes.world_size)]
+            bar = _GlobalProgress(len(todo), others, enabled=progress)  # counts from the parts' ends now
+        except ValueError as err:
+            refused = str(err)
+    try:
+        refused, todo = processes.broadcast((refused, todo))
         if refused is not None:
             raise ValueError(refused)
-        pl_module.positions = todo  # the unrepeated sampler gives rank k the items k, k + world size, ...
-        self.skipped = len(inputs) - len(todo)
-        if trainer.is_global_zero and self.skipped:
-            log.info(
-                "%d of %d images are already recorded; captioning the other %d", self.skipped, len(inputs), len(todo)
-            )
-        part = self.files.part(trainer.global_rank)
-        self._part = open(part, "ab")  # noqa: SIM115 - closed in teardown
-        if self.attention_maps is not None:
-            self._figures = figure_paths(inputs, Path(self.attention_maps))
-
-    def write_on_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        prediction: CaptionBatch,
-        batch_indices: Sequence[int] | None,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        if self._figures is not None:
-            write_figures(pl_module.bundle, prediction, self._figures)
-        if prediction.records:  # a batch of placeholders has none
-            append_records(self._part, prediction.records)
-        if self._bar is not None:
-            self._bar.update(len(prediction.records))
-
-    def finish(self, trainer: pl.Trainer, inputs: InputList) -> CaptionSummary:
-        """After ``predict`` (which skips its end hooks on a rank with nothing to do): once every rank
-        is done, rank 0 merges the parts into ``out``; every rank gets the counts."""
-        self._part.close()
-        trainer.strategy.barrier("caption-parts-written")
+        skipped = len(inputs) - len(todo)
+        if processes.is_zero and skipped:
+            log.info("%d of %d images are already recorded; captioning the other %d", skipped, len(inputs), len(todo))
+        if seed is not None:
+            generate_kwargs["generator"] = torch.Generator(processes.device).manual_seed(seed + processes.rank)
+        figures = figure_paths(inputs, Path(attention_maps)) if attention_maps is not None else None
+        mine = todo[processes.rank :: processes.world_size]
+        with open(files.part(processes.rank), "ab") as part:
+            for batch in iter_caption_batches(
+                model, inputs, positions=mine, batch_size=batch_size, num_workers=num_workers, **generate_kwargs
+            ):
+                if figures is not None:
+                    write_figures(model, batch, figures)
+                append_records(part, batch.records)
+                if bar is not None:
+                    bar.update(len(batch.records))
+        processes.barrier("caption-parts-written")
         counts = None
-        if trainer.is_global_zero:
-            self._bar.close()
-            counts = write_output(self.files, inputs, RecordIndex.read(self.files.sources()))
-            remove_partial_files(self.files)
-        captioned, failed = trainer.strategy.broadcast(counts, src=0)
-        return CaptionSummary(captioned, failed, self.skipped, self.files.out)
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._part is not None:
-            self._part.close()
-        if self._bar is not None:
-            self._bar.close()
-
-    def release(self) -> None:
-        """Let go of the output lock (rank 0)."""
-        if self._lock is not None:
-            self._lock.close()
+        if processes.is_zero:
+            counts = write_output(files, inputs, RecordIndex.read(files.sources()))
+            remove_partial_files(files)
+        captioned, failed = processes.broadcast(counts)
+        return CaptionSummary(captioned, failed, skipped, files.out)
+    finally:
+        if bar is not None:
+            bar.close()
+        if lock is not None:
+            lock.close()
 
 
 class _GlobalProgress:
@@ -200,62 +132,3 @@ class _GlobalProgress:
         for c in self.counters:
             c.close()
         self.bar.close()
-
-
-def caption_with_trainer(
-    bundle: Bundle,
-    inputs: Sequence[InputImage],
-    out: str | os.PathLike,
-    *,
-    devices: int,
-    num_nodes: int = 1,
-    accelerator: str = "auto",
-    format: str = "jsonl",
-    batch_size: int = 32,
-    num_workers: int = 2,
-    progress: bool = True,
-    attention_maps: str | os.PathLike | None = None,
-    seed: int | None = None,
-    **generate_kwargs: Any,
-) -> CaptionSummary:
-    """Caption ``inputs`` into ``out`` with ``Trainer.predict`` on ``devices`` x ``num_nodes`` processes.
-
-    Called the same way on every rank (Lightning starts the other local ranks by running the command
-    again; torchrun and SLURM start them all). Returns the same summary on every rank.
-
-    Args:
-        bundle: a caption bundle (on the CPU; Lightning moves it to each rank's device).
-        inputs: from ``list_inputs``; the same on every rank.
-        out, format, batch_size, num_workers, progress, attention_maps: as in ``caption_to_file``.
-        devices, num_nodes, accelerator: as in ``lightning.pytorch.Trainer``.
-        seed: seeds sampling (``seed + global rank`` on each rank).
-        **generate_kwargs: passed to ``ImageCaptioner.generate``.
-    """
-    files = OutputFiles(Path(out), format)
-    module = CaptionPredictor(
-        bundle,
-        InputList.unique(inputs),
-        batch_size=batch_size,
-        num_workers=num_workers,
-        seed=seed,
-        **generate_kwargs,
-    )
-    writer = PartFileWriter(files, progress=progress, attention_maps=attention_maps)
-    trainer = pl.Trainer(
-        accelerator=accelerator,
-        devices=devices,
-        num_nodes=num_nodes,
-        strategy="ddp" if devices * num_nodes > 1 else "auto",
-        precision="32-true",  # caption_batch autocasts to bf16 on GPUs itself
-        callbacks=[writer],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=True,
-    )
-    try:
-        trainer.predict(module, return_predictions=False)
-        return writer.finish(trainer, module.inputs)
-    finally:
-        writer.release()

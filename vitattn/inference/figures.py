@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from vitattn.bundle import Bundle
+from vitattn.bundle.runtime import LoadedModel
 from vitattn.data.preprocess import denormalize
 from vitattn.fileio import atomic_write
 from vitattn.inference.attention_maps import attention_figure, attention_from_tokens, figure_png
@@ -60,7 +60,7 @@ def attention_figures(
     ]
 
 
-def write_figures(bundle: Bundle, batch: CaptionBatch, figures: Mapping[str, Path]) -> None:
+def write_figures(bundle: LoadedModel, batch: CaptionBatch, figures: Mapping[str, Path]) -> None:
     if batch.images is None:
         return
     records = [batch.records[pos] for pos in batch.captioned]

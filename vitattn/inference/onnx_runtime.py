@@ -1,4 +1,5 @@
-"""ONNX Runtime models of an ONNX folder (``vitattn-export format=onnx``), as ``Bundle`` models.
+"""An ONNX folder (``vitattn-export format=onnx``) run by ONNX Runtime: ``OnnxModel``, the ``onnx`` runtime of
+``vitattn.bundle.runtime.LoadedModel`` (``vitattn.bundle.Bundle`` is the other).
 
 Dimension letters: B images, K beams, L decoder layers, H heads, d head width, P past positions,
 N image tokens, V vocabulary, T' generated tokens.
@@ -12,22 +13,24 @@ search loops (``vitattn.models.search``); only the step differs: ``OnnxDecoderSt
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor
 
-from vitattn.bundle import Bundle
-from vitattn.bundle.folder import VOCAB_FILE
 from vitattn.bundle.onnx_folder import ONNX_CONFIG_FILE, check_onnx_config, graph_path, kv_names, require_onnxruntime
+from vitattn.data.preprocess import eval_transform
 from vitattn.data.vocab import Vocabulary
 from vitattn.errors import brief, first_line
 from vitattn.models.search import CaptionSearch, SpecialIds
+from vitattn.run_dir import VOCAB_FILE
 
-__all__ = ["OnnxCaptioner", "OnnxClassifier", "OnnxDecoderStep", "load_onnx_folder"]
+__all__ = ["OnnxCaptioner", "OnnxClassifier", "OnnxDecoderStep", "OnnxModel", "load_onnx_folder"]
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +87,6 @@ class OnnxCaptioner(CaptionSearch):
         self.vocab_size = decoder["vocab_size"]
         self.special_ids = SpecialIds(decoder["pad_id"], decoder["bos_id"], decoder["eos_id"])
 
-    def eval(self) -> OnnxCaptioner:
-        return self
-
     def encode(self, images: Tensor) -> list[np.ndarray]:
         """(B, C, height, width) -> 2L arrays: each decoder layer's cross-attention keys (B, H, d, N) and values
         (B, H, N, d)."""
@@ -111,15 +111,55 @@ class OnnxClassifier:
     def __init__(self, session: Any, num_classes: int) -> None:
         self.session, self.num_classes = session, num_classes
 
-    def eval(self) -> OnnxClassifier:
-        return self
-
     def __call__(self, images: Tensor) -> Tensor:
         return torch.from_numpy(self.session.run(None, {"images": _numpy(images)})[0])
 
 
-def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Bundle:
-    """The ``Bundle`` of an ONNX folder, its model run by ONNX Runtime on the CPU with torch's thread count.
+@dataclass
+class OnnxModel:
+    """An ONNX folder loaded for inference: the ``onnx`` runtime of ``LoadedModel``, on the CPU.
+
+    Attributes:
+        model: ``OnnxCaptioner`` (caption) or ``OnnxClassifier`` (classification).
+        task, preprocess, vocab, class_names, generate: as ``Bundle``'s.
+        config: the whole ``onnx.json`` content.
+    """
+
+    model: OnnxCaptioner | OnnxClassifier
+    task: str
+    preprocess: dict[str, Any]
+    config: dict[str, Any]
+    vocab: Vocabulary | None = None
+    class_names: list[str] | None = None
+    generate: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def runtime(self) -> str:
+        """``onnx``."""
+        return "onnx"
+
+    @property
+    def device(self) -> torch.device:
+        """The CPU: ONNX folders run on ONNX Runtime's CPU provider."""
+        return torch.device("cpu")
+
+    @property
+    def transform(self) -> Callable[[Image.Image], Tensor]:
+        """PIL image -> (3, img_size, img_size) normalised tensor."""
+        return eval_transform(self.preprocess)
+
+    def to(self, device: str | torch.device) -> OnnxModel:
+        """This model, which runs on the CPU only: another device is refused in one line."""
+        if torch.device(device).type != "cpu":
+            raise ValueError(
+                f"an ONNX folder runs on ONNX Runtime's CPU provider, not on {device}; "
+                "caption on GPUs with the bundle or run folder, or use device=cpu"
+            )
+        return self
+
+
+def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> OnnxModel:
+    """An ONNX folder's model, run by ONNX Runtime on the CPU with torch's thread count.
 
     Raises:
         MissingDependencyError: onnxruntime is not installed (the message says how to install it).
@@ -149,7 +189,7 @@ def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Bun
         if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
             raise ValueError(f"{directory / ONNX_CONFIG_FILE} has no 'class_names' list of strings")
         model = OnnxClassifier(sessions["classifier"], len(names))
-        return Bundle(model, "classification", preprocess, config, None, names, generate)
+        return OnnxModel(model, "classification", preprocess, config, None, names, generate)
     decoder = config["decoder"]
     name = config.get("vocab_file", VOCAB_FILE)
     if not isinstance(name, str) or Path(name).name != name or not name:
@@ -170,4 +210,4 @@ def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Bun
         )
     except (TypeError, ValueError) as err:
         raise ValueError(f"{directory / ONNX_CONFIG_FILE}: generate: {first_line(err)}") from None
-    return Bundle(model, "caption", preprocess, config, vocab, None, generate)
+    return OnnxModel(model, "caption", preprocess, config, vocab, None, generate)

@@ -28,17 +28,19 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm.auto import tqdm
 
-from vitattn.bundle import Bundle
+from vitattn.bundle.runtime import LoadedModel
 from vitattn.data.images import BadImageError, read_image
-from vitattn.data.shards import ShardError, read_shard
+from vitattn.data.shards import ShardError, read_shard, shard_sizes
 from vitattn.data.shards.stream import image_member, sample_caption
 from vitattn.fileio import atomic_open
 from vitattn.inference.captioning import generate_tokens
+from vitattn.inference.processes import Processes
 
 __all__ = [
     "SHARD_FORMATS",
     "ShardCaptionSummary",
     "caption_shards",
+    "caption_shards_in_processes",
     "finished_outputs",
     "output_path",
     "assign_shards",
@@ -123,7 +125,7 @@ def _collate(items: list[Any]) -> tuple[list[tuple[int, dict[str, Any]]], torch.
 
 
 def caption_shards(
-    bundle: Bundle,
+    bundle: LoadedModel,
     urls: Sequence[str],
     sizes: Sequence[int],
     out_dir: str | Path,
@@ -161,7 +163,7 @@ def caption_shards(
     todo = [i for i, url in enumerate(urls) if output_path(out_dir, url, fmt).name not in finished]
     mine = [todo[i] for i in assign_shards([sizes[i] for i in todo], world_size)[rank]]
     summary = ShardCaptionSummary(finished_before=len(urls) - len(todo))
-    model, device = bundle.model, next(bundle.model.parameters()).device
+    model, device = bundle.model, bundle.device
     loader = DataLoader(
         _ShardImages(urls, mine, bundle.transform),
         batch_size=batch_size,
@@ -191,6 +193,60 @@ def caption_shards(
                 rows.setdefault(shard, []).append(row)
                 bar.update(1 if row.get("key") else 0)
     return summary
+
+
+def caption_shards_in_processes(
+    model: LoadedModel,
+    urls: Sequence[str],
+    out_dir: str | Path,
+    processes: Processes,
+    *,
+    fmt: str = "jsonl",
+    batch_size: int = 32,
+    num_workers: int = 2,
+    progress: bool = True,
+    seed: int | None = None,
+    **generate_kwargs: Any,
+) -> ShardCaptionSummary:
+    """Caption the unfinished shards of ``urls`` into ``out_dir``, this process's share of them; called the same
+    way on every rank (``processes``: ``launch_processes``). Returns the counts of all ranks, on every rank.
+
+    Args:
+        model: a caption model on this rank's device.
+        seed: seeds sampling, ``seed + rank`` on each rank.
+        fmt, batch_size, num_workers, progress, **generate_kwargs: as in ``caption_shards``.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    finished = finished_outputs(out_dir, urls, fmt)
+    if processes.is_zero:
+        remove_temporaries(out_dir, urls, fmt)
+    finished = processes.broadcast(finished)  # the same listing on every rank, taken before any writes
+    if seed is not None:
+        generate_kwargs["generator"] = torch.Generator(processes.device).manual_seed(seed + processes.rank)
+    if processes.is_zero:
+        log.info(
+            "captioning %d shards (%d finished before) on %d process(es)",
+            len(urls),
+            len(finished),
+            processes.world_size,
+        )
+    mine = caption_shards(
+        model,
+        urls,
+        shard_sizes(urls),
+        out_dir,
+        fmt=fmt,
+        rank=processes.rank,
+        world_size=processes.world_size,
+        finished=finished,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        progress=progress and processes.is_zero,
+        **generate_kwargs,
+    )
+    shards, captioned, failed = processes.sum([mine.shards, mine.captioned, mine.failed])
+    return ShardCaptionSummary(shards, captioned, failed, mine.finished_before)
 
 
 def finished_outputs(out_dir: str | Path, urls: Sequence[str], fmt: str) -> set[str]:

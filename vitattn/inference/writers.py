@@ -23,7 +23,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from vitattn.bundle import Bundle
+from vitattn.bundle.runtime import LoadedModel
 from vitattn.fileio import atomic_open
 from vitattn.inference.captioning import iter_caption_batches
 from vitattn.inference.figures import figure_paths, write_figures
@@ -180,7 +180,7 @@ class LineCounter:
 
 
 def caption_to_file(
-    bundle: Bundle,
+    bundle: LoadedModel,
     inputs: Sequence[InputImage],
     out: str | os.PathLike,
     *,

@@ -172,7 +172,7 @@ class CaptionAPI(ls.LitAPI):
             {"caption": c, "tokens": caption_words(row, bundle.vocab)} for c, row in zip(captions, tokens.tolist())
         ]
         wanted = [i for i, r in enumerate(requests) if r.attention]
-        if wanted and bundle.config.get("runtime") == "onnx":
+        if wanted and bundle.runtime != "torch":
             for i in wanted:
                 results[i] = {
                     "error": "attention=true needs the PyTorch runtime; serve the bundle, not the ONNX folder"
