@@ -1,11 +1,13 @@
-"""Inference: batch captioning of image files and attention maps of generated captions.
+"""Inference: captioning image files and shards, classifying, and attention maps of generated captions.
 
-``inputs`` lists what to caption, ``reading`` turns files into tensors (``vitattn.data.images``
-reads them), ``captioning`` decodes batches, ``writers`` keeps resumable output files, ``records``
-indexes what they hold, ``distributed`` runs the same on many devices and machines (Lightning
-``Trainer.predict``), and ``attention_maps`` / ``figures`` draw what the model looked at.
-``api`` is the Python API (``Captioner``, ``Classifier``, ``load_model``) over all of it, fed any image
-kind by ``image_inputs``; ``onnx_runtime`` runs ONNX folders on ONNX Runtime.
+``loader`` loads any model path as a ``LoadedModel`` (``vitattn.bundle.runtime``: a PyTorch ``Bundle``, or
+``onnx_runtime``'s ``OnnxModel``). ``file_list`` lists the image files to caption, ``file_dataset`` reads them
+as model inputs in loader workers (``vitattn.data.images`` decodes), ``captioning`` decodes batches,
+``writers`` keeps resumable output files and ``records`` indexes what they hold; ``shard_captioning`` captions
+WebDataset shards, one output per shard. ``processes`` starts several captioning processes (Lightning Fabric),
+which ``distributed`` (files) and ``shard_captioning`` share. ``attention_maps`` / ``figures`` draw what the
+model looked at. ``api`` is the Python API (``Captioner``, ``Classifier``) over all of it, fed any image kind
+(paths, PIL, numpy, tensors) by ``image_like``.
 """
 
 from vitattn.data.images import read_image
