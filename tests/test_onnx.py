@@ -139,6 +139,13 @@ def test_onnx_classifier_top1_equals_pytorch(classifier_run, tmp_path, precision
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
     else:
         assert agree >= 0.95
+    # vitattn-eval on the folder (inside the run: its test split, one batch as above) scores what the model predicts
+    out = tmp_path / "eval"
+    args = [f"model={onnx_dir}", "split=test", f"out={out}", "num_workers=0", "progress=false", f"batch_size={SPLIT}"]
+    assert eval_main(args) == 0
+    scored = json.loads((out / "metrics.json").read_text())["metrics"]
+    top1 = (got.argmax(-1) == torch.tensor(_split("classification")[1])).float().mean()
+    assert scored["num_images"] == SPLIT and scored["top1"] == pytest.approx(float(top1), abs=1e-6)
 
 
 def test_vitattn_caption_on_an_onnx_folder_writes_the_bundles_captions(caption_run, tmp_path):

@@ -29,7 +29,7 @@ from vitattn.bundle.runtime import LoadedModel
 from vitattn.data.preprocess import denormalize
 from vitattn.inference.attention_maps import caption_attention_maps
 from vitattn.inference.captioning import generate_tokens
-from vitattn.inference.figures import caption_words
+from vitattn.inference.figures import caption_words, check_figures_runtime
 from vitattn.inference.file_list import InputImage
 from vitattn.inference.image_like import ImageLike, as_image_list, to_pixels
 from vitattn.inference.loader import load_model
@@ -232,10 +232,8 @@ class Captioner(_TaskModel):
         (``options``: ``format``, ``batch_size``, ``num_workers``, ``progress``, ``attention_maps`` and
         ``generate`` settings). Returns its ``CaptionSummary``."""
         generate = {k: options.pop(k) for k in list(options) if k not in _FILE_OPTIONS}
-        if options.get("attention_maps") is not None and self.runtime != "torch":
-            raise ValueError(
-                "attention_maps= needs the PyTorch runtime; caption with the bundle or run folder, not the ONNX folder"
-            )
+        if options.get("attention_maps") is not None:
+            check_figures_runtime(self.bundle)
         return caption_to_file(self.bundle, inputs, out, **options, **self.generate_settings(**generate))
 
 

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from vitattn.bundle.runtime import LoadedModel
 from vitattn.inference.captioning import iter_caption_batches
-from vitattn.inference.figures import figure_paths, write_figures
+from vitattn.inference.figures import check_figures_runtime, figure_paths, write_figures
 from vitattn.inference.file_list import InputImage, InputList
 from vitattn.inference.processes import Processes
 from vitattn.inference.records import RecordIndex
@@ -66,6 +66,8 @@ def caption_files_in_processes(
     Returns:
         The same summary on every rank (counts of all ranks).
     """
+    if attention_maps is not None:
+        check_figures_runtime(model)
     files = OutputFiles(Path(out), format)
     inputs = InputList.unique(inputs)
     lock, bar, refused, todo = None, None, None, None

@@ -18,7 +18,7 @@ from vitattn.inference.file_list import InputImage
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["attention_figures", "caption_words", "figure_paths", "write_figures"]
+__all__ = ["attention_figures", "caption_words", "check_figures_runtime", "figure_paths", "write_figures"]
 
 
 def figure_paths(inputs: Sequence[InputImage], folder: Path) -> dict[str, Path]:
@@ -58,6 +58,14 @@ def attention_figures(
         attention_figure(shown[row], caption_words(tokens[row].tolist(), vocab), cross[row], rollout[row], title=title)
         for row, title in enumerate(titles)
     ]
+
+
+def check_figures_runtime(model: LoadedModel) -> None:
+    """Refuse, in one line, to draw figures with a runtime that has no attention weights to show (ONNX)."""
+    if model.runtime != "torch":
+        raise ValueError(
+            "attention_maps= needs the PyTorch runtime; caption with the bundle or run folder, not the ONNX folder"
+        )
 
 
 def write_figures(bundle: LoadedModel, batch: CaptionBatch, figures: Mapping[str, Path]) -> None:
