@@ -144,7 +144,7 @@ class CaptionAPI(ls.LitAPI):
         if self.bundle.task != "caption":
             raise ValueError(f"model={self.model_path} is a {self.bundle.task} model; serving needs a caption model")
         self.captioner = Captioner(self.bundle)
-        self.device = torch.device(device)
+        self.device = self.bundle.device  # the CPU for an ONNX folder, whatever LitServe assigned
         self.transform = self.bundle.transform
 
     # ``request`` stays unannotated: LitServe reads the annotation to choose what the endpoint parses
