@@ -7,7 +7,7 @@ samples in the tar) and ``00000.parquet``. ``expand_shards`` turns brace notatio
 or ``pipe:`` commands (``pipe:aws s3 cp s3://b/00000.tar -``). The ``webdataset`` library opens them
 (``gopen``: files, ``pipe:``, URLs) and splits tars into samples (``tar_file_expander``, ``group_by_keys``),
 so the layout is read as it is, with no conversion; the members of a plain local tar come from
-``vitattn.data.tar_reader``, which reads the same files four times faster than ``tarfile``.
+``vitattn.data.tar_reader``, which reads the same files faster than ``tarfile`` (``docs/benchmarks.md``).
 
 ``shard_sizes`` gives each shard's sample count from its ``_stats.json`` (or the ``success`` rows of its
 ``.parquet``) where there is one, else from one counting pass over the shard (members are grouped into
