@@ -1,5 +1,6 @@
 """A first caption in a second: the wall time of ``vitattn-caption`` on 5 images over that of
-``python -c "import torch, torchvision"``, each a fresh process.
+``python -c "import torch, torchvision"``, each a fresh process; and the same for the Python API
+(``from vitattn import Captioner``, ``Captioner.load``, ``caption`` of the 5 files).
 
     python -m benchmarks.first_caption [--repeats 9] [--images 5] [--threads 1] [--out FILE.json]
 
@@ -9,10 +10,12 @@ JPEGs of the built-in shapes. The command is the installed console script with i
 new user runs it; its output file is removed before each run, so that every run captions every image.
 
 With the ``trackers`` extra installed, importing timm would import wandb too (``timm.utils.summary``
-tries it at import time, for timm's own training script); ``import vitattn`` defers that import to
-wandb's first use. The caption command is timed twice, as installed here and as in an install without
-that extra (a ``wandb`` module that raises ``ImportError``, as a missing package does, first on
-``PYTHONPATH``), so that a regression shows as a gap between the two rows.
+tries it at import time, for timm's own training script); the console command defers that import to
+wandb's first use for its own process (``defer_wandb_in_timm`` in its ``main``), while ``import vitattn``
+changes nothing global, so the API imports wandb with timm. Each is timed twice, as installed here and as
+in an install without that extra (a ``wandb`` module that raises ``ImportError``, as a missing package
+does, first on ``PYTHONPATH``): for the command a regression shows as a gap between its two rows, for the
+API the gap is what wandb's import costs it.
 
 All commands run with ``OMP_NUM_THREADS=--threads`` (1 by default: on a shared machine a second
 OpenMP thread that a neighbour deschedules stalls every parallel region, and the few matrix products of
@@ -48,7 +51,16 @@ NO_WANDB = 'raise ImportError("wandb is not installed (an install without the tr
 LABELS = {
     "caption": "vitattn-caption, this install",
     "caption without trackers": "vitattn-caption, install without the trackers extra (no wandb)",
+    "api": "Captioner API, this install",
+    "api without trackers": "Captioner API, install without the trackers extra (no wandb)",
 }
+# The API as a program uses it, in a fresh process: argv[1] the bundle, then the image files.
+API_SCRIPT = (
+    "import sys\n"
+    "from vitattn import Captioner\n"
+    "captions = Captioner.load(sys.argv[1]).caption(sys.argv[2:])\n"
+    "assert len(captions) == len(sys.argv) - 2 and all(captions), captions\n"
+)
 
 
 def _run(cmd: Sequence[str], env: dict[str, str]) -> tuple[float, float]:
@@ -72,12 +84,14 @@ def first_caption(repeats: int = 9, n_images: int = 5, threads: int = 1) -> dict
         bundle = tiny_bundle(root / "bundle", img_size=64, embed_dim=128, depth=4)
         out = root / "captions.jsonl"
         caption = [*caption_command(), f"model={bundle}", f"images={images}", f"out={out}"]
-        commands = {"import": (IMPORT_TORCH, env), "caption": (caption, env)}
+        api = [sys.executable, "-c", API_SCRIPT, str(bundle), *map(str, sorted(images.glob("*.jpg")))]
+        commands = {"import": (IMPORT_TORCH, env), "caption": (caption, env), "api": (api, env)}
         if importlib.util.find_spec("wandb") is not None:
             (root / "no_wandb").mkdir()
             (root / "no_wandb" / "wandb.py").write_text(NO_WANDB)
             path = os.pathsep.join(p for p in (str(root / "no_wandb"), env.get("PYTHONPATH")) if p)
             commands["caption without trackers"] = (caption, {**env, "PYTHONPATH": path})
+            commands["api without trackers"] = (api, {**env, "PYTHONPATH": path})
         samples: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
         _run(IMPORT_TORCH, env)  # warm the file cache: the first run of a session reads torch from disk
         for r in range(repeats):

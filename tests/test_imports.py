@@ -129,3 +129,70 @@ assert main(["model={caption}", "images={image}", "out={out}/maps.jsonl", "atten
              "num_workers=0", "progress=false"]) == 0
 """
     assert "matplotlib" in _modules_after(code, **inference_files)
+
+
+# What a library import must leave as it found it (issue 29): import hooks, warning filters, the loggers' handlers
+# and levels, the environment, torch's threads and global switches, signal handlers.
+_GLOBAL_STATE = """
+import json, logging, os, signal, sys, warnings
+import torch  # a dependency: its own import's changes are not vitattn's
+
+
+def state():
+    loggers = {
+        name or "root": dict(level=log.level, handlers=[repr(h) for h in log.handlers],
+                             filters=[repr(f) for f in log.filters], propagate=log.propagate, disabled=log.disabled)
+        for name, log in ((n, logging.getLogger(n)) for n in ("", "vitattn", "lightning"))
+    }
+    return dict(
+        meta_path=[repr(f) for f in sys.meta_path],
+        path_hooks=[repr(h) for h in sys.path_hooks],
+        path=list(sys.path),
+        warning_filters=[repr(f) for f in warnings.filters],
+        loggers=loggers,
+        logging_disable=logging.root.manager.disable,
+        environ=dict(os.environ),
+        torch_threads=[torch.get_num_threads(), torch.get_num_interop_threads()],
+        torch_switches=[str(torch.get_default_dtype()), torch.get_float32_matmul_precision(),
+                        torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark],
+        signals=[repr(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)],
+        excepthook=repr(sys.excepthook),
+    )
+
+
+states = {"before": state()}
+import vitattn
+states["import vitattn"] = state()
+# The dependencies the API imports change some of this themselves (torchvision sets TORCHINDUCTOR_CACHE_DIR, timm's
+# sympy adds a warning filter): imported first, so that what follows is vitattn's doing alone.
+import numpy, PIL.Image, omegaconf, safetensors.torch, huggingface_hub, torchvision, timm
+states["dependencies"] = state()
+from vitattn import Captioner, Classifier
+import vitattn.inference.api
+states["public API"] = state()
+print(json.dumps(states))
+"""
+
+
+def _changed(before: dict, after: dict) -> dict:
+    """What differs between two states: the keys of a mapping, the items of a list, else (before, after)."""
+    changes = {}
+    for key in before:
+        old, new = before[key], after[key]
+        if old == new:
+            continue
+        if isinstance(old, dict):
+            changes[key] = {k: (old.get(k), new.get(k)) for k in old.keys() | new.keys() if old.get(k) != new.get(k)}
+        elif isinstance(old, list) and all(isinstance(x, str) for x in old + new):
+            changes[key] = dict(added=[x for x in new if x not in old], removed=[x for x in old if x not in new])
+        else:
+            changes[key] = (old, new)
+    return changes
+
+
+def test_importing_vitattn_changes_nothing_global():
+    done = subprocess.run([sys.executable, "-c", _GLOBAL_STATE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    states = json.loads(done.stdout.splitlines()[-1])
+    assert _changed(states["before"], states["import vitattn"]) == {}
+    assert _changed(states["dependencies"], states["public API"]) == {}

@@ -1,11 +1,12 @@
 """vitattn: vision transformers for classification and captioning, built from the multi-head
-attention tutorial's layers (``vitattn.layers``), with Lightning systems and Hydra configs."""
+attention tutorial's layers (``vitattn.layers``), with Lightning systems and Hydra configs.
 
-from vitattn.upstream import defer_wandb_in_timm
+Importing vitattn changes nothing global (no import hook, warning filter, logging handler or environment
+variable; ``tests/test_imports.py`` checks it): what a command needs for its own process, its console entry
+point does (``vitattn.cli``).
+"""
 
 __version__ = "0.1.0"
-
-defer_wandb_in_timm()  # before anything imports timm: its import would import wandb (see the function)
 
 __all__ = ["Captioner", "Classifier", "__version__"]
 

@@ -5,7 +5,7 @@ OmegaConf's ``DictConfig.items_ex``); what is left has no public equivalent. Eac
 the attribute is still there and otherwise raises ``UpstreamChanged`` naming the library's version,
 so that an upgrade breaks here, in one line, rather than deep inside a run; ``tests/test_upstream.py``
 runs every adapter against the installed versions. This module imports only the standard library at
-its top (``import vitattn`` runs ``defer_wandb_in_timm`` from here before anything imports timm).
+its top (the console entry points run ``defer_wandb_in_timm`` from here before anything imports timm).
 """
 
 from __future__ import annotations
@@ -83,10 +83,15 @@ def defer_wandb_in_timm() -> None:
     """Keep ``import timm`` from importing wandb; timm's summary module gets wandb when it first uses it.
 
     Every ``import timm`` reaches ``timm.utils.summary``, which imports wandb, when installed, for timm's own
-    training script (``update_summary(log_wandb=True)``): 0.4-0.8 s of every vitattn process here, for a
-    module vitattn never calls (its wandb logger is Lightning's, which imports wandb itself). While that one
-    module runs, ``import wandb`` fails as if wandb were absent, which timm expects; the module's ``wandb``
-    name then imports wandb on first use. Does nothing once timm's summary or wandb is imported.
+    training script (``update_summary(log_wandb=True)``): a large part of a short command's start-up
+    (``docs/benchmarks.md``, "A first caption"), for a module vitattn never calls (its wandb logger is
+    Lightning's, which imports wandb itself). While that one module runs, ``import wandb`` fails as if wandb
+    were absent, which timm expects; the module's ``wandb`` name then imports wandb on first use. Does
+    nothing once timm's summary or wandb is imported.
+
+    It installs a ``sys.meta_path`` finder (removed once timm's summary is imported), so only a process's
+    own entry point calls it: the console commands' ``main`` functions (``vitattn.cli``), never
+    ``import vitattn``. A program that imports vitattn may call it first thing, for its own process.
     """
     if _TIMM_SUMMARY in sys.modules or "wandb" in sys.modules:
         return

@@ -11,10 +11,10 @@ returns the heads' concatenated outputs, which ``dense`` then projects, as in th
 Dynamic int8 quantization turns it into ``QAttention``.
 
 ``FastGelu`` is GELU's tanh approximation (``F.gelu(x, approximate="tanh")``, within 1e-3 of the erf
-form); ONNX Runtime runs it in half the time of its erf ``Gelu``. Only int8 folders take it, as Hugging
-Face optimum's ``enable_gelu_approximation`` does: their products are approximate already, and
-``tests/test_onnx.py`` measures the captions against fp32's. fp32 folders keep the exact GELU (their
-logits match PyTorch's within 1e-4). Only export uses this module.
+form); ONNX Runtime runs it faster than its erf ``Gelu`` (``docs/benchmarks.md``, "ONNX Runtime"). Only
+int8 folders take it, as Hugging Face optimum's ``enable_gelu_approximation`` does: their products are
+approximate already, and ``tests/test_onnx.py`` measures the captions against fp32's. fp32 folders keep
+the exact GELU (their logits match PyTorch's within 1e-4). Only export uses this module.
 """
 
 from __future__ import annotations

@@ -225,12 +225,12 @@ def _quantize(folder: Path, graphs: tuple[str, ...]) -> None:
     Two choices keep the captions (measured in ``tests/test_onnx.py``): the attention products of two
     activations (queries x keys, weights x values) stay fp32, and weights use 7 bits of range
     (``reduce_range``), as ONNX Runtime advises for CPUs without VNNI, whose u8 x s8 products saturate.
-    The decoder step's output projection stays fp32 too: its logits choose each token (quantized,
-    the test captions' CIDEr-D fell 2 to 4 % below fp32; fp32, it costs 1-2 ms a step at ViT-S/16).
-    Only the products with weights are quantized (``MatMul``, and ``Attention`` into ``QAttention``):
-    the patch embedding's ``ConvInteger`` is slower than the fp32 ``Conv`` on these CPUs, and an
-    int8 embedding lookup (``Gather``) saves no time. The graphs are quantized after the attention
-    is written as ONNX Runtime's op (``onnx_contrib``), as Hugging Face optimum orders it.
+    The decoder step's output projection stays fp32 too: its logits choose each token, and quantized it
+    lost the test captions CIDEr-D for a small part of a step's time. Only the products with weights are
+    quantized (``MatMul``, and ``Attention`` into ``QAttention``): the patch embedding's ``ConvInteger``
+    is slower than the fp32 ``Conv`` on these CPUs, and an int8 embedding lookup (``Gather``) saves no
+    time. The figures are in ``docs/benchmarks.md`` ("ONNX Runtime"). The graphs are quantized after the
+    attention is written as ONNX Runtime's op (``onnx_contrib``), as Hugging Face optimum orders it.
     """
     require_onnxruntime(export=True)
     import onnx  # an optional dependency, as onnxruntime

@@ -35,6 +35,7 @@ from omegaconf import MISSING
 from vitattn.cli.args import UsageError, generate_settings, parse_key_values, resolve_device, run_main
 from vitattn.generate_keys import SEARCH_KEYS
 from vitattn.run_dir import RunDir
+from vitattn.upstream import defer_wandb_in_timm
 
 __all__ = ["EvalConfig", "main", "parse_args", "run"]
 
@@ -113,6 +114,7 @@ def run(cfg: Any) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
+    defer_wandb_in_timm()  # this process only: timm's import then leaves wandb unimported (vitattn.upstream)
     return run_main(__doc__, argv, parse_args, run)
 
 

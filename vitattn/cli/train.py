@@ -25,6 +25,7 @@ from vitattn.cli.noise import quiet_upstream
 from vitattn.errors import ConfigError, Preempted
 from vitattn.moved_keys import MOVED_KEYS, check_moved_keys
 from vitattn.run_dir import RunDir
+from vitattn.upstream import defer_wandb_in_timm
 
 if TYPE_CHECKING:
     from vitattn.training import TrainResult
@@ -114,6 +115,7 @@ def _report_preempted(stop: Preempted) -> None:
 
 
 def main() -> None:
+    defer_wandb_in_timm()  # this process only: timm's import then leaves wandb unimported (vitattn.upstream)
     sys.argv = [sys.argv[0], *_resume_argv(sys.argv[1:])]
     try:
         check_moved_keys(sys.argv[1:])

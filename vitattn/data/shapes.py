@@ -173,9 +173,9 @@ def render_scene(scene: Scene, img_size: int = 64) -> Image.Image:
 class ShapesDataset(Dataset):
     """Rendered shape scenes with captions or class labels.
 
-    Scenes (and so captions and labels) are generated in the constructor (~10,000/s); images are
-    rendered on access, fast enough that caching would only cost memory: ~8,000 items/s at 64 px
-    on one CPU core, ~4,800/s through the caption DataLoader with ``num_workers=0``.
+    Scenes (and so captions and labels) are generated in the constructor; images are rendered on
+    access, fast enough that caching would only cost memory (the rates: ``docs/benchmarks.md``,
+    "The built-in shapes data").
 
     Args:
         split: "train", "val" or "test"; each split has its own random stream.

@@ -11,8 +11,9 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 class Normalize:
     """``(image - mean) / std`` per channel, on (..., 3, height, width) float tensors in [0, 1].
 
-    ``torchvision.transforms.Normalize`` rebuilds its mean and std tensors on every call, which is
-    half the per-image cost of the shapes pipeline at 64 px; this keeps them.
+    ``torchvision.transforms.Normalize`` rebuilds its mean and std tensors on every call, a large part
+    of the per-image cost of the shapes pipeline at small sizes (``docs/benchmarks.md``, "The built-in
+    shapes data"); this keeps them.
     """
 
     def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:

@@ -72,7 +72,7 @@ def evaluate_classification(
     Returns:
         The report; unreadable image files are left out and counted in ``num_failed``.
     """
-    # heavy: torchmetrics takes about a second to import, and only classification evaluation needs it
+    # heavy: torchmetrics is slow to import (docs/benchmarks.md), and only classification evaluation needs it
     from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
     check_split(split)

@@ -160,7 +160,8 @@ class MultiHeadAttention(nn.Module):
         qkv = F.linear(x, w, b).view(B, L, 3, self.num_heads, self.head_dim)
         qkv = qkv.permute(2, 0, 3, 1, 4)  # (3, B, H, L, d)
         # unbind, not qkv[0], qkv[1], qkv[2]: the same views, but one backward (a stack) instead of
-        # three that each zero-fill a full (3, B, H, L, d) gradient and add them up (~1 % of a train step).
+        # three that each zero-fill a full (3, B, H, L, d) gradient and add them up, which shows in a whole
+        # train step (docs/benchmarks.md, "What changed in the layers for speed").
         q, k, v = qkv.unbind(0)
         return q, k, v
 

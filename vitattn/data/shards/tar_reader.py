@@ -1,8 +1,8 @@
 """The files of an uncompressed local tar, read straight from its 512-byte headers.
 
-Python's ``tarfile``, which ``webdataset`` reads shards with, parses each header field by field in Python:
-about 35 us a member, so 0.15 ms of a loader worker's time for every sample of four members, a quarter of
-what a training sample from a shard costs it here (``docs/benchmarks.md``, "Data from WebDataset shards").
+Python's ``tarfile``, which ``webdataset`` reads shards with, parses each header field by field in Python,
+which makes it a large part of what a training sample from a shard costs a loader worker (the figures:
+``docs/benchmarks.md``, "Data from WebDataset shards").
 ``tar_files`` reads the same members with one ``struct`` unpack and one checksum a header. It reads what
 ``tarfile`` writes (ustar, GNU and POSIX/pax, as img2dataset's and ``vitattn-shards``' writers do): long
 names (GNU ``L`` members, pax ``path`` records), directories and links skipped. Anything else (a compressed
