@@ -23,6 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from vitattn.bundle.folder import CONFIG_FILE, is_bundle_weights
 from vitattn.config_targets import check_targets
 from vitattn.data.augment import Augment
+from vitattn.data.preprocess import WEIGHTS_KEYS, check_preprocess, default_preprocess
 from vitattn.data.tasks import TASKS
 from vitattn.errors import ConfigError, first_line
 from vitattn.models import CaptionDecoder, VisionTransformer
@@ -188,6 +189,19 @@ def _check_augment(data: DictConfig) -> None:
         raise ConfigError(str(err)) from None
 
 
+def _check_preprocess(data: DictConfig) -> None:
+    """``data.mean``, ``data.std``, ``data.interpolation``, ``data.crop_pct``, ``data.crop_mode``, where set."""
+    given = {
+        k: OmegaConf.to_object(data[k]) if OmegaConf.is_config(data[k]) else data[k]
+        for k in WEIGHTS_KEYS
+        if data.get(k) is not None
+    }
+    try:
+        check_preprocess({**default_preprocess(int(data.get("img_size", 224))), **given}, "data")
+    except ValueError as err:
+        raise ConfigError(str(err).replace("data: ", "data.", 1)) from None
+
+
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config)."""
     check_targets(cfg)
@@ -203,6 +217,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"data.bad_images={cfg.data.bad_images!r} is unknown; choose raise or skip")
     if cfg.data.get("augment") is not None:
         _check_augment(cfg.data)
+    _check_preprocess(cfg.data)
     warmup = cfg.optim.get("warmup_steps", "auto")
     if warmup != "auto" and (not isinstance(warmup, int) or warmup < 0):
         raise ConfigError(f"optim.warmup_steps={warmup!r} must be a whole number of steps, or auto")

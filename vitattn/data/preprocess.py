@@ -4,6 +4,10 @@ A ``preprocess`` mapping (stored in checkpoints and bundles) holds timm's ``crea
 arguments: ``img_size``, ``crop_pct``, ``mean``, ``std``, ``interpolation`` and an optional
 ``crop_mode`` (``center``, ``squash``, ``border``). The DataModules' evaluation transforms and the
 bundles' transforms are both ``eval_transform(preprocess)``; ``denormalize`` undoes its last step.
+
+Pretrained weights bring their own (``WEIGHTS_KEYS``: all but the image size, which the run's data sets):
+``from_timm`` reads them from timm's data config (``resolve_model_data_config``), a vitattn model's are its
+``preprocess``; ``describe`` is how the run log names a choice.
 """
 
 from __future__ import annotations
@@ -15,15 +19,41 @@ from typing import Any
 
 import torch
 from PIL import Image
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
+from timm.data import (
+    IMAGENET_DEFAULT_MEAN,
+    IMAGENET_DEFAULT_STD,
+    IMAGENET_INCEPTION_MEAN,
+    IMAGENET_INCEPTION_STD,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    create_transform,
+)
 from timm.data.transforms import str_to_interp_mode
 
 from vitattn.errors import brief
 
-__all__ = ["CROP_MODES", "PREPROCESS_KEYS", "check_preprocess", "default_preprocess", "denormalize", "eval_transform"]
+__all__ = [
+    "CROP_MODES",
+    "PREPROCESS_KEYS",
+    "WEIGHTS_KEYS",
+    "check_preprocess",
+    "default_preprocess",
+    "denormalize",
+    "describe",
+    "eval_transform",
+    "from_timm",
+    "weights_preprocess",
+]
 
 PREPROCESS_KEYS = ("img_size", "crop_pct", "mean", "std", "interpolation")
 CROP_MODES = ("center", "squash", "border")  # timm's eval crop modes; optional ``crop_mode`` key
+# What pretrained weights fix and the data may set (``data.mean=`` ...): all but the image size.
+WEIGHTS_KEYS = ("mean", "std", "interpolation", "crop_pct", "crop_mode")
+_STATISTICS = {  # the (mean, std) pairs timm names, as the run log names them
+    (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD): "ImageNet",
+    (IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD): "Inception 0.5",
+    (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD): "OpenAI CLIP",
+}
 
 
 def default_preprocess(img_size: int) -> dict[str, Any]:
@@ -37,6 +67,55 @@ def default_preprocess(img_size: int) -> dict[str, Any]:
         "mean": list(IMAGENET_DEFAULT_MEAN),
         "std": list(IMAGENET_DEFAULT_STD),
     }
+
+
+def from_timm(data_config: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``preprocess`` from timm's data config (``timm.data.resolve_model_data_config(model)``): the same transform
+    as ``timm.data.create_transform(**data_config)``.
+
+    Raises:
+        ValueError: a non-square input size (vitattn's images are square).
+    """
+    _, height, width = data_config["input_size"]
+    if height != width:
+        raise ValueError(f"timm's input_size={tuple(data_config['input_size'])} is not square")
+    return check_preprocess(
+        {
+            "img_size": int(height),
+            "crop_pct": data_config["crop_pct"],
+            "crop_mode": data_config.get("crop_mode") or "center",
+            "interpolation": data_config["interpolation"],
+            "mean": list(data_config["mean"]),
+            "std": list(data_config["std"]),
+        },
+        "timm's data config",
+    )
+
+
+def weights_preprocess(preprocess: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``WEIGHTS_KEYS`` of a model's ``preprocess``: what a run that starts from that model takes (a missing
+    ``crop_mode`` is ``center``, as timm's transform reads it)."""
+    return {"crop_mode": "center", **{k: preprocess[k] for k in WEIGHTS_KEYS if preprocess.get(k) is not None}}
+
+
+def describe(preprocess: Mapping[str, Any]) -> str:
+    """How the run log names a preprocessing, in the ``data.*`` keys that set it:
+    ``mean (0.5, 0.5, 0.5) std (0.5, 0.5, 0.5) [Inception 0.5], bicubic, crop_mode center crop_pct 0.9, 224 px``."""
+    mean, std = tuple(preprocess["mean"]), tuple(preprocess["std"])
+    name = next((f" [{n}]" for (m, s), n in _STATISTICS.items() if _close(m, mean) and _close(s, std)), "")
+    return (
+        f"mean {_numbers(mean)} std {_numbers(std)}{name}, {preprocess['interpolation']}, "
+        f"crop_mode {preprocess.get('crop_mode') or 'center'} crop_pct {float(preprocess['crop_pct']):g}, "
+        f"{preprocess['img_size']} px"
+    )
+
+
+def _numbers(values: Sequence[float]) -> str:
+    return "(" + ", ".join(f"{x:g}" for x in values) + ")"
+
+
+def _close(a: Sequence[float], b: Sequence[float]) -> bool:
+    return all(abs(x - y) < 1e-6 for x, y in zip(a, b))
 
 
 def eval_transform(preprocess: Mapping[str, Any]) -> Callable[[Image.Image], torch.Tensor]:

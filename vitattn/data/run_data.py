@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import hydra
@@ -14,13 +15,21 @@ __all__ = ["datamodule_from_run"]
 
 
 def datamodule_from_run(
-    run: RunDir, *, vocab: Vocabulary | None = None, batch_size: int = 32, num_workers: int = 0, **overrides: Any
+    run: RunDir,
+    *,
+    vocab: Vocabulary | None = None,
+    preprocess: Mapping[str, Any] | None = None,
+    batch_size: int = 32,
+    num_workers: int = 0,
+    **overrides: Any,
 ) -> Any:
     """The run's DataModule, set up for evaluation (``val`` and ``test``; no training split where it costs).
 
     Args:
         run: the training run folder.
         vocab: the model's vocabulary, used instead of one built from the training captions.
+        preprocess: the model's preprocessing (a bundle's): what the run's data took from its pretrained weights
+            (``use_weights_preprocess``), which its saved config does not hold.
         batch_size, num_workers: loader settings for the evaluation (the run's own are replaced).
         **overrides: other data settings to replace (e.g. ``image_dir`` when the images have moved).
 
@@ -40,6 +49,8 @@ def datamodule_from_run(
     except Exception as err:  # noqa: BLE001 - a key this version's DataModule does not take, a bad path, ...
         raise ValueError(f"the data of {run.config} cannot be rebuilt: {' '.join(str(err).split())[:200]}") from None
     datamodule.vocab = vocab
+    if preprocess is not None:
+        datamodule.use_weights_preprocess(preprocess)
     datamodule.cache_mode = "none"  # evaluation reads each file once itself: decoding them all first is waste
     datamodule.verify = False  # ... and counts the unreadable ones
     datamodule.setup("validate")

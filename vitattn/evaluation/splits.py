@@ -49,7 +49,12 @@ def _run_split(
     from vitattn.data.run_data import datamodule_from_run
 
     datamodule = datamodule_from_run(
-        run, vocab=bundle.vocab, batch_size=batch_size, num_workers=num_workers, **overrides
+        run,
+        vocab=bundle.vocab,
+        preprocess=bundle.preprocess,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        **overrides,
     )
     evaluation = datamodule.evaluation_split(split)
     theirs = getattr(datamodule, "class_names", None)

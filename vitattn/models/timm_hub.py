@@ -4,14 +4,19 @@ vitattn never downloads: it finds the weights' file in timm's cache (the Hugging
 hub's for the few weights behind a URL) or takes a local copy (``NAME@FILE``), and has timm load that file
 (``pretrained_cfg_overlay=dict(file=...)``: timm's loader then reads the file and asks neither the hub nor
 a URL). Uncached weights give one line that says how to fetch them beforehand or give a file.
+
+The preprocessing the weights were trained with is timm's data config (``resolve_model_data_config``); a bare
+file has one when timm's hub layout keeps its ``config.json`` beside it (``timm_file_data_config``).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import timm
+from timm.data import resolve_data_config
 from timm.models import get_pretrained_cfg, split_model_name_tag
 from torch import nn
 
@@ -19,7 +24,7 @@ from vitattn.errors import first_line
 from vitattn.models.timm_weights import quiet_timm
 from vitattn.upstream import timm_url_cached
 
-__all__ = ["pretrained_timm_model", "timm_pretrained_cfg"]
+__all__ = ["pretrained_timm_model", "timm_file_data_config", "timm_pretrained_cfg"]
 
 
 def timm_pretrained_cfg(name: str, downloadable: bool = True) -> Any:
@@ -84,3 +89,22 @@ def _cached_file(cfg: Any) -> str | None:
         found = (try_to_load_from_cache(repo, n, revision=revision or None) for n in names)
         return next((path for path in found if isinstance(path, str)), None)
     return timm_url_cached(cfg.url)
+
+
+def timm_file_data_config(path: str | Path) -> tuple[str, dict[str, Any]] | None:
+    """``(name, data config)`` of a weights file from the ``config.json`` beside it in timm's hub layout
+    (``architecture`` and ``pretrained_cfg``, as ``timm.models.push_to_hub`` writes them); None without one.
+
+    The data config is ``timm.data.resolve_data_config``'s: ``input_size``, ``interpolation``, ``mean``, ``std``,
+    ``crop_pct``, ``crop_mode``.
+    """
+    config_file = Path(path).parent / "config.json"
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    pretrained_cfg = config.get("pretrained_cfg") if isinstance(config, dict) else None
+    if not isinstance(pretrained_cfg, dict) or not pretrained_cfg.get("mean") or not pretrained_cfg.get("std"):
+        return None
+    name = ".".join(str(x) for x in (config.get("architecture"), pretrained_cfg.get("tag")) if x)
+    return name or str(config_file), resolve_data_config(pretrained_cfg=pretrained_cfg)

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 from omegaconf import DictConfig, OmegaConf
 
 from vitattn.systems import VisionSystem
-from vitattn.training.pretrained import read_pretrained
+from vitattn.training.pretrained import PretrainedEncoder, read_pretrained
 
 __all__ = ["build_system", "model_config_from"]
 
@@ -35,13 +35,17 @@ def model_config_from(cfg: DictConfig, datamodule: Any) -> dict[str, Any]:
     return {"encoder": {**encoder, "num_classes": 0}, "decoder": decoder}
 
 
-def build_system(cfg: DictConfig, datamodule: pl.LightningDataModule) -> VisionSystem:
+def build_system(
+    cfg: DictConfig, datamodule: pl.LightningDataModule, pretrained: PretrainedEncoder | None = None
+) -> VisionSystem:
     """The LightningModule ``cfg.head.system`` names, sized from the data (classes, vocabulary, image), its
-    encoder loaded from ``finetune.pretrained`` (switches the weights show set in the saved model config)."""
+    encoder loaded from ``finetune.pretrained`` (switches the weights show set in the saved model config):
+    ``pretrained`` when the run has read it already, else read here."""
     caption = cfg.head.task == "caption"
     model_config = model_config_from(cfg, datamodule)
     source = cfg.finetune.get("pretrained")
-    pretrained = read_pretrained(source) if source else None
+    if pretrained is None and source:
+        pretrained = read_pretrained(source)
     if pretrained is not None:
         pretrained.fit(model_config["encoder"] if caption else model_config)
     labels = {"vocab": datamodule.vocab.words} if caption else {"class_names": list(datamodule.class_names)}

@@ -13,6 +13,12 @@ The switches the weights show (patch size, ``norm_pre``, ``fc_norm`` and the poo
 ``norm_first``) are set in the model config, which the run saves, so checkpoints and bundles rebuild
 the same encoder without the source. A width, depth, head count, MLP ratio or channel count that
 contradicts the weights is refused with one line naming the keys to change. Loading logs one line.
+
+The weights also bring the preprocessing they were trained with (``PretrainedEncoder.preprocess``): timm's
+``resolve_model_data_config`` for a timm name (or the ``config.json`` of timm's hub layout beside a file), a
+vitattn model's own ``preprocess``; a bare file's is unknown. ``choose_preprocess`` gives it to the run's
+data before its setup, so training, validation, test and the bundle (and so the ONNX folder and the server)
+use it, ``data.*`` keys set in the config winning, and logs one line: what was chosen and why.
 """
 
 from __future__ import annotations
@@ -23,14 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info
+from timm.data import resolve_model_data_config
 from torch import Tensor
 
 from vitattn.bundle import load_bundle
 from vitattn.bundle.folder import is_bundle_weights
 from vitattn.config import check_source
+from vitattn.data.datamodules.base import ImageDataModule
+from vitattn.data.preprocess import WEIGHTS_KEYS, describe, from_timm
 from vitattn.errors import ConfigError, first_line
 from vitattn.models import VisionTransformer
-from vitattn.models.timm_hub import pretrained_timm_model
+from vitattn.models.timm_hub import pretrained_timm_model, timm_file_data_config
 from vitattn.models.timm_weights import (
     convert_timm_state_dict,
     load_encoder_state,
@@ -40,7 +49,7 @@ from vitattn.models.timm_weights import (
 )
 from vitattn.models.vit import PRESETS, preset_config
 
-__all__ = ["PretrainedEncoder", "read_pretrained"]
+__all__ = ["PretrainedEncoder", "choose_preprocess", "read_pretrained"]
 
 # Keys the weights fix that the config must already agree with: changing them changes what the model is.
 _REFUSED = ("in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio")
@@ -60,6 +69,8 @@ class PretrainedEncoder:
         known: ``VisionTransformer`` keyword arguments the source fixes.
         notes: what the log line adds (e.g. timm's note on QuickGELU).
         changes: the switches ``fit`` set, ``key old -> new``.
+        preprocess: the preprocessing the weights were trained with (a ``preprocess`` mapping); None: unknown.
+        preprocess_from: where it comes from (or why it is unknown), as the run log says it.
     """
 
     source: str
@@ -68,6 +79,8 @@ class PretrainedEncoder:
     known: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     changes: list[str] = field(default_factory=list)
+    preprocess: dict[str, Any] | None = None
+    preprocess_from: str = ""
 
     def fit(self, encoder: dict[str, Any]) -> None:
         """Set the switches the weights show in ``encoder`` (VisionTransformer kwargs, in place).
@@ -150,8 +163,7 @@ def read_pretrained(source: str) -> PretrainedEncoder:
         if kind == "vitattn":
             return _read_vitattn(source, Path(where))
         if kind == "timm-file":
-            state, known = read_timm_file(where)
-            return PretrainedEncoder(source, f"timm file {where}", state, {**weights_config(state), **known})
+            return _read_timm_file(source, Path(where))
         return _read_timm_name(source, str(where), file)
     except (ValueError, FileNotFoundError) as err:
         if isinstance(err, ConfigError):
@@ -165,7 +177,21 @@ def _read_vitattn(source: str, path: Path) -> PretrainedEncoder:
     encoder = bundle.model.encoder if bundle.task == "caption" else bundle.model
     state = {k: v.detach() for k, v in encoder.state_dict().items()}
     known = {**weights_config(state), **{k: encoder.config[k] for k in _VITATTN_KEYS}}
-    return PretrainedEncoder(source, f"the vitattn {bundle.task} model {path}", state, known)
+    what = f"the vitattn {bundle.task} model {path}"
+    return PretrainedEncoder(source, what, state, known, preprocess=dict(bundle.preprocess), preprocess_from=what)
+
+
+def _read_timm_file(source: str, path: Path) -> PretrainedEncoder:
+    state, known = read_timm_file(path)
+    weights = PretrainedEncoder(source, f"timm file {path}", state, {**weights_config(state), **known})
+    found = timm_file_data_config(path)
+    if found is None:
+        weights.preprocess_from = f"{path} is a bare weights file whose family cannot be known"
+    else:
+        name, data_config = found
+        weights.preprocess = from_timm(data_config)
+        weights.preprocess_from = f"timm's pretrained config of {name} (the config.json beside {path.name})"
+    return weights
 
 
 def _read_timm_name(source: str, name: str, file: Path | None) -> PretrainedEncoder:
@@ -174,4 +200,54 @@ def _read_timm_name(source: str, name: str, file: Path | None) -> PretrainedEnco
     state = convert_timm_state_dict(model.state_dict())
     notes = [f"timm: {n}" for n in (model.pretrained_cfg.get("notes") or ())]
     what = f"timm {name}" + (f" from {file}" if file else "")
-    return PretrainedEncoder(source, what, state, {**weights_config(state), **known}, notes)
+    cfg = model.pretrained_cfg
+    tagged = f"{cfg['architecture']}.{cfg['tag']}" if cfg.get("architecture") and cfg.get("tag") else name
+    return PretrainedEncoder(
+        source,
+        what,
+        state,
+        {**weights_config(state), **known},
+        notes,
+        preprocess=from_timm(resolve_model_data_config(model)),
+        preprocess_from=f"timm's pretrained config of {tagged}",
+    )
+
+
+def choose_preprocess(datamodule: ImageDataModule, pretrained: PretrainedEncoder | None) -> dict[str, Any]:
+    """Give ``datamodule`` (before its setup) the preprocessing ``pretrained`` was trained with, where the config
+    sets no ``data.*`` key, and log one line: the preprocessing chosen and where each part comes from.
+
+    Returns:
+        The run's ``preprocess``.
+    """
+    known = pretrained is not None and pretrained.preprocess is not None
+    taken = list(datamodule.use_weights_preprocess(pretrained.preprocess)) if known else []
+    config = [k for k in WEIGHTS_KEYS if k in datamodule.preprocess_overrides]
+    parts = []
+    if config:
+        parts.append((", ".join(f"data.{k}" for k in config), "from the config"))
+    if taken:
+        parts.append((", ".join(taken), f"the pretrained weights' own, from {pretrained.preprocess_from}"))
+    rest = [k for k in WEIGHTS_KEYS if k not in config and k not in taken]
+    if rest:
+        parts.append((", ".join(rest), _data_default(pretrained, rest)))
+    last = len(parts) - 1
+    why = "; ".join(f"{'the rest' if i == last else keys}: {source}" for i, (keys, source) in enumerate(parts))
+    chosen = datamodule.preprocess
+    rank_zero_info(f"preprocessing: {describe(chosen)}: {parts[0][1] if not last else why}")
+    return chosen
+
+
+def _data_default(pretrained: PretrainedEncoder | None, rest: list[str]) -> str:
+    if pretrained is None:
+        return "the data's own (no finetune.pretrained)"
+    if pretrained.preprocess is not None:
+        return "the data's own"
+    stats = [k for k in ("mean", "std") if k in rest]
+    if not stats:
+        return f"the data's own: {pretrained.preprocess_from}"
+    fix = " ".join(f"data.{k}=[...]" for k in stats)
+    return (
+        f"the data's own, ImageNet's {' and '.join(stats)}: {pretrained.preprocess_from}; "
+        f"if its weights were trained with others, set {fix}"
+    )

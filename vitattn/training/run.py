@@ -32,6 +32,7 @@ from vitattn.training.checkpoint_io import AtomicCheckpointIO
 from vitattn.training.compile import should_compile
 from vitattn.training.data import setup_data
 from vitattn.training.groups import instantiate_group
+from vitattn.training.pretrained import choose_preprocess, read_pretrained
 from vitattn.training.resources import plan_cores
 
 __all__ = ["TrainResult", "train"]
@@ -72,12 +73,14 @@ def train(cfg: DictConfig) -> TrainResult:
     run_dir = Path(cfg.paths.output_dir)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = hydra.utils.instantiate(cfg.data)
+    pretrained = read_pretrained(cfg.finetune.pretrained) if cfg.finetune.get("pretrained") else None
+    choose_preprocess(datamodule, pretrained)  # before setup: every split (and the bundle) uses the weights' own
     ckpt_path = _resume_checkpoint(cfg)
     setup_data(cfg, datamodule, ckpt_path)  # empty data, wrong vocabulary: one line, no step run
     plan_cores(cfg, datamodule)
     if rank_zero_only.rank == 0:
         check_fit(cfg, datamodule)  # a coarse patch grid, a vocabulary of <unk>, a schedule with no end
-    system = build_system(cfg, datamodule)
+    system = build_system(cfg, datamodule, pretrained)
     if should_compile(cfg):
         system.model.compile()  # in place: parameter names (checkpoints, bundles) stay as they are
 

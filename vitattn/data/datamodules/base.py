@@ -8,6 +8,11 @@ the samples it repeats to even out the ranks.
 
 Image files that cannot be read stop the run or are skipped as ``bad_images`` says
 (``vitattn.data.bad_images``); skipped files are kept in ``skipped_images``.
+
+``preprocess`` (evaluation, and the normalisation and interpolation of training) is, from lowest to highest
+precedence: the data's own (``crop``, ImageNet's mean and std), the pretrained weights' own
+(``use_weights_preprocess``, before ``setup``), and the ``data.*`` keys a config sets (``mean``, ``std``,
+``interpolation``, ``crop_pct``, ``crop_mode``).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -35,7 +40,13 @@ from vitattn.data.bad_images import (
 from vitattn.data.cache import ImageCache, should_cache
 from vitattn.data.captions import TokenizedCaptions, collate_captions
 from vitattn.data.eval_split import SPLITS, EvalSplit
-from vitattn.data.preprocess import eval_transform
+from vitattn.data.preprocess import (
+    WEIGHTS_KEYS,
+    check_preprocess,
+    default_preprocess,
+    eval_transform,
+    weights_preprocess,
+)
 from vitattn.data.vocab import Vocabulary
 
 __all__ = ["ImageDataModule", "caption_vocab"]
@@ -53,8 +64,19 @@ class ImageDataModule(pl.LightningDataModule):
     bad_images = "raise"  # an unreadable file: raise | skip
     verify = False  # read every image once before training
     crop = {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bicubic"}  # whole image, squashed
+    weights_keys = WEIGHTS_KEYS  # what pretrained weights' own preprocessing sets here
 
-    def __init__(self, batch_size: int, num_workers: int | str, img_size: int) -> None:
+    def __init__(
+        self,
+        batch_size: int,
+        num_workers: int | str,
+        img_size: int,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        interpolation: str | None = None,
+        crop_pct: float | None = None,
+        crop_mode: str | None = None,
+    ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1")
@@ -68,15 +90,34 @@ class ImageDataModule(pl.LightningDataModule):
         self.vocab: Vocabulary | None = None
         self.skipped_images: dict[str, str] = {}  # files left out of batches in this process: path -> reason
         self.skipped_counts: Counter[str] = Counter()  # items left out, by the trainer's stage (train, validate, ...)
+        given = dict(mean=mean, std=std, interpolation=interpolation, crop_pct=crop_pct, crop_mode=crop_mode)
+        self.preprocess_overrides = {  # the data.* keys a config sets: they win over the weights' own
+            k: list(v) if k in ("mean", "std") else v for k, v in given.items() if v is not None
+        }
+        self.preprocess_from_weights: dict[str, Any] = {}  # the pretrained weights' own (use_weights_preprocess)
+        check_preprocess({**default_preprocess(img_size), **self.preprocess_overrides}, "data")
 
     @property
     def preprocess(self) -> dict:
+        """``img_size``, ``crop_pct``, ``crop_mode``, ``interpolation``, ``mean``, ``std``: the data's own, then the
+        weights' own, then the ``data.*`` keys set."""
+        default = {"mean": list(IMAGENET_DEFAULT_MEAN), "std": list(IMAGENET_DEFAULT_STD)}
         return {
             "img_size": self.img_size,
             **self.crop,
-            "mean": list(IMAGENET_DEFAULT_MEAN),
-            "std": list(IMAGENET_DEFAULT_STD),
+            **default,
+            **self.preprocess_from_weights,
+            **self.preprocess_overrides,
         }
+
+    def use_weights_preprocess(self, preprocess: Mapping[str, Any]) -> dict[str, Any]:
+        """Take the preprocessing the encoder's pretrained weights were trained with (a model's ``preprocess``),
+        before ``setup``: its ``weights_keys``, where no ``data.*`` key says otherwise. Returns what it took."""
+        if self.train_dataset is not None or self.val_dataset is not None:
+            raise RuntimeError(f"{type(self).__name__}.use_weights_preprocess must come before setup()")
+        theirs = weights_preprocess(preprocess)
+        self.preprocess_from_weights = {k: theirs[k] for k in self.weights_keys if k in theirs}
+        return {k: v for k, v in self.preprocess_from_weights.items() if k not in self.preprocess_overrides}
 
     def eval_transform(self) -> Callable[[Any], torch.Tensor]:
         """The evaluation transform of an image file: ``eval_transform(self.preprocess)``, as inference uses."""

@@ -31,8 +31,12 @@ class CaptionFilesDataModule(ImageDataModule):
         vocab_path: a saved ``Vocabulary`` to use rather than one built from training captions.
         augment: training augmentation (``vitattn.data.augment.Augment``).
         cache: ``auto``, ``ram`` or ``none`` (``vitattn.data.cache``).
+        preprocess: the ``data.*`` preprocessing keys set (``mean``, ``std``, ``interpolation``, ``crop_pct``,
+            ``crop_mode``); the rest are the pretrained weights', else the whole image squashed (bicubic) and
+            ImageNet's statistics.
 
-    Subclasses take ``bad_images`` and ``verify`` as ``ImageFolderDataModule`` does.
+    Subclasses take ``bad_images`` and ``verify`` as ``ImageFolderDataModule`` does, and the preprocessing keys
+    one by one.
     """
 
     tasks = ("caption",)
@@ -49,8 +53,9 @@ class CaptionFilesDataModule(ImageDataModule):
         vocab_path: str | os.PathLike | None,
         augment: bool | Mapping[str, Any],
         cache: str,
+        preprocess: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, img_size)
+        super().__init__(batch_size, num_workers, img_size, **(preprocess or {}))
         self.image_dir = image_dir
         self.min_word_freq, self.max_caption_len, self.vocab_path = min_word_freq, max_caption_len, vocab_path
         # Captions: the mild crop always; flips and colour jitter only where asked, and only where

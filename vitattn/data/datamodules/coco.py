@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,8 @@ class CocoCaptionDataModule(CaptionFilesDataModule):
         img_size, batch_size, num_workers, min_word_freq, max_caption_len, vocab_path, augment, cache:
             as in ``CaptionFilesDataModule``.
         bad_images, verify: unreadable image files, as in ``ImageFolderDataModule``.
+        mean, std, interpolation, crop_pct, crop_mode: the preprocessing (None: the pretrained weights', else the
+            whole image squashed, bicubic, ImageNet's statistics).
     """
 
     def __init__(
@@ -41,9 +43,24 @@ class CocoCaptionDataModule(CaptionFilesDataModule):
         cache: str = "auto",
         bad_images: str = "raise",
         verify: bool = False,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        interpolation: str | None = None,
+        crop_pct: float | None = None,
+        crop_mode: str | None = None,
     ) -> None:
+        preprocess = dict(mean=mean, std=std, interpolation=interpolation, crop_pct=crop_pct, crop_mode=crop_mode)
         super().__init__(
-            image_dir, img_size, batch_size, num_workers, min_word_freq, max_caption_len, vocab_path, augment, cache
+            image_dir,
+            img_size,
+            batch_size,
+            num_workers,
+            min_word_freq,
+            max_caption_len,
+            vocab_path,
+            augment,
+            cache,
+            preprocess,
         )
         self._bad_image_settings(bad_images, verify)
         self.annotations = (train_annotations, val_annotations, test_annotations or val_annotations)

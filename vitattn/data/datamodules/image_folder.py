@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,8 @@ class ImageFolderDataModule(ImageDataModule):
         bad_images: an image file that cannot be read: ``raise`` stops the run naming it, ``skip`` leaves it
             out of its batch and counts it (``vitattn.data.bad_images``).
         verify: read every image once, in parallel, before training and list the unreadable ones.
+        mean, std, interpolation, crop_pct, crop_mode: the preprocessing (None: the pretrained weights', else
+            timm's ImageNet evaluation default: ImageNet statistics, bilinear, center crop 0.875).
     """
 
     tasks = ("classification",)
@@ -46,8 +48,13 @@ class ImageFolderDataModule(ImageDataModule):
         cache: str = "auto",
         bad_images: str = "raise",
         verify: bool = False,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        interpolation: str | None = None,
+        crop_pct: float | None = None,
+        crop_mode: str | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, img_size)
+        super().__init__(batch_size, num_workers, img_size, mean, std, interpolation, crop_pct, crop_mode)
         self._bad_image_settings(bad_images, verify)
         self.root = Path(root)
         self.augment = Augment.from_config(augment)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Literal
 
 from vitattn.data.datamodules.base import ImageDataModule, caption_vocab
 from vitattn.data.eval_split import EvalSplit
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
-from vitattn.data.transforms import normalize
+from vitattn.data.transforms import Normalize
 
 __all__ = ["ShapesDataModule"]
 
@@ -16,7 +17,8 @@ __all__ = ["ShapesDataModule"]
 class ShapesDataModule(ImageDataModule):
     """The built-in shapes data (``vitattn.data.shapes``) for captioning or classification.
 
-    Images are only normalised: flips or crops would change which shape is left of which.
+    Images are only normalised: flips or crops would change which shape is left of which. Pretrained weights
+    set the mean and std (the images are drawn at ``img_size``, so no resize or crop of theirs applies).
 
     Args:
         task: "caption" (dict batches, ``vocab`` after setup) or "classification" (``(images,
@@ -27,9 +29,11 @@ class ShapesDataModule(ImageDataModule):
         batch_size, num_workers: DataLoader settings.
         max_caption_len: longest token sequence, bos and eos included.
         vocab_path: a saved ``Vocabulary`` to use rather than one built from training captions.
+        mean, std: the normalisation (None: the pretrained weights', else ImageNet's).
     """
 
     tasks = ("caption", "classification")
+    weights_keys = ("mean", "std")
 
     def __init__(
         self,
@@ -43,8 +47,10 @@ class ShapesDataModule(ImageDataModule):
         num_workers: int | str = 0,
         max_caption_len: int = 24,
         vocab_path: str | os.PathLike | None = None,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, img_size)
+        super().__init__(batch_size, num_workers, img_size, mean=mean, std=std)
         self.task, self.seed = task, seed
         self.num_train, self.num_val, self.num_test = num_train, num_val, num_test
         self.max_caption_len, self.vocab_path = max_caption_len, vocab_path
@@ -57,8 +63,9 @@ class ShapesDataModule(ImageDataModule):
             return  # Lightning calls setup once per stage
         # Evaluation (stage validate / test) with the model's vocabulary needs no training scenes.
         num_train = self.num_train if fit or (self.task == "caption" and self.vocab is None) else 0
+        normalize = Normalize(self.preprocess["mean"], self.preprocess["std"])
         splits = tuple(
-            ShapesDataset(split, size, self.img_size, self.seed, self.task, transform=normalize())
+            ShapesDataset(split, size, self.img_size, self.seed, self.task, transform=normalize)
             for split, size in [("train", num_train), ("val", self.num_val), ("test", self.num_test)]
         )
         if self.task == "classification":

@@ -98,6 +98,8 @@ class WebDatasetDataModule(ImageDataModule):
         cache: ``none`` (``auto`` reads as none): shards are streamed, never held in memory.
         bad_images: ``raise`` | ``skip`` for undecodable images, samples without caption or class, and shards
             that are truncated or cannot be read.
+        mean, std, interpolation, crop_pct, crop_mode: the preprocessing (None: the pretrained weights', else the
+            head's file DataModule's: ``ImageFolderDataModule``'s or ``KarpathyDataModule``'s).
     """
 
     tasks = ("caption", "classification")
@@ -124,8 +126,13 @@ class WebDatasetDataModule(ImageDataModule):
         count_cache: str | os.PathLike | None = None,
         cache: str = "none",
         bad_images: str = "raise",
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        interpolation: str | None = None,
+        crop_pct: float | None = None,
+        crop_mode: str | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, img_size)
+        super().__init__(batch_size, num_workers, img_size, mean, std, interpolation, crop_pct, crop_mode)
         self._bad_image_settings(bad_images, False)
         if task not in self.tasks:
             raise ValueError(f"task={task!r} is unknown; choose one of {list(self.tasks)}")
