@@ -48,10 +48,41 @@ CAPTION_WORDS = "a red blue green circle square on the left right".split()
 CAPTION_PREPROCESS = dict(
     img_size=32, crop_pct=1.0, crop_mode="squash", mean=[0.5] * 3, std=[0.5] * 3, interpolation="bicubic"
 )
+# Gains that make a random tiny model's answers depend on the image (see _follow_the_image).
+PATCH_GAIN, ATTENTION_GAIN = 4.0, 3.0
+
+
+def _follow_the_image(model) -> None:
+    """Make a random model's outputs depend on the image, deterministically: fresh, its patch tokens
+    differ little between images and its attention outputs are small next to the residual stream, so
+    every photo got the same caption ("a a a a a a a") and the same top-2 labels. The patch embedding
+    x PATCH_GAIN and every attention layer's values and output x ATTENTION_GAIN let the image steer
+    the answer (captions and labels that differ between images; tests assert how many before any
+    ordering or routing assertion, see ``distinct``)."""
+    import torch
+
+    from vitattn.layers import MultiHeadAttention
+
+    encoder = model.encoder if hasattr(model, "encoder") else model
+    with torch.no_grad():
+        encoder.patch_embed.proj.weight.mul_(PATCH_GAIN)
+        for layer in model.modules():
+            if isinstance(layer, MultiHeadAttention):
+                layer.wv.weight.mul_(ATTENTION_GAIN)
+                layer.dense.weight.mul_(ATTENTION_GAIN)
+
+
+def distinct(answers, at_least: int = 3) -> int:
+    """The number of distinct ``answers`` (captions, label lists), asserted to be at least ``at_least``:
+    an ordering or routing assertion on answers that are all alike cannot see images swapped."""
+    count = len({tuple(a) if isinstance(a, list) else a for a in answers})
+    assert count >= at_least, f"only {count} distinct answers among {len(answers)}: {answers}"
+    return count
 
 
 def make_caption_bundle(folder: Path) -> Path:
-    """Write a bundle of a tiny random captioner (seed 0) whose captions are a few words, not empty."""
+    """Write a bundle of a tiny random captioner (seed 0) whose captions are a few words, not empty, and
+    depend on the image (``_follow_the_image``)."""
     import torch
 
     from vitattn.bundle import save_bundle
@@ -65,11 +96,13 @@ def make_caption_bundle(folder: Path) -> Path:
         decoder.token_embed.weight[vocab.eos_id].zero_()  # captions of a few words, not empty ones
     encoder = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
     model = ImageCaptioner(encoder, decoder).eval()
+    _follow_the_image(model)
     return save_bundle(folder, model, task="caption", preprocess=CAPTION_PREPROCESS, vocab=vocab)
 
 
 def make_classifier_bundle(folder: Path, class_names=("cat", "dog", "bird")) -> Path:
-    """Write a bundle of a tiny random classifier (seed 0): 32 px images, 8 px patches, width 32, 2 layers."""
+    """Write a bundle of a tiny random classifier (seed 0): 32 px images, 8 px patches, width 32, 2 layers,
+    whose labels depend on the image (``_follow_the_image``)."""
     import torch
 
     from vitattn.bundle import save_bundle
@@ -79,6 +112,7 @@ def make_classifier_bundle(folder: Path, class_names=("cat", "dog", "bird")) -> 
     model = VisionTransformer(
         img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, num_classes=len(class_names)
     ).eval()
+    _follow_the_image(model)
     return save_bundle(
         folder, model, task="classification", preprocess=CAPTION_PREPROCESS, class_names=list(class_names)
     )

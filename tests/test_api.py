@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import make_caption_bundle, make_classifier_bundle
+from tests.helpers import distinct, make_caption_bundle, make_classifier_bundle
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle
 from vitattn.data.images import BadImageError, read_image
@@ -29,13 +29,15 @@ def classifier_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory) -> list[Path]:
-    """Five small RGB photos of different sizes, as files."""
+    """Five small RGB photos of different sizes and colours (red, green, blue, yellow, grey, with noise), as files."""
     folder = tmp_path_factory.mktemp("photos")
     rng = np.random.default_rng(0)
+    colours = [(200, 40, 40), (40, 160, 60), (40, 90, 215), (240, 200, 20), (128, 128, 128)]
     paths = []
-    for i, (w, h) in enumerate([(40, 30), (32, 32), (50, 64), (33, 45), (64, 40)]):
+    for i, ((w, h), colour) in enumerate(zip([(40, 30), (32, 32), (50, 64), (33, 45), (64, 40)], colours)):
         path = folder / f"p{i}.png"
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+        pixels = np.clip(np.array(colour) + rng.integers(-30, 30, (h, w, 3)), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(path)
         paths.append(path)
     return paths
 
@@ -56,6 +58,7 @@ def test_captioner_pixels_are_the_file_readers_for_every_image_kind(caption_dir,
 def test_caption_of_files_equals_vitattn_captions_batch_captioner(caption_dir, photos):
     captioner = Captioner.load(caption_dir)
     records = caption_images(load_bundle(caption_dir), photos, num_workers=0)
+    distinct([r["caption"] for r in records])  # photos swapped in the batch would show
     assert captioner.caption(photos) == [r["caption"] for r in records]
     assert captioner.caption(photos[1]) == records[1]["caption"]  # one image -> one string
 
@@ -64,6 +67,7 @@ def test_caption_of_files_equals_vitattn_captions_batch_captioner(caption_dir, p
 def test_caption_batches_give_the_captions_of_one_image_at_a_time(caption_dir, photos, generate):
     captioner = Captioner.load(caption_dir)
     one_by_one = [captioner.caption(p, **generate) for p in photos]
+    distinct(one_by_one)  # photos swapped in a batch would show
     assert captioner.caption(photos, batch_size=2, **generate) == one_by_one
     assert captioner.caption(tuple(photos), batch_size=32, **generate) == one_by_one
 
@@ -75,6 +79,7 @@ def test_caption_details_score_is_the_models_log_probability(caption_dir, photos
     with torch.no_grad():
         tokens = captioner.model.generate(pixels, num_beams=2)
         oracle = captioner.model.sequence_log_prob(pixels, tokens)  # one teacher-forced pass
+    distinct([c.text for c in details])
     for caption, row, score in zip(details, tokens.tolist(), oracle.tolist()):
         assert caption.tokens == [t for t in row if t != captioner.vocab.pad_id]
         assert caption.text == captioner.vocab.decode(caption.tokens)
@@ -99,6 +104,7 @@ def test_classifier_predict_is_the_models_top_k(classifier_dir, photos):
     with torch.no_grad():
         probs = classifier.model(pixels).softmax(-1)
     predictions = classifier.predict(photos, top_k=2, batch_size=2)
+    distinct([p.labels for p in predictions])  # photos swapped in a batch would show
     for prediction, row in zip(predictions, probs):
         values, indices = row.topk(2)
         assert prediction.labels == [classifier.class_names[i] for i in indices.tolist()]
