@@ -12,7 +12,6 @@ from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle
 from vitattn.data.images import BadImageError, read_image
 from vitattn.inference import caption_images
-from vitattn.inference.attention_maps import caption_attention_maps
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -86,16 +85,93 @@ def test_caption_details_score_is_the_models_log_probability(caption_dir, photos
         assert caption.score == pytest.approx(score, abs=1e-4)
 
 
-def test_attention_maps_are_the_ones_vitattn_caption_draws(caption_dir, photos):
+def _attention_seen_while_captioning(model, pixels: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What the model attends to while it captions ``pixels`` greedily, computed here, not by vitattn: each
+    attention layer's ``attend`` is wrapped to take softmax(q kᵀ / √d) of the queries and keys it is given
+    (neither ``record_attention`` nor ``vitattn.inference.attention_maps`` runs). Returns the last decoder
+    layer's cross-attention of each decoding step, (B, H, 1, N) each, and each encoder layer's (B, H, N, N)."""
+    from vitattn.layers import MultiHeadAttention
+
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def catch(name: str, attend):
+        def attend_and_keep(q, k, v, *args, **kwargs):
+            seen.setdefault(name, []).append((q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5).softmax(-1))
+            return attend(q, k, v, *args, **kwargs)
+
+        return attend_and_keep
+
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)}
+    for name, layer in layers.items():
+        layer.attend = catch(name, layer.attend)
+    try:
+        with torch.inference_mode():
+            model.generate(pixels)
+    finally:
+        for layer in layers.values():
+            del layer.attend
+    last = f"decoder.layers.{len(model.decoder.layers) - 1}.mha2"
+    return seen[last], [seen[f"encoder.blocks.{i}.mha"][0] for i in range(len(model.encoder.blocks))]
+
+
+def _expected_maps(model, pixels: torch.Tensor, words: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(words, gh, gw) maps of the word each step chose: the step's cross-attention averaged over heads,
+    the class token dropped, renormalised; and (gh, gw) the rollout: per encoder layer, heads averaged,
+    the identity added and rows renormalised, multiplied first layer rightmost, the class row over the patches."""
+    cross, encoder = _attention_seen_while_captioning(model, pixels)
+    gh, gw = model.encoder.patch_embed.grid_size
+    maps = torch.cat([step[0].mean(0)[:, 1:] for step in cross[:words]])  # (words, N - 1)
+    rollout = torch.eye(encoder[0].shape[-1])
+    for weights in encoder:
+        a = weights[0].mean(0) + torch.eye(weights.shape[-1])
+        rollout = (a / a.sum(-1, keepdim=True)) @ rollout
+    row = rollout[0, 1:]
+    return (maps / maps.sum(-1, keepdim=True)).view(words, gh, gw), (row / row.sum()).view(gh, gw)
+
+
+@pytest.fixture
+def sharp_captioner(caption_dir) -> Captioner:
+    """The fixture captioner with sharper attention (queries and keys x 10) than a fresh model's near-uniform
+    one: heads and layers attend differently, so a map of the wrong head or layer shows."""
+    from vitattn.layers import MultiHeadAttention
+
     captioner = Captioner.load(caption_dir)
+    with torch.no_grad():
+        for layer in captioner.model.modules():
+            if isinstance(layer, MultiHeadAttention):
+                layer.wq.weight.mul_(10)
+                layer.wk.weight.mul_(10)
+    return captioner
+
+
+def test_attention_maps_are_what_each_decoding_step_attended_to(sharp_captioner, photos):
+    captioner = sharp_captioner
     maps = captioner.attention_maps(photos[2])
-    pixels = captioner.pixels([photos[2]])
-    tokens, cross, rollout = caption_attention_maps(captioner.model, pixels)
     assert maps.caption == captioner.caption(photos[2])
     assert len(maps.words) == maps.cross.shape[0] > 0
-    torch.testing.assert_close(maps.cross, cross[0, : len(maps.words)])
-    torch.testing.assert_close(maps.rollout, rollout[0])
-    torch.testing.assert_close(maps.cross.sum(dim=(1, 2)), torch.ones(len(maps.words)))
+    cross, rollout = _expected_maps(captioner.model, captioner.pixels([photos[2]]), len(maps.words))
+    torch.testing.assert_close(maps.cross, cross)
+    torch.testing.assert_close(maps.rollout, rollout)
+
+
+def test_figures_vitattn_caption_draws_show_what_each_step_attended_to(sharp_captioner, photos, monkeypatch):
+    """The figure path of vitattn-caption attention_maps= and vitattn-serve attention=true: the maps handed
+    to each figure are those of the decoding steps."""
+    import vitattn.inference.figures as figures
+
+    captioner = sharp_captioner
+    drawn = []
+    monkeypatch.setattr(
+        figures, "attention_figure", lambda image, words, cross, rollout, title: drawn.append((words, cross, rollout))
+    )
+    pixels = captioner.pixels(photos[:3])
+    _, tokens = captioner.caption_pixels(pixels)
+    figures.attention_figures(captioner.model, pixels, tokens, captioner.vocab, captioner.bundle.preprocess, [None] * 3)
+    assert len(drawn) == 3
+    for row, (words, cross, rollout) in enumerate(drawn):
+        expected_cross, expected_rollout = _expected_maps(captioner.model, pixels[row : row + 1], len(words))
+        torch.testing.assert_close(cross[: len(words)], expected_cross)
+        torch.testing.assert_close(rollout, expected_rollout)
 
 
 def test_classifier_predict_is_the_models_top_k(classifier_dir, photos):
