@@ -48,10 +48,41 @@ CAPTION_WORDS = "a red blue green circle square on the left right".split()
 CAPTION_PREPROCESS = dict(
     img_size=32, crop_pct=1.0, crop_mode="squash", mean=[0.5] * 3, std=[0.5] * 3, interpolation="bicubic"
 )
+# Gains that make a random tiny model's answers depend on the image (see _follow_the_image).
+PATCH_GAIN, ATTENTION_GAIN = 4.0, 3.0
+
+
+def _follow_the_image(model) -> None:
+    """Make a random model's outputs depend on the image, deterministically: fresh, its patch tokens
+    differ little between images and its attention outputs are small next to the residual stream, so
+    every photo got the same caption ("a a a a a a a") and the same top-2 labels. The patch embedding
+    x PATCH_GAIN and every attention layer's values and output x ATTENTION_GAIN let the image steer
+    the answer (captions and labels that differ between images; tests assert how many before any
+    ordering or routing assertion, see ``distinct``)."""
+    import torch
+
+    from vitattn.layers import MultiHeadAttention
+
+    encoder = model.encoder if hasattr(model, "encoder") else model
+    with torch.no_grad():
+        encoder.patch_embed.proj.weight.mul_(PATCH_GAIN)
+        for layer in model.modules():
+            if isinstance(layer, MultiHeadAttention):
+                layer.wv.weight.mul_(ATTENTION_GAIN)
+                layer.dense.weight.mul_(ATTENTION_GAIN)
+
+
+def distinct(answers, at_least: int = 3) -> int:
+    """The number of distinct ``answers`` (captions, label lists), asserted to be at least ``at_least``:
+    an ordering or routing assertion on answers that are all alike cannot see images swapped."""
+    count = len({tuple(a) if isinstance(a, list) else a for a in answers})
+    assert count >= at_least, f"only {count} distinct answers among {len(answers)}: {answers}"
+    return count
 
 
 def make_caption_bundle(folder: Path) -> Path:
-    """Write a bundle of a tiny random captioner (seed 0) whose captions are a few words, not empty."""
+    """Write a bundle of a tiny random captioner (seed 0) whose captions are a few words, not empty, and
+    depend on the image (``_follow_the_image``)."""
     import torch
 
     from vitattn.bundle import save_bundle
@@ -65,11 +96,13 @@ def make_caption_bundle(folder: Path) -> Path:
         decoder.token_embed.weight[vocab.eos_id].zero_()  # captions of a few words, not empty ones
     encoder = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
     model = ImageCaptioner(encoder, decoder).eval()
+    _follow_the_image(model)
     return save_bundle(folder, model, task="caption", preprocess=CAPTION_PREPROCESS, vocab=vocab)
 
 
 def make_classifier_bundle(folder: Path, class_names=("cat", "dog", "bird")) -> Path:
-    """Write a bundle of a tiny random classifier (seed 0): 32 px images, 8 px patches, width 32, 2 layers."""
+    """Write a bundle of a tiny random classifier (seed 0): 32 px images, 8 px patches, width 32, 2 layers,
+    whose labels depend on the image (``_follow_the_image``)."""
     import torch
 
     from vitattn.bundle import save_bundle
@@ -79,6 +112,7 @@ def make_classifier_bundle(folder: Path, class_names=("cat", "dog", "bird")) -> 
     model = VisionTransformer(
         img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, num_classes=len(class_names)
     ).eval()
+    _follow_the_image(model)
     return save_bundle(
         folder, model, task="classification", preprocess=CAPTION_PREPROCESS, class_names=list(class_names)
     )
@@ -180,3 +214,51 @@ def make_karpathy(root: Path, style: str = "coco", size: int = 40) -> dict[str, 
     path = root / f"dataset_{'coco' if style == 'coco' else 'flickr8k'}.json"
     path.write_text(json.dumps({"images": entries, "dataset": "coco" if style == "coco" else "flickr8k"}))
     return {"dataset_json": path, "image_dir": image_dir}
+
+
+def record_kept_fp32(monkeypatch) -> dict[str, list[str]]:
+    """Graph name -> the products the next int8 exports keep in fp32, as the export lists them
+    (``vitattn.bundle.onnx_export.kept_fp32``, recorded while it quantizes)."""
+    import vitattn.bundle.onnx_export as onnx_export
+
+    kept: dict[str, list[str]] = {}
+    listed = onnx_export.kept_fp32
+
+    def record(graph, name: str) -> list[str]:
+        kept[name] = listed(graph, name)
+        return kept[name]
+
+    monkeypatch.setattr(onnx_export, "kept_fp32", record)
+    return kept
+
+
+def check_int8_graphs(folder: Path, kept: dict[str, list[str]]) -> dict[str, dict[str, int]]:
+    """Assert that the graphs of int8 ONNX folder ``folder`` are quantized, whatever its ``onnx.json`` says:
+    activations quantized at run time (``DynamicQuantizeLinear``), the products with weights integer
+    (``MatMulInteger``; the encoder's attention ``QAttention``, no fp32 ``Attention`` left), and the float
+    ``MatMul``s exactly the products the export keeps in fp32 (``kept``, ``record_kept_fp32``), each with
+    float inputs. Returns each graph's operator counts."""
+    from collections import Counter
+
+    import onnx
+
+    from vitattn.bundle.onnx_folder import ONNX_CONFIG_FILE
+
+    graphs = json.loads((folder / ONNX_CONFIG_FILE).read_text())["graphs"]
+    counts = {}
+    for name, entry in graphs.items():
+        graph = onnx.shape_inference.infer_shapes(onnx.load(folder / entry["file"])).graph
+        types = {v.name: v.type.tensor_type.elem_type for v in [*graph.value_info, *graph.input, *graph.output]}
+        types |= {w.name: w.data_type for w in graph.initializer}
+        ops = Counter(node.op_type for node in graph.node)
+        counts[name] = dict(ops)
+        assert ops["DynamicQuantizeLinear"] and ops["MatMulInteger"], f"{name}: not quantized, operators {dict(ops)}"
+        assert not ops["Attention"] and (ops["QAttention"] or name == "decoder_step"), f"{name}: {dict(ops)}"
+        assert name in kept, f"the export listed no products to keep in fp32 for {name}"
+        float_products = {node.name: node for node in graph.node if node.op_type == "MatMul"}
+        assert sorted(float_products) == sorted(kept[name]), f"{name}: fp32 products other than those kept"
+        for node in float_products.values():
+            inputs = {x: onnx.TensorProto.DataType.Name(types.get(x, 0)) for x in node.input}
+            assert set(inputs.values()) == {"FLOAT"}, f"{name}: {node.name} kept in fp32 multiplies {inputs}"
+    assert kept.get("decoder_step", True), "the decoder step keeps its attention and vocabulary products in fp32"
+    return counts

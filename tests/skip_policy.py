@@ -1,6 +1,10 @@
 """In CI (``CI=true``) a skipped test fails the run: a missing tool (chromium, playwright, a metric backend)
 must not pass as green. The allow-list is one marker: ``gpu``, a test that needs a CUDA device, skipped on a
-machine without one. Loaded by tests/conftest.py; tests/test_skip_policy.py runs it on a tiny test file."""
+machine without one; it is read from the test's markers (``get_closest_marker``), not from its keywords (a
+parametrize id ``[gpu]`` or a folder named ``gpu`` is no marker). An expected failure counts as a skip unless
+it is strict (``@pytest.mark.xfail(strict=True)``, or ``xfail_strict`` in the ini file): ``pytest.xfail()``
+inside a test, a non-strict or ``run=False`` xfail mark fail the run in CI. Loaded by tests/conftest.py;
+tests/test_skip_policy.py runs it on tiny test files."""
 
 import os
 
@@ -31,11 +35,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
+_may_skip: dict[str, bool] = {}  # test node id -> marked gpu
+_strict_xfail: dict[str, bool] = {}  # test node id -> an xfail mark that is strict
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    _may_skip[item.nodeid] = any(item.get_closest_marker(marker) for marker in CI_MAY_SKIP)
+    xfail = item.get_closest_marker("xfail")
+    strict = xfail is not None and xfail.kwargs.get("strict", item.config.getini("xfail_strict"))
+    _strict_xfail[item.nodeid] = bool(strict) and xfail.kwargs.get("run", True)
+    return (yield)
+
+
 def _record(report) -> None:
-    allowed = set(CI_MAY_SKIP) & set(getattr(report, "keywords", ()))  # a collection report has no keywords
-    if report.skipped and not hasattr(report, "wasxfail") and not allowed:
+    nodeid = report.nodeid
+    wasxfail = getattr(report, "wasxfail", None)
+    if wasxfail is not None:  # xfailed, or xpassed without strict
+        if not _strict_xfail.get(nodeid, False):
+            _unexpected.append((nodeid, f"xfail without strict=True: {wasxfail or 'no reason given'}"))
+    elif report.skipped and not _may_skip.get(nodeid, False):  # a collection report has no item: never allowed
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        _unexpected.append((report.nodeid, reason))
+        _unexpected.append((nodeid, reason))
 
 
 def pytest_runtest_logreport(report):
@@ -54,8 +75,11 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter):
     if not (_in_ci() and _unexpected):
         return
-    terminalreporter.section("skipped in CI (CI=true): each one fails the run", red=True)
+    terminalreporter.section("skipped or not-strict xfail in CI (CI=true): each one fails the run", red=True)
     for nodeid, reason in _unexpected:
         terminalreporter.write_line(f"{nodeid}: {reason}")
     allowed = ", ".join(f"@pytest.mark.{m} ({why})" for m, why in CI_MAY_SKIP.items())
-    terminalreporter.write_line(f"only {allowed} may skip in CI: install what the test needs (see .ci/run)")
+    terminalreporter.write_line(
+        f"only {allowed} may skip in CI: install what the test needs (see .ci/run); an expected failure is "
+        "@pytest.mark.xfail(strict=True)"
+    )

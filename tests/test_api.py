@@ -7,12 +7,11 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import make_caption_bundle, make_classifier_bundle
+from tests.helpers import distinct, make_caption_bundle, make_classifier_bundle
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle
 from vitattn.data.images import BadImageError, read_image
 from vitattn.inference import caption_images
-from vitattn.inference.attention_maps import caption_attention_maps
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -29,13 +28,15 @@ def classifier_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory) -> list[Path]:
-    """Five small RGB photos of different sizes, as files."""
+    """Five small RGB photos of different sizes and colours (red, green, blue, yellow, grey, with noise), as files."""
     folder = tmp_path_factory.mktemp("photos")
     rng = np.random.default_rng(0)
+    colours = [(200, 40, 40), (40, 160, 60), (40, 90, 215), (240, 200, 20), (128, 128, 128)]
     paths = []
-    for i, (w, h) in enumerate([(40, 30), (32, 32), (50, 64), (33, 45), (64, 40)]):
+    for i, ((w, h), colour) in enumerate(zip([(40, 30), (32, 32), (50, 64), (33, 45), (64, 40)], colours)):
         path = folder / f"p{i}.png"
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+        pixels = np.clip(np.array(colour) + rng.integers(-30, 30, (h, w, 3)), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(path)
         paths.append(path)
     return paths
 
@@ -56,6 +57,7 @@ def test_captioner_pixels_are_the_file_readers_for_every_image_kind(caption_dir,
 def test_caption_of_files_equals_vitattn_captions_batch_captioner(caption_dir, photos):
     captioner = Captioner.load(caption_dir)
     records = caption_images(load_bundle(caption_dir), photos, num_workers=0)
+    distinct([r["caption"] for r in records])  # photos swapped in the batch would show
     assert captioner.caption(photos) == [r["caption"] for r in records]
     assert captioner.caption(photos[1]) == records[1]["caption"]  # one image -> one string
 
@@ -64,6 +66,7 @@ def test_caption_of_files_equals_vitattn_captions_batch_captioner(caption_dir, p
 def test_caption_batches_give_the_captions_of_one_image_at_a_time(caption_dir, photos, generate):
     captioner = Captioner.load(caption_dir)
     one_by_one = [captioner.caption(p, **generate) for p in photos]
+    distinct(one_by_one)  # photos swapped in a batch would show
     assert captioner.caption(photos, batch_size=2, **generate) == one_by_one
     assert captioner.caption(tuple(photos), batch_size=32, **generate) == one_by_one
 
@@ -75,22 +78,100 @@ def test_caption_details_score_is_the_models_log_probability(caption_dir, photos
     with torch.no_grad():
         tokens = captioner.model.generate(pixels, num_beams=2)
         oracle = captioner.model.sequence_log_prob(pixels, tokens)  # one teacher-forced pass
+    distinct([c.text for c in details])
     for caption, row, score in zip(details, tokens.tolist(), oracle.tolist()):
         assert caption.tokens == [t for t in row if t != captioner.vocab.pad_id]
         assert caption.text == captioner.vocab.decode(caption.tokens)
         assert caption.score == pytest.approx(score, abs=1e-4)
 
 
-def test_attention_maps_are_the_ones_vitattn_caption_draws(caption_dir, photos):
+def _attention_seen_while_captioning(model, pixels: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What the model attends to while it captions ``pixels`` greedily, computed here, not by vitattn: each
+    attention layer's ``attend`` is wrapped to take softmax(q kᵀ / √d) of the queries and keys it is given
+    (neither ``record_attention`` nor ``vitattn.inference.attention_maps`` runs). Returns the last decoder
+    layer's cross-attention of each decoding step, (B, H, 1, N) each, and each encoder layer's (B, H, N, N)."""
+    from vitattn.layers import MultiHeadAttention
+
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def catch(name: str, attend):
+        def attend_and_keep(q, k, v, *args, **kwargs):
+            seen.setdefault(name, []).append((q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5).softmax(-1))
+            return attend(q, k, v, *args, **kwargs)
+
+        return attend_and_keep
+
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)}
+    for name, layer in layers.items():
+        layer.attend = catch(name, layer.attend)
+    try:
+        with torch.inference_mode():
+            model.generate(pixels)
+    finally:
+        for layer in layers.values():
+            del layer.attend
+    last = f"decoder.layers.{len(model.decoder.layers) - 1}.mha2"
+    return seen[last], [seen[f"encoder.blocks.{i}.mha"][0] for i in range(len(model.encoder.blocks))]
+
+
+def _expected_maps(model, pixels: torch.Tensor, words: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(words, gh, gw) maps of the word each step chose: the step's cross-attention averaged over heads,
+    the class token dropped, renormalised; and (gh, gw) the rollout: per encoder layer, heads averaged,
+    the identity added and rows renormalised, multiplied first layer rightmost, the class row over the patches."""
+    cross, encoder = _attention_seen_while_captioning(model, pixels)
+    gh, gw = model.encoder.patch_embed.grid_size
+    maps = torch.cat([step[0].mean(0)[:, 1:] for step in cross[:words]])  # (words, N - 1)
+    rollout = torch.eye(encoder[0].shape[-1])
+    for weights in encoder:
+        a = weights[0].mean(0) + torch.eye(weights.shape[-1])
+        rollout = (a / a.sum(-1, keepdim=True)) @ rollout
+    row = rollout[0, 1:]
+    return (maps / maps.sum(-1, keepdim=True)).view(words, gh, gw), (row / row.sum()).view(gh, gw)
+
+
+@pytest.fixture
+def sharp_captioner(caption_dir) -> Captioner:
+    """The fixture captioner with sharper attention (queries and keys x 10) than a fresh model's near-uniform
+    one: heads and layers attend differently, so a map of the wrong head or layer shows."""
+    from vitattn.layers import MultiHeadAttention
+
     captioner = Captioner.load(caption_dir)
+    with torch.no_grad():
+        for layer in captioner.model.modules():
+            if isinstance(layer, MultiHeadAttention):
+                layer.wq.weight.mul_(10)
+                layer.wk.weight.mul_(10)
+    return captioner
+
+
+def test_attention_maps_are_what_each_decoding_step_attended_to(sharp_captioner, photos):
+    captioner = sharp_captioner
     maps = captioner.attention_maps(photos[2])
-    pixels = captioner.pixels([photos[2]])
-    tokens, cross, rollout = caption_attention_maps(captioner.model, pixels)
     assert maps.caption == captioner.caption(photos[2])
     assert len(maps.words) == maps.cross.shape[0] > 0
-    torch.testing.assert_close(maps.cross, cross[0, : len(maps.words)])
-    torch.testing.assert_close(maps.rollout, rollout[0])
-    torch.testing.assert_close(maps.cross.sum(dim=(1, 2)), torch.ones(len(maps.words)))
+    cross, rollout = _expected_maps(captioner.model, captioner.pixels([photos[2]]), len(maps.words))
+    torch.testing.assert_close(maps.cross, cross)
+    torch.testing.assert_close(maps.rollout, rollout)
+
+
+def test_figures_vitattn_caption_draws_show_what_each_step_attended_to(sharp_captioner, photos, monkeypatch):
+    """The figure path of vitattn-caption attention_maps= and vitattn-serve attention=true: the maps handed
+    to each figure are those of the decoding steps."""
+    import vitattn.inference.figures as figures
+
+    captioner = sharp_captioner
+    drawn = []
+    monkeypatch.setattr(
+        figures, "attention_figure", lambda image, words, cross, rollout, title: drawn.append((words, cross, rollout))
+    )
+    pixels = captioner.pixels(photos[:3])
+    _, tokens = captioner.caption_pixels(pixels)
+    figures.attention_figures(captioner.model, pixels, tokens, captioner.vocab, captioner.bundle.preprocess, [None] * 3)
+    assert len(drawn) == 3
+    for row, (words, cross, rollout) in enumerate(drawn):
+        expected_cross, expected_rollout = _expected_maps(captioner.model, pixels[row : row + 1], len(words))
+        torch.testing.assert_close(cross[: len(words)], expected_cross)
+        torch.testing.assert_close(rollout, expected_rollout)
 
 
 def test_classifier_predict_is_the_models_top_k(classifier_dir, photos):
@@ -99,6 +180,7 @@ def test_classifier_predict_is_the_models_top_k(classifier_dir, photos):
     with torch.no_grad():
         probs = classifier.model(pixels).softmax(-1)
     predictions = classifier.predict(photos, top_k=2, batch_size=2)
+    distinct([p.labels for p in predictions])  # photos swapped in a batch would show
     for prediction, row in zip(predictions, probs):
         values, indices = row.topk(2)
         assert prediction.labels == [classifier.class_names[i] for i in indices.tolist()]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY, compose_train, console_script
+from tests.helpers import TINY, check_int8_graphs, compose_train, console_script, record_kept_fp32
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle
 from vitattn.bundle.onnx_folder import ONNX_CONFIG_FILE, ONNX_VERSION
@@ -34,8 +34,13 @@ SPLIT = 200  # test-split images compared
 SHAPES = ["data.num_train=256", "data.num_val=16", f"data.num_test={SPLIT}", "test=false", "trainer.max_epochs=-1"]
 
 
+KEPT_FP32 = {}  # export folder -> graph name -> the products the export kept in fp32 (none for fp32 folders)
+
+
 def _export(model, out, *extra):
-    assert export_main([f"model={model}", f"out={out}", "format=onnx", *extra]) == 0
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        KEPT_FP32[out] = record_kept_fp32(monkeypatch)
+        assert export_main([f"model={model}", f"out={out}", "format=onnx", *extra]) == 0
     return out
 
 
@@ -111,6 +116,7 @@ def test_onnx_int8_keeps_95_percent_of_greedy_captions_and_cider_within_2_percen
     fp32 = Captioner.load(onnx_dir)
     int8 = Captioner.load(int8_dir)
     assert int8.bundle.config["precision"] == "int8"
+    check_int8_graphs(int8_dir, KEPT_FP32[int8_dir])  # the graphs, not the label: quantized, the kept products float
     fp32_captions = fp32.vocab.decode_batch(_tokens(fp32, images))
     int8_captions = int8.vocab.decode_batch(_tokens(int8, images))
     equal = sum(a == b for a, b in zip(fp32_captions, int8_captions)) / SPLIT
@@ -126,6 +132,7 @@ def test_onnx_classifier_top1_equals_pytorch(classifier_run, tmp_path, precision
     run, onnx_dir = classifier_run
     if precision == "int8":
         onnx_dir = _export(run, tmp_path / "int8", "quantize=int8")
+        check_int8_graphs(onnx_dir, KEPT_FP32[onnx_dir])
     images, _ = _split("classification")
     model = load_bundle(run).model
     onnx_classifier = Classifier.load(onnx_dir)

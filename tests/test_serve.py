@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tests.helpers import make_caption_bundle
+from tests.helpers import distinct, make_caption_bundle
 from tests.test_captioner import write_bad_images, write_good_images
 from vitattn.cli.serve import main, parse_args
 from vitattn.inference import caption_images
@@ -112,6 +112,7 @@ def test_decode_takes_base64_and_data_urls(api, images):
 
 def test_predict_mixed_batch_matches_vitattn_caption(api, images, expected):
     names = ["rgb.jpg", "empty.png", "gray.png", "bomb.png", "cmyk.jpg"]
+    distinct([expected[n]["caption"] for n in names if "caption" in expected[n]])  # a swap in the batch would show
     batch = [api.decode_request(_form(images / n, attention="true" if n == "gray.png" else "false")) for n in names]
     outputs = api.unbatch(api.predict(api.batch(batch)))
     for name, out in zip(names, outputs):
@@ -284,6 +285,7 @@ def _post(url: str, path: Path, as_json: bool) -> httpx.Response:
 @pytest.mark.slow
 def test_server_answers_concurrent_good_and_bad_images(server, images, expected):
     names = [n for n in expected if n != "folder.png"]
+    distinct([expected[n]["caption"] for n in names if "caption" in expected[n]], at_least=4)  # routing shows
     jobs = [(n, as_json) for n in names for as_json in (False, True)]  # 28 requests, 8 clients at a time
     with ThreadPoolExecutor(8) as pool:  # a hang fails on httpx's timeout or pytest-timeout, not on a clock
         responses = list(pool.map(lambda job: _post(server, images / job[0], job[1]), jobs))

@@ -36,6 +36,27 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for f in sorted(out.glob("*.jsonl")) for line in f.read_text().splitlines()]
 
 
+OLD = 1_000_000_000  # 2001-09-09: an mtime no rewrite can have
+
+
+def _state(path: Path) -> tuple[int, int, bytes]:
+    return path.stat().st_ino, path.stat().st_mtime_ns, path.read_bytes()
+
+
+def _finished(out: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Each output's (inode, mtime in ns, bytes), its mtime first set to ``OLD``: a rewrite in place then
+    shows as plainly as a new file renamed over the old one."""
+    outputs = sorted(p for p in out.iterdir() if not p.name.startswith("."))  # not a killed rank's temporary
+    for path in outputs:
+        os.utime(path, ns=(OLD * 10**9, OLD * 10**9))
+    return {path.name: _state(path) for path in outputs}
+
+
+def _rewritten(out: Path, finished: dict[str, tuple[int, int, bytes]]) -> list[str]:
+    """The ``finished`` outputs that are not the same file with the same mtime and bytes any more."""
+    return [name for name, state in finished.items() if not (out / name).exists() or _state(out / name) != state]
+
+
 def test_plan_shards_keeps_every_rank_busy_when_shards_differ_in_size():
     plans = assign_shards([100, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10], 2)
     loads = [sum([100, *[10] * 10][i] for i in plan) for plan in plans]
@@ -60,7 +81,10 @@ def test_caption_shards_writes_one_output_per_shard_and_a_rerun_redoes_only_the_
     assert (summary.shards, summary.captioned, summary.failed) == (4, 20, 1)
 
     (out / "00002.jsonl").unlink()
+    finished = _finished(out)
     again = caption_shards(bundle, urls, shard_sizes(urls), out, num_workers=0, progress=False)
+    assert _rewritten(out, finished) == []  # same inode, mtime and bytes: left alone
+    assert sorted(p.name for p in out.iterdir()) == ["00000.jsonl", "00001.jsonl", "00002.jsonl", "00003.jsonl"]
     assert (again.shards, again.finished_before) == (1, 3)
     assert Counter(r["key"] for r in _rows(out)) == Counter(keys)
 
@@ -96,8 +120,10 @@ def test_two_processes_killed_mid_run_then_rerun_caption_every_key_once(bundle_d
         proc.wait(timeout=60)
     done = len(list(out.glob("*.jsonl")))
     assert 4 <= done < 40
+    finished = _finished(out)
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _rewritten(out, finished) == []  # same inode, mtime and bytes: left alone
     assert f"({done} finished before)" in proc.stdout
     keys = [s["__key__"] for url in urls for s in read_shard(url)]
     assert Counter(r["key"] for r in _rows(out)) == Counter(keys)

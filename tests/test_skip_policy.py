@@ -13,12 +13,19 @@ SKIPPED = "import pytest\n\ndef test_needs_a_browser():\n    pytest.skip('no chr
 GPU_ONLY = "import pytest, torch\n\n@pytest.mark.gpu\ndef test_on_cuda():\n    assert torch.cuda.is_available()\n"
 MISSING_MODULE = "import pytest\n\npytest.importorskip('no_such_module_here')\n\ndef test_never_runs():\n    pass\n"
 XFAIL = "import pytest\n\n@pytest.mark.xfail(reason='known')\ndef test_known_bug():\n    assert False\n"
+STRICT_XFAIL = (
+    "import pytest\n\n@pytest.mark.xfail(reason='known', strict=True)\ndef test_known_bug():\n    assert False\n"
+)
+# "gpu" among an item's keywords but no gpu marker: a parametrize id, a folder's name
+GPU_ID = "import pytest\n\n@pytest.mark.parametrize('device', ['gpu'])\ndef test_id(device):\n    pytest.skip('no')\n"
+IN_GPU_FOLDER = "import pytest\n\ndef test_in_a_folder_named_gpu():\n    pytest.skip('no chromium')\n"
 
 
-def _pytest(tmp_path: Path, files: dict[str, str], ci: bool) -> subprocess.CompletedProcess:
+def _pytest(tmp_path: Path, files: dict[str, str], ci: bool, ini: str = "") -> subprocess.CompletedProcess:
     for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --strict-markers\n")
+    (tmp_path / "pytest.ini").write_text(f"[pytest]\naddopts = --strict-markers\n{ini}")
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     if ci:
@@ -31,7 +38,7 @@ def _pytest(tmp_path: Path, files: dict[str, str], ci: bool) -> subprocess.Compl
 def test_a_skip_fails_the_run_in_ci_and_is_named(skipped, tmp_path):
     proc = _pytest(tmp_path, {"test_pass.py": PASSING, "test_skip.py": skipped}, ci=True)
     assert proc.returncode == pytest.ExitCode.TESTS_FAILED, proc.stdout
-    assert "skipped in CI (CI=true): each one fails the run" in proc.stdout
+    assert "skipped or not-strict xfail in CI (CI=true): each one fails the run" in proc.stdout
     assert "test_skip.py" in proc.stdout.split("each one fails the run")[1]
 
 
@@ -41,10 +48,38 @@ def test_a_skip_passes_outside_ci(tmp_path):
     assert "1 passed, 1 skipped" in proc.stdout and "fails the run" not in proc.stdout
 
 
-def test_only_gpu_tests_and_expected_failures_may_skip_in_ci(tmp_path):
-    proc = _pytest(tmp_path, {"test_pass.py": PASSING, "test_gpu.py": GPU_ONLY, "test_xfail.py": XFAIL}, ci=True)
+def test_only_gpu_tests_and_strict_expected_failures_may_skip_in_ci(tmp_path):
+    files = {"test_pass.py": PASSING, "test_gpu.py": GPU_ONLY, "test_xfail.py": STRICT_XFAIL}
+    proc = _pytest(tmp_path, files, ci=True)
     assert proc.returncode == pytest.ExitCode.OK, proc.stdout
     assert "fails the run" not in proc.stdout and "1 xfailed" in proc.stdout
+
+
+def test_xfail_strict_in_the_ini_file_counts_as_strict(tmp_path):
+    proc = _pytest(tmp_path, {"test_xfail.py": XFAIL}, ci=True, ini="xfail_strict = true\n")
+    assert proc.returncode == pytest.ExitCode.OK, proc.stdout
+    assert "fails the run" not in proc.stdout and "1 xfailed" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        {"test_id.py": GPU_ID},
+        {"gpu/test_folder.py": IN_GPU_FOLDER},
+        {"test_xfail.py": XFAIL},
+        {"test_xfail.py": "import pytest\n\ndef test_known_bug():\n    pytest.xfail('known')\n"},
+        {"test_xfail.py": "import pytest\n\n@pytest.mark.xfail(reason='known')\ndef test_passes():\n    pass\n"},
+        {"test_xfail.py": XFAIL.replace("reason='known'", "reason='known', strict=True, run=False")},
+    ],
+    ids=["gpu-parametrize-id", "gpu-folder", "xfail-mark", "pytest.xfail()", "xpassed", "xfail-not-run"],
+)
+def test_a_gpu_keyword_without_the_marker_or_a_not_strict_xfail_fails_the_run_in_ci(files, tmp_path):
+    """The allow-list reads the gpu marker, not every keyword of the test (parametrize ids, folder names); an
+    expected failure that is not strict can hide a test that no longer runs or a bug fixed unseen."""
+    proc = _pytest(tmp_path, {"test_pass.py": PASSING, **files}, ci=True)
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED, proc.stdout
+    (named,) = proc.stdout.split("each one fails the run")[1:]
+    assert Path(next(iter(files))).name in named, proc.stdout
 
 
 def test_a_failing_run_keeps_its_status_in_ci(tmp_path):

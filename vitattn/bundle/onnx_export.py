@@ -39,7 +39,7 @@ from vitattn.fileio import atomic_folder
 from vitattn.layers import LayerCache
 from vitattn.models import CaptionDecoder, ImageCaptioner
 
-__all__ = ["OPSET", "ClassifierGraph", "DecoderStepGraph", "EncoderGraph", "export_onnx"]
+__all__ = ["OPSET", "ClassifierGraph", "DecoderStepGraph", "EncoderGraph", "export_onnx", "kept_fp32"]
 
 OPSET = 17
 
@@ -244,23 +244,26 @@ def _quantize(folder: Path, graphs: tuple[str, ...]) -> None:
         for name in graphs:
             fp32 = folder / f"fp32.{graph_file(name)}"
             (folder / graph_file(name)).rename(fp32)
-            graph = onnx.load(fp32).graph
-            weights = {w.name for w in graph.initializer}
-            kept_fp32 = [  # the products of two activations, and the decoder step's vocabulary projection
-                n.name for n in graph.node if n.op_type == "MatMul" and not any(x in weights for x in n.input)
-            ] + ([_logits_product(graph)] if name == "decoder_step" else [])
             quantize_dynamic(
                 fp32,
                 folder / graph_file(name),
                 weight_type=QuantType.QInt8,
                 per_channel=True,
                 reduce_range=True,
-                nodes_to_exclude=kept_fp32,
+                nodes_to_exclude=kept_fp32(onnx.load(fp32).graph, name),
                 op_types_to_quantize=["MatMul", "Attention"],
             )
             fp32.unlink()
     finally:
         logging.getLogger().removeFilter(advice)
+
+
+def kept_fp32(graph, name: str) -> list[str]:  # noqa: ANN001 - an onnx GraphProto
+    """The matrix products of graph ``name`` (its fp32 export) that int8 quantization leaves in fp32: the
+    products of two activations, and the decoder step's vocabulary projection (see ``_quantize``)."""
+    weights = {w.name for w in graph.initializer}
+    activations = [n.name for n in graph.node if n.op_type == "MatMul" and not any(x in weights for x in n.input)]
+    return activations + ([_logits_product(graph)] if name == "decoder_step" else [])
 
 
 def _logits_product(graph) -> str:  # noqa: ANN001 - an onnx GraphProto
