@@ -9,8 +9,9 @@ from pathlib import Path
 import vitattn
 
 FILE_NAME = re.compile(r"^[\w.-]+\.(json|jsonl|yaml|ckpt|onnx|safetensors|txt|csv)$")
-# Names of files that are not ours to lay out: what timm's hub repositories hold (vitattn.models.timm_hub).
-NOT_OURS = {"model.safetensors", "open_clip_model.safetensors"}
+# Names of files that are not ours to lay out: what timm's hub repositories hold (vitattn.models.timm_hub: their
+# weights and their config.json).
+NOT_OURS = {"model.safetensors", "open_clip_model.safetensors", "config.json"}
 NOT_OURS_MODULE = "vitattn/models/timm_hub.py"
 
 
