@@ -7,20 +7,20 @@ from typing import Any
 import hydra
 
 from vitattn.config_targets import check_targets
-from vitattn.data.vocab import Vocabulary
+from vitattn.data.tokenizer import Tokenizer
 from vitattn.run_dir import RunDir
 
 __all__ = ["datamodule_from_run"]
 
 
 def datamodule_from_run(
-    run: RunDir, *, vocab: Vocabulary | None = None, batch_size: int = 32, num_workers: int = 0, **overrides: Any
+    run: RunDir, *, vocab: Tokenizer | None = None, batch_size: int = 32, num_workers: int = 0, **overrides: Any
 ) -> Any:
     """The run's DataModule, set up for evaluation (``val`` and ``test``; no training split where it costs).
 
     Args:
         run: the training run folder.
-        vocab: the model's vocabulary, used instead of one built from the training captions.
+        vocab: the model's tokenizer, used instead of one built from the training captions.
         batch_size, num_workers: loader settings for the evaluation (the run's own are replaced).
         **overrides: other data settings to replace (e.g. ``image_dir`` when the images have moved).
 

@@ -1,7 +1,7 @@
 """``train(cfg)``: the whole training run, callable without the command line.
 
 Data flows one way: config -> DataModule + model config -> system -> Trainer -> run directory
-(resolved config, checkpoints, logs, vocabulary, exported bundle).
+(resolved config, checkpoints, logs, tokenizer, exported bundle).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from vitattn.bundle import bundle_from_system
 from vitattn.callbacks import Preemption
 from vitattn.config import check_config
 from vitattn.data.bad_images import gather_skipped
+from vitattn.data.tokenizer import tokenizer_file_name
 from vitattn.run_dir import RunDir
 from vitattn.systems import VisionSystem
 from vitattn.training.advice import check_fit
@@ -33,6 +34,7 @@ from vitattn.training.compile import should_compile
 from vitattn.training.data import setup_data
 from vitattn.training.groups import instantiate_group
 from vitattn.training.resources import plan_cores
+from vitattn.training.tokenizer import prepare_tokenizer
 
 __all__ = ["TrainResult", "train"]
 
@@ -73,6 +75,7 @@ def train(cfg: DictConfig) -> TrainResult:
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = hydra.utils.instantiate(cfg.data)
     ckpt_path = _resume_checkpoint(cfg)
+    prepare_tokenizer(cfg, datamodule, run_dir)  # tokenizer=bpe: the run's own when rank 0 has written it
     setup_data(cfg, datamodule, ckpt_path)  # empty data, wrong vocabulary: one line, no step run
     plan_cores(cfg, datamodule)
     if rank_zero_only.rank == 0:
@@ -152,7 +155,7 @@ def _save_run_files(cfg: DictConfig, datamodule: pl.LightningDataModule, run_dir
     run = RunDir(run_dir)
     run.save_config(cfg)
     if getattr(datamodule, "vocab", None) is not None:
-        datamodule.vocab.save(run.vocab)
+        datamodule.vocab.save(run.path / tokenizer_file_name(datamodule.vocab))
 
 
 def _finish_wandb_run() -> None:
