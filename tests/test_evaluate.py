@@ -22,7 +22,7 @@ from vitattn.inference import InputImage, caption_images, read_image
 from vitattn.metrics import compute_caption_metrics, exact_match
 from vitattn.training import train
 
-CAPTION_KEYS = {"bleu1", "bleu2", "bleu3", "bleu4", "rouge_l", "cider_d", "distinct", "num_images"}
+CAPTION_KEYS = {"bleu1", "bleu2", "bleu3", "bleu4", "rouge_l", "cider_d", "distinct", "unknown_words", "num_images"}
 FAST = ["num_workers=0", "progress=false"]
 
 

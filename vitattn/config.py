@@ -25,6 +25,7 @@ from vitattn.config_targets import check_targets
 from vitattn.data.augment import Augment
 from vitattn.data.preprocess import WEIGHTS_KEYS, check_preprocess, default_preprocess
 from vitattn.data.tasks import TASKS
+from vitattn.data.tokenizer import KINDS, SubwordTokenizer
 from vitattn.errors import ConfigError, first_line
 from vitattn.models import CaptionDecoder, VisionTransformer
 from vitattn.models.timm_hub import timm_pretrained_cfg
@@ -202,6 +203,29 @@ def _check_preprocess(data: DictConfig) -> None:
         raise ConfigError(str(err).replace("data: ", "data.", 1)) from None
 
 
+def _check_tokenizer(cfg: DictConfig) -> None:
+    """The ``tokenizer`` group: a known kind, a BPE size, a ``tokenizer.json`` that loads (one line each)."""
+    tokenizer = cfg.get("tokenizer")
+    if cfg.head.task != "caption" or tokenizer is None:
+        return
+    kind = tokenizer.get("kind")
+    if kind not in KINDS:
+        raise ConfigError(f"tokenizer kind={kind!r} is unknown; choose tokenizer=words, bpe or file")
+    size = tokenizer.get("vocab_size", "auto")
+    if kind == "bpe" and size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 259):
+        raise ConfigError(f"tokenizer.vocab_size={size!r} must be auto or at least 259 (256 bytes and 3 specials)")
+    if kind == "file":
+        path = tokenizer.get("path") if not OmegaConf.is_missing(tokenizer, "path") else None
+        if not path:
+            raise ConfigError("tokenizer=file needs tokenizer.path=FILE, a Hugging Face tokenizer.json")
+        if not Path(path).is_file():
+            raise ConfigError(f"tokenizer.path={path} does not exist; give a tokenizer.json file")
+        try:
+            SubwordTokenizer.from_file(path, add_specials=True)
+        except ValueError as err:
+            raise ConfigError(f"tokenizer.path={path}: {first_line(err)}") from None
+
+
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config)."""
     check_targets(cfg)
@@ -230,6 +254,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"data={data_name(cfg.data)} has no {what} for head={task}; {fix}")
     _check_models(cfg)
     _check_finetuning(cfg)
+    _check_tokenizer(cfg)
     if cfg.get("resume") and cfg.resume != "auto" and not RunDir(cfg.resume).last_checkpoint.is_file():
         run = RunDir(cfg.resume)
         raise ConfigError(f"resume={cfg.resume} has no {run.last_checkpoint.relative_to(run.path)} to continue from")

@@ -4,7 +4,8 @@ A run folder (``runs/<task>/<date>_<time>/``, Hydra's ``hydra.run.dir``) holds::
 
     config.yaml             the resolved training config
     .hydra/overrides.yaml   the command-line overrides (replayed by ``resume=RUN``)
-    vocab.json              the caption vocabulary (caption runs)
+    vocab.json              the caption vocabulary (caption runs, tokenizer=words)
+    tokenizer.json          the subword tokenizer instead (tokenizer=bpe or file), Hugging Face's format
     checkpoints/last.ckpt   the latest checkpoint; best.ckpt (by head.monitor) and step checkpoints beside it
     bundle/                 the exported model (``vitattn.bundle``)
 """
@@ -20,9 +21,10 @@ from omegaconf import OmegaConf
 
 from vitattn.fileio import atomic_write
 
-__all__ = ["VOCAB_FILE", "RunDir"]
+__all__ = ["TOKENIZER_FILE", "VOCAB_FILE", "RunDir"]
 
 VOCAB_FILE = "vocab.json"  # the caption vocabulary, in a run folder and in a bundle or ONNX folder
+TOKENIZER_FILE = "tokenizer.json"  # a subword tokenizer (Hugging Face tokenizers), where vocab.json would be
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,15 @@ class RunDir:
     def vocab(self) -> Path:
         """The caption vocabulary."""
         return self.path / VOCAB_FILE
+
+    @property
+    def tokenizer(self) -> Path:
+        """The subword tokenizer (``tokenizer=bpe`` or ``file``), written once by rank 0 and read on restart."""
+        return self.path / TOKENIZER_FILE
+
+    def saved_tokenizer(self) -> Path | None:
+        """The tokenizer file the run holds (``tokenizer.json`` or ``vocab.json``), or None."""
+        return next((p for p in (self.tokenizer, self.vocab) if p.is_file()), None)
 
     @property
     def checkpoints(self) -> Path:

@@ -21,7 +21,6 @@ from vitattn.bundle.arguments import build_model
 from vitattn.bundle.folder import (
     BUNDLE_FORMAT,
     BUNDLE_VERSION,
-    VOCAB_FILE,
     Bundle,
     finish_bundle,
     plain_json,
@@ -29,7 +28,7 @@ from vitattn.bundle.folder import (
 )
 from vitattn.data.preprocess import check_preprocess, default_preprocess
 from vitattn.data.tasks import TASKS
-from vitattn.data.vocab import SPECIALS, Vocabulary
+from vitattn.data.tokenizer import Tokenizer, tokenizer_file_name, tokenizer_from_labels
 from vitattn.errors import first_line
 from vitattn.models import ImageCaptioner
 
@@ -108,7 +107,7 @@ def load_checkpoint(path: Path, device: str | torch.device) -> Bundle:
         "task": task,
         "model": plain_json(hparams["model_config"], "model_config"),
         "preprocess": preprocess,
-        **({"vocab_file": VOCAB_FILE} if task == "caption" else {"class_names": class_names}),
+        **({"vocab_file": tokenizer_file_name(vocab)} if task == "caption" else {"class_names": class_names}),
     }
     generate = hparams.get("generate") or {}
     if not isinstance(generate, Mapping):
@@ -140,14 +139,15 @@ def _read_parts(path: Path) -> tuple[Mapping[str, Any], Mapping[str, Any], str]:
     return hparams, state, task
 
 
-def _read_labels(path: Path, hparams: Mapping[str, Any], task: str) -> tuple[Vocabulary | None, list[str] | None]:
-    """The caption vocabulary (caption task) or the class names (classification task) of ``hyper_parameters``."""
+def _read_labels(path: Path, hparams: Mapping[str, Any], task: str) -> tuple[Tokenizer | None, list[str] | None]:
+    """The caption tokenizer (caption task) or the class names (classification task) of ``hyper_parameters``."""
     if task == "caption":
-        words = hparams.get("vocab")
-        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
-            raise ValueError(f"{path}: hyper_parameters needs 'vocab', the list of words in id order")
-        words = list(words[len(SPECIALS) :]) if tuple(words[: len(SPECIALS)]) == SPECIALS else list(words)
-        return Vocabulary(words), None
+        labels = hparams.get("vocab")
+        if not isinstance(labels, (list, tuple, str)) or not all(isinstance(w, str) for w in labels):
+            raise ValueError(
+                f"{path}: hyper_parameters needs 'vocab', the list of words in id order or a tokenizer.json text"
+            )
+        return tokenizer_from_labels(labels, f"{path}: hyper_parameters 'vocab'"), None
     class_names = hparams.get("class_names")
     if not isinstance(class_names, (list, tuple)):
         raise ValueError(f"{path}: hyper_parameters needs 'class_names'")

@@ -1,7 +1,8 @@
 """Model bundles: a folder with everything inference needs, written atomically and loaded without unpickling.
 
 A bundle folder holds ``model.safetensors`` (the weights), ``config.json`` (plain JSON: task, the
-model's ``config``, the preprocessing) and, for captioning, ``vocab.json``::
+model's ``config``, the preprocessing) and, for captioning, the tokenizer its ``vocab_file`` names
+(``vocab.json``, a word vocabulary, or ``tokenizer.json``, a subword tokenizer)::
 
     {"format": "vitattn-bundle", "version": 1, "task": "caption",
      "model": {...}, "preprocess": {"img_size": 224, "crop_pct": 0.9, "mean": [...], "std": [...],
@@ -31,7 +32,7 @@ from torch import nn
 from vitattn.bundle.arguments import build_model, check_arguments
 from vitattn.data.preprocess import check_preprocess, eval_transform
 from vitattn.data.tasks import TASKS
-from vitattn.data.vocab import Vocabulary
+from vitattn.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_file_name
 from vitattn.errors import brief, first_line
 from vitattn.fileio import atomic_folder, read_json
 from vitattn.models import ImageCaptioner, VisionTransformer
@@ -72,7 +73,7 @@ class Bundle:
         preprocess: ``img_size``, ``crop_pct``, ``mean``, ``std``, ``interpolation`` (and maybe
             ``crop_mode``); ``eval_transform(preprocess)`` turns a PIL image into the model's input.
         config: the whole ``config.json`` content (plain JSON values).
-        vocab: the caption vocabulary (caption task), else None.
+        vocab: the caption tokenizer (caption task): a word ``Vocabulary`` or a ``SubwordTokenizer``, else None.
         class_names: one name per class (classification task), else None.
         generate: default ``ImageCaptioner.generate`` keyword arguments (may be empty).
     """
@@ -81,7 +82,7 @@ class Bundle:
     task: str
     preprocess: dict[str, Any]
     config: dict[str, Any]
-    vocab: Vocabulary | None = None
+    vocab: Tokenizer | None = None
     class_names: list[str] | None = None
     generate: dict[str, Any] = field(default_factory=dict)
 
@@ -112,7 +113,7 @@ def save_bundle(
     *,
     task: str,
     preprocess: Mapping[str, Any],
-    vocab: Vocabulary | None = None,
+    vocab: Tokenizer | None = None,
     class_names: Sequence[str] | None = None,
     generate: Mapping[str, Any] | None = None,
 ) -> Path:
@@ -125,7 +126,8 @@ def save_bundle(
             ``num_classes > 0`` (task ``classification``).
         task: ``caption`` or ``classification``.
         preprocess: ``img_size``, ``crop_pct``, ``mean``, ``std``, ``interpolation`` (see ``eval_transform``).
-        vocab: the caption vocabulary; its size must equal the decoder's ``vocab_size``.
+        vocab: the caption tokenizer (saved as ``vocab.json`` or ``tokenizer.json``); its size must equal the
+            decoder's ``vocab_size``.
         class_names: one per class; default ``"0" .. "num_classes-1"``.
         generate: decoding defaults (``generate`` keyword arguments) stored for ``vitattn-caption``.
 
@@ -142,7 +144,7 @@ def save_bundle(
         save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         if vocab is not None:
-            vocab.save(tmp / VOCAB_FILE)
+            vocab.save(tmp / tokenizer_file_name(vocab))
     return directory
 
 
@@ -150,7 +152,7 @@ def _bundle_config(
     model: nn.Module,
     task: str,
     preprocess: Mapping[str, Any],
-    vocab: Vocabulary | None,
+    vocab: Tokenizer | None,
     class_names: Sequence[str] | None,
 ) -> dict[str, Any]:
     config: dict[str, Any] = {
@@ -164,10 +166,10 @@ def _bundle_config(
         if not isinstance(model, ImageCaptioner):
             raise ValueError(f"task='caption' needs an ImageCaptioner, got {type(model).__name__}")
         if vocab is None:
-            raise ValueError("task='caption' needs vocab=Vocabulary(...)")
+            raise ValueError("task='caption' needs vocab=Vocabulary(...) or a SubwordTokenizer")
         if len(vocab) != model.decoder.vocab_size:
             raise ValueError(f"vocab has {len(vocab)} tokens but the decoder's vocab_size={model.decoder.vocab_size}")
-        config["vocab_file"] = VOCAB_FILE
+        config["vocab_file"] = tokenizer_file_name(vocab)
     elif task == "classification":
         if not isinstance(model, VisionTransformer) or model.num_classes <= 0:
             raise ValueError("task='classification' needs a VisionTransformer with num_classes > 0")
@@ -253,13 +255,13 @@ def _read_config(config_path: Path) -> dict[str, Any]:
 
 def _read_labels(
     directory: Path, config_path: Path, config: dict[str, Any]
-) -> tuple[Vocabulary | None, list[str] | None]:
-    """The caption vocabulary (caption task) or the class names (classification task)."""
+) -> tuple[Tokenizer | None, list[str] | None]:
+    """The caption tokenizer (caption task) or the class names (classification task)."""
     if config["task"] == "caption":
         name = config.get("vocab_file", VOCAB_FILE)
         if not isinstance(name, str) or Path(name).name != name or not 0 < len(name.encode(errors="replace")) <= 255:
             raise ValueError(f"{config_path} has vocab_file={brief(name)}; it must be a file name inside the bundle")
-        return Vocabulary.load(directory / name), None
+        return load_tokenizer(directory / name), None
     class_names = config.get("class_names")
     if not isinstance(class_names, list) or not all(isinstance(name, str) for name in class_names):
         raise ValueError(f"{config_path} has no 'class_names' list of strings")
@@ -303,8 +305,9 @@ def finish_bundle(bundle: Bundle, device: str | torch.device, where: str | os.Pa
         )
     if bundle.vocab is not None and len(bundle.vocab) != bundle.model.decoder.vocab_size:
         raise ValueError(
-            f"{where}: the vocabulary has {len(bundle.vocab)} tokens "
-            f"but the decoder's vocab_size={bundle.model.decoder.vocab_size}"
+            f"{where}: the tokenizer has {len(bundle.vocab)} tokens but the decoder's "
+            f"vocab_size={bundle.model.decoder.vocab_size}; use the tokenizer the model was trained with "
+            f"(its run's {tokenizer_file_name(bundle.vocab)}), or export the model again"
         )
     if bundle.vocab is not None:
         decoder, vocab = bundle.model.decoder, bundle.vocab

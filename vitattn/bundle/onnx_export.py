@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vitattn.bundle.folder import VOCAB_FILE, Bundle, plain_json
+from vitattn.bundle.folder import Bundle, plain_json
 from vitattn.bundle.onnx_contrib import contrib_opsets, for_export
 from vitattn.bundle.onnx_folder import (
     GRAPHS,
@@ -35,6 +35,7 @@ from vitattn.bundle.onnx_folder import (
     require_onnxruntime,
     sha256,
 )
+from vitattn.data.tokenizer import tokenizer_file_name
 from vitattn.fileio import atomic_folder
 from vitattn.layers import LayerCache
 from vitattn.models import CaptionDecoder, ImageCaptioner
@@ -147,9 +148,11 @@ def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | No
     with atomic_folder(directory) as tmp:
         if bundle.task == "caption":
             config.update(
-                _export_captioner(model, images, tmp, precision), generate=dict(bundle.generate), vocab_file=VOCAB_FILE
+                _export_captioner(model, images, tmp, precision),
+                generate=dict(bundle.generate),
+                vocab_file=tokenizer_file_name(bundle.vocab),
             )
-            bundle.vocab.save(tmp / VOCAB_FILE)
+            bundle.vocab.save(tmp / tokenizer_file_name(bundle.vocab))
         else:
             graph = ClassifierGraph(for_export(model, approximate_gelu=precision == "int8"))
             _export(graph, (images,), tmp / graph_file("classifier"), ["images"], ["logits"], {})

@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from vitattn.data.vocab import Vocabulary
+from vitattn.data.tokenizer import Tokenizer
 from vitattn.models.search import DecodeStep, SpecialIds
 
 __all__ = ["RUNTIMES", "CaptionNetwork", "ClassifierNetwork", "LoadedModel"]
@@ -70,7 +70,7 @@ class LoadedModel(Protocol):
         task: ``caption`` or ``classification``.
         preprocess: ``img_size``, ``crop_pct``, ``mean``, ``std``, ``interpolation``: what ``transform`` does.
         config: the folder's whole description (plain JSON values).
-        vocab: the caption vocabulary (caption task), else None.
+        vocab: the caption tokenizer (caption task; ``vitattn.data.tokenizer``), else None.
         class_names: one name per class (classification task), else None.
         generate: the decoding defaults (``generate`` keyword arguments; may be empty).
     """
@@ -79,7 +79,7 @@ class LoadedModel(Protocol):
     task: str
     preprocess: dict[str, Any]
     config: dict[str, Any]
-    vocab: Vocabulary | None
+    vocab: Tokenizer | None
     class_names: list[str] | None
     generate: dict[str, Any]
 

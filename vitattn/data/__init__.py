@@ -17,6 +17,7 @@ from vitattn.data.images import BadImageError, read_image
 from vitattn.data.karpathy import load_karpathy
 from vitattn.data.preprocess import default_preprocess, denormalize, eval_transform
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
+from vitattn.data.tokenizer import SubwordTokenizer, Tokenizer, load_tokenizer
 from vitattn.data.transforms import normalize
 from vitattn.data.vocab import Vocabulary
 
@@ -42,12 +43,15 @@ __all__ = [
     "ShapesDataModule",
     "ShapesDataset",
     "WebDatasetDataModule",
+    "SubwordTokenizer",
     "TokenizedCaptions",
+    "Tokenizer",
     "Vocabulary",
     "collate_captions",
     "denormalize",
     "load_coco_captions",
     "load_karpathy",
+    "load_tokenizer",
     "read_image",
     "EvalSplit",
     "image_folder_split",

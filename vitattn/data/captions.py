@@ -8,7 +8,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
-from vitattn.data.vocab import PAD_ID, Vocabulary
+from vitattn.data.tokenizer import Tokenizer
+from vitattn.data.vocab import PAD_ID
 
 
 class TokenizedCaptions(Dataset):
@@ -25,7 +26,7 @@ class TokenizedCaptions(Dataset):
             the item's ``caption``.
     """
 
-    def __init__(self, dataset: Dataset, vocab: Vocabulary, max_len: int, sample_caption: bool = False):
+    def __init__(self, dataset: Dataset, vocab: Tokenizer, max_len: int, sample_caption: bool = False):
         self.dataset, self.vocab, self.max_len = dataset, vocab, max_len
         self.sample_caption = sample_caption
 

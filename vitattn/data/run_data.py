@@ -8,7 +8,7 @@ from typing import Any
 import hydra
 
 from vitattn.config_targets import check_targets
-from vitattn.data.vocab import Vocabulary
+from vitattn.data.tokenizer import Tokenizer
 from vitattn.run_dir import RunDir
 
 __all__ = ["datamodule_from_run"]
@@ -17,7 +17,7 @@ __all__ = ["datamodule_from_run"]
 def datamodule_from_run(
     run: RunDir,
     *,
-    vocab: Vocabulary | None = None,
+    vocab: Tokenizer | None = None,
     preprocess: Mapping[str, Any] | None = None,
     batch_size: int = 32,
     num_workers: int = 0,
@@ -27,7 +27,7 @@ def datamodule_from_run(
 
     Args:
         run: the training run folder.
-        vocab: the model's vocabulary, used instead of one built from the training captions.
+        vocab: the model's tokenizer, used instead of one built from the training captions.
         preprocess: the model's preprocessing (a bundle's): what the run's data took from its pretrained weights
             (``use_weights_preprocess``), which its saved config does not hold.
         batch_size, num_workers: loader settings for the evaluation (the run's own are replaced).

@@ -15,7 +15,7 @@ from vitattn.metrics.tokenize import coco_tokenize
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIALS))
-_FORMAT = "vitattn.vocabulary"
+VOCAB_FORMAT = "vitattn.vocabulary"
 _VERSION = 1
 
 
@@ -41,6 +41,7 @@ class Vocabulary:
     def __init__(self, words: Sequence[str]) -> None:
         self.itos: list[str] = [*SPECIALS, *words]
         self.stoi: dict[str, int] = {word: i for i, word in enumerate(self.itos)}
+        self.min_freq: int | None = None  # the threshold it was built with (for messages); None when loaded
         if len(self.stoi) != len(self.itos):
             repeated = sorted(w for w, n in Counter(self.itos).items() if n > 1)
             raise ValueError(f"vocabulary words must be unique and not special; repeated: {brief(repeated, 300)}")
@@ -59,7 +60,9 @@ class Vocabulary:
         if not isinstance(min_freq, int) or min_freq < 1:
             raise ValueError(f"min_freq={min_freq!r} must be at least 1 or auto")
         words = [w for w in counts if counts[w] >= min_freq and w not in SPECIALS]
-        return cls(sorted(words, key=lambda w: (-counts[w], w)))
+        vocab = cls(sorted(words, key=lambda w: (-counts[w], w)))
+        vocab.min_freq = min_freq
+        return vocab
 
     @property
     def words(self) -> list[str]:
@@ -129,9 +132,18 @@ class Vocabulary:
             ids = ids.tolist()
         return [self.decode(row) for row in ids]
 
+    def tokens(self, ids: Sequence[int]) -> list[str]:
+        """The word of each id before eos or pad (``<unk>`` kept, so words line up with positions)."""
+        words = []
+        for i in ids:
+            if i in (self.eos_id, self.pad_id):
+                break
+            words.append(self.itos[i])
+        return words
+
     def save(self, path: str | os.PathLike) -> None:
         """Write the vocabulary as JSON (specials included, in id order), atomically."""
-        payload = {"format": _FORMAT, "version": _VERSION, "itos": self.itos}
+        payload = {"format": VOCAB_FORMAT, "version": _VERSION, "itos": self.itos}
         atomic_write(path, json.dumps(payload, indent=1) + "\n")
 
     @classmethod

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from vitattn.bundle.runtime import LoadedModel
 from vitattn.data.eval_split import EvalSplit
+from vitattn.data.tokenizer import describe_tokenizer, unknown_share
 from vitattn.errors import brief
 from vitattn.evaluation.report import EvalReport
 from vitattn.evaluation.splits import caption_split, check_split
@@ -196,6 +197,14 @@ def evaluate_captions(
         given = f"predictions={predictions} has" if predictions is not None else "there is"
         raise ValueError(f"{given} no caption for any image of {data.source} to score")
     metrics = score_captions(items, data.synthetic)
+    if bundle.vocab is not None:  # what the model could not have said: reference words its tokenizer lacks
+        metrics["unknown_words"] = unknown_share(bundle.vocab, (r for refs_ in refs.values() for r in refs_))
+        log.info(
+            "%s split: %.1f %% of the reference words are outside %s",
+            split,
+            100 * metrics["unknown_words"],
+            describe_tokenizer(bundle.vocab),
+        )
     num_failed = len({k for k in failed if k in refs})
     num_missing = len(refs) - len(items) - num_failed
     if num_failed:

@@ -28,6 +28,7 @@ _LABELS = {
     "distinct": "distinct captions",
     "top1": "top-1 accuracy",
     "top5": "top-5 accuracy",
+    "unknown_words": "ref. words outside vocab",
     "num_images": "images",
     "num_failed": "images failed",
     "num_missing": "images without a prediction",
@@ -43,8 +44,9 @@ class EvalReport:
         split: ``val`` or ``test``.
         data: where the images and references (or labels) came from.
         metrics: caption: ``bleu1..4``, ``rouge_l``, ``cider_d``, ``distinct``, ``exact_match``
-            (synthetic references only); classification: ``top1``, ``top5``; both: ``num_images``
-            scored, and ``num_failed`` / ``num_missing`` when some images could not be scored.
+            (synthetic references only), ``unknown_words`` (the share of the references' words that the
+            model's tokenizer has no token for: 0 for byte-level BPE); classification: ``top1``, ``top5``;
+            both: ``num_images`` scored, and ``num_failed`` / ``num_missing`` when some images could not be scored.
         decoding: the ``generate`` keyword arguments used (empty for predictions and classification).
         predictions: the predictions file scored, if any.
         captions: ``(image_id, caption, references)`` per scored image, sorted by id (caption task).

@@ -82,10 +82,5 @@ def write_figures(bundle: LoadedModel, batch: CaptionBatch, figures: Mapping[str
 
 
 def caption_words(ids: Sequence[int], vocab: Any) -> list[str]:
-    """Tokens before ``<eos>`` as strings (``<unk>`` kept so words line up with positions)."""
-    words = []
-    for i in ids:
-        if i == vocab.eos_id or i == vocab.pad_id:
-            break
-        words.append(vocab.itos[i])
-    return words
+    """Tokens before ``<eos>`` as strings, one per position (``<unk>`` kept, subwords as their text)."""
+    return vocab.tokens(ids)

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from vitattn.bundle.onnx_folder import ONNX_CONFIG_FILE, check_onnx_config, graph_path, kv_names, require_onnxruntime
 from vitattn.data.preprocess import eval_transform
-from vitattn.data.vocab import Vocabulary
+from vitattn.data.tokenizer import Tokenizer, load_tokenizer
 from vitattn.errors import brief, first_line
 from vitattn.models.search import CaptionSearch, SpecialIds
 from vitattn.run_dir import VOCAB_FILE
@@ -129,7 +129,7 @@ class OnnxModel:
     task: str
     preprocess: dict[str, Any]
     config: dict[str, Any]
-    vocab: Vocabulary | None = None
+    vocab: Tokenizer | None = None
     class_names: list[str] | None = None
     generate: dict[str, Any] = field(default_factory=dict)
 
@@ -196,11 +196,11 @@ def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Onn
         raise ValueError(
             f"{directory / ONNX_CONFIG_FILE} has vocab_file={brief(name)}; it must be a file name inside the folder"
         )
-    vocab = Vocabulary.load(directory / name)
+    vocab = load_tokenizer(directory / name)
     ids = (vocab.pad_id, vocab.bos_id, vocab.eos_id)
     if len(vocab) != decoder["vocab_size"] or ids != (decoder["pad_id"], decoder["bos_id"], decoder["eos_id"]):
         raise ValueError(
-            f"{directory}: the vocabulary ({len(vocab)} tokens, special ids {ids}) does not fit the decoder "
+            f"{directory}: the tokenizer {name} ({len(vocab)} tokens, special ids {ids}) does not fit the decoder "
             f"(vocab_size={decoder['vocab_size']}); export the folder again"
         )
     model = OnnxCaptioner(sessions["encoder"], sessions["decoder_step"], decoder)

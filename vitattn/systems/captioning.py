@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
-from vitattn.data.vocab import Vocabulary
+from vitattn.data.tokenizer import tokenizer_from_labels
 from vitattn.metrics import first_per_image, score_captions
 from vitattn.models import ImageCaptioner
 from vitattn.systems.base import VisionSystem
@@ -37,7 +37,8 @@ class CaptionSystem(VisionSystem):
 
     Args:
         model_config: ``{"encoder": VisionTransformer kwargs, "decoder": CaptionDecoder kwargs}``.
-        vocab: the vocabulary's ordinary words in id order (``Vocabulary(vocab)`` rebuilds it).
+        vocab: the tokenizer as ``tokenizer_labels`` keeps it: a word vocabulary's ordinary words in id order,
+            or a subword tokenizer's ``tokenizer.json`` text (plain types: checkpoints load with weights_only).
         preprocess: evaluation preprocessing kept with the checkpoint for inference.
         label_smoothing: cross-entropy label smoothing.
         generate: ``ImageCaptioner.generate`` keyword arguments used in validation and test.
@@ -51,7 +52,7 @@ class CaptionSystem(VisionSystem):
     def __init__(
         self,
         model_config: dict[str, Any],
-        vocab: list[str],
+        vocab: list[str] | str,
         preprocess: dict[str, Any] | None = None,
         label_smoothing: float = 0.0,
         generate: dict[str, Any] | None = None,
@@ -60,12 +61,10 @@ class CaptionSystem(VisionSystem):
         nonfinite: str = "raise",
     ) -> None:
         super().__init__(optim, nonfinite)
-        self.vocab = Vocabulary(vocab)
+        self.vocab = tokenizer_from_labels(vocab)
         vocab_size = model_config["decoder"]["vocab_size"]
         if vocab_size != len(self.vocab):
-            raise ValueError(
-                f"decoder vocab_size={vocab_size} does not match the vocabulary's {len(self.vocab)} tokens"
-            )
+            raise ValueError(f"decoder vocab_size={vocab_size} does not match the tokenizer's {len(self.vocab)} tokens")
         self.save_hyperparameters()
         self.model = ImageCaptioner.from_config(model_config)
         tokens = torch.zeros(1, self.model.decoder.max_len - 1, dtype=torch.long)  # (1, T): a full-length caption

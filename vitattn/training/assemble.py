@@ -11,6 +11,7 @@ import hydra
 import lightning.pytorch as pl
 from omegaconf import DictConfig, OmegaConf
 
+from vitattn.data.tokenizer import tokenizer_labels
 from vitattn.systems import VisionSystem
 from vitattn.training.pretrained import PretrainedEncoder, read_pretrained
 
@@ -48,7 +49,7 @@ def build_system(
         pretrained = read_pretrained(source)
     if pretrained is not None:
         pretrained.fit(model_config["encoder"] if caption else model_config)
-    labels = {"vocab": datamodule.vocab.words} if caption else {"class_names": list(datamodule.class_names)}
+    labels = {"vocab": tokenizer_labels(datamodule.vocab)} if caption else {"class_names": list(datamodule.class_names)}
     system = hydra.utils.instantiate(
         cfg.head.system, model_config=model_config, preprocess=dict(datamodule.preprocess), **labels
     )

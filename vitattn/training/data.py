@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from vitattn.config import data_name
 from vitattn.data.images import BadImageError
+from vitattn.data.tokenizer import tokenizer_file_name, tokenizer_from_labels, tokenizer_labels
 from vitattn.errors import ConfigError, first_line
 from vitattn.run_dir import RunDir
 
@@ -53,7 +54,13 @@ def _check_checkpoint_matches(cfg: DictConfig, datamodule: Any, ckpt_path: str) 
         raise ConfigError(
             f"{key}: checkpoint {ckpt_path} was trained with head={trained}, not head={task}; use head={trained}"
         )
-    if task == "caption" and trained == "caption":
+    if (
+        task == "caption"
+        and trained == "caption"
+        and (isinstance(hparams["vocab"], str) or isinstance(tokenizer_labels(datamodule.vocab), str))
+    ):
+        _check_subword_matches(cfg, datamodule.vocab, hparams["vocab"], ckpt_path)
+    elif task == "caption" and trained == "caption":
         words, theirs = list(datamodule.vocab.words), list(hparams["vocab"])
         if words != theirs:
             i = next((i for i, (a, b) in enumerate(zip(words, theirs)) if a != b), min(len(words), len(theirs)))
@@ -75,3 +82,21 @@ def _check_checkpoint_matches(cfg: DictConfig, datamodule: Any, ckpt_path: str) 
             raise ConfigError(
                 f"data: classes {names} differ from the checkpoint's {theirs} ({ckpt_path}); train on the same classes"
             )
+
+
+def _check_subword_matches(cfg: DictConfig, ours: Any, labels: Any, ckpt_path: str) -> None:
+    """The run's tokenizer is the checkpoint's (one of them a subword tokenizer): else one line with the fix."""
+    try:
+        theirs = tokenizer_from_labels(labels, f"checkpoint {ckpt_path}")
+    except ValueError as err:
+        raise ConfigError(f"{first_line(err)}; use another checkpoint") from None
+    if type(ours) is type(theirs) and ours == theirs:
+        return
+    kind = cfg.get("tokenizer", {}).get("kind", "words")
+    source = f"data.vocab_path={cfg.data.vocab_path}" if cfg.data.get("vocab_path") else f"tokenizer={kind}"
+    saved = RunDir(Path(ckpt_path).resolve().parents[1]).path / tokenizer_file_name(theirs)
+    fix = f"data.vocab_path={saved}" if saved.is_file() else f"data.vocab_path=<the run's {saved.name}>"
+    raise ConfigError(
+        f"{source}: the tokenizer ({type(ours).__name__}, {len(ours)} tokens) differs from the checkpoint's "
+        f"({type(theirs).__name__}, {len(theirs)} tokens); use the tokenizer the model was trained with: {fix}"
+    )

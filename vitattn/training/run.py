@@ -1,7 +1,7 @@
 """``train(cfg)``: the whole training run, callable without the command line.
 
 Data flows one way: config -> DataModule + model config -> system -> Trainer -> run directory
-(resolved config, checkpoints, logs, vocabulary, exported bundle).
+(resolved config, checkpoints, logs, tokenizer, exported bundle).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from vitattn.bundle import bundle_from_system
 from vitattn.callbacks import Preemption
 from vitattn.config import check_config
 from vitattn.data.bad_images import gather_skipped
+from vitattn.data.tokenizer import tokenizer_file_name
 from vitattn.run_dir import RunDir
 from vitattn.systems import VisionSystem
 from vitattn.training.advice import check_fit
@@ -34,6 +35,7 @@ from vitattn.training.data import setup_data
 from vitattn.training.groups import instantiate_group
 from vitattn.training.pretrained import choose_preprocess, read_pretrained
 from vitattn.training.resources import plan_cores
+from vitattn.training.tokenizer import prepare_tokenizer
 
 __all__ = ["TrainResult", "train"]
 
@@ -76,6 +78,7 @@ def train(cfg: DictConfig) -> TrainResult:
     pretrained = read_pretrained(cfg.finetune.pretrained) if cfg.finetune.get("pretrained") else None
     choose_preprocess(datamodule, pretrained)  # before setup: every split (and the bundle) uses the weights' own
     ckpt_path = _resume_checkpoint(cfg)
+    prepare_tokenizer(cfg, datamodule, run_dir)  # tokenizer=bpe: the run's own when rank 0 has written it
     setup_data(cfg, datamodule, ckpt_path)  # empty data, wrong vocabulary: one line, no step run
     plan_cores(cfg, datamodule)
     if rank_zero_only.rank == 0:
@@ -155,7 +158,7 @@ def _save_run_files(cfg: DictConfig, datamodule: pl.LightningDataModule, run_dir
     run = RunDir(run_dir)
     run.save_config(cfg)
     if getattr(datamodule, "vocab", None) is not None:
-        datamodule.vocab.save(run.vocab)
+        datamodule.vocab.save(run.path / tokenizer_file_name(datamodule.vocab))
 
 
 def _finish_wandb_run() -> None:

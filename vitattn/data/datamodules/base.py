@@ -47,9 +47,10 @@ from vitattn.data.preprocess import (
     eval_transform,
     weights_preprocess,
 )
+from vitattn.data.tokenizer import SubwordTokenizer, Tokenizer, load_tokenizer, train_bpe
 from vitattn.data.vocab import Vocabulary
 
-__all__ = ["ImageDataModule", "caption_vocab"]
+__all__ = ["ImageDataModule"]
 
 
 class ImageDataModule(pl.LightningDataModule):
@@ -87,7 +88,10 @@ class ImageDataModule(pl.LightningDataModule):
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
         self.collate_fn = None  # the DataLoader default unless captions set one
-        self.vocab: Vocabulary | None = None
+        self.vocab: Tokenizer | None = None  # the caption tokenizer (a word Vocabulary or a SubwordTokenizer)
+        # Which tokenizer setup builds when no vocab is preset: the tokenizer config group (kind words, bpe or file).
+        self.tokenizer_config: dict[str, Any] = {"kind": "words"}
+        self.train_captions: list[str] | None = None  # the training captions, when the tokenizer was built from them
         self.skipped_images: dict[str, str] = {}  # files left out of batches in this process: path -> reason
         self.skipped_counts: Counter[str] = Counter()  # items left out, by the trainer's stage (train, validate, ...)
         given = dict(mean=mean, std=std, interpolation=interpolation, crop_pct=crop_pct, crop_mode=crop_mode)
@@ -180,7 +184,7 @@ class ImageDataModule(pl.LightningDataModule):
     def _use_captions(
         self,
         splits: tuple[Dataset, Dataset, Dataset],
-        vocab: Vocabulary,
+        vocab: Tokenizer,
         max_len: int,
         sample_train_caption: bool,
     ) -> None:
@@ -231,14 +235,22 @@ class ImageDataModule(pl.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_dataset, shuffle=False)
 
-
-def caption_vocab(
-    preset: Vocabulary | None, vocab_path: str | os.PathLike | None, captions: Callable[[], list[str]], min_freq: int
-) -> Vocabulary:
-    """``preset`` (a trained model's, set before ``setup``), else the one at ``vocab_path``, else one built
-    from the training ``captions``."""
-    if preset is not None:
-        return preset
-    if vocab_path is not None:
-        return Vocabulary.load(vocab_path)
-    return Vocabulary.build(captions(), min_freq=min_freq)
+    def _caption_tokenizer(self, captions: Callable[[], list[str]], min_freq: int | str) -> Tokenizer:
+        """The tokenizer preset before ``setup`` (a trained model's), else the one at ``vocab_path`` (a
+        ``vocab.json`` or ``tokenizer.json``), else the one ``tokenizer_config`` names: ``file`` reads its
+        ``path``; ``words`` (``min_freq``) and ``bpe`` (``vocab_size``) are built from the training ``captions``."""
+        if self.vocab is not None:
+            return self.vocab
+        vocab_path = getattr(self, "vocab_path", None)
+        if vocab_path is not None:
+            return load_tokenizer(vocab_path)
+        config = self.tokenizer_config
+        kind = config.get("kind", "words")
+        if kind == "file":
+            return SubwordTokenizer.from_file(config["path"], add_specials=True)
+        self.train_captions = captions()
+        if kind == "bpe":
+            return train_bpe(self.train_captions, config.get("vocab_size", "auto"))
+        if kind != "words":
+            raise ValueError(f"tokenizer kind={kind!r} is unknown; choose one of words, bpe, file")
+        return Vocabulary.build(self.train_captions, min_freq=min_freq)

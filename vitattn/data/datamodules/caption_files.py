@@ -9,7 +9,7 @@ from typing import Any
 from vitattn.data.augment import CAPTION_CROP_SCALE, Augment, CaptionAugment
 from vitattn.data.cache import should_cache
 from vitattn.data.coco import CocoCaptionDataset, CocoImage
-from vitattn.data.datamodules.base import ImageDataModule, caption_vocab
+from vitattn.data.datamodules.base import ImageDataModule
 from vitattn.data.eval_split import EvalSplit
 
 __all__ = ["CaptionFilesDataModule"]
@@ -28,7 +28,8 @@ class CaptionFilesDataModule(ImageDataModule):
         min_word_freq: words seen fewer times in the training captions become ``<unk>``; ``auto``:
             the largest threshold up to 5 that leaves at most 2 % of the tokens as ``<unk>``.
         max_caption_len: longest token sequence, bos and eos included.
-        vocab_path: a saved ``Vocabulary`` to use rather than one built from training captions.
+        vocab_path: a saved tokenizer (``vocab.json`` or ``tokenizer.json``) to use rather than one built from
+            training captions; the ``tokenizer`` group (set by training) says what is built otherwise.
         augment: training augmentation (``vitattn.data.augment.Augment``).
         cache: ``auto``, ``ram`` or ``none`` (``vitattn.data.cache``).
         preprocess: the ``data.*`` preprocessing keys set (``mean``, ``std``, ``interpolation``, ``crop_pct``,
@@ -81,7 +82,7 @@ class CaptionFilesDataModule(ImageDataModule):
         train = CocoCaptionDataset(self.image_dir, train_images, training)
         val = CocoCaptionDataset(self.image_dir, val_images, evaluate)
         test = val if test_images is val_images else CocoCaptionDataset(self.image_dir, test_images, evaluate)
-        vocab = caption_vocab(self.vocab, self.vocab_path, lambda: train.captions, self.min_word_freq)
+        vocab = self._caption_tokenizer(lambda: train.captions, self.min_word_freq)
         self._use_captions((train, val, test), vocab, self.max_caption_len, sample_train_caption=True)
         self._read_images({train, val, test})
 

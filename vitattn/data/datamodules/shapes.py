@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import Literal
 
-from vitattn.data.datamodules.base import ImageDataModule, caption_vocab
+from vitattn.data.datamodules.base import ImageDataModule
 from vitattn.data.eval_split import EvalSplit
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
 from vitattn.data.transforms import Normalize
@@ -28,7 +28,8 @@ class ShapesDataModule(ImageDataModule):
         seed: base seed of all three splits.
         batch_size, num_workers: DataLoader settings.
         max_caption_len: longest token sequence, bos and eos included.
-        vocab_path: a saved ``Vocabulary`` to use rather than one built from training captions.
+        vocab_path: a saved tokenizer (``vocab.json`` or ``tokenizer.json``) to use rather than one built from
+            training captions; the ``tokenizer`` group (set by training) says what is built otherwise.
         mean, std: the normalisation (None: the pretrained weights', else ImageNet's).
     """
 
@@ -71,7 +72,7 @@ class ShapesDataModule(ImageDataModule):
         if self.task == "classification":
             self.train_dataset, self.val_dataset, self.test_dataset = splits
             return
-        vocab = caption_vocab(self.vocab, self.vocab_path, lambda: splits[0].captions, min_freq=1)
+        vocab = self._caption_tokenizer(lambda: splits[0].captions, min_freq=1)
         # canonical caption as the target everywhere: the synthetic captions are unambiguous
         self._use_captions(splits, vocab, self.max_caption_len, sample_train_caption=False)
 

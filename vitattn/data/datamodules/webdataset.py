@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from vitattn.data.augment import CAPTION_CROP_SCALE, Augment, CaptionAugment, classification_train_transform
 from vitattn.data.captions import collate_captions
-from vitattn.data.datamodules.base import ImageDataModule, caption_vocab
+from vitattn.data.datamodules.base import ImageDataModule
 from vitattn.data.eval_split import EvalSplit
 from vitattn.data.shards import expand_shards, local_path, read_shard, shard_sizes
 from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, batches_per_rank, split_epoch
@@ -170,9 +170,7 @@ class WebDatasetDataModule(ImageDataModule):
             raise ValueError(f"data.train_shards: the {len(urls['train'])} shards hold no sample")
         evaluate = self.eval_transform()
         if self.task == "caption":
-            vocab = caption_vocab(
-                self.vocab, self.vocab_path, lambda: shard_captions(urls["train"], self.caption_key), self.min_word_freq
-            )
+            vocab = self._caption_tokenizer(lambda: shard_captions(urls["train"], self.caption_key), self.min_word_freq)
             self.vocab = vocab
             training = CaptionAugment(self.img_size, self.augment, self.preprocess) if self.augment.enabled else None
             collate = partial(collate_captions, pad_id=vocab.pad_id)

@@ -29,7 +29,7 @@ from vitattn.data.bad_images import SkippedImage, collate_skipping
 from vitattn.data.images import IMAGE_EXTENSIONS, BadImageError, read_image
 from vitattn.data.shards.epoch_split import EpochOrder, WorkerPlan
 from vitattn.data.shards.reading import ShardError, read_shard
-from vitattn.data.vocab import Vocabulary
+from vitattn.data.tokenizer import Tokenizer
 
 __all__ = ["EpochLoader", "ShardBatch", "ShardSamples", "ShardStream", "image_member", "sample_caption"]
 
@@ -82,7 +82,7 @@ class ShardSamples:
         task: str,
         transform: Callable[..., torch.Tensor],
         caption_key: str | None = None,
-        vocab: Vocabulary | None = None,
+        vocab: Tokenizer | None = None,
         max_len: int = 32,
         num_classes: int | None = None,
     ) -> None:
