@@ -41,11 +41,13 @@ class DecodeStep(Protocol):
 
 
 class SpecialIds(NamedTuple):
-    """The vocabulary's ``<pad>``, ``<bos>`` and ``<eos>`` ids."""
+    """The vocabulary's ``<pad>``, ``<bos>``, ``<eos>`` and ``<unk>`` ids; ``unk_id`` None: a vocabulary
+    without an unknown token. The search never generates ``<pad>``, ``<bos>`` or ``<unk>``."""
 
     pad_id: int
     bos_id: int
     eos_id: int
+    unk_id: int | None = None
 
 
 def check_search(
@@ -147,11 +149,13 @@ def sequence_log_prob(step: DecodeStep, generated: Tensor, ids: SpecialIds) -> T
 
 
 def _next_logits(step: DecodeStep, tokens: Tensor, ids: SpecialIds) -> Tensor:
-    """(B, V) fp32 logits of the next token, ``<pad>`` and ``<bos>`` banned (they are never generated)."""
+    """(B, V) fp32 logits of the next token, ``<pad>``, ``<bos>`` and ``<unk>`` banned (never generated)."""
     logits = step(tokens).float()  # a no-op (no copy) when already fp32
     # scalar indices: no index tensor is built (and copied to the GPU) per step
     logits[:, ids.pad_id] = float("-inf")
     logits[:, ids.bos_id] = float("-inf")
+    if ids.unk_id is not None:
+        logits[:, ids.unk_id] = float("-inf")
     return logits
 
 
