@@ -12,6 +12,7 @@ search loops (``vitattn.models.search``); only the step differs: ``OnnxDecoderSt
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -206,7 +207,7 @@ def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Onn
     model = OnnxCaptioner(sessions["encoder"], sessions["decoder_step"], decoder)
     try:
         model.check_generate(
-            **{k: v for k, v in generate.items() if k in ("max_new_tokens", "num_beams", "do_sample", "temperature")}
+            **{k: v for k, v in generate.items() if k in inspect.signature(model.check_generate).parameters}
         )
     except (TypeError, ValueError) as err:
         raise ValueError(f"{directory / ONNX_CONFIG_FILE}: generate: {first_line(err)}") from None
