@@ -184,6 +184,36 @@ def test_early_stopping_reads_hugging_faces_values_and_a_command_lines():
             check_early_stopping(bad)
 
 
+@pytest.mark.parametrize("early_stopping", EARLY_STOPPING)
+def test_beam_search_reads_the_device_once_a_step_for_the_stop_decision(early_stopping):
+    """No ``.item()``, ``bool()`` or ``nonzero`` per step (each a host sync on a GPU) but the stop decision:
+    T' - 1 of them when no caption can end, and three for the final trim (``_trim``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    syncing = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default, torch.ops.aten.equal.default}
+
+    class CountSyncs(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func in syncing
+            return func(*args, **(kwargs or {}))
+
+    logits = torch.randn(2 * 3, V)
+
+    class Step:
+        def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+            return logits.clone()
+
+        def reorder(self, index: torch.Tensor) -> None:
+            pass
+
+    never_ends = SpecialIds(IDS.pad_id, IDS.bos_id, V, IDS.unk_id)  # an <eos> id no logit has
+    with CountSyncs() as mode:
+        out = beam_search(Step(), 2, 6, 3, never_ends, early_stopping=early_stopping)
+    assert out.shape == (2, 6) and mode.count == (6 - 1) + 3
+
+
 def _hf_toy_model(decoders: ToyDecoders, K: int):
     """``decoders`` as a ``transformers`` decoder-only model: rows b * K .. b * K + K - 1 are image b's (as
     ``generate`` expands its inputs), the banned tokens' logits -inf (Hugging Face's ``suppress_tokens``
