@@ -122,6 +122,16 @@ def test_forced_length_and_given_memory_generate_exactly_n_tokens(num_beams):
     torch.testing.assert_close(given, free)
 
 
+def test_beam_search_bench_times_now_before_and_hugging_face(tiny_bench):
+    pytest.importorskip("transformers")
+    from benchmarks.beam_search import bench
+
+    decode, search = bench(batch=2, beams=2, tokens=3, repeats=1)
+    assert (decode["row"], search["row"]) == ("decode only", "search only")
+    assert set(decode["ms_per_batch"]) == {"now", "before", "hf"} and set(search["ms_per_batch"]) == {"now", "before"}
+    assert all(v > 0 for r in (decode, search) for v in (*r["ms_per_batch"].values(), r["before_over_now"]))
+
+
 @pytest.mark.slow
 def test_main_writes_the_json_schema_and_plot(tiny_bench, tmp_path):
     sections = ["encoder", "scaling", "e2e"]  # caption (Hugging Face): test_main_times_captions_against_hugging_face

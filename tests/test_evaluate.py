@@ -71,7 +71,8 @@ def _generated(run: Path, split: str, **generate) -> tuple[list[str], list[list[
 
 
 @pytest.mark.parametrize(
-    "split,decoding", [("val", {}), ("test", {"num_beams": 2, "max_new_tokens": 6, "length_penalty": 0.5})]
+    "split,decoding",
+    [("val", {}), ("test", {"num_beams": 2, "max_new_tokens": 6, "length_penalty": 0.5, "early_stopping": "never"})],
 )
 def test_eval_captions_on_the_run_split_match_the_oracle(caption_run, split, decoding, tmp_path, capsys):
     run, _ = caption_run
@@ -88,7 +89,8 @@ def test_eval_captions_on_the_run_split_match_the_oracle(caption_run, split, dec
         str(run),
         None,
     )
-    assert report["decoding"] == {"num_beams": 1, "max_new_tokens": 23, "length_penalty": 1.0, **decoding}
+    defaults = {"num_beams": 1, "max_new_tokens": 23, "length_penalty": 1.0, "early_stopping": False}
+    assert report["decoding"] == {**defaults, **decoding}
     assert set(report["metrics"]) == CAPTION_KEYS | {"exact_match"}
     captions, references = _generated(run, split, **decoding)
     expected = {

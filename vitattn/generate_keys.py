@@ -5,6 +5,7 @@ Kept apart from the model so that a command line can be checked without importin
 
 __all__ = ["GENERATE_KEYS", "SAMPLING_KEYS", "SEARCH_KEYS"]
 
-SEARCH_KEYS = ("num_beams", "max_new_tokens", "length_penalty")  # deterministic: greedy or beam search
+# deterministic: greedy or beam search
+SEARCH_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "early_stopping")
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p")
 GENERATE_KEYS = SEARCH_KEYS + SAMPLING_KEYS

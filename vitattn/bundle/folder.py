@@ -311,10 +311,11 @@ def finish_bundle(bundle: Bundle, device: str | torch.device, where: str | os.Pa
         )
     if bundle.vocab is not None:
         decoder, vocab = bundle.model.decoder, bundle.vocab
-        if (decoder.pad_id, decoder.bos_id, decoder.eos_id) != (vocab.pad_id, vocab.bos_id, vocab.eos_id):
+        ids = (decoder.pad_id, decoder.bos_id, decoder.eos_id, decoder.unk_id)
+        if ids != (vocab.pad_id, vocab.bos_id, vocab.eos_id, vocab.unk_id):
             raise ValueError(
-                f"{where}: the decoder's pad, bos and eos ids {(decoder.pad_id, decoder.bos_id, decoder.eos_id)} "
-                f"are not the vocabulary's {(vocab.pad_id, vocab.bos_id, vocab.eos_id)}"
+                f"{where}: the decoder's pad, bos, eos and unk ids {ids} "
+                f"are not the vocabulary's {(vocab.pad_id, vocab.bos_id, vocab.eos_id, vocab.unk_id)}"
             )
     if bundle.class_names is not None and len(bundle.class_names) != bundle.model.num_classes:
         raise ValueError(f"{where}: {len(bundle.class_names)} class_names for num_classes={bundle.model.num_classes}")

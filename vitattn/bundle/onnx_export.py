@@ -190,7 +190,8 @@ def _export_captioner(model: ImageCaptioner, images: Tensor, folder: Path, preci
         {"tokens": {0: "batch"}, "logits": {0: "batch"}, **past_axes, **present_axes, **cross_axes},
     )
     sizes = dict(depth=L, num_heads=H, head_dim=d, max_len=dec.max_len, vocab_size=dec.vocab_size)
-    return {"decoder": {**sizes, "pad_id": dec.pad_id, "bos_id": dec.bos_id, "eos_id": dec.eos_id}}
+    ids = dict(pad_id=dec.pad_id, bos_id=dec.bos_id, eos_id=dec.eos_id, unk_id=dec.unk_id)
+    return {"decoder": {**sizes, **ids}}
 
 
 def _export(

@@ -9,11 +9,13 @@ classification folder holds ``classifier.onnx`` (images -> logits)::
     {"format": "vitattn-onnx", "version": 2, "runtime": "onnx", "task": "caption", "precision": "fp32",
      "preprocess": {...}, "generate": {"num_beams": 3}, "vocab_file": "vocab.json",
      "decoder": {"depth": 2, "num_heads": 4, "head_dim": 64, "max_len": 32, "vocab_size": 5000,
-                 "pad_id": 0, "bos_id": 1, "eos_id": 2},
+                 "pad_id": 0, "bos_id": 1, "eos_id": 2, "unk_id": 3},
      "graphs": {"encoder": {"file": "encoder.onnx", "sha256": "..."}, "decoder_step": {...}},
      "model": {...}, "vitattn_version": "0.1.0", "opset": 17}
 
 Each graph's SHA-256 is checked before ONNX Runtime reads it: a graph changed after export is refused.
+``decoder.unk_id`` (null: a vocabulary without an unknown token) is optional: a folder written before it
+was added takes its vocabulary's.
 """
 
 from __future__ import annotations
@@ -118,6 +120,9 @@ def check_onnx_config(directory: Path) -> dict[str, Any]:
         bad = [k for k in DECODER_KEYS if not isinstance((decoder or {}).get(k), int) or decoder[k] < 0]
         if not isinstance(decoder, Mapping) or bad:
             raise ValueError(f"{where}: decoder needs non-negative integers {list(DECODER_KEYS)}; {bad} are not")
+        unk = decoder.get("unk_id")
+        if unk is not None and (not isinstance(unk, int) or isinstance(unk, bool) or unk < 0):
+            raise ValueError(f"{where}: decoder.unk_id={brief(unk)} must be a non-negative integer or null")
         if not isinstance(config.get("generate", {}), Mapping):
             raise ValueError(f"{where}: 'generate' must be a mapping of generate() keyword arguments")
     graphs = config.get("graphs")

@@ -46,7 +46,12 @@ class CaptionNetwork(Protocol):
         ...
 
     def check_generate(
-        self, max_new_tokens: int | None = None, num_beams: int = 1, do_sample: bool = False, temperature: float = 1.0
+        self,
+        max_new_tokens: int | None = None,
+        num_beams: int = 1,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        early_stopping: bool | str = False,
     ) -> int:
         """Refuse settings the model cannot decode with; returns the ``max_new_tokens`` it will use."""
         ...

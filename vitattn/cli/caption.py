@@ -5,6 +5,7 @@ Usage::
     vitattn-caption model=PATH images=INPUT out=FILE [image_dir=DIR] [format=jsonl|coco|csv]
     vitattn-caption model=PATH shards='DIR/{00000..00999}.tar' out=OUTDIR [format=jsonl|parquet]
         [batch_size=32] [num_workers=2] [num_beams=N] [max_new_tokens=N] [length_penalty=X]
+        [early_stopping=true|false|never]
         [do_sample=true temperature=X top_k=N top_p=X] [seed=N] [device=auto|cpu|cuda]
         [attention_maps=DIR] [progress=true] [num_threads=N]
         [devices=N num_nodes=M accelerator=auto|cpu|gpu]
@@ -59,6 +60,7 @@ class CaptionConfig:
     num_beams: int | None = None
     max_new_tokens: int | None = None
     length_penalty: float | None = None
+    early_stopping: bool | str | None = None  # Hugging Face's: true, false or never
     do_sample: bool | None = None
     temperature: float | None = None
     top_k: int | None = None

@@ -5,7 +5,7 @@ Usage::
     vitattn-eval model=PATH [split=val|test] [out=DIR] [batch_size=32] [num_workers=2]
         [device=auto|cpu|cuda] [progress=true]
       captions:       [references=COCO_JSON [image_dir=DIR]] [predictions=FILE]
-                      [num_beams=N] [max_new_tokens=N] [length_penalty=X]
+                      [num_beams=N] [max_new_tokens=N] [length_penalty=X] [early_stopping=true|false|never]
       classification: [data_root=DIR]
 
 ``model`` is a training run folder, a ``.ckpt`` or a bundle. Captions are generated on the split
@@ -55,6 +55,7 @@ class EvalConfig:
     num_beams: int | None = None
     max_new_tokens: int | None = None
     length_penalty: float | None = None
+    early_stopping: bool | str | None = None  # Hugging Face's: true, false or never
     batch_size: int = 32
     num_workers: int = 2
     out: str | None = None

@@ -4,7 +4,8 @@ Usage::
 
     vitattn-serve model=PATH [port=8000] [host=127.0.0.1] [accelerator=auto|cpu|cuda] [devices=auto|N]
         [workers_per_device=1] [max_batch_size=8] [batch_timeout=0.05] [max_image_bytes=20000000]
-        [timeout=60] [num_beams=N] [max_new_tokens=N] [length_penalty=X] [num_threads=N]
+        [timeout=60] [num_beams=N] [max_new_tokens=N] [length_penalty=X] [early_stopping=true|false|never]
+        [num_threads=N]
 
 ``model`` is a bundle folder, a training run folder, a ``.ckpt`` or an ONNX folder (``vitattn-export
 format=onnx``, run by ONNX Runtime). Endpoints:
@@ -59,6 +60,7 @@ class ServeConfig:
     num_beams: int | None = None
     max_new_tokens: int | None = None
     length_penalty: float | None = None
+    early_stopping: bool | str | None = None  # Hugging Face's: true, false or never
     num_threads: int | None = None
 
 

@@ -12,6 +12,7 @@ search loops (``vitattn.models.search``); only the step differs: ``OnnxDecoderSt
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -78,14 +79,14 @@ class OnnxCaptioner(CaptionSearch):
     Args:
         encoder: ``encoder.onnx``'s session.
         step: ``decoder_step.onnx``'s session.
-        decoder: ``onnx.json``'s ``decoder`` sizes and special ids.
+        decoder: ``onnx.json``'s ``decoder`` sizes and special ids (``unk_id`` optional).
     """
 
     def __init__(self, encoder: Any, step: Any, decoder: Mapping[str, int]) -> None:
         self.encoder_session, self.step_session = encoder, step
         self.max_len = decoder["max_len"]
         self.vocab_size = decoder["vocab_size"]
-        self.special_ids = SpecialIds(decoder["pad_id"], decoder["bos_id"], decoder["eos_id"])
+        self.special_ids = SpecialIds(decoder["pad_id"], decoder["bos_id"], decoder["eos_id"], decoder.get("unk_id"))
 
     def encode(self, images: Tensor) -> list[np.ndarray]:
         """(B, C, height, width) -> 2L arrays: each decoder layer's cross-attention keys (B, H, d, N) and values
@@ -190,15 +191,15 @@ def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Onn
             raise ValueError(f"{directory / ONNX_CONFIG_FILE} has no 'class_names' list of strings")
         model = OnnxClassifier(sessions["classifier"], len(names))
         return OnnxModel(model, "classification", preprocess, config, None, names, generate)
-    decoder = config["decoder"]
     name = config.get("vocab_file", VOCAB_FILE)
     if not isinstance(name, str) or Path(name).name != name or not name:
         raise ValueError(
             f"{directory / ONNX_CONFIG_FILE} has vocab_file={brief(name)}; it must be a file name inside the folder"
         )
     vocab = load_tokenizer(directory / name)
-    ids = (vocab.pad_id, vocab.bos_id, vocab.eos_id)
-    if len(vocab) != decoder["vocab_size"] or ids != (decoder["pad_id"], decoder["bos_id"], decoder["eos_id"]):
+    decoder = {"unk_id": vocab.unk_id, **config["decoder"]}  # a folder written before unk_id: its vocabulary's
+    ids = (vocab.pad_id, vocab.bos_id, vocab.eos_id, vocab.unk_id)
+    if len(vocab) != decoder["vocab_size"] or ids != tuple(decoder[f"{k}_id"] for k in ("pad", "bos", "eos", "unk")):
         raise ValueError(
             f"{directory}: the tokenizer {name} ({len(vocab)} tokens, special ids {ids}) does not fit the decoder "
             f"(vocab_size={decoder['vocab_size']}); export the folder again"
@@ -206,7 +207,7 @@ def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Onn
     model = OnnxCaptioner(sessions["encoder"], sessions["decoder_step"], decoder)
     try:
         model.check_generate(
-            **{k: v for k, v in generate.items() if k in ("max_new_tokens", "num_beams", "do_sample", "temperature")}
+            **{k: v for k, v in generate.items() if k in inspect.signature(model.check_generate).parameters}
         )
     except (TypeError, ValueError) as err:
         raise ValueError(f"{directory / ONNX_CONFIG_FILE}: generate: {first_line(err)}") from None

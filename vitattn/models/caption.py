@@ -38,7 +38,8 @@ class CaptionDecoder(nn.Module):
         attn_drop_rate: dropout on attention weights.
         norm_first: pre-norm layers (with a final LayerNorm) or post-norm.
         activation: ``relu`` or ``gelu``.
-        pad_id, bos_id, eos_id: special token ids.
+        pad_id, bos_id, eos_id, unk_id: special token ids (the defaults are ``Vocabulary``'s); ``unk_id``
+            None: a vocabulary without an unknown token. The search never generates ``<unk>``.
         fused_attn: fused attention kernels when weights are not asked for.
         tie_embeddings: the output projection is the token embedding (GPT-2's choice, fewer parameters);
             false gives it its own weight and bias (the training configs' default: it learns faster from
@@ -65,6 +66,7 @@ class CaptionDecoder(nn.Module):
         pad_id: int = 0,
         bos_id: int = 1,
         eos_id: int = 2,
+        unk_id: int | None = 3,
         fused_attn: bool = True,
         tie_embeddings: bool = True,
         init: str = "timm",
@@ -75,11 +77,11 @@ class CaptionDecoder(nn.Module):
         check_heads(num_heads, embed_dim)
         if init not in ("timm", "torch"):
             raise ValueError(f"init={init!r} is unknown; choose timm or torch")
-        if vocab_size <= max(pad_id, bos_id, eos_id):
+        if vocab_size <= max(pad_id, bos_id, eos_id, -1 if unk_id is None else unk_id):
             raise ValueError(f"vocab_size={vocab_size} must exceed the special token ids")
         self.config = config
         self.vocab_size, self.max_len = vocab_size, max_len
-        self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = pad_id, bos_id, eos_id, unk_id
         memory_dim = memory_dim or embed_dim
         self.memory_proj = nn.Linear(memory_dim, embed_dim) if memory_dim != embed_dim else nn.Identity()
         self.token_embed = nn.Embedding(vocab_size, embed_dim, padding_idx=pad_id)
@@ -208,7 +210,8 @@ class ImageCaptioner(nn.Module, CaptionSearch):
 
     @property
     def special_ids(self) -> SpecialIds:
-        return SpecialIds(self.decoder.pad_id, self.decoder.bos_id, self.decoder.eos_id)
+        dec = self.decoder
+        return SpecialIds(dec.pad_id, dec.bos_id, dec.eos_id, dec.unk_id)
 
 
 class DecoderStep:

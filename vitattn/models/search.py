@@ -1,6 +1,8 @@
 """Greedy, sampled and beam search over a decoding step, whichever runtime computes the step.
 
 Dimension letters: B images, K beams, t positions so far, T' generated tokens, V vocabulary.
+A caption's length is its number of generated tokens, ``<eos>`` included and ``<bos>`` not (Hugging
+Face's for encoder-decoder models, whose decoder starts from one start token as ours does).
 
 A ``DecodeStep`` turns the caption so far into the next token's logits and keeps its own key/value
 cache; ``ImageCaptioner`` gives one that runs its PyTorch decoder, and the ONNX runtime one that runs
@@ -21,6 +23,7 @@ __all__ = [
     "DecodeStep",
     "SpecialIds",
     "beam_search",
+    "check_early_stopping",
     "check_search",
     "greedy_search",
     "sample_token",
@@ -41,11 +44,24 @@ class DecodeStep(Protocol):
 
 
 class SpecialIds(NamedTuple):
-    """The vocabulary's ``<pad>``, ``<bos>`` and ``<eos>`` ids."""
+    """The vocabulary's ``<pad>``, ``<bos>``, ``<eos>`` and ``<unk>`` ids; ``unk_id`` None: a vocabulary
+    without an unknown token. The search never generates ``<pad>``, ``<bos>`` or ``<unk>``."""
 
     pad_id: int
     bos_id: int
     eos_id: int
+    unk_id: int | None = None
+
+
+def check_early_stopping(early_stopping: bool | str) -> bool | str:
+    """Hugging Face's ``early_stopping``: True, False or ``"never"`` (a command line's ``true`` and ``false``
+    read as the booleans), or a one-line ``ValueError``."""
+    if isinstance(early_stopping, bool):
+        return early_stopping
+    value = early_stopping.lower() if isinstance(early_stopping, str) else None
+    if value not in ("true", "false", "never"):
+        raise ValueError(f"early_stopping={early_stopping!r} must be true, false or never")
+    return "never" if value == "never" else value == "true"
 
 
 def check_search(
@@ -54,9 +70,11 @@ def check_search(
     num_beams: int = 1,
     do_sample: bool = False,
     temperature: float = 1.0,
+    early_stopping: bool | str = False,
 ) -> int:
     """Refuse settings a decoder of ``max_len`` positions cannot decode with (a one-line ``ValueError``);
     returns ``max_new_tokens`` with None replaced by ``max_len - 1``."""
+    check_early_stopping(early_stopping)
     if max_new_tokens is None:
         max_new_tokens = max_len - 1
     if max_new_tokens + 1 > max_len:
@@ -89,11 +107,16 @@ class CaptionSearch:
         raise NotImplementedError
 
     def check_generate(
-        self, max_new_tokens: int | None = None, num_beams: int = 1, do_sample: bool = False, temperature: float = 1.0
+        self,
+        max_new_tokens: int | None = None,
+        num_beams: int = 1,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        early_stopping: bool | str = False,
     ) -> int:
         """Refuse ``generate`` settings it cannot decode with (a one-line ``ValueError``); returns
         ``max_new_tokens`` with None replaced by ``max_len - 1``."""
-        return check_search(self.max_len, max_new_tokens, num_beams, do_sample, temperature)
+        return check_search(self.max_len, max_new_tokens, num_beams, do_sample, temperature, early_stopping)
 
     @torch.no_grad()
     def generate(
@@ -102,6 +125,7 @@ class CaptionSearch:
         max_new_tokens: int | None = None,
         num_beams: int = 1,
         length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
         do_sample: bool = False,
         temperature: float = 1.0,
         top_k: int = 0,
@@ -115,7 +139,9 @@ class CaptionSearch:
             images: (B, C, height, width).
             max_new_tokens: most tokens per caption, ``<eos>`` included; None: ``max_len - 1``.
             num_beams: beam width; 1 is greedy (or sampling with ``do_sample``).
-            length_penalty: beams are ranked by ``log p / length ** length_penalty``.
+            length_penalty: finished captions are ranked by ``log p / length ** length_penalty``.
+            early_stopping: when a beam search ends (Hugging Face's: True, False or ``"never"``; see
+                ``beam_search``).
             do_sample: sample instead of taking the most likely token (``num_beams`` must be 1).
             temperature, top_k, top_p: sampling filters (``top_k=0`` and ``top_p=1`` keep all).
             use_cache: incremental decoding with the key/value cache; False recomputes every step.
@@ -125,10 +151,12 @@ class CaptionSearch:
             (B, T') token ids without ``<bos>``, ending in ``<eos>`` and padded with ``<pad>``;
             T' ≤ ``max_new_tokens``.
         """
-        max_new_tokens = self.check_generate(max_new_tokens, num_beams, do_sample, temperature)
+        max_new_tokens = self.check_generate(max_new_tokens, num_beams, do_sample, temperature, early_stopping)
         step, B, device = self.start_search(images, max_new_tokens, num_beams, use_cache)
         if num_beams > 1:
-            return beam_search(step, B, max_new_tokens, num_beams, self.special_ids, length_penalty, device)
+            return beam_search(
+                step, B, max_new_tokens, num_beams, self.special_ids, length_penalty, early_stopping, device
+            )
         sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator) if do_sample else None
         return greedy_search(step, B, max_new_tokens, self.special_ids, device, sample)
 
@@ -147,11 +175,13 @@ def sequence_log_prob(step: DecodeStep, generated: Tensor, ids: SpecialIds) -> T
 
 
 def _next_logits(step: DecodeStep, tokens: Tensor, ids: SpecialIds) -> Tensor:
-    """(B, V) fp32 logits of the next token, ``<pad>`` and ``<bos>`` banned (they are never generated)."""
+    """(B, V) fp32 logits of the next token, ``<pad>``, ``<bos>`` and ``<unk>`` banned (never generated)."""
     logits = step(tokens).float()  # a no-op (no copy) when already fp32
     # scalar indices: no index tensor is built (and copied to the GPU) per step
     logits[:, ids.pad_id] = float("-inf")
     logits[:, ids.bos_id] = float("-inf")
+    if ids.unk_id is not None:
+        logits[:, ids.unk_id] = float("-inf")
     return logits
 
 
@@ -191,43 +221,74 @@ def beam_search(
     num_beams: int,
     ids: SpecialIds,
     length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
     device: torch.device | str = "cpu",
 ) -> Tensor:
-    """Beam search; ``step`` sees B * K rows, the K beams of each image consecutive.
+    """Hugging Face's beam search (``generate(num_beams=K)``); ``step`` sees B * K rows, the K beams of each
+    image consecutive.
+
+    Each step extends the K live beams of an image and keeps its 2K best candidates. Those among the first
+    K that end in ``<eos>`` (at the last step, all of the first K) join the image's finished captions, scored
+    ``log p / length ** length_penalty``, of which it keeps the K best; the K best candidates that do not end
+    live on. An image takes no more finished captions once it has K and ``early_stopping`` says no live
+    beam can beat them: True, at once; False, when the best live beam scored at its current length
+    does not (Hugging Face's heuristic: a live beam may still gain from length when length_penalty > 0);
+    ``"never"``, when it does not at any length (scored at ``max_new_tokens`` when length_penalty > 0: a
+    true bound). The search stops when every image is so done, or after ``max_new_tokens``; the one host
+    sync a step is that test.
 
     Returns:
-        (B, T') the best beam of each image, ranked by ``log p / length ** length_penalty``.
+        (B, T') each image's best finished caption, ending in ``<eos>`` (unless cut at ``max_new_tokens``)
+        and padded with ``<pad>``.
     """
-    B, K = batch_size, num_beams
-    tokens = torch.full((B * K, 1), ids.bos_id, dtype=torch.long, device=device)
-    scores = torch.zeros(B, K, dtype=torch.float, device=device)
-    scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
-    scores = scores.view(-1)  # (B*K,)
-    finished = torch.zeros(B * K, dtype=torch.bool, device=device)
+    early_stopping = check_early_stopping(early_stopping)
+    B, K, T = batch_size, num_beams, max_new_tokens
+    inf = float("-inf")
+    # every column allocated once; step i writes column i + 1 of the candidates
+    live = torch.full((B, K, 1 + T), ids.pad_id, dtype=torch.long, device=device)  # (B, K, 1 + T')
+    live[:, :, 0] = ids.bos_id
+    live_scores = torch.full((B, K), inf, device=device)
+    live_scores[:, 0] = 0.0  # all beams start identical: expand only the first
+    done = live.clone()  # (B, K, 1 + T') finished captions, best first
+    done_scores = torch.full((B, K), inf, device=device)  # -inf: an empty slot
+    closed = torch.zeros(B, dtype=torch.bool, device=device)  # images that take no more finished captions
     offsets = torch.arange(B, device=device)[:, None] * K  # (B, 1)
-    for _ in range(max_new_tokens):
-        logp = _next_logits(step, tokens, ids).log_softmax(-1)  # (B*K, V)
+    first_k = torch.arange(2 * K, device=device) < K  # (2K,) only the first K candidates may finish
+    for i in range(T):
+        logp = _next_logits(step, live.view(B * K, 1 + T)[:, : i + 1], ids).log_softmax(-1)  # (B*K, V)
         V = logp.shape[-1]
-        # A finished beam continues only with <pad>, at no cost, so its score stays as it was: its
-        # row starts from -inf (one pass over the (B*K, V) candidates, the same pass that adds the
-        # scores) and its <pad> column is set back. (No boolean indexing: it finds rows with a device sync.)
-        cand = scores.masked_fill(finished, float("-inf"))[:, None] + logp  # (B*K, V)
-        cand[:, ids.pad_id] = torch.where(finished, scores, cand[:, ids.pad_id])
-        cand = cand.view(B, K * V)
-        top_scores, top_idx = cand.topk(K, dim=1)  # (B, K)
-        src = (offsets + top_idx // V).view(-1)  # (B*K,) beam each new one extends
-        nxt = (top_idx % V).view(-1)
-        tokens = torch.cat([tokens.index_select(0, src), nxt[:, None]], dim=1)
-        finished = finished.index_select(0, src) | (nxt == ids.eos_id)
-        scores = top_scores.view(-1)
-        step.reorder(src)
-        if bool(finished.all()):
+        cand = (live_scores.view(B * K, 1) + logp).view(B, K * V)
+        cand_scores, cand_idx = cand.topk(2 * K, dim=1)  # (B, 2K), best first
+        beam = cand_idx // V  # (B, 2K) the live beam each candidate extends
+        cand_tokens = live.gather(1, beam[:, :, None].expand(B, 2 * K, 1 + T))  # (B, 2K, 1 + T')
+        cand_tokens[:, :, i + 1] = cand_idx % V
+        last = i == T - 1
+        ends = cand_tokens[:, :, i + 1] == ids.eos_id if not last else torch.ones_like(first_k)  # (B, 2K)
+        finished = ends & first_k & ~closed[:, None]  # (B, 2K)
+        scored = (cand_scores / (i + 1) ** length_penalty).masked_fill(~finished, inf)
+        done_scores, pick = torch.cat([done_scores, scored], dim=1).topk(K, dim=1)  # (B, K) of 3K
+        done = torch.cat([done, cand_tokens], dim=1).gather(1, pick[:, :, None].expand(B, K, 1 + T))
+        if last:
             break
-    generated = tokens[:, 1:]  # (B*K, T')
-    lengths = (generated != ids.pad_id).sum(dim=1).clamp(min=1).float()
-    ranked = (scores / lengths**length_penalty).view(B, K)
-    best = offsets.squeeze(1) + ranked.argmax(dim=1)  # (B,)
-    return _trim(generated.index_select(0, best), ids.pad_id)
+        live_scores, keep = cand_scores.masked_fill(ends, inf).topk(K, dim=1)  # (B, K) of 2K
+        live = cand_tokens.gather(1, keep[:, :, None].expand(B, K, 1 + T))
+        step.reorder((offsets + beam.gather(1, keep)).view(-1))  # (B*K,) the rows the live beams extend
+        closed |= _closed(live_scores, done_scores, early_stopping, length_penalty, i + 1, T)
+        if bool(closed.all()):
+            break
+    return _trim(done[:, 0, 1:], ids.pad_id)
+
+
+def _closed(
+    live_scores: Tensor, done_scores: Tensor, early_stopping: bool | str, length_penalty: float, length: int, T: int
+) -> Tensor:
+    """(B,) images whose K finished captions (B, K) no live beam (B, K) can beat, as ``early_stopping`` judges
+    (Hugging Face's ``_check_early_stop_heuristic``), ``length`` tokens generated of at most T."""
+    full = done_scores[:, -1] > float("-inf")  # K finished: the worst of them is finite
+    if early_stopping is True:
+        return full
+    longest = T if early_stopping == "never" and length_penalty > 0 else length
+    return full & (live_scores[:, 0] / longest**length_penalty <= done_scores[:, -1])
 
 
 def sample_token(

@@ -32,6 +32,7 @@ def model_config_from(cfg: DictConfig, datamodule: Any) -> dict[str, Any]:
         pad_id=vocab.pad_id,
         bos_id=vocab.bos_id,
         eos_id=vocab.eos_id,
+        unk_id=vocab.unk_id,
     )
     return {"encoder": {**encoder, "num_classes": 0}, "decoder": decoder}
 
