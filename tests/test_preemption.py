@@ -48,6 +48,44 @@ def _step(checkpoint: Path) -> int:
     return torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"]
 
 
+# The file loggers and MLflow, for the commands below: CSV rows on disk at each step; no validation pictures
+# (a matplotlib figure for each logger at each validation; tests/test_loggers.py keeps TensorBoard's).
+LOGGERS = [
+    "logger=[csv,tensorboard,mlflow]",
+    "+logger.csv.flush_logs_every_n_steps=1",
+    "+callbacks.validation_pictures.enabled=false",
+]
+
+
+def _logged(run_dir: Path, runs: Path) -> dict[str, dict[str, list[int]]]:
+    """The steps of ``train/loss`` and ``val/loss`` that each logger holds, each read back with its own reader:
+    the CSV file, the TensorBoard folder by ``EventAccumulator`` (which applies ``purge_step``), the MLflow store
+    (whose experiment must hold the one run)."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    client = MlflowClient(f"sqlite:///{runs}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("classification").experiment_id])
+    assert (run_dir / "mlflow_run_id.txt").read_text().strip() == run.info.run_id
+    keys, history = {"train": "train/loss", "val": "val/loss"}, client.get_metric_history
+    return {
+        "csv": {k: [int(row["step"]) for row in rows if row.get(key)] for k, key in keys.items()},
+        "tensorboard": {k: [e.step for e in events.Scalars(key)] for k, key in keys.items()},
+        "mlflow": {k: sorted(m.step for m in history(run.info.run_id, key)) for k, key in keys.items()},
+    }
+
+
+def _assert_each_step_once(run_dir: Path, runs: Path, end: int) -> None:
+    """Every training step from 0 to ``end - 1`` logged once in each logger, and each validation (every 4 steps,
+    logged at the step it follows) once."""
+    logged = _logged(run_dir, runs)
+    for name, steps in logged.items():
+        assert steps == {"train": list(range(end)), "val": list(range(3, end, 4))}, name
+
+
 def _preempted_train(run_dir: Path, signame: str, where: str, step: int, overrides: list[str]) -> dict:
     """tests/preempted_train.py in a subprocess: ``signame`` during training step ``step`` (``where="train"``)
     or the first test batch (``where="test"``) goes to that process, never to pytest's."""
@@ -77,7 +115,7 @@ def test_sigusr1_stops_after_the_step_and_resume_auto_repeats_none(signalled_ste
     assert result.global_step == 12 and _step(last) == 12
     assert result.steps_per_second > 0  # over this start's steps, though the run rewrote last.ckpt
     assert not list(last.parent.glob("last-v*.ckpt"))  # the resumed run updates last.ckpt, not a copy beside it
-    assert _train_steps(tmp_path) == list(range(signalled_step + 1, 12))  # the CSV logger starts a new file
+    assert _train_steps(tmp_path) == list(range(12))  # the CSV logger continues the file
 
 
 def test_sigterm_while_testing_after_training_is_a_preemption_not_a_success(tmp_path):
@@ -108,7 +146,7 @@ def test_on_slurm_sigusr1_stops_then_lightning_requeues_the_job(tmp_path, monkey
     assert _step(hpc) == _step(run_dir / "checkpoints" / "last.ckpt") == 6
 
     result = train(compose_train(STEPS_12, run_dir))  # the requeued job: the same command, the same folder
-    assert result.global_step == 12 and _train_steps(run_dir) == list(range(6, 12))
+    assert result.global_step == 12 and _train_steps(run_dir) == list(range(12))
 
 
 def test_no_preemption_checkpoint_when_checkpointing_is_off(tmp_path):
@@ -153,15 +191,16 @@ DDP_CPU = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [[], DDP_CPU], ids=["one-process", "ddp-two-processes"])
-def test_sigterm_to_vitattn_train_then_resume_auto_repeats_no_step(processes, tmp_path):
-    run_dir = tmp_path / "run"
+def test_sigterm_to_vitattn_train_then_resume_auto_repeats_no_step_and_keeps_every_log(processes, tmp_path):
+    run_dir, runs = tmp_path / "run", tmp_path / "runs"
     command = [
         str(console_script("vitattn-train")),
         *processes,
         *RUN,
         "trainer.max_steps=40",
         "callbacks.step_checkpoint.every_n_train_steps=40",
-        "+logger.csv.flush_logs_every_n_steps=1",  # rows on disk at each step
+        *LOGGERS,
+        f"paths.runs_dir={runs}",
         f"hydra.run.dir={run_dir}",
     ]
     with open(tmp_path / "first.log", "w") as log:
@@ -185,12 +224,50 @@ def test_sigterm_to_vitattn_train_then_resume_auto_repeats_no_step(processes, tm
 
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    after = _train_steps(run_dir)
-    assert after == list(range(saved, 40))  # continues exactly at the checkpoint: no step repeated, none lost
+    assert f"resume=auto: continuing from {run_dir / 'checkpoints' / 'last.ckpt'} (step {saved})" in proc.stdout
+    _assert_each_step_once(run_dir, runs, 40)  # what was logged before the signal kept, each step once
     assert _step(run_dir / "checkpoints" / "last.ckpt") == 40
     speed = re.search(r"^speed: +([0-9.]+) steps/s \(training with its validations\)$", proc.stdout, re.MULTILINE)
     assert speed and float(speed.group(1)) > 0, proc.stdout[-2000:]  # the summary's rate, of this start's steps
-    print(f"SIGTERM after {len(before)} steps; resumed at step {after[0]}: {len(before) - after[0]} steps repeated")
+    print(f"SIGTERM after {len(before)} steps, resumed at step {saved}; logged:", _logged(run_dir, runs))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [[], DDP_CPU], ids=["one-process", "ddp-two-processes"])
+def test_kill_9_then_resume_auto_keeps_each_logged_step_once(processes, tmp_path):
+    run_dir, runs = tmp_path / "run", tmp_path / "runs"
+    command = [
+        str(console_script("vitattn-train")),
+        *processes,
+        *RUN,
+        "trainer.max_steps=40",
+        "callbacks.step_checkpoint.every_n_train_steps=5",
+        *LOGGERS,
+        f"paths.runs_dir={runs}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    with open(tmp_path / "first.log", "w") as log:
+        # its own process group: kill -9 takes every process of the run, as a lost machine would
+        proc = subprocess.Popen(command, stdout=log, stderr=log, env=ENV, cwd=tmp_path, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            if last.is_file() and len(_train_steps(run_dir)) >= _step(last) + 3:  # steps logged past the checkpoint
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    saved = _step(last)
+    killed = _logged(run_dir, runs)
+    for name, steps in killed.items():  # each logger holds steps that the resumed run logs again
+        assert max(steps["train"]) >= saved, (name, saved, steps)
+
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resume=auto: continuing from {last} (step {saved})" in proc.stdout
+    _assert_each_step_once(run_dir, runs, 40)  # those steps once, from the resumed run; the steps before it kept
+    print(f"kill -9 after {len(killed['csv']['train'])} steps, resumed at {saved}; logged:", _logged(run_dir, runs))
 
 
 def _workers(launcher: int) -> dict[int, int]:
@@ -216,7 +293,8 @@ def test_torchrun_restarts_the_group_after_a_rank_is_killed_and_training_continu
         *["-m", "vitattn.cli.train", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"],
         *["trainer.precision=32-true", "trainer.benchmark=false", *RUN, "trainer.max_steps=40"],
         "callbacks.step_checkpoint.every_n_train_steps=5",
-        "+logger.csv.flush_logs_every_n_steps=1",
+        *LOGGERS,
+        f"paths.runs_dir={tmp_path / 'runs'}",
         f"hydra.run.dir={run_dir}",
     ]
     last = run_dir / "checkpoints" / "last.ckpt"
@@ -238,7 +316,8 @@ def test_torchrun_restarts_the_group_after_a_rank_is_killed_and_training_continu
     output = (tmp_path / "torchrun.log").read_text()
     assert proc.returncode == 0, output[-3000:]
     assert _step(last) == 40
-    after = _train_steps(run_dir)  # the restarted group's steps (its CSV logger starts a new file)
-    assert after == list(range(after[0], 40)) and 5 <= after[0] <= done and after[0] % 5 == 0  # from a step checkpoint
+    (resumed,) = {int(step) for step in re.findall(r"resume=auto: continuing from \S+ \(step (\d+)\)", output)}
+    assert 5 <= resumed <= done and resumed % 5 == 0  # the restarted group, from a step checkpoint
+    _assert_each_step_once(run_dir, tmp_path / "runs", 40)  # the first group's steps before it kept
     assert output.count("run directory:") == 1  # one summary: the restarted group's rank 0
-    print(f"rank 1 killed after {done} steps; the restarted group resumed at step {after[0]}")
+    print(f"rank 1 killed after {done} steps; the restarted group resumed at step {resumed}")

@@ -7,6 +7,8 @@ A run folder (``runs/<task>/<date>_<time>/``, Hydra's ``hydra.run.dir``) holds::
     vocab.json              the caption vocabulary (caption runs)
     checkpoints/last.ckpt   the latest checkpoint; best.ckpt (by head.monitor) and step checkpoints beside it
     bundle/                 the exported model (``vitattn.bundle``)
+    mlflow_run_id.txt       the MLflow run its logs go to (logger=mlflow), continued when the run resumes
+    wandb_run_id.txt        the Weights & Biases run id (logger=wandb), likewise
 """
 
 from __future__ import annotations
@@ -70,6 +72,16 @@ class RunDir:
     def bundle(self) -> Path:
         """The exported model folder."""
         return self.path / "bundle"
+
+    @property
+    def mlflow_run_id(self) -> Path:
+        """The id of the MLflow run the training logs to: a resumed run logs to the same MLflow run."""
+        return self.path / "mlflow_run_id.txt"
+
+    @property
+    def wandb_run_id(self) -> Path:
+        """The id of the Weights & Biases run the training logs to: a resumed run continues it."""
+        return self.path / "wandb_run_id.txt"
 
     def is_run(self) -> bool:
         """The folder holds a training config."""

@@ -32,6 +32,7 @@ from vitattn.training.checkpoint_io import AtomicCheckpointIO
 from vitattn.training.compile import should_compile
 from vitattn.training.data import setup_data
 from vitattn.training.groups import instantiate_group
+from vitattn.training.loggers import build_loggers
 from vitattn.training.resources import plan_cores
 
 __all__ = ["TrainResult", "train"]
@@ -73,6 +74,7 @@ def train(cfg: DictConfig) -> TrainResult:
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = hydra.utils.instantiate(cfg.data)
     ckpt_path = _resume_checkpoint(cfg)
+    first_step = _checkpoint_step(ckpt_path) if ckpt_path else 0
     setup_data(cfg, datamodule, ckpt_path)  # empty data, wrong vocabulary: one line, no step run
     plan_cores(cfg, datamodule)
     if rank_zero_only.rank == 0:
@@ -80,18 +82,17 @@ def train(cfg: DictConfig) -> TrainResult:
     system = build_system(cfg, datamodule)
     if should_compile(cfg):
         system.model.compile()  # in place: parameter names (checkpoints, bundles) stay as they are
+    # A resumed run, or a resume=auto start, continues the logs of the folder's run from its first step.
+    log_from = first_step if ckpt_path or cfg.resume == "auto" else None
 
     trainer: pl.Trainer = hydra.utils.instantiate(
         cfg.trainer,
         callbacks=instantiate_group(cfg.get("callbacks")),
-        logger=instantiate_group(cfg.get("logger")) or False,
+        logger=build_loggers(cfg.get("logger"), run_dir, log_from) or False,
         default_root_dir=str(run_dir),
         plugins=[AtomicCheckpointIO()],
     )
     _save_run_files(cfg, datamodule, run_dir)
-    first_step = (  # read now: the run rewrites last.ckpt
-        int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"]) if ckpt_path else 0
-    )
     started = time.monotonic()
     try:
         trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -119,6 +120,11 @@ def train(cfg: DictConfig) -> TrainResult:
     return result
 
 
+def _checkpoint_step(ckpt_path: str) -> int:
+    # read before the run starts: it rewrites last.ckpt
+    return int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+
+
 def _test(trainer: pl.Trainer, system: VisionSystem, datamodule: pl.LightningDataModule) -> dict[str, float]:
     """The test split's metrics for the weights ``system`` holds now."""
     metrics: dict[str, float] = {}
@@ -140,7 +146,8 @@ def _resume_checkpoint(cfg: DictConfig) -> str | None:
         return str(cfg.ckpt_path)
     if cfg.resume == "auto":  # the run folder's own checkpoint when it has one: a fresh start otherwise
         last = RunDir(cfg.paths.output_dir).last_checkpoint
-        log.info("resume=auto: %s", f"continuing from {last}" if last.is_file() else f"no {last}, starting afresh")
+        found = f"continuing from {last} (step {_checkpoint_step(str(last))})" if last.is_file() else None
+        log.info("resume=auto: %s", found or f"no {last}, starting afresh")
         return str(last) if last.is_file() else None
     if cfg.resume:
         return str(RunDir(cfg.resume).last_checkpoint)
