@@ -2,6 +2,7 @@
 
 import csv
 import json
+import logging
 import os
 import re
 import signal
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from tests.helpers import TINY, TINY_SHAPES, compose_train, console_script
+from vitattn.run_dir import RunDir
 from vitattn.training import train
 
 ENV_ONE_THREAD = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -86,6 +88,23 @@ def _assert_each_step_once(run_dir: Path, runs: Path, end: int) -> None:
         assert steps == {"train": list(range(end)), "val": list(range(3, end, 4))}, name
 
 
+def _files(*roots: Path) -> dict[Path, tuple[bytes, int]]:
+    """Every file under ``roots``: its bytes and modification time."""
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for root in roots for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _assert_complete_run_left_alone(command: list[str], run_dir: Path, runs: Path, cwd: Path) -> None:
+    """``command`` run again on its complete run: one line, status 0, every file as it was."""
+    before = _files(run_dir, runs)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        f"run complete: {run_dir} (step 40); no bundle (export_bundle=false); nothing to train"
+    ]
+    assert proc.stderr == ""
+    assert _files(run_dir, runs) == before  # nothing deleted, nothing written
+
+
 def _preempted_train(run_dir: Path, signame: str, where: str, step: int, overrides: list[str]) -> dict:
     """tests/preempted_train.py in a subprocess: ``signame`` during training step ``step`` (``where="train"``)
     or the first test batch (``where="test"``) goes to that process, never to pytest's."""
@@ -147,6 +166,49 @@ def test_on_slurm_sigusr1_stops_then_lightning_requeues_the_job(tmp_path, monkey
 
     result = train(compose_train(STEPS_12, run_dir))  # the requeued job: the same command, the same folder
     assert result.global_step == 12 and _train_steps(run_dir) == list(range(12))
+
+
+def test_a_complete_run_resumed_is_left_as_it_is(tmp_path, caplog):
+    run = [*RUN, "trainer.max_steps=2", "export_bundle=true"]  # resume=auto
+    first = train(compose_train(run, tmp_path))
+    files = _files(tmp_path)
+    with caplog.at_level(logging.INFO, logger="vitattn.training.run"):
+        again = train(compose_train(run, tmp_path))
+    assert again.already_complete and again.system is None  # nothing built, nothing trained
+    assert (again.global_step, again.metrics, again.weights) == (2, first.metrics, first.weights)
+    assert again.bundle_dir == first.bundle_dir == tmp_path / "bundle"
+    assert [r.getMessage() for r in caplog.records if r.name == "vitattn.training.run"] == [
+        f"run complete: {tmp_path} (step 2); bundle {tmp_path / 'bundle'}; nothing to train"
+    ]
+    assert _files(tmp_path) == files  # nothing deleted, nothing written
+
+
+@pytest.mark.parametrize("resume", ["auto", "RUN"])
+def test_vitattn_train_leaves_a_complete_run_as_it_is_before_hydra_writes_into_it(resume, tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.save_result(40, "last", {"val/loss": 1.5}, bundle=True)
+    files = _files(run.path)
+    # resume=auto names its folder; resume=RUN becomes the run's saved overrides and hydra.run.dir=RUN
+    where = ["resume=auto", f"hydra.run.dir={run.path}"] if resume == "auto" else [f"resume={run.path}"]
+    command = [sys.executable, "-m", "vitattn.cli.train", *where]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout.splitlines() == [f"run complete: {run.path} (step 40); bundle {run.bundle}; nothing to train"]
+    assert _files(run.path) == files  # no .hydra/, no log
+
+
+def test_resume_names_a_run_result_it_cannot_read(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "result.json").write_text('{"global_step": "40"}')
+    command = [sys.executable, "-m", "vitattn.cli.train", "resume=auto", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'run' / 'result.json'} is not a run result (keys global_step, weights, metrics, bundle):"
+        " move it away to run again"
+    ]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["result.json"]  # Hydra wrote nothing
 
 
 def test_no_preemption_checkpoint_when_checkpointing_is_off(tmp_path):
@@ -230,6 +292,8 @@ def test_sigterm_to_vitattn_train_then_resume_auto_repeats_no_step_and_keeps_eve
     speed = re.search(r"^speed: +([0-9.]+) steps/s \(training with its validations\)$", proc.stdout, re.MULTILINE)
     assert speed and float(speed.group(1)) > 0, proc.stdout[-2000:]  # the summary's rate, of this start's steps
     print(f"SIGTERM after {len(before)} steps, resumed at step {saved}; logged:", _logged(run_dir, runs))
+
+    _assert_complete_run_left_alone(command, run_dir, runs, tmp_path)  # the same command once more: nothing to do
 
 
 @pytest.mark.slow

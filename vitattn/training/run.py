@@ -53,6 +53,7 @@ class TrainResult:
     weights: str = "last"  # which weights were tested and exported: "last", or "best (val/cider_d 1.2 at step 800)"
     steps_per_second: float = 0.0  # optimizer steps of this run / seconds of trainer.fit (validation included)
     skipped_images: dict[str, str] = field(default_factory=dict)  # unreadable files left out (data.bad_images=skip)
+    already_complete: bool = False  # resume found the run complete: nothing trained, tested or written
 
 
 def train(cfg: DictConfig) -> TrainResult:
@@ -62,7 +63,9 @@ def train(cfg: DictConfig) -> TrainResult:
         cfg: the composed ``conf/train.yaml``; ``cfg.paths.output_dir`` is the run directory.
 
     Returns:
-        The run directory, the final validation (and test) metrics, sample captions and the bundle.
+        The run directory, the final validation (and test) metrics, sample captions and the bundle. A run that
+        ``resume`` finds complete (its ``result.json`` written) is left as it is: its saved result, with
+        ``already_complete``.
 
     Raises:
         Preempted: SIGTERM or SIGUSR1 stopped training after a whole step; ``checkpoints/last.ckpt``
@@ -71,6 +74,9 @@ def train(cfg: DictConfig) -> TrainResult:
     """
     check_config(cfg)  # every user error surfaces here, before data is read
     run_dir = Path(cfg.paths.output_dir)
+    complete = _complete_run(cfg, run_dir)
+    if complete is not None:
+        return complete
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = hydra.utils.instantiate(cfg.data)
     ckpt_path = _resume_checkpoint(cfg)
@@ -116,8 +122,28 @@ def train(cfg: DictConfig) -> TrainResult:
     )
     if cfg.export_bundle and trainer.is_global_zero:
         result.bundle_dir = _export(system, run_dir)
+    if trainer.is_global_zero:  # last: a run stopped before this point is not complete, and resumes
+        RunDir(run_dir).save_result(result.global_step, source, metrics, result.bundle_dir is not None)
     _finish_wandb_run()
     return result
+
+
+def _complete_run(cfg: DictConfig, run_dir: Path) -> TrainResult | None:
+    """The saved result when ``cfg`` resumes the run in ``run_dir`` and that run is complete; None otherwise."""
+    resumes_here = cfg.resume == "auto" or (cfg.resume and Path(cfg.resume).resolve() == run_dir.resolve())
+    run = RunDir(run_dir)
+    saved = run.load_result() if resumes_here and not cfg.ckpt_path else None
+    if saved is None:
+        return None
+    log.info(run.completion())
+    return TrainResult(
+        run_dir,
+        saved["metrics"],
+        global_step=saved["global_step"],
+        weights=saved["weights"],
+        bundle_dir=run.bundle if saved["bundle"] else None,
+        already_complete=True,
+    )
 
 
 def _checkpoint_step(ckpt_path: str) -> int:
