@@ -163,11 +163,12 @@ def test_mlflow_logger_names_a_saved_run_that_the_store_lacks(tmp_path):
 
 
 def test_wandb_logger_keeps_its_run_id_in_the_run_folder(tmp_path):
+    path = tmp_path / "run" / "wandb_run_id.txt"  # in a folder that train() creates after the loggers
+
     def logger(start_step):  # W&B starts its run at the first log: none here
-        path = str(tmp_path / "wandb_run_id.txt")
-        return ResumableWandbLogger(save_dir=tmp_path, offline=True, start_step=start_step, run_id_file=path)
+        return ResumableWandbLogger(save_dir=tmp_path, offline=True, start_step=start_step, run_id_file=str(path))
 
     first = logger(None).version
-    assert (tmp_path / "wandb_run_id.txt").read_text() == f"{first}\n" and len(first) == 8
+    assert path.read_text() == f"{first}\n" and len(first) == 8
     assert logger(RESUMED_AT).version == first  # resumed: the same run, with Lightning's resume="allow"
     assert logger(None).version != first  # a new run

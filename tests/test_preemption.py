@@ -351,6 +351,8 @@ def _workers(launcher: int) -> dict[int, int]:
 
 @pytest.mark.slow
 def test_torchrun_restarts_the_group_after_a_rank_is_killed_and_training_continues(tmp_path):
+    from mlflow.tracking import MlflowClient
+
     run_dir = tmp_path / "run"
     command = [
         *[sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=1", "--nproc-per-node=2"],
@@ -362,6 +364,10 @@ def test_torchrun_restarts_the_group_after_a_rank_is_killed_and_training_continu
         f"hydra.run.dir={run_dir}",
     ]
     last = run_dir / "checkpoints" / "last.ckpt"
+    # The MLflow store made here: torchrun starts both ranks at once, and each rank's MLFlowLogger (Lightning
+    # builds its client on every rank) would create and migrate the same new SQLite file, which fails.
+    (tmp_path / "runs").mkdir()
+    MlflowClient(f"sqlite:///{tmp_path / 'runs'}/mlflow.db")
     with open(tmp_path / "torchrun.log", "w") as log:
         # torch 2.14's torchrun hands each restarted group the store of the first one, whose gloo addresses
         # (now dead) the new ranks then try to connect to: a store per group instead

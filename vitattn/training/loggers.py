@@ -243,7 +243,7 @@ class ResumableMLFlowLogger(MLFlowLogger):
                 )
             client.update_run(self._run_id, status="RUNNING")  # not FAILED, as the stopped process left it
         elif opening and self.run_id_file:
-            atomic_write(self.run_id_file, f"{self._run_id}\n")
+            _write_id(self.run_id_file, self._run_id)
         return client
 
     @rank_zero_only
@@ -303,8 +303,13 @@ class ResumableWandbLogger(WandbLogger):
             saved = _read_id(run_id_file) if start_step is not None else None
             kwargs["id"] = saved or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
             if saved is None and rank_zero_only.rank == 0:
-                atomic_write(run_id_file, f"{kwargs['id']}\n")
+                _write_id(run_id_file, kwargs["id"])
         super().__init__(*args, **kwargs)
+
+
+def _write_id(path: str, run_id: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # train() builds the loggers before it writes the folder
+    atomic_write(path, f"{run_id}\n")
 
 
 def _read_id(path: str | None) -> str | None:
