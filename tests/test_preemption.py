@@ -2,6 +2,7 @@
 
 import csv
 import json
+import logging
 import os
 import re
 import signal
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from tests.helpers import TINY, TINY_SHAPES, compose_train, console_script
+from vitattn.run_dir import RunDir
 from vitattn.training import train
 
 ENV_ONE_THREAD = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -48,6 +50,61 @@ def _step(checkpoint: Path) -> int:
     return torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"]
 
 
+# The file loggers and MLflow, for the commands below: CSV rows on disk at each step; no validation pictures
+# (a matplotlib figure for each logger at each validation; tests/test_loggers.py keeps TensorBoard's).
+LOGGERS = [
+    "logger=[csv,tensorboard,mlflow]",
+    "+logger.csv.flush_logs_every_n_steps=1",
+    "+callbacks.validation_pictures.enabled=false",
+]
+
+
+def _logged(run_dir: Path, runs: Path) -> dict[str, dict[str, list[int]]]:
+    """The steps of ``train/loss`` and ``val/loss`` that each logger holds, each read back with its own reader:
+    the CSV file, the TensorBoard folder by ``EventAccumulator`` (which applies ``purge_step``), the MLflow store
+    (whose experiment must hold the one run)."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    client = MlflowClient(f"sqlite:///{runs}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("classification").experiment_id])
+    assert (run_dir / "mlflow_run_id.txt").read_text().strip() == run.info.run_id
+    keys, history = {"train": "train/loss", "val": "val/loss"}, client.get_metric_history
+    return {
+        "csv": {k: [int(row["step"]) for row in rows if row.get(key)] for k, key in keys.items()},
+        "tensorboard": {k: [e.step for e in events.Scalars(key)] for k, key in keys.items()},
+        "mlflow": {k: sorted(m.step for m in history(run.info.run_id, key)) for k, key in keys.items()},
+    }
+
+
+def _assert_each_step_once(run_dir: Path, runs: Path, end: int) -> None:
+    """Every training step from 0 to ``end - 1`` logged once in each logger, and each validation (every 4 steps,
+    logged at the step it follows) once."""
+    logged = _logged(run_dir, runs)
+    for name, steps in logged.items():
+        assert steps == {"train": list(range(end)), "val": list(range(3, end, 4))}, name
+
+
+def _files(*roots: Path) -> dict[Path, tuple[bytes, int]]:
+    """Every file under ``roots``: its bytes and modification time."""
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for root in roots for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _assert_complete_run_left_alone(command: list[str], run_dir: Path, runs: Path, cwd: Path) -> None:
+    """``command`` run again on its complete run: one line, status 0, every file as it was."""
+    before = _files(run_dir, runs)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        f"run complete: {run_dir} (step 40); no bundle (export_bundle=false); nothing to train"
+    ]
+    assert proc.stderr == ""
+    assert _files(run_dir, runs) == before  # nothing deleted, nothing written
+
+
 def _preempted_train(run_dir: Path, signame: str, where: str, step: int, overrides: list[str]) -> dict:
     """tests/preempted_train.py in a subprocess: ``signame`` during training step ``step`` (``where="train"``)
     or the first test batch (``where="test"``) goes to that process, never to pytest's."""
@@ -77,7 +134,7 @@ def test_sigusr1_stops_after_the_step_and_resume_auto_repeats_none(signalled_ste
     assert result.global_step == 12 and _step(last) == 12
     assert result.steps_per_second > 0  # over this start's steps, though the run rewrote last.ckpt
     assert not list(last.parent.glob("last-v*.ckpt"))  # the resumed run updates last.ckpt, not a copy beside it
-    assert _train_steps(tmp_path) == list(range(signalled_step + 1, 12))  # the CSV logger starts a new file
+    assert _train_steps(tmp_path) == list(range(12))  # the CSV logger continues the file
 
 
 def test_sigterm_while_testing_after_training_is_a_preemption_not_a_success(tmp_path):
@@ -108,7 +165,50 @@ def test_on_slurm_sigusr1_stops_then_lightning_requeues_the_job(tmp_path, monkey
     assert _step(hpc) == _step(run_dir / "checkpoints" / "last.ckpt") == 6
 
     result = train(compose_train(STEPS_12, run_dir))  # the requeued job: the same command, the same folder
-    assert result.global_step == 12 and _train_steps(run_dir) == list(range(6, 12))
+    assert result.global_step == 12 and _train_steps(run_dir) == list(range(12))
+
+
+def test_a_complete_run_resumed_is_left_as_it_is(tmp_path, caplog):
+    run = [*RUN, "trainer.max_steps=2", "export_bundle=true"]  # resume=auto
+    first = train(compose_train(run, tmp_path))
+    files = _files(tmp_path)
+    with caplog.at_level(logging.INFO, logger="vitattn.training.run"):
+        again = train(compose_train(run, tmp_path))
+    assert again.already_complete and again.system is None  # nothing built, nothing trained
+    assert (again.global_step, again.metrics, again.weights) == (2, first.metrics, first.weights)
+    assert again.bundle_dir == first.bundle_dir == tmp_path / "bundle"
+    assert [r.getMessage() for r in caplog.records if r.name == "vitattn.training.run"] == [
+        f"run complete: {tmp_path} (step 2); bundle {tmp_path / 'bundle'}; nothing to train"
+    ]
+    assert _files(tmp_path) == files  # nothing deleted, nothing written
+
+
+@pytest.mark.parametrize("resume", ["auto", "RUN"])
+def test_vitattn_train_leaves_a_complete_run_as_it_is_before_hydra_writes_into_it(resume, tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.save_result(40, "last", {"val/loss": 1.5}, bundle=True)
+    files = _files(run.path)
+    # resume=auto names its folder; resume=RUN becomes the run's saved overrides and hydra.run.dir=RUN
+    where = ["resume=auto", f"hydra.run.dir={run.path}"] if resume == "auto" else [f"resume={run.path}"]
+    command = [sys.executable, "-m", "vitattn.cli.train", *where]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout.splitlines() == [f"run complete: {run.path} (step 40); bundle {run.bundle}; nothing to train"]
+    assert _files(run.path) == files  # no .hydra/, no log
+
+
+def test_resume_names_a_run_result_it_cannot_read(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "result.json").write_text('{"global_step": "40"}')
+    command = [sys.executable, "-m", "vitattn.cli.train", "resume=auto", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'run' / 'result.json'} is not a run result (keys global_step, weights, metrics, bundle):"
+        " move it away to run again"
+    ]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["result.json"]  # Hydra wrote nothing
 
 
 def test_no_preemption_checkpoint_when_checkpointing_is_off(tmp_path):
@@ -153,15 +253,16 @@ DDP_CPU = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [[], DDP_CPU], ids=["one-process", "ddp-two-processes"])
-def test_sigterm_to_vitattn_train_then_resume_auto_repeats_no_step(processes, tmp_path):
-    run_dir = tmp_path / "run"
+def test_sigterm_to_vitattn_train_then_resume_auto_repeats_no_step_and_keeps_every_log(processes, tmp_path):
+    run_dir, runs = tmp_path / "run", tmp_path / "runs"
     command = [
         str(console_script("vitattn-train")),
         *processes,
         *RUN,
         "trainer.max_steps=40",
         "callbacks.step_checkpoint.every_n_train_steps=40",
-        "+logger.csv.flush_logs_every_n_steps=1",  # rows on disk at each step
+        *LOGGERS,
+        f"paths.runs_dir={runs}",
         f"hydra.run.dir={run_dir}",
     ]
     with open(tmp_path / "first.log", "w") as log:
@@ -185,12 +286,52 @@ def test_sigterm_to_vitattn_train_then_resume_auto_repeats_no_step(processes, tm
 
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    after = _train_steps(run_dir)
-    assert after == list(range(saved, 40))  # continues exactly at the checkpoint: no step repeated, none lost
+    assert f"resume=auto: continuing from {run_dir / 'checkpoints' / 'last.ckpt'} (step {saved})" in proc.stdout
+    _assert_each_step_once(run_dir, runs, 40)  # what was logged before the signal kept, each step once
     assert _step(run_dir / "checkpoints" / "last.ckpt") == 40
     speed = re.search(r"^speed: +([0-9.]+) steps/s \(training with its validations\)$", proc.stdout, re.MULTILINE)
     assert speed and float(speed.group(1)) > 0, proc.stdout[-2000:]  # the summary's rate, of this start's steps
-    print(f"SIGTERM after {len(before)} steps; resumed at step {after[0]}: {len(before) - after[0]} steps repeated")
+    print(f"SIGTERM after {len(before)} steps, resumed at step {saved}; logged:", _logged(run_dir, runs))
+
+    _assert_complete_run_left_alone(command, run_dir, runs, tmp_path)  # the same command once more: nothing to do
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [[], DDP_CPU], ids=["one-process", "ddp-two-processes"])
+def test_kill_9_then_resume_auto_keeps_each_logged_step_once(processes, tmp_path):
+    run_dir, runs = tmp_path / "run", tmp_path / "runs"
+    command = [
+        str(console_script("vitattn-train")),
+        *processes,
+        *RUN,
+        "trainer.max_steps=40",
+        "callbacks.step_checkpoint.every_n_train_steps=5",
+        *LOGGERS,
+        f"paths.runs_dir={runs}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    with open(tmp_path / "first.log", "w") as log:
+        # its own process group: kill -9 takes every process of the run, as a lost machine would
+        proc = subprocess.Popen(command, stdout=log, stderr=log, env=ENV, cwd=tmp_path, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            if last.is_file() and len(_train_steps(run_dir)) >= _step(last) + 3:  # steps logged past the checkpoint
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    saved = _step(last)
+    killed = _logged(run_dir, runs)
+    for name, steps in killed.items():  # each logger holds steps that the resumed run logs again
+        assert max(steps["train"]) >= saved, (name, saved, steps)
+
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resume=auto: continuing from {last} (step {saved})" in proc.stdout
+    _assert_each_step_once(run_dir, runs, 40)  # those steps once, from the resumed run; the steps before it kept
+    print(f"kill -9 after {len(killed['csv']['train'])} steps, resumed at {saved}; logged:", _logged(run_dir, runs))
 
 
 def _workers(launcher: int) -> dict[int, int]:
@@ -210,16 +351,23 @@ def _workers(launcher: int) -> dict[int, int]:
 
 @pytest.mark.slow
 def test_torchrun_restarts_the_group_after_a_rank_is_killed_and_training_continues(tmp_path):
+    from mlflow.tracking import MlflowClient
+
     run_dir = tmp_path / "run"
     command = [
         *[sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=1", "--nproc-per-node=2"],
         *["-m", "vitattn.cli.train", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"],
         *["trainer.precision=32-true", "trainer.benchmark=false", *RUN, "trainer.max_steps=40"],
         "callbacks.step_checkpoint.every_n_train_steps=5",
-        "+logger.csv.flush_logs_every_n_steps=1",
+        *LOGGERS,
+        f"paths.runs_dir={tmp_path / 'runs'}",
         f"hydra.run.dir={run_dir}",
     ]
     last = run_dir / "checkpoints" / "last.ckpt"
+    # The MLflow store made here: torchrun starts both ranks at once, and each rank's MLFlowLogger (Lightning
+    # builds its client on every rank) would create and migrate the same new SQLite file, which fails.
+    (tmp_path / "runs").mkdir()
+    MlflowClient(f"sqlite:///{tmp_path / 'runs'}/mlflow.db")
     with open(tmp_path / "torchrun.log", "w") as log:
         # torch 2.14's torchrun hands each restarted group the store of the first one, whose gloo addresses
         # (now dead) the new ranks then try to connect to: a store per group instead
@@ -238,7 +386,8 @@ def test_torchrun_restarts_the_group_after_a_rank_is_killed_and_training_continu
     output = (tmp_path / "torchrun.log").read_text()
     assert proc.returncode == 0, output[-3000:]
     assert _step(last) == 40
-    after = _train_steps(run_dir)  # the restarted group's steps (its CSV logger starts a new file)
-    assert after == list(range(after[0], 40)) and 5 <= after[0] <= done and after[0] % 5 == 0  # from a step checkpoint
+    (resumed,) = {int(step) for step in re.findall(r"resume=auto: continuing from \S+ \(step (\d+)\)", output)}
+    assert 5 <= resumed <= done and resumed % 5 == 0  # the restarted group, from a step checkpoint
+    _assert_each_step_once(run_dir, tmp_path / "runs", 40)  # the first group's steps before it kept
     assert output.count("run directory:") == 1  # one summary: the restarted group's rank 0
-    print(f"rank 1 killed after {done} steps; the restarted group resumed at step {after[0]}")
+    print(f"rank 1 killed after {done} steps; the restarted group resumed at step {resumed}")

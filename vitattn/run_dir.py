@@ -8,10 +8,14 @@ A run folder (``runs/<task>/<date>_<time>/``, Hydra's ``hydra.run.dir``) holds::
     tokenizer.json          the subword tokenizer instead (tokenizer=bpe or file), Hugging Face's format
     checkpoints/last.ckpt   the latest checkpoint; best.ckpt (by head.monitor) and step checkpoints beside it
     bundle/                 the exported model (``vitattn.bundle``)
+    result.json             written when the run completes: its last step, weights and metrics
+    mlflow_run_id.txt       the MLflow run its logs go to (logger=mlflow), continued when the run resumes
+    wandb_run_id.txt        the Weights & Biases run id (logger=wandb), likewise
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +23,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from vitattn.fileio import atomic_write
+from vitattn.fileio import atomic_write, read_json
 
 __all__ = ["TOKENIZER_FILE", "VOCAB_FILE", "RunDir"]
 
@@ -84,6 +88,21 @@ class RunDir:
         """The exported model folder."""
         return self.path / "bundle"
 
+    @property
+    def result(self) -> Path:
+        """What the run produced, written when it completes; ``resume`` leaves a run that has one as it is."""
+        return self.path / "result.json"
+
+    @property
+    def mlflow_run_id(self) -> Path:
+        """The id of the MLflow run the training logs to: a resumed run logs to the same MLflow run."""
+        return self.path / "mlflow_run_id.txt"
+
+    @property
+    def wandb_run_id(self) -> Path:
+        """The id of the Weights & Biases run the training logs to: a resumed run continues it."""
+        return self.path / "wandb_run_id.txt"
+
     def is_run(self) -> bool:
         """The folder holds a training config."""
         return self.config.is_file()
@@ -113,6 +132,31 @@ class RunDir:
     def saved_overrides(self) -> list[str]:
         """The overrides the run was started with (empty when Hydra wrote none)."""
         return [str(o) for o in OmegaConf.load(self.overrides)] if self.overrides.is_file() else []
+
+    def save_result(self, global_step: int, weights: str, metrics: dict[str, float], bundle: bool) -> None:
+        """Mark the run complete: its last step, the weights tested and exported, the final metrics, and
+        whether it exported a bundle."""
+        result = {"global_step": global_step, "weights": weights, "metrics": metrics, "bundle": bundle}
+        atomic_write(self.result, json.dumps(result, indent=2) + "\n")
+
+    def load_result(self) -> dict[str, Any] | None:
+        """What ``save_result`` wrote, or None while the run is not complete; a one-line ``ValueError`` when
+        the file is not one that it writes."""
+        if not self.result.is_file():
+            return None
+        result = read_json(self.result, "run result")
+        fields = {"global_step": int, "weights": str, "metrics": dict, "bundle": bool}
+        if not isinstance(result, dict) or any(not isinstance(result.get(k), t) for k, t in fields.items()):
+            raise ValueError(f"{self.result} is not a run result (keys {', '.join(fields)}): move it away to run again")
+        return result
+
+    def completion(self) -> str | None:
+        """The line that says the run is complete and where its bundle is; None while it is not complete."""
+        result = self.load_result()
+        if result is None:
+            return None
+        bundle = f"bundle {self.bundle}" if result["bundle"] else "no bundle (export_bundle=false)"
+        return f"run complete: {self.path} (step {result['global_step']}); {bundle}; nothing to train"
 
     def save_config(self, cfg: Any) -> None:
         """Write the resolved config (and create the folder)."""

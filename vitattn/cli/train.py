@@ -3,8 +3,9 @@
 ``resume=RUN_DIR`` continues that run in place: its saved overrides are replayed, the run directory
 is reused and training restarts from ``RUN_DIR/checkpoints/last.ckpt``. ``resume=auto`` with
 ``hydra.run.dir=DIR`` continues DIR's run when it has that checkpoint and starts afresh in DIR
-otherwise. SIGTERM or SIGUSR1 stops training after the current step with that checkpoint written,
-one line on stderr and exit status 75 (``EX_TEMPFAIL``: run the same command again).
+otherwise; either leaves a complete run (its ``result.json`` written) as it is, and says so in one line.
+SIGTERM or SIGUSR1 stops training after the current step with that checkpoint written, one line on
+stderr and exit status 75 (``EX_TEMPFAIL``: run the same command again).
 
 The task function returns the final validation value of ``optimized_metric`` (``val/loss`` when it is
 null), which is what a Hydra sweeper such as ``hparams_search=optuna`` optimises.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import hydra
@@ -88,7 +90,7 @@ def _report(result: TrainResult) -> None:
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from lightning.pytorch.utilities import rank_zero_only
 
-    if rank_zero_only.rank != 0:
+    if rank_zero_only.rank != 0 or result.already_complete:  # train() said so in one line
         return
     lines = [f"run directory: {result.run_dir}"]
     if result.bundle_dir:
@@ -114,13 +116,31 @@ def _report_preempted(stop: Preempted) -> None:
         print(f"{stop}; continue with resume={stop.checkpoint.parents[1]}", file=sys.stderr, flush=True)
 
 
+def _complete_run(argv: list[str]) -> str | None:
+    """The line that says the run ``argv`` resumes is complete, read before Hydra writes into its folder (its
+    ``.hydra/`` files and log); None when ``argv`` resumes no run or the run is not complete."""
+    if {"-m", "--multirun"} & set(argv):
+        return None
+    values = dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith(("+", "~", "-")))
+    resume, run_dir = values.get("resume"), values.get("hydra.run.dir")
+    if not resume or not run_dir or "${" in run_dir or values.get("ckpt_path", "null") != "null":
+        return None  # not resuming, an interpolated folder (train() checks it), or an explicit checkpoint
+    if resume != "auto" and Path(resume).resolve() != Path(run_dir).resolve():
+        return None
+    return RunDir(run_dir).completion()
+
+
 def main() -> None:
     defer_wandb_in_timm()  # this process only: timm's import then leaves wandb unimported (vitattn.upstream)
     sys.argv = [sys.argv[0], *_resume_argv(sys.argv[1:])]
     try:
         check_moved_keys(sys.argv[1:])
-    except ConfigError as err:
+        complete = _complete_run(sys.argv[1:])
+    except (ConfigError, ValueError) as err:
         sys.exit(report_user_error(err))
+    if complete is not None:  # nothing to train, and nothing in the run folder rewritten
+        print(complete, flush=True)
+        return
     _hydra_main()
 
 

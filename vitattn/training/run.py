@@ -33,6 +33,7 @@ from vitattn.training.checkpoint_io import AtomicCheckpointIO
 from vitattn.training.compile import should_compile
 from vitattn.training.data import setup_data
 from vitattn.training.groups import instantiate_group
+from vitattn.training.loggers import build_loggers
 from vitattn.training.pretrained import choose_preprocess, read_pretrained
 from vitattn.training.resources import plan_cores
 from vitattn.training.tokenizer import prepare_tokenizer
@@ -55,6 +56,7 @@ class TrainResult:
     weights: str = "last"  # which weights were tested and exported: "last", or "best (val/cider_d 1.2 at step 800)"
     steps_per_second: float = 0.0  # optimizer steps of this run / seconds of trainer.fit (validation included)
     skipped_images: dict[str, str] = field(default_factory=dict)  # unreadable files left out (data.bad_images=skip)
+    already_complete: bool = False  # resume found the run complete: nothing trained, tested or written
 
 
 def train(cfg: DictConfig) -> TrainResult:
@@ -64,7 +66,9 @@ def train(cfg: DictConfig) -> TrainResult:
         cfg: the composed ``conf/train.yaml``; ``cfg.paths.output_dir`` is the run directory.
 
     Returns:
-        The run directory, the final validation (and test) metrics, sample captions and the bundle.
+        The run directory, the final validation (and test) metrics, sample captions and the bundle. A run that
+        ``resume`` finds complete (its ``result.json`` written) is left as it is: its saved result, with
+        ``already_complete``.
 
     Raises:
         Preempted: SIGTERM or SIGUSR1 stopped training after a whole step; ``checkpoints/last.ckpt``
@@ -73,12 +77,16 @@ def train(cfg: DictConfig) -> TrainResult:
     """
     check_config(cfg)  # every user error surfaces here, before data is read
     run_dir = Path(cfg.paths.output_dir)
+    complete = _complete_run(cfg, run_dir)
+    if complete is not None:
+        return complete
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = hydra.utils.instantiate(cfg.data)
     pretrained = read_pretrained(cfg.finetune.pretrained) if cfg.finetune.get("pretrained") else None
     choose_preprocess(datamodule, pretrained)  # before setup: every split (and the bundle) uses the weights' own
     ckpt_path = _resume_checkpoint(cfg)
     prepare_tokenizer(cfg, datamodule, run_dir)  # tokenizer=bpe: the run's own when rank 0 has written it
+    first_step = _checkpoint_step(ckpt_path) if ckpt_path else 0
     setup_data(cfg, datamodule, ckpt_path)  # empty data, wrong vocabulary: one line, no step run
     plan_cores(cfg, datamodule)
     if rank_zero_only.rank == 0:
@@ -86,18 +94,17 @@ def train(cfg: DictConfig) -> TrainResult:
     system = build_system(cfg, datamodule, pretrained)
     if should_compile(cfg):
         system.model.compile()  # in place: parameter names (checkpoints, bundles) stay as they are
+    # A resumed run, or a resume=auto start, continues the logs of the folder's run from its first step.
+    log_from = first_step if ckpt_path or cfg.resume == "auto" else None
 
     trainer: pl.Trainer = hydra.utils.instantiate(
         cfg.trainer,
         callbacks=instantiate_group(cfg.get("callbacks")),
-        logger=instantiate_group(cfg.get("logger")) or False,
+        logger=build_loggers(cfg.get("logger"), run_dir, log_from) or False,
         default_root_dir=str(run_dir),
         plugins=[AtomicCheckpointIO()],
     )
     _save_run_files(cfg, datamodule, run_dir)
-    first_step = (  # read now: the run rewrites last.ckpt
-        int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"]) if ckpt_path else 0
-    )
     started = time.monotonic()
     try:
         trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -121,8 +128,33 @@ def train(cfg: DictConfig) -> TrainResult:
     )
     if cfg.export_bundle and trainer.is_global_zero:
         result.bundle_dir = _export(system, run_dir)
+    if trainer.is_global_zero:  # last: a run stopped before this point is not complete, and resumes
+        RunDir(run_dir).save_result(result.global_step, source, metrics, result.bundle_dir is not None)
     _finish_wandb_run()
     return result
+
+
+def _complete_run(cfg: DictConfig, run_dir: Path) -> TrainResult | None:
+    """The saved result when ``cfg`` resumes the run in ``run_dir`` and that run is complete; None otherwise."""
+    resumes_here = cfg.resume == "auto" or (cfg.resume and Path(cfg.resume).resolve() == run_dir.resolve())
+    run = RunDir(run_dir)
+    saved = run.load_result() if resumes_here and not cfg.ckpt_path else None
+    if saved is None:
+        return None
+    log.info(run.completion())
+    return TrainResult(
+        run_dir,
+        saved["metrics"],
+        global_step=saved["global_step"],
+        weights=saved["weights"],
+        bundle_dir=run.bundle if saved["bundle"] else None,
+        already_complete=True,
+    )
+
+
+def _checkpoint_step(ckpt_path: str) -> int:
+    # read before the run starts: it rewrites last.ckpt
+    return int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
 
 
 def _test(trainer: pl.Trainer, system: VisionSystem, datamodule: pl.LightningDataModule) -> dict[str, float]:
@@ -146,7 +178,8 @@ def _resume_checkpoint(cfg: DictConfig) -> str | None:
         return str(cfg.ckpt_path)
     if cfg.resume == "auto":  # the run folder's own checkpoint when it has one: a fresh start otherwise
         last = RunDir(cfg.paths.output_dir).last_checkpoint
-        log.info("resume=auto: %s", f"continuing from {last}" if last.is_file() else f"no {last}, starting afresh")
+        found = f"continuing from {last} (step {_checkpoint_step(str(last))})" if last.is_file() else None
+        log.info("resume=auto: %s", found or f"no {last}, starting afresh")
         return str(last) if last.is_file() else None
     if cfg.resume:
         return str(RunDir(cfg.resume).last_checkpoint)

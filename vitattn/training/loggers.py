@@ -1,0 +1,330 @@
+"""The run's loggers: a resumed run continues the logs it started, keeping everything logged before its checkpoint.
+
+Lightning's loggers each start afresh: ``CSVLogger`` deletes the folder's ``metrics.csv``, ``TensorBoardLogger``
+adds an event file whose steps overlap the old ones, ``MLFlowLogger`` and ``WandbLogger`` start new runs. Given
+``start_step``, the global step of the checkpoint the run resumes from, each logger here keeps what was logged
+before that step and drops what was logged at it and after: the steps that a process killed after its last
+checkpoint had logged, and that the resumed run logs again.
+
+- CSV: the same ``metrics.csv``, its rows from ``start_step`` on removed, the new rows appended.
+- TensorBoard: the same folder; when the newest event file holds steps from ``start_step`` on, the new file
+  starts with ``purge_step=start_step`` (``SummaryWriter``'s), and readers drop the older events from there.
+- MLflow: the same run, its id kept in the run folder; its metric values from ``start_step`` on are deleted
+  from an SQL store (the default SQLite one); a tracking server keeps them.
+- W&B: the same run id, with ``resume="allow"``; W&B keeps what it was sent.
+
+Both file loggers write out what they hold whenever a checkpoint is saved, so that a kill loses nothing logged
+before the checkpoint a run resumes from. ``start_step=None`` is a new run: Lightning's behaviour.
+
+Lightning logs a validation's scalars at the step of the training batch it follows (``s - 1`` for the last
+validation before a checkpoint at ``s``, which a resumed run does not repeat), but vitattn's pictures and caption
+samples at ``trainer.global_step`` (``s``): a TensorBoard purge from ``s`` would lose those pictures, so it is
+made only when scalars from ``s`` on, or anything after ``s``, are there to discard.
+"""
+
+from __future__ import annotations
+
+import csv
+import inspect
+import logging
+import secrets
+import string
+from pathlib import Path
+from typing import Any
+
+import hydra
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig
+
+from vitattn.errors import ConfigError, first_line
+from vitattn.fileio import atomic_open, atomic_write
+from vitattn.run_dir import RunDir
+from vitattn.training.groups import instantiate_group
+
+__all__ = [
+    "ResumableCSVLogger",
+    "ResumableMLFlowLogger",
+    "ResumableTensorBoardLogger",
+    "ResumableWandbLogger",
+    "build_loggers",
+]
+
+log = logging.getLogger(__name__)
+
+
+def build_loggers(group: DictConfig | None, run_dir: str | Path, start_step: int | None) -> list[Logger]:
+    """The ``logger`` group's loggers, each ``Resumable*`` one continuing the logs of ``run_dir`` from ``start_step``.
+
+    Args:
+        group: the config's ``logger`` group (``_target_`` entries).
+        run_dir: the run folder, where the MLflow and W&B run ids are kept.
+        start_step: the global step the training starts at when it continues the folder's run (the resumed
+            checkpoint's, or 0); None for a new run.
+    """
+    run = RunDir(run_dir)
+    run_id_files = {ResumableMLFlowLogger: run.mlflow_run_id, ResumableWandbLogger: run.wandb_run_id}
+
+    def continuation(node: dict[str, Any]) -> dict[str, Any]:
+        kind = hydra.utils.get_class(node["_target_"])
+        if not issubclass(kind, _RESUMABLE):
+            return {}
+        files = [str(path) for base, path in run_id_files.items() if issubclass(kind, base)]
+        return {"start_step": start_step, **({"run_id_file": files[0]} if files else {})}
+
+    loggers = instantiate_group(group, continuation)
+    for logger in loggers:
+        if isinstance(logger, ResumableMLFlowLogger) and logger.continued:
+            _ = logger.experiment  # a saved run the store lacks: one line now, before other processes start
+    return loggers
+
+
+class ResumableCSVLogger(CSVLogger):
+    """Lightning's ``CSVLogger`` that continues ``metrics.csv`` from ``start_step`` instead of deleting it, and
+    writes its rows out whenever a checkpoint is saved.
+
+    Args:
+        start_step: keep the rows logged before this step, drop the rest, append; None: start the file afresh.
+        *args, **kwargs: ``CSVLogger``'s.
+    """
+
+    def __init__(self, *args: Any, start_step: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.start_step = start_step
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _ContinuedWriter(self.log_dir, self.start_step)
+        return self._experiment
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        self.save()  # the rows before the checkpoint on disk, however the process ends
+
+
+class _ContinuedWriter(ExperimentWriter):
+    """Lightning's writer, continuing an existing ``metrics.csv`` from ``start_step``; header rewrites (a new
+    metric) replace the file whole."""
+
+    def __init__(self, log_dir: str, start_step: int | None) -> None:
+        self.start_step = start_step
+        super().__init__(log_dir)
+
+    def _check_log_dir_exists(self) -> None:
+        # Called by __init__, where Lightning deletes metrics.csv.
+        if self.start_step is None or not self._fs.isfile(self.metrics_file_path):
+            return super()._check_log_dir_exists()
+        with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+            reader = csv.DictReader(file)
+            rows = list(reader)
+            header = list(reader.fieldnames or [])
+        kept = [row for line, row in enumerate(rows, start=2) if self._step(row, line) < self.start_step]
+        self.metrics_keys = header  # appended rows keep the file's columns
+        if len(kept) < len(rows):
+            self._write(header, kept)
+            dropped = len(rows) - len(kept)
+            log.info("%s: %d rows from step %d on dropped", self.metrics_file_path, dropped, self.start_step)
+
+    def _step(self, row: dict[str, str], line: int) -> int:
+        try:
+            return int(row["step"])
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(
+                f"{self.metrics_file_path} line {line}: step {row.get('step')!r} is not a whole number; move the file"
+                " away to start the log afresh"
+            ) from None
+
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+            self._write(fieldnames, list(csv.DictReader(file)))
+
+    def _write(self, fieldnames: list[str], rows: list[dict[str, str]]) -> None:
+        path = self.metrics_file_path
+        remote = "://" in path  # fsspec's storage: its own way
+        with self._fs.open(path, "w", newline="") if remote else atomic_open(path, "w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=fieldnames)
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+class ResumableTensorBoardLogger(TensorBoardLogger):
+    """Lightning's ``TensorBoardLogger`` whose new event file discards the steps from ``start_step`` on when the
+    folder holds some (``SummaryWriter``'s ``purge_step``), and which flushes whenever a checkpoint is saved.
+
+    Args:
+        start_step: the step the run continues from; None: nothing is discarded.
+        *args, **kwargs: ``TensorBoardLogger``'s (its extra keyword arguments go to ``SummaryWriter``).
+    """
+
+    def __init__(self, *args: Any, start_step: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.start_step = start_step
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        if self._experiment is None and self.start_step is not None and "purge_step" not in self._kwargs:
+            if _logged_from(Path(self.log_dir), self.start_step):
+                self._kwargs["purge_step"] = self.start_step
+                log.info("%s: events from step %d on discarded", self.log_dir, self.start_step)
+        return super().experiment
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        self.save()  # the events before the checkpoint on disk, however the process ends
+
+
+def _logged_from(log_dir: Path, step: int) -> bool:
+    """The newest event file in ``log_dir`` holds a scalar at ``step`` or later, or any event after ``step``.
+
+    A run stopped by a signal logged scalars up to ``step - 1`` (and pictures at ``step``); a run killed after its
+    checkpoint logged beyond it. The older files were purged, if need be, when the newest one was started.
+    """
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    files = sorted(log_dir.glob("events.out.tfevents.*"))  # the order TensorBoard reads them in
+    if not files:
+        return False
+    for event in LegacyEventFileLoader(str(files[-1])).Load():
+        if event.step > step or (event.step == step and any(map(_is_scalar, event.summary.value))):
+            return True
+    return False
+
+
+def _is_scalar(value: Any) -> bool:
+    return value.HasField("simple_value") or value.metadata.plugin_data.plugin_name == "scalars"
+
+
+class ResumableMLFlowLogger(MLFlowLogger):
+    """Lightning's ``MLFlowLogger`` that keeps its run's id in ``run_id_file`` and, given ``start_step``, continues
+    the run named there: its metric values from that step on are deleted first (from an SQL store; a tracking
+    server keeps them), and the parameters it holds are not logged again (MLflow refuses a changed value).
+
+    Args:
+        start_step: the step the run continues from; None: a new MLflow run.
+        run_id_file: where the run id is kept (``RunDir.mlflow_run_id``); None: nowhere.
+        *args, **kwargs: ``MLFlowLogger``'s.
+    """
+
+    def __init__(
+        self, *args: Any, start_step: int | None = None, run_id_file: str | None = None, **kwargs: Any
+    ) -> None:
+        saved = _read_id(run_id_file) if start_step is not None and not kwargs.get("run_id") else None
+        super().__init__(*args, **{**kwargs, "run_id": saved or kwargs.get("run_id")})
+        self.start_step, self.run_id_file = start_step, run_id_file
+        self.continued = saved is not None
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        from mlflow.exceptions import MlflowException
+
+        opening = not self._initialized
+        try:
+            client = super().experiment
+        except MlflowException as err:
+            if opening and self.continued and err.error_code == "RESOURCE_DOES_NOT_EXIST":
+                raise ConfigError(
+                    f"the MLflow run {self._run_id} named in {self.run_id_file} is not in {self._tracking_uri}"
+                    f" ({first_line(err, 120)}): delete {self.run_id_file} to log to a new MLflow run"
+                ) from None
+            raise
+        if opening and self.continued:
+            if not _drop_metrics_from(client, self._run_id, self.start_step):
+                log.warning(
+                    "MLflow run %s continues at step %d; its tracking server keeps any values that a killed process"
+                    " logged from that step on",
+                    self._run_id,
+                    self.start_step,
+                )
+            client.update_run(self._run_id, status="RUNNING")  # not FAILED, as the stopped process left it
+        elif opening and self.run_id_file:
+            _write_id(self.run_id_file, self._run_id)
+        return client
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any) -> None:
+        if not self.continued:
+            return super().log_hyperparams(params)
+        params = _flatten_dict(_convert_params(params))
+        logged = self.experiment.get_run(self._run_id).data.params
+        changed = sorted(k for k, v in params.items() if k in logged and logged[k] != str(v)[:250])
+        if changed:
+            log.warning("MLflow run %s keeps its first values of %s", self._run_id, ", ".join(changed))
+        super().log_hyperparams({k: v for k, v in params.items() if k not in logged})
+
+
+def _drop_metrics_from(client: Any, run_id: str, step: int) -> bool:
+    """Delete the run's metric values at ``step`` and later from an SQL tracking store (MLflow's client has no call
+    for it) and point its latest values at what remains; False for any other store."""
+    from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    store = client._tracking_client.store
+    if not isinstance(store, SqlAlchemyStore):
+        return False
+    writes = {"read_only": False} if "read_only" in inspect.signature(store.ManagedSessionMaker).parameters else {}
+    with store.ManagedSessionMaker(**writes) as session:  # MLflow 3 opens read-only sessions unless told
+        session.query(SqlMetric).filter(SqlMetric.run_uuid == run_id, SqlMetric.step >= step).delete()
+        stale = session.query(SqlLatestMetric).filter(SqlLatestMetric.run_uuid == run_id, SqlLatestMetric.step >= step)
+        for latest in stale.all():
+            newest = (
+                session.query(SqlMetric)
+                .filter(SqlMetric.run_uuid == run_id, SqlMetric.key == latest.key)
+                .order_by(SqlMetric.step.desc(), SqlMetric.timestamp.desc(), SqlMetric.value.desc())
+                .first()
+            )
+            if newest is None:
+                session.delete(latest)
+            else:
+                latest.value, latest.timestamp, latest.step = newest.value, newest.timestamp, newest.step
+                latest.is_nan = newest.is_nan
+    return True
+
+
+class ResumableWandbLogger(WandbLogger):
+    """Lightning's ``WandbLogger`` with a run id kept in ``run_id_file``: given ``start_step``, the run continues
+    the W&B run named there (Lightning's ``resume="allow"``).
+
+    Args:
+        start_step: the step the run continues from; None: a new W&B run.
+        run_id_file: where the run id is kept (``RunDir.wandb_run_id``); None: nowhere, W&B picks the id.
+        *args, **kwargs: ``WandbLogger``'s.
+    """
+
+    def __init__(
+        self, *args: Any, start_step: int | None = None, run_id_file: str | None = None, **kwargs: Any
+    ) -> None:
+        if run_id_file and not kwargs.get("id") and not kwargs.get("version"):
+            saved = _read_id(run_id_file) if start_step is not None else None
+            kwargs["id"] = saved or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+            if saved is None and rank_zero_only.rank == 0:
+                _write_id(run_id_file, kwargs["id"])
+        super().__init__(*args, **kwargs)
+
+
+def _write_id(path: str, run_id: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # train() builds the loggers before it writes the folder
+    atomic_write(path, f"{run_id}\n")
+
+
+def _read_id(path: str | None) -> str | None:
+    """The run id kept in ``path``; None when there is none."""
+    if not path or not Path(path).is_file():
+        return None
+    text = Path(path).read_text(encoding="utf-8", errors="replace").strip()
+    if not text or not text.replace("-", "").replace("_", "").isalnum():
+        raise ConfigError(f"{path} holds {text[:40]!r}, not a run id: delete it to log to a new run")
+    return text
+
+
+_RESUMABLE: tuple[type[Logger], ...] = (
+    ResumableCSVLogger,
+    ResumableTensorBoardLogger,
+    ResumableMLFlowLogger,
+    ResumableWandbLogger,
+)
