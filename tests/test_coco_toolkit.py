@@ -1,5 +1,5 @@
-"""The COCO caption toolkit itself (pycocoevalcap + Java) against the built-in metrics, and the one-line
-refusals when the toolkit or Java is missing."""
+"""The COCO caption toolkit itself (pycocoevalcap + Java) against the built-in metrics, and scorer=coco's
+one-line refusals when the toolkit or Java is missing."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from benchmarks.metric_parity import compare, parity_corpus
+from vitattn.cli.evaluate import main as eval_main
 from vitattn.errors import MissingDependencyError
 from vitattn.metrics import compute_caption_metrics
 from vitattn.metrics.toolkit import TOOLKIT_METRICS, check_toolkit, toolkit_scores
@@ -38,6 +39,27 @@ def test_check_toolkit_without_java_names_the_fix(no_java):
     pytest.importorskip("pycocoevalcap", reason="pip install -e '.[coco]'")
     with pytest.raises(MissingDependencyError, match="no `java` is on PATH: .*apt-get install default-jre-headless"):
         check_toolkit()
+
+
+@pytest.mark.parametrize("missing", ["java", "pycocoevalcap"])
+def test_eval_scorer_coco_without_the_toolkit_is_one_line(missing, monkeypatch, tmp_path, capsys):
+    # Refused before the model loads: model= need not exist, nothing is written.
+    if missing == "java":
+        pytest.importorskip("pycocoevalcap", reason="pip install -e '.[coco]'")
+        monkeypatch.setenv("PATH", str(tmp_path))
+    else:
+        monkeypatch.setitem(sys.modules, "pycocoevalcap", None)
+    out = tmp_path / "out"
+    assert eval_main(["model=nowhere", "scorer=coco", f"out={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: scorer=coco runs the COCO"), err
+    assert ("default-jre-headless" if missing == "java" else "pip install 'vitattn[coco]'") in err[0]
+    assert not out.exists()
+
+
+def test_eval_unknown_scorer_is_a_usage_error(capsys):
+    assert eval_main(["model=nowhere", "scorer=pycoco"]) == 2
+    assert "scorer='pycoco' is unknown; choose builtin or coco" in capsys.readouterr().err
 
 
 def test_toolkit_tokenizer_losing_a_line_is_an_error_not_a_shifted_corpus(monkeypatch):
