@@ -334,6 +334,13 @@ def test_eval_usage_errors_are_one_line(caption_run, classifier_run, tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+def test_eval_scorer_on_a_classifier_is_a_usage_error(classifier_run, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr("vitattn.cli.evaluate.check_toolkit", lambda: None)  # whether Java is here is not the point
+    assert eval_main([f"model={classifier_run}", "scorer=coco", f"out={tmp_path / 'out'}", *FAST]) == 2
+    assert "scorer apply to caption models" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("which", ["caption_run", "classifier_run"])
 def test_export_checkpoint_equals_the_runs_own_bundle(which, request, tmp_path):
     run = request.getfixturevalue(which)

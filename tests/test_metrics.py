@@ -102,6 +102,10 @@ def test_compute_caption_metrics_matches_published_coco_figures():
             ["hello", "!!!", "really", "?!", "yes", "a", "+", "b", "=", "c", "*", "d"],
         ),
         ("'Hello' said the dogs' owner", ["hello", "said", "the", "dogs", "owner"]),
+        # "cont'd" is one word of the lexer's, but a word before a clitic wins the tie
+        ("The story, cont'd on page 2.", ["the", "story", "cont", "'d", "on", "page", "2"]),
+        # Java reads UTF-16: an emoji is two characters, enough for a URL after "http://"
+        ("The site http://\U0001f600 is down", ["the", "site", "http://\U0001f600", "is", "down"]),
     ],
 )
 def test_coco_tokenize_follows_the_toolkits_ptb_tokenizer(text, tokens):
