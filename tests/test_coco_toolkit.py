@@ -13,7 +13,8 @@ from benchmarks.metric_parity import compare, parity_corpus
 from vitattn.cli.evaluate import main as eval_main
 from vitattn.errors import MissingDependencyError
 from vitattn.metrics import compute_caption_metrics
-from vitattn.metrics.toolkit import TOOLKIT_METRICS, check_toolkit, toolkit_scores
+from vitattn.metrics.tokenize import coco_tokenize_file
+from vitattn.metrics.toolkit import TOOLKIT_METRICS, check_toolkit, toolkit_scores, toolkit_tokenize
 
 
 def _need_toolkit() -> None:
@@ -71,6 +72,15 @@ def test_toolkit_tokenizer_losing_a_line_is_an_error_not_a_shifted_corpus(monkey
     monkeypatch.setattr(PTBTokenizer, "tokenize", lambda self, captions: {0: ["a dog"]})  # Java gave one line
     with pytest.raises(RuntimeError, match=r"returned 1 captions for 2; check that `java -version` runs"):
         toolkit._tokenize({0: ["A dog.", "A cat."]})
+
+
+def test_toolkit_tokenizer_keeps_captions_with_line_breaks_on_their_own_lines():
+    # CoreNLP ends a line at \r, U+2028, \v, \f too: unguarded, every later caption would be read as the one
+    # before it. Both tokenizers read them as spaces.
+    _need_toolkit()
+    captions = ["A dog\r\non grass.", "A cat\u2028on a mat.", "Two\x0bbirds\x0c(red).", "A fox."]
+    assert toolkit_tokenize(captions) == coco_tokenize_file(captions)
+    assert coco_tokenize_file(captions)[3] == ["a", "fox"]
 
 
 @pytest.mark.slow
