@@ -1,4 +1,5 @@
 import json
+import re
 import shutil
 import subprocess
 import tomllib
@@ -20,6 +21,7 @@ from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
 from vitattn.data.transforms import normalize
 from vitattn.inference import InputImage, caption_images, read_image
 from vitattn.metrics import compute_caption_metrics, exact_match
+from vitattn.metrics.toolkit import TOOLKIT_METRICS
 from vitattn.training import train
 
 CAPTION_KEYS = {"bleu1", "bleu2", "bleu3", "bleu4", "rouge_l", "cider_d", "distinct", "unknown_words", "num_images"}
@@ -161,6 +163,29 @@ def test_eval_predictions_are_matched_by_image_id(caption_run, tmp_path):
     assert {k: metrics[k] for k in expected} == pytest.approx(expected, rel=1e-12)
     assert metrics["exact_match"] == sum(captions[i] in refs[i] for i in range(14)) / 14
     assert (metrics["num_images"], metrics["num_failed"], metrics["num_missing"]) == (14, 1, 1)
+
+
+@pytest.mark.slow
+def test_eval_scorer_coco_writes_the_toolkits_numbers_beside_the_builtin_ones(caption_run, tmp_path, capsys):
+    pytest.importorskip("pycocoevalcap", reason="pip install -e '.[coco]'")
+    if shutil.which("java") is None:
+        pytest.skip("needs Java: apt-get install default-jre-headless")
+    run, _ = caption_run
+    data = ShapesDataset("val", 16, img_size=32, seed=0, task="caption")
+    refs = [data.references(i) for i in range(16)]
+    lines = [{"image_id": i, "caption": refs[i][0] if i % 2 else refs[(i + 3) % 16][0]} for i in range(16)]
+    path = tmp_path / "predictions.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert eval_main([f"model={run}", f"predictions={path}", "scorer=coco", f"out={tmp_path}", *FAST]) == 0
+    report = _metrics(tmp_path)
+    builtin, coco = report["metrics"], report["coco"]
+    assert set(coco) == set(TOOLKIT_METRICS) and set(builtin) == CAPTION_KEYS | {"exact_match"}
+    shared = [k for k in coco if k != "meteor"]
+    assert {k: coco[k] for k in shared} == pytest.approx({k: builtin[k] for k in shared}, abs=1e-6)
+    assert 0.3 < coco["meteor"] < 1.0  # half the captions right, half another image's
+    table = capsys.readouterr().out
+    meteor_row = r"built-in\s+COCO toolkit\n  BLEU-1 .*\n(?:.*\n){3}  METEOR\s+-\s+0\.\d{4}\n  ROUGE-L"
+    assert re.search(meteor_row, table), table
 
 
 def test_eval_generated_captions_read_back_as_predictions_give_the_same_scores(caption_run, tmp_path):
@@ -308,6 +333,13 @@ def test_eval_usage_errors_are_one_line(caption_run, classifier_run, tmp_path, c
         assert eval_main([*args, f"out={tmp_path / 'out'}", *FAST]) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("error: ") and message in err[-1], (args, err[-1])
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_scorer_on_a_classifier_is_a_usage_error(classifier_run, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr("vitattn.cli.evaluate.check_toolkit", lambda: None)  # whether Java is here is not the point
+    assert eval_main([f"model={classifier_run}", "scorer=coco", f"out={tmp_path / 'out'}", *FAST]) == 2
+    assert "scorer apply to caption models" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

@@ -13,6 +13,7 @@ from vitattn.metrics import (
     corpus_bleu,
     rouge_l,
 )
+from vitattn.metrics.tokenize import coco_tokenize_file
 
 # --------------------------------------------------------------------------------- known answer
 
@@ -36,17 +37,102 @@ def test_compute_caption_metrics_matches_published_coco_figures():
 # --------------------------------------------------------------------------------------- tokenizer
 
 
+# What pycocoevalcap's own tokenizer (CoreNLP 3.4.1's PTBTokenizer in Java, lower-cased, its punctuation
+# dropped) gives for each line; tests/test_coco_toolkit.py checks 30,000 captions against Java itself.
 @pytest.mark.parametrize(
     ("text", "tokens"),
     [
         ("A Dog's toy, on grass.", ["a", "dog", "'s", "toy", "on", "grass"]),
-        ("Don't stop, we can't!", ["do", "n't", "stop", "we", "ca", "n't"]),  # PTB splits n't
-        ("A well-dressed man, 3.5 feet", ["a", "well-dressed", "man", "3.5", "feet"]),
-        ("'Hello' said the dogs' owner", ["hello", "said", "the", "dogs", "owner"]),  # quotes
+        (
+            "Don't stop, we can't! Won't you? I'm sure they've gone.",
+            ["do", "n't", "stop", "we", "ca", "n't", "wo", "n't", "you", "i", "'m", "sure", "they", "'ve", "gone"],
+        ),
+        (
+            "We cannot go, we're gonna stay 'cause it's 'tis the season.",
+            ["we", "can", "not", "go", "we", "'re", "gon", "na", "stay", "'cause", "it", "'s", "'t", "is", "the"]
+            + ["season"],
+        ),
+        (
+            "A well-dressed man, a 5-year-old boy and a T-shirt.",
+            ["a", "well-dressed", "man", "a", "5-year-old", "boy", "and", "a", "t-shirt"],
+        ),
+        (
+            "Mr. Smith and Dr. Jones at St. Paul's in the U.S. on Jan. 5, etc.",
+            ["mr.", "smith", "and", "dr.", "jones", "at", "st.", "paul", "'s", "in", "the", "u.s.", "on", "jan."]
+            + ["5", "etc."],
+        ),
+        ("Vitamin C. A dog at 10 a.m.", ["vitamin", "c", "a", "dog", "at", "10", "a.m."]),  # "C." ends a sentence
+        (
+            "AT&T, R&B and rock & roll; a $5 bill, $5.99, 50% off, #1 and #beach.",
+            ["at&t", "r&b", "and", "rock", "&", "roll", "a", "$", "5", "bill", "$", "5.99", "50", "%", "off"]
+            + ["#", "1", "and", "#beach"],
+        ),
+        (
+            "\"Hello,\" she said to the dogs' owner: 'hi' and \u201cbye\u201d.",
+            ["hello", "she", "said", "to", "the", "dogs", "owner", "hi", "and", "bye"],
+        ),
+        (  # the toolkit drops "-LRB-", but its tokens are lower case: brackets stay
+            "A sign (closed) [now] {here} -- with a dash - and ... dots",
+            ["a", "sign", "-lrb-", "closed", "-rrb-", "-lsb-", "now", "-rsb-", "-lcb-", "here", "-rcb-", "with"]
+            + ["a", "dash", "and", "dots"],
+        ),
+        (
+            "a/b, and/or, w/ a hat, 3/4-inch, 1 1/2 cups, 12/25/2019",
+            ["a/b", "and/or", "w", "/", "a", "hat", "3/4-inch", "1\u00a01/2", "cups", "12/25/2019"],
+        ),
+        (
+            "3.5 feet, 1,000 people at 10:30, \u00bd a sandwich, \u00a310 and \u20ac20",
+            ["3.5", "feet", "1,000", "people", "at", "10:30", "1/2", "a", "sandwich", "#", "10", "and", "$", "20"],
+        ),
+        (
+            "Caf\u00e9 cr\u00e8me, na\u00efve r\u00e9sum\u00e9, Zo\u00eb in S\u00e3o Paulo, stra\u00dfe",
+            ["caf\u00e9", "cr\u00e8me", "na\u00efve", "r\u00e9sum\u00e9", "zo\u00eb", "in", "s\u00e3o", "paulo"]
+            + ["stra\u00dfe"],
+        ),
+        (  # emoji beyond the BMP are deleted, BMP symbols kept (the variation selector after the heart goes)
+            "A dog \U0001f436 with a \u2764\ufe0f and thumbs\U0001f44dup \u2614 in the rain \U0001f600.",
+            ["a", "dog", "with", "a", "\u2764", "and", "thumbs", "up", "\u2614", "in", "the", "rain"],
+        ),
+        (
+            "o'clock, rock 'n' roll, ma'am, y'all, O'Neil, the '90s and 90's",
+            ["o'clock", "rock", "'n'", "roll", "ma'am", "y'", "all", "o'neil", "the", "'90s", "and", "90", "'s"],
+        ),
+        (  # the toolkit's punctuation list has "!" and "?", not "!!!" or "?!"
+            "Hello!!! Really?! Yes... a + b = c * d",
+            ["hello", "!!!", "really", "?!", "yes", "a", "+", "b", "=", "c", "*", "d"],
+        ),
+        ("'Hello' said the dogs' owner", ["hello", "said", "the", "dogs", "owner"]),
+        # "cont'd" is one word of the lexer's, but a word before a clitic wins the tie
+        ("The story, cont'd on page 2.", ["the", "story", "cont", "'d", "on", "page", "2"]),
+        # Java reads UTF-16: an emoji is two characters, enough for a URL after "http://"
+        ("The site http://\U0001f600 is down", ["the", "site", "http://\U0001f600", "is", "down"]),
     ],
 )
-def test_coco_tokenize_follows_ptb(text, tokens):
+def test_coco_tokenize_follows_the_toolkits_ptb_tokenizer(text, tokens):
     assert coco_tokenize(text) == tokens
+
+
+def test_coco_tokenize_file_looks_past_a_line_end_as_the_toolkit():
+    # In the toolkit's file a few rules read the next line (Java gave these): "A." before a line that
+    # starts a sentence ("The", after blank lines too) is the letter and a full stop, before "a dog" an
+    # abbreviation; "no." before a number keeps its period; a smiley needs a character after it, which
+    # the file's last line lacks.
+    lines = ["the letter A.", "The dog", "the letter A.", "", "  ", "The cat", "the letter A.", "a dog"]
+    lines += ["in room no.", "5 cats", "room no.", "cats", "a smile :)", "a smile :)"]
+    tokens = coco_tokenize_file(lines)
+    assert tokens[0] == tokens[2] == ["the", "letter", "a"] and tokens[6] == ["the", "letter", "a."]
+    assert tokens[3] == tokens[4] == [] and tokens[5] == ["the", "cat"]
+    assert tokens[8] == ["in", "room", "no."] and tokens[10] == ["room", "no"]
+    assert tokens[12] == ["a", "smile", ":-rrb-"] and tokens[13] == ["a", "smile", "-rrb-"]  # ":" dropped
+    assert coco_tokenize("the letter A.") == ["the", "letter", "a."]  # alone: a line break, nothing after
+
+
+def test_bleu_and_cider_split_a_token_at_its_no_break_space_rouge_does_not():
+    # PTB keeps "1 1/2" as one token with a no-break space inside; the toolkit's BLEU and CIDEr split
+    # the tokenised caption at any whitespace ("1", "1/2"), its ROUGE-L at spaces only.
+    assert coco_tokenize("1 1/2 cups") == ["1\u00a01/2", "cups"]
+    assert corpus_bleu(["1 1/2 cups"], [["1/2 cups"]], max_n=1) == pytest.approx([2 / 3], rel=1e-8)
+    assert rouge_l(["1 1/2 cups"], [["1/2 cups"]]) == pytest.approx(2.44 * 0.5 * 0.5 / (0.5 + 1.44 * 0.5))
 
 
 # -------------------------------------------------------------------------------------------- BLEU

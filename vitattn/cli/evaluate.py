@@ -6,6 +6,7 @@ Usage::
         [device=auto|cpu|cuda] [progress=true]
       captions:       [references=COCO_JSON [image_dir=DIR]] [predictions=FILE]
                       [num_beams=N] [max_new_tokens=N] [length_penalty=X] [early_stopping=true|false|never]
+                      [scorer=builtin|coco]
       classification: [data_root=DIR]
 
 ``model`` is a training run folder, a ``.ckpt`` or a bundle. Captions are generated on the split
@@ -14,13 +15,16 @@ vitattn-caption, or COCO results ``[{"image_id", "caption"}]``) and scored again
 (a COCO caption file; ``image_dir`` defaults to its folder) or, without them, the run's own data
 (``RUN/config.yaml``: the built-in shapes split, a COCO run's annotations, or a Karpathy-split run's
 val / test split): BLEU-1..4, ROUGE-L,
-CIDEr-D, and exact match on the synthetic shapes captions. A classifier gets top-1 / top-5 accuracy
-on ``data_root/<split>/<class>/<image>`` or the run's data, and a confusion matrix PNG.
+CIDEr-D, and exact match on the synthetic shapes captions. ``scorer=coco`` also runs the COCO caption
+toolkit itself (pycocoevalcap, ``pip install 'vitattn[coco]'``, and Java: its PTB tokenizer, BLEU-1..4,
+METEOR, ROUGE-L, CIDEr-D) and writes its numbers beside the built-in ones. A classifier gets top-1 /
+top-5 accuracy on ``data_root/<split>/<class>/<image>`` or the run's data, and a confusion matrix PNG.
 
 ``out`` (default ``RUN/eval-<split>``, or ``./eval-<split>`` for a model outside a run) receives
-``metrics.json`` (the metrics, the decoding settings, the model and the split), ``captions.jsonl``
-or ``confusion_matrix.png``. Exit status: 0 when every image was scored, 1 when some could not be
-read or have no prediction, 2 on a usage, data or model error.
+``metrics.json`` (the metrics, the toolkit's under ``coco``, the decoding settings, the model and the
+split), ``captions.jsonl`` or ``confusion_matrix.png``. Exit status: 0 when every image was scored, 1
+when some could not be read or have no prediction, 2 on a usage, data or model error (scorer=coco
+without pycocoevalcap or Java among them).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from omegaconf import MISSING
 
 from vitattn.cli.args import UsageError, generate_settings, parse_key_values, resolve_device, run_main
 from vitattn.generate_keys import SEARCH_KEYS
+from vitattn.metrics import SCORERS
+from vitattn.metrics.toolkit import check_toolkit
 from vitattn.run_dir import RunDir
 from vitattn.upstream import defer_wandb_in_timm
 
@@ -61,6 +67,7 @@ class EvalConfig:
     out: str | None = None
     device: str = "auto"
     progress: bool = True
+    scorer: str = "builtin"
 
 
 def parse_args(argv: list[str]) -> Any:
@@ -68,6 +75,8 @@ def parse_args(argv: list[str]) -> Any:
     cfg = parse_key_values(argv, EvalConfig, "vitattn-eval")
     if cfg.split not in ("val", "test"):
         raise UsageError(f"split={cfg.split!r} is unknown; choose val or test")
+    if cfg.scorer not in SCORERS:
+        raise UsageError(f"scorer={cfg.scorer!r} is unknown; choose {' or '.join(SCORERS)}")
     if cfg.predictions is not None and any(cfg[k] is not None for k in SEARCH_KEYS):
         given = [k for k in SEARCH_KEYS if cfg[k] is not None]
         raise UsageError(
@@ -82,6 +91,8 @@ def run(cfg: Any) -> int:
     from vitattn.evaluation import evaluate_captions, evaluate_classification, format_report, write_report
     from vitattn.inference.loader import load_model
 
+    if cfg.scorer == "coco":
+        check_toolkit()  # pycocoevalcap and Java, before a model loads and captions are made
     bundle = load_model(cfg.model, device=resolve_device(cfg.device))  # a bundle, run, checkpoint or ONNX folder
     run = RunDir.find(cfg.model)
     loading = dict(
@@ -99,10 +110,11 @@ def run(cfg: Any) -> int:
             image_dir=cfg.image_dir,
             predictions=cfg.predictions,
             generate=generate,
+            scorer=cfg.scorer,
             **loading,
         )
     else:
-        given = [k for k in _CAPTION_ONLY if cfg[k] is not None]
+        given = [k for k in _CAPTION_ONLY if cfg[k] is not None] + (["scorer"] if cfg.scorer != "builtin" else [])
         if given:
             raise UsageError(f"{', '.join(given)} apply to caption models; model={cfg.model} is a {bundle.task} model")
         report = evaluate_classification(bundle, data_root=cfg.data_root, **loading)

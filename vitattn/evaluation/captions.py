@@ -25,7 +25,8 @@ from vitattn.evaluation.splits import caption_split, check_split
 from vitattn.fileio import parse_json
 from vitattn.generate_keys import SEARCH_KEYS
 from vitattn.inference import InputImage, caption_images
-from vitattn.metrics import first_per_image, score_captions
+from vitattn.metrics import SCORERS, first_per_image, score_captions
+from vitattn.metrics.toolkit import check_toolkit, toolkit_scores
 from vitattn.run_dir import RunDir
 
 __all__ = ["evaluate_captions", "read_predictions"]
@@ -153,6 +154,7 @@ def evaluate_captions(
     batch_size: int = 32,
     num_workers: int = 0,
     progress: bool = False,
+    scorer: str = "builtin",
 ) -> EvalReport:
     """Caption a split (or read captions from ``predictions``) and score them against its references.
 
@@ -166,15 +168,24 @@ def evaluate_captions(
         predictions: a predictions file (see ``read_predictions``) to score instead of generating.
         generate: ``ImageCaptioner.generate`` keyword arguments (the bundle's defaults merged in).
         batch_size, num_workers, progress: image loading and decoding.
+        scorer: ``builtin`` (BLEU-1..4, ROUGE-L, CIDEr-D in Python) or ``coco``: those and, in
+            ``report.coco``, the COCO caption toolkit's own BLEU-1..4, METEOR, ROUGE-L and CIDEr-D
+            (pycocoevalcap with its Java tokenizer; ``vitattn.metrics.toolkit``).
 
     Returns:
         The report; ``num_failed`` counts images that could not be read (or have an error record),
         ``num_missing`` reference images without a prediction.
 
     Raises:
-        ValueError: no references can be found, or the predictions name images the references lack.
+        ValueError: no references can be found, the predictions name images the references lack, or
+            ``scorer`` is unknown.
+        MissingDependencyError: ``scorer="coco"`` without pycocoevalcap or Java (checked first).
     """
     check_split(split)
+    if scorer not in SCORERS:
+        raise ValueError(f"scorer={scorer!r} is unknown; choose {' or '.join(SCORERS)}")
+    if scorer == "coco":
+        check_toolkit()  # before any caption is made
     if bundle.task != "caption":
         raise ValueError(f"this is a {bundle.task} model; caption metrics need a caption model")
     run = run_dir if isinstance(run_dir, RunDir) or run_dir is None else RunDir(run_dir)
@@ -205,6 +216,7 @@ def evaluate_captions(
             100 * metrics["unknown_words"],
             describe_tokenizer(bundle.vocab),
         )
+    coco = toolkit_scores([c for _, c, _ in items], [r for _, _, r in items]) if scorer == "coco" else {}
     num_failed = len({k for k in failed if k in refs})
     num_missing = len(refs) - len(items) - num_failed
     if num_failed:
@@ -225,4 +237,5 @@ def evaluate_captions(
         decoding,
         str(Path(predictions).resolve()) if predictions is not None else None,
         captions=items,
+        coco=coco,
     )

@@ -24,6 +24,7 @@ _LABELS = {
     "bleu4": "BLEU-4",
     "rouge_l": "ROUGE-L",
     "cider_d": "CIDEr-D",
+    "meteor": "METEOR",
     "exact_match": "exact match",
     "distinct": "distinct captions",
     "top1": "top-1 accuracy",
@@ -52,6 +53,8 @@ class EvalReport:
         captions: ``(image_id, caption, references)`` per scored image, sorted by id (caption task).
         confusion: (K, K) counts, rows true class, columns predicted (classification task).
         class_names: the model's classes (classification task).
+        coco: the COCO caption toolkit's own ``bleu1..4``, ``meteor``, ``rouge_l``, ``cider_d``
+            (caption task, ``scorer="coco"``; empty otherwise).
     """
 
     task: str
@@ -63,6 +66,7 @@ class EvalReport:
     captions: list[tuple[Any, str, list[str]]] = field(default_factory=list)
     confusion: Tensor | None = None
     class_names: list[str] | None = None
+    coco: dict[str, float] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -122,7 +126,8 @@ def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) 
     """Write ``metrics.json`` into ``out_dir`` (created), plus ``captions.jsonl`` for generated
     captions, or ``confusion_matrix.png`` and ``confusion_matrix.json`` for a classifier.
 
-    ``metrics.json``: ``{"task", "model", "split", "data", "predictions", "decoding", "metrics"}``.
+    ``metrics.json``: ``{"task", "model", "split", "data", "predictions", "decoding", "metrics"}``, and
+    ``"coco"`` (the COCO caption toolkit's numbers) when the toolkit scored too.
 
     Returns:
         The files written.
@@ -159,6 +164,8 @@ def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) 
         "decoding": report.decoding,
         "metrics": _plain(report.metrics),
     }
+    if report.coco:
+        summary["coco"] = _plain(report.coco)
     atomic_write(out / "metrics.json", (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
     return [out / "metrics.json", *written]
 
@@ -170,7 +177,17 @@ def format_report(report: EvalReport) -> str:
         lines.append(f"predictions: {report.predictions}")
     if report.decoding:
         lines.append("decoding: " + " ".join(f"{k}={v}" for k, v in report.decoding.items()))
-    for key, value in _plain(report.metrics).items():
-        shown = str(value) if isinstance(value, int) else f"{value:.4f}"
-        lines.append(f"  {_LABELS.get(key, key):<28} {shown:>8}")
+    metrics, coco = _plain(report.metrics), _plain(report.coco)
+    keys = list(metrics)
+    if coco:  # the toolkit's column beside ours; its METEOR, which has no built-in, after BLEU-4
+        lines.append(f"  {'':<28} {'built-in':>8}  {'COCO toolkit':>12}")
+        at = keys.index("bleu4") + 1 if "bleu4" in keys else len(keys)
+        keys[at:at] = [k for k in coco if k not in metrics]
+    for key in keys:
+        value = metrics.get(key)
+        shown = "-" if value is None else str(value) if isinstance(value, int) else f"{value:.4f}"
+        row = f"  {_LABELS.get(key, key):<28} {shown:>8}"
+        if key in coco:
+            row += f"  {coco[key]:>12.4f}"
+        lines.append(row)
     return "\n".join(lines)

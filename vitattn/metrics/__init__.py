@@ -1,6 +1,8 @@
-"""Caption metrics as the COCO caption toolkit computes them, offline and without Java."""
+"""Caption metrics as the COCO caption toolkit computes them, offline and without Java; the toolkit itself
+(``vitattn.metrics.toolkit``, METEOR included) when pycocoevalcap and Java are installed."""
 
 from vitattn.metrics.caption import (
+    check_corpus,
     cider_d,
     compute_caption_metrics,
     corpus_bleu,
@@ -8,10 +10,12 @@ from vitattn.metrics.caption import (
     exact_match,
     rouge_l,
 )
-from vitattn.metrics.scoring import first_per_image, score_captions
+from vitattn.metrics.scoring import SCORERS, first_per_image, score_captions
 from vitattn.metrics.tokenize import coco_tokenize
 
 __all__ = [
+    "SCORERS",
+    "check_corpus",
     "cider_d",
     "coco_tokenize",
     "compute_caption_metrics",

@@ -1,7 +1,7 @@
 """Corpus-level caption metrics computed as the COCO caption toolkit (pycocoevalcap) computes them.
 
-No Java and no torch: captions are tokenised with :func:`coco_tokenize` (a stand-in for the
-toolkit's Stanford PTB tokenizer) and scored with the toolkit's own arithmetic, quirks included:
+No Java and no torch: captions are tokenised with :func:`coco_tokenize` (the toolkit's Stanford PTB
+tokenizer written in Python) and scored with the toolkit's own arithmetic, quirks included:
 
 - BLEU (``Bleu(4)``): clipped n-gram counts and lengths summed over the corpus, the reference
   length of each image is the one closest to the prediction (ties go to the shorter), and every
@@ -13,7 +13,11 @@ toolkit's Stanford PTB tokenizer) and scored with the toolkit's own arithmetic, 
   the corpus being scored, clipped cosine similarity, a gaussian penalty on the length difference,
   averaged over n-gram orders and references, times 10; averaged over images.
 
-Each image has one prediction and one or more references.
+Each image has one prediction and one or more references. BLEU and CIDEr-D split the tokenised
+caption at any whitespace, ROUGE-L at spaces only, as the toolkit does: the two differ only for the
+rare PTB token with a no-break space inside (``1 1/2``, a phone number).
+
+METEOR needs the toolkit's Java program: ``vitattn.metrics.toolkit``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-from vitattn.metrics.tokenize import coco_tokenize
+from vitattn.metrics.tokenize import coco_tokenize_file
 
 Tokens = list[str]
 Ngram = tuple[str, ...]
@@ -33,10 +37,8 @@ _TINY = 1e-15
 _SMALL = 1e-9
 
 
-def _tokenize_corpus(
-    predictions: Sequence[str], references: Sequence[Sequence[str]]
-) -> tuple[list[Tokens], list[list[Tokens]]]:
-    """Validate the corpus and tokenise every caption."""
+def check_corpus(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> None:
+    """Raise ValueError unless there is one prediction and one or more references per image, at least one image."""
     if isinstance(predictions, str):
         raise ValueError("predictions must be a sequence of captions, got a single str")
     if len(predictions) != len(references):
@@ -48,9 +50,28 @@ def _tokenize_corpus(
             raise ValueError(f"references[{i}] must be a sequence of reference captions, got str {image_refs!r}")
         if not image_refs:
             raise ValueError(f"references[{i}] is empty: each image needs at least one reference")
-    hyps = [coco_tokenize(p) for p in predictions]
-    refs = [[coco_tokenize(r) for r in image_refs] for image_refs in references]
-    return hyps, refs
+
+
+def _tokenize_corpus(
+    predictions: Sequence[str], references: Sequence[Sequence[str]]
+) -> tuple[list[Tokens], list[list[Tokens]]]:
+    """Validate the corpus and tokenise every caption."""
+    check_corpus(predictions, references)
+    flat = coco_tokenize_file([r for image_refs in references for r in image_refs])
+    refs, start = [], 0
+    for image_refs in references:
+        refs.append(flat[start : start + len(image_refs)])
+        start += len(image_refs)
+    return coco_tokenize_file(predictions), refs
+
+
+def _words(tokens: Tokens) -> Tokens:
+    """The tokens as BLEU and CIDEr-D count them: the joined caption split at any whitespace."""
+    return [word for token in tokens for word in token.split()]
+
+
+def _words_corpus(hyps: list[Tokens], refs: list[list[Tokens]]) -> tuple[list[Tokens], list[list[Tokens]]]:
+    return [_words(h) for h in hyps], [[_words(r) for r in image_refs] for image_refs in refs]
 
 
 def _ngram_counts(tokens: Tokens, max_n: int) -> Counter[Ngram]:
@@ -108,7 +129,7 @@ def corpus_bleu(predictions: Sequence[str], references: Sequence[Sequence[str]],
     """
     if max_n < 1:
         raise ValueError(f"max_n={max_n} must be at least 1")
-    return _bleu(*_tokenize_corpus(predictions, references), max_n=max_n)
+    return _bleu(*_words_corpus(*_tokenize_corpus(predictions, references)), max_n=max_n)
 
 
 # ------------------------------------------------------------------------------------------ ROUGE-L
@@ -242,7 +263,7 @@ def cider_d(
     """
     if n < 1:
         raise ValueError(f"n={n} must be at least 1")
-    return _cider_d(*_tokenize_corpus(predictions, references), sigma=sigma, n=n)
+    return _cider_d(*_words_corpus(*_tokenize_corpus(predictions, references)), sigma=sigma, n=n)
 
 
 def compute_caption_metrics(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> dict[str, float]:
@@ -259,11 +280,12 @@ def compute_caption_metrics(predictions: Sequence[str], references: Sequence[Seq
         ValueError: if the corpus is empty, the lengths differ or an image has no reference.
     """
     hyps, refs = _tokenize_corpus(predictions, references)
-    bleu = _bleu(hyps, refs, max_n=4)
+    hyp_words, ref_words = _words_corpus(hyps, refs)
+    bleu = _bleu(hyp_words, ref_words, max_n=4)
     return {
         **{f"bleu{k}": score for k, score in enumerate(bleu, start=1)},
         "rouge_l": _rouge_l(hyps, refs, beta=1.2),
-        "cider_d": _cider_d(hyps, refs, sigma=6.0, n=4),
+        "cider_d": _cider_d(hyp_words, ref_words, sigma=6.0, n=4),
     }
 
 

@@ -7,7 +7,10 @@ from typing import Any
 
 from vitattn.metrics.caption import compute_caption_metrics, distinct_share, exact_match
 
-__all__ = ["first_per_image", "score_captions"]
+__all__ = ["SCORERS", "first_per_image", "score_captions"]
+
+# vitattn-eval's scorer=: the built-in metrics alone, or the COCO caption toolkit's beside them (toolkit.py).
+SCORERS = ("builtin", "coco")
 
 Item = tuple[Any, str, list[str]]  # (image id, caption, references)
 
