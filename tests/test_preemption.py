@@ -181,6 +181,9 @@ def test_a_complete_run_resumed_is_left_as_it_is(tmp_path, caplog):
         f"run complete: {tmp_path} (step 2); bundle {tmp_path / 'bundle'}; nothing to train"
     ]
     assert _files(tmp_path) == files  # nothing deleted, nothing written
+    longer = train(compose_train([*run, "trainer.max_steps=4"], tmp_path))  # more steps: the run trains further
+    assert not longer.already_complete and longer.global_step == 4
+    assert _train_steps(tmp_path) == list(range(4))  # the logs continue: each step once
 
 
 @pytest.mark.parametrize("resume", ["auto", "RUN"])

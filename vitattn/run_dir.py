@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,11 +151,17 @@ class RunDir:
             raise ValueError(f"{self.result} is not a run result (keys {', '.join(fields)}): move it away to run again")
         return result
 
-    def completion(self) -> str | None:
-        """The line that says the run is complete and where its bundle is; None while it is not complete."""
+    def completion(self, length: Mapping[str, Any] | None = None) -> str | None:
+        """The line that says the run is complete and where its bundle is; None while it is not complete, or when
+        ``length`` (``trainer.max_steps`` / ``trainer.max_epochs`` asked for now, by name without ``trainer.``)
+        differs from the run's: a run given more steps trains further."""
         result = self.load_result()
         if result is None:
             return None
+        if length and self.config.is_file():
+            trainer = self.load_config().get("trainer") or {}
+            if any(str(value) != str(trainer.get(key)) for key, value in length.items()):
+                return None
         bundle = f"bundle {self.bundle}" if result["bundle"] else "no bundle (export_bundle=false)"
         return f"run complete: {self.path} (step {result['global_step']}); {bundle}; nothing to train"
 

@@ -127,7 +127,8 @@ def _complete_run(argv: list[str]) -> str | None:
         return None  # not resuming, an interpolated folder (train() checks it), or an explicit checkpoint
     if resume != "auto" and Path(resume).resolve() != Path(run_dir).resolve():
         return None
-    return RunDir(run_dir).completion()
+    length = {key.split(".", 1)[1]: values[key] for key in ("trainer.max_steps", "trainer.max_epochs") if key in values}
+    return RunDir(run_dir).completion(length)
 
 
 def main() -> None:

@@ -184,6 +184,7 @@ def _logged_from(log_dir: Path, step: int) -> bool:
     A run stopped by a signal logged scalars up to ``step - 1`` (and pictures at ``step``); a run killed after its
     checkpoint logged beyond it. The older files were purged, if need be, when the newest one was started.
     """
+    # optional: tensorboard is read back only when a killed run resumes
     from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
     files = sorted(log_dir.glob("events.out.tfevents.*"))  # the order TensorBoard reads them in
@@ -221,6 +222,7 @@ class ResumableMLFlowLogger(MLFlowLogger):
     @property
     @rank_zero_experiment
     def experiment(self) -> Any:
+        # optional: the trackers extra, only with logger=mlflow
         from mlflow.exceptions import MlflowException
 
         opening = not self._initialized
@@ -261,6 +263,7 @@ class ResumableMLFlowLogger(MLFlowLogger):
 def _drop_metrics_from(client: Any, run_id: str, step: int) -> bool:
     """Delete the run's metric values at ``step`` and later from an SQL tracking store (MLflow's client has no call
     for it) and point its latest values at what remains; False for any other store."""
+    # optional: the trackers extra (logger=mlflow); MLflow's SQL store internals, see the docstring
     from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 

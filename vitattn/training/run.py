@@ -138,10 +138,12 @@ def _complete_run(cfg: DictConfig, run_dir: Path) -> TrainResult | None:
     """The saved result when ``cfg`` resumes the run in ``run_dir`` and that run is complete; None otherwise."""
     resumes_here = cfg.resume == "auto" or (cfg.resume and Path(cfg.resume).resolve() == run_dir.resolve())
     run = RunDir(run_dir)
-    saved = run.load_result() if resumes_here and not cfg.ckpt_path else None
-    if saved is None:
+    length = {key: cfg.trainer.get(key) for key in ("max_steps", "max_epochs")}
+    line = run.completion(length) if resumes_here and not cfg.ckpt_path else None
+    if line is None:
         return None
-    log.info(run.completion())
+    saved = run.load_result()
+    log.info(line)
     return TrainResult(
         run_dir,
         saved["metrics"],
