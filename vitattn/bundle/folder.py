@@ -17,20 +17,20 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
 
 from vitattn.bundle.arguments import build_model, check_arguments
-from vitattn.data.preprocess import check_preprocess, eval_transform
+from vitattn.bundle.runtime import LoadedModel
+from vitattn.data.preprocess import check_preprocess
 from vitattn.data.tasks import TASKS
 from vitattn.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_file_name
 from vitattn.errors import brief, first_line
@@ -63,48 +63,26 @@ WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 
 
 @dataclass
-class Bundle:
+class Bundle(LoadedModel):
     """A PyTorch model with what inference needs around it: the ``torch`` runtime of
     ``vitattn.bundle.runtime.LoadedModel`` (``vitattn.inference.onnx_runtime.OnnxModel`` is the other).
 
     Attributes:
         model: ``ImageCaptioner`` (caption) or ``VisionTransformer`` (classification), in eval mode.
-        task: ``caption`` or ``classification``.
-        preprocess: ``img_size``, ``crop_pct``, ``mean``, ``std``, ``interpolation`` (and maybe
-            ``crop_mode``); ``eval_transform(preprocess)`` turns a PIL image into the model's input.
-        config: the whole ``config.json`` content (plain JSON values).
-        vocab: the caption tokenizer (caption task): a word ``Vocabulary`` or a ``SubwordTokenizer``, else None.
-        class_names: one name per class (classification task), else None.
-        generate: default ``ImageCaptioner.generate`` keyword arguments (may be empty).
+        config: the whole ``config.json`` content; the other fields as ``LoadedModel``'s.
     """
 
     model: nn.Module
-    task: str
-    preprocess: dict[str, Any]
-    config: dict[str, Any]
-    vocab: Tokenizer | None = None
-    class_names: list[str] | None = None
-    generate: dict[str, Any] = field(default_factory=dict)
 
     @property
     def runtime(self) -> str:
-        """``torch``: a PyTorch module (``vitattn.bundle.runtime.LoadedModel``'s first runtime)."""
+        """``torch``."""
         return "torch"
 
     @property
     def device(self) -> torch.device:
         """The device of the model's weights."""
         return next(self.model.parameters()).device
-
-    @property
-    def transform(self) -> Callable[[Image.Image], torch.Tensor]:
-        """PIL image -> (3, img_size, img_size) normalised tensor."""
-        return eval_transform(self.preprocess)
-
-    def to(self, device: str | torch.device) -> Bundle:
-        """This bundle with its model moved to ``device``."""
-        self.model.to(device)
-        return self
 
 
 def save_bundle(

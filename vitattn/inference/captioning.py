@@ -18,9 +18,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from vitattn.bundle.runtime import CaptionNetwork, LoadedModel
+from vitattn.bundle.runtime import LoadedModel
 from vitattn.inference.file_dataset import ImageFileDataset, collate_images
 from vitattn.inference.file_list import InputImage, InputList
+from vitattn.models.search import CaptionSearch
 
 __all__ = [
     "CaptionBatch",
@@ -50,7 +51,7 @@ class CaptionBatch:
     captioned: list[int]
 
 
-def generate_tokens(model: CaptionNetwork, images: Tensor, **generate_kwargs: Any) -> Tensor:
+def generate_tokens(model: CaptionSearch, images: Tensor, **generate_kwargs: Any) -> Tensor:
     """``model.generate(images)`` for inference: no autograd, bf16 autocast on GPUs (as the GPU training
     configs), fp32 on CPUs, where bf16 is slow. Returns (B, T') token ids."""
     with torch.inference_mode(), torch.autocast("cuda", torch.bfloat16, enabled=images.device.type == "cuda"):
@@ -58,7 +59,7 @@ def generate_tokens(model: CaptionNetwork, images: Tensor, **generate_kwargs: An
 
 
 def caption_batch(
-    model: CaptionNetwork,
+    model: CaptionSearch,
     vocab: Any,
     inputs: Sequence[InputImage],
     ok: list[int],

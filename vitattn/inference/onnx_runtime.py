@@ -14,19 +14,18 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 from torch import Tensor
 
 from vitattn.bundle.onnx_folder import ONNX_CONFIG_FILE, check_onnx_config, graph_path, kv_names, require_onnxruntime
-from vitattn.data.preprocess import eval_transform
-from vitattn.data.tokenizer import Tokenizer, load_tokenizer
+from vitattn.bundle.runtime import LoadedModel
+from vitattn.data.tokenizer import load_tokenizer
 from vitattn.errors import brief, first_line
 from vitattn.models.search import CaptionSearch, SpecialIds
 from vitattn.run_dir import VOCAB_FILE
@@ -117,22 +116,15 @@ class OnnxClassifier:
 
 
 @dataclass
-class OnnxModel:
+class OnnxModel(LoadedModel):
     """An ONNX folder loaded for inference: the ``onnx`` runtime of ``LoadedModel``, on the CPU.
 
     Attributes:
         model: ``OnnxCaptioner`` (caption) or ``OnnxClassifier`` (classification).
-        task, preprocess, vocab, class_names, generate: as ``Bundle``'s.
-        config: the whole ``onnx.json`` content.
+        config: the whole ``onnx.json`` content; the other fields as ``LoadedModel``'s.
     """
 
     model: OnnxCaptioner | OnnxClassifier
-    task: str
-    preprocess: dict[str, Any]
-    config: dict[str, Any]
-    vocab: Tokenizer | None = None
-    class_names: list[str] | None = None
-    generate: dict[str, Any] = field(default_factory=dict)
 
     @property
     def runtime(self) -> str:
@@ -143,20 +135,6 @@ class OnnxModel:
     def device(self) -> torch.device:
         """The CPU: ONNX folders run on ONNX Runtime's CPU provider."""
         return torch.device("cpu")
-
-    @property
-    def transform(self) -> Callable[[Image.Image], Tensor]:
-        """PIL image -> (3, img_size, img_size) normalised tensor."""
-        return eval_transform(self.preprocess)
-
-    def to(self, device: str | torch.device) -> OnnxModel:
-        """This model, which runs on the CPU only: another device is refused in one line."""
-        if torch.device(device).type != "cpu":
-            raise ValueError(
-                f"an ONNX folder runs on ONNX Runtime's CPU provider, not on {device}; "
-                "caption on GPUs with the bundle or run folder, or use device=cpu"
-            )
-        return self
 
 
 def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> OnnxModel:
