@@ -151,7 +151,7 @@ def _caption_files(cfg: Any, model: Any, processes: Any, generate: dict[str, Any
     )
     if processes.world_size == 1:
         if cfg.seed is not None:
-            generate["generator"] = _seeded_generator(processes.device, cfg.seed)
+            generate["generator"] = processes.generator(cfg.seed)
         summary = Captioner(model).caption_files(inputs, cfg.out, **options, **generate)
     else:
         summary = caption_files_in_processes(model, inputs, cfg.out, processes, **options, seed=cfg.seed, **generate)
@@ -189,14 +189,6 @@ def _caption_shards(cfg: Any, model: Any, processes: Any, generate: dict[str, An
             flush=True,
         )
     return 1 if summary.failed else 0
-
-
-def _seeded_generator(device: Any, seed: int) -> Any:
-    """Seed torch's global generator and return a ``generator`` for ``generate`` on ``device``."""
-    import torch  # heavy: out of the command's import, as in ``run``
-
-    torch.manual_seed(seed)
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 def main(argv: list[str] | None = None) -> int:

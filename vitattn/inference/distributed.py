@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from vitattn.bundle.runtime import LoadedModel
@@ -87,7 +86,7 @@ def caption_files_in_processes(
         if processes.is_zero and skipped:
             log.info("%d of %d images are already recorded; captioning the other %d", skipped, len(inputs), len(todo))
         if seed is not None:
-            generate_kwargs["generator"] = torch.Generator(processes.device).manual_seed(seed + processes.rank)
+            generate_kwargs["generator"] = processes.generator(seed)
         figures = figure_paths(inputs, Path(attention_maps)) if attention_maps is not None else None
         mine = todo[processes.rank :: processes.world_size]
         with open(files.part(processes.rank), "ab") as part:

@@ -42,6 +42,11 @@ class Processes:
         if self.fabric is not None:
             self.fabric.barrier(name)
 
+    def generator(self, seed: int | None) -> torch.Generator | None:
+        """A sampling generator on this rank's device seeded ``seed + rank`` (every rank samples its own
+        images differently, reproducibly); None for no seed."""
+        return None if seed is None else torch.Generator(self.device).manual_seed(seed + self.rank)
+
     def sum(self, counts: list[int]) -> list[int]:
         """Each of ``counts`` summed over the ranks."""
         if self.fabric is None:

@@ -223,7 +223,7 @@ def caption_shards_in_processes(
         remove_temporaries(out_dir, urls, fmt)
     finished = processes.broadcast(finished)  # the same listing on every rank, taken before any writes
     if seed is not None:
-        generate_kwargs["generator"] = torch.Generator(processes.device).manual_seed(seed + processes.rank)
+        generate_kwargs["generator"] = processes.generator(seed)
     if processes.is_zero:
         log.info(
             "captioning %d shards (%d finished before) on %d process(es)",
