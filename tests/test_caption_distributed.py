@@ -235,3 +235,64 @@ def test_record_index_finds_digests_that_share_their_first_eight_bytes():
     queries = np.frombuffer(b + c + a + bytes(range(8)) + bytes(8), dtype="V16")
     rows = index.find(queries)
     assert rows[3] == -1 and (keys[rows[:3]] == queries[:3]).all()
+
+
+class _ThreadFabric:
+    """Fabric's collectives for ranks that are threads of one process: ``broadcast`` hands rank 0's value to
+    every rank, ``barrier`` waits for all."""
+
+    def __init__(self, rank: int, shared: dict) -> None:
+        self.rank, self.shared = rank, shared
+
+    def broadcast(self, value, src=0):
+        if self.rank == src:
+            self.shared["value"] = value
+        self.shared["barrier"].wait()
+        value = self.shared["value"]
+        self.shared["barrier"].wait()  # every rank has read it before rank 0 may broadcast again
+        return value
+
+    def barrier(self, name=None):
+        self.shared["barrier"].wait()
+
+
+def test_ranks_caption_disjoint_shares_of_the_images_and_rank_0_merges_them(bundle_dir, tmp_path, monkeypatch):  # noqa: F811
+    import threading
+
+    from vitattn.inference import distributed
+    from vitattn.inference.processes import Processes
+
+    folder = load_caption.write_images(tmp_path / "imgs", 9, img_size=48)
+    inputs, out = list_inputs(folder), tmp_path / "captions.jsonl"
+    captioned: dict[int, list[int]] = {0: [], 1: []}
+    real = distributed.iter_caption_batches
+
+    def spy(model, inputs, *, positions, **kwargs):  # what each rank is given to caption
+        captioned[int(threading.current_thread().name)].extend(positions)
+        return real(model, inputs, positions=positions, **kwargs)
+
+    monkeypatch.setattr(distributed, "iter_caption_batches", spy)
+    shared = {"barrier": threading.Barrier(2)}
+    summaries, errors = {}, []
+    model = load_bundle(bundle_dir)  # loaded once: both ranks only run it
+
+    def rank(r: int) -> None:
+        try:
+            processes = Processes(r, 2, fabric=_ThreadFabric(r, shared))
+            summaries[r] = distributed.caption_files_in_processes(
+                model, inputs, out, processes, num_workers=0, progress=False
+            )
+        except Exception as err:  # noqa: BLE001 - reported by the test below
+            errors.append(err)
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=rank, args=(r,), name=str(r)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert captioned[0] and captioned[1] and not set(captioned[0]) & set(captioned[1])  # no image twice
+    assert sorted(captioned[0] + captioned[1]) == list(range(len(inputs)))  # every image once
+    assert summaries[0].captioned == summaries[1].captioned == len(inputs)
+    assert [r["image"] for r in _jsonl(out)] == inputs.paths  # merged by rank 0, in input order

@@ -17,7 +17,7 @@ from tests.helpers import make_caption_bundle
 from vitattn.bundle import load_bundle
 from vitattn.data.shards import expand_shards, read_shard, shard_sizes
 from vitattn.data.shards.writer import shapes_samples, write_shards
-from vitattn.inference.shard_captioning import assign_shards, caption_shards
+from vitattn.inference.shard_captioning import assign_shards, caption_shards, output_path
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
@@ -143,3 +143,21 @@ def test_vitattn_caption_takes_images_or_shards(argv, message, capsys):
 
     assert main(argv) == 2
     assert capsys.readouterr().err.startswith(message)
+
+
+def test_two_ranks_caption_disjoint_shares_of_the_shards(bundle_dir, tmp_path):
+    urls = _shards(tmp_path / "in", 30, 4)  # 8 shards, the last one smaller
+    bundle, out, sizes = load_bundle(bundle_dir), tmp_path / "out", shard_sizes(urls)
+    finished: set[str] = set()  # the listing every rank shares: nothing finished yet
+    written = []
+    for rank in (0, 1):
+        before = set(out.iterdir()) if out.exists() else set()
+        summary = caption_shards(
+            bundle, urls, sizes, out, rank=rank, world_size=2, finished=finished, num_workers=0, progress=False
+        )
+        written.append({p.name for p in set(out.iterdir()) - before})
+        assert summary.shards == len(written[-1]) > 0
+    assert not written[0] & written[1]  # no shard captioned by both ranks
+    assert written[0] | written[1] == {output_path(out, url, "jsonl").name for url in urls}
+    keys = [s["__key__"] for url in urls for s in read_shard(url)]
+    assert Counter(r["key"] for r in _rows(out)) == Counter(keys)  # every sample once
