@@ -408,6 +408,21 @@ def test_the_best_checkpoint_is_tested_and_exported(tmp_path, monkeypatch):
     assert export_main([f"model={run}", "which=worst", f"out={tmp_path / 'x'}"]) == 2
 
 
+def test_the_self_critical_recipe_is_the_first_stages_second_stage(datasets, tmp_path):
+    from vitattn.config import check_config
+    from vitattn.errors import ConfigError
+
+    given = [*datasets["karpathy"], "trainer.devices=1"]
+    cfg = compose_train(["experiment=coco_karpathy_vit_b16_scst", *given], tmp_path)
+    with pytest.raises(ConfigError, match=r"^finetune=scst needs finetune.init=RUN_OR_BUNDLE"):
+        check_config(cfg)  # the first stage's model is what it starts from
+    first = compose_train(["experiment=coco_karpathy_vit_b16", *given], tmp_path)
+    cfg = compose_train(["experiment=coco_karpathy_vit_b16_scst", f"finetune.init={tmp_path}", *given], tmp_path)
+    check_config(cfg)
+    assert cfg.finetune.scst.samples == 5 and cfg.finetune.scst.baseline == "mean" and not cfg.finetune.pretrained
+    assert cfg.data == first.data and cfg.optim.lr < first.optim.lr
+
+
 @pytest.mark.parametrize("recipe", ["coco_karpathy_vit_b16", "flickr8k_vit_s16"])
 def test_captioning_recipes_pass_validation(recipe, datasets, tmp_path):
     from vitattn.config import check_config

@@ -32,6 +32,7 @@ from vitattn.models.timm_hub import timm_pretrained_cfg
 from vitattn.models.timm_weights import TIMM_SUFFIXES
 from vitattn.moved_keys import MOVED_KEYS
 from vitattn.run_dir import RunDir
+from vitattn.systems.self_critical import ScstConfig
 
 __all__ = ["check_config", "check_data_paths", "check_source", "data_name"]
 
@@ -173,6 +174,29 @@ def _check_finetuning(cfg: DictConfig) -> None:
         )
 
 
+def _check_self_critical(cfg: DictConfig) -> None:
+    """``finetune=scst``: a captioner to start from, and settings ``ScstConfig`` takes (one line each)."""
+    scst = cfg.finetune.get("scst")
+    if scst is None:
+        return
+    if cfg.head.task != "caption":
+        raise ConfigError(
+            f"finetune=scst trains captioners on a caption reward; head={cfg.head.task} has no captions: "
+            "use head=caption, or drop finetune=scst"
+        )
+    if not cfg.finetune.get("init"):
+        raise ConfigError(
+            "finetune=scst needs finetune.init=RUN_OR_BUNDLE: a captioner trained with cross-entropy first "
+            "(self-critical training from random weights samples nothing a reward can rank)"
+        )
+    try:
+        ScstConfig(**OmegaConf.to_container(scst, resolve=True))
+    except TypeError as err:
+        raise ConfigError(f"finetune.scst: {first_line(err).replace('ScstConfig.__init__() ', '')}") from None
+    except ValueError as err:
+        raise ConfigError(str(err).replace("scst.", "finetune.scst.")) from None
+
+
 def _distributed(trainer: DictConfig) -> bool:
     devices = trainer.get("devices", 1)
     many = len(devices) > 1 if isinstance(devices, ListConfig) else isinstance(devices, int) and devices > 1
@@ -254,6 +278,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"data={data_name(cfg.data)} has no {what} for head={task}; {fix}")
     _check_models(cfg)
     _check_finetuning(cfg)
+    _check_self_critical(cfg)
     _check_tokenizer(cfg)
     if cfg.get("resume") and cfg.resume != "auto" and not RunDir(cfg.resume).last_checkpoint.is_file():
         run = RunDir(cfg.resume)

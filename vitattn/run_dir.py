@@ -95,6 +95,11 @@ class RunDir:
         return self.path / "result.json"
 
     @property
+    def cider_statistics(self) -> Path:
+        """CIDEr-D's document frequencies over the training references (``finetune=scst``), computed once per run."""
+        return self.path / "cider_statistics.json"
+
+    @property
     def mlflow_run_id(self) -> Path:
         """The id of the MLflow run the training logs to: a resumed run logs to the same MLflow run."""
         return self.path / "mlflow_run_id.txt"

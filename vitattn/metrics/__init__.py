@@ -2,6 +2,7 @@
 (``vitattn.metrics.toolkit``, METEOR included) when pycocoevalcap and Java are installed."""
 
 from vitattn.metrics.caption import (
+    CiderD,
     check_corpus,
     cider_d,
     compute_caption_metrics,
@@ -14,6 +15,7 @@ from vitattn.metrics.scoring import SCORERS, first_per_image, score_captions
 from vitattn.metrics.tokenize import coco_tokenize
 
 __all__ = [
+    "CiderD",
     "SCORERS",
     "check_corpus",
     "cider_d",

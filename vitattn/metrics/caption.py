@@ -218,22 +218,95 @@ def _cider_d_sim(
     return [dot / (hn * rn) * penalty if hn and rn else 0.0 for dot, hn, rn in zip(dots, hyp_norm, ref_norm)]
 
 
+def _cider_d_image(
+    hyp: Tokens,
+    refs: list[tuple[tuple[dict[Ngram, float], list[float]], int]],
+    doc_freq: Counter[Ngram],
+    log_num_images: float,
+    sigma: float,
+    n: int,
+) -> float:
+    """One prediction's CIDEr-D against its references' tf-idf vectors and lengths."""
+    hyp_tfidf = _tfidf(_ngram_counts(hyp, n), doc_freq, log_num_images, n)
+    total = 0.0
+    for ref_tfidf, ref_len in refs:
+        # pycocoevalcap measures length in bigrams, which gives the same difference as tokens
+        # whenever both captions are non-empty (an empty one scores 0 anyway).
+        total += sum(_cider_d_sim(hyp_tfidf, ref_tfidf, len(hyp) - ref_len, n, sigma)) / n  # mean over orders
+    return 10.0 * total / len(refs)  # mean over references, times 10
+
+
 def _cider_d(hyps: list[Tokens], refs: list[list[Tokens]], sigma: float, n: int) -> float:
     ref_counts = [[_ngram_counts(r, n) for r in image_refs] for image_refs in refs]
     doc_freq = _document_frequency(ref_counts)
     log_num_images = math.log(len(refs))
     scores = []
     for hyp, image_refs, image_ref_counts in zip(hyps, refs, ref_counts):
-        hyp_tfidf = _tfidf(_ngram_counts(hyp, n), doc_freq, log_num_images, n)
-        total = 0.0
-        for ref, counts in zip(image_refs, image_ref_counts):
-            # pycocoevalcap measures length in bigrams, which gives the same difference as tokens
-            # whenever both captions are non-empty (an empty one scores 0 anyway).
-            ref_tfidf = _tfidf(counts, doc_freq, log_num_images, n)
-            sims = _cider_d_sim(hyp_tfidf, ref_tfidf, len(hyp) - len(ref), n, sigma)
-            total += sum(sims) / n  # mean over n-gram orders
-        scores.append(10.0 * total / len(image_refs))  # mean over references, times 10
+        ref_vectors = [(_tfidf(c, doc_freq, log_num_images, n), len(r)) for r, c in zip(image_refs, image_ref_counts)]
+        scores.append(_cider_d_image(hyp, ref_vectors, doc_freq, log_num_images, sigma, n))
     return math.fsum(scores) / len(scores)
+
+
+class CiderD:
+    """CIDEr-D of single captions with document frequencies fixed in advance (a training set's references):
+    the reward of self-critical training, which scores a few captions at a time.
+
+    ``cider_d`` takes its document frequencies from the corpus it scores; this takes them from ``corpus``
+    once, so a caption's score does not depend on the others scored with it. Each image's reference vectors
+    are kept (up to ``cache_size`` images) for the next time it is scored.
+
+    Args:
+        corpus: each image's references (the training split's), as ``references`` for ``cider_d``.
+        sigma, n: as ``cider_d``'s.
+        cache_size: reference sets whose tf-idf vectors are kept.
+    """
+
+    def __init__(
+        self, corpus: Sequence[Sequence[str]], sigma: float = 6.0, n: int = 4, cache_size: int = 65536
+    ) -> None:
+        if not corpus:
+            raise ValueError("the corpus is empty: CIDEr-D's document frequencies need at least one image")
+        check_corpus([""] * len(corpus), corpus)
+        flat = coco_tokenize_file([r for image_refs in corpus for r in image_refs])
+        counts, start = [], 0
+        for image_refs in corpus:
+            counts.append([_ngram_counts(_words(t), n) for t in flat[start : start + len(image_refs)]])
+            start += len(image_refs)
+        self.doc_freq = _document_frequency(counts)
+        self.num_images = len(corpus)
+        self.sigma, self.n, self.cache_size = sigma, n, cache_size
+        self._refs: dict[tuple[str, ...], list] = {}
+
+    @classmethod
+    def from_statistics(cls, doc_freq: Counter[Ngram], num_images: int, sigma: float = 6.0, n: int = 4) -> CiderD:
+        """A scorer with document frequencies computed elsewhere (``doc_freq``, ``num_images`` of a scorer)."""
+        scorer = cls.__new__(cls)
+        scorer.doc_freq, scorer.num_images = Counter(doc_freq), num_images
+        scorer.sigma, scorer.n, scorer.cache_size, scorer._refs = sigma, n, 65536, {}
+        return scorer
+
+    def __call__(self, predictions: Sequence[str], references: Sequence[Sequence[str]]) -> list[float]:
+        """Each prediction's CIDEr-D against its own references (I predictions, I reference lists)."""
+        check_corpus(predictions, references)
+        log_num_images = math.log(self.num_images)
+        hyps = [_words(t) for t in coco_tokenize_file(predictions)]
+        return [
+            _cider_d_image(
+                h, self._reference_vectors(r, log_num_images), self.doc_freq, log_num_images, self.sigma, self.n
+            )
+            for h, r in zip(hyps, references)
+        ]
+
+    def _reference_vectors(self, references: Sequence[str], log_num_images: float) -> list:
+        key = tuple(references)
+        found = self._refs.get(key)
+        if found is None:
+            tokens = [_words(t) for t in coco_tokenize_file(key)]
+            found = [(_tfidf(_ngram_counts(t, self.n), self.doc_freq, log_num_images, self.n), len(t)) for t in tokens]
+            if len(self._refs) >= self.cache_size:
+                self._refs.pop(next(iter(self._refs)))  # the oldest
+            self._refs[key] = found
+        return found
 
 
 def cider_d(

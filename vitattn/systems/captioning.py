@@ -1,4 +1,5 @@
-"""Image captioning: teacher-forced cross-entropy; validation decodes and scores the whole split.
+"""Image captioning: teacher-forced cross-entropy, or self-critical training on CIDEr-D (``scst``); validation
+decodes and scores the whole split.
 
 Under DDP each rank decodes its share; the captions are gathered from all ranks, the distributed
 sampler's padding duplicates are dropped by image id, and BLEU / CIDEr-D are computed once over the
@@ -16,9 +17,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
 from vitattn.data.tokenizer import tokenizer_from_labels
-from vitattn.metrics import first_per_image, score_captions
+from vitattn.metrics import CiderD, first_per_image, score_captions
 from vitattn.models import ImageCaptioner
 from vitattn.systems.base import VisionSystem
+from vitattn.systems.self_critical import ScstConfig, SelfCritical
 
 __all__ = ["CaptionSystem", "gather_predictions"]
 
@@ -45,6 +47,8 @@ class CaptionSystem(VisionSystem):
         num_samples: captions shown in the log (TensorBoard text) each validation.
         optim: ``build_optimizer`` keyword arguments.
         nonfinite: ``raise`` or ``skip`` on a non-finite loss.
+        scst: ``ScstConfig`` settings: train self-critically on CIDEr-D (``finetune=scst``) rather than with
+            teacher-forced cross-entropy; the run gives the reward with ``use_reward`` before training.
     """
 
     task = "caption"
@@ -59,8 +63,11 @@ class CaptionSystem(VisionSystem):
         num_samples: int = 8,
         optim: dict[str, Any] | None = None,
         nonfinite: str = "raise",
+        scst: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(optim, nonfinite)
+        self.scst = ScstConfig(**scst) if scst is not None else None
+        self.self_critical: SelfCritical | None = None
         self.vocab = tokenizer_from_labels(vocab)
         vocab_size = model_config["decoder"]["vocab_size"]
         if vocab_size != len(self.vocab):
@@ -88,12 +95,32 @@ class CaptionSystem(VisionSystem):
             label_smoothing=label_smoothing,
         )
 
+    def use_reward(self, scorer: CiderD) -> None:
+        """Train self-critically with ``scorer`` as the reward (needs ``scst`` settings)."""
+        if self.scst is None:
+            raise ValueError("use_reward needs the system's scst settings (finetune=scst)")
+        self.self_critical = SelfCritical(self.scst, scorer, self.vocab.decode_batch)
+
     def training_step(self, batch: dict[str, Any] | None, batch_idx: int) -> Tensor | None:
         if batch is None:  # no image of the batch could be read (data.bad_images=skip)
             return None
-        loss = self._loss(batch, self.label_smoothing)
-        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["images"]))
+        size = len(batch["images"])
+        if self.scst is None:
+            loss = self._loss(batch, self.label_smoothing)
+        else:
+            loss = self._self_critical_loss(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=size)
         return self.guard(loss)
+
+    def _self_critical_loss(self, batch: dict[str, Any]) -> Tensor:
+        if self.self_critical is None:
+            raise RuntimeError("scst is set but no reward was given: call use_reward(scorer) before training")
+        loss, logged = self.self_critical(self.model, batch["images"], batch["references"], None)
+        size = len(batch["images"])
+        self.log_dict({f"train/{k}": v for k, v in logged.items()}, batch_size=size)
+        if self.scst.xe_weight:
+            loss = loss + self.scst.xe_weight * self._loss(batch, self.label_smoothing)
+        return loss
 
     def _evaluate(self, batch: dict[str, Any] | None, stage: str) -> None:
         if batch is None:  # no image of the batch could be read (data.bad_images=skip)

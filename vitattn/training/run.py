@@ -33,9 +33,11 @@ from vitattn.training.checkpoint_io import AtomicCheckpointIO
 from vitattn.training.compile import should_compile
 from vitattn.training.data import setup_data
 from vitattn.training.groups import instantiate_group
+from vitattn.training.init_model import apply_init, check_init_classes, command_line_keys, read_init
 from vitattn.training.loggers import build_loggers
 from vitattn.training.pretrained import choose_preprocess, read_pretrained
 from vitattn.training.resources import plan_cores
+from vitattn.training.self_critical import prepare_reward
 from vitattn.training.tokenizer import prepare_tokenizer
 
 __all__ = ["TrainResult", "train"]
@@ -81,17 +83,29 @@ def train(cfg: DictConfig) -> TrainResult:
     if complete is not None:
         return complete
     pl.seed_everything(cfg.seed, workers=True)
+    init = read_init(cfg.finetune.init) if cfg.finetune.get("init") else None
+    if init is not None:
+        apply_init(cfg, init, command_line_keys())  # the model's sizes into the config, before anything is built
     datamodule = hydra.utils.instantiate(cfg.data)
     pretrained = read_pretrained(cfg.finetune.pretrained) if cfg.finetune.get("pretrained") else None
-    choose_preprocess(datamodule, pretrained)  # before setup: every split (and the bundle) uses the weights' own
+    choose_preprocess(
+        datamodule, init or pretrained
+    )  # before setup: every split (and the bundle) uses the weights' own
     ckpt_path = _resume_checkpoint(cfg)
     prepare_tokenizer(cfg, datamodule, run_dir)  # tokenizer=bpe: the run's own when rank 0 has written it
+    if init is not None and cfg.head.task == "caption":
+        datamodule.vocab = init.bundle.vocab  # the model's tokenizer, never one built from this run's captions
     first_step = _checkpoint_step(ckpt_path) if ckpt_path else 0
     setup_data(cfg, datamodule, ckpt_path)  # empty data, wrong vocabulary: one line, no step run
     plan_cores(cfg, datamodule)
     if rank_zero_only.rank == 0:
         check_fit(cfg, datamodule)  # a coarse patch grid, a vocabulary of <unk>, a schedule with no end
     system = build_system(cfg, datamodule, pretrained)
+    if init is not None:
+        check_init_classes(init, datamodule)
+        init.load_into(system)
+    if cfg.finetune.get("scst") is not None:
+        system.use_reward(prepare_reward(datamodule, run_dir))  # CIDEr-D's statistics: once per run, rank 0
     if should_compile(cfg):
         system.model.compile()  # in place: parameter names (checkpoints, bundles) stay as they are
     # A resumed run, or a resume=auto start, continues the logs of the folder's run from its first step.

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from vitattn.data.tokenizer import load_tokenizer
 from vitattn.run_dir import RunDir
 
-__all__ = ["WAIT_SECONDS", "prepare_tokenizer"]
+__all__ = ["WAIT_SECONDS", "prepare_tokenizer", "wait_for_rank_zero"]
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +38,24 @@ def prepare_tokenizer(cfg: DictConfig, datamodule: Any, run_dir: str | Path, wai
     if cfg.tokenizer.kind != "bpe" or cfg.data.get("vocab_path"):
         return  # words is cheap and deterministic on every rank; file reads its path
     saved = RunDir(run_dir).tokenizer
-    if not saved.is_file() and rank_zero_only.rank != 0:
-        log.info("rank %d: waiting for rank 0 to write %s", rank_zero_only.rank, saved)
-        deadline = time.monotonic() + wait
-        while not saved.is_file():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank 0 wrote no {saved} in {wait:.0f} s; see rank 0's log for why")
-            time.sleep(1.0)
+    if rank_zero_only.rank != 0:
+        wait_for_rank_zero(saved, wait)
     if saved.is_file():
         log.info("tokenizer=bpe: reading this run's %s (built once per run)", saved)
         datamodule.vocab = load_tokenizer(saved)
+
+
+def wait_for_rank_zero(path: Path, wait: float = WAIT_SECONDS) -> None:
+    """Return once ``path`` exists (a file rank 0 writes into the run folder for every rank).
+
+    Raises:
+        TimeoutError: no such file within ``wait`` seconds.
+    """
+    if path.is_file():
+        return
+    log.info("rank %d: waiting for rank 0 to write %s", rank_zero_only.rank, path)
+    deadline = time.monotonic() + wait
+    while not path.is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 wrote no {path} in {wait:.0f} s; see rank 0's log for why")
+        time.sleep(1.0)

@@ -92,6 +92,10 @@ class CaptionFilesDataModule(ImageDataModule):
         splits = dict.fromkeys(d.dataset for d in (self.train_dataset, self.val_dataset, self.test_dataset))
         return [str(d.image_dir / im.file_name) for d in splits for im in d.images]
 
+    def train_references(self) -> list[list[str]]:
+        """Each training image's captions (after ``setup``)."""
+        return [list(image.captions) for image in self.train_dataset.dataset.images]
+
     def evaluation_split(self, split: str) -> EvalSplit:
         images = (self.val_dataset if split == "val" else self.test_dataset).dataset  # TokenizedCaptions -> images
         return EvalSplit(

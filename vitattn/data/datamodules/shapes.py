@@ -76,6 +76,13 @@ class ShapesDataModule(ImageDataModule):
         # canonical caption as the target everywhere: the synthetic captions are unambiguous
         self._use_captions(splits, vocab, self.max_caption_len, sample_train_caption=False)
 
+    def train_references(self) -> list[list[str]]:
+        """Each training scene's valid captions (after ``setup``)."""
+        if self.task != "caption":
+            return []
+        shapes = self.train_dataset.dataset  # TokenizedCaptions -> ShapesDataset
+        return [shapes.references(i) for i in range(len(shapes))]
+
     def evaluation_split(self, split: str) -> EvalSplit:
         evaluation = super().evaluation_split(split)
         evaluation.source = f"shapes {split} split (seed {self.seed}, {self.img_size} px)"

@@ -31,28 +31,45 @@ from vitattn.data.eval_split import EvalSplit
 from vitattn.data.shards import expand_shards, local_path, read_shard, shard_sizes
 from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, batches_per_rank, split_epoch
 from vitattn.data.shards.listing import CLASSES_FILE
-from vitattn.data.shards.stream import EpochLoader, ShardBatch, ShardSamples, ShardStream, sample_caption
+from vitattn.data.shards.stream import (
+    EpochLoader,
+    ShardBatch,
+    ShardSamples,
+    ShardStream,
+    sample_caption,
+    sample_references,
+)
 
-__all__ = ["WebDatasetDataModule", "shard_captions"]
+__all__ = ["WebDatasetDataModule", "shard_captions", "shard_references"]
 
 log = logging.getLogger(__name__)
 
 
 def shard_captions(urls: Sequence[str], caption_key: str | None, total: int | None = None) -> list[str]:
     """Every caption of the shards (a progress bar of samples read); samples without one are left out."""
+    return _read_captions(urls, caption_key, "vocabulary: reading captions", lambda sample, caption: caption)
 
-    def read(url: str) -> list[str]:
-        captions = []
+
+def shard_references(urls: Sequence[str], caption_key: str | None) -> list[list[str]]:
+    """Every sample's references (``sample_references``), samples in shard order; those without a caption left out."""
+    return _read_captions(urls, caption_key, "CIDEr-D: reading references", sample_references)
+
+
+def _read_captions(urls: Sequence[str], caption_key: str | None, desc: str, take: Any) -> list[Any]:
+    """``take(sample, caption)`` of every captioned sample of the shards, with a progress bar of shards read."""
+
+    def read(url: str) -> list[Any]:
+        items = []
         for sample in read_shard(url, extensions={"txt", "json"}):
             caption = sample_caption(sample, caption_key)
             if caption is not None:
-                captions.append(caption)
+                items.append(take(sample, caption))
         bar.update(1)
-        return captions
+        return items
 
-    with tqdm(total=len(urls), desc="vocabulary: reading captions", unit="shard", disable=None) as bar:
+    with tqdm(total=len(urls), desc=desc, unit="shard", disable=None) as bar:
         with ThreadPoolExecutor(max(1, min(8, len(urls)))) as pool:
-            return [c for part in pool.map(read, urls) for c in part]
+            return [item for part in pool.map(read, urls) for item in part]
 
 
 def _rank_and_world(trainer: Any) -> tuple[int, int]:
@@ -287,6 +304,12 @@ class WebDatasetDataModule(ImageDataModule):
         listing = [] if stream is None else [f"{u} {n}" for u, n in zip(stream.urls, stream.sizes)]
         text = "\n".join([*listing, str(self.samples_per_epoch)])
         return hashlib.sha1(text.encode()).hexdigest()
+
+    def train_references(self) -> list[list[str]]:
+        """Each training sample's references, read from the training shards (after ``setup``)."""
+        if self.task != "caption":
+            return []
+        return shard_references(expand_shards(self.shards["train"], "data.train_shards"), self.caption_key)
 
     def evaluation_split(self, split: str) -> EvalSplit:
         stream = self.val_dataset if split == "val" else self.test_dataset

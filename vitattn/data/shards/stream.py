@@ -31,7 +31,15 @@ from vitattn.data.shards.epoch_split import EpochOrder, WorkerPlan
 from vitattn.data.shards.reading import ShardError, read_shard
 from vitattn.data.tokenizer import Tokenizer
 
-__all__ = ["EpochLoader", "ShardBatch", "ShardSamples", "ShardStream", "image_member", "sample_caption"]
+__all__ = [
+    "EpochLoader",
+    "ShardBatch",
+    "ShardSamples",
+    "ShardStream",
+    "image_member",
+    "sample_caption",
+    "sample_references",
+]
 
 _IMAGE_KEYS = tuple(ext.lstrip(".") for ext in sorted(IMAGE_EXTENSIONS))
 _HINT = "data.bad_images=skip trains without such samples"
@@ -114,7 +122,7 @@ class ShardSamples:
             return {
                 "image": pixels,
                 "tokens": torch.tensor(tokens, dtype=torch.long),
-                "references": _references(sample, caption),
+                "references": sample_references(sample, caption),
                 "image_id": sample_id,
             }
         return pixels, label
@@ -131,7 +139,7 @@ class ShardSamples:
         return label
 
 
-def _references(sample: dict[str, Any], caption: str) -> list[str]:
+def sample_references(sample: dict[str, Any], caption: str) -> list[str]:
     """Every caption of the sample: the ``captions`` list of its ``.json`` (vitattn-shards writes it), else the one."""
     try:
         listed = json.loads(sample.get("json") or b"{}").get("captions")

@@ -1,0 +1,164 @@
+"""Self-critical sequence training (Rennie et al., 2017): sample captions, reward each with CIDEr-D against its
+image's references, and raise the log-probability of the captions that beat a baseline.
+
+Dimension letters: B images, K samples per image, T generated positions, V vocabulary, N image tokens, D width.
+
+The baseline is the mean reward of the image's other K - 1 samples (``mean``: Luo, "A better variant of
+self-critical sequence training", 2020) or the reward of the image's greedy caption (``greedy``: Rennie et
+al.). The loss is the reference implementation's (``RewardCriterion`` of self-critical.pytorch): the
+advantage times each generated token's log-probability, ``<eos>`` included, summed over the samples and
+divided by the number of tokens. A sample is drawn with the key/value cache from the search every runtime
+shares (``vitattn.models.search``: ``<pad>``, ``<bos>`` and ``<unk>`` never drawn), one batched search for
+the B * K rows over the B images' tokens; its log-probabilities come from one teacher-forced pass of the
+decoder with gradients, under the same bans, so the policy whose gradient is taken is the one that sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.profiler import record_function
+
+from vitattn.metrics import CiderD
+from vitattn.models import ImageCaptioner
+from vitattn.models.search import greedy_search
+
+__all__ = ["BASELINES", "ScstConfig", "SelfCritical", "scst_loss"]
+
+BASELINES = ("mean", "greedy")
+
+
+@dataclass(frozen=True)
+class ScstConfig:
+    """``finetune.scst``: samples per image, the baseline, the sampling filters and the cross-entropy mixed in.
+
+    Args:
+        samples: K captions sampled per image.
+        baseline: ``mean`` (the image's other samples' mean reward) or ``greedy`` (its greedy caption's).
+        temperature, top_k, top_p: the sampling filters, as ``generate`` takes them.
+        xe_weight: weight of the teacher-forced cross-entropy on the batch's captions added to the loss; 0: none.
+        max_new_tokens: longest sample, ``<eos>`` included; None: the decoder's ``max_len - 1``.
+    """
+
+    samples: int = 5
+    baseline: str = "mean"
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    xe_weight: float = 0.0
+    max_new_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.baseline not in BASELINES:
+            raise ValueError(f"scst.baseline={self.baseline!r} is unknown; choose mean or greedy")
+        if self.samples < 1:
+            raise ValueError(f"scst.samples={self.samples} must be at least 1")
+        if self.samples == 1 and self.baseline == "mean":
+            raise ValueError(
+                "scst.samples=1 with scst.baseline=mean leaves no other sample to average; "
+                "use scst.samples=2 or more, or scst.baseline=greedy"
+            )
+        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.xe_weight < 0:
+            raise ValueError(
+                f"scst.temperature={self.temperature} must be positive, scst.top_p={self.top_p} in (0, 1], "
+                f"scst.top_k={self.top_k} and scst.xe_weight={self.xe_weight} at least 0"
+            )
+
+
+def scst_loss(log_probs: Tensor, mask: Tensor, advantage: Tensor) -> Tensor:
+    """``-sum(advantage * log p(token) * mask) / sum(mask)``: the reference ``RewardCriterion``.
+
+    Args:
+        log_probs: (S, T) log-probability of each generated token.
+        mask: (S, T) 1 for generated tokens (``<eos>`` included), 0 for padding.
+        advantage: (S,) reward minus baseline of each sample (no gradient flows through it).
+    """
+    mask = mask.to(log_probs.dtype)
+    return -(advantage.detach()[:, None] * log_probs * mask).sum() / mask.sum().clamp(min=1)
+
+
+def mean_of_others(rewards: Tensor, samples: int) -> Tensor:
+    """(B * K,) rewards, the K of an image consecutive -> each sample's baseline: the mean of the image's other
+    K - 1 rewards."""
+    grouped = rewards.view(-1, samples)  # (B, K)
+    return ((grouped.sum(1, keepdim=True) - grouped) / (samples - 1)).reshape(-1)
+
+
+class SelfCritical:
+    """The self-critical objective of a ``CaptionSystem``: one call gives the loss of a batch and what to log.
+
+    Args:
+        config: the ``finetune.scst`` settings.
+        scorer: CIDEr-D with the training set's document frequencies.
+        decode: token ids (S, T) -> captions, the model's tokenizer's ``decode_batch``.
+    """
+
+    def __init__(self, config: ScstConfig, scorer: CiderD, decode: Any) -> None:
+        self.config, self.scorer, self.decode = config, scorer, decode
+
+    def __call__(
+        self, model: ImageCaptioner, images: Tensor, references: list[list[str]], generator: torch.Generator | None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of images (B, C, height, width) with their references, and ``reward``, ``baseline``,
+        ``eos_share`` (of the samples that end with ``<eos>``) as tensors on the images' device."""
+        cfg, K = self.config, self.config.samples
+        ids = model.special_ids
+        max_new = model.check_generate(cfg.max_new_tokens, 1, True, cfg.temperature)
+        with record_function("scst/encode"):
+            memory = model.encode(images)  # (B, N, D), with gradients
+        B = memory.shape[0]
+        with torch.no_grad(), record_function("scst/sample"):
+            step = model.decode_step(memory.detach(), max_new)  # B * K rows over B images' tokens
+            sample = dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, generator=generator)
+            sampled = greedy_search(step, B * K, max_new, ids, memory.device, sample)  # (B * K, T)
+        with record_function("scst/reward"):
+            image_refs = [refs for refs in references for _ in range(K)]
+            rewards = torch.tensor(self.scorer(self.decode(sampled), image_refs), device=memory.device)
+        if cfg.baseline == "mean":
+            baseline = mean_of_others(rewards, K)
+        else:
+            with record_function("scst/greedy_baseline"):
+                greedy = self._greedy_rewards(model, images, references, max_new)
+            baseline = torch.tensor(greedy, device=memory.device).repeat_interleave(K)
+        with record_function("scst/log_probs"):
+            log_probs, mask = sample_log_probs(model, memory, sampled)
+        loss = scst_loss(log_probs, mask, rewards - baseline)
+        ended = (sampled == ids.eos_id).any(dim=1).float().mean()
+        return loss, {"reward": rewards.mean(), "baseline": baseline.mean(), "eos_share": ended}
+
+    def _greedy_rewards(
+        self, model: ImageCaptioner, images: Tensor, references: list[list[str]], max_new: int
+    ) -> list[float]:
+        """The reward of each image's greedy caption, decoded as evaluation decodes (dropout off)."""
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                greedy = model.generate(images, max_new_tokens=max_new)
+        finally:
+            model.train(was_training)
+        return self.scorer(self.decode(greedy), references)
+
+
+def sample_log_probs(model: ImageCaptioner, memory: Tensor, sampled: Tensor) -> tuple[Tensor, Tensor]:
+    """Each sampled token's log-probability under the model, with gradients, and the mask of generated tokens.
+
+    Args:
+        memory: (B, N, D) image tokens; ``sampled``'s rows are K per image, consecutive.
+        sampled: (B * K, T) token ids without ``<bos>``, padded after ``<eos>``.
+
+    Returns:
+        (B * K, T) log-probabilities (``<pad>``, ``<bos>`` and ``<unk>`` banned, as in the search) and the
+        (B * K, T) mask of generated tokens, ``<eos>`` included.
+    """
+    ids = model.special_ids
+    bos = sampled.new_full((sampled.shape[0], 1), ids.bos_id)
+    logits = model.decoder(torch.cat([bos, sampled[:, :-1]], dim=1), memory).float()  # (B * K, T, V)
+    banned = [i for i in (ids.pad_id, ids.bos_id, ids.unk_id) if i is not None]
+    logits = logits.index_fill(-1, torch.tensor(banned, device=logits.device), float("-inf"))
+    log_probs = logits.log_softmax(-1).gather(-1, sampled.unsqueeze(-1)).squeeze(-1)  # (B * K, T)
+    mask = sampled != ids.pad_id
+    return log_probs.masked_fill(~mask, 0.0), mask
