@@ -169,7 +169,7 @@ def test_data_without_references_is_refused_in_one_line(tmp_path):
         pass
 
     with pytest.raises(ConfigError, match=r"^finetune=scst: the data \(NoReferences\) gives no reference captions"):
-        prepare_reward(NoReferences(), tmp_path)
+        prepare_reward(NoReferences(), tmp_path, resuming=False)
 
 
 # ------------------------------------------------------------------------------------------------- runs

@@ -361,3 +361,32 @@ def test_vitattn_shards_writes_an_image_folder_as_shards(tmp_path):
     assert labels == {0: 5, 1: 5} and (tmp_path / "out" / "classes.txt").read_text() == "cat\ndog\n"
     source = json.loads(samples[0]["json"])["source"]
     assert samples[0]["png"] == Path(source).read_bytes()  # the file as it is, not re-encoded
+
+
+@pytest.mark.parametrize("kind", ["words", "bpe"])
+def test_a_restart_reads_no_training_shard_to_build_its_tokenizer(kind, shards, tmp_path, monkeypatch):
+    import vitattn.data.datamodules.webdataset as webdataset
+
+    overrides = [
+        *TINY,
+        "head=caption",
+        f"tokenizer={kind}",
+        "data=webdataset",
+        f"data.train_shards={shards['train']}",
+        f"data.val_shards={shards['val']}",
+        "data.num_workers=0",
+        f"data.count_cache={shards['cache']}",
+        "data.batch_size=8",
+        "test=false",
+        "export_bundle=false",
+        "resume=auto",
+        "trainer.max_epochs=-1",
+    ]
+    reads = []
+    read_captions = webdataset.shard_captions
+    monkeypatch.setattr(webdataset, "shard_captions", lambda *a, **k: reads.append(a) or read_captions(*a, **k))
+    first = train(compose_train([*overrides, "trainer.max_steps=2"], tmp_path))
+    assert len(reads) == 1 and first.global_step == 2  # the first start read the training captions once
+    restarted = train(compose_train([*overrides, "trainer.max_steps=4"], tmp_path))
+    assert len(reads) == 1 and restarted.global_step == 4  # the restart read the run's tokenizer instead
+    assert restarted.system.vocab == first.system.vocab

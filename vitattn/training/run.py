@@ -92,7 +92,7 @@ def train(cfg: DictConfig) -> TrainResult:
         datamodule, init or pretrained
     )  # before setup: every split (and the bundle) uses the weights' own
     ckpt_path = _resume_checkpoint(cfg)
-    prepare_tokenizer(cfg, datamodule, run_dir)  # tokenizer=bpe: the run's own when rank 0 has written it
+    prepare_tokenizer(cfg, datamodule, run_dir, ckpt_path is not None)  # the run's own, once rank 0 wrote it
     if init is not None and cfg.head.task == "caption":
         datamodule.vocab = init.bundle.vocab  # the model's tokenizer, never one built from this run's captions
     first_step = _checkpoint_step(ckpt_path) if ckpt_path else 0
@@ -105,7 +105,8 @@ def train(cfg: DictConfig) -> TrainResult:
         check_init_classes(init, datamodule)
         init.load_into(system)
     if cfg.finetune.get("scst") is not None:
-        system.use_reward(prepare_reward(datamodule, run_dir))  # CIDEr-D's statistics: once per run, rank 0
+        # CIDEr-D statistics: computed once per run by rank 0
+        system.use_reward(prepare_reward(datamodule, run_dir, ckpt_path is not None))
     if should_compile(cfg):
         system.model.compile()  # in place: parameter names (checkpoints, bundles) stay as they are
     # A resumed run, or a resume=auto start, continues the logs of the folder's run from its first step.

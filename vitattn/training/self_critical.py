@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 FORMAT = "vitattn-cider-statistics/1"
 
 
-def prepare_reward(datamodule: Any, run_dir: str | Path, wait: float = WAIT_SECONDS) -> CiderD:
-    """The run's CIDEr-D reward: its statistics read from the run folder, or (rank 0, first start) computed from
-    ``datamodule.train_references()`` and written there.
+def prepare_reward(datamodule: Any, run_dir: str | Path, resuming: bool, wait: float = WAIT_SECONDS) -> CiderD:
+    """The run's CIDEr-D reward: its statistics read from the run folder (a restart, ``resuming``; a rank other
+    than 0), or on rank 0's first start computed from ``datamodule.train_references()`` and written there.
 
     Raises:
         ConfigError: the data has no caption references, or none in its training split.
@@ -37,7 +37,7 @@ def prepare_reward(datamodule: Any, run_dir: str | Path, wait: float = WAIT_SECO
     path = RunDir(run_dir).cider_statistics
     if rank_zero_only.rank != 0:
         wait_for_rank_zero(path, wait)
-    if path.is_file():
+    if path.is_file() and (resuming or rank_zero_only.rank != 0):
         log.info("finetune=scst: CIDEr-D statistics from this run's %s (computed once per run)", path)
         return read_statistics(path)
     references = _train_references(datamodule)
