@@ -259,3 +259,34 @@ def test_bench_runs_both_sides_for_the_same_steps(tiny_data, tmp_path):
     assert len(saved) == tiny_data.num_val and all(set(s) == {"image_id", "caption", "references"} for s in saved)
     table = learning_bench.format_table(rows)
     assert table.count("\n") == 1 + len(rows)
+
+
+# ------------------------------------------------------------------------------ variants bench
+
+
+def test_variants_bench_starts_each_variant_from_its_datasets_and_seeds_base_run(tmp_path, monkeypatch):
+    from benchmarks import variants_bench
+
+    calls = []
+
+    def fake_run(task, data, cfg, run_dir):
+        calls.append((run_dir.name, cfg.seed, cfg.steps, list(cfg.vitattn_args)))
+        score = {"xe": 1.0, "scst": 2.0, "init": 0.5}[run_dir.name.split("-")[2]] + cfg.seed
+        return learning_bench.Side({"cider_d": score, "bleu4": 0.1, "exact_match": 0.25}, cfg.steps, 1.0, 1.0, "x")
+
+    monkeypatch.setattr(variants_bench, "run_vitattn", fake_run)
+    monkeypatch.setattr(variants_bench.learning_data, "prepare", lambda name, *a: name)
+    variants = variants_bench.parse_variants([["xe"], ["scst", "finetune=scst"]])
+    cfg = learning_bench.BenchConfig(steps=7)
+    runs = variants_bench.run_all(variants, ["emoji"], "caption", [0, 1], cfg, tmp_path, 1, tmp_path, 0, init_steps=9)
+    bases = [c for c in calls if "-init-" in c[0]]
+    assert [(c[1], c[2]) for c in bases] == [(0, 9), (1, 9)] and all("export_bundle=true" in c[3] for c in bases)
+    for name, seed, steps, args in calls:
+        if "-init-" not in name:
+            assert steps == 7 and f"finetune.init={tmp_path / f'emoji-caption-init-seed{seed}'}" in args
+            assert ("finetune=scst" in args) == ("-scst-" in name)
+    table = variants_bench.format_table([r for r in runs if r["variant"] != "init"], "caption")
+    assert "| emoji | xe | 1.500 (1.000–2.000) | 0.100 (0.100–0.100) | 25.0 % (25.0–25.0) | 2 | 7 | 1 |" in table
+    assert "| emoji | scst | 2.500 (2.000–3.000) |" in table
+    with pytest.raises(ValueError, match="--variant xe is given twice"):
+        variants_bench.parse_variants([["xe"], ["xe", "optim.lr=1e-4"]])
