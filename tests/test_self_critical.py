@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, console_script
+from tests.helpers import TINY, TINY_SHAPES, compose_train, console_script, make_coco, make_karpathy
 from tests.test_preemption import DDP_CPU, ENV
+from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.errors import ConfigError
 from vitattn.metrics import CiderD, cider_d
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
@@ -247,6 +248,32 @@ def test_scst_trains_from_the_checkpoint_logs_its_reward_and_computes_statistics
     assert statistics.num_images == 64
     fresh = CiderD(result.system.trainer.datamodule.train_references())
     assert statistics.doc_freq == fresh.doc_freq
+
+
+@pytest.fixture(scope="module")
+def caption_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    coco, karpathy = make_coco(root / "coco"), make_karpathy(root / "karpathy")
+    shards = write_shards(shapes_samples("train", 12, img_size=32), root / "shards", 6)
+    return {
+        "coco": [f"data.{k}={v}" for k, v in coco.items()],
+        "karpathy": [f"data.{k}={v}" for k, v in karpathy.items()],
+        "webdataset": [f"data.train_shards={shards[0].parent}", f"data.val_shards={shards[0]}", "data.num_workers=0"],
+    }
+
+
+@pytest.mark.parametrize("data", ["coco", "karpathy", "webdataset"])
+def test_scst_trains_on_every_caption_data_path_with_ema(data, caption_data, base_run, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, f"data={data}", *caption_data[data], "finetune=scst", f"finetune.init={base_run}"]
+    result = train(
+        compose_train([*overrides, "trainer.max_steps=2", "ema.decay=0.9", "trainer.log_every_n_steps=1"], run_dir)
+    )
+    assert result.global_step == 2 and result.bundle_dir is not None
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        assert any(row.get("train/reward") for row in csv.DictReader(f))
+    statistics = read_statistics(RunDir(run_dir).cider_statistics)
+    assert statistics.doc_freq == CiderD(result.system.trainer.datamodule.train_references()).doc_freq
 
 
 @pytest.mark.slow
