@@ -23,7 +23,7 @@ OpenMP thread that a neighbour deschedules stalls every parallel region, and the
 each repeat, in an order reversed every other repeat, so that a busier moment of a shared machine hits
 them alike. A row is the median wall time of the command and of the import, their ratio, and the range
 of the per-repeat ratios; CPU seconds (the process and its children) are given beside, as they vary
-less than wall time on a loaded machine. Target: ratio <= 1.3 (issue 22).
+less than wall time on a loaded machine. Target: ratio <= 1.3.
 """
 
 from __future__ import annotations
