@@ -201,6 +201,46 @@ def _independent_ema(raw: list[dict[str, torch.Tensor]], decay: float) -> list[d
     return averages
 
 
+class _EmaAsBefore:
+    """The EMA update as it was, the oracle: ``AveragedModel``'s ``avg_fn``, one tensor at a time, with the
+    count read back from the device."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+
+    def __call__(self, averaged: torch.Tensor, current: torch.Tensor, num_averaged: torch.Tensor) -> torch.Tensor:
+        n = float(num_averaged)
+        d = min(self.decay, (1.0 + n) / (10.0 + n))
+        return averaged + (current - averaged) * (1.0 - d)
+
+
+def test_ema_foreach_update_equals_the_update_before_and_continues_after_a_resume():
+    from torch.optim.swa_utils import AveragedModel
+
+    from vitattn.callbacks.ema import _WarmupEma
+    from vitattn.models import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3)
+    decay = 0.8  # the warm-up (1 + n) / (10 + n) for 35 updates, then 0.8
+    ours, before = _WarmupEma(model, decay), AveragedModel(model, avg_fn=_EmaAsBefore(decay), use_buffers=True)
+    averages = [ours, before]
+    for step in range(60):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p), alpha=0.1)
+        for ema in averages:
+            ema.update_parameters(model)
+        if step == 20:  # a checkpoint's average loaded into a fresh one, as WeightAveraging.on_load_checkpoint does
+            resumed = _WarmupEma(model, decay)
+            resumed.load_state_dict(ours.state_dict())
+            averages.append(resumed)
+    assert ours.num_averaged == int(ours.n_averaged) == int(before.n_averaged) == 60  # the count checkpoints hold
+    for a, b, c in zip(ours.module.parameters(), before.module.parameters(), resumed.module.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
+
+
 def test_ema_weights_are_validated_tested_and_exported(tmp_path, monkeypatch):
     from lightning.pytorch.loggers import CSVLogger
     from safetensors.torch import load_file

@@ -7,10 +7,11 @@ from pathlib import Path
 import hydra
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from omegaconf import OmegaConf
 
+import vitattn.training.run
 from tests.helpers import (
     CONF_DIR,
     TINY,
@@ -431,3 +432,44 @@ def test_captioning_recipes_pass_validation(recipe, datasets, tmp_path):
     check_config(cfg)  # no network: the pretrained name is checked against timm's registry only
     assert cfg.finetune.pretrained.startswith("vit_") and cfg.head.generate.num_beams == 3
     assert cfg.data._target_ == "vitattn.data.KarpathyDataModule" and cfg.optim.layer_decay == 0.75
+
+
+class _ProfileStep(Callback):
+    """``torch.profiler`` over one whole training step, from its batch's start to the next batch's."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.profiler, self.events = step, None, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and self.profiler is None:
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.profiler.__enter__()
+        elif self.profiler is not None and self.events is None:
+            self.profiler.__exit__(None, None, None)
+            self.events = self.profiler.events()
+
+
+def _within(event, prefix: str) -> bool:
+    """Whether ``event`` runs inside a profiled range whose name starts with ``prefix``."""
+    while event is not None and not event.name.startswith(prefix):
+        event = event.cpu_parent
+    return event is not None
+
+
+# EMA on, nonfinite=raise, logging every 50 steps: step 3 logs nothing.
+QUIET_STEP = ["ema.decay=0.99", "head.nonfinite=raise", "trainer.log_every_n_steps=50", "trainer.max_steps=5"]
+QUIET_STEP += ["trainer.max_epochs=-1", "test=false", "export_bundle=false"]
+
+
+@pytest.mark.parametrize("head", ["caption", "classification"])
+def test_a_training_step_that_logs_nothing_reads_nothing_back_from_the_device(head, tmp_path, monkeypatch):
+    profile = _ProfileStep(step=3)
+    build = vitattn.training.run.instantiate_group
+    monkeypatch.setattr(vitattn.training.run, "instantiate_group", lambda group, *a: [*build(group, *a), profile])
+    run = [f"head={head}", *TINY, *TINY_SHAPES, *QUIET_STEP]
+    train(compose_train(run, tmp_path))
+    reads = [event for event in profile.events if event.name in ("aten::item", "aten::_local_scalar_dense")]
+    # AdamW (neither fused nor capturable) keeps its step counts on the host, on a GPU too: reading them is no sync.
+    assert [event.name for event in reads if not _within(event, "Optimizer.step#")] == []
+    names = {event.name for event in profile.events}
+    assert {"Optimizer.step#AdamW.step", "aten::_foreach_lerp_"} <= names  # the whole step: the EMA's update too

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from vitattn.errors import NonFiniteLossError
+from vitattn.systems.nonfinite import NonFiniteNotes
 from vitattn.systems.optim import build_optimizer, param_groups
 
 __all__ = ["UNKNOWN_HORIZON", "NonFiniteLossError", "VisionSystem"]
@@ -26,7 +28,8 @@ class VisionSystem(pl.LightningModule):
 
     Args:
         optim: keyword arguments of ``build_optimizer`` (lr, weight_decay, warmup_steps, ...).
-        nonfinite: ``raise`` stops training naming the step; ``skip`` skips the batch and counts it.
+        nonfinite: ``raise`` stops training naming the step; ``skip`` skips the step (on every rank together)
+            and counts it.
     """
 
     model: torch.nn.Module
@@ -38,6 +41,7 @@ class VisionSystem(pl.LightningModule):
         self.optim = dict(optim or {})
         self.nonfinite = nonfinite
         self.skipped_batches = 0
+        self._nonfinite_notes = NonFiniteNotes()
 
     @staticmethod
     def example_images(vit: torch.nn.Module) -> Tensor:
@@ -45,19 +49,93 @@ class VisionSystem(pl.LightningModule):
         height, width = vit.patch_embed.img_size
         return torch.zeros(1, vit.patch_embed.proj.in_channels, height, width)  # (1, C, height, width)
 
-    def guard(self, loss: Tensor) -> Tensor | None:
-        """The loss, or None (batch skipped) / an error when it is not finite."""
-        if torch.isfinite(loss):
-            return loss
-        message = f"non-finite training loss {loss.item()} at step {self.global_step} (epoch {self.current_epoch})"
+    @property
+    def loss_on_progress_bar(self) -> bool:
+        """Whether a progress bar shows the training loss. Lightning reads every ``prog_bar`` value back to the
+        host at each step, a sync that a run without a progress bar need not make."""
+        return self._trainer is not None and self._trainer.progress_bar_callback is not None
+
+    def guard(self, loss: Tensor) -> Tensor:
+        """``loss``, unchanged; whether it is finite is noted on its device, without a host sync.
+
+        ``optimizer_step`` reads the note: with ``nonfinite=skip`` at every step (the decision needs the value),
+        with ``raise`` at logging steps; ``raise`` also looks before validation and checkpoints and at the end
+        of each epoch.
+        """
+        self._nonfinite_notes.note(loss, self.global_step)
+        return loss
+
+    def optimizer_step(
+        self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Callable[[], Any] | None = None
+    ) -> None:
+        """Lightning's step, after a look at the noted losses where one is due.
+
+        With ``nonfinite=skip`` every rank looks at every step and, if a loss on any rank was not finite, every
+        rank skips the optimizer's update (the step still counts, for ``global_step`` and the schedule). Lightning
+        refuses a ``None`` loss under DDP, and a rank that stopped alone would leave the others waiting in the
+        gradient all-reduce. With ``raise`` the look is at logging steps only: a step that logs nothing makes no
+        host sync.
+        """
+        try:
+            loss = optimizer_closure()  # training_step and backward: under DDP every rank joins the all-reduce
+            if self.nonfinite == "skip":
+                noted = self._nonfinite_notes.take(self.device, self._gather)
+                if noted is not None:
+                    self._skip(*noted)
+                    return
+            elif self.trainer.log_every_n_steps and (self.global_step + 1) % self.trainer.log_every_n_steps == 0:
+                self.check_finite()  # the step Lightning logs: its values are read back to the host anyway
+            optimizer.step(closure=lambda: loss)
+        except Exception as error:
+            if self.nonfinite != "raise" or isinstance(error, NonFiniteLossError):
+                raise
+            # A step after a non-finite loss not yet looked at may fail otherwise (an overflow, a sampler given NaN
+            # probabilities): name that loss. This rank's notes alone: the other ranks may be anywhere.
+            found = self._nonfinite_error(self._nonfinite_notes.take(self.device, rank=self.global_rank))
+            if found is None:
+                raise
+            raise found from error
+
+    def check_finite(self) -> None:
+        """Raise ``NonFiniteLossError`` if a loss noted since the last look was not finite, on any rank.
+
+        One host sync (and an all-gather under DDP: every rank must call it together); the notes are cleared.
+        """
+        found = self._nonfinite_error(self._nonfinite_notes.take(self.device, self._gather))
+        if found is not None:
+            raise found
+
+    def on_validation_start(self) -> None:
         if self.nonfinite == "raise":
-            raise NonFiniteLossError(
-                message + "; the last good checkpoint is kept; set head.nonfinite=skip to skip such batches"
-            )
-        self.skipped_batches += 1
-        rank_zero_warn(message + f"; batch skipped ({self.skipped_batches} so far)")
+            self.check_finite()
+
+    def on_train_epoch_end(self) -> None:
+        if self.nonfinite == "raise":
+            self.check_finite()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.nonfinite == "raise":
+            self.check_finite()  # before the checkpoint is written: the last good one stays the last
+
+    @property
+    def _gather(self) -> Callable[[Tensor], Tensor] | None:
+        return self.all_gather if self._trainer is not None and self._trainer.world_size > 1 else None
+
+    def _nonfinite_message(self, step: int, rank: int, loss: float) -> str:
+        where = f" on rank {rank}" if self._gather is not None else ""
+        return f"non-finite training loss {loss} at step {step} (epoch {self.current_epoch}){where}"
+
+    def _nonfinite_error(self, noted: tuple[int, int, float] | None) -> NonFiniteLossError | None:
+        if noted is None:
+            return None
+        fix = "; the last good checkpoint is kept; set head.nonfinite=skip to skip such batches"
+        return NonFiniteLossError(self._nonfinite_message(*noted) + fix)
+
+    def _skip(self, step: int, rank: int, loss: float) -> None:
+        self.skipped_batches += 1  # on every rank alike; rank 0 warns and logs
+        skipped = "step skipped on every rank" if self._gather is not None else "batch skipped"
+        rank_zero_warn(self._nonfinite_message(step, rank, loss) + f"; {skipped} ({self.skipped_batches} so far)")
         self.log("train/skipped_batches", float(self.skipped_batches))
-        return None
 
     def param_groups(self) -> list[dict[str, Any]]:
         """The optimizer's groups for the parameters trainable now (``optim.param_groups``): what a

@@ -109,7 +109,7 @@ class CaptionSystem(VisionSystem):
             loss = self._loss(batch, self.label_smoothing)
         else:
             loss = self._self_critical_loss(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=size)
+        self.log("train/loss", loss, prog_bar=self.loss_on_progress_bar, batch_size=size)
         return self.guard(loss)
 
     def _self_critical_loss(self, batch: dict[str, Any]) -> Tensor:

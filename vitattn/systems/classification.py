@@ -78,7 +78,7 @@ class ClassificationSystem(VisionSystem):
             logits = self.model(images)
             loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
         self.train_acc(logits, labels)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=self.loss_on_progress_bar)
         self.log("train/acc", self.train_acc, on_step=True, on_epoch=False)
         return self.guard(loss)
 
