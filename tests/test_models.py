@@ -1,9 +1,12 @@
+from collections import Counter
+
 import pytest
 import timm
 import torch
 from timm.layers import resample_abs_pos_embed
+from torch.utils.checkpoint import checkpoint
 
-from vitattn.layers import record_attention
+from vitattn.layers import DecoderLayer, EncoderLayer, record_attention
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer, load_timm_weights, vit_preset
 from vitattn.models.search import beam_search
 from vitattn.models.search import sample_token as _sample
@@ -334,3 +337,141 @@ def test_caption_decoder_init_switch():
     assert torch_init.config["init"] == "torch" and "init" in timm_init.config
     with pytest.raises(ValueError, match="init='xavier' is unknown"):
         CaptionDecoder(50, embed_dim=32, depth=1, num_heads=2, init="xavier")
+
+
+def _checkpointing_pair(head: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """One tiny model with dropout everywhere (so the recomputed pass must replay its masks), twice: as built
+    and with gradient checkpointing, same weights, both in training mode."""
+    drops = dict(drop_rate=0.1, attn_drop_rate=0.1)
+    if head == "classification":
+        plain = VisionTransformer(**TINY, num_classes=5, pos_drop_rate=0.1, drop_path_rate=0.1, **drops)
+        checkpointed = VisionTransformer(**plain.config)
+    else:
+        encoder = VisionTransformer(**TINY, drop_path_rate=0.1, **drops)
+        plain = ImageCaptioner(encoder, CaptionDecoder(13, embed_dim=24, depth=2, num_heads=2, memory_dim=32, **drops))
+        checkpointed = ImageCaptioner.from_config(plain.config)
+    checkpointed.load_state_dict(plain.state_dict())
+    checkpointed.set_grad_checkpointing()
+    return plain.train(), checkpointed.train()
+
+
+def _batches(head: str, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(images, labels) or (images, tokens) batches from their own generator."""
+    g = torch.Generator().manual_seed(1)
+    high = 5 if head == "classification" else 13
+    shape = (4,) if head == "classification" else (4, 7)
+    return [(torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, high, shape, generator=g)) for _ in range(steps)]
+
+
+def _loss(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if targets.dim() == 1:
+        return torch.nn.functional.cross_entropy(model(images), targets)
+    logits = model(images, targets[:, :-1])  # (B, T-1, V)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[:, 1:].flatten())
+
+
+def _train(model: torch.nn.Module, batches: list) -> list[float]:
+    torch.manual_seed(2)  # the same dropout masks for both models
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for images, targets in batches:
+        optimizer.zero_grad()
+        loss = _loss(model, images, targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("head", ["classification", "caption"])
+def test_grad_checkpointing_trains_as_without(head):
+    """Ten AdamW steps with dropout and stochastic depth: the same losses, since the recomputed pass replays
+    the forward pass's random masks."""
+    plain, checkpointed = _checkpointing_pair(head)
+    batches = _batches(head, 10)
+    expected = _train(plain, batches)
+    assert len(set(expected)) == 10  # the model learns: ten different losses to compare
+    torch.testing.assert_close(_train(checkpointed, batches), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("head", ["classification", "caption"])
+def test_grad_checkpointing_gives_the_same_gradient_on_every_parameter(head):
+    plain, checkpointed = _checkpointing_pair(head)
+    [(images, targets)] = _batches(head, 1)
+    for model in (plain, checkpointed):
+        torch.manual_seed(2)
+        _loss(model, images, targets).backward()
+    grads = dict(checkpointed.named_parameters())
+    for name, p in plain.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _count_layer_runs(model: torch.nn.Module) -> Counter:
+    """Runs of each encoder and decoder layer, counted by a forward pre-hook (the backward's recomputation too)."""
+    runs: Counter = Counter()
+    for name, module in model.named_modules():
+        if isinstance(module, EncoderLayer | DecoderLayer):
+            module.register_forward_pre_hook(lambda *_, name=name: runs.update([name]))
+    return runs
+
+
+def _count_checkpoints(monkeypatch) -> list:
+    """The functions given to ``torch.utils.checkpoint.checkpoint`` by the encoder and the decoder."""
+    checkpointed = []
+
+    def counted(function, *args, **kwargs):
+        checkpointed.append(function)
+        return checkpoint(function, *args, **kwargs)
+
+    monkeypatch.setattr("vitattn.models.vit.checkpoint", counted)
+    monkeypatch.setattr("vitattn.models.caption.checkpoint", counted)
+    return checkpointed
+
+
+def test_grad_checkpointing_runs_each_layer_again_in_the_backward_pass_and_only_while_training(monkeypatch):
+    _, model = _checkpointing_pair("caption")
+    runs, checkpointed = _count_layer_runs(model), _count_checkpoints(monkeypatch)
+    layers = ["encoder.blocks.0", "encoder.blocks.1", "decoder.layers.0", "decoder.layers.1"]
+    [(images, tokens)] = _batches("caption", 1)
+
+    def runs_of_one_step() -> dict[str, int]:
+        runs.clear()
+        checkpointed.clear()
+        loss = _loss(model, images, tokens)
+        if loss.requires_grad:
+            loss.backward()
+        return dict(runs)
+
+    assert runs_of_one_step() == dict.fromkeys(layers, 2)  # forward, and again in the backward pass
+    with torch.no_grad():
+        assert runs_of_one_step() == dict.fromkeys(layers, 1) and checkpointed == []
+    model.eval()
+    assert runs_of_one_step() == dict.fromkeys(layers, 1)  # evaluation keeps its activations
+    model.train()
+    model.set_grad_checkpointing(False)
+    assert runs_of_one_step() == dict.fromkeys(layers, 1)
+    assert model.config["encoder"]["grad_checkpointing"] is False and not model.decoder.config["grad_checkpointing"]
+
+
+def test_grad_checkpointing_never_checkpoints_the_cached_decoding(monkeypatch):
+    """The key/value cache path, even in training mode with gradients on, is not checkpointed (a recomputation
+    in the backward pass would append its keys and values again) and gives the full pass's logits."""
+    checkpointed = _count_checkpoints(monkeypatch)
+    decoder = CaptionDecoder(13, embed_dim=24, depth=2, num_heads=2, max_len=16, drop_rate=0.0, grad_checkpointing=True)
+    memory, tokens = torch.randn(3, 5, 24), torch.randint(3, 13, (3, 6))
+    cache = decoder.train().new_cache()
+    cached = torch.cat([decoder(tokens[:, i : i + 1], memory, cache, start=i) for i in range(6)], dim=1)  # (B, 6, V)
+    assert checkpointed == [] and [c.length for c in cache] == [6, 6]
+    full = decoder(tokens, memory)
+    assert checkpointed == list(decoder.layers)  # without a cache, each layer is
+    torch.testing.assert_close(cached, full, rtol=1e-5, atol=1e-5)
+
+
+def test_grad_checkpointing_leaves_generated_captions_unchanged():
+    model = _captioner()
+    images = torch.randn(4, 3, 32, 32)
+    expected = model.generate(images, max_new_tokens=10, num_beams=3)
+    model.set_grad_checkpointing()
+    assert model.encoder.grad_checkpointing and model.decoder.grad_checkpointing
+    torch.testing.assert_close(model.generate(images, max_new_tokens=10, num_beams=3), expected, rtol=0, atol=0)

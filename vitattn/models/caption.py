@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from timm.layers import trunc_normal_
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from vitattn.layers import DecoderLayer, LayerCache, check_heads
 from vitattn.models.search import CaptionSearch, SpecialIds
@@ -47,6 +48,8 @@ class CaptionDecoder(nn.Module):
         init: ``timm``: linear layers from a truncated normal of std 0.02 (timm's and GPT-2's choice);
             ``torch``: PyTorch's default ``nn.Linear`` init, as ``nn.TransformerDecoderLayer`` has (the
             training configs' default: it learns faster from small data, see ``docs/learning.md``).
+        grad_checkpointing: recompute each layer's activations in the backward pass instead of keeping them
+            (``set_grad_checkpointing``); training only, decoding is unchanged.
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class CaptionDecoder(nn.Module):
         fused_attn: bool = True,
         tie_embeddings: bool = True,
         init: str = "timm",
+        grad_checkpointing: bool = False,
     ) -> None:
         config = dict(locals())
         del config["self"], config["__class__"]
@@ -103,6 +107,7 @@ class CaptionDecoder(nn.Module):
         )
         self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps) if norm_first else nn.Identity()
         self.head = nn.Linear(embed_dim, vocab_size, bias=not tie_embeddings)
+        self.set_grad_checkpointing(grad_checkpointing)
         self._init_weights(linears=init == "timm")
         if tie_embeddings:
             self.head.weight = self.token_embed.weight  # tied output projection
@@ -119,6 +124,11 @@ class CaptionDecoder(nn.Module):
         trunc_normal_(self.token_embed.weight, std=0.02)
         with torch.no_grad():
             self.token_embed.weight[self.pad_id].zero_()
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each decoder layer's activations in the backward pass instead of keeping them: less
+        memory for about one more forward pass. Only while training with gradients and never with a cache."""
+        self.grad_checkpointing = self.config["grad_checkpointing"] = enable
 
     def new_cache(self, capacity: int | None = None) -> list[LayerCache]:
         """An empty key/value cache, one entry per layer, with room for ``capacity`` positions
@@ -143,8 +153,13 @@ class CaptionDecoder(nn.Module):
             raise ValueError(f"caption position {start + t} exceeds max_len={self.max_len}")
         x = self.token_embed(tokens) + self.pos_embed[:, start : start + t]  # (B, t, D)
         x = self.embed_drop(x)
+        # Never with a cache: running a layer again in the backward pass would append its keys/values twice.
+        recompute = cache is None and self.grad_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            x = layer(x, memory, None if cache is None else cache[i])
+            if recompute:
+                x = checkpoint(layer, x, memory, use_reentrant=False)  # keeps x; the backward runs the layer again
+            else:
+                x = layer(x, memory, None if cache is None else cache[i])
         return self.head(self.norm(x))  # (B, t, V)
 
 
@@ -167,6 +182,11 @@ class ImageCaptioner(nn.Module, CaptionSearch):
     def from_config(cls, config: dict[str, Any]) -> ImageCaptioner:
         """Rebuild from ``config`` (the ``config`` property of a saved model)."""
         return cls(VisionTransformer(**config["encoder"]), CaptionDecoder(**config["decoder"]))
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute the encoder's and the decoder's layers in the backward pass (timm's switch), or stop."""
+        self.encoder.set_grad_checkpointing(enable)
+        self.decoder.set_grad_checkpointing(enable)
 
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         """The encoder's layers for timm's layer-wise lr decay; the decoder matches none, so it is the top layer."""

@@ -15,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 from timm.layers import PatchEmbed, build_sincos2d_pos_embed, resample_abs_pos_embed, trunc_normal_
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from vitattn.layers import EncoderLayer, check_heads
 
@@ -81,6 +82,8 @@ class VisionTransformer(nn.Module):
         pos_embed_init: how the learned position embeddings start: ``trunc_normal`` (timm's, std 0.02) or
             ``sincos`` (the fixed 2-D sine-cosine embedding of MAE / MoCo v3, still learned from there on; the
             class token's position starts at zero).
+        grad_checkpointing: recompute each layer's activations in the backward pass instead of keeping them
+            (``set_grad_checkpointing``); training only, inference is unchanged.
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class VisionTransformer(nn.Module):
         layer_norm_eps: float = 1e-6,
         fused_attn: bool = True,
         pos_embed_init: str = "trunc_normal",
+        grad_checkpointing: bool = False,
     ) -> None:
         config = dict(locals())
         del config["self"], config["__class__"]
@@ -160,6 +164,7 @@ class VisionTransformer(nn.Module):
         self.fc_norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps) if use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.set_grad_checkpointing(grad_checkpointing)
         self._init_weights(pos_embed_init)
 
     def _init_weights(self, pos_embed_init: str) -> None:
@@ -181,6 +186,11 @@ class VisionTransformer(nn.Module):
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each encoder layer's activations in the backward pass instead of keeping them (timm's
+        switch): less memory for about one more forward pass. Only while training with gradients."""
+        self.grad_checkpointing = self.config["grad_checkpointing"] = enable
+
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         """Parameter layers for timm's layer-wise lr decay (``coarse`` is accepted as timm's ViT does, unused)."""
         return layer_groups()
@@ -198,8 +208,12 @@ class VisionTransformer(nn.Module):
         """(B, C, height, width) images -> (B, N, D) tokens, class token first."""
         x = self.patch_embed(x)  # (B, N-1, D)
         cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, D)
-        x = self.pos_drop(torch.cat([cls, x], dim=1) + self.pos_embed)  # (B, N, D)
-        x = self.blocks(self.norm_pre(x))
+        x = self.norm_pre(self.pos_drop(torch.cat([cls, x], dim=1) + self.pos_embed))  # (B, N, D)
+        if self.grad_checkpointing and self.training and torch.is_grad_enabled():
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False)  # keeps only x; the backward runs the block again
+        else:
+            x = self.blocks(x)
         return self.norm(x)
 
     def pool(self, x: Tensor) -> Tensor:
