@@ -91,6 +91,35 @@ def test_untied_output_layer_round_trips_and_old_configs_stay_tied(tmp_path):
     assert rebuilt.decoder.head.weight is rebuilt.decoder.token_embed.weight and rebuilt.decoder.head.bias is None
 
 
+def test_a_bundle_of_a_grad_checkpointing_model_loads_exports_and_old_bundles_load(tmp_path, captioner_and_vocab):
+    """The switch is saved with the model and changes nothing at inference: the bundle captions as the model,
+    exports to ONNX, and a bundle written before the switch existed loads with it off."""
+    model, vocab = captioner_and_vocab
+    model.set_grad_checkpointing()
+    images = torch.randn(3, 3, 32, 32)
+    expected = model.generate(images)
+    directory = save_bundle(tmp_path / "bundle", model, task="caption", preprocess=PREPROCESS, vocab=vocab)
+    config = json.loads((directory / "config.json").read_text())
+    assert config["model"]["encoder"]["grad_checkpointing"] is config["model"]["decoder"]["grad_checkpointing"] is True
+    bundle = load_bundle(directory)
+    assert bundle.model.encoder.grad_checkpointing and bundle.model.decoder.grad_checkpointing
+    torch.testing.assert_close(bundle.model.generate(images), expected, rtol=0, atol=0)
+
+    for part in ("encoder", "decoder"):  # as a bundle of an earlier vitattn
+        del config["model"][part]["grad_checkpointing"]
+    (directory / "config.json").write_text(json.dumps(config))
+    old = load_bundle(directory).model
+    assert not old.encoder.grad_checkpointing and not old.decoder.grad_checkpointing
+    torch.testing.assert_close(old.generate(images), expected, rtol=0, atol=0)
+
+    pytest.importorskip("onnxruntime", reason="the onnx extra: pip install -e '.[onnx]'")
+    from vitattn.bundle.onnx_export import export_onnx
+    from vitattn.inference.loader import load_model
+
+    onnx_dir = export_onnx(bundle, tmp_path / "onnx")
+    torch.testing.assert_close(load_model(onnx_dir).model.generate(images), expected, rtol=0, atol=0)
+
+
 def test_bundle_round_trip_classification(tmp_path):
     model = VisionTransformer(**TINY, num_classes=3).eval()
     save_bundle(tmp_path / "b", model, task="classification", preprocess=PREPROCESS, class_names=["cat", "dog", "owl"])

@@ -12,7 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, console_script, make_coco, make_karpathy
+from tests.helpers import (
+    TINY,
+    TINY_SHAPES,
+    compose_train,
+    console_script,
+    make_caption_bundle,
+    make_coco,
+    make_karpathy,
+)
 from tests.test_preemption import DDP_CPU, ENV
 from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.errors import ConfigError
@@ -21,6 +29,7 @@ from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 from vitattn.run_dir import RunDir
 from vitattn.systems.self_critical import ScstConfig, SelfCritical, mean_of_others, sample_log_probs, scst_loss
 from vitattn.training import train
+from vitattn.training.init_model import apply_init, read_init
 from vitattn.training.self_critical import prepare_reward, read_statistics
 
 # A captioner on the built-in shapes that logs every step; SCST and cross-entropy second stages start from it.
@@ -224,6 +233,20 @@ def test_init_refuses_what_the_command_line_says_otherwise(given, message, base_
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+
+
+def test_init_leaves_grad_checkpointing_to_the_run(tmp_path):
+    """Whether the model was trained with gradient checkpointing is the new run's choice, on the command line too."""
+    bundle = make_caption_bundle(tmp_path / "bundle")
+    config = json.loads((bundle / "config.json").read_text())
+    config["model"]["encoder"]["grad_checkpointing"] = config["model"]["decoder"]["grad_checkpointing"] = True
+    (bundle / "config.json").write_text(json.dumps(config))
+    init = read_init(str(bundle))
+    assert init.bundle.model.encoder.grad_checkpointing  # read from the bundle
+    cfg = compose_train([*TINY, f"finetune.init={bundle}"], tmp_path / "run")
+    apply_init(cfg, init, ["model.grad_checkpointing"])
+    assert cfg.model.grad_checkpointing is False and cfg.head.decoder.grad_checkpointing is False
+    assert cfg.data.max_caption_len == 8  # the model's sizes still come from it (24 composed)
 
 
 def test_init_refuses_a_classifier_for_a_captioner(tmp_path):

@@ -24,10 +24,11 @@ from tests.helpers import (
 )
 from vitattn.bundle import load_bundle
 from vitattn.callbacks import EMA, FreezeEncoder, Preemption, TimeBudgetHorizon
+from vitattn.config import check_config
 from vitattn.data.shapes import CLASS_NAMES
 from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.models import VisionTransformer
-from vitattn.training import train
+from vitattn.training import build_system, train
 from vitattn.training.groups import instantiate_group
 
 GROUPS = {
@@ -138,6 +139,36 @@ def test_derived_values_are_interpolated_not_repeated(tmp_path):
     cfg = compose_train(["data.img_size=48", "data.max_caption_len=30", "model=tiny"], tmp_path)
     assert cfg.model.img_size == 48 and cfg.head.decoder.max_len == 30
     assert cfg.head.decoder.embed_dim == cfg.model.embed_dim == 192
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ([], (False, False)),
+        (["model.grad_checkpointing=true"], (True, True)),
+        (["model.grad_checkpointing=true", "head.decoder.grad_checkpointing=false"], (True, False)),
+        (["head=classification", "model.grad_checkpointing=true"], (True, None)),
+    ],
+)
+def test_model_grad_checkpointing_switches_the_encoder_and_the_decoder(overrides, expected, tmp_path):
+    cfg = compose_train([*TINY, *TINY_SHAPES, *overrides], tmp_path)
+    check_config(cfg)
+    datamodule = hydra.utils.instantiate(cfg.data)
+    datamodule.setup("fit")
+    model = build_system(cfg, datamodule).model
+    if cfg.head.task == "caption":
+        assert (model.encoder.grad_checkpointing, model.decoder.grad_checkpointing) == expected
+    else:
+        assert (model.grad_checkpointing, None) == expected
+
+
+def test_a_run_with_grad_checkpointing_trains_and_exports_a_bundle_that_loads(tmp_path):
+    cfg = compose_train([*TINY, *TINY_SHAPES, "model.grad_checkpointing=true", "trainer.fast_dev_run=true"], tmp_path)
+    result = train(cfg)
+    assert result.global_step == 1 and torch.isfinite(torch.tensor(result.metrics["val/loss"]))
+    bundle = load_bundle(result.bundle_dir)
+    assert bundle.config["model"]["encoder"]["grad_checkpointing"] is True and not bundle.model.training
+    assert bundle.model.generate(torch.randn(2, 3, 32, 32)).shape[0] == 2
 
 
 @pytest.mark.parametrize("name", ["shapes-caption", "shapes-classification", "imagefolder", "coco"])

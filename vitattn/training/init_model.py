@@ -29,7 +29,16 @@ __all__ = ["InitModel", "apply_init", "check_init_classes", "command_line_keys",
 
 # Model keys that are training choices, not what the weights are: the run's config keeps its own.
 TRAINING_KEYS = frozenset(
-    {"drop_rate", "pos_drop_rate", "attn_drop_rate", "drop_path_rate", "fused_attn", "pos_embed_init", "init"}
+    {
+        "drop_rate",
+        "pos_drop_rate",
+        "attn_drop_rate",
+        "drop_path_rate",
+        "fused_attn",
+        "pos_embed_init",
+        "init",
+        "grad_checkpointing",
+    }
 )
 
 
