@@ -272,3 +272,18 @@ def test_first_caption_times_the_import_and_each_caption_command():
         assert measured["ratio"] == pytest.approx(statistics.median(wall[name]) / statistics.median(wall["import"]))
         assert measured["ratio_range"] == [min(ratios), max(ratios)]
     assert len(format_rows(result)) == len(result["rows"])
+
+
+@pytest.mark.slow
+def test_grad_checkpointing_bench_sees_the_smaller_step_peak_of_its_fresh_processes():
+    """Four processes at a small size: checkpointing's step peak is under 0.6x (0.36x measured); a process
+    that reused the memory of its first step (glibc's dynamic mmap threshold) would show about 1x."""
+    from benchmarks.grad_checkpointing import main, report
+
+    shape = ["--model", "cpu", "--img-size", "64", "--batch-size", "16", "--steps", "1"]
+    result = main([*shape, "--repeats", "2"])
+    runs = result["runs"]
+    assert [len(runs[s]) for s in ("off", "on")] == [2, 2]
+    for off, on in zip(runs["off"], runs["on"]):
+        assert 0 < on["step_peak_mib"] < 0.6 * off["step_peak_mib"] < off["process_peak_mib"]
+    assert "on / off, step peak" in report(result)
