@@ -1,4 +1,5 @@
 import csv
+import math
 import os
 import subprocess
 import sys
@@ -504,3 +505,17 @@ def test_a_training_step_that_logs_nothing_reads_nothing_back_from_the_device(he
     assert [event.name for event in reads if not _within(event, "Optimizer.step#")] == []
     names = {event.name for event in profile.events}
     assert {"Optimizer.step#AdamW.step", "aten::_foreach_lerp_"} <= names  # the whole step: the EMA's update too
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_half_true_precision_is_refused_in_one_line_and_bf16_mixed_trains(precision, tmp_path):
+    from vitattn.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        train(compose_train([*TINY, *TINY_SHAPES, f"trainer.precision={precision}"], tmp_path / "refused"))
+    assert str(err.value).startswith(f"trainer.precision={precision} keeps the weights") and "\n" not in str(err.value)
+    assert "use trainer.precision=bf16-mixed" in str(err.value)
+    result = train(
+        compose_train([*TINY, *TINY_SHAPES, "trainer.precision=bf16-mixed", "trainer.max_steps=2"], tmp_path / "run")
+    )
+    assert result.global_step == 2 and math.isfinite(result.metrics["test/loss"])

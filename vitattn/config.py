@@ -174,6 +174,17 @@ def _check_finetuning(cfg: DictConfig) -> None:
         )
 
 
+def _check_precision(trainer: DictConfig) -> None:
+    """``trainer.precision``: the ``-true`` half precisions are refused in one line, with the reason."""
+    precision = str(trainer.get("precision", "32-true"))
+    if precision in ("bf16-true", "16-true"):
+        raise ConfigError(
+            f"trainer.precision={precision} keeps the weights and AdamW's state in 16 bits, where an update smaller "
+            "than 1/256 of a weight rounds to nothing (most of them, at fine-tuning learning rates); use "
+            "trainer.precision=bf16-mixed: 16-bit matrix products, 32-bit weights"
+        )
+
+
 def _check_self_critical(cfg: DictConfig) -> None:
     """``finetune=scst``: a captioner to start from, and settings ``ScstConfig`` takes (one line each)."""
     scst = cfg.finetune.get("scst")
@@ -279,6 +290,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_models(cfg)
     _check_finetuning(cfg)
     _check_self_critical(cfg)
+    _check_precision(cfg.trainer)
     _check_tokenizer(cfg)
     if cfg.get("resume") and cfg.resume != "auto" and not RunDir(cfg.resume).last_checkpoint.is_file():
         run = RunDir(cfg.resume)
