@@ -91,6 +91,20 @@ def test_multi_head_attention_fused_equals_explicit_with_mask():
     torch.testing.assert_close(mha(x, x, x, mask)[0], explicit, atol=1e-5, rtol=1e-5)
 
 
+def test_explicit_attention_under_bf16_autocast_keeps_scores_mask_and_softmax_fp32():
+    """The weights are the fp32 softmax(q kᵀ / √d + mask · -1e9) of the bf16 heads, as the fused kernels keep them;
+    in bf16 (3 significant digits) they would be off by about 1e-2."""
+    mha = MultiHeadAttention(D, H).eval()
+    x, mask = torch.randn(B, L, D) * 4, _padding_mask(L)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q, k, _ = mha.project_qkv(x)  # (B, H, L, d) each, bf16
+        out, weights = mha(x, x, x, mask, need_weights=True)
+    assert q.dtype == torch.bfloat16 and weights.dtype == torch.float32 and out.dtype == torch.bfloat16
+    scores = q.double() @ k.double().transpose(-2, -1) / q.shape[-1] ** 0.5 + mask.double() * -1e9
+    torch.testing.assert_close(weights.double(), scores.softmax(-1), rtol=0, atol=1e-6)
+    assert torch.all(weights[1, ..., -2:] == 0)
+
+
 def test_multi_head_attention_causal_masks_future():
     mha = MultiHeadAttention(D, H).eval()
     x = torch.randn(B, L, D)

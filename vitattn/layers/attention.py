@@ -32,6 +32,15 @@ def _additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return mask.to(dtype) * -big
 
 
+def _fp32_scores(q: Tensor, k: Tensor) -> Tensor:
+    """q kᵀ (..., Lq, Lk) in fp32 whatever q's dtype or autocast, as the fused kernels keep their scores: the
+    mask's -1e9 and the softmax then stay fp32 too (in bf16, 3 significant digits, the weights would not)."""
+    if q.dtype == torch.float32 and not torch.is_autocast_enabled(q.device.type):
+        return q @ k.transpose(-2, -1)
+    with torch.autocast(q.device.type, enabled=False):
+        return q.float() @ k.float().transpose(-2, -1)
+
+
 def check_heads(num_heads: int, width: int, width_name: str = "embed_dim") -> None:
     """Raise ``ValueError`` unless ``num_heads`` is positive and divides the model width ``width``."""
     if num_heads <= 0 or width % num_heads != 0:
@@ -50,7 +59,8 @@ def causal_mask(lq: int, lk: int, device: torch.device | None = None) -> Tensor:
 def scaled_dot_product_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0
 ) -> tuple[Tensor, Tensor]:
-    """The document's attention, softmax(q kᵀ / √d + mask · -1e9) v.
+    """The document's attention, softmax(q kᵀ / √d + mask · -1e9) v; the scores, mask and softmax in fp32 for any
+    dtype of q, k, v (bf16 under autocast), the weights cast to v's dtype to multiply it.
 
     Args:
         q: (..., Lq, d) queries.
@@ -60,17 +70,17 @@ def scaled_dot_product_attention(
         dropout_p: dropout on the attention weights (not in the document; 0 keeps it exact).
 
     Returns:
-        ``(output, attention_weights)``: (..., Lq, dv) and (..., Lq, Lk).
+        ``(output, attention_weights)``: (..., Lq, dv) and (..., Lq, Lk) in fp32.
     """
-    matmul_qk = q @ k.transpose(-2, -1)  # (..., Lq, Lk)
+    matmul_qk = _fp32_scores(q, k)  # (..., Lq, Lk)
     dk = k.shape[-1]
     scaled_attention_logits = matmul_qk / math.sqrt(dk)
     if mask is not None:
-        scaled_attention_logits = scaled_attention_logits + _additive_mask(mask, q.dtype)
+        scaled_attention_logits = scaled_attention_logits + _additive_mask(mask, torch.float32)
     attention_weights = scaled_attention_logits.softmax(dim=-1)  # (..., Lq, Lk)
     if dropout_p > 0.0:
         attention_weights = F.dropout(attention_weights, p=dropout_p)
-    output = attention_weights @ v  # (..., Lq, dv)
+    output = attention_weights.to(v.dtype) @ v  # (..., Lq, dv)
     return output, attention_weights
 
 
@@ -201,6 +211,7 @@ class MultiHeadAttention(nn.Module):
             if self._record is not None:
                 self._record.append(weights.detach())
         else:
+            # in q's dtype, as the kernels take it; they add it to fp32 scores (-1e9 is -998244352 in bf16)
             attn_mask = None if mask is None else _additive_mask(mask, q.dtype)
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=fused_causal and bool(Lq > 1)

@@ -135,6 +135,24 @@ class CaptionDecoder(nn.Module):
         (default ``max_len``) allocated at the first step."""
         return [LayerCache(capacity or self.max_len) for _ in self.layers]
 
+    def forward_features(
+        self, tokens: Tensor, memory: Tensor, cache: list[LayerCache] | None = None, start: int = 0
+    ) -> Tensor:
+        """(B, t) tokens -> (B, t, D) hidden states after the final norm (``forward``'s arguments)."""
+        B, t = tokens.shape
+        if start + t > self.max_len:
+            raise ValueError(f"caption position {start + t} exceeds max_len={self.max_len}")
+        x = self.token_embed(tokens) + self.pos_embed[:, start : start + t]  # (B, t, D)
+        x = self.embed_drop(x)
+        # Never with a cache: running a layer again in the backward pass would append its keys/values twice.
+        recompute = cache is None and self.grad_checkpointing and self.training and torch.is_grad_enabled()
+        for i, layer in enumerate(self.layers):
+            if recompute:
+                x = checkpoint(layer, x, memory, use_reentrant=False)  # keeps x; the backward runs the layer again
+            else:
+                x = layer(x, memory, None if cache is None else cache[i])
+        return self.norm(x)
+
     def forward(self, tokens: Tensor, memory: Tensor, cache: list[LayerCache] | None = None, start: int = 0) -> Tensor:
         """Next-token logits for each given position.
 
@@ -148,19 +166,7 @@ class CaptionDecoder(nn.Module):
         Returns:
             (B, t, V) logits.
         """
-        B, t = tokens.shape
-        if start + t > self.max_len:
-            raise ValueError(f"caption position {start + t} exceeds max_len={self.max_len}")
-        x = self.token_embed(tokens) + self.pos_embed[:, start : start + t]  # (B, t, D)
-        x = self.embed_drop(x)
-        # Never with a cache: running a layer again in the backward pass would append its keys/values twice.
-        recompute = cache is None and self.grad_checkpointing and self.training and torch.is_grad_enabled()
-        for i, layer in enumerate(self.layers):
-            if recompute:
-                x = checkpoint(layer, x, memory, use_reentrant=False)  # keeps x; the backward runs the layer again
-            else:
-                x = layer(x, memory, None if cache is None else cache[i])
-        return self.head(self.norm(x))  # (B, t, V)
+        return self.head(self.forward_features(tokens, memory, cache, start))  # (B, t, V)
 
 
 class ImageCaptioner(nn.Module, CaptionSearch):
@@ -247,8 +253,13 @@ class DecoderStep:
 
     def __call__(self, tokens: Tensor) -> Tensor:
         if self.cache is None:
-            return self.decoder(tokens, self.memory)[:, -1]  # (B, V)
-        return self.decoder(tokens[:, -1:], self.memory, self.cache, start=tokens.shape[1] - 1)[:, -1]
+            h = self.decoder.forward_features(tokens, self.memory)[:, -1:]  # (B, 1, D)
+        else:
+            h = self.decoder.forward_features(tokens[:, -1:], self.memory, self.cache, start=tokens.shape[1] - 1)
+        # The search's scores in fp32 even under bf16 autocast: rounded to bf16 (3 significant digits), near-tied
+        # words swap (a tiny shapes captioner kept 92 % of its fp32 greedy captions with a bf16 head, 97 % with this).
+        with torch.autocast(h.device.type, enabled=False):
+            return self.decoder.head(h.float())[:, -1]  # (B, V)
 
     def reorder(self, index: Tensor) -> None:
         for layer_cache in self.cache or ():
