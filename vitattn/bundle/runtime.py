@@ -11,6 +11,7 @@ refused in one line elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from vitattn.data.preprocess import eval_transform
 from vitattn.data.tokenizer import Tokenizer
+from vitattn.precision import precision_autocast
 
 __all__ = ["LoadedModel"]
 
@@ -39,6 +41,8 @@ class LoadedModel(ABC):
         vocab: the caption tokenizer (caption task; ``vitattn.data.tokenizer``), else None.
         class_names: one name per class (classification task), else None.
         generate: the decoding defaults (``generate`` keyword arguments; may be empty).
+        precision: what inference runs in: ``fp32`` or ``bf16`` (autocast) for PyTorch, as ``load_model`` resolves
+            ``precision=auto``; ``fp32`` or ``int8`` for an ONNX folder, as it was exported.
     """
 
     model: Any
@@ -48,6 +52,7 @@ class LoadedModel(ABC):
     vocab: Tokenizer | None = None
     class_names: list[str] | None = None
     generate: dict[str, Any] = field(default_factory=dict)
+    precision: str = "fp32"
 
     @property
     @abstractmethod
@@ -58,6 +63,11 @@ class LoadedModel(ABC):
     @abstractmethod
     def device(self) -> torch.device:
         """Where the model's inputs go."""
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """What the model's calls run under: bf16 ``torch.autocast`` on its device when ``precision`` is bf16,
+        else nothing."""
+        return precision_autocast(self.precision, self.device)
 
     @property
     def transform(self) -> Callable[[Image.Image], Tensor]:

@@ -102,7 +102,9 @@ class ValidationPictures(pl.Callback):
         images, references = self._validation_images(trainer)
         images = images.to(pl_module.device)
         model = pl_module.model
-        tokens = generate_tokens(model, images, **pl_module.generate_kwargs)  # (b, T')
+        # bf16 autocast on GPUs; fp32 on CPUs, as training runs there (precision=auto would take bf16 units)
+        precision = "bf16" if images.device.type == "cuda" else "fp32"
+        tokens = generate_tokens(model, images, precision, **pl_module.generate_kwargs)  # (b, T')
         captions = pl_module.vocab.decode_batch(tokens)
         titles = [f"generated: {c}\nreference: {r[0] if r else ''}" for c, r in zip(captions, references)]
         preprocess = pl_module.hparams.get("preprocess") or trainer.datamodule.preprocess

@@ -18,6 +18,7 @@ from vitattn.cli.errors import USER_ERRORS, report_user_error
 from vitattn.cli.noise import quiet_upstream
 from vitattn.errors import brief, first_line
 from vitattn.generate_keys import GENERATE_KEYS
+from vitattn.precision import check_precision
 
 __all__ = ["GENERATE_KEYS", "UsageError", "generate_settings", "parse_key_values", "resolve_device", "run_main"]
 
@@ -41,7 +42,8 @@ def parse_key_values(argv: Sequence[str], schema: type, prog: str) -> Any:
     Raises:
         UsageError: an argument that is not ``key=value``, an unknown key (the closest known one is
             suggested), a value of the wrong type, a count below its least value (``batch_size`` 1,
-            ``num_workers`` 0, ``num_threads`` 1), or a required key left out.
+            ``num_workers`` 0, ``num_threads`` 1), an unknown ``device`` or ``precision``, or a required key left
+            out.
     """
     known = [f.name for f in fields(schema)]
     given: dict[str, Any] = {}
@@ -67,6 +69,11 @@ def parse_key_values(argv: Sequence[str], schema: type, prog: str) -> Any:
         raise UsageError(f"missing {', '.join(f'{k}=...' for k in missing)}; see {prog} --help")
     if "device" in cfg and cfg.device not in ("auto", "cpu", "cuda") and not str(cfg.device).startswith("cuda:"):
         raise UsageError(f"device={cfg.device!r} is unknown; choose auto, cpu, cuda or cuda:N")
+    if "precision" in cfg:
+        try:
+            check_precision(cfg.precision)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     for key, least in _COUNTS.items():
         if cfg.get(key) is not None and cfg[key] < least:
             raise UsageError(f"{key}={cfg[key]} must be at least {least}")

@@ -6,13 +6,15 @@ Usage::
     vitattn-caption model=PATH shards='DIR/{00000..00999}.tar' out=OUTDIR [format=jsonl|parquet]
         [batch_size=32] [num_workers=2] [num_beams=N] [max_new_tokens=N] [length_penalty=X]
         [early_stopping=true|false|never]
-        [do_sample=true temperature=X top_k=N top_p=X] [seed=N] [device=auto|cpu|cuda]
+        [do_sample=true temperature=X top_k=N top_p=X] [seed=N] [device=auto|cpu|cuda] [precision=auto|fp32|bf16]
         [attention_maps=DIR] [progress=true] [num_threads=N]
         [devices=N num_nodes=M accelerator=auto|cpu|gpu]
 
 ``model`` is a bundle folder, a training run folder, a ``.ckpt`` or an ONNX folder (``vitattn-export
 format=onnx``: run by ONNX Runtime on the CPU); ``images`` a folder, a glob, a
-text file of paths or a COCO JSON file. Decoding settings left out come from the bundle. Running
+text file of paths or a COCO JSON file. Decoding settings left out come from the bundle. ``precision=auto``
+runs in bf16 on GPUs and on CPUs with bf16 matrix units (AMX, AVX512-BF16), else fp32; an ONNX folder runs
+in what it was exported in, fp32 or int8 (``precision=bf16`` with one is refused). Running
 the same command again captions only the images not yet in ``out``. Exit status: 0 when every image
 was captioned, 1 when some could not be read, 2 on a usage or model error.
 
@@ -67,6 +69,7 @@ class CaptionConfig:
     top_p: float | None = None
     seed: int | None = None
     device: str = "auto"
+    precision: str = "auto"  # auto, fp32 or bf16 (vitattn.precision)
     num_threads: int | None = None  # torch CPU threads; 1 is steadier on a shared machine
     attention_maps: str | None = None
     progress: bool = True
@@ -119,7 +122,7 @@ def run(cfg: Any) -> int:
     if not processes.is_zero:
         log.setLevel(logging.WARNING)
     try:
-        model = load_model(cfg.model, device=processes.device)
+        model = load_model(cfg.model, device=processes.device, precision=cfg.precision)
         if model.task != "caption":
             raise UsageError(f"model={cfg.model} is a {model.task} model; vitattn-caption needs a caption model")
         generate = generate_settings(model, {k: cfg[k] for k in GENERATE_KEYS})

@@ -3,16 +3,17 @@
 Usage::
 
     vitattn-eval model=PATH [split=val|test] [out=DIR] [batch_size=32] [num_workers=2]
-        [device=auto|cpu|cuda] [progress=true]
+        [device=auto|cpu|cuda] [precision=auto|fp32|bf16] [progress=true]
       captions:       [references=COCO_JSON [image_dir=DIR]] [predictions=FILE]
                       [num_beams=N] [max_new_tokens=N] [length_penalty=X] [early_stopping=true|false|never]
                       [scorer=builtin|coco]
       classification: [data_root=DIR]
 
-``model`` is a training run folder, a ``.ckpt`` or a bundle. Captions are generated on the split
-(decoding settings left out come from the bundle) or read from ``predictions`` (JSON Lines from
-vitattn-caption, or COCO results ``[{"image_id", "caption"}]``) and scored against ``references``
-(a COCO caption file; ``image_dir`` defaults to its folder) or, without them, the run's own data
+``model`` is a training run folder, a ``.ckpt``, a bundle or an ONNX folder; ``precision=auto`` runs a PyTorch
+model in bf16 on GPUs and on CPUs with bf16 matrix units, else fp32 (an ONNX folder: what it was exported in).
+Captions are generated on the split (decoding settings left out come from the bundle) or read from
+``predictions`` (JSON Lines from vitattn-caption, or COCO results ``[{"image_id", "caption"}]``) and scored
+against ``references`` (a COCO caption file; ``image_dir`` defaults to its folder) or, without them, the run's own data
 (``RUN/config.yaml``: the built-in shapes split, a COCO run's annotations, or a Karpathy-split run's
 val / test split): BLEU-1..4, ROUGE-L,
 CIDEr-D, and exact match on the synthetic shapes captions. ``scorer=coco`` also runs the COCO caption
@@ -66,6 +67,7 @@ class EvalConfig:
     num_workers: int = 2
     out: str | None = None
     device: str = "auto"
+    precision: str = "auto"  # auto, fp32 or bf16 (vitattn.precision)
     progress: bool = True
     scorer: str = "builtin"
 
@@ -93,7 +95,8 @@ def run(cfg: Any) -> int:
 
     if cfg.scorer == "coco":
         check_toolkit()  # pycocoevalcap and Java, before a model loads and captions are made
-    bundle = load_model(cfg.model, device=resolve_device(cfg.device))  # a bundle, run, checkpoint or ONNX folder
+    # a bundle, run, checkpoint or ONNX folder
+    bundle = load_model(cfg.model, device=resolve_device(cfg.device), precision=cfg.precision)
     run = RunDir.find(cfg.model)
     loading = dict(
         split=cfg.split, run_dir=run, batch_size=cfg.batch_size, num_workers=cfg.num_workers, progress=cfg.progress

@@ -5,10 +5,11 @@ Usage::
     vitattn-serve model=PATH [port=8000] [host=127.0.0.1] [accelerator=auto|cpu|cuda] [devices=auto|N]
         [workers_per_device=1] [max_batch_size=8] [batch_timeout=0.05] [max_image_bytes=20000000]
         [timeout=60] [num_beams=N] [max_new_tokens=N] [length_penalty=X] [early_stopping=true|false|never]
-        [num_threads=N]
+        [num_threads=N] [precision=auto|fp32|bf16]
 
 ``model`` is a bundle folder, a training run folder, a ``.ckpt`` or an ONNX folder (``vitattn-export
-format=onnx``, run by ONNX Runtime). Endpoints:
+format=onnx``, run by ONNX Runtime in what it was exported in). ``precision=auto`` runs a PyTorch model in bf16 on
+GPUs and on CPUs with bf16 matrix units (AMX, AVX512-BF16), else fp32. Endpoints:
 
     POST /predict   a multipart file (field ``image``, or the form's only file), JSON {"image": "<base64>"},
                     or the raw image with ``Content-Type: image/...``; add ``attention=true`` (a field,
@@ -62,6 +63,7 @@ class ServeConfig:
     length_penalty: float | None = None
     early_stopping: bool | str | None = None  # Hugging Face's: true, false or never
     num_threads: int | None = None
+    precision: str = "auto"  # auto, fp32 or bf16 (vitattn.precision)
 
 
 def parse_args(argv: list[str]) -> Any:
@@ -89,7 +91,7 @@ def run(cfg: Any) -> int:
     from vitattn.inference.api import load_model
     from vitattn.serve import CaptionAPI, GracefulStop, build_server
 
-    bundle = load_model(cfg.model, device="cpu")
+    bundle = load_model(cfg.model, device="cpu", precision=cfg.precision)
     if bundle.task != "caption":
         raise UsageError(f"model={cfg.model} is a {bundle.task} model; vitattn-serve needs a caption model")
     generate = generate_settings(bundle, {k: cfg[k] for k in SEARCH_KEYS})
@@ -99,6 +101,7 @@ def run(cfg: Any) -> int:
         generate=generate,
         max_image_bytes=cfg.max_image_bytes,
         num_threads=cfg.num_threads,
+        precision=cfg.precision,
         max_batch_size=cfg.max_batch_size,
         batch_timeout=cfg.batch_timeout,
     )

@@ -123,7 +123,7 @@ def _generate(
         return items, [r["image_id"] for r in records if "caption" not in r]
     model, vocab, device = bundle.model, bundle.vocab, bundle.device
     items = []
-    with torch.inference_mode(), tqdm(total=len(refs), unit="img", disable=not progress) as bar:
+    with torch.inference_mode(), bundle.autocast(), tqdm(total=len(refs), unit="img", disable=not progress) as bar:
         for batch in data.loader:
             tokens = model.generate(batch["images"].to(device), **settings)  # (B, T')
             items += zip(batch["image_ids"].tolist(), vocab.decode_batch(tokens), batch["references"])

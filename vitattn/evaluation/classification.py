@@ -92,7 +92,7 @@ def evaluate_classification(
     confusion = MulticlassConfusionMatrix(k)
     device = bundle.device
     num_images = 0
-    with torch.inference_mode(), tqdm(total=total, unit="img", disable=not progress) as bar:
+    with torch.inference_mode(), bundle.autocast(), tqdm(total=total, unit="img", disable=not progress) as bar:
         for images, targets in batches:
             logits = bundle.model(images.to(device)).float().cpu()  # (B, K)
             for metric in (top1, top5, confusion):

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from vitattn.bundle.runtime import LoadedModel
 from vitattn.data.preprocess import denormalize
-from vitattn.inference.attention_maps import caption_attention_maps
+from vitattn.inference.attention_maps import attention_from_tokens
 from vitattn.inference.captioning import generate_tokens
 from vitattn.inference.figures import caption_words, check_figures_runtime
 from vitattn.inference.file_list import InputImage
@@ -103,9 +103,11 @@ class _TaskModel:
         self.transform = bundle.transform
 
     @classmethod
-    def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
-        """The model at ``path``: a bundle folder, a training run folder, a ``.ckpt`` or an ONNX folder."""
-        bundle = load_model(path, device)
+    def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu", precision: str = "auto") -> Any:
+        """The model at ``path``: a bundle folder, a training run folder, a ``.ckpt`` or an ONNX folder, run in
+        ``precision``: ``auto`` (bf16 on GPUs and on CPUs with bf16 matrix units, else fp32), ``fp32`` or
+        ``bf16`` (PyTorch models only: an ONNX folder runs in what it was exported in, fp32 or int8)."""
+        bundle = load_model(path, device, precision)
         if bundle.task != cls.task:
             raise ValueError(f"{path} is a {bundle.task} model; load it with {cls.other}.load")
         return cls(bundle)
@@ -125,6 +127,12 @@ class _TaskModel:
     def device(self) -> torch.device:
         """Where the model runs."""
         return self.bundle.device
+
+    @property
+    def precision(self) -> str:
+        """What the model runs in: ``fp32`` or ``bf16`` (``load``'s ``precision`` resolved), or an ONNX folder's
+        ``fp32`` or ``int8``."""
+        return self.bundle.precision
 
 
 class Captioner(_TaskModel):
@@ -199,13 +207,13 @@ class Captioner(_TaskModel):
         """Captions of model inputs already made by ``transform``, (B, C, height, width): ``(texts, tokens)``, the
         tokens (B, T') as ``generate`` returns them (``vitattn-serve`` decodes requests into pixels itself)."""
         settings = self.generate_settings(**generate)
-        tokens = generate_tokens(self.model, pixels.to(self.device), **settings)  # (B, T')
+        tokens = generate_tokens(self.model, pixels.to(self.device), self.precision, **settings)  # (B, T')
         return self.vocab.decode_batch(tokens), tokens
 
     def score(self, pixels: Tensor, tokens: Tensor) -> Tensor:
         """(B,) total log-probabilities of captions ``tokens`` (B, T') of images ``pixels`` (B, C, height, width)."""
         model = self.model
-        with torch.inference_mode():
+        with torch.inference_mode(), self.bundle.autocast():
             step = model.decode_step(model.encode(pixels), tokens.shape[1] + 1)
             return sequence_log_prob(step, tokens, model.special_ids)
 
@@ -217,10 +225,9 @@ class Captioner(_TaskModel):
                 "attention maps need the PyTorch runtime; load the bundle or run folder instead of the ONNX folder"
             )
         pixels = self.pixels([image])  # (1, C, height, width)
-        with torch.inference_mode():
-            tokens, cross, rollout = caption_attention_maps(
-                self.model, pixels, layer, **self.generate_settings(**generate)
-            )
+        tokens = generate_tokens(self.model, pixels, self.precision, **self.generate_settings(**generate))  # (1, T')
+        with torch.inference_mode():  # maps in fp32, as vitattn-caption draws them: from the tokens generated
+            cross, rollout = attention_from_tokens(self.model, pixels, tokens, layer)
         words = caption_words(tokens[0].tolist(), self.vocab)
         shown = denormalize(pixels[0].float().cpu(), self.bundle.preprocess["mean"], self.bundle.preprocess["std"])
         return AttentionMaps(
@@ -260,7 +267,7 @@ class Classifier(_TaskModel):
             raise ValueError(f"batch_size={batch_size} must be at least 1")
         device = self.device
         rows = []
-        with torch.inference_mode():
+        with torch.inference_mode(), self.bundle.autocast():
             for start in range(0, len(items), batch_size):
                 pixels = to_pixels(items[start : start + batch_size], self.transform).to(device)
                 rows.append(self.model(pixels).float().cpu())

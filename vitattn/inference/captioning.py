@@ -22,6 +22,7 @@ from vitattn.bundle.runtime import LoadedModel
 from vitattn.inference.file_dataset import ImageFileDataset, collate_images
 from vitattn.inference.file_list import InputImage, InputList
 from vitattn.models.search import CaptionSearch
+from vitattn.precision import precision_autocast
 
 __all__ = [
     "CaptionBatch",
@@ -51,16 +52,16 @@ class CaptionBatch:
     captioned: list[int]
 
 
-def generate_tokens(model: CaptionSearch, images: Tensor, **generate_kwargs: Any) -> Tensor:
-    """``model.generate(images)`` for inference: no autograd, bf16 autocast on GPUs (as the GPU training
-    configs), fp32 on CPUs, where bf16 is slow. Returns (B, T') token ids."""
-    with torch.inference_mode(), torch.autocast("cuda", torch.bfloat16, enabled=images.device.type == "cuda"):
+def generate_tokens(model: CaptionSearch, images: Tensor, precision: str = "auto", **generate_kwargs: Any) -> Tensor:
+    """``model.generate(images)`` for inference: no autograd, in ``precision`` on the images' device
+    (``vitattn.precision``: ``auto`` is bf16 autocast on GPUs and on CPUs with bf16 matrix units, else fp32;
+    a ``LoadedModel`` passes its resolved ``precision``). Returns (B, T') token ids."""
+    with torch.inference_mode(), precision_autocast(precision, images.device):
         return model.generate(images, **generate_kwargs)
 
 
 def caption_batch(
-    model: CaptionSearch,
-    vocab: Any,
+    bundle: LoadedModel,
     inputs: Sequence[InputImage],
     ok: list[int],
     images: Tensor | None,
@@ -70,8 +71,7 @@ def caption_batch(
     """Caption one collated batch (``collate_images``' output, images already on the model's device).
 
     Args:
-        model: an ``ImageCaptioner``.
-        vocab: its vocabulary.
+        bundle: a caption model from ``load_model`` (its ``model``, ``vocab`` and ``precision``).
         inputs: what the batch's indices point into.
         ok: positions in ``inputs`` of the rows of ``images``.
         images: (b, C, height, width) or None when no file of the batch could be read.
@@ -88,8 +88,8 @@ def caption_batch(
         records[pos[i]]["error"] = reason
     tokens = None
     if images is not None:
-        tokens = generate_tokens(model, images, **generate_kwargs)  # (b, T')
-        for i, caption in zip(ok, vocab.decode_batch(tokens)):
+        tokens = generate_tokens(bundle.model, images, bundle.precision, **generate_kwargs)  # (b, T')
+        for i, caption in zip(ok, bundle.vocab.decode_batch(tokens)):
             records[pos[i]]["caption"] = caption
     return CaptionBatch(records, images, tokens, [pos[i] for i in ok])
 
@@ -143,7 +143,7 @@ def iter_caption_batches(
         **generate_kwargs: passed to ``ImageCaptioner.generate`` (``num_beams``, ``max_new_tokens``,
             ``do_sample``, ``generator``, ...).
     """
-    model, device = bundle.model, bundle.device
+    device = bundle.device
     loader = caption_loader(
         bundle, inputs, positions, batch_size=batch_size, num_workers=num_workers, pin_memory=device.type == "cuda"
     )
@@ -152,7 +152,7 @@ def iter_caption_batches(
         for ok, images, errors in loader:
             if images is not None:
                 images = images.to(device, non_blocking=True)
-            batch = caption_batch(model, bundle.vocab, inputs, ok, images, errors, **generate_kwargs)
+            batch = caption_batch(bundle, inputs, ok, images, errors, **generate_kwargs)
             bar.update(len(batch.records))
             yield batch
 

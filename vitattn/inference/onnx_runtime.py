@@ -122,6 +122,7 @@ class OnnxModel(LoadedModel):
     Attributes:
         model: ``OnnxCaptioner`` (caption) or ``OnnxClassifier`` (classification).
         config: the whole ``onnx.json`` content; the other fields as ``LoadedModel``'s.
+        precision: what the folder was exported in, ``fp32`` or ``int8`` (never autocast).
     """
 
     model: OnnxCaptioner | OnnxClassifier
@@ -168,7 +169,7 @@ def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Onn
         if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
             raise ValueError(f"{directory / ONNX_CONFIG_FILE} has no 'class_names' list of strings")
         model = OnnxClassifier(sessions["classifier"], len(names))
-        return OnnxModel(model, "classification", preprocess, config, None, names, generate)
+        return OnnxModel(model, "classification", preprocess, config, None, names, generate, config["precision"])
     name = config.get("vocab_file", VOCAB_FILE)
     if not isinstance(name, str) or Path(name).name != name or not name:
         raise ValueError(
@@ -189,4 +190,4 @@ def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Onn
         )
     except (TypeError, ValueError) as err:
         raise ValueError(f"{directory / ONNX_CONFIG_FILE}: generate: {first_line(err)}") from None
-    return OnnxModel(model, "caption", preprocess, config, vocab, None, generate)
+    return OnnxModel(model, "caption", preprocess, config, vocab, None, generate, config["precision"])

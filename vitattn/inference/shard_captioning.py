@@ -177,7 +177,7 @@ def caption_shards(
         for rows_of_batch, images, decoded in loader:
             captions: dict[int, str] = {}
             if images is not None:
-                tokens = generate_tokens(model, images.to(device), **generate_kwargs)  # (b, T')
+                tokens = generate_tokens(model, images.to(device), bundle.precision, **generate_kwargs)  # (b, T')
                 captions = dict(zip(decoded, bundle.vocab.decode_batch(tokens)))
             for i, (shard, row) in enumerate(rows_of_batch):
                 if row.get("end"):

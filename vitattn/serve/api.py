@@ -117,6 +117,7 @@ class CaptionAPI(ls.LitAPI):
         generate: ``ImageCaptioner.generate`` keyword arguments (the bundle's defaults already merged in).
         max_image_bytes: larger images are refused with HTTP 400 before they are read.
         num_threads: torch CPU threads of each worker (None: torch's default).
+        precision: ``auto``, ``fp32`` or ``bf16``, as ``load_model`` takes it.
         max_batch_size, batch_timeout: LitServe's dynamic batching (requests per ``generate`` call, and
             how long a batch waits to fill, in seconds).
     """
@@ -127,6 +128,7 @@ class CaptionAPI(ls.LitAPI):
         generate: dict[str, Any] | None = None,
         max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
         num_threads: int | None = None,
+        precision: str = "auto",
         max_batch_size: int = 8,
         batch_timeout: float = 0.05,
     ) -> None:
@@ -135,12 +137,14 @@ class CaptionAPI(ls.LitAPI):
         self.generate_kwargs = dict(generate or {})
         self.max_image_bytes = max_image_bytes
         self.num_threads = num_threads
+        self.precision = precision
 
     def setup(self, device: str) -> None:
         leave_interrupts_to_parent()  # this runs in the inference worker: Ctrl+C is the parent's to handle
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
-        self.bundle = load_model(self.model_path, device=device)  # a bundle, run folder, checkpoint or ONNX folder
+        # a bundle, run folder, checkpoint or ONNX folder
+        self.bundle = load_model(self.model_path, device=device, precision=self.precision)
         if self.bundle.task != "caption":
             raise ValueError(f"model={self.model_path} is a {self.bundle.task} model; serving needs a caption model")
         self.captioner = Captioner(self.bundle)

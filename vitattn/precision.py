@@ -1,0 +1,111 @@
+"""Inference precision, ``precision=auto|fp32|bf16``, and whether this CPU has bf16 matrix units.
+
+``bf16`` runs a model's forward, encoding and decoding steps under ``torch.autocast`` in bfloat16; the
+search's scores and log-softmax, and the explicit attention's scores, ``-1e9`` mask and softmax, stay fp32.
+``auto`` is bf16 on CUDA and on CPUs with native bf16 matrix instructions (``amx_bf16``: Intel Sapphire
+Rapids and later; ``avx512_bf16``: those and AMD Zen 4 and later), fp32 elsewhere. ONNX folders run in fp32.
+
+Torch is imported only to detect the units or enter autocast, so a command line is checked without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from typing import Any
+
+__all__ = [
+    "NATIVE_BF16_ENV",
+    "PRECISIONS",
+    "check_precision",
+    "cpu_bf16_units",
+    "native_bf16",
+    "precision_autocast",
+    "resolve_precision",
+]
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("auto", "fp32", "bf16")
+
+# 0: take this CPU as one without bf16 units (auto is fp32); 1: as one with them. Unset: detect.
+NATIVE_BF16_ENV = "VITATTN_NATIVE_BF16"
+
+# /proc/cpuinfo flags of native bf16 matrix instructions
+_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+_NAME = {True: "bf16", False: "fp32"}
+
+
+def check_precision(precision: Any) -> str:
+    """``precision`` if it is one of ``PRECISIONS``, else a one-line ``ValueError`` naming it."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is unknown; choose auto, fp32 or bf16")
+    return precision
+
+
+def cpu_bf16_units() -> list[str]:
+    """The native bf16 matrix instructions of this CPU that torch can use: ``amx_bf16``, ``avx512_bf16``, or none.
+
+    Torch's own checks where it has them (any OS), else the flags of ``/proc/cpuinfo``; none without oneDNN,
+    which runs torch's bf16 matrix products on the CPU.
+    """
+    import torch  # heavy: only to detect
+
+    if not torch.backends.mkldnn.is_available():
+        return []
+    checks = {
+        "amx_bf16": getattr(torch.cpu, "_is_amx_tile_supported", None),
+        "avx512_bf16": getattr(torch.cpu, "_is_avx512_bf16_supported", None),
+    }
+    if all(callable(check) for check in checks.values()):
+        return [name for name, check in checks.items() if check()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return []
+    return [flag for flag in _BF16_FLAGS if flag in flags]
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether ``auto`` takes this CPU for one with native bf16 matrix instructions: detected once per process
+    (``VITATTN_NATIVE_BF16=0`` or ``1`` decides instead) and said in one log line."""
+    forced = os.environ.get(NATIVE_BF16_ENV)
+    if forced is not None:
+        if forced not in ("0", "1"):
+            raise ValueError(f"{NATIVE_BF16_ENV}={forced!r} must be 0 (fp32) or 1 (bf16), or unset (detect)")
+        found = forced == "1"
+        log.info("precision=auto: %s=%s, so inference on the CPU runs in %s", NATIVE_BF16_ENV, forced, _NAME[found])
+        return found
+    units = cpu_bf16_units()
+    found = ", ".join(units) or f"none of {', '.join(_BF16_FLAGS)}"
+    log.info(
+        "precision=auto: bf16 matrix instructions on this CPU: %s, so inference runs in %s", found, _NAME[bool(units)]
+    )
+    return bool(units)
+
+
+def resolve_precision(precision: str, device: Any) -> str:
+    """``fp32`` or ``bf16``: what ``precision`` runs on ``device`` (a ``torch.device`` or its name); ``auto`` is
+    bf16 on CUDA and on a CPU with ``native_bf16``, fp32 elsewhere."""
+    check_precision(precision)
+    if precision != "auto":
+        return precision
+    kind = getattr(device, "type", str(device).split(":")[0])
+    return _NAME[kind == "cuda" or (kind == "cpu" and native_bf16())]
+
+
+def precision_autocast(precision: str, device: Any) -> contextlib.AbstractContextManager:
+    """bf16 ``torch.autocast`` on ``device`` when ``precision`` is bf16 (or ``auto`` resolving to it there), else
+    nothing: fp32, or a ``LoadedModel``'s ``int8`` (an ONNX folder's own)."""
+    import torch  # heavy: only when a model runs
+
+    if precision == "auto":
+        precision = resolve_precision(precision, device)
+    if precision != "bf16":
+        return contextlib.nullcontext()
+    return torch.autocast(getattr(device, "type", str(device).split(":")[0]), dtype=torch.bfloat16)
