@@ -1,17 +1,21 @@
 """In CI (``CI=true``) a skipped test fails the run: a missing tool (chromium, playwright, a metric backend)
-must not pass as green. The allow-list is one marker: ``gpu``, a test that needs a CUDA device, skipped on a
-machine without one; it is read from the test's markers (``get_closest_marker``), not from its keywords (a
-parametrize id ``[gpu]`` or a folder named ``gpu`` is no marker). An expected failure counts as a skip unless
-it is strict (``@pytest.mark.xfail(strict=True)``, or ``xfail_strict`` in the ini file): ``pytest.xfail()``
-inside a test, a non-strict or ``run=False`` xfail mark fail the run in CI. Loaded by tests/conftest.py;
-tests/test_skip_policy.py runs it on tiny test files."""
+must not pass as green. The allow-list is two markers: ``gpu``, a test that needs a CUDA device, skipped on a
+machine without one, and ``cpu_bf16``, a test of what ``precision=auto`` gives on a CPU with bf16 matrix units,
+skipped on a CPU without them; they are read from the test's markers (``get_closest_marker``), not from its
+keywords (a parametrize id ``[gpu]`` or a folder named ``gpu`` is no marker). An expected failure counts as a
+skip unless it is strict (``@pytest.mark.xfail(strict=True)``, or ``xfail_strict`` in the ini file):
+``pytest.xfail()`` inside a test, a non-strict or ``run=False`` xfail mark fail the run in CI. Loaded by
+tests/conftest.py; tests/test_skip_policy.py runs it on tiny test files."""
 
 import os
 
 import pytest
 
 # Markers whose tests may skip in CI, and why. Keep it short: each entry is a test CI never runs.
-CI_MAY_SKIP = {"gpu": "needs a CUDA device; CI runs on CPU"}
+CI_MAY_SKIP = {
+    "gpu": "needs a CUDA device; CI runs on CPU",
+    "cpu_bf16": "needs a CPU with bf16 matrix instructions (amx_bf16 or avx512_bf16), where precision=auto is bf16",
+}
 
 _unexpected: list[tuple[str, str]] = []
 
@@ -21,21 +25,29 @@ def _in_ci() -> bool:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", f"gpu: {CI_MAY_SKIP['gpu']} (skipped without one, allowed to skip in CI)")
+    for marker, why in CI_MAY_SKIP.items():
+        config.addinivalue_line("markers", f"{marker}: {why} (skipped without one, allowed to skip in CI)")
 
 
 def pytest_collection_modifyitems(config, items):
     gpu_only = [item for item in items if item.get_closest_marker("gpu")]
-    if not gpu_only:
-        return
-    import torch  # heavy: imported only when a gpu test was collected
+    if gpu_only:
+        import torch  # heavy: imported only when a gpu test was collected
 
-    if not torch.cuda.is_available():
-        for item in gpu_only:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if not torch.cuda.is_available():
+            for item in gpu_only:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+    bf16_only = [item for item in items if item.get_closest_marker("cpu_bf16")]
+    if bf16_only:
+        from vitattn.precision import cpu_bf16_units  # the CPU itself, whatever VITATTN_NATIVE_BF16 says
+
+        if not cpu_bf16_units():
+            reason = "needs a CPU with bf16 matrix instructions (amx_bf16 or avx512_bf16); this one has neither"
+            for item in bf16_only:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
-_may_skip: dict[str, bool] = {}  # test node id -> marked gpu
+_may_skip: dict[str, bool] = {}  # test node id -> marked gpu or cpu_bf16
 _strict_xfail: dict[str, bool] = {}  # test node id -> an xfail mark that is strict
 
 

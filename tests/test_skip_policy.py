@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PASSING = "def test_passes():\n    assert True\n"
 SKIPPED = "import pytest\n\ndef test_needs_a_browser():\n    pytest.skip('no chromium on PATH')\n"
 GPU_ONLY = "import pytest, torch\n\n@pytest.mark.gpu\ndef test_on_cuda():\n    assert torch.cuda.is_available()\n"
+CPU_BF16_ONLY = "import pytest\n\n@pytest.mark.cpu_bf16\ndef test_on_bf16_units():\n    pass\n"
 MISSING_MODULE = "import pytest\n\npytest.importorskip('no_such_module_here')\n\ndef test_never_runs():\n    pass\n"
 XFAIL = "import pytest\n\n@pytest.mark.xfail(reason='known')\ndef test_known_bug():\n    assert False\n"
 STRICT_XFAIL = (
@@ -53,6 +54,22 @@ def test_only_gpu_tests_and_strict_expected_failures_may_skip_in_ci(tmp_path):
     proc = _pytest(tmp_path, files, ci=True)
     assert proc.returncode == pytest.ExitCode.OK, proc.stdout
     assert "fails the run" not in proc.stdout and "1 xfailed" in proc.stdout
+
+
+@pytest.mark.parametrize("units", [[], ["avx512_bf16"]], ids=["without", "with"])
+def test_cpu_bf16_tests_run_on_cpus_with_the_units_and_skip_elsewhere_saying_why_even_in_ci(units, tmp_path):
+    # the CPU as vitattn.precision sees it, set before the skip policy asks
+    units_of = f"import vitattn.precision\n\nvitattn.precision.cpu_bf16_units = lambda: {units!r}\n"
+    files = {"conftest.py": units_of, "test_pass.py": PASSING, "test_bf16.py": CPU_BF16_ONLY}
+    proc = _pytest(tmp_path, files, ci=True)
+    assert proc.returncode == pytest.ExitCode.OK, proc.stdout
+    assert "fails the run" not in proc.stdout
+    if units:
+        assert "2 passed" in proc.stdout
+    else:
+        assert "1 passed, 1 skipped" in proc.stdout
+        reason = "needs a CPU with bf16 matrix instructions (amx_bf16 or avx512_bf16); this one has neither"
+        assert f"test_bf16.py:3: {reason}" in proc.stdout
 
 
 def test_xfail_strict_in_the_ini_file_counts_as_strict(tmp_path):
