@@ -9,7 +9,7 @@ Run each from the repository root:
     python -m benchmarks.transfer_bench         # captions on a pretrained encoder vs from scratch (docs/transfer.md)
     python -m benchmarks.load_caption           # vitattn-caption's memory and speed over many files
     python -m benchmarks.load_serve model=PATH  # load test of vitattn-serve on localhost (docs/serving.md)
-    python -m benchmarks.onnx_speed             # ONNX Runtime fp32 and int8 against PyTorch eager (docs/benchmarks.md)
+    python -m benchmarks.onnx_speed             # bf16 eager, ONNX fp32 and int8 against fp32 eager (docs/benchmarks.md)
     python -m benchmarks.grad_checkpointing     # a training step's peak memory with and without gradient checkpointing
     benchmarks/gpu_check.sh                     # the GPU checks in one run
 

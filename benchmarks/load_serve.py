@@ -4,7 +4,7 @@ Usage::
 
     python -m benchmarks.load_serve model=PATH [requests=1000] [clients=16] [bad_every=10] [warmup=32]
         [max_batch_size=8] [batch_timeout=0.05] [workers_per_device=1] [num_threads=N]
-        [time_limit=900] [out=FILE.json]
+        [precision=auto|fp32|bf16] [time_limit=900] [out=FILE.json]
 
 Starts ``vitattn-serve`` on a free port in its own process group, sends ``warmup`` requests (not
 counted), then ``requests`` requests from ``clients`` concurrent clients, every ``bad_every``-th a bad
@@ -65,6 +65,7 @@ class LoadConfig:
     batch_timeout: float = 0.05
     workers_per_device: int = 1
     num_threads: int | None = None
+    precision: str = "auto"  # the server's precision= (vitattn.precision)
     time_limit: float = 900.0
     out: str | None = None
 
@@ -142,7 +143,7 @@ class _Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "vitattn.cli.serve", f"model={cfg.model}", f"port={self.port}"]
-        command += [f"{k}={cfg[k]}" for k in ("max_batch_size", "batch_timeout", "workers_per_device")]
+        command += [f"{k}={cfg[k]}" for k in ("max_batch_size", "batch_timeout", "workers_per_device", "precision")]
         command += [f"max_image_bytes={MAX_IMAGE_BYTES}"]
         if cfg.num_threads is not None:
             command.append(f"num_threads={cfg.num_threads}")
@@ -289,7 +290,7 @@ def _report(cfg: Any, jobs: list, samples: list[Sample], rss: list, wall: float,
     ms = 1000.0
     return {
         "config": {k: cfg[k] for k in ("model", "requests", "clients", "bad_every", "warmup", "max_batch_size")}
-        | {"batch_timeout": cfg.batch_timeout, "num_threads": cfg.num_threads},
+        | {"batch_timeout": cfg.batch_timeout, "num_threads": cfg.num_threads, "precision": cfg.precision},
         "startup_seconds": round(startup, 1),
         "answered": len(samples),
         "good": len(good),
