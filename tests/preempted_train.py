@@ -18,14 +18,17 @@ from pathlib import Path
 
 from tests.helpers import compose_train
 from vitattn.errors import Preempted
-from vitattn.systems import ClassificationSystem
+from vitattn.systems import CaptionSystem, ClassificationSystem
 from vitattn.training import train
 
 
 def _signal_during(signum: int, where: str, step: int) -> None:
     name = "training_step" if where == "train" else "test_step"
-    original = getattr(ClassificationSystem, name)
+    for system in (ClassificationSystem, CaptionSystem):
+        setattr(system, name, _signalling(getattr(system, name), signum, where, step))
 
+
+def _signalling(original, signum: int, where: str, step: int):
     def signalled(self, batch, batch_idx):
         due = self.global_step == step if where == "train" else batch_idx == 0
         if due and not getattr(self, "signalled", False):
@@ -33,7 +36,7 @@ def _signal_during(signum: int, where: str, step: int) -> None:
             os.kill(os.getpid(), signum)
         return original(self, batch, batch_idx)
 
-    setattr(ClassificationSystem, name, signalled)
+    return signalled
 
 
 if __name__ == "__main__":

@@ -2,9 +2,12 @@
 
 Classification batches are ``(images, labels)``: (B, 3, height, width) float and (B,) long. Caption batches
 are dicts from ``collate_captions``: ``images`` (B, 3, height, width), ``tokens`` (B, T) padded
-``bos ... eos``, ``image_ids`` (B,) and ``references`` (B lists of strings). Loaders use plain
-shuffling so that Lightning can swap in its ``DistributedSampler`` under DDP; ``image_ids`` identify
-the samples it repeats to even out the ranks.
+``bos ... eos``, ``image_ids`` (B,) and ``references`` (B lists of strings). The training loader is a
+``ResumableLoader`` (``vitattn.data.resumable``): the shuffle of a plain ``DataLoader`` in one process and of
+Lightning's ``DistributedSampler`` under DDP, and a state in every checkpoint from which a run resumed
+mid-epoch trains the rest of the epoch, each sample once. ``last_keys`` name the samples of the batch last
+given to a training step (``sample_key``). Evaluation loaders are plain: Lightning shards them under DDP;
+``image_ids`` identify the samples it repeats to even out the ranks.
 
 Image files that cannot be read stop the run or are skipped as ``bad_images`` says
 (``vitattn.data.bad_images``); skipped files are kept in ``skipped_images``.
@@ -26,6 +29,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import DataLoader, Dataset, default_collate
 
@@ -47,10 +51,20 @@ from vitattn.data.preprocess import (
     eval_transform,
     weights_preprocess,
 )
+from vitattn.data.resumable import EpochSampler, ResumableLoader
 from vitattn.data.tokenizer import SubwordTokenizer, Tokenizer, load_tokenizer, train_bpe
 from vitattn.data.vocab import Vocabulary
 
-__all__ = ["ImageDataModule"]
+__all__ = ["ImageDataModule", "rank_and_world"]
+
+
+def rank_and_world(trainer: Any) -> tuple[int, int]:
+    """This process's rank and the number of ranks: the trainer's, else torch.distributed's, else the environment's."""
+    if trainer is not None:
+        return trainer.global_rank, trainer.world_size
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 class ImageDataModule(pl.LightningDataModule):
@@ -99,6 +113,9 @@ class ImageDataModule(pl.LightningDataModule):
             k: list(v) if k in ("mean", "std") else v for k, v in given.items() if v is not None
         }
         self.preprocess_from_weights: dict[str, Any] = {}  # the pretrained weights' own (use_weights_preprocess)
+        self.last_keys: list[str] = []  # the keys of the samples of the batch last given to a training step
+        self._train_loader: ResumableLoader | None = None
+        self._train_loader_state: dict[str, Any] | None = None  # a checkpoint's, for the training loader to come
         check_preprocess({**default_preprocess(img_size), **self.preprocess_overrides}, "data")
 
     @property
@@ -167,6 +184,9 @@ class ImageDataModule(pl.LightningDataModule):
         """Take the skipped files off a ``PartialBatch`` (``bad_images=skip``) and count them under the trainer's
         stage: the model gets the readable items, or None when there are none (Lightning then skips a training
         batch without a step)."""
+        loader = self._train_loader
+        if loader is not None and self.trainer is not None and self.trainer.training:
+            self.last_keys = [self.sample_key(i) for i in loader.last_indices]
         if not isinstance(batch, PartialBatch):
             return batch
         stage = self.trainer.state.stage if self.trainer is not None else None
@@ -206,7 +226,12 @@ class ImageDataModule(pl.LightningDataModule):
             self.num_workers = max(0, min(8, cores - 1)) if on_gpu else (0 if in_memory else min(1, cores - 1))
         return int(self.num_workers)
 
+    def sample_key(self, index: int) -> str:
+        """What names training sample ``index`` in ``last_keys`` (an image id or path; here the index)."""
+        return str(index)
+
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
+        """Evaluation loaders in order; the training loader (``shuffle``) a ``ResumableLoader``."""
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}.setup() must run before its dataloaders")
         if self.num_workers == "auto":
@@ -216,15 +241,40 @@ class ImageDataModule(pl.LightningDataModule):
             dataset = GuardedImages(dataset, self.bad_images)
             if self.bad_images == "skip":
                 collate = partial(collate_skipping, collate=collate or default_collate)
-        return DataLoader(
-            dataset,
+        settings = dict(
             batch_size=self.batch_size,
-            shuffle=shuffle,
             num_workers=self.num_workers,
             collate_fn=collate,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
         )
+        if not shuffle:
+            return DataLoader(dataset, **settings)
+        rank, world = rank_and_world(self.trainer)
+        sampler = EpochSampler(len(dataset), world, rank, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
+        self._train_loader = ResumableLoader(dataset, sampler=sampler, **settings)
+        if self._train_loader_state is not None:
+            self._train_loader.load_state_dict(self._train_loader_state)
+            self._train_loader_state = None
+        return self._train_loader
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training loader's state (``ResumableLoader.state_dict``): Lightning writes it into every checkpoint.
+
+        Lightning keeps the loader's state itself too, but gives it back only after the loader has been built
+        and started when ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``; a DataModule's
+        state comes back before."""
+        return {} if self._train_loader is None else {"train_loader": self._train_loader.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = state_dict.get("train_loader")
+        if not state:
+            return
+        in_use = self.trainer is not None and self.trainer.train_dataloader is not None
+        if in_use and self._train_loader is not None:  # strategies that restore after setup: the loader is built
+            self._train_loader.load_state_dict(state)
+        else:  # for the loader the trainer builds next (not one built before fit, as training.advice does)
+            self._train_loader_state = state
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_dataset, shuffle=True)

@@ -92,6 +92,10 @@ class CaptionFilesDataModule(ImageDataModule):
         splits = dict.fromkeys(d.dataset for d in (self.train_dataset, self.val_dataset, self.test_dataset))
         return [str(d.image_dir / im.file_name) for d in splits for im in d.images]
 
+    def sample_key(self, index: int) -> str:
+        """Training image ``index``'s file name (relative to ``image_dir``)."""
+        return self.train_dataset.dataset.images[index].file_name
+
     def train_references(self) -> list[list[str]]:
         """Each training image's captions (after ``setup``)."""
         return [list(image.captions) for image in self.train_dataset.dataset.images]

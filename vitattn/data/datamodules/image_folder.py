@@ -90,6 +90,11 @@ class ImageFolderDataModule(ImageDataModule):
         folders = dict.fromkeys((self.train_dataset, self.val_dataset, self.test_dataset))  # test may be val
         return [path for folder in folders if folder is not None for path, _ in folder.samples]
 
+    def sample_key(self, index: int) -> str:
+        """Training image ``index``'s path relative to ``root/train``."""
+        path, _ = self.train_dataset.samples[index]
+        return Path(path).relative_to(self.train_dataset.root).as_posix()
+
     def evaluation_split(self, split: str) -> EvalSplit:
         folder = self.val_dataset if split == "val" else self.test_dataset
         files, labels = [path for path, _ in folder.samples], [label for _, label in folder.samples]

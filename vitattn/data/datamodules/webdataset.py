@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from vitattn.data.augment import CAPTION_CROP_SCALE, Augment, CaptionAugment, classification_train_transform
 from vitattn.data.captions import collate_captions
-from vitattn.data.datamodules.base import ImageDataModule
+from vitattn.data.datamodules.base import ImageDataModule, rank_and_world
 from vitattn.data.eval_split import EvalSplit
 from vitattn.data.shards import expand_shards, local_path, read_shard, shard_sizes
 from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, batches_per_rank, split_epoch
@@ -70,14 +70,6 @@ def _read_captions(urls: Sequence[str], caption_key: str | None, desc: str, take
     with tqdm(total=len(urls), desc=desc, unit="shard", disable=None) as bar:
         with ThreadPoolExecutor(max(1, min(8, len(urls)))) as pool:
             return [item for part in pool.map(read, urls) for item in part]
-
-
-def _rank_and_world(trainer: Any) -> tuple[int, int]:
-    if trainer is not None:
-        return trainer.global_rank, trainer.world_size
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 def _class_names(value: Any, urls: Sequence[str]) -> list[str]:
@@ -168,7 +160,6 @@ class WebDatasetDataModule(ImageDataModule):
         self.num_classes: int | None = None
         self.trained = PositionSet()  # epoch positions trained in this epoch (this rank; all ranks after a resume)
         self.epoch: int | None = None  # the epoch ``trained`` belongs to
-        self.last_keys: list[str] = []  # the keys of the batch last given to a training step
         self._resume: dict[str, Any] | None = None
 
     @property
@@ -231,13 +222,13 @@ class WebDatasetDataModule(ImageDataModule):
 
     def _set_length(self, stream: ShardStream, train: bool) -> None:
         """A whole epoch's batches on each rank (``len``), before any pass is planned."""
-        total, world = self._epoch_order(stream, 0, train).total, _rank_and_world(self.trainer)[1]
+        total, world = self._epoch_order(stream, 0, train).total, rank_and_world(self.trainer)[1]
         stream.batches = batches_per_rank(total, world, self.batch_size)
 
     def _plan(self, stream: ShardStream, train: bool) -> None:
         """Give ``stream`` this rank's plan for the epoch now starting (training: the trainer's current epoch,
         less what the checkpoint being resumed says was trained)."""
-        rank, world = _rank_and_world(self.trainer)
+        rank, world = rank_and_world(self.trainer)
         epoch = self.trainer.current_epoch if (train and self.trainer is not None) else 0
         order = self._epoch_order(stream, epoch, train)
         done = PositionSet()
