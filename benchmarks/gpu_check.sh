@@ -5,7 +5,11 @@
 #      training step vs timm under bf16 autocast, with MFU against the bf16 matmul rate measured
 #      in the same run, cached decoding vs recompute,
 #   3. two training steps of the caption head with trainer=gpu (bf16-mixed, compile=auto),
-#   4. vitattn-caption on 2,000 files with every GPU of the machine (devices=N, DDP) vs one.
+#   4. vitattn-caption on 2,000 files with every GPU of the machine (devices=N, DDP) vs one,
+#   5. a ViT-B/16 classifier's bf16-mixed training throughput on one GPU (224 px, batch 64), with gradient
+#      checkpointing off and on: the run's steps/s and its model FLOPs utilisation against the bf16 matmul
+#      rate of step 2,
+#   6. captioning images/s from shards (3,000 shapes images in 6 shards) on one GPU.
 # Results go to ${OUT:-bench_results}/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,3 +23,27 @@ python -m vitattn.cli.train trainer=gpu trainer.max_steps=20 test=false export_b
   logger=csv paths.runs_dir="$out/runs" trainer.enable_progress_bar=false 2>&1 | tail -20 | tee -a "$out/gpu.txt"
 python -m benchmarks --device cuda --sections processes --out "$out/bench_processes_gpu.json" \
   2>&1 | tail -8 | tee "$out/bench_processes_gpu.txt"
+for ckpt in false true; do
+  python -m vitattn.cli.train head=classification model=base data.img_size=224 data.batch_size=64 \
+    data.num_train=8192 data.num_val=64 data.num_test=64 trainer=gpu trainer.devices=1 trainer.max_steps=60 \
+    trainer.limit_val_batches=0 test=false export_bundle=false logger=csv model.grad_checkpointing=$ckpt \
+    paths.runs_dir="$out/runs" trainer.enable_progress_bar=false 2>&1 \
+    | grep -E "^speed:" | sed "s/^/vit-b16 224 bf16-mixed batch 64 grad_checkpointing=$ckpt: /" | tee -a "$out/gpu.txt"
+done
+python - "$out/gpu.txt" <<'PY' | tee -a "$out/gpu.txt"
+import re, sys
+from benchmarks.flops import vit_flops
+text = open(sys.argv[1]).read()
+flops = 3 * 64 * vit_flops(img_size=224, patch_size=16, embed_dim=768, depth=12, mlp_ratio=4.0)  # fwd + bwd
+for ckpt, rate in re.findall(r"grad_checkpointing=(\w+): speed: +([0-9.]+) steps/s", text):
+    print(f"vit-b16 training grad_checkpointing={ckpt}: {float(rate) * flops / 1e12:.1f} TFLOP/s of model FLOPs "
+          "(MFU: against the bf16 matmul rate of bench_gpu.txt)")
+PY
+python -m vitattn.cli.write_shards source=shapes split=val count=3000 samples_per_shard=500 img_size=64 \
+  out="$out/shards" > /dev/null
+model=$(ls -d "$out"/runs/caption/*/ | tail -1)
+start=$(date +%s.%N)
+python -m vitattn.cli.caption model="$model" shards="$out/shards" out="$out/shard_captions/" devices=1 > /dev/null
+end=$(date +%s.%N)
+python -c "print(f'captions from shards on one GPU: {3000 / ($end - $start):.0f} images/s (3,000 images, start-up included)')" \
+  | tee -a "$out/gpu.txt"
