@@ -118,7 +118,7 @@ def _keys(folder: Path, suffix: str = "txt") -> list[tuple[int, int, list[str]]]
 
 
 @pytest.mark.parametrize("name", ["coco", "imagefolder", "shapes"])
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # workers: also the slow DDP tests
 def test_a_preempted_epoch_in_one_process_trains_what_an_uninterrupted_one_does(name, workers, tmp_path):
     overrides, expected = _overrides(name, 24, tmp_path / "data")
     overrides.append(f"data.num_workers={workers}")

@@ -285,6 +285,7 @@ def caption_data(tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data", ["coco", "karpathy", "webdataset"])
 def test_scst_trains_on_every_caption_data_path_with_ema(data, caption_data, base_run, tmp_path):
     run_dir = tmp_path / "run"
