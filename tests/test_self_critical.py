@@ -8,8 +8,10 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from tests.helpers import (
@@ -22,8 +24,10 @@ from tests.helpers import (
     make_karpathy,
 )
 from tests.test_preemption import DDP_CPU, ENV
+from vitattn.cli.export import main as export_main
 from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.errors import ConfigError
+from vitattn.inference.api import Captioner
 from vitattn.metrics import CiderD, cider_d
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 from vitattn.run_dir import RunDir
@@ -271,6 +275,13 @@ def test_scst_trains_from_the_checkpoint_logs_its_reward_and_computes_statistics
     assert statistics.num_images == 64
     fresh = CiderD(result.system.trainer.datamodule.train_references())
     assert statistics.doc_freq == fresh.doc_freq
+    # Its bundle exports to ONNX like any other, and the ONNX folder captions as the bundle does.
+    onnx_dir = tmp_path / "onnx"
+    assert export_main([f"model={run_dir / 'bundle'}", f"out={onnx_dir}", "format=onnx"]) == 0
+    images = [Image.fromarray(np.uint8(np.random.default_rng(i).integers(0, 255, (32, 32, 3)))) for i in range(4)]
+    assert Captioner.load(onnx_dir).caption(images) == Captioner.load(run_dir / "bundle", precision="fp32").caption(
+        images
+    )
 
 
 @pytest.fixture(scope="module")
