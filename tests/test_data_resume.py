@@ -117,8 +117,12 @@ def _keys(folder: Path, suffix: str = "txt") -> list[tuple[int, int, list[str]]]
     ]
 
 
-@pytest.mark.parametrize("name", ["coco", "imagefolder", "shapes"])
-@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # workers: also the slow DDP tests
+# The fast run keeps coco without workers; the rest run with the slow tests (as do the DDP ones).
+@pytest.mark.parametrize(
+    "name",
+    ["coco", pytest.param("imagefolder", marks=pytest.mark.slow), pytest.param("shapes", marks=pytest.mark.slow)],
+)
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_preempted_epoch_in_one_process_trains_what_an_uninterrupted_one_does(name, workers, tmp_path):
     overrides, expected = _overrides(name, 24, tmp_path / "data")
     overrides.append(f"data.num_workers={workers}")

@@ -136,8 +136,8 @@ def test_one_self_critical_step_rewards_each_sample_against_its_own_images_refer
     assert float(logged["baseline"]) == pytest.approx(float(rewards.mean()))  # mean of the leave-one-out means
     assert float(logged["eos_share"]) == pytest.approx(float((sampled == 2).any(1).float().mean()))
     log_probs, mask = sample_log_probs(model, memory, sampled)
-    assert float(loss) == pytest.approx(
-        float(scst_loss(log_probs, mask, rewards - mean_of_others(rewards, 4))), rel=1e-5
+    assert loss.item() == pytest.approx(
+        scst_loss(log_probs, mask, rewards - mean_of_others(rewards, 4)).item(), rel=1e-5
     )
     loss.backward()
     assert model.encoder.patch_embed.proj.weight.grad.abs().sum() > 0  # the encoder learns too
