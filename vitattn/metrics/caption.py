@@ -266,24 +266,23 @@ class CiderD:
     ) -> None:
         if not corpus:
             raise ValueError("the corpus is empty: CIDEr-D's document frequencies need at least one image")
-        check_corpus([""] * len(corpus), corpus)
-        flat = coco_tokenize_file([r for image_refs in corpus for r in image_refs])
-        counts, start = [], 0
-        for image_refs in corpus:
-            counts.append([_ngram_counts(_words(t), n) for t in flat[start : start + len(image_refs)]])
-            start += len(image_refs)
-        self.doc_freq = _document_frequency(counts)
-        self.num_images = len(corpus)
-        self.sigma, self.n, self.cache_size = sigma, n, cache_size
-        self._refs: dict[tuple[str, ...], list] = {}
+        _, refs = _words_corpus(*_tokenize_corpus([""] * len(corpus), corpus))
+        doc_freq = _document_frequency([[_ngram_counts(r, n) for r in image_refs] for image_refs in refs])
+        self._keep(doc_freq, len(corpus), sigma, n, cache_size)
 
     @classmethod
-    def from_statistics(cls, doc_freq: Counter[Ngram], num_images: int, sigma: float = 6.0, n: int = 4) -> CiderD:
+    def from_statistics(
+        cls, doc_freq: Counter[Ngram], num_images: int, sigma: float = 6.0, n: int = 4, cache_size: int = 65536
+    ) -> CiderD:
         """A scorer with document frequencies computed elsewhere (``doc_freq``, ``num_images`` of a scorer)."""
         scorer = cls.__new__(cls)
-        scorer.doc_freq, scorer.num_images = Counter(doc_freq), num_images
-        scorer.sigma, scorer.n, scorer.cache_size, scorer._refs = sigma, n, 65536, {}
+        scorer._keep(Counter(doc_freq), num_images, sigma, n, cache_size)
         return scorer
+
+    def _keep(self, doc_freq: Counter[Ngram], num_images: int, sigma: float, n: int, cache_size: int) -> None:
+        self.doc_freq, self.num_images = doc_freq, num_images
+        self.sigma, self.n, self.cache_size = sigma, n, cache_size
+        self._refs: dict[tuple[str, ...], list] = {}
 
     def __call__(self, predictions: Sequence[str], references: Sequence[Sequence[str]]) -> list[float]:
         """Each prediction's CIDEr-D against its own references (I predictions, I reference lists)."""
