@@ -144,7 +144,8 @@ def test_one_self_critical_step_rewards_each_sample_against_its_own_images_refer
 
 
 def test_cider_d_rewards_average_to_the_corpus_score_when_the_corpus_is_the_scored_set():
-    refs = [["a red circle", "red circle left"], ["a blue square"], ["two green triangles", "green triangles"]]
+    # every image shares n-grams with another, so each image's references move the document frequencies
+    refs = [["a red circle", "red circle left"], ["a blue square"], ["two green triangles", "a red square"]]
     preds = ["a red circle", "a blue circle", "green triangles"]
     scorer = CiderD(refs)
     per_image = scorer(preds, refs)
