@@ -262,3 +262,26 @@ def check_int8_graphs(folder: Path, kept: dict[str, list[str]]) -> dict[str, dic
             assert set(inputs.values()) == {"FLOAT"}, f"{name}: {node.name} kept in fp32 multiplies {inputs}"
     assert kept.get("decoder_step", True), "the decoder step keeps its attention and vocabulary products in fp32"
     return counts
+
+
+def stop_mid_run(command: list[str], log: Path, ready, stop: str, env: dict, wait: float = 400) -> None:
+    """Start ``command`` (a training, in its own process group, output to ``log``), wait until ``ready()``, then
+    stop it: ``sigterm`` to its first process (a preemption: exit status 75 expected) or ``kill-9`` to the whole
+    group at once (ranks and loader workers)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + wait
+        while proc.poll() is None and time.monotonic() < deadline and not ready():
+            time.sleep(0.02)
+        assert proc.poll() is None and ready(), log.read_text()[-3000:]
+        if stop == "sigterm":
+            proc.send_signal(signal.SIGTERM)  # rank 0: every rank stops after the same step, with a checkpoint
+            assert proc.wait(timeout=300) == 75, log.read_text()[-3000:]
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)

@@ -3,10 +3,8 @@ runs, are those of an uninterrupted one, in one process and in two (vitattn.data
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, DistributedSampler, RandomSampler
 
-from tests.helpers import TINY, compose_train, make_coco, make_image_folder
+from tests.helpers import TINY, compose_train, make_coco, make_image_folder, stop_mid_run
 from vitattn.data.resumable import EpochSampler, ResumableLoader
 from vitattn.training import train
 
@@ -157,18 +155,7 @@ def test_a_stopped_ddp_epoch_resumes_with_every_sample_once(name, stop, tmp_path
     ]
     keys, last = tmp_path / "keys", tmp_path / "run" / "checkpoints" / "last.ckpt"
     steps = len(expected) // (2 * 4)  # 6: two ranks of 4 samples a step, every sample once (no padding)
-    with open(tmp_path / "first.log", "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
-        deadline = time.monotonic() + 400
-        while proc.poll() is None and time.monotonic() < deadline and len(_keys(keys)) < 2 * 3:
-            time.sleep(0.02)
-        assert proc.poll() is None and len(_keys(keys)) >= 6, (tmp_path / "first.log").read_text()[-3000:]
-        if stop == "sigterm":
-            proc.send_signal(signal.SIGTERM)  # rank 0: both ranks stop after the same step, with a checkpoint
-            assert proc.wait(timeout=300) == 75, (tmp_path / "first.log").read_text()[-3000:]
-        else:
-            os.killpg(proc.pid, signal.SIGKILL)  # the whole job at once: ranks and loader workers
-            proc.wait(timeout=60)
+    stop_mid_run(command, tmp_path / "first.log", lambda: len(_keys(keys)) >= 2 * 3, stop, ENV)
     saved = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
     assert 0 < saved < steps
     before = [k for _, step, ks in _keys(keys) if step <= saved for k in ks]  # what the checkpoint holds

@@ -1,16 +1,15 @@
 """A preempted or killed DDP run on shards resumes mid-epoch: every sample of the epoch trained once, over both runs."""
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import stop_mid_run
 from vitattn.data.shapes import CLASS_NAMES
 from vitattn.data.shards import expand_shards, read_shard
 from vitattn.data.shards.writer import shapes_samples, write_shards
@@ -53,18 +52,7 @@ def test_a_stopped_ddp_epoch_on_shards_resumes_with_every_sample_once(stop, tmp_
     epoch = [s["__key__"] for url in expand_shards(str(tmp_path / "train")) for s in read_shard(url)]
     command, keys, last = _command(tmp_path), tmp_path / "keys", tmp_path / "run" / "checkpoints" / "last.ckpt"
 
-    with open(tmp_path / "first.log", "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
-        deadline = time.monotonic() + 400
-        while proc.poll() is None and time.monotonic() < deadline and len(_steps(keys)) < 2 * 8:
-            time.sleep(0.05)
-        assert proc.poll() is None and len(_steps(keys)) >= 16, (tmp_path / "first.log").read_text()[-3000:]
-        if stop == "sigterm":
-            proc.send_signal(signal.SIGTERM)  # rank 0: both ranks stop after the same step, with a checkpoint
-            assert proc.wait(timeout=300) == 75, (tmp_path / "first.log").read_text()[-3000:]
-        else:
-            os.killpg(proc.pid, signal.SIGKILL)  # the whole job at once: ranks and loader workers
-            proc.wait(timeout=60)
+    stop_mid_run(command, tmp_path / "first.log", lambda: len(_steps(keys)) >= 2 * 8, stop, ENV)
     saved = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
     assert 0 < saved < 38
     before = [k for step, ks in _steps(keys) if step <= saved for k in ks]  # what the checkpoint holds
