@@ -190,6 +190,7 @@ WITHOUT_TRANSFORMERS = (
 )
 
 
+@pytest.mark.slow
 def test_script_runs_without_transformers_imported():
     # `transformers` is the optional `bench` extra: no module of the bench may import it on import, and
     # `python -m benchmarks` still runs without it.

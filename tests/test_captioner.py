@@ -282,6 +282,7 @@ def test_cli_usage_errors_are_one_line(args, message, capsys):
     assert err[-1].startswith("error: ") and message in err[-1]
 
 
+@pytest.mark.slow
 def test_console_script_end_to_end(bundle_dir, tmp_path):
     script = console_script("vitattn-caption")
     folder = tmp_path / "imgs"
