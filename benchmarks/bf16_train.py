@@ -2,12 +2,17 @@
 
     python -m benchmarks.bf16_train                       # model=cpu captioner (batch 64), ViT-S/16 224 classifier (16)
     python -m benchmarks.bf16_train --threads 2 --repeats 7
+    python -m benchmarks.bf16_train --widths 128 192 256 384   # the model=cpu captioner at these widths
 
 Each step is the training system's own (loss, backward, AdamW step) on one batch of the built-in shapes;
 ``bf16-mixed`` is what Lightning's ``MixedPrecision("bf16-mixed", "cpu")`` does: the forward pass under
 ``torch.autocast("cpu", dtype=torch.bfloat16)``, weights, gradients and the optimizer in fp32. The two take
 turns within each repeat after a warm-up; reported are the medians of process CPU time per step and the
 median of the per-repeat ratios (above 1: bf16-mixed is faster).
+
+``--widths`` measures instead the ``model=cpu`` captioner (64 px, 64 tokens, batch 64) at those widths (one
+head per 32 channels, the preset's depth and MLP ratio): where bf16-mixed starts to pay, which
+``trainer.precision=auto`` follows (``vitattn.precision.BF16_TRAIN_MIN_WIDTH``).
 """
 
 from __future__ import annotations
@@ -60,10 +65,23 @@ def _step_fn(overrides: list[str]) -> Any:
     return step
 
 
-def measure(threads: int, repeats: int) -> list[dict[str, Any]]:
+def width_models(widths: Sequence[int]) -> dict[str, list[str]]:
+    """The ``model=cpu`` captioner at each width (one head per 32 channels)."""
+    return {
+        f"cpu caption, width {w} (64 px, batch 64)": [
+            "model=cpu",
+            "data.batch_size=64",
+            f"model.embed_dim={w}",
+            f"model.num_heads={max(1, w // 32)}",
+        ]
+        for w in widths
+    }
+
+
+def measure(threads: int, repeats: int, models: dict[str, list[str]] = MODELS) -> list[dict[str, Any]]:
     torch.set_num_threads(threads)
     rows = []
-    for name, overrides in MODELS.items():
+    for name, overrides in models.items():
         torch.manual_seed(0)
         step = _step_fn(overrides)
         step(False), step(True)  # warm-up
@@ -90,8 +108,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--widths", type=int, nargs="+", help="the model=cpu captioner at these widths instead")
     args = p.parse_args(argv)
-    rows = measure(args.threads, args.repeats)
+    rows = measure(args.threads, args.repeats, width_models(args.widths) if args.widths else MODELS)
     units = ", ".join(cpu_bf16_units()) or "none"
     print(f"bf16 matrix units: {units}; {args.threads} thread(s); CPU seconds per training step, medians")
     print("| model | fp32 | bf16-mixed | fp32 / bf16-mixed (range) |\n|---|---|---|---|")

@@ -275,3 +275,48 @@ def test_caption_eval_and_serve_load_in_the_precision_given(caption_run, tmp_pat
     with pytest.raises(Served):
         serve_cli.run(serve_cli.parse_args([f"model={caption_run}", "precision=bf16"]))
     assert loaded == ["bf16"] * 4  # caption, eval, serve before it starts the server, the server's worker
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "width", "units", "expected"),
+    [
+        ("cpu", 192, True, "bf16-mixed"),
+        ("cpu", 384, False, "32-true"),  # a CPU without the units loses nothing
+        ("cpu", 128, True, "32-true"),  # products too small for bf16 to pay (make train's width)
+        ("gpu", 64, False, "bf16-mixed"),
+    ],
+)
+def test_training_precision_auto_follows_the_units_and_the_width(accelerator, width, units, expected, fresh_detection):
+    from vitattn.training.resources import BF16_TRAIN_MIN_WIDTH, resolve_train_precision
+
+    fresh_detection.setenv(NATIVE_BF16_ENV, "1" if units else "0")
+    cfg = compose_train(
+        [*TINY, f"model.embed_dim={width}", f"trainer.accelerator={accelerator}", "trainer.precision=auto"], "run"
+    )
+    assert BF16_TRAIN_MIN_WIDTH == 192  # docs/benchmarks.md's crossover
+    assert resolve_train_precision(cfg) == expected and cfg.trainer.precision == expected
+    cfg.trainer.precision = "32-true"  # a value given is kept as it is
+    assert resolve_train_precision(cfg) == "32-true"
+
+
+def test_training_precision_auto_trains_and_saves_what_it_chose(tmp_path, fresh_detection, caplog):
+    """The run's trainer and its saved config carry the chosen precision, said in one log line."""
+    import lightning.pytorch as pl
+    from omegaconf import OmegaConf
+
+    fresh_detection.setenv(NATIVE_BF16_ENV, "1")
+    chosen: list[str] = []
+    real_fit = pl.Trainer.fit
+
+    def fit(trainer, *args, **kwargs):
+        chosen.append(trainer.precision)
+        return real_fit(trainer, *args, **kwargs)
+
+    fresh_detection.setattr(pl.Trainer, "fit", fit)
+    run = [*TINY, "model.embed_dim=192", "model.depth=1", "model.num_heads=6", "head.decoder.depth=1"]
+    with caplog.at_level(logging.INFO, logger="vitattn.training.resources"):
+        result = train(compose_train([*run, "trainer.precision=auto", "trainer.max_steps=2"], tmp_path))
+    assert chosen == ["bf16-mixed"] and result.global_step == 2
+    assert OmegaConf.load(tmp_path / "config.yaml").trainer.precision == "bf16-mixed"
+    lines = [r.getMessage() for r in caplog.records if "trainer.precision=auto" in r.getMessage()]
+    assert lines == ["trainer.precision=auto: bf16-mixed (bf16 matrix units on this CPU and model.embed_dim=192)"]

@@ -175,7 +175,8 @@ def _check_finetuning(cfg: DictConfig) -> None:
 
 
 def _check_precision(trainer: DictConfig) -> None:
-    """``trainer.precision``: the ``-true`` half precisions are refused in one line, with the reason."""
+    """``trainer.precision``: Lightning's values and ``auto`` (``resolve_train_precision``); the ``-true`` half
+    precisions are refused in one line, with the reason."""
     precision = str(trainer.get("precision", "32-true"))
     if precision in ("bf16-true", "16-true"):
         raise ConfigError(

@@ -10,9 +10,14 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-__all__ = ["on_gpu", "plan_cores", "processes_per_node"]
+__all__ = ["BF16_TRAIN_MIN_WIDTH", "on_gpu", "plan_cores", "processes_per_node", "resolve_train_precision"]
 
 log = logging.getLogger(__name__)
+
+# The width from which a bf16-mixed training step beats fp32 on a CPU with bf16 matrix units: the model=cpu
+# captioner at 64 px, batch 64 was 1.0x at width 128 and 1.2x at 192 (benchmarks/bf16_train.py --widths,
+# docs/benchmarks.md); smaller products gain less than autocast's casts cost.
+BF16_TRAIN_MIN_WIDTH = 192
 
 
 def on_gpu(cfg: DictConfig) -> bool:
@@ -62,3 +67,29 @@ def processes_per_node(cfg: DictConfig) -> int:
     if isinstance(devices, int):
         return max(1, devices)
     return len(devices) if isinstance(devices, Sequence) and not isinstance(devices, str) else 1
+
+
+def resolve_train_precision(cfg: DictConfig) -> str:
+    """``trainer.precision=auto`` made concrete, in place, with one log line; other values are left as they are.
+
+    ``auto`` is ``bf16-mixed`` on GPUs, and on a CPU with native bf16 matrix instructions
+    (``vitattn.precision.native_bf16``) for a model of width ``BF16_TRAIN_MIN_WIDTH`` or more; ``32-true``
+    elsewhere (small models, CPUs without the units: nothing changes there).
+    """
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    if precision != "auto":
+        return precision
+    from vitattn.precision import native_bf16  # detects the units once per process
+
+    width = int(cfg.model.embed_dim)
+    if on_gpu(cfg):
+        chosen, why = "bf16-mixed", "a GPU"
+    elif width < BF16_TRAIN_MIN_WIDTH:
+        chosen, why = "32-true", f"model.embed_dim={width} is below {BF16_TRAIN_MIN_WIDTH}, where bf16 stops paying"
+    elif native_bf16():
+        chosen, why = "bf16-mixed", f"bf16 matrix units on this CPU and model.embed_dim={width}"
+    else:
+        chosen, why = "32-true", "this CPU has no bf16 matrix units"
+    cfg.trainer.precision = chosen
+    log.info("trainer.precision=auto: %s (%s)", chosen, why)
+    return chosen

@@ -36,7 +36,7 @@ from vitattn.training.groups import instantiate_group
 from vitattn.training.init_model import apply_init, check_init_classes, command_line_keys, read_init
 from vitattn.training.loggers import build_loggers
 from vitattn.training.pretrained import choose_preprocess, read_pretrained
-from vitattn.training.resources import plan_cores
+from vitattn.training.resources import plan_cores, resolve_train_precision
 from vitattn.training.self_critical import prepare_reward
 from vitattn.training.tokenizer import prepare_tokenizer
 
@@ -86,6 +86,7 @@ def train(cfg: DictConfig) -> TrainResult:
     init = read_init(cfg.finetune.init) if cfg.finetune.get("init") else None
     if init is not None:
         apply_init(cfg, init, command_line_keys())  # the model's sizes into the config, before anything is built
+    resolve_train_precision(cfg)  # auto: from the model's width and this machine, said in one line
     datamodule = hydra.utils.instantiate(cfg.data)
     pretrained = read_pretrained(cfg.finetune.pretrained) if cfg.finetune.get("pretrained") else None
     choose_preprocess(
