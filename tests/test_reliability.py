@@ -458,6 +458,22 @@ def test_ddp_nonfinite_skip_skips_the_step_on_every_rank_and_counts_it_once(tmp_
     assert counts[0] == (3, 1.0) and max(count for _, count in counts) == 1.0
 
 
+@pytest.mark.slow
+def test_ddp_batch_of_unreadable_images_on_one_rank_trains_on_with_the_others(tmp_path):
+    """Rank 1's batch at step 2 holds no readable image (None): the ranks still step together, no hang."""
+    reports = tmp_path / "ranks"
+    reports.mkdir()
+    script = ROOT / "tests" / "ddp_nonfinite_train.py"
+    overrides = [*DDP_CPU, *CLS, *QUIET, "trainer.max_steps=4", f"hydra.run.dir={tmp_path / 'run'}"]
+    command = [sys.executable, str(script), *overrides]
+    proc = _run_group(command, tmp_path, 240, VITATTN_EMPTY_STEP="2", VITATTN_RANK_REPORT=str(reports))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0, rank1 = (torch.load(reports / f"{rank}.pt", weights_only=True) for rank in (0, 1))
+    assert rank0["optimizer_steps"] == rank1["optimizer_steps"] == [4]  # every step updated, on both ranks
+    for key, value in rank0["weights"].items():  # the same update on both: the all-reduce ran at step 2
+        assert torch.equal(value, rank1["weights"][key]), key
+
+
 def test_class_list_differing_from_the_checkpoint_fails_before_any_step(tmp_path):
     root = make_image_folder(tmp_path / "folder", classes=("bird", "cat"), per_class=2)
     ckpt = tmp_path / "trained.ckpt"

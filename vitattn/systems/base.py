@@ -117,6 +117,19 @@ class VisionSystem(pl.LightningModule):
         if self.nonfinite == "raise":
             self.check_finite()  # before the checkpoint is written: the last good one stays the last
 
+    def nothing_to_train(self) -> Tensor | None:
+        """The training step of a batch none of whose images could be read (``data.bad_images=skip``).
+
+        One process: None, Lightning's "skip this batch". Under DDP Lightning refuses None, and a rank that skipped
+        the backward pass alone would leave the others waiting in the gradient all-reduce for ever: the rank
+        returns a zero loss that reaches every trainable weight, joins the all-reduce with zero gradients, and
+        the step's update is the other ranks' gradients averaged over all ranks.
+        """
+        if self._gather is None:
+            return None
+        zero = torch.zeros((), device=self.device)
+        return sum((p.sum() * 0.0 for p in self.parameters() if p.requires_grad), zero)
+
     @property
     def _gather(self) -> Callable[[Tensor], Tensor] | None:
         return self.all_gather if self._trainer is not None and self._trainer.world_size > 1 else None

@@ -103,7 +103,7 @@ class CaptionSystem(VisionSystem):
 
     def training_step(self, batch: dict[str, Any] | None, batch_idx: int) -> Tensor | None:
         if batch is None:  # no image of the batch could be read (data.bad_images=skip)
-            return None
+            return self.nothing_to_train()
         size = len(batch["images"])
         if self.scst is None:
             loss = self._loss(batch, self.label_smoothing)

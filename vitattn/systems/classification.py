@@ -68,7 +68,7 @@ class ClassificationSystem(VisionSystem):
 
     def training_step(self, batch: tuple[Tensor, Tensor] | None, batch_idx: int) -> Tensor | None:
         if batch is None:  # no image of the batch could be read (data.bad_images=skip)
-            return None
+            return self.nothing_to_train()
         images, labels = batch
         if self.mixup is not None and len(images) % 2 == 0:  # timm mixes pairs: an odd last batch stays plain
             mixed, soft = self.mixup(images, labels)  # (B, C, height, width), (B, K)
