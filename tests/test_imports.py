@@ -117,7 +117,14 @@ def inference_files(tmp_path_factory) -> dict[str, Path]:
     )
 
 
-@pytest.mark.parametrize("case", list(_INFERENCE_CASES))
+# each a process of its own: test-fast runs the API's and the server's, the slow tests all
+@pytest.mark.parametrize(
+    "case",
+    [
+        c if c in ("Captioner.caption", "vitattn-serve") else pytest.param(c, marks=pytest.mark.slow)
+        for c in _INFERENCE_CASES
+    ],
+)
 def test_inference_path_imports_no_training_package(case, inference_files):
     assert _modules_after(_INFERENCE_CASES[case], **inference_files) == []
 

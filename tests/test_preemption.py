@@ -119,7 +119,8 @@ def _preempted_train(run_dir: Path, signame: str, where: str, step: int, overrid
 STEPS_12 = [*RUN, "trainer.max_steps=12", "callbacks.step_checkpoint.every_n_train_steps=12"]
 
 
-@pytest.mark.parametrize("signalled_step", [3, 5])  # step 3 is followed by a validation, step 5 is not
+# step 3 is followed by a validation, step 5 is not (with the slow tests: test-fast keeps one)
+@pytest.mark.parametrize("signalled_step", [3, pytest.param(5, marks=pytest.mark.slow)])
 def test_sigusr1_stops_after_the_step_and_resume_auto_repeats_none(signalled_step, tmp_path):
     last = tmp_path / "checkpoints" / "last.ckpt"
     report = _preempted_train(tmp_path, "SIGUSR1", "train", signalled_step, STEPS_12)  # resume=auto: a fresh start

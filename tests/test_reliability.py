@@ -197,7 +197,10 @@ CLI_ERRORS = {  # checked through the real command line; the rest above through 
 }
 
 
-@pytest.mark.parametrize("name", list(CLI_ERRORS))
+# each a training process of its own: test-fast runs one, the slow tests all
+@pytest.mark.parametrize(
+    "name", [n if n == "empty-image-folder" else pytest.param(n, marks=pytest.mark.slow) for n in CLI_ERRORS]
+)
 def test_cli_user_error_is_one_line_exit_2(name, data, tmp_path):
     spec, key = CLI_ERRORS[name]
     runs = tmp_path / "runs"

@@ -148,7 +148,17 @@ def test_importing_vitattn_leaves_timms_wandb_import_as_it_is(tmp_path):
     assert out == "True"
 
 
-@pytest.mark.parametrize("command", ["caption", "evaluate", "export", "check_data", "serve", "write_shards"])
+# each a process of its own: test-fast runs one, the slow tests all
+@pytest.mark.parametrize(
+    "command",
+    [
+        "caption",
+        *(
+            pytest.param(c, marks=pytest.mark.slow)
+            for c in ("evaluate", "export", "check_data", "serve", "write_shards")
+        ),
+    ],
+)
 def test_console_entry_points_defer_wandb_for_their_own_process(tmp_path, command):
     out = _run_with_fake_wandb(
         tmp_path,
