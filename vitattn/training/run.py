@@ -26,6 +26,7 @@ from vitattn.data.bad_images import gather_skipped
 from vitattn.data.tokenizer import tokenizer_file_name
 from vitattn.run_dir import RunDir
 from vitattn.systems import VisionSystem
+from vitattn.systems.sharding import is_sharded, unsharded_copy
 from vitattn.training.advice import check_fit
 from vitattn.training.assemble import build_system
 from vitattn.training.best_weights import load_best_weights
@@ -126,6 +127,8 @@ def train(cfg: DictConfig) -> TrainResult:
     except SIGTERMException:  # Lightning's stop after a signal: a SystemExit with status 0
         raise _preempted(trainer) from None
     seconds = time.monotonic() - started
+    if is_sharded(system.model):  # trainer=fsdp: the best weights, the test and the bundle take whole weights
+        system.model = unsharded_copy(system.model)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     source = load_best_weights(cfg, trainer, system)  # test and export the best model, not the last
