@@ -209,6 +209,9 @@ def _resume_checkpoint(cfg: DictConfig) -> str | None:
 @rank_zero_only
 def _save_run_files(cfg: DictConfig, datamodule: pl.LightningDataModule, run_dir: Path) -> None:
     run = RunDir(run_dir)
+    # A complete run trained further is no longer complete: the ranks Lightning starts during fit would
+    # otherwise read its old result.json beside the new config (the new length) and stop at once.
+    run.result.unlink(missing_ok=True)
     run.save_config(cfg)
     if getattr(datamodule, "vocab", None) is not None:
         datamodule.vocab.save(run.path / tokenizer_file_name(datamodule.vocab))

@@ -15,13 +15,13 @@ class FullyShardedStrategy(ModelParallelStrategy):
 
     ``ModelParallelStrategy`` on its own makes the processes of a node one tensor-parallel group (``auto``):
     they would all read the same batches. Lightning's ``FSDPStrategy`` (FSDP1) needs a GPU; FSDP2 runs on CPUs
-    too (gloo). ``save_distributed_checkpoint=False`` (the default here): each checkpoint is one file with the
-    whole weights and optimizer state, gathered on rank 0, that ``resume``, the bundle and the export read as
-    they read a DDP run's; ``True`` writes a folder with one shard per process instead.
+    too (gloo). Each checkpoint is one file with the whole weights and optimizer state, gathered on rank 0
+    (``save_distributed_checkpoint=False``), that ``resume``, ``weights=best`` and the bundle read as they read a
+    DDP run's: the run's own code reads checkpoints as files.
     """
 
-    def __init__(self, save_distributed_checkpoint: bool = False, **kwargs: Any) -> None:
-        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(save_distributed_checkpoint=False, **kwargs)
 
     def setup_environment(self) -> None:
         if self._data_parallel_size == "auto":
