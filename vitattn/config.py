@@ -34,7 +34,7 @@ from vitattn.moved_keys import MOVED_KEYS
 from vitattn.run_dir import RunDir
 from vitattn.systems.self_critical import ScstConfig
 
-__all__ = ["check_config", "check_data_paths", "check_source", "data_name"]
+__all__ = ["check_config", "check_data_paths", "check_source", "data_name", "fully_sharded"]
 
 _DIR_KEYS = ("root", "image_dir")
 _FILE_KEYS = ("train_annotations", "val_annotations", "test_annotations", "vocab_path", "dataset_json")
@@ -213,7 +213,25 @@ def _distributed(trainer: DictConfig) -> bool:
     devices = trainer.get("devices", 1)
     many = len(devices) > 1 if isinstance(devices, ListConfig) else isinstance(devices, int) and devices > 1
     strategy = str(trainer.get("strategy", "auto"))
-    return many or trainer.get("num_nodes", 1) > 1 or any(s in strategy for s in ("ddp", "fsdp", "deepspeed"))
+    sharded = fully_sharded(trainer) or any(s in strategy for s in ("ddp", "fsdp", "deepspeed"))
+    return many or trainer.get("num_nodes", 1) > 1 or sharded
+
+
+def fully_sharded(trainer: DictConfig) -> bool:
+    """``trainer=fsdp``: the strategy is Lightning's ``ModelParallelStrategy`` (``FullyShardedStrategy``)."""
+    strategy = trainer.get("strategy")
+    target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else ""
+    return target.endswith(("FullyShardedStrategy", "ModelParallelStrategy"))
+
+
+def _check_sharded(cfg: DictConfig) -> None:
+    """``trainer=fsdp`` with the EMA: refused in one line, with the reason."""
+    if fully_sharded(cfg.trainer) and cfg.get("ema", {}).get("decay"):
+        raise ConfigError(
+            f"ema.decay={cfg.ema.decay} does not work with trainer=fsdp: Lightning's WeightAveraging keeps a whole "
+            "copy of the model on every process and averages it with the sharded weights; set ema.decay=null, "
+            "or train with trainer=ddp"
+        )
 
 
 def _check_augment(data: DictConfig) -> None:
@@ -292,6 +310,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_finetuning(cfg)
     _check_self_critical(cfg)
     _check_precision(cfg.trainer)
+    _check_sharded(cfg)
     _check_tokenizer(cfg)
     if cfg.get("resume") and cfg.resume != "auto" and not RunDir(cfg.resume).last_checkpoint.is_file():
         run = RunDir(cfg.resume)

@@ -8,12 +8,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from vitattn.errors import NonFiniteLossError
 from vitattn.systems.nonfinite import NonFiniteNotes
 from vitattn.systems.optim import build_optimizer, param_groups
+from vitattn.systems.sharding import gather_for_evaluation, is_sharded, shard_again, shard_layers
 
 __all__ = ["UNKNOWN_HORIZON", "NonFiniteLossError", "VisionSystem"]
 
@@ -104,6 +106,26 @@ class VisionSystem(pl.LightningModule):
         found = self._nonfinite_error(self._nonfinite_notes.take(self.device, self._gather))
         if found is not None:
             raise found
+
+    def configure_model(self) -> None:
+        """Under ``trainer=fsdp`` (Lightning's ``ModelParallelStrategy``, which gives a device mesh) shard the
+        model for training, one unit per encoder and decoder layer (``shard_layers``). A test after training runs
+        on the whole weights (``vitattn.training`` gathers them), so only fitting shards."""
+        mesh = self.device_mesh
+        if mesh is None or self.trainer.state.fn != TrainerFn.FITTING or is_sharded(self.model):
+            return
+        shard_layers(self.model, mesh["data_parallel"])
+        self.example_input_array = None  # the summary's forward runs on rank 0 alone: the others would not gather
+
+    def on_validation_model_eval(self) -> None:
+        super().on_validation_model_eval()
+        if is_sharded(self.model):
+            gather_for_evaluation(self.model)  # decoding loops of different lengths on each rank gather nothing
+
+    def on_validation_model_train(self) -> None:
+        if is_sharded(self.model):
+            shard_again(self.model)
+        super().on_validation_model_train()
 
     def on_validation_start(self) -> None:
         if self.nonfinite == "raise":

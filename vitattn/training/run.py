@@ -26,6 +26,7 @@ from vitattn.data.bad_images import gather_skipped
 from vitattn.data.tokenizer import tokenizer_file_name
 from vitattn.run_dir import RunDir
 from vitattn.systems import VisionSystem
+from vitattn.systems.sharding import is_sharded, unsharded_copy
 from vitattn.training.advice import check_fit
 from vitattn.training.assemble import build_system
 from vitattn.training.best_weights import load_best_weights
@@ -127,6 +128,8 @@ def train(cfg: DictConfig) -> TrainResult:
     except SIGTERMException:  # Lightning's stop after a signal: a SystemExit with status 0
         raise _preempted(trainer) from None
     seconds = time.monotonic() - started
+    if is_sharded(system.model):  # trainer=fsdp: the best weights, the test and the bundle take whole weights
+        system.model = unsharded_copy(system.model)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     source = load_best_weights(cfg, trainer, system)  # test and export the best model, not the last
@@ -207,6 +210,9 @@ def _resume_checkpoint(cfg: DictConfig) -> str | None:
 @rank_zero_only
 def _save_run_files(cfg: DictConfig, datamodule: pl.LightningDataModule, run_dir: Path) -> None:
     run = RunDir(run_dir)
+    # A complete run trained further is no longer complete: the ranks Lightning starts during fit would
+    # otherwise read its old result.json beside the new config (the new length) and stop at once.
+    run.result.unlink(missing_ok=True)
     run.save_config(cfg)
     if getattr(datamodule, "vocab", None) is not None:
         datamodule.vocab.save(run.path / tokenizer_file_name(datamodule.vocab))

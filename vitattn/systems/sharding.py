@@ -1,0 +1,78 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for the systems' models: each of the document's layers
+(``EncoderLayer``, ``DecoderLayer``) is one shard unit, the rest of the model (embeddings, norms, heads)
+another; every process keeps a 1/N slice of each weight, its gradient and AdamW's two moments.
+
+Evaluation (validation during training) runs on the gathered weights: the decoding loops of captioning stop
+when every caption of a batch has ended, after a number of steps that differs between processes, and a
+sharded layer would all-gather its weights at each step, so that one process would wait for the others
+forever. The weights are gathered once before evaluation and sharded again after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from vitattn.layers import DecoderLayer, EncoderLayer
+from vitattn.models import ImageCaptioner, VisionTransformer
+
+__all__ = ["SHARD_UNITS", "gather_for_evaluation", "is_sharded", "shard_layers", "shard_again", "unsharded_copy"]
+
+SHARD_UNITS = (EncoderLayer, DecoderLayer)  # each one all-gathered for its own forward and backward
+
+
+def shard_layers(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Shard ``model`` in place over ``mesh``: each ``SHARD_UNITS`` layer, then the model for what is left."""
+    for module in model.modules():
+        if isinstance(module, SHARD_UNITS):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``shard_layers`` sharded ``model``."""
+    return isinstance(model, FSDPModule)
+
+
+def _shard_units(model: nn.Module) -> list[Any]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def gather_for_evaluation(model: nn.Module) -> None:
+    """All-gather every weight of a sharded ``model`` (every process together) and keep them gathered through
+    the forward passes that follow, until ``shard_again``. A model that is not sharded is left as it is."""
+    units = _shard_units(model)
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    for unit in units:
+        unit.unshard()
+
+
+def shard_again(model: nn.Module) -> None:
+    """Undo ``gather_for_evaluation``: free the gathered weights; the layers shard again after each forward
+    (the root keeps its weights until the backward, FSDP's default)."""
+    units = _shard_units(model)
+    for unit in units:
+        unit.set_reshard_after_forward(unit is not model, recurse=False)
+        unit.reshard()
+
+
+def unsharded_copy(model: nn.Module) -> nn.Module:
+    """A plain copy of a sharded ``model`` with its whole weights, on the device of its shards, in its mode.
+
+    Every process must call it: the weights are all-gathered.
+    """
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    device = next(iter(weights.values())).device
+    with torch.device(device):
+        if isinstance(model, ImageCaptioner):
+            copy: nn.Module = ImageCaptioner.from_config(model.config)
+        else:
+            copy = VisionTransformer(**model.config)
+    copy.load_state_dict(weights, strict=True)
+    return copy.train(model.training)
