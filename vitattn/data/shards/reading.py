@@ -4,21 +4,34 @@ The ``webdataset`` library opens shards (``gopen``: files, ``pipe:``, URLs) and 
 (``tar_file_expander``, ``group_by_keys``), so img2dataset's layout is read as it is, with no conversion; the
 members of a plain local tar come from ``vitattn.data.shards.tar_reader``, which skips ``tarfile``'s
 per-member bookkeeping (figures in docs/benchmarks.md).
+
+``read_samples`` reads the samples at some offsets of a shard. From a plain local tar it reads the headers
+of the other samples and none of their bytes (the tar reader seeks past them; ``group_by_keys`` gets their
+members with data None, so that samples are told apart exactly as it tells them apart), and it stops after
+the last sample asked for. A ``pipe:`` command or a URL is a stream: it is read from its start.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, BinaryIO
 
 from vitattn.data.shards.tar_reader import is_plain_tar, tar_files
 from vitattn.errors import first_line
 
-__all__ = ["ShardError", "local_path", "read_shard"]
+__all__ = ["ShardError", "ShortShard", "local_path", "open_shard", "read_samples", "read_shard"]
 
 
 class ShardError(ValueError):
     """A shard that cannot be read (missing, not a tar, truncated); the message names it."""
+
+
+class ShortShard(ShardError):
+    """A shard that ends before a sample asked of it; ``samples`` is how many it holds."""
+
+    def __init__(self, url: str, samples: int) -> None:
+        super().__init__(f"shard {url} holds {samples} samples")
+        self.samples = samples
 
 
 def local_path(url: str) -> str | None:
@@ -28,36 +41,100 @@ def local_path(url: str) -> str | None:
     return url[len("file://") :] if url.startswith("file://") else url
 
 
+def open_shard(url: str) -> BinaryIO:
+    """A shard's bytes: a local file unbuffered (the tar reader seeks past what it does not read, and a buffer
+    would read ahead into it), a ``pipe:`` command or a URL through webdataset's ``gopen``."""
+    path = local_path(url)
+    if path is not None:
+        return open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the reader
+    from webdataset.gopen import gopen  # webdataset loads only when shards are read
+
+    return gopen(url, "rb")
+
+
 def read_shard(url: str, extensions: set[str] | None = None) -> Iterator[dict[str, Any]]:
     """The samples of one shard, in tar order: dicts ``{"__key__": KEY, "jpg": bytes, "txt": bytes, ...}``
-    (extensions lower case; ``extensions`` keeps only those members, every sample is still yielded).
+    (extensions lower case; ``extensions`` keeps only those members, every sample is still yielded; from a
+    plain local tar the other members are not read).
 
     Raises:
         ShardError: the shard cannot be opened, is not a tar, or ends early; the message names the shard and
             the last whole sample's key.
     """
-    # webdataset loads only when shards are read, not with every import of vitattn.data
-    from webdataset.gopen import gopen
-    from webdataset.tariterators import group_by_keys, tar_file_expander
+    for _, sample in _samples(url, extensions, None):
+        yield sample
+
+
+def read_samples(url: str, offsets: Sequence[int], extensions: set[str] | None = None) -> Iterator[tuple[int, dict]]:
+    """``(offset, sample)`` of the samples at ``offsets`` (ascending) of one shard, as ``read_shard`` gives
+    them; from a plain local tar, no bytes of the other samples but their headers, and none after the last.
+
+    Raises:
+        ShortShard: the shard ends before the last offset.
+        ShardError: as ``read_shard``.
+    """
+    if not offsets:
+        return
+    wanted, last, seen = set(offsets), offsets[-1], 0
+    for offset, sample in _samples(url, extensions, wanted.__contains__):
+        seen = offset + 1
+        if offset in wanted:
+            yield offset, sample
+        if offset == last:
+            return
+    raise ShortShard(url, seen)
+
+
+def _samples(
+    url: str, extensions: set[str] | None, wanted: Callable[[int], bool] | None
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(offset, sample)`` of every sample; those not ``wanted`` hold None for members not read."""
+    from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
 
     key = None
     try:
-        stream = gopen(url, "rb")
+        stream = open_shard(url)
     except Exception as err:  # noqa: BLE001 - any failure to open becomes the one line naming the shard
         raise ShardError(f"shard {url} cannot be opened: {first_line(err)}") from None
     try:
         if local_path(url) is not None and is_plain_tar(stream):  # the common case, without tarfile's cost
-            files = ({"fname": name, "data": data, "__url__": url} for name, data in tar_files(stream))
+            wants = _MemberFilter(base_plus_ext, extensions, wanted)
+            files = ({"fname": name, "data": data, "__url__": url} for name, data in tar_files(stream, wants))
         else:
             files = tar_file_expander([{"url": url, "stream": stream}], eof_value=None)
-        for sample in group_by_keys(files, suffixes=extensions):
+        for offset, sample in enumerate(group_by_keys(files, suffixes=extensions)):
             key = sample["__key__"]
-            yield sample
+            yield offset, sample
     except Exception as err:  # noqa: BLE001 - tarfile's ReadError, a dead pipe: one line naming the shard
         after = f" after sample {key}" if key is not None else ""
         raise ShardError(f"shard {url} is unreadable{after}: {_reason(err)}") from None
     finally:
         stream.close()
+
+
+class _MemberFilter:
+    """Whether a member's bytes are read: its sample (counted as ``group_by_keys`` counts them: a new one where
+    the key changes) is wanted, and its extension kept."""
+
+    def __init__(
+        self,
+        split: Callable[[str], tuple[str | None, str | None]],
+        extensions: set[str] | None,
+        wanted: Callable[[int], bool] | None,
+    ) -> None:
+        self.split, self.extensions, self.wanted = split, extensions, wanted
+        self.key: str | None = None
+        self.offset = -1
+
+    def __call__(self, name: str) -> bool:
+        key, extension = self.split(name)
+        if key is None:
+            return False  # group_by_keys leaves it out
+        if key != self.key:
+            self.key, self.offset = key, self.offset + 1
+        if self.extensions is not None and extension.lower() not in self.extensions:
+            return False
+        return self.wanted is None or self.wanted(self.offset)
 
 
 def _reason(err: BaseException) -> str:
