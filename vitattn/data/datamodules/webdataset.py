@@ -103,7 +103,8 @@ class WebDatasetDataModule(ImageDataModule):
         shuffle_buffer: samples each loader worker holds to shuffle (0: read order).
         seed: the shard order and shuffle of epoch ``e`` come from ``(seed, e)``.
         samples_per_epoch: train this many samples an epoch (each at most once); None: every sample.
-        count_cache: folder for the cached shard counts (shards without ``_stats.json``); None: ~/.cache/vitattn.
+        count_cache: folder for the cached shard counts (shards without ``_stats.json``) and the member indexes
+            of shards in folders that cannot be written to; None: ~/.cache/vitattn.
         cache: ``none`` (``auto`` reads as none): shards are streamed, never held in memory.
         bad_images: ``raise`` | ``skip`` for undecodable images, samples without caption or class, and shards
             that are truncated or cannot be read.
@@ -197,7 +198,7 @@ class WebDatasetDataModule(ImageDataModule):
             samples = ShardSamples(
                 self.task, transform, self.caption_key, vocab, self.max_caption_len, self.num_classes
             )
-            return ShardStream(urls[split], sizes[split], samples, collate, self.bad_images, buffer)
+            return ShardStream(urls[split], sizes[split], samples, collate, self.bad_images, buffer, self.count_cache)
 
         self.train_dataset = stream("train", training or evaluate, self.shuffle_buffer)
         self.val_dataset = stream("val", evaluate, 0)

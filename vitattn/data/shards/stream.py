@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -176,6 +177,8 @@ class ShardStream(IterableDataset):
         collate: a list of items -> a batch.
         bad_images: ``raise`` or ``skip``.
         shuffle_buffer: samples held for shuffling in each worker (0: read order).
+        index_dir: the cache where the listing step wrote the member index of a shard whose folder it could
+            not write to (None: ``~/.cache/vitattn``).
     """
 
     def __init__(
@@ -186,8 +189,10 @@ class ShardStream(IterableDataset):
         collate: Callable[[list[Any]], Any],
         bad_images: str = "raise",
         shuffle_buffer: int = 0,
+        index_dir: str | os.PathLike | None = None,
     ) -> None:
         self.urls, self.sizes, self.samples = list(urls), list(sizes), samples
+        self.index_dir = index_dir
         self.collate = collate if bad_images == "raise" else partial(collate_skipping, collate=collate)
         self.bad_images, self.shuffle_buffer = bad_images, shuffle_buffer
         self.order = EpochOrder(self.sizes, shuffle=False)
@@ -247,11 +252,11 @@ class ShardStream(IterableDataset):
                 yield base + offset, key, sample
 
     def _shard(self, shard: int, offsets: list[tuple[int, int]]) -> Iterator[tuple[int, tuple[str, Any]]]:
-        """The samples at ``offsets`` of a shard (from a local tar: the others' headers read, not their bytes)."""
+        """The samples at ``offsets`` of a shard (from a local tar: nothing of the others' bytes)."""
         url, wanted = self.urls[shard], [o for a, b in offsets for o in range(a, b)]
         given = 0
         try:
-            for offset, sample in read_samples(url, wanted):
+            for offset, sample in read_samples(url, wanted, index_dir=self.index_dir):
                 given += 1
                 yield offset, (sample["__key__"], sample)
             return

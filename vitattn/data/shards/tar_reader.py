@@ -23,7 +23,7 @@ import tarfile
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
-__all__ = ["is_plain_tar", "tar_files"]
+__all__ = ["is_plain_tar", "tar_files", "tar_members"]
 
 BLOCK = 512
 # name, mode, uid, gid, size, mtime, chksum, typeflag, linkname, magic, version, uname, gname, devmajor,
@@ -106,11 +106,25 @@ def tar_files(stream: BinaryIO, wants: Callable[[str], bool] | None = None) -> I
         tarfile.ReadError: a bad header checksum, a header kind this reader does not know, or data that
             ends inside a member.
     """
-    start = stream.tell()
+    for _, name, data in tar_members(stream, wants):
+        yield name, data
+
+
+def tar_members(
+    stream: BinaryIO, wants: Callable[[str], bool] | None = None, stop: int | None = None
+) -> Iterator[tuple[int, str, bytes | None]]:
+    """``(start, name, data)`` of each regular file, as ``tar_files`` gives them, from the stream's position:
+    ``start`` is where the file's first header lies (a GNU long-name or pax header before its own included).
+
+    Args:
+        stop: where to end (a header that starts there or after is not read); None: the tar's end.
+    """
+    pos = stream.tell()
     end = stream.seek(0, io.SEEK_END)  # a member passed over must still end inside the file
-    stream.seek(start)
+    stream.seek(pos)
     long_name: str | None = None
-    while True:
+    start = pos  # the first header of the member being read
+    while stop is None or pos < stop:
         header = stream.read(BLOCK)
         if len(header) < BLOCK or header == _ZEROS:  # the end (tarfile also accepts a tar without its end blocks)
             if 0 < len(header) < BLOCK:
@@ -128,6 +142,7 @@ def tar_files(stream: BinaryIO, wants: Callable[[str], bool] | None = None) -> I
         size = _size(size_field)
         if not _checksum_ok(header, chksum) or size is None:
             raise tarfile.ReadError("bad checksum" if size is not None else "unsupported member size")
+        pos += BLOCK + size + -size % BLOCK  # the next header
         if kind in _FILES:
             if long_name is None:
                 long_name = name.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
@@ -136,8 +151,8 @@ def tar_files(stream: BinaryIO, wants: Callable[[str], bool] | None = None) -> I
             meta = _META.match(long_name)
             data = _data(stream, size, end, read=not meta and (wants is None or wants(long_name)))
             if not meta:
-                yield long_name, data
-            long_name = None
+                yield start, long_name, data
+            long_name, start = None, pos
             continue
         data = _data(stream, size, end, read=kind in _NAMES)
         if kind == b"L":
@@ -145,7 +160,7 @@ def tar_files(stream: BinaryIO, wants: Callable[[str], bool] | None = None) -> I
         elif kind == b"x":
             long_name = _pax_path(data) or long_name
         elif kind in _SKIPPED:
-            long_name = None
+            long_name, start = None, pos
         else:
             raise tarfile.ReadError(f"unknown member kind {kind!r}")
 
