@@ -12,11 +12,16 @@ workers read over the bytes (headers and padding included) of the samples they t
 
 - before: each worker reads its shards from the start to its last sample (what a worker read before; a
   ``pipe:`` stream still must), counted from the member offsets;
-- local tars: header skipping (``read_samples``), real reads;
+- local tars, headers: header skipping (``read_samples`` without a member index), real reads;
+- local tars, with index: ``read_samples`` with the shard's member index (``.offsets``, written once by the
+  listing step), real reads of the shard and of the index file both;
 - ``pipe:``: the plan streamed shards get (whole shards to workers from 512 shards on, else the even
   split and its warning), counted from the member offsets as for "before";
 - a resumed epoch (half trained, the holes of a shuffle buffer of 1,000 in every worker's run): the local
-  reads of the rest of the epoch over the bytes of the samples left, real reads.
+  reads of the rest of the epoch over the bytes of the samples left, real reads, without and with the index.
+
+Writing the index (once a shard, not every epoch) reads the shard's headers: ``index_pass`` is that over
+the shard's bytes.
 
 Writes a Markdown table to stdout and ``--out`` (JSON).
 """
@@ -34,6 +39,7 @@ from unittest import mock
 
 import vitattn.data.shards.reading as reading
 from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, read_factor, split_epoch
+from vitattn.data.shards.member_index import build_index, index_files
 from vitattn.data.shards.reading import read_samples
 
 RANKS, WORKERS, BATCH = 64, 8, 256
@@ -112,15 +118,23 @@ def factors(path: Path, layout: Layout, shards: int, per_shard: int, count: int)
         out[name] = read / trained
     out["pipe_whole"] = piped != even
     out["pipe_samples_factor"] = read_factor(order, piped)
-    out["local"] = _local(path, layout, order, _sampled(even, count))
     trained = _half_trained(order.total)
     rest = split_epoch(trained.complement(order.total), RANKS, WORKERS, BATCH)
-    out["resumed_local"] = _local(path, layout, order, _sampled(rest, count))
+    for indexed in (False, True):
+        name = "index" if indexed else "local"
+        out[name] = _local(path, layout, order, _sampled(even, count), indexed)
+        out[f"resumed_{name}"] = _local(path, layout, order, _sampled(rest, count), indexed)
     return out
 
 
-def _local(path: Path, layout: Layout, order: EpochOrder, plans) -> float:
-    """Real bytes read by ``plans`` from the shard file (every shard stands for it) over the bytes trained."""
+def _local(path: Path, layout: Layout, order: EpochOrder, plans, indexed: bool) -> float:
+    """Real bytes read by ``plans`` from the shard file (every shard stands for it), and from its index where
+    ``indexed``, over the bytes trained."""
+    index = index_files(path)[0]
+    if indexed and not index.exists():
+        build_index(path)
+    elif not indexed:
+        index.unlink(missing_ok=True)
     trained = 0
     _Counted.total = 0
     with mock.patch.object(reading, "open_shard", lambda url: _Counted(url, "rb")):
@@ -131,6 +145,15 @@ def _local(path: Path, layout: Layout, order: EpochOrder, plans) -> float:
                     pass
                 trained += sum(layout.bytes_of(a, b) for a, b in offsets)
     return _Counted.total / trained
+
+
+def _index_pass(path: Path) -> tuple[float, int]:
+    """The bytes writing the shard's index reads over the shard's bytes; the index file's size."""
+    index = index_files(path)[0]
+    index.unlink(missing_ok=True)
+    _Counted.total = 0
+    build_index(path, opener=lambda name: _Counted(name, "rb"))
+    return _Counted.total / path.stat().st_size, index.stat().st_size
 
 
 def _half_trained(total: int) -> PositionSet:
@@ -157,16 +180,23 @@ def main() -> None:
         write_shard(path, args.samples_per_shard, args.jpeg_kb)
         layout = Layout(path)
         rows = [factors(path, layout, n, args.samples_per_shard, args.workers_read) for n in args.shards]
+        index_pass, index_bytes = _index_pass(path)
     mb = layout.size / 1e6
     print(f"shard: {args.samples_per_shard} samples, {mb:.0f} MB; 64 ranks x 8 workers; {args.workers_read} read")
-    print("| shards | samples | before | local tars | pipe: | pipe: plan | resumed epoch, local |")
-    print("|---:|---:|---:|---:|---:|---|---:|")
+    print(f"writing the index (once a shard): {index_pass:.4f} of the shard read; the index {index_bytes:,} bytes")
+    print(
+        "| shards | samples | before | local, headers | local, with index | pipe: | pipe: plan "
+        "| resumed, headers | resumed, with index |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:
         plan = "whole shards" if r["pipe_whole"] else f"even split, warned ({r['pipe_samples_factor']:.2f}x)"
         print(
-            f"| {r['shards']:,} | {r['samples']:,} | {r['before']:.3f} | {r['local']:.3f} | {r['pipe']:.3f} "
-            f"| {plan} | {r['resumed_local']:.3f} |"
+            f"| {r['shards']:,} | {r['samples']:,} | {r['before']:.3f} | {r['local']:.3f} | {r['index']:.3f} "
+            f"| {r['pipe']:.3f} | {plan} | {r['resumed_local']:.3f} | {r['resumed_index']:.3f} |"
         )
+    for r in rows:
+        r["index_pass"] = index_pass
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
 

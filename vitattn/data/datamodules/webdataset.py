@@ -170,6 +170,13 @@ class WebDatasetDataModule(ImageDataModule):
             return {"crop_pct": 0.875, "crop_mode": "center", "interpolation": "bilinear"}
         return {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bicubic"}
 
+    def prepare_data(self) -> None:
+        """Count and index the shards once a machine (Lightning runs this on each machine's first process,
+        before any ``setup``), so that the other ranks find the counts and member indexes written."""
+        for split, spec in self.shards.items():
+            if spec:
+                shard_sizes(expand_shards(spec, f"data.{split}_shards"), self.count_cache)
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:
             return
