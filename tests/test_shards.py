@@ -86,6 +86,9 @@ def test_shard_sizes_come_from_stats_or_one_cached_counting_pass(shards, tmp_pat
         (copies / Path(url).name).write_bytes(Path(url).read_bytes())
     counted = shard_sizes(expand_shards(str(copies)), tmp_path / "cache")
     assert counted == stated
+    assert sorted(p.name for p in copies.glob("*.offsets")) == [Path(u).name + ".offsets" for u in urls]
+    piped = [f"pipe:cat {copies / Path(url).name}" for url in urls]  # a stream: counted, the count cached
+    assert shard_sizes(piped, tmp_path / "cache") == stated
     cached = json.loads((tmp_path / "cache" / "shard_sizes.json").read_text())
     assert sorted(cached.values()) == sorted(stated)
 

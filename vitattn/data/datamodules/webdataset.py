@@ -29,7 +29,7 @@ from vitattn.data.captions import collate_captions
 from vitattn.data.datamodules.base import ImageDataModule, rank_and_world
 from vitattn.data.eval_split import EvalSplit
 from vitattn.data.shards import expand_shards, local_path, read_shard, shard_sizes
-from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, batches_per_rank, split_epoch
+from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, batches_per_rank, read_factor, split_epoch
 from vitattn.data.shards.listing import CLASSES_FILE
 from vitattn.data.shards.stream import (
     EpochLoader,
@@ -103,7 +103,8 @@ class WebDatasetDataModule(ImageDataModule):
         shuffle_buffer: samples each loader worker holds to shuffle (0: read order).
         seed: the shard order and shuffle of epoch ``e`` come from ``(seed, e)``.
         samples_per_epoch: train this many samples an epoch (each at most once); None: every sample.
-        count_cache: folder for the cached shard counts (shards without ``_stats.json``); None: ~/.cache/vitattn.
+        count_cache: folder for the cached shard counts (shards without ``_stats.json``) and the member indexes
+            of shards in folders that cannot be written to; None: ~/.cache/vitattn.
         cache: ``none`` (``auto`` reads as none): shards are streamed, never held in memory.
         bad_images: ``raise`` | ``skip`` for undecodable images, samples without caption or class, and shards
             that are truncated or cannot be read.
@@ -161,12 +162,20 @@ class WebDatasetDataModule(ImageDataModule):
         self.trained = PositionSet()  # epoch positions trained in this epoch (this rank; all ranks after a resume)
         self.epoch: int | None = None  # the epoch ``trained`` belongs to
         self._resume: dict[str, Any] | None = None
+        self._warned: set[int] = set()  # the streams whose read factor was warned about
 
     @property
     def crop(self) -> dict[str, Any]:  # the evaluation transform of the data the head's file DataModules use
         if self.task == "classification":
             return {"crop_pct": 0.875, "crop_mode": "center", "interpolation": "bilinear"}
         return {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bicubic"}
+
+    def prepare_data(self) -> None:
+        """Count and index the shards once a machine (Lightning runs this on each machine's first process,
+        before any ``setup``), so that the other ranks find the counts and member indexes written."""
+        for split, spec in self.shards.items():
+            if spec:
+                shard_sizes(expand_shards(spec, f"data.{split}_shards"), self.count_cache)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:
@@ -196,7 +205,7 @@ class WebDatasetDataModule(ImageDataModule):
             samples = ShardSamples(
                 self.task, transform, self.caption_key, vocab, self.max_caption_len, self.num_classes
             )
-            return ShardStream(urls[split], sizes[split], samples, collate, self.bad_images, buffer)
+            return ShardStream(urls[split], sizes[split], samples, collate, self.bad_images, buffer, self.count_cache)
 
         self.train_dataset = stream("train", training or evaluate, self.shuffle_buffer)
         self.val_dataset = stream("val", evaluate, 0)
@@ -222,8 +231,11 @@ class WebDatasetDataModule(ImageDataModule):
 
     def _set_length(self, stream: ShardStream, train: bool) -> None:
         """A whole epoch's batches on each rank (``len``), before any pass is planned."""
-        total, world = self._epoch_order(stream, 0, train).total, rank_and_world(self.trainer)[1]
-        stream.batches = batches_per_rank(total, world, self.batch_size)
+        order, world = self._epoch_order(stream, 0, train), rank_and_world(self.trainer)[1]
+        stream.batches = batches_per_rank(order.total, world, self.batch_size)
+        if _streamed(stream):  # whole shards to each worker: as many batches as the fullest one needs
+            plans = split_epoch([(0, order.total)], world, max(1, self._workers()), self.batch_size, order)
+            stream.batches = sum(len(plan.batch_sizes) for plan in plans[0])
 
     def _plan(self, stream: ShardStream, train: bool) -> None:
         """Give ``stream`` this rank's plan for the epoch now starting (training: the trainer's current epoch,
@@ -238,10 +250,38 @@ class WebDatasetDataModule(ImageDataModule):
                 log.info("resuming epoch %d: %d of its %d samples trained already", epoch, len(done), order.total)
             self._resume = None
             self.trained, self.epoch = done, epoch
-        plans = split_epoch(done.complement(order.total), world, max(1, self._workers()), self.batch_size)
-        seed = f"{self.seed}/{epoch}/{rank}/{len(done)}"
         self._set_length(stream, train)
+        workers, remaining = max(1, self._workers()), done.complement(order.total)
+        plans = split_epoch(remaining, world, workers, self.batch_size, order if _streamed(stream) else None)
+        if sum(len(plan.batch_sizes) for plan in plans[0]) > stream.batches:  # never more batches than len()
+            plans = split_epoch(remaining, world, workers, self.batch_size)
+        if _streamed(stream) and rank == 0 and id(stream) not in self._warned:
+            self._warn_reads(order, plans, remaining, len(done) > 0, world, workers, stream)
+        seed = f"{self.seed}/{epoch}/{rank}/{len(done)}"
         stream.configure(order, plans[rank], stream.batches, seed)
+
+    def _warn_reads(
+        self,
+        order: EpochOrder,
+        plans: Any,
+        remaining: Any,
+        resumed: bool,
+        world: int,
+        workers: int,
+        stream: ShardStream,
+    ) -> None:
+        """One warning a stream, naming the read factor, where a plan reads streamed shards more than once."""
+        factor = read_factor(order, plans)
+        if factor <= 1.05:
+            return
+        self._warned.add(id(stream))
+        why = (
+            "a resumed epoch reads again the trained samples before those left in a shard"
+            if resumed
+            else f"{len(order.shard_runs(remaining))} shards are fewer than the {world} ranks x {workers} loader "
+            "workers, so several workers read the same shard from its start"
+        )
+        log.warning("pipe:/URL shards are read %.2fx per sample trained: %s", factor, why)
 
     def _loader(self, dataset: Any, shuffle: bool) -> EpochLoader:
         if dataset is None:
@@ -307,6 +347,11 @@ class WebDatasetDataModule(ImageDataModule):
         source = f"shards {self.shards[split] or self.shards['val']}"
         references = {} if self.task == "caption" else None  # the batches carry them; sized for progress bars
         return EvalSplit(source, loader=_Unwrapped(self._loader(stream, False)), references=references)
+
+
+def _streamed(stream: ShardStream) -> bool:
+    """Whether a worker reads some of the stream's shards from their start (``pipe:`` commands, URLs)."""
+    return any(local_path(url) is None for url in stream.urls)
 
 
 class _Unwrapped:

@@ -11,6 +11,15 @@ the rank with most samples needs at ``batch_size``; ranks differ by at most one 
 are ``batch_size`` or a little below. Batch ``j`` of a rank goes to worker ``j % workers``: the order in
 which PyTorch's loader takes batches from its workers, so batches reach the model in plan order.
 
+A worker reading a stream (a ``pipe:`` command, a URL) reads each of its shards from the first sample to
+its last planned one. Where the epoch has at least ``ranks x workers`` shards to read, ``split_epoch(...,
+shards=order)`` gives each worker whole shards instead (each shard's positions still to train go to one
+worker, the largest first to the worker with fewest samples): every shard is then read once. The ranks
+still step the same number of batches, but a worker's samples are now those of its shards, so batch sizes
+vary more (a worker with one shard where others have two fills its batches half); ``read_factor`` says
+what a plan reads per sample trained. A local tar needs none of this: its worker reads only the headers of
+the samples before its own (``vitattn.data.shards.reading``), so it keeps the even split.
+
 Positions trained are kept as ranges (``PositionSet``). A checkpoint stores them with the epoch; a resumed
 run plans the rest of the epoch from the positions not yet trained, for any number of ranks and workers.
 """
@@ -18,13 +27,14 @@ run plans the rest of the epoch from the positions not yet trained, for any numb
 from __future__ import annotations
 
 import bisect
+import heapq
 import logging
 import math
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["EpochOrder", "PositionSet", "WorkerPlan", "batches_per_rank", "split_epoch"]
+__all__ = ["EpochOrder", "PositionSet", "WorkerPlan", "batches_per_rank", "read_factor", "split_epoch"]
 
 log = logging.getLogger(__name__)
 
@@ -184,15 +194,30 @@ def batches_per_rank(total: int, world_size: int, batch_size: int) -> int:
     return math.ceil(math.ceil(total / world_size) / batch_size)
 
 
-def split_epoch(remaining: Sequence[Range], world_size: int, workers: int, batch_size: int) -> list[list[WorkerPlan]]:
+def split_epoch(
+    remaining: Sequence[Range],
+    world_size: int,
+    workers: int,
+    batch_size: int,
+    shards: EpochOrder | None = None,
+) -> list[list[WorkerPlan]]:
     """Cut the positions still to train into ``[rank][worker]`` plans with the same batch count on every rank.
 
     Only where the ranks' samples cannot make the same number of batches (``batch_size=1`` with a total the
     ranks do not divide, or fewer samples than ranks) are the last ``total % world_size`` positions (fewer
     than the ranks) left out of the epoch, with a warning: the alternative is repeating samples.
+
+    Args:
+        shards: the epoch's order, to give each worker whole shards (streams: each shard read once) where
+            at least ``world_size x workers`` shards have positions to train and every worker can fill
+            its batches; None, or too few shards: the positions split evenly.
     """
-    total = sum(b - a for a, b in remaining)
     workers = max(1, workers)
+    if shards is not None:
+        whole = _whole_shards(remaining, world_size, workers, batch_size, shards)
+        if whole is not None:
+            return whole
+    total = sum(b - a for a, b in remaining)
     per_rank = [total // world_size + (r < total % world_size) for r in range(world_size)]
     batches = batches_per_rank(total, world_size, batch_size)
     if batches and min(per_rank) < batches:
@@ -207,13 +232,69 @@ def split_epoch(remaining: Sequence[Range], world_size: int, workers: int, batch
         batches = batches_per_rank(sum(per_rank), world_size, batch_size)
     plans, start = [], 0
     for n in per_rank:
-        q, t = divmod(n, batches) if batches else (0, 0)
-        sizes = [q + 1] * t + [q] * (batches - t)  # the larger first: a resumed epoch never needs more batches
         rank_ranges, offset, rank_plans = _take(remaining, start, n), 0, []
-        for w in range(workers):
-            mine = sizes[w::workers]
-            rank_plans.append(WorkerPlan(_take(rank_ranges, offset, sum(mine)), mine))
-            offset += sum(mine)
+        for sizes in _worker_batches(n, batches, workers):
+            rank_plans.append(WorkerPlan(_take(rank_ranges, offset, sum(sizes)), sizes))
+            offset += sum(sizes)
         plans.append(rank_plans)
         start += n
     return plans
+
+
+def _worker_batches(n: int, batches: int, workers: int) -> list[list[int]]:
+    """A rank's ``n`` samples over its ``batches`` (sizes within one); batch ``j`` to worker ``j % workers``."""
+    q, t = divmod(n, batches) if batches else (0, 0)
+    sizes = [q + 1] * t + [q] * (batches - t)  # the larger first: a resumed epoch never needs more batches
+    return [sizes[w::workers] for w in range(workers)]
+
+
+def _whole_shards(
+    remaining: Sequence[Range], world_size: int, workers: int, batch_size: int, order: EpochOrder
+) -> list[list[WorkerPlan]] | None:
+    """Plans that give each shard's remaining positions to one worker; None where that cannot be done."""
+    units = order.shard_runs(remaining)  # [(shard, offset ranges)], in epoch order
+    slots = world_size * workers
+    if len(units) < slots:
+        return None
+    counts = [sum(b - a for a, b in offsets) for _, offsets in units]
+    heap = [(0, i) for i in range(slots)]  # (samples, slot): the largest unit to the slot with fewest samples
+    owned: list[list[int]] = [[] for _ in range(slots)]
+    for u in sorted(range(len(units)), key=lambda u: (-counts[u], u)):
+        load, slot = heapq.heappop(heap)
+        owned[slot].append(u)
+        heapq.heappush(heap, (load + counts[u], slot))
+    loads = sorted(((sum(counts[u] for u in owned[s]), s) for s in range(slots)), key=lambda x: (-x[0], x[1]))
+    # the i-th fullest slot: rank i % world_size, worker i // world_size (worker 0, which steps first, the fullest)
+    slot_of = {(i % world_size, i // world_size): s for i, (_, s) in enumerate(loads)}
+    need = [
+        workers * (math.ceil(sum(counts[u] for u in owned[s]) / batch_size) - 1) + w + 1
+        for (_, w), s in slot_of.items()
+    ]
+    batches = max(need)
+    plans = []
+    for r in range(world_size):
+        rank_plans = []
+        for w in range(workers):
+            mine = sorted(owned[slot_of[r, w]])
+            n = sum(counts[u] for u in mine)
+            k = len(range(w, batches, workers))
+            if n < k:  # a worker that cannot fill its batches: the even split instead
+                return None
+            q, t = divmod(n, k)
+            base = [order.start_of(units[u][0]) for u in mine]
+            ranges = [(b + a, b + z) for u, b in zip(mine, base) for a, z in units[u][1]]
+            rank_plans.append(WorkerPlan(ranges, [q + 1] * t + [q] * (k - t)))
+        plans.append(rank_plans)
+    return plans
+
+
+def read_factor(order: EpochOrder, plans: Sequence[Sequence[WorkerPlan]]) -> float:
+    """Samples a plan reads from streams (each worker reads each of its shards from the start to its last
+    planned sample) per sample it trains: 1.0 when every shard is read once."""
+    read = trained = 0
+    for rank in plans:
+        for plan in rank:
+            for _, offsets in order.shard_runs(plan.ranges):
+                read += offsets[-1][1]
+                trained += sum(b - a for a, b in offsets)
+    return read / trained if trained else 1.0

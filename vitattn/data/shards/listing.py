@@ -8,7 +8,9 @@ or ``pipe:`` commands (``pipe:aws s3 cp s3://b/00000.tar -``), which ``vitattn.d
 
 ``shard_sizes`` gives each shard's sample count from its ``_stats.json`` (or the ``success`` rows of its
 ``.parquet``) where there is one, else from one counting pass over the shard (members are grouped into
-samples, nothing is decoded), kept in a cache file so that the pass runs once per shard.
+samples, nothing is decoded), kept in a cache file so that the pass runs once per shard. A local plain tar's
+pass also writes where each of its samples starts (``vitattn.data.shards.member_index``), so that a loader
+worker seeks straight to its own samples.
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ import hashlib
 import json
 import logging
 import os
+import tarfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
+from vitattn.data.shards import reading
+from vitattn.data.shards.member_index import build_index, open_index
 from vitattn.data.shards.reading import local_path, read_shard
 from vitattn.errors import first_line
 from vitattn.fileio import atomic_write
@@ -80,6 +86,10 @@ def shard_sizes(urls: Sequence[str], cache_dir: str | os.PathLike | None = None,
     counting pass over the shard's member names, cached in ``cache_dir`` (default ``~/.cache/vitattn``) by
     the shard's address, size and modification time.
 
+    A local plain tar also gets its member index (``vitattn.data.shards.member_index``), written in the
+    counting pass, or in a pass over its headers where ``_stats.json`` gives the count; an index written for
+    the shard as it is now is kept, and gives the count of a shard without ``_stats.json``.
+
     Raises:
         ShardError: a shard that has to be counted cannot be read.
     """
@@ -88,14 +98,20 @@ def shard_sizes(urls: Sequence[str], cache_dir: str | os.PathLike | None = None,
         cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
     except (OSError, ValueError):
         cache = {}
+    stated = {url: _stated_size(url) for url in urls}
+    indexed = {url: _indexed_count(url, cache_dir) for url in urls if local_path(url) is not None}
+    to_index = [url for url, n in indexed.items() if n is None]
+    if to_index:
+        log.info("indexing where the samples of %d shards start, once (their headers read)", len(to_index))
+        with ThreadPoolExecutor(max(1, min(threads, len(to_index)))) as pool:
+            indexed.update(zip(to_index, pool.map(partial(_index, cache_dir=cache_dir), to_index)))
     sizes: dict[str, int] = {}
     to_count = []
     for url in urls:
-        stated = _stated_size(url)
-        if stated is not None:
-            sizes[url] = stated
-        elif _cache_key(url) in cache:
-            sizes[url] = int(cache[_cache_key(url)])
+        for n in (stated[url], indexed.get(url), cache.get(_cache_key(url))):
+            if n is not None:
+                sizes[url] = int(n)
+                break
         else:
             to_count.append(url)
     if to_count:
@@ -109,6 +125,22 @@ def shard_sizes(urls: Sequence[str], cache_dir: str | os.PathLike | None = None,
         except OSError as err:
             log.warning("shard counts not cached in %s: %s", cache_file, first_line(err))
     return [sizes[url] for url in urls]
+
+
+def _indexed_count(url: str, cache_dir: str | os.PathLike | None) -> int | None:
+    """The sample count of a local shard's index, where one was written for the shard as it is now."""
+    with open_index(local_path(url), cache_dir) as index:
+        return None if index is None else index.count
+
+
+def _index(url: str, cache_dir: str | os.PathLike | None) -> int | None:
+    """Index a local shard; its sample count, or None where it is not a plain tar or cannot be read (counting
+    it, where it must be counted, says why)."""
+    try:
+        return build_index(local_path(url), cache_dir, reading.open_shard)
+    except (OSError, tarfile.ReadError) as err:
+        log.warning("shard %s not indexed: %s", url, first_line(err))
+        return None
 
 
 def _stated_size(url: str) -> int | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -28,7 +29,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from vitattn.data.bad_images import SkippedImage, collate_skipping
 from vitattn.data.images import IMAGE_EXTENSIONS, BadImageError, read_image
 from vitattn.data.shards.epoch_split import EpochOrder, WorkerPlan
-from vitattn.data.shards.reading import ShardError, read_shard
+from vitattn.data.shards.reading import ShardError, ShortShard, read_samples
 from vitattn.data.tokenizer import Tokenizer
 
 __all__ = [
@@ -176,6 +177,8 @@ class ShardStream(IterableDataset):
         collate: a list of items -> a batch.
         bad_images: ``raise`` or ``skip``.
         shuffle_buffer: samples held for shuffling in each worker (0: read order).
+        index_dir: the cache where the listing step wrote the member index of a shard whose folder it could
+            not write to (None: ``~/.cache/vitattn``).
     """
 
     def __init__(
@@ -186,8 +189,10 @@ class ShardStream(IterableDataset):
         collate: Callable[[list[Any]], Any],
         bad_images: str = "raise",
         shuffle_buffer: int = 0,
+        index_dir: str | os.PathLike | None = None,
     ) -> None:
         self.urls, self.sizes, self.samples = list(urls), list(sizes), samples
+        self.index_dir = index_dir
         self.collate = collate if bad_images == "raise" else partial(collate_skipping, collate=collate)
         self.bad_images, self.shuffle_buffer = bad_images, shuffle_buffer
         self.order = EpochOrder(self.sizes, shuffle=False)
@@ -247,25 +252,23 @@ class ShardStream(IterableDataset):
                 yield base + offset, key, sample
 
     def _shard(self, shard: int, offsets: list[tuple[int, int]]) -> Iterator[tuple[int, tuple[str, Any]]]:
+        """The samples at ``offsets`` of a shard (from a local tar: nothing of the others' bytes)."""
         url, wanted = self.urls[shard], [o for a, b in offsets for o in range(a, b)]
-        i, seen = 0, 0
+        given = 0
         try:
-            for offset, sample in enumerate(read_shard(url)):
-                seen = offset + 1
-                if offset == wanted[i]:
-                    i += 1
-                    yield offset, (sample["__key__"], sample)
-                    if i == len(wanted):
-                        return
+            for offset, sample in read_samples(url, wanted, index_dir=self.index_dir):
+                given += 1
+                yield offset, (sample["__key__"], sample)
+            return
+        except ShortShard as err:
+            reason = f"shard {url} holds {err.samples} samples, fewer than the {self.sizes[shard]} counted"
+            if self.bad_images == "raise":
+                raise ShardError(f"{reason}; {_HINT}") from None
         except ShardError as err:
             if self.bad_images == "raise":
                 raise ShardError(f"{err}; {_HINT}") from None
             reason = str(err)
-        else:
-            reason = f"shard {url} holds {seen} samples, fewer than the {self.sizes[shard]} counted"
-            if self.bad_images == "raise":
-                raise ShardError(f"{reason}; {_HINT}")
-        for offset in wanted[i:]:  # what the shard could not give, counted as skipped
+        for offset in wanted[given:]:  # what the shard could not give, counted as skipped
             where = f"{url}: #{offset}"
             yield offset, (where, SkippedImage(where, reason))
 

@@ -9,17 +9,21 @@ names (GNU ``L`` members, pax ``path`` records), directories and links skipped. 
 tar, an unknown header kind, a size in base-256) makes ``is_plain_tar`` false and ``read_shard`` leaves the
 file to ``tarfile``; a header whose checksum fails or data that ends early raises ``tarfile.ReadError``, as
 ``tarfile`` would.
+
+A member whose bytes are not wanted (``tar_files(stream, wants)``) is passed over by seeking from its header
+to the next: a loader worker reads the headers of the samples before its own, not their images.
 """
 
 from __future__ import annotations
 
+import io
 import re
 import struct
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
-__all__ = ["is_plain_tar", "tar_files"]
+__all__ = ["is_plain_tar", "tar_files", "tar_members"]
 
 BLOCK = 512
 # name, mode, uid, gid, size, mtime, chksum, typeflag, linkname, magic, version, uname, gname, devmajor,
@@ -90,15 +94,37 @@ def _pax_path(data: bytes) -> str | None:
     return path
 
 
-def tar_files(stream: BinaryIO) -> Iterator[tuple[str, bytes]]:
+def tar_files(stream: BinaryIO, wants: Callable[[str], bool] | None = None) -> Iterator[tuple[str, bytes | None]]:
     """``(name, data)`` of each regular file of an uncompressed tar, in order.
+
+    Args:
+        stream: the tar, seekable (padding, and the members not wanted, are passed over by seeking).
+        wants: called with each file's name, in order, before its bytes: False passes over them (the file
+            comes with data None, only its header read); None reads every file.
 
     Raises:
         tarfile.ReadError: a bad header checksum, a header kind this reader does not know, or data that
             ends inside a member.
     """
+    for _, name, data in tar_members(stream, wants):
+        yield name, data
+
+
+def tar_members(
+    stream: BinaryIO, wants: Callable[[str], bool] | None = None, stop: int | None = None
+) -> Iterator[tuple[int, str, bytes | None]]:
+    """``(start, name, data)`` of each regular file, as ``tar_files`` gives them, from the stream's position:
+    ``start`` is where the file's first header lies (a GNU long-name or pax header before its own included).
+
+    Args:
+        stop: where to end (a header that starts there or after is not read); None: the tar's end.
+    """
+    pos = stream.tell()
+    end = stream.seek(0, io.SEEK_END)  # a member passed over must still end inside the file
+    stream.seek(pos)
     long_name: str | None = None
-    while True:
+    start = pos  # the first header of the member being read
+    while stop is None or pos < stop:
         header = stream.read(BLOCK)
         if len(header) < BLOCK or header == _ZEROS:  # the end (tarfile also accepts a tar without its end blocks)
             if 0 < len(header) < BLOCK:
@@ -116,23 +142,39 @@ def tar_files(stream: BinaryIO) -> Iterator[tuple[str, bytes]]:
         size = _size(size_field)
         if not _checksum_ok(header, chksum) or size is None:
             raise tarfile.ReadError("bad checksum" if size is not None else "unsupported member size")
-        data = stream.read(size)
-        if len(data) < size:
-            raise tarfile.ReadError("unexpected end of data")
-        stream.read(-size % BLOCK)  # padding to the next header
+        pos += BLOCK + size + -size % BLOCK  # the next header
         if kind in _FILES:
             if long_name is None:
                 long_name = name.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
                 if magic.startswith(b"ustar") and prefix[:1] not in (b"\0", b""):
                     long_name = prefix.split(b"\0", 1)[0].decode("utf-8", "surrogateescape") + "/" + long_name
-            if not _META.match(long_name):
-                yield long_name, data
-            long_name = None
-        elif kind == b"L":
+            meta = _META.match(long_name)
+            data = _data(stream, size, end, read=not meta and (wants is None or wants(long_name)))
+            if not meta:
+                yield start, long_name, data
+            long_name, start = None, pos
+            continue
+        data = _data(stream, size, end, read=kind in _NAMES)
+        if kind == b"L":
             long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
         elif kind == b"x":
             long_name = _pax_path(data) or long_name
         elif kind in _SKIPPED:
-            long_name = None
+            long_name, start = None, pos
         else:
             raise tarfile.ReadError(f"unknown member kind {kind!r}")
+
+
+def _data(stream: BinaryIO, size: int, end: int, read: bool) -> bytes | None:
+    """A member's ``size`` bytes (None when not ``read``: passed over), the stream left at the next header."""
+    padded = size + -size % BLOCK
+    if not read:
+        if stream.tell() + size > end:
+            raise tarfile.ReadError("unexpected end of data")
+        stream.seek(padded, io.SEEK_CUR)
+        return None
+    data = stream.read(size)
+    if len(data) < size:
+        raise tarfile.ReadError("unexpected end of data")
+    stream.seek(padded - size, io.SEEK_CUR)  # the padding to the next header
+    return data
