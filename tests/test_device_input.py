@@ -61,6 +61,16 @@ def test_normalize_of_a_uint8_batch_is_to_tensor_then_normalize_bit_for_bit(mean
     assert torch.equal(Normalize(mean, std)(batch.float().div(255)), expected)  # float input: normalised only
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh runs it)")
+@pytest.mark.parametrize("mean, std", STATISTICS)
+def test_normalize_on_cuda_is_bit_for_bit_the_cpu_loaders_normalisation(mean, std):
+    """CUDA divides by a host scalar as a product with its reciprocal: ``Normalize`` divides by a device tensor."""
+    batch = torch.stack([pil_to_tensor(photo.crop((0, 0, 32, 32))) for photo in _photos()])  # (B, 3, 32, 32) uint8
+    expected = torch.stack([_to_tensor_then_normalize(mean, std)(photo.crop((0, 0, 32, 32))) for photo in _photos()])
+    got = Normalize(mean, std)(batch.pin_memory().to("cuda", non_blocking=True))
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), expected)
+
+
 @pytest.mark.parametrize("crop_mode", CROP_MODES)
 @pytest.mark.parametrize("mean, std", STATISTICS[:2])
 def test_eval_transform_stops_at_uint8_and_normalize_finishes_it_as_inference_does(crop_mode, mean, std):

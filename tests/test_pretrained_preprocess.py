@@ -17,6 +17,7 @@ from PIL import Image
 from safetensors.torch import save_file
 from timm.data import create_transform, resolve_model_data_config
 from timm.models import get_pretrained_cfg
+from torchvision import transforms as T
 
 from tests.helpers import TINY, TINY_SHAPES, compose_train
 from vitattn.bundle import load_bundle, save_bundle
@@ -175,7 +176,8 @@ def test_the_bundle_and_every_split_preprocess_as_timm_does(timm_run):
     assert _max_difference(bundle.transform, theirs, paths) <= 1e-6
     datamodule = timm_run["datamodule"]
     for dataset in (datamodule.val_dataset, datamodule.test_dataset):  # uint8, normalised on the device
-        assert _max_difference(lambda im: datamodule.normalize(dataset.transform(im)), theirs, paths) <= 1e-6
+        ours = T.Compose([dataset.transform, datamodule.normalize])
+        assert _max_difference(ours, theirs, paths) <= 1e-6
     training = datamodule.train_dataset.transform.transforms  # crop, flip, to a uint8 tensor
     config = resolve_model_data_config(timm_run["reference"])
     assert training[0].interpolation.value == config["interpolation"]
@@ -298,7 +300,7 @@ def test_a_vitattn_source_brings_its_own_preprocessing(tmp_path):
         f"the pretrained weights' own, from the vitattn classification model {bundle}"
     ]
     datamodule.setup("fit")
-    ours = lambda image: datamodule.normalize(datamodule.val_dataset.transform(image))  # noqa: E731
+    ours = T.Compose([datamodule.val_dataset.transform, datamodule.normalize])
     assert _max_difference(ours, eval_transform(chosen), _images(tmp_path / "x")) == 0
 
 
