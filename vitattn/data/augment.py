@@ -3,7 +3,9 @@
 Classification: a random-resized crop whose smallest scale suits the image size (small images get
 mild crops: cutting 92 % of a 32 px image rarely leaves the object), a horizontal flip, optional
 colour jitter, and optional RandAugment (timm), TrivialAugment or AugMix (timm); mixup / cutmix are
-batch-level and live in the classification system (``head.mixup``, ``head.cutmix``).
+batch-level and live in the classification system (``head.mixup``, ``head.cutmix``). Every step runs on the PIL
+image; the transforms end in a uint8 tensor, normalised with the batch on the device
+(``ImageDataModule.on_after_batch_transfer``), so the mixing still sees normalised images.
 
 Captions: nothing that changes what a caption states. The crop is milder (none up to 64 px, where half
 the image is often what the caption names; at least half the image from 224 px), an image is flipped only
