@@ -49,7 +49,7 @@ def _step_fn(overrides: list[str]) -> Any:
     system = build_system(cfg, datamodule)
     system.model.train()
     optimizer = torch.optim.AdamW(system.model.parameters(), lr=1e-5)
-    batch = next(iter(datamodule.train_dataloader()))
+    batch = datamodule.ready_batch(next(iter(datamodule.train_dataloader())))  # images normalised, as in training
     caption = cfg.head.task == "caption"
 
     def step(bf16: bool) -> None:

@@ -37,15 +37,17 @@ def _write_images(root: str, n: int, side: int) -> None:
             Image.fromarray(pixels).save(os.path.join(folder, f"{i:05d}.jpg"), quality=90)
 
 
-def _epoch_fn(model: nn.Module, batches: Any, env: Env) -> Any:
-    """One pass over ``batches`` with a training step per batch."""
+def _epoch_fn(model: nn.Module, batches: Any, env: Env, normalize: Any = None) -> Any:
+    """One pass over ``batches`` with a training step per batch; ``normalize``: the DataModule's, for its uint8
+    images, on the device as in training."""
+    normalize = normalize or (lambda images: images)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     loss_fn = nn.CrossEntropyLoss()
 
     def epoch() -> None:
         for images, labels in batches():
             with env.autocast():
-                loss = loss_fn(model(images.to(env.device)), labels.to(env.device))
+                loss = loss_fn(model(normalize(images.to(env.device))), labels.to(env.device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -83,8 +85,8 @@ def bench_data(env: Env, n_images: int = 512) -> tuple[list[dict], dict[str, Any
 
         fns = {
             "memory": _epoch_fn(model, memory, env),
-            "cached": _epoch_fn(model, modules["ram"].train_dataloader, env),
-            "files": _epoch_fn(model, modules["none"].train_dataloader, env),
+            "cached": _epoch_fn(model, modules["ram"].train_dataloader, env, modules["ram"].normalize),
+            "files": _epoch_fn(model, modules["none"].train_dataloader, env, modules["none"].normalize),
         }
         t = env.time(fns, repeats=3)
     steps = -(-n_images // batch)

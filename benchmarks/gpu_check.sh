@@ -9,7 +9,10 @@
 #   5. a ViT-B/16 classifier's bf16-mixed training throughput on one GPU (224 px, batch 64), with gradient
 #      checkpointing off and on: the run's steps/s and its model FLOPs utilisation against the bf16 matmul
 #      rate of step 2,
-#   6. captioning images/s from shards (3,000 shapes images in 6 shards) on one GPU.
+#   6. captioning images/s from shards (3,000 shapes images in 6 shards) on one GPU,
+#   7. channels_last against NCHW (forward and training step, bf16 autocast) and the copy of a pinned
+#      (256, 3, 224, 224) batch as uint8 (normalised on the device) against float32; the device's
+#      normalisation is bit for bit the CPU's (tests/test_device_input.py on CUDA).
 # Results go to ${OUT:-bench_results}/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,3 +50,5 @@ python -m vitattn.cli.caption model="$model" shards="$out/shards" out="$out/shar
 end=$(date +%s.%N)
 python -c "print(f'captions from shards on one GPU: {3000 / ($end - $start):.0f} images/s (3,000 images, start-up included)')" \
   | tee -a "$out/gpu.txt"
+python -m benchmarks.channels_last --device cuda --repeats 5 2>&1 | tee "$out/channels_last_gpu.txt"
+python -m pytest -q -x tests/test_device_input.py -k "normalize or eval_transform or cuda" 2>&1 | tail -2 | tee -a "$out/gpu.txt"

@@ -52,7 +52,7 @@ def measure(threads: int, batch_size: int, samples: int, baseline: str, repeats:
     system.use_reward(CiderD(datamodule.train_references()))
     model = system.model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    batch = next(iter(datamodule.train_dataloader()))
+    batch = datamodule.ready_batch(next(iter(datamodule.train_dataloader())))  # images normalised, as in training
 
     def step(loss_of: Callable[[], torch.Tensor]) -> None:
         optimizer.zero_grad(set_to_none=True)

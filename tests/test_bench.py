@@ -288,3 +288,16 @@ def test_grad_checkpointing_bench_sees_the_smaller_step_peak_of_its_fresh_proces
     for off, on in zip(runs["off"], runs["on"]):
         assert 0 < on["step_peak_mib"] < 0.6 * off["step_peak_mib"] < off["process_peak_mib"]
     assert "on / off, step peak" in report(result)
+
+
+def test_channels_last_bench_times_both_layouts_and_reads_the_convolution(monkeypatch):
+    from benchmarks.channels_last import convolution_share, measure_channels_last
+
+    tiny = dict(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0)
+    monkeypatch.setattr(workloads, "ENCODERS", {"tiny": tiny})
+    monkeypatch.setattr(workloads, "ENCODER_BATCH", {"tiny": 2})
+    rows = measure_channels_last(["tiny"], "cpu", repeats=2)
+    assert [(r["model"], r["pass"]) for r in rows] == [("tiny b2", "forward"), ("tiny b2", "train step")]
+    assert all(r["nchw img/s"] > 0 and r["nhwc img/s"] > 0 and r["speed-up"] > 0 for r in rows)
+    milliseconds, share = convolution_share("tiny", torch.channels_last)
+    assert milliseconds > 0 and 0 < share < 1

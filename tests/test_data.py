@@ -322,7 +322,7 @@ def check_caption_batch(batch: dict, vocab: Vocabulary, batch_size: int, img_siz
         batch["image_ids"],
         batch["references"],
     )
-    assert images.shape == (batch_size, 3, img_size, img_size) and images.dtype == torch.float32
+    assert images.shape == (batch_size, 3, img_size, img_size) and images.dtype == torch.uint8  # normalised on device
     assert tokens.dtype == torch.long and tokens.shape[0] == batch_size
     assert ids.shape == (batch_size,) and ids.dtype == torch.long
     assert len(refs) == batch_size and all(r and all(isinstance(c, str) for c in r) for r in refs)
@@ -347,7 +347,9 @@ def test_shapes_caption_datamodule_batches():
     assert val_ids == list(range(dm.num_val))
     train_ids = [i for b in dm.train_dataloader() for i in b["image_ids"].tolist()]
     assert sorted(train_ids) == list(range(dm.num_train))  # each image once per epoch
-    corners = denormalize(batch["images"])[:, :, 0, 0]  # (B, 3); a border keeps shapes off corners
+    corners = batch["images"][:, :, 0, 0]  # (B, 3); a border keeps shapes off corners
+    assert torch.equal(corners, torch.tensor(BACKGROUND, dtype=torch.uint8).expand_as(corners))
+    corners = denormalize(dm.ready_batch(batch)["images"])[:, :, 0, 0]  # what the model gets, undone
     torch.testing.assert_close(corners, (torch.tensor(BACKGROUND) / 255).expand_as(corners))
 
 
@@ -372,7 +374,7 @@ def test_shapes_classification_datamodule_batches():
     dm = ShapesDataModule(task="classification", img_size=32, num_train=12, num_val=6, num_test=6, batch_size=6)
     dm.setup()
     images, labels = next(iter(dm.val_dataloader()))
-    assert images.shape == (6, 3, 32, 32) and images.dtype == torch.float32
+    assert images.shape == (6, 3, 32, 32) and images.dtype == torch.uint8
     assert labels.dtype == torch.long
     assert labels.tolist() == [dm.val_dataset.label(i) for i in range(6)]
     assert dm.num_classes == len(dm.class_names) == len(COLOURS) * len(SHAPES)
@@ -413,7 +415,7 @@ def test_image_folder_datamodule_batches(folder):
     assert dm.test_dataset is dm.val_dataset  # no root/test
     for loader in (dm.train_dataloader(), dm.val_dataloader()):
         images, labels = next(iter(loader))
-        assert images.shape == (4, 3, 32, 32) and images.dtype == torch.float32
+        assert images.shape == (4, 3, 32, 32) and images.dtype == torch.uint8
         assert labels.dtype == torch.long and set(labels.tolist()) <= {0, 1}
 
 

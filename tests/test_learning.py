@@ -103,13 +103,14 @@ def test_pad_crop_shifts_the_image_without_resampling_it():
     pixels = np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8)
     image = Image.fromarray(pixels)
     # every output is a 32 px window of the image mirror-padded by 4 px: the same pixels, moved
-    padded = torch.nn.functional.pad(eval_transform(preprocess)(image)[None], (4, 4, 4, 4), mode="reflect")[0]
+    unpadded = eval_transform(preprocess, normalize=False)(image)[None].float()  # (1, 3, 32, 32), uint8 values
+    padded = torch.nn.functional.pad(unpadded, (4, 4, 4, 4), mode="reflect")[0]
     windows = {(y, x): padded[:, y : y + 32, x : x + 32] for y in range(9) for x in range(9)}
     torch.manual_seed(0)
     seen = set()
     for _ in range(12):
         out = shift(image)
-        matches = [k for k, w in windows.items() if torch.equal(out, w)]
+        matches = [k for k, w in windows.items() if torch.equal(out.float(), w)]
         assert matches, "the pad crop resampled the image"
         seen.add(matches[0])
     assert len(seen) > 3

@@ -17,6 +17,7 @@ from PIL import Image
 from safetensors.torch import save_file
 from timm.data import create_transform, resolve_model_data_config
 from timm.models import get_pretrained_cfg
+from torchvision import transforms as T
 
 from tests.helpers import TINY, TINY_SHAPES, compose_train
 from vitattn.bundle import load_bundle, save_bundle
@@ -174,12 +175,13 @@ def test_the_bundle_and_every_split_preprocess_as_timm_does(timm_run):
     bundle, theirs, paths = timm_run["bundle"], timm_run["transform"], timm_run["images"]
     assert _max_difference(bundle.transform, theirs, paths) <= 1e-6
     datamodule = timm_run["datamodule"]
-    for dataset in (datamodule.val_dataset, datamodule.test_dataset):
-        assert _max_difference(dataset.transform, theirs, paths) <= 1e-6
-    training = datamodule.train_dataset.transform.transforms  # crop, flip, to tensor, normalise
+    for dataset in (datamodule.val_dataset, datamodule.test_dataset):  # uint8, normalised on the device
+        ours = T.Compose([dataset.transform, datamodule.normalize])
+        assert _max_difference(ours, theirs, paths) <= 1e-6
+    training = datamodule.train_dataset.transform.transforms  # crop, flip, to a uint8 tensor
     config = resolve_model_data_config(timm_run["reference"])
     assert training[0].interpolation.value == config["interpolation"]
-    normalize = training[-1]
+    normalize = datamodule.normalize
     assert isinstance(normalize, Normalize)
     torch.testing.assert_close(normalize.mean.flatten(), torch.tensor(config["mean"]), rtol=0, atol=1e-7)
     torch.testing.assert_close(normalize.std.flatten(), torch.tensor(config["std"]), rtol=0, atol=1e-7)
@@ -298,7 +300,8 @@ def test_a_vitattn_source_brings_its_own_preprocessing(tmp_path):
         f"the pretrained weights' own, from the vitattn classification model {bundle}"
     ]
     datamodule.setup("fit")
-    assert _max_difference(datamodule.val_dataset.transform, eval_transform(chosen), _images(tmp_path / "x")) == 0
+    ours = T.Compose([datamodule.val_dataset.transform, datamodule.normalize])
+    assert _max_difference(ours, eval_transform(chosen), _images(tmp_path / "x")) == 0
 
 
 def test_data_keys_win_over_the_weights_and_the_log_says_which(tmp_path):
@@ -333,7 +336,7 @@ def test_the_shapes_data_takes_the_weights_mean_and_std_and_keeps_its_whole_imag
     datamodule.setup("fit")
     dataset = datamodule.val_dataset
     pixels = dataset.image(0).float() / 255  # (3, height, width) in [0, 1]
-    torch.testing.assert_close(dataset[0][0], (pixels - 0.5) / 0.5)
+    torch.testing.assert_close(datamodule.normalize(dataset[0][0]), (pixels - 0.5) / 0.5)  # uint8, normalised
 
 
 def test_the_run_data_that_evaluation_rebuilds_takes_the_models_preprocessing(tmp_path):

@@ -100,7 +100,7 @@ class ValidationPictures(pl.Callback):
 
     def _log_captions(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loggers: list[Logger]) -> None:
         images, references = self._validation_images(trainer)
-        images = images.to(pl_module.device)
+        images = trainer.datamodule.normalize(images.to(pl_module.device))  # uint8 as the loaders yield them
         model = pl_module.model
         # bf16 autocast on GPUs; fp32 on CPUs, as training runs there (precision=auto would take bf16 units)
         precision = "bf16" if images.device.type == "cuda" else "fp32"
@@ -120,7 +120,7 @@ class ValidationPictures(pl.Callback):
                 logger.experiment.add_text("val/attention/captions", text, step)
 
     def _validation_images(self, trainer: pl.Trainer) -> tuple[torch.Tensor, list[list[str]]]:
-        """The split's first ``num_images`` (images (b, C, height, width), references), read once."""
+        """The split's first ``num_images`` (uint8 images (b, C, height, width), references), read once."""
         if self._images is None:
             loader = trainer.val_dataloaders
             dataset = (loader[0] if isinstance(loader, (list, tuple)) else loader).dataset

@@ -3,7 +3,9 @@
 Classification: a random-resized crop whose smallest scale suits the image size (small images get
 mild crops: cutting 92 % of a 32 px image rarely leaves the object), a horizontal flip, optional
 colour jitter, and optional RandAugment (timm), TrivialAugment or AugMix (timm); mixup / cutmix are
-batch-level and live in the classification system (``head.mixup``, ``head.cutmix``).
+batch-level and live in the classification system (``head.mixup``, ``head.cutmix``). Every step runs on the PIL
+image; the transforms end in a uint8 tensor, normalised with the batch on the device
+(``ImageDataModule.on_after_batch_transfer``), so the mixing still sees normalised images.
 
 Captions: nothing that changes what a caption states. The crop is milder (none up to 64 px, where half
 the image is often what the caption names; at least half the image from 224 px), an image is flipped only
@@ -23,8 +25,6 @@ import torch
 from PIL import Image
 from timm.data.auto_augment import augment_and_mix_transform, rand_augment_transform
 from torchvision import transforms as T
-
-from vitattn.data.transforms import Normalize
 
 __all__ = ["CAPTION_CROP_SCALE", "Augment", "CaptionAugment", "auto_min_scale", "classification_train_transform"]
 
@@ -127,14 +127,15 @@ def _geometry(img_size: int, augment: Augment, interpolation: str) -> list[Calla
     return [T.RandomResizedCrop(img_size, scale=augment.crop_scale(img_size), ratio=ratio, interpolation=mode)]
 
 
-def _to_tensor(mean: Sequence[float], std: Sequence[float]) -> list[Callable]:
-    return [T.ToTensor(), Normalize(mean, std)]
+def _to_tensor() -> list[Callable]:  # uint8: the loaders' images are normalised on the device (``Normalize``)
+    return [T.PILToTensor()]
 
 
 def classification_train_transform(
     img_size: int, augment: Augment, preprocess: Mapping[str, Any]
 ) -> Callable[[Image.Image], torch.Tensor]:
-    """PIL image -> (3, img_size, img_size) tensor: crop, flip, jitter, auto-augment, normalise (as ``preprocess``)."""
+    """PIL image -> (3, img_size, img_size) uint8 tensor: crop, flip, jitter, auto-augment (``preprocess``'s
+    interpolation; its mean and std normalise the batch on the device, ``vitattn.data.transforms.Normalize``)."""
     steps = _geometry(img_size, augment, preprocess["interpolation"])
     if augment.hflip > 0:
         steps.append(T.RandomHorizontalFlip(augment.hflip))
@@ -142,11 +143,11 @@ def classification_train_transform(
         steps.append(T.ColorJitter(*(3 * [augment.color_jitter])))
     if augment.auto_augment:
         steps.append(_auto_augment(augment.auto_augment, img_size, preprocess["mean"]))
-    return T.Compose(steps + _to_tensor(preprocess["mean"], preprocess["std"]))
+    return T.Compose(steps + _to_tensor())
 
 
 class CaptionAugment:
-    """Caption-safe training transform, called as ``transform(image, captions)``.
+    """Caption-safe training transform, called as ``transform(image, captions)``: a (3, height, width) uint8 tensor.
 
     A flip is drawn only when no caption of the image says left or right, colour jitter only when
     none names a colour; the crop always applies.
@@ -159,7 +160,7 @@ class CaptionAugment:
         self.crop = T.Compose(_geometry(img_size, augment, preprocess["interpolation"]))
         self.flip = T.RandomHorizontalFlip(1.0) if augment.hflip > 0 else None
         self.jitter = T.ColorJitter(*(3 * [augment.color_jitter])) if augment.color_jitter > 0 else None
-        self.finish = T.Compose(_to_tensor(preprocess["mean"], preprocess["std"]))
+        self.finish = T.Compose(_to_tensor())
 
     def __call__(self, image: Image.Image, captions: Sequence[str]) -> torch.Tensor:
         words = {w for caption in captions for w in _WORD.findall(caption.lower())}

@@ -52,8 +52,8 @@ def collate_captions(items: list[dict[str, Any]], pad_id: int = PAD_ID) -> dict[
     """Batch ``TokenizedCaptions`` items.
 
     Returns:
-        ``images`` (B, 3, height, width) float, ``tokens`` (B, T) long right-padded with ``pad_id``,
-        ``image_ids`` (B,) long, ``references`` a list of B lists of caption strings.
+        ``images`` (B, 3, height, width) (uint8 from the DataModules), ``tokens`` (B, T) long right-padded with
+        ``pad_id``, ``image_ids`` (B,) long, ``references`` a list of B lists of caption strings.
     """
     return {
         "images": torch.stack([item["image"] for item in items]),  # (B, 3, height, width)

@@ -3,7 +3,8 @@
 A ``preprocess`` mapping (stored in checkpoints and bundles) holds timm's ``create_transform``
 arguments: ``img_size``, ``crop_pct``, ``mean``, ``std``, ``interpolation`` and an optional
 ``crop_mode`` (``center``, ``squash``, ``border``). The DataModules' evaluation transforms and the
-bundles' transforms are both ``eval_transform(preprocess)``; ``denormalize`` undoes its last step.
+bundles' transforms are both ``eval_transform(preprocess)`` (the DataModules' stop before the normalisation, which
+runs on the device: ``vitattn.data.transforms.Normalize``); ``denormalize`` undoes its last step.
 
 Pretrained weights bring their own (``WEIGHTS_KEYS``: all but the image size, which the run's data sets):
 ``from_timm`` reads them from timm's data config (``resolve_model_data_config``), a vitattn model's are its
@@ -118,17 +119,20 @@ def _close(a: Sequence[float], b: Sequence[float]) -> bool:
     return all(abs(x - y) < 1e-6 for x, y in zip(a, b))
 
 
-def eval_transform(preprocess: Mapping[str, Any]) -> Callable[[Image.Image], torch.Tensor]:
+def eval_transform(preprocess: Mapping[str, Any], normalize: bool = True) -> Callable[[Image.Image], torch.Tensor]:
     """timm's evaluation transform (resize, crop, to tensor, normalise) for a bundle's ``preprocess``.
 
     Args:
         preprocess: ``img_size``, ``crop_pct``, ``mean``, ``std``, ``interpolation``; an optional
             ``crop_mode`` (``center``, ``squash``, ``border``) is passed on to timm.
+        normalize: False: stop at the (3, img_size, img_size) uint8 tensor (timm's prefetcher form), what the
+            DataModules' loaders yield; ``Normalize(mean, std)`` of it is then bit for bit the normalised image.
     """
     p = check_preprocess(preprocess, "preprocess")
     return create_transform(
         input_size=p["img_size"],
         is_training=False,
+        use_prefetcher=not normalize,
         crop_pct=p["crop_pct"],
         crop_mode=p.get("crop_mode"),
         mean=tuple(p["mean"]),

@@ -184,7 +184,8 @@ class ShapesDataset(Dataset):
         seed: base seed; ``(seed, split, index)`` fixes an item.
         task: "caption" gives dicts ``{"image", "caption", "references", "image_id"}``;
             "classification" gives ``(image, label)`` with label the left-most object's class.
-        transform: applied to the (3, height, width) float image in [0, 1], e.g. a ``Normalize``.
+        transform: applied to the (3, height, width) uint8 image, e.g. a ``Normalize``; None: items hold the
+            uint8 image (the DataModule's loaders: it is normalised on the device).
     """
 
     class_names = CLASS_NAMES
@@ -233,7 +234,7 @@ class ShapesDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int] | dict:
         if not 0 <= index < len(self):
             raise IndexError(f"index={index} out of range for {len(self)} images")
-        image = self.image(index).float().div_(255)  # (3, height, width) in [0, 1]
+        image = self.image(index)  # (3, height, width) uint8
         if self.transform is not None:
             image = self.transform(image)
         if self.task == "classification":

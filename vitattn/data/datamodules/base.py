@@ -1,13 +1,17 @@
 """What every DataModule shares: loaders, preprocessing, the cache, the evaluation split.
 
-Classification batches are ``(images, labels)``: (B, 3, height, width) float and (B,) long. Caption batches
-are dicts from ``collate_captions``: ``images`` (B, 3, height, width), ``tokens`` (B, T) padded
+Classification batches are ``(images, labels)``: (B, 3, height, width) uint8 and (B,) long. Caption batches
+are dicts from ``collate_captions``: ``images`` (B, 3, height, width) uint8, ``tokens`` (B, T) padded
 ``bos ... eos``, ``image_ids`` (B,) and ``references`` (B lists of strings). The training loader is a
 ``ResumableLoader`` (``vitattn.data.resumable``): the shuffle of a plain ``DataLoader`` in one process and of
 Lightning's ``DistributedSampler`` under DDP, and a state in every checkpoint from which a run resumed
 mid-epoch trains the rest of the epoch, each sample once. ``last_keys`` name the samples of the batch last
 given to a training step (``sample_key``). Evaluation loaders are plain: Lightning shards them under DDP;
 ``image_ids`` identify the samples it repeats to even out the ranks.
+
+The images cross to the device as uint8, a quarter of the bytes of float32, from pinned memory on CUDA (Lightning
+copies with ``non_blocking``); ``on_after_batch_transfer`` normalises them there (``normalize_batch``), as timm's
+prefetcher does, bit for bit what ``ToTensor`` and ``Normalize`` in the loader made of them before.
 
 Image files that cannot be read stop the run or are skipped as ``bad_images`` says
 (``vitattn.data.bad_images``); skipped files are kept in ``skipped_images``.
@@ -53,9 +57,10 @@ from vitattn.data.preprocess import (
 )
 from vitattn.data.resumable import EpochSampler, ResumableLoader
 from vitattn.data.tokenizer import SubwordTokenizer, Tokenizer, load_tokenizer, train_bpe
+from vitattn.data.transforms import Normalize
 from vitattn.data.vocab import Vocabulary
 
-__all__ = ["ImageDataModule", "rank_and_world"]
+__all__ = ["EvaluationBatches", "ImageDataModule", "rank_and_world"]
 
 
 def rank_and_world(trainer: Any) -> tuple[int, int]:
@@ -65,6 +70,22 @@ def rank_and_world(trainer: Any) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class EvaluationBatches:
+    """A loader's batches ready for the model, for evaluation without a Trainer: each through ``finish`` (a
+    DataModule's ``ready_batch``), on the CPU. ``len`` is the loader's, ``dataset`` the loader's unless given."""
+
+    def __init__(self, loader: Any, finish: Callable[[Any], Any], dataset: Any = None) -> None:
+        self.loader, self.finish = loader, finish
+        self.dataset = loader.dataset if dataset is None else dataset
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Any:
+        for batch in self.loader:
+            yield self.finish(batch)
 
 
 class ImageDataModule(pl.LightningDataModule):
@@ -116,6 +137,7 @@ class ImageDataModule(pl.LightningDataModule):
         self.last_keys: list[str] = []  # the keys of the samples of the batch last given to a training step
         self._train_loader: ResumableLoader | None = None
         self._train_loader_state: dict[str, Any] | None = None  # a checkpoint's, for the training loader to come
+        self._normalize: tuple[Any, Normalize] | None = None  # ((mean, std), its Normalize)
         check_preprocess({**default_preprocess(img_size), **self.preprocess_overrides}, "data")
 
     @property
@@ -141,8 +163,38 @@ class ImageDataModule(pl.LightningDataModule):
         return {k: v for k, v in self.preprocess_from_weights.items() if k not in self.preprocess_overrides}
 
     def eval_transform(self) -> Callable[[Any], torch.Tensor]:
-        """The evaluation transform of an image file: ``eval_transform(self.preprocess)``, as inference uses."""
-        return eval_transform(self.preprocess)
+        """The evaluation transform of an image file in the loaders: inference's ``eval_transform(self.preprocess)``
+        up to its normalisation, a (3, img_size, img_size) uint8 tensor that ``normalize`` finishes."""
+        return eval_transform(self.preprocess, normalize=False)
+
+    @property
+    def normalize(self) -> Normalize:
+        """``preprocess``'s normalisation of the loaders' uint8 images (on any device): with ``eval_transform``,
+        inference's transform bit for bit."""
+        key = (tuple(self.preprocess["mean"]), tuple(self.preprocess["std"]))
+        if self._normalize is None or self._normalize[0] != key:  # the weights' preprocessing may come late
+            self._normalize = (key, Normalize(*key))
+        return self._normalize[1]
+
+    def normalize_batch(self, batch: Any) -> Any:
+        """A loader's batch as the model takes it: its uint8 images (``images`` of a dict, the first item
+        otherwise) through ``normalize`` on their device; None (nothing readable) stays None."""
+        if batch is None:
+            return None
+        images = batch["images"] if isinstance(batch, Mapping) else batch[0]
+        if images.dtype != torch.uint8:
+            raise TypeError(f"{type(self).__name__} batches hold uint8 images, not {images.dtype}: normalised twice?")
+        if isinstance(batch, Mapping):
+            return {**batch, "images": self.normalize(images)}
+        return [self.normalize(images), *batch[1:]]
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """The batch's uint8 images normalised on the device they were copied to (``normalize_batch``)."""
+        return self.normalize_batch(batch)
+
+    def ready_batch(self, batch: Any) -> Any:
+        """A loader's batch as the model takes it, without a Trainer: what the batch hooks do, on the CPU."""
+        return self.on_after_batch_transfer(self.on_before_batch_transfer(batch, 0), 0)
 
     cache_mode = "none"
     cache: ImageCache | None = None
@@ -199,7 +251,7 @@ class ImageDataModule(pl.LightningDataModule):
         if split not in SPLITS:
             raise ValueError(f"split={split!r} is unknown; choose one of {list(SPLITS)}")
         loader = self.val_dataloader() if split == "val" else self.test_dataloader()
-        return EvalSplit(f"{type(self).__name__} {split} split", loader=loader)
+        return EvalSplit(f"{type(self).__name__} {split} split", loader=EvaluationBatches(loader, self.ready_batch))
 
     def _use_captions(
         self,

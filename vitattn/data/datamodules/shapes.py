@@ -9,7 +9,6 @@ from typing import Literal
 from vitattn.data.datamodules.base import ImageDataModule
 from vitattn.data.eval_split import EvalSplit
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
-from vitattn.data.transforms import Normalize
 
 __all__ = ["ShapesDataModule"]
 
@@ -17,8 +16,9 @@ __all__ = ["ShapesDataModule"]
 class ShapesDataModule(ImageDataModule):
     """The built-in shapes data (``vitattn.data.shapes``) for captioning or classification.
 
-    Images are only normalised: flips or crops would change which shape is left of which. Pretrained weights
-    set the mean and std (the images are drawn at ``img_size``, so no resize or crop of theirs applies).
+    Images are not augmented: flips or crops would change which shape is left of which. The loaders yield them as
+    drawn (uint8) and ``normalize`` runs on the device; pretrained weights set its mean and std (the images are
+    drawn at ``img_size``, so no resize or crop of theirs applies).
 
     Args:
         task: "caption" (dict batches, ``vocab`` after setup) or "classification" (``(images,
@@ -64,9 +64,8 @@ class ShapesDataModule(ImageDataModule):
             return  # Lightning calls setup once per stage
         # Evaluation (stage validate / test) with the model's vocabulary needs no training scenes.
         num_train = self.num_train if fit or (self.task == "caption" and self.vocab is None) else 0
-        normalize = Normalize(self.preprocess["mean"], self.preprocess["std"])
         splits = tuple(
-            ShapesDataset(split, size, self.img_size, self.seed, self.task, transform=normalize)
+            ShapesDataset(split, size, self.img_size, self.seed, self.task)
             for split, size in [("train", num_train), ("val", self.num_val), ("test", self.num_test)]
         )
         if self.task == "classification":

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from vitattn.data.augment import CAPTION_CROP_SCALE, Augment, CaptionAugment, classification_train_transform
 from vitattn.data.captions import collate_captions
-from vitattn.data.datamodules.base import ImageDataModule, rank_and_world
+from vitattn.data.datamodules.base import EvaluationBatches, ImageDataModule, rank_and_world
 from vitattn.data.eval_split import EvalSplit
 from vitattn.data.shards import expand_shards, local_path, read_shard, shard_sizes
 from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, batches_per_rank, read_factor, split_epoch
@@ -346,24 +346,10 @@ class WebDatasetDataModule(ImageDataModule):
         stream = self.val_dataset if split == "val" else self.test_dataset
         source = f"shards {self.shards[split] or self.shards['val']}"
         references = {} if self.task == "caption" else None  # the batches carry them; sized for progress bars
-        return EvalSplit(source, loader=_Unwrapped(self._loader(stream, False)), references=references)
+        batches = EvaluationBatches(self._loader(stream, False), self.ready_batch, range(sum(stream.sizes)))
+        return EvalSplit(source, loader=batches, references=references)
 
 
 def _streamed(stream: ShardStream) -> bool:
     """Whether a worker reads some of the stream's shards from their start (``pipe:`` commands, URLs)."""
     return any(local_path(url) is None for url in stream.urls)
-
-
-class _Unwrapped:
-    """A shard loader whose batches come without their positions (what evaluation reads)."""
-
-    def __init__(self, loader: EpochLoader) -> None:
-        self.loader = loader
-        self.dataset = range(sum(loader.dataset.sizes))  # len(dataset): the samples, as evaluation counts them
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> Any:
-        for batch in self.loader:
-            yield batch.batch
