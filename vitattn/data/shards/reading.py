@@ -132,7 +132,7 @@ def _walked(
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(offset, sample)`` of every sample from the shard's start; those not ``wanted`` hold None for members
     not read."""
-    from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
+    from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander  # webdataset: only when read
 
     if local_path(url) is not None and is_plain_tar(stream):  # the common case, without tarfile's cost
         wants = _MemberFilter(base_plus_ext, extensions, wanted)
@@ -147,7 +147,7 @@ def _indexed(
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """The samples at ``offsets`` below the index's count: each run of consecutive ones read from its first
     sample's header (``starts[i]``: offset ``offsets[0] + i``) to the next sample's."""
-    from webdataset.tariterators import base_plus_ext, group_by_keys
+    from webdataset.tariterators import base_plus_ext, group_by_keys  # webdataset: only when read
 
     first, count = offsets[0], offsets[0] + len(starts) - 1
     for a, b in _runs(o for o in offsets if o < count):
