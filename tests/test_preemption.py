@@ -138,6 +138,7 @@ def test_sigusr1_stops_after_the_step_and_resume_auto_repeats_none(signalled_ste
     assert _train_steps(tmp_path) == list(range(12))  # the CSV logger continues the file
 
 
+@pytest.mark.slow  # a training process of its own (test-fast keeps the SIGUSR1 one)
 def test_sigterm_while_testing_after_training_is_a_preemption_not_a_success(tmp_path):
     # Lightning alone ends the test with a SystemExit of status 0 after the signalled batch.
     report = _preempted_train(tmp_path, "SIGTERM", "test", 0, [*STEPS_12, "test=true"])
@@ -148,6 +149,7 @@ def test_sigterm_while_testing_after_training_is_a_preemption_not_a_success(tmp_
     assert _step(last) == 12  # the finished training's checkpoint, not rewritten with the weights under test
 
 
+@pytest.mark.slow  # a training process of its own (test-fast keeps the SIGUSR1 one)
 def test_on_slurm_sigusr1_stops_then_lightning_requeues_the_job(tmp_path, monkeypatch):
     bin_dir, requeued = tmp_path / "bin", tmp_path / "scontrol.log"
     bin_dir.mkdir()

@@ -222,7 +222,7 @@ def test_init_starts_from_every_weight_and_the_models_sizes(base_run, tmp_path):
     "given, message",
     [
         (["model.embed_dim=64"], "its model has model.embed_dim=32, not model.embed_dim=64 as given"),
-        (["tokenizer=bpe"], "brings its own tokenizer (Vocabulary"),
+        pytest.param(["tokenizer=bpe"], "brings its own tokenizer (Vocabulary", marks=pytest.mark.slow),
     ],
 )
 def test_init_refuses_what_the_command_line_says_otherwise(given, message, base_run, tmp_path):

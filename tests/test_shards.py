@@ -299,6 +299,7 @@ def test_train_on_shards_and_the_schedule_horizon_follows_the_epoch(shards, tmp_
     assert schedule.total_steps == 14
 
 
+@pytest.mark.slow  # a training process of its own; the slow tests also run it under DDP
 def test_a_preempted_epoch_resumes_with_every_sample_once_in_one_process(shards, tmp_path):
     overrides = [
         *TINY,
