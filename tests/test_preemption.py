@@ -397,3 +397,33 @@ def test_torchrun_restarts_the_group_after_a_rank_is_killed_and_training_continu
     _assert_each_step_once(run_dir, tmp_path / "runs", 40)  # the first group's steps before it kept
     assert output.count("run directory:") == 1  # one summary: the restarted group's rank 0
     print(f"rank 1 killed after {done} steps; the restarted group resumed at step {resumed}")
+
+
+def test_ranks_agree_on_a_signal_over_host_tensors_and_never_read_the_device(tmp_path, monkeypatch):
+    """Under NCCL the agreement after each step runs over a gloo group with a host tensor: no device tensor is
+    reduced and read back (a host sync every step)."""
+    from types import SimpleNamespace
+
+    from vitattn.callbacks.preemption import Preemption, _host_group
+
+    class DeviceStrategy:
+        root_device = torch.device("cuda")
+
+        def reduce(self, *args, **kwargs):
+            raise AssertionError("a device tensor reduced: the host waits for the device")
+
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        made = []
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")  # as on GPUs
+        monkeypatch.setattr(dist, "new_group", lambda **kwargs: made.append(kwargs))  # None: the default gloo group
+        trainer = SimpleNamespace(world_size=2, strategy=DeviceStrategy())
+        callback = Preemption(tmp_path / "run")
+        callback._group = _host_group(trainer)
+        assert made == [{"backend": "gloo"}]
+        assert callback._agreed_signal(trainer) == 0
+        callback.received = signal.SIGUSR1
+        assert callback._agreed_signal(trainer) == signal.SIGUSR1
+    finally:
+        dist.destroy_process_group()

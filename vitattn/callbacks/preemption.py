@@ -51,10 +51,12 @@ class Preemption(Checkpoint):
         self.saved_step: int | None = None
         # the SIGUSR1 handler found installed (Lightning's SLURM requeue), run after the save
         self.on_sigusr1: Any = None
+        self._group: Any = None  # the process group the ranks agree over (None: the default one)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning installed its handlers just before this hook and restores the ones before them when fit ends.
         self.received, self.stopped_by, self.saved_step = 0, 0, None
+        self._group = _host_group(trainer)
         if threading.current_thread() is not threading.main_thread():
             return  # only the main thread may set handlers
         previous = signal.getsignal(signal.SIGUSR1)
@@ -84,8 +86,10 @@ class Preemption(Checkpoint):
         """The signal any rank received (0: none), the same on every rank: all stop after the same step."""
         signum = self.received
         if trainer.world_size > 1:
-            flag = torch.tensor(signum, device=trainer.strategy.root_device)
-            signum = int(trainer.strategy.reduce(flag, reduce_op="max").item())
+            # A host tensor over a gloo group: agreeing after every step never waits for the device's queue.
+            flag = torch.tensor(signum)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
+            signum = int(flag)
         self.stopped_by = self.stopped_by or signum
         return self.stopped_by
 
@@ -112,3 +116,15 @@ def _stop_after_this_step(trainer: pl.Trainer, stop: bool) -> None:
     # The flag Lightning's own SIGTERM handler sets (``trainer.received_sigterm`` reads it): the
     # training loop raises SIGTERMException at the end of the step, the evaluation loop after a batch.
     request_sigterm_stop(trainer, stop)
+
+
+def _host_group(trainer: pl.Trainer) -> Any:
+    """The group to agree over with host tensors: the default one where it is gloo (CPU runs), else a gloo group
+    over the same ranks (NCCL reduces only device tensors, and reading one back waits for the device); created
+    here, where every rank is (``new_group`` is itself collective). None in one process."""
+    dist = torch.distributed
+    if trainer.world_size <= 1 or not dist.is_available() or not dist.is_initialized():
+        return None
+    if dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
