@@ -246,3 +246,17 @@ def test_training_losses_are_those_of_the_float_loaders(name, tmp_path):
     new = _train_losses(overrides, tmp_path / "uint8", float_loaders=False)
     old = _train_losses(overrides, tmp_path / "float", float_loaders=True)
     assert len(new) == 3 and new == old
+
+
+def test_the_model_summary_sends_its_example_input_through_the_batch_hooks_unchanged(tmp_path):
+    """The default run prints Lightning's model summary, whose forward pass of the system's float example input
+    goes through the DataModule's batch hooks: it is no loader batch and passes as it is."""
+    from tests.helpers import TINY_SHAPES
+    from vitattn.training import train
+
+    run = [*TINY, *TINY_SHAPES, "trainer.enable_model_summary=true", "trainer.max_steps=1", "test=false"]
+    result = train(compose_train([*run, "export_bundle=false"], tmp_path))
+    assert result.global_step == 1
+    datamodule = hydra.utils.instantiate(compose_train(TINY, tmp_path).data)
+    for example in (torch.rand(2, 3, 32, 32), (torch.rand(2, 3, 32, 32), torch.zeros(2, 8, dtype=torch.long))):
+        assert datamodule.on_after_batch_transfer(example, 0) is example  # a classifier's, a captioner's

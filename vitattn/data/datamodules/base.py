@@ -189,7 +189,13 @@ class ImageDataModule(pl.LightningDataModule):
         return [self.normalize(images), *batch[1:]]
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """The batch's uint8 images normalised on the device they were copied to (``normalize_batch``)."""
+        """The batch's uint8 images normalised on the device they were copied to (``normalize_batch``). What holds
+        no uint8 images is no loader batch and passes as it is: the system's example input (float images, alone
+        or with caption tokens), which Lightning's model summary sends through the same hooks."""
+        if isinstance(batch, torch.Tensor) or (
+            isinstance(batch, (tuple, list)) and batch and getattr(batch[0], "dtype", None) != torch.uint8
+        ):
+            return batch
         return self.normalize_batch(batch)
 
     def ready_batch(self, batch: Any) -> Any:
