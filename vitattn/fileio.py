@@ -11,7 +11,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_folder", "atomic_open", "atomic_write", "parse_json", "read_json"]
+__all__ = ["atomic_folder", "atomic_open", "atomic_write", "cache_folder", "parse_json", "read_json"]
+
+
+def cache_folder(given: str | os.PathLike | None = None) -> Path:
+    """vitattn's cache folder: ``given``, else ``~/.cache/vitattn`` (shard counts, member indexes)."""
+    return Path(given or Path.home() / ".cache" / "vitattn")
 
 
 @contextmanager

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from vitattn.precision import native_bf16
+
 __all__ = ["BF16_TRAIN_MIN_WIDTH", "on_gpu", "plan_cores", "processes_per_node", "resolve_train_precision"]
 
 log = logging.getLogger(__name__)
@@ -79,8 +81,6 @@ def resolve_train_precision(cfg: DictConfig) -> str:
     precision = str(cfg.trainer.get("precision", "32-true"))
     if precision != "auto":
         return precision
-    from vitattn.precision import native_bf16  # detects the units once per process
-
     width = int(cfg.model.embed_dim)
     if on_gpu(cfg):
         chosen, why = "bf16-mixed", "a GPU"

@@ -242,10 +242,16 @@ def split_epoch(
 
 
 def _worker_batches(n: int, batches: int, workers: int) -> list[list[int]]:
-    """A rank's ``n`` samples over its ``batches`` (sizes within one); batch ``j`` to worker ``j % workers``."""
-    q, t = divmod(n, batches) if batches else (0, 0)
-    sizes = [q + 1] * t + [q] * (batches - t)  # the larger first: a resumed epoch never needs more batches
+    """A rank's ``n`` samples over its ``batches`` (``_even_sizes``); batch ``j`` to worker ``j % workers``."""
+    sizes = _even_sizes(n, batches)
     return [sizes[w::workers] for w in range(workers)]
+
+
+def _even_sizes(n: int, batches: int) -> list[int]:
+    """``n`` samples as ``batches`` batch sizes within one of each other, the larger first (a resumed epoch
+    never needs more batches)."""
+    q, t = divmod(n, batches) if batches else (0, 0)
+    return [q + 1] * t + [q] * (batches - t)
 
 
 def _whole_shards(
@@ -280,10 +286,9 @@ def _whole_shards(
             k = len(range(w, batches, workers))
             if n < k:  # a worker that cannot fill its batches: the even split instead
                 return None
-            q, t = divmod(n, k)
             base = [order.start_of(units[u][0]) for u in mine]
             ranges = [(b + a, b + z) for u, b in zip(mine, base) for a, z in units[u][1]]
-            rank_plans.append(WorkerPlan(ranges, [q + 1] * t + [q] * (k - t)))
+            rank_plans.append(WorkerPlan(ranges, _even_sizes(n, k)))
         plans.append(rank_plans)
     return plans
 

@@ -29,7 +29,7 @@ from vitattn.data.shards import reading
 from vitattn.data.shards.member_index import build_index, open_index
 from vitattn.data.shards.reading import local_path, read_shard
 from vitattn.errors import first_line
-from vitattn.fileio import atomic_write
+from vitattn.fileio import atomic_write, cache_folder
 
 __all__ = ["CLASSES_FILE", "expand_shards", "shard_sizes", "stats_path"]
 
@@ -93,7 +93,7 @@ def shard_sizes(urls: Sequence[str], cache_dir: str | os.PathLike | None = None,
     Raises:
         ShardError: a shard that has to be counted cannot be read.
     """
-    cache_file = Path(cache_dir or Path.home() / ".cache" / "vitattn") / "shard_sizes.json"
+    cache_file = cache_folder(cache_dir) / "shard_sizes.json"
     try:
         cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
     except (OSError, ValueError):

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from vitattn.data.shards.tar_reader import is_plain_tar, tar_members
-from vitattn.fileio import atomic_write
+from vitattn.fileio import atomic_write, cache_folder
 
-__all__ = ["INDEX_SUFFIX", "SampleIndex", "build_index", "index_files", "open_index", "sample_starts"]
+__all__ = ["INDEX_SUFFIX", "SampleCounter", "SampleIndex", "build_index", "index_files", "open_index", "sample_starts"]
 
 INDEX_SUFFIX = ".offsets"
 _MAGIC = b"VTAOFFS1"
@@ -45,24 +45,42 @@ def index_files(path: str | os.PathLike, cache_dir: str | os.PathLike | None = N
     """Where a local shard's index may lie: beside it, then in the cache."""
     path = Path(path)
     digest = hashlib.sha1(str(path.absolute()).encode("utf-8", "surrogateescape")).hexdigest()
-    cache = Path(cache_dir or Path.home() / ".cache" / "vitattn") / "shard_index"
+    cache = cache_folder(cache_dir) / "shard_index"
     return [path.with_name(path.name + INDEX_SUFFIX), cache / f"{digest}{INDEX_SUFFIX}"]
+
+
+class SampleCounter:
+    """Which sample of a tar each member belongs to, as webdataset's ``group_by_keys`` tells them apart: a new
+    one where the key (``base_plus_ext``) changes; a member without an extension belongs to none."""
+
+    def __init__(self) -> None:
+        from webdataset.tariterators import base_plus_ext  # webdataset: only when shards are read
+
+        self._split = base_plus_ext
+        self.key: str | None = None
+        self.offset = -1
+
+    def __call__(self, name: str) -> tuple[int, str] | None:
+        """``(sample offset, extension)`` of the member ``name`` (members in tar order), or None."""
+        key, extension = self._split(name)
+        if key is None:
+            return None  # group_by_keys leaves it out
+        if key != self.key:
+            self.key, self.offset = key, self.offset + 1
+        return self.offset, extension
 
 
 def sample_starts(stream: BinaryIO) -> list[int]:
     """Each sample's first header in a plain tar and, last, where its last sample ends (``n + 1`` offsets);
     reads the headers only."""
-    from webdataset.tariterators import base_plus_ext  # the key webdataset groups members by
-
     starts: list[int] = []
-    key, end = None, stream.tell()
+    end, samples = stream.tell(), SampleCounter()
     for start, name, _ in tar_members(stream, lambda name: False):
-        member_key, _ = base_plus_ext(name)
-        if member_key is None:
-            continue  # group_by_keys leaves it out
-        if member_key != key:
+        member = samples(name)
+        if member is None:
+            continue
+        if member[0] == len(starts):  # the first member of a new sample
             starts.append(start)
-            key = member_key
         end = stream.tell()  # the member's data and padding passed over: the next header
     return [*starts, end]
 

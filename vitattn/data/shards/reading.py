@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any, BinaryIO
 
-from vitattn.data.shards.member_index import open_index
+from vitattn.data.shards.member_index import SampleCounter, open_index
 from vitattn.data.shards.tar_reader import is_plain_tar, tar_files, tar_members
 from vitattn.errors import first_line
 
@@ -132,10 +132,10 @@ def _walked(
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(offset, sample)`` of every sample from the shard's start; those not ``wanted`` hold None for members
     not read."""
-    from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander  # webdataset: only when read
+    from webdataset.tariterators import group_by_keys, tar_file_expander  # webdataset: only when read
 
     if local_path(url) is not None and is_plain_tar(stream):  # the common case, without tarfile's cost
-        wants = _MemberFilter(base_plus_ext, extensions, wanted)
+        wants = _MemberFilter(extensions, wanted)
         files = ({"fname": name, "data": data, "__url__": url} for name, data in tar_files(stream, wants))
     else:
         files = tar_file_expander([{"url": url, "stream": stream}], eof_value=None)
@@ -147,12 +147,12 @@ def _indexed(
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """The samples at ``offsets`` below the index's count: each run of consecutive ones read from its first
     sample's header (``starts[i]``: offset ``offsets[0] + i``) to the next sample's."""
-    from webdataset.tariterators import base_plus_ext, group_by_keys  # webdataset: only when read
+    from webdataset.tariterators import group_by_keys  # webdataset: only when read
 
     first, count = offsets[0], offsets[0] + len(starts) - 1
     for a, b in _runs(o for o in offsets if o < count):
         stream.seek(starts[a - first])
-        members = tar_members(stream, _MemberFilter(base_plus_ext, extensions, None), stop=starts[b - first])
+        members = tar_members(stream, _MemberFilter(extensions, None), stop=starts[b - first])
         files = ({"fname": name, "data": data, "__url__": url} for _, name, data in members)
         given = 0
         for given, sample in enumerate(group_by_keys(files, suffixes=extensions), 1):
@@ -177,28 +177,19 @@ def _runs(offsets: Iterable[int]) -> Iterator[tuple[int, int]]:
 
 
 class _MemberFilter:
-    """Whether a member's bytes are read: its sample (counted as ``group_by_keys`` counts them: a new one where
-    the key changes) is wanted, and its extension kept."""
+    """Whether a member's bytes are read: its sample (``SampleCounter``) is wanted, and its extension kept."""
 
-    def __init__(
-        self,
-        split: Callable[[str], tuple[str | None, str | None]],
-        extensions: set[str] | None,
-        wanted: Callable[[int], bool] | None,
-    ) -> None:
-        self.split, self.extensions, self.wanted = split, extensions, wanted
-        self.key: str | None = None
-        self.offset = -1
+    def __init__(self, extensions: set[str] | None, wanted: Callable[[int], bool] | None) -> None:
+        self.samples, self.extensions, self.wanted = SampleCounter(), extensions, wanted
 
     def __call__(self, name: str) -> bool:
-        key, extension = self.split(name)
-        if key is None:
-            return False  # group_by_keys leaves it out
-        if key != self.key:
-            self.key, self.offset = key, self.offset + 1
+        member = self.samples(name)
+        if member is None:
+            return False
+        offset, extension = member
         if self.extensions is not None and extension.lower() not in self.extensions:
             return False
-        return self.wanted is None or self.wanted(self.offset)
+        return self.wanted is None or self.wanted(offset)
 
 
 def _reason(err: BaseException) -> str:
