@@ -11,7 +11,7 @@ Run each from the repository root:
     python -m benchmarks.load_serve model=PATH  # load test of vitattn-serve on localhost (docs/serving.md)
     python -m benchmarks.onnx_speed             # bf16 eager, ONNX fp32 and int8 against fp32 eager (docs/benchmarks.md)
     python -m benchmarks.grad_checkpointing     # a training step's peak memory with and without gradient checkpointing
-    benchmarks/gpu_check.sh                     # the GPU checks in one run
+    scripts/gpu_check.sh                        # the GPU checks in one run (in scripts/, beside the project)
 
 The speed bench is one module per section (``encoder``, ``compile``, ``caption``, ``scaling``,
 ``e2e``, ``data``, ``processes``) over shared timing (``timing``, ``env``), workloads

@@ -21,8 +21,8 @@ from torch import nn
 from benchmarks import workloads
 from benchmarks.env import Env
 from benchmarks.report import compare
-from vitattn.data import ImageFolderDataModule
 from vitattn.models import VisionTransformer
+from vitattn.training.datamodules import ImageFolderDataModule
 
 ENCODER = "vit_192d6_32px"
 

@@ -11,7 +11,7 @@ os.environ.setdefault("HYDRA_FULL_ERROR", "1")
 # then mean the same on every machine; tests/test_precision.py lifts it where bf16 is what is tested.
 os.environ["VITATTN_NATIVE_BF16"] = "0"
 
-pytest_plugins = ["tests.skip_policy"]
+pytest_plugins = ["tests.helpers.skip_policy"]
 
 # pytest-timeout: `timeout` in pyproject.toml bounds each test (a hang in an in-process train() fails that
 # test instead of hanging CI); a `slow` test without its own timeout mark gets this many seconds instead.

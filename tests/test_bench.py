@@ -163,7 +163,7 @@ def test_main_writes_the_json_schema_and_plot(tiny_bench, tmp_path):
 @pytest.mark.slow
 def test_main_times_captions_against_hugging_face(tiny_bench, tmp_path):
     """The caption section, against Hugging Face's VisionEncoderDecoder. transformers comes with .[dev] (the
-    bench extra): without it this test is a skip, which fails CI (tests/skip_policy.py), never rows left out."""
+    bench extra): without it this test is a skip, which fails CI (tests/helpers/skip_policy.py), never rows left out."""
     pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[dev]'")
     out = tmp_path / "bench.json"
     cli.main(

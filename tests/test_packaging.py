@@ -15,10 +15,10 @@ from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
+import vitattn.conf
 from omegaconf import OmegaConf
 
 import vitattn
-import vitattn.conf
 from tests.helpers import TINY, TINY_SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +27,8 @@ FAST = [*TINY, *TINY_SHAPES, "trainer.fast_dev_run=true", "num_threads=1"]
 # pip offline and quiet: no index, no version check against PyPI.
 PIP_ENV = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-PACKAGES = [name.rstrip("*") for name in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]]
+SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
+PACKAGES = ["vitattn", "hydra_plugins", "conf"]  # the source folders the wheel is built from
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,18 @@ def wheel(tmp_path_factory) -> Path:
     return built
 
 
+def test_listed_packages_are_every_package_folder():
+    folders = {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for top in ("vitattn", "hydra_plugins")
+        for p in (ROOT / top).rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
+    listed = set(SETUPTOOLS["packages"])
+    assert listed == folders | {"vitattn.conf"}, sorted(listed ^ (folders | {"vitattn.conf"}))
+    assert SETUPTOOLS["package-dir"] == {"vitattn.conf": "conf"} and (ROOT / "conf" / "train.yaml").is_file()
+
+
 def _wheel_metadata(wheel: Path):
     archive = zipfile.ZipFile(wheel)
     (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
@@ -57,7 +70,7 @@ def test_wheel_metadata_has_licence_version_and_types(wheel):
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert "vitattn/py.typed" in names
     requires = metadata.get_all("Requires-Dist")
-    assert "lightning>=2.6" in requires  # vitattn.callbacks.EMA subclasses WeightAveraging (Lightning 2.6)
+    assert "lightning>=2.6" in requires  # vitattn.training.callbacks.EMA subclasses WeightAveraging (Lightning 2.6)
     assert metadata["Requires-Python"] == ">=3.11"
 
 

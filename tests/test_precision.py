@@ -22,12 +22,12 @@ from vitattn.cli import serve as serve_cli
 from vitattn.cli.args import UsageError
 from vitattn.cli.export import main as export_main
 from vitattn.data.shapes import ShapesDataset
-from vitattn.evaluation import evaluate_captions, evaluate_classification
 from vitattn.inference.image_like import to_pixels
 from vitattn.inference.loader import load_model
 from vitattn.models.search import sequence_log_prob
 from vitattn.precision import NATIVE_BF16_ENV, check_precision, native_bf16, resolve_precision
 from vitattn.training import train
+from vitattn.training.evaluation import evaluate_captions, evaluate_classification
 
 CAPTIONS, LABELS = 1000, 4000  # test-split images compared
 SHAPES = ["data.num_val=16", "test=false", "trainer.max_epochs=-1", "trainer.check_val_every_n_epoch=50"]

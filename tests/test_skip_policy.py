@@ -1,4 +1,4 @@
-"""tests/skip_policy.py, run on tiny test files by a pytest of their own: in CI a skip fails the run."""
+"""tests/helpers/skip_policy.py, run on tiny test files by a pytest of their own: in CI a skip fails the run."""
 
 import os
 import subprocess
@@ -31,7 +31,7 @@ def _pytest(tmp_path: Path, files: dict[str, str], ci: bool, ini: str = "") -> s
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     if ci:
         env["CI"] = "true"
-    command = [sys.executable, "-m", "pytest", "-p", "tests.skip_policy", "-p", "no:cacheprovider", "-q", "-rs"]
+    command = [sys.executable, "-m", "pytest", "-p", "tests.helpers.skip_policy", "-p", "no:cacheprovider", "-q", "-rs"]
     return subprocess.run([*command, str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
 
 

@@ -26,8 +26,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 
 from vitattn.cli.args import UsageError, run_main
-from vitattn.config_targets import check_targets
 from vitattn.errors import first_line
+from vitattn.training.config_targets import check_targets
 from vitattn.upstream import defer_wandb_in_timm
 
 __all__ = ["main", "parse_args", "run"]
@@ -60,8 +60,8 @@ def parse_args(argv: list[str]) -> tuple[DictConfig, int]:
 def run(args: tuple[DictConfig, int]) -> int:
     """Check the images of the composed config's data; returns the exit status (1 when some are bad)."""
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from vitattn.config import check_data_paths, data_name
     from vitattn.data.bad_images import find_bad_images
+    from vitattn.training.config import check_data_paths, data_name
     from vitattn.training.data import setup_data
 
     cfg, threads = args

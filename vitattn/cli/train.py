@@ -25,8 +25,8 @@ from omegaconf import DictConfig
 from vitattn.cli.errors import report_user_error, user_errors
 from vitattn.cli.noise import quiet_upstream
 from vitattn.errors import ConfigError, Preempted
-from vitattn.moved_keys import MOVED_KEYS, check_moved_keys
 from vitattn.run_dir import RunDir
+from vitattn.training.moved_keys import MOVED_KEYS, check_moved_keys
 from vitattn.upstream import defer_wandb_in_timm
 
 if TYPE_CHECKING:

@@ -1,12 +1,10 @@
 """Data: built-in shapes, COCO-style captions, Karpathy splits, the caption vocabulary, and LightningDataModules.
 
-The DataModules (``vitattn.data.datamodules``, Lightning) and ``datamodule_from_run`` (Hydra) are
+The DataModules (``vitattn.training.datamodules``, Lightning) and ``datamodule_from_run`` (Hydra) are
 imported when first named (PEP 562), so that inference, which reads images and vocabularies from
-here, never imports Lightning or Hydra; ``vitattn.data.ShapesDataModule`` still resolves as a
+here, never imports Lightning or Hydra; ``vitattn.training.datamodules.ShapesDataModule`` still resolves as a
 config ``_target_``.
 """
-
-from importlib import import_module
 
 from vitattn.data.bad_images import find_bad_images
 from vitattn.data.captions import TokenizedCaptions, collate_captions
@@ -21,28 +19,13 @@ from vitattn.data.tokenizer import SubwordTokenizer, Tokenizer, load_tokenizer
 from vitattn.data.transforms import normalize
 from vitattn.data.vocab import Vocabulary
 
-# Names that import Lightning or Hydra, and the module that holds each.
-_HEAVY = {
-    "CocoCaptionDataModule": "vitattn.data.datamodules",
-    "ImageFolderDataModule": "vitattn.data.datamodules",
-    "KarpathyDataModule": "vitattn.data.datamodules",
-    "ShapesDataModule": "vitattn.data.datamodules",
-    "WebDatasetDataModule": "vitattn.data.datamodules",
-    "datamodule_from_run": "vitattn.data.run_data",
-}
-
 __all__ = [
     "BadImageError",
     "find_bad_images",
     "CLASS_NAMES",
-    "CocoCaptionDataModule",
     "CocoCaptionDataset",
     "CocoImage",
-    "ImageFolderDataModule",
-    "KarpathyDataModule",
-    "ShapesDataModule",
     "ShapesDataset",
-    "WebDatasetDataModule",
     "SubwordTokenizer",
     "TokenizedCaptions",
     "Tokenizer",
@@ -57,15 +40,8 @@ __all__ = [
     "image_folder_split",
     "default_preprocess",
     "eval_transform",
-    "datamodule_from_run",
     "normalize",
 ]
-
-
-def __getattr__(name: str):
-    if name in _HEAVY:
-        return getattr(import_module(_HEAVY[name]), name)
-    raise AttributeError(f"module 'vitattn.data' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

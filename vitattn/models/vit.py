@@ -28,7 +28,7 @@ PRESETS = ("cpu", "tiny", "small", "base")  # the size files of the ``model`` co
 
 
 def preset_config(name: str) -> dict[str, Any]:
-    """``VisionTransformer`` keyword arguments of a named size, read from ``vitattn/conf/model/<name>.yaml``
+    """``VisionTransformer`` keyword arguments of a named size, read from ``conf/model/<name>.yaml``
     (the one place the sizes are written); ``img_size`` is left to the caller (224 by default)."""
     if name not in PRESETS:
         raise ValueError(f"preset={name!r} is unknown; choose one of {sorted(PRESETS)}")

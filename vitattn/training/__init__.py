@@ -1,8 +1,24 @@
-"""Training: ``train(cfg)`` runs a whole training run from a composed config, without the command line."""
+"""Training (Lightning + Hydra): ``train(cfg)`` runs a whole training run from a composed config.
 
-from vitattn.training.assemble import build_system, model_config_from
-from vitattn.training.checkpoint_io import AtomicCheckpointIO
-from vitattn.training.data import setup_data
-from vitattn.training.run import TrainResult, train
+Its rooms (systems, datamodules, callbacks, evaluation, the recipe) import only when named, so that
+``vitattn.training.config`` or ``vitattn.training.evaluation`` does not start the whole recipe.
+"""
+
+from importlib import import_module
 
 __all__ = ["AtomicCheckpointIO", "TrainResult", "build_system", "model_config_from", "setup_data", "train"]
+
+_OWNERS = {
+    "AtomicCheckpointIO": "vitattn.training.checkpoint_io",
+    "TrainResult": "vitattn.training.run",
+    "build_system": "vitattn.training.assemble",
+    "model_config_from": "vitattn.training.assemble",
+    "setup_data": "vitattn.training.data",
+    "train": "vitattn.training.run",
+}
+
+
+def __getattr__(name: str):
+    if name in _OWNERS:
+        return getattr(import_module(_OWNERS[name]), name)
+    raise AttributeError(f"module 'vitattn.training' has no attribute {name!r}")

@@ -12,8 +12,8 @@ import lightning.pytorch as pl
 from omegaconf import DictConfig, OmegaConf
 
 from vitattn.data.tokenizer import tokenizer_labels
-from vitattn.systems import VisionSystem
 from vitattn.training.pretrained import PretrainedEncoder, read_pretrained
+from vitattn.training.systems import VisionSystem
 
 __all__ = ["build_system", "model_config_from"]
 

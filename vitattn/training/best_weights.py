@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig
 
-from vitattn.systems import VisionSystem
+from vitattn.training.systems import VisionSystem
 
 __all__ = ["load_best_weights"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from vitattn.config import fully_sharded
+from vitattn.training.config import fully_sharded
 from vitattn.training.resources import on_gpu
 
 __all__ = ["should_compile"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
-from vitattn.moved_keys import check_moved_keys
+from vitattn.training.moved_keys import check_moved_keys
 
 __all__ = ["compose_train"]
 

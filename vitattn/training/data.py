@@ -8,11 +8,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from vitattn.config import data_name
 from vitattn.data.images import BadImageError
 from vitattn.data.tokenizer import tokenizer_file_name, tokenizer_from_labels, tokenizer_labels
 from vitattn.errors import ConfigError, first_line
 from vitattn.run_dir import RunDir
+from vitattn.training.config import data_name
 
 __all__ = ["setup_data"]
 

@@ -34,8 +34,6 @@ from torch import Tensor
 
 from vitattn.bundle import load_bundle
 from vitattn.bundle.folder import is_bundle_weights
-from vitattn.config import check_source
-from vitattn.data.datamodules.base import ImageDataModule
 from vitattn.data.preprocess import WEIGHTS_KEYS, describe, from_timm
 from vitattn.errors import ConfigError, first_line
 from vitattn.models import VisionTransformer
@@ -48,6 +46,8 @@ from vitattn.models.timm_weights import (
     weights_config,
 )
 from vitattn.models.vit import PRESETS, preset_config
+from vitattn.training.config import check_source
+from vitattn.training.datamodules.base import ImageDataModule
 
 __all__ = ["PretrainedEncoder", "choose_preprocess", "read_pretrained"]
 

@@ -20,18 +20,16 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from vitattn.bundle import bundle_from_system
-from vitattn.callbacks import Preemption
-from vitattn.config import check_config
 from vitattn.data.bad_images import gather_skipped
 from vitattn.data.tokenizer import tokenizer_file_name
 from vitattn.run_dir import RunDir
-from vitattn.systems import VisionSystem
-from vitattn.systems.sharding import is_sharded, unsharded_copy
 from vitattn.training.advice import check_fit
 from vitattn.training.assemble import build_system
 from vitattn.training.best_weights import load_best_weights
+from vitattn.training.callbacks import Preemption
 from vitattn.training.checkpoint_io import AtomicCheckpointIO
 from vitattn.training.compile import should_compile
+from vitattn.training.config import check_config
 from vitattn.training.data import setup_data
 from vitattn.training.groups import instantiate_group
 from vitattn.training.init_model import apply_init, check_init_classes, command_line_keys, read_init
@@ -39,6 +37,8 @@ from vitattn.training.loggers import build_loggers
 from vitattn.training.pretrained import choose_preprocess, read_pretrained
 from vitattn.training.resources import plan_cores, resolve_train_precision
 from vitattn.training.self_critical import prepare_reward
+from vitattn.training.systems import VisionSystem
+from vitattn.training.systems.sharding import is_sharded, unsharded_copy
 from vitattn.training.tokenizer import prepare_tokenizer
 
 __all__ = ["TrainResult", "train"]

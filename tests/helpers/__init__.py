@@ -1,0 +1,287 @@
+"""Small on-disk datasets and config composition shared by the tests."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import vitattn.conf
+from omegaconf import DictConfig
+from PIL import Image
+
+from vitattn.training.compose import compose_train as compose
+
+CONF_DIR = Path(vitattn.conf.__file__).parent
+
+# A small model and data for fast runs: 32 px images, 8 px patches, width 32, 2 layers.
+TINY = [
+    "model.embed_dim=32",
+    "model.depth=2",
+    "model.num_heads=2",
+    "model.patch_size=8",
+    "data.img_size=32",
+    "data.batch_size=8",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "logger=csv",
+    "num_threads=null",  # keep the one thread tests/conftest.py pins (auto would take every core)
+]
+TINY_SHAPES = ["data.num_train=64", "data.num_val=16", "data.num_test=16"]
+
+
+def metrics_with_weights(system, weights: dict, datamodule, stage: str) -> dict[str, float]:
+    """``system``'s own val or test metrics with the model ``weights`` loaded, by a Trainer without callbacks:
+    what a run's logged metrics must equal when it validated or tested those weights."""
+    import lightning.pytorch as pl
+
+    missing, unexpected = system.model.load_state_dict(weights, strict=False)
+    assert not unexpected and all(name not in weights for name in missing)
+    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, **quiet)
+    return (trainer.validate if stage == "val" else trainer.test)(system, datamodule=datamodule, verbose=False)[0]
+
+
+# A tiny untrained captioner for inference tests: 32 px images, 8 px patches, width 32, 2 layers.
+CAPTION_WORDS = "a red blue green circle square on the left right".split()
+CAPTION_PREPROCESS = dict(
+    img_size=32, crop_pct=1.0, crop_mode="squash", mean=[0.5] * 3, std=[0.5] * 3, interpolation="bicubic"
+)
+# Gains that make a random tiny model's answers depend on the image (see _follow_the_image).
+PATCH_GAIN, ATTENTION_GAIN = 4.0, 3.0
+
+
+def _follow_the_image(model) -> None:
+    """Make a random model's outputs depend on the image, deterministically: fresh, its patch tokens
+    differ little between images and its attention outputs are small next to the residual stream, so
+    every photo got the same caption ("a a a a a a a") and the same top-2 labels. The patch embedding
+    x PATCH_GAIN and every attention layer's values and output x ATTENTION_GAIN let the image steer
+    the answer (captions and labels that differ between images; tests assert how many before any
+    ordering or routing assertion, see ``distinct``)."""
+    import torch
+
+    from vitattn.layers import MultiHeadAttention
+
+    encoder = model.encoder if hasattr(model, "encoder") else model
+    with torch.no_grad():
+        encoder.patch_embed.proj.weight.mul_(PATCH_GAIN)
+        for layer in model.modules():
+            if isinstance(layer, MultiHeadAttention):
+                layer.wv.weight.mul_(ATTENTION_GAIN)
+                layer.dense.weight.mul_(ATTENTION_GAIN)
+
+
+def distinct(answers, at_least: int = 3) -> int:
+    """The number of distinct ``answers`` (captions, label lists), asserted to be at least ``at_least``:
+    an ordering or routing assertion on answers that are all alike cannot see images swapped."""
+    count = len({tuple(a) if isinstance(a, list) else a for a in answers})
+    assert count >= at_least, f"only {count} distinct answers among {len(answers)}: {answers}"
+    return count
+
+
+def make_caption_bundle(folder: Path) -> Path:
+    """Write a bundle of a tiny random captioner (seed 0) whose captions are a few words, not empty, and
+    depend on the image (``_follow_the_image``)."""
+    import torch
+
+    from vitattn.bundle import save_bundle
+    from vitattn.data.vocab import Vocabulary
+    from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
+
+    torch.manual_seed(0)
+    vocab = Vocabulary(CAPTION_WORDS)
+    decoder = CaptionDecoder(len(vocab), embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, max_len=8)
+    with torch.no_grad():
+        decoder.token_embed.weight[vocab.eos_id].zero_()  # captions of a few words, not empty ones
+    encoder = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
+    model = ImageCaptioner(encoder, decoder).eval()
+    _follow_the_image(model)
+    return save_bundle(folder, model, task="caption", preprocess=CAPTION_PREPROCESS, vocab=vocab)
+
+
+def make_classifier_bundle(folder: Path, class_names=("cat", "dog", "bird")) -> Path:
+    """Write a bundle of a tiny random classifier (seed 0): 32 px images, 8 px patches, width 32, 2 layers,
+    whose labels depend on the image (``_follow_the_image``)."""
+    import torch
+
+    from vitattn.bundle import save_bundle
+    from vitattn.models import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, num_classes=len(class_names)
+    ).eval()
+    _follow_the_image(model)
+    return save_bundle(
+        folder, model, task="classification", preprocess=CAPTION_PREPROCESS, class_names=list(class_names)
+    )
+
+
+def console_script(name: str) -> Path:
+    """The venv's ``name`` console script. A missing one fails the test: the install is broken, nothing to skip."""
+    path = Path(sys.executable).with_name(name)
+    assert path.is_file(), f"console script {name} is missing from {path.parent}: run pip install -e . --no-deps"
+    return path
+
+
+def compose_train(overrides: list[str], output_dir: Path | None = None) -> DictConfig:
+    """``conf/train.yaml`` composed with ``overrides``, writing into ``output_dir``."""
+    extra = [f"paths.output_dir={output_dir}"] if output_dir is not None else []
+    return compose([*overrides, *extra])
+
+
+def _image(rng: np.random.Generator, size: int) -> Image.Image:
+    colour = rng.integers(0, 256, 3, dtype=np.uint8)
+    pixels = np.clip(colour + rng.integers(-20, 20, (size, size, 3)), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
+def make_image_folder(root: Path, classes=("cat", "dog"), per_class: int = 6, size: int = 40) -> Path:
+    """``root/{train,val}/<class>/<n>.png`` with random images."""
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for name in classes:
+            (root / split / name).mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                _image(rng, size).save(root / split / name / f"{i}.png")
+    return root
+
+
+def make_coco(root: Path, num_train: int = 12, num_val: int = 6, size: int = 40) -> dict[str, Path]:
+    """Images and COCO caption JSONs (two captions per image) under ``root``."""
+    rng = np.random.default_rng(1)
+    words = ["a", "red", "blue", "dog", "cat", "on", "the", "grass", "sofa", "sleeping"]
+    image_dir = root / "images"
+    image_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"image_dir": image_dir}
+    next_id = 1
+    for split, n in (("train", num_train), ("val", num_val)):
+        images, annotations = [], []
+        for _ in range(n):
+            name = f"{split}_{next_id:03d}.jpg"
+            _image(rng, size).save(image_dir / name)
+            images.append({"id": next_id, "file_name": name})
+            for _ in range(2):
+                caption = " ".join(rng.choice(words, 5)).capitalize() + "."
+                annotations.append({"id": len(annotations) + 1, "image_id": next_id, "caption": caption})
+            next_id += 1
+        path = root / f"captions_{split}.json"
+        path.write_text(json.dumps({"images": images, "annotations": annotations}))
+        paths[f"{split}_annotations"] = path
+    return paths
+
+
+# Images per split of make_karpathy's file; restval, val and test words appear nowhere in train.
+KARPATHY_SIZES = {"train": 6, "restval": 2, "val": 3, "test": 3}
+KARPATHY_WORDS = {"restval": "giraffe", "val": "zebra", "test": "penguin"}
+
+
+def make_karpathy(root: Path, style: str = "coco", size: int = 40) -> dict[str, Path]:
+    """Images and a Karpathy-split JSON under ``root``, in exactly that file's format.
+
+    ``style="coco"``: ``dataset_coco.json``, entries with ``filepath`` (``train2014`` / ``val2014``) and
+    ``cocoid``; ``"flickr"``: ``dataset_flickr8k.json``, ``filename`` only. Image ``k`` has ``3 + k % 3``
+    sentences, each with ``raw`` (the first padded with spaces, as some in the real files are) and ``tokens``.
+    """
+    rng = np.random.default_rng(2)
+    words = ["a", "red", "blue", "dog", "cat", "on", "the", "grass", "sofa", "sleeping"]
+    image_dir = root / "images"
+    entries: list[dict] = []
+    next_sentid = 0
+    for split, n in KARPATHY_SIZES.items():
+        for _ in range(n):
+            imgid = len(entries)
+            entry: dict = {"sentids": [], "imgid": imgid, "sentences": [], "split": split}
+            if style == "coco":
+                cocoid = 1000 + 7 * imgid
+                folder = "train2014" if split == "train" else "val2014"
+                entry.update(filepath=folder, filename=f"COCO_{folder}_{cocoid:012d}.jpg", cocoid=cocoid)
+                path = image_dir / folder / entry["filename"]
+            else:
+                entry["filename"] = f"{1000 + imgid}_{rng.integers(16**9):09x}.jpg"
+                path = image_dir / entry["filename"]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _image(rng, size).save(path)
+            for k in range(3 + imgid % 3):
+                tokens = [*rng.choice(words, 4), KARPATHY_WORDS.get(split, "dog")]
+                raw = " ".join(tokens).capitalize() + "."
+                sentence = {"tokens": tokens, "raw": f"  {raw} " if k == 0 else raw, "imgid": imgid}
+                entry["sentences"].append({**sentence, "sentid": next_sentid})
+                entry["sentids"].append(next_sentid)
+                next_sentid += 1
+            entries.append(entry)
+    path = root / f"dataset_{'coco' if style == 'coco' else 'flickr8k'}.json"
+    path.write_text(json.dumps({"images": entries, "dataset": "coco" if style == "coco" else "flickr8k"}))
+    return {"dataset_json": path, "image_dir": image_dir}
+
+
+def record_kept_fp32(monkeypatch) -> dict[str, list[str]]:
+    """Graph name -> the products the next int8 exports keep in fp32, as the export lists them
+    (``vitattn.bundle.onnx_export.kept_fp32``, recorded while it quantizes)."""
+    import vitattn.bundle.onnx_export as onnx_export
+
+    kept: dict[str, list[str]] = {}
+    listed = onnx_export.kept_fp32
+
+    def record(graph, name: str) -> list[str]:
+        kept[name] = listed(graph, name)
+        return kept[name]
+
+    monkeypatch.setattr(onnx_export, "kept_fp32", record)
+    return kept
+
+
+def check_int8_graphs(folder: Path, kept: dict[str, list[str]]) -> dict[str, dict[str, int]]:
+    """Assert that the graphs of int8 ONNX folder ``folder`` are quantized, whatever its ``onnx.json`` says:
+    activations quantized at run time (``DynamicQuantizeLinear``), the products with weights integer
+    (``MatMulInteger``; the encoder's attention ``QAttention``, no fp32 ``Attention`` left), and the float
+    ``MatMul``s exactly the products the export keeps in fp32 (``kept``, ``record_kept_fp32``), each with
+    float inputs. Returns each graph's operator counts."""
+    from collections import Counter
+
+    import onnx
+
+    from vitattn.bundle.onnx_folder import ONNX_CONFIG_FILE
+
+    graphs = json.loads((folder / ONNX_CONFIG_FILE).read_text())["graphs"]
+    counts = {}
+    for name, entry in graphs.items():
+        graph = onnx.shape_inference.infer_shapes(onnx.load(folder / entry["file"])).graph
+        types = {v.name: v.type.tensor_type.elem_type for v in [*graph.value_info, *graph.input, *graph.output]}
+        types |= {w.name: w.data_type for w in graph.initializer}
+        ops = Counter(node.op_type for node in graph.node)
+        counts[name] = dict(ops)
+        assert ops["DynamicQuantizeLinear"] and ops["MatMulInteger"], f"{name}: not quantized, operators {dict(ops)}"
+        assert not ops["Attention"] and (ops["QAttention"] or name == "decoder_step"), f"{name}: {dict(ops)}"
+        assert name in kept, f"the export listed no products to keep in fp32 for {name}"
+        float_products = {node.name: node for node in graph.node if node.op_type == "MatMul"}
+        assert sorted(float_products) == sorted(kept[name]), f"{name}: fp32 products other than those kept"
+        for node in float_products.values():
+            inputs = {x: onnx.TensorProto.DataType.Name(types.get(x, 0)) for x in node.input}
+            assert set(inputs.values()) == {"FLOAT"}, f"{name}: {node.name} kept in fp32 multiplies {inputs}"
+    assert kept.get("decoder_step", True), "the decoder step keeps its attention and vocabulary products in fp32"
+    return counts
+
+
+def stop_mid_run(command: list[str], log: Path, ready, stop: str, env: dict, wait: float = 400) -> None:
+    """Start ``command`` (a training, in its own process group, output to ``log``), wait until ``ready()``, then
+    stop it: ``sigterm`` to its first process (a preemption: exit status 75 expected) or ``kill-9`` to the whole
+    group at once (ranks and loader workers)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + wait
+        while proc.poll() is None and time.monotonic() < deadline and not ready():
+            time.sleep(0.02)
+        assert proc.poll() is None and ready(), log.read_text()[-3000:]
+        if stop == "sigterm":
+            proc.send_signal(signal.SIGTERM)  # rank 0: every rank stops after the same step, with a checkpoint
+            assert proc.wait(timeout=300) == 75, log.read_text()[-3000:]
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)

@@ -1,0 +1,166 @@
+"""Captioning many files: a killed ``vitattn-caption`` resumes with each image once, memory does not
+grow with the number of images, and the helpers of benchmarks/load_caption.py measure what they say."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tracemalloc
+import weakref
+from collections import Counter
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from benchmarks import load_caption
+from tests.helpers import console_script
+from tests.inference.test_captioner import bundle_dir  # noqa: F401 - the tiny caption bundle fixture, reused
+from vitattn.bundle import load_bundle
+from vitattn.inference import caption_to_file, list_inputs
+
+
+def _live(pids) -> list[int]:
+    """The ``pids`` still running (a killed child that nobody has reaped yet is a zombie: not running)."""
+    running = load_caption.scan_processes()
+    return [p for p in pids if p in running]
+
+
+@pytest.mark.slow
+def test_killed_caption_run_resumes_with_each_image_once(bundle_dir, tmp_path):  # noqa: F811
+    script = console_script("vitattn-caption")
+    folder = load_caption.write_images(tmp_path / "imgs", 300, img_size=48)
+    # A FIFO listed last: its reader blocks until killed, so however fast this machine captions,
+    # the first run cannot finish before the kill.
+    stall = folder / "zzz_stall.jpg"
+    os.mkfifo(stall)
+    out = tmp_path / "captions.jsonl"
+    cmd = [
+        str(script),
+        f"model={bundle_dir}",
+        f"images={folder}",
+        f"out={out}",
+        "batch_size=8",
+        "num_workers=2",
+        "device=cpu",
+        "progress=false",
+    ]
+    count = load_caption.LineCounter(out)
+    with open(tmp_path / "first.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 180
+            while proc.poll() is None and count() < 8 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            tree = load_caption.process_tree(proc.pid)  # the CLI and its DataLoader workers
+            os.killpg(proc.pid, signal.SIGKILL)  # its own process group: the workers die with it
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-3000:]
+    assert len(tree) == 3, f"expected the CLI and 2 workers, found {tree}"
+    deadline = time.monotonic() + 10
+    while _live(tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _live(tree), f"processes of the killed run still alive: {_live(tree)}"
+
+    data = out.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]  # a partial last line is allowed: the re-run cuts it off
+    first = [json.loads(line) for line in whole.decode().splitlines()]
+    assert 8 <= len(first) < 301, len(first)
+    assert all(r["caption"] and r["image"].startswith(str(folder)) for r in first)
+    print(f"killed with {len(first)} of 301 records written ({len(data) - len(whole)} bytes of a partial line)")
+
+    stall.unlink()
+    Image.new("RGB", (48, 48), (40, 90, 215)).save(stall)  # the same name, now a real image
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert out.read_bytes().startswith(whole)  # the first run's records are kept, not redone
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    counts = Counter(r["image"] for r in records)
+    assert set(counts) == {x.path for x in list_inputs(folder)} and set(counts.values()) == {1}
+    assert all(r.get("caption") and "error" not in r for r in records)
+    assert again.stdout.strip().splitlines()[-1] == f"captioned 301 images, 0 failed -> {out}"
+
+
+@pytest.mark.slow
+def test_caption_to_file_memory_does_not_grow_with_the_number_of_images(bundle_dir, tmp_path, monkeypatch):  # noqa: F811
+    bundle = load_bundle(bundle_dir)
+    rng = np.random.default_rng(0)
+    for i in range(800):
+        Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(tmp_path / f"img_{i:04d}.png")
+    inputs = list_inputs(tmp_path)
+    refs: list[weakref.ref] = []  # each batch's images and tokens
+    generate = bundle.model.generate
+
+    def watched(images, **kwargs):
+        # the caller may still hold the batch before this one; any older one must be gone by now
+        held = [i // 2 for i, r in enumerate(refs[:-2]) if r() is not None]
+        assert not held, f"batches {sorted(set(held))} are still in memory when batch {len(refs) // 2} starts"
+        tokens = generate(images, **kwargs)
+        refs.extend([weakref.ref(images), weakref.ref(tokens)])
+        return tokens
+
+    monkeypatch.setattr(bundle.model, "generate", watched)
+    peaks = {}
+    for n in (200, 800):
+        refs.clear()
+        tracemalloc.start()
+        try:
+            summary = caption_to_file(
+                bundle, inputs[:n], tmp_path / f"out{n}.jsonl", batch_size=16, num_workers=0, progress=False
+            )
+            peaks[n] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert summary.captioned == n and len(refs) == 2 * -(-n // 16)
+        assert not [r for r in refs if r() is not None]  # no tensor outlives the run
+    # Python memory (numpy arrays included) that grows with the run: the records, a few hundred
+    # bytes per image (~300 measured). One 16x16 RGB image kept per image would add 768 bytes.
+    per_image = (peaks[800] - peaks[200]) / 600
+    assert per_image < 700, f"peak Python memory grows by {per_image:.0f} bytes per image"
+
+
+def test_load_caption_summary_of_samples():
+    # [t_s, tree_kib, main_kib, processes, lines, other_cpu_s]: 100 images, 20 per second after a
+    # 2 s start; the workers (processes 3) are gone once the last record is written
+    samples = [[0.0, 1024, 1024, 1, 0, 0.0], [2.0, 3072, 2048, 3, 20, 0.0]]
+    samples += [[2.0 + k, 3072 + 1024 * (k == 2), 2048, 3, 20 + 20 * k, 0.5 * k] for k in range(1, 4)]
+    samples += [[6.0, 2048, 2048, 1, 100, 2.0], [6.3, 5120, 5120, 1, 100, 2.0], [6.5, 0, 0, 0, 100, 2.0]]
+    row = load_caption.summarise(samples, 100, 6.5)
+    assert row["captioned"] == 100 and row["startup_s"] == 2.0 and row["total_s"] == 6.5
+    assert row["peak_rss_tree_mib"] == 4.0 and row["peak_rss_main_mib"] == 2.0 and row["max_processes"] == 3
+    assert row["peak_rss_exit_mib"] == 5.0  # after the last record: shutdown, reported apart
+    assert row["rss_tree_mib_at"] == {"20%": 3.0, "40%": 3.0, "60%": 4.0, "80%": 3.0, "100%": 2.0}
+    assert row["images_per_s_by_fifth"] == [None, 20.0, 20.0, 20.0, 20.0]  # the first fifth is one batch: untimed
+    assert row["other_cpu_cores_by_fifth"] == [None, 0.5, 0.5, 0.5, 0.5]
+
+
+def test_load_caption_counts_only_complete_lines(tmp_path):
+    path = tmp_path / "out.jsonl"
+    count = load_caption.LineCounter(path)
+    assert count() == 0  # no file yet
+    path.write_bytes(b'{"a": 1}\n{"b"')
+    assert count() == 1
+    with open(path, "ab") as f:
+        f.write(b': 2}\n{"c": 3}\n')
+    assert count() == 3
+
+
+def test_load_caption_finds_the_process_tree():
+    grandchild = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(60)'])"
+    child = subprocess.Popen([sys.executable, "-c", grandchild], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while len(load_caption.process_tree(child.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = load_caption.process_tree(child.pid)
+        assert tree[0] == child.pid and len(tree) == 2
+        assert all(load_caption.rss_kib(p) > 0 for p in tree)
+        assert os.getpid() in load_caption.process_tree(os.getppid())
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()

@@ -1,0 +1,178 @@
+"""Every file and generated DataModule resumes mid-epoch exactly: the samples of an interrupted epoch, over both
+runs, are those of an uninterrupted one, in one process and in two (vitattn.data.resumable)."""
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import Dataset, DistributedSampler, RandomSampler
+
+from tests.helpers import TINY, compose_train, make_coco, make_image_folder, stop_mid_run
+from vitattn.data.resumable import EpochSampler, ResumableLoader
+from vitattn.training import train
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONWARNINGS": "ignore",
+    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),  # this checkout's vitattn
+}
+
+
+class _Indices(Dataset):
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def test_epoch_sampler_in_one_process_draws_randomsamplers_order():
+    torch.manual_seed(3)
+    expected = [list(RandomSampler(range(11))) for _ in range(2)]
+    torch.manual_seed(3)
+    sampler = EpochSampler(11)
+    assert [list(sampler) for _ in range(2)] == expected
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_epoch_sampler_gives_each_rank_distributedsamplers_share(ranks):
+    for rank in range(ranks):
+        theirs, ours = DistributedSampler(range(10), ranks, rank, seed=7), EpochSampler(10, ranks, rank, seed=7)
+        theirs.set_epoch(2), ours.set_epoch(2)
+        assert list(ours) == list(theirs) and len(ours) == len(theirs)  # padded to 12 with 3 ranks, as theirs
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_loader_state_mid_epoch_resumes_the_rest_of_the_epoch(workers, ranks):
+    def loader(rank: int) -> ResumableLoader:
+        sampler = EpochSampler(21, ranks, rank, seed=5)
+        sampler.set_epoch(1)
+        return ResumableLoader(_Indices(21), sampler=sampler, batch_size=4, num_workers=workers)
+
+    for rank in range(ranks):
+        torch.manual_seed(0)
+        whole = [b.tolist() for b in loader(rank)]
+        first, seen = loader(rank), []
+        torch.manual_seed(0)
+        for batch in first:
+            seen.append(batch.tolist())
+            assert first.last_indices == batch.tolist()  # the keys SampleKeys writes name the batch's samples
+            if len(seen) == 2:
+                break
+        state = first.state_dict()
+        assert state["batches"] == 2 and len(first) == len(whole)
+        torch.manual_seed(1)  # another global seed: the order comes from the state
+        second = loader(rank)
+        second.load_state_dict(json.loads(json.dumps(state)))  # what a checkpoint keeps
+        rest = [b.tolist() for b in second]
+        assert seen + rest == whole
+        assert second.state_dict()["batches"] == len(whole)
+
+
+def test_a_loader_state_of_other_data_is_refused_in_one_line():
+    state = ResumableLoader(_Indices(21), sampler=EpochSampler(21), batch_size=4).state_dict()
+    state.update(epoch_seed=1, batches=2)
+    other = ResumableLoader(_Indices(20), sampler=EpochSampler(20), batch_size=4)
+    with pytest.raises(ValueError, match="^the checkpoint's training loader stopped mid-epoch over 21 samples") as err:
+        other.load_state_dict(state)
+    assert "\n" not in str(err.value)
+
+
+def _overrides(name: str, size: int, root: Path) -> tuple[list[str], list[str]]:
+    """Overrides for a tiny one-epoch ``name`` run of ``size`` training samples (4 a batch) and their keys."""
+    if name == "shapes":
+        data = ["head=classification", "data=shapes", f"data.num_train={size}", "data.num_val=8", "data.num_test=8"]
+        keys = [str(i) for i in range(size)]
+    elif name == "imagefolder":
+        make_image_folder(root / "tree", per_class=size // 2, size=32)
+        keys = [f"{c}/{p.name}" for c in ("cat", "dog") for p in (root / "tree" / "train" / c).iterdir()]
+        data = ["head=classification", "data=imagefolder", f"data.root={root / 'tree'}"]
+    else:
+        files = make_coco(root / "coco", num_train=size, num_val=4, size=32)
+        keys = [image["file_name"] for image in json.loads(files["train_annotations"].read_text())["images"]]
+        data = ["head=caption", "data=coco", *[f"data.{k}={v}" for k, v in files.items()]]
+    run = ["data.batch_size=4", "trainer.max_epochs=1", "test=false", "export_bundle=false"]
+    return [*TINY, *data, *run, "+callbacks.sample_keys._target_=vitattn.training.callbacks.SampleKeys"], keys
+
+
+def _keys(folder: Path, suffix: str = "txt") -> list[tuple[int, int, list[str]]]:
+    """Every rank's ``(rank, step, keys)`` lines (SampleKeys) in the files ending ``suffix``."""
+    return [
+        (int(f.name.split(".")[1][4:]), int(step), keys)
+        for f in sorted(folder.glob(f"keys.rank*.{suffix}"))
+        for step, *keys in (line.split() for line in f.read_text().splitlines())
+    ]
+
+
+# The fast run keeps coco without workers; the rest run with the slow tests (as do the DDP ones).
+@pytest.mark.parametrize(
+    "name",
+    ["coco", pytest.param("imagefolder", marks=pytest.mark.slow), pytest.param("shapes", marks=pytest.mark.slow)],
+)
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_preempted_epoch_in_one_process_trains_what_an_uninterrupted_one_does(name, workers, tmp_path):
+    overrides, expected = _overrides(name, 24, tmp_path / "data")
+    overrides.append(f"data.num_workers={workers}")
+    train(compose_train([*overrides, f"+callbacks.sample_keys.folder={tmp_path / 'whole'}"], tmp_path / "whole_run"))
+    whole = [k for _, _, ks in _keys(tmp_path / "whole") for k in ks]
+    assert sorted(whole) == sorted(expected)  # the keys name each training sample once
+
+    run, resumed = tmp_path / "run", [*overrides, f"+callbacks.sample_keys.folder={tmp_path / 'keys'}", "resume=auto"]
+    command = [
+        sys.executable,
+        str(ROOT / "tests" / "helpers" / "preempted_train.py"),
+        "SIGUSR1",
+        "train",
+        "2",
+        str(run),
+    ]
+    proc = subprocess.run([*command, *resumed], capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "at step 3" in json.loads(proc.stdout.strip().splitlines()[-1])["preempted"]
+    train(compose_train(resumed, run))
+    steps = _keys(tmp_path / "keys")
+    assert [s for _, s, _ in steps] == list(range(1, 7))  # steps 1..3, then 4..6 in the resumed run
+    assert [k for _, _, ks in steps for k in ks] == whole  # the same samples, in the same order
+
+
+DDP_CPU = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["sigterm", "kill-9"])
+@pytest.mark.parametrize("name", ["coco", "imagefolder", "shapes"])
+def test_a_stopped_ddp_epoch_resumes_with_every_sample_once(name, stop, tmp_path):
+    overrides, expected = _overrides(name, 48, tmp_path / "data")
+    overrides.append(f"+callbacks.sample_keys.folder={tmp_path / 'keys'}")
+    command = [
+        *[sys.executable, "-m", "vitattn.cli.train", *DDP_CPU, "trainer.benchmark=false", *overrides],
+        *["data.num_workers=1", "callbacks.step_checkpoint.every_n_train_steps=2", "resume=auto"],
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    keys, last = tmp_path / "keys", tmp_path / "run" / "checkpoints" / "last.ckpt"
+    steps = len(expected) // (2 * 4)  # 6: two ranks of 4 samples a step, every sample once (no padding)
+    stop_mid_run(command, tmp_path / "first.log", lambda: len(_keys(keys)) >= 2 * 3, stop, ENV)
+    saved = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
+    assert 0 < saved < steps
+    before = [k for _, step, ks in _keys(keys) if step <= saved for k in ks]  # what the checkpoint holds
+    assert len(before) == 2 * 4 * saved
+    for f in keys.glob("*"):
+        f.rename(f.with_suffix(".first"))
+
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = [k for _, _, ks in _keys(keys) for k in ks]
+    repeated = [k for k, n in Counter(before + after).items() if n > 1]
+    assert not repeated, f"{len(repeated)} samples trained twice: {repeated[:5]}"
+    assert sorted(before + after) == sorted(expected)  # none skipped

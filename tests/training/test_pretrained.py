@@ -1,0 +1,320 @@
+"""``finetune.pretrained``: every source, built from a randomly initialised timm model saved to a file, gives
+the encoder timm's features; the timm ViT families load with the switches their weights show."""
+
+import json
+import logging
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+
+from tests.helpers import TINY, TINY_SHAPES, compose_train
+from vitattn.bundle import load_bundle, save_bundle
+from vitattn.data.preprocess import default_preprocess
+from vitattn.errors import ConfigError
+from vitattn.models import VisionTransformer
+from vitattn.models.vit import preset_config
+from vitattn.training import build_system, train
+from vitattn.training.config import check_config
+from vitattn.training.pretrained import read_pretrained
+
+SHAPE = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
+# The timm ViT families, each at the tiny shape: what their weights show, and what a file cannot show.
+FAMILIES = {
+    "augreg": ("vit_base_patch16_224", {}),
+    "deit": ("deit_base_patch16_224", {}),
+    "clip_laion": ("vit_base_patch16_clip_224", {}),  # LayerNorm before the blocks, eps 1e-5, no patch bias
+    "clip_openai": ("vit_base_patch32_clip_quickgelu_224", {"activation": "quick_gelu"}),
+    "avg_fc_norm": ("eva_large_patch14_196", {}),  # global_pool=avg: fc_norm after pooling, no final norm
+}
+TIMM_TINY = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"  # the smallest timm ViT name with weights (5.7 M)
+
+
+def _timm(name: str = "vit_base_patch16_224", **kwargs) -> torch.nn.Module:
+    """A randomly initialised timm model of family ``name`` at the tiny shape, its positions made large so that
+    a wrongly resampled grid shows in the features."""
+    model = timm.create_model(name, pretrained=False, **{**SHAPE, "num_classes": 3, **kwargs})
+    with torch.no_grad():
+        model.pos_embed.normal_()
+    return model.eval()
+
+
+def _config(**overrides) -> dict:
+    """Model keyword arguments as ``model=cpu`` composes them (today's defaults), at the tiny shape."""
+    return {**preset_config("cpu"), **SHAPE, "num_classes": 0, **overrides}
+
+
+def _encoder(source, **overrides) -> VisionTransformer:
+    """What ``build_system`` does with ``finetune.pretrained=source``: read, fit the config, build, load."""
+    weights = read_pretrained(str(source))
+    config = _config(**overrides)
+    weights.fit(config)
+    model = VisionTransformer(**config)
+    weights.load_into(model)
+    return model.eval()
+
+
+def _assert_same_features(ours: VisionTransformer, ref: torch.nn.Module, img_size: int = 32) -> None:
+    x = torch.randn(2, 3, img_size, img_size)
+    with torch.no_grad():
+        feats, ref_feats = ours.forward_features(x), ref.forward_features(x)
+        torch.testing.assert_close(feats, ref_feats, atol=1e-5, rtol=1e-5)
+        pooled = ours.forward_head(feats, pre_logits=True)
+        torch.testing.assert_close(pooled, ref.forward_head(ref_feats, pre_logits=True), atol=1e-5, rtol=1e-5)
+
+
+def _save_npz(model: torch.nn.Module, path: Path) -> Path:
+    """``model`` in the original JAX ViT layout that timm's ``_load_weights`` reads (the inverse of its ``_n2p``)."""
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    D, H = model.embed_dim, model.blocks[0].attn.num_heads
+    w = {
+        "embedding/kernel": sd["patch_embed.proj.weight"].transpose(2, 3, 1, 0),  # (P, P, C, D)
+        "embedding/bias": sd["patch_embed.proj.bias"],
+        "cls": sd["cls_token"],
+        "Transformer/posembed_input/pos_embedding": sd["pos_embed"],
+        "Transformer/encoder_norm/scale": sd["norm.weight"],
+        "Transformer/encoder_norm/bias": sd["norm.bias"],
+        "head/kernel": sd["head.weight"].T,
+        "head/bias": sd["head.bias"],
+    }
+    for i in range(len(model.blocks)):
+        b, t = f"blocks.{i}.", f"Transformer/encoderblock_{i}/"
+        for n, ln in (("norm1", "LayerNorm_0"), ("norm2", "LayerNorm_2")):
+            w[f"{t}{ln}/scale"], w[f"{t}{ln}/bias"] = sd[f"{b}{n}.weight"], sd[f"{b}{n}.bias"]
+        qkv_w, qkv_b = np.split(sd[f"{b}attn.qkv.weight"], 3), np.split(sd[f"{b}attn.qkv.bias"], 3)
+        for name, weight, bias in zip(("query", "key", "value"), qkv_w, qkv_b):
+            w[f"{t}MultiHeadDotProductAttention_1/{name}/kernel"] = weight.T.reshape(D, H, D // H)
+            w[f"{t}MultiHeadDotProductAttention_1/{name}/bias"] = bias.reshape(H, D // H)
+        proj = sd[f"{b}attn.proj.weight"]
+        w[f"{t}MultiHeadDotProductAttention_1/out/kernel"] = proj.reshape(D, H, D // H).transpose(1, 2, 0)
+        w[f"{t}MultiHeadDotProductAttention_1/out/bias"] = sd[f"{b}attn.proj.bias"]
+        for r in range(2):
+            w[f"{t}MlpBlock_3/Dense_{r}/kernel"] = sd[f"{b}mlp.fc{r + 1}.weight"].T
+            w[f"{t}MlpBlock_3/Dense_{r}/bias"] = sd[f"{b}mlp.fc{r + 1}.bias"]
+    np.savez(path, **w)
+    return path
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any connection attempt fails the test: the hub must be neither asked nor waited for."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args}")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face hub cache (timm's cache for hub weights) in ``tmp_path``."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_timm_family_gives_timm_features_with_the_switches_its_weights_show(family, tmp_path):
+    name, not_in_the_weights = FAMILIES[family]
+    ref = _timm(name)
+    save_file(ref.state_dict(), tmp_path / "vit.safetensors")
+    ours = _encoder(tmp_path / "vit.safetensors", **not_in_the_weights)  # config: today's defaults
+    _assert_same_features(ours, ref)
+    config = ours.config
+    assert config["norm_pre"] == family.startswith("clip")
+    assert config["layer_norm_eps"] == (1e-5 if family.startswith("clip") else 1e-6)
+    assert (config["global_pool"], config["fc_norm"]) == (("avg", None) if family == "avg_fc_norm" else ("cls", None))
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth", ".bin", ".npz"])
+def test_a_local_timm_file_gives_timm_features(suffix, tmp_path):
+    ref = _timm(num_classes=5)
+    path = tmp_path / f"vit{suffix}"
+    if suffix == ".safetensors":
+        save_file(ref.state_dict(), path)
+    elif suffix == ".pth":
+        torch.save({"state_dict": ref.state_dict(), "epoch": 3}, path)  # a timm training checkpoint
+    elif suffix == ".bin":
+        torch.save(ref.state_dict(), path)
+    else:
+        _save_npz(ref, path)
+    ours = _encoder(path, num_classes=5)
+    _assert_same_features(ours, ref)
+    with torch.no_grad():
+        x = torch.randn(1, 3, 32, 32)
+        torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-5)  # a head of the same size is loaded
+
+
+def test_a_timm_name_with_a_local_file_loads_through_timm(tmp_path, no_network):
+    file = tmp_path / "model.safetensors"
+    save_file(timm.create_model(TIMM_TINY, pretrained=False).state_dict(), file)
+    ours = _encoder(f"{TIMM_TINY}@{file}", embed_dim=192, depth=12, num_heads=3, mlp_ratio=4.0)
+    assert ours.config["patch_size"] == 16  # set from the weights
+    ref = timm.create_model(TIMM_TINY, pretrained=True, pretrained_cfg_overlay=dict(file=str(file)), img_size=32)
+    _assert_same_features(ours, ref.eval())
+
+
+def test_a_timm_name_loads_from_timms_cache_without_the_network(tmp_path, hub_cache, no_network):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = hub_cache / f"models--timm--{TIMM_TINY}"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    file = repo / "snapshots" / commit / "model.safetensors"
+    save_file(timm.create_model(TIMM_TINY, pretrained=False).state_dict(), file)
+    ours = _encoder(TIMM_TINY, embed_dim=192, depth=12, num_heads=3, mlp_ratio=4.0)
+    ref = timm.create_model(TIMM_TINY, pretrained=True, pretrained_cfg_overlay=dict(file=str(file)), img_size=32)
+    _assert_same_features(ours, ref.eval())
+
+
+def test_a_timm_name_offline_and_uncached_is_one_line_naming_the_local_file_fix(hub_cache, no_network):
+    with pytest.raises(
+        ConfigError, match=rf"{TIMM_TINY}: its weights are not in timm's cache and vitattn does not"
+    ) as err:
+        read_pretrained(TIMM_TINY)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "pretrained_cfg_overlay=dict(file=" in message and f"finetune.pretrained={TIMM_TINY}@/path/to/" in message
+
+
+def _vitattn_classifier(ref: torch.nn.Module, tmp_path: Path) -> VisionTransformer:
+    """A vitattn classifier started from ``ref``'s weights: the kind of model a run here trains first."""
+    source = tmp_path / "timm.safetensors"
+    save_file(ref.state_dict(), source)
+    return _encoder(source, num_classes=3)
+
+
+@pytest.mark.parametrize("kind", ["run", "bundle", "bundle-weights", "ckpt"])
+def test_a_vitattn_run_bundle_or_checkpoint_gives_its_encoder(kind, tmp_path):
+    ref = _timm("vit_base_patch16_clip_224")  # its switches travel through the vitattn model's config
+    classifier = _vitattn_classifier(ref, tmp_path)
+    run = tmp_path / "run"
+    save_bundle(run / "bundle", classifier, task="classification", preprocess=default_preprocess(32))
+    if kind == "ckpt":
+        hparams = dict(model_config=classifier.config, class_names=["a", "b", "c"], preprocess=default_preprocess(32))
+        state = {f"model.{k}": v for k, v in classifier.state_dict().items()}
+        torch.save({"hyper_parameters": hparams, "state_dict": state}, tmp_path / "last.ckpt")
+    source = {
+        "run": run,
+        "bundle": run / "bundle",
+        "bundle-weights": run / "bundle" / "model.safetensors",
+        "ckpt": tmp_path / "last.ckpt",
+    }[kind]
+    ours = _encoder(source, num_classes=7)  # another head size: dropped
+    assert ours.config["norm_pre"] and ours.config["layer_norm_eps"] == 1e-5
+    _assert_same_features(ours, ref)
+
+
+def test_switches_are_set_from_the_weights_and_logged_in_one_line(tmp_path, caplog):
+    ref = _timm("vit_base_patch16_clip_224", patch_size=16, img_size=64, num_classes=1000)
+    save_file(ref.state_dict(), tmp_path / "clip_b16.safetensors")
+    with caplog.at_level(logging.INFO):
+        ours = _encoder(tmp_path / "clip_b16.safetensors", patch_size=8, num_classes=4)
+    assert (ours.config["patch_size"], ours.config["norm_pre"]) == (16, True)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pretrained encoder:")]
+    assert len(lines) == 1
+    for part in (
+        "model.patch_size 8 -> 16",
+        "model.norm_pre false -> true",
+        "model.layer_norm_eps 1e-06 -> 1e-05",
+        "resampled pos_embed 4x4 -> 2x2",
+        "skipped head (1000 classes; the model has 4)",
+        "model.activation=quick_gelu",
+    ):
+        assert part in lines[0], (part, lines[0])
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            dict(embed_dim=64),
+            r"the weights have in_chans=3 embed_dim=32 depth=2 mlp_ratio=2.0; set model\.embed_dim=32$",
+        ),
+        (dict(depth=3, mlp_ratio=4.0), r"set model\.depth=2 model\.mlp_ratio=2\.0$"),
+        (dict(img_size=36, patch_size=4), r"its patch_size=8 does not divide data\.img_size=36"),
+    ],
+)
+def test_a_config_that_contradicts_the_weights_is_refused_in_one_line(overrides, message, tmp_path):
+    save_file(_timm().state_dict(), tmp_path / "vit.safetensors")
+    with pytest.raises(ConfigError, match=rf"^finetune\.pretrained=.*vit\.safetensors: .*{message}"):
+        _encoder(tmp_path / "vit.safetensors", **overrides)
+
+
+def test_a_timm_name_refuses_a_head_count_that_contradicts_it(tmp_path, no_network):
+    file = tmp_path / "model.safetensors"
+    save_file(timm.create_model(TIMM_TINY, pretrained=False).state_dict(), file)
+    with pytest.raises(ConfigError, match=r"num_heads=3 mlp_ratio=4\.0; set model\.num_heads=3 \(or model=tiny\)$"):
+        _encoder(f"{TIMM_TINY}@{file}", embed_dim=192, depth=12, num_heads=4, mlp_ratio=4.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (
+            dict(init_values=1e-5),
+            r"blocks\.0\.ls1\.gamma.* have no place in vitattn.s encoder",
+        ),  # layer scale (DeiT III, EVA-02)
+        (dict(reg_tokens=4, no_embed_class=True), r"not a square grid plus the class token"),
+        (dict(class_token=False, global_pool="avg"), r"the weights have no cls_token"),
+    ],
+)
+def test_timm_vits_that_the_encoder_cannot_copy_are_refused(kwargs, message, tmp_path):
+    save_file(_timm(**kwargs).state_dict(), tmp_path / "vit.safetensors")
+    with pytest.raises(ConfigError, match=message):
+        _encoder(tmp_path / "vit.safetensors")
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("no/such/file.safetensors", r"is neither an existing file or folder nor a timm model name"),
+        ("vit_tiny_patch16_224.nope", r"has no pretrained weights in timm; its pretrained tags: vit_tiny_patch16_224"),
+        (f"{TIMM_TINY}@/no/such.safetensors", r"/no/such\.safetensors does not exist"),
+    ],
+)
+def test_check_config_refuses_a_pretrained_source_that_is_not_there(value, message, tmp_path):
+    cfg = compose_train([*TINY, f"finetune.pretrained={value}"], tmp_path)
+    with pytest.raises(ConfigError, match=rf"^finetune\.pretrained={value}.*{message}"):
+        check_config(cfg)
+
+
+def test_defaults_keep_todays_encoder_and_old_configs_load():
+    model = VisionTransformer(**_config())
+    assert not any(k.startswith(("norm_pre.", "fc_norm.")) for k in model.state_dict())
+    assert "patch_embed.proj.bias" in model.state_dict() and "norm.weight" in model.state_dict()
+    old = {k: v for k, v in model.config.items() if k not in ("norm_pre", "fc_norm")}  # a bundle written before
+    VisionTransformer(**old).load_state_dict(model.state_dict())
+    assert "pretrained" not in preset_config("base")
+
+
+def test_train_from_timm_weights_then_caption_from_that_run(tmp_path):
+    ref = _timm("vit_base_patch16_clip_224", num_classes=1000)
+    save_file(ref.state_dict(), tmp_path / "clip.safetensors")
+    fast = [*TINY, *TINY_SHAPES, "trainer.fast_dev_run=true", "model.mlp_ratio=2.0"]
+    first = train(
+        compose_train(
+            [*fast, "head=classification", f"finetune.pretrained={tmp_path / 'clip.safetensors'}"], tmp_path / "a"
+        )
+    )
+    saved = json.loads((first.bundle_dir / "config.json").read_text())["model"]
+    assert saved["norm_pre"] and "pretrained" not in saved
+    cfg = compose_train([*fast, "head.decoder.depth=1", f"finetune.pretrained={first.run_dir}"], tmp_path / "b")
+    check_config(cfg)
+    datamodule = __import__("hydra").utils.instantiate(cfg.data)
+    datamodule.setup("fit")
+    system = build_system(cfg, datamodule)
+    encoder = system.model.encoder
+    assert encoder.config["norm_pre"] and "pretrained" not in system.hparams["model_config"]["encoder"]
+    classifier = load_bundle(first.bundle_dir).model
+    for key, value in classifier.state_dict().items():
+        if not key.startswith("head."):
+            torch.testing.assert_close(encoder.state_dict()[key], value, rtol=0, atol=0)

@@ -1,0 +1,355 @@
+"""Self-critical training (``finetune=scst``) and starting a run from a whole trained model (``finetune.init``)."""
+
+import csv
+import json
+import math
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from tests.helpers import (
+    TINY,
+    TINY_SHAPES,
+    compose_train,
+    console_script,
+    make_caption_bundle,
+    make_coco,
+    make_karpathy,
+)
+from tests.training.test_preemption import DDP_CPU, ENV
+from vitattn.cli.export import main as export_main
+from vitattn.data.shards.writer import shapes_samples, write_shards
+from vitattn.errors import ConfigError
+from vitattn.inference.api import Captioner
+from vitattn.metrics import CiderD, cider_d
+from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
+from vitattn.run_dir import RunDir
+from vitattn.training import train
+from vitattn.training.init_model import apply_init, read_init
+from vitattn.training.self_critical import prepare_reward, read_statistics
+from vitattn.training.systems.self_critical import ScstConfig, SelfCritical, mean_of_others, sample_log_probs, scst_loss
+
+# A captioner on the built-in shapes that logs every step; SCST and cross-entropy second stages start from it.
+BASE = [*TINY, *TINY_SHAPES, "trainer.max_epochs=-1", "trainer.log_every_n_steps=1", "export_bundle=true"]
+
+
+def _toy_captioner(seed: int = 0, vocab_size: int = 7, unk_id: int | None = 3) -> ImageCaptioner:
+    torch.manual_seed(seed)
+    encoder = VisionTransformer(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2, num_classes=0)
+    decoder = CaptionDecoder(
+        vocab_size, embed_dim=16, depth=1, num_heads=2, max_len=6, drop_rate=0.0, unk_id=unk_id, memory_dim=16
+    )
+    return ImageCaptioner(encoder, decoder)
+
+
+# ----------------------------------------------------------------------------------------------- the loss
+
+
+def test_the_loss_and_its_gradient_are_the_reference_reward_criterion_by_hand():
+    # One-step "decoder": each sample's log-probabilities are log softmax(theta_s) over V tokens; by hand,
+    # d loss / d theta_s = -(advantage_s / tokens) * (onehot(y_s) - softmax(theta_s)) at each generated token.
+    torch.manual_seed(0)
+    theta = torch.randn(3, 2, 5, requires_grad=True)  # (S, T, V)
+    tokens = torch.tensor([[1, 2], [4, 0], [2, 3]])  # the second sample is one token long (then padding)
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
+    advantage = torch.tensor([0.5, -2.0, 1.5])
+    log_probs = theta.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
+    loss = scst_loss(log_probs, mask, advantage)
+    loss.backward()
+
+    p = theta.detach().softmax(-1)
+    expected = (
+        -sum(
+            float(advantage[s]) * math.log(float(p[s, t, tokens[s, t]]))
+            for s in range(3)
+            for t in range(2)
+            if mask[s, t]
+        )
+        / 5
+    )
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    hand = torch.zeros_like(theta)
+    for s in range(3):
+        for t in range(2):
+            if mask[s, t]:
+                onehot = torch.nn.functional.one_hot(tokens[s, t], 5).float()
+                hand[s, t] = -(advantage[s] / 5) * (onehot - p[s, t])
+    torch.testing.assert_close(theta.grad, hand, rtol=1e-5, atol=1e-7)
+
+
+def test_the_mean_baseline_is_the_mean_of_the_images_other_samples():
+    rewards = torch.tensor([1.0, 2.0, 3.0, 10.0, 0.0, 2.0])  # two images, three samples each
+    assert mean_of_others(rewards, 3).tolist() == [2.5, 2.0, 1.5, 1.0, 6.0, 5.0]
+
+
+def test_sample_log_probs_equal_the_incremental_decoder_under_the_searchs_bans():
+    # One teacher-forced pass over B * K rows against K rows per image of image tokens must give what the
+    # cached step-by-step decoder (the search's own path) gives, <pad>, <bos>, <unk> banned, <eos> counted.
+    model = _toy_captioner().eval()
+    images = torch.randn(2, 3, 16, 16)
+    sampled = torch.tensor([[4, 5, 2, 0, 0], [6, 2, 0, 0, 0], [5, 5, 5, 6, 2], [2, 0, 0, 0, 0]])  # 2 per image
+    memory = model.encode(images)
+    log_probs, mask = sample_log_probs(model, memory, sampled)
+    assert mask.sum(1).tolist() == [3, 2, 5, 1]
+
+    step = model.decode_step(memory, 5)
+    tokens = torch.cat([torch.full((4, 1), 1), sampled], dim=1)
+    for t in range(5):
+        logits = step(tokens[:, : t + 1]).float()
+        logits[:, [0, 1, 3]] = float("-inf")
+        expected = logits.log_softmax(-1).gather(1, sampled[:, t : t + 1]).squeeze(1)
+        torch.testing.assert_close(log_probs[:, t][mask[:, t]], expected[mask[:, t]], rtol=1e-5, atol=1e-6)
+    assert (log_probs[~mask] == 0).all()
+
+
+def test_one_self_critical_step_rewards_each_sample_against_its_own_images_references():
+    model = _toy_captioner(1)
+    words = ["<pad>", "<bos>", "<eos>", "<unk>", "red", "blue", "circle"]
+    decode = lambda ids: [" ".join(words[i] for i in row if i > 3) for row in ids.tolist()]  # noqa: E731
+    references = [["red circle", "a red circle"], ["blue blue", "blue circle"]]
+    scorer = CiderD([*references, ["circle"], ["red blue"]])
+    objective = SelfCritical(ScstConfig(samples=4, baseline="mean"), scorer, decode)
+    torch.manual_seed(3)
+    loss, logged = objective(model, torch.randn(2, 3, 16, 16), references, None)
+    torch.manual_seed(3)  # the same draw, by hand: sampled rows are K per image, consecutive
+    memory = model.encode(torch.randn(2, 3, 16, 16))
+    from vitattn.models.search import greedy_search
+
+    sampled = greedy_search(
+        model.decode_step(memory.detach(), 5),
+        8,
+        5,
+        model.special_ids,
+        "cpu",
+        dict(temperature=1.0, top_k=0, top_p=1.0, generator=None),
+    )
+    rewards = torch.tensor(scorer(decode(sampled), [references[0]] * 4 + [references[1]] * 4))
+    assert len(set(decode(sampled))) > 2  # the samples differ, so the rewards can
+    assert float(logged["reward"]) == pytest.approx(float(rewards.mean()))
+    assert float(logged["baseline"]) == pytest.approx(float(rewards.mean()))  # mean of the leave-one-out means
+    assert float(logged["eos_share"]) == pytest.approx(float((sampled == 2).any(1).float().mean()))
+    log_probs, mask = sample_log_probs(model, memory, sampled)
+    assert loss.item() == pytest.approx(
+        scst_loss(log_probs, mask, rewards - mean_of_others(rewards, 4)).item(), rel=1e-5
+    )
+    loss.backward()
+    assert model.encoder.patch_embed.proj.weight.grad.abs().sum() > 0  # the encoder learns too
+
+
+def test_cider_d_rewards_average_to_the_corpus_score_when_the_corpus_is_the_scored_set():
+    # every image shares n-grams with another, so each image's references move the document frequencies
+    refs = [["a red circle", "red circle left"], ["a blue square"], ["two green triangles", "a red square"]]
+    preds = ["a red circle", "a blue circle", "green triangles"]
+    scorer = CiderD(refs)
+    per_image = scorer(preds, refs)
+    assert sum(per_image) / 3 == pytest.approx(cider_d(preds, refs), rel=1e-12)
+    assert per_image[0] > per_image[1] > 0  # a caption's score is its own: not the batch's
+    assert scorer(preds[:1], refs[:1]) == per_image[:1]
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["finetune=scst"], "finetune=scst needs finetune.init=RUN_OR_BUNDLE: a captioner trained"),
+        (["finetune=scst", "head=classification", "finetune.init=x"], "finetune=scst trains captioners"),
+        (
+            ["finetune=scst", "finetune.init=x", "finetune.scst.samples=1"],
+            "finetune.scst.samples=1 with finetune.scst.baseline=mean leaves no other sample to average",
+        ),
+        (
+            ["finetune=scst", "finetune.init=x", "finetune.scst.baseline=best"],
+            "finetune.scst.baseline='best' is unknown",
+        ),
+    ],
+)
+def test_bad_self_critical_settings_are_one_line(overrides, message, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        train(compose_train([*TINY, *overrides], tmp_path / "run"))
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_data_without_references_is_refused_in_one_line(tmp_path):
+    class NoReferences:
+        pass
+
+    with pytest.raises(ConfigError, match=r"^finetune=scst: the data \(NoReferences\) gives no reference captions"):
+        prepare_reward(NoReferences(), tmp_path, resuming=False)
+
+
+# ------------------------------------------------------------------------------------------------- runs
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    """A captioner trained with cross-entropy for 30 steps: the checkpoint both second stages start from."""
+    run_dir = tmp_path_factory.mktemp("base") / "run"
+    train(compose_train([*BASE, "trainer.max_steps=30", "data.num_train=128"], run_dir))
+    return run_dir
+
+
+def _bundle_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(RunDir(run_dir).bundle / "model.safetensors")
+
+
+def test_init_starts_from_every_weight_and_the_models_sizes(base_run, tmp_path):
+    # Sizes composed into the config but not given on a command line give way to the model's own; with no
+    # learning rate, the run exports exactly the model it started from.
+    run_dir = tmp_path / "run"
+    other_sizes = ["model.embed_dim=64", "model.depth=3", "data.img_size=64"]
+    overrides = [*other_sizes, f"finetune.init={base_run}", "optim.lr=0.0", "trainer.max_steps=3", "weights=last"]
+    result = train(compose_train([*BASE, *overrides], run_dir))
+    saved = RunDir(run_dir).load_config()
+    assert (saved.model.embed_dim, saved.model.depth, saved.data.img_size) == (32, 2, 32)
+    ours, theirs = _bundle_weights(run_dir), _bundle_weights(base_run)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert (run_dir / "vocab.json").read_text() == (base_run / "vocab.json").read_text()
+    assert result.global_step == 3
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        (["model.embed_dim=64"], "its model has model.embed_dim=32, not model.embed_dim=64 as given"),
+        pytest.param(["tokenizer=bpe"], "brings its own tokenizer (Vocabulary", marks=pytest.mark.slow),
+    ],
+)
+def test_init_refuses_what_the_command_line_says_otherwise(given, message, base_run, tmp_path):
+    command = [
+        str(console_script("vitattn-train")),
+        *TINY,
+        f"finetune.init={base_run}",
+        *given,
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    command = [c for c in command if c != "model.embed_dim=32"] if given[0].startswith("model.") else command
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+
+
+def test_init_leaves_grad_checkpointing_to_the_run(tmp_path):
+    """Whether the model was trained with gradient checkpointing is the new run's choice, on the command line too."""
+    bundle = make_caption_bundle(tmp_path / "bundle")
+    config = json.loads((bundle / "config.json").read_text())
+    config["model"]["encoder"]["grad_checkpointing"] = config["model"]["decoder"]["grad_checkpointing"] = True
+    (bundle / "config.json").write_text(json.dumps(config))
+    init = read_init(str(bundle))
+    assert init.bundle.model.encoder.grad_checkpointing  # read from the bundle
+    cfg = compose_train([*TINY, f"finetune.init={bundle}"], tmp_path / "run")
+    apply_init(cfg, init, ["model.grad_checkpointing"])
+    assert cfg.model.grad_checkpointing is False and cfg.head.decoder.grad_checkpointing is False
+    assert cfg.data.max_caption_len == 8  # the model's sizes still come from it (24 composed)
+
+
+def test_init_refuses_a_classifier_for_a_captioner(tmp_path):
+    classifier = tmp_path / "classifier"
+    train(compose_train(["head=classification", *TINY, *TINY_SHAPES, "trainer.max_steps=1", "test=false"], classifier))
+    with pytest.raises(ConfigError, match=r"is a classification model, not a caption model \(head=caption\)"):
+        train(compose_train([*TINY, f"finetune.init={classifier}"], tmp_path / "run"))
+
+
+def test_scst_trains_from_the_checkpoint_logs_its_reward_and_computes_statistics_once(base_run, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = ["finetune=scst", f"finetune.init={base_run}", "trainer.max_steps=6", "finetune.scst.samples=3"]
+    overrides += ["trainer.val_check_interval=3", "trainer.check_val_every_n_epoch=null"]
+    result = train(compose_train([*BASE, *overrides], run_dir))
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("train/reward")]
+    assert [int(r["step"]) for r in rows] == list(range(6))
+    assert all(0 <= float(r["train/eos_share"]) <= 1 and float(r["train/reward"]) >= 0 for r in rows)
+    assert result.weights.startswith("best (val/cider_d") and (run_dir / "bundle" / "model.safetensors").is_file()
+    # The statistics are the training references' and are read, not recomputed, by a restart.
+    statistics = read_statistics(RunDir(run_dir).cider_statistics)
+    assert statistics.num_images == 64
+    fresh = CiderD(result.system.trainer.datamodule.train_references())
+    assert statistics.doc_freq == fresh.doc_freq
+    # Its bundle exports to ONNX like any other, and the ONNX folder captions as the bundle does.
+    onnx_dir = tmp_path / "onnx"
+    assert export_main([f"model={run_dir / 'bundle'}", f"out={onnx_dir}", "format=onnx"]) == 0
+    images = [Image.fromarray(np.uint8(np.random.default_rng(i).integers(0, 255, (32, 32, 3)))) for i in range(4)]
+    assert Captioner.load(onnx_dir).caption(images) == Captioner.load(run_dir / "bundle", precision="fp32").caption(
+        images
+    )
+
+
+@pytest.fixture(scope="module")
+def caption_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    coco, karpathy = make_coco(root / "coco"), make_karpathy(root / "karpathy")
+    shards = write_shards(shapes_samples("train", 12, img_size=32), root / "shards", 6)
+    return {
+        "coco": [f"data.{k}={v}" for k, v in coco.items()],
+        "karpathy": [f"data.{k}={v}" for k, v in karpathy.items()],
+        "webdataset": [f"data.train_shards={shards[0].parent}", f"data.val_shards={shards[0]}", "data.num_workers=0"],
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data", ["coco", "karpathy", "webdataset"])
+def test_scst_trains_on_every_caption_data_path_with_ema(data, caption_data, base_run, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, f"data={data}", *caption_data[data], "finetune=scst", f"finetune.init={base_run}"]
+    result = train(
+        compose_train([*overrides, "trainer.max_steps=2", "ema.decay=0.9", "trainer.log_every_n_steps=1"], run_dir)
+    )
+    assert result.global_step == 2 and result.bundle_dir is not None
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        assert any(row.get("train/reward") for row in csv.DictReader(f))
+    statistics = read_statistics(RunDir(run_dir).cider_statistics)
+    assert statistics.doc_freq == CiderD(result.system.trainer.datamodule.train_references()).doc_freq
+
+
+@pytest.mark.slow
+def test_a_two_process_scst_run_stopped_by_sigterm_resumes_without_repeating_a_step(base_run, tmp_path):
+    run_dir = tmp_path / "run"
+    command = [
+        str(console_script("vitattn-train")),
+        *DDP_CPU,
+        *BASE,
+        "finetune=scst",
+        f"finetune.init={base_run}",
+        "finetune.scst.samples=2",
+        "trainer.max_steps=24",
+        "callbacks.step_checkpoint.every_n_train_steps=24",
+        "export_bundle=false",
+        "test=false",
+        "resume=auto",
+        f"hydra.run.dir={run_dir}",
+    ]
+    metrics = run_dir / "csv" / "metrics.csv"
+
+    def steps() -> list[int]:
+        if not metrics.is_file():
+            return []
+        with open(metrics, newline="") as f:
+            return [int(r["step"]) for r in csv.DictReader(f) if r.get("train/reward")]
+
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline and len(steps()) < 4:
+            time.sleep(0.05)
+        assert proc.poll() is None and len(steps()) >= 4, (tmp_path / "first.log").read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 75, stderr[-3000:]
+    statistics = RunDir(run_dir).cider_statistics.stat().st_mtime_ns
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert steps() == list(range(24))  # each step once, the first start's kept
+    assert RunDir(run_dir).cider_statistics.stat().st_mtime_ns == statistics  # read on restart, not rewritten
+    saved = json.loads(RunDir(run_dir).result.read_text())
+    assert saved["global_step"] == 24

@@ -1,0 +1,321 @@
+"""Validation of the composed training config.
+
+Every user error in a config is found here, before any data is read or any step runs, and is
+reported as one ``ConfigError`` line that names the key and the fix. Rules about the model's shape
+(heads that divide the width, a patch that divides the image, known activations and pools) belong
+to the models: the config is checked by building them on the ``meta`` device (no memory, no time)
+and their messages are given the config keys' full names. ``finetune.pretrained`` must name something
+that exists (``check_source`` says what; ``vitattn.training.pretrained`` reads the weights, and checks
+them against the model, when the system is built).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from vitattn.bundle.folder import CONFIG_FILE, is_bundle_weights
+from vitattn.data.augment import Augment
+from vitattn.data.preprocess import WEIGHTS_KEYS, check_preprocess, default_preprocess
+from vitattn.data.tasks import TASKS
+from vitattn.data.tokenizer import KINDS, SubwordTokenizer
+from vitattn.errors import ConfigError, first_line
+from vitattn.models import CaptionDecoder, VisionTransformer
+from vitattn.models.timm_hub import timm_pretrained_cfg
+from vitattn.models.timm_weights import TIMM_SUFFIXES
+from vitattn.run_dir import RunDir
+from vitattn.training.config_targets import check_targets
+from vitattn.training.moved_keys import MOVED_KEYS
+from vitattn.training.systems.self_critical import ScstConfig
+
+__all__ = ["check_config", "check_data_paths", "check_source", "data_name", "fully_sharded"]
+
+_DIR_KEYS = ("root", "image_dir")
+_FILE_KEYS = ("train_annotations", "val_annotations", "test_annotations", "vocab_path", "dataset_json")
+
+
+def _check_moved(cfg: DictConfig) -> None:
+    """A moved key set in a config file (an experiment written for the old layout)."""
+    for old, new in MOVED_KEYS.items():
+        group, key = old.split(".")
+        if key in cfg[group]:
+            raise ConfigError(f"{old} is now {new}: set {new} (finetune: {{{key}: ...}} in an experiment)")
+
+
+def data_name(data: DictConfig) -> str:
+    """The DataModule class a data config names (``ShapesDataModule``, ...)."""
+    return str(data._target_).rsplit(".", 1)[-1]
+
+
+def _data_tasks(data: DictConfig) -> tuple[str, ...]:
+    try:
+        cls = hydra.utils.get_class(data._target_)
+    except (ImportError, ValueError) as err:
+        raise ConfigError(
+            f"data._target_={data._target_} cannot be imported ({type(err).__name__}); "
+            "choose data=shapes, data=imagefolder, data=coco or data=karpathy"
+        ) from err
+    return tuple(getattr(cls, "tasks", TASKS))
+
+
+def check_data_paths(data: DictConfig) -> None:
+    """Raise ``ConfigError`` for a data folder or file that is required, missing or unreadable."""
+    for key in (*_DIR_KEYS, *_FILE_KEYS):
+        if key not in data.keys():  # `key in data` is False for a ??? value
+            continue
+        if OmegaConf.is_missing(data, key):
+            raise ConfigError(f"data.{key} is required: add data.{key}=PATH")
+        value = data[key]
+        if value is None:
+            continue
+        path, kind = Path(value), "folder" if key in _DIR_KEYS else "file"
+        if not path.exists():
+            raise ConfigError(f"data.{key}={value} does not exist; give an existing {kind}")
+        if not (path.is_dir() if kind == "folder" else path.is_file()):
+            raise ConfigError(f"data.{key}={value} is not a {kind}")
+        if not os.access(path, os.R_OK | (os.X_OK if kind == "folder" else 0)):
+            raise ConfigError(f"data.{key}={value} is not readable; fix its permissions")
+
+
+def _check_sizes(cfg: DictConfig) -> None:
+    splits = ("num_train", "num_val", "num_test") if cfg.test else ("num_train", "num_val")
+    for key in splits:
+        if key in cfg.data and cfg.data[key] < 1:
+            raise ConfigError(f"data.{key}={cfg.data[key]} leaves that split empty; use 1 or more")
+
+
+def _qualified(message: str, keys: dict[str, str]) -> str:
+    """``num_heads=3 must divide embed_dim=32`` -> ``model.num_heads=3 must divide model.embed_dim=32``."""
+    return re.sub(r"\b(\w+)=", lambda m: f"{keys.get(m[1], m[1])}=", message)
+
+
+def _build_on_meta(build: Any, kwargs: dict[str, Any], keys: dict[str, str]) -> None:
+    try:
+        with torch.device("meta"):
+            build(**kwargs)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(_qualified(str(err).splitlines()[0], keys)) from err
+
+
+def _check_models(cfg: DictConfig) -> None:
+    encoder = OmegaConf.to_container(cfg.model, resolve=True)
+    keys = {k: f"model.{k}" for k in encoder} | {"img_size": "data.img_size", "d_model": "model.embed_dim"}
+    _build_on_meta(VisionTransformer, encoder, keys)
+    if cfg.finetune.get("pretrained"):
+        check_source(cfg.finetune.pretrained)
+    if cfg.head.task != "caption":
+        return
+    decoder = OmegaConf.to_container(cfg.head.decoder, resolve=True)
+    keys = {k: f"head.decoder.{k}" for k in decoder} | {"d_model": "head.decoder.embed_dim"}
+    _build_on_meta(CaptionDecoder, {**decoder, "vocab_size": 8, "memory_dim": encoder["embed_dim"]}, keys)
+    max_new = cfg.head.generate.get("max_new_tokens")
+    if max_new is not None and max_new + 1 > decoder["max_len"]:
+        raise ConfigError(
+            f"head.generate.max_new_tokens={max_new} must be below head.decoder.max_len={decoder['max_len']}"
+        )
+
+
+def check_source(source: str) -> tuple[str, Path | str, Path | None]:
+    """What a ``finetune.pretrained`` value names, without reading weights: ``(kind, where, file)``.
+
+    ``kind`` is ``vitattn`` (a run folder, bundle or .ckpt at ``where``), ``timm-file`` (a weights file) or
+    ``timm-name`` (``where`` a timm name; ``file`` its local weights for ``NAME@FILE``, else None).
+
+    Raises:
+        ConfigError: nothing at that path and no timm model of that name; an unknown tag.
+    """
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.exists():
+        if path.is_dir() or path.suffix == ".ckpt" or path.name == CONFIG_FILE or is_bundle_weights(path):
+            return "vitattn", path, None
+        if path.suffix.lower() in TIMM_SUFFIXES:
+            return "timm-file", path, None
+        raise ConfigError(
+            f"finetune.pretrained={text} is not a weights file; give a {', '.join(TIMM_SUFFIXES)} file, "
+            "a timm model name, or a vitattn run folder, bundle or .ckpt"
+        )
+    name, at, file = text.partition("@")
+    try:
+        timm_pretrained_cfg(name, downloadable=not at)
+    except ValueError as err:
+        if "not a timm model" in str(err) and not at:
+            raise ConfigError(
+                f"finetune.pretrained={text} is neither an existing file or folder nor a timm model name "
+                "with a pretrained tag (e.g. vit_base_patch16_224.augreg2_in21k_ft_in1k)"
+            ) from None
+        raise ConfigError(f"finetune.pretrained={text}: {first_line(err)}") from None
+    if at and not Path(file).expanduser().is_file():
+        raise ConfigError(f"finetune.pretrained={text}: {file} does not exist; give the weights file of {name}")
+    return "timm-name", name, Path(file).expanduser() if at else None
+
+
+def _check_finetuning(cfg: DictConfig) -> None:
+    layer_decay, head_lr = cfg.optim.get("layer_decay"), cfg.optim.get("head_lr")
+    if layer_decay is not None and not 0 < layer_decay <= 1:
+        raise ConfigError(f"optim.layer_decay={layer_decay} must be in (0, 1] (e.g. 0.75), or null for none")
+    if head_lr is not None and not head_lr > 0:
+        raise ConfigError(f"optim.head_lr={head_lr} must be positive, or null for optim.lr")
+    epochs = cfg.finetune.get("freeze_encoder_epochs") or 0
+    if not isinstance(epochs, int) or epochs < 0:
+        raise ConfigError(f"finetune.freeze_encoder_epochs={epochs} must be a whole number of epochs, 0 for none")
+    if epochs and _distributed(cfg.trainer):
+        # DDP syncs only the parameters that train when it wraps the model (Lightning issue #20340).
+        raise ConfigError(
+            f"finetune.freeze_encoder_epochs={epochs} does not work with several processes (trainer.strategy="
+            f"{cfg.trainer.strategy}, trainer.devices={cfg.trainer.devices}): train on one device or set "
+            "finetune.freeze_encoder_epochs=0"
+        )
+
+
+def _check_precision(trainer: DictConfig) -> None:
+    """``trainer.precision``: Lightning's values and ``auto`` (``resolve_train_precision``); the ``-true`` half
+    precisions are refused in one line, with the reason."""
+    precision = str(trainer.get("precision", "32-true"))
+    if precision in ("bf16-true", "16-true"):
+        raise ConfigError(
+            f"trainer.precision={precision} keeps the weights and AdamW's state in 16 bits, where an update smaller "
+            "than 1/256 of a weight rounds to nothing (most of them, at fine-tuning learning rates); use "
+            "trainer.precision=bf16-mixed: 16-bit matrix products, 32-bit weights"
+        )
+
+
+def _check_self_critical(cfg: DictConfig) -> None:
+    """``finetune=scst``: a captioner to start from, and settings ``ScstConfig`` takes (one line each)."""
+    scst = cfg.finetune.get("scst")
+    if scst is None:
+        return
+    if cfg.head.task != "caption":
+        raise ConfigError(
+            f"finetune=scst trains captioners on a caption reward; head={cfg.head.task} has no captions: "
+            "use head=caption, or drop finetune=scst"
+        )
+    if not cfg.finetune.get("init"):
+        raise ConfigError(
+            "finetune=scst needs finetune.init=RUN_OR_BUNDLE: a captioner trained with cross-entropy first "
+            "(self-critical training from random weights samples nothing a reward can rank)"
+        )
+    try:
+        ScstConfig(**OmegaConf.to_container(scst, resolve=True))
+    except TypeError as err:
+        raise ConfigError(f"finetune.scst: {first_line(err).replace('ScstConfig.__init__() ', '')}") from None
+    except ValueError as err:
+        raise ConfigError(str(err).replace("scst.", "finetune.scst.")) from None
+
+
+def _distributed(trainer: DictConfig) -> bool:
+    devices = trainer.get("devices", 1)
+    many = len(devices) > 1 if isinstance(devices, ListConfig) else isinstance(devices, int) and devices > 1
+    strategy = str(trainer.get("strategy", "auto"))
+    sharded = fully_sharded(trainer) or any(s in strategy for s in ("ddp", "fsdp", "deepspeed"))
+    return many or trainer.get("num_nodes", 1) > 1 or sharded
+
+
+def fully_sharded(trainer: DictConfig) -> bool:
+    """``trainer=fsdp``: the strategy is Lightning's ``ModelParallelStrategy`` (``FullyShardedStrategy``)."""
+    strategy = trainer.get("strategy")
+    target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else ""
+    return target.endswith(("FullyShardedStrategy", "ModelParallelStrategy"))
+
+
+def _check_sharded(cfg: DictConfig) -> None:
+    """``trainer=fsdp`` with the EMA: refused in one line, with the reason."""
+    if fully_sharded(cfg.trainer) and cfg.get("ema", {}).get("decay"):
+        raise ConfigError(
+            f"ema.decay={cfg.ema.decay} does not work with trainer=fsdp: Lightning's WeightAveraging keeps a whole "
+            "copy of the model on every process and averages it with the sharded weights; set ema.decay=null, "
+            "or train with trainer=ddp"
+        )
+
+
+def _check_augment(data: DictConfig) -> None:
+    """``data.augment``: known keys, a known crop, a valid crop scale (``Augment`` says what is wrong)."""
+    augment = data.augment
+    value = OmegaConf.to_container(augment, resolve=True) if isinstance(augment, DictConfig) else augment
+    try:
+        Augment.from_config(value).crop_scale(int(data.get("img_size", 224)))
+    except (ValueError, TypeError) as err:
+        raise ConfigError(str(err)) from None
+
+
+def _check_preprocess(data: DictConfig) -> None:
+    """``data.mean``, ``data.std``, ``data.interpolation``, ``data.crop_pct``, ``data.crop_mode``, where set."""
+    given = {
+        k: OmegaConf.to_object(data[k]) if OmegaConf.is_config(data[k]) else data[k]
+        for k in WEIGHTS_KEYS
+        if data.get(k) is not None
+    }
+    try:
+        check_preprocess({**default_preprocess(int(data.get("img_size", 224))), **given}, "data")
+    except ValueError as err:
+        raise ConfigError(str(err).replace("data: ", "data.", 1)) from None
+
+
+def _check_tokenizer(cfg: DictConfig) -> None:
+    """The ``tokenizer`` group: a known kind, a BPE size, a ``tokenizer.json`` that loads (one line each)."""
+    tokenizer = cfg.get("tokenizer")
+    if cfg.head.task != "caption" or tokenizer is None:
+        return
+    kind = tokenizer.get("kind")
+    if kind not in KINDS:
+        raise ConfigError(f"tokenizer kind={kind!r} is unknown; choose tokenizer=words, bpe or file")
+    size = tokenizer.get("vocab_size", "auto")
+    if kind == "bpe" and size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 259):
+        raise ConfigError(f"tokenizer.vocab_size={size!r} must be auto or at least 259 (256 bytes and 3 specials)")
+    if kind == "file":
+        path = tokenizer.get("path") if not OmegaConf.is_missing(tokenizer, "path") else None
+        if not path:
+            raise ConfigError("tokenizer=file needs tokenizer.path=FILE, a Hugging Face tokenizer.json")
+        if not Path(path).is_file():
+            raise ConfigError(f"tokenizer.path={path} does not exist; give a tokenizer.json file")
+        try:
+            SubwordTokenizer.from_file(path, add_specials=True)
+        except ValueError as err:
+            raise ConfigError(f"tokenizer.path={path}: {first_line(err)}") from None
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config)."""
+    check_targets(cfg)
+    _check_moved(cfg)
+    task = cfg.head.task
+    if task not in TASKS:
+        raise ConfigError(f"head.task={task!r} is unknown; choose head=caption or head=classification")
+    if cfg.get("weights", "best") not in ("best", "last"):
+        raise ConfigError(f"weights={cfg.weights!r} is unknown; choose weights=best or weights=last")
+    if cfg.head.get("nonfinite", "raise") not in ("raise", "skip"):
+        raise ConfigError(f"head.nonfinite={cfg.head.nonfinite!r} is unknown; choose raise or skip")
+    if cfg.data.get("bad_images", "raise") not in ("raise", "skip"):
+        raise ConfigError(f"data.bad_images={cfg.data.bad_images!r} is unknown; choose raise or skip")
+    if cfg.data.get("augment") is not None:
+        _check_augment(cfg.data)
+    _check_preprocess(cfg.data)
+    warmup = cfg.optim.get("warmup_steps", "auto")
+    if warmup != "auto" and (not isinstance(warmup, int) or warmup < 0):
+        raise ConfigError(f"optim.warmup_steps={warmup!r} must be a whole number of steps, or auto")
+    supported = _data_tasks(cfg.data)
+    if task not in supported:
+        if task == "caption":
+            what, fix = "captions", "use head=classification, or data=shapes / data=coco / data=karpathy"
+        else:
+            what, fix = "class labels", "use head=caption, or data=shapes / data=imagefolder"
+        raise ConfigError(f"data={data_name(cfg.data)} has no {what} for head={task}; {fix}")
+    _check_models(cfg)
+    _check_finetuning(cfg)
+    _check_self_critical(cfg)
+    _check_precision(cfg.trainer)
+    _check_sharded(cfg)
+    _check_tokenizer(cfg)
+    if cfg.get("resume") and cfg.resume != "auto" and not RunDir(cfg.resume).last_checkpoint.is_file():
+        run = RunDir(cfg.resume)
+        raise ConfigError(f"resume={cfg.resume} has no {run.last_checkpoint.relative_to(run.path)} to continue from")
+    if cfg.get("ckpt_path") and not Path(cfg.ckpt_path).is_file():
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path} does not exist")
+    _check_sizes(cfg)
+    check_data_paths(cfg.data)

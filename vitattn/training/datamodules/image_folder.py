@@ -1,0 +1,101 @@
+"""Classification from an ImageFolder tree: ``ROOT/<split>/<class>/<image>``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from vitattn.data.augment import Augment, classification_train_transform
+from vitattn.data.cache import should_cache
+from vitattn.data.eval_split import EvalSplit
+from vitattn.data.image_folder import image_folder_split, open_image_folder
+from vitattn.training.datamodules.base import ImageDataModule
+
+__all__ = ["ImageFolderDataModule"]
+
+
+class ImageFolderDataModule(ImageDataModule):
+    """Classification from ``root/train``, ``root/val`` and (if present) ``root/test``, each laid
+    out as ``<split>/<class>/<image>``; without ``root/test`` the test loader reuses ``root/val``.
+
+    Args:
+        root: folder holding the splits.
+        img_size: side of the square crops.
+        batch_size, num_workers: DataLoader settings.
+        augment: training augmentation (``vitattn.data.augment.Augment``): ``True`` for the defaults
+            that suit ``img_size``, ``False`` for the evaluation transform, or a mapping of its settings.
+        cache: ``auto``, ``ram`` or ``none``: decode and resize every image once (``vitattn.data.cache``).
+        bad_images: an image file that cannot be read: ``raise`` stops the run naming it, ``skip`` leaves it
+            out of its batch and counts it (``vitattn.data.bad_images``).
+        verify: read every image once, in parallel, before training and list the unreadable ones.
+        mean, std, interpolation, crop_pct, crop_mode: the preprocessing (None: the pretrained weights', else
+            timm's ImageNet evaluation default: ImageNet statistics, bilinear, center crop 0.875).
+    """
+
+    tasks = ("classification",)
+    reads_files = True
+    crop = {"crop_pct": 0.875, "crop_mode": "center", "interpolation": "bilinear"}  # timm eval default
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        img_size: int = 224,
+        batch_size: int = 64,
+        num_workers: int | str = 0,
+        augment: bool | Mapping[str, Any] = True,
+        cache: str = "auto",
+        bad_images: str = "raise",
+        verify: bool = False,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        interpolation: str | None = None,
+        crop_pct: float | None = None,
+        crop_mode: str | None = None,
+    ) -> None:
+        super().__init__(batch_size, num_workers, img_size, mean, std, interpolation, crop_pct, crop_mode)
+        self._bad_image_settings(bad_images, verify)
+        self.root = Path(root)
+        self.augment = Augment.from_config(augment)
+        self.cache_mode = cache
+        should_cache(cache, 0, 0)  # an unknown mode fails here, before any file is read
+        self.class_names: list[str] | None = None
+        self.num_classes: int | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_dataset is not None:
+            return
+        evaluate = self.eval_transform()
+        training = (
+            classification_train_transform(self.img_size, self.augment, self.preprocess)
+            if self.augment.enabled
+            else evaluate
+        )
+        train = open_image_folder(self.root / "train", training)
+        val = open_image_folder(image_folder_split(self.root, "val"), evaluate)
+        test_dir = image_folder_split(self.root, "test")
+        test = val if test_dir == image_folder_split(self.root, "val") else open_image_folder(test_dir, evaluate)
+        for split in {val, test}:
+            if split.classes != train.classes:
+                raise ValueError(
+                    f"classes of {split.root} {split.classes} differ from those of {train.root} {train.classes}"
+                )
+        self.train_dataset, self.val_dataset, self.test_dataset = train, val, test
+        self.class_names = list(train.classes)
+        self.num_classes = len(train.classes)
+        self._read_images({train, val, test})
+
+    def image_files(self) -> list[str]:
+        folders = dict.fromkeys((self.train_dataset, self.val_dataset, self.test_dataset))  # test may be val
+        return [path for folder in folders if folder is not None for path, _ in folder.samples]
+
+    def sample_key(self, index: int) -> str:
+        """Training image ``index``'s path relative to ``root/train``."""
+        path, _ = self.train_dataset.samples[index]
+        return Path(path).relative_to(self.train_dataset.root).as_posix()
+
+    def evaluation_split(self, split: str) -> EvalSplit:
+        folder = self.val_dataset if split == "val" else self.test_dataset
+        files, labels = [path for path, _ in folder.samples], [label for _, label in folder.samples]
+        return EvalSplit(str(Path(folder.root).resolve()), files=files, ids=labels)

@@ -1,0 +1,92 @@
+"""The built-in shapes data as a DataModule: generated, deterministic, no download."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Literal
+
+from vitattn.data.eval_split import EvalSplit
+from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
+from vitattn.training.datamodules.base import ImageDataModule
+
+__all__ = ["ShapesDataModule"]
+
+
+class ShapesDataModule(ImageDataModule):
+    """The built-in shapes data (``vitattn.data.shapes``) for captioning or classification.
+
+    Images are not augmented: flips or crops would change which shape is left of which. The loaders yield them as
+    drawn (uint8) and ``normalize`` runs on the device; pretrained weights set its mean and std (the images are
+    drawn at ``img_size``, so no resize or crop of theirs applies).
+
+    Args:
+        task: "caption" (dict batches, ``vocab`` after setup) or "classification" (``(images,
+            labels)``, label = colour and shape of the left-most object).
+        img_size: image side in pixels.
+        num_train, num_val, num_test: images per split.
+        seed: base seed of all three splits.
+        batch_size, num_workers: DataLoader settings.
+        max_caption_len: longest token sequence, bos and eos included.
+        vocab_path: a saved tokenizer (``vocab.json`` or ``tokenizer.json``) to use rather than one built from
+            training captions; the ``tokenizer`` group (set by training) says what is built otherwise.
+        mean, std: the normalisation (None: the pretrained weights', else ImageNet's).
+    """
+
+    tasks = ("caption", "classification")
+    weights_keys = ("mean", "std")
+
+    def __init__(
+        self,
+        task: Literal["caption", "classification"] = "caption",
+        img_size: int = 64,
+        num_train: int = 20000,
+        num_val: int = 500,
+        num_test: int = 500,
+        seed: int = 0,
+        batch_size: int = 64,
+        num_workers: int | str = 0,
+        max_caption_len: int = 24,
+        vocab_path: str | os.PathLike | None = None,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+    ) -> None:
+        super().__init__(batch_size, num_workers, img_size, mean=mean, std=std)
+        self.task, self.seed = task, seed
+        self.num_train, self.num_val, self.num_test = num_train, num_val, num_test
+        self.max_caption_len, self.vocab_path = max_caption_len, vocab_path
+        self.class_names = list(CLASS_NAMES)
+        self.num_classes = len(CLASS_NAMES)
+
+    def setup(self, stage: str | None = None) -> None:
+        fit = stage in (None, "fit")
+        if self.val_dataset is not None and (self.train_dataset is not None or not fit):
+            return  # Lightning calls setup once per stage
+        # Evaluation (stage validate / test) with the model's vocabulary needs no training scenes.
+        num_train = self.num_train if fit or (self.task == "caption" and self.vocab is None) else 0
+        splits = tuple(
+            ShapesDataset(split, size, self.img_size, self.seed, self.task)
+            for split, size in [("train", num_train), ("val", self.num_val), ("test", self.num_test)]
+        )
+        if self.task == "classification":
+            self.train_dataset, self.val_dataset, self.test_dataset = splits
+            return
+        vocab = self._caption_tokenizer(lambda: splits[0].captions, min_freq=1)
+        # canonical caption as the target everywhere: the synthetic captions are unambiguous
+        self._use_captions(splits, vocab, self.max_caption_len, sample_train_caption=False)
+
+    def train_references(self) -> list[list[str]]:
+        """Each training scene's valid captions (after ``setup``)."""
+        if self.task != "caption":
+            return []
+        shapes = self.train_dataset.dataset  # TokenizedCaptions -> ShapesDataset
+        return [shapes.references(i) for i in range(len(shapes))]
+
+    def evaluation_split(self, split: str) -> EvalSplit:
+        evaluation = super().evaluation_split(split)
+        evaluation.source = f"shapes {split} split (seed {self.seed}, {self.img_size} px)"
+        if self.task == "caption":
+            shapes = evaluation.loader.dataset.dataset  # TokenizedCaptions -> ShapesDataset
+            evaluation.references = {i: shapes.references(i) for i in range(len(shapes))}
+            evaluation.synthetic = True
+        return evaluation

@@ -1,0 +1,355 @@
+"""Training from WebDataset shards (the img2dataset layout), across ranks and workers, resumable mid-epoch.
+
+Every sample is trained once per epoch: the epoch's positions are split over ranks and loader workers
+with no overlap and the same number of batches on every rank (``vitattn.data.shards.epoch_split``). The samples
+each step trained are recorded as they reach the model; ``state_dict`` (which Lightning writes into every
+checkpoint) holds the epoch and the positions trained so far, gathered from every rank, and a run resumed
+from that checkpoint plans the rest of the epoch from the positions not yet trained: none twice, none
+skipped, whatever the number of ranks and workers of the resumed run (its batches are planned afresh).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import default_collate
+from tqdm.auto import tqdm
+
+from vitattn.data.augment import CAPTION_CROP_SCALE, Augment, CaptionAugment, classification_train_transform
+from vitattn.data.captions import collate_captions
+from vitattn.data.eval_split import EvalSplit
+from vitattn.data.shards import expand_shards, local_path, read_shard, shard_sizes
+from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, batches_per_rank, read_factor, split_epoch
+from vitattn.data.shards.listing import CLASSES_FILE
+from vitattn.data.shards.stream import (
+    EpochLoader,
+    ShardBatch,
+    ShardSamples,
+    ShardStream,
+    sample_caption,
+    sample_references,
+)
+from vitattn.training.datamodules.base import EvaluationBatches, ImageDataModule, rank_and_world
+
+__all__ = ["WebDatasetDataModule", "shard_captions", "shard_references"]
+
+log = logging.getLogger(__name__)
+
+
+def shard_captions(urls: Sequence[str], caption_key: str | None, total: int | None = None) -> list[str]:
+    """Every caption of the shards (a progress bar of samples read); samples without one are left out."""
+    return _read_captions(urls, caption_key, "vocabulary: reading captions", lambda sample, caption: caption)
+
+
+def shard_references(urls: Sequence[str], caption_key: str | None) -> list[list[str]]:
+    """Every sample's references (``sample_references``), samples in shard order; those without a caption left out."""
+    return _read_captions(urls, caption_key, "CIDEr-D: reading references", sample_references)
+
+
+def _read_captions(urls: Sequence[str], caption_key: str | None, desc: str, take: Any) -> list[Any]:
+    """``take(sample, caption)`` of every captioned sample of the shards, with a progress bar of shards read."""
+
+    def read(url: str) -> list[Any]:
+        items = []
+        for sample in read_shard(url, extensions={"txt", "json"}):
+            caption = sample_caption(sample, caption_key)
+            if caption is not None:
+                items.append(take(sample, caption))
+        bar.update(1)
+        return items
+
+    with tqdm(total=len(urls), desc=desc, unit="shard", disable=None) as bar:
+        with ThreadPoolExecutor(max(1, min(8, len(urls)))) as pool:
+            return [item for part in pool.map(read, urls) for item in part]
+
+
+def _class_names(value: Any, urls: Sequence[str]) -> list[str]:
+    if isinstance(value, str):
+        return [line.strip() for line in Path(value).read_text().splitlines() if line.strip()]
+    if value is not None:
+        return [str(name) for name in value]
+    first = local_path(urls[0])
+    listing = Path(first).with_name(CLASSES_FILE) if first else None
+    if listing is None or not listing.is_file():
+        raise ValueError(
+            "head=classification needs the class names: data.class_names=[...] or a file with one name a line "
+            "(vitattn-shards writes classes.txt beside the shards)"
+        )
+    return _class_names(str(listing), urls)
+
+
+class WebDatasetDataModule(ImageDataModule):
+    """Captions (``.txt``, or ``caption_key`` inside ``.json``) or classes (``.cls``) from tar shards.
+
+    Args:
+        train_shards, val_shards: brace notation (``DIR/{00000..00099}.tar``), a list, or a file listing one
+            shard a line; local paths or ``pipe:`` commands. test_shards: None tests on ``val_shards``.
+        task: ``caption`` or ``classification`` (the head's).
+        img_size, batch_size, num_workers: as every DataModule.
+        caption_key: the caption is this key of the sample's ``.json``; None: the ``.txt``.
+        class_names: for classification: a list, or a file of one name a line; None: ``classes.txt`` beside
+            the first train shard.
+        min_word_freq, max_caption_len, vocab_path: the caption vocabulary, as for caption files.
+        augment: training augmentation (``vitattn.data.augment.Augment``).
+        shuffle_buffer: samples each loader worker holds to shuffle (0: read order).
+        seed: the shard order and shuffle of epoch ``e`` come from ``(seed, e)``.
+        samples_per_epoch: train this many samples an epoch (each at most once); None: every sample.
+        count_cache: folder for the cached shard counts (shards without ``_stats.json``) and the member indexes
+            of shards in folders that cannot be written to; None: ~/.cache/vitattn.
+        cache: ``none`` (``auto`` reads as none): shards are streamed, never held in memory.
+        bad_images: ``raise`` | ``skip`` for undecodable images, samples without caption or class, and shards
+            that are truncated or cannot be read.
+        mean, std, interpolation, crop_pct, crop_mode: the preprocessing (None: the pretrained weights', else the
+            head's file DataModule's: ``ImageFolderDataModule``'s or ``KarpathyDataModule``'s).
+    """
+
+    tasks = ("caption", "classification")
+    reads_files = True
+
+    def __init__(
+        self,
+        train_shards: str | Sequence[str],
+        val_shards: str | Sequence[str],
+        test_shards: str | Sequence[str] | None = None,
+        task: str = "caption",
+        img_size: int = 224,
+        batch_size: int = 64,
+        num_workers: int | str = "auto",
+        caption_key: str | None = None,
+        class_names: str | Sequence[str] | None = None,
+        min_word_freq: int | str = "auto",
+        max_caption_len: int = 32,
+        vocab_path: str | os.PathLike | None = None,
+        augment: bool | Mapping[str, Any] = True,
+        shuffle_buffer: int = 1000,
+        seed: int = 0,
+        samples_per_epoch: int | None = None,
+        count_cache: str | os.PathLike | None = None,
+        cache: str = "none",
+        bad_images: str = "raise",
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        interpolation: str | None = None,
+        crop_pct: float | None = None,
+        crop_mode: str | None = None,
+    ) -> None:
+        super().__init__(batch_size, num_workers, img_size, mean, std, interpolation, crop_pct, crop_mode)
+        self._bad_image_settings(bad_images, False)
+        if task not in self.tasks:
+            raise ValueError(f"task={task!r} is unknown; choose one of {list(self.tasks)}")
+        if cache not in ("none", "auto"):
+            raise ValueError(f"data.cache={cache!r}: shards are streamed, not cached; use data.cache=none")
+        if samples_per_epoch is not None and samples_per_epoch < 1:
+            raise ValueError(f"data.samples_per_epoch={samples_per_epoch} must be at least 1, or null for all")
+        self.shards = {"train": train_shards, "val": val_shards, "test": test_shards}
+        self.task, self.caption_key, self.class_names_spec = task, caption_key, class_names
+        self.min_word_freq, self.max_caption_len, self.vocab_path = min_word_freq, max_caption_len, vocab_path
+        scale = CAPTION_CROP_SCALE if task == "caption" else "auto"
+        self.augment = Augment.from_config(augment, scale=scale, **({"hflip": 0.0} if task == "caption" else {}))
+        self.shuffle_buffer, self.seed, self.samples_per_epoch = int(shuffle_buffer), int(seed), samples_per_epoch
+        self.count_cache = count_cache
+        self.class_names: list[str] | None = None
+        self.num_classes: int | None = None
+        self.trained = PositionSet()  # epoch positions trained in this epoch (this rank; all ranks after a resume)
+        self.epoch: int | None = None  # the epoch ``trained`` belongs to
+        self._resume: dict[str, Any] | None = None
+        self._warned: set[int] = set()  # the streams whose read factor was warned about
+
+    @property
+    def crop(self) -> dict[str, Any]:  # the evaluation transform of the data the head's file DataModules use
+        if self.task == "classification":
+            return {"crop_pct": 0.875, "crop_mode": "center", "interpolation": "bilinear"}
+        return {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bicubic"}
+
+    def prepare_data(self) -> None:
+        """Count and index the shards once a machine (Lightning runs this on each machine's first process,
+        before any ``setup``), so that the other ranks find the counts and member indexes written."""
+        for split, spec in self.shards.items():
+            if spec:
+                shard_sizes(expand_shards(spec, f"data.{split}_shards"), self.count_cache)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_dataset is not None:
+            return
+        urls = {split: expand_shards(spec, f"data.{split}_shards") for split, spec in self.shards.items() if spec}
+        urls.setdefault("test", urls["val"])
+        sizes = {split: shard_sizes(u, self.count_cache) for split, u in urls.items()}
+        if sum(sizes["train"]) == 0:
+            raise ValueError(f"data.train_shards: the {len(urls['train'])} shards hold no sample")
+        evaluate = self.eval_transform()
+        if self.task == "caption":
+            vocab = self._caption_tokenizer(lambda: shard_captions(urls["train"], self.caption_key), self.min_word_freq)
+            self.vocab = vocab
+            training = CaptionAugment(self.img_size, self.augment, self.preprocess) if self.augment.enabled else None
+            collate = partial(collate_captions, pad_id=vocab.pad_id)
+        else:
+            self.class_names = _class_names(self.class_names_spec, urls["train"])
+            self.num_classes, vocab = len(self.class_names), None
+            training = (
+                classification_train_transform(self.img_size, self.augment, self.preprocess)
+                if self.augment.enabled
+                else None
+            )
+            collate = default_collate
+
+        def stream(split: str, transform: Any, buffer: int) -> ShardStream:
+            samples = ShardSamples(
+                self.task, transform, self.caption_key, vocab, self.max_caption_len, self.num_classes
+            )
+            return ShardStream(urls[split], sizes[split], samples, collate, self.bad_images, buffer, self.count_cache)
+
+        self.train_dataset = stream("train", training or evaluate, self.shuffle_buffer)
+        self.val_dataset = stream("val", evaluate, 0)
+        self.test_dataset = self.val_dataset if urls["test"] == urls["val"] else stream("test", evaluate, 0)
+        for dataset in {self.train_dataset, self.val_dataset, self.test_dataset}:
+            self._set_length(dataset, dataset is self.train_dataset)
+        log.info(
+            "shards: %d train (%d samples), %d val (%d samples)",
+            len(urls["train"]),
+            sum(sizes["train"]),
+            len(urls["val"]),
+            sum(sizes["val"]),
+        )
+
+    def _workers(self) -> int:
+        if self.num_workers == "auto":
+            self.plan_workers(torch.cuda.is_available(), len(os.sched_getaffinity(0)))
+        return int(self.num_workers)
+
+    def _epoch_order(self, stream: ShardStream, epoch: int, train: bool) -> EpochOrder:
+        limit = self.samples_per_epoch if train else None
+        return EpochOrder(stream.sizes, self.seed, epoch, shuffle=train, limit=limit)
+
+    def _set_length(self, stream: ShardStream, train: bool) -> None:
+        """A whole epoch's batches on each rank (``len``), before any pass is planned."""
+        order, world = self._epoch_order(stream, 0, train), rank_and_world(self.trainer)[1]
+        stream.batches = batches_per_rank(order.total, world, self.batch_size)
+        if _streamed(stream):  # whole shards to each worker: as many batches as the fullest one needs
+            plans = split_epoch([(0, order.total)], world, max(1, self._workers()), self.batch_size, order)
+            stream.batches = sum(len(plan.batch_sizes) for plan in plans[0])
+
+    def _plan(self, stream: ShardStream, train: bool) -> None:
+        """Give ``stream`` this rank's plan for the epoch now starting (training: the trainer's current epoch,
+        less what the checkpoint being resumed says was trained)."""
+        rank, world = rank_and_world(self.trainer)
+        epoch = self.trainer.current_epoch if (train and self.trainer is not None) else 0
+        order = self._epoch_order(stream, epoch, train)
+        done = PositionSet()
+        if train:
+            if self._resume is not None and self._resume.get("epoch") == epoch:
+                done = PositionSet(self._resume.get("trained", []))
+                log.info("resuming epoch %d: %d of its %d samples trained already", epoch, len(done), order.total)
+            self._resume = None
+            self.trained, self.epoch = done, epoch
+        self._set_length(stream, train)
+        workers, remaining = max(1, self._workers()), done.complement(order.total)
+        plans = split_epoch(remaining, world, workers, self.batch_size, order if _streamed(stream) else None)
+        if sum(len(plan.batch_sizes) for plan in plans[0]) > stream.batches:  # never more batches than len()
+            plans = split_epoch(remaining, world, workers, self.batch_size)
+        if _streamed(stream) and rank == 0 and id(stream) not in self._warned:
+            self._warn_reads(order, plans, remaining, len(done) > 0, world, workers, stream)
+        seed = f"{self.seed}/{epoch}/{rank}/{len(done)}"
+        stream.configure(order, plans[rank], stream.batches, seed)
+
+    def _warn_reads(
+        self,
+        order: EpochOrder,
+        plans: Any,
+        remaining: Any,
+        resumed: bool,
+        world: int,
+        workers: int,
+        stream: ShardStream,
+    ) -> None:
+        """One warning a stream, naming the read factor, where a plan reads streamed shards more than once."""
+        factor = read_factor(order, plans)
+        if factor <= 1.05:
+            return
+        self._warned.add(id(stream))
+        why = (
+            "a resumed epoch reads again the trained samples before those left in a shard"
+            if resumed
+            else f"{len(order.shard_runs(remaining))} shards are fewer than the {world} ranks x {workers} loader "
+            "workers, so several workers read the same shard from its start"
+        )
+        log.warning("pipe:/URL shards are read %.2fx per sample trained: %s", factor, why)
+
+    def _loader(self, dataset: Any, shuffle: bool) -> EpochLoader:
+        if dataset is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() must run before its dataloaders")
+        self._set_length(dataset, shuffle)  # the ranks are known now
+        workers = self._workers()
+        return EpochLoader(
+            dataset,
+            partial(self._plan, dataset, shuffle),
+            num_workers=workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=False,  # each pass starts workers with that pass's plan
+        )
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Record which samples a training step gets (its epoch positions, and keys in ``last_keys``), then
+        take skipped samples off the batch as every DataModule does."""
+        if isinstance(batch, ShardBatch):
+            if self.trainer is not None and self.trainer.training:
+                self.trained.add(batch.positions)
+                self.last_keys = list(batch.keys)
+            batch = batch.batch
+        return super().on_before_batch_transfer(batch, dataloader_idx)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch and the positions trained in it on every rank (a collective call under DDP, as Lightning
+        makes it when it writes a checkpoint)."""
+        trained = self.trained
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            parts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, trained.ranges)
+            trained = PositionSet([r for part in parts for r in part])
+        return {
+            "epoch": self.epoch,
+            "trained": [list(r) for r in trained.ranges],
+            "seed": self.seed,
+            "shards": self._fingerprint(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        changed = [k for k, now in (("seed", self.seed), ("shards", self._fingerprint())) if state_dict.get(k) != now]
+        if changed:  # positions would name other samples: the epoch starts over rather than skip or repeat blindly
+            what = "data.seed" if changed == ["seed"] else "the train shards (or data.samples_per_epoch)"
+            log.warning("%s changed since the checkpoint: epoch %s starts over", what, state_dict.get("epoch"))
+            return
+        self._resume = dict(state_dict)
+
+    def _fingerprint(self) -> str:
+        """What the epoch positions refer to: the train shards in order, their sizes, the epoch's length limit."""
+        stream = self.train_dataset
+        listing = [] if stream is None else [f"{u} {n}" for u, n in zip(stream.urls, stream.sizes)]
+        text = "\n".join([*listing, str(self.samples_per_epoch)])
+        return hashlib.sha1(text.encode()).hexdigest()
+
+    def train_references(self) -> list[list[str]]:
+        """Each training sample's references, read from the training shards (after ``setup``)."""
+        if self.task != "caption":
+            return []
+        return shard_references(expand_shards(self.shards["train"], "data.train_shards"), self.caption_key)
+
+    def evaluation_split(self, split: str) -> EvalSplit:
+        stream = self.val_dataset if split == "val" else self.test_dataset
+        source = f"shards {self.shards[split] or self.shards['val']}"
+        references = {} if self.task == "caption" else None  # the batches carry them; sized for progress bars
+        batches = EvaluationBatches(self._loader(stream, False), self.ready_batch, range(sum(stream.sizes)))
+        return EvalSplit(source, loader=batches, references=references)
+
+
+def _streamed(stream: ShardStream) -> bool:
+    """Whether a worker reads some of the stream's shards from their start (``pipe:`` commands, URLs)."""
+    return any(local_path(url) is None for url in stream.urls)

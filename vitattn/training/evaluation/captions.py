@@ -1,0 +1,241 @@
+"""Caption evaluation: generate captions for a split (or read a predictions file) and score them.
+
+Dimension letters: B batch, T' generated tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from vitattn.bundle.runtime import LoadedModel
+from vitattn.data.eval_split import EvalSplit
+from vitattn.data.tokenizer import describe_tokenizer, unknown_share
+from vitattn.errors import brief
+from vitattn.fileio import parse_json
+from vitattn.generate_keys import SEARCH_KEYS
+from vitattn.inference import InputImage, caption_images
+from vitattn.metrics import SCORERS, first_per_image, score_captions
+from vitattn.metrics.toolkit import check_toolkit, toolkit_scores
+from vitattn.run_dir import RunDir
+from vitattn.training.evaluation.report import EvalReport
+from vitattn.training.evaluation.splits import caption_split, check_split
+
+__all__ = ["evaluate_captions", "read_predictions"]
+
+log = logging.getLogger(__name__)
+
+
+def _image_key(value: Any, where: str) -> int | str:
+    """Image ids compare as ints when they are ints or digit strings (JSON keeps either)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{where} has image_id={brief(value)}; an id is an integer or a string")
+    if isinstance(value, str) and re.fullmatch(r"\s*-?\d{1,100}\s*", value):
+        return int(value)
+    return value
+
+
+def read_predictions(path: str | os.PathLike) -> tuple[dict[Any, str], list[Any]]:
+    """Captions of a predictions file, by image id.
+
+    Args:
+        path: JSON Lines with ``image_id`` and ``caption`` per line (``vitattn-caption`` output,
+            whose failed images have ``error`` instead of ``caption``; ``vitattn-eval``'s
+            ``captions.jsonl``), or a COCO results file ``[{"image_id", "caption"}, ...]``.
+
+    Returns:
+        ``({image_id: caption}, [image ids of error records])``; a repeated id keeps its first caption.
+
+    Raises:
+        ValueError: the file is not one of these formats.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"predictions file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"predictions={path} is not UTF-8 text (JSON Lines or a COCO results JSON)") from None
+    if text.lstrip().startswith("["):
+        try:
+            records = parse_json(text)
+        except ValueError as err:
+            raise ValueError(f"predictions={path} is not valid JSON: {err}") from None
+        where = [f"{path}: [{i}]" for i in range(len(records))]
+    else:
+        records, where = [], []
+        lines = text.split("\n")
+        for n, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(parse_json(line))
+            except ValueError:
+                if n == len(lines):  # no newline after it: cut off by an interrupted run
+                    log.warning("%s:%d is an incomplete last line; ignored", path, n)
+                    continue
+                raise ValueError(
+                    f"{path}:{n} is not a JSON record; predictions must be JSON Lines or a COCO results JSON list"
+                ) from None
+            where.append(f"{path}:{n}")
+    captions: dict[Any, str] = {}
+    failed: list[Any] = []
+    repeated = 0
+    for record, at in zip(records, where):
+        if not isinstance(record, dict) or "image_id" not in record or not ("caption" in record or "error" in record):
+            raise ValueError(f"{at} needs 'image_id' and 'caption' (got {brief(record)})")
+        key = _image_key(record["image_id"], at)
+        if "caption" not in record:
+            failed.append(key)
+        elif not isinstance(record["caption"], str):
+            raise ValueError(f"{at} has caption={brief(record['caption'])}; it must be a string")
+        elif key in captions:
+            repeated += 1
+        else:
+            captions[key] = record["caption"]
+    if repeated:
+        log.warning("%s: %d repeated image ids; the first caption of each is scored", path, repeated)
+    return captions, [k for k in dict.fromkeys(failed) if k not in captions]
+
+
+def _generate(
+    bundle: LoadedModel, data: EvalSplit, settings: Mapping[str, Any], batch_size: int, num_workers: int, progress: bool
+) -> tuple[list[tuple[Any, str, list[str]]], list[Any]]:
+    """``(image_id, caption, references)`` of every image captioned, and the ids of those that failed."""
+    refs = data.references
+    if data.loader is None:
+        inputs = [InputImage(path, image_id) for path, image_id in zip(data.files, data.ids)]
+        records = caption_images(
+            bundle, inputs, batch_size=batch_size, num_workers=num_workers, progress=progress, **settings
+        )
+        for r in records:
+            if "error" in r:
+                log.warning("%s: %s", r["image"], r["error"])
+        items = [(r["image_id"], r["caption"], refs[r["image_id"]]) for r in records if "caption" in r]
+        return items, [r["image_id"] for r in records if "caption" not in r]
+    model, vocab, device = bundle.model, bundle.vocab, bundle.device
+    items = []
+    with torch.inference_mode(), bundle.autocast(), tqdm(total=len(refs), unit="img", disable=not progress) as bar:
+        for batch in data.loader:
+            tokens = model.generate(batch["images"].to(device), **settings)  # (B, T')
+            items += zip(batch["image_ids"].tolist(), vocab.decode_batch(tokens), batch["references"])
+            bar.update(len(batch["image_ids"]))
+    return items, []
+
+
+def _decoding(bundle: LoadedModel, generate: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The settings ``generate`` will use, defaults written out (``max_new_tokens`` included)."""
+    settings = dict(generate or {})
+    defaults = inspect.signature(bundle.model.generate).parameters
+    for key in SEARCH_KEYS:
+        settings.setdefault(key, defaults[key].default)
+    if settings["max_new_tokens"] is None:
+        settings["max_new_tokens"] = bundle.model.check_generate(None)  # the decoder's max_len - 1
+    return settings
+
+
+def evaluate_captions(
+    bundle: LoadedModel,
+    *,
+    split: str = "val",
+    run_dir: RunDir | str | os.PathLike | None = None,
+    references: str | os.PathLike | None = None,
+    image_dir: str | os.PathLike | None = None,
+    predictions: str | os.PathLike | None = None,
+    generate: Mapping[str, Any] | None = None,
+    batch_size: int = 32,
+    num_workers: int = 0,
+    progress: bool = False,
+    scorer: str = "builtin",
+) -> EvalReport:
+    """Caption a split (or read captions from ``predictions``) and score them against its references.
+
+    Args:
+        bundle: a caption bundle.
+        split: ``val`` or ``test`` of the run's data (ignored with ``references``).
+        run_dir: the training run (``RunDir.find``); its data config gives the split when
+            ``references`` is None.
+        references: a COCO caption file; ``image_dir`` is the folder its ``file_name``s are in
+            (default: the file's folder).
+        predictions: a predictions file (see ``read_predictions``) to score instead of generating.
+        generate: ``ImageCaptioner.generate`` keyword arguments (the bundle's defaults merged in).
+        batch_size, num_workers, progress: image loading and decoding.
+        scorer: ``builtin`` (BLEU-1..4, ROUGE-L, CIDEr-D in Python) or ``coco``: those and, in
+            ``report.coco``, the COCO caption toolkit's own BLEU-1..4, METEOR, ROUGE-L and CIDEr-D
+            (pycocoevalcap with its Java tokenizer; ``vitattn.metrics.toolkit``).
+
+    Returns:
+        The report; ``num_failed`` counts images that could not be read (or have an error record),
+        ``num_missing`` reference images without a prediction.
+
+    Raises:
+        ValueError: no references can be found, the predictions name images the references lack, or
+            ``scorer`` is unknown.
+        MissingDependencyError: ``scorer="coco"`` without pycocoevalcap or Java (checked first).
+    """
+    check_split(split)
+    if scorer not in SCORERS:
+        raise ValueError(f"scorer={scorer!r} is unknown; choose {' or '.join(SCORERS)}")
+    if scorer == "coco":
+        check_toolkit()  # before any caption is made
+    if bundle.task != "caption":
+        raise ValueError(f"this is a {bundle.task} model; caption metrics need a caption model")
+    run = run_dir if isinstance(run_dir, RunDir) or run_dir is None else RunDir(run_dir)
+    data = caption_split(bundle, split, run, references, image_dir, batch_size, num_workers)
+    refs, decoding = data.references, {}
+    if predictions is not None:
+        captions, failed = read_predictions(predictions)
+        unknown = [k for k in captions if k not in refs]
+        if unknown:
+            raise ValueError(
+                f"predictions={predictions} has captions for {len(unknown)} image ids that {data.source} does not list "
+                f"(e.g. {brief(unknown[0])}); caption the references' own images so the ids match"
+            )
+        items = [(k, captions[k], refs[k]) for k in refs if k in captions]
+    else:
+        decoding = _decoding(bundle, generate)
+        items, failed = _generate(bundle, data, decoding, batch_size, num_workers, progress)
+    items = first_per_image(items)
+    if not items:
+        given = f"predictions={predictions} has" if predictions is not None else "there is"
+        raise ValueError(f"{given} no caption for any image of {data.source} to score")
+    metrics = score_captions(items, data.synthetic)
+    if bundle.vocab is not None:  # what the model could not have said: reference words its tokenizer lacks
+        metrics["unknown_words"] = unknown_share(bundle.vocab, (r for refs_ in refs.values() for r in refs_))
+        log.info(
+            "%s split: %.1f %% of the reference words are outside %s",
+            split,
+            100 * metrics["unknown_words"],
+            describe_tokenizer(bundle.vocab),
+        )
+    coco = toolkit_scores([c for _, c, _ in items], [r for _, _, r in items]) if scorer == "coco" else {}
+    num_failed = len({k for k in failed if k in refs})
+    num_missing = len(refs) - len(items) - num_failed
+    if num_failed:
+        metrics["num_failed"] = num_failed
+    if num_missing:
+        metrics["num_missing"] = num_missing
+        log.warning(
+            "%d of the %d reference images have no prediction; the scores cover the other %d",
+            num_missing,
+            len(refs),
+            len(items),
+        )
+    return EvalReport(
+        "caption",
+        split,
+        data.source,
+        metrics,
+        decoding,
+        str(Path(predictions).resolve()) if predictions is not None else None,
+        captions=items,
+        coco=coco,
+    )

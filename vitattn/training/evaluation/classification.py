@@ -1,0 +1,109 @@
+"""Classification evaluation: top-1 / top-5 accuracy and the confusion matrix of a split.
+
+Dimension letters: B batch, K classes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from vitattn.bundle.runtime import LoadedModel
+from vitattn.inference.file_dataset import ImageFileDataset, collate_images
+from vitattn.run_dir import RunDir
+from vitattn.training.evaluation.report import EvalReport
+from vitattn.training.evaluation.splits import check_split, labelled_split
+
+__all__ = ["evaluate_classification", "file_batches"]
+
+log = logging.getLogger(__name__)
+
+
+def file_batches(
+    bundle: LoadedModel,
+    paths: Sequence[str],
+    labels: Sequence[int],
+    batch_size: int,
+    num_workers: int,
+    failed: list[str],
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """``(images, labels)`` batches of image files; unreadable files are logged and left out."""
+    loader = DataLoader(
+        ImageFileDataset(paths, bundle.transform),
+        batch_size=batch_size,
+        num_workers=num_workers,
+        collate_fn=collate_images,
+    )
+    for ok, images, errors in loader:
+        for i, reason in errors:
+            log.warning("%s: %s", paths[i], reason)
+            failed.append(paths[i])
+        if images is not None:
+            yield images, torch.tensor([labels[i] for i in ok])
+
+
+def evaluate_classification(
+    bundle: LoadedModel,
+    *,
+    split: str = "val",
+    run_dir: RunDir | str | os.PathLike | None = None,
+    data_root: str | os.PathLike | None = None,
+    batch_size: int = 32,
+    num_workers: int = 0,
+    progress: bool = False,
+) -> EvalReport:
+    """Top-1 / top-5 accuracy and the confusion matrix of a classifier on a split.
+
+    Args:
+        bundle: a classification bundle.
+        split: ``val`` or ``test``.
+        run_dir: the training run; its shapes or ImageFolder data gives the split when ``data_root``
+            is None.
+        data_root: a folder with ``<split>/<class>/<image>``; class folders are matched to the
+            model's ``class_names`` by name (a folder may hold only some of the classes).
+        batch_size, num_workers, progress: image loading.
+
+    Returns:
+        The report; unreadable image files are left out and counted in ``num_failed``.
+    """
+    # heavy: torchmetrics is slow to import (docs/benchmarks.md), and only classification evaluation needs it
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
+
+    check_split(split)
+    if bundle.task != "classification":
+        raise ValueError(f"this is a {bundle.task} model; accuracy needs a classification model")
+    failed: list[str] = []
+    run = run_dir if isinstance(run_dir, RunDir) or run_dir is None else RunDir(run_dir)
+    data = labelled_split(bundle, split, run, data_root, batch_size, num_workers)
+    source = data.source
+    if data.loader is not None:
+        batches, total = data.loader, len(data.loader.dataset)
+    else:
+        batches, total = file_batches(bundle, data.files, data.ids, batch_size, num_workers, failed), len(data.files)
+    k = len(bundle.class_names)
+    top1 = MulticlassAccuracy(k, top_k=1, average="micro")
+    top5 = MulticlassAccuracy(k, top_k=min(5, k), average="micro")
+    confusion = MulticlassConfusionMatrix(k)
+    device = bundle.device
+    num_images = 0
+    with torch.inference_mode(), bundle.autocast(), tqdm(total=total, unit="img", disable=not progress) as bar:
+        for images, targets in batches:
+            logits = bundle.model(images.to(device)).float().cpu()  # (B, K)
+            for metric in (top1, top5, confusion):
+                metric.update(logits, targets)
+            num_images += len(targets)
+            bar.update(len(targets))
+    if num_images == 0:
+        raise ValueError(f"no image of {source} could be read")
+    metrics: dict[str, float] = {"top1": float(top1.compute()), "top5": float(top5.compute()), "num_images": num_images}
+    if failed:
+        metrics["num_failed"] = len(failed)
+    return EvalReport(
+        "classification", split, source, metrics, confusion=confusion.compute(), class_names=list(bundle.class_names)
+    )

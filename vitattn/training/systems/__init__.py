@@ -1,0 +1,7 @@
+"""LightningModules: loss, metrics, optimizer and logging around the plain models."""
+
+from vitattn.training.systems.base import NonFiniteLossError, VisionSystem
+from vitattn.training.systems.captioning import CaptionSystem, gather_predictions
+from vitattn.training.systems.classification import ClassificationSystem
+
+__all__ = ["CaptionSystem", "ClassificationSystem", "NonFiniteLossError", "VisionSystem", "gather_predictions"]

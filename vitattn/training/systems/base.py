@@ -1,0 +1,187 @@
+"""What both systems share: the optimizer, its schedule, and the non-finite loss guard."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from vitattn.errors import NonFiniteLossError
+from vitattn.training.systems.nonfinite import NonFiniteNotes
+from vitattn.training.systems.optim import build_optimizer, param_groups
+from vitattn.training.systems.sharding import gather_for_evaluation, is_sharded, shard_again, shard_layers
+
+__all__ = ["UNKNOWN_HORIZON", "NonFiniteLossError", "VisionSystem"]
+
+UNKNOWN_HORIZON = 10**9  # steps: a schedule with no step, epoch or time limit stays at its peak
+
+
+class VisionSystem(pl.LightningModule):
+    """Base LightningModule: AdamW + warmup/cosine, and what to do with a non-finite loss.
+
+    Subclasses build ``self.model`` from plain-value hyperparameters (saved with
+    ``save_hyperparameters``), so a checkpoint loads with ``torch.load(weights_only=True)``.
+
+    Args:
+        optim: keyword arguments of ``build_optimizer`` (lr, weight_decay, warmup_steps, ...).
+        nonfinite: ``raise`` stops training naming the step; ``skip`` skips the step (on every rank together)
+            and counts it.
+    """
+
+    model: torch.nn.Module
+
+    def __init__(self, optim: dict[str, Any] | None = None, nonfinite: str = "raise") -> None:
+        super().__init__()
+        if nonfinite not in ("raise", "skip"):
+            raise ValueError(f"nonfinite={nonfinite!r} is unknown; choose 'raise' or 'skip'")
+        self.optim = dict(optim or {})
+        self.nonfinite = nonfinite
+        self.skipped_batches = 0
+        self._nonfinite_notes = NonFiniteNotes()
+
+    @staticmethod
+    def example_images(vit: torch.nn.Module) -> Tensor:
+        """One blank image of the size ``vit`` takes: the model summary's FLOPs are counted on it."""
+        height, width = vit.patch_embed.img_size
+        return torch.zeros(1, vit.patch_embed.proj.in_channels, height, width)  # (1, C, height, width)
+
+    @property
+    def loss_on_progress_bar(self) -> bool:
+        """Whether a progress bar shows the training loss. Lightning reads every ``prog_bar`` value back to the
+        host at each step, a sync that a run without a progress bar need not make."""
+        return self._trainer is not None and self._trainer.progress_bar_callback is not None
+
+    def guard(self, loss: Tensor) -> Tensor:
+        """``loss``, unchanged; whether it is finite is noted on its device, without a host sync.
+
+        ``optimizer_step`` reads the note: with ``nonfinite=skip`` at every step (the decision needs the value),
+        with ``raise`` at logging steps; ``raise`` also looks before validation and checkpoints and at the end
+        of each epoch.
+        """
+        self._nonfinite_notes.note(loss, self.global_step)
+        return loss
+
+    def optimizer_step(
+        self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Callable[[], Any] | None = None
+    ) -> None:
+        """Lightning's step, after a look at the noted losses where one is due.
+
+        With ``nonfinite=skip`` every rank looks at every step and, if a loss on any rank was not finite, every
+        rank skips the optimizer's update (the step still counts, for ``global_step`` and the schedule). Lightning
+        refuses a ``None`` loss under DDP, and a rank that stopped alone would leave the others waiting in the
+        gradient all-reduce. With ``raise`` the look is at logging steps only: a step that logs nothing makes no
+        host sync.
+        """
+        try:
+            loss = optimizer_closure()  # training_step and backward: under DDP every rank joins the all-reduce
+            if self.nonfinite == "skip":
+                noted = self._nonfinite_notes.take(self.device, self._gather)
+                if noted is not None:
+                    self._skip(*noted)
+                    return
+            elif self.trainer.log_every_n_steps and (self.global_step + 1) % self.trainer.log_every_n_steps == 0:
+                self.check_finite()  # the step Lightning logs: its values are read back to the host anyway
+            optimizer.step(closure=lambda: loss)
+        except Exception as error:
+            if self.nonfinite != "raise" or isinstance(error, NonFiniteLossError):
+                raise
+            # A step after a non-finite loss not yet looked at may fail otherwise (an overflow, a sampler given NaN
+            # probabilities): name that loss. This rank's notes alone: the other ranks may be anywhere.
+            found = self._nonfinite_error(self._nonfinite_notes.take(self.device, rank=self.global_rank))
+            if found is None:
+                raise
+            raise found from error
+
+    def check_finite(self) -> None:
+        """Raise ``NonFiniteLossError`` if a loss noted since the last look was not finite, on any rank.
+
+        One host sync (and an all-gather under DDP: every rank must call it together); the notes are cleared.
+        """
+        found = self._nonfinite_error(self._nonfinite_notes.take(self.device, self._gather))
+        if found is not None:
+            raise found
+
+    def configure_model(self) -> None:
+        """Under ``trainer=fsdp`` (Lightning's ``ModelParallelStrategy``, which gives a device mesh) shard the
+        model for training, one unit per encoder and decoder layer (``shard_layers``). A test after training runs
+        on the whole weights (``vitattn.training`` gathers them), so only fitting shards."""
+        mesh = self.device_mesh
+        if mesh is None or self.trainer.state.fn != TrainerFn.FITTING or is_sharded(self.model):
+            return
+        shard_layers(self.model, mesh["data_parallel"])
+        self.example_input_array = None  # the summary's forward runs on rank 0 alone: the others would not gather
+
+    def on_validation_model_eval(self) -> None:
+        super().on_validation_model_eval()
+        if is_sharded(self.model):
+            gather_for_evaluation(self.model)  # decoding loops of different lengths on each rank gather nothing
+
+    def on_validation_model_train(self) -> None:
+        if is_sharded(self.model):
+            shard_again(self.model)
+        super().on_validation_model_train()
+
+    def on_validation_start(self) -> None:
+        if self.nonfinite == "raise":
+            self.check_finite()
+
+    def on_train_epoch_end(self) -> None:
+        if self.nonfinite == "raise":
+            self.check_finite()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.nonfinite == "raise":
+            self.check_finite()  # before the checkpoint is written: the last good one stays the last
+
+    def nothing_to_train(self) -> Tensor | None:
+        """The training step of a batch none of whose images could be read (``data.bad_images=skip``).
+
+        One process: None, Lightning's "skip this batch". Under DDP Lightning refuses None, and a rank that skipped
+        the backward pass alone would leave the others waiting in the gradient all-reduce for ever: the rank
+        returns a zero loss that reaches every trainable weight, joins the all-reduce with zero gradients, and
+        the step's update is the other ranks' gradients averaged over all ranks.
+        """
+        if self._gather is None:
+            return None
+        zero = torch.zeros((), device=self.device)
+        return sum((p.sum() * 0.0 for p in self.parameters() if p.requires_grad), zero)
+
+    @property
+    def _gather(self) -> Callable[[Tensor], Tensor] | None:
+        return self.all_gather if self._trainer is not None and self._trainer.world_size > 1 else None
+
+    def _nonfinite_message(self, step: int, rank: int, loss: float) -> str:
+        where = f" on rank {rank}" if self._gather is not None else ""
+        return f"non-finite training loss {loss} at step {step} (epoch {self.current_epoch}){where}"
+
+    def _nonfinite_error(self, noted: tuple[int, int, float] | None) -> NonFiniteLossError | None:
+        if noted is None:
+            return None
+        fix = "; the last good checkpoint is kept; set head.nonfinite=skip to skip such batches"
+        return NonFiniteLossError(self._nonfinite_message(*noted) + fix)
+
+    def _skip(self, step: int, rank: int, loss: float) -> None:
+        self.skipped_batches += 1  # on every rank alike; rank 0 warns and logs
+        skipped = "step skipped on every rank" if self._gather is not None else "batch skipped"
+        rank_zero_warn(self._nonfinite_message(step, rank, loss) + f"; {skipped} ({self.skipped_batches} so far)")
+        self.log("train/skipped_batches", float(self.skipped_batches))
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's groups for the parameters trainable now (``optim.param_groups``): what a
+        thawing encoder adds to the running optimizer."""
+        keys = ("lr", "weight_decay", "layer_decay", "head_lr")
+        return param_groups(self.model, **{k: v for k, v in self.optim.items() if k in keys})
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        # The step or epoch limit, whichever ends training first; under a time budget alone the
+        # horizon is unknown here and ``TimeBudgetHorizon`` sets it once the step rate is measured.
+        limit = self.trainer.estimated_stepping_batches
+        total = int(limit) if math.isfinite(limit) else UNKNOWN_HORIZON
+        optimizer, scheduler = build_optimizer(self.model, total_steps=total, **self.optim)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,156 @@
+"""Image captioning: teacher-forced cross-entropy, or self-critical training on CIDEr-D (``scst``); validation
+decodes and scores the whole split.
+
+Under DDP each rank decodes its share; the captions are gathered from all ranks, the distributed
+sampler's padding duplicates are dropped by image id, and BLEU / CIDEr-D are computed once over the
+whole split, so every rank logs the same value and it equals the single-process figure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import Tensor
+
+from vitattn.data.tokenizer import tokenizer_from_labels
+from vitattn.metrics import CiderD, first_per_image, score_captions
+from vitattn.models import ImageCaptioner
+from vitattn.training.systems.base import VisionSystem
+from vitattn.training.systems.self_critical import ScstConfig, SelfCritical
+
+__all__ = ["CaptionSystem", "gather_predictions"]
+
+
+def gather_predictions(local: list[tuple[int, str, list[str]]]) -> list[tuple[int, str, list[str]]]:
+    """All ranks' ``(image_id, caption, references)``, one per image id, sorted by id."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+        local = [item for part in parts for item in part]
+    return first_per_image(local)
+
+
+class CaptionSystem(VisionSystem):
+    """Trains an ``ImageCaptioner`` with teacher forcing and scores generated captions.
+
+    Args:
+        model_config: ``{"encoder": VisionTransformer kwargs, "decoder": CaptionDecoder kwargs}``.
+        vocab: the tokenizer as ``tokenizer_labels`` keeps it: a word vocabulary's ordinary words in id order,
+            or a subword tokenizer's ``tokenizer.json`` text (plain types: checkpoints load with weights_only).
+        preprocess: evaluation preprocessing kept with the checkpoint for inference.
+        label_smoothing: cross-entropy label smoothing.
+        generate: ``ImageCaptioner.generate`` keyword arguments used in validation and test.
+        num_samples: captions shown in the log (TensorBoard text) each validation.
+        optim: ``build_optimizer`` keyword arguments.
+        nonfinite: ``raise`` or ``skip`` on a non-finite loss.
+        scst: ``ScstConfig`` settings: train self-critically on CIDEr-D (``finetune=scst``) rather than with
+            teacher-forced cross-entropy; the run gives the reward with ``use_reward`` before training.
+    """
+
+    task = "caption"
+
+    def __init__(
+        self,
+        model_config: dict[str, Any],
+        vocab: list[str] | str,
+        preprocess: dict[str, Any] | None = None,
+        label_smoothing: float = 0.0,
+        generate: dict[str, Any] | None = None,
+        num_samples: int = 8,
+        optim: dict[str, Any] | None = None,
+        nonfinite: str = "raise",
+        scst: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(optim, nonfinite)
+        self.scst = ScstConfig(**scst) if scst is not None else None
+        self.self_critical: SelfCritical | None = None
+        self.vocab = tokenizer_from_labels(vocab)
+        vocab_size = model_config["decoder"]["vocab_size"]
+        if vocab_size != len(self.vocab):
+            raise ValueError(f"decoder vocab_size={vocab_size} does not match the tokenizer's {len(self.vocab)} tokens")
+        self.save_hyperparameters()
+        self.model = ImageCaptioner.from_config(model_config)
+        tokens = torch.zeros(1, self.model.decoder.max_len - 1, dtype=torch.long)  # (1, T): a full-length caption
+        self.example_input_array = (self.example_images(self.model.encoder), tokens)  # summary: FLOPs per caption
+        self.label_smoothing = label_smoothing
+        self.generate_kwargs = dict(generate or {})
+        self.num_samples = num_samples
+        self._outputs: list[tuple[int, str, list[str]]] = []
+        self.last_samples: list[tuple[str, list[str]]] = []  # (caption, references) of the last evaluation
+
+    def forward(self, images: Tensor, tokens: Tensor) -> Tensor:
+        return self.model(images, tokens)
+
+    def _loss(self, batch: dict[str, Any], label_smoothing: float = 0.0) -> Tensor:
+        tokens = batch["tokens"]  # (B, T): bos ... eos pad
+        logits = self.model(batch["images"], tokens[:, :-1])  # (B, T-1, V)
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            tokens[:, 1:].reshape(-1),
+            ignore_index=self.vocab.pad_id,
+            label_smoothing=label_smoothing,
+        )
+
+    def use_reward(self, scorer: CiderD) -> None:
+        """Train self-critically with ``scorer`` as the reward (needs ``scst`` settings)."""
+        if self.scst is None:
+            raise ValueError("use_reward needs the system's scst settings (finetune=scst)")
+        self.self_critical = SelfCritical(self.scst, scorer, self.vocab.decode_batch)
+
+    def training_step(self, batch: dict[str, Any] | None, batch_idx: int) -> Tensor | None:
+        if batch is None:  # no image of the batch could be read (data.bad_images=skip)
+            return self.nothing_to_train()
+        size = len(batch["images"])
+        if self.scst is None:
+            loss = self._loss(batch, self.label_smoothing)
+        else:
+            loss = self._self_critical_loss(batch)
+        self.log("train/loss", loss, prog_bar=self.loss_on_progress_bar, batch_size=size)
+        return self.guard(loss)
+
+    def _self_critical_loss(self, batch: dict[str, Any]) -> Tensor:
+        if self.self_critical is None:
+            raise RuntimeError("scst is set but no reward was given: call use_reward(scorer) before training")
+        loss, logged = self.self_critical(self.model, batch["images"], batch["references"], None)
+        size = len(batch["images"])
+        self.log_dict({f"train/{k}": v for k, v in logged.items()}, batch_size=size)
+        if self.scst.xe_weight:
+            loss = loss + self.scst.xe_weight * self._loss(batch, self.label_smoothing)
+        return loss
+
+    def _evaluate(self, batch: dict[str, Any] | None, stage: str) -> None:
+        if batch is None:  # no image of the batch could be read (data.bad_images=skip)
+            return
+        self.log(f"{stage}/loss", self._loss(batch), sync_dist=True, prog_bar=True, batch_size=len(batch["images"]))
+        captions = self.vocab.decode_batch(self.model.generate(batch["images"], **self.generate_kwargs))
+        ids = batch["image_ids"].tolist()
+        self._outputs.extend(zip(ids, captions, batch["references"]))
+
+    def _score(self, stage: str) -> None:
+        outputs = gather_predictions(self._outputs)
+        self._outputs = []
+        if not outputs or self.trainer.sanity_checking:
+            return
+        metrics = score_captions(outputs)
+        # Every rank holds the whole split, so the values already agree: no reduction.
+        self.log_dict({f"{stage}/{k}": float(v) for k, v in metrics.items()}, sync_dist=False, rank_zero_only=False)
+        self.last_samples = [(caption, refs) for _, caption, refs in outputs][: self.num_samples]
+        if isinstance(self.logger, TensorBoardLogger) and self.trainer.is_global_zero:
+            text = "\n\n".join(f"**{c}**  \nreference: {r[0]}" for c, r in self.last_samples)
+            self.logger.experiment.add_text(f"{stage}/samples", text, self.global_step)
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self._score("val")
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self._score("test")

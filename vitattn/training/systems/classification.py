@@ -1,0 +1,104 @@
+"""Image classification: cross-entropy (optional label smoothing), top-1 / top-5 accuracy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.data import Mixup
+from torch import Tensor
+from torchmetrics.classification import MulticlassAccuracy
+
+from vitattn.models import VisionTransformer
+from vitattn.training.systems.base import VisionSystem
+
+__all__ = ["ClassificationSystem"]
+
+
+class ClassificationSystem(VisionSystem):
+    """Trains a ``VisionTransformer`` with a classification head.
+
+    Args:
+        model_config: ``VisionTransformer`` keyword arguments, ``num_classes`` included.
+        class_names: one name per class, in label order.
+        preprocess: evaluation preprocessing (img_size, crop_pct, mean, std, interpolation), kept
+            with the checkpoint for inference.
+        label_smoothing: cross-entropy label smoothing.
+        mixup, cutmix: timm's ``Mixup`` alphas for training batches (0 = off); with both, one or the
+            other per batch. The loss then takes the mixed soft targets (smoothed as above).
+        optim: ``build_optimizer`` keyword arguments.
+        nonfinite: ``raise`` or ``skip`` on a non-finite loss.
+    """
+
+    task = "classification"
+
+    def __init__(
+        self,
+        model_config: dict[str, Any],
+        class_names: list[str],
+        preprocess: dict[str, Any] | None = None,
+        label_smoothing: float = 0.0,
+        optim: dict[str, Any] | None = None,
+        nonfinite: str = "raise",
+        mixup: float = 0.0,
+        cutmix: float = 0.0,
+    ) -> None:
+        super().__init__(optim, nonfinite)
+        if model_config.get("num_classes") != len(class_names):
+            raise ValueError(f"model num_classes={model_config.get('num_classes')} but {len(class_names)} class names")
+        self.save_hyperparameters()
+        self.model = VisionTransformer(**model_config)
+        self.example_input_array = self.example_images(self.model)  # the model summary counts FLOPs per image
+        self.label_smoothing = label_smoothing
+        n = len(class_names)
+        self.mixup = (
+            Mixup(mixup_alpha=mixup, cutmix_alpha=cutmix, label_smoothing=label_smoothing, num_classes=n)
+            if mixup > 0 or cutmix > 0
+            else None
+        )
+        self.train_acc = MulticlassAccuracy(n, average="micro")
+        self.val_acc = MulticlassAccuracy(n, average="micro")
+        self.val_top5 = MulticlassAccuracy(n, top_k=min(5, n), average="micro")
+        self.test_acc = MulticlassAccuracy(n, average="micro")
+        self.test_top5 = MulticlassAccuracy(n, top_k=min(5, n), average="micro")
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.model(images)
+
+    def training_step(self, batch: tuple[Tensor, Tensor] | None, batch_idx: int) -> Tensor | None:
+        if batch is None:  # no image of the batch could be read (data.bad_images=skip)
+            return self.nothing_to_train()
+        images, labels = batch
+        if self.mixup is not None and len(images) % 2 == 0:  # timm mixes pairs: an odd last batch stays plain
+            mixed, soft = self.mixup(images, labels)  # (B, C, height, width), (B, K)
+            logits = self.model(mixed)
+            loss = torch.sum(-soft * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
+        else:
+            logits = self.model(images)
+            loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
+        self.train_acc(logits, labels)
+        self.log("train/loss", loss, prog_bar=self.loss_on_progress_bar)
+        self.log("train/acc", self.train_acc, on_step=True, on_epoch=False)
+        return self.guard(loss)
+
+    def _evaluate(
+        self, batch: tuple[Tensor, Tensor] | None, stage: str, top1: MulticlassAccuracy, top5: MulticlassAccuracy
+    ) -> Tensor | None:
+        if batch is None:  # no image of the batch could be read (data.bad_images=skip)
+            return None
+        images, labels = batch
+        logits = self.model(images)
+        self.log(f"{stage}/loss", F.cross_entropy(logits, labels), sync_dist=True)
+        top1(logits, labels)
+        top5(logits, labels)
+        self.log(f"{stage}/acc", top1, prog_bar=True)
+        self.log(f"{stage}/top5", top5)
+        return logits
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        """The batch's logits (B, K), for callbacks (``ValidationPictures``' confusion matrix)."""
+        return self._evaluate(batch, "val", self.val_acc, self.val_top5)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_acc, self.test_top5)
