@@ -12,14 +12,14 @@
 #   6. captioning images/s from shards (3,000 shapes images in 6 shards) on one GPU,
 #   7. channels_last against NCHW (forward and training step, bf16 autocast) and the copy of a pinned
 #      (256, 3, 224, 224) batch as uint8 (normalised on the device) against float32; the device's
-#      normalisation is bit for bit the CPU's (tests/test_device_input.py on CUDA).
+#      normalisation is bit for bit the CPU's (tests/training/test_device_input.py on CUDA).
 # Results go to ${OUT:-bench_results}/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-bench_results}"
 mkdir -p "$out"
 python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee "$out/gpu.txt"
-python -m pytest -q -m "not slow" -x tests/test_layers.py tests/test_models.py 2>&1 | tail -3 | tee -a "$out/gpu.txt"
+python -m pytest -q -m "not slow" -x tests/layers/test_layers.py tests/models/test_models.py 2>&1 | tail -3 | tee -a "$out/gpu.txt"
 python -m benchmarks --device cuda --threads 8 --sections encoder caption --out "$out/bench_gpu.json" \
   2>&1 | tee "$out/bench_gpu.txt"
 python -m vitattn.cli.train trainer=gpu trainer.max_steps=20 test=false export_bundle=false \
@@ -51,4 +51,4 @@ end=$(date +%s.%N)
 python -c "print(f'captions from shards on one GPU: {3000 / ($end - $start):.0f} images/s (3,000 images, start-up included)')" \
   | tee -a "$out/gpu.txt"
 python -m benchmarks.channels_last --device cuda --repeats 5 2>&1 | tee "$out/channels_last_gpu.txt"
-python -m pytest -q -x tests/test_device_input.py -k "normalize or eval_transform or cuda" 2>&1 | tail -2 | tee -a "$out/gpu.txt"
+python -m pytest -q -x tests/training/test_device_input.py -k "normalize or eval_transform or cuda" 2>&1 | tail -2 | tee -a "$out/gpu.txt"

@@ -17,7 +17,7 @@ pytest_plugins = ["tests.helpers.skip_policy"]
 # test instead of hanging CI); a `slow` test without its own timeout mark gets this many seconds instead.
 SLOW_TIMEOUT = 1800
 
-# Property-based tests (tests/test_fuzz.py): ~100 cases per target in make test-fast; HYPOTHESIS_PROFILE=ci-long
+# Property-based tests (tests/data/test_fuzz.py): ~100 cases per target in make test-fast; HYPOTHESIS_PROFILE=ci-long
 # for 2,000. No deadline: the machine is shared, and a slow case is not a failure (a hang is: pytest-timeout).
 _FUZZ = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("dev", max_examples=100, **_FUZZ)
@@ -60,7 +60,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The number of generated cases per fuzzed target, when tests/test_fuzz.py ran."""
+    """The number of generated cases per fuzzed target, when tests/data/test_fuzz.py ran."""
     fuzz = sys.modules.get("tests.test_fuzz")
     if fuzz is None or not fuzz.CASES:
         return

@@ -4,7 +4,7 @@
 
 With ``trainer=ddp`` Lightning starts this file again once per extra rank, so every rank runs the
 recording ``bundle_from_system``; each call appends ``<global rank> <bundle folder>`` to FILE. Used
-by tests/test_training.py.
+by tests/training/test_training.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 
 With DEVICES > 1 the run is DDP on the CPU (gloo): Lightning starts this file again once per extra
 rank, and every rank writes ``OUT_DIR/rank<k>.json`` with its logged metrics and the image ids its
-batches held. Used by tests/test_ddp_metrics.py, which also calls ``validate`` in-process.
+batches held. Used by tests/training/test_ddp_metrics.py, which also calls ``validate`` in-process.
 """
 
 from __future__ import annotations

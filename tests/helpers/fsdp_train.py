@@ -4,7 +4,7 @@
 
 With ``trainer=fsdp`` Lightning starts this file again once per extra rank, so every rank runs the recording
 ``shard_layers``; each call appends one JSON line to FILE: the rank, the class of each FSDP unit in module
-order, and the numbers of weights the rank holds and the model has. Used by tests/test_sharding.py.
+order, and the numbers of weights the rank holds and the model has. Used by tests/training/test_sharding.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ subprocess, so that no signal reaches the pytest process.
 
 WHERE is ``train`` (the signal during training step STEP) or ``test`` (during the first test batch).
 Prints one JSON line: the Preempted message (or null), whether the SIGNAL handler in place before the run
-is back after it, and the step the run reached. Used by tests/test_preemption.py.
+is back after it, and the step the run reached. Used by tests/training/test_preemption.py.
 """
 
 from __future__ import annotations
