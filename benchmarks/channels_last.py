@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import workloads
 from benchmarks.timing import interleaved, paired_speedup, ratio_quartiles
-from vitattn.data.transforms import normalize
+from vitattn.data.preprocess import normalize
 from vitattn.models import VisionTransformer
 
 __all__ = ["convolution_share", "main", "measure_channels_last", "measure_transfer"]

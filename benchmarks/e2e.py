@@ -18,7 +18,7 @@ from benchmarks.timing import per_second
 from benchmarks.workloads import forced_length
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.data import Vocabulary
-from vitattn.data.vocab import SPECIALS
+from vitattn.data.tokenizer import SPECIALS
 from vitattn.inference import caption_images
 
 

@@ -9,13 +9,8 @@ layers, a 2-layer decoder; speed does not depend on the weights), saved as a bun
 JPEGs of the built-in shapes. The command is the installed console script with its defaults, as a
 new user runs it; its output file is removed before each run, so that every run captions every image.
 
-With the ``trackers`` extra installed, importing timm would import wandb too (``timm.utils.summary``
-tries it at import time, for timm's own training script); the console command defers that import to
-wandb's first use for its own process (``defer_wandb_in_timm`` in its ``main``), while ``import vitattn``
-changes nothing global, so the API imports wandb with timm. Each is timed twice, as installed here and as
-in an install without that extra (a ``wandb`` module that raises ``ImportError``, as a missing package
-does, first on ``PYTHONPATH``): for the command a regression shows as a gap between its two rows, for the
-API the gap is what wandb's import costs it.
+Neither imports timm (nor so wandb, which ``import timm`` imports where installed): the caption path's layers,
+models and transforms are written without it (``tests/test_imports.py`` keeps it so).
 
 All commands run with ``OMP_NUM_THREADS=--threads`` (1 by default: on a shared machine a second
 OpenMP thread that a neighbour deschedules stalls every parallel region, and the few matrix products of
@@ -29,7 +24,6 @@ less than wall time on a loaded machine. Target: ratio <= 1.3.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import resource
@@ -47,12 +41,9 @@ __all__ = ["TARGET", "first_caption", "format_rows", "main"]
 
 TARGET = 1.3  # vitattn-caption wall time / the torch + torchvision import's, at most
 IMPORT_TORCH = [sys.executable, "-c", "import torch, torchvision"]
-NO_WANDB = 'raise ImportError("wandb is not installed (an install without the trackers extra)")\n'
 LABELS = {
     "caption": "vitattn-caption, this install",
-    "caption without trackers": "vitattn-caption, install without the trackers extra (no wandb)",
     "api": "Captioner API, this install",
-    "api without trackers": "Captioner API, install without the trackers extra (no wandb)",
 }
 # The API as a program uses it, in a fresh process: argv[1] the bundle, then the image files.
 API_SCRIPT = (
@@ -86,12 +77,6 @@ def first_caption(repeats: int = 9, n_images: int = 5, threads: int = 1) -> dict
         caption = [*caption_command(), f"model={bundle}", f"images={images}", f"out={out}"]
         api = [sys.executable, "-c", API_SCRIPT, str(bundle), *map(str, sorted(images.glob("*.jpg")))]
         commands = {"import": (IMPORT_TORCH, env), "caption": (caption, env), "api": (api, env)}
-        if importlib.util.find_spec("wandb") is not None:
-            (root / "no_wandb").mkdir()
-            (root / "no_wandb" / "wandb.py").write_text(NO_WANDB)
-            path = os.pathsep.join(p for p in (str(root / "no_wandb"), env.get("PYTHONPATH")) if p)
-            commands["caption without trackers"] = (caption, {**env, "PYTHONPATH": path})
-            commands["api without trackers"] = (api, {**env, "PYTHONPATH": path})
         samples: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
         _run(IMPORT_TORCH, env)  # warm the file cache: the first run of a session reads torch from disk
         for r in range(repeats):

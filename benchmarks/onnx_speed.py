@@ -29,7 +29,7 @@ from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.bundle.onnx_export import export_onnx
 from vitattn.data.preprocess import default_preprocess
-from vitattn.data.vocab import Vocabulary
+from vitattn.data.tokenizer import Vocabulary
 from vitattn.inference.captioning import generate_tokens
 from vitattn.models import CaptionDecoder, ImageCaptioner, vit_preset
 

@@ -39,8 +39,7 @@ from unittest import mock
 
 import vitattn.data.shards.reading as reading
 from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, read_factor, split_epoch
-from vitattn.data.shards.member_index import build_index, index_files
-from vitattn.data.shards.reading import read_samples
+from vitattn.data.shards.reading import build_index, index_files, read_samples
 
 RANKS, WORKERS, BATCH = 64, 8, 256
 

@@ -16,7 +16,8 @@ from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import Tensor, nn
 
 from benchmarks.env import Env
-from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer, load_timm_weights
+from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
+from vitattn.models.timm_weights import load_timm_weights
 
 # The two encoder shapes of the comparison: ViT-Ti/16 at 224 px and a small-image ViT.
 ENCODERS = {

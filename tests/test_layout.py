@@ -9,10 +9,10 @@ from pathlib import Path
 import vitattn
 
 FILE_NAME = re.compile(r"^[\w.-]+\.(json|jsonl|yaml|ckpt|onnx|safetensors|txt|csv)$")
-# Names of files that are not ours to lay out: what timm's hub repositories hold (vitattn.models.timm_hub: their
+# Names of files that are not ours to lay out: what timm's hub repositories hold (vitattn.models.timm_weights: their
 # weights and their config.json).
 NOT_OURS = {"model.safetensors", "open_clip_model.safetensors", "config.json"}
-NOT_OURS_MODULE = "vitattn/models/timm_hub.py"
+NOT_OURS_MODULE = "vitattn/models/timm_weights.py"
 
 
 def _docstrings(tree: ast.AST) -> set[int]:

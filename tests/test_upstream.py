@@ -2,9 +2,6 @@
 and one whose private attribute is gone says which library version broke it."""
 
 import inspect
-import os
-import subprocess
-import sys
 import threading
 from importlib.metadata import version
 from types import SimpleNamespace
@@ -101,78 +98,3 @@ def test_set_litserve_shutdown_names_the_litserve_version_when_the_attribute_is_
     with pytest.raises(UpstreamChanged) as err:
         set_litserve_shutdown(SimpleNamespace())
     assert str(err.value).startswith(f"litserve {version('litserve')} has no LitServer._shutdown_event;")
-
-
-def _run_with_fake_wandb(tmp_path, code: str) -> str:
-    """Run ``code`` in a fresh Python whose ``wandb`` is a stand-in package that records being imported."""
-    fake = tmp_path / "site" / "wandb"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text(
-        "import sys\nsys.fake_wandb_imports = getattr(sys, 'fake_wandb_imports', 0) + 1\n"
-        "def log(row):\n    sys.fake_wandb_logged = row\n"
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout.strip()
-
-
-def test_defer_wandb_in_timm_leaves_wandb_unimported_until_timm_uses_it(tmp_path):
-    out = _run_with_fake_wandb(
-        tmp_path,
-        "import sys\nfrom vitattn.upstream import defer_wandb_in_timm\ndefer_wandb_in_timm()\n"
-        "import vitattn.models, timm.utils.summary as summary\n"
-        "before = 'wandb' in sys.modules\n"
-        "summary.wandb.log({'loss': 1.0})\n"  # what timm's update_summary(log_wandb=True) does
-        "import wandb\n"
-        "print(before, sys.fake_wandb_imports, sys.fake_wandb_logged, wandb.log is summary.wandb.log)",
-    )
-    assert out == "False 1 {'loss': 1.0} True"
-
-
-def test_wandb_imported_before_the_deferral_is_the_one_timm_sees(tmp_path):
-    out = _run_with_fake_wandb(
-        tmp_path,
-        "import sys, wandb\nfrom vitattn.upstream import defer_wandb_in_timm\ndefer_wandb_in_timm()\n"
-        "import vitattn.models, timm.utils.summary as s\nprint(s.wandb is wandb, sys.fake_wandb_imports)",
-    )
-    assert out == "True 1"
-
-
-def test_importing_vitattn_leaves_timms_wandb_import_as_it_is(tmp_path):
-    """A library import defers nothing: timm imports wandb as it would without vitattn (``tests/test_imports.py``
-    checks that ``import vitattn`` leaves ``sys.meta_path`` and the rest as they were)."""
-    out = _run_with_fake_wandb(
-        tmp_path, "import sys, vitattn.models, timm.utils.summary as s\nprint(s.wandb is sys.modules['wandb'])"
-    )
-    assert out == "True"
-
-
-# each a process of its own: test-fast runs one, the slow tests all
-@pytest.mark.parametrize(
-    "command",
-    [
-        "caption",
-        *(
-            pytest.param(c, marks=pytest.mark.slow)
-            for c in ("evaluate", "export", "check_data", "serve", "write_shards")
-        ),
-    ],
-)
-def test_console_entry_points_defer_wandb_for_their_own_process(tmp_path, command):
-    out = _run_with_fake_wandb(
-        tmp_path,
-        f"import sys\nfrom vitattn.cli.{command} import main\nassert main(['--help']) == 0\n"
-        "import timm.utils.summary as s\nprint('wandb' in sys.modules, getattr(sys, 'fake_wandb_imports', 0))",
-    )
-    assert out.splitlines()[-1] == "False 0"
-
-
-def test_vitattn_train_defers_wandb_for_its_own_process(tmp_path):
-    out = _run_with_fake_wandb(
-        tmp_path,
-        "import sys\nsys.argv = ['vitattn-train', '--help']\nfrom vitattn.cli.train import main\n"
-        "try:\n    main()\nexcept SystemExit:\n    pass\n"  # Hydra's --help exits
-        "import timm.utils.summary as s\nprint('wandb' in sys.modules, getattr(sys, 'fake_wandb_imports', 0))",
-    )
-    assert out.splitlines()[-1] == "False 0"

@@ -10,7 +10,7 @@ from PIL import Image
 
 from vitattn.bundle import Bundle, bundle_from_system, load_bundle, save_bundle
 from vitattn.data.preprocess import eval_transform
-from vitattn.data.vocab import Vocabulary
+from vitattn.data.tokenizer import Vocabulary
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)

@@ -17,10 +17,10 @@ from vitattn.bundle.onnx_folder import ONNX_CONFIG_FILE, ONNX_VERSION
 from vitattn.cli.caption import main as caption_main
 from vitattn.cli.evaluate import main as eval_main
 from vitattn.cli.export import main as export_main
+from vitattn.data.preprocess import normalize
 from vitattn.data.shapes import ShapesDataset
 from vitattn.data.shards import expand_shards, read_shard
 from vitattn.data.shards.writer import shapes_samples, write_shards
-from vitattn.data.transforms import normalize
 from vitattn.errors import MissingDependencyError
 from vitattn.inference import read_records
 from vitattn.metrics import compute_caption_metrics

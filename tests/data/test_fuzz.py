@@ -37,9 +37,8 @@ from vitattn.cli import caption as caption_cli
 from vitattn.cli import evaluate as evaluate_cli
 from vitattn.cli import export as export_cli
 from vitattn.cli.args import generate_settings
-from vitattn.data.coco import load_coco_captions
-from vitattn.data.karpathy import KARPATHY_SPLITS, load_karpathy
-from vitattn.data.vocab import Vocabulary
+from vitattn.data.coco import KARPATHY_SPLITS, load_coco_captions, load_karpathy
+from vitattn.data.tokenizer import Vocabulary
 from vitattn.errors import printable
 from vitattn.inference import list_inputs
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer

@@ -11,8 +11,7 @@ import pytest
 import vitattn.data.shards.reading as reading
 from vitattn.data.shards import expand_shards, read_shard, shard_sizes
 from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, read_factor, split_epoch
-from vitattn.data.shards.member_index import INDEX_SUFFIX, build_index, index_files, open_index
-from vitattn.data.shards.reading import ShardError, read_samples
+from vitattn.data.shards.reading import INDEX_SUFFIX, ShardError, build_index, index_files, open_index, read_samples
 from vitattn.data.shards.stream import ShardSamples, ShardStream
 from vitattn.data.shards.writer import shapes_samples, write_shards
 
@@ -257,18 +256,16 @@ def test_an_index_that_does_not_match_its_shard_is_one_line_naming_the_shard(ind
 
 
 def test_a_shard_in_a_folder_that_cannot_be_written_has_its_index_in_the_cache(indexed, tmp_path, reads, monkeypatch):
-    import vitattn.data.shards.member_index as member_index
-
     beside, cached = index_files(indexed, tmp_path / "cache")
     beside.unlink()
-    write = member_index.atomic_write
+    write = reading.atomic_write
 
     def read_only_folder(path, data):
         if Path(path).parent == beside.parent:
             raise PermissionError(f"[Errno 13] Permission denied: '{path}'")
         return write(path, data)
 
-    monkeypatch.setattr(member_index, "atomic_write", read_only_folder)
+    monkeypatch.setattr(reading, "atomic_write", read_only_folder)
     assert shard_sizes([indexed], tmp_path / "cache") == [40]
     assert not beside.exists() and cached.is_file()
     reads.clear()

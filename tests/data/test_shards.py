@@ -19,7 +19,7 @@ from vitattn.data.images import BadImageError
 from vitattn.data.shards import ShardError, expand_shards, read_shard, shard_sizes
 from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, batches_per_rank, split_epoch
 from vitattn.data.shards.writer import ShardSample, shapes_samples, write_shards
-from vitattn.data.vocab import Vocabulary
+from vitattn.data.tokenizer import Vocabulary
 from vitattn.training import train
 from vitattn.training.datamodules import WebDatasetDataModule
 

@@ -1,4 +1,4 @@
-"""vitattn.data.shards.tar_reader against Python's tarfile, the reader webdataset uses: the same files, names and bytes
+"""vitattn.data.shards.reading against Python's tarfile, the reader webdataset uses: the same files, names and bytes
 for every tar layout tarfile writes, and the same refusals for damaged tars."""
 
 import gzip
@@ -8,7 +8,7 @@ import tarfile
 import pytest
 
 from vitattn.data.shards import read_shard
-from vitattn.data.shards.tar_reader import BLOCK, is_plain_tar, tar_files
+from vitattn.data.shards.reading import BLOCK, is_plain_tar, tar_files
 
 LONG = "a-directory-with-a-long-name/" * 5 + "sample-0001.jpg"  # over 100 characters: prefix, GNU L or pax path
 NAMES = ["k0.jpg", "k0.txt", "k0.json", "ключ-1.jpg", "ключ-1.txt", LONG, "sub/dir/k2.cls", "empty.txt"]

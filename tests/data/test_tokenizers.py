@@ -13,6 +13,7 @@ from tests.helpers import TINY, TINY_SHAPES, compose_train
 from vitattn.data.tokenizer import (
     SubwordTokenizer,
     Tokenizer,
+    Vocabulary,
     auto_bpe_size,
     load_tokenizer,
     normalize_caption,
@@ -21,7 +22,6 @@ from vitattn.data.tokenizer import (
     train_bpe,
     unknown_share,
 )
-from vitattn.data.vocab import Vocabulary
 from vitattn.errors import ConfigError
 from vitattn.metrics.tokenize import coco_tokenize
 from vitattn.training import train
@@ -285,8 +285,8 @@ def test_the_bpe_runs_bundle_and_onnx_folder_caption_as_the_run(tmp_path):
     from vitattn import Captioner
     from vitattn.bundle import load_bundle
     from vitattn.bundle.onnx_export import export_onnx
+    from vitattn.data.preprocess import normalize
     from vitattn.data.shapes import ShapesDataset
-    from vitattn.data.transforms import normalize
 
     run = tmp_path / "run"
     overrides = ["head=caption", *TINY, *TINY_SHAPES, "tokenizer=bpe", "trainer.max_steps=40", "test=false"]

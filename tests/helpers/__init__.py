@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import vitattn.conf
 from omegaconf import DictConfig
 from PIL import Image
 
+import vitattn.conf
 from vitattn.training.compose import compose_train as compose
 
 CONF_DIR = Path(vitattn.conf.__file__).parent
@@ -86,7 +86,7 @@ def make_caption_bundle(folder: Path) -> Path:
     import torch
 
     from vitattn.bundle import save_bundle
-    from vitattn.data.vocab import Vocabulary
+    from vitattn.data.tokenizer import Vocabulary
     from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ from PIL import Image
 
 from vitattn.bundle import save_bundle
 from vitattn.cli.caption import main
-from vitattn.data.vocab import Vocabulary
+from vitattn.data.tokenizer import Vocabulary
 from vitattn.inference import attention_from_tokens, attention_rollout, caption_attention_maps, save_attention_figure
 from vitattn.layers import MultiHeadAttention, record_attention
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer

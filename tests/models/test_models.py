@@ -7,9 +7,10 @@ from timm.layers import resample_abs_pos_embed
 from torch.utils.checkpoint import checkpoint
 
 from vitattn.layers import DecoderLayer, EncoderLayer, record_attention
-from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer, load_timm_weights, vit_preset
+from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer, vit_preset
 from vitattn.models.search import beam_search
 from vitattn.models.search import sample_token as _sample
+from vitattn.models.timm_weights import load_timm_weights
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
 

@@ -312,7 +312,7 @@ def _unk_loving_bundle(folder):
     """A tiny random captioner whose output layer favours ``<unk>`` by far, saved as a bundle."""
     from tests.helpers import CAPTION_PREPROCESS, CAPTION_WORDS
     from vitattn.bundle import save_bundle
-    from vitattn.data.vocab import Vocabulary
+    from vitattn.data.tokenizer import Vocabulary
     from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 
     vocab = Vocabulary(CAPTION_WORDS)

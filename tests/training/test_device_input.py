@@ -17,11 +17,16 @@ from torchvision.transforms.functional import pil_to_tensor
 
 from tests.helpers import TINY, compose_train, make_coco, make_image_folder, make_karpathy
 from vitattn.data import eval_transform
-from vitattn.data.augment import Augment, CaptionAugment, classification_train_transform
-from vitattn.data.preprocess import CROP_MODES, default_preprocess
+from vitattn.data.preprocess import (
+    CROP_MODES,
+    Augment,
+    CaptionAugment,
+    Normalize,
+    classification_train_transform,
+    default_preprocess,
+)
 from vitattn.data.shapes import CLASS_NAMES
 from vitattn.data.shards.writer import shapes_samples, write_shards
-from vitattn.data.transforms import Normalize
 from vitattn.training.assemble import build_system
 from vitattn.training.datamodules import (
     CocoCaptionDataModule,

@@ -11,9 +11,15 @@ import torch
 from PIL import Image
 
 from tests.helpers import TINY, TINY_SHAPES, compose_train, make_image_folder, metrics_with_weights
-from vitattn.data.augment import Augment, CaptionAugment, auto_min_scale, classification_train_transform
-from vitattn.data.cache import should_cache
-from vitattn.data.preprocess import default_preprocess, eval_transform
+from vitattn.data.images import should_cache
+from vitattn.data.preprocess import (
+    Augment,
+    CaptionAugment,
+    auto_min_scale,
+    classification_train_transform,
+    default_preprocess,
+    eval_transform,
+)
 from vitattn.training import train
 from vitattn.training.datamodules import ImageFolderDataModule
 from vitattn.training.systems.optim import WarmupCosine
@@ -363,7 +369,7 @@ def test_auto_workers_and_threads_never_oversubscribe_the_cores(tmp_path, monkey
 def test_auto_min_word_freq_keeps_coco_threshold_unless_it_leaves_many_unknown_words():
     from collections import Counter
 
-    from vitattn.data.vocab import Vocabulary, auto_min_freq
+    from vitattn.data.tokenizer import Vocabulary, auto_min_freq
 
     common = Counter({f"w{i}": 100 for i in range(50)})
     assert auto_min_freq(common + Counter({"rare": 1})) == 5  # one rare word of 5,001 tokens: COCO's 5
@@ -377,7 +383,7 @@ def test_auto_min_word_freq_keeps_coco_threshold_unless_it_leaves_many_unknown_w
 
 
 def test_caption_crops_spare_small_images():
-    from vitattn.data.augment import CAPTION_CROP_SCALE
+    from vitattn.data.preprocess import CAPTION_CROP_SCALE
 
     assert auto_min_scale(32, captions=True) == 1.0 and auto_min_scale(224, captions=True) == 0.5
     assert Augment(scale=CAPTION_CROP_SCALE).crop_scale(32) == (1.0, 1.0)

@@ -21,8 +21,7 @@ from torchvision import transforms as T
 
 from tests.helpers import TINY, TINY_SHAPES, compose_train
 from vitattn.bundle import load_bundle, save_bundle
-from vitattn.data.preprocess import eval_transform, from_timm
-from vitattn.data.transforms import Normalize
+from vitattn.data.preprocess import Normalize, eval_transform, from_timm
 from vitattn.errors import ConfigError
 from vitattn.models import VisionTransformer
 from vitattn.run_dir import RunDir

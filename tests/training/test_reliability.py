@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from tests.helpers import TINY, TINY_SHAPES, compose_train, console_script, make_coco, make_image_folder
 from vitattn.cli.errors import user_errors
-from vitattn.data.vocab import Vocabulary
+from vitattn.data.tokenizer import Vocabulary
 from vitattn.errors import ConfigError
 from vitattn.training import AtomicCheckpointIO, setup_data, train
 from vitattn.training.config import check_config

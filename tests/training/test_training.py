@@ -231,7 +231,7 @@ def test_overfit_one_batch_classifier(tmp_path):
 def test_overfit_one_batch_captioner(tmp_path):
     cfg = compose_train(["head=caption", *OVERFIT, "trainer.max_steps=250", "head.decoder.drop_rate=0"], tmp_path)
     result = train(cfg)
-    from vitattn.data.captions import collate_captions
+    from vitattn.data.tokenizer import collate_captions
     from vitattn.training.datamodules import ShapesDataModule
 
     dm = ShapesDataModule(task="caption", img_size=32, num_train=64, num_val=16, num_test=16, batch_size=8)

@@ -27,10 +27,9 @@ from vitattn.bundle.folder import (
     save_bundle,
 )
 from vitattn.data.preprocess import check_preprocess, default_preprocess
-from vitattn.data.tasks import TASKS
 from vitattn.data.tokenizer import Tokenizer, tokenizer_file_name, tokenizer_from_labels
 from vitattn.errors import first_line
-from vitattn.models import ImageCaptioner
+from vitattn.models import TASKS, ImageCaptioner
 
 __all__ = ["bundle_from_system", "load_checkpoint"]
 

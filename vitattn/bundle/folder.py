@@ -31,11 +31,10 @@ from torch import nn
 from vitattn.bundle.arguments import build_model, check_arguments
 from vitattn.bundle.runtime import LoadedModel
 from vitattn.data.preprocess import check_preprocess
-from vitattn.data.tasks import TASKS
 from vitattn.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_file_name
 from vitattn.errors import brief, first_line
 from vitattn.fileio import atomic_folder, read_json
-from vitattn.models import ImageCaptioner, VisionTransformer
+from vitattn.models import TASKS, ImageCaptioner, VisionTransformer
 from vitattn.run_dir import VOCAB_FILE
 
 __all__ = [

@@ -29,9 +29,9 @@ from types import ModuleType
 from typing import Any
 
 from vitattn.data.preprocess import check_preprocess
-from vitattn.data.tasks import TASKS
 from vitattn.errors import MissingDependencyError, brief
 from vitattn.fileio import read_json
+from vitattn.models import TASKS
 
 __all__ = [
     "DECODER_KEYS",

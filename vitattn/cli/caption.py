@@ -40,7 +40,6 @@ from omegaconf import MISSING
 
 from vitattn.cli.args import GENERATE_KEYS, UsageError, generate_settings, parse_key_values, resolve_device, run_main
 from vitattn.cli.errors import USER_ERRORS
-from vitattn.upstream import defer_wandb_in_timm
 
 __all__ = ["CaptionConfig", "UsageError", "main", "parse_args", "run"]
 
@@ -196,7 +195,6 @@ def _caption_shards(cfg: Any, model: Any, processes: Any, generate: dict[str, An
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
-    defer_wandb_in_timm()  # this process only: timm's import then leaves wandb unimported (vitattn.upstream)
     return run_main(__doc__, argv, parse_args, run)
 
 

@@ -28,7 +28,6 @@ from omegaconf import DictConfig
 from vitattn.cli.args import UsageError, run_main
 from vitattn.errors import first_line
 from vitattn.training.config_targets import check_targets
-from vitattn.upstream import defer_wandb_in_timm
 
 __all__ = ["main", "parse_args", "run"]
 
@@ -93,7 +92,6 @@ def run(args: tuple[DictConfig, int]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
-    defer_wandb_in_timm()  # this process only: timm's import then leaves wandb unimported (vitattn.upstream)
     return run_main(__doc__, argv, parse_args, run)
 
 

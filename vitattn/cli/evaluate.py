@@ -42,7 +42,6 @@ from vitattn.generate_keys import SEARCH_KEYS
 from vitattn.metrics import SCORERS
 from vitattn.metrics.toolkit import check_toolkit
 from vitattn.run_dir import RunDir
-from vitattn.upstream import defer_wandb_in_timm
 
 __all__ = ["EvalConfig", "main", "parse_args", "run"]
 
@@ -130,7 +129,6 @@ def run(cfg: Any) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
-    defer_wandb_in_timm()  # this process only: timm's import then leaves wandb unimported (vitattn.upstream)
     return run_main(__doc__, argv, parse_args, run)
 
 

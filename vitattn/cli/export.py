@@ -29,7 +29,6 @@ from omegaconf import MISSING
 
 from vitattn.cli.args import UsageError, parse_key_values, resolve_device, run_main
 from vitattn.run_dir import RunDir
-from vitattn.upstream import defer_wandb_in_timm
 
 __all__ = ["ExportConfig", "main", "parse_args", "run"]
 
@@ -104,7 +103,6 @@ def run(cfg: Any) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
-    defer_wandb_in_timm()  # this process only: timm's import then leaves wandb unimported (vitattn.upstream)
     return run_main(__doc__, argv, parse_args, run)
 
 

@@ -35,7 +35,6 @@ from omegaconf import MISSING
 
 from vitattn.cli.args import UsageError, generate_settings, parse_key_values, run_main
 from vitattn.generate_keys import SEARCH_KEYS
-from vitattn.upstream import defer_wandb_in_timm
 
 __all__ = ["ServeConfig", "main", "parse_args", "run"]
 
@@ -122,7 +121,6 @@ def run(cfg: Any) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
-    defer_wandb_in_timm()  # this process only: timm's import then leaves wandb unimported (vitattn.upstream)
     return run_main(__doc__, argv, parse_args, run)
 
 

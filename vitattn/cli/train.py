@@ -27,7 +27,6 @@ from vitattn.cli.noise import quiet_upstream
 from vitattn.errors import ConfigError, Preempted
 from vitattn.run_dir import RunDir
 from vitattn.training.moved_keys import MOVED_KEYS, check_moved_keys
-from vitattn.upstream import defer_wandb_in_timm
 
 if TYPE_CHECKING:
     from vitattn.training import TrainResult
@@ -132,7 +131,6 @@ def _complete_run(argv: list[str]) -> str | None:
 
 
 def main() -> None:
-    defer_wandb_in_timm()  # this process only: timm's import then leaves wandb unimported (vitattn.upstream)
     sys.argv = [sys.argv[0], *_resume_argv(sys.argv[1:])]
     try:
         check_moved_keys(sys.argv[1:])

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from omegaconf import MISSING
 
 from vitattn.cli.args import UsageError, parse_key_values, run_main
-from vitattn.upstream import defer_wandb_in_timm
 
 __all__ = ["main"]
 
@@ -60,9 +59,8 @@ def parse(argv: list[str]) -> ShardsArgs:
 
 
 def run(args: ShardsArgs) -> int:
-    # heavy: vitattn.data imports torch and timm; out of the command's import, after main's wandb deferral
-    from vitattn.data.coco import load_coco_captions
-    from vitattn.data.karpathy import load_karpathy
+    # heavy: vitattn.data imports torch; out of the command's import, so --help and usage errors are instant
+    from vitattn.data.coco import load_coco_captions, load_karpathy
     from vitattn.data.shapes import CLASS_NAMES
     from vitattn.data.shards.writer import coco_samples, folder_samples, shapes_samples, write_shards
 
@@ -90,7 +88,6 @@ def run(args: ShardsArgs) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
-    defer_wandb_in_timm()  # this process only: timm's import then leaves wandb unimported (vitattn.upstream)
     return run_main(__doc__, argv, parse, run)
 
 

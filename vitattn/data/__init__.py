@@ -7,17 +7,18 @@ config ``_target_``.
 """
 
 from vitattn.data.bad_images import find_bad_images
-from vitattn.data.captions import TokenizedCaptions, collate_captions
-from vitattn.data.coco import CocoCaptionDataset, CocoImage, load_coco_captions
-from vitattn.data.eval_split import EvalSplit
-from vitattn.data.image_folder import image_folder_split
-from vitattn.data.images import BadImageError, read_image
-from vitattn.data.karpathy import load_karpathy
-from vitattn.data.preprocess import default_preprocess, denormalize, eval_transform
+from vitattn.data.coco import CocoCaptionDataset, CocoImage, load_coco_captions, load_karpathy
+from vitattn.data.images import BadImageError, EvalSplit, image_folder_split, read_image
+from vitattn.data.preprocess import default_preprocess, denormalize, eval_transform, normalize
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
-from vitattn.data.tokenizer import SubwordTokenizer, Tokenizer, load_tokenizer
-from vitattn.data.transforms import normalize
-from vitattn.data.vocab import Vocabulary
+from vitattn.data.tokenizer import (
+    SubwordTokenizer,
+    TokenizedCaptions,
+    Tokenizer,
+    Vocabulary,
+    collate_captions,
+    load_tokenizer,
+)
 
 __all__ = [
     "BadImageError",

@@ -8,22 +8,36 @@ records the reason and goes on.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any, Literal, overload
 
 import numpy as np
+import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
+from torch.utils.data import DataLoader
+from torchvision.datasets import ImageFolder
 
 from vitattn.errors import first_line
 
 __all__ = [
-    "IMAGE_EXTENSIONS",
+    "AUTO_LIMIT_BYTES",
     "BadImageError",
+    "CACHE_MODES",
+    "EvalSplit",
+    "IMAGE_EXTENSIONS",
+    "image_folder_split",
+    "ImageCache",
+    "open_image_folder",
     "read_image",
     "read_many",
+    "should_cache",
+    "SPLITS",
     "unreadable_reason",
     "upright_rgb",
 ]
@@ -158,3 +172,117 @@ def unreadable_reason(path: str | os.PathLike | IO[bytes], err: BaseException) -
             return "file not found"
         return "empty file (0 bytes)" if size == 0 else "not an image (unrecognised file format)"
     return f"unreadable image: {first_line(err, limit=200)}"
+
+
+def image_folder_split(root: str | os.PathLike, split: str) -> Path:
+    """The folder of ``split`` under an ImageFolder ``root``: ``root/<split>``; ``test`` falls back to
+    ``root/val`` when ``root/test`` does not exist (training then tests on val)."""
+    root = Path(root)
+    if split == "test" and not (root / "test").exists():
+        return root / "val"
+    return root / split
+
+
+def _is_image_file(path: str) -> bool:
+    name = os.path.basename(path)
+    return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+
+
+def open_image_folder(directory: str | os.PathLike, transform: Callable[[Any], Any] | None = None) -> ImageFolder:
+    """``directory/<class>/<image>`` as a torchvision ``ImageFolder`` read with ``read_image`` (an unreadable file
+    raises ``BadImageError``); the same file extensions as the captioner (``IMAGE_EXTENSIONS``), hidden files
+    skipped. Listing reads no image."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"image folder not found: {directory} (expected {directory}/<class>/<image>)")
+    try:
+        return ImageFolder(directory, transform=transform, loader=read_image, is_valid_file=_is_image_file)
+    except FileNotFoundError as err:  # torchvision's word for "no class folders" or "no images"
+        raise ValueError(f"image folder {directory} is empty: {err}") from None
+
+
+log = logging.getLogger(__name__)
+
+CACHE_MODES = ("auto", "ram", "none")
+AUTO_LIMIT_BYTES = 4 << 30
+
+
+def _available_memory() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not on this platform
+        return AUTO_LIMIT_BYTES * 4
+
+
+def should_cache(mode: str, num_images: int, side: int) -> bool:
+    """Whether ``num_images`` images of about ``side`` x ``side`` pixels are cached under ``mode``."""
+    if mode not in CACHE_MODES:
+        raise ValueError(f"data.cache={mode!r} is unknown; choose one of {list(CACHE_MODES)}")
+    if mode != "auto":
+        return mode == "ram"
+    need = num_images * 3 * side * side
+    return need <= min(AUTO_LIMIT_BYTES, _available_memory() // 4)
+
+
+class ImageCache:
+    """uint8 (height, width, 3) arrays of image files after ``resize``, read in parallel; ``load(path)`` gives a PIL
+    image.
+
+    Args:
+        paths: the files; those that cannot be read are kept in ``bad`` (path -> reason), and loading
+            one raises its ``BadImageError``.
+        resize: the evaluation transform's resize (PIL image -> PIL image).
+        threads: reading threads (PIL decodes and resizes without the GIL).
+    """
+
+    def __init__(self, paths: Sequence[str], resize: Callable[[Image.Image], Image.Image], threads: int = 0) -> None:
+        self.resize = resize
+        self.images, self.bad = read_many(paths, self._read, threads or max(1, min(8, os.cpu_count() or 1)))
+        self.nbytes = sum(a.nbytes for a in self.images.values())
+        log.info("cached %d images in memory (%.1f MiB)", len(self.images), self.nbytes / 2**20)
+
+    def _read(self, path: str) -> np.ndarray:
+        return np.asarray(self.resize(read_image(path)), dtype=np.uint8).copy()
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def load(self, path: Any) -> Image.Image:
+        """The cached image of ``path`` (a PIL view of the array; cheap).
+
+        Raises:
+            BadImageError: ``path`` could not be read when the cache was built.
+        """
+        key = str(path)
+        if key in self.bad:
+            raise BadImageError(f"{key}: {self.bad[key]}", key, self.bad[key])
+        return Image.fromarray(self.images[key])
+
+    def tensor(self, path: Any) -> torch.Tensor:
+        """The cached image of ``path`` as (3, height, width) uint8."""
+        return torch.from_numpy(self.images[str(path)]).permute(2, 0, 1)
+
+
+SPLITS = ("val", "test")  # the splits evaluation scores; training data never is
+
+
+@dataclass
+class EvalSplit:
+    """One split as evaluation sees it.
+
+    Attributes:
+        source: what the images are, for reports (a folder, a file, a generated split).
+        files: image files with ``ids`` (caption image ids, or class labels for classification);
+            the caller reads them, so that an unreadable file is counted, not fatal.
+        ids: one per file.
+        loader: batches ready for the model, when the images are not files (the built-in data).
+        references: caption task: image id -> reference captions.
+        synthetic: references list every correct caption, so exact match is meaningful.
+    """
+
+    source: str
+    files: list[str] = field(default_factory=list)
+    ids: list[Any] = field(default_factory=list)
+    loader: DataLoader | None = None
+    references: dict[Any, list[str]] | None = None
+    synthetic: bool = False

@@ -4,7 +4,7 @@ A ``preprocess`` mapping (stored in checkpoints and bundles) holds timm's ``crea
 arguments: ``img_size``, ``crop_pct``, ``mean``, ``std``, ``interpolation`` and an optional
 ``crop_mode`` (``center``, ``squash``, ``border``). The DataModules' evaluation transforms and the
 bundles' transforms are both ``eval_transform(preprocess)`` (the DataModules' stop before the normalisation, which
-runs on the device: ``vitattn.data.transforms.Normalize``); ``denormalize`` undoes its last step.
+runs on the device: ``vitattn.data.preprocess.Normalize``); ``denormalize`` undoes its last step.
 
 Pretrained weights bring their own (``WEIGHTS_KEYS``: all but the image size, which the run's data sets):
 ``from_timm`` reads them from timm's data config (``resolve_model_data_config``), a vitattn model's are its
@@ -15,37 +15,41 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from PIL import Image
-from timm.data import (
-    IMAGENET_DEFAULT_MEAN,
-    IMAGENET_DEFAULT_STD,
-    IMAGENET_INCEPTION_MEAN,
-    IMAGENET_INCEPTION_STD,
-    OPENAI_CLIP_MEAN,
-    OPENAI_CLIP_STD,
-    create_transform,
-)
-from timm.data.transforms import str_to_interp_mode
+from torchvision import transforms as T
+from torchvision.transforms import functional as TF
 
 from vitattn.errors import brief
 
 __all__ = [
-    "CROP_MODES",
-    "PREPROCESS_KEYS",
-    "WEIGHTS_KEYS",
+    "Augment",
+    "auto_min_scale",
+    "CAPTION_CROP_SCALE",
+    "CaptionAugment",
     "check_preprocess",
+    "classification_train_transform",
+    "CROP_MODES",
     "default_preprocess",
     "denormalize",
     "describe",
     "eval_transform",
     "from_timm",
+    "PREPROCESS_KEYS",
+    "WEIGHTS_KEYS",
     "weights_preprocess",
 ]
 
+# timm's statistics (``timm.data``), written here: the caption path imports no timm (the first-caption bench)
+IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+IMAGENET_INCEPTION_MEAN = IMAGENET_INCEPTION_STD = (0.5, 0.5, 0.5)
+OPENAI_CLIP_MEAN, OPENAI_CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "box", "hamming", "lanczos")  # timm's names
 PREPROCESS_KEYS = ("img_size", "crop_pct", "mean", "std", "interpolation")
 CROP_MODES = ("center", "squash", "border")  # timm's eval crop modes; optional ``crop_mode`` key
 # What pretrained weights fix and the data may set (``data.mean=`` ...): all but the image size.
@@ -129,16 +133,58 @@ def eval_transform(preprocess: Mapping[str, Any], normalize: bool = True) -> Cal
             DataModules' loaders yield; ``Normalize(mean, std)`` of it is then bit for bit the normalised image.
     """
     p = check_preprocess(preprocess, "preprocess")
-    return create_transform(
-        input_size=p["img_size"],
-        is_training=False,
-        use_prefetcher=not normalize,
-        crop_pct=p["crop_pct"],
-        crop_mode=p.get("crop_mode"),
-        mean=tuple(p["mean"]),
-        std=tuple(p["std"]),
-        interpolation=p["interpolation"],
+    size, mode, scale = (
+        p["img_size"],
+        T.InterpolationMode(p["interpolation"]),
+        math.floor(p["img_size"] / p["crop_pct"]),
     )
+    if p.get("crop_mode") == "squash":
+        steps = [T.Resize((scale, scale), interpolation=mode), T.CenterCrop(size)]
+    elif p.get("crop_mode") == "border":
+        steps = [_ResizeLongest(scale, mode), _CenterCropOrPad(size, [round(255 * v) for v in p["mean"]])]
+    else:
+        steps = [T.Resize(scale, interpolation=mode), T.CenterCrop(size)]
+    if not normalize:
+        return T.Compose([*steps, _ToTensor(scale=False)])
+    return T.Compose([*steps, _ToTensor(scale=True), T.Normalize(torch.tensor(p["mean"]), torch.tensor(p["std"]))])
+
+
+class _ResizeLongest:
+    """timm's ``ResizeKeepRatio(longest=1)``: the longer side to ``size``, the aspect ratio kept."""
+
+    def __init__(self, size: int, interpolation: T.InterpolationMode) -> None:
+        self.size, self.interpolation = size, interpolation
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        _, height, width = TF.get_dimensions(image)
+        ratio = max(height / self.size, width / self.size)
+        return TF.resize(image, [round(height / ratio), round(width / ratio)], self.interpolation)
+
+
+class _CenterCropOrPad:
+    """timm's ``CenterCropOrPad``: pad a side shorter than ``size`` with ``fill``, then crop the centre."""
+
+    def __init__(self, size: int, fill: list[int]) -> None:
+        self.size, self.fill = size, fill
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        _, height, width = TF.get_dimensions(image)
+        dw, dh = max(self.size - width, 0), max(self.size - height, 0)
+        if dw or dh:
+            image = TF.pad(image, [dw // 2, dh // 2, (dw + 1) // 2, (dh + 1) // 2], fill=self.fill)
+        return TF.center_crop(image, [self.size, self.size])
+
+
+class _ToTensor:
+    """timm's ``MaybeToTensor`` (``scale``: float in [0, 1]) or ``MaybePILToTensor`` (uint8); a tensor as it is."""
+
+    def __init__(self, scale: bool) -> None:
+        self.scale = scale
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        if isinstance(image, torch.Tensor):
+            return image
+        return TF.to_tensor(image) if self.scale else TF.pil_to_tensor(image)
 
 
 def check_preprocess(preprocess: Any, where: str = "preprocess") -> dict[str, Any]:
@@ -160,9 +206,7 @@ def check_preprocess(preprocess: Any, where: str = "preprocess") -> dict[str, An
             f"{where}: crop_pct={brief(crop)} must be a number from 0.1 to 1 (the crop's share of the resized side)"
         )
     p["img_size"], p["crop_pct"] = int(size), float(crop)
-    try:
-        str_to_interp_mode(p["interpolation"])
-    except (KeyError, TypeError):
+    if not isinstance(p["interpolation"], str) or p["interpolation"] not in INTERPOLATIONS:
         raise ValueError(f"{where}: interpolation={brief(p['interpolation'])} is unknown; try bicubic") from None
     if preprocess.get("crop_mode") is not None:
         if preprocess["crop_mode"] not in CROP_MODES:
@@ -188,3 +232,192 @@ def denormalize(
     mean_ = images.new_tensor(list(mean)).view(3, 1, 1)
     std_ = images.new_tensor(list(std)).view(3, 1, 1)
     return images * std_ + mean_
+
+
+class Normalize:
+    """``(image - mean) / std`` per channel, on (..., 3, height, width) tensors: float in [0, 1], or uint8, which is
+    first scaled as ``ToTensor`` scales it (``.float().div(255)``), so that a uint8 image normalised here is bit for
+    bit what ``ToTensor`` then ``Normalize`` make of it, on whichever device it is.
+
+    ``torchvision.transforms.Normalize`` rebuilds its mean and std tensors on every call, a large part
+    of the per-image cost of the shapes pipeline at small sizes (``docs/benchmarks.md``, "The built-in
+    shapes data"); this keeps them, one copy per device.
+    """
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
+        # 255 as a tensor, not a Python number: CUDA divides by a host scalar as a multiplication by its
+        # reciprocal (one bit off in places); by a device tensor it divides exactly, as ToTensor does on the CPU.
+        self.scale = torch.tensor(255.0)
+        self._on_device: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        scale, mean, std = self._constants(image.device)
+        if image.dtype == torch.uint8:
+            image = image.float().div(scale)  # ToTensor's scaling, in its order: divide, then normalise
+        return (image - mean) / std
+
+    def _constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        if device.type == "cpu":
+            return self.scale, self.mean, self.std
+        if device not in self._on_device:  # copied once: no host-to-device copy each batch
+            self._on_device[device] = tuple(t.to(device) for t in (self.scale, self.mean, self.std))
+        return self._on_device[device]
+
+    def __getstate__(self) -> dict:  # loader workers get the CPU statistics only
+        return {**self.__dict__, "_on_device": {}}
+
+    def __repr__(self) -> str:
+        return f"Normalize(mean={self.mean.flatten().tolist()}, std={self.std.flatten().tolist()})"
+
+
+def normalize() -> Normalize:
+    """ImageNet mean/std normalisation of a (3, height, width) float tensor in [0, 1] (or uint8)."""
+    return Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)
+
+
+# Captions: BLIP's recipe crops at least half of a 224-384 px photo; a small image is not cropped at all:
+# half of a 32 px emoji loses the skin tone, the flag's emblem or the hair that its name is about.
+CAPTION_CROP_SCALE = "auto_caption"
+CROPS = ("resized", "pad")
+LEFT_RIGHT = frozenset({"left", "right", "leftmost", "rightmost"})
+COLOURS = frozenset(
+    "red orange yellow green blue purple violet pink brown black white gray grey silver gold golden beige "
+    "tan maroon navy teal turquoise cyan magenta blond blonde".split()
+)
+_WORD = re.compile(r"[a-z]+")
+
+
+def auto_min_scale(img_size: int, captions: bool = False) -> float:
+    """The smallest random-resized-crop scale for ``img_size``. Classification: 0.5 up to 64 px, timm's ImageNet
+    0.08 from 224 px. Captions: 1 (no crop) up to 64 px, BLIP's 0.5 from 224 px. Linear in between."""
+    small, large = (1.0, 0.5) if captions else (0.5, 0.08)
+    if img_size <= 64:
+        return small
+    if img_size >= 224:
+        return large
+    return small + (large - small) * (img_size - 64) / (224 - 64)
+
+
+@dataclass
+class Augment:
+    """What training augmentation does (``data.augment.*`` in the configs).
+
+    Attributes:
+        enabled: off: training images get the evaluation transform.
+        scale: random-resized-crop area range ``[min, max]``; ``auto``: ``[auto_min_scale(img_size), 1]``;
+            ``auto_caption``: the captions' milder rule (the default of the caption data).
+        ratio: crop aspect-ratio range.
+        crop: ``resized`` (a random-resized crop of ``scale`` and ``ratio``) or ``pad`` (pad each side by an
+            eighth of the image, mirrored, and cut a random image-sized window: a shift without resampling,
+            the CIFAR recipe; ``scale`` and ``ratio`` are not used).
+        hflip: probability of a horizontal flip.
+        color_jitter: brightness / contrast / saturation jitter strength (0 = off).
+        auto_augment: ``rand-m9-mstd0.5-inc1`` (timm RandAugment), ``trivialaugment`` (torchvision),
+            ``augmix-m5-w3`` (timm AugMix), or None.
+    """
+
+    enabled: bool = True
+    scale: Any = "auto"
+    ratio: Sequence[float] = (3 / 4, 4 / 3)
+    crop: str = "resized"
+    hflip: float = 0.5
+    color_jitter: float = 0.0
+    auto_augment: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.crop not in CROPS:
+            raise ValueError(f"data.augment.crop={self.crop!r} is unknown; use one of {list(CROPS)}")
+
+    @classmethod
+    def from_config(cls, value: Any, **defaults: Any) -> Augment:
+        """From ``True`` / ``False`` or a mapping of the attributes (unknown keys are refused)."""
+        if isinstance(value, bool) or value is None:
+            return cls(enabled=bool(value), **defaults)
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                f"data.augment={value!r} must be true, false or a mapping of {[f.name for f in fields(cls)]}"
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"data.augment has unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**{**defaults, **dict(value)})
+
+    def crop_scale(self, img_size: int) -> tuple[float, float]:
+        """The crop scale range for ``img_size``."""
+        if self.scale in ("auto", "auto_caption") or self.scale is None:
+            return (auto_min_scale(img_size, captions=self.scale == "auto_caption"), 1.0)
+        low, high = (float(x) for x in self.scale)
+        if not 0.0 < low <= high <= 1.0:
+            raise ValueError(f"data.augment.scale={list(self.scale)} must satisfy 0 < min <= max <= 1")
+        return (low, high)
+
+
+def _auto_augment(name: str, img_size: int, mean: Sequence[float]) -> Callable[[Image.Image], Image.Image]:
+    from timm.data.auto_augment import augment_and_mix_transform, rand_augment_transform  # training only
+
+    hparams = {"translate_const": int(img_size * 0.45), "img_mean": tuple(round(255 * x) for x in mean)}
+    if name.startswith("rand"):
+        return rand_augment_transform(name, hparams)
+    if name.startswith("augmix"):
+        return augment_and_mix_transform(name, hparams)
+    if name in ("trivialaugment", "trivial"):
+        return T.TrivialAugmentWide()
+    raise ValueError(
+        f"data.augment.auto_augment={name!r} is unknown; use rand-m9-mstd0.5-inc1, trivialaugment or augmix-m5-w3"
+    )
+
+
+def _geometry(img_size: int, augment: Augment, interpolation: str) -> list[Callable]:
+    if augment.crop == "pad":
+        return [T.RandomCrop(img_size, padding=max(1, img_size // 8), padding_mode="reflect")]
+    mode = T.InterpolationMode(interpolation)
+    ratio = tuple(float(x) for x in augment.ratio)
+    return [T.RandomResizedCrop(img_size, scale=augment.crop_scale(img_size), ratio=ratio, interpolation=mode)]
+
+
+def _to_tensor() -> list[Callable]:  # uint8: the loaders' images are normalised on the device (``Normalize``)
+    return [T.PILToTensor()]
+
+
+def classification_train_transform(
+    img_size: int, augment: Augment, preprocess: Mapping[str, Any]
+) -> Callable[[Image.Image], torch.Tensor]:
+    """PIL image -> (3, img_size, img_size) uint8 tensor: crop, flip, jitter, auto-augment (``preprocess``'s
+    interpolation; its mean and std normalise the batch on the device, ``vitattn.data.preprocess.Normalize``)."""
+    steps = _geometry(img_size, augment, preprocess["interpolation"])
+    if augment.hflip > 0:
+        steps.append(T.RandomHorizontalFlip(augment.hflip))
+    if augment.color_jitter > 0:
+        steps.append(T.ColorJitter(*(3 * [augment.color_jitter])))
+    if augment.auto_augment:
+        steps.append(_auto_augment(augment.auto_augment, img_size, preprocess["mean"]))
+    return T.Compose(steps + _to_tensor())
+
+
+class CaptionAugment:
+    """Caption-safe training transform, called as ``transform(image, captions)``: a (3, height, width) uint8 tensor.
+
+    A flip is drawn only when no caption of the image says left or right, colour jitter only when
+    none names a colour; the crop always applies.
+    """
+
+    reads_captions = True
+
+    def __init__(self, img_size: int, augment: Augment, preprocess: Mapping[str, Any]) -> None:
+        self.augment = augment
+        self.crop = T.Compose(_geometry(img_size, augment, preprocess["interpolation"]))
+        self.flip = T.RandomHorizontalFlip(1.0) if augment.hflip > 0 else None
+        self.jitter = T.ColorJitter(*(3 * [augment.color_jitter])) if augment.color_jitter > 0 else None
+        self.finish = T.Compose(_to_tensor())
+
+    def __call__(self, image: Image.Image, captions: Sequence[str]) -> torch.Tensor:
+        words = {w for caption in captions for w in _WORD.findall(caption.lower())}
+        image = self.crop(image)
+        if self.flip is not None and not words & LEFT_RIGHT and torch.rand(()) < self.augment.hflip:
+            image = self.flip(image)
+        if self.jitter is not None and not words & COLOURS:
+            image = self.jitter(image)
+        return self.finish(image)

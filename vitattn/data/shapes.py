@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw
 from torch.utils.data import Dataset
 from torchvision.transforms.functional import pil_to_tensor
 
-from vitattn.data.tasks import TASKS
+from vitattn.models import TASKS
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (215, 40, 40),

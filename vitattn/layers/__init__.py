@@ -7,9 +7,13 @@ from vitattn.layers.attention import (
     record_attention,
     scaled_dot_product_attention,
 )
-from vitattn.layers.decoder_layer import DecoderLayer, LayerCache
-from vitattn.layers.encoder_layer import EncoderLayer
-from vitattn.layers.feedforward import get_activation, point_wise_feed_forward_network
+from vitattn.layers.transformer import (
+    DecoderLayer,
+    EncoderLayer,
+    LayerCache,
+    get_activation,
+    point_wise_feed_forward_network,
+)
 
 __all__ = [
     "DecoderLayer",

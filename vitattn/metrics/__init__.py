@@ -2,6 +2,7 @@
 (``vitattn.metrics.toolkit``, METEOR included) when pycocoevalcap and Java are installed."""
 
 from vitattn.metrics.caption import (
+    SCORERS,
     CiderD,
     check_corpus,
     cider_d,
@@ -9,9 +10,10 @@ from vitattn.metrics.caption import (
     corpus_bleu,
     distinct_share,
     exact_match,
+    first_per_image,
     rouge_l,
+    score_captions,
 )
-from vitattn.metrics.scoring import SCORERS, first_per_image, score_captions
 from vitattn.metrics.tokenize import coco_tokenize
 
 __all__ = [

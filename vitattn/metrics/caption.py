@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from vitattn.metrics.tokenize import coco_tokenize_file
+
+__all__ = ["first_per_image", "score_captions", "SCORERS"]
 
 Tokens = list[str]
 Ngram = tuple[str, ...]
@@ -372,3 +375,35 @@ def distinct_share(predictions: Sequence[str]) -> float:
     if not predictions:
         raise ValueError("predictions is empty")
     return len(set(predictions)) / len(predictions)
+
+
+# vitattn-eval's scorer=: the built-in metrics alone, or the COCO caption toolkit's beside them (toolkit.py).
+SCORERS = ("builtin", "coco")
+
+Item = tuple[Any, str, list[str]]  # (image id, caption, references)
+
+
+def first_per_image(items: Iterable[Item]) -> list[Item]:
+    """The first ``(image_id, caption, references)`` of each image id, sorted by id (ints before strings)."""
+    first: dict[Any, Item] = {}
+    for item in items:
+        first.setdefault(item[0], item)
+    return [first[k] for k in sorted(first, key=lambda k: (str(type(k)), k))]
+
+
+def score_captions(items: Iterable[Item], synthetic: bool = True) -> dict[str, float]:
+    """BLEU-1..4, ROUGE-L, CIDEr-D, ``distinct`` and ``num_images`` of ``items``, each image once.
+
+    Args:
+        items: ``(image_id, caption, references)``; a repeated image id counts once (its first item).
+        synthetic: the references list every correct caption, so ``exact_match`` is added.
+    """
+    items = first_per_image(items)
+    captions = [caption for _, caption, _ in items]
+    references = [refs for _, _, refs in items]
+    metrics = compute_caption_metrics(captions, references)
+    if synthetic:  # one right answer up to the reading direction: exact match is meaningful
+        metrics["exact_match"] = exact_match(captions, references)
+    metrics["distinct"] = distinct_share(captions)  # collapse alarm: near 0 = one caption for all
+    metrics["num_images"] = len(items)
+    return metrics

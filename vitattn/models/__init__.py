@@ -1,15 +1,15 @@
-"""Plain ``nn.Module`` models: the ViT encoder, the caption decoder, timm weight import."""
+"""Plain ``nn.Module`` models: the ViT encoder, the caption decoder and generate; timm weights: ``timm_weights``."""
 
 from vitattn.models.caption import CaptionDecoder, ImageCaptioner
-from vitattn.models.timm_weights import convert_timm_state_dict, load_timm_weights
 from vitattn.models.vit import PRESETS, VisionTransformer, vit_preset
+
+TASKS = ("caption", "classification")  # what a vitattn model is trained for: a caption or a class per image
 
 __all__ = [
     "PRESETS",
+    "TASKS",
     "CaptionDecoder",
     "ImageCaptioner",
     "VisionTransformer",
-    "convert_timm_state_dict",
-    "load_timm_weights",
     "vit_preset",
 ]

@@ -12,13 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from timm.layers import trunc_normal_
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vitattn.layers import DecoderLayer, LayerCache, check_heads
 from vitattn.models.search import CaptionSearch, SpecialIds
-from vitattn.models.vit import VisionTransformer, layer_groups
+from vitattn.models.vit import VisionTransformer, layer_groups, trunc_normal_
 
 __all__ = ["CaptionDecoder", "DecoderStep", "ImageCaptioner"]
 

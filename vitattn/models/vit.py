@@ -7,13 +7,13 @@ Stages as in timm: ``forward_features`` (B, N, D) -> ``pool`` (B, D) -> ``forwar
 
 from __future__ import annotations
 
+import math
 import re
 from importlib.resources import files
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from timm.layers import PatchEmbed, build_sincos2d_pos_embed, resample_abs_pos_embed, trunc_normal_
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -51,6 +51,30 @@ def layer_groups(prefix: str = "") -> dict[str, Any]:
         stem=rf"^{p}(?:cls_token|pos_embed|patch_embed)",
         blocks=[(rf"^{p}blocks\.(\d+)", None), (rf"^{p}norm", (99999,))],
     )
+
+
+def trunc_normal_(tensor: Tensor, std: float = 0.02) -> Tensor:
+    """timm's ``trunc_normal_`` (cut at +-2), draw for draw: torch's draws otherwise, and a seed must give one model."""
+    with torch.no_grad():
+        low, high = ((1.0 + math.erf(x / std / math.sqrt(2.0))) / 2.0 for x in (-2.0, 2.0))
+        return tensor.uniform_(2 * low - 1, 2 * high - 1).erfinv_().mul_(std * math.sqrt(2.0)).add_(0.0).clamp_(-2, 2)
+
+
+class PatchEmbed(nn.Module):
+    """timm's ``PatchEmbed`` as the ViT uses it (its parameter names): (B, C, height, width) -> (B, N, D)."""
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_dim: int, bias: bool = True) -> None:
+        super().__init__()
+        self.img_size, self.patch_size = (img_size, img_size), (patch_size, patch_size)
+        self.grid_size = (img_size // patch_size, img_size // patch_size)
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        self.proj = nn.Conv2d(in_chans, embed_dim, patch_size, patch_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        torch._assert(
+            tuple(x.shape[-2:]) == self.img_size, f"images must be {self.img_size}, not {tuple(x.shape[-2:])}"
+        )
+        return self.proj(x).flatten(2).transpose(1, 2)  # (B, D, h, w) -> (B, N, D)
 
 
 class VisionTransformer(nn.Module):
@@ -171,6 +195,8 @@ class VisionTransformer(nn.Module):
         if self.pos_embed.is_meta:  # a copy without values (on the meta device): nothing to fill
             return
         if pos_embed_init == "sincos":
+            from timm.layers import build_sincos2d_pos_embed  # timm: only for this init (the first caption: no timm)
+
             with torch.no_grad():
                 self.pos_embed.zero_()
                 grid = list(self.patch_embed.grid_size)
@@ -199,6 +225,8 @@ class VisionTransformer(nn.Module):
         # Weights trained at another image size: resample their position grid to ours.
         key = prefix + "pos_embed"
         if key in state_dict and state_dict[key].shape != self.pos_embed.shape:
+            from timm.layers import resample_abs_pos_embed  # timm: only for weights of another size
+
             state_dict[key] = resample_abs_pos_embed(
                 state_dict[key], new_size=list(self.patch_embed.grid_size), num_prefix_tokens=self.num_prefix_tokens
             )

@@ -21,14 +21,11 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from vitattn.bundle.folder import CONFIG_FILE, is_bundle_weights
-from vitattn.data.augment import Augment
-from vitattn.data.preprocess import WEIGHTS_KEYS, check_preprocess, default_preprocess
-from vitattn.data.tasks import TASKS
+from vitattn.data.preprocess import WEIGHTS_KEYS, Augment, check_preprocess, default_preprocess
 from vitattn.data.tokenizer import KINDS, SubwordTokenizer
 from vitattn.errors import ConfigError, first_line
-from vitattn.models import CaptionDecoder, VisionTransformer
-from vitattn.models.timm_hub import timm_pretrained_cfg
-from vitattn.models.timm_weights import TIMM_SUFFIXES
+from vitattn.models import TASKS, CaptionDecoder, VisionTransformer
+from vitattn.models.timm_weights import TIMM_SUFFIXES, timm_pretrained_cfg
 from vitattn.run_dir import RunDir
 from vitattn.training.config_targets import check_targets
 from vitattn.training.moved_keys import MOVED_KEYS

@@ -37,11 +37,12 @@ from vitattn.bundle.folder import is_bundle_weights
 from vitattn.data.preprocess import WEIGHTS_KEYS, describe, from_timm
 from vitattn.errors import ConfigError, first_line
 from vitattn.models import VisionTransformer
-from vitattn.models.timm_hub import pretrained_timm_model, timm_file_data_config
 from vitattn.models.timm_weights import (
     convert_timm_state_dict,
     load_encoder_state,
+    pretrained_timm_model,
     read_timm_file,
+    timm_file_data_config,
     timm_model_config,
     weights_config,
 )

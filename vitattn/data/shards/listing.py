@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-from vitattn.data.shards import reading
-from vitattn.data.shards.member_index import build_index, open_index
-from vitattn.data.shards.reading import local_path, read_shard
+from webdataset.shardlists import expand_urls  # braces, ``::`` and $WDS_ variables as webdataset reads them
+
+from vitattn.data.shards.reading import build_index, local_path, open_index, read_shard
 from vitattn.errors import first_line
 from vitattn.fileio import atomic_write, cache_folder
 
@@ -48,8 +48,6 @@ def expand_shards(spec: str | os.PathLike | Sequence[str | os.PathLike], where: 
     Raises:
         ValueError: nothing is named, or a named local shard does not exist.
     """
-    from webdataset.shardlists import expand_urls  # braces, ``::`` and $WDS_ variables as webdataset reads them
-
     if spec is None or (isinstance(spec, str) and not spec.strip()):
         raise ValueError(f"{where} is empty; give shards as DIR/{{00000..00009}}.tar, a list, or a file listing them")
     if isinstance(spec, (str, os.PathLike)):
@@ -137,7 +135,7 @@ def _index(url: str, cache_dir: str | os.PathLike | None) -> int | None:
     """Index a local shard; its sample count, or None where it is not a plain tar or cannot be read (counting
     it, where it must be counted, says why)."""
     try:
-        return build_index(local_path(url), cache_dir, reading.open_shard)
+        return build_index(local_path(url), cache_dir)
     except (OSError, tarfile.ReadError) as err:
         log.warning("shard %s not indexed: %s", url, first_line(err))
         return None

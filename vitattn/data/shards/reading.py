@@ -1,31 +1,334 @@
-"""Reading one WebDataset shard: its samples in tar order, from a local file, a ``pipe:`` command or a URL.
+"""Reading one WebDataset shard (a local tar, a ``pipe:`` command or a URL): its samples in tar order.
 
-The ``webdataset`` library opens shards (``gopen``: files, ``pipe:``, URLs) and splits tars into samples
-(``tar_file_expander``, ``group_by_keys``), so img2dataset's layout is read as it is, with no conversion; the
-members of a plain local tar come from ``vitattn.data.shards.tar_reader``, which skips ``tarfile``'s
-per-member bookkeeping (figures in docs/benchmarks.md).
-
-``read_samples`` reads the samples at some offsets of a shard. From a plain local tar with a member index
-(``vitattn.data.shards.member_index``: where each sample starts, written once by the listing step) it reads
-the index's offsets for those samples, then each run of consecutive samples from its first header to the
-next sample's, and nothing else. Without an index it reads the headers of the other samples and none of
-their bytes (the tar reader seeks past them; ``group_by_keys`` gets their members with data None, so that
-samples are told apart exactly as it tells them apart), and it stops after the last sample asked for. A
-``pipe:`` command or a URL is a stream: it is read from its start.
+A plain local tar is read from its 512-byte headers (``tar_members``: what ``tarfile`` reads, four times
+faster), and where its member index lies beside it (``build_index``: where each sample starts) a worker
+seeks straight to its own samples; anything else goes through webdataset. Design: docs/shards.md.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
+import re
+import struct
+import sys
+import tarfile
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any, BinaryIO
 
-from vitattn.data.shards.member_index import SampleCounter, open_index
-from vitattn.data.shards.tar_reader import is_plain_tar, tar_files, tar_members
-from vitattn.errors import first_line
+from webdataset.gopen import gopen
+from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
 
-__all__ = ["ShardError", "ShortShard", "local_path", "open_shard", "read_samples", "read_shard"]
+from vitattn.errors import first_line
+from vitattn.fileio import atomic_write, cache_folder
+
+__all__ = [
+    "INDEX_SUFFIX",
+    "ShardError",
+    "ShortShard",
+    "build_index",
+    "index_files",
+    "is_plain_tar",
+    "local_path",
+    "open_index",
+    "open_shard",
+    "read_samples",
+    "read_shard",
+    "tar_files",
+    "tar_members",
+]
+
+BLOCK = 512
+# name, mode, uid, gid, size, mtime, chksum, typeflag, linkname, magic, version, uname, gname, devmajor,
+# devminor, prefix (POSIX.1-1988 ustar; GNU and pax tars share the layout)
+_HEADER = struct.Struct("100s8s8s8s12s12s8sc100s6s2s32s32s8s8s155s")
+_META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members (``__key__``, ...), skipped as it skips them
+_FILES = (b"0", b"\0", b"7")  # regular file (old and new spelling), contiguous file
+_SKIPPED = (b"1", b"2", b"3", b"4", b"5", b"6", b"g")  # links, devices, directories, fifos, pax global header
+_NAMES = (b"L", b"x")  # GNU long name, pax extended header of the next member
+_ZEROS = bytes(BLOCK)
+
+
+def _checksum_ok(header: bytes, stored: bytes) -> bool:
+    try:
+        expected = int(stored.rstrip(b"\0 ").strip() or b"-1", 8)
+    except ValueError:
+        return False
+    unsigned = 256 + sum(header[:148]) + sum(header[156:])  # the checksum field counts as eight spaces
+    if expected == unsigned:
+        return True
+    high = sum(1 for b in header[:148] + header[156:] if b > 127)
+    return expected == unsigned - 256 * high  # the signed sum some old tars wrote
+
+
+def _size(field: bytes) -> int | None:
+    if field[:1] in (b"\x80", b"\xff"):  # base-256 (sizes over 8 GiB): left to tarfile
+        return None
+    try:
+        return int(field.rstrip(b"\0 ").strip() or b"0", 8)
+    except ValueError:
+        return None
+
+
+def is_plain_tar(stream: BinaryIO) -> bool:
+    """Whether ``stream`` (a seekable file, left at its start) begins with a header ``tar_files`` reads."""
+    header = stream.read(BLOCK)
+    stream.seek(0)
+    if len(header) < BLOCK:
+        return False
+    fields = _HEADER.unpack_from(header)
+    kind = fields[7]
+    return (
+        _checksum_ok(header, fields[6])
+        and _size(fields[4]) is not None
+        and (kind in _FILES or kind in _SKIPPED or kind in _NAMES)
+    )
+
+
+def _pax_path(data: bytes) -> str | None:
+    """The ``path`` record of a pax extended header (``"<length> <key>=<value>\\n"`` records).
+
+    Raises:
+        tarfile.ReadError: the header is malformed, or gives the next member's size (members over 8 GiB).
+    """
+    path, pos = None, 0
+    while pos < len(data) and data[pos] != 0:
+        space = data.find(b" ", pos)
+        try:
+            length = int(data[pos:space])
+        except ValueError:
+            raise tarfile.ReadError("invalid pax header") from None
+        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        if key == b"path":
+            path = value.decode("utf-8", "surrogateescape")
+        elif key == b"size":
+            raise tarfile.ReadError("a member over 8 GiB (pax size record)")
+        pos += length
+    return path
+
+
+def tar_files(stream: BinaryIO, wants: Callable[[str], bool] | None = None) -> Iterator[tuple[str, bytes | None]]:
+    """``(name, data)`` of each regular file of an uncompressed tar, in order.
+
+    Args:
+        stream: the tar, seekable (padding, and the members not wanted, are passed over by seeking).
+        wants: called with each file's name, in order, before its bytes: False passes over them (the file
+            comes with data None, only its header read); None reads every file.
+
+    Raises:
+        tarfile.ReadError: a bad header checksum, a header kind this reader does not know, or data that
+            ends inside a member.
+    """
+    for _, name, data in tar_members(stream, wants):
+        yield name, data
+
+
+def tar_members(
+    stream: BinaryIO, wants: Callable[[str], bool] | None = None, stop: int | None = None
+) -> Iterator[tuple[int, str, bytes | None]]:
+    """``(start, name, data)`` of each regular file, as ``tar_files`` gives them, from the stream's position:
+    ``start`` is where the file's first header lies (a GNU long-name or pax header before its own included).
+
+    Args:
+        stop: where to end (a header that starts there or after is not read); None: the tar's end.
+    """
+    pos = stream.tell()
+    end = stream.seek(0, io.SEEK_END)  # a member passed over must still end inside the file
+    stream.seek(pos)
+    long_name: str | None = None
+    start = pos  # the first header of the member being read
+    while stop is None or pos < stop:
+        header = stream.read(BLOCK)
+        if len(header) < BLOCK or header == _ZEROS:  # the end (tarfile also accepts a tar without its end blocks)
+            if 0 < len(header) < BLOCK:
+                raise tarfile.ReadError("unexpected end of data")
+            return
+        fields = _HEADER.unpack_from(header)
+        name, size_field, chksum, kind, magic, prefix = (
+            fields[0],
+            fields[4],
+            fields[6],
+            fields[7],
+            fields[9],
+            fields[15],
+        )
+        size = _size(size_field)
+        if not _checksum_ok(header, chksum) or size is None:
+            raise tarfile.ReadError("bad checksum" if size is not None else "unsupported member size")
+        pos += BLOCK + size + -size % BLOCK  # the next header
+        if kind in _FILES:
+            if long_name is None:
+                long_name = name.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+                if magic.startswith(b"ustar") and prefix[:1] not in (b"\0", b""):
+                    long_name = prefix.split(b"\0", 1)[0].decode("utf-8", "surrogateescape") + "/" + long_name
+            meta = _META.match(long_name)
+            data = _data(stream, size, end, read=not meta and (wants is None or wants(long_name)))
+            if not meta:
+                yield start, long_name, data
+            long_name, start = None, pos
+            continue
+        data = _data(stream, size, end, read=kind in _NAMES)
+        if kind == b"L":
+            long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        elif kind == b"x":
+            long_name = _pax_path(data) or long_name
+        elif kind in _SKIPPED:
+            long_name, start = None, pos
+        else:
+            raise tarfile.ReadError(f"unknown member kind {kind!r}")
+
+
+def _data(stream: BinaryIO, size: int, end: int, read: bool) -> bytes | None:
+    """A member's ``size`` bytes (None when not ``read``: passed over), the stream left at the next header."""
+    padded = size + -size % BLOCK
+    if not read:
+        if stream.tell() + size > end:
+            raise tarfile.ReadError("unexpected end of data")
+        stream.seek(padded, io.SEEK_CUR)
+        return None
+    data = stream.read(size)
+    if len(data) < size:
+        raise tarfile.ReadError("unexpected end of data")
+    stream.seek(padded - size, io.SEEK_CUR)  # the padding to the next header
+    return data
+
+
+INDEX_SUFFIX = ".offsets"
+_MAGIC = b"VTAOFFS1"
+_HEAD = struct.Struct("<8sqqq")  # magic, shard size, shard mtime (ns), samples
+_INT = 8
+
+
+def index_files(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Where a local shard's index may lie: beside it, then in the cache."""
+    path = Path(path)
+    digest = hashlib.sha1(str(path.absolute()).encode("utf-8", "surrogateescape")).hexdigest()
+    cache = cache_folder(cache_dir) / "shard_index"
+    return [path.with_name(path.name + INDEX_SUFFIX), cache / f"{digest}{INDEX_SUFFIX}"]
+
+
+class SampleCounter:
+    """Which sample of a tar each member belongs to, as webdataset's ``group_by_keys`` tells them apart: a new
+    one where the key (``base_plus_ext``) changes; a member without an extension belongs to none."""
+
+    def __init__(self) -> None:
+        self._split = base_plus_ext
+        self.key: str | None = None
+        self.offset = -1
+
+    def __call__(self, name: str) -> tuple[int, str] | None:
+        """``(sample offset, extension)`` of the member ``name`` (members in tar order), or None."""
+        key, extension = self._split(name)
+        if key is None:
+            return None  # group_by_keys leaves it out
+        if key != self.key:
+            self.key, self.offset = key, self.offset + 1
+        return self.offset, extension
+
+
+def sample_starts(stream: BinaryIO) -> list[int]:
+    """Each sample's first header in a plain tar and, last, where its last sample ends (``n + 1`` offsets);
+    reads the headers only."""
+    starts: list[int] = []
+    end, samples = stream.tell(), SampleCounter()
+    for start, name, _ in tar_members(stream, lambda name: False):
+        member = samples(name)
+        if member is None:
+            continue
+        if member[0] == len(starts):  # the first member of a new sample
+            starts.append(start)
+        end = stream.tell()  # the member's data and padding passed over: the next header
+    return [*starts, end]
+
+
+class SampleIndex:
+    """An open, valid index: ``count`` samples; ``starts(a, b)`` reads offsets ``a .. b`` (both included)."""
+
+    def __init__(self, file: BinaryIO, count: int, shard_size: int) -> None:
+        self.file, self.count, self.shard_size = file, count, shard_size
+
+    def starts(self, first: int, last: int) -> list[int] | None:
+        """Offsets ``first .. last`` (``last <= count``), or None where they are not increasing inside the shard."""
+        if last < first:
+            return []
+        self.file.seek(_HEAD.size + _INT * first)
+        data = self.file.read(_INT * (last - first + 1))
+        values = array("q")
+        values.frombytes(data)
+        if sys.byteorder == "big":
+            values.byteswap()
+        out = values.tolist()
+        ok = len(out) == last - first + 1 and all(0 <= a < b for a, b in zip(out, out[1:]))
+        return out if ok and out[-1] <= self.shard_size else None
+
+
+@contextmanager
+def open_index(
+    path: str | os.PathLike,
+    cache_dir: str | os.PathLike | None = None,
+    opener: Callable[[str], BinaryIO] | None = None,
+) -> Iterator[SampleIndex | None]:
+    """The shard's index where one beside it or in the cache was written for the shard as it is now (same size,
+    same modification time, as long as its count says); None where there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        yield None
+        return
+    for candidate in index_files(path, cache_dir):
+        try:
+            file = (opener or open_shard)(str(candidate))
+        except OSError:
+            continue
+        try:
+            head = file.read(_HEAD.size)
+            length = os.fstat(file.fileno()).st_size
+            if len(head) == _HEAD.size:
+                magic, size, mtime, count = _HEAD.unpack(head)
+                if (magic, size, mtime) == (_MAGIC, st.st_size, st.st_mtime_ns) and length == _HEAD.size + _INT * (
+                    count + 1
+                ):
+                    yield SampleIndex(file, count, size)
+                    return
+        finally:
+            file.close()
+    yield None
+
+
+def build_index(
+    path: str | os.PathLike,
+    cache_dir: str | os.PathLike | None = None,
+    opener: Callable[[str], BinaryIO] | None = None,
+) -> int | None:
+    """Index a local shard (its headers read once) beside it, else in the cache; its sample count, or None where
+    it is not a plain tar (left to ``tarfile``: no index).
+
+    Raises:
+        tarfile.ReadError: the tar is damaged (a bad header, a member that ends early).
+        OSError: the shard cannot be read.
+    """
+    with (opener or open_shard)(str(path)) as stream:
+        if not is_plain_tar(stream):
+            return None
+        st = os.fstat(stream.fileno())
+        starts = sample_starts(stream)
+    body = array("q", starts)
+    if sys.byteorder == "big":
+        body.byteswap()
+    data = _HEAD.pack(_MAGIC, st.st_size, st.st_mtime_ns, len(starts) - 1) + body.tobytes()
+    for candidate in index_files(path, cache_dir):
+        try:
+            candidate.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(candidate, data)
+            break
+        except OSError:
+            continue
+    return len(starts) - 1
 
 
 class ShardError(ValueError):
@@ -53,8 +356,6 @@ def open_shard(url: str) -> BinaryIO:
     path = local_path(url)
     if path is not None:
         return open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the reader
-    from webdataset.gopen import gopen  # webdataset loads only when shards are read
-
     return gopen(url, "rb")
 
 
@@ -90,7 +391,7 @@ def read_samples(
         return
     path = local_path(url)
     if path is not None:
-        with open_index(path, index_dir, open_shard) as index:
+        with open_index(path, index_dir) as index:
             starts = index.starts(offsets[0], min(offsets[-1] + 1, index.count)) if index is not None else None
         if starts is not None:
             yield from _guarded(url, partial(_indexed, url, offsets, extensions, starts))
@@ -132,8 +433,6 @@ def _walked(
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(offset, sample)`` of every sample from the shard's start; those not ``wanted`` hold None for members
     not read."""
-    from webdataset.tariterators import group_by_keys, tar_file_expander  # webdataset: only when read
-
     if local_path(url) is not None and is_plain_tar(stream):  # the common case, without tarfile's cost
         wants = _MemberFilter(extensions, wanted)
         files = ({"fname": name, "data": data, "__url__": url} for name, data in tar_files(stream, wants))
@@ -147,8 +446,6 @@ def _indexed(
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """The samples at ``offsets`` below the index's count: each run of consecutive ones read from its first
     sample's header (``starts[i]``: offset ``offsets[0] + i``) to the next sample's."""
-    from webdataset.tariterators import group_by_keys  # webdataset: only when read
-
     first, count = offsets[0], offsets[0] + len(starts) - 1
     for a, b in _runs(o for o in offsets if o < count):
         stream.seek(starts[a - first])

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vitattn.data.coco import CocoImage
-from vitattn.data.image_folder import open_image_folder
+from vitattn.data.images import open_image_folder
 from vitattn.data.shapes import generate_scene, render_scene, scene_label, scene_references
 from vitattn.data.shards.listing import CLASSES_FILE
 from vitattn.fileio import atomic_open, atomic_write

@@ -45,20 +45,25 @@ from vitattn.data.bad_images import (
     collate_skipping,
     find_bad_images,
 )
-from vitattn.data.cache import ImageCache, should_cache
-from vitattn.data.captions import TokenizedCaptions, collate_captions
-from vitattn.data.eval_split import SPLITS, EvalSplit
+from vitattn.data.images import SPLITS, EvalSplit, ImageCache, should_cache
 from vitattn.data.preprocess import (
     WEIGHTS_KEYS,
+    Normalize,
     check_preprocess,
     default_preprocess,
     eval_transform,
     weights_preprocess,
 )
 from vitattn.data.resumable import EpochSampler, ResumableLoader
-from vitattn.data.tokenizer import SubwordTokenizer, Tokenizer, load_tokenizer, train_bpe
-from vitattn.data.transforms import Normalize
-from vitattn.data.vocab import Vocabulary
+from vitattn.data.tokenizer import (
+    SubwordTokenizer,
+    TokenizedCaptions,
+    Tokenizer,
+    Vocabulary,
+    collate_captions,
+    load_tokenizer,
+    train_bpe,
+)
 
 __all__ = ["EvaluationBatches", "ImageDataModule", "rank_and_world"]
 
@@ -206,7 +211,7 @@ class ImageDataModule(pl.LightningDataModule):
     cache: ImageCache | None = None
 
     def _cache(self, paths: list[str]) -> ImageCache | None:
-        """An ``ImageCache`` of ``paths`` when ``self.cache_mode`` asks for one (``vitattn.data.cache``)."""
+        """An ``ImageCache`` of ``paths`` when ``self.cache_mode`` asks for one (``vitattn.data.images``)."""
         resize = self.eval_transform().transforms[0]  # timm's eval transform starts with its resize
         side = math.floor(self.img_size / float(self.preprocess["crop_pct"]))
         if not should_cache(self.cache_mode, len(set(paths)), side):

@@ -6,10 +6,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from vitattn.data.augment import CAPTION_CROP_SCALE, Augment, CaptionAugment
-from vitattn.data.cache import should_cache
 from vitattn.data.coco import CocoCaptionDataset, CocoImage
-from vitattn.data.eval_split import EvalSplit
+from vitattn.data.images import EvalSplit, should_cache
+from vitattn.data.preprocess import CAPTION_CROP_SCALE, Augment, CaptionAugment
 from vitattn.training.datamodules.base import ImageDataModule
 
 __all__ = ["CaptionFilesDataModule"]
@@ -30,8 +29,8 @@ class CaptionFilesDataModule(ImageDataModule):
         max_caption_len: longest token sequence, bos and eos included.
         vocab_path: a saved tokenizer (``vocab.json`` or ``tokenizer.json``) to use rather than one built from
             training captions; the ``tokenizer`` group (set by training) says what is built otherwise.
-        augment: training augmentation (``vitattn.data.augment.Augment``).
-        cache: ``auto``, ``ram`` or ``none`` (``vitattn.data.cache``).
+        augment: training augmentation (``vitattn.data.preprocess.Augment``).
+        cache: ``auto``, ``ram`` or ``none`` (``vitattn.data.images``).
         preprocess: the ``data.*`` preprocessing keys set (``mean``, ``std``, ``interpolation``, ``crop_pct``,
             ``crop_mode``); the rest are the pretrained weights', else the whole image squashed (bicubic) and
             ImageNet's statistics.

@@ -7,10 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vitattn.data.augment import Augment, classification_train_transform
-from vitattn.data.cache import should_cache
-from vitattn.data.eval_split import EvalSplit
-from vitattn.data.image_folder import image_folder_split, open_image_folder
+from vitattn.data.images import EvalSplit, image_folder_split, open_image_folder, should_cache
+from vitattn.data.preprocess import Augment, classification_train_transform
 from vitattn.training.datamodules.base import ImageDataModule
 
 __all__ = ["ImageFolderDataModule"]
@@ -24,9 +22,9 @@ class ImageFolderDataModule(ImageDataModule):
         root: folder holding the splits.
         img_size: side of the square crops.
         batch_size, num_workers: DataLoader settings.
-        augment: training augmentation (``vitattn.data.augment.Augment``): ``True`` for the defaults
+        augment: training augmentation (``vitattn.data.preprocess.Augment``): ``True`` for the defaults
             that suit ``img_size``, ``False`` for the evaluation transform, or a mapping of its settings.
-        cache: ``auto``, ``ram`` or ``none``: decode and resize every image once (``vitattn.data.cache``).
+        cache: ``auto``, ``ram`` or ``none``: decode and resize every image once (``vitattn.data.images``).
         bad_images: an image file that cannot be read: ``raise`` stops the run naming it, ``skip`` leaves it
             out of its batch and counts it (``vitattn.data.bad_images``).
         verify: read every image once, in parallel, before training and list the unreadable ones.

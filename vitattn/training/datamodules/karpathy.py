@@ -7,15 +7,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vitattn.data.coco import CocoImage
-from vitattn.data.karpathy import load_karpathy
+from vitattn.data.coco import CocoImage, load_karpathy
 from vitattn.training.datamodules.caption_files import CaptionFilesDataModule
 
 __all__ = ["KarpathyDataModule"]
 
 
 class KarpathyDataModule(CaptionFilesDataModule):
-    """The train / val / test splits of a Karpathy-split JSON file (see ``vitattn.data.karpathy``).
+    """The train / val / test splits of a Karpathy-split JSON file (see ``vitattn.data.coco``).
 
     Val and test references are all of an image's sentences; the vocabulary comes from the training
     captions only (``restval`` included when it joins training).

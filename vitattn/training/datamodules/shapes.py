@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import Literal
 
-from vitattn.data.eval_split import EvalSplit
+from vitattn.data.images import EvalSplit
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
 from vitattn.training.datamodules.base import ImageDataModule
 

@@ -24,9 +24,8 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 from tqdm.auto import tqdm
 
-from vitattn.data.augment import CAPTION_CROP_SCALE, Augment, CaptionAugment, classification_train_transform
-from vitattn.data.captions import collate_captions
-from vitattn.data.eval_split import EvalSplit
+from vitattn.data.images import EvalSplit
+from vitattn.data.preprocess import CAPTION_CROP_SCALE, Augment, CaptionAugment, classification_train_transform
 from vitattn.data.shards import expand_shards, local_path, read_shard, shard_sizes
 from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, batches_per_rank, read_factor, split_epoch
 from vitattn.data.shards.listing import CLASSES_FILE
@@ -38,6 +37,7 @@ from vitattn.data.shards.stream import (
     sample_caption,
     sample_references,
 )
+from vitattn.data.tokenizer import collate_captions
 from vitattn.training.datamodules.base import EvaluationBatches, ImageDataModule, rank_and_world
 
 __all__ = ["WebDatasetDataModule", "shard_captions", "shard_references"]
@@ -99,7 +99,7 @@ class WebDatasetDataModule(ImageDataModule):
         class_names: for classification: a list, or a file of one name a line; None: ``classes.txt`` beside
             the first train shard.
         min_word_freq, max_caption_len, vocab_path: the caption vocabulary, as for caption files.
-        augment: training augmentation (``vitattn.data.augment.Augment``).
+        augment: training augmentation (``vitattn.data.preprocess.Augment``).
         shuffle_buffer: samples each loader worker holds to shuffle (0: read order).
         seed: the shard order and shuffle of epoch ``e`` come from ``(seed, e)``.
         samples_per_epoch: train this many samples an epoch (each at most once); None: every sample.

@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vitattn.bundle.runtime import LoadedModel
-from vitattn.data.eval_split import EvalSplit
+from vitattn.data.images import EvalSplit
 from vitattn.data.tokenizer import describe_tokenizer, unknown_share
 from vitattn.errors import brief
 from vitattn.fileio import parse_json

@@ -16,8 +16,7 @@ from typing import Any
 
 from vitattn.bundle.runtime import LoadedModel
 from vitattn.data.coco import load_coco_captions
-from vitattn.data.eval_split import SPLITS, EvalSplit
-from vitattn.data.image_folder import image_folder_split, open_image_folder
+from vitattn.data.images import SPLITS, EvalSplit, image_folder_split, open_image_folder
 from vitattn.run_dir import RunDir
 
 __all__ = ["caption_split", "check_split", "labelled_split"]
