@@ -1,24 +1,12 @@
 """A first caption in a second: the wall time of ``vitattn-caption`` on 5 images over that of
-``python -c "import torch, torchvision"``, each a fresh process; and the same for the Python API
-(``from vitattn import Captioner``, ``Captioner.load``, ``caption`` of the 5 files).
+``python -c "import torch, torchvision"``, and the same for the Python API, each a fresh process.
 
     python -m benchmarks.first_caption [--repeats 9] [--images 5] [--threads 1] [--out FILE.json]
 
-The model is a random captioner of ``model=cpu``'s size (64 px, 8 px patches, width 128, 4 encoder
-layers, a 2-layer decoder; speed does not depend on the weights), saved as a bundle; the images are
-JPEGs of the built-in shapes. The command is the installed console script with its defaults, as a
-new user runs it; its output file is removed before each run, so that every run captions every image.
-
-Neither imports timm (nor so wandb, which ``import timm`` imports where installed): the caption path's layers,
-models and transforms are written without it (``tests/test_imports.py`` keeps it so).
-
-All commands run with ``OMP_NUM_THREADS=--threads`` (1 by default: on a shared machine a second
-OpenMP thread that a neighbour deschedules stalls every parallel region, and the few matrix products of
-5 small images then take seconds; see "Why one thread" in docs/benchmarks.md). They alternate within
-each repeat, in an order reversed every other repeat, so that a busier moment of a shared machine hits
-them alike. A row is the median wall time of the command and of the import, their ratio, and the range
-of the per-repeat ratios; CPU seconds (the process and its children) are given beside, as they vary
-less than wall time on a loaded machine. Target: ratio <= 1.3.
+A random captioner of ``model=cpu``'s size saved as a bundle, JPEGs of the built-in shapes, the installed
+console script with its defaults, ``OMP_NUM_THREADS=--threads`` (docs/benchmarks.md, "Why one thread"). The
+commands alternate within each repeat (the order reversed every other one); a row is the median wall time,
+the ratio, its range over repeats, and the CPU-seconds ratio. Target: ratio <= 1.3.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""vitattn: vision transformers for classification and captioning, built from the multi-head
-attention tutorial's layers (``vitattn.layers``), with Lightning systems and Hydra configs.
-
-Importing vitattn changes nothing global (no import hook, warning filter, logging handler or environment
-variable; ``tests/test_imports.py`` checks it): what a command needs for its own process, its console entry
-point does (``vitattn.cli``).
+"""vitattn: vision transformers for classification and captioning, built from the multi-head attention
+tutorial's layers (``vitattn.layers``). Importing it changes nothing global (``tests/test_imports.py``).
 """
 
 __version__ = "0.1.0"

@@ -43,9 +43,8 @@ def _worker_message(text: str) -> str:
 
 
 def first_line(err: BaseException, limit: int = 300) -> str:
-    """The error's message on one line (whitespace collapsed), cut at ``limit`` characters; its type if empty.
-
-    An error from a DataLoader worker gives the worker's message, not PyTorch's traceback around it.
+    """The error's message on one line, cut at ``limit`` characters (its type if empty); a DataLoader worker's
+    error gives the worker's message, not PyTorch's traceback around it.
     """
     text = str(err).strip()
     if _WORKER_ERROR.match(text) and "Traceback (most recent call last):" in text:
@@ -55,12 +54,8 @@ def first_line(err: BaseException, limit: int = 300) -> str:
 
 
 class Preempted(RuntimeError):
-    """Training stopped on a signal (SIGTERM, SIGUSR1) after a whole step, with a checkpoint to continue from.
-
-    Args:
-        signal: the signal's name, e.g. ``"SIGTERM"``.
-        step: the global step the checkpoint holds; None when the signal came after training (while testing).
-        checkpoint: the checkpoint file.
+    """Training stopped on ``signal`` after a whole step; ``checkpoint`` holds ``step`` (None: the signal came while
+    testing, after training).
     """
 
     def __init__(self, signal: str, step: int | None, checkpoint: Path) -> None:

@@ -21,10 +21,7 @@ def cache_folder(given: str | os.PathLike | None = None) -> Path:
 
 @contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "wb", **open_kwargs: Any) -> Iterator[IO]:
-    """Open a temporary file beside ``path``; on a clean exit it is synced and renamed to ``path``.
-
-    A crash or kill at any point leaves ``path`` as it was (absent or the previous version).
-    """
+    """A temporary file beside ``path``, synced and renamed to it on a clean exit: a kill leaves ``path`` as it was."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -50,10 +47,7 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
 
 @contextmanager
 def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
-    """Fill a temporary folder beside ``path``; on a clean exit its files are synced and it replaces ``path``.
-
-    A crash or kill at any point leaves ``path`` as it was (absent or the previous folder, whole).
-    """
+    """A temporary folder beside ``path`` that replaces it, synced, on a clean exit (a kill leaves ``path`` whole)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
@@ -86,12 +80,11 @@ def parse_json(text: str) -> Any:
 
 
 def read_json(path: str | os.PathLike, what: str) -> Any:
-    """Parse the JSON file at ``path``; ``what`` names it in the one-line errors.
+    """The JSON file at ``path``; ``what`` names it in the one-line errors.
 
     Raises:
-        FileNotFoundError: ``path`` is not a file.
-        PermissionError: it may not be read.
-        ValueError: it is not UTF-8 JSON, or cannot be read.
+        FileNotFoundError, PermissionError: no such file; it may not be read.
+        ValueError: not UTF-8 JSON, or unreadable.
     """
     path = Path(path)
     try:

@@ -1,16 +1,8 @@
-"""The layout of a training run folder; every other module asks ``RunDir`` for its paths.
+"""The layout of a training run folder (``runs/<task>/<date>_<time>/``); every other module asks ``RunDir``.
 
-A run folder (``runs/<task>/<date>_<time>/``, Hydra's ``hydra.run.dir``) holds::
-
-    config.yaml             the resolved training config
-    .hydra/overrides.yaml   the command-line overrides (replayed by ``resume=RUN``)
-    vocab.json              the caption vocabulary (caption runs, tokenizer=words)
-    tokenizer.json          the subword tokenizer instead (tokenizer=bpe or file), Hugging Face's format
-    checkpoints/last.ckpt   the latest checkpoint; best.ckpt (by head.monitor) and step checkpoints beside it
-    bundle/                 the exported model (``vitattn.bundle``)
-    result.json             written when the run completes: its last step, weights and metrics
-    mlflow_run_id.txt       the MLflow run its logs go to (logger=mlflow), continued when the run resumes
-    wandb_run_id.txt        the Weights & Biases run id (logger=wandb), likewise
+It holds ``config.yaml``, ``.hydra/overrides.yaml`` (replayed by ``resume=RUN``), ``vocab.json`` or
+``tokenizer.json``, ``checkpoints/`` (``last.ckpt``, ``best.ckpt``, step checkpoints), ``bundle/``, ``result.json``
+(once complete) and the MLflow and W&B run ids its loggers continue.
 """
 
 from __future__ import annotations
@@ -34,11 +26,7 @@ TOKENIZER_FILE = "tokenizer.json"  # a subword tokenizer (Hugging Face tokenizer
 
 @dataclass(frozen=True)
 class RunDir:
-    """A training run folder.
-
-    Args:
-        path: the folder (it need not exist yet).
-    """
+    """A training run folder at ``path`` (it need not exist yet)."""
 
     path: Path
 
@@ -115,11 +103,7 @@ class RunDir:
 
     @classmethod
     def find(cls, model: str | os.PathLike) -> RunDir | None:
-        """The run folder that ``model`` belongs to, or None.
-
-        ``model`` may be the run folder, its bundle (or the bundle's ``config.json``), or a
-        checkpoint in its checkpoint folder.
-        """
+        """The run folder of ``model`` (the folder, its bundle or its ``config.json``, a checkpoint), or None."""
         path = Path(model).resolve()
         if path.is_file():
             path = path.parent  # checkpoints/x.ckpt or bundle/config.json
@@ -157,9 +141,9 @@ class RunDir:
         return result
 
     def completion(self, length: Mapping[str, Any] | None = None) -> str | None:
-        """The line that says the run is complete and where its bundle is; None while it is not complete, or when
-        ``length`` (``trainer.max_steps`` / ``trainer.max_epochs`` asked for now, by name without ``trainer.``)
-        differs from the run's: a run given more steps trains further."""
+        """The line saying the run is complete and where its bundle is; None while it is not, or when ``length``
+        (``max_steps`` / ``max_epochs`` asked for now) differs from the run's: a longer run trains further.
+        """
         result = self.load_result()
         if result is None:
             return None

@@ -1,9 +1,5 @@
-"""Data: built-in shapes, COCO-style captions, Karpathy splits, the caption vocabulary, and LightningDataModules.
-
-The DataModules (``vitattn.training.datamodules``, Lightning) and ``datamodule_from_run`` (Hydra) are
-imported when first named (PEP 562), so that inference, which reads images and vocabularies from
-here, never imports Lightning or Hydra; ``vitattn.training.datamodules.ShapesDataModule`` still resolves as a
-config ``_target_``.
+"""Data reading: images, the built-in shapes, COCO and Karpathy captions, tokenizers, shards. No Lightning:
+the DataModules are ``vitattn.training.datamodules``.
 """
 
 from vitattn.data.bad_images import find_bad_images

@@ -1,14 +1,8 @@
-"""Training and validation images that cannot be read: ``data.bad_images=raise|skip`` and ``data.verify``.
+"""Images that cannot be read while training: ``data.bad_images=raise|skip`` and ``data.verify``.
 
-``raise`` stops at the first unreadable file with one line naming it and why (``BadImageError``).
-``skip`` drops the item from its batch: the loader's dataset (``GuardedImages``) yields a
-``SkippedImage`` in its place, ``collate_skipping`` batches the rest and carries the dropped files
-with the batch (a ``PartialBatch``) out of the worker process, and the DataModule takes them off the
-batch before it reaches the model, keeps them and counts them (``train/skipped_images``). A batch
-whose every image is bad becomes ``None``, which the systems pass over.
-
-``find_bad_images`` reads every file once, in parallel, before training (``data.verify=true``,
-``vitattn-check-data``).
+``raise`` stops at the first with one line naming it; ``skip`` makes it a ``SkippedImage`` (``GuardedImages``),
+batched out of the worker beside the rest (``collate_skipping``: a ``PartialBatch``) and counted; a batch of
+bad images only is None. ``find_bad_images`` reads every file once beforehand (``vitattn-check-data``).
 """
 
 from __future__ import annotations
@@ -93,11 +87,8 @@ def _read_only(path: str) -> None:
 
 
 def check_bad_images(bad: dict[str, str], total: int, mode: str, listed: bool) -> None:
-    """What to do about the ``bad`` files found before training among ``total``: ``listed`` logs each one;
-    ``raise`` then stops with one line naming the first, ``skip`` warns that they will be skipped.
-
-    Raises:
-        BadImageError: ``mode`` is ``raise`` and there are bad files.
+    """Act on the ``bad`` files found before training among ``total``: log each (``listed``), then ``raise``
+    stops naming the first (``BadImageError``) and ``skip`` warns.
     """
     if listed:
         for path, reason in bad.items():

@@ -1,4 +1,4 @@
-"""COCO-style caption files: parsing with clear errors, and a dataset of (image, captions)."""
+"""COCO-style caption files and Karpathy splits, parsed with one-line errors, and a dataset of (image, captions)."""
 
 from __future__ import annotations
 
@@ -57,14 +57,11 @@ def _require_name(value: Any, where: str) -> str:
 
 
 def load_coco_captions(path: str | os.PathLike) -> list[CocoImage]:
-    """Parse a COCO caption JSON file into images with their captions.
-
-    The file needs ``images`` (each with ``id``, ``file_name``) and ``annotations`` (each with
-    ``image_id``, ``caption``). Images without any caption are left out with a warning.
+    """The images of a COCO caption file (``images``: ``id``, ``file_name``; ``annotations``: ``image_id``,
+    ``caption``) with their captions; images without one are left out with a warning.
 
     Raises:
-        ValueError: the file is missing, is not JSON, lacks a key, or an annotation names an
-            image id that ``images`` does not list.
+        ValueError: a missing or non-JSON file, a missing key, an annotation of an image not listed.
     """
     path = Path(path)
     if not path.is_file():  # a ValueError, as every other problem with the annotations
@@ -98,17 +95,9 @@ def load_coco_captions(path: str | os.PathLike) -> list[CocoImage]:
 
 
 class CocoCaptionDataset(Dataset):
-    """Images of a COCO caption file with their captions.
-
-    Items are dicts ``{"image", "caption", "references", "image_id"}``: ``image`` is the RGB PIL
-    image after ``transform``, ``caption`` the image's first caption, ``references`` all of them.
-
-    Args:
-        image_dir: folder that the ``file_name`` entries are relative to.
-        annotations: a COCO caption JSON path, or images already parsed by ``load_coco_captions``.
-        transform: applied to the PIL image (a ``CaptionAugment`` also gets the image's captions).
-        loader: path -> RGB PIL image (``BadImageError`` when unreadable); ``read_image`` or an
-            ``ImageCache``'s ``load``.
+    """Items ``{"image", "caption", "references", "image_id"}`` of a COCO caption file (or parsed images) under
+    ``image_dir``: the PIL image from ``loader`` (``read_image``, an ``ImageCache``'s ``load``) after ``transform``
+    (a ``CaptionAugment`` also gets the captions), the first caption, all of them.
     """
 
     def __init__(
@@ -172,18 +161,11 @@ def _captions(entry: dict[str, Any], where: str) -> tuple[str, ...]:
 
 
 def load_karpathy(path: str | os.PathLike) -> dict[str, list[CocoImage]]:
-    """Parse a Karpathy-split JSON file into its splits' images with their captions.
-
-    The image id is the entry's ``cocoid``, else its ``imgid``, else its index in ``images``; the file
-    name is ``filepath/filename`` when the entry has a ``filepath`` (COCO), else ``filename``
-    (Flickr). Images without sentences are left out with a warning.
-
-    Returns:
-        ``{"train": [...], "restval": [...], "val": [...], "test": [...]}`` in file order.
+    """The ``train``, ``restval``, ``val`` and ``test`` images of a Karpathy split file, in file order; ids are
+    ``cocoid``, else ``imgid``, else the index, names ``filepath/filename``; images without sentences left out.
 
     Raises:
-        ValueError: the file is missing or not JSON, or an entry lacks a field or has a wrong one; the
-            one-line message names the file, the entry (``images[3]``) and the field.
+        ValueError: a missing or non-JSON file, an entry lacking a field or with a wrong one (naming it).
     """
     path = Path(path)
     if not path.is_file():  # a ValueError, as every other problem with the file

@@ -1,9 +1,8 @@
-"""An image file becomes pixels here, for training and for inference alike.
+"""An image file becomes pixels here, for training and for inference alike; image folders, the in-memory
+image cache (``data.cache``) and what evaluation scores (``EvalSplit``).
 
-``read_image`` is the one reader: the COCO, Karpathy and ImageFolder datasets, the batch captioner, shard
-captioning and the server all call it, so a model sees at inference exactly what it saw in training. It
-raises a ``BadImageError`` for a file it cannot use, or returns it (``on_error="skip"``) to a caller that
-records the reason and goes on.
+``read_image`` is the one reader (datasets, the captioner, shards, the server), so a model sees at inference
+exactly what it saw in training.
 """
 
 from __future__ import annotations
@@ -50,9 +49,8 @@ IMAGE_EXTENSIONS = frozenset(
 
 
 class BadImageError(ValueError):
-    """An image file that cannot be used; the message is ``<path>: <reason>``.
-
-    Constructed from the message alone too, as PyTorch re-raises a DataLoader worker's error.
+    """An image file that cannot be used: ``<path>: <reason>`` (from the message alone too, as PyTorch re-raises
+    a DataLoader worker's error).
     """
 
     def __init__(self, message: str, path: str | None = None, reason: str | None = None) -> None:
@@ -69,20 +67,11 @@ def read_image(source: ImageSource, on_error: Literal["skip"]) -> Image.Image | 
 
 
 def read_image(source: ImageSource, on_error: Literal["raise", "skip"] = "raise") -> Image.Image | BadImageError:
-    """Read an image file (a path, or an open binary file such as ``io.BytesIO``) as an upright 8-bit RGB image.
-
-    EXIF orientation is applied; transparency is composited on white; 16-bit and 32-bit grey is
-    scaled (not clipped) to 8 bits; animations give their first frame. An image over PIL's
-    decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``) is refused, warning or not.
-
-    Args:
-        source: the file.
-        on_error: what a file that cannot be used gives: ``raise`` raises a ``BadImageError`` naming the file
-            and the reason (datasets, the Python API); ``skip`` returns that error instead, for a caller that
-            records it and goes on with the rest (a batch of files, a server request).
+    """A path or open binary file as an upright 8-bit RGB image: EXIF orientation applied, transparency on white,
+    16- and 32-bit grey scaled to 8 bits, an animation's first frame; over PIL's bomb limit refused.
 
     Raises:
-        BadImageError: the file cannot be used (``on_error="raise"``).
+        BadImageError: the file cannot be used; ``on_error="skip"`` returns it instead (a caller that goes on).
     """
     try:
         with warnings.catch_warnings():
@@ -109,12 +98,8 @@ def upright_rgb(image: Image.Image) -> Image.Image:
 def read_many(
     paths: Sequence[str | os.PathLike], read: Callable[[str], Any] = read_image, threads: int = 0
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """``read(path)`` of each distinct path, by a pool of ``threads`` (default: the cores, at most 16);
-    PIL decodes without the GIL.
-
-    Returns:
-        ``(results, bad)``: path -> what ``read`` returned, and path -> why the file cannot be read (a
-        ``BadImageError`` from ``read``), both in the order of ``paths``.
+    """``(results, bad)``: ``read(path)`` of each distinct path by ``threads`` threads (default: the cores, at most
+    16; PIL decodes without the GIL), and path -> reason for the files ``read`` refused (``BadImageError``).
     """
     unique = list(dict.fromkeys(str(p) for p in paths))
     threads = threads or max(1, min(16, len(os.sched_getaffinity(0))))
@@ -189,9 +174,9 @@ def _is_image_file(path: str) -> bool:
 
 
 def open_image_folder(directory: str | os.PathLike, transform: Callable[[Any], Any] | None = None) -> ImageFolder:
-    """``directory/<class>/<image>`` as a torchvision ``ImageFolder`` read with ``read_image`` (an unreadable file
-    raises ``BadImageError``); the same file extensions as the captioner (``IMAGE_EXTENSIONS``), hidden files
-    skipped. Listing reads no image."""
+    """``directory/<class>/<image>`` as a torchvision ``ImageFolder`` read with ``read_image``, the captioner's
+    ``IMAGE_EXTENSIONS``, hidden files skipped; listing reads no image.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"image folder not found: {directory} (expected {directory}/<class>/<image>)")
@@ -225,14 +210,8 @@ def should_cache(mode: str, num_images: int, side: int) -> bool:
 
 
 class ImageCache:
-    """uint8 (height, width, 3) arrays of image files after ``resize``, read in parallel; ``load(path)`` gives a PIL
-    image.
-
-    Args:
-        paths: the files; those that cannot be read are kept in ``bad`` (path -> reason), and loading
-            one raises its ``BadImageError``.
-        resize: the evaluation transform's resize (PIL image -> PIL image).
-        threads: reading threads (PIL decodes and resizes without the GIL).
+    """uint8 (height, width, 3) arrays of ``paths`` after the evaluation ``resize``, read once by ``threads``; those
+    that cannot be read are kept in ``bad`` (path -> reason). ``load(path)`` gives a PIL image.
     """
 
     def __init__(self, paths: Sequence[str], resize: Callable[[Image.Image], Image.Image], threads: int = 0) -> None:
@@ -248,11 +227,7 @@ class ImageCache:
         return len(self.images)
 
     def load(self, path: Any) -> Image.Image:
-        """The cached image of ``path`` (a PIL view of the array; cheap).
-
-        Raises:
-            BadImageError: ``path`` could not be read when the cache was built.
-        """
+        """The cached image of ``path`` as a PIL view; raises the ``BadImageError`` of a file that could not be read."""
         key = str(path)
         if key in self.bad:
             raise BadImageError(f"{key}: {self.bad[key]}", key, self.bad[key])
@@ -268,16 +243,10 @@ SPLITS = ("val", "test")  # the splits evaluation scores; training data never is
 
 @dataclass
 class EvalSplit:
-    """One split as evaluation sees it.
-
-    Attributes:
-        source: what the images are, for reports (a folder, a file, a generated split).
-        files: image files with ``ids`` (caption image ids, or class labels for classification);
-            the caller reads them, so that an unreadable file is counted, not fatal.
-        ids: one per file.
-        loader: batches ready for the model, when the images are not files (the built-in data).
-        references: caption task: image id -> reference captions.
-        synthetic: references list every correct caption, so exact match is meaningful.
+    """One split as evaluation sees it: image ``files`` with their ``ids`` (image ids or labels; the caller reads
+    them, so an unreadable one is counted), or a ``loader`` of ready batches; ``references`` (image id -> captions)
+    for captions, ``synthetic`` when they list every correct caption (exact match is meaningful); ``source``
+    names it in reports.
     """
 
     source: str

@@ -1,14 +1,9 @@
-"""The one description of how an image file becomes the model's input at evaluation and inference.
+"""How an image becomes the model's input: evaluation (``eval_transform``, timm's, written without timm),
+normalisation on the device (``Normalize``) and training augmentation (``Augment``; docs/data.md).
 
-A ``preprocess`` mapping (stored in checkpoints and bundles) holds timm's ``create_transform``
-arguments: ``img_size``, ``crop_pct``, ``mean``, ``std``, ``interpolation`` and an optional
-``crop_mode`` (``center``, ``squash``, ``border``). The DataModules' evaluation transforms and the
-bundles' transforms are both ``eval_transform(preprocess)`` (the DataModules' stop before the normalisation, which
-runs on the device: ``vitattn.data.preprocess.Normalize``); ``denormalize`` undoes its last step.
-
-Pretrained weights bring their own (``WEIGHTS_KEYS``: all but the image size, which the run's data sets):
-``from_timm`` reads them from timm's data config (``resolve_model_data_config``), a vitattn model's are its
-``preprocess``; ``describe`` is how the run log names a choice.
+A ``preprocess`` mapping (checkpoints, bundles) holds timm's ``create_transform`` arguments: ``img_size``,
+``crop_pct``, ``mean``, ``std``, ``interpolation``, an optional ``crop_mode``. Pretrained weights bring their own
+(``WEIGHTS_KEYS``; ``from_timm`` reads timm's data config).
 """
 
 from __future__ import annotations
@@ -75,11 +70,10 @@ def default_preprocess(img_size: int) -> dict[str, Any]:
 
 
 def from_timm(data_config: Mapping[str, Any]) -> dict[str, Any]:
-    """A ``preprocess`` from timm's data config (``timm.data.resolve_model_data_config(model)``): the same transform
-    as ``timm.data.create_transform(**data_config)``.
+    """A ``preprocess`` from timm's data config: the transform of ``timm.data.create_transform(**data_config)``.
 
     Raises:
-        ValueError: a non-square input size (vitattn's images are square).
+        ValueError: a non-square input size.
     """
     _, height, width = data_config["input_size"]
     if height != width:
@@ -124,13 +118,8 @@ def _close(a: Sequence[float], b: Sequence[float]) -> bool:
 
 
 def eval_transform(preprocess: Mapping[str, Any], normalize: bool = True) -> Callable[[Image.Image], torch.Tensor]:
-    """timm's evaluation transform (resize, crop, to tensor, normalise) for a bundle's ``preprocess``.
-
-    Args:
-        preprocess: ``img_size``, ``crop_pct``, ``mean``, ``std``, ``interpolation``; an optional
-            ``crop_mode`` (``center``, ``squash``, ``border``) is passed on to timm.
-        normalize: False: stop at the (3, img_size, img_size) uint8 tensor (timm's prefetcher form), what the
-            DataModules' loaders yield; ``Normalize(mean, std)`` of it is then bit for bit the normalised image.
+    """timm's evaluation transform of ``preprocess``, PIL image -> (3, img_size, img_size): resize, crop, to
+    tensor, normalise; ``normalize=False`` stops at uint8, which ``Normalize`` then finishes bit for bit.
     """
     p = check_preprocess(preprocess, "preprocess")
     size, mode, scale = (
@@ -235,13 +224,8 @@ def denormalize(
 
 
 class Normalize:
-    """``(image - mean) / std`` per channel, on (..., 3, height, width) tensors: float in [0, 1], or uint8, which is
-    first scaled as ``ToTensor`` scales it (``.float().div(255)``), so that a uint8 image normalised here is bit for
-    bit what ``ToTensor`` then ``Normalize`` make of it, on whichever device it is.
-
-    ``torchvision.transforms.Normalize`` rebuilds its mean and std tensors on every call, a large part
-    of the per-image cost of the shapes pipeline at small sizes (``docs/benchmarks.md``, "The built-in
-    shapes data"); this keeps them, one copy per device.
+    """``(image - mean) / std`` of (..., 3, height, width) float or uint8 (scaled as ``ToTensor`` does) images,
+    with its constants kept once per device (torchvision's rebuilds them each call, docs/benchmarks.md).
     """
 
     def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
@@ -302,20 +286,14 @@ def auto_min_scale(img_size: int, captions: bool = False) -> float:
 
 @dataclass
 class Augment:
-    """What training augmentation does (``data.augment.*`` in the configs).
+    """Training augmentation (``data.augment.*``).
 
     Attributes:
         enabled: off: training images get the evaluation transform.
-        scale: random-resized-crop area range ``[min, max]``; ``auto``: ``[auto_min_scale(img_size), 1]``;
-            ``auto_caption``: the captions' milder rule (the default of the caption data).
-        ratio: crop aspect-ratio range.
-        crop: ``resized`` (a random-resized crop of ``scale`` and ``ratio``) or ``pad`` (pad each side by an
-            eighth of the image, mirrored, and cut a random image-sized window: a shift without resampling,
-            the CIFAR recipe; ``scale`` and ``ratio`` are not used).
-        hflip: probability of a horizontal flip.
-        color_jitter: brightness / contrast / saturation jitter strength (0 = off).
-        auto_augment: ``rand-m9-mstd0.5-inc1`` (timm RandAugment), ``trivialaugment`` (torchvision),
-            ``augmix-m5-w3`` (timm AugMix), or None.
+        scale: crop area range; ``auto``: ``auto_min_scale(img_size)`` to 1, ``auto_caption``: the captions' rule.
+        ratio, hflip, color_jitter: crop aspect range, flip probability, jitter strength (0: off).
+        crop: ``resized`` (random-resized) or ``pad`` (reflect-pad an eighth and cut: the CIFAR shift).
+        auto_augment: ``rand-m9-mstd0.5-inc1`` (timm), ``trivialaugment``, ``augmix-m5-w3`` (timm) or None.
     """
 
     enabled: bool = True
@@ -398,10 +376,8 @@ def classification_train_transform(
 
 
 class CaptionAugment:
-    """Caption-safe training transform, called as ``transform(image, captions)``: a (3, height, width) uint8 tensor.
-
-    A flip is drawn only when no caption of the image says left or right, colour jitter only when
-    none names a colour; the crop always applies.
+    """``transform(image, captions)`` -> (3, height, width) uint8: the crop, a flip only when no caption says
+    left or right, colour jitter only when none names a colour.
     """
 
     reads_captions = True

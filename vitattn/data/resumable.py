@@ -1,12 +1,8 @@
 """A training loader that resumes mid-epoch: each sample of an interrupted epoch trained once over both runs.
 
-``EpochSampler`` draws each epoch's order as the shuffled ``DataLoader`` Lightning would otherwise build does:
-in one process ``RandomSampler``'s (a permutation seeded from torch's global generator when the epoch
-starts), under DDP ``DistributedSampler``'s (seeded ``seed + epoch``, padded by repeating its start to a
-multiple of the ranks, every ``num_replicas``-th sample from ``rank``). ``ResumableLoader`` counts the batches
-it hands out; its ``state_dict`` goes into every checkpoint (through the DataModule's) and, on a resume
-mid-epoch, comes back through ``load_state_dict`` before the epoch's iteration starts. The resumed epoch
-then draws the same order (its seed is in the state) and skips the batches trained already, on every rank.
+``EpochSampler`` draws each epoch's order as Lightning's shuffled loader would (``RandomSampler``'s, under DDP
+``DistributedSampler``'s); ``ResumableLoader``'s state (the order's seed, batches handed out) goes into every
+checkpoint, and a resumed epoch draws the same order and skips what was trained, on every rank.
 """
 
 from __future__ import annotations
@@ -22,12 +18,8 @@ __all__ = ["EpochSampler", "ResumableLoader"]
 
 
 class EpochSampler(DistributedSampler):
-    """This rank's share of each epoch's shuffled order, less the samples a resumed checkpoint trained.
-
-    Args:
-        size: samples in the dataset.
-        num_replicas, rank: the ranks (1 and 0 in one process).
-        seed: under DDP, the order of epoch ``e`` is seeded ``seed + e`` (Lightning's ``PL_GLOBAL_SEED``).
+    """This rank's share of each epoch's shuffled order of ``size`` samples, less those a resumed checkpoint
+    trained; under DDP epoch ``e`` is seeded ``seed + e``.
     """
 
     def __init__(self, size: int, num_replicas: int = 1, rank: int = 0, seed: int = 0) -> None:
@@ -60,10 +52,8 @@ class EpochSampler(DistributedSampler):
 
 
 class ResumableLoader(DataLoader):
-    """A ``DataLoader`` over an ``EpochSampler`` whose state says how far the epoch is trained.
-
-    ``len`` is a whole epoch's batches, as Lightning counts them; a resumed epoch yields the rest. ``last_indices``
-    are the dataset indices of the batch last handed out (batches come in the sampler's order, workers or not).
+    """A ``DataLoader`` over an ``EpochSampler`` whose state says how far the epoch is trained; ``len`` is a
+    whole epoch's batches, ``last_indices`` the dataset indices of the batch last handed out.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -1,9 +1,7 @@
-"""Shapes: a procedurally generated dataset for captioning and classification.
+"""Shapes: a generated dataset for captioning and classification, a pure function of ``(seed, split, index)``.
 
-Each image holds one to three non-overlapping shapes on a light background. Its caption names
-them from left to right and says where each one sits relative to the next, e.g. "a small red circle
-left of a large blue square". Everything is a pure function of ``(seed, split, index)``: no files,
-and any split can be regenerated anywhere. Positions are fractions of the image side, y downwards.
+Each image holds one to three shapes; its caption names them left to right with where each sits relative to
+the next ("a small red circle left of a large blue square"). Positions are fractions of the side, y down.
 """
 
 from __future__ import annotations
@@ -112,10 +110,8 @@ def _is_valid(objects: list[tuple[float, float, float]]) -> bool:
 
 
 def sample_scene(rng: np.random.Generator) -> Scene:
-    """Draw 1-3 shapes and positions for them that pass every placement rule.
-
-    Positions are resampled until the rules hold; shapes that will not fit (three large ones rarely
-    do) are redrawn, keeping their number so that 1, 2 and 3 objects stay equally likely.
+    """1-3 shapes placed by every rule, positions redrawn until they hold (shapes that do not fit are redrawn,
+    keeping their number, so 1, 2 and 3 objects stay equally likely).
     """
     sizes, colours = list(SIZES), list(COLOURS)
     n = int(rng.integers(1, _MAX_OBJECTS + 1))
@@ -149,10 +145,7 @@ def _supersample(img_size: int) -> int:
 
 
 def render_scene(scene: Scene, img_size: int = 64) -> Image.Image:
-    """Draw the scene as an ``img_size`` square RGB image.
-
-    Shapes are drawn at 2-4x the size and box-filtered down, which antialiases their edges.
-    """
+    """The scene as an ``img_size`` RGB square, drawn at 2-4x and box-filtered down (antialiased edges)."""
     factor = _supersample(img_size)
     side = img_size * factor
     image = Image.new("RGB", (side, side), BACKGROUND)
@@ -171,21 +164,10 @@ def render_scene(scene: Scene, img_size: int = 64) -> Image.Image:
 
 
 class ShapesDataset(Dataset):
-    """Rendered shape scenes with captions or class labels.
+    """``size`` shape scenes of ``split`` (own random stream; ``seed``) rendered at ``img_size`` on access.
 
-    Scenes (and so captions and labels) are generated in the constructor; images are rendered on
-    access, fast enough that caching would only cost memory (the rates: ``docs/benchmarks.md``,
-    "The built-in shapes data").
-
-    Args:
-        split: "train", "val" or "test"; each split has its own random stream.
-        size: number of images.
-        img_size: image side in pixels.
-        seed: base seed; ``(seed, split, index)`` fixes an item.
-        task: "caption" gives dicts ``{"image", "caption", "references", "image_id"}``;
-            "classification" gives ``(image, label)`` with label the left-most object's class.
-        transform: applied to the (3, height, width) uint8 image, e.g. a ``Normalize``; None: items hold the
-            uint8 image (the DataModule's loaders: it is normalised on the device).
+    ``task="caption"`` items are ``{"image", "caption", "references", "image_id"}``, ``classification`` items
+    ``(image, label)`` (the left-most shape's class); images are (3, height, width) uint8 after ``transform``.
     """
 
     class_names = CLASS_NAMES

@@ -1,14 +1,6 @@
-"""Caption tokenizers: word-level (``Vocabulary``) or subword (Hugging Face ``tokenizers``), one interface.
-
-``tokenizer=words`` is ``vitattn.data.tokenizer.Vocabulary``: COCO word tokens, rare words become ``<unk>``.
-``tokenizer=bpe`` trains a byte-level BPE on the training captions (``train_bpe``): every string has an
-encoding, so there is no unknown token. ``tokenizer=file`` reads a ``tokenizer.json`` (a pretrained text
-model's), with ``<pad> <bos> <eos>`` added where it lacks them. Both subword kinds are ``SubwordTokenizer``,
-saved as ``tokenizer.json`` where a word vocabulary is saved as ``vocab.json``; ``load_tokenizer`` reads either.
-
-What ``bpe`` normalises (its ``tokenizer.json`` normaliser, so every runtime does the same): Unicode NFC,
-lower case, each run of whitespace one space, none at the ends; punctuation, digits, accents and emoji stay.
-``decode(encode(text))`` is that normalised text (``normalize_caption``), as long as ``max_len`` cuts nothing.
+"""Caption tokenizers behind one interface: word-level (``Vocabulary``, ``vocab.json``) or subword (Hugging
+Face ``tokenizers``, ``SubwordTokenizer``, ``tokenizer.json``: a trained byte-level BPE or a pretrained
+model's), and captions as token batches (``TokenizedCaptions``, ``collate_captions``). See docs/data.md.
 """
 
 from __future__ import annotations
@@ -68,11 +60,7 @@ def auto_min_freq(counts: Counter[str], max_unknown: float = AUTO_MAX_UNKNOWN) -
 
 
 class Vocabulary:
-    """Maps caption words to ids and back; ids 0-3 are ``<pad> <bos> <eos> <unk>``.
-
-    Args:
-        words: the ordinary words in id order; they get ids from ``len(SPECIALS)`` on.
-    """
+    """Caption words to ids and back; ids 0-3 are ``<pad> <bos> <eos> <unk>``, ``words`` follow in id order."""
 
     def __init__(self, words: Sequence[str]) -> None:
         self.itos: list[str] = [*SPECIALS, *words]
@@ -84,11 +72,8 @@ class Vocabulary:
 
     @classmethod
     def build(cls, captions: Iterable[str], min_freq: int | str = 1) -> Vocabulary:
-        """Vocabulary of the words seen at least ``min_freq`` times, most frequent first.
-
-        ``min_freq="auto"``: the largest threshold up to COCO's 5 that leaves at most
-        ``AUTO_MAX_UNKNOWN`` of the captions' tokens as ``<unk>`` (5 on COCO, 1 on a small dataset
-        of names). Ties are broken alphabetically, so the same captions always give the same ids.
+        """The words seen at least ``min_freq`` times, most frequent first (ties alphabetical: the same captions
+        give the same ids); ``auto``: the largest threshold up to 5 leaving at most ``AUTO_MAX_UNKNOWN`` ``<unk>``.
         """
         counts = Counter(word for caption in captions for word in coco_tokenize(caption))
         if min_freq == "auto":
@@ -135,11 +120,8 @@ class Vocabulary:
         return f"Vocabulary({len(self)} tokens)"
 
     def encode(self, text: str, max_len: int | None = None) -> list[int]:
-        """Token ids ``[bos, w1, ..., wn, eos]``; unknown words map to ``unk_id``.
-
-        Args:
-            text: a raw caption; tokenised with ``coco_tokenize``.
-            max_len: longest result, bos and eos included; longer captions lose words, keep eos.
+        """``[bos, w1, ..., wn, eos]`` of ``coco_tokenize(text)``, unknown words ``unk_id``; at most ``max_len`` ids
+        (words cut, eos kept).
         """
         ids = [self.stoi.get(word, self.unk_id) for word in coco_tokenize(text)]
         if max_len is not None:
@@ -245,12 +227,7 @@ def _check_range(ids: list[int], size: int) -> None:
 
 
 class SubwordTokenizer:
-    """A Hugging Face ``tokenizers.Tokenizer`` with ``<pad> <bos> <eos>``, as captioning uses it.
-
-    Args:
-        tokenizer: the Hugging Face tokenizer; it must hold the three special tokens.
-        source: where it came from, for messages.
-    """
+    """A Hugging Face ``tokenizers.Tokenizer`` holding ``<pad> <bos> <eos>``; ``source`` names it in messages."""
 
     def __init__(self, tokenizer: Any, source: str = "tokenizer") -> None:
         ids = [tokenizer.token_to_id(t) for t in SUBWORD_SPECIALS]
@@ -271,10 +248,10 @@ class SubwordTokenizer:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, add_specials: bool = False) -> SubwordTokenizer:
-        """Read a ``tokenizer.json``; ``add_specials``: add ``<pad> <bos> <eos>`` where it lacks them.
+        """Read a ``tokenizer.json``, adding ``<pad> <bos> <eos>`` where it lacks them with ``add_specials``.
 
         Raises:
-            ValueError: the file is not a tokenizer.json that ``tokenizers`` can load (one line, with the fix).
+            ValueError: not a tokenizer.json that ``tokenizers`` can load (one line, with the fix).
         """
         path = Path(path)
         if not path.is_file():
@@ -376,12 +353,8 @@ def auto_bpe_size(captions: Iterable[str]) -> int:
 def train_bpe(
     captions: Sequence[str], vocab_size: int | str = "auto", progress: bool | None = None
 ) -> SubwordTokenizer:
-    """A byte-level BPE trained on ``captions`` (normalised as the module docstring says); no unknown token.
-
-    Args:
-        captions: the training captions.
-        vocab_size: tokens in all (bytes, specials and merges); ``auto``: ``auto_bpe_size(captions)``.
-        progress: show tokenizers' progress bar; None: when the output is a terminal.
+    """A byte-level BPE of ``vocab_size`` tokens (``auto``: ``auto_bpe_size``) trained on ``captions``, NFC, lower
+    case, single spaces; no unknown token. ``progress``: tokenizers' bar (None: on a terminal).
     """
     if vocab_size == "auto":
         vocab_size = auto_bpe_size(captions)
@@ -405,8 +378,7 @@ def train_bpe(
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """The tokenizer saved at ``path``: a ``Vocabulary`` (``vocab.json``) or a ``SubwordTokenizer`` (any
-    ``tokenizer.json``), told apart by the file name, or by content under another name.
+    """The ``Vocabulary`` or ``SubwordTokenizer`` saved at ``path``, by its file name, else by its content.
 
     Raises:
         ValueError: a file that is neither (one line naming it and the fix).
@@ -481,17 +453,8 @@ def describe_tokenizer(tokenizer: Tokenizer) -> str:
 
 
 class TokenizedCaptions(Dataset):
-    """Adds token ids to a caption dataset's items.
-
-    The wrapped dataset yields dicts ``{"image", "caption", "references", "image_id"}``; this one
-    yields ``{"image", "tokens", "references", "image_id"}``, ``tokens`` (T,) long ``bos ... eos``.
-
-    Args:
-        dataset: a caption dataset (``ShapesDataset`` with task "caption", ``CocoCaptionDataset``).
-        vocab: the vocabulary to encode with.
-        max_len: longest token sequence, bos and eos included.
-        sample_caption: encode a random reference each time (training on COCO); otherwise always
-            the item's ``caption``.
+    """A caption dataset's items with ``tokens`` (T,) long ``bos ... eos`` (at most ``max_len``) in place of
+    ``caption``; ``sample_caption``: a random reference each time (training on COCO).
     """
 
     def __init__(self, dataset: Dataset, vocab: Tokenizer, max_len: int, sample_caption: bool = False):
@@ -517,11 +480,8 @@ class TokenizedCaptions(Dataset):
 
 
 def collate_captions(items: list[dict[str, Any]], pad_id: int = PAD_ID) -> dict[str, Any]:
-    """Batch ``TokenizedCaptions`` items.
-
-    Returns:
-        ``images`` (B, 3, height, width) (uint8 from the DataModules), ``tokens`` (B, T) long right-padded with
-        ``pad_id``, ``image_ids`` (B,) long, ``references`` a list of B lists of caption strings.
+    """``images`` (B, 3, height, width), ``tokens`` (B, T) right-padded with ``pad_id``, ``image_ids`` (B,),
+    ``references`` of ``TokenizedCaptions`` items.
     """
     return {
         "images": torch.stack([item["image"] for item in items]),  # (B, 3, height, width)

@@ -1,16 +1,8 @@
-"""The document's attention: `scaled_dot_product_attention` and `MultiHeadAttention`.
+"""The document's attention: ``scaled_dot_product_attention`` and ``MultiHeadAttention`` (docs/layers.md).
 
-Dimension letters: B batch, H heads, L/Lq/Lk sequence lengths, D width (``d_model``), d head width
-(``head_dim``: the document's ``depth``, renamed because timm's ``depth`` is the number of layers).
-
-The document's mask convention is kept: a mask holds **1 where attention is not allowed** and is
-added to the logits as ``mask * -1e9``. A bool mask (True = masked out) is accepted too.
-
-Two paths compute the same numbers. The fused path calls
-``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient kernels) and returns
-no weights. The explicit path is the document's code and returns the weights. The explicit path is
-taken for a single call with ``need_weights=True``, for every call inside ``record_attention``, or
-when ``fused`` is off; nothing global changes and no model is reloaded.
+Dimension letters: B batch, H heads, L/Lq/Lk sequence lengths, D width (``d_model``), d head width.
+A mask holds 1 (or True) where attention is not allowed, added to the logits as ``mask * -1e9``. The fused
+path (``F.scaled_dot_product_attention``) returns no weights; the explicit one, the document's, does.
 """
 
 from __future__ import annotations
@@ -48,29 +40,17 @@ def check_heads(num_heads: int, width: int, width_name: str = "embed_dim") -> No
 
 
 def causal_mask(lq: int, lk: int, device: torch.device | None = None) -> Tensor:
-    """Look-ahead mask (1 = masked out) for ``lq`` new queries at the end of ``lk`` keys.
-
-    Returns:
-        (Lq, Lk) float mask; query i may see keys ``0 .. lk - lq + i``.
-    """
+    """(Lq, Lk) look-ahead mask (1 = masked out) for ``lq`` new queries at the end of ``lk`` keys."""
     return torch.ones(lq, lk, device=device).triu(diagonal=lk - lq + 1)
 
 
 def scaled_dot_product_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0
 ) -> tuple[Tensor, Tensor]:
-    """The document's attention, softmax(q kᵀ / √d + mask · -1e9) v; the scores, mask and softmax in fp32 for any
-    dtype of q, k, v (bf16 under autocast), the weights cast to v's dtype to multiply it.
+    """The document's softmax(q kᵀ / √d + mask · -1e9) v, scores and softmax in fp32 for any dtype.
 
-    Args:
-        q: (..., Lq, d) queries.
-        k: (..., Lk, d) keys.
-        v: (..., Lk, dv) values.
-        mask: broadcastable to (..., Lq, Lk); 1 (or True) marks a position that may not be attended.
-        dropout_p: dropout on the attention weights (not in the document; 0 keeps it exact).
-
-    Returns:
-        ``(output, attention_weights)``: (..., Lq, dv) and (..., Lq, Lk) in fp32.
+    q (..., Lq, d), k (..., Lk, d), v (..., Lk, dv), mask broadcastable to (..., Lq, Lk); returns the output
+    (..., Lq, dv) and the fp32 weights (..., Lq, Lk). ``dropout_p`` is not in the document (0 keeps it exact).
     """
     matmul_qk = _fp32_scores(q, k)  # (..., Lq, Lk)
     dk = k.shape[-1]
@@ -85,32 +65,14 @@ def scaled_dot_product_attention(
 
 
 class MultiHeadAttention(nn.Module):
-    """The document's ``MultiHeadAttention`` with ``wq``, ``wk``, ``wv``, ``dense`` and ``split_heads``.
-
-    Call it as ``mha(q, k, v, mask)``. The document's Keras layer is called ``call(v, k, q, mask)``:
-    the order differs, the computation does not. The document's ``call``, step by step, is here:
-
-    =====================================================  =========================================
-    document (``call``)                                    vitattn
-    =====================================================  =========================================
-    ``q = self.wq(q)`` ... ``split_heads(q, batch_size)``  ``project_q`` / ``project_kv`` /
-                                                           ``project_qkv`` (heads (B, H, L, d))
-    ``scaled_attention, attention_weights =                ``attend``: ``scaled_dot_product_attention``
-    scaled_dot_product_attention(q, k, v, mask)``          (explicit) or ``F.scaled_dot_product_attention``
-    ``concat_attention = tf.reshape(tf.transpose(...))``   ``attend``: ``transpose(1, 2).reshape(B, Lq, D)``
-    ``output = self.dense(concat_attention)``              ``attend``: ``self.dense(...)``
-    ``self.depth = d_model // num_heads``                  ``self.head_dim = d_model // num_heads`` (d)
-    =====================================================  =========================================
-
-    Self-attention (``q is k is v``) runs the three projections as one matrix multiply over the
-    concatenated weights, as timm's fused ``qkv`` does.
+    """The document's ``MultiHeadAttention`` (``wq``, ``wk``, ``wv``, ``dense``, ``split_heads``), called
+    ``mha(q, k, v, mask)`` where Keras calls ``call(v, k, q, mask)``; self-attention runs one fused projection.
 
     Args:
-        d_model: width D; must be divisible by ``num_heads``.
-        num_heads: number of heads H.
+        d_model: width D, divisible by ``num_heads`` (H).
         qkv_bias: bias in ``wq``, ``wk``, ``wv`` (the document's Dense layers have one).
-        attn_drop: dropout on the attention weights (training only).
-        fused_attn: use ``F.scaled_dot_product_attention`` when weights are not asked for.
+        attn_drop: dropout on the attention weights.
+        fused_attn: ``F.scaled_dot_product_attention`` when weights are not asked for.
     """
 
     def __init__(
@@ -160,11 +122,7 @@ class MultiHeadAttention(nn.Module):
     def project_qkv(
         self, x: Tensor, params: tuple[Tensor, Tensor | None] | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Self-attention projections of (B, L, D) in one matmul -> three (B, H, L, d).
-
-        ``params`` is ``qkv_params()`` computed beforehand (a decoding loop stacks the weights once,
-        not once per step); None stacks them here.
-        """
+        """(B, L, D) -> three (B, H, L, d) in one matmul; ``params``: ``qkv_params()`` stacked once beforehand."""
         B, L, _ = x.shape
         w, b = params or self.qkv_params()
         qkv = F.linear(x, w, b).view(B, L, 3, self.num_heads, self.head_dim)
@@ -184,16 +142,8 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """Attention over projected heads, then concatenation and ``dense`` (arguments as ``forward``'s).
-
-        Args:
-            q: (B, H, Lq, d); k, v: (B, H, Lk, d).
-            mask: broadcastable to (B, H, Lq, Lk), 1/True = masked out.
-            need_weights: return the (B, H, Lq, Lk) weights (explicit path).
-            is_causal: add the look-ahead mask (queries are the last Lq of the Lk positions).
-
-        Returns:
-            ``(output, weights)``: (B, Lq, D) and the weights or None.
+        """Attention of (B, H, Lq, d) heads over (B, H, Lk, d) ones, concatenated and ``dense``: (B, Lq, D)
+        and the (B, H, Lq, Lk) weights when ``need_weights`` (else None); ``is_causal`` adds the look-ahead mask.
         """
         B, _, Lq, _ = q.shape
         Lk = k.shape[2]
@@ -229,17 +179,8 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """Multi-head attention of queries ``q`` over keys ``k`` and values ``v``.
-
-        Args:
-            q: (B, Lq, D); k, v: (B, Lk, D).
-            mask: broadcastable to (B, H, Lq, Lk); 1 (or True) = masked out, added as ``mask * -1e9``.
-            need_weights: also return the attention weights (explicit path for this call only).
-            is_causal: apply the look-ahead mask.
-
-        Returns:
-            ``(output, attention_weights)``: (B, Lq, D) and (B, H, Lq, Lk), or None for the weights
-            when they were not asked for.
+        """Queries (B, Lq, D) over keys and values (B, Lk, D) -> (B, Lq, D) and the (B, H, Lq, Lk) weights, or
+        None for them unless ``need_weights`` (the explicit path, for this call only).
         """
         if q is k and k is v:
             qh, kh, vh = self.project_qkv(q)
@@ -255,15 +196,8 @@ def _cat(*tensors: Tensor | None) -> Tensor | None:
 
 @contextmanager
 def record_attention(model: nn.Module) -> Iterator[dict[str, list[Tensor]]]:
-    """Record the attention weights of every ``MultiHeadAttention`` in ``model``.
-
-    Inside the block each attention layer takes the explicit path and appends its detached
-    (B, H, Lq, Lk) weights, one entry per call, under the layer's module name.
-
-    Example:
-        >>> with record_attention(model) as maps:
-        ...     model(images)
-        >>> maps["blocks.11.mha"][0].shape  # (B, H, N, N)
+    """Record the detached (B, H, Lq, Lk) weights of every ``MultiHeadAttention`` of ``model`` inside the block,
+    one entry per call under the layer's name: ``with record_attention(model) as maps: model(images)``.
     """
     layers = {n: m for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)}
     records: dict[str, list[Tensor]] = {name: [] for name in layers}

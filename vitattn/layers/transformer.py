@@ -1,13 +1,7 @@
-"""The document's ``EncoderLayer``: self-attention and feed-forward, each with dropout and LayerNorm.
+"""The document's point-wise feed-forward network, ``EncoderLayer`` and ``DecoderLayer`` (docs/layers.md).
 
-Dimension letters: B batch, L sequence length, D width (``d_model``).
-
-``norm_first=False`` (the default) is the document's post-norm layer:
-``out1 = layernorm1(x + dropout1(mha(x)))``, ``out2 = layernorm2(out1 + dropout2(ffn(out1)))``.
-``norm_first=True`` is the pre-norm layer of pretrained ViTs:
-``x = x + dropout1(mha(layernorm1(x)))``, ``x = x + dropout2(ffn(layernorm2(x)))``.
-Stochastic depth (torchvision's ``StochasticDepth``: timm's ``DropPath``, draw for draw) wraps each residual
-branch when ``drop_path > 0``.
+Dimension letters: B batch, L sequence length, D width (``d_model``), N image tokens, t new positions.
+``norm_first=False`` is the document's post-norm layer, ``True`` the pre-norm layer of pretrained ViTs.
 """
 
 from __future__ import annotations
@@ -47,34 +41,20 @@ def get_activation(name: str) -> nn.Module:
 
 
 def point_wise_feed_forward_network(d_model: int, dff: int, activation: str = "relu") -> nn.Sequential:
-    """Dense(dff, activation) -> Dense(d_model), applied to every position alike.
-
-    Args:
-        d_model: input and output width D.
-        dff: hidden width.
-        activation: ``relu`` (the document), ``gelu`` (pretrained ViTs) or ``quick_gelu`` (OpenAI CLIP).
-
-    Returns:
-        ``nn.Sequential(Linear(D, dff), activation, Linear(dff, D))``.
-    """
+    """``nn.Sequential(Linear(D, dff), activation, Linear(dff, D))``, the same at every position."""
     return nn.Sequential(nn.Linear(d_model, dff), get_activation(activation), nn.Linear(dff, d_model))
 
 
 class EncoderLayer(nn.Module):
-    """The document's encoder layer (post-norm, ReLU) with a pre-norm / GELU switch.
+    """The document's encoder layer (post-norm, ReLU), with pre-norm, GELU and stochastic depth switches.
 
     Args:
-        d_model: width D.
-        num_heads: attention heads; must divide ``d_model``.
-        dff: feed-forward hidden width.
-        rate: dropout after attention and after the feed-forward network.
+        d_model, num_heads, dff, rate: the document's (``rate``: dropout after each sub-layer).
         norm_first: pre-norm (ViT) instead of the document's post-norm.
-        activation: ``relu`` (document), ``gelu`` or ``quick_gelu`` (see ``get_activation``).
-        attn_drop: dropout on attention weights.
-        drop_path: stochastic-depth rate of the residual branches.
-        layer_norm_eps: LayerNorm epsilon (the document's 1e-6).
-        qkv_bias: bias in ``wq``, ``wk``, ``wv``.
-        fused_attn: fused attention kernels when weights are not asked for.
+        activation: ``relu`` (the document), ``gelu`` or ``quick_gelu`` (``get_activation``).
+        attn_drop, drop_path: dropout on the attention weights; stochastic-depth rate of the residual branches.
+        layer_norm_eps, qkv_bias, fused_attn: LayerNorm epsilon (the document's 1e-6), ``wq``/``wk``/``wv`` bias,
+            fused attention when weights are not asked for.
     """
 
     def __init__(
@@ -115,15 +95,9 @@ class EncoderLayer(nn.Module):
 
 
 class LayerCache:
-    """One decoder layer's cached heads for incremental decoding.
-
-    The self-attention keys/values grow by t positions per call; with a ``capacity`` they are
-    written into buffers allocated once at that many positions (no copy of the whole cache per
-    step; the buffers grow past it if needed). The cross-attention keys/values and the fused
-    q/k/v weights of the self-attention are computed once, at the first call.
-
-    Args:
-        capacity: positions to allocate at the first call; None grows the buffers to fit each call.
+    """One decoder layer's cached heads: self-attention keys/values grown t positions a call (in buffers
+    of ``capacity`` positions allocated once; None: grown to fit), cross-attention keys/values and the fused
+    q/k/v weights computed at the first call.
     """
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -170,20 +144,7 @@ class LayerCache:
 
 
 class DecoderLayer(nn.Module):
-    """Masked self-attention, cross-attention over image tokens, feed-forward.
-
-    Args:
-        d_model: width D.
-        num_heads: attention heads; must divide ``d_model``.
-        dff: feed-forward hidden width.
-        rate: dropout after each sub-layer.
-        norm_first: pre-norm instead of post-norm.
-        activation: ``relu`` or ``gelu``.
-        attn_drop: dropout on attention weights.
-        drop_path: stochastic-depth rate.
-        layer_norm_eps: LayerNorm epsilon.
-        fused_attn: fused attention kernels when weights are not asked for.
-    """
+    """Masked self-attention, cross-attention over image tokens, feed-forward; arguments as ``EncoderLayer``'s."""
 
     def __init__(
         self,
@@ -246,16 +207,10 @@ class DecoderLayer(nn.Module):
         return out.reshape(B, t, -1)  # (B, t, D)
 
     def forward(self, x: Tensor, memory: Tensor, cache: LayerCache | None = None) -> Tensor:
-        """Decode t new positions.
+        """(B, t, D) new caption positions (all T without ``cache``) over (B, N, D) image tokens -> (B, t, D).
 
-        Args:
-            x: (B, t, D) embeddings of the new caption positions (all T when not caching).
-            memory: (B, N, D) image tokens, or (B / K, N, D) for K consecutive rows of ``x`` per
-                image (beams): its keys/values are then projected once per image.
-            cache: filled and extended in place for incremental decoding; None to recompute.
-
-        Returns:
-            (B, t, D).
+        ``memory`` may be (B / K, N, D) for K consecutive rows per image (beams): its keys and values are projected
+        once per image. ``cache`` is filled and extended in place.
         """
         if self.norm_first:
             x = x + self.drop_path(self.dropout1(self._self_attention(self.layernorm1(x), cache)))

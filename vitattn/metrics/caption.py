@@ -1,23 +1,6 @@
-"""Corpus-level caption metrics computed as the COCO caption toolkit (pycocoevalcap) computes them.
+"""Corpus caption metrics (BLEU, ROUGE-L, CIDEr-D) as the COCO caption toolkit computes them, quirks included.
 
-No Java and no torch: captions are tokenised with :func:`coco_tokenize` (the toolkit's Stanford PTB
-tokenizer written in Python) and scored with the toolkit's own arithmetic, quirks included:
-
-- BLEU (``Bleu(4)``): clipped n-gram counts and lengths summed over the corpus, the reference
-  length of each image is the one closest to the prediction (ties go to the shorter), and every
-  precision is ``(correct + 1e-15) / (guess + 1e-9)``, so a perfect match scores just under 1 and a
-  missing n-gram order gives a tiny positive number instead of 0.
-- ROUGE-L (``Rouge``): per image, the best LCS precision and the best LCS recall over the references
-  (each maximised on its own), combined as an F-measure with beta 1.2; averaged over images.
-- CIDEr-D (``Cider``): tf-idf n-gram vectors whose document frequencies come from the references of
-  the corpus being scored, clipped cosine similarity, a gaussian penalty on the length difference,
-  averaged over n-gram orders and references, times 10; averaged over images.
-
-Each image has one prediction and one or more references. BLEU and CIDEr-D split the tokenised
-caption at any whitespace, ROUGE-L at spaces only, as the toolkit does: the two differ only for the
-rare PTB token with a no-break space inside (``1 1/2``, a phone number).
-
-METEOR needs the toolkit's Java program: ``vitattn.metrics.toolkit``.
+No Java and no torch: the toolkit's arithmetic on ``coco_tokenize``'s tokens (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -116,19 +99,10 @@ def _bleu(hyps: list[Tokens], refs: list[list[Tokens]], max_n: int) -> list[floa
 
 
 def corpus_bleu(predictions: Sequence[str], references: Sequence[Sequence[str]], max_n: int = 4) -> list[float]:
-    """Corpus BLEU-1..BLEU-``max_n`` as pycocoevalcap's ``Bleu(max_n)`` reports it.
-
-    Args:
-        predictions: one caption per image, length I.
-        references: I sequences of one or more reference captions.
-        max_n: the highest n-gram order.
-
-    Returns:
-        ``[BLEU-1, ..., BLEU-max_n]``, each in [0, 1].
+    """Corpus BLEU-1..BLEU-``max_n`` of I ``predictions`` against I sets of ``references``, as ``Bleu(max_n)``.
 
     Raises:
-        ValueError: if the corpus is empty, the lengths differ, an image has no reference or
-            ``max_n < 1``.
+        ValueError: an empty corpus, lengths that differ, an image without references, ``max_n < 1``.
     """
     if max_n < 1:
         raise ValueError(f"max_n={max_n} must be at least 1")
@@ -166,19 +140,7 @@ def _rouge_l(hyps: list[Tokens], refs: list[list[Tokens]], beta: float) -> float
 
 
 def rouge_l(predictions: Sequence[str], references: Sequence[Sequence[str]], beta: float = 1.2) -> float:
-    """ROUGE-L as pycocoevalcap's ``Rouge`` reports it: the mean over images.
-
-    Args:
-        predictions: one caption per image, length I.
-        references: I sequences of one or more reference captions.
-        beta: weight of recall against precision in the F-measure.
-
-    Returns:
-        The mean per-image F-measure, in [0, 1].
-
-    Raises:
-        ValueError: if the corpus is empty, the lengths differ or an image has no reference.
-    """
+    """ROUGE-L (F-measure weighted by ``beta``), the mean over images, as the toolkit's ``Rouge``."""
     return _rouge_l(*_tokenize_corpus(predictions, references), beta=beta)
 
 
@@ -251,17 +213,8 @@ def _cider_d(hyps: list[Tokens], refs: list[list[Tokens]], sigma: float, n: int)
 
 
 class CiderD:
-    """CIDEr-D of single captions with document frequencies fixed in advance (a training set's references):
-    the reward of self-critical training, which scores a few captions at a time.
-
-    ``cider_d`` takes its document frequencies from the corpus it scores; this takes them from ``corpus``
-    once, so a caption's score does not depend on the others scored with it. Each image's reference vectors
-    are kept (up to ``cache_size`` images) for the next time it is scored.
-
-    Args:
-        corpus: each image's references (the training split's), as ``references`` for ``cider_d``.
-        sigma, n: as ``cider_d``'s.
-        cache_size: reference sets whose tf-idf vectors are kept.
+    """CIDEr-D of a few captions at a time with document frequencies fixed by ``corpus`` (the training
+    references): the reward of self-critical training. Up to ``cache_size`` images' reference vectors are kept.
     """
 
     def __init__(
@@ -317,24 +270,9 @@ def cider_d(
     sigma: float = 6.0,
     n: int = 4,
 ) -> float:
-    """CIDEr-D as pycocoevalcap's ``Cider`` reports it: the mean over images.
+    """CIDEr-D, the mean over images in [0, 10], as the toolkit's ``Cider``.
 
-    Document frequencies come from the references passed in, so score the whole evaluation set in
-    one call: the mean of per-batch scores is a different number, and a single image scores 0
-    (every idf is log 1 - log 1).
-
-    Args:
-        predictions: one caption per image, length I.
-        references: I sequences of one or more reference captions.
-        sigma: width of the gaussian penalty on the length difference, in tokens.
-        n: the highest n-gram order.
-
-    Returns:
-        The mean per-image score, in [0, 10].
-
-    Raises:
-        ValueError: if the corpus is empty, the lengths differ, an image has no reference or
-            ``n < 1``.
+    Document frequencies come from ``references``: score the whole set in one call (a lone image scores 0).
     """
     if n < 1:
         raise ValueError(f"n={n} must be at least 1")
@@ -342,18 +280,7 @@ def cider_d(
 
 
 def compute_caption_metrics(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> dict[str, float]:
-    """BLEU-1..4, ROUGE-L and CIDEr-D of a corpus, tokenised once.
-
-    Args:
-        predictions: one caption per image, length I.
-        references: I sequences of one or more reference captions.
-
-    Returns:
-        ``{"bleu1", "bleu2", "bleu3", "bleu4", "rouge_l", "cider_d"}`` mapped to floats.
-
-    Raises:
-        ValueError: if the corpus is empty, the lengths differ or an image has no reference.
-    """
+    """``{"bleu1".."bleu4", "rouge_l", "cider_d"}`` of a corpus, tokenised once (errors as ``corpus_bleu``)."""
     hyps, refs = _tokenize_corpus(predictions, references)
     hyp_words, ref_words = _words_corpus(hyps, refs)
     bleu = _bleu(hyp_words, ref_words, max_n=4)
@@ -392,11 +319,8 @@ def first_per_image(items: Iterable[Item]) -> list[Item]:
 
 
 def score_captions(items: Iterable[Item], synthetic: bool = True) -> dict[str, float]:
-    """BLEU-1..4, ROUGE-L, CIDEr-D, ``distinct`` and ``num_images`` of ``items``, each image once.
-
-    Args:
-        items: ``(image_id, caption, references)``; a repeated image id counts once (its first item).
-        synthetic: the references list every correct caption, so ``exact_match`` is added.
+    """BLEU, ROUGE-L, CIDEr-D, ``distinct`` and ``num_images`` of ``(image_id, caption, references)`` items,
+    each image once (its first item); ``synthetic`` references list every correct caption: ``exact_match`` too.
     """
     items = first_per_image(items)
     captions = [caption for _, caption, _ in items]

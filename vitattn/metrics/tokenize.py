@@ -1,28 +1,7 @@
-"""Caption tokenisation as the COCO caption toolkit does it, without Java.
+"""Caption tokenisation as the COCO caption toolkit does it (CoreNLP 3.4.1's PTBTokenizer), without Java.
 
-pycocoevalcap writes the captions to a file, one a line, runs Stanford CoreNLP 3.4.1's
-``PTBTokenizer -preserveLines -lowerCase`` on it, and drops the tokens in its punctuation list. Here
-the lexer's rules (CoreNLP's ``PTBLexer.flex``, default options) are Python regular expressions,
-applied as JFlex applies them: the longest match at each position wins, the earlier rule a tie, and
-each rule rewrites its match as CoreNLP's does (``(`` -> ``-lrb-``, a double quote -> two backquotes,
-``cannot`` -> ``can not``, ``£`` -> ``#``, ...). So, as in the toolkit:
-
-- clitics split off (``dog's`` -> ``dog 's``, ``don't`` -> ``do n't``, ``gonna`` -> ``gon na``); ``o'clock``,
-  ``ma'am``, hyphenated words, numbers (``3.5``, ``1,000``, ``10:30``), fractions and dates stay whole;
-- abbreviations keep their period (``mr.``, ``u.s.``, ``etc.``, ``a.m.``), a sentence's final period goes;
-- ``&``, ``$``, ``%``, ``#``, ``+``, ``=``, ``*``, ``@``, a ``/`` between spaces, ``!!!`` and ``?!`` are kept;
-  ``AT&T``, ``and/or``, ``#hashtag`` and URLs are single tokens;
-- brackets become ``-lrb-``, ``-rrb-``, ``-lsb-``, ``-rsb-``, ``-lcb-``, ``-rcb-`` and are kept (the toolkit's
-  punctuation list names them in upper case, so its lower-cased tokens survive);
-- quotes, ``. , ; : ? ! - -- ...`` and dashes are dropped; accented letters are letters; characters
-  beyond Unicode's Basic Multilingual Plane (most emoji) are deleted, BMP symbols such as ``❤`` kept.
-
-A few rules look past a line's end into the next caption of the file (``vitamin C.`` is ``c`` before
-``The...``, ``c.`` before ``a...``): :func:`coco_tokenize_file` tokenises captions in the toolkit's
-order and gives its tokens exactly; :func:`coco_tokenize` takes one caption followed by a line break
-and nothing more. Left over: letters and digits are Python's Unicode tables, CoreNLP's are its 2014
-JDK's, so a character given a letter category since then differs. docs/captioning.md#metric-parity
-has the figures.
+The lexer's rules are Python regular expressions applied as JFlex applies them (the longest match wins, the
+earlier rule a tie), each rewriting its match as CoreNLP does; token for token (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -269,10 +248,9 @@ def _dashes(text: str) -> tuple[list[str], int]:
 
 @cache
 def _rules() -> list[tuple[re.Pattern[str], Action]]:
-    """PTBLexer's rules in the order of its .flex file (the earlier wins a tie). A pattern's group ``t`` is
-    the token; what follows it is JFlex's trailing context, which counts towards the match's length. A
-    rule whose alternatives can match different lengths is split into one pattern per alternative, so
-    Python's first-alternative matching still finds JFlex's longest match."""
+    """PTBLexer's rules in its .flex order; group ``t`` is the token, what follows JFlex's trailing context.
+    Alternatives of different lengths are split, so Python's first match is still JFlex's longest.
+    """
     m = _macros()
 
     def p(pattern: str) -> re.Pattern[str]:
@@ -515,14 +493,7 @@ def _tokenize_line(line: str, following: str | None) -> list[str]:
 
 
 def coco_tokenize(text: str) -> list[str]:
-    """Split a caption into tokens as the COCO caption toolkit does (PTB rules, lower case, punctuation dropped).
-
-    Args:
-        text: a raw caption, e.g. ``"A Dog's toy (red), on grass."``.
-
-    Returns:
-        The tokens, e.g. ``["a", "dog", "'s", "toy", "-lrb-", "red", "-rrb-", "on", "grass"]``.
-    """
+    """A caption's tokens as the toolkit gives them: ``"A Dog's toy (red)."`` -> ``a dog 's toy -lrb- red -rrb-``."""
     return _tokenize_line(one_line(text), "")
 
 
@@ -532,17 +503,8 @@ def _blank() -> re.Pattern[str]:
 
 
 def coco_tokenize_file(captions: Sequence[str]) -> list[list[str]]:
-    """Tokenise captions as the toolkit does when it scores them: one file, a caption a line, in this order.
-
-    A few PTB rules look past a line's end, so a caption's tokens can depend on the next non-blank one:
-    ``"vitamin C."`` gives ``c`` before ``"The cat..."`` or ``"<b>..."`` and ``c.`` before ``"a cat..."``,
-    ``"no."`` keeps its period before ``"5 cats"``; :func:`coco_tokenize` takes each caption alone.
-
-    Args:
-        captions: the captions in the toolkit's order (references: image by image, each image's in order).
-
-    Returns:
-        One token list per caption.
+    """One token list per caption, tokenised as the toolkit does when it scores them: one file, a line each,
+    in this order (a few PTB rules look past a line's end: ``"vitamin C."`` gives ``c`` or ``c.`` by what follows).
     """
     lines = [one_line(c) for c in captions]
     blank = _blank()

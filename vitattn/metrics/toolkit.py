@@ -1,13 +1,7 @@
-"""The COCO caption toolkit itself (pycocoevalcap), for ``vitattn-eval scorer=coco``.
+"""The COCO caption toolkit itself (pycocoevalcap), for ``vitattn-eval scorer=coco``: its Java tokenizer,
+then BLEU-1..4, METEOR 1.5, ROUGE-L and CIDEr-D (its "CIDEr"), as ``COCOEvalCap.evaluate`` runs them.
 
-Its Java PTB tokenizer (Stanford CoreNLP 3.4.1), then BLEU-1..4, METEOR 1.5, ROUGE-L and CIDEr-D,
-each the toolkit's own code, as its ``COCOEvalCap.evaluate`` runs them. The toolkit names CIDEr-D
-"CIDEr": its ``Cider`` class is CIDEr-D (clipped counts, the gaussian length penalty, document
-frequencies from the scored references), the metric :func:`vitattn.metrics.cider_d` computes.
-SPICE is left out: it downloads Stanford CoreNLP models the first time it runs.
-
-Needs ``pip install 'vitattn[coco]'`` and a Java runtime (``java`` on PATH; the jars ship inside the
-pycocoevalcap wheel). The built-in metrics give the same numbers without Java, METEOR aside.
+Needs ``pip install 'vitattn[coco]'`` and ``java`` on PATH. SPICE is left out (it downloads models).
 """
 
 from __future__ import annotations
@@ -73,11 +67,10 @@ def _tokenize(captions: dict[int, list[str]]) -> dict[int, list[str]]:
 
 
 def toolkit_tokenize(captions: Sequence[str]) -> list[list[str]]:
-    """The toolkit's tokens of each caption (its Java PTB tokenizer, lower case, punctuation dropped), run
-    as the toolkit runs it: all captions in one file, one a line.
+    """Each caption's tokens from the toolkit's Java tokenizer, all captions in one file as it runs it.
 
     Raises:
-        MissingDependencyError: pycocoevalcap or Java is missing (the message says how to install it).
+        MissingDependencyError: pycocoevalcap or Java is missing.
     """
     check_toolkit()
     tokenized = _tokenize({0: list(captions)}) if captions else {0: []}
@@ -87,20 +80,12 @@ def toolkit_tokenize(captions: Sequence[str]) -> list[list[str]]:
 def toolkit_scores(
     predictions: Sequence[str], references: Sequence[Sequence[str]], meteor: bool = True
 ) -> dict[str, float]:
-    """BLEU-1..4, METEOR, ROUGE-L and CIDEr-D of a corpus, as pycocoevalcap's ``COCOEvalCap`` computes them.
-
-    Args:
-        predictions: one caption per image, length I.
-        references: I sequences of one or more reference captions.
-        meteor: run METEOR (its Java program loads a paraphrase table first: tens of seconds).
-
-    Returns:
-        ``{"bleu1", "bleu2", "bleu3", "bleu4", "meteor", "rouge_l", "cider_d"}`` mapped to floats
-        (``meteor`` left out when not run).
+    """BLEU-1..4, METEOR (``meteor``: tens of seconds to load), ROUGE-L and CIDEr-D of I predictions against
+    I reference sets, as pycocoevalcap's ``COCOEvalCap`` computes them.
 
     Raises:
-        ValueError: the corpus is empty, the lengths differ or an image has no reference.
-        MissingDependencyError: pycocoevalcap or Java is missing (the message says how to install it).
+        ValueError: an empty corpus, lengths that differ, an image without references.
+        MissingDependencyError: pycocoevalcap or Java is missing.
     """
     check_corpus(predictions, references)
     check_toolkit()

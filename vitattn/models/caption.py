@@ -1,10 +1,8 @@
 """Caption decoder and the image captioner with greedy, beam and sampled decoding.
 
 Dimension letters: B batch, K beams, N image tokens, D width, T caption positions, V vocabulary.
-
-The image is encoded once per ``generate`` call; each decoder layer caches its self-attention
-keys/values (growing by one position per step) and its cross-attention keys/values (computed once).
-The search loops (greedy, sampled, beam) live in ``vitattn.models.search`` and call a ``DecoderStep``.
+The image is encoded once per ``generate``; the search loops (``vitattn.models.search``) call a ``DecoderStep``
+over each layer's key/value cache.
 """
 
 from __future__ import annotations
@@ -23,32 +21,19 @@ __all__ = ["CaptionDecoder", "DecoderStep", "ImageCaptioner"]
 
 
 class CaptionDecoder(nn.Module):
-    """Token + position embedding, a stack of ``DecoderLayer``s, an output projection (tied to the
-    token embedding, or a separate linear layer with a bias).
+    """Token + position embedding, a stack of ``DecoderLayer``s, an output projection.
 
     Args:
-        vocab_size: vocabulary size V.
-        embed_dim: decoder width D.
-        depth: number of decoder layers.
-        num_heads: attention heads; must divide ``embed_dim``.
-        mlp_ratio: feed-forward width / D.
+        vocab_size, embed_dim, depth, num_heads, mlp_ratio, drop_rate, attn_drop_rate: V, D and timm's others.
         max_len: most caption positions, ``<bos>`` included.
         memory_dim: width of the image tokens; projected to D when it differs.
-        drop_rate: dropout inside the layers and on the embeddings.
-        attn_drop_rate: dropout on attention weights.
-        norm_first: pre-norm layers (with a final LayerNorm) or post-norm.
-        activation: ``relu`` or ``gelu``.
-        pad_id, bos_id, eos_id, unk_id: special token ids (the defaults are ``Vocabulary``'s); ``unk_id``
-            None: a vocabulary without an unknown token. The search never generates ``<unk>``.
-        fused_attn: fused attention kernels when weights are not asked for.
-        tie_embeddings: the output projection is the token embedding (GPT-2's choice, fewer parameters);
-            false gives it its own weight and bias (the training configs' default: it learns faster from
-            small data, see ``docs/learning.md``).
-        init: ``timm``: linear layers from a truncated normal of std 0.02 (timm's and GPT-2's choice);
-            ``torch``: PyTorch's default ``nn.Linear`` init, as ``nn.TransformerDecoderLayer`` has (the
-            training configs' default: it learns faster from small data, see ``docs/learning.md``).
-        grad_checkpointing: recompute each layer's activations in the backward pass instead of keeping them
-            (``set_grad_checkpointing``); training only, decoding is unchanged.
+        norm_first, activation, fused_attn: as ``EncoderLayer``'s.
+        pad_id, bos_id, eos_id, unk_id: special ids (``Vocabulary``'s; ``unk_id`` None: none). ``<unk>`` is never
+            generated.
+        tie_embeddings: the output projection is the token embedding (GPT-2); false: its own weight and bias.
+        init: ``timm`` (truncated normal, std 0.02) or ``torch`` (``nn.Linear``'s default; learns faster from
+            small data, docs/learning.md).
+        grad_checkpointing: recompute each layer in the backward pass.
     """
 
     def __init__(
@@ -153,26 +138,15 @@ class CaptionDecoder(nn.Module):
         return self.norm(x)
 
     def forward(self, tokens: Tensor, memory: Tensor, cache: list[LayerCache] | None = None, start: int = 0) -> Tensor:
-        """Next-token logits for each given position.
+        """(B, t, V) logits of (B, t) tokens at positions ``start ..`` over (B, N, D) image tokens.
 
-        Args:
-            tokens: (B, t) token ids at positions ``start .. start + t - 1``.
-            memory: (B, N, D) image tokens, already through ``memory_proj``; or (B / K, N, D), one
-                row per K consecutive rows of ``tokens`` (beams of one image).
-            cache: from ``new_cache()``, extended in place; None recomputes from position 0.
-            start: position of ``tokens[:, 0]`` (the cache length).
-
-        Returns:
-            (B, t, V) logits.
+        ``memory`` may be (B / K, N, D), one row per K beams; ``cache`` (``new_cache()``) is extended in place.
         """
         return self.head(self.forward_features(tokens, memory, cache, start))  # (B, t, V)
 
 
 class ImageCaptioner(nn.Module, CaptionSearch):
-    """A ``VisionTransformer`` encoder and a ``CaptionDecoder`` over its tokens.
-
-    ``forward(images, tokens)`` gives teacher-forced logits; ``generate`` decodes.
-    """
+    """A ``VisionTransformer`` encoder and a ``CaptionDecoder``: ``forward`` teacher-forced, ``generate`` decodes."""
 
     def __init__(self, encoder: VisionTransformer, decoder: CaptionDecoder) -> None:
         super().__init__()
@@ -206,11 +180,7 @@ class ImageCaptioner(nn.Module, CaptionSearch):
         return self.decoder(tokens, self.encode(images))
 
     def sequence_log_prob(self, images: Tensor, generated: Tensor) -> Tensor:
-        """Total log-probability of generated captions (``<bos>`` excluded, padded after ``<eos>``).
-
-        Returns:
-            (B,) sum over the non-pad tokens.
-        """
+        """(B,) total log-probability of generated captions (``<bos>`` and the padding after ``<eos>`` excluded)."""
         dec = self.decoder
         bos = generated.new_full((generated.shape[0], 1), dec.bos_id)
         logits = self(images, torch.cat([bos, generated[:, :-1]], dim=1))  # (B, T, V)
@@ -240,11 +210,8 @@ class ImageCaptioner(nn.Module, CaptionSearch):
 
 
 class DecoderStep:
-    """``CaptionDecoder`` as a ``DecodeStep``: the last position's logits, with the key/value cache
-    (one new position per call) or, without one, recomputed from position 0.
-
-    ``memory`` (B, N, D) may hold one row per image for K beams per image: each layer projects its
-    keys/values once per image and gives them to the image's K beams.
+    """``CaptionDecoder`` as a search's ``DecodeStep``: the last position's logits, with the key/value cache or
+    recomputed from position 0; ``memory`` may hold one row per image for its K beams.
     """
 
     def __init__(self, decoder: CaptionDecoder, memory: Tensor, cache: list[LayerCache] | None) -> None:

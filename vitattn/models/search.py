@@ -1,14 +1,9 @@
 """Greedy, sampled and beam search over a decoding step, whichever runtime computes the step.
 
-Dimension letters: B images, K beams, t positions so far, T' generated tokens, V vocabulary.
-A caption's length is its number of generated tokens, ``<eos>`` included and ``<bos>`` not (Hugging
-Face's for encoder-decoder models, whose decoder starts from one start token as ours does).
-
-A ``DecodeStep`` turns the caption so far into the next token's logits and keeps its own key/value
-cache; ``ImageCaptioner`` gives one that runs its PyTorch decoder, and the ONNX runtime one that runs
-an exported decoder step. The search loops here are the only ones, so both runtimes decode alike;
-``CaptionSearch`` gives both caption models the same ``generate``, each saying only how it encodes
-images and builds its step (``start_search``).
+Dimension letters: B images, K beams, t positions so far, T' generated tokens, V vocabulary. A caption's
+length counts ``<eos>``, not ``<bos>`` (Hugging Face's). A ``DecodeStep`` gives the next token's logits and
+keeps its own cache (PyTorch's ``ImageCaptioner``, an exported ONNX step): these loops are the only ones,
+so every runtime decodes alike, and ``CaptionSearch`` gives both caption models the same ``generate``.
 """
 
 from __future__ import annotations
@@ -91,9 +86,9 @@ def check_search(
 
 
 class CaptionSearch:
-    """``generate`` and ``check_generate`` of a caption model, the same for every runtime: a runtime
-    gives its ``max_len`` and ``special_ids`` and says how it encodes images and runs a step
-    (``start_search``)."""
+    """``generate`` and ``check_generate`` of a caption model, the same for every runtime: the runtime gives
+    ``max_len``, ``special_ids`` and ``start_search``.
+    """
 
     max_len: int
     special_ids: SpecialIds
@@ -101,9 +96,9 @@ class CaptionSearch:
     def start_search(
         self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
     ) -> tuple[DecodeStep, int, torch.device | str]:
-        """Encode images (B, C, height, width), once per image, and return the ``DecodeStep`` over them for B * K
-        rows (the K beams of an image consecutive), B (the images encoded) and the device the search's
-        tokens live on."""
+        """Encode (B, C, height, width) images once; the ``DecodeStep`` over them for B * K rows (an image's K
+        beams consecutive), B and the device of the search's tokens.
+        """
         raise NotImplementedError
 
     def check_generate(
@@ -133,23 +128,14 @@ class CaptionSearch:
         use_cache: bool = True,
         generator: torch.Generator | None = None,
     ) -> Tensor:
-        """Caption images.
+        """(B, T') token ids of the images' captions, without ``<bos>``, ending in ``<eos>``, ``<pad>`` after.
 
         Args:
             images: (B, C, height, width).
             max_new_tokens: most tokens per caption, ``<eos>`` included; None: ``max_len - 1``.
-            num_beams: beam width; 1 is greedy (or sampling with ``do_sample``).
-            length_penalty: finished captions are ranked by ``log p / length ** length_penalty``.
-            early_stopping: when a beam search ends (Hugging Face's: True, False or ``"never"``; see
-                ``beam_search``).
-            do_sample: sample instead of taking the most likely token (``num_beams`` must be 1).
-            temperature, top_k, top_p: sampling filters (``top_k=0`` and ``top_p=1`` keep all).
-            use_cache: incremental decoding with the key/value cache; False recomputes every step.
-            generator: random generator for sampling.
-
-        Returns:
-            (B, T') token ids without ``<bos>``, ending in ``<eos>`` and padded with ``<pad>``;
-            T' ≤ ``max_new_tokens``.
+            num_beams, length_penalty, early_stopping: Hugging Face's beam search (``beam_search``); 1 beam: greedy.
+            do_sample, temperature, top_k, top_p, generator: sampling instead (``top_k=0``, ``top_p=1`` keep all).
+            use_cache: decode with the key/value cache; False recomputes every step.
         """
         max_new_tokens = self.check_generate(max_new_tokens, num_beams, do_sample, temperature, early_stopping)
         step, B, device = self.start_search(images, max_new_tokens, num_beams, use_cache)
@@ -193,11 +179,7 @@ def greedy_search(
     device: torch.device | str = "cpu",
     sample: dict | None = None,
 ) -> Tensor:
-    """The most likely token at each step (or a sampled one, with ``sample``: ``sample_token``'s settings).
-
-    Returns:
-        (B, T') token ids without ``<bos>``, ending in ``<eos>`` and padded with ``<pad>``.
-    """
+    """(B, T') the most likely token at each step, or one sampled with ``sample``'s settings."""
     B = batch_size
     # every column allocated once; step i reads columns 0..i and writes column i + 1
     tokens = torch.full((B, max_new_tokens + 1), ids.pad_id, dtype=torch.long, device=device)  # (B, 1 + T')
@@ -224,22 +206,13 @@ def beam_search(
     early_stopping: bool | str = False,
     device: torch.device | str = "cpu",
 ) -> Tensor:
-    """Hugging Face's beam search (``generate(num_beams=K)``); ``step`` sees B * K rows, the K beams of each
-    image consecutive.
+    """Hugging Face's beam search (``generate(num_beams=K)``) over B * K rows: (B, T') each image's best
+    finished caption, ranked by ``log p / length ** length_penalty``.
 
-    Each step extends the K live beams of an image and keeps its 2K best candidates. Those among the first
-    K that end in ``<eos>`` (at the last step, all of the first K) join the image's finished captions, scored
-    ``log p / length ** length_penalty``, of which it keeps the K best; the K best candidates that do not end
-    live on. An image takes no more finished captions once it has K and ``early_stopping`` says no live
-    beam can beat them: True, at once; False, when the best live beam scored at its current length
-    does not (Hugging Face's heuristic: a live beam may still gain from length when length_penalty > 0);
-    ``"never"``, when it does not at any length (scored at ``max_new_tokens`` when length_penalty > 0: a
-    true bound). The search stops when every image is so done, or after ``max_new_tokens``; the one host
-    sync a step is that test.
-
-    Returns:
-        (B, T') each image's best finished caption, ending in ``<eos>`` (unless cut at ``max_new_tokens``)
-        and padded with ``<pad>``.
+    Each step keeps an image's 2K best candidates: those among the first K that end in ``<eos>`` join its K best
+    finished captions, the K best others live on. ``early_stopping``: True stops an image once it has K, False
+    once the best live beam at its length cannot beat them, ``"never"`` once it cannot at any length; one host
+    sync a step.
     """
     early_stopping = check_early_stopping(early_stopping)
     B, K, T = batch_size, num_beams, max_new_tokens

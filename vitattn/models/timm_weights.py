@@ -1,13 +1,7 @@
-"""Load timm ``VisionTransformer`` weights into our encoder.
+"""timm ``VisionTransformer`` weights into our encoder, and timm's pretrained names; nothing downloads.
 
-timm fuses the query/key/value projections into one ``attn.qkv`` Linear (rows ordered q, k, v);
-ours keeps the document's ``wq``, ``wk``, ``wv``, so the fused matrix is split in three. Local files
-are read the way timm reads them: ``timm.models.load_state_dict`` for ``.safetensors`` and torch
-files (``.pth``, ``.bin``; their ``state_dict`` / ``model`` / EMA wrappers), and timm's own JAX loader
-for the original ``.npz`` files. Nothing is downloaded here (timm names: ``vitattn.models.timm_weights``).
-
-The weights show some of the encoder's switches (``weights_config``); the others come from a timm
-model's structure (``timm_model_config``) or, for a bare file, from the caller.
+timm fuses q/k/v into one ``attn.qkv`` (rows q, k, v); ours keeps the document's ``wq``, ``wk``, ``wv``. Files
+are read as timm reads them (``load_state_dict``; its JAX loader for ``.npz``).
 """
 
 from __future__ import annotations
@@ -78,16 +72,8 @@ def quiet_timm() -> Iterator[None]:
 
 
 def convert_timm_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Rename a timm ViT state dict to ours and split each ``attn.qkv`` into ``mha.wq/wk/wv``.
-
-    ``norm_pre``, ``fc_norm`` and ``head`` keep their names; ``pre_logits`` (old timm weights) is
-    dropped, as timm's own checkpoint filter does.
-
-    Args:
-        state_dict: keys as in ``timm.models.vision_transformer.VisionTransformer``.
-
-    Returns:
-        A state dict for ``vitattn.models.VisionTransformer``.
+    """A timm ViT state dict in our names, each ``attn.qkv`` split into ``mha.wq/wk/wv``; ``pre_logits`` dropped
+    as timm's own checkpoint filter drops it.
     """
     out: dict[str, Tensor] = {}
     for key, value in state_dict.items():
@@ -108,14 +94,8 @@ def convert_timm_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tenso
 
 
 def weights_config(state: Mapping[str, Tensor]) -> dict[str, Any]:
-    """The ``VisionTransformer`` keyword arguments that an encoder state dict (ours) fixes.
-
-    Args:
-        state: keys as in ``vitattn.models.VisionTransformer`` (``convert_timm_state_dict`` output).
-
-    Returns:
-        ``embed_dim``, ``depth``, ``mlp_ratio``, ``patch_size``, ``in_chans``, ``qkv_bias``, ``norm_pre``
-        and ``fc_norm``.
+    """The ``VisionTransformer`` arguments an encoder state dict (ours) fixes: ``embed_dim``, ``depth``,
+    ``mlp_ratio``, ``patch_size``, ``in_chans``, ``qkv_bias``, ``norm_pre``, ``fc_norm``.
 
     Raises:
         ValueError: not a ViT with a class token, square patches and a square grid of positions.
@@ -145,12 +125,11 @@ def weights_config(state: Mapping[str, Tensor]) -> dict[str, Any]:
 
 
 def timm_model_config(model: nn.Module) -> dict[str, Any]:
-    """What a timm ViT's structure fixes beyond its weights: ``num_heads``, ``activation``, ``layer_norm_eps``
-    and ``norm_first`` (timm's blocks are pre-norm).
+    """What a timm ViT's structure fixes beyond its weights: ``num_heads``, ``activation``, ``layer_norm_eps``,
+    ``norm_first``.
 
     Raises:
-        ValueError: a timm model vitattn's encoder cannot copy (not a ``VisionTransformer``, a distillation
-            token, registers, ``no_embed_class``, attention pooling, layer scale, other blocks or activations).
+        ValueError: a timm model our encoder cannot copy (distillation token, registers, layer scale, ...).
     """
     if not isinstance(model, TimmViT):
         raise ValueError(f"{type(model).__name__} is not a timm VisionTransformer")
@@ -175,11 +154,8 @@ def timm_model_config(model: nn.Module) -> dict[str, Any]:
 
 
 def read_timm_file(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """A local timm weights file as (state dict in our layout, the keyword arguments it fixes beyond its shapes).
-
-    ``.npz`` (the original JAX ViT files) goes through timm's own loader into a timm ViT of the shapes in
-    the file, so its head count, activation and LayerNorm epsilon are known too. For the other files
-    timm's blocks are pre-norm, and weights with ``norm_pre`` (timm's CLIP towers) use LayerNorm eps 1e-5.
+    """A local timm weights file as (state dict in our layout, the arguments it fixes beyond its shapes);
+    ``.npz`` goes through timm's JAX loader.
 
     Raises:
         FileNotFoundError: no such file.
@@ -250,12 +226,8 @@ def _read_npz(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
 
 
 def load_encoder_state(model: VisionTransformer, state: Mapping[str, Tensor], load_head: bool = True) -> list[str]:
-    """Copy an encoder state dict (ours) into ``model``, resampling the position grid to the model's.
-
-    A classifier head of another size (or any head with ``load_head=False``) is left as it is.
-
-    Returns:
-        What was resampled, skipped or left new, for the log (``resampled pos_embed 14x14 -> 4x4``).
+    """Copy an encoder state dict (ours) into ``model``, the position grid resampled to the model's; a head of
+    another size (or ``load_head=False``) is left. Returns what was resampled, skipped or left new, for the log.
 
     Raises:
         ValueError: keys or shapes that do not fit the model.
@@ -295,15 +267,9 @@ def load_encoder_state(model: VisionTransformer, state: Mapping[str, Tensor], lo
 def load_timm_weights(
     model: VisionTransformer, source: str | Path | Mapping[str, Tensor] | nn.Module, load_head: bool = True
 ) -> None:
-    """Copy timm ViT weights into ``model`` (pre-norm; same width, depth, patch and switches).
-
-    Position embeddings of another image size are resampled (timm's ``resample_abs_pos_embed``).
-    A classifier head whose shape differs from ``model.head`` is skipped with a log line.
-
-    Args:
-        model: our encoder, built with ``norm_first=True`` and the activation of the weights.
-        source: a timm model, its state dict, or a local ``.safetensors`` / ``.pth`` / ``.bin`` / ``.npz`` file.
-        load_head: also copy the classifier head when the shapes agree.
+    """Copy timm ViT weights (a timm model, its state dict, or a local ``.safetensors`` / ``.pth`` / ``.bin`` /
+    ``.npz`` file) into ``model`` (``norm_first=True``, the weights' width, depth, patch and activation);
+    positions of another size are resampled, a head of another shape skipped.
     """
     if not model.config["norm_first"]:
         raise ValueError("timm weights are pre-norm: build the model with norm_first=True")
@@ -337,16 +303,10 @@ def timm_pretrained_cfg(name: str, downloadable: bool = True) -> Any:
 
 
 def pretrained_timm_model(name: str, file: str | Path | None = None) -> nn.Module:
-    """timm's pretrained model ``name`` with its weights from timm's cache or ``file``; never a download.
-
-    Args:
-        name: a timm model name, with a pretrained tag or timm's default one.
-        file: a local copy of the weights (timm's ``pretrained_cfg_overlay=dict(file=...)``); ``.npz``
-            files go through the model's own JAX loader, as timm's ``custom_load`` does.
+    """timm's pretrained model ``name`` with its weights from timm's cache or a local ``file``; never a download.
 
     Raises:
-        ValueError: an unknown name or tag; the weights are not cached and no file is given (one line with
-            the fix); timm cannot load them.
+        ValueError: an unknown name or tag; weights not cached and no file (one line with the fix); unloadable.
     """
     cfg = timm_pretrained_cfg(name)
     local = file if file is not None else _cached_file(cfg)
@@ -382,11 +342,8 @@ def _cached_file(cfg: Any) -> str | None:
 
 
 def timm_file_data_config(path: str | Path) -> tuple[str, dict[str, Any]] | None:
-    """``(name, data config)`` of a weights file from the ``config.json`` beside it in timm's hub layout
-    (``architecture`` and ``pretrained_cfg``, as ``timm.models.push_to_hub`` writes them); None without one.
-
-    The data config is ``timm.data.resolve_data_config``'s: ``input_size``, ``interpolation``, ``mean``, ``std``,
-    ``crop_pct``, ``crop_mode``.
+    """``(name, data config)`` of a weights file from the ``config.json`` beside it in timm's hub layout, as
+    ``push_to_hub`` writes it (the data config as ``resolve_data_config`` gives it); None without one.
     """
     config_file = Path(path).parent / "config.json"
     try:

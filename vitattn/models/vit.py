@@ -1,7 +1,6 @@
 """Vision transformer encoder built from the document's ``EncoderLayer``.
 
 Dimension letters: B batch, C channels, N tokens (patches + class token), D width, P patch side.
-
 Stages as in timm: ``forward_features`` (B, N, D) -> ``pool`` (B, D) -> ``forward_head`` (B, classes).
 """
 
@@ -40,11 +39,8 @@ def preset_config(name: str) -> dict[str, Any]:
 
 
 def layer_groups(prefix: str = "") -> dict[str, Any]:
-    """timm's ``group_matcher`` regexes for a ViT whose parameter names start with ``prefix``.
-
-    ``timm.optim.param_groups_layer_decay`` numbers the groups: the stem (patch embedding, class token,
-    positions) 0, block ``i`` ``i + 1``, the final norm with the last block, and what matches none
-    (a head, a decoder) one past it.
+    """timm's ``group_matcher`` regexes (layer-wise lr decay) for ViT parameters named ``prefix...``: the stem
+    0, block ``i`` ``i + 1``, the final norm with the last block, the rest (a head, a decoder) one past it.
     """
     p = re.escape(prefix)
     return dict(
@@ -80,34 +76,18 @@ class PatchEmbed(nn.Module):
 class VisionTransformer(nn.Module):
     """ViT: strided-conv patch embedding, class token, learned positions, ``EncoderLayer`` stack.
 
+    Arguments are timm's (``img_size``, ``patch_size``, ``in_chans``, ``num_classes`` (0: features), ``embed_dim``,
+    ``depth``, ``num_heads``, ``mlp_ratio``, ``qkv_bias``, ``drop_rate``, ``pos_drop_rate``, ``attn_drop_rate``,
+    ``drop_path_rate`` (rising over the layers), ``fc_norm`` (None: on for ``avg``), ``layer_norm_eps``), and:
+
     Args:
-        img_size: input side in pixels; must be divisible by ``patch_size``.
-        patch_size: patch side P.
-        in_chans: input channels C.
-        num_classes: classification outputs; 0 for a feature extractor (``head`` is Identity).
-        global_pool: ``cls`` (class token), ``mean`` (mean of patch tokens) or ``avg`` (timm's: the mean of
-            the patch tokens, normalised by ``fc_norm`` instead of ``norm``).
-        embed_dim: width D.
-        depth: number of encoder layers.
-        num_heads: attention heads; must divide ``embed_dim``.
-        mlp_ratio: feed-forward width / D.
-        qkv_bias: bias in the q/k/v projections.
+        global_pool: ``cls``, ``mean`` (of the patch tokens) or ``avg`` (timm's: the mean, then ``fc_norm``).
         norm_first: pre-norm layers (pretrained ViTs) or the document's post-norm.
         activation: ``gelu`` (ViT), ``relu`` (the document) or ``quick_gelu`` (OpenAI CLIP).
-        norm_pre: a LayerNorm after the position embeddings, before the layers (timm's ``pre_norm``, CLIP
-            image towers); the patch embedding then has no bias, as in timm.
-        fc_norm: move the final LayerNorm after pooling (timm's ``fc_norm``); ``None``: on for ``avg``.
-        drop_rate: dropout inside the layers (the document's ``rate``) and before the head.
-        pos_drop_rate: dropout after adding position embeddings.
-        attn_drop_rate: dropout on attention weights.
-        drop_path_rate: stochastic depth, rising linearly to this rate over the layers.
-        layer_norm_eps: LayerNorm epsilon.
+        norm_pre: a LayerNorm before the layers (timm's ``pre_norm``, CLIP); the patch embedding then has no bias.
         fused_attn: fused attention kernels when weights are not asked for.
-        pos_embed_init: how the learned position embeddings start: ``trunc_normal`` (timm's, std 0.02) or
-            ``sincos`` (the fixed 2-D sine-cosine embedding of MAE / MoCo v3, still learned from there on; the
-            class token's position starts at zero).
-        grad_checkpointing: recompute each layer's activations in the backward pass instead of keeping them
-            (``set_grad_checkpointing``); training only, inference is unchanged.
+        pos_embed_init: ``trunc_normal`` (timm's) or ``sincos`` (MAE's fixed 2-D embedding, learned from there).
+        grad_checkpointing: recompute each layer in the backward pass (``set_grad_checkpointing``).
     """
 
     def __init__(
@@ -261,9 +241,5 @@ class VisionTransformer(nn.Module):
 
 
 def vit_preset(name: str, **overrides: Any) -> VisionTransformer:
-    """A ``VisionTransformer`` of a named size (``cpu``, ``tiny``, ``small``, ``base``), as ``model=<name>`` builds it.
-
-    Example:
-        >>> model = vit_preset("tiny", num_classes=10)  # ViT-Ti/16 at 224 px
-    """
+    """A ``VisionTransformer`` of a named size (``cpu``, ``tiny``, ``small``, ``base``), as ``model=NAME`` builds it."""
     return VisionTransformer(**{**preset_config(name), **overrides})

@@ -1,8 +1,5 @@
-"""WebDataset shards, in one package: which shards a spec names and their sizes (``listing``), reading one
-(``reading``, with ``tar_reader`` for plain local tars), each epoch's split of the samples over ranks and
-loader workers (``epoch_split``), the loader's batches (``stream``), and writing shards (``writer``).
-
-Captioning shards is inference: ``vitattn.inference.shard_captioning``.
+"""WebDataset shards: listing and counting (``listing``), reading one (``reading``), each epoch's plan over
+ranks and workers (``epoch_split``), the loader's batches (``stream``), writing (``writer``).
 """
 
 from vitattn.data.shards.listing import expand_shards, shard_sizes, stats_path

@@ -1,27 +1,9 @@
-"""Which samples of the shards each rank and worker trains in an epoch, and how an epoch resumes.
+"""Which samples of the shards each rank and loader worker trains in an epoch, and how an epoch resumes.
 
-An epoch is a sequence of sample positions ``0 .. total-1``: the shards in an order drawn from
-``(seed, epoch)``, each shard's samples in tar order (``EpochOrder``; ``locate`` maps a position to its
-shard and offset). ``split_epoch`` cuts the positions still to train into one contiguous run per rank and,
-inside a rank, per loader worker, so no sample goes to two of them, and plans every rank the same number
-of batches (DDP steps in lock step; a rank that ran out first would wait for ever in the gradient
-all-reduce). To keep every sample once, batch sizes are what varies: a rank's samples are spread over its
-``K`` batches as evenly as possible (sizes differ by at most one, the larger first), where ``K`` is what
-the rank with most samples needs at ``batch_size``; ranks differ by at most one sample, so batch sizes
-are ``batch_size`` or a little below. Batch ``j`` of a rank goes to worker ``j % workers``: the order in
-which PyTorch's loader takes batches from its workers, so batches reach the model in plan order.
-
-A worker reading a stream (a ``pipe:`` command, a URL) reads each of its shards from the first sample to
-its last planned one. Where the epoch has at least ``ranks x workers`` shards to read, ``split_epoch(...,
-shards=order)`` gives each worker whole shards instead (each shard's positions still to train go to one
-worker, the largest first to the worker with fewest samples): every shard is then read once. The ranks
-still step the same number of batches, but a worker's samples are now those of its shards, so batch sizes
-vary more (a worker with one shard where others have two fills its batches half); ``read_factor`` says
-what a plan reads per sample trained. A local tar needs none of this: its worker reads only the headers of
-the samples before its own (``vitattn.data.shards.reading``), so it keeps the even split.
-
-Positions trained are kept as ranges (``PositionSet``). A checkpoint stores them with the epoch; a resumed
-run plans the rest of the epoch from the positions not yet trained, for any number of ranks and workers.
+An epoch is positions ``0 .. total-1`` (the shards in an order drawn from ``(seed, epoch)``, each in tar order);
+``split_epoch`` cuts the positions still to train into one run per rank and worker, every sample once and
+every rank the same number of batches (DDP steps in lock step). Trained positions are kept as ranges
+(``PositionSet``) in checkpoints; a resumed run plans the rest. Design: docs/shards.md.
 """
 
 from __future__ import annotations
@@ -117,13 +99,8 @@ def _take(ranges: Sequence[Range], skip: int, count: int) -> list[Range]:
 
 @dataclass
 class EpochOrder:
-    """The shards of an epoch in order, and where each sample position lies.
-
-    Args:
-        sizes: samples per shard, in the order the shards were listed.
-        seed, epoch: draw the shard order (``shuffle``); the same pair gives the same order on every rank.
-        shuffle: False keeps the listed order (validation).
-        limit: train only the first ``limit`` positions (``data.samples_per_epoch``); None: all.
+    """The shards of an epoch in order (drawn from ``seed, epoch`` unless ``shuffle`` is off) and where each
+    position lies; ``limit``: only the first ``limit`` positions (``data.samples_per_epoch``).
     """
 
     sizes: Sequence[int]
@@ -201,16 +178,11 @@ def split_epoch(
     batch_size: int,
     shards: EpochOrder | None = None,
 ) -> list[list[WorkerPlan]]:
-    """Cut the positions still to train into ``[rank][worker]`` plans with the same batch count on every rank.
+    """``[rank][worker]`` plans of the positions still to train, the same batch count on every rank.
 
-    Only where the ranks' samples cannot make the same number of batches (``batch_size=1`` with a total the
-    ranks do not divide, or fewer samples than ranks) are the last ``total % world_size`` positions (fewer
-    than the ranks) left out of the epoch, with a warning: the alternative is repeating samples.
-
-    Args:
-        shards: the epoch's order, to give each worker whole shards (streams: each shard read once) where
-            at least ``world_size x workers`` shards have positions to train and every worker can fill
-            its batches; None, or too few shards: the positions split evenly.
+    Where the ranks cannot make equal batch counts (``batch_size=1`` and a total they do not divide), the last
+    ``total % world_size`` positions are left out with a warning rather than repeated. ``shards`` (the order):
+    give each worker whole shards (streams: each read once) where there are at least ``world_size x workers``.
     """
     workers = max(1, workers)
     if shards is not None:

@@ -1,16 +1,6 @@
-"""WebDataset shards as img2dataset writes them: which shards a spec names, and how many samples each holds.
-
-A shard is a tar file (``00000.tar``) whose members ``KEY.jpg``, ``KEY.txt``, ``KEY.json``, ``KEY.cls``
-belong to the sample ``KEY``; beside it img2dataset writes ``00000_stats.json`` (``successes``: the
-samples in the tar) and ``00000.parquet``. ``expand_shards`` turns brace notation
-(``/data/cc/{00000..00999}.tar``), a list, or a file listing shards into shard addresses: local paths
-or ``pipe:`` commands (``pipe:aws s3 cp s3://b/00000.tar -``), which ``vitattn.data.shards.reading`` reads.
-
-``shard_sizes`` gives each shard's sample count from its ``_stats.json`` (or the ``success`` rows of its
-``.parquet``) where there is one, else from one counting pass over the shard (members are grouped into
-samples, nothing is decoded), kept in a cache file so that the pass runs once per shard. A local plain tar's
-pass also writes where each of its samples starts (``vitattn.data.shards.member_index``), so that a loader
-worker seeks straight to its own samples.
+"""WebDataset shards as img2dataset writes them (``00000.tar`` with ``00000_stats.json`` beside it): which
+shards a spec names (``expand_shards``) and how many samples each holds (``shard_sizes``), counted once and
+cached, a local tar's member index written on the way (docs/shards.md).
 """
 
 from __future__ import annotations
@@ -40,10 +30,8 @@ LIST_SUFFIXES = (".txt", ".list", ".shards")  # a file naming one shard a line
 
 
 def expand_shards(spec: str | os.PathLike | Sequence[str | os.PathLike], where: str = "shards") -> list[str]:
-    """Shard addresses from brace notation, a list, a file listing one shard a line (``.txt``, ``.list``), or a
-    folder (its ``*.tar``, sorted).
-
-    Relative paths in a listing file are relative to the file's folder; ``::`` separates several patterns.
+    """Shard addresses (local paths, ``pipe:`` commands, URLs) from brace notation, ``::``-joined patterns, a
+    list, a file listing one a line (paths relative to it), or a folder (its ``*.tar``, sorted).
 
     Raises:
         ValueError: nothing is named, or a named local shard does not exist.
@@ -80,13 +68,9 @@ def stats_path(url: str) -> Path | None:
 
 
 def shard_sizes(urls: Sequence[str], cache_dir: str | os.PathLike | None = None, threads: int = 8) -> list[int]:
-    """The number of samples in each shard: its ``_stats.json``'s ``successes`` where there is one, else a
-    counting pass over the shard's member names, cached in ``cache_dir`` (default ``~/.cache/vitattn``) by
-    the shard's address, size and modification time.
-
-    A local plain tar also gets its member index (``vitattn.data.shards.member_index``), written in the
-    counting pass, or in a pass over its headers where ``_stats.json`` gives the count; an index written for
-    the shard as it is now is kept, and gives the count of a shard without ``_stats.json``.
+    """Each shard's sample count: its ``_stats.json``'s ``successes`` (or ``.parquet`` rows), else its member
+    index's, else one counting pass cached in ``cache_dir`` (``~/.cache/vitattn``) by address, size and time; a
+    local plain tar gets its member index too.
 
     Raises:
         ShardError: a shard that has to be counted cannot be read.

@@ -91,11 +91,7 @@ def is_plain_tar(stream: BinaryIO) -> bool:
 
 
 def _pax_path(data: bytes) -> str | None:
-    """The ``path`` record of a pax extended header (``"<length> <key>=<value>\\n"`` records).
-
-    Raises:
-        tarfile.ReadError: the header is malformed, or gives the next member's size (members over 8 GiB).
-    """
+    """The ``path`` record of a pax extended header; ``tarfile.ReadError`` for a malformed one or a size record."""
     path, pos = None, 0
     while pos < len(data) and data[pos] != 0:
         space = data.find(b" ", pos)
@@ -113,16 +109,11 @@ def _pax_path(data: bytes) -> str | None:
 
 
 def tar_files(stream: BinaryIO, wants: Callable[[str], bool] | None = None) -> Iterator[tuple[str, bytes | None]]:
-    """``(name, data)`` of each regular file of an uncompressed tar, in order.
-
-    Args:
-        stream: the tar, seekable (padding, and the members not wanted, are passed over by seeking).
-        wants: called with each file's name, in order, before its bytes: False passes over them (the file
-            comes with data None, only its header read); None reads every file.
+    """``(name, data)`` of each regular file of an uncompressed, seekable tar, in order; a name ``wants``
+    refuses comes with data None (its bytes passed over by seeking).
 
     Raises:
-        tarfile.ReadError: a bad header checksum, a header kind this reader does not know, or data that
-            ends inside a member.
+        tarfile.ReadError: a bad checksum, an unknown header kind, data that ends inside a member.
     """
     for _, name, data in tar_members(stream, wants):
         yield name, data
@@ -131,11 +122,8 @@ def tar_files(stream: BinaryIO, wants: Callable[[str], bool] | None = None) -> I
 def tar_members(
     stream: BinaryIO, wants: Callable[[str], bool] | None = None, stop: int | None = None
 ) -> Iterator[tuple[int, str, bytes | None]]:
-    """``(start, name, data)`` of each regular file, as ``tar_files`` gives them, from the stream's position:
-    ``start`` is where the file's first header lies (a GNU long-name or pax header before its own included).
-
-    Args:
-        stop: where to end (a header that starts there or after is not read); None: the tar's end.
+    """``(start, name, data)`` as ``tar_files`` gives them, from the stream's position to ``stop``; ``start`` is
+    the file's first header (a long-name or pax header before it included).
     """
     pos = stream.tell()
     end = stream.seek(0, io.SEEK_END)  # a member passed over must still end inside the file
@@ -305,11 +293,11 @@ def build_index(
     cache_dir: str | os.PathLike | None = None,
     opener: Callable[[str], BinaryIO] | None = None,
 ) -> int | None:
-    """Index a local shard (its headers read once) beside it, else in the cache; its sample count, or None where
-    it is not a plain tar (left to ``tarfile``: no index).
+    """Index a local shard's sample starts (its headers read once) beside it, else in the cache; its sample
+    count, or None for a tar that is not plain (no index).
 
     Raises:
-        tarfile.ReadError: the tar is damaged (a bad header, a member that ends early).
+        tarfile.ReadError: a damaged tar.
         OSError: the shard cannot be read.
     """
     with (opener or open_shard)(str(path)) as stream:
@@ -360,13 +348,11 @@ def open_shard(url: str) -> BinaryIO:
 
 
 def read_shard(url: str, extensions: set[str] | None = None) -> Iterator[dict[str, Any]]:
-    """The samples of one shard, in tar order: dicts ``{"__key__": KEY, "jpg": bytes, "txt": bytes, ...}``
-    (extensions lower case; ``extensions`` keeps only those members, every sample is still yielded; from a
-    plain local tar the other members are not read).
+    """The samples of one shard in tar order, ``{"__key__": KEY, "jpg": bytes, ...}`` (extensions lower case;
+    ``extensions`` keeps only those members, every sample still yielded).
 
     Raises:
-        ShardError: the shard cannot be opened, is not a tar, or ends early; the message names the shard and
-            the last whole sample's key.
+        ShardError: the shard cannot be opened, is not a tar, or ends early (naming it and the last key).
     """
     for _, sample in _guarded(url, partial(_walked, url, extensions, None)):
         yield sample
@@ -378,14 +364,12 @@ def read_samples(
     extensions: set[str] | None = None,
     index_dir: str | os.PathLike | None = None,
 ) -> Iterator[tuple[int, dict]]:
-    """``(offset, sample)`` of the samples at ``offsets`` (ascending) of one shard, as ``read_shard`` gives
-    them. From a local tar with a valid index (``vitattn.data.shards.member_index``, beside the shard or in
-    ``index_dir``) the wanted samples' bytes only, after the index's offsets for them; without one, the other
-    samples' headers too, nothing after the last.
+    """``(offset, sample)`` of the samples at ascending ``offsets``: with a valid member index (beside the shard
+    or in ``index_dir``) only their bytes, else the headers before them too, nothing after the last.
 
     Raises:
         ShortShard: the shard ends before the last offset.
-        ShardError: as ``read_shard``, or the shard's samples are not where its index says.
+        ShardError: as ``read_shard``, or the samples are not where the index says.
     """
     if not offsets:
         return

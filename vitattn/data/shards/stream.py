@@ -1,15 +1,9 @@
-"""Batches read from WebDataset shards by loader workers, every sample once per epoch.
+"""Batches read from WebDataset shards by loader workers, every sample once per epoch (docs/shards.md).
 
-``ShardStream`` is the loader's dataset: the DataModule gives it, before each epoch, the epoch's shard
-order and this rank's plan (``vitattn.data.shards.epoch_split``); each loader worker reads its positions from
-the shards in order, shuffles them in a buffer (a per-epoch, per-worker seed), decodes them
-(``ShardSamples``: ``read_image`` of the image bytes, the caption or the class) and yields whole batches
-of the planned sizes. Each batch travels as a ``ShardBatch`` with the epoch positions and keys of its
-samples, so that the DataModule knows exactly which samples were trained when a checkpoint is written.
-
-A sample that cannot be used (an image that does not decode, no caption, no class, a shard that ends
-early or cannot be read) stops the run with one line naming the shard and the key (``bad_images=raise``)
-or is left out of its batch and counted (``skip``), as ``vitattn.data.bad_images`` does for files.
+``ShardStream`` is the loader's dataset: before each epoch it gets the shard order and this rank's plan;
+each worker reads its positions, shuffles them in a buffer, decodes them (``ShardSamples``) and yields
+``ShardBatch``es carrying their positions and keys, so a checkpoint knows what was trained. A sample that
+cannot be used stops the run with one line (``bad_images=raise``) or is left out and counted (``skip``).
 """
 
 from __future__ import annotations
@@ -73,17 +67,9 @@ def sample_caption(sample: dict[str, Any], caption_key: str | None) -> str | Non
 
 
 class ShardSamples:
-    """Decodes a shard sample into what a head trains on.
-
-    Caption items are ``{"image", "tokens", "references", "image_id"}`` (as ``TokenizedCaptions``);
-    classification items ``(image, label)`` with the label from ``.cls``.
-
-    Args:
-        task: ``caption`` or ``classification``.
-        transform: PIL image -> (3, height, width) tensor (a ``CaptionAugment`` also gets the caption).
-        caption_key: read the caption from this key of ``.json``; None: from ``.txt``.
-        vocab, max_len: caption tokens.
-        num_classes: labels must be below it.
+    """A shard sample as a head trains on it: ``{"image", "tokens", "references", "image_id"}`` (``vocab``,
+    ``max_len``; the caption from ``.txt`` or the ``caption_key`` of ``.json``), or ``(image, label)`` from ``.cls``
+    (below ``num_classes``); ``transform`` makes the image's tensor.
     """
 
     def __init__(
@@ -169,16 +155,9 @@ class EpochLoader(DataLoader):
 
 
 class ShardStream(IterableDataset):
-    """The samples of ``urls`` as batches, one epoch at a time as ``configure`` plans it.
-
-    Args:
-        urls: the shards; ``sizes`` their sample counts.
-        samples: decodes a sample (``ShardSamples``).
-        collate: a list of items -> a batch.
-        bad_images: ``raise`` or ``skip``.
-        shuffle_buffer: samples held for shuffling in each worker (0: read order).
-        index_dir: the cache where the listing step wrote the member index of a shard whose folder it could
-            not write to (None: ``~/.cache/vitattn``).
+    """The samples of ``urls`` (``sizes`` samples each) as batches, one epoch at a time as ``configure`` plans
+    it: decoded by ``samples``, batched by ``collate``, ``shuffle_buffer`` samples shuffled per worker (0: read
+    order); ``index_dir``: the cache holding member indexes the listing could not write beside a shard.
     """
 
     def __init__(

@@ -1,11 +1,7 @@
 """Writing WebDataset shards in the img2dataset layout, from image files or the built-in shapes.
 
-``OUT/00000.tar`` holds ``KEY.jpg`` (the image file's bytes as they are, under its own extension),
-``KEY.txt`` (the caption), ``KEY.json`` (``key``, the source file, every caption, the class) and ``KEY.cls``
-(the class index, when there are classes); ``OUT/00000_stats.json`` says how many samples the tar holds
-(``successes``), as img2dataset's does, and with ``parquet=True`` ``OUT/00000.parquet`` a row per sample
-(``key``, ``caption``, ``status``, ``source``; needs pyarrow); ``OUT/classes.txt`` names the classes. Each file is
-written to a temporary name and renamed, so a stopped run leaves whole shards only.
+``OUT/00000.tar`` holds ``KEY.jpg`` (the file's bytes as they are), ``KEY.txt``, ``KEY.json`` and ``KEY.cls``, with
+``00000_stats.json`` (and ``.parquet``, pyarrow) beside it and ``classes.txt``; every file written atomically.
 """
 
 from __future__ import annotations
@@ -83,9 +79,8 @@ def write_shards(
     class_names: list[str] | None = None,
     parquet: bool = False,
 ) -> list[Path]:
-    """Write ``samples`` as shards of ``samples_per_shard`` into ``out_dir``; returns the shard paths.
-
-    Keys are ``SSSSSIIII`` (shard number and index in the shard, img2dataset's keys).
+    """Write ``samples`` as shards of ``samples_per_shard`` (keys ``SSSSSIIII``, img2dataset's) into ``out_dir``;
+    returns the shard paths.
     """
     if samples_per_shard < 1:
         raise ValueError(f"--samples-per-shard={samples_per_shard} must be at least 1")
