@@ -31,71 +31,29 @@ class RunDir:
     path: Path
 
     def __init__(self, path: str | os.PathLike) -> None:
-        object.__setattr__(self, "path", Path(path))
-
-    @property
-    def config(self) -> Path:
-        """The resolved training config."""
-        return self.path / "config.yaml"
-
-    @property
-    def overrides(self) -> Path:
-        """Hydra's record of the command-line overrides."""
-        return self.path / ".hydra" / "overrides.yaml"
-
-    @property
-    def vocab(self) -> Path:
-        """The caption vocabulary."""
-        return self.path / VOCAB_FILE
-
-    @property
-    def tokenizer(self) -> Path:
-        """The subword tokenizer (``tokenizer=bpe`` or ``file``), written once by rank 0 and read on restart."""
-        return self.path / TOKENIZER_FILE
+        path = Path(path)
+        checkpoints = path / "checkpoints"
+        paths = dict(
+            path=path,
+            config=path / "config.yaml",  # the resolved training config
+            overrides=path / ".hydra" / "overrides.yaml",  # Hydra's record of the command-line overrides
+            vocab=path / VOCAB_FILE,  # the caption vocabulary
+            tokenizer=path / TOKENIZER_FILE,  # a subword tokenizer, written once by rank 0 and read on restart
+            checkpoints=checkpoints,
+            last_checkpoint=checkpoints / "last.ckpt",  # what ``resume=RUN`` continues from
+            best_checkpoint=checkpoints / "best.ckpt",  # by the head's validation metric (``head.monitor``)
+            bundle=path / "bundle",  # the exported model
+            result=path / "result.json",  # written when the run completes; ``resume`` leaves it as it is
+            cider_statistics=path / "cider_statistics.json",  # CIDEr-D's training document frequencies (scst)
+            mlflow_run_id=path / "mlflow_run_id.txt",  # the MLflow run a resumed run logs to again
+            wandb_run_id=path / "wandb_run_id.txt",  # the Weights & Biases run a resumed run continues
+        )
+        for name, value in paths.items():
+            object.__setattr__(self, name, value)
 
     def saved_tokenizer(self) -> Path | None:
         """The tokenizer file the run holds (``tokenizer.json`` or ``vocab.json``), or None."""
         return next((p for p in (self.tokenizer, self.vocab) if p.is_file()), None)
-
-    @property
-    def checkpoints(self) -> Path:
-        """The checkpoint folder."""
-        return self.path / "checkpoints"
-
-    @property
-    def last_checkpoint(self) -> Path:
-        """The checkpoint that ``resume=RUN`` continues from."""
-        return self.checkpoints / "last.ckpt"
-
-    @property
-    def best_checkpoint(self) -> Path:
-        """The best checkpoint by the head's validation metric (``head.monitor``)."""
-        return self.checkpoints / "best.ckpt"
-
-    @property
-    def bundle(self) -> Path:
-        """The exported model folder."""
-        return self.path / "bundle"
-
-    @property
-    def result(self) -> Path:
-        """What the run produced, written when it completes; ``resume`` leaves a run that has one as it is."""
-        return self.path / "result.json"
-
-    @property
-    def cider_statistics(self) -> Path:
-        """CIDEr-D's document frequencies over the training references (``finetune=scst``), computed once per run."""
-        return self.path / "cider_statistics.json"
-
-    @property
-    def mlflow_run_id(self) -> Path:
-        """The id of the MLflow run the training logs to: a resumed run logs to the same MLflow run."""
-        return self.path / "mlflow_run_id.txt"
-
-    @property
-    def wandb_run_id(self) -> Path:
-        """The id of the Weights & Biases run the training logs to: a resumed run continues it."""
-        return self.path / "wandb_run_id.txt"
 
     def is_run(self) -> bool:
         """The folder holds a training config."""

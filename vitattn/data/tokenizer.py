@@ -59,8 +59,46 @@ def auto_min_freq(counts: Counter[str], max_unknown: float = AUTO_MAX_UNKNOWN) -
     return 1
 
 
-class Vocabulary:
+KINDS = ("words", "bpe", "file")
+SUBWORD_SPECIALS = ("<pad>", "<bos>", "<eos>")
+MAX_AUTO_BPE = 32000
+_BYTES = 256  # the byte-level alphabet
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What training and every runtime need of a caption tokenizer."""
+
+    pad_id: int
+    bos_id: int
+    eos_id: int
+    unk_id: int | None  # None: every text has an encoding (byte-level BPE)
+
+    def __len__(self) -> int: ...
+
+    def encode(self, text: str, max_len: int | None = None) -> list[int]:
+        """``[bos, ..., eos]``, at most ``max_len`` ids."""
+        ...
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        """The caption of ``ids`` up to the first eos, special tokens left out."""
+        ...
+
+    def decode_batch(self, ids: Sequence[Sequence[int]] | torch.Tensor) -> list[str]:
+        """``decode`` each row of ``ids`` (B, T)."""
+        return [self.decode(row) for row in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
+
+    def tokens(self, ids: Sequence[int]) -> list[str]:
+        """One display string per id before eos or pad (what attention figures label positions with)."""
+        ...
+
+    def save(self, path: str | os.PathLike) -> None: ...
+
+
+class Vocabulary(Tokenizer):
     """Caption words to ids and back; ids 0-3 are ``<pad> <bos> <eos> <unk>``, ``words`` follow in id order."""
+
+    pad_id, bos_id, eos_id, unk_id = PAD_ID, BOS_ID, EOS_ID, UNK_ID
 
     def __init__(self, words: Sequence[str]) -> None:
         self.itos: list[str] = [*SPECIALS, *words]
@@ -90,22 +128,6 @@ class Vocabulary:
         """The ordinary words in id order: what ``Vocabulary(words)`` rebuilds this from."""
         return self.itos[len(SPECIALS) :]
 
-    @property
-    def pad_id(self) -> int:
-        return PAD_ID
-
-    @property
-    def bos_id(self) -> int:
-        return BOS_ID
-
-    @property
-    def eos_id(self) -> int:
-        return EOS_ID
-
-    @property
-    def unk_id(self) -> int:
-        return UNK_ID
-
     def __len__(self) -> int:
         return len(self.itos)
 
@@ -123,12 +145,7 @@ class Vocabulary:
         """``[bos, w1, ..., wn, eos]`` of ``coco_tokenize(text)``, unknown words ``unk_id``; at most ``max_len`` ids
         (words cut, eos kept).
         """
-        ids = [self.stoi.get(word, self.unk_id) for word in coco_tokenize(text)]
-        if max_len is not None:
-            if max_len < 2:
-                raise ValueError(f"max_len={max_len} must be at least 2 to hold <bos> and <eos>")
-            ids = ids[: max_len - 2]
-        return [self.bos_id, *ids, self.eos_id]
+        return _framed(self, [self.stoi.get(word, self.unk_id) for word in coco_tokenize(text)], max_len)
 
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
         """Words for ``ids`` up to the first eos, special tokens left out."""
@@ -143,12 +160,6 @@ class Vocabulary:
             if i >= len(SPECIALS):
                 words.append(self.itos[i])
         return " ".join(words)
-
-    def decode_batch(self, ids: Sequence[Sequence[int]] | torch.Tensor) -> list[str]:
-        """``decode`` each row of ``ids`` (B, T)."""
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        return [self.decode(row) for row in ids]
 
     def tokens(self, ids: Sequence[int]) -> list[str]:
         """The word of each id before eos or pad (``<unk>`` kept, so words line up with positions)."""
@@ -181,38 +192,10 @@ class Vocabulary:
             raise ValueError(f"vocabulary file {path}: {err}") from None
 
 
-KINDS = ("words", "bpe", "file")
-SUBWORD_SPECIALS = ("<pad>", "<bos>", "<eos>")
-MAX_AUTO_BPE = 32000
-_BYTES = 256  # the byte-level alphabet
-
-
-@runtime_checkable
-class Tokenizer(Protocol):
-    """What training and every runtime need of a caption tokenizer."""
-
-    pad_id: int
-    bos_id: int
-    eos_id: int
-    unk_id: int | None  # None: every text has an encoding (byte-level BPE)
-
-    def __len__(self) -> int: ...
-
-    def encode(self, text: str, max_len: int | None = None) -> list[int]:
-        """``[bos, ..., eos]``, at most ``max_len`` ids."""
-        ...
-
-    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
-        """The caption of ``ids`` up to the first eos, special tokens left out."""
-        ...
-
-    def decode_batch(self, ids: Sequence[Sequence[int]] | torch.Tensor) -> list[str]: ...
-
-    def tokens(self, ids: Sequence[int]) -> list[str]:
-        """One display string per id before eos or pad (what attention figures label positions with)."""
-        ...
-
-    def save(self, path: str | os.PathLike) -> None: ...
+def _framed(tokenizer: Tokenizer, ids: list[int], max_len: int | None) -> list[int]:
+    if max_len is not None and max_len < 2:
+        raise ValueError(f"max_len={max_len} must be at least 2 to hold <bos> and <eos>")
+    return [tokenizer.bos_id, *(ids if max_len is None else ids[: max_len - 2]), tokenizer.eos_id]
 
 
 def normalize_caption(text: str) -> str:
@@ -226,7 +209,7 @@ def _check_range(ids: list[int], size: int) -> None:
         raise ValueError(f"token id {bad} is outside the tokenizer's {size} tokens")
 
 
-class SubwordTokenizer:
+class SubwordTokenizer(Tokenizer):
     """A Hugging Face ``tokenizers.Tokenizer`` holding ``<pad> <bos> <eos>``; ``source`` names it in messages."""
 
     def __init__(self, tokenizer: Any, source: str = "tokenizer") -> None:
@@ -296,12 +279,7 @@ class SubwordTokenizer:
 
     def encode(self, text: str, max_len: int | None = None) -> list[int]:
         """Token ids ``[bos, t1, ..., tn, eos]``; longer than ``max_len``: the last subwords are cut, eos kept."""
-        ids = self.hf.encode(text, add_special_tokens=False).ids
-        if max_len is not None:
-            if max_len < 2:
-                raise ValueError(f"max_len={max_len} must be at least 2 to hold <bos> and <eos>")
-            ids = ids[: max_len - 2]
-        return [self.bos_id, *ids, self.eos_id]
+        return _framed(self, self.hf.encode(text, add_special_tokens=False).ids, max_len)
 
     def _content(self, ids: Sequence[int] | torch.Tensor) -> list[int]:
         if isinstance(ids, torch.Tensor):
@@ -315,12 +293,6 @@ class SubwordTokenizer:
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
         """The caption of ``ids`` up to the first eos, special tokens left out."""
         return self.hf.decode(self._content(ids), skip_special_tokens=True).strip()
-
-    def decode_batch(self, ids: Sequence[Sequence[int]] | torch.Tensor) -> list[str]:
-        """``decode`` each row of ``ids`` (B, T)."""
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        return [self.decode(row) for row in ids]
 
     def tokens(self, ids: Sequence[int]) -> list[str]:
         """Each id before eos or pad as its text (a piece of a word; an unfinished UTF-8 byte shows as �)."""
