@@ -1,6 +1,5 @@
 """vitattn: vision transformers for classification and captioning, built from the multi-head attention
-tutorial's layers (``vitattn.layers``). Importing it changes nothing global (``tests/test_imports.py``).
-"""
+tutorial's layers (``vitattn.layers``). Importing it changes nothing global (``tests/test_imports.py``)."""
 
 __version__ = "0.1.0"
 

@@ -44,8 +44,7 @@ def _worker_message(text: str) -> str:
 
 def first_line(err: BaseException, limit: int = 300) -> str:
     """The error's message on one line, cut at ``limit`` characters (its type if empty); a DataLoader worker's
-    error gives the worker's message, not PyTorch's traceback around it.
-    """
+    error gives the worker's message, not PyTorch's traceback around it."""
     text = str(err).strip()
     if _WORKER_ERROR.match(text) and "Traceback (most recent call last):" in text:
         text = _worker_message(text)
@@ -55,8 +54,7 @@ def first_line(err: BaseException, limit: int = 300) -> str:
 
 class Preempted(RuntimeError):
     """Training stopped on ``signal`` after a whole step; ``checkpoint`` holds ``step`` (None: the signal came while
-    testing, after training).
-    """
+    testing, after training)."""
 
     def __init__(self, signal: str, step: int | None, checkpoint: Path) -> None:
         self.signal, self.step, self.checkpoint = signal, step, checkpoint

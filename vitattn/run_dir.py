@@ -100,8 +100,7 @@ class RunDir:
 
     def completion(self, length: Mapping[str, Any] | None = None) -> str | None:
         """The line saying the run is complete and where its bundle is; None while it is not, or when ``length``
-        (``max_steps`` / ``max_epochs`` asked for now) differs from the run's: a longer run trains further.
-        """
+        (``max_steps`` / ``max_epochs`` asked for now) differs from the run's: a longer run trains further."""
         result = self.load_result()
         if result is None:
             return None

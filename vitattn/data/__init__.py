@@ -1,6 +1,5 @@
 """Data reading: images, the built-in shapes, COCO and Karpathy captions, tokenizers, shards. No Lightning:
-the DataModules are ``vitattn.training.datamodules``.
-"""
+the DataModules are ``vitattn.training.datamodules``."""
 
 from vitattn.data.bad_images import find_bad_images
 from vitattn.data.coco import CocoCaptionDataset, CocoImage, load_coco_captions, load_karpathy
@@ -39,7 +38,3 @@ __all__ = [
     "eval_transform",
     "normalize",
 ]
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)

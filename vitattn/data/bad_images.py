@@ -88,8 +88,7 @@ def _read_only(path: str) -> None:
 
 def check_bad_images(bad: dict[str, str], total: int, mode: str, listed: bool) -> None:
     """Act on the ``bad`` files found before training among ``total``: log each (``listed``), then ``raise``
-    stops naming the first (``BadImageError``) and ``skip`` warns.
-    """
+    stops naming the first (``BadImageError``) and ``skip`` warns."""
     if listed:
         for path, reason in bad.items():
             log.warning("unreadable image: %s: %s", path, reason)

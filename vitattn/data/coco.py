@@ -16,8 +16,6 @@ from vitattn.data.images import read_image
 from vitattn.errors import brief
 from vitattn.fileio import read_json
 
-__all__ = ["KARPATHY_SPLITS", "load_karpathy"]
-
 log = logging.getLogger(__name__)
 
 
@@ -97,8 +95,7 @@ def load_coco_captions(path: str | os.PathLike) -> list[CocoImage]:
 class CocoCaptionDataset(Dataset):
     """Items ``{"image", "caption", "references", "image_id"}`` of a COCO caption file (or parsed images) under
     ``image_dir``: the PIL image from ``loader`` (``read_image``, an ``ImageCache``'s ``load``) after ``transform``
-    (a ``CaptionAugment`` also gets the captions), the first caption, all of them.
-    """
+    (a ``CaptionAugment`` also gets the captions), the first caption, all of them."""
 
     def __init__(
         self,
@@ -138,8 +135,6 @@ class CocoCaptionDataset(Dataset):
             "image_id": entry.image_id,
         }
 
-
-log = logging.getLogger(__name__)
 
 KARPATHY_SPLITS = ("train", "restval", "val", "test")
 _IMAGE_KEYS = ("filename", "split", "sentences")

@@ -41,6 +41,8 @@ __all__ = [
     "upright_rgb",
 ]
 
+log = logging.getLogger(__name__)
+
 ImageSource = str | os.PathLike | IO[bytes]
 
 IMAGE_EXTENSIONS = frozenset(
@@ -50,8 +52,7 @@ IMAGE_EXTENSIONS = frozenset(
 
 class BadImageError(ValueError):
     """An image file that cannot be used: ``<path>: <reason>`` (from the message alone too, as PyTorch re-raises
-    a DataLoader worker's error).
-    """
+    a DataLoader worker's error)."""
 
     def __init__(self, message: str, path: str | None = None, reason: str | None = None) -> None:
         super().__init__(message)
@@ -99,8 +100,7 @@ def read_many(
     paths: Sequence[str | os.PathLike], read: Callable[[str], Any] = read_image, threads: int = 0
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """``(results, bad)``: ``read(path)`` of each distinct path by ``threads`` threads (default: the cores, at most
-    16; PIL decodes without the GIL), and path -> reason for the files ``read`` refused (``BadImageError``).
-    """
+    16; PIL decodes without the GIL), and path -> reason for the files ``read`` refused (``BadImageError``)."""
     unique = list(dict.fromkeys(str(p) for p in paths))
     threads = threads or max(1, min(16, len(os.sched_getaffinity(0))))
 
@@ -175,8 +175,7 @@ def _is_image_file(path: str) -> bool:
 
 def open_image_folder(directory: str | os.PathLike, transform: Callable[[Any], Any] | None = None) -> ImageFolder:
     """``directory/<class>/<image>`` as a torchvision ``ImageFolder`` read with ``read_image``, the captioner's
-    ``IMAGE_EXTENSIONS``, hidden files skipped; listing reads no image.
-    """
+    ``IMAGE_EXTENSIONS``, hidden files skipped; listing reads no image."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"image folder not found: {directory} (expected {directory}/<class>/<image>)")
@@ -185,8 +184,6 @@ def open_image_folder(directory: str | os.PathLike, transform: Callable[[Any], A
     except FileNotFoundError as err:  # torchvision's word for "no class folders" or "no images"
         raise ValueError(f"image folder {directory} is empty: {err}") from None
 
-
-log = logging.getLogger(__name__)
 
 CACHE_MODES = ("auto", "ram", "none")
 AUTO_LIMIT_BYTES = 4 << 30
@@ -211,8 +208,7 @@ def should_cache(mode: str, num_images: int, side: int) -> bool:
 
 class ImageCache:
     """uint8 (height, width, 3) arrays of ``paths`` after the evaluation ``resize``, read once by ``threads``; those
-    that cannot be read are kept in ``bad`` (path -> reason). ``load(path)`` gives a PIL image.
-    """
+    that cannot be read are kept in ``bad`` (path -> reason). ``load(path)`` gives a PIL image."""
 
     def __init__(self, paths: Sequence[str], resize: Callable[[Image.Image], Image.Image], threads: int = 0) -> None:
         self.resize = resize
@@ -246,8 +242,7 @@ class EvalSplit:
     """One split as evaluation sees it: image ``files`` with their ``ids`` (image ids or labels; the caller reads
     them, so an unreadable one is counted), or a ``loader`` of ready batches; ``references`` (image id -> captions)
     for captions, ``synthetic`` when they list every correct caption (exact match is meaningful); ``source``
-    names it in reports.
-    """
+    names it in reports."""
 
     source: str
     files: list[str] = field(default_factory=list)

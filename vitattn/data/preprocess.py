@@ -35,6 +35,8 @@ __all__ = [
     "describe",
     "eval_transform",
     "from_timm",
+    "Normalize",
+    "normalize",
     "PREPROCESS_KEYS",
     "WEIGHTS_KEYS",
     "weights_preprocess",
@@ -119,8 +121,7 @@ def _close(a: Sequence[float], b: Sequence[float]) -> bool:
 
 def eval_transform(preprocess: Mapping[str, Any], normalize: bool = True) -> Callable[[Image.Image], torch.Tensor]:
     """timm's evaluation transform of ``preprocess``, PIL image -> (3, img_size, img_size): resize, crop, to
-    tensor, normalise; ``normalize=False`` stops at uint8, which ``Normalize`` then finishes bit for bit.
-    """
+    tensor, normalise; ``normalize=False`` stops at uint8, which ``Normalize`` then finishes bit for bit."""
     p = check_preprocess(preprocess, "preprocess")
     size, mode, scale = (
         p["img_size"],
@@ -225,8 +226,7 @@ def denormalize(
 
 class Normalize:
     """``(image - mean) / std`` of (..., 3, height, width) float or uint8 (scaled as ``ToTensor`` does) images,
-    with its constants kept once per device (torchvision's rebuilds them each call, docs/benchmarks.md).
-    """
+    with its constants kept once per device (torchvision's rebuilds them each call, docs/benchmarks.md)."""
 
     def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
         self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
@@ -377,8 +377,7 @@ def classification_train_transform(
 
 class CaptionAugment:
     """``transform(image, captions)`` -> (3, height, width) uint8: the crop, a flip only when no caption says
-    left or right, colour jitter only when none names a colour.
-    """
+    left or right, colour jitter only when none names a colour."""
 
     reads_captions = True
 

@@ -19,8 +19,7 @@ __all__ = ["EpochSampler", "ResumableLoader"]
 
 class EpochSampler(DistributedSampler):
     """This rank's share of each epoch's shuffled order of ``size`` samples, less those a resumed checkpoint
-    trained; under DDP epoch ``e`` is seeded ``seed + e``.
-    """
+    trained; under DDP epoch ``e`` is seeded ``seed + e``."""
 
     def __init__(self, size: int, num_replicas: int = 1, rank: int = 0, seed: int = 0) -> None:
         super().__init__(range(size), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
@@ -53,8 +52,7 @@ class EpochSampler(DistributedSampler):
 
 class ResumableLoader(DataLoader):
     """A ``DataLoader`` over an ``EpochSampler`` whose state says how far the epoch is trained; ``len`` is a
-    whole epoch's batches, ``last_indices`` the dataset indices of the batch last handed out.
-    """
+    whole epoch's batches, ``last_indices`` the dataset indices of the batch last handed out."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -111,8 +111,7 @@ def _is_valid(objects: list[tuple[float, float, float]]) -> bool:
 
 def sample_scene(rng: np.random.Generator) -> Scene:
     """1-3 shapes placed by every rule, positions redrawn until they hold (shapes that do not fit are redrawn,
-    keeping their number, so 1, 2 and 3 objects stay equally likely).
-    """
+    keeping their number, so 1, 2 and 3 objects stay equally likely)."""
     sizes, colours = list(SIZES), list(COLOURS)
     n = int(rng.integers(1, _MAX_OBJECTS + 1))
     while True:

@@ -1,7 +1,6 @@
 """Caption tokenizers behind one interface: word-level (``Vocabulary``, ``vocab.json``) or subword (Hugging
 Face ``tokenizers``, ``SubwordTokenizer``, ``tokenizer.json``: a trained byte-level BPE or a pretrained
-model's), and captions as token batches (``TokenizedCaptions``, ``collate_captions``). See docs/data.md.
-"""
+model's), and captions as token batches (``TokenizedCaptions``, ``collate_captions``). See docs/data.md."""
 
 from __future__ import annotations
 
@@ -27,18 +26,23 @@ from vitattn.run_dir import TOKENIZER_FILE, VOCAB_FILE
 
 __all__ = [
     "auto_bpe_size",
+    "auto_min_freq",
+    "collate_captions",
     "describe_tokenizer",
     "KINDS",
     "load_tokenizer",
     "normalize_caption",
+    "SPECIALS",
     "SUBWORD_SPECIALS",
     "SubwordTokenizer",
+    "TokenizedCaptions",
     "Tokenizer",
     "tokenizer_file_name",
     "tokenizer_from_labels",
     "tokenizer_labels",
     "train_bpe",
     "unknown_share",
+    "Vocabulary",
 ]
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -111,8 +115,7 @@ class Vocabulary(Tokenizer):
     @classmethod
     def build(cls, captions: Iterable[str], min_freq: int | str = 1) -> Vocabulary:
         """The words seen at least ``min_freq`` times, most frequent first (ties alphabetical: the same captions
-        give the same ids); ``auto``: the largest threshold up to 5 leaving at most ``AUTO_MAX_UNKNOWN`` ``<unk>``.
-        """
+        give the same ids); ``auto``: the largest threshold up to 5 leaving at most ``AUTO_MAX_UNKNOWN`` ``<unk>``."""
         counts = Counter(word for caption in captions for word in coco_tokenize(caption))
         if min_freq == "auto":
             min_freq = auto_min_freq(counts)
@@ -143,8 +146,7 @@ class Vocabulary(Tokenizer):
 
     def encode(self, text: str, max_len: int | None = None) -> list[int]:
         """``[bos, w1, ..., wn, eos]`` of ``coco_tokenize(text)``, unknown words ``unk_id``; at most ``max_len`` ids
-        (words cut, eos kept).
-        """
+        (words cut, eos kept)."""
         return _framed(self, [self.stoi.get(word, self.unk_id) for word in coco_tokenize(text)], max_len)
 
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
@@ -326,8 +328,7 @@ def train_bpe(
     captions: Sequence[str], vocab_size: int | str = "auto", progress: bool | None = None
 ) -> SubwordTokenizer:
     """A byte-level BPE of ``vocab_size`` tokens (``auto``: ``auto_bpe_size``) trained on ``captions``, NFC, lower
-    case, single spaces; no unknown token. ``progress``: tokenizers' bar (None: on a terminal).
-    """
+    case, single spaces; no unknown token. ``progress``: tokenizers' bar (None: on a terminal)."""
     if vocab_size == "auto":
         vocab_size = auto_bpe_size(captions)
     smallest = _BYTES + len(SUBWORD_SPECIALS)
@@ -426,8 +427,7 @@ def describe_tokenizer(tokenizer: Tokenizer) -> str:
 
 class TokenizedCaptions(Dataset):
     """A caption dataset's items with ``tokens`` (T,) long ``bos ... eos`` (at most ``max_len``) in place of
-    ``caption``; ``sample_caption``: a random reference each time (training on COCO).
-    """
+    ``caption``; ``sample_caption``: a random reference each time (training on COCO)."""
 
     def __init__(self, dataset: Dataset, vocab: Tokenizer, max_len: int, sample_caption: bool = False):
         self.dataset, self.vocab, self.max_len = dataset, vocab, max_len
@@ -453,8 +453,7 @@ class TokenizedCaptions(Dataset):
 
 def collate_captions(items: list[dict[str, Any]], pad_id: int = PAD_ID) -> dict[str, Any]:
     """``images`` (B, 3, height, width), ``tokens`` (B, T) right-padded with ``pad_id``, ``image_ids`` (B,),
-    ``references`` of ``TokenizedCaptions`` items.
-    """
+    ``references`` of ``TokenizedCaptions`` items."""
     return {
         "images": torch.stack([item["image"] for item in items]),  # (B, 3, height, width)
         "tokens": pad_sequence([item["tokens"] for item in items], batch_first=True, padding_value=pad_id),  # (B, T)

@@ -143,8 +143,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Attention of (B, H, Lq, d) heads over (B, H, Lk, d) ones, concatenated and ``dense``: (B, Lq, D)
-        and the (B, H, Lq, Lk) weights when ``need_weights`` (else None); ``is_causal`` adds the look-ahead mask.
-        """
+        and the (B, H, Lq, Lk) weights when ``need_weights`` (else None); ``is_causal`` adds the look-ahead mask."""
         B, _, Lq, _ = q.shape
         Lk = k.shape[2]
         dropout_p = self.attn_drop if self.training else 0.0
@@ -180,8 +179,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Queries (B, Lq, D) over keys and values (B, Lk, D) -> (B, Lq, D) and the (B, H, Lq, Lk) weights, or
-        None for them unless ``need_weights`` (the explicit path, for this call only).
-        """
+        None for them unless ``need_weights`` (the explicit path, for this call only)."""
         if q is k and k is v:
             qh, kh, vh = self.project_qkv(q)
         else:
@@ -197,8 +195,7 @@ def _cat(*tensors: Tensor | None) -> Tensor | None:
 @contextmanager
 def record_attention(model: nn.Module) -> Iterator[dict[str, list[Tensor]]]:
     """Record the detached (B, H, Lq, Lk) weights of every ``MultiHeadAttention`` of ``model`` inside the block,
-    one entry per call under the layer's name: ``with record_attention(model) as maps: model(images)``.
-    """
+    one entry per call under the layer's name: ``with record_attention(model) as maps: model(images)``."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)}
     records: dict[str, list[Tensor]] = {name: [] for name in layers}
     for name, layer in layers.items():

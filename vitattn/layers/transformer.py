@@ -97,8 +97,7 @@ class EncoderLayer(nn.Module):
 class LayerCache:
     """One decoder layer's cached heads: self-attention keys/values grown t positions a call (in buffers
     of ``capacity`` positions allocated once; None: grown to fit), cross-attention keys/values and the fused
-    q/k/v weights computed at the first call.
-    """
+    q/k/v weights computed at the first call."""
 
     def __init__(self, capacity: int | None = None) -> None:
         self.capacity = capacity

@@ -12,8 +12,6 @@ from typing import Any
 
 from vitattn.metrics.tokenize import coco_tokenize_file
 
-__all__ = ["first_per_image", "score_captions", "SCORERS"]
-
 Tokens = list[str]
 Ngram = tuple[str, ...]
 
@@ -214,8 +212,7 @@ def _cider_d(hyps: list[Tokens], refs: list[list[Tokens]], sigma: float, n: int)
 
 class CiderD:
     """CIDEr-D of a few captions at a time with document frequencies fixed by ``corpus`` (the training
-    references): the reward of self-critical training. Up to ``cache_size`` images' reference vectors are kept.
-    """
+    references): the reward of self-critical training. Up to ``cache_size`` images' reference vectors are kept."""
 
     def __init__(
         self, corpus: Sequence[Sequence[str]], sigma: float = 6.0, n: int = 4, cache_size: int = 65536
@@ -320,8 +317,7 @@ def first_per_image(items: Iterable[Item]) -> list[Item]:
 
 def score_captions(items: Iterable[Item], synthetic: bool = True) -> dict[str, float]:
     """BLEU, ROUGE-L, CIDEr-D, ``distinct`` and ``num_images`` of ``(image_id, caption, references)`` items,
-    each image once (its first item); ``synthetic`` references list every correct caption: ``exact_match`` too.
-    """
+    each image once (its first item); ``synthetic`` references list every correct caption: ``exact_match`` too."""
     items = first_per_image(items)
     captions = [caption for _, caption, _ in items]
     references = [refs for _, _, refs in items]

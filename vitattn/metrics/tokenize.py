@@ -249,8 +249,7 @@ def _dashes(text: str) -> tuple[list[str], int]:
 @cache
 def _rules() -> list[tuple[re.Pattern[str], Action]]:
     """PTBLexer's rules in its .flex order; group ``t`` is the token, what follows JFlex's trailing context.
-    Alternatives of different lengths are split, so Python's first match is still JFlex's longest.
-    """
+    Alternatives of different lengths are split, so Python's first match is still JFlex's longest."""
     m = _macros()
 
     def p(pattern: str) -> re.Pattern[str]:
@@ -504,8 +503,7 @@ def _blank() -> re.Pattern[str]:
 
 def coco_tokenize_file(captions: Sequence[str]) -> list[list[str]]:
     """One token list per caption, tokenised as the toolkit does when it scores them: one file, a line each,
-    in this order (a few PTB rules look past a line's end: ``"vitamin C."`` gives ``c`` or ``c.`` by what follows).
-    """
+    in this order (a few PTB rules look past a line's end: ``"vitamin C."`` gives ``c`` or ``c.`` by what follows)."""
     lines = [one_line(c) for c in captions]
     blank = _blank()
     tokens: list[list[str]] = [[] for _ in lines]

@@ -211,8 +211,7 @@ class ImageCaptioner(nn.Module, CaptionSearch):
 
 class DecoderStep:
     """``CaptionDecoder`` as a search's ``DecodeStep``: the last position's logits, with the key/value cache or
-    recomputed from position 0; ``memory`` may hold one row per image for its K beams.
-    """
+    recomputed from position 0; ``memory`` may hold one row per image for its K beams."""
 
     def __init__(self, decoder: CaptionDecoder, memory: Tensor, cache: list[LayerCache] | None) -> None:
         # On a CPU the steps run in fp32 even under bf16 autocast (the encoder, most of the matrix work, stays

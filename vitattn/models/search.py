@@ -87,8 +87,7 @@ def check_search(
 
 class CaptionSearch:
     """``generate`` and ``check_generate`` of a caption model, the same for every runtime: the runtime gives
-    ``max_len``, ``special_ids`` and ``start_search``.
-    """
+    ``max_len``, ``special_ids`` and ``start_search``."""
 
     max_len: int
     special_ids: SpecialIds
@@ -97,8 +96,7 @@ class CaptionSearch:
         self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
     ) -> tuple[DecodeStep, int, torch.device | str]:
         """Encode (B, C, height, width) images once; the ``DecodeStep`` over them for B * K rows (an image's K
-        beams consecutive), B and the device of the search's tokens.
-        """
+        beams consecutive), B and the device of the search's tokens."""
         raise NotImplementedError
 
     def check_generate(

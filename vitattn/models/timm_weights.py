@@ -73,8 +73,7 @@ def quiet_timm() -> Iterator[None]:
 
 def convert_timm_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """A timm ViT state dict in our names, each ``attn.qkv`` split into ``mha.wq/wk/wv``; ``pre_logits`` dropped
-    as timm's own checkpoint filter drops it.
-    """
+    as timm's own checkpoint filter drops it."""
     out: dict[str, Tensor] = {}
     for key, value in state_dict.items():
         if key.startswith("pre_logits."):
@@ -269,8 +268,7 @@ def load_timm_weights(
 ) -> None:
     """Copy timm ViT weights (a timm model, its state dict, or a local ``.safetensors`` / ``.pth`` / ``.bin`` /
     ``.npz`` file) into ``model`` (``norm_first=True``, the weights' width, depth, patch and activation);
-    positions of another size are resampled, a head of another shape skipped.
-    """
+    positions of another size are resampled, a head of another shape skipped."""
     if not model.config["norm_first"]:
         raise ValueError("timm weights are pre-norm: build the model with norm_first=True")
     if isinstance(source, nn.Module):
@@ -343,8 +341,7 @@ def _cached_file(cfg: Any) -> str | None:
 
 def timm_file_data_config(path: str | Path) -> tuple[str, dict[str, Any]] | None:
     """``(name, data config)`` of a weights file from the ``config.json`` beside it in timm's hub layout, as
-    ``push_to_hub`` writes it (the data config as ``resolve_data_config`` gives it); None without one.
-    """
+    ``push_to_hub`` writes it (the data config as ``resolve_data_config`` gives it); None without one."""
     config_file = Path(path).parent / "config.json"
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))

@@ -40,8 +40,7 @@ def preset_config(name: str) -> dict[str, Any]:
 
 def layer_groups(prefix: str = "") -> dict[str, Any]:
     """timm's ``group_matcher`` regexes (layer-wise lr decay) for ViT parameters named ``prefix...``: the stem
-    0, block ``i`` ``i + 1``, the final norm with the last block, the rest (a head, a decoder) one past it.
-    """
+    0, block ``i`` ``i + 1``, the final norm with the last block, the rest (a head, a decoder) one past it."""
     p = re.escape(prefix)
     return dict(
         stem=rf"^{p}(?:cls_token|pos_embed|patch_embed)",

@@ -100,8 +100,7 @@ def _take(ranges: Sequence[Range], skip: int, count: int) -> list[Range]:
 @dataclass
 class EpochOrder:
     """The shards of an epoch in order (drawn from ``seed, epoch`` unless ``shuffle`` is off) and where each
-    position lies; ``limit``: only the first ``limit`` positions (``data.samples_per_epoch``).
-    """
+    position lies; ``limit``: only the first ``limit`` positions (``data.samples_per_epoch``)."""
 
     sizes: Sequence[int]
     seed: int = 0

@@ -1,7 +1,6 @@
 """WebDataset shards as img2dataset writes them (``00000.tar`` with ``00000_stats.json`` beside it): which
 shards a spec names (``expand_shards``) and how many samples each holds (``shard_sizes``), counted once and
-cached, a local tar's member index written on the way (docs/shards.md).
-"""
+cached, a local tar's member index written on the way (docs/shards.md)."""
 
 from __future__ import annotations
 

@@ -28,17 +28,18 @@ from vitattn.errors import first_line
 from vitattn.fileio import atomic_write, cache_folder
 
 __all__ = [
-    "INDEX_SUFFIX",
-    "ShardError",
-    "ShortShard",
+    "BLOCK",
     "build_index",
     "index_files",
+    "INDEX_SUFFIX",
     "is_plain_tar",
     "local_path",
     "open_index",
     "open_shard",
     "read_samples",
     "read_shard",
+    "ShardError",
+    "ShortShard",
     "tar_files",
     "tar_members",
 ]
@@ -123,8 +124,7 @@ def tar_members(
     stream: BinaryIO, wants: Callable[[str], bool] | None = None, stop: int | None = None
 ) -> Iterator[tuple[int, str, bytes | None]]:
     """``(start, name, data)`` as ``tar_files`` gives them, from the stream's position to ``stop``; ``start`` is
-    the file's first header (a long-name or pax header before it included).
-    """
+    the file's first header (a long-name or pax header before it included)."""
     pos = stream.tell()
     end = stream.seek(0, io.SEEK_END)  # a member passed over must still end inside the file
     stream.seek(pos)

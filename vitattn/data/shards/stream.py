@@ -69,8 +69,7 @@ def sample_caption(sample: dict[str, Any], caption_key: str | None) -> str | Non
 class ShardSamples:
     """A shard sample as a head trains on it: ``{"image", "tokens", "references", "image_id"}`` (``vocab``,
     ``max_len``; the caption from ``.txt`` or the ``caption_key`` of ``.json``), or ``(image, label)`` from ``.cls``
-    (below ``num_classes``); ``transform`` makes the image's tensor.
-    """
+    (below ``num_classes``); ``transform`` makes the image's tensor."""
 
     def __init__(
         self,
@@ -157,8 +156,7 @@ class EpochLoader(DataLoader):
 class ShardStream(IterableDataset):
     """The samples of ``urls`` (``sizes`` samples each) as batches, one epoch at a time as ``configure`` plans
     it: decoded by ``samples``, batched by ``collate``, ``shuffle_buffer`` samples shuffled per worker (0: read
-    order); ``index_dir``: the cache holding member indexes the listing could not write beside a shard.
-    """
+    order); ``index_dir``: the cache holding member indexes the listing could not write beside a shard."""
 
     def __init__(
         self,

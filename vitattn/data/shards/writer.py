@@ -80,8 +80,7 @@ def write_shards(
     parquet: bool = False,
 ) -> list[Path]:
     """Write ``samples`` as shards of ``samples_per_shard`` (keys ``SSSSSIIII``, img2dataset's) into ``out_dir``;
-    returns the shard paths.
-    """
+    returns the shard paths."""
     if samples_per_shard < 1:
         raise ValueError(f"--samples-per-shard={samples_per_shard} must be at least 1")
     out = Path(out_dir)
