@@ -11,6 +11,7 @@ from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer, vi
 from vitattn.models.search import beam_search
 from vitattn.models.search import sample_token as _sample
 from vitattn.models.timm_weights import load_timm_weights
+from vitattn.models.vit import trunc_normal_
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
 
@@ -476,3 +477,14 @@ def test_grad_checkpointing_leaves_generated_captions_unchanged():
     model.set_grad_checkpointing()
     assert model.encoder.grad_checkpointing and model.decoder.grad_checkpointing
     torch.testing.assert_close(model.generate(images, max_new_tokens=10, num_beams=3), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("std", [0.02, 1.0])
+def test_trunc_normal_draws_what_timms_draws(std):
+    """Written here so that captioning imports no timm; a seed still gives the model it gave with timm's."""
+    ours, theirs = torch.empty(300, 70), torch.empty(300, 70)
+    torch.manual_seed(0)
+    trunc_normal_(ours, std=std)
+    torch.manual_seed(0)
+    timm.layers.trunc_normal_(theirs, std=std)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
