@@ -14,7 +14,7 @@ ALLOWED_TARGET_PREFIXES = ("vitattn.", "torch.", "torchvision.", "timm.", "light
 
 # Modules that moved; a user's config naming a class by its old module gets one line naming the new one.
 MOVED_MODULES = {
-    "vitattn.data.tar_reader": "vitattn.data.shards.tar_reader",
+    "vitattn.data.tar_reader": "vitattn.data.shards.reading",
     "vitattn.data.shard_plan": "vitattn.data.shards.epoch_split",
     "vitattn.data.shard_stream": "vitattn.data.shards.stream",
     "vitattn.data.shard_writer": "vitattn.data.shards.writer",
