@@ -7,9 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.inference.test_captioner import write_good_images
+from tests.helpers import write_good_images
 from vitattn.data import eval_transform, read_image
-from vitattn.inference.file_dataset import ImageFileDataset
+from vitattn.inference.captioning import ImageFileDataset
 from vitattn.training.datamodules import CocoCaptionDataModule, ImageFolderDataModule
 
 

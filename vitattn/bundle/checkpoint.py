@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitattn.bundle.arguments import build_model
 from vitattn.bundle.folder import (
     BUNDLE_FORMAT,
     BUNDLE_VERSION,
     Bundle,
+    build_model,
     finish_bundle,
     plain_json,
     save_bundle,

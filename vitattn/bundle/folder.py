@@ -1,14 +1,14 @@
-"""Model bundles: a folder with everything inference needs, written atomically and loaded without unpickling.
+"""Model bundles: what inference needs of a model (``LoadedModel``), and bundle folders, written atomically and
+loaded without unpickling, their model config checked against the weights before any memory is taken.
 
-A bundle folder holds ``model.safetensors`` (the weights), ``config.json`` (plain JSON: task, the
-model's ``config``, the preprocessing) and, for captioning, the tokenizer its ``vocab_file`` names
-(``vocab.json``, a word vocabulary, or ``tokenizer.json``, a subword tokenizer)::
+A bundle folder holds ``model.safetensors``, ``config.json`` and, for captioning, the tokenizer its
+``vocab_file`` names (``vocab.json`` or ``tokenizer.json``)::
 
     {"format": "vitattn-bundle", "version": 1, "task": "caption",
      "model": {...}, "preprocess": {"img_size": 224, "crop_pct": 0.9, "mean": [...], "std": [...],
      "interpolation": "bicubic"}, "vocab_file": "vocab.json", "generate": {"num_beams": 3}}
 
-``generate`` (optional) holds the decoding defaults that ``vitattn-caption`` starts from.
+``generate`` (optional) holds the decoding defaults every entry point starts from.
 """
 
 from __future__ import annotations
@@ -16,26 +16,31 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import typing
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_model, save_model
-from torch import nn
+from torch import Tensor, nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from vitattn.bundle.arguments import build_model, check_arguments
-from vitattn.bundle.runtime import LoadedModel
-from vitattn.data.preprocess import check_preprocess
+from vitattn.data.preprocess import check_preprocess, eval_transform
 from vitattn.data.tasks import TASKS
 from vitattn.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_file_name
 from vitattn.errors import brief, first_line
 from vitattn.fileio import atomic_folder, read_json
-from vitattn.models import ImageCaptioner, VisionTransformer
+from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
+from vitattn.models.search import SEARCH_KEYS
 from vitattn.run_dir import VOCAB_FILE
 
 __all__ = [
@@ -45,6 +50,9 @@ __all__ = [
     "VOCAB_FILE",
     "WEIGHTS_FILE",
     "Bundle",
+    "LoadedModel",
+    "build_model",
+    "check_arguments",
     "is_bundle_weights",
     "load_bundle_folder",
     "save_bundle",
@@ -52,25 +60,75 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-
 BUNDLE_FORMAT = "vitattn-bundle"
-
-
 BUNDLE_VERSION = 1
-
-
 WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 
 
 @dataclass
-class Bundle(LoadedModel):
-    """A PyTorch model with what inference needs around it: the ``torch`` runtime of
-    ``vitattn.bundle.runtime.LoadedModel`` (``vitattn.inference.onnx_runtime.OnnxModel`` is the other).
+class LoadedModel(ABC):
+    """A model ready for inference, whichever runtime runs it (``Bundle``: PyTorch; ``OnnxModel``: ONNX
+    Runtime), with everything around it that inference needs.
 
     Attributes:
-        model: ``ImageCaptioner`` (caption) or ``VisionTransformer`` (classification), in eval mode.
-        config: the whole ``config.json`` content; the other fields as ``LoadedModel``'s.
+        model: a ``CaptionSearch`` (task ``caption``) or a classifier ((B, C, height, width) -> (B, K) logits).
+        task: ``caption`` or ``classification``.
+        preprocess: ``img_size``, ``crop_pct``, ``mean``, ``std``, ``interpolation``: what ``transform`` does.
+        config: the folder's whole description (plain JSON values).
+        vocab: the caption tokenizer (caption task), else None.
+        class_names: one name per class (classification task), else None.
+        generate: the stored decoding defaults (``generate`` keyword arguments; may be empty).
+        precision: ``fp32`` or ``bf16`` (autocast) for PyTorch, as ``load_model`` resolves ``auto``; an ONNX
+            folder's ``fp32`` or ``int8``.
     """
+
+    model: Any
+    task: str
+    preprocess: dict[str, Any]
+    config: dict[str, Any]
+    vocab: Tokenizer | None = None
+    class_names: list[str] | None = None
+    generate: dict[str, Any] = field(default_factory=dict)
+    precision: str = "fp32"
+
+    @property
+    @abstractmethod
+    def runtime(self) -> str:
+        """``torch`` or ``onnx``."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where the model's inputs go."""
+
+    @property
+    def transform(self) -> Callable[[Image.Image], Tensor]:
+        """PIL image -> (3, img_size, img_size) normalised model input."""
+        return eval_transform(self.preprocess)
+
+    def generate_settings(self, given: Mapping[str, Any] | None = None, written_out: bool = False) -> dict[str, Any]:
+        """The ``generate`` keyword arguments to decode with, resolved here for every entry point: the stored
+        defaults that ``generate`` takes (others dropped with a warning), then the ``given`` ones (any mapping,
+        a command line's included) that ``generate`` takes and that are not None. ``written_out`` adds the
+        search settings' own defaults, ``max_new_tokens`` as the decoder's limit, as a report shows them."""
+        parameters = inspect.signature(self.model.generate).parameters
+        accepted = {k: p for k, p in parameters.items() if p.default is not inspect.Parameter.empty}
+        settings = {k: v for k, v in self.generate.items() if k in accepted}
+        if len(settings) < len(self.generate):
+            log.warning("ignoring the model's unknown decoding settings %s", sorted(set(self.generate) - set(settings)))
+        settings.update({k: v for k, v in (given or {}).items() if k in accepted and v is not None})
+        if written_out:
+            for key in SEARCH_KEYS:
+                settings.setdefault(key, accepted[key].default)
+            if settings["max_new_tokens"] is None:
+                settings["max_new_tokens"] = self.model.check_generate(None)  # the decoder's max_len - 1
+        return settings
+
+
+@dataclass
+class Bundle(LoadedModel):
+    """A PyTorch model (``ImageCaptioner`` or ``VisionTransformer``, in eval mode): ``LoadedModel``'s ``torch``
+    runtime; ``config`` is its ``config.json``."""
 
     model: nn.Module
 
@@ -83,6 +141,122 @@ class Bundle(LoadedModel):
     def device(self) -> torch.device:
         """The device of the model's weights."""
         return next(self.model.parameters()).device
+
+
+class _TooManyTensors(Exception):
+    pass
+
+
+@contextmanager
+def _at_most_tensors(limit: int) -> Iterator[None]:
+    """Raise ``_TooManyTensors`` in the module constructor that registers parameter number ``limit + 1``."""
+    count = 0
+
+    def count_parameter(module: nn.Module, name: str, parameter: Any) -> None:
+        nonlocal count
+        count += 1
+        if count > limit:
+            raise _TooManyTensors
+
+    handle = register_module_parameter_registration_hook(count_parameter)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def check_arguments(function: Callable, arguments: Any, where: str, unknown_ok: bool = False) -> None:
+    """``arguments`` (a config's mapping) are keyword arguments of ``function`` of the types it declares,
+    floats finite: a file's ``"1e-6"`` or ``NaN`` is refused here rather than failing in a forward pass."""
+    name = function.__qualname__.removesuffix(".__init__")
+    if not isinstance(arguments, Mapping):
+        raise ValueError(f"{where} must be a mapping of {name} arguments, got {brief(arguments)}")
+    hints = typing.get_type_hints(function)
+    for key, value in arguments.items():
+        if key not in hints and unknown_ok:
+            continue
+        if key not in hints:
+            raise ValueError(f"{where} has {brief(key)}, which is not a {name} argument")
+        allowed = typing.get_args(hints[key]) or (hints[key],)
+        ok = (
+            (value is None and type(None) in allowed)
+            or (isinstance(value, bool) and bool in allowed)
+            or (isinstance(value, int) and not isinstance(value, bool) and (int in allowed or float in allowed))
+            or (isinstance(value, float) and float in allowed and math.isfinite(value))
+            or (isinstance(value, str) and str in allowed)
+        )
+        if not ok:
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"{where} has {key}={brief(value)}; it must be {names}")
+
+
+def _check_config(task: str, model_config: Mapping[str, Any], where: Path) -> None:
+    if task == "caption":
+        for part, cls in (("encoder", VisionTransformer), ("decoder", CaptionDecoder)):
+            check_arguments(cls.__init__, model_config.get(part), f"{where}: model.{part}")
+    else:
+        check_arguments(VisionTransformer.__init__, model_config, f"{where}: model")
+
+
+def _construct(task: str, model_config: Mapping[str, Any]) -> nn.Module:
+    if task == "caption":
+        return ImageCaptioner.from_config(dict(model_config))
+    return VisionTransformer(**model_config)
+
+
+def _integers(value: Any, key: str = "") -> Iterator[tuple[str, int]]:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _integers(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, int) and not isinstance(value, bool):
+        yield key, value
+
+
+def _misfit(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """What keeps weights of these ``shapes`` from loading into ``model`` (strictly), or ``""``."""
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    aliases: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(parameter), []).append(name)
+    saved_once = {name for names in aliases.values() if any(n in shapes for n in names) for name in names}
+    for name in expected:
+        if name not in shapes and name not in saved_once:
+            return f"{name} is missing from the weights"
+        if name in shapes and shapes[name] != expected[name]:
+            return f"{name} is {list(shapes[name])} in the weights but {list(expected[name])} in the model"
+    unexpected = sorted(set(shapes) - set(expected))
+    return f"{unexpected[0]} is not in the model" if unexpected else ""
+
+
+def build_model(task: str, model_config: Any, where: Path, shapes: Mapping[str, Sequence[int]]) -> nn.Module:
+    """The ``task`` model of ``model_config``, built once a copy that takes no memory (on the meta device)
+    has shown that its tensors have the ``shapes`` (name -> shape) of the weights to be loaded into it.
+
+    A config that does not fit its weights is refused before any memory is taken, however large the
+    sizes it names: no size of a model exceeds its number of weights, and the copy stops at the first
+    tensor more than the weights hold.
+    """
+    if not isinstance(model_config, Mapping):
+        raise ValueError(f"{where}: the model config must be a mapping, got {type(model_config).__name__}")
+    _check_config(task, model_config, where)
+    num_weights = sum(math.prod(shape) for shape in shapes.values())
+    too_large = [(k, v) for k, v in _integers(model_config) if v > num_weights]
+    if too_large:
+        key, value = too_large[0]
+        raise ValueError(f"{where}: model {key}={value} does not fit weights of {num_weights} numbers")
+    try:  # tied weights are registered (and counted) twice, but saved once
+        with torch.device("meta"), _at_most_tensors(2 * len(shapes) + 8):
+            skeleton = _construct(task, model_config)
+    except _TooManyTensors:
+        raise ValueError(
+            f"{where}: the model config has far more tensors than the {len(shapes)} of its weights"
+        ) from None
+    except Exception as err:  # noqa: BLE001 - a config can make a constructor fail in any way
+        raise ValueError(f"{where}: cannot build the {task} model from its config: {first_line(err)}") from None
+    problem = _misfit(skeleton, {name: tuple(shape) for name, shape in shapes.items()})
+    if problem:
+        raise ValueError(f"{where}: the weights do not fit the model config: {problem}")
+    return _construct(task, model_config)
 
 
 def save_bundle(

@@ -1,5 +1,5 @@
-"""What the ``key=value`` entry points share: parsing into a dataclass schema, the device, the
-decoding settings, and ``main``'s one-line errors (exit status 2)."""
+"""What the ``key=value`` entry points share: parsing into a dataclass schema, the device, and ``main``'s
+one-line errors (exit status 2)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import difflib
 import logging
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -17,10 +17,9 @@ from omegaconf.errors import OmegaConfBaseException
 from vitattn.cli.errors import USER_ERRORS, report_user_error
 from vitattn.cli.noise import quiet_upstream
 from vitattn.errors import brief, first_line
-from vitattn.generate_keys import GENERATE_KEYS
 from vitattn.precision import check_precision
 
-__all__ = ["GENERATE_KEYS", "UsageError", "generate_settings", "parse_key_values", "resolve_device", "run_main"]
+__all__ = ["UsageError", "parse_key_values", "resolve_device", "run_main"]
 
 log = logging.getLogger("vitattn")
 
@@ -97,15 +96,6 @@ def resolve_device(name: str) -> str:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"device={name} but CUDA is not available; use device=cpu or device=auto")
     return name
-
-
-def generate_settings(bundle: Any, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """``ImageCaptioner.generate`` keyword arguments: the bundle's defaults, then the ``overrides``
-    that are not None (``Captioner.generate_settings``)."""
-    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from vitattn.inference.api import Captioner
-
-    return Captioner(bundle).generate_settings(**overrides)
 
 
 def run_main(doc: str, argv: Sequence[str] | None, parse: Callable[[list[str]], Any], run: Callable[[Any], int]) -> int:

@@ -37,16 +37,13 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from vitattn.cli.args import UsageError, generate_settings, parse_key_values, resolve_device, run_main
-from vitattn.generate_keys import SEARCH_KEYS
+from vitattn.cli.args import UsageError, parse_key_values, resolve_device, run_main
 from vitattn.metrics import SCORERS
 from vitattn.metrics.toolkit import check_toolkit
 from vitattn.run_dir import RunDir
 from vitattn.upstream import defer_wandb_in_timm
 
 __all__ = ["EvalConfig", "main", "parse_args", "run"]
-
-_CAPTION_ONLY = ("references", "image_dir", "predictions", *SEARCH_KEYS)
 
 
 @dataclass
@@ -79,20 +76,21 @@ def parse_args(argv: list[str]) -> Any:
         raise UsageError(f"split={cfg.split!r} is unknown; choose val or test")
     if cfg.scorer not in SCORERS:
         raise UsageError(f"scorer={cfg.scorer!r} is unknown; choose {' or '.join(SCORERS)}")
-    if cfg.predictions is not None and any(cfg[k] is not None for k in SEARCH_KEYS):
-        given = [k for k in SEARCH_KEYS if cfg[k] is not None]
-        raise UsageError(
-            f"{', '.join(given)} set how captions are generated; predictions= scores captions already made"
-        )
     return cfg
 
 
 def run(cfg: Any) -> int:
     """Evaluate as ``cfg`` says; returns the exit status (0 every image scored, 1 some were not)."""
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from vitattn.inference.loader import load_model
+    from vitattn.bundle import load_model
+    from vitattn.models.search import SEARCH_KEYS
     from vitattn.training.evaluation import evaluate_captions, evaluate_classification, format_report, write_report
 
+    given = [k for k in SEARCH_KEYS if cfg[k] is not None]
+    if cfg.predictions is not None and given:
+        raise UsageError(
+            f"{', '.join(given)} set how captions are generated; predictions= scores captions already made"
+        )
     if cfg.scorer == "coco":
         check_toolkit()  # pycocoevalcap and Java, before a model loads and captions are made
     # a bundle, run, checkpoint or ONNX folder
@@ -106,7 +104,7 @@ def run(cfg: Any) -> int:
             raise UsageError(
                 f"data_root= is for classifiers; model={cfg.model} is a caption model (use references=COCO_JSON)"
             )
-        generate = None if cfg.predictions is not None else generate_settings(bundle, {k: cfg[k] for k in SEARCH_KEYS})
+        generate = None if cfg.predictions is not None else bundle.generate_settings(cfg)
         report = evaluate_captions(
             bundle,
             references=cfg.references,
@@ -117,7 +115,8 @@ def run(cfg: Any) -> int:
             **loading,
         )
     else:
-        given = [k for k in _CAPTION_ONLY if cfg[k] is not None] + (["scorer"] if cfg.scorer != "builtin" else [])
+        given = [k for k in ("references", "image_dir", "predictions", *SEARCH_KEYS) if cfg[k] is not None]
+        given += ["scorer"] if cfg.scorer != "builtin" else []
         if given:
             raise UsageError(f"{', '.join(given)} apply to caption models; model={cfg.model} is a {bundle.task} model")
         report = evaluate_classification(bundle, data_root=cfg.data_root, **loading)

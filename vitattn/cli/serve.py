@@ -33,8 +33,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from vitattn.cli.args import UsageError, generate_settings, parse_key_values, run_main
-from vitattn.generate_keys import SEARCH_KEYS
+from vitattn.cli.args import UsageError, parse_key_values, run_main
 from vitattn.upstream import defer_wandb_in_timm
 
 __all__ = ["ServeConfig", "main", "parse_args", "run"]
@@ -88,13 +87,13 @@ def parse_args(argv: list[str]) -> Any:
 def run(cfg: Any) -> int:
     """Load the model once here (a bad model fails now, in one line), then serve until SIGTERM or SIGINT."""
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from vitattn.inference.api import load_model
+    from vitattn.bundle import load_model
     from vitattn.serve import CaptionAPI, GracefulStop, build_server
 
     bundle = load_model(cfg.model, device="cpu", precision=cfg.precision)
     if bundle.task != "caption":
         raise UsageError(f"model={cfg.model} is a {bundle.task} model; vitattn-serve needs a caption model")
-    generate = generate_settings(bundle, {k: cfg[k] for k in SEARCH_KEYS})
+    generate = bundle.generate_settings(cfg)
     del bundle  # each inference worker loads its own copy on its device
     api = CaptionAPI(
         cfg.model,

@@ -1,5 +1,5 @@
-"""The Python API: ``Captioner`` and ``Classifier``, loaded from a bundle, a run folder, a checkpoint or
-an ONNX folder (``vitattn-export format=onnx``), fed images of any common kind.
+"""The Python API: ``Captioner`` and ``Classifier``, loaded from a bundle, a run folder, a checkpoint or an
+ONNX folder, fed images of any common kind (paths, PIL images, numpy arrays, tensors).
 
 Dimension letters: B batch, C channels, T' generated tokens, gh x gw patch grid; image sides are written out
 (height, width): H is heads elsewhere.
@@ -9,36 +9,39 @@ Dimension letters: B batch, C channels, T' generated tokens, gh x gw patch grid;
     >>> captioner.caption("cat.jpg", num_beams=3)
     'a cat sitting on a couch'
 
-The runtime follows the folder's content: an ONNX folder runs on ONNX Runtime, anything else on
-PyTorch; both decode with the same search loops (``vitattn.models.search``).
+Every kind of image becomes an upright 8-bit RGB PIL image first (``read_image`` for files), then the model's
+``transform``: the model sees what it saw in training and what ``vitattn-caption`` gives it for the same file.
 """
 
 from __future__ import annotations
 
-import inspect
-import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor
 
-from vitattn.bundle.runtime import LoadedModel
+from vitattn.bundle import LoadedModel, load_model
+from vitattn.data.images import read_image, upright_rgb
 from vitattn.data.preprocess import denormalize
-from vitattn.inference.attention_maps import attention_from_tokens
+from vitattn.errors import brief
+from vitattn.inference.attention_maps import attention_from_tokens, caption_words
 from vitattn.inference.captioning import generate_tokens
-from vitattn.inference.figures import caption_words, check_figures_runtime
-from vitattn.inference.file_list import InputImage
-from vitattn.inference.image_like import ImageLike, as_image_list, to_pixels
-from vitattn.inference.loader import load_model
-from vitattn.inference.writers import CaptionSummary, caption_to_file
 from vitattn.models.search import sequence_log_prob
+from vitattn.precision import precision_autocast
 
-__all__ = ["AttentionMaps", "Caption", "Captioner", "Classifier", "Prediction", "load_model"]
+__all__ = ["AttentionMaps", "Caption", "Captioner", "Classifier", "ImageLike", "Prediction", "load_model", "to_pixels"]
 
-log = logging.getLogger(__name__)
+ImageLike = str | os.PathLike | Image.Image | np.ndarray | torch.Tensor
+
+_KINDS = (
+    "a file path, a PIL image, a (height, width, 3) uint8 numpy array or a (3, height, width) torch tensor "
+    "(uint8, or float in [0, 1])"
+)
 
 
 @dataclass
@@ -152,17 +155,6 @@ class Captioner(_TaskModel):
         super().__init__(bundle)
         self.vocab = bundle.vocab
 
-    def generate_settings(self, **generate: Any) -> dict[str, Any]:
-        """``generate`` keyword arguments: the bundle's defaults, then those given that are not None;
-        bundle defaults that ``generate`` does not accept are dropped with a warning."""
-        accepted = inspect.signature(self.model.generate).parameters
-        defaults = self.bundle.generate
-        settings = {k: v for k, v in defaults.items() if k in accepted}
-        if len(settings) < len(defaults):
-            log.warning("ignoring the bundle's unknown decoding settings %s", sorted(set(defaults) - set(settings)))
-        settings.update({k: v for k, v in generate.items() if v is not None})
-        return settings
-
     def pixels(self, images: Sequence[ImageLike]) -> Tensor:
         """(B, C, height, width) model inputs of ``images``, on the model's device."""
         return to_pixels(images, self.transform).to(self.device)
@@ -206,14 +198,14 @@ class Captioner(_TaskModel):
     def caption_pixels(self, pixels: Tensor, **generate: Any) -> tuple[list[str], Tensor]:
         """Captions of model inputs already made by ``transform``, (B, C, height, width): ``(texts, tokens)``, the
         tokens (B, T') as ``generate`` returns them (``vitattn-serve`` decodes requests into pixels itself)."""
-        settings = self.generate_settings(**generate)
+        settings = self.bundle.generate_settings(generate)
         tokens = generate_tokens(self.model, pixels.to(self.device), self.precision, **settings)  # (B, T')
         return self.vocab.decode_batch(tokens), tokens
 
     def score(self, pixels: Tensor, tokens: Tensor) -> Tensor:
         """(B,) total log-probabilities of captions ``tokens`` (B, T') of images ``pixels`` (B, C, height, width)."""
         model = self.model
-        with torch.inference_mode(), self.bundle.autocast():
+        with torch.inference_mode(), precision_autocast(self.precision, self.device):
             step = model.decode_step(model.encode(pixels), tokens.shape[1] + 1)
             return sequence_log_prob(step, tokens, model.special_ids)
 
@@ -225,7 +217,9 @@ class Captioner(_TaskModel):
                 "attention maps need the PyTorch runtime; load the bundle or run folder instead of the ONNX folder"
             )
         pixels = self.pixels([image])  # (1, C, height, width)
-        tokens = generate_tokens(self.model, pixels, self.precision, **self.generate_settings(**generate))  # (1, T')
+        tokens = generate_tokens(
+            self.model, pixels, self.precision, **self.bundle.generate_settings(generate)
+        )  # (1, T')
         with torch.inference_mode():  # maps in fp32, as vitattn-caption draws them: from the tokens generated
             cross, rollout = attention_from_tokens(self.model, pixels, tokens, layer)
         words = caption_words(tokens[0].tolist(), self.vocab)
@@ -233,18 +227,6 @@ class Captioner(_TaskModel):
         return AttentionMaps(
             self.vocab.decode(tokens[0]), words, cross[0, : len(words)].cpu(), rollout[0].cpu(), shown.clamp(0, 1)
         )
-
-    def caption_files(self, inputs: Sequence[InputImage], out: str | os.PathLike, **options: Any) -> CaptionSummary:
-        """Caption image files into ``out``, resumably: ``vitattn.inference.caption_to_file`` with this model
-        (``options``: ``format``, ``batch_size``, ``num_workers``, ``progress``, ``attention_maps`` and
-        ``generate`` settings). Returns its ``CaptionSummary``."""
-        generate = {k: options.pop(k) for k in list(options) if k not in _FILE_OPTIONS}
-        if options.get("attention_maps") is not None:
-            check_figures_runtime(self.bundle)
-        return caption_to_file(self.bundle, inputs, out, **options, **self.generate_settings(**generate))
-
-
-_FILE_OPTIONS = ("format", "batch_size", "num_workers", "progress", "attention_maps")
 
 
 class Classifier(_TaskModel):
@@ -267,7 +249,7 @@ class Classifier(_TaskModel):
             raise ValueError(f"batch_size={batch_size} must be at least 1")
         device = self.device
         rows = []
-        with torch.inference_mode(), self.bundle.autocast():
+        with torch.inference_mode(), precision_autocast(self.precision, self.device):
             for start in range(0, len(items), batch_size):
                 pixels = to_pixels(items[start : start + batch_size], self.transform).to(device)
                 rows.append(self.model(pixels).float().cpu())
@@ -286,3 +268,71 @@ class Classifier(_TaskModel):
             Prediction([self.class_names[i] for i in idx], p) for idx, p in zip(indices.tolist(), values.tolist())
         ]
         return predictions[0] if single else predictions
+
+
+def as_image_list(images: ImageLike | Sequence[ImageLike]) -> tuple[list[ImageLike], bool]:
+    """``(images as a list, whether one image was given)``; a list or tuple holds images, anything else is one."""
+    if isinstance(images, (list, tuple)):
+        return list(images), False
+    return [images], True
+
+
+def to_pil(image: Any, where: str = "image") -> Image.Image:
+    """One image of any accepted kind as an upright 8-bit RGB PIL image.
+
+    Raises:
+        TypeError: not a kind of image the API takes (the message lists them).
+        ValueError: an array or tensor of the wrong shape, dtype or range.
+        BadImageError: a file that cannot be read.
+    """
+    if isinstance(image, (str, os.PathLike)):
+        return read_image(image)
+    if isinstance(image, Image.Image):
+        return upright_rgb(image)
+    if isinstance(image, torch.Tensor):
+        return Image.fromarray(_tensor_to_hwc(image, where))
+    if isinstance(image, np.ndarray):
+        return Image.fromarray(_array_to_hwc(image, where))
+    raise TypeError(f"{where} is {brief(image)} ({type(image).__name__}); pass {_KINDS}")
+
+
+def to_pixels(
+    images: Sequence[ImageLike], transform: Callable[[Image.Image], torch.Tensor], where: str = "images"
+) -> torch.Tensor:
+    """(B, C, height, width) model inputs of ``images`` through ``transform`` (a bundle's ``eval_transform``)."""
+    return torch.stack([transform(to_pil(x, f"{where}[{i}]")) for i, x in enumerate(images)])
+
+
+def _array_to_hwc(a: np.ndarray, where: str) -> np.ndarray:
+    if a.ndim == 2:
+        a = a[..., None]
+    if a.ndim != 3 or a.shape[-1] not in (1, 3):
+        raise ValueError(
+            f"{where} is a numpy array of shape {list(a.shape)}; "
+            "pass (height, width, 3) or (height, width) uint8 pixels"
+        )
+    if a.dtype != np.uint8:
+        raise ValueError(f"{where} is a {a.dtype} numpy array; pass uint8 pixels (0-255), e.g. np.asarray(pil_image)")
+    return np.repeat(a, 3, axis=-1) if a.shape[-1] == 1 else np.ascontiguousarray(a)
+
+
+def _tensor_to_hwc(x: torch.Tensor, where: str) -> np.ndarray:
+    if x.ndim == 2:
+        x = x[None]
+    if x.ndim != 3 or x.shape[0] not in (1, 3):
+        raise ValueError(
+            f"{where} is a tensor of shape {list(x.shape)}; pass (3, height, width) or (height, width) pixels"
+        )
+    x = x.detach().cpu()
+    if x.dtype == torch.uint8:
+        pixels = x
+    elif x.is_floating_point():
+        if x.numel() and not (x.isfinite().all() and x.min() >= 0 and x.max() <= 1):
+            raise ValueError(
+                f"{where} is a float tensor outside [0, 1]; pass pixels in [0, 1] (as ToTensor gives them), "
+                "not normalised ones"
+            )
+        pixels = (x.float() * 255).round().to(torch.uint8)  # 8 bits, as an image file holds them
+    else:
+        raise ValueError(f"{where} is a {x.dtype} tensor; pass uint8 pixels or floats in [0, 1]")
+    return pixels.expand(3, -1, -1).permute(1, 2, 0).contiguous().numpy()  # (height, width, 3)

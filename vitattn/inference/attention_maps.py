@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import io
 import math
-import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
+from vitattn.data.preprocess import denormalize
 from vitattn.fileio import atomic_write
 from vitattn.layers import record_attention
 from vitattn.models import ImageCaptioner
@@ -33,11 +33,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "attention_figure",
+    "attention_figures",
     "attention_from_tokens",
     "attention_rollout",
-    "caption_attention_maps",
+    "caption_words",
+    "check_figures_runtime",
+    "figure_paths",
     "figure_png",
-    "save_attention_figure",
+    "write_figures",
 ]
 
 
@@ -99,30 +102,6 @@ def attention_from_tokens(
     cross = cross / cross.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(cross.dtype).tiny)
     rollout = attention_rollout([maps[f"encoder.blocks.{i}.mha"][0] for i in range(len(enc.blocks))], prefix)
     return cross.view(B, T, gh, gw), rollout.view(B, gh, gw)
-
-
-@torch.no_grad()
-def caption_attention_maps(
-    model: ImageCaptioner, images: Tensor, layer: int = -1, **generate_kwargs: Any
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Caption ``images`` and say where each generated word looked.
-
-    Generation runs exactly as ``model.generate`` (fused attention); the maps come from one extra
-    teacher-forced pass of the generated tokens, so for beam search they are those of the returned beam.
-
-    Args:
-        model: the captioner, in eval mode.
-        images: (B, C, height, width).
-        layer: decoder layer whose cross-attention is returned (default the last).
-        **generate_kwargs: passed to ``model.generate``.
-
-    Returns:
-        ``(tokens, cross_maps, rollout)``: (B, T') as ``generate`` returns them; (B, T', gh, gw)
-        per-word cross-attention over the patches, each summing to 1; (B, gh, gw) encoder rollout.
-    """
-    tokens = model.generate(images, **generate_kwargs)  # (B, T')
-    cross, rollout = attention_from_tokens(model, images, tokens, layer)
-    return tokens, cross, rollout
 
 
 def _as_rgb_array(image: Image.Image | np.ndarray | Tensor) -> np.ndarray:
@@ -200,16 +179,57 @@ def figure_png(fig: Figure, dpi: int = 80) -> bytes:
     return buffer.getvalue()
 
 
-def save_attention_figure(
-    image: Image.Image | np.ndarray | Tensor,
-    words: Sequence[str],
-    cross_maps: Tensor | np.ndarray,
-    rollout: Tensor | np.ndarray,
-    path: str | os.PathLike,
-    *,
-    title: str | None = None,
-    max_cols: int = 6,
-) -> Path:
-    """Draw ``attention_figure`` and write it as a PNG atomically; returns ``path``."""
-    png = figure_png(attention_figure(image, words, cross_maps, rollout, title=title, max_cols=max_cols))
-    return atomic_write(path, png)
+def attention_figures(
+    model: Any, images: Tensor, tokens: Tensor, vocab: Any, preprocess: Mapping[str, Any], titles: Sequence[str | None]
+) -> list[Figure]:
+    """One ``attention_figure`` per row of ``images`` (b, C, height, width), normalised model inputs, and their
+    captions ``tokens`` (b, T'); ``preprocess``' ``mean`` and ``std`` undo the normalisation."""
+    cross, rollout = attention_from_tokens(model, images, tokens)  # (b, T', gh, gw), (b, gh, gw)
+    shown = denormalize(images.float(), preprocess["mean"], preprocess["std"]).clamp(0, 1).cpu()  # (b, 3, h, w)
+    return [
+        attention_figure(shown[row], caption_words(tokens[row].tolist(), vocab), cross[row], rollout[row], title=title)
+        for row, title in enumerate(titles)
+    ]
+
+
+def caption_words(ids: Sequence[int], vocab: Any) -> list[str]:
+    """Tokens before ``<eos>`` as strings, one per position (``<unk>`` kept, subwords as their text)."""
+    return vocab.tokens(ids)
+
+
+def check_figures_runtime(model: Any) -> None:
+    """Refuse, in one line, to draw figures of a ``LoadedModel`` whose runtime has no attention weights (ONNX)."""
+    if model.runtime != "torch":
+        raise ValueError(
+            "attention_maps= needs the PyTorch runtime; caption with the bundle or run folder, not the ONNX folder"
+        )
+
+
+def figure_paths(inputs: Sequence[Any], folder: Path) -> dict[str, Path]:
+    """``folder/<stem>.png`` per input image (``.path``); a stem already taken gets ``<stem>-2.png``, ...,
+    over all inputs, so that a resumed run names each image as the first run did."""
+    names: dict[str, Path] = {}
+    used: set[str] = set()
+    for x in inputs:
+        stem = Path(x.path).stem or "image"
+        name, n = stem, 1
+        while name.lower() in used:
+            n += 1
+            name = f"{stem}-{n}"
+        used.add(name.lower())
+        names[x.path] = folder / f"{name}.png"
+    return names
+
+
+def write_figures(
+    model: Any, images: Tensor, tokens: Tensor, records: Sequence[Mapping[str, Any]], paths: Mapping[str, Path]
+) -> None:
+    """The attention figure of each captioned ``records[i]`` (its ``images[i]``, ``tokens[i]``), written atomically
+    to ``paths[record["image"]]``; ``model`` is a caption ``LoadedModel``."""
+    drawn = attention_figures(
+        model.model, images, tokens, model.vocab, model.preprocess, [r.get("caption") for r in records]
+    )
+    for record, fig in zip(records, drawn):
+        path = paths[record["image"]]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, figure_png(fig))

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "SEARCH_KEYS",
     "CaptionSearch",
     "DecodeStep",
     "SpecialIds",
@@ -29,6 +30,9 @@ __all__ = [
     "sample_token",
     "sequence_log_prob",
 ]
+
+# ``generate``'s deterministic decoding settings (greedy or beam search), as entry points and reports name them
+SEARCH_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "early_stopping")
 
 
 class DecodeStep(Protocol):

@@ -24,10 +24,10 @@ import torch
 from fastapi.responses import JSONResponse
 from torch import Tensor
 
+from vitattn.bundle import load_model
 from vitattn.data.images import BadImageError, read_image
-from vitattn.inference.api import Captioner, load_model
-from vitattn.inference.attention_maps import figure_png
-from vitattn.inference.figures import attention_figures, caption_words
+from vitattn.inference.api import Captioner
+from vitattn.inference.attention_maps import attention_figures, caption_words, figure_png
 from vitattn.serve.stop import leave_interrupts_to_parent
 
 __all__ = ["CaptionAPI", "ImageRequest", "decode_image_request"]

@@ -2,7 +2,7 @@
 (``reading``, with ``tar_reader`` for plain local tars), each epoch's split of the samples over ranks and
 loader workers (``epoch_split``), the loader's batches (``stream``), and writing shards (``writer``).
 
-Captioning shards is inference: ``vitattn.inference.shard_captioning``.
+Captioning shards is inference: ``vitattn.inference.captioning``.
 """
 
 from vitattn.data.shards.listing import expand_shards, shard_sizes, stats_path

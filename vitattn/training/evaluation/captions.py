@@ -5,7 +5,6 @@ Dimension letters: B batch, T' generated tokens.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import re
@@ -13,16 +12,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
-from vitattn.bundle.runtime import LoadedModel
+from vitattn.bundle import LoadedModel
 from vitattn.data.eval_split import EvalSplit
 from vitattn.data.tokenizer import describe_tokenizer, unknown_share
 from vitattn.errors import brief
 from vitattn.fileio import parse_json
-from vitattn.generate_keys import SEARCH_KEYS
-from vitattn.inference import InputImage, caption_images
+from vitattn.inference import InputImage, caption_images, generate_tokens
 from vitattn.metrics import SCORERS, first_per_image, score_captions
 from vitattn.metrics.toolkit import check_toolkit, toolkit_scores
 from vitattn.run_dir import RunDir
@@ -121,25 +118,13 @@ def _generate(
                 log.warning("%s: %s", r["image"], r["error"])
         items = [(r["image_id"], r["caption"], refs[r["image_id"]]) for r in records if "caption" in r]
         return items, [r["image_id"] for r in records if "caption" not in r]
-    model, vocab, device = bundle.model, bundle.vocab, bundle.device
     items = []
-    with torch.inference_mode(), bundle.autocast(), tqdm(total=len(refs), unit="img", disable=not progress) as bar:
+    with tqdm(total=len(refs), unit="img", disable=not progress) as bar:
         for batch in data.loader:
-            tokens = model.generate(batch["images"].to(device), **settings)  # (B, T')
-            items += zip(batch["image_ids"].tolist(), vocab.decode_batch(tokens), batch["references"])
+            tokens = generate_tokens(bundle.model, batch["images"].to(bundle.device), bundle.precision, **settings)
+            items += zip(batch["image_ids"].tolist(), bundle.vocab.decode_batch(tokens), batch["references"])  # (B, T')
             bar.update(len(batch["image_ids"]))
     return items, []
-
-
-def _decoding(bundle: LoadedModel, generate: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The settings ``generate`` will use, defaults written out (``max_new_tokens`` included)."""
-    settings = dict(generate or {})
-    defaults = inspect.signature(bundle.model.generate).parameters
-    for key in SEARCH_KEYS:
-        settings.setdefault(key, defaults[key].default)
-    if settings["max_new_tokens"] is None:
-        settings["max_new_tokens"] = bundle.model.check_generate(None)  # the decoder's max_len - 1
-    return settings
 
 
 def evaluate_captions(
@@ -201,7 +186,7 @@ def evaluate_captions(
             )
         items = [(k, captions[k], refs[k]) for k in refs if k in captions]
     else:
-        decoding = _decoding(bundle, generate)
+        decoding = bundle.generate_settings(generate, written_out=True)
         items, failed = _generate(bundle, data, decoding, batch_size, num_workers, progress)
     items = first_per_image(items)
     if not items:

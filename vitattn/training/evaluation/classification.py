@@ -14,8 +14,9 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from vitattn.bundle.runtime import LoadedModel
-from vitattn.inference.file_dataset import ImageFileDataset, collate_images
+from vitattn.bundle import LoadedModel
+from vitattn.inference.captioning import ImageFileDataset, collate_images
+from vitattn.precision import precision_autocast
 from vitattn.run_dir import RunDir
 from vitattn.training.evaluation.report import EvalReport
 from vitattn.training.evaluation.splits import check_split, labelled_split
@@ -92,7 +93,11 @@ def evaluate_classification(
     confusion = MulticlassConfusionMatrix(k)
     device = bundle.device
     num_images = 0
-    with torch.inference_mode(), bundle.autocast(), tqdm(total=total, unit="img", disable=not progress) as bar:
+    with (
+        torch.inference_mode(),
+        precision_autocast(bundle.precision, device),
+        tqdm(total=total, unit="img", disable=not progress) as bar,
+    ):
         for images, targets in batches:
             logits = bundle.model(images.to(device)).float().cpu()  # (B, K)
             for metric in (top1, top5, confusion):

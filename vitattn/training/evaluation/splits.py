@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vitattn.bundle.runtime import LoadedModel
+from vitattn.bundle import LoadedModel
 from vitattn.data.coco import load_coco_captions
 from vitattn.data.eval_split import SPLITS, EvalSplit
 from vitattn.data.image_folder import image_folder_split, open_image_folder
