@@ -56,12 +56,16 @@ def _in_threads(model, inputs, out, monkeypatch, stop_rank: int | None = None, *
     captioned: dict[int, list[int]] = {0: [], 1: []}
     real = captioning._caption_units
 
+    others_done = threading.Event()
+
     def spy(model, units, finish, **kwargs):  # what each rank is given to caption
         rank = int(threading.current_thread().name)
         if rank == stop_rank:
+            others_done.wait(60)  # then it stops, before writing anything
             raise RuntimeError("stopped")
         captioned[rank].extend(i for _, unit in units for i in unit.positions)
-        return real(model, units, finish, **kwargs)
+        real(model, units, finish, **kwargs)
+        others_done.set()
 
     monkeypatch.setattr(captioning, "_caption_units", spy)
     shared = {"barrier": threading.Barrier(2)}

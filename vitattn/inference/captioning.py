@@ -29,7 +29,7 @@ from typing import IO, Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm.auto import tqdm
 
 from vitattn.bundle import LoadedModel
@@ -52,12 +52,11 @@ __all__ = [
     "CaptionSummary",
     "Processes",
     "assign_units",
-    "ImageFileDataset",
     "caption_files",
     "caption_images",
     "caption_shards",
-    "collate_images",
     "generate_tokens",
+    "image_file_batches",
     "launch_processes",
     "read_pixels",
     "shard_output",
@@ -80,26 +79,6 @@ def read_pixels(path: str | os.PathLike, transform: Callable[[Any], Tensor]) -> 
     """An image file as a (C, height, width) model input, or the one-line reason it cannot be read."""
     image = read_image(path, on_error="skip")
     return image.reason if isinstance(image, BadImageError) else transform(image)
-
-
-class ImageFileDataset(Dataset):
-    """Image files as ``(index, (C, height, width) pixels or the reason they cannot be read)``; never raises."""
-
-    def __init__(self, paths: Sequence[str], transform: Callable[[Any], Tensor]) -> None:
-        self.paths, self.transform = paths, transform
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int) -> tuple[int, Tensor | str]:
-        return i, read_pixels(self.paths[i], self.transform)
-
-
-def collate_images(batch: Sequence[tuple[int, Tensor | str]]) -> tuple[list[int], Tensor | None, list[tuple[int, str]]]:
-    """``(indices read, (b, C, height, width) pixels or None, [(index, reason)])``."""
-    ok = [(i, x) for i, x in batch if isinstance(x, Tensor)]
-    images = torch.stack([x for _, x in ok]) if ok else None
-    return [i for i, _ in ok], images, [(i, x) for i, x in batch if isinstance(x, str)]
 
 
 @dataclass
@@ -309,6 +288,32 @@ def _caption_units(
                     bar.update(1 if "key" in row or "image" in row else 0)
 
 
+def _chunks(inputs: InputList, positions: Sequence[int], size: int, folder: Path) -> list[_Unit]:
+    """``positions`` of ``inputs`` cut into chunks of ``size``, each named by its place and its images."""
+    units = []
+    for k, start in enumerate(range(0, len(positions), size)):
+        chunk = positions[start : start + size]
+        digest = hashlib.blake2b(digest_size=8)
+        for i in chunk:
+            digest.update(f"{inputs.paths[i]}\0{inputs[i].image_id}\0".encode("utf-8", "surrogatepass"))
+        units.append(_Unit(folder / f"{k:06d}-{digest.hexdigest()}.jsonl", len(chunk), positions=chunk))
+    return units
+
+
+def image_file_batches(
+    inputs: InputList, transform: Callable[[Any], Tensor], batch_size: int = 32, num_workers: int = 0
+) -> Iterator[tuple[list[dict[str, Any]], Tensor | None, list[int]]]:
+    """Image files read in batches as captioning reads them: ``(rows, (b, C, height, width) pixels or None, the
+    rows the pixels are of)``, a row ``{"image", "image_id"}`` plus ``"error"`` for a file that cannot be read."""
+    units = list(enumerate(_chunks(inputs, range(len(inputs)), CHUNK_BATCHES * batch_size, Path())))
+    workers = min(num_workers, len(units))
+    loader = DataLoader(_UnitBatches(units, inputs, transform, batch_size), batch_size=None, num_workers=workers)
+    for items, images, decoded in loader:
+        rows = [row for _, row in items if row is not None]
+        at = {id(row): i for i, row in enumerate(rows)}
+        yield rows, images, [at[id(items[i][1])] for i in decoded]
+
+
 def caption_images(
     model: LoadedModel, paths: Sequence[str | os.PathLike] | Sequence[InputImage], **options: Any
 ) -> list[dict[str, Any]]:
@@ -317,12 +322,10 @@ def caption_images(
     ``num_workers``, ``progress`` and ``generate`` settings."""
     inputs = [p if isinstance(p, InputImage) else InputImage(str(p), i) for i, p in enumerate(paths)]
     listed = InputList([x.path for x in inputs], [x.image_id for x in inputs])
-    rows: list[dict[str, Any]] = []
-    unit = _Unit(Path(), len(inputs), positions=range(len(inputs)))
-    _caption_units(
-        model, [(0, unit)], lambda _, done: rows.extend(done), inputs=listed, **{"progress": False, **options}
-    )
-    return rows
+    units = _chunks(listed, range(len(listed)), CHUNK_BATCHES * options.get("batch_size", 32), Path())
+    done: dict[int, list[dict[str, Any]]] = {}
+    _caption_units(model, list(enumerate(units)), done.__setitem__, inputs=listed, **{"progress": False, **options})
+    return [row for k in range(len(units)) for row in done[k]]
 
 
 def caption_files(
@@ -434,14 +437,7 @@ def _file_plan(
     finished)``; stale temporaries of a killed run are removed."""
     recorded = _recorded(out) if format == "jsonl" else {}
     todo = [i for i, path in enumerate(inputs.paths) if path not in recorded] if recorded else range(len(inputs))
-    size = CHUNK_BATCHES * batch_size
-    units = []
-    for k, start in enumerate(range(0, len(todo), size)):
-        positions = todo[start : start + size]
-        digest = hashlib.blake2b(digest_size=8)
-        for i in positions:
-            digest.update(f"{inputs.paths[i]}\0{inputs[i].image_id}\0".encode("utf-8", "surrogatepass"))
-        units.append(_Unit(parts / f"{k:06d}-{digest.hexdigest()}.jsonl", len(positions), positions=positions))
+    units = _chunks(inputs, todo, CHUNK_BATCHES * batch_size, parts)
     return recorded, units, _finished(parts, units)
 
 

@@ -11,11 +11,11 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from vitattn.bundle import LoadedModel
-from vitattn.inference.captioning import ImageFileDataset, collate_images
+from vitattn.inference import InputList
+from vitattn.inference.captioning import image_file_batches
 from vitattn.precision import precision_autocast
 from vitattn.run_dir import RunDir
 from vitattn.training.evaluation.report import EvalReport
@@ -35,18 +35,14 @@ def file_batches(
     failed: list[str],
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """``(images, labels)`` batches of image files; unreadable files are logged and left out."""
-    loader = DataLoader(
-        ImageFileDataset(paths, bundle.transform),
-        batch_size=batch_size,
-        num_workers=num_workers,
-        collate_fn=collate_images,
-    )
-    for ok, images, errors in loader:
-        for i, reason in errors:
-            log.warning("%s: %s", paths[i], reason)
-            failed.append(paths[i])
+    inputs = InputList(list(paths), list(labels))
+    for rows, images, decoded in image_file_batches(inputs, bundle.transform, batch_size, num_workers):
+        for row in rows:
+            if "error" in row:
+                log.warning("%s: %s", row["image"], row["error"])
+                failed.append(row["image"])
         if images is not None:
-            yield images, torch.tensor([labels[i] for i in ok])
+            yield images, torch.tensor([rows[i]["image_id"] for i in decoded])
 
 
 def evaluate_classification(
