@@ -42,10 +42,7 @@ __all__ = [
 def load_bundle(path: str | os.PathLike, device: str | torch.device = "cpu") -> Bundle:
     """The PyTorch model at ``path``, in eval mode on ``device``: a bundle folder (``config.json``), a training run
     folder (its ``bundle/``, else ``checkpoints/last.ckpt``) or a Lightning ``.ckpt`` (never unpickled).
-
-    Raises:
-        FileNotFoundError: nothing loadable at ``path``.
-        ValueError: a file is corrupt or incomplete, or a checkpoint holds pickled objects.
+    ``FileNotFoundError`` when nothing is there; ``ValueError`` for a corrupt file or pickled objects.
     """
     path = Path(path)
     if path.is_dir():
@@ -75,14 +72,10 @@ def runtime_of(path: str | os.PathLike) -> str:
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", precision: str = "auto") -> LoadedModel:
-    """The model at ``path``, ready for inference: the one loader of the API and of every entry point.
-
-    Args:
-        path: a bundle folder, a training run folder or a ``.ckpt`` (PyTorch), or an ONNX folder (ONNX Runtime,
-            on the CPU).
-        device: where the model runs.
-        precision: ``auto``, ``fp32`` or ``bf16`` (``vitattn.precision``), resolved for ``device``; an ONNX folder
-            runs in what it was exported in (fp32 or int8): another ``precision`` than ``auto`` or that is refused.
+    """The model at ``path`` (a bundle folder, run folder or ``.ckpt`` on PyTorch; an ONNX folder on ONNX Runtime,
+    on the CPU), ready for inference on ``device``: the one loader of the API and of every entry point.
+    ``precision`` (``auto``, ``fp32``, ``bf16``) is resolved for ``device``; an ONNX folder runs in what it was
+    exported in, and another ``precision`` than ``auto`` or that is refused in one line.
     """
     check_precision(precision)
     if runtime_of(path) == "onnx":

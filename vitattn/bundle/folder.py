@@ -67,19 +67,12 @@ WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 
 @dataclass
 class LoadedModel(ABC):
-    """A model ready for inference, whichever runtime runs it (``Bundle``: PyTorch; ``OnnxModel``: ONNX
-    Runtime), with everything around it that inference needs.
+    """A model ready for inference, whichever runtime runs it (``Bundle``: PyTorch; ``OnnxModel``: ONNX Runtime).
 
-    Attributes:
-        model: a ``CaptionSearch`` (task ``caption``) or a classifier ((B, C, height, width) -> (B, K) logits).
-        task: ``caption`` or ``classification``.
-        preprocess: ``img_size``, ``crop_pct``, ``mean``, ``std``, ``interpolation``: what ``transform`` does.
-        config: the folder's whole description (plain JSON values).
-        vocab: the caption tokenizer (caption task), else None.
-        class_names: one name per class (classification task), else None.
-        generate: the stored decoding defaults (``generate`` keyword arguments; may be empty).
-        precision: ``fp32`` or ``bf16`` (autocast) for PyTorch, as ``load_model`` resolves ``auto``; an ONNX
-            folder's ``fp32`` or ``int8``.
+    ``model`` is a ``CaptionSearch`` (task ``caption``) or a classifier ((B, C, height, width) -> (B, K) logits);
+    ``preprocess`` is what ``transform`` does; ``config`` the folder's description; ``vocab`` (captions) or
+    ``class_names``; ``generate`` the stored decoding defaults; ``precision`` ``fp32`` or ``bf16`` (PyTorch, as
+    ``load_model`` resolves ``auto``) or an ONNX folder's ``fp32`` or ``int8``.
     """
 
     model: Any
@@ -229,12 +222,10 @@ def _misfit(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> str:
 
 
 def build_model(task: str, model_config: Any, where: Path, shapes: Mapping[str, Sequence[int]]) -> nn.Module:
-    """The ``task`` model of ``model_config``, built once a copy that takes no memory (on the meta device)
-    has shown that its tensors have the ``shapes`` (name -> shape) of the weights to be loaded into it.
-
-    A config that does not fit its weights is refused before any memory is taken, however large the
-    sizes it names: no size of a model exceeds its number of weights, and the copy stops at the first
-    tensor more than the weights hold.
+    """The ``task`` model of ``model_config``, built once a copy on the meta device (no memory) has shown that its
+    tensors have the ``shapes`` of the weights: a config that does not fit is refused before any memory is
+    taken, however large the sizes it names (no size exceeds the number of weights; the copy stops at the first
+    tensor more than the weights hold).
     """
     if not isinstance(model_config, Mapping):
         raise ValueError(f"{where}: the model config must be a mapping, got {type(model_config).__name__}")
@@ -269,28 +260,16 @@ def save_bundle(
     class_names: Sequence[str] | None = None,
     generate: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write ``model`` as a bundle folder, atomically: a temporary folder beside it is filled, then
-    renamed into place (an existing bundle there is replaced).
-
-    Args:
-        directory: the bundle folder to create.
-        model: an ``ImageCaptioner`` (task ``caption``) or a ``VisionTransformer`` with
-            ``num_classes > 0`` (task ``classification``).
-        task: ``caption`` or ``classification``.
-        preprocess: ``img_size``, ``crop_pct``, ``mean``, ``std``, ``interpolation`` (see ``eval_transform``).
-        vocab: the caption tokenizer (saved as ``vocab.json`` or ``tokenizer.json``); its size must equal the
-            decoder's ``vocab_size``.
-        class_names: one per class; default ``"0" .. "num_classes-1"``.
-        generate: decoding defaults (``generate`` keyword arguments) stored for ``vitattn-caption``.
-
-    Returns:
-        The bundle folder.
+    """Write ``model`` (an ``ImageCaptioner``, or a ``VisionTransformer`` with classes) as a bundle folder,
+    atomically (an earlier bundle there is replaced), with its ``preprocess`` (``eval_transform``'s), its
+    tokenizer (``vocab``, as large as the decoder's vocabulary) or ``class_names`` (default ``"0"``, ``"1"``, ...),
+    and the decoding defaults ``generate``. Returns the folder.
     """
     directory = Path(directory)
     config = _bundle_config(model, task, preprocess, vocab, class_names)
     if generate:
         config["generate"] = plain_json(dict(generate), "generate")
-    if directory.exists() and not _replaceable(directory):
+    if directory.exists() and not (directory.is_dir() and (not any(directory.iterdir()) or _is_bundle(directory))):
         raise FileExistsError(f"{directory} exists and is not a vitattn bundle; choose another folder or remove it")
     with atomic_folder(directory) as tmp:
         save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -346,21 +325,10 @@ def plain_json(value: Any, where: str) -> Any:
 
 def is_bundle_weights(path: Path) -> bool:
     """A bundle's ``model.safetensors`` (its folder's config.json says vitattn-bundle)."""
-    config = path.parent / CONFIG_FILE
-    if path.suffix != ".safetensors" or not config.is_file():
-        return False
-    try:
-        return json.loads(config.read_text(encoding="utf-8")).get("format") == BUNDLE_FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+    return path.suffix == ".safetensors" and _is_bundle(path.parent)
 
 
-def _replaceable(directory: Path) -> bool:
-    """An empty folder or an earlier bundle may be replaced; anything else is kept."""
-    if not directory.is_dir():
-        return False
-    if not any(directory.iterdir()):
-        return True
+def _is_bundle(directory: Path) -> bool:
     try:
         return json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8")).get("format") == BUNDLE_FORMAT
     except (OSError, ValueError, AttributeError):

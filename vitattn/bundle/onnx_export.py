@@ -115,15 +115,9 @@ class FastGelu(nn.Module):
 
 
 def for_export(model: nn.Module, approximate_gelu: bool = False) -> nn.Module:
-    """A copy of ``model`` whose attention exports as ONNX Runtime runs it fastest.
-
-    The encoder layers' self-attention becomes ONNX Runtime's ``Attention`` op (they attend without a
-    mask; a layer given one raises ``ValueError``). Every other ``MultiHeadAttention`` takes the explicit
-    path: the exporter writes ``F.scaled_dot_product_attention`` as a transpose of the keys scaled
-    before the product, a copy of the (B, H, N, d) cross-attention keys at every decoding step;
-    ``q @ k.transpose(-2, -1) / sqrt(d)`` scales the (B, H, 1, N) logits instead and lets ONNX
-    Runtime fold the transpose into the product (``FusedMatMul``). With ``approximate_gelu``, every
-    ``nn.GELU`` becomes ``FastGelu``.
+    """A copy of ``model`` whose attention exports as ONNX Runtime runs it fastest: the encoder layers' unmasked
+    self-attention as its ``Attention`` op (a mask raises ``ValueError``), every other attention on the explicit
+    path; with ``approximate_gelu``, every ``nn.GELU`` as ``FastGelu``.
     """
     model = copy.deepcopy(model)
     if approximate_gelu:
@@ -213,16 +207,8 @@ class ClassifierGraph(nn.Module):
 
 
 def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | None = None) -> Path:
-    """Write ``bundle`` as an ONNX folder, atomically (an earlier ONNX folder at ``directory`` is replaced).
-
-    Args:
-        bundle: a caption or classification bundle (PyTorch), e.g. from ``load_bundle``.
-        directory: the folder to write.
-        quantize: None (fp32) or ``int8``: ONNX Runtime's dynamic quantization of the weights
-            (``onnxruntime.quantization.quantize_dynamic``).
-
-    Returns:
-        The folder.
+    """Write ``bundle`` as an ONNX folder at ``directory``, atomically (an earlier ONNX folder there is replaced),
+    in fp32 or, with ``quantize="int8"``, ONNX Runtime's dynamic int8 quantization. Returns the folder.
     """
     precision = quantize or "fp32"
     if precision not in PRECISIONS:
@@ -325,18 +311,9 @@ def _export(
 
 
 def _quantize(folder: Path, graphs: tuple[str, ...]) -> None:
-    """Replace each graph by ONNX Runtime's dynamic int8 quantization of it: weights int8 per output
-    channel, activations quantized per call.
-
-    Two choices keep the captions (measured in ``tests/test_onnx.py``): the attention products of two
-    activations (queries x keys, weights x values) stay fp32, and weights use 7 bits of range
-    (``reduce_range``), as ONNX Runtime advises for CPUs without VNNI, whose u8 x s8 products saturate.
-    The decoder step's output projection stays fp32 too: its logits choose each token, and quantized it
-    lost the test captions CIDEr-D for a small part of a step's time. Only the products with weights are
-    quantized (``MatMul``, and ``Attention`` into ``QAttention``): the patch embedding's ``ConvInteger``
-    is slower than the fp32 ``Conv`` on these CPUs, and an int8 embedding lookup (``Gather``) saves no
-    time. The figures are in ``docs/benchmarks.md`` ("ONNX Runtime"). The graphs are quantized after the
-    attention is written as ONNX Runtime's op (``onnx_contrib``), as Hugging Face optimum orders it.
+    """Replace each graph by ONNX Runtime's dynamic int8 quantization of it (weights int8 per output channel with
+    7 bits of range, activations quantized per call), leaving ``kept_fp32``'s products and the non-``MatMul``
+    operators in fp32: why, docs/captioning.md ("ONNX Runtime").
     """
     require_onnxruntime(export=True)
     import onnx  # an optional dependency, as onnxruntime

@@ -4,12 +4,10 @@
 Dimension letters: B images, K beams, L decoder layers, H heads, d head width, P past positions,
 N image tokens, V vocabulary.
 
-A caption folder holds ``encoder.onnx`` (images -> each decoder layer's cross-attention keys, transposed,
-and values, once per image), ``decoder_step.onnx`` (one token per caption row and the past keys and values
--> the next token's logits and the keys and values with it) and the tokenizer; a classification folder holds
-``classifier.onnx``. ``OnnxCaptioner`` decodes with the search loops of ``vitattn.models.search``, as
-``ImageCaptioner`` does; each graph's SHA-256 is checked before ONNX Runtime reads it. Format:
-docs/serving.md ("ONNX folders").
+A caption folder holds ``encoder.onnx`` (images -> each decoder layer's cross-attention keys, transposed, and
+values), ``decoder_step.onnx`` (a token per caption row and the past keys and values -> the next token's
+logits and the keys and values with it) and the tokenizer; a classifier, ``classifier.onnx``. Each graph's
+SHA-256 is checked before ONNX Runtime reads it. More: docs/captioning.md ("ONNX Runtime").
 """
 
 from __future__ import annotations
@@ -169,14 +167,9 @@ def _numpy(x: Tensor) -> np.ndarray:
 
 
 class OnnxDecoderStep:
-    """``decoder_step.onnx`` as a ``DecodeStep``: it feeds the past keys/values of the previous call and
-    keeps the present ones it returns.
-
-    Args:
-        session: the decoder step's ``InferenceSession``.
-        cross: 2L arrays, ``encoder.onnx``'s: each layer's cross-attention keys (B, H, d, N) and values
-            (B, H, N, d), one row per image; the first call's tokens say how many caption rows (K per
-            image, consecutive) there are.
+    """``decoder_step.onnx`` as a ``DecodeStep``: it feeds the past keys/values of its previous call and keeps the
+    ones it returns. ``cross``: ``encoder.onnx``'s 2L arrays, keys (B, H, d, N) and values (B, H, N, d), one row
+    per image; the first call's tokens say how many caption rows (K per image, consecutive) there are.
     """
 
     def __init__(self, session: Any, cross: Sequence[np.ndarray]) -> None:
@@ -202,12 +195,8 @@ class OnnxDecoderStep:
 
 
 class OnnxCaptioner(CaptionSearch):
-    """An ONNX folder's caption model, decoded by ``CaptionSearch`` as ``ImageCaptioner`` is.
-
-    Args:
-        encoder: ``encoder.onnx``'s session.
-        step: ``decoder_step.onnx``'s session.
-        decoder: ``onnx.json``'s ``decoder`` sizes and special ids.
+    """An ONNX folder's caption model (``encoder`` and ``step`` sessions, ``onnx.json``'s ``decoder`` sizes and special
+    ids), decoded by ``CaptionSearch`` as ``ImageCaptioner`` is.
     """
 
     def __init__(self, encoder: Any, step: Any, decoder: Mapping[str, int]) -> None:
@@ -246,12 +235,8 @@ class OnnxClassifier:
 
 @dataclass
 class OnnxModel(LoadedModel):
-    """An ONNX folder loaded for inference: the ``onnx`` runtime of ``LoadedModel``, on the CPU.
-
-    Attributes:
-        model: ``OnnxCaptioner`` (caption) or ``OnnxClassifier`` (classification).
-        config: the whole ``onnx.json`` content; the other fields as ``LoadedModel``'s.
-        precision: what the folder was exported in, ``fp32`` or ``int8`` (never autocast).
+    """An ONNX folder loaded for inference: ``LoadedModel``'s ``onnx`` runtime, on the CPU; ``model`` is an
+    ``OnnxCaptioner`` or ``OnnxClassifier``, ``config`` its ``onnx.json``, ``precision`` what it was exported in.
     """
 
     model: OnnxCaptioner | OnnxClassifier
@@ -268,12 +253,8 @@ class OnnxModel(LoadedModel):
 
 
 def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> OnnxModel:
-    """An ONNX folder's model, run by ONNX Runtime on the CPU with torch's thread count.
-
-    Raises:
-        MissingDependencyError: onnxruntime is not installed (the message says how to install it).
-        ValueError: ``onnx.json`` is from another format version, a graph was changed after export, or
-            the parts disagree (each a one-line message naming the fix).
+    """An ONNX folder's model, run by ONNX Runtime on the CPU with torch's thread count. A missing onnxruntime, an
+    ``onnx.json`` of another version, a graph changed after export or parts that disagree: one line naming the fix.
     """
     ort = require_onnxruntime()
     config = check_onnx_config(directory)

@@ -33,16 +33,10 @@ class UsageError(ValueError):
 
 
 def parse_key_values(argv: Sequence[str], schema: type, prog: str) -> Any:
-    """``key=value`` arguments -> a validated structured config of the dataclass ``schema``.
-
-    Values are taken literally (a glob such as ``images=*.jpg`` is not YAML); ``null`` clears an
-    option; each value is converted and checked against its field's type.
-
-    Raises:
-        UsageError: an argument that is not ``key=value``, an unknown key (the closest known one is
-            suggested), a value of the wrong type, a count below its least value (``batch_size`` 1,
-            ``num_workers`` 0, ``num_threads`` 1), an unknown ``device`` or ``precision``, or a required key left
-            out.
+    """``key=value`` arguments -> a structured config of the dataclass ``schema``, each value taken literally (a
+    glob is not YAML; ``null`` clears an option) and checked against its field's type. A ``UsageError`` names
+    a bad argument, an unknown key (with the closest known one), a count below its least value (``_COUNTS``),
+    an unknown ``device`` or ``precision``, or a missing key.
     """
     known = [f.name for f in fields(schema)]
     given: dict[str, Any] = {}

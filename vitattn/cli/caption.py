@@ -1,28 +1,14 @@
-"""``vitattn-caption``: caption image files with a trained model.
-
-Usage::
+"""``vitattn-caption``: caption image files (or WebDataset shards) with a trained model.
 
     vitattn-caption model=PATH images=INPUT out=FILE [image_dir=DIR] [format=jsonl|coco|csv]
     vitattn-caption model=PATH shards='DIR/{00000..00999}.tar' out=OUTDIR [format=jsonl|parquet]
         [batch_size=32] [num_workers=2] [num_beams=N] [max_new_tokens=N] [length_penalty=X]
-        [early_stopping=true|false|never]
-        [do_sample=true temperature=X top_k=N top_p=X] [seed=N] [device=auto|cpu|cuda] [precision=auto|fp32|bf16]
-        [attention_maps=DIR] [progress=true] [num_threads=N]
-        [devices=N num_nodes=M accelerator=auto|cpu|gpu]
+        [early_stopping=true|false|never] [do_sample=true temperature=X top_k=N top_p=X] [seed=N]
+        [device=auto|cpu|cuda] [precision=auto|fp32|bf16] [attention_maps=DIR] [progress=true]
+        [num_threads=N] [devices=N num_nodes=M accelerator=auto|cpu|gpu]
 
-``model`` is a bundle folder, a training run folder, a ``.ckpt`` or an ONNX folder (``vitattn-export
-format=onnx``: run by ONNX Runtime on the CPU); ``images`` a folder, a glob, a
-text file of paths or a COCO JSON file. Decoding settings left out come from the bundle. ``precision=auto``
-runs in bf16 on GPUs and on CPUs with bf16 matrix units (AMX, AVX512-BF16), else fp32; an ONNX folder runs
-in what it was exported in, fp32 or int8 (``precision=bf16`` with one is refused). Running
-the same command again captions only the images not yet in ``out``. Exit status: 0 when every image
-was captioned, 1 when some could not be read, 2 on a usage or model error.
-
-``devices=N`` (and ``num_nodes=M``) caption on N x M processes, files and shards alike (Lightning Fabric
-starts the other local processes; under ``torchrun`` or ``srun`` every process runs this same command).
-``accelerator`` defaults to what ``device`` says; an ONNX folder captions on CPU processes only.
-``shards`` (WebDataset tars, instead of ``images``) writes one output per shard into ``out``. Either kind
-of run, killed, is resumed by the same command (``vitattn.inference.captioning``).
+The same command again resumes a killed run. Exit status: 0 all captioned, 1 some could not be read, 2 a
+usage or model error. More: docs/captioning.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """``vitattn-eval``: score a trained model on a split; print a table and write ``metrics.json``.
 
-Usage::
-
     vitattn-eval model=PATH [split=val|test] [out=DIR] [batch_size=32] [num_workers=2]
         [device=auto|cpu|cuda] [precision=auto|fp32|bf16] [progress=true]
-      captions:       [references=COCO_JSON [image_dir=DIR]] [predictions=FILE]
+      captions:       [references=COCO_JSON [image_dir=DIR]] [predictions=FILE] [scorer=builtin|coco]
                       [num_beams=N] [max_new_tokens=N] [length_penalty=X] [early_stopping=true|false|never]
-                      [scorer=builtin|coco]
       classification: [data_root=DIR]
 
-``model`` is a training run folder, a ``.ckpt``, a bundle or an ONNX folder; ``precision=auto`` runs a PyTorch
-model in bf16 on GPUs and on CPUs with bf16 matrix units, else fp32 (an ONNX folder: what it was exported in).
-Captions are generated on the split (decoding settings left out come from the bundle) or read from
-``predictions`` (JSON Lines from vitattn-caption, or COCO results ``[{"image_id", "caption"}]``) and scored
-against ``references`` (a COCO caption file; ``image_dir`` defaults to its folder) or, without them, the run's own data
-(``RUN/config.yaml``: the built-in shapes split, a COCO run's annotations, or a Karpathy-split run's
-val / test split): BLEU-1..4, ROUGE-L,
-CIDEr-D, and exact match on the synthetic shapes captions. ``scorer=coco`` also runs the COCO caption
-toolkit itself (pycocoevalcap, ``pip install 'vitattn[coco]'``, and Java: its PTB tokenizer, BLEU-1..4,
-METEOR, ROUGE-L, CIDEr-D) and writes its numbers beside the built-in ones. A classifier gets top-1 /
-top-5 accuracy on ``data_root/<split>/<class>/<image>`` or the run's data, and a confusion matrix PNG.
-
-``out`` (default ``RUN/eval-<split>``, or ``./eval-<split>`` for a model outside a run) receives
-``metrics.json`` (the metrics, the toolkit's under ``coco``, the decoding settings, the model and the
-split), ``captions.jsonl`` or ``confusion_matrix.png``. Exit status: 0 when every image was scored, 1
-when some could not be read or have no prediction, 2 on a usage, data or model error (scorer=coco
-without pycocoevalcap or Java among them).
+Without ``references`` (or ``data_root``) the run's own split is scored. Exit status: 0 every image scored,
+1 some not, 2 a usage, data or model error. More: docs/captioning.md ("Evaluation and export").
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """The Python API: ``Captioner`` and ``Classifier``, loaded from a bundle, a run folder, a checkpoint or an
 ONNX folder, fed images of any common kind (paths, PIL images, numpy arrays, tensors).
 
-Dimension letters: B batch, C channels, T' generated tokens, gh x gw patch grid; image sides are written out
-(height, width): H is heads elsewhere.
+Dimension letters: B batch, C channels, T' generated tokens, gh x gw patch grid; image sides are written out.
 
     >>> from vitattn import Captioner
-    >>> captioner = Captioner.load("runs/coco/bundle")
-    >>> captioner.caption("cat.jpg", num_beams=3)
+    >>> Captioner.load("runs/coco/bundle").caption("cat.jpg", num_beams=3)
     'a cat sitting on a couch'
 
 Every kind of image becomes an upright 8-bit RGB PIL image first (``read_image`` for files), then the model's
-``transform``: the model sees what it saw in training and what ``vitattn-caption`` gives it for the same file.
+``transform``: the model sees what it saw in training, and what ``vitattn-caption`` gives it for the file.
 """
 
 from __future__ import annotations
@@ -46,12 +44,8 @@ _KINDS = (
 
 @dataclass
 class Caption:
-    """One caption with what produced it.
-
-    Attributes:
-        text: the words, special tokens left out.
-        tokens: the generated ids (``<eos>`` included, padding dropped).
-        score: the caption's total log-probability under the model.
+    """One caption: its words (special tokens left out), the generated ids (``<eos>`` kept, padding dropped) and its
+    total log-probability under the model.
     """
 
     text: str
@@ -61,15 +55,9 @@ class Caption:
 
 @dataclass
 class AttentionMaps:
-    """Where each word of a caption looked: what ``vitattn-caption attention_maps=DIR`` draws.
-
-    Attributes:
-        caption: the caption.
-        words: its words, one per map (``<unk>`` kept so that words line up with positions).
-        cross: (len(words), gh, gw) the last decoder layer's cross-attention of each word, averaged over
-            heads, each summing to 1 over the patches.
-        rollout: (gh, gw) the encoder's attention rollout of the class token.
-        image: (3, height, width) the image as the model saw it, in [0, 1] (for drawing the maps over it).
+    """Where each word of ``caption`` looked, as ``vitattn-caption attention_maps=DIR`` draws it: ``words`` (``<unk>``
+    kept, one per map), ``cross`` (len(words), gh, gw), the last decoder layer's cross-attention averaged over
+    heads, ``rollout`` (gh, gw), the encoder's, and ``image`` (3, height, width) as the model saw it, in [0, 1].
     """
 
     caption: str
@@ -102,51 +90,28 @@ class _TaskModel:
     def __init__(self, bundle: LoadedModel) -> None:
         if bundle.task != self.task:
             raise ValueError(f"this is a {bundle.task} model; load it with {self.other}.load")
-        self.bundle = bundle
-        self.transform = bundle.transform
+        self.bundle, self.transform = bundle, bundle.transform
+        # the network (a PyTorch module or an ONNX folder's model), its runtime (torch or onnx), its device, and
+        # what it runs in (fp32 or bf16, load's precision resolved; an ONNX folder's fp32 or int8)
+        self.model, self.runtime, self.device, self.precision = (
+            bundle.model,
+            bundle.runtime,
+            bundle.device,
+            bundle.precision,
+        )
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu", precision: str = "auto") -> Any:
-        """The model at ``path``: a bundle folder, a training run folder, a ``.ckpt`` or an ONNX folder, run in
-        ``precision``: ``auto`` (bf16 on GPUs and on CPUs with bf16 matrix units, else fp32), ``fp32`` or
-        ``bf16`` (PyTorch models only: an ONNX folder runs in what it was exported in, fp32 or int8)."""
+        """The model at ``path``, as ``load_model`` loads it (``precision``: ``auto``, ``fp32`` or ``bf16``)."""
         bundle = load_model(path, device, precision)
         if bundle.task != cls.task:
             raise ValueError(f"{path} is a {bundle.task} model; load it with {cls.other}.load")
         return cls(bundle)
 
-    @property
-    def model(self) -> Any:
-        """The network: the PyTorch module, or the ONNX Runtime model of an ONNX folder (``OnnxCaptioner``,
-        ``OnnxClassifier``)."""
-        return self.bundle.model
-
-    @property
-    def runtime(self) -> str:
-        """``torch`` or ``onnx``."""
-        return self.bundle.runtime
-
-    @property
-    def device(self) -> torch.device:
-        """Where the model runs."""
-        return self.bundle.device
-
-    @property
-    def precision(self) -> str:
-        """What the model runs in: ``fp32`` or ``bf16`` (``load``'s ``precision`` resolved), or an ONNX folder's
-        ``fp32`` or ``int8``."""
-        return self.bundle.precision
-
 
 class Captioner(_TaskModel):
-    """Caption images with a trained model.
-
-    Load with ``Captioner.load(path)``; ``caption`` takes one image or a list (file paths, PIL images,
-    (height, width, 3) uint8 arrays, (3, height, width) tensors) and batches them; ``generate`` keyword arguments left
-    out come from the bundle's defaults.
-
-    Args:
-        bundle: a caption model (``load_model``'s output).
+    """Caption images with a trained model: ``Captioner.load(path).caption(images, num_beams=3)``; decoding
+    settings left out are the model's defaults.
     """
 
     task, other = "caption", "Classifier"
@@ -167,17 +132,9 @@ class Captioner(_TaskModel):
         details: bool = False,
         **generate: Any,
     ) -> str | list[str] | Caption | list[Caption]:
-        """Caption one image or a list of them.
-
-        Args:
-            images: a file path, PIL image, (height, width, 3) uint8 array or (3, height, width) tensor (uint8, or float
-                in [0, 1]); or a list of them.
-            batch_size: images per ``generate`` call.
-            details: return ``Caption``s (text, tokens, log-probability) instead of strings.
-            **generate: ``num_beams``, ``max_new_tokens``, ``length_penalty``, ``do_sample``, ...
-
-        Returns:
-            A string (or ``Caption``) for one image, a list for a list.
+        """Caption one image (a path, PIL image, (height, width, 3) uint8 array, or (3, height, width) tensor, uint8 or
+        in [0, 1]) or a list of them, ``batch_size`` per ``generate`` call, ``**generate`` over the model's defaults.
+        Returns a string for one image, a list for a list; ``details``: ``Caption``s (text, tokens, log-probability).
         """
         items, single = as_image_list(images)
         if batch_size < 1:
@@ -278,12 +235,8 @@ def as_image_list(images: ImageLike | Sequence[ImageLike]) -> tuple[list[ImageLi
 
 
 def to_pil(image: Any, where: str = "image") -> Image.Image:
-    """One image of any accepted kind as an upright 8-bit RGB PIL image.
-
-    Raises:
-        TypeError: not a kind of image the API takes (the message lists them).
-        ValueError: an array or tensor of the wrong shape, dtype or range.
-        BadImageError: a file that cannot be read.
+    """One image of any accepted kind as an upright 8-bit RGB PIL image; ``TypeError`` for another kind,
+    ``ValueError`` for an array of the wrong shape, dtype or range, ``BadImageError`` for a file it cannot read.
     """
     if isinstance(image, (str, os.PathLike)):
         return read_image(image)

@@ -1,12 +1,12 @@
-"""Where the captioner looks: cross-attention of each generated word, and encoder attention rollout.
+"""Where the captioner looks: cross-attention of each generated word, the encoder's attention rollout, and
+their figures.
 
-Dimension letters: B batch, H heads, T' generated tokens, N image tokens (class token first, then
-the gh x gw patches), C channels; image sides are written out
-(height, width): H is heads.
+Dimension letters: B batch, H heads, T' generated tokens, N image tokens (class token, then gh x gw patches),
+C channels; image sides are written out (height, width).
 
-Captions are generated as usual (fused attention, no weights); then one teacher-forced pass of the
-generated tokens runs under ``record_attention``. Position t of that pass is the step that produced
-word t, so its cross-attention is the map of word t, for greedy, beam and sampled captions alike.
+Captions are generated as usual (fused attention, no weights); one teacher-forced pass of the generated tokens
+then runs under ``record_attention``: its position t is the step that produced word t, so its cross-attention
+is the map of word t, for greedy, beam and sampled captions alike.
 """
 
 from __future__ import annotations
@@ -45,17 +45,9 @@ __all__ = [
 
 
 def attention_rollout(attentions: Sequence[Tensor], num_prefix_tokens: int = 1) -> Tensor:
-    """Attention rollout (Abnar & Zuidema, 2020) of the class token over the patches.
-
-    Each layer's weights are averaged over heads, the identity is added for the residual path and
-    rows are renormalised; the layers are multiplied through, first layer rightmost.
-
-    Args:
-        attentions: per encoder layer, first to last, (B, H, N, N) self-attention weights.
-        num_prefix_tokens: tokens before the patches (the class token).
-
-    Returns:
-        (B, N - num_prefix_tokens) the class token's row over the patches, summing to 1.
+    """(B, N - num_prefix_tokens) attention rollout (Abnar & Zuidema, 2020) of the class token over the patches,
+    summing to 1, from each encoder layer's (B, H, N, N) weights, first to last: heads averaged, the identity
+    added for the residual path, rows renormalised, the layers multiplied through.
     """
     rollout = None
     for weights in attentions:
@@ -73,18 +65,10 @@ def attention_rollout(attentions: Sequence[Tensor], num_prefix_tokens: int = 1) 
 def attention_from_tokens(
     model: ImageCaptioner, images: Tensor, tokens: Tensor, layer: int = -1
 ) -> tuple[Tensor, Tensor]:
-    """Cross-attention maps of given captions and the encoder rollout, from one recorded forward pass.
-
-    Args:
-        model: the captioner (in eval mode, so dropout does not disturb the maps).
-        images: (B, C, height, width) model inputs.
-        tokens: (B, T') captions as ``generate`` returns them (no ``<bos>``; ``<eos>``, then ``<pad>``).
-        layer: which decoder layer's cross-attention (negative counts from the last).
-
-    Returns:
-        ``(cross_maps, rollout)``: (B, T', gh, gw), the chosen layer's cross-attention averaged over
-        heads, class token dropped, each map summing to 1 over the patches (positions after
-        ``<eos>`` are padding); and (B, gh, gw), the encoder rollout, summing to 1.
+    """``(cross, rollout)`` of captions ``tokens`` (B, T') as ``generate`` returns them, from one recorded
+    teacher-forced pass over ``images`` (B, C, height, width): (B, T', gh, gw) the cross-attention of decoder
+    layer ``layer`` averaged over heads, each map summing to 1 over the patches (after ``<eos>``: padding), and
+    (B, gh, gw) the encoder's rollout. ``model`` in eval mode, so that dropout leaves the maps alone.
     """
     dec, enc = model.decoder, model.encoder
     depth = len(dec.layers)
@@ -136,16 +120,8 @@ def attention_figure(
     title: str | None = None,
     max_cols: int = 6,
 ) -> Figure:
-    """The image, one heat-map overlay per word, and the encoder rollout, as a matplotlib ``Figure``.
-
-    Args:
-        image: the image the maps belong to (the model's input view aligns best): PIL, (height, width, 3)
-            array, or (3, height, width) tensor in [0, 1].
-        words: the caption's words; panel i shows ``cross_maps[i]``.
-        cross_maps: (T', gh, gw) with T' >= len(words).
-        rollout: (gh, gw).
-        title: a figure title, e.g. the caption.
-        max_cols: panels per row.
+    """A matplotlib ``Figure``: ``image`` (PIL, (height, width, 3) array or (3, height, width) tensor in [0, 1]),
+    one overlay per word of ``cross_maps`` (T', gh, gw), T' >= len(words), and the ``rollout`` (gh, gw).
     """
     # heavy: matplotlib is imported only when a figure is drawn; no pyplot: no global state, Agg chosen by savefig
     from matplotlib.figure import Figure

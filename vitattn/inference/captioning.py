@@ -134,10 +134,7 @@ def launch_processes(
     *, devices: int = 1, num_nodes: int = 1, accelerator: str = "auto", device: str = "cpu", runtime: str = "torch"
 ) -> Processes:
     """Start (or join, under ``torchrun`` or ``srun``) ``devices`` x ``num_nodes`` captioning processes with
-    Lightning Fabric; one process needs no launch. ``runtime`` ``onnx`` (an ONNX folder) runs on CPUs only.
-
-    ``Trainer.predict`` would wrap the model in DDP, which needs a PyTorch module with weights; captioning
-    needs only ranks and collectives.
+    Lightning Fabric; one process needs no launch. An ONNX folder (``runtime`` ``onnx``) runs on CPUs only.
     """
     if runtime == "onnx":
         if devices * num_nodes > 1 and accelerator not in ("auto", "cpu"):
@@ -342,22 +339,11 @@ def caption_files(
     seed: int | None = None,
     **generate: Any,
 ) -> CaptionSummary:
-    """Caption image files into ``out``, resuming what an earlier run of the same command left; called the
-    same way on every rank of ``processes`` (default: this process alone).
-
-    Args:
-        model: a caption model on this rank's device (``load_model``).
-        inputs: from ``list_inputs``; the same on every rank.
-        out: the output file: ``jsonl`` (``{"image", "image_id", "caption"}`` or ``"error"`` per line; the images
-            an existing one holds are kept), ``coco`` (``[{"image_id", "caption"}]``) or ``csv``
-            (``image,image_id,caption,error``); in input order.
-        batch_size, num_workers, progress: images per ``generate`` call, reading processes, a bar on stderr.
-        attention_maps: a folder for one attention figure per captioned image (``<stem>.png``).
-        seed: seeds sampling, ``seed + rank`` on each rank.
-        **generate: ``generate`` settings (``LoadedModel.generate_settings``).
-
-    Returns:
-        The same summary on every rank.
+    """Caption image files into ``out``, resuming what a run of the same command left; called the same way on
+    every rank of ``processes`` (default: this process alone), with the same ``inputs``, it returns the same
+    summary on each. ``format``: ``jsonl`` (``{"image", "image_id", "caption"}`` or ``"error"`` a line),
+    ``coco`` (``[{"image_id", "caption"}]``) or ``csv`` (``image,image_id,caption,error``). ``attention_maps``: a
+    folder for one figure per captioned image; ``seed``: ``seed + rank`` seeds sampling; ``**generate``: settings.
     """
     processes = processes or Processes(device=model.device)
     if format not in FILE_FORMATS:
@@ -533,13 +519,9 @@ def caption_shards(
     seed: int | None = None,
     **generate: Any,
 ) -> CaptionSummary:
-    """Caption the unfinished shards of ``urls``, one output per shard in ``out_dir``: a row per sample, ``key``
-    and ``caption`` (or ``error``), with the sample's ``url`` and original caption (``.txt``) when it has them.
-    Called the same way on every rank of ``processes``; the summary (all ranks' counts) is the same on each.
-
-    Args:
-        model, batch_size, num_workers, progress, seed, **generate: as ``caption_files``'.
-        format: ``jsonl`` or ``parquet`` (needs pyarrow).
+    """Caption the unfinished shards of ``urls``, one output per shard in ``out_dir`` (``format`` ``jsonl`` or
+    ``parquet``): a row per sample, ``key`` and ``caption`` (or ``error``), and its ``url`` and original caption
+    (``.txt``) when it has them. Called as ``caption_files``, with the same options; counts are this run's.
     """
     processes = processes or Processes(device=model.device)
     if format not in SHARD_FORMATS:

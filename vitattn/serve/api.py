@@ -1,13 +1,11 @@
-"""The captioning ``LitAPI``: a request's image becomes a tensor or a one-line reason; good images of a
+"""The captioning ``LitAPI``: a request's image becomes a tensor or a one-line reason; the good images of a
 batch are captioned together, bad ones answer HTTP 400 without failing their batch.
 
 Dimension letters: B batch, C channels, T' generated tokens; image sides are written out (height, width).
 
-A request is a multipart form with an ``image`` file field (or a single file field of any name), or JSON
-``{"image": "<base64>"}`` (a ``data:`` URL is accepted; ``bodies`` turns a raw image body into this);
-``attention=true`` in either also returns the attention figure as a PNG ``data:`` URL. LitServe batches
-requests across clients (``max_batch_size``, ``batch_timeout``) and decodes each one apart, so one bad
-image never spoils the batch it arrived in.
+A request is a multipart form with an ``image`` file field (or one file field of any name), or JSON
+``{"image": "<base64>"}`` (a ``data:`` URL too); ``attention=true`` adds the attention figure as a PNG
+``data:`` URL. LitServe batches requests across clients and decodes each one apart.
 """
 
 from __future__ import annotations
@@ -110,16 +108,9 @@ def decode_image_request(request: Any, transform: Any, max_image_bytes: int) -> 
 
 
 class CaptionAPI(ls.LitAPI):
-    """Captions images with a bundle on one device; LitServe gives it batches of decoded requests.
-
-    Args:
-        model: a bundle folder, a training run folder, a ``.ckpt`` or an ONNX folder (as ``load_model`` takes).
-        generate: ``ImageCaptioner.generate`` keyword arguments (the bundle's defaults already merged in).
-        max_image_bytes: larger images are refused with HTTP 400 before they are read.
-        num_threads: torch CPU threads of each worker (None: torch's default).
-        precision: ``auto``, ``fp32`` or ``bf16``, as ``load_model`` takes it.
-        max_batch_size, batch_timeout: LitServe's dynamic batching (requests per ``generate`` call, and
-            how long a batch waits to fill, in seconds).
+    """Captions images with the ``model`` path (as ``load_model`` takes it, in ``precision``) on one device, with
+    ``generate`` settings already resolved; LitServe gives it batches of decoded requests (``max_batch_size``,
+    ``batch_timeout`` seconds). Images over ``max_image_bytes`` get a 400 unread; ``num_threads``: torch's.
     """
 
     def __init__(

@@ -31,15 +31,9 @@ def build_server(
     timeout: float = 60.0,
     stop: GracefulStop | None = None,
 ) -> ls.LitServer:
-    """A ``LitServer`` for ``api``: ``POST /predict``, ``GET /health``, and ``GET /`` the captioning page.
-
-    Args:
-        api: the captioning API (its batching settings are its own).
-        accelerator: ``auto``, ``cpu`` or ``cuda``.
-        devices: GPUs to use (a number or ``auto``); ignored on the CPU.
-        workers_per_device: model copies per device, each with its own batches.
-        timeout: seconds a request may wait for its answer before a 504.
-        stop: what SIGTERM / SIGINT do (``stop.serve(server, ...)`` runs it): its 503 gate goes in front.
+    """A ``LitServer`` for ``api`` (batching is the api's): ``POST /predict``, ``GET /health`` and ``GET /``, the
+    page, on ``accelerator`` (``auto``, ``cpu``, ``cuda``) and ``devices`` GPUs, ``workers_per_device`` model copies
+    each; a request waits ``timeout`` seconds before a 504. ``stop``'s 503 gate goes in front of it all.
     """
     server = ls.LitServer(
         api, accelerator=accelerator, devices=devices, workers_per_device=workers_per_device, timeout=timeout

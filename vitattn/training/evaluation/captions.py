@@ -41,18 +41,9 @@ def _image_key(value: Any, where: str) -> int | str:
 
 
 def read_predictions(path: str | os.PathLike) -> tuple[dict[Any, str], list[Any]]:
-    """Captions of a predictions file, by image id.
-
-    Args:
-        path: JSON Lines with ``image_id`` and ``caption`` per line (``vitattn-caption`` output,
-            whose failed images have ``error`` instead of ``caption``; ``vitattn-eval``'s
-            ``captions.jsonl``), or a COCO results file ``[{"image_id", "caption"}, ...]``.
-
-    Returns:
-        ``({image_id: caption}, [image ids of error records])``; a repeated id keeps its first caption.
-
-    Raises:
-        ValueError: the file is not one of these formats.
+    """``({image_id: caption}, [ids of error records])`` of a predictions file: JSON Lines with ``image_id`` and
+    ``caption`` (or ``error``) a line, as ``vitattn-caption`` and ``vitattn-eval`` write them, or a COCO results
+    list ``[{"image_id", "caption"}]``; a repeated id keeps its first caption. Anything else: a ``ValueError``.
     """
     path = Path(path)
     if not path.is_file():
@@ -141,30 +132,11 @@ def evaluate_captions(
     progress: bool = False,
     scorer: str = "builtin",
 ) -> EvalReport:
-    """Caption a split (or read captions from ``predictions``) and score them against its references.
-
-    Args:
-        bundle: a caption bundle.
-        split: ``val`` or ``test`` of the run's data (ignored with ``references``).
-        run_dir: the training run (``RunDir.find``); its data config gives the split when
-            ``references`` is None.
-        references: a COCO caption file; ``image_dir`` is the folder its ``file_name``s are in
-            (default: the file's folder).
-        predictions: a predictions file (see ``read_predictions``) to score instead of generating.
-        generate: ``ImageCaptioner.generate`` keyword arguments (the bundle's defaults merged in).
-        batch_size, num_workers, progress: image loading and decoding.
-        scorer: ``builtin`` (BLEU-1..4, ROUGE-L, CIDEr-D in Python) or ``coco``: those and, in
-            ``report.coco``, the COCO caption toolkit's own BLEU-1..4, METEOR, ROUGE-L and CIDEr-D
-            (pycocoevalcap with its Java tokenizer; ``vitattn.metrics.toolkit``).
-
-    Returns:
-        The report; ``num_failed`` counts images that could not be read (or have an error record),
-        ``num_missing`` reference images without a prediction.
-
-    Raises:
-        ValueError: no references can be found, the predictions name images the references lack, or
-            ``scorer`` is unknown.
-        MissingDependencyError: ``scorer="coco"`` without pycocoevalcap or Java (checked first).
+    """Caption a split (or read ``predictions``, ``read_predictions``' files) and score the captions against its
+    references: ``references`` (a COCO caption file, its images in ``image_dir``, default its folder), else the
+    ``split`` of the run's data. ``generate``: the decoding settings; ``scorer``: ``builtin`` (BLEU-1..4, ROUGE-L,
+    CIDEr-D) or ``coco``, the COCO toolkit's too (``report.coco``). In the report, ``num_failed`` counts images
+    unread or with an error record, ``num_missing`` those without a prediction.
     """
     check_split(split)
     if scorer not in SCORERS:

@@ -55,19 +55,9 @@ def evaluate_classification(
     num_workers: int = 0,
     progress: bool = False,
 ) -> EvalReport:
-    """Top-1 / top-5 accuracy and the confusion matrix of a classifier on a split.
-
-    Args:
-        bundle: a classification bundle.
-        split: ``val`` or ``test``.
-        run_dir: the training run; its shapes or ImageFolder data gives the split when ``data_root``
-            is None.
-        data_root: a folder with ``<split>/<class>/<image>``; class folders are matched to the
-            model's ``class_names`` by name (a folder may hold only some of the classes).
-        batch_size, num_workers, progress: image loading.
-
-    Returns:
-        The report; unreadable image files are left out and counted in ``num_failed``.
+    """Top-1 / top-5 accuracy and the confusion matrix of a classifier on ``split`` of ``data_root``
+    (``<split>/<class>/<image>``, class folders matched to the model's classes by name) or of the run's data.
+    Unreadable files are left out and counted in ``num_failed``.
     """
     # heavy: torchmetrics is slow to import (docs/benchmarks.md), and only classification evaluation needs it
     from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
