@@ -39,7 +39,7 @@ from vitattn.data.shards import expand_shards, read_shard
 from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, split_epoch
 from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.inference import caption_files, caption_shards, list_inputs
-from vitattn.inference.captioning import _finished, _Unit, assign_units, shard_output
+from vitattn.inference.captioning import assign_units, unfinished_shards
 from vitattn.training import train
 from vitattn.training.compose import compose_train
 
@@ -160,9 +160,7 @@ def resume_rows(root: Path, shards_count: int = 10_000) -> list[dict]:
         (out / f"{i:05d}.jsonl").write_text("{}\n")
     sizes = [10_000] * shards_count
     started = time.perf_counter()
-    units = [_Unit(shard_output(out, url, "jsonl"), size, shard=url) for url, size in zip(urls, sizes)]
-    finished = _finished(out, units)  # what caption_shards lists before any rank writes
-    todo = [i for i in range(shards_count) if f"{i:05d}.jsonl" not in finished]
+    todo = unfinished_shards(urls, out, "jsonl")  # what caption_shards lists before any rank writes
     assign_units([sizes[i] for i in todo], 64)
     caption_s = time.perf_counter() - started
 

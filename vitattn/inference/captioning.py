@@ -60,6 +60,7 @@ __all__ = [
     "launch_processes",
     "read_pixels",
     "shard_output",
+    "unfinished_shards",
 ]
 
 log = logging.getLogger(__name__)
@@ -530,16 +531,14 @@ def caption_shards(
         import pyarrow  # noqa: F401 - optional: only parquet output needs it; fail before any work
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    sizes = shard_sizes(urls)
-    units = [_Unit(shard_output(out_dir, url, format), size, shard=url) for url, size in zip(urls, sizes)]
-    finished = _finished(out_dir, units) if processes.is_zero else None
-    finished = processes.broadcast(finished)  # one listing for every rank, taken before any writes
-    todo = [k for k, unit in enumerate(units) if unit.output.name not in finished]
+    todo = processes.broadcast(unfinished_shards(urls, out_dir, format) if processes.is_zero else None)
+    sizes = dict(zip(todo, shard_sizes([urls[k] for k in todo])))  # one listing for every rank, taken before writes
+    units = [_Unit(shard_output(out_dir, url, format), sizes.get(k, 0), shard=url) for k, url in enumerate(urls)]
     if processes.is_zero:
         log.info(
             "captioning %d shards (%d finished before) on %d process(es)",
             len(urls),
-            len(finished),
+            len(urls) - len(todo),
             processes.world_size,
         )
     if seed is not None:
@@ -564,6 +563,14 @@ def caption_shards(
     )
     shards, captioned, failed = processes.sum(counts)
     return CaptionSummary(captioned, failed, 0, out_dir, shards, len(units) - len(todo))
+
+
+def unfinished_shards(urls: Sequence[str], out_dir: str | os.PathLike, format: str = "jsonl") -> list[int]:
+    """Positions in ``urls`` of the shards without an output in ``out_dir`` (an output there is whole: outputs are
+    only ever renamed into place); the temporaries a killed run left are removed."""
+    units = [_Unit(shard_output(out_dir, url, format), 0, shard=url) for url in urls]
+    finished = _finished(Path(out_dir), units)
+    return [k for k, unit in enumerate(units) if unit.output.name not in finished]
 
 
 def _write_rows(path: Path, rows: list[dict[str, Any]], format: str) -> None:
