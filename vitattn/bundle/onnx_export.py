@@ -142,10 +142,8 @@ def contrib_opsets(module: nn.Module) -> dict[str, int]:
 
 
 class EncoderGraph(nn.Module):
-    """Images -> each decoder layer's cross-attention keys, (B, H, d, N), and values, (B, H, N, d).
-
-    The keys leave transposed, once per image: every decoding step multiplies queries by them
-    (``q @ kᵀ``), and ONNX Runtime's product over a transposed operand reads it more slowly.
+    """Images -> each decoder layer's cross-attention keys, (B, H, d, N), transposed once per image (every step
+    multiplies queries by them, and ONNX Runtime reads a transposed operand more slowly), and values (B, H, N, d).
     """
 
     def __init__(self, model: ImageCaptioner) -> None:

@@ -187,11 +187,7 @@ class Captioner(_TaskModel):
 
 
 class Classifier(_TaskModel):
-    """Classify images with a trained model: ``Classifier.load(path).predict(images, top_k=5)``.
-
-    Args:
-        bundle: a classification model (``load_model``'s output).
-    """
+    """Classify images with a trained model: ``Classifier.load(path).predict(images, top_k=5)``."""
 
     task, other = "classification", "Captioner"
 

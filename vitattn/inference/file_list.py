@@ -114,10 +114,8 @@ def _numbered(paths: Sequence[str], sort: bool) -> InputList:
 
 
 def _walk_images(root: Path, shown: str) -> list[str]:
-    """Image paths under ``root``, hidden names skipped; one ``os.scandir`` per folder, nothing held twice.
-
-    Raises:
-        ValueError: a folder under ``root`` cannot be read (its images would be missing from the list).
+    """Image paths under ``root``, hidden names skipped, one ``os.scandir`` per folder; a folder that cannot be read
+    is a ``ValueError`` (its images would be missing from the list).
     """
     found: list[str] = []
     folders = [str(root)]

@@ -87,10 +87,8 @@ def _image_bytes(request: Any) -> bytes | str:
 
 
 def decode_image_request(request: Any, transform: Any, max_image_bytes: int) -> ImageRequest:
-    """A request (form or JSON) -> an ``ImageRequest``; never raises.
-
-    The image is read by ``read_image``, the reader and the reasons of ``vitattn-caption``; an image over
-    ``max_image_bytes`` is refused unread.
+    """A request (form or JSON) -> an ``ImageRequest``, never raising: the image read by ``read_image``, with
+    ``vitattn-caption``'s reasons; one over ``max_image_bytes`` is refused unread.
     """
     attention = _flag(request.get("attention", False)) if hasattr(request, "get") else False
     data = _image_bytes(request)

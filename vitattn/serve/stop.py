@@ -42,11 +42,8 @@ def leave_interrupts_to_parent() -> None:
 
 
 class GracefulStop:
-    """How a ``LitServer`` stops on SIGTERM / SIGINT: drain, then end LitServe's processes.
-
-    Args:
-        timeout: the server's request timeout in seconds; requests in flight get this long to finish.
-        end_server: called (in a thread of the parent) once drained; the default sets LitServe's shutdown event.
+    """How a ``LitServer`` stops on SIGTERM / SIGINT: drain (requests in flight get ``timeout`` seconds), then
+    ``end_server`` (in a thread of the parent; default: set LitServe's shutdown event).
     """
 
     def __init__(self, timeout: float, end_server: Callable[[Any], None] = set_litserve_shutdown) -> None:
