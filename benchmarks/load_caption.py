@@ -49,9 +49,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.processes import caption_command, tiny_bundle, write_images
+from benchmarks.processes import RecordCounter, caption_command, tiny_bundle, write_images
 from benchmarks.procfs import busy_ticks, process_tree, rss_kib, scan_processes
-from vitattn.inference.writers import LineCounter
 
 SCHEMA = "vitattn-load-caption/2"
 FRACTIONS = (0.2, 0.4, 0.6, 0.8, 1.0)
@@ -78,7 +77,7 @@ def run_sampled(cmd: Sequence[str], out: Path, logs: Path, interval: float, time
     other_cpu_s], ...]}`` (``other_cpu_s`` counts from the start).
     """
     hz = os.sysconf("SC_CLK_TCK")
-    count = LineCounter(out)
+    count = RecordCounter(out)
     samples: list[list[float]] = []
     ticks: dict[int, int] = {}  # CPU ticks of each process of the tree, and of this script, as last seen
     with open(logs.with_suffix(".stdout"), "wb") as stdout, open(logs.with_suffix(".stderr"), "wb") as stderr:

@@ -32,6 +32,7 @@ from vitattn.data.preprocess import default_preprocess
 from vitattn.data.tokenizer import Vocabulary
 from vitattn.inference.captioning import generate_tokens
 from vitattn.models import CaptionDecoder, ImageCaptioner, vit_preset
+from vitattn.precision import precision_autocast
 
 # name -> (ViT preset, image side, decoder heads, vocabulary size): the decoder is 2 layers at the encoder's width
 PRESETS = {"cpu": ("cpu", 64, 4, 1000), "vit-s16": ("small", 224, 6, 10000)}
@@ -63,7 +64,7 @@ RUNTIMES = ("eager", "eager-bf16", "onnx-fp32", "onnx-int8")
 
 
 def _classify(classifier: Classifier, images: torch.Tensor) -> torch.Tensor:
-    with classifier.bundle.autocast():
+    with precision_autocast(classifier.precision, classifier.device):
         return classifier.model(images)
 
 

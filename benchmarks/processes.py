@@ -27,7 +27,6 @@ from benchmarks.report import row
 from vitattn.bundle import save_bundle
 from vitattn.data import Vocabulary, default_preprocess
 from vitattn.data.shapes import generate_scene, render_scene, scene_caption
-from vitattn.inference.writers import LineCounter, OutputFiles
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 
 __all__ = ["bench_processes", "caption_command", "time_caption_run", "tiny_bundle", "write_images"]
@@ -57,6 +56,27 @@ def tiny_bundle(directory: Path, img_size: int = 32, embed_dim: int = 32, depth:
     return save_bundle(directory, model, task="caption", preprocess=default_preprocess(img_size), vocab=vocab)
 
 
+class RecordCounter:
+    """Records a ``vitattn-caption`` run has written into ``out`` so far: the lines of its finished chunks
+    (``OUT.parts/``, each counted once, as the folder goes at the merge), or of ``out`` once merged."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.seen = Path(out), {}
+
+    def __call__(self) -> int:
+        try:
+            for path in self.out.with_name(self.out.name + ".parts").glob("*.jsonl"):
+                if path.name not in self.seen:
+                    self.seen[path.name] = path.read_bytes().count(b"\n")
+        except OSError:  # the folder, or a chunk, removed by the merge meanwhile
+            pass
+        merged = self.out.read_bytes().count(b"\n") if self.out.is_file() else 0
+        return max(sum(self.seen.values()), merged)
+
+    def close(self) -> None:
+        pass
+
+
 def caption_command() -> list[str]:
     """The installed ``vitattn-caption``, else the module run by this interpreter."""
     script = Path(sys.executable).with_name("vitattn-caption")
@@ -75,9 +95,7 @@ def time_caption_run(
         ``total_s`` (the whole command, merge included), ``cores`` (CPU seconds of the command and
         all its processes over ``total_s``: what the machine gave it) and the command.
     """
-    files = OutputFiles(out, "jsonl")
-    watched = [files.part(r) for r in range(devices)] if devices > 1 else [out]
-    counters = [LineCounter(p) for p in watched]
+    counters = [RecordCounter(out)]
     cmd = [*caption_command(), *args, f"out={out}", f"devices={devices}", "progress=false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     marks: dict[float, float] = {}

@@ -35,11 +35,11 @@ import torch
 
 from vitattn.bundle import load_bundle
 from vitattn.data.shapes import CLASS_NAMES
-from vitattn.data.shards import expand_shards, read_shard, shard_sizes
+from vitattn.data.shards import expand_shards, read_shard
 from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, split_epoch
 from vitattn.data.shards.writer import shapes_samples, write_shards
-from vitattn.inference import caption_to_file, list_inputs
-from vitattn.inference.shard_captioning import assign_shards, caption_shards, finished_outputs, remove_temporaries
+from vitattn.inference import caption_files, caption_shards, list_inputs
+from vitattn.inference.captioning import assign_units, unfinished_shards
 from vitattn.training import train
 from vitattn.training.compose import compose_train
 
@@ -140,10 +140,10 @@ def caption_row(root: Path, shards: Path, tree: Path, repeats: int) -> dict:
     shard_rates, file_rates = [], []
     for r in range(repeats):
         started = time.perf_counter()
-        done = caption_shards(bundle, urls, shard_sizes(urls), root / f"captions-{r}", num_workers=1, progress=False)
+        done = caption_shards(bundle, urls, root / f"captions-{r}", num_workers=1, progress=False)
         shard_rates.append(done.captioned / (time.perf_counter() - started))
         started = time.perf_counter()
-        files = caption_to_file(bundle, inputs, root / f"captions-{r}.jsonl", num_workers=1, progress=False)
+        files = caption_files(bundle, inputs, root / f"captions-{r}.jsonl", num_workers=1, progress=False)
         file_rates.append(files.captioned / (time.perf_counter() - started))
     return {
         "row": f"captioning images/s, shards vs files ({len(inputs)} images, best of {repeats})",
@@ -160,10 +160,8 @@ def resume_rows(root: Path, shards_count: int = 10_000) -> list[dict]:
         (out / f"{i:05d}.jsonl").write_text("{}\n")
     sizes = [10_000] * shards_count
     started = time.perf_counter()
-    finished = finished_outputs(out, urls, "jsonl")
-    remove_temporaries(out, urls, "jsonl")
-    todo = [i for i in range(shards_count) if f"{i:05d}.jsonl" not in finished]
-    assign_shards([sizes[i] for i in todo], 64)
+    todo = unfinished_shards(urls, out, "jsonl")  # what caption_shards lists before any rank writes
+    assign_units([sizes[i] for i in todo], 64)
     caption_s = time.perf_counter() - started
 
     order = EpochOrder(sizes, seed=0, epoch=3)

@@ -9,21 +9,21 @@ import pytest
 import torch
 from PIL import Image
 
+import vitattn.bundle
 import vitattn.inference.api
-import vitattn.inference.loader
 import vitattn.precision
 import vitattn.serve
 import vitattn.serve.api
 from tests.helpers import TINY, compose_train, make_caption_bundle
 from vitattn import Captioner, Classifier
+from vitattn.bundle import load_model
 from vitattn.cli import caption as caption_cli
 from vitattn.cli import evaluate as evaluate_cli
 from vitattn.cli import serve as serve_cli
 from vitattn.cli.args import UsageError
 from vitattn.cli.export import main as export_main
 from vitattn.data.shapes import ShapesDataset
-from vitattn.inference.image_like import to_pixels
-from vitattn.inference.loader import load_model
+from vitattn.inference.api import to_pixels
 from vitattn.models.search import sequence_log_prob
 from vitattn.precision import NATIVE_BF16_ENV, check_precision, native_bf16, resolve_precision
 from vitattn.training import train
@@ -247,13 +247,13 @@ def test_caption_eval_and_serve_load_in_the_precision_given(caption_run, tmp_pat
     for i, image in enumerate(_images(6)):
         Image.fromarray(image.permute(1, 2, 0).numpy()).save(folder / f"{i}.png")
     loaded = []
-    load = vitattn.inference.loader.load_model
+    load = vitattn.bundle.load_model
 
     def spy(path, device="cpu", precision="auto"):
         loaded.append(precision)
         return load(path, device, precision)
 
-    for module in (vitattn.inference.loader, vitattn.inference.api, vitattn.serve.api):
+    for module in (vitattn.bundle, vitattn.inference.api, vitattn.serve.api):
         monkeypatch.setattr(module, "load_model", spy)
     out = tmp_path / "captions.jsonl"
     common = [f"model={caption_run}", "num_workers=0", "progress=false", "precision=bf16"]

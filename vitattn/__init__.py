@@ -8,7 +8,7 @@ __all__ = ["Captioner", "Classifier", "__version__"]
 
 def __getattr__(name: str):
     if name in ("Captioner", "Classifier"):
-        # heavy: the API (torch) is imported when first named, so ``import vitattn.generate_keys`` stays light
+        # heavy: the API (torch) is imported when first named, so ``import vitattn`` stays light
         from vitattn.inference import api
 
         return getattr(api, name)

@@ -113,8 +113,8 @@ def test_a_bundle_of_a_grad_checkpointing_model_loads_exports_and_old_bundles_lo
     torch.testing.assert_close(old.generate(images), expected, rtol=0, atol=0)
 
     pytest.importorskip("onnxruntime", reason="the onnx extra: pip install -e '.[onnx]'")
+    from vitattn.bundle import load_model
     from vitattn.bundle.onnx_export import export_onnx
-    from vitattn.inference.loader import load_model
 
     onnx_dir = export_onnx(bundle, tmp_path / "onnx")
     torch.testing.assert_close(load_model(onnx_dir).model.generate(images), expected, rtol=0, atol=0)

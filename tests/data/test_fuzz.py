@@ -36,7 +36,6 @@ from vitattn.bundle import load_bundle, save_bundle
 from vitattn.cli import caption as caption_cli
 from vitattn.cli import evaluate as evaluate_cli
 from vitattn.cli import export as export_cli
-from vitattn.cli.args import generate_settings
 from vitattn.data.coco import KARPATHY_SPLITS, load_coco_captions, load_karpathy
 from vitattn.data.tokenizer import Vocabulary
 from vitattn.errors import printable
@@ -385,7 +384,7 @@ def _check_export(target: str, folder: Path, source: Path, broken: Path) -> None
         return
     bundle = load_bundle(out)
     image = bundle.transform(Image.new("RGB", (40, 30), "red"))[None]  # (1, 3, H, W)
-    decoding = generate_settings(bundle, {})  # the bundle's decoding defaults, as vitattn-caption takes them
+    decoding = bundle.generate_settings()  # the bundle's decoding defaults, as vitattn-caption takes them
     with torch.inference_mode():
         tokens = bundle.model.generate(image, **decoding)
     assert isinstance(bundle.vocab.decode(tokens[0]), str)

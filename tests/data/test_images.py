@@ -7,9 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.inference.test_captioner import write_good_images
+from tests.helpers import write_good_images
 from vitattn.data import eval_transform, read_image
-from vitattn.inference.file_dataset import ImageFileDataset
+from vitattn.inference.captioning import read_pixels
 from vitattn.training.datamodules import CocoCaptionDataModule, ImageFolderDataModule
 
 
@@ -42,9 +42,9 @@ def test_coco_training_data_and_captioner_see_identical_tensors(tricky, tmp_path
     (tmp_path / "c.json").write_text(json.dumps({"images": images, "annotations": annotations}))
     dm = CocoCaptionDataModule(folder, tmp_path / "c.json", tmp_path / "c.json", img_size=32, batch_size=2)
     dm.setup("fit")
-    ours = ImageFileDataset([str(folder / n) for n in names], eval_transform(dm.preprocess))
+    ours = [read_pixels(str(folder / n), eval_transform(dm.preprocess)) for n in names]  # the captioner's reader
     for i, name in enumerate(names):
-        index, tensor = ours[i]
+        tensor = ours[i]
         assert isinstance(tensor, torch.Tensor), (name, tensor)
         pixels = dm.val_dataset[i]["image"]  # uint8, normalised on the device as here
         torch.testing.assert_close(dm.normalize(pixels), tensor, rtol=0, atol=0, msg=name)
@@ -61,10 +61,10 @@ def test_image_folder_training_data_and_captioner_see_identical_tensors(tricky, 
     dm = ImageFolderDataModule(root, img_size=32, batch_size=2, augment=False)
     dm.setup("fit")
     paths = [path for path, _ in dm.val_dataset.samples]
-    ours = ImageFileDataset(paths, eval_transform(dm.preprocess))
+    ours = [read_pixels(path, eval_transform(dm.preprocess)) for path in paths]  # the captioner's reader
     for i, path in enumerate(paths):
-        _, tensor = ours[i]
+        tensor = ours[i]
         training, _ = dm.train_dataset[i]  # augment=False: training images get the evaluation transform
         torch.testing.assert_close(dm.normalize(dm.val_dataset[i][0]), tensor, rtol=0, atol=0, msg=path)
         torch.testing.assert_close(dm.normalize(training), tensor, rtol=0, atol=0, msg=path)
-    assert np.isfinite(torch.stack([ours[i][1] for i in range(len(paths))]).numpy()).all()
+    assert np.isfinite(torch.stack(ours).numpy()).all()

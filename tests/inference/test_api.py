@@ -157,7 +157,7 @@ def test_attention_maps_are_what_each_decoding_step_attended_to(sharp_captioner,
 def test_figures_vitattn_caption_draws_show_what_each_step_attended_to(sharp_captioner, photos, monkeypatch):
     """The figure path of vitattn-caption attention_maps= and vitattn-serve attention=true: the maps handed
     to each figure are those of the decoding steps."""
-    import vitattn.inference.figures as figures
+    import vitattn.inference.attention_maps as figures
 
     captioner = sharp_captioner
     drawn = []

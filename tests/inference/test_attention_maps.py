@@ -1,3 +1,4 @@
+import io
 import json
 
 import pytest
@@ -7,12 +8,19 @@ from PIL import Image
 from vitattn.bundle import save_bundle
 from vitattn.cli.caption import main
 from vitattn.data.tokenizer import Vocabulary
-from vitattn.inference import attention_from_tokens, attention_rollout, caption_attention_maps, save_attention_figure
+from vitattn.inference import attention_figure, attention_from_tokens, attention_rollout, figure_png
 from vitattn.layers import MultiHeadAttention, record_attention
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
 WORDS = "a red blue green circle square on the left right".split()
+
+
+def caption_attention_maps(model, images, layer=-1, **generate):
+    """Caption ``images`` as ``generate`` does, then the maps of the captions: what ``Captioner.attention_maps``
+    and ``vitattn-caption attention_maps=`` do."""
+    tokens = model.generate(images, **generate)
+    return (tokens, *attention_from_tokens(model, images, tokens, layer))
 
 
 def tiny_captioner(norm_first: bool = True) -> ImageCaptioner:
@@ -93,18 +101,15 @@ def test_masking_half_the_image_changes_the_maps():
     torch.testing.assert_close(attention_from_tokens(model, images, tokens), (cross, rollout))
 
 
-def test_save_attention_figure_writes_a_png(tmp_path):
+def test_attention_figure_is_a_png(tmp_path):
     image = Image.new("RGB", (32, 32), (120, 60, 30))
     cross = torch.rand(4, 4, 4)
-    path = save_attention_figure(
-        image, ["a", "red", "circle"], cross, torch.rand(4, 4), tmp_path / "fig.png", title="a red circle"
-    )
-    with Image.open(path) as png:
-        assert png.format == "PNG" and png.size[0] > png.size[1]
-    assert [p.name for p in tmp_path.iterdir()] == ["fig.png"]  # no temporary file left
-    save_attention_figure(torch.rand(3, 32, 32), [], cross, torch.rand(4, 4), tmp_path / "tensor.png")
+    png = figure_png(attention_figure(image, ["a", "red", "circle"], cross, torch.rand(4, 4), title="a red circle"))
+    with Image.open(io.BytesIO(png)) as shown:
+        assert shown.format == "PNG" and shown.size[0] > shown.size[1]
+    figure_png(attention_figure(torch.rand(3, 32, 32), [], cross, torch.rand(4, 4)))  # a tensor image
     with pytest.raises(ValueError, match="5 words but only 4"):
-        save_attention_figure(image, list("abcde"), cross, torch.rand(4, 4), tmp_path / "x.png")
+        attention_figure(image, list("abcde"), cross, torch.rand(4, 4))
 
 
 def test_cli_writes_one_figure_per_captioned_image(tmp_path):

@@ -328,13 +328,12 @@ def _unk_loving_bundle(folder):
 @pytest.mark.parametrize("num_beams", [1, 3])
 def test_a_decoder_that_prefers_unk_never_generates_it_eager_or_onnx(tmp_path, num_beams):
     """The ban is in the one shared search: PyTorch and ONNX Runtime give the same captions, without
-    ``<unk>``; an ONNX folder written before ``onnx.json`` carried ``unk_id`` takes its vocabulary's."""
+    ``<unk>``; an ONNX folder without ``unk_id`` in ``onnx.json`` is refused in one line."""
     pytest.importorskip("onnxruntime", reason="the onnx extra: pip install -e '.[onnx]'")
     import json
 
-    from vitattn.bundle import load_bundle
+    from vitattn.bundle import load_bundle, load_model
     from vitattn.bundle.onnx_export import export_onnx
-    from vitattn.inference.loader import load_model
 
     bundle = load_bundle(_unk_loving_bundle(tmp_path / "bundle"))
     unk = bundle.vocab.unk_id
@@ -349,11 +348,10 @@ def test_a_decoder_that_prefers_unk_never_generates_it_eager_or_onnx(tmp_path, n
     config = json.loads((onnx_dir / "onnx.json").read_text())
     assert config["decoder"]["unk_id"] == unk
     torch.testing.assert_close(load_model(onnx_dir).model.generate(images, num_beams=num_beams), eager)
-    del config["decoder"]["unk_id"]  # as an ONNX folder of an earlier vitattn
+    del config["decoder"]["unk_id"]  # as an ONNX folder of an earlier vitattn: refused, not guessed
     (onnx_dir / "onnx.json").write_text(json.dumps(config))
-    older = load_model(onnx_dir).model
-    assert older.special_ids.unk_id == unk
-    torch.testing.assert_close(older.generate(images, num_beams=num_beams), eager)
+    with pytest.raises(ValueError, match="decoder has no unk_id; export it again"):
+        load_model(onnx_dir)
 
 
 def test_a_bundle_saved_before_unk_id_bans_its_vocabularys_unk(tmp_path):

@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tests.helpers import distinct, make_caption_bundle
-from tests.inference.test_captioner import write_bad_images, write_good_images
+from tests.helpers import distinct, make_caption_bundle, write_bad_images, write_good_images
 from vitattn.cli.serve import main, parse_args
 from vitattn.inference import caption_images
 
@@ -29,7 +28,7 @@ pytest.importorskip("litserve")
 pytest.importorskip("multipart", reason="python-multipart (the serve extra) parses uploaded files")
 
 from vitattn.serve import CaptionAPI, decode_image_request  # noqa: E402 - needs litserve
-from vitattn.serve.bodies import NOT_AN_IMAGE_BODY  # noqa: E402 - needs litserve
+from vitattn.serve.server import NOT_AN_IMAGE_BODY  # noqa: E402 - needs litserve
 
 BAD_KINDS = ["corrupt.jpg", "truncated.png", "empty.png", "notes.jpg", "bomb.png", "bomb_warning.png"]
 
@@ -146,7 +145,7 @@ def _echo_app(middleware, **kwargs):
 
 
 def test_raw_image_body_becomes_the_json_decode_reads(api, images, expected):
-    from vitattn.serve.bodies import RequestBodies
+    from vitattn.serve.server import RequestBodies
 
     client = _echo_app(RequestBodies, path="/predict")
     raw = (images / "rgb.jpg").read_bytes()

@@ -17,9 +17,10 @@ from vitattn.bundle import load_bundle, save_bundle
 from vitattn.cli.caption import main as caption_main
 from vitattn.cli.evaluate import main as eval_main
 from vitattn.cli.export import main as export_main
+from vitattn.data.images import read_image
 from vitattn.data.preprocess import normalize
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
-from vitattn.inference import InputImage, caption_images, read_image
+from vitattn.inference import InputImage, caption_images
 from vitattn.metrics import compute_caption_metrics, exact_match
 from vitattn.metrics.toolkit import TOOLKIT_METRICS
 from vitattn.training import train

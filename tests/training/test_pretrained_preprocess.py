@@ -209,8 +209,8 @@ def test_the_run_logs_the_choice_once_naming_timms_config(timm_run):
 
 @pytest.mark.parametrize("timm_run", ["augreg"], indirect=True)  # one family: the folder copies the bundle's
 def test_the_onnx_folder_preprocesses_as_timm_does(timm_run, tmp_path):
+    from vitattn.bundle import load_model
     from vitattn.bundle.onnx_export import export_onnx
-    from vitattn.inference.loader import load_model
 
     folder = export_onnx(timm_run["bundle"], tmp_path / "onnx")
     onnx = load_model(folder)  # what vitattn-serve, vitattn-caption and vitattn-eval load

@@ -1,7 +1,7 @@
-"""Model bundles: what inference loads, from a bundle folder, a training run folder or a checkpoint.
-
-``folder`` writes and reads bundle folders; ``checkpoint`` turns Lightning checkpoints and trained
-systems into bundles; ``onnx_folder`` describes ONNX folders and ``onnx_export`` writes them.
+"""Models as inference loads them: ``load_model`` turns any model path into a ``LoadedModel`` of the runtime
+its folder holds (``Bundle``: PyTorch; ``OnnxModel``: ONNX Runtime). ``folder`` writes and reads bundle
+folders, ``checkpoint`` makes bundles of checkpoints and trained systems, ``onnx_folder`` reads ONNX
+folders and ``onnx_export`` writes them.
 """
 
 from __future__ import annotations
@@ -12,29 +12,37 @@ from pathlib import Path
 import torch
 
 from vitattn.bundle.checkpoint import bundle_from_system, load_checkpoint
-from vitattn.bundle.folder import BUNDLE_FORMAT, BUNDLE_VERSION, CONFIG_FILE, Bundle, load_bundle_folder, save_bundle
+from vitattn.bundle.folder import (
+    BUNDLE_FORMAT,
+    BUNDLE_VERSION,
+    CONFIG_FILE,
+    Bundle,
+    LoadedModel,
+    load_bundle_folder,
+    save_bundle,
+)
+from vitattn.bundle.onnx_folder import is_onnx_folder, load_onnx_folder
+from vitattn.precision import check_precision, resolve_precision
 from vitattn.run_dir import RunDir
 
-__all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "Bundle", "bundle_from_system", "load_bundle", "save_bundle"]
+__all__ = [
+    "BUNDLE_FORMAT",
+    "BUNDLE_VERSION",
+    "Bundle",
+    "LoadedModel",
+    "bundle_from_system",
+    "load_bundle",
+    "load_checkpoint",
+    "load_model",
+    "runtime_of",
+    "save_bundle",
+]
 
 
 def load_bundle(path: str | os.PathLike, device: str | torch.device = "cpu") -> Bundle:
-    """Load a model for inference from a bundle, a training run folder, or a Lightning checkpoint.
-
-    Args:
-        path: a bundle folder (has ``config.json``); a training run folder (uses ``RUN/bundle`` if
-            present, else ``RUN/checkpoints/last.ckpt``); or a ``.ckpt`` file whose
-            ``hyper_parameters`` hold ``task``, ``model_config``, ``preprocess`` and ``vocab`` (words
-            in id order) or ``class_names``, and whose ``state_dict`` keys start with ``model.``.
-        device: where to put the model.
-
-    Returns:
-        A ``Bundle`` with the model in eval mode.
-
-    Raises:
-        FileNotFoundError: nothing loadable at ``path``.
-        ValueError: a file is corrupt or incomplete, or a checkpoint holds pickled objects
-            (it is never unpickled).
+    """The PyTorch model at ``path``, in eval mode on ``device``: a bundle folder (``config.json``), a training run
+    folder (its ``bundle/``, else ``checkpoints/last.ckpt``) or a Lightning ``.ckpt`` (never unpickled).
+    ``FileNotFoundError`` when nothing is there; ``ValueError`` for a corrupt file or pickled objects.
     """
     path = Path(path)
     if path.is_dir():
@@ -56,3 +64,28 @@ def load_bundle(path: str | os.PathLike, device: str | torch.device = "cpu") -> 
     raise FileNotFoundError(
         f"model not found: {path} (expected a bundle folder, a training run folder or a .ckpt file)"
     )
+
+
+def runtime_of(path: str | os.PathLike) -> str:
+    """``onnx`` for an ONNX folder, else ``torch``: the runtime of the model at ``path``, known before loading it."""
+    return "onnx" if is_onnx_folder(Path(path)) else "torch"
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", precision: str = "auto") -> LoadedModel:
+    """The model at ``path`` (a bundle folder, run folder or ``.ckpt`` on PyTorch; an ONNX folder on ONNX Runtime,
+    on the CPU), ready for inference on ``device``: the one loader of the API and of every entry point.
+    ``precision`` (``auto``, ``fp32``, ``bf16``) is resolved for ``device``; an ONNX folder runs in what it was
+    exported in, and another ``precision`` than ``auto`` or that is refused in one line.
+    """
+    check_precision(precision)
+    if runtime_of(path) == "onnx":
+        model = load_onnx_folder(Path(path), device)
+        if precision not in ("auto", model.precision):
+            raise ValueError(
+                f"precision={precision} but {path} is an ONNX folder, which runs in the {model.precision} it was "
+                f"exported in; use precision=auto, or load the bundle or run folder for {precision}"
+            )
+        return model
+    model = load_bundle(path, device)
+    model.precision = resolve_precision(precision, model.device)
+    return model

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitattn.bundle.arguments import build_model
 from vitattn.bundle.folder import (
     BUNDLE_FORMAT,
     BUNDLE_VERSION,
     Bundle,
+    build_model,
     finish_bundle,
     plain_json,
     save_bundle,
@@ -37,10 +37,8 @@ log = logging.getLogger(__name__)
 
 
 def bundle_from_system(system: Any, directory: str | os.PathLike) -> Path:
-    """Write the bundle of a trained ``CaptionSystem`` or ``ClassificationSystem``.
-
-    Uses ``system.model``, ``system.task`` and the system's hyperparameters (``preprocess``,
-    ``class_names``), its ``vocab`` and its validation decoding settings (``generate_kwargs``).
+    """Write the bundle of a trained ``CaptionSystem`` or ``ClassificationSystem``: its ``model``, ``task``, ``vocab``,
+    hyperparameters (``preprocess``, ``class_names``) and validation decoding settings (``generate_kwargs``).
     """
     hparams = dict(getattr(system, "hparams", {}) or {})
     model = system.model

@@ -1,14 +1,14 @@
-"""Model bundles: a folder with everything inference needs, written atomically and loaded without unpickling.
+"""Model bundles: what inference needs of a model (``LoadedModel``), and bundle folders, written atomically and
+loaded without unpickling, their model config checked against the weights before any memory is taken.
 
-A bundle folder holds ``model.safetensors`` (the weights), ``config.json`` (plain JSON: task, the
-model's ``config``, the preprocessing) and, for captioning, the tokenizer its ``vocab_file`` names
-(``vocab.json``, a word vocabulary, or ``tokenizer.json``, a subword tokenizer)::
+A bundle folder holds ``model.safetensors``, ``config.json`` and, for captioning, the tokenizer its
+``vocab_file`` names (``vocab.json`` or ``tokenizer.json``)::
 
     {"format": "vitattn-bundle", "version": 1, "task": "caption",
      "model": {...}, "preprocess": {"img_size": 224, "crop_pct": 0.9, "mean": [...], "std": [...],
      "interpolation": "bicubic"}, "vocab_file": "vocab.json", "generate": {"num_beams": 3}}
 
-``generate`` (optional) holds the decoding defaults that ``vitattn-caption`` starts from.
+``generate`` (optional) holds the decoding defaults every entry point starts from.
 """
 
 from __future__ import annotations
@@ -16,25 +16,30 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import typing
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_model, save_model
-from torch import nn
+from torch import Tensor, nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from vitattn.bundle.arguments import build_model, check_arguments
-from vitattn.bundle.runtime import LoadedModel
-from vitattn.data.preprocess import check_preprocess
+from vitattn.data.preprocess import check_preprocess, eval_transform
 from vitattn.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_file_name
 from vitattn.errors import brief, first_line
 from vitattn.fileio import atomic_folder, read_json
-from vitattn.models import TASKS, ImageCaptioner, VisionTransformer
+from vitattn.models import TASKS, CaptionDecoder, ImageCaptioner, VisionTransformer
+from vitattn.models.search import SEARCH_KEYS
 from vitattn.run_dir import VOCAB_FILE
 
 __all__ = [
@@ -44,6 +49,9 @@ __all__ = [
     "VOCAB_FILE",
     "WEIGHTS_FILE",
     "Bundle",
+    "LoadedModel",
+    "build_model",
+    "check_arguments",
     "is_bundle_weights",
     "load_bundle_folder",
     "save_bundle",
@@ -51,25 +59,68 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-
 BUNDLE_FORMAT = "vitattn-bundle"
-
-
 BUNDLE_VERSION = 1
-
-
 WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 
 
 @dataclass
-class Bundle(LoadedModel):
-    """A PyTorch model with what inference needs around it: the ``torch`` runtime of
-    ``vitattn.bundle.runtime.LoadedModel`` (``vitattn.inference.onnx_runtime.OnnxModel`` is the other).
+class LoadedModel(ABC):
+    """A model ready for inference, whichever runtime runs it (``Bundle``: PyTorch; ``OnnxModel``: ONNX Runtime).
 
-    Attributes:
-        model: ``ImageCaptioner`` (caption) or ``VisionTransformer`` (classification), in eval mode.
-        config: the whole ``config.json`` content; the other fields as ``LoadedModel``'s.
+    ``model`` is a ``CaptionSearch`` (task ``caption``) or a classifier ((B, C, height, width) -> (B, K) logits);
+    ``preprocess`` is what ``transform`` does; ``config`` the folder's description; ``vocab`` (captions) or
+    ``class_names``; ``generate`` the stored decoding defaults; ``precision`` ``fp32`` or ``bf16`` (PyTorch, as
+    ``load_model`` resolves ``auto``) or an ONNX folder's ``fp32`` or ``int8``.
     """
+
+    model: Any
+    task: str
+    preprocess: dict[str, Any]
+    config: dict[str, Any]
+    vocab: Tokenizer | None = None
+    class_names: list[str] | None = None
+    generate: dict[str, Any] = field(default_factory=dict)
+    precision: str = "fp32"
+
+    @property
+    @abstractmethod
+    def runtime(self) -> str:
+        """``torch`` or ``onnx``."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where the model's inputs go."""
+
+    @property
+    def transform(self) -> Callable[[Image.Image], Tensor]:
+        """PIL image -> (3, img_size, img_size) normalised model input."""
+        return eval_transform(self.preprocess)
+
+    def generate_settings(self, given: Mapping[str, Any] | None = None, written_out: bool = False) -> dict[str, Any]:
+        """The ``generate`` keyword arguments to decode with, resolved here for every entry point: the stored
+        defaults that ``generate`` takes (others dropped with a warning), then the ``given`` ones (any mapping,
+        a command line's included) that ``generate`` takes and that are not None. ``written_out`` adds the
+        search settings' own defaults, ``max_new_tokens`` as the decoder's limit, as a report shows them."""
+        parameters = inspect.signature(self.model.generate).parameters
+        accepted = {k: p for k, p in parameters.items() if p.default is not inspect.Parameter.empty}
+        settings = {k: v for k, v in self.generate.items() if k in accepted}
+        if len(settings) < len(self.generate):
+            log.warning("ignoring the model's unknown decoding settings %s", sorted(set(self.generate) - set(settings)))
+        settings.update({k: v for k, v in (given or {}).items() if k in accepted and v is not None})
+        if written_out:
+            for key in SEARCH_KEYS:
+                settings.setdefault(key, accepted[key].default)
+            if settings["max_new_tokens"] is None:
+                settings["max_new_tokens"] = self.model.check_generate(None)  # the decoder's max_len - 1
+        return settings
+
+
+@dataclass
+class Bundle(LoadedModel):
+    """A PyTorch model (``ImageCaptioner`` or ``VisionTransformer``, in eval mode): ``LoadedModel``'s ``torch``
+    runtime; ``config`` is its ``config.json``."""
 
     model: nn.Module
 
@@ -84,6 +135,120 @@ class Bundle(LoadedModel):
         return next(self.model.parameters()).device
 
 
+class _TooManyTensors(Exception):
+    pass
+
+
+@contextmanager
+def _at_most_tensors(limit: int) -> Iterator[None]:
+    """Raise ``_TooManyTensors`` in the module constructor that registers parameter number ``limit + 1``."""
+    count = 0
+
+    def count_parameter(module: nn.Module, name: str, parameter: Any) -> None:
+        nonlocal count
+        count += 1
+        if count > limit:
+            raise _TooManyTensors
+
+    handle = register_module_parameter_registration_hook(count_parameter)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def check_arguments(function: Callable, arguments: Any, where: str, unknown_ok: bool = False) -> None:
+    """``arguments`` (a config's mapping) are keyword arguments of ``function`` of the types it declares,
+    floats finite: a file's ``"1e-6"`` or ``NaN`` is refused here rather than failing in a forward pass."""
+    name = function.__qualname__.removesuffix(".__init__")
+    if not isinstance(arguments, Mapping):
+        raise ValueError(f"{where} must be a mapping of {name} arguments, got {brief(arguments)}")
+    hints = typing.get_type_hints(function)
+    for key, value in arguments.items():
+        if key not in hints and unknown_ok:
+            continue
+        if key not in hints:
+            raise ValueError(f"{where} has {brief(key)}, which is not a {name} argument")
+        allowed = typing.get_args(hints[key]) or (hints[key],)
+        ok = (
+            (value is None and type(None) in allowed)
+            or (isinstance(value, bool) and bool in allowed)
+            or (isinstance(value, int) and not isinstance(value, bool) and (int in allowed or float in allowed))
+            or (isinstance(value, float) and float in allowed and math.isfinite(value))
+            or (isinstance(value, str) and str in allowed)
+        )
+        if not ok:
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"{where} has {key}={brief(value)}; it must be {names}")
+
+
+def _check_config(task: str, model_config: Mapping[str, Any], where: Path) -> None:
+    if task == "caption":
+        for part, cls in (("encoder", VisionTransformer), ("decoder", CaptionDecoder)):
+            check_arguments(cls.__init__, model_config.get(part), f"{where}: model.{part}")
+    else:
+        check_arguments(VisionTransformer.__init__, model_config, f"{where}: model")
+
+
+def _construct(task: str, model_config: Mapping[str, Any]) -> nn.Module:
+    if task == "caption":
+        return ImageCaptioner.from_config(dict(model_config))
+    return VisionTransformer(**model_config)
+
+
+def _integers(value: Any, key: str = "") -> Iterator[tuple[str, int]]:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _integers(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, int) and not isinstance(value, bool):
+        yield key, value
+
+
+def _misfit(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """What keeps weights of these ``shapes`` from loading into ``model`` (strictly), or ``""``."""
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    aliases: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(parameter), []).append(name)
+    saved_once = {name for names in aliases.values() if any(n in shapes for n in names) for name in names}
+    for name in expected:
+        if name not in shapes and name not in saved_once:
+            return f"{name} is missing from the weights"
+        if name in shapes and shapes[name] != expected[name]:
+            return f"{name} is {list(shapes[name])} in the weights but {list(expected[name])} in the model"
+    unexpected = sorted(set(shapes) - set(expected))
+    return f"{unexpected[0]} is not in the model" if unexpected else ""
+
+
+def build_model(task: str, model_config: Any, where: Path, shapes: Mapping[str, Sequence[int]]) -> nn.Module:
+    """The ``task`` model of ``model_config``, built once a copy on the meta device (no memory) has shown that its
+    tensors have the ``shapes`` of the weights: a config that does not fit is refused before any memory is
+    taken, however large the sizes it names (no size exceeds the number of weights; the copy stops at the first
+    tensor more than the weights hold).
+    """
+    if not isinstance(model_config, Mapping):
+        raise ValueError(f"{where}: the model config must be a mapping, got {type(model_config).__name__}")
+    _check_config(task, model_config, where)
+    num_weights = sum(math.prod(shape) for shape in shapes.values())
+    too_large = [(k, v) for k, v in _integers(model_config) if v > num_weights]
+    if too_large:
+        key, value = too_large[0]
+        raise ValueError(f"{where}: model {key}={value} does not fit weights of {num_weights} numbers")
+    try:  # tied weights are registered (and counted) twice, but saved once
+        with torch.device("meta"), _at_most_tensors(2 * len(shapes) + 8):
+            skeleton = _construct(task, model_config)
+    except _TooManyTensors:
+        raise ValueError(
+            f"{where}: the model config has far more tensors than the {len(shapes)} of its weights"
+        ) from None
+    except Exception as err:  # noqa: BLE001 - a config can make a constructor fail in any way
+        raise ValueError(f"{where}: cannot build the {task} model from its config: {first_line(err)}") from None
+    problem = _misfit(skeleton, {name: tuple(shape) for name, shape in shapes.items()})
+    if problem:
+        raise ValueError(f"{where}: the weights do not fit the model config: {problem}")
+    return _construct(task, model_config)
+
+
 def save_bundle(
     directory: str | os.PathLike,
     model: nn.Module,
@@ -94,28 +259,16 @@ def save_bundle(
     class_names: Sequence[str] | None = None,
     generate: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write ``model`` as a bundle folder, atomically: a temporary folder beside it is filled, then
-    renamed into place (an existing bundle there is replaced).
-
-    Args:
-        directory: the bundle folder to create.
-        model: an ``ImageCaptioner`` (task ``caption``) or a ``VisionTransformer`` with
-            ``num_classes > 0`` (task ``classification``).
-        task: ``caption`` or ``classification``.
-        preprocess: ``img_size``, ``crop_pct``, ``mean``, ``std``, ``interpolation`` (see ``eval_transform``).
-        vocab: the caption tokenizer (saved as ``vocab.json`` or ``tokenizer.json``); its size must equal the
-            decoder's ``vocab_size``.
-        class_names: one per class; default ``"0" .. "num_classes-1"``.
-        generate: decoding defaults (``generate`` keyword arguments) stored for ``vitattn-caption``.
-
-    Returns:
-        The bundle folder.
+    """Write ``model`` (an ``ImageCaptioner``, or a ``VisionTransformer`` with classes) as a bundle folder,
+    atomically (an earlier bundle there is replaced), with its ``preprocess`` (``eval_transform``'s), its
+    tokenizer (``vocab``, as large as the decoder's vocabulary) or ``class_names`` (default ``"0"``, ``"1"``, ...),
+    and the decoding defaults ``generate``. Returns the folder.
     """
     directory = Path(directory)
     config = _bundle_config(model, task, preprocess, vocab, class_names)
     if generate:
         config["generate"] = plain_json(dict(generate), "generate")
-    if directory.exists() and not _replaceable(directory):
+    if directory.exists() and not (directory.is_dir() and (not any(directory.iterdir()) or _is_bundle(directory))):
         raise FileExistsError(f"{directory} exists and is not a vitattn bundle; choose another folder or remove it")
     with atomic_folder(directory) as tmp:
         save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -171,21 +324,10 @@ def plain_json(value: Any, where: str) -> Any:
 
 def is_bundle_weights(path: Path) -> bool:
     """A bundle's ``model.safetensors`` (its folder's config.json says vitattn-bundle)."""
-    config = path.parent / CONFIG_FILE
-    if path.suffix != ".safetensors" or not config.is_file():
-        return False
-    try:
-        return json.loads(config.read_text(encoding="utf-8")).get("format") == BUNDLE_FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+    return path.suffix == ".safetensors" and _is_bundle(path.parent)
 
 
-def _replaceable(directory: Path) -> bool:
-    """An empty folder or an earlier bundle may be replaced; anything else is kept."""
-    if not directory.is_dir():
-        return False
-    if not any(directory.iterdir()):
-        return True
+def _is_bundle(directory: Path) -> bool:
     try:
         return json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8")).get("format") == BUNDLE_FORMAT
     except (OSError, ValueError, AttributeError):

@@ -1,15 +1,16 @@
-"""A loaded ``Bundle`` written as an ONNX folder (see ``onnx_folder``), optionally int8-quantized.
+"""A ``Bundle`` written as an ONNX folder (``onnx_folder``), optionally int8-quantized.
 
 Dimension letters: B images (B * K caption rows when decoding K beams), L decoder layers, H heads,
 d head width, P past caption positions, N image tokens, D width, V vocabulary.
 
-The graphs come from PyTorch's TorchScript-based exporter (``dynamo=False``): it traces the same
-modules that the PyTorch runtime runs, and keeps the batch and the past length dynamic. The decoder
-step runs ``CaptionDecoder.forward`` itself with a cache whose past comes in as graph inputs.
+PyTorch's TorchScript-based exporter (``dynamo=False``) traces the modules the PyTorch runtime runs. The
+encoder's self-attention is written as ONNX Runtime's contrib ``Attention`` op, and int8 folders take GELU's
+tanh form as ``FastGelu``; why, and the int8 choices: docs/serving.md ("ONNX export").
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -19,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vitattn.bundle.folder import Bundle, plain_json
-from vitattn.bundle.onnx_contrib import contrib_opsets, for_export
 from vitattn.bundle.onnx_folder import (
     GRAPHS,
     ONNX_CONFIG_FILE,
@@ -37,19 +38,112 @@ from vitattn.bundle.onnx_folder import (
 )
 from vitattn.data.tokenizer import tokenizer_file_name
 from vitattn.fileio import atomic_folder
-from vitattn.layers import LayerCache
+from vitattn.layers import EncoderLayer, LayerCache, MultiHeadAttention
 from vitattn.models import CaptionDecoder, ImageCaptioner
 
-__all__ = ["OPSET", "ClassifierGraph", "DecoderStepGraph", "EncoderGraph", "export_onnx", "kept_fp32"]
+__all__ = [
+    "OPSET",
+    "ClassifierGraph",
+    "DecoderStepGraph",
+    "EncoderGraph",
+    "FastGelu",
+    "contrib_opsets",
+    "export_onnx",
+    "for_export",
+    "kept_fp32",
+]
 
 OPSET = 17
 
 
-class EncoderGraph(nn.Module):
-    """Images -> each decoder layer's cross-attention keys, (B, H, d, N), and values, (B, H, N, d).
+_CONTRIB_OPSET = {"com.microsoft": 1}  # the domain of ONNX Runtime's contrib ops
 
-    The keys leave transposed, once per image: every decoding step multiplies queries by them
-    (``q @ kᵀ``), and ONNX Runtime's product over a transposed operand reads it more slowly.
+
+class _Attention(torch.autograd.Function):
+    """(B, N, D) tokens, the (D, 3D) stacked weights and (3D,) biases -> (B, N, D) concatenated heads."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, num_heads: int) -> Tensor:  # noqa: ARG004
+        B, N, D = x.shape
+        qkv = (x @ weight + bias).view(B, N, 3, num_heads, D // num_heads)  # (B, N, 3, H, d)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, N, d) each
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, D)  # (B, N, D)
+
+    @staticmethod
+    def symbolic(g, x, weight, bias, num_heads: int):  # noqa: ANN001, ANN205 - the exporter's graph values
+        out = g.op("com.microsoft::Attention", x, weight, bias, num_heads_i=num_heads)
+        out.setType(x.type())  # (B, N, D) as the input: the exporter cannot infer a contrib op's shape
+        return out
+
+
+class _ContribSelfAttention(nn.Module):
+    """``MultiHeadAttention`` over one input and no mask, exported as ``Attention`` then ``dense``."""
+
+    def __init__(self, mha: MultiHeadAttention) -> None:
+        super().__init__()
+        self.mha = mha
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> tuple[Tensor, None]:
+        if not (q is k is v) or mask is not None:
+            raise ValueError("the contrib Attention export covers unmasked self-attention only")
+        weight, bias = self.mha.qkv_params()  # (3D, D), (3D,)
+        if bias is None:
+            bias = weight.new_zeros(weight.shape[0])
+        out = _Attention.apply(q, weight.t(), bias, self.mha.num_heads)  # (B, N, D)
+        return self.mha.dense(out), None
+
+
+class _FastGelu(torch.autograd.Function):
+    """GELU's tanh approximation, exported as ONNX Runtime's ``FastGelu``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # noqa: ARG004
+        return F.gelu(x, approximate="tanh")
+
+    @staticmethod
+    def symbolic(g, x):  # noqa: ANN001, ANN205 - the exporter's graph values
+        out = g.op("com.microsoft::FastGelu", x)
+        out.setType(x.type())
+        return out
+
+
+class FastGelu(nn.Module):
+    """``nn.GELU`` exported as ONNX Runtime's ``FastGelu`` (the tanh approximation)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _FastGelu.apply(x)
+
+
+def for_export(model: nn.Module, approximate_gelu: bool = False) -> nn.Module:
+    """A copy of ``model`` whose attention exports as ONNX Runtime runs it fastest: the encoder layers' unmasked
+    self-attention as its ``Attention`` op (a mask raises ``ValueError``), every other attention on the explicit
+    path; with ``approximate_gelu``, every ``nn.GELU`` as ``FastGelu``.
+    """
+    model = copy.deepcopy(model)
+    if approximate_gelu:
+        for parent in list(model.modules()):
+            for name, child in parent.named_children():
+                if isinstance(child, nn.GELU):
+                    setattr(parent, name, FastGelu())
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            module.fused_attn = False
+    for layer in model.modules():
+        if isinstance(layer, EncoderLayer):
+            layer.mha = _ContribSelfAttention(layer.mha)
+    return model
+
+
+def contrib_opsets(module: nn.Module) -> dict[str, int]:
+    """``torch.onnx.export``'s ``custom_opsets`` for ``module``: the contrib domain when ``for_export``
+    wrote a contrib op in it (the exporter warns about a domain the graph does not use)."""
+    contrib = (_ContribSelfAttention, FastGelu)
+    return _CONTRIB_OPSET if any(isinstance(m, contrib) for m in module.modules()) else {}
+
+
+class EncoderGraph(nn.Module):
+    """Images -> each decoder layer's cross-attention keys, (B, H, d, N), transposed once per image (every step
+    multiplies queries by them, and ONNX Runtime reads a transposed operand more slowly), and values (B, H, N, d).
     """
 
     def __init__(self, model: ImageCaptioner) -> None:
@@ -111,16 +205,8 @@ class ClassifierGraph(nn.Module):
 
 
 def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | None = None) -> Path:
-    """Write ``bundle`` as an ONNX folder, atomically (an earlier ONNX folder at ``directory`` is replaced).
-
-    Args:
-        bundle: a caption or classification bundle (PyTorch), e.g. from ``load_bundle``.
-        directory: the folder to write.
-        quantize: None (fp32) or ``int8``: ONNX Runtime's dynamic quantization of the weights
-            (``onnxruntime.quantization.quantize_dynamic``).
-
-    Returns:
-        The folder.
+    """Write ``bundle`` as an ONNX folder at ``directory``, atomically (an earlier ONNX folder there is replaced),
+    in fp32 or, with ``quantize="int8"``, ONNX Runtime's dynamic int8 quantization. Returns the folder.
     """
     precision = quantize or "fp32"
     if precision not in PRECISIONS:
@@ -223,18 +309,9 @@ def _export(
 
 
 def _quantize(folder: Path, graphs: tuple[str, ...]) -> None:
-    """Replace each graph by ONNX Runtime's dynamic int8 quantization of it: weights int8 per output
-    channel, activations quantized per call.
-
-    Two choices keep the captions (measured in ``tests/test_onnx.py``): the attention products of two
-    activations (queries x keys, weights x values) stay fp32, and weights use 7 bits of range
-    (``reduce_range``), as ONNX Runtime advises for CPUs without VNNI, whose u8 x s8 products saturate.
-    The decoder step's output projection stays fp32 too: its logits choose each token, and quantized it
-    lost the test captions CIDEr-D for a small part of a step's time. Only the products with weights are
-    quantized (``MatMul``, and ``Attention`` into ``QAttention``): the patch embedding's ``ConvInteger``
-    is slower than the fp32 ``Conv`` on these CPUs, and an int8 embedding lookup (``Gather``) saves no
-    time. The figures are in ``docs/benchmarks.md`` ("ONNX Runtime"). The graphs are quantized after the
-    attention is written as ONNX Runtime's op (``onnx_contrib``), as Hugging Face optimum orders it.
+    """Replace each graph by ONNX Runtime's dynamic int8 quantization of it (weights int8 per output channel with
+    7 bits of range, activations quantized per call), leaving ``kept_fp32``'s products and the non-``MatMul``
+    operators in fp32: why, docs/captioning.md ("ONNX Runtime").
     """
     require_onnxruntime(export=True)
     import onnx  # an optional dependency, as onnxruntime

@@ -1,40 +1,47 @@
-"""ONNX folders: a model exported for ONNX Runtime, and the ``onnx.json`` that describes it.
+"""ONNX folders (``vitattn-export format=onnx``): the ``onnx.json`` that describes one, and ``OnnxModel``, the
+``LoadedModel`` that runs it on ONNX Runtime (on the CPU).
 
-A caption folder holds ``encoder.onnx`` (images -> each decoder layer's cross-attention keys,
-transposed, and values, computed once per image), ``decoder_step.onnx`` (one token per caption row,
-the past self-attention keys and values, and the cross ones once per image for the K beam rows of each
--> the next token's logits and the keys and values with that token added) and ``vocab.json``; a
-classification folder holds ``classifier.onnx`` (images -> logits)::
+Dimension letters: B images, K beams, L decoder layers, H heads, d head width, P past positions,
+N image tokens, V vocabulary.
 
-    {"format": "vitattn-onnx", "version": 2, "runtime": "onnx", "task": "caption", "precision": "fp32",
-     "preprocess": {...}, "generate": {"num_beams": 3}, "vocab_file": "vocab.json",
-     "decoder": {"depth": 2, "num_heads": 4, "head_dim": 64, "max_len": 32, "vocab_size": 5000,
-                 "pad_id": 0, "bos_id": 1, "eos_id": 2, "unk_id": 3},
-     "graphs": {"encoder": {"file": "encoder.onnx", "sha256": "..."}, "decoder_step": {...}},
-     "model": {...}, "vitattn_version": "0.1.0", "opset": 17}
-
-Each graph's SHA-256 is checked before ONNX Runtime reads it: a graph changed after export is refused.
-``decoder.unk_id`` (null: a vocabulary without an unknown token) is optional: a folder written before it
-was added takes its vocabulary's.
+A caption folder holds ``encoder.onnx`` (images -> each decoder layer's cross-attention keys, transposed, and
+values), ``decoder_step.onnx`` (a token per caption row and the past keys and values -> the next token's
+logits and the keys and values with it) and the tokenizer; a classifier, ``classifier.onnx``. Each graph's
+SHA-256 is checked before ONNX Runtime reads it. More: docs/captioning.md ("ONNX Runtime").
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+import torch
+from torch import Tensor
+
+from vitattn.bundle.folder import LoadedModel
 from vitattn.data.preprocess import check_preprocess
-from vitattn.errors import MissingDependencyError, brief
+from vitattn.data.tokenizer import load_tokenizer
+from vitattn.errors import MissingDependencyError, brief, first_line
 from vitattn.fileio import read_json
 from vitattn.models import TASKS
+from vitattn.models.search import CaptionSearch, SpecialIds
+from vitattn.run_dir import VOCAB_FILE
 
 __all__ = [
     "DECODER_KEYS",
+    "OnnxCaptioner",
+    "OnnxClassifier",
+    "OnnxDecoderStep",
+    "OnnxModel",
     "GRAPHS",
     "ONNX_CONFIG_FILE",
     "ONNX_FORMAT",
@@ -45,9 +52,12 @@ __all__ = [
     "graph_path",
     "is_onnx_folder",
     "kv_names",
+    "load_onnx_folder",
     "require_onnxruntime",
     "sha256",
 ]
+
+log = logging.getLogger(__name__)
 
 ONNX_FORMAT = "vitattn-onnx"
 ONNX_VERSION = 2  # 2: cross-attention keys transposed and shared by the beams of an image
@@ -120,7 +130,9 @@ def check_onnx_config(directory: Path) -> dict[str, Any]:
         bad = [k for k in DECODER_KEYS if not isinstance((decoder or {}).get(k), int) or decoder[k] < 0]
         if not isinstance(decoder, Mapping) or bad:
             raise ValueError(f"{where}: decoder needs non-negative integers {list(DECODER_KEYS)}; {bad} are not")
-        unk = decoder.get("unk_id")
+        if "unk_id" not in decoder:
+            raise ValueError(f"{where}: decoder has no unk_id; {_REEXPORT}")
+        unk = decoder["unk_id"]
         if unk is not None and (not isinstance(unk, int) or isinstance(unk, bool) or unk < 0):
             raise ValueError(f"{where}: decoder.unk_id={brief(unk)} must be a non-negative integer or null")
         if not isinstance(config.get("generate", {}), Mapping):
@@ -148,3 +160,144 @@ def graph_path(directory: Path, config: Mapping[str, Any], name: str) -> Path:
     if not isinstance(file, str) or Path(file).name != file or not file:
         raise ValueError(f"{directory / ONNX_CONFIG_FILE}: graphs.{name}.file={brief(file)} must be a file name")
     return directory / file
+
+
+def _numpy(x: Tensor) -> np.ndarray:
+    return x.detach().cpu().float().contiguous().numpy()
+
+
+class OnnxDecoderStep:
+    """``decoder_step.onnx`` as a ``DecodeStep``: it feeds the past keys/values of its previous call and keeps the
+    ones it returns. ``cross``: ``encoder.onnx``'s 2L arrays, keys (B, H, d, N) and values (B, H, N, d), one row
+    per image; the first call's tokens say how many caption rows (K per image, consecutive) there are.
+    """
+
+    def __init__(self, session: Any, cross: Sequence[np.ndarray]) -> None:
+        self.session = session
+        depth = len(cross) // 2
+        _, self.num_heads, _, self.head_dim = cross[1].shape
+        self.feed = dict(zip(kv_names("cross", depth), cross))
+        self.past_names = kv_names("past", depth)
+        self.past: list[np.ndarray] | None = None  # (B * K, H, P, d) each, from the first call
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        if self.past is None:
+            empty = np.zeros((tokens.shape[0], self.num_heads, 0, self.head_dim), dtype=np.float32)
+            self.past = [empty] * len(self.past_names)
+        feed = {**self.feed, **dict(zip(self.past_names, self.past))}
+        feed["tokens"] = tokens[:, -1:].cpu().numpy().astype(np.int64)  # (B, 1)
+        logits, *self.past = self.session.run(None, feed)
+        return torch.from_numpy(logits)  # (B, V)
+
+    def reorder(self, index: Tensor) -> None:
+        rows = index.cpu().numpy()
+        self.past = [p[rows] for p in self.past]
+
+
+class OnnxCaptioner(CaptionSearch):
+    """An ONNX folder's caption model (``encoder`` and ``step`` sessions, ``onnx.json``'s ``decoder`` sizes and special
+    ids), decoded by ``CaptionSearch`` as ``ImageCaptioner`` is.
+    """
+
+    def __init__(self, encoder: Any, step: Any, decoder: Mapping[str, int]) -> None:
+        self.encoder_session, self.step_session = encoder, step
+        self.max_len = decoder["max_len"]
+        self.vocab_size = decoder["vocab_size"]
+        self.special_ids = SpecialIds(decoder["pad_id"], decoder["bos_id"], decoder["eos_id"], decoder["unk_id"])
+
+    def encode(self, images: Tensor) -> list[np.ndarray]:
+        """(B, C, height, width) -> 2L arrays: each decoder layer's cross-attention keys (B, H, d, N) and values
+        (B, H, N, d)."""
+        return self.encoder_session.run(None, {"images": _numpy(images)})
+
+    def decode_step(self, cross: Sequence[np.ndarray], max_new_tokens: int, use_cache: bool = True) -> OnnxDecoderStep:
+        """The ``DecodeStep`` over ``encode``'s output, for K caption rows per image (the step always
+        caches: ``use_cache`` is PyTorch's)."""
+        return OnnxDecoderStep(self.step_session, cross)
+
+    def start_search(
+        self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
+    ) -> tuple[OnnxDecoderStep, int, str]:
+        """``CaptionSearch.start_search``: ``decoder_step.onnx`` over ``encoder.onnx``'s keys/values."""
+        cross = self.encode(images)
+        return self.decode_step(cross, max_new_tokens), cross[0].shape[0], "cpu"
+
+
+class OnnxClassifier:
+    """An ONNX folder's classifier: ``model(images)`` gives (B, num_classes) logits, as ``VisionTransformer``'s."""
+
+    def __init__(self, session: Any, num_classes: int) -> None:
+        self.session, self.num_classes = session, num_classes
+
+    def __call__(self, images: Tensor) -> Tensor:
+        return torch.from_numpy(self.session.run(None, {"images": _numpy(images)})[0])
+
+
+@dataclass
+class OnnxModel(LoadedModel):
+    """An ONNX folder loaded for inference: ``LoadedModel``'s ``onnx`` runtime, on the CPU; ``model`` is an
+    ``OnnxCaptioner`` or ``OnnxClassifier``, ``config`` its ``onnx.json``, ``precision`` what it was exported in.
+    """
+
+    model: OnnxCaptioner | OnnxClassifier
+
+    @property
+    def runtime(self) -> str:
+        """``onnx``."""
+        return "onnx"
+
+    @property
+    def device(self) -> torch.device:
+        """The CPU: ONNX folders run on ONNX Runtime's CPU provider."""
+        return torch.device("cpu")
+
+
+def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> OnnxModel:
+    """An ONNX folder's model, run by ONNX Runtime on the CPU with torch's thread count. A missing onnxruntime, an
+    ``onnx.json`` of another version, a graph changed after export or parts that disagree: one line naming the fix.
+    """
+    ort = require_onnxruntime()
+    config = check_onnx_config(directory)
+    if torch.device(device).type != "cpu":
+        log.warning("%s runs on ONNX Runtime's CPU provider; device=%s is not used", directory, device)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()  # as many threads as the PyTorch runtime
+    options.inter_op_num_threads = 1
+    sessions = {}
+    for name in ("encoder", "decoder_step") if config["task"] == "caption" else ("classifier",):
+        path = graph_path(directory, config, name)
+        try:
+            sessions[name] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as err:  # noqa: BLE001 - onnxruntime raises its own error types for graphs it cannot run
+            raise ValueError(
+                f"{path} cannot be run by onnxruntime {ort.__version__}: {first_line(err)}; export it again with "
+                "this vitattn (vitattn-export model=RUN format=onnx out=DIR) or install a newer onnxruntime"
+            ) from None
+    preprocess, generate = config["preprocess"], dict(config.get("generate") or {})
+    if config["task"] == "classification":
+        names = config.get("class_names")
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{directory / ONNX_CONFIG_FILE} has no 'class_names' list of strings")
+        model = OnnxClassifier(sessions["classifier"], len(names))
+        return OnnxModel(model, "classification", preprocess, config, None, names, generate, config["precision"])
+    name = config.get("vocab_file", VOCAB_FILE)
+    if not isinstance(name, str) or Path(name).name != name or not name:
+        raise ValueError(
+            f"{directory / ONNX_CONFIG_FILE} has vocab_file={brief(name)}; it must be a file name inside the folder"
+        )
+    vocab = load_tokenizer(directory / name)
+    decoder = config["decoder"]
+    ids = (vocab.pad_id, vocab.bos_id, vocab.eos_id, vocab.unk_id)
+    if len(vocab) != decoder["vocab_size"] or ids != tuple(decoder[f"{k}_id"] for k in ("pad", "bos", "eos", "unk")):
+        raise ValueError(
+            f"{directory}: the tokenizer {name} ({len(vocab)} tokens, special ids {ids}) does not fit the decoder "
+            f"(vocab_size={decoder['vocab_size']}); export the folder again"
+        )
+    model = OnnxCaptioner(sessions["encoder"], sessions["decoder_step"], decoder)
+    try:
+        model.check_generate(
+            **{k: v for k, v in generate.items() if k in inspect.signature(model.check_generate).parameters}
+        )
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{directory / ONNX_CONFIG_FILE}: generate: {first_line(err)}") from None
+    return OnnxModel(model, "caption", preprocess, config, vocab, None, generate, config["precision"])

@@ -1,5 +1,5 @@
-"""What the ``key=value`` entry points share: parsing into a dataclass schema, the device, the
-decoding settings, and ``main``'s one-line errors (exit status 2)."""
+"""What the ``key=value`` entry points share: parsing into a dataclass schema, the device, and ``main``'s
+one-line errors (exit status 2)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import difflib
 import logging
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -17,10 +17,9 @@ from omegaconf.errors import OmegaConfBaseException
 from vitattn.cli.errors import USER_ERRORS, report_user_error
 from vitattn.cli.noise import quiet_upstream
 from vitattn.errors import brief, first_line
-from vitattn.generate_keys import GENERATE_KEYS
 from vitattn.precision import check_precision
 
-__all__ = ["GENERATE_KEYS", "UsageError", "generate_settings", "parse_key_values", "resolve_device", "run_main"]
+__all__ = ["UsageError", "parse_key_values", "resolve_device", "run_main"]
 
 log = logging.getLogger("vitattn")
 
@@ -34,16 +33,10 @@ class UsageError(ValueError):
 
 
 def parse_key_values(argv: Sequence[str], schema: type, prog: str) -> Any:
-    """``key=value`` arguments -> a validated structured config of the dataclass ``schema``.
-
-    Values are taken literally (a glob such as ``images=*.jpg`` is not YAML); ``null`` clears an
-    option; each value is converted and checked against its field's type.
-
-    Raises:
-        UsageError: an argument that is not ``key=value``, an unknown key (the closest known one is
-            suggested), a value of the wrong type, a count below its least value (``batch_size`` 1,
-            ``num_workers`` 0, ``num_threads`` 1), an unknown ``device`` or ``precision``, or a required key left
-            out.
+    """``key=value`` arguments -> a structured config of the dataclass ``schema``, each value taken literally (a
+    glob is not YAML; ``null`` clears an option) and checked against its field's type. A ``UsageError`` names
+    a bad argument, an unknown key (with the closest known one), a count below its least value (``_COUNTS``),
+    an unknown ``device`` or ``precision``, or a missing key.
     """
     known = [f.name for f in fields(schema)]
     given: dict[str, Any] = {}
@@ -97,15 +90,6 @@ def resolve_device(name: str) -> str:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"device={name} but CUDA is not available; use device=cpu or device=auto")
     return name
-
-
-def generate_settings(bundle: Any, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """``ImageCaptioner.generate`` keyword arguments: the bundle's defaults, then the ``overrides``
-    that are not None (``Captioner.generate_settings``)."""
-    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from vitattn.inference.api import Captioner
-
-    return Captioner(bundle).generate_settings(**overrides)
 
 
 def run_main(doc: str, argv: Sequence[str] | None, parse: Callable[[list[str]], Any], run: Callable[[Any], int]) -> int:

@@ -1,31 +1,14 @@
-"""``vitattn-caption``: caption image files with a trained model.
-
-Usage::
+"""``vitattn-caption``: caption image files (or WebDataset shards) with a trained model.
 
     vitattn-caption model=PATH images=INPUT out=FILE [image_dir=DIR] [format=jsonl|coco|csv]
     vitattn-caption model=PATH shards='DIR/{00000..00999}.tar' out=OUTDIR [format=jsonl|parquet]
         [batch_size=32] [num_workers=2] [num_beams=N] [max_new_tokens=N] [length_penalty=X]
-        [early_stopping=true|false|never]
-        [do_sample=true temperature=X top_k=N top_p=X] [seed=N] [device=auto|cpu|cuda] [precision=auto|fp32|bf16]
-        [attention_maps=DIR] [progress=true] [num_threads=N]
-        [devices=N num_nodes=M accelerator=auto|cpu|gpu]
+        [early_stopping=true|false|never] [do_sample=true temperature=X top_k=N top_p=X] [seed=N]
+        [device=auto|cpu|cuda] [precision=auto|fp32|bf16] [attention_maps=DIR] [progress=true]
+        [num_threads=N] [devices=N num_nodes=M accelerator=auto|cpu|gpu]
 
-``model`` is a bundle folder, a training run folder, a ``.ckpt`` or an ONNX folder (``vitattn-export
-format=onnx``: run by ONNX Runtime on the CPU); ``images`` a folder, a glob, a
-text file of paths or a COCO JSON file. Decoding settings left out come from the bundle. ``precision=auto``
-runs in bf16 on GPUs and on CPUs with bf16 matrix units (AMX, AVX512-BF16), else fp32; an ONNX folder runs
-in what it was exported in, fp32 or int8 (``precision=bf16`` with one is refused). Running
-the same command again captions only the images not yet in ``out``. Exit status: 0 when every image
-was captioned, 1 when some could not be read, 2 on a usage or model error.
-
-``devices=N`` (and ``num_nodes=M``) caption on N x M processes, files and shards alike
-(``vitattn.inference.processes``: Lightning Fabric starts the other local processes itself; under
-``torchrun`` or ``srun`` every process runs this same command). For files, each rank appends to its own
-part file and rank 0 merges them into ``out`` in input order. ``accelerator`` defaults to what ``device``
-says; an ONNX folder captions on CPU processes only.
-
-``shards`` (WebDataset tars, instead of ``images``) writes one output per shard into ``out``
-(``vitattn.inference.shard_captioning``); running the command again skips the shards whose output is there.
+The same command again resumes a killed run. Exit status: 0 all captioned, 1 some could not be read, 2 a
+usage or model error. More: docs/captioning.md.
 """
 
 from __future__ import annotations
@@ -38,7 +21,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from vitattn.cli.args import GENERATE_KEYS, UsageError, generate_settings, parse_key_values, resolve_device, run_main
+from vitattn.cli.args import UsageError, parse_key_values, resolve_device, run_main
 from vitattn.cli.errors import USER_ERRORS
 
 __all__ = ["CaptionConfig", "UsageError", "main", "parse_args", "run"]
@@ -100,14 +83,12 @@ def run(cfg: Any) -> int:
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     import torch
 
-    from vitattn.inference.loader import load_model, runtime_of
-    from vitattn.inference.processes import launch_processes
+    from vitattn.bundle import load_model, runtime_of
+    from vitattn.inference.captioning import SHARD_FORMATS, launch_processes
 
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     if cfg.shards is not None:
-        from vitattn.inference.shard_captioning import SHARD_FORMATS  # heavy: the shard reader, only for shards
-
         if cfg.format not in SHARD_FORMATS:
             raise UsageError(f"format={cfg.format!r} is unknown for shards; choose {' or '.join(SHARD_FORMATS)}")
     accelerator = cfg.accelerator or {"auto": "auto", "cpu": "cpu", "cuda": "gpu"}.get(cfg.device, cfg.device)
@@ -124,11 +105,16 @@ def run(cfg: Any) -> int:
         model = load_model(cfg.model, device=processes.device, precision=cfg.precision)
         if model.task != "caption":
             raise UsageError(f"model={cfg.model} is a {model.task} model; vitattn-caption needs a caption model")
-        generate = generate_settings(model, {k: cfg[k] for k in GENERATE_KEYS})
-        if cfg.shards is not None:
-            status = _caption_shards(cfg, model, processes, generate)
-        else:
-            status = _caption_files(cfg, model, processes, generate)
+        options = dict(
+            processes=processes,
+            format=cfg.format,
+            batch_size=cfg.batch_size,
+            num_workers=cfg.num_workers,
+            progress=cfg.progress,
+            seed=cfg.seed,
+            **model.generate_settings(cfg),
+        )
+        status = _caption_shards(cfg, model, options) if cfg.shards is not None else _caption_files(cfg, model, options)
     except USER_ERRORS:
         if processes.is_zero:
             raise
@@ -136,57 +122,32 @@ def run(cfg: Any) -> int:
     return status
 
 
-def _caption_files(cfg: Any, model: Any, processes: Any, generate: dict[str, Any]) -> int:
-    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from vitattn.inference import list_inputs
-    from vitattn.inference.api import Captioner
-    from vitattn.inference.distributed import caption_files_in_processes
+def _caption_files(cfg: Any, model: Any, options: dict[str, Any]) -> int:
+    from vitattn.inference import caption_files, list_inputs  # heavy: torch, as run's imports
 
     inputs = list_inputs(cfg.images, cfg.image_dir)
+    processes = options["processes"]
     log.info("captioning %d images with %s on %d process(es)", len(inputs), cfg.model, processes.world_size)
-    options = dict(
-        format=cfg.format,
-        batch_size=cfg.batch_size,
-        num_workers=cfg.num_workers,
-        progress=cfg.progress,
-        attention_maps=cfg.attention_maps,
-    )
-    if processes.world_size == 1:
-        if cfg.seed is not None:
-            generate["generator"] = processes.generator(cfg.seed)
-        summary = Captioner(model).caption_files(inputs, cfg.out, **options, **generate)
-    else:
-        summary = caption_files_in_processes(model, inputs, cfg.out, processes, **options, seed=cfg.seed, **generate)
+    summary = caption_files(model, inputs, cfg.out, attention_maps=cfg.attention_maps, **options)
     if processes.is_zero:
         print(f"captioned {summary.captioned} images, {summary.failed} failed -> {summary.out}", flush=True)
     return 1 if summary.failed else 0
 
 
-def _caption_shards(cfg: Any, model: Any, processes: Any, generate: dict[str, Any]) -> int:
-    # heavy: the shard reader
+def _caption_shards(cfg: Any, model: Any, options: dict[str, Any]) -> int:
+    # heavy: torch, as run's imports
     from vitattn.data.shards import expand_shards
-    from vitattn.inference.shard_captioning import caption_shards_in_processes
+    from vitattn.inference import caption_shards
 
     urls = expand_shards(cfg.shards, "shards")
     if Path(cfg.out).is_file():
         raise UsageError(f"out={cfg.out} is a file; with shards= it is the folder of one output per shard")
     if cfg.attention_maps is not None:
         raise UsageError("attention_maps= is for image files; drop it with shards=")
-    summary = caption_shards_in_processes(
-        model,
-        urls,
-        cfg.out,
-        processes,
-        fmt=cfg.format,
-        batch_size=cfg.batch_size,
-        num_workers=cfg.num_workers,
-        progress=cfg.progress,
-        seed=cfg.seed,
-        **generate,
-    )
-    if processes.is_zero:
+    summary = caption_shards(model, urls, cfg.out, **options)
+    if options["processes"].is_zero:
         print(
-            f"captioned {summary.captioned} samples of {summary.shards} shards ({summary.finished_before} finished "
+            f"captioned {summary.captioned} samples of {summary.units} shards ({summary.units_before} finished "
             f"before), {summary.failed} failed -> {cfg.out}",
             flush=True,
         )

@@ -1,31 +1,13 @@
 """``vitattn-eval``: score a trained model on a split; print a table and write ``metrics.json``.
 
-Usage::
-
     vitattn-eval model=PATH [split=val|test] [out=DIR] [batch_size=32] [num_workers=2]
         [device=auto|cpu|cuda] [precision=auto|fp32|bf16] [progress=true]
-      captions:       [references=COCO_JSON [image_dir=DIR]] [predictions=FILE]
+      captions:       [references=COCO_JSON [image_dir=DIR]] [predictions=FILE] [scorer=builtin|coco]
                       [num_beams=N] [max_new_tokens=N] [length_penalty=X] [early_stopping=true|false|never]
-                      [scorer=builtin|coco]
       classification: [data_root=DIR]
 
-``model`` is a training run folder, a ``.ckpt``, a bundle or an ONNX folder; ``precision=auto`` runs a PyTorch
-model in bf16 on GPUs and on CPUs with bf16 matrix units, else fp32 (an ONNX folder: what it was exported in).
-Captions are generated on the split (decoding settings left out come from the bundle) or read from
-``predictions`` (JSON Lines from vitattn-caption, or COCO results ``[{"image_id", "caption"}]``) and scored
-against ``references`` (a COCO caption file; ``image_dir`` defaults to its folder) or, without them, the run's own data
-(``RUN/config.yaml``: the built-in shapes split, a COCO run's annotations, or a Karpathy-split run's
-val / test split): BLEU-1..4, ROUGE-L,
-CIDEr-D, and exact match on the synthetic shapes captions. ``scorer=coco`` also runs the COCO caption
-toolkit itself (pycocoevalcap, ``pip install 'vitattn[coco]'``, and Java: its PTB tokenizer, BLEU-1..4,
-METEOR, ROUGE-L, CIDEr-D) and writes its numbers beside the built-in ones. A classifier gets top-1 /
-top-5 accuracy on ``data_root/<split>/<class>/<image>`` or the run's data, and a confusion matrix PNG.
-
-``out`` (default ``RUN/eval-<split>``, or ``./eval-<split>`` for a model outside a run) receives
-``metrics.json`` (the metrics, the toolkit's under ``coco``, the decoding settings, the model and the
-split), ``captions.jsonl`` or ``confusion_matrix.png``. Exit status: 0 when every image was scored, 1
-when some could not be read or have no prediction, 2 on a usage, data or model error (scorer=coco
-without pycocoevalcap or Java among them).
+Without ``references`` (or ``data_root``) the run's own split is scored. Exit status: 0 every image scored,
+1 some not, 2 a usage, data or model error. More: docs/captioning.md ("Evaluation and export").
 """
 
 from __future__ import annotations
@@ -37,15 +19,12 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from vitattn.cli.args import UsageError, generate_settings, parse_key_values, resolve_device, run_main
-from vitattn.generate_keys import SEARCH_KEYS
+from vitattn.cli.args import UsageError, parse_key_values, resolve_device, run_main
 from vitattn.metrics import SCORERS
 from vitattn.metrics.toolkit import check_toolkit
 from vitattn.run_dir import RunDir
 
 __all__ = ["EvalConfig", "main", "parse_args", "run"]
-
-_CAPTION_ONLY = ("references", "image_dir", "predictions", *SEARCH_KEYS)
 
 
 @dataclass
@@ -78,20 +57,21 @@ def parse_args(argv: list[str]) -> Any:
         raise UsageError(f"split={cfg.split!r} is unknown; choose val or test")
     if cfg.scorer not in SCORERS:
         raise UsageError(f"scorer={cfg.scorer!r} is unknown; choose {' or '.join(SCORERS)}")
-    if cfg.predictions is not None and any(cfg[k] is not None for k in SEARCH_KEYS):
-        given = [k for k in SEARCH_KEYS if cfg[k] is not None]
-        raise UsageError(
-            f"{', '.join(given)} set how captions are generated; predictions= scores captions already made"
-        )
     return cfg
 
 
 def run(cfg: Any) -> int:
     """Evaluate as ``cfg`` says; returns the exit status (0 every image scored, 1 some were not)."""
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from vitattn.inference.loader import load_model
+    from vitattn.bundle import load_model
+    from vitattn.models.search import SEARCH_KEYS
     from vitattn.training.evaluation import evaluate_captions, evaluate_classification, format_report, write_report
 
+    given = [k for k in SEARCH_KEYS if cfg[k] is not None]
+    if cfg.predictions is not None and given:
+        raise UsageError(
+            f"{', '.join(given)} set how captions are generated; predictions= scores captions already made"
+        )
     if cfg.scorer == "coco":
         check_toolkit()  # pycocoevalcap and Java, before a model loads and captions are made
     # a bundle, run, checkpoint or ONNX folder
@@ -105,7 +85,7 @@ def run(cfg: Any) -> int:
             raise UsageError(
                 f"data_root= is for classifiers; model={cfg.model} is a caption model (use references=COCO_JSON)"
             )
-        generate = None if cfg.predictions is not None else generate_settings(bundle, {k: cfg[k] for k in SEARCH_KEYS})
+        generate = None if cfg.predictions is not None else bundle.generate_settings(cfg)
         report = evaluate_captions(
             bundle,
             references=cfg.references,
@@ -116,7 +96,8 @@ def run(cfg: Any) -> int:
             **loading,
         )
     else:
-        given = [k for k in _CAPTION_ONLY if cfg[k] is not None] + (["scorer"] if cfg.scorer != "builtin" else [])
+        given = [k for k in ("references", "image_dir", "predictions", *SEARCH_KEYS) if cfg[k] is not None]
+        given += ["scorer"] if cfg.scorer != "builtin" else []
         if given:
             raise UsageError(f"{', '.join(given)} apply to caption models; model={cfg.model} is a {bundle.task} model")
         report = evaluate_classification(bundle, data_root=cfg.data_root, **loading)

@@ -1,21 +1,12 @@
-"""``vitattn-export``: write a model as a bundle folder (safetensors + config.json + vocab.json), or as
-an ONNX folder for ONNX Runtime.
-
-Usage::
+"""``vitattn-export``: write a model as a bundle folder (safetensors + config.json + its tokenizer), or as an
+ONNX folder for ONNX Runtime.
 
     vitattn-export model=PATH out=DIR [which=best|last] [device=cpu] [format=bundle|onnx] [quantize=int8]
 
-``model`` is a training run folder, a Lightning ``.ckpt`` or a bundle. For a run folder, ``which``
-picks its best checkpoint (by the head's validation metric) or its last one; without ``which`` the
-run's own bundle is exported again (the best weights unless the run said ``weights=last``). Checkpoints are read with
-``torch.load(weights_only=True)``: one that holds pickled objects is refused, never unpickled. The
-bundle is written atomically; an earlier bundle at ``out`` is replaced, any other folder is kept.
-
-``format=onnx`` writes the encoder, a decoder step with its key/value cache, the vocabulary and the
-decoding defaults (or, for a classifier, one graph) into one folder that ``vitattn-caption``,
-``vitattn-serve`` and ``Captioner.load`` run on ONNX Runtime; ``quantize=int8`` adds ONNX Runtime's
-dynamic int8 quantization. It needs the ``onnx`` extra: ``pip install -e '.[onnx]'``.
-Exit status: 0 on success, 2 on a usage or model error.
+``model`` is a training run folder (``which``: its best or last checkpoint; else its own bundle), a ``.ckpt``
+(never unpickled) or a bundle. ``format=onnx`` (the ``onnx`` extra) writes what ``vitattn-caption``,
+``vitattn-serve`` and ``Captioner.load`` run on ONNX Runtime; ``quantize=int8`` quantizes it. The folder is
+written atomically. Exit status: 0 on success, 2 on a usage or model error. More: docs/serving.md.
 """
 
 from __future__ import annotations

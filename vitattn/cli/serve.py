@@ -1,27 +1,12 @@
 """``vitattn-serve``: caption images over HTTP (LitServe), requests batched across clients.
 
-Usage::
+    vitattn-serve model=PATH [port=8000] [host=127.0.0.1|0.0.0.0|::] [accelerator=auto|cpu|cuda]
+        [devices=auto|N] [workers_per_device=1] [max_batch_size=8] [batch_timeout=0.05] [timeout=60]
+        [max_image_bytes=20000000] [num_beams=N] [max_new_tokens=N] [length_penalty=X]
+        [early_stopping=true|false|never] [num_threads=N] [precision=auto|fp32|bf16]
 
-    vitattn-serve model=PATH [port=8000] [host=127.0.0.1] [accelerator=auto|cpu|cuda] [devices=auto|N]
-        [workers_per_device=1] [max_batch_size=8] [batch_timeout=0.05] [max_image_bytes=20000000]
-        [timeout=60] [num_beams=N] [max_new_tokens=N] [length_penalty=X] [early_stopping=true|false|never]
-        [num_threads=N] [precision=auto|fp32|bf16]
-
-``model`` is a bundle folder, a training run folder, a ``.ckpt`` or an ONNX folder (``vitattn-export
-format=onnx``, run by ONNX Runtime in what it was exported in). ``precision=auto`` runs a PyTorch model in bf16 on
-GPUs and on CPUs with bf16 matrix units (AMX, AVX512-BF16), else fp32. Endpoints:
-
-    POST /predict   a multipart file (field ``image``, or the form's only file), JSON {"image": "<base64>"},
-                    or the raw image with ``Content-Type: image/...``; add ``attention=true`` (a field,
-                    or ``?attention=true`` for a raw image) for the attention figure as a PNG data URL
-                    -> {"caption": "...", "tokens": ["a", ...]}; a bad image -> 400 {"detail": "<reason>"}
-    GET  /health    "ok" once the model is loaded
-    GET  /          a page: choose an image, see its caption and its attention map
-
-``host`` is 127.0.0.1 (this machine only), 0.0.0.0 or ::. Decoding settings left out come from the bundle.
-
-SIGTERM or SIGINT (Ctrl+C) stops the server: new requests get 503, requests in flight finish (at most
-``timeout`` seconds), then every server process exits and the port is free; a second signal stops at once.
+``POST /predict`` an image -> {"caption", "tokens"}; ``GET /health``; ``GET /``, a page. SIGTERM or SIGINT
+drains the requests in flight, then every server process exits. More: docs/serving.md.
 """
 
 from __future__ import annotations
@@ -33,8 +18,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from vitattn.cli.args import UsageError, generate_settings, parse_key_values, run_main
-from vitattn.generate_keys import SEARCH_KEYS
+from vitattn.cli.args import UsageError, parse_key_values, run_main
 
 __all__ = ["ServeConfig", "main", "parse_args", "run"]
 
@@ -87,13 +71,13 @@ def parse_args(argv: list[str]) -> Any:
 def run(cfg: Any) -> int:
     """Load the model once here (a bad model fails now, in one line), then serve until SIGTERM or SIGINT."""
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from vitattn.inference.api import load_model
+    from vitattn.bundle import load_model
     from vitattn.serve import CaptionAPI, GracefulStop, build_server
 
     bundle = load_model(cfg.model, device="cpu", precision=cfg.precision)
     if bundle.task != "caption":
         raise UsageError(f"model={cfg.model} is a {bundle.task} model; vitattn-serve needs a caption model")
-    generate = generate_settings(bundle, {k: cfg[k] for k in SEARCH_KEYS})
+    generate = bundle.generate_settings(cfg)
     del bundle  # each inference worker loads its own copy on its device
     api = CaptionAPI(
         cfg.model,

@@ -1,54 +1,51 @@
-"""The Python API: ``Captioner`` and ``Classifier``, loaded from a bundle, a run folder, a checkpoint or
-an ONNX folder (``vitattn-export format=onnx``), fed images of any common kind.
+"""The Python API: ``Captioner`` and ``Classifier``, loaded from a bundle, a run folder, a checkpoint or an
+ONNX folder, fed images of any common kind (paths, PIL images, numpy arrays, tensors).
 
-Dimension letters: B batch, C channels, T' generated tokens, gh x gw patch grid; image sides are written out
-(height, width): H is heads elsewhere.
+Dimension letters: B batch, C channels, T' generated tokens, gh x gw patch grid; image sides are written out.
 
     >>> from vitattn import Captioner
-    >>> captioner = Captioner.load("runs/coco/bundle")
-    >>> captioner.caption("cat.jpg", num_beams=3)
+    >>> Captioner.load("runs/coco/bundle").caption("cat.jpg", num_beams=3)
     'a cat sitting on a couch'
 
-The runtime follows the folder's content: an ONNX folder runs on ONNX Runtime, anything else on
-PyTorch; both decode with the same search loops (``vitattn.models.search``).
+Every kind of image becomes an upright 8-bit RGB PIL image first (``read_image`` for files), then the model's
+``transform``: the model sees what it saw in training, and what ``vitattn-caption`` gives it for the file.
 """
 
 from __future__ import annotations
 
-import inspect
-import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor
 
-from vitattn.bundle.runtime import LoadedModel
+from vitattn.bundle import LoadedModel, load_model
+from vitattn.data.images import read_image, upright_rgb
 from vitattn.data.preprocess import denormalize
-from vitattn.inference.attention_maps import attention_from_tokens
+from vitattn.errors import brief
+from vitattn.inference.attention_maps import attention_from_tokens, caption_words
 from vitattn.inference.captioning import generate_tokens
-from vitattn.inference.figures import caption_words, check_figures_runtime
-from vitattn.inference.file_list import InputImage
-from vitattn.inference.image_like import ImageLike, as_image_list, to_pixels
-from vitattn.inference.loader import load_model
-from vitattn.inference.writers import CaptionSummary, caption_to_file
 from vitattn.models.search import sequence_log_prob
+from vitattn.precision import precision_autocast
 
-__all__ = ["AttentionMaps", "Caption", "Captioner", "Classifier", "Prediction", "load_model"]
+__all__ = ["AttentionMaps", "Caption", "Captioner", "Classifier", "ImageLike", "Prediction", "load_model", "to_pixels"]
 
-log = logging.getLogger(__name__)
+ImageLike = str | os.PathLike | Image.Image | np.ndarray | torch.Tensor
+
+_KINDS = (
+    "a file path, a PIL image, a (height, width, 3) uint8 numpy array or a (3, height, width) torch tensor "
+    "(uint8, or float in [0, 1])"
+)
 
 
 @dataclass
 class Caption:
-    """One caption with what produced it.
-
-    Attributes:
-        text: the words, special tokens left out.
-        tokens: the generated ids (``<eos>`` included, padding dropped).
-        score: the caption's total log-probability under the model.
+    """One caption: its words (special tokens left out), the generated ids (``<eos>`` kept, padding dropped) and its
+    total log-probability under the model.
     """
 
     text: str
@@ -58,15 +55,9 @@ class Caption:
 
 @dataclass
 class AttentionMaps:
-    """Where each word of a caption looked: what ``vitattn-caption attention_maps=DIR`` draws.
-
-    Attributes:
-        caption: the caption.
-        words: its words, one per map (``<unk>`` kept so that words line up with positions).
-        cross: (len(words), gh, gw) the last decoder layer's cross-attention of each word, averaged over
-            heads, each summing to 1 over the patches.
-        rollout: (gh, gw) the encoder's attention rollout of the class token.
-        image: (3, height, width) the image as the model saw it, in [0, 1] (for drawing the maps over it).
+    """Where each word of ``caption`` looked, as ``vitattn-caption attention_maps=DIR`` draws it: ``words`` (``<unk>``
+    kept, one per map), ``cross`` (len(words), gh, gw), the last decoder layer's cross-attention averaged over
+    heads, ``rollout`` (gh, gw), the encoder's, and ``image`` (3, height, width) as the model saw it, in [0, 1].
     """
 
     caption: str
@@ -99,51 +90,28 @@ class _TaskModel:
     def __init__(self, bundle: LoadedModel) -> None:
         if bundle.task != self.task:
             raise ValueError(f"this is a {bundle.task} model; load it with {self.other}.load")
-        self.bundle = bundle
-        self.transform = bundle.transform
+        self.bundle, self.transform = bundle, bundle.transform
+        # the network (a PyTorch module or an ONNX folder's model), its runtime (torch or onnx), its device, and
+        # what it runs in (fp32 or bf16, load's precision resolved; an ONNX folder's fp32 or int8)
+        self.model, self.runtime, self.device, self.precision = (
+            bundle.model,
+            bundle.runtime,
+            bundle.device,
+            bundle.precision,
+        )
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu", precision: str = "auto") -> Any:
-        """The model at ``path``: a bundle folder, a training run folder, a ``.ckpt`` or an ONNX folder, run in
-        ``precision``: ``auto`` (bf16 on GPUs and on CPUs with bf16 matrix units, else fp32), ``fp32`` or
-        ``bf16`` (PyTorch models only: an ONNX folder runs in what it was exported in, fp32 or int8)."""
+        """The model at ``path``, as ``load_model`` loads it (``precision``: ``auto``, ``fp32`` or ``bf16``)."""
         bundle = load_model(path, device, precision)
         if bundle.task != cls.task:
             raise ValueError(f"{path} is a {bundle.task} model; load it with {cls.other}.load")
         return cls(bundle)
 
-    @property
-    def model(self) -> Any:
-        """The network: the PyTorch module, or the ONNX Runtime model of an ONNX folder (``OnnxCaptioner``,
-        ``OnnxClassifier``)."""
-        return self.bundle.model
-
-    @property
-    def runtime(self) -> str:
-        """``torch`` or ``onnx``."""
-        return self.bundle.runtime
-
-    @property
-    def device(self) -> torch.device:
-        """Where the model runs."""
-        return self.bundle.device
-
-    @property
-    def precision(self) -> str:
-        """What the model runs in: ``fp32`` or ``bf16`` (``load``'s ``precision`` resolved), or an ONNX folder's
-        ``fp32`` or ``int8``."""
-        return self.bundle.precision
-
 
 class Captioner(_TaskModel):
-    """Caption images with a trained model.
-
-    Load with ``Captioner.load(path)``; ``caption`` takes one image or a list (file paths, PIL images,
-    (height, width, 3) uint8 arrays, (3, height, width) tensors) and batches them; ``generate`` keyword arguments left
-    out come from the bundle's defaults.
-
-    Args:
-        bundle: a caption model (``load_model``'s output).
+    """Caption images with a trained model: ``Captioner.load(path).caption(images, num_beams=3)``; decoding
+    settings left out are the model's defaults.
     """
 
     task, other = "caption", "Classifier"
@@ -151,17 +119,6 @@ class Captioner(_TaskModel):
     def __init__(self, bundle: LoadedModel) -> None:
         super().__init__(bundle)
         self.vocab = bundle.vocab
-
-    def generate_settings(self, **generate: Any) -> dict[str, Any]:
-        """``generate`` keyword arguments: the bundle's defaults, then those given that are not None;
-        bundle defaults that ``generate`` does not accept are dropped with a warning."""
-        accepted = inspect.signature(self.model.generate).parameters
-        defaults = self.bundle.generate
-        settings = {k: v for k, v in defaults.items() if k in accepted}
-        if len(settings) < len(defaults):
-            log.warning("ignoring the bundle's unknown decoding settings %s", sorted(set(defaults) - set(settings)))
-        settings.update({k: v for k, v in generate.items() if v is not None})
-        return settings
 
     def pixels(self, images: Sequence[ImageLike]) -> Tensor:
         """(B, C, height, width) model inputs of ``images``, on the model's device."""
@@ -175,17 +132,9 @@ class Captioner(_TaskModel):
         details: bool = False,
         **generate: Any,
     ) -> str | list[str] | Caption | list[Caption]:
-        """Caption one image or a list of them.
-
-        Args:
-            images: a file path, PIL image, (height, width, 3) uint8 array or (3, height, width) tensor (uint8, or float
-                in [0, 1]); or a list of them.
-            batch_size: images per ``generate`` call.
-            details: return ``Caption``s (text, tokens, log-probability) instead of strings.
-            **generate: ``num_beams``, ``max_new_tokens``, ``length_penalty``, ``do_sample``, ...
-
-        Returns:
-            A string (or ``Caption``) for one image, a list for a list.
+        """Caption one image (a path, PIL image, (height, width, 3) uint8 array, or (3, height, width) tensor, uint8 or
+        in [0, 1]) or a list of them, ``batch_size`` per ``generate`` call, ``**generate`` over the model's defaults.
+        Returns a string for one image, a list for a list; ``details``: ``Caption``s (text, tokens, log-probability).
         """
         items, single = as_image_list(images)
         if batch_size < 1:
@@ -206,14 +155,14 @@ class Captioner(_TaskModel):
     def caption_pixels(self, pixels: Tensor, **generate: Any) -> tuple[list[str], Tensor]:
         """Captions of model inputs already made by ``transform``, (B, C, height, width): ``(texts, tokens)``, the
         tokens (B, T') as ``generate`` returns them (``vitattn-serve`` decodes requests into pixels itself)."""
-        settings = self.generate_settings(**generate)
+        settings = self.bundle.generate_settings(generate)
         tokens = generate_tokens(self.model, pixels.to(self.device), self.precision, **settings)  # (B, T')
         return self.vocab.decode_batch(tokens), tokens
 
     def score(self, pixels: Tensor, tokens: Tensor) -> Tensor:
         """(B,) total log-probabilities of captions ``tokens`` (B, T') of images ``pixels`` (B, C, height, width)."""
         model = self.model
-        with torch.inference_mode(), self.bundle.autocast():
+        with torch.inference_mode(), precision_autocast(self.precision, self.device):
             step = model.decode_step(model.encode(pixels), tokens.shape[1] + 1)
             return sequence_log_prob(step, tokens, model.special_ids)
 
@@ -225,7 +174,9 @@ class Captioner(_TaskModel):
                 "attention maps need the PyTorch runtime; load the bundle or run folder instead of the ONNX folder"
             )
         pixels = self.pixels([image])  # (1, C, height, width)
-        tokens = generate_tokens(self.model, pixels, self.precision, **self.generate_settings(**generate))  # (1, T')
+        tokens = generate_tokens(
+            self.model, pixels, self.precision, **self.bundle.generate_settings(generate)
+        )  # (1, T')
         with torch.inference_mode():  # maps in fp32, as vitattn-caption draws them: from the tokens generated
             cross, rollout = attention_from_tokens(self.model, pixels, tokens, layer)
         words = caption_words(tokens[0].tolist(), self.vocab)
@@ -234,25 +185,9 @@ class Captioner(_TaskModel):
             self.vocab.decode(tokens[0]), words, cross[0, : len(words)].cpu(), rollout[0].cpu(), shown.clamp(0, 1)
         )
 
-    def caption_files(self, inputs: Sequence[InputImage], out: str | os.PathLike, **options: Any) -> CaptionSummary:
-        """Caption image files into ``out``, resumably: ``vitattn.inference.caption_to_file`` with this model
-        (``options``: ``format``, ``batch_size``, ``num_workers``, ``progress``, ``attention_maps`` and
-        ``generate`` settings). Returns its ``CaptionSummary``."""
-        generate = {k: options.pop(k) for k in list(options) if k not in _FILE_OPTIONS}
-        if options.get("attention_maps") is not None:
-            check_figures_runtime(self.bundle)
-        return caption_to_file(self.bundle, inputs, out, **options, **self.generate_settings(**generate))
-
-
-_FILE_OPTIONS = ("format", "batch_size", "num_workers", "progress", "attention_maps")
-
 
 class Classifier(_TaskModel):
-    """Classify images with a trained model: ``Classifier.load(path).predict(images, top_k=5)``.
-
-    Args:
-        bundle: a classification model (``load_model``'s output).
-    """
+    """Classify images with a trained model: ``Classifier.load(path).predict(images, top_k=5)``."""
 
     task, other = "classification", "Captioner"
 
@@ -267,7 +202,7 @@ class Classifier(_TaskModel):
             raise ValueError(f"batch_size={batch_size} must be at least 1")
         device = self.device
         rows = []
-        with torch.inference_mode(), self.bundle.autocast():
+        with torch.inference_mode(), precision_autocast(self.precision, self.device):
             for start in range(0, len(items), batch_size):
                 pixels = to_pixels(items[start : start + batch_size], self.transform).to(device)
                 rows.append(self.model(pixels).float().cpu())
@@ -286,3 +221,67 @@ class Classifier(_TaskModel):
             Prediction([self.class_names[i] for i in idx], p) for idx, p in zip(indices.tolist(), values.tolist())
         ]
         return predictions[0] if single else predictions
+
+
+def as_image_list(images: ImageLike | Sequence[ImageLike]) -> tuple[list[ImageLike], bool]:
+    """``(images as a list, whether one image was given)``; a list or tuple holds images, anything else is one."""
+    if isinstance(images, (list, tuple)):
+        return list(images), False
+    return [images], True
+
+
+def to_pil(image: Any, where: str = "image") -> Image.Image:
+    """One image of any accepted kind as an upright 8-bit RGB PIL image; ``TypeError`` for another kind,
+    ``ValueError`` for an array of the wrong shape, dtype or range, ``BadImageError`` for a file it cannot read.
+    """
+    if isinstance(image, (str, os.PathLike)):
+        return read_image(image)
+    if isinstance(image, Image.Image):
+        return upright_rgb(image)
+    if isinstance(image, torch.Tensor):
+        return Image.fromarray(_tensor_to_hwc(image, where))
+    if isinstance(image, np.ndarray):
+        return Image.fromarray(_array_to_hwc(image, where))
+    raise TypeError(f"{where} is {brief(image)} ({type(image).__name__}); pass {_KINDS}")
+
+
+def to_pixels(
+    images: Sequence[ImageLike], transform: Callable[[Image.Image], torch.Tensor], where: str = "images"
+) -> torch.Tensor:
+    """(B, C, height, width) model inputs of ``images`` through ``transform`` (a bundle's ``eval_transform``)."""
+    return torch.stack([transform(to_pil(x, f"{where}[{i}]")) for i, x in enumerate(images)])
+
+
+def _array_to_hwc(a: np.ndarray, where: str) -> np.ndarray:
+    if a.ndim == 2:
+        a = a[..., None]
+    if a.ndim != 3 or a.shape[-1] not in (1, 3):
+        raise ValueError(
+            f"{where} is a numpy array of shape {list(a.shape)}; "
+            "pass (height, width, 3) or (height, width) uint8 pixels"
+        )
+    if a.dtype != np.uint8:
+        raise ValueError(f"{where} is a {a.dtype} numpy array; pass uint8 pixels (0-255), e.g. np.asarray(pil_image)")
+    return np.repeat(a, 3, axis=-1) if a.shape[-1] == 1 else np.ascontiguousarray(a)
+
+
+def _tensor_to_hwc(x: torch.Tensor, where: str) -> np.ndarray:
+    if x.ndim == 2:
+        x = x[None]
+    if x.ndim != 3 or x.shape[0] not in (1, 3):
+        raise ValueError(
+            f"{where} is a tensor of shape {list(x.shape)}; pass (3, height, width) or (height, width) pixels"
+        )
+    x = x.detach().cpu()
+    if x.dtype == torch.uint8:
+        pixels = x
+    elif x.is_floating_point():
+        if x.numel() and not (x.isfinite().all() and x.min() >= 0 and x.max() <= 1):
+            raise ValueError(
+                f"{where} is a float tensor outside [0, 1]; pass pixels in [0, 1] (as ToTensor gives them), "
+                "not normalised ones"
+            )
+        pixels = (x.float() * 255).round().to(torch.uint8)  # 8 bits, as an image file holds them
+    else:
+        raise ValueError(f"{where} is a {x.dtype} tensor; pass uint8 pixels or floats in [0, 1]")
+    return pixels.expand(3, -1, -1).permute(1, 2, 0).contiguous().numpy()  # (height, width, 3)

@@ -1,20 +1,19 @@
-"""Where the captioner looks: cross-attention of each generated word, and encoder attention rollout.
+"""Where the captioner looks: cross-attention of each generated word, the encoder's attention rollout, and
+their figures.
 
-Dimension letters: B batch, H heads, T' generated tokens, N image tokens (class token first, then
-the gh x gw patches), C channels; image sides are written out
-(height, width): H is heads.
+Dimension letters: B batch, H heads, T' generated tokens, N image tokens (class token, then gh x gw patches),
+C channels; image sides are written out (height, width).
 
-Captions are generated as usual (fused attention, no weights); then one teacher-forced pass of the
-generated tokens runs under ``record_attention``. Position t of that pass is the step that produced
-word t, so its cross-attention is the map of word t, for greedy, beam and sampled captions alike.
+Captions are generated as usual (fused attention, no weights); one teacher-forced pass of the generated tokens
+then runs under ``record_attention``: its position t is the step that produced word t, so its cross-attention
+is the map of word t, for greedy, beam and sampled captions alike.
 """
 
 from __future__ import annotations
 
 import io
 import math
-import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
+from vitattn.data.preprocess import denormalize
 from vitattn.fileio import atomic_write
 from vitattn.layers import record_attention
 from vitattn.models import ImageCaptioner
@@ -33,26 +33,21 @@ if TYPE_CHECKING:
 
 __all__ = [
     "attention_figure",
+    "attention_figures",
     "attention_from_tokens",
     "attention_rollout",
-    "caption_attention_maps",
+    "caption_words",
+    "check_figures_runtime",
+    "figure_paths",
     "figure_png",
-    "save_attention_figure",
+    "write_figures",
 ]
 
 
 def attention_rollout(attentions: Sequence[Tensor], num_prefix_tokens: int = 1) -> Tensor:
-    """Attention rollout (Abnar & Zuidema, 2020) of the class token over the patches.
-
-    Each layer's weights are averaged over heads, the identity is added for the residual path and
-    rows are renormalised; the layers are multiplied through, first layer rightmost.
-
-    Args:
-        attentions: per encoder layer, first to last, (B, H, N, N) self-attention weights.
-        num_prefix_tokens: tokens before the patches (the class token).
-
-    Returns:
-        (B, N - num_prefix_tokens) the class token's row over the patches, summing to 1.
+    """(B, N - num_prefix_tokens) attention rollout (Abnar & Zuidema, 2020) of the class token over the patches,
+    summing to 1, from each encoder layer's (B, H, N, N) weights, first to last: heads averaged, the identity
+    added for the residual path, rows renormalised, the layers multiplied through.
     """
     rollout = None
     for weights in attentions:
@@ -70,18 +65,10 @@ def attention_rollout(attentions: Sequence[Tensor], num_prefix_tokens: int = 1) 
 def attention_from_tokens(
     model: ImageCaptioner, images: Tensor, tokens: Tensor, layer: int = -1
 ) -> tuple[Tensor, Tensor]:
-    """Cross-attention maps of given captions and the encoder rollout, from one recorded forward pass.
-
-    Args:
-        model: the captioner (in eval mode, so dropout does not disturb the maps).
-        images: (B, C, height, width) model inputs.
-        tokens: (B, T') captions as ``generate`` returns them (no ``<bos>``; ``<eos>``, then ``<pad>``).
-        layer: which decoder layer's cross-attention (negative counts from the last).
-
-    Returns:
-        ``(cross_maps, rollout)``: (B, T', gh, gw), the chosen layer's cross-attention averaged over
-        heads, class token dropped, each map summing to 1 over the patches (positions after
-        ``<eos>`` are padding); and (B, gh, gw), the encoder rollout, summing to 1.
+    """``(cross, rollout)`` of captions ``tokens`` (B, T') as ``generate`` returns them, from one recorded
+    teacher-forced pass over ``images`` (B, C, height, width): (B, T', gh, gw) the cross-attention of decoder
+    layer ``layer`` averaged over heads, each map summing to 1 over the patches (after ``<eos>``: padding), and
+    (B, gh, gw) the encoder's rollout. ``model`` in eval mode, so that dropout leaves the maps alone.
     """
     dec, enc = model.decoder, model.encoder
     depth = len(dec.layers)
@@ -99,30 +86,6 @@ def attention_from_tokens(
     cross = cross / cross.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(cross.dtype).tiny)
     rollout = attention_rollout([maps[f"encoder.blocks.{i}.mha"][0] for i in range(len(enc.blocks))], prefix)
     return cross.view(B, T, gh, gw), rollout.view(B, gh, gw)
-
-
-@torch.no_grad()
-def caption_attention_maps(
-    model: ImageCaptioner, images: Tensor, layer: int = -1, **generate_kwargs: Any
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Caption ``images`` and say where each generated word looked.
-
-    Generation runs exactly as ``model.generate`` (fused attention); the maps come from one extra
-    teacher-forced pass of the generated tokens, so for beam search they are those of the returned beam.
-
-    Args:
-        model: the captioner, in eval mode.
-        images: (B, C, height, width).
-        layer: decoder layer whose cross-attention is returned (default the last).
-        **generate_kwargs: passed to ``model.generate``.
-
-    Returns:
-        ``(tokens, cross_maps, rollout)``: (B, T') as ``generate`` returns them; (B, T', gh, gw)
-        per-word cross-attention over the patches, each summing to 1; (B, gh, gw) encoder rollout.
-    """
-    tokens = model.generate(images, **generate_kwargs)  # (B, T')
-    cross, rollout = attention_from_tokens(model, images, tokens, layer)
-    return tokens, cross, rollout
 
 
 def _as_rgb_array(image: Image.Image | np.ndarray | Tensor) -> np.ndarray:
@@ -157,16 +120,8 @@ def attention_figure(
     title: str | None = None,
     max_cols: int = 6,
 ) -> Figure:
-    """The image, one heat-map overlay per word, and the encoder rollout, as a matplotlib ``Figure``.
-
-    Args:
-        image: the image the maps belong to (the model's input view aligns best): PIL, (height, width, 3)
-            array, or (3, height, width) tensor in [0, 1].
-        words: the caption's words; panel i shows ``cross_maps[i]``.
-        cross_maps: (T', gh, gw) with T' >= len(words).
-        rollout: (gh, gw).
-        title: a figure title, e.g. the caption.
-        max_cols: panels per row.
+    """A matplotlib ``Figure``: ``image`` (PIL, (height, width, 3) array or (3, height, width) tensor in [0, 1]),
+    one overlay per word of ``cross_maps`` (T', gh, gw), T' >= len(words), and the ``rollout`` (gh, gw).
     """
     # heavy: matplotlib is imported only when a figure is drawn; no pyplot: no global state, Agg chosen by savefig
     from matplotlib.figure import Figure
@@ -200,16 +155,57 @@ def figure_png(fig: Figure, dpi: int = 80) -> bytes:
     return buffer.getvalue()
 
 
-def save_attention_figure(
-    image: Image.Image | np.ndarray | Tensor,
-    words: Sequence[str],
-    cross_maps: Tensor | np.ndarray,
-    rollout: Tensor | np.ndarray,
-    path: str | os.PathLike,
-    *,
-    title: str | None = None,
-    max_cols: int = 6,
-) -> Path:
-    """Draw ``attention_figure`` and write it as a PNG atomically; returns ``path``."""
-    png = figure_png(attention_figure(image, words, cross_maps, rollout, title=title, max_cols=max_cols))
-    return atomic_write(path, png)
+def attention_figures(
+    model: Any, images: Tensor, tokens: Tensor, vocab: Any, preprocess: Mapping[str, Any], titles: Sequence[str | None]
+) -> list[Figure]:
+    """One ``attention_figure`` per row of ``images`` (b, C, height, width), normalised model inputs, and their
+    captions ``tokens`` (b, T'); ``preprocess``' ``mean`` and ``std`` undo the normalisation."""
+    cross, rollout = attention_from_tokens(model, images, tokens)  # (b, T', gh, gw), (b, gh, gw)
+    shown = denormalize(images.float(), preprocess["mean"], preprocess["std"]).clamp(0, 1).cpu()  # (b, 3, h, w)
+    return [
+        attention_figure(shown[row], caption_words(tokens[row].tolist(), vocab), cross[row], rollout[row], title=title)
+        for row, title in enumerate(titles)
+    ]
+
+
+def caption_words(ids: Sequence[int], vocab: Any) -> list[str]:
+    """Tokens before ``<eos>`` as strings, one per position (``<unk>`` kept, subwords as their text)."""
+    return vocab.tokens(ids)
+
+
+def check_figures_runtime(model: Any) -> None:
+    """Refuse, in one line, to draw figures of a ``LoadedModel`` whose runtime has no attention weights (ONNX)."""
+    if model.runtime != "torch":
+        raise ValueError(
+            "attention_maps= needs the PyTorch runtime; caption with the bundle or run folder, not the ONNX folder"
+        )
+
+
+def figure_paths(inputs: Sequence[Any], folder: Path) -> dict[str, Path]:
+    """``folder/<stem>.png`` per input image (``.path``); a stem already taken gets ``<stem>-2.png``, ...,
+    over all inputs, so that a resumed run names each image as the first run did."""
+    names: dict[str, Path] = {}
+    used: set[str] = set()
+    for x in inputs:
+        stem = Path(x.path).stem or "image"
+        name, n = stem, 1
+        while name.lower() in used:
+            n += 1
+            name = f"{stem}-{n}"
+        used.add(name.lower())
+        names[x.path] = folder / f"{name}.png"
+    return names
+
+
+def write_figures(
+    model: Any, images: Tensor, tokens: Tensor, records: Sequence[Mapping[str, Any]], paths: Mapping[str, Path]
+) -> None:
+    """The attention figure of each captioned ``records[i]`` (its ``images[i]``, ``tokens[i]``), written atomically
+    to ``paths[record["image"]]``; ``model`` is a caption ``LoadedModel``."""
+    drawn = attention_figures(
+        model.model, images, tokens, model.vocab, model.preprocess, [r.get("caption") for r in records]
+    )
+    for record, fig in zip(records, drawn):
+        path = paths[record["image"]]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, figure_png(fig))

@@ -1,190 +1,614 @@
-"""Batched captioning of image files: read, encode, decode, one ``CaptionBatch`` at a time.
+"""Captioning image files and shards in batches, with one resumable output engine for both.
 
 Dimension letters: B batch, C channels, T' generated tokens; image sides are written out (height, width).
 
-A bad file never stops a batch: it gets a record ``{"image", "image_id", "error"}`` instead of a caption.
+The work is cut into units, each written whole, atomically, once every sample of it is captioned: a
+WebDataset shard (``OUTDIR/<shard>.jsonl`` or ``.parquet``, final) or a chunk of an image list
+(``OUT.parts/<k>-<digest>.jsonl``; rank 0 then merges the chunks into ``OUT`` in input order). A run killed
+at any moment (``kill -9``, any rank) leaves whole unit outputs only: the same command again skips them and
+captions the others from their start. Rank 0 lists what is finished before any rank writes, and every rank
+plans from that one listing. A bad image never stops a batch: its row holds an ``error``. Design:
+docs/captioning.md ("Resumable output").
 """
 
 from __future__ import annotations
 
+import csv
+import hashlib
+import io
+import json
+import logging
 import os
+import shutil
 import sys
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm.auto import tqdm
 
-from vitattn.bundle.runtime import LoadedModel
-from vitattn.inference.file_dataset import ImageFileDataset, collate_images
+from vitattn.bundle import LoadedModel
+from vitattn.data.images import BadImageError, read_image
+from vitattn.data.shards import ShardError, read_shard, shard_sizes
+from vitattn.data.shards.stream import image_member, sample_caption
+from vitattn.fileio import atomic_open
+from vitattn.inference.attention_maps import check_figures_runtime, figure_paths, write_figures
 from vitattn.inference.file_list import InputImage, InputList
-from vitattn.models.search import CaptionSearch
 from vitattn.precision import precision_autocast
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on POSIX: the output is not locked
+    fcntl = None
+
 __all__ = [
-    "CaptionBatch",
-    "caption_batch",
+    "FILE_FORMATS",
+    "SHARD_FORMATS",
+    "CaptionSummary",
+    "Processes",
+    "assign_units",
+    "caption_files",
     "caption_images",
-    "caption_loader",
+    "caption_shards",
     "generate_tokens",
-    "iter_caption_batches",
+    "image_file_batches",
+    "launch_processes",
+    "read_pixels",
+    "shard_output",
+    "unfinished_shards",
 ]
+
+log = logging.getLogger(__name__)
+
+FILE_FORMATS = ("jsonl", "coco", "csv")
+SHARD_FORMATS = ("jsonl", "parquet")
+CHUNK_BATCHES = 8  # a chunk of an image list: this many batches
+
+
+def generate_tokens(model: Any, images: Tensor, precision: str = "auto", **generate: Any) -> Tensor:
+    """(B, T') ``model.generate(images)`` without autograd, under ``precision``'s autocast on the images' device."""
+    with torch.inference_mode(), precision_autocast(precision, images.device):
+        return model.generate(images, **generate)
+
+
+def read_pixels(path: str | os.PathLike, transform: Callable[[Any], Tensor]) -> Tensor | str:
+    """An image file as a (C, height, width) model input, or the one-line reason it cannot be read."""
+    image = read_image(path, on_error="skip")
+    return image.reason if isinstance(image, BadImageError) else transform(image)
 
 
 @dataclass
-class CaptionBatch:
-    """One batch of results.
+class CaptionSummary:
+    """What a run did. Image files: ``captioned`` and ``failed`` count every input, ``skipped`` those an earlier
+    run had done; shards: this run's samples. ``units``: shards (or chunks) done now, ``units_before`` before."""
 
-    Attributes:
-        records: one dict per input of the batch, in input order: ``image``, ``image_id`` and
-            ``caption`` or ``error``.
-        images: (b, C, height, width) the images that were read, on the model's device; None if none were.
-        tokens: (b, T') their generated ids (``generate``'s output); None if none were read.
-        captioned: for each row of ``images``, its position in ``records``.
+    captioned: int
+    failed: int
+    skipped: int
+    out: Path
+    units: int = 0
+    units_before: int = 0
+
+
+@dataclass
+class Processes:
+    """This process among the captioning ones: rank, number, device and Lightning Fabric's collectives
+    (``fabric`` None: a single process, which shares nothing)."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    fabric: Any = None
+
+    @property
+    def is_zero(self) -> bool:
+        """Rank 0 holds the lock, lists what is finished, merges, shows progress and reports."""
+        return self.rank == 0
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` (any picklable object), on every rank."""
+        return value if self.fabric is None else self.fabric.broadcast(value, src=0)
+
+    def barrier(self, name: str) -> None:
+        """Wait until every rank is here."""
+        if self.fabric is not None:
+            self.fabric.barrier(name)
+
+    def generator(self, seed: int | None) -> torch.Generator | None:
+        """A sampling generator on this rank's device seeded ``seed + rank`` (None for no seed)."""
+        return None if seed is None else torch.Generator(self.device).manual_seed(seed + self.rank)
+
+    def sum(self, counts: list[int]) -> list[int]:
+        """Each of ``counts`` summed over the ranks."""
+        if self.fabric is None:
+            return list(counts)
+        total = self.fabric.all_reduce(torch.tensor(counts, device=self.fabric.device), reduce_op="sum")
+        return [int(x) for x in total.cpu()]
+
+
+def launch_processes(
+    *, devices: int = 1, num_nodes: int = 1, accelerator: str = "auto", device: str = "cpu", runtime: str = "torch"
+) -> Processes:
+    """Start (or join, under ``torchrun`` or ``srun``) ``devices`` x ``num_nodes`` captioning processes with
+    Lightning Fabric; one process needs no launch. An ONNX folder (``runtime`` ``onnx``) runs on CPUs only.
     """
+    if runtime == "onnx":
+        if devices * num_nodes > 1 and accelerator not in ("auto", "cpu"):
+            raise ValueError(
+                "an ONNX folder runs on ONNX Runtime's CPU provider, not on GPUs; caption it on CPU processes "
+                "(accelerator=cpu devices=N) or caption the bundle or run folder on GPUs"
+            )
+        accelerator, device = "cpu", "cpu"
+    if devices * num_nodes == 1:
+        return Processes(device=torch.device(device))
+    from lightning.fabric import Fabric  # Lightning only where several processes caption
 
-    records: list[dict[str, Any]]
-    images: Tensor | None
-    tokens: Tensor | None
-    captioned: list[int]
-
-
-def generate_tokens(model: CaptionSearch, images: Tensor, precision: str = "auto", **generate_kwargs: Any) -> Tensor:
-    """``model.generate(images)`` for inference: no autograd, in ``precision`` on the images' device
-    (``vitattn.precision``: ``auto`` is bf16 autocast on GPUs and on CPUs with bf16 matrix units, else fp32;
-    a ``LoadedModel`` passes its resolved ``precision``). Returns (B, T') token ids."""
-    with torch.inference_mode(), precision_autocast(precision, images.device):
-        return model.generate(images, **generate_kwargs)
-
-
-def caption_batch(
-    bundle: LoadedModel,
-    inputs: Sequence[InputImage],
-    ok: list[int],
-    images: Tensor | None,
-    errors: list[tuple[int, str]],
-    **generate_kwargs: Any,
-) -> CaptionBatch:
-    """Caption one collated batch (``collate_images``' output, images already on the model's device).
-
-    Args:
-        bundle: a caption model from ``load_model`` (its ``model``, ``vocab`` and ``precision``).
-        inputs: what the batch's indices point into.
-        ok: positions in ``inputs`` of the rows of ``images``.
-        images: (b, C, height, width) or None when no file of the batch could be read.
-        errors: ``(position, reason)`` of the files that could not be read.
-        **generate_kwargs: passed to ``ImageCaptioner.generate``.
-    """
-    index = sorted([*ok, *(i for i, _ in errors)])
-    pos = {i: p for p, i in enumerate(index)}
-    records = []
-    for i in index:
-        x = inputs[i]
-        records.append({"image": x.path, "image_id": x.image_id})
-    for i, reason in errors:
-        records[pos[i]]["error"] = reason
-    tokens = None
-    if images is not None:
-        tokens = generate_tokens(bundle.model, images, bundle.precision, **generate_kwargs)  # (b, T')
-        for i, caption in zip(ok, bundle.vocab.decode_batch(tokens)):
-            records[pos[i]]["caption"] = caption
-    return CaptionBatch(records, images, tokens, [pos[i] for i in ok])
+    fabric = Fabric(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy="ddp")
+    fabric.launch()
+    return Processes(fabric.global_rank, fabric.world_size, fabric.device, fabric)
 
 
-def caption_loader(
-    bundle: LoadedModel,
-    inputs: Sequence[InputImage],
-    positions: Sequence[int] | None = None,
+def assign_units(sizes: Sequence[int], world_size: int) -> list[list[int]]:
+    """Unit indices per rank: largest first, each to the rank with the fewest samples so far."""
+    load, plans = [0] * world_size, [[] for _ in range(world_size)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        plans[rank].append(i)
+        load[rank] += sizes[i]
+    return plans
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """A shard (``shard``, its address) or a chunk (``positions`` in the image list), and its output file."""
+
+    output: Path
+    size: int
+    shard: str | None = None
+    positions: Sequence[int] = ()
+
+
+class _UnitBatches(IterableDataset):
+    """Batches of some units' samples, ``([(unit, row)], (b, C, height, width) pixels or None, rows decoded)``;
+    a row None closes its unit. Each DataLoader worker takes whole units."""
+
+    def __init__(self, units: Sequence[tuple[int, _Unit]], inputs: InputList | None, transform: Any, size: int):
+        self.units, self.inputs, self.transform, self.size = list(units), inputs, transform, size
+
+    def __iter__(self) -> Iterator[tuple[list[tuple[int, dict | None]], torch.Tensor | None, list[int]]]:
+        info = get_worker_info()
+        mine = self.units if info is None else self.units[info.id :: info.num_workers]
+        items: list[tuple[int, torch.Tensor | None, dict | None]] = []
+        for k, unit in mine:
+            samples = self._shard(unit.shard) if unit.shard is not None else self._files(unit.positions)
+            sample = next(samples, None)
+            if sample is None:
+                items.append((k, None, None))
+            while sample is not None:
+                items.append((k, *sample))
+                sample = next(samples, None)
+                if sample is None:  # the unit's end goes with its last sample: it is finished with that batch
+                    items.append((k, None, None))
+                if sum(row is not None for _, _, row in items) == self.size:
+                    yield _collate(items)
+                    items = []
+        if items:
+            yield _collate(items)
+
+    def _files(self, positions: Sequence[int]) -> Iterator[tuple[torch.Tensor | None, dict[str, Any]]]:
+        for i in positions:
+            x = self.inputs[int(i)]
+            pixels = read_pixels(x.path, self.transform)
+            row = {"image": x.path, "image_id": x.image_id}
+            yield (None, {**row, "error": pixels}) if isinstance(pixels, str) else (pixels, row)
+
+    def _shard(self, url: str) -> Iterator[tuple[torch.Tensor | None, dict[str, Any]]]:
+        try:
+            for sample in read_shard(url):
+                row: dict[str, Any] = {"key": sample["__key__"]}
+                original = sample_caption(sample, None)
+                if original is not None:
+                    row["original_caption"] = original
+                try:
+                    url_of = json.loads(sample.get("json") or b"{}").get("url")
+                except (ValueError, AttributeError):
+                    url_of = None
+                if url_of is not None:
+                    row["url"] = url_of
+                name = image_member(sample)
+                if name is None:
+                    yield None, {**row, "error": "no image member"}
+                    continue
+                image = read_image(io.BytesIO(sample[name]), on_error="skip")
+                if isinstance(image, BadImageError):  # an undecodable image is an error row, not a stop
+                    yield None, {**row, "error": image.reason}
+                else:
+                    yield self.transform(image), row
+        except ShardError as err:  # a shard that ends early: one row with its error
+            yield None, {"error": str(err)}
+
+
+def _collate(items: list[tuple[int, torch.Tensor | None, dict | None]]) -> tuple[list, torch.Tensor | None, list[int]]:
+    """In the worker: one stacked tensor to send to the main process, not one per image."""
+    decoded = [i for i, (_, pixels, _) in enumerate(items) if pixels is not None]
+    images = torch.stack([items[i][1] for i in decoded]) if decoded else None
+    return [(k, row) for k, _, row in items], images, decoded
+
+
+def _caption_units(
+    model: LoadedModel,
+    units: Sequence[tuple[int, _Unit]],
+    finish: Callable[[int, list[dict[str, Any]]], None],
     *,
+    inputs: InputList | None = None,
     batch_size: int = 32,
-    num_workers: int = 0,
-    pin_memory: bool = False,
-) -> DataLoader:
-    """Batches of ``collate_images`` over ``inputs`` (only ``positions`` of them when given), in order."""
-    if bundle.task != "caption" or bundle.vocab is None:
-        raise ValueError(f"this model is a {bundle.task} bundle; captioning needs a caption bundle")
+    num_workers: int = 2,
+    progress: bool = True,
+    figures: Mapping[str, Path] | None = None,
+    **generate: Any,
+) -> None:
+    """Caption the samples of ``units`` ((index, unit) pairs); ``finish(index, rows)`` gets each unit's rows,
+    in order, once all are captioned. ``figures``: image path -> where its attention figure goes."""
+    if model.task != "caption":
+        raise ValueError(f"this model is a {model.task} model; captioning needs a caption model")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be at least 1")
     if num_workers < 0:
         raise ValueError(f"num_workers={num_workers} must be non-negative")
-    paths = inputs.paths if isinstance(inputs, InputList) else [x.path for x in inputs]
-    return DataLoader(
-        ImageFileDataset(paths, bundle.transform, positions),
-        batch_size=batch_size,
-        shuffle=False,
-        num_workers=num_workers,
-        collate_fn=collate_images,
-        pin_memory=pin_memory,
+    device = model.device
+    loader = DataLoader(
+        _UnitBatches(units, inputs, model.transform, batch_size),
+        batch_size=None,
+        num_workers=min(num_workers, len(units)),
+        pin_memory=device.type == "cuda",
     )
-
-
-def iter_caption_batches(
-    bundle: LoadedModel,
-    inputs: Sequence[InputImage],
-    *,
-    positions: Sequence[int] | None = None,
-    batch_size: int = 32,
-    num_workers: int = 0,
-    progress: bool = False,
-    **generate_kwargs: Any,
-) -> Iterator[CaptionBatch]:
-    """Read, caption and decode ``inputs`` batch by batch (a ``DataLoader`` with worker processes).
-
-    Args:
-        bundle: a caption model from ``load_model``.
-        inputs: the images, e.g. from ``list_inputs``.
-        positions: caption only these positions of ``inputs``, in this order; default all.
-        batch_size: images per ``generate`` call.
-        num_workers: image-reading processes (0 reads in this process).
-        progress: show a tqdm progress bar on stderr.
-        **generate_kwargs: passed to ``ImageCaptioner.generate`` (``num_beams``, ``max_new_tokens``,
-            ``do_sample``, ``generator``, ...).
-    """
-    device = bundle.device
-    loader = caption_loader(
-        bundle, inputs, positions, batch_size=batch_size, num_workers=num_workers, pin_memory=device.type == "cuda"
-    )
-    total = len(inputs) if positions is None else len(positions)
+    rows: dict[int, list[dict[str, Any]]] = {}
+    total = sum(unit.size for _, unit in units)
     with tqdm(total=total, unit="img", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
-        for ok, images, errors in loader:
+        for items, images, decoded in loader:
             if images is not None:
                 images = images.to(device, non_blocking=True)
-            batch = caption_batch(bundle, inputs, ok, images, errors, **generate_kwargs)
-            bar.update(len(batch.records))
-            yield batch
+                tokens = generate_tokens(model.model, images, model.precision, **generate)  # (b, T')
+                for i, caption in zip(decoded, model.vocab.decode_batch(tokens)):
+                    items[i][1]["caption"] = caption
+                if figures is not None:
+                    write_figures(model, images, tokens, [items[i][1] for i in decoded], figures)
+            for k, row in items:
+                if row is None:
+                    finish(k, rows.pop(k, []))
+                else:
+                    rows.setdefault(k, []).append(row)
+                    bar.update(1 if "key" in row or "image" in row else 0)
+
+
+def _chunks(inputs: InputList, positions: Sequence[int], size: int, folder: Path) -> list[_Unit]:
+    """``positions`` of ``inputs`` cut into chunks of ``size``, each named by its place and its images."""
+    units = []
+    for k, start in enumerate(range(0, len(positions), size)):
+        chunk = positions[start : start + size]
+        digest = hashlib.blake2b(digest_size=8)
+        for i in chunk:
+            digest.update(f"{inputs.paths[i]}\0{inputs[i].image_id}\0".encode("utf-8", "surrogatepass"))
+        units.append(_Unit(folder / f"{k:06d}-{digest.hexdigest()}.jsonl", len(chunk), positions=chunk))
+    return units
+
+
+def image_file_batches(
+    inputs: InputList, transform: Callable[[Any], Tensor], batch_size: int = 32, num_workers: int = 0
+) -> Iterator[tuple[list[dict[str, Any]], Tensor | None, list[int]]]:
+    """Image files read in batches as captioning reads them: ``(rows, (b, C, height, width) pixels or None, the
+    rows the pixels are of)``, a row ``{"image", "image_id"}`` plus ``"error"`` for a file that cannot be read."""
+    units = list(enumerate(_chunks(inputs, range(len(inputs)), CHUNK_BATCHES * batch_size, Path())))
+    workers = min(num_workers, len(units))
+    loader = DataLoader(_UnitBatches(units, inputs, transform, batch_size), batch_size=None, num_workers=workers)
+    for items, images, decoded in loader:
+        rows = [row for _, row in items if row is not None]
+        at = {id(row): i for i, row in enumerate(rows)}
+        yield rows, images, [at[id(items[i][1])] for i in decoded]
 
 
 def caption_images(
-    bundle: LoadedModel,
-    paths: Sequence[str | os.PathLike] | Sequence[InputImage],
-    batch_size: int = 32,
-    num_workers: int = 0,
-    progress: bool = False,
-    **generate_kwargs: Any,
+    model: LoadedModel, paths: Sequence[str | os.PathLike] | Sequence[InputImage], **options: Any
 ) -> list[dict[str, Any]]:
-    """Caption image files.
-
-    Args:
-        bundle: a caption model from ``load_model``.
-        paths: image paths (``image_id`` is the position in this list) or ``InputImage``s.
-        batch_size, num_workers, progress: as in ``iter_caption_batches``.
-        **generate_kwargs: passed to ``ImageCaptioner.generate``.
-
-    Returns:
-        One dict per path, in order: ``{"image", "image_id", "caption"}`` or, for a file that could
-        not be read, ``{"image", "image_id", "error"}``.
-
-    Example:
-        >>> caption_images(load_model("runs/coco/bundle"), ["cat.jpg"], num_beams=3)
-        [{'image': 'cat.jpg', 'image_id': 0, 'caption': 'a cat sitting on a couch'}]
-    """
+    """Caption image files in memory: one ``{"image", "image_id", "caption"}`` (or ``"error"``) per path, in
+    order; ``image_id`` is the position of a plain path. ``options``: ``caption_files``' ``batch_size``,
+    ``num_workers``, ``progress`` and ``generate`` settings."""
     inputs = [p if isinstance(p, InputImage) else InputImage(str(p), i) for i, p in enumerate(paths)]
-    results: list[dict[str, Any]] = []
-    for batch in iter_caption_batches(
-        bundle, inputs, batch_size=batch_size, num_workers=num_workers, progress=progress, **generate_kwargs
-    ):
-        results += batch.records
-    return results
+    listed = InputList([x.path for x in inputs], [x.image_id for x in inputs])
+    units = _chunks(listed, range(len(listed)), CHUNK_BATCHES * options.get("batch_size", 32), Path())
+    done: dict[int, list[dict[str, Any]]] = {}
+    _caption_units(model, list(enumerate(units)), done.__setitem__, inputs=listed, **{"progress": False, **options})
+    return [row for k in range(len(units)) for row in done[k]]
+
+
+def caption_files(
+    model: LoadedModel,
+    inputs: Sequence[InputImage],
+    out: str | os.PathLike,
+    *,
+    processes: Processes | None = None,
+    format: str = "jsonl",
+    batch_size: int = 32,
+    num_workers: int = 2,
+    progress: bool = True,
+    attention_maps: str | os.PathLike | None = None,
+    seed: int | None = None,
+    **generate: Any,
+) -> CaptionSummary:
+    """Caption image files into ``out``, resuming what a run of the same command left; called the same way on
+    every rank of ``processes`` (default: this process alone), with the same ``inputs``, it returns the same
+    summary on each. ``format``: ``jsonl`` (``{"image", "image_id", "caption"}`` or ``"error"`` a line),
+    ``coco`` (``[{"image_id", "caption"}]``) or ``csv`` (``image,image_id,caption,error``). ``attention_maps``: a
+    folder for one figure per captioned image; ``seed``: ``seed + rank`` seeds sampling; ``**generate``: settings.
+    """
+    processes = processes or Processes(device=model.device)
+    if format not in FILE_FORMATS:
+        raise ValueError(f"format={format!r} is unknown; choose one of {list(FILE_FORMATS)}")
+    out = Path(out)
+    if out.is_dir():
+        raise ValueError(f"out={out} is a folder; give a file path")
+    if attention_maps is not None:
+        check_figures_runtime(model)
+    inputs = InputList.unique(inputs)
+    parts = out.with_name(out.name + ".parts")
+    lock, plan = None, ("", None)
+    if processes.is_zero:  # the others write nothing before rank 0 has listed what is there
+        try:
+            lock = _lock(parts, out)
+            plan = ("", _file_plan(inputs, out, parts, format, batch_size))
+        except ValueError as err:
+            plan = (str(err), None)
+    try:
+        refused, plan = processes.broadcast(plan)
+        if refused:
+            raise ValueError(refused)
+        recorded, units, finished = plan
+        todo = [k for k, unit in enumerate(units) if unit.output.name not in finished]
+        skipped = len(inputs) - sum(units[k].size for k in todo)
+        if processes.is_zero and skipped:
+            log.info(
+                "%d of %d images are already captioned; captioning the other %d",
+                skipped,
+                len(inputs),
+                len(inputs) - skipped,
+            )
+        if seed is not None:
+            generate["generator"] = processes.generator(seed)
+        mine = [todo[i] for i in assign_units([units[k].size for k in todo], processes.world_size)[processes.rank]]
+        figures = figure_paths(inputs, Path(attention_maps)) if attention_maps is not None else None
+        _caption_units(
+            model,
+            [(k, units[k]) for k in mine],
+            lambda k, rows: _write_rows(units[k].output, rows, "jsonl"),
+            inputs=inputs,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            progress=progress and processes.is_zero,
+            figures=figures,
+            **generate,
+        )
+        processes.barrier("caption-chunks-written")
+        counts = None
+        if processes.is_zero:
+            counts = _merge(inputs, out, format, recorded, units)
+            shutil.rmtree(parts, ignore_errors=True)
+        captioned, failed = processes.broadcast(counts)
+        return CaptionSummary(captioned, failed, skipped, out, len(todo), len(units) - len(todo))
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _lock(parts: Path, out: Path) -> IO[bytes]:
+    """The chunk folder's lock, held for the whole run: two runs writing the same chunks would repeat images."""
+    parts.mkdir(parents=True, exist_ok=True)
+    f = open(parts / ".lock", "ab")  # noqa: SIM115 - held for the whole run
+    if fcntl is not None:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise ValueError(f"{out} is being written by another run; wait for it or choose another out=") from None
+    return f
+
+
+def _file_plan(
+    inputs: InputList, out: Path, parts: Path, format: str, batch_size: int
+) -> tuple[dict[str, int], list[_Unit], set[str]]:
+    """``(path -> offset of its line in an existing jsonl out, the chunks of the other images, the chunks
+    finished)``; stale temporaries of a killed run are removed."""
+    recorded = _recorded(out) if format == "jsonl" else {}
+    todo = [i for i, path in enumerate(inputs.paths) if path not in recorded] if recorded else range(len(inputs))
+    units = _chunks(inputs, todo, CHUNK_BATCHES * batch_size, parts)
+    return recorded, units, _finished(parts, units)
+
+
+def _finished(folder: Path, units: Sequence[_Unit]) -> set[str]:
+    """The names of ``units``' outputs already in ``folder`` (whole: only ever renamed into place); the
+    temporaries a killed run left there (``atomic_open``'s ``.NAME.*.tmp``) are removed."""
+    names = {unit.output.name for unit in units}
+    found = set()
+    for path in folder.iterdir():
+        if path.name in names:
+            found.add(path.name)
+        elif path.name.startswith(".") and path.name.endswith(".tmp") and path.name[1:].rsplit(".", 2)[0] in names:
+            path.unlink(missing_ok=True)
+    return found
+
+
+def _recorded(out: Path) -> dict[str, int]:
+    """Image path -> byte offset of its record in an existing jsonl ``out`` (the first record of a path)."""
+    offsets: dict[str, int] = {}
+    if not out.is_file():
+        return offsets
+    with open(out, "rb") as f:
+        at = 0
+        for line in f:
+            try:
+                image = json.loads(line.decode("utf-8", errors="replace")).get("image")
+            except (ValueError, AttributeError, RecursionError):
+                image = None
+            if isinstance(image, str):
+                offsets.setdefault(image, at)
+            at += len(line)
+    return offsets
+
+
+def _merge(
+    inputs: InputList, out: Path, format: str, recorded: dict[str, int], units: Sequence[_Unit]
+) -> tuple[int, int]:
+    """Write every input's record into ``out`` in input order, atomically, and return ``(captioned, failed)``;
+    a jsonl ``out`` keeps its records of images that are not among ``inputs``, after them. When every image
+    was in ``out`` already, ``out`` is left as it is."""
+    counts = [0, 0]
+    with ExitStack() as stack:
+        old = stack.enter_context(open(out, "rb")) if recorded else None
+        chunks = (line for unit in units for line in unit.output.read_bytes().splitlines(keepends=True))
+
+        def read(path: str) -> bytes:
+            old.seek(recorded[path])
+            return old.readline()
+
+        def records() -> Iterator[tuple[bytes, dict[str, Any] | None]]:
+            for path in inputs.paths:
+                line = read(path) if path in recorded else next(chunks)
+                record = json.loads(line.decode("utf-8", errors="replace"))
+                counts["caption" not in record] += 1
+                yield line, record
+            if format == "jsonl" and recorded:
+                wanted = set(inputs.paths)
+                yield from ((read(path), None) for path in recorded if path not in wanted)
+
+        if not units and out.exists():  # nothing new: out stays as it is
+            for _ in records():
+                pass
+            return counts[0], counts[1]
+        with atomic_open(out, "wb") as f:
+            if format == "jsonl":
+                for line, _ in records():
+                    f.write(line)
+            else:
+                text = io.TextIOWrapper(f, encoding="utf-8", errors="surrogateescape", newline="")
+                rows = (record for _, record in records() if record is not None)
+                (_write_coco if format == "coco" else _write_csv)(text, rows)
+                text.flush()
+                text.detach()
+    return counts[0], counts[1]
+
+
+def shard_output(out_dir: str | Path, url: str, format: str) -> Path:
+    """The output of shard ``url``: ``OUTDIR/<shard name without .tar>.<format>``."""
+    name = url.rstrip("/").rsplit("/", 1)[-1].split(" ")[-1]
+    return Path(out_dir) / f"{name.rsplit('.tar', 1)[0]}.{format}"
+
+
+def caption_shards(
+    model: LoadedModel,
+    urls: Sequence[str],
+    out_dir: str | os.PathLike,
+    *,
+    processes: Processes | None = None,
+    format: str = "jsonl",
+    batch_size: int = 32,
+    num_workers: int = 2,
+    progress: bool = True,
+    seed: int | None = None,
+    **generate: Any,
+) -> CaptionSummary:
+    """Caption the unfinished shards of ``urls``, one output per shard in ``out_dir`` (``format`` ``jsonl`` or
+    ``parquet``): a row per sample, ``key`` and ``caption`` (or ``error``), and its ``url`` and original caption
+    (``.txt``) when it has them. Called as ``caption_files``, with the same options; counts are this run's.
+    """
+    processes = processes or Processes(device=model.device)
+    if format not in SHARD_FORMATS:
+        raise ValueError(f"format={format!r} is unknown for shards; choose one of {list(SHARD_FORMATS)}")
+    if format == "parquet":
+        import pyarrow  # noqa: F401 - optional: only parquet output needs it; fail before any work
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    todo = processes.broadcast(unfinished_shards(urls, out_dir, format) if processes.is_zero else None)
+    sizes = dict(zip(todo, shard_sizes([urls[k] for k in todo])))  # one listing for every rank, taken before writes
+    units = [_Unit(shard_output(out_dir, url, format), sizes.get(k, 0), shard=url) for k, url in enumerate(urls)]
+    if processes.is_zero:
+        log.info(
+            "captioning %d shards (%d finished before) on %d process(es)",
+            len(urls),
+            len(urls) - len(todo),
+            processes.world_size,
+        )
+    if seed is not None:
+        generate["generator"] = processes.generator(seed)
+    mine = [todo[i] for i in assign_units([units[k].size for k in todo], processes.world_size)[processes.rank]]
+    counts = [0, 0, 0]  # shards, captioned, failed
+
+    def finish(k: int, rows: list[dict[str, Any]]) -> None:
+        _write_rows(units[k].output, rows, format)
+        counts[0] += 1
+        counts[1] += sum("caption" in row for row in rows)
+        counts[2] += sum("caption" not in row for row in rows)
+
+    _caption_units(
+        model,
+        [(k, units[k]) for k in mine],
+        finish,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        progress=progress and processes.is_zero,
+        **generate,
+    )
+    shards, captioned, failed = processes.sum(counts)
+    return CaptionSummary(captioned, failed, 0, out_dir, shards, len(units) - len(todo))
+
+
+def unfinished_shards(urls: Sequence[str], out_dir: str | os.PathLike, format: str = "jsonl") -> list[int]:
+    """Positions in ``urls`` of the shards without an output in ``out_dir`` (an output there is whole: outputs are
+    only ever renamed into place); the temporaries a killed run left are removed."""
+    units = [_Unit(shard_output(out_dir, url, format), 0, shard=url) for url in urls]
+    finished = _finished(Path(out_dir), units)
+    return [k for k, unit in enumerate(units) if unit.output.name not in finished]
+
+
+def _write_rows(path: Path, rows: list[dict[str, Any]], format: str) -> None:
+    """One unit's rows as JSON Lines or parquet, atomically."""
+    if format == "jsonl":
+        with atomic_open(path, "wb") as f:
+            f.write("".join(_json_line(row) for row in rows).encode("utf-8"))
+        return
+    # optional: parquet output only
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = sorted({k for row in rows for k in row} | {"key", "caption"})
+    table = pa.table({c: [row.get(c) for row in rows] for c in columns})
+    with atomic_open(path, "wb") as f:
+        pq.write_table(table, f)
+
+
+def _json_line(record: Mapping[str, Any]) -> str:
+    line = json.dumps(record, ensure_ascii=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:  # a file name that is not valid UTF-8: \u escapes read back to the same str
+        line = json.dumps(record)
+    return line + "\n"
+
+
+def _write_coco(f: IO[str], records: Iterable[Mapping[str, Any]]) -> None:
+    f.write("[")
+    sep = "\n"
+    for r in records:
+        if "caption" in r:
+            f.write(sep + " " + json.dumps({"image_id": r["image_id"], "caption": r["caption"]}, ensure_ascii=False))
+            sep = ",\n"
+    f.write("\n]\n")
+
+
+def _write_csv(f: IO[str], records: Iterable[Mapping[str, Any]]) -> None:
+    writer = csv.DictWriter(f, fieldnames=["image", "image_id", "caption", "error"], extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(records)

@@ -74,18 +74,10 @@ class InputList(Sequence[InputImage]):
 def list_inputs(
     images: str | os.PathLike | Sequence[str | os.PathLike], image_dir: str | os.PathLike | None = None
 ) -> InputList:
-    """The images named by ``images``, each once.
-
-    Args:
-        images: a folder (searched recursively for image extensions, hidden names skipped), a glob
-            (``photos/**/*.jpg``), a text file with one path per line (``#`` comments allowed), a COCO
-            JSON file (``images[].file_name`` and ``images[].id``), a single image, or a sequence of paths.
-        image_dir: the folder that COCO ``file_name``s and relative text-list paths are relative to;
-            default: the COCO file's folder, and the current folder for text lists.
-
-    Returns:
-        an ``InputList``; COCO files keep their order and ids, other inputs are sorted by path and
-        numbered from 0 in that order.
+    """The images named by ``images``, each once: a folder (searched recursively, hidden names skipped), a glob, a
+    text file of paths (``#`` comments), a COCO JSON file (``images[].file_name`` and ``.id``), one image, or a
+    sequence of paths. ``image_dir``: what COCO and relative text-list paths are relative to (default: the COCO
+    file's folder, the current one). COCO files keep their order and ids; the rest is sorted, numbered from 0.
     """
     if not isinstance(images, (str, os.PathLike)):
         return _numbered([str(p) for p in images], sort=False)
@@ -122,10 +114,8 @@ def _numbered(paths: Sequence[str], sort: bool) -> InputList:
 
 
 def _walk_images(root: Path, shown: str) -> list[str]:
-    """Image paths under ``root``, hidden names skipped; one ``os.scandir`` per folder, nothing held twice.
-
-    Raises:
-        ValueError: a folder under ``root`` cannot be read (its images would be missing from the list).
+    """Image paths under ``root``, hidden names skipped, one ``os.scandir`` per folder; a folder that cannot be read
+    is a ``ValueError`` (its images would be missing from the list).
     """
     found: list[str] = []
     folders = [str(root)]

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "SEARCH_KEYS",
     "CaptionSearch",
     "DecodeStep",
     "SpecialIds",
@@ -24,6 +25,9 @@ __all__ = [
     "sample_token",
     "sequence_log_prob",
 ]
+
+# ``generate``'s deterministic decoding settings (greedy or beam search), as entry points and reports name them
+SEARCH_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "early_stopping")
 
 
 class DecodeStep(Protocol):

@@ -1,13 +1,11 @@
-"""The captioning ``LitAPI``: a request's image becomes a tensor or a one-line reason; good images of a
+"""The captioning ``LitAPI``: a request's image becomes a tensor or a one-line reason; the good images of a
 batch are captioned together, bad ones answer HTTP 400 without failing their batch.
 
 Dimension letters: B batch, C channels, T' generated tokens; image sides are written out (height, width).
 
-A request is a multipart form with an ``image`` file field (or a single file field of any name), or JSON
-``{"image": "<base64>"}`` (a ``data:`` URL is accepted; ``bodies`` turns a raw image body into this);
-``attention=true`` in either also returns the attention figure as a PNG ``data:`` URL. LitServe batches
-requests across clients (``max_batch_size``, ``batch_timeout``) and decodes each one apart, so one bad
-image never spoils the batch it arrived in.
+A request is a multipart form with an ``image`` file field (or one file field of any name), or JSON
+``{"image": "<base64>"}`` (a ``data:`` URL too); ``attention=true`` adds the attention figure as a PNG
+``data:`` URL. LitServe batches requests across clients and decodes each one apart.
 """
 
 from __future__ import annotations
@@ -24,10 +22,10 @@ import torch
 from fastapi.responses import JSONResponse
 from torch import Tensor
 
+from vitattn.bundle import load_model
 from vitattn.data.images import BadImageError, read_image
-from vitattn.inference.api import Captioner, load_model
-from vitattn.inference.attention_maps import figure_png
-from vitattn.inference.figures import attention_figures, caption_words
+from vitattn.inference.api import Captioner
+from vitattn.inference.attention_maps import attention_figures, caption_words, figure_png
 from vitattn.serve.stop import leave_interrupts_to_parent
 
 __all__ = ["CaptionAPI", "ImageRequest", "decode_image_request"]
@@ -89,10 +87,8 @@ def _image_bytes(request: Any) -> bytes | str:
 
 
 def decode_image_request(request: Any, transform: Any, max_image_bytes: int) -> ImageRequest:
-    """A request (form or JSON) -> an ``ImageRequest``; never raises.
-
-    The image is read by ``read_image``, the reader and the reasons of ``vitattn-caption``; an image over
-    ``max_image_bytes`` is refused unread.
+    """A request (form or JSON) -> an ``ImageRequest``, never raising: the image read by ``read_image``, with
+    ``vitattn-caption``'s reasons; one over ``max_image_bytes`` is refused unread.
     """
     attention = _flag(request.get("attention", False)) if hasattr(request, "get") else False
     data = _image_bytes(request)
@@ -110,16 +106,9 @@ def decode_image_request(request: Any, transform: Any, max_image_bytes: int) -> 
 
 
 class CaptionAPI(ls.LitAPI):
-    """Captions images with a bundle on one device; LitServe gives it batches of decoded requests.
-
-    Args:
-        model: a bundle folder, a training run folder, a ``.ckpt`` or an ONNX folder (as ``load_model`` takes).
-        generate: ``ImageCaptioner.generate`` keyword arguments (the bundle's defaults already merged in).
-        max_image_bytes: larger images are refused with HTTP 400 before they are read.
-        num_threads: torch CPU threads of each worker (None: torch's default).
-        precision: ``auto``, ``fp32`` or ``bf16``, as ``load_model`` takes it.
-        max_batch_size, batch_timeout: LitServe's dynamic batching (requests per ``generate`` call, and
-            how long a batch waits to fill, in seconds).
+    """Captions images with the ``model`` path (as ``load_model`` takes it, in ``precision``) on one device, with
+    ``generate`` settings already resolved; LitServe gives it batches of decoded requests (``max_batch_size``,
+    ``batch_timeout`` seconds). Images over ``max_image_bytes`` get a 400 unread; ``num_threads``: torch's.
     """
 
     def __init__(

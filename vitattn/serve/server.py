@@ -1,17 +1,23 @@
-"""The ``LitServer`` of a ``CaptionAPI``, with ``GET /`` serving the page of ``index.html``."""
+"""The ``LitServer`` of a ``CaptionAPI``: ``GET /`` serves the page of ``index.html``, and ``RequestBodies`` lets
+``POST /predict`` take a raw image body as well as the form or JSON that LitServe parses (anything else
+would fail inside LitServe as a 500; here it gets a 400 naming the problem).
+"""
 
 from __future__ import annotations
 
+import base64
+import json
 from importlib.resources import files
+from typing import Any
+from urllib.parse import parse_qs
 
 import litserve as ls
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 
 from vitattn.serve.api import CaptionAPI
-from vitattn.serve.bodies import RequestBodies
 from vitattn.serve.stop import GracefulStop
 
-__all__ = ["INDEX_PAGE", "build_server"]
+__all__ = ["INDEX_PAGE", "NOT_AN_IMAGE_BODY", "RequestBodies", "build_server"]
 
 INDEX_PAGE = "index.html"
 
@@ -25,15 +31,9 @@ def build_server(
     timeout: float = 60.0,
     stop: GracefulStop | None = None,
 ) -> ls.LitServer:
-    """A ``LitServer`` for ``api``: ``POST /predict``, ``GET /health``, and ``GET /`` the captioning page.
-
-    Args:
-        api: the captioning API (its batching settings are its own).
-        accelerator: ``auto``, ``cpu`` or ``cuda``.
-        devices: GPUs to use (a number or ``auto``); ignored on the CPU.
-        workers_per_device: model copies per device, each with its own batches.
-        timeout: seconds a request may wait for its answer before a 504.
-        stop: what SIGTERM / SIGINT do (``stop.serve(server, ...)`` runs it): its 503 gate goes in front.
+    """A ``LitServer`` for ``api`` (batching is the api's): ``POST /predict``, ``GET /health`` and ``GET /``, the
+    page, on ``accelerator`` (``auto``, ``cpu``, ``cuda``) and ``devices`` GPUs, ``workers_per_device`` model copies
+    each; a request waits ``timeout`` seconds before a 504. ``stop``'s 503 gate goes in front of it all.
     """
     server = ls.LitServer(
         api, accelerator=accelerator, devices=devices, workers_per_device=workers_per_device, timeout=timeout
@@ -46,3 +46,70 @@ def build_server(
     if stop is not None:
         stop.attach(server)
     return server
+
+
+_FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+_RAW_TYPES = ("image/", "application/octet-stream")
+
+NOT_AN_IMAGE_BODY = (
+    "the body is neither a multipart form, JSON nor an image (Content-Type: image/...); "
+    "send the image as a file field 'image'"
+)
+
+
+class RequestBodies:
+    """ASGI middleware for ``POST`` to ``path``: forms pass, raw images become JSON, other non-JSON bodies
+    get a 400; every other request passes through untouched."""
+
+    def __init__(self, app: Any, path: str) -> None:
+        self.app = app
+        self.path = path
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        content_type = headers.get(b"content-type", b"").decode("latin-1").lower()
+        if content_type.startswith(_FORM_TYPES):
+            return await self.app(scope, receive, send)
+        body = await _read_body(receive)
+        if content_type.startswith(_RAW_TYPES):
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            fields = {"image": base64.b64encode(body).decode("ascii")}
+            if "attention" in query:
+                fields["attention"] = query["attention"][-1]
+            body = json.dumps(fields).encode("ascii")
+            scope = {**scope, "headers": _as_json(scope["headers"], len(body))}
+        else:
+            try:
+                json.loads(body)
+            except ValueError:
+                return await JSONResponse({"detail": NOT_AN_IMAGE_BODY}, status_code=400)(scope, receive, send)
+        return await self.app(scope, _replay(body, receive), send)
+
+
+async def _read_body(receive: Any) -> bytes:
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(chunks)
+
+
+def _as_json(headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]:
+    kept = [(k, v) for k, v in headers if k.lower() not in (b"content-type", b"content-length")]
+    return [*kept, (b"content-type", b"application/json"), (b"content-length", str(length).encode())]
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    sent = False
+
+    async def replay() -> dict:  # the body once, then the client's own messages (a disconnect)
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay

@@ -1,19 +1,9 @@
-"""A server that stops: SIGTERM or SIGINT lets the requests in flight finish, answers new ones 503, then
-ends every process LitServe started, so that the port is free again.
+"""A server that stops: SIGTERM or SIGINT lets the requests in flight finish, answers new ones 503, then ends
+every process LitServe started, so that the port is free again; a second signal stops at once.
 
-``LitServer.run`` starts a multiprocessing manager, the inference workers (spawned) and the uvicorn API
-servers (forked), then waits on its shutdown event. A SIGTERM that killed that parent alone would leave its
-children, re-parented to init, answering on the port. So the parent (the process that calls ``serve``):
-
-1. on the first SIGTERM or SIGINT sets a flag shared with the API servers: from then on every new request
-   (``GET /health`` too, so that a load balancer drops this server) gets 503 with one line;
-2. waits until no request is in flight, at most ``timeout`` seconds (by then LitServe has answered 504);
-3. sets LitServe's shutdown event: LitServe stops the API servers, the inference workers and the manager.
-
-A second signal stops at once (LitServe's own KeyboardInterrupt path). Ctrl+C in a terminal sends SIGINT
-to the whole process group: the children ignore SIGINT and leave it to the parent. A SIGTERM sent to every
-process of the group (systemd's default ``KillMode=control-group``) kills the workers mid-request: send it
-to the parent alone (``kill PID``, ``docker stop``, ``KillMode=mixed``).
+The parent (the process that calls ``serve``) shares a flag with the forked API servers, waits for the
+requests in flight (at most ``timeout``), then sets LitServe's shutdown event; its children leave SIGINT
+(Ctrl+C reaches the whole process group) to it. Why and how: docs/serving.md ("How the server stops").
 """
 
 from __future__ import annotations
@@ -52,11 +42,8 @@ def leave_interrupts_to_parent() -> None:
 
 
 class GracefulStop:
-    """How a ``LitServer`` stops on SIGTERM / SIGINT: drain, then end LitServe's processes.
-
-    Args:
-        timeout: the server's request timeout in seconds; requests in flight get this long to finish.
-        end_server: called (in a thread of the parent) once drained; the default sets LitServe's shutdown event.
+    """How a ``LitServer`` stops on SIGTERM / SIGINT: drain (requests in flight get ``timeout`` seconds), then
+    ``end_server`` (in a thread of the parent; default: set LitServe's shutdown event).
     """
 
     def __init__(self, timeout: float, end_server: Callable[[Any], None] = set_litserve_shutdown) -> None:

@@ -18,10 +18,10 @@ MOVED_MODULES = {
     "vitattn.data.shard_plan": "vitattn.data.shards.epoch_split",
     "vitattn.data.shard_stream": "vitattn.data.shards.stream",
     "vitattn.data.shard_writer": "vitattn.data.shards.writer",
-    "vitattn.inference.shards": "vitattn.inference.shard_captioning",
+    "vitattn.inference.shards": "vitattn.inference.captioning",
     "vitattn.inference.inputs": "vitattn.inference.file_list",
-    "vitattn.inference.image_inputs": "vitattn.inference.image_like",
-    "vitattn.inference.reading": "vitattn.inference.file_dataset",
+    "vitattn.inference.image_inputs": "vitattn.inference.api",
+    "vitattn.inference.reading": "vitattn.inference.captioning",
 }
 
 

@@ -22,9 +22,8 @@ from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, W
 from PIL import Image
 from torchmetrics.classification import MulticlassConfusionMatrix
 
-from vitattn.inference.attention_maps import figure_png
+from vitattn.inference.attention_maps import attention_figures, figure_png
 from vitattn.inference.captioning import generate_tokens
-from vitattn.inference.figures import attention_figures
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -5,7 +5,6 @@ Dimension letters: B batch, T' generated tokens.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import re
@@ -13,16 +12,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
-from vitattn.bundle.runtime import LoadedModel
+from vitattn.bundle import LoadedModel
 from vitattn.data.images import EvalSplit
 from vitattn.data.tokenizer import describe_tokenizer, unknown_share
 from vitattn.errors import brief
 from vitattn.fileio import parse_json
-from vitattn.generate_keys import SEARCH_KEYS
-from vitattn.inference import InputImage, caption_images
+from vitattn.inference import InputImage, caption_images, generate_tokens
 from vitattn.metrics import SCORERS, first_per_image, score_captions
 from vitattn.metrics.toolkit import check_toolkit, toolkit_scores
 from vitattn.run_dir import RunDir
@@ -44,18 +41,9 @@ def _image_key(value: Any, where: str) -> int | str:
 
 
 def read_predictions(path: str | os.PathLike) -> tuple[dict[Any, str], list[Any]]:
-    """Captions of a predictions file, by image id.
-
-    Args:
-        path: JSON Lines with ``image_id`` and ``caption`` per line (``vitattn-caption`` output,
-            whose failed images have ``error`` instead of ``caption``; ``vitattn-eval``'s
-            ``captions.jsonl``), or a COCO results file ``[{"image_id", "caption"}, ...]``.
-
-    Returns:
-        ``({image_id: caption}, [image ids of error records])``; a repeated id keeps its first caption.
-
-    Raises:
-        ValueError: the file is not one of these formats.
+    """``({image_id: caption}, [ids of error records])`` of a predictions file: JSON Lines with ``image_id`` and
+    ``caption`` (or ``error``) a line, as ``vitattn-caption`` and ``vitattn-eval`` write them, or a COCO results
+    list ``[{"image_id", "caption"}]``; a repeated id keeps its first caption. Anything else: a ``ValueError``.
     """
     path = Path(path)
     if not path.is_file():
@@ -121,25 +109,13 @@ def _generate(
                 log.warning("%s: %s", r["image"], r["error"])
         items = [(r["image_id"], r["caption"], refs[r["image_id"]]) for r in records if "caption" in r]
         return items, [r["image_id"] for r in records if "caption" not in r]
-    model, vocab, device = bundle.model, bundle.vocab, bundle.device
     items = []
-    with torch.inference_mode(), bundle.autocast(), tqdm(total=len(refs), unit="img", disable=not progress) as bar:
+    with tqdm(total=len(refs), unit="img", disable=not progress) as bar:
         for batch in data.loader:
-            tokens = model.generate(batch["images"].to(device), **settings)  # (B, T')
-            items += zip(batch["image_ids"].tolist(), vocab.decode_batch(tokens), batch["references"])
+            tokens = generate_tokens(bundle.model, batch["images"].to(bundle.device), bundle.precision, **settings)
+            items += zip(batch["image_ids"].tolist(), bundle.vocab.decode_batch(tokens), batch["references"])  # (B, T')
             bar.update(len(batch["image_ids"]))
     return items, []
-
-
-def _decoding(bundle: LoadedModel, generate: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The settings ``generate`` will use, defaults written out (``max_new_tokens`` included)."""
-    settings = dict(generate or {})
-    defaults = inspect.signature(bundle.model.generate).parameters
-    for key in SEARCH_KEYS:
-        settings.setdefault(key, defaults[key].default)
-    if settings["max_new_tokens"] is None:
-        settings["max_new_tokens"] = bundle.model.check_generate(None)  # the decoder's max_len - 1
-    return settings
 
 
 def evaluate_captions(
@@ -156,30 +132,11 @@ def evaluate_captions(
     progress: bool = False,
     scorer: str = "builtin",
 ) -> EvalReport:
-    """Caption a split (or read captions from ``predictions``) and score them against its references.
-
-    Args:
-        bundle: a caption bundle.
-        split: ``val`` or ``test`` of the run's data (ignored with ``references``).
-        run_dir: the training run (``RunDir.find``); its data config gives the split when
-            ``references`` is None.
-        references: a COCO caption file; ``image_dir`` is the folder its ``file_name``s are in
-            (default: the file's folder).
-        predictions: a predictions file (see ``read_predictions``) to score instead of generating.
-        generate: ``ImageCaptioner.generate`` keyword arguments (the bundle's defaults merged in).
-        batch_size, num_workers, progress: image loading and decoding.
-        scorer: ``builtin`` (BLEU-1..4, ROUGE-L, CIDEr-D in Python) or ``coco``: those and, in
-            ``report.coco``, the COCO caption toolkit's own BLEU-1..4, METEOR, ROUGE-L and CIDEr-D
-            (pycocoevalcap with its Java tokenizer; ``vitattn.metrics.toolkit``).
-
-    Returns:
-        The report; ``num_failed`` counts images that could not be read (or have an error record),
-        ``num_missing`` reference images without a prediction.
-
-    Raises:
-        ValueError: no references can be found, the predictions name images the references lack, or
-            ``scorer`` is unknown.
-        MissingDependencyError: ``scorer="coco"`` without pycocoevalcap or Java (checked first).
+    """Caption a split (or read ``predictions``, ``read_predictions``' files) and score the captions against its
+    references: ``references`` (a COCO caption file, its images in ``image_dir``, default its folder), else the
+    ``split`` of the run's data. ``generate``: the decoding settings; ``scorer``: ``builtin`` (BLEU-1..4, ROUGE-L,
+    CIDEr-D) or ``coco``, the COCO toolkit's too (``report.coco``). In the report, ``num_failed`` counts images
+    unread or with an error record, ``num_missing`` those without a prediction.
     """
     check_split(split)
     if scorer not in SCORERS:
@@ -201,7 +158,7 @@ def evaluate_captions(
             )
         items = [(k, captions[k], refs[k]) for k in refs if k in captions]
     else:
-        decoding = _decoding(bundle, generate)
+        decoding = bundle.generate_settings(generate, written_out=True)
         items, failed = _generate(bundle, data, decoding, batch_size, num_workers, progress)
     items = first_per_image(items)
     if not items:

@@ -11,11 +11,12 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from vitattn.bundle.runtime import LoadedModel
-from vitattn.inference.file_dataset import ImageFileDataset, collate_images
+from vitattn.bundle import LoadedModel
+from vitattn.inference import InputList
+from vitattn.inference.captioning import image_file_batches
+from vitattn.precision import precision_autocast
 from vitattn.run_dir import RunDir
 from vitattn.training.evaluation.report import EvalReport
 from vitattn.training.evaluation.splits import check_split, labelled_split
@@ -34,18 +35,14 @@ def file_batches(
     failed: list[str],
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """``(images, labels)`` batches of image files; unreadable files are logged and left out."""
-    loader = DataLoader(
-        ImageFileDataset(paths, bundle.transform),
-        batch_size=batch_size,
-        num_workers=num_workers,
-        collate_fn=collate_images,
-    )
-    for ok, images, errors in loader:
-        for i, reason in errors:
-            log.warning("%s: %s", paths[i], reason)
-            failed.append(paths[i])
+    inputs = InputList(list(paths), list(labels))
+    for rows, images, decoded in image_file_batches(inputs, bundle.transform, batch_size, num_workers):
+        for row in rows:
+            if "error" in row:
+                log.warning("%s: %s", row["image"], row["error"])
+                failed.append(row["image"])
         if images is not None:
-            yield images, torch.tensor([labels[i] for i in ok])
+            yield images, torch.tensor([rows[i]["image_id"] for i in decoded])
 
 
 def evaluate_classification(
@@ -58,19 +55,9 @@ def evaluate_classification(
     num_workers: int = 0,
     progress: bool = False,
 ) -> EvalReport:
-    """Top-1 / top-5 accuracy and the confusion matrix of a classifier on a split.
-
-    Args:
-        bundle: a classification bundle.
-        split: ``val`` or ``test``.
-        run_dir: the training run; its shapes or ImageFolder data gives the split when ``data_root``
-            is None.
-        data_root: a folder with ``<split>/<class>/<image>``; class folders are matched to the
-            model's ``class_names`` by name (a folder may hold only some of the classes).
-        batch_size, num_workers, progress: image loading.
-
-    Returns:
-        The report; unreadable image files are left out and counted in ``num_failed``.
+    """Top-1 / top-5 accuracy and the confusion matrix of a classifier on ``split`` of ``data_root``
+    (``<split>/<class>/<image>``, class folders matched to the model's classes by name) or of the run's data.
+    Unreadable files are left out and counted in ``num_failed``.
     """
     # heavy: torchmetrics is slow to import (docs/benchmarks.md), and only classification evaluation needs it
     from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
@@ -92,7 +79,11 @@ def evaluate_classification(
     confusion = MulticlassConfusionMatrix(k)
     device = bundle.device
     num_images = 0
-    with torch.inference_mode(), bundle.autocast(), tqdm(total=total, unit="img", disable=not progress) as bar:
+    with (
+        torch.inference_mode(),
+        precision_autocast(bundle.precision, device),
+        tqdm(total=total, unit="img", disable=not progress) as bar,
+    ):
         for images, targets in batches:
             logits = bundle.model(images.to(device)).float().cpu()  # (B, K)
             for metric in (top1, top5, confusion):

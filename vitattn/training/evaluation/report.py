@@ -38,23 +38,11 @@ _LABELS = {
 
 @dataclass
 class EvalReport:
-    """One evaluation: what was scored, how, and the scores.
-
-    Attributes:
-        task: ``caption`` or ``classification``.
-        split: ``val`` or ``test``.
-        data: where the images and references (or labels) came from.
-        metrics: caption: ``bleu1..4``, ``rouge_l``, ``cider_d``, ``distinct``, ``exact_match``
-            (synthetic references only), ``unknown_words`` (the share of the references' words that the
-            model's tokenizer has no token for: 0 for byte-level BPE); classification: ``top1``, ``top5``;
-            both: ``num_images`` scored, and ``num_failed`` / ``num_missing`` when some images could not be scored.
-        decoding: the ``generate`` keyword arguments used (empty for predictions and classification).
-        predictions: the predictions file scored, if any.
-        captions: ``(image_id, caption, references)`` per scored image, sorted by id (caption task).
-        confusion: (K, K) counts, rows true class, columns predicted (classification task).
-        class_names: the model's classes (classification task).
-        coco: the COCO caption toolkit's own ``bleu1..4``, ``meteor``, ``rouge_l``, ``cider_d``
-            (caption task, ``scorer="coco"``; empty otherwise).
+    """One evaluation: what was scored (``task``, ``split``, ``data``, ``predictions``), how (``decoding``: the
+    ``generate`` settings), and the scores: ``metrics`` (BLEU, ROUGE-L, CIDEr-D, ``distinct``, ``exact_match``,
+    ``unknown_words``, or ``top1``, ``top5``; ``num_images``, ``num_failed``, ``num_missing``), ``captions``
+    (``(image_id, caption, references)`` sorted by id), ``confusion`` ((K, K), rows true, columns predicted) with
+    ``class_names``, and ``coco``, the COCO toolkit's own numbers (``scorer="coco"``).
     """
 
     task: str
@@ -123,14 +111,9 @@ def _plain(metrics: Mapping[str, float]) -> dict[str, float | int]:
 
 
 def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) -> list[Path]:
-    """Write ``metrics.json`` into ``out_dir`` (created), plus ``captions.jsonl`` for generated
-    captions, or ``confusion_matrix.png`` and ``confusion_matrix.json`` for a classifier.
-
-    ``metrics.json``: ``{"task", "model", "split", "data", "predictions", "decoding", "metrics"}``, and
-    ``"coco"`` (the COCO caption toolkit's numbers) when the toolkit scored too.
-
-    Returns:
-        The files written.
+    """Write ``metrics.json`` (``task``, ``model``, ``split``, ``data``, ``predictions``, ``decoding``, ``metrics`` and,
+    scored by the toolkit too, ``coco``) into ``out_dir``, with ``captions.jsonl`` for generated captions or
+    ``confusion_matrix.png`` and ``.json`` for a classifier; returns the files written.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vitattn.bundle.runtime import LoadedModel
+from vitattn.bundle import LoadedModel
 from vitattn.data.coco import load_coco_captions
 from vitattn.data.images import SPLITS, EvalSplit, image_folder_split, open_image_folder
 from vitattn.run_dir import RunDir

@@ -1,12 +1,14 @@
-"""The export copy whose encoder self-attention is ONNX Runtime's contrib ``Attention`` op, and int8's ``FastGelu``."""
+"""ONNX export: the copy whose encoder self-attention is ONNX Runtime's contrib ``Attention`` op, int8's
+``FastGelu``, and int8 folders that are quantized: their graphs are read, not the precision label the export
+writes (an export without its quantization call passed the accuracy tests of test_onnx_folder.py)."""
 
 import pytest
 import torch
 
+from tests.helpers import check_int8_graphs, make_caption_bundle, make_classifier_bundle, record_kept_fp32
 from vitattn import Classifier
 from vitattn.bundle import load_bundle, save_bundle
-from vitattn.bundle.onnx_contrib import FastGelu, contrib_opsets, for_export
-from vitattn.bundle.onnx_export import export_onnx
+from vitattn.bundle.onnx_export import FastGelu, contrib_opsets, export_onnx, for_export
 from vitattn.data.preprocess import default_preprocess
 from vitattn.layers import EncoderLayer
 from vitattn.models import VisionTransformer
@@ -71,3 +73,16 @@ def test_only_int8_folders_run_fast_gelu(tmp_path, quantize):
     ops = [node.op_type for node in onnx.load(folder / "classifier.onnx").graph.node]
     assert ops.count("FastGelu") == (TINY_VIT["depth"] if quantize else 0)
     assert ("Erf" in ops) == (quantize is None)  # fp32 keeps the exact GELU
+
+
+@pytest.mark.parametrize("task", ["caption", "classification"])
+def test_int8_export_quantizes_the_products_with_weights_and_keeps_the_listed_ones_float(task, tmp_path, monkeypatch):
+    pytest.importorskip("onnxruntime", reason="the onnx extra: pip install -e '.[onnx]'")
+    pytest.importorskip("onnx", reason="the onnx extra: pip install -e '.[onnx]'")
+    make = make_caption_bundle if task == "caption" else make_classifier_bundle
+    bundle = load_bundle(make(tmp_path / "bundle"))
+    kept = record_kept_fp32(monkeypatch)
+    counts = check_int8_graphs(export_onnx(bundle, tmp_path / "int8", quantize="int8"), kept)
+    print({name: {op: n for op, n in ops.items() if "Quant" in op or "MatMul" in op} for name, ops in counts.items()})
+    if task == "caption":  # 2 decoder layers: queries x keys and weights x values, self and cross, and the logits
+        assert len(kept["decoder_step"]) == 2 * 4 + 1

@@ -3,6 +3,7 @@ grow with the number of images, and the helpers of benchmarks/load_caption.py me
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,9 +18,8 @@ from PIL import Image
 
 from benchmarks import load_caption
 from tests.helpers import console_script
-from tests.inference.test_captioner import bundle_dir  # noqa: F401 - the tiny caption bundle fixture, reused
 from vitattn.bundle import load_bundle
-from vitattn.inference import caption_to_file, list_inputs
+from vitattn.inference import caption_files, list_inputs
 
 
 def _live(pids) -> list[int]:
@@ -29,7 +29,7 @@ def _live(pids) -> list[int]:
 
 
 @pytest.mark.slow
-def test_killed_caption_run_resumes_with_each_image_once(bundle_dir, tmp_path):  # noqa: F811
+def test_killed_caption_run_resumes_with_each_image_once(bundle_dir, tmp_path):
     script = console_script("vitattn-caption")
     folder = load_caption.write_images(tmp_path / "imgs", 300, img_size=48)
     # A FIFO listed last: its reader blocks until killed, so however fast this machine captions,
@@ -47,7 +47,7 @@ def test_killed_caption_run_resumes_with_each_image_once(bundle_dir, tmp_path): 
         "device=cpu",
         "progress=false",
     ]
-    count = load_caption.LineCounter(out)
+    count = load_caption.RecordCounter(out)  # the records of the finished chunks (64 images each)
     with open(tmp_path / "first.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -67,19 +67,22 @@ def test_killed_caption_run_resumes_with_each_image_once(bundle_dir, tmp_path): 
         time.sleep(0.05)
     assert not _live(tree), f"processes of the killed run still alive: {_live(tree)}"
 
-    data = out.read_bytes()
-    whole = data[: data.rfind(b"\n") + 1]  # a partial last line is allowed: the re-run cuts it off
-    first = [json.loads(line) for line in whole.decode().splitlines()]
-    assert 8 <= len(first) < 301, len(first)
+    parts = tmp_path / "captions.jsonl.parts"
+    chunks = {p.name: p.read_bytes() for p in parts.glob("*.jsonl")}  # whole files: a killed one left a temporary
+    first = [json.loads(line) for data in chunks.values() for line in data.decode().splitlines()]
+    assert 64 <= len(first) < 301 and len(first) % 64 == 0 and not out.exists(), len(first)
     assert all(r["caption"] and r["image"].startswith(str(folder)) for r in first)
-    print(f"killed with {len(first)} of 301 records written ({len(data) - len(whole)} bytes of a partial line)")
+    print(f"killed with {len(first)} of 301 records written in {len(chunks)} chunks")
 
     stall.unlink()
     Image.new("RGB", (48, 48), (40, 90, 215)).save(stall)  # the same name, now a real image
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert out.read_bytes().startswith(whole)  # the first run's records are kept, not redone
+    assert f"{len(first)} of 301 images are already captioned" in again.stderr  # kept, not redone
     records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["image"]: r for r in records if r["image"] in {f["image"] for f in first}} == {
+        f["image"]: f for f in first
+    }
     counts = Counter(r["image"] for r in records)
     assert set(counts) == {x.path for x in list_inputs(folder)} and set(counts.values()) == {1}
     assert all(r.get("caption") and "error" not in r for r in records)
@@ -87,7 +90,7 @@ def test_killed_caption_run_resumes_with_each_image_once(bundle_dir, tmp_path): 
 
 
 @pytest.mark.slow
-def test_caption_to_file_memory_does_not_grow_with_the_number_of_images(bundle_dir, tmp_path, monkeypatch):  # noqa: F811
+def test_caption_files_memory_does_not_grow_with_the_number_of_images(bundle_dir, tmp_path, monkeypatch):
     bundle = load_bundle(bundle_dir)
     rng = np.random.default_rng(0)
     for i in range(800):
@@ -110,7 +113,7 @@ def test_caption_to_file_memory_does_not_grow_with_the_number_of_images(bundle_d
         refs.clear()
         tracemalloc.start()
         try:
-            summary = caption_to_file(
+            summary = caption_files(
                 bundle, inputs[:n], tmp_path / f"out{n}.jsonl", batch_size=16, num_workers=0, progress=False
             )
             peaks[n] = tracemalloc.get_traced_memory()[1]
@@ -139,14 +142,18 @@ def test_load_caption_summary_of_samples():
     assert row["other_cpu_cores_by_fifth"] == [None, 0.5, 0.5, 0.5, 0.5]
 
 
-def test_load_caption_counts_only_complete_lines(tmp_path):
-    path = tmp_path / "out.jsonl"
-    count = load_caption.LineCounter(path)
-    assert count() == 0  # no file yet
-    path.write_bytes(b'{"a": 1}\n{"b"')
-    assert count() == 1
-    with open(path, "ab") as f:
-        f.write(b': 2}\n{"c": 3}\n')
+def test_load_caption_counts_the_records_of_finished_chunks(tmp_path):
+    out = tmp_path / "out.jsonl"
+    count = load_caption.RecordCounter(out)
+    assert count() == 0  # nothing written yet
+    (tmp_path / "out.jsonl.parts").mkdir()
+    (tmp_path / "out.jsonl.parts" / "000000-a.jsonl").write_bytes(b'{"a": 1}\n{"b": 2}\n')
+    (tmp_path / "out.jsonl.parts" / ".000001-b.jsonl.x.tmp").write_bytes(b'{"c": 3}\n')  # not finished
+    assert count() == 2
+    (tmp_path / "out.jsonl.parts" / "000001-b.jsonl").write_bytes(b'{"c": 3}\n')
+    assert count() == 3
+    shutil.rmtree(tmp_path / "out.jsonl.parts")  # merged: the chunks are gone, out holds them
+    out.write_bytes(b'{"a": 1}\n{"b": 2}\n{"c": 3}\n')
     assert count() == 3
 
 

@@ -12,19 +12,15 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.helpers import make_caption_bundle
 from vitattn.bundle import load_bundle
-from vitattn.data.shards import expand_shards, read_shard, shard_sizes
+from vitattn.data.shards import expand_shards, read_shard
 from vitattn.data.shards.writer import shapes_samples, write_shards
-from vitattn.inference.shard_captioning import assign_shards, caption_shards, output_path
+from vitattn.inference import caption_shards
+from vitattn.inference.captioning import Processes, assign_units, shard_output
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-
-
-@pytest.fixture(scope="module")
-def bundle_dir(tmp_path_factory) -> Path:
-    return make_caption_bundle(tmp_path_factory.mktemp("bundle") / "bundle")
 
 
 def _shards(folder: Path, count: int, per_shard: int) -> list[str]:
@@ -58,7 +54,7 @@ def _rewritten(out: Path, finished: dict[str, tuple[int, int, bytes]]) -> list[s
 
 
 def test_plan_shards_keeps_every_rank_busy_when_shards_differ_in_size():
-    plans = assign_shards([100, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10], 2)
+    plans = assign_units([100, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10], 2)
     loads = [sum([100, *[10] * 10][i] for i in plan) for plan in plans]
     assert sorted(loads) == [100, 100] and sorted(i for p in plans for i in p) == list(range(11))
 
@@ -70,7 +66,7 @@ def test_caption_shards_writes_one_output_per_shard_and_a_rerun_redoes_only_the_
         info.size = 4
         tar.addfile(info, io.BytesIO(b"oops"))
     bundle, out = load_bundle(bundle_dir), tmp_path / "out"
-    summary = caption_shards(bundle, urls, shard_sizes(urls), out, num_workers=2, progress=False)
+    summary = caption_shards(bundle, urls, out, num_workers=2, progress=False)
     assert sorted(p.name for p in out.iterdir()) == ["00000.jsonl", "00001.jsonl", "00002.jsonl", "00003.jsonl"]
     rows = _rows(out)
     keys = [s["__key__"] for url in urls for s in read_shard(url)]
@@ -78,14 +74,14 @@ def test_caption_shards_writes_one_output_per_shard_and_a_rerun_redoes_only_the_
     (bad,) = [r for r in rows if "error" in r]
     assert bad["key"] == "zzz" and bad["error"] == "not an image (unrecognised file format)"
     assert all(r["caption"] and r["original_caption"] for r in rows if r["key"] != "zzz")
-    assert (summary.shards, summary.captioned, summary.failed) == (4, 20, 1)
+    assert (summary.units, summary.captioned, summary.failed) == (4, 20, 1)
 
     (out / "00002.jsonl").unlink()
     finished = _finished(out)
-    again = caption_shards(bundle, urls, shard_sizes(urls), out, num_workers=0, progress=False)
+    again = caption_shards(bundle, urls, out, num_workers=0, progress=False)
     assert _rewritten(out, finished) == []  # same inode, mtime and bytes: left alone
     assert sorted(p.name for p in out.iterdir()) == ["00000.jsonl", "00001.jsonl", "00002.jsonl", "00003.jsonl"]
-    assert (again.shards, again.finished_before) == (1, 3)
+    assert (again.units, again.units_before) == (1, 3)
     assert Counter(r["key"] for r in _rows(out)) == Counter(keys)
 
 
@@ -145,19 +141,33 @@ def test_vitattn_caption_takes_images_or_shards(argv, message, capsys):
     assert capsys.readouterr().err.startswith(message)
 
 
+class _RanksOneAfterAnother:
+    """Fabric's collectives for ranks run one after another: each gets rank 0's listing of finished outputs
+    (taken before any rank wrote), and sums are this rank's own."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, shared: dict) -> None:
+        self.shared = shared
+
+    def broadcast(self, value, src=0):
+        return self.shared.setdefault("listing", value)
+
+    def all_reduce(self, tensor, reduce_op="sum"):
+        return tensor
+
+
 def test_two_ranks_caption_disjoint_shares_of_the_shards(bundle_dir, tmp_path):
     urls = _shards(tmp_path / "in", 30, 4)  # 8 shards, the last one smaller
-    bundle, out, sizes = load_bundle(bundle_dir), tmp_path / "out", shard_sizes(urls)
-    finished: set[str] = set()  # the listing every rank shares: nothing finished yet
+    bundle, out, shared = load_bundle(bundle_dir), tmp_path / "out", {}
     written = []
     for rank in (0, 1):
         before = set(out.iterdir()) if out.exists() else set()
-        summary = caption_shards(
-            bundle, urls, sizes, out, rank=rank, world_size=2, finished=finished, num_workers=0, progress=False
-        )
+        processes = Processes(rank, 2, fabric=_RanksOneAfterAnother(shared))
+        summary = caption_shards(bundle, urls, out, processes=processes, num_workers=0, progress=False)
         written.append({p.name for p in set(out.iterdir()) - before})
-        assert summary.shards == len(written[-1]) > 0
+        assert summary.units == len(written[-1]) > 0
     assert not written[0] & written[1]  # no shard captioned by both ranks
-    assert written[0] | written[1] == {output_path(out, url, "jsonl").name for url in urls}
+    assert written[0] | written[1] == {shard_output(out, url, "jsonl").name for url in urls}
     keys = [s["__key__"] for url in urls for s in read_shard(url)]
     assert Counter(r["key"] for r in _rows(out)) == Counter(keys)  # every sample once
