@@ -1,8 +1,6 @@
 """Reliability: user errors stop a run before any work, a killed run resumes, non-finite losses."""
 
 import csv
-import importlib
-import importlib.util
 import os
 import re
 import signal
@@ -21,8 +19,8 @@ from vitattn.cli.errors import user_errors
 from vitattn.data.vocab import Vocabulary
 from vitattn.errors import ConfigError
 from vitattn.training import AtomicCheckpointIO, setup_data, train
+from vitattn.training.compose import check_targets
 from vitattn.training.config import check_config
-from vitattn.training.config_targets import MOVED_MODULES, check_targets
 from vitattn.training.systems import ClassificationSystem
 from vitattn.training.systems.base import NonFiniteLossError
 
@@ -487,16 +485,3 @@ def test_class_list_differing_from_the_checkpoint_fails_before_any_step(tmp_path
     dm = instantiate(cfg.data)
     with pytest.raises(ConfigError, match=r"classes \['bird', 'cat'\] differ from the checkpoint's \['cat', 'dog'\]"):
         setup_data(cfg, dm, str(ckpt))
-
-
-def test_check_targets_names_the_new_module_of_a_moved_one(tmp_path):
-    cfg = compose_train(CLS, tmp_path)
-    cfg.data._target_ = "vitattn.data.shard_stream.ShardStream"  # a user's config from before the shards package
-    with pytest.raises(
-        ConfigError, match=r"^data\._target_=.*shard_stream moved to vitattn\.data\.shards\.stream; "
-    ) as e:
-        check_targets(cfg)
-    assert "use _target_=vitattn.data.shards.stream.ShardStream" in str(e.value) and "\n" not in str(e.value)
-    for old, new in MOVED_MODULES.items():  # the table stays true: each old path is gone, each new one imports
-        assert importlib.util.find_spec(old) is None, old
-        importlib.import_module(new)

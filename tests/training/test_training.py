@@ -29,8 +29,8 @@ from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.models import VisionTransformer
 from vitattn.training import build_system, train
 from vitattn.training.callbacks import EMA, FreezeEncoder, Preemption, TimeBudgetHorizon
+from vitattn.training.compose import instantiate_group
 from vitattn.training.config import check_config
-from vitattn.training.groups import instantiate_group
 
 GROUPS = {
     g: sorted(p.stem for p in (CONF_DIR / g).glob("*.yaml"))
@@ -361,7 +361,7 @@ def test_ddp_training_exports_one_bundle_from_rank_zero_only(tmp_path):
     ],
 )
 def test_compile_auto_follows_the_accelerator(overrides, expected, tmp_path):
-    from vitattn.training.compile import should_compile
+    from vitattn.training.run import should_compile
 
     assert should_compile(compose_train(overrides, tmp_path)) is expected
 

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from vitattn.cli.args import UsageError, run_main
 from vitattn.errors import first_line
-from vitattn.training.config_targets import check_targets
+from vitattn.training.compose import check_targets
 from vitattn.upstream import defer_wandb_in_timm
 
 __all__ = ["main", "parse_args", "run"]

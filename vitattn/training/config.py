@@ -30,22 +30,13 @@ from vitattn.models import CaptionDecoder, VisionTransformer
 from vitattn.models.timm_hub import timm_pretrained_cfg
 from vitattn.models.timm_weights import TIMM_SUFFIXES
 from vitattn.run_dir import RunDir
-from vitattn.training.config_targets import check_targets
-from vitattn.training.moved_keys import MOVED_KEYS
+from vitattn.training.compose import check_targets
 from vitattn.training.systems.self_critical import ScstConfig
 
 __all__ = ["check_config", "check_data_paths", "check_source", "data_name", "fully_sharded"]
 
 _DIR_KEYS = ("root", "image_dir")
 _FILE_KEYS = ("train_annotations", "val_annotations", "test_annotations", "vocab_path", "dataset_json")
-
-
-def _check_moved(cfg: DictConfig) -> None:
-    """A moved key set in a config file (an experiment written for the old layout)."""
-    for old, new in MOVED_KEYS.items():
-        group, key = old.split(".")
-        if key in cfg[group]:
-            raise ConfigError(f"{old} is now {new}: set {new} (finetune: {{{key}: ...}} in an experiment)")
 
 
 def data_name(data: DictConfig) -> str:
@@ -283,7 +274,6 @@ def _check_tokenizer(cfg: DictConfig) -> None:
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config)."""
     check_targets(cfg)
-    _check_moved(cfg)
     task = cfg.head.task
     if task not in TASKS:
         raise ConfigError(f"head.task={task!r} is unknown; choose head=caption or head=classification")

@@ -11,10 +11,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import hydra
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
@@ -22,26 +24,24 @@ from omegaconf import DictConfig
 from vitattn.bundle import bundle_from_system
 from vitattn.data.bad_images import gather_skipped
 from vitattn.data.tokenizer import tokenizer_file_name
+from vitattn.fileio import atomic_open
 from vitattn.run_dir import RunDir
 from vitattn.training.advice import check_fit
 from vitattn.training.assemble import build_system
-from vitattn.training.best_weights import load_best_weights
 from vitattn.training.callbacks import Preemption
-from vitattn.training.checkpoint_io import AtomicCheckpointIO
-from vitattn.training.compile import should_compile
-from vitattn.training.config import check_config
+from vitattn.training.compose import instantiate_group
+from vitattn.training.config import check_config, fully_sharded
 from vitattn.training.data import setup_data
-from vitattn.training.groups import instantiate_group
 from vitattn.training.init_model import apply_init, check_init_classes, command_line_keys, read_init
 from vitattn.training.loggers import build_loggers
 from vitattn.training.pretrained import choose_preprocess, read_pretrained
-from vitattn.training.resources import plan_cores, resolve_train_precision
+from vitattn.training.resources import on_gpu, plan_cores, resolve_train_precision
 from vitattn.training.self_critical import prepare_reward
 from vitattn.training.systems import VisionSystem
 from vitattn.training.systems.sharding import is_sharded, unsharded_copy
 from vitattn.training.tokenizer import prepare_tokenizer
 
-__all__ = ["TrainResult", "train"]
+__all__ = ["AtomicCheckpointIO", "TrainResult", "load_best_weights", "should_compile", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -228,3 +228,45 @@ def _finish_wandb_run() -> None:
 
 def _export(system: VisionSystem, run_dir: Path) -> Path:
     return bundle_from_system(system, RunDir(run_dir).bundle)
+
+
+def should_compile(cfg: DictConfig) -> bool:
+    """``compile=auto`` compiles on GPUs only: on CPUs eager is as fast (see docs/benchmarks.md); and not under
+    ``trainer=fsdp``, whose sharded layers have not been tested compiled (``compile=true`` asks for it)."""
+    if str(cfg.compile).lower() == "auto":
+        return on_gpu(cfg) and not fully_sharded(cfg.trainer)
+    return bool(cfg.compile)
+
+
+def load_best_weights(cfg: DictConfig, trainer: pl.Trainer, system: VisionSystem) -> str:
+    """Load the best checkpoint by ``head.monitor`` into ``system`` when ``weights=best`` and there is one;
+    returns what the tested and exported weights are."""
+    if cfg.get("weights", "best") != "best" or cfg.trainer.get("fast_dev_run"):
+        return f"last (step {trainer.global_step})"
+    best = next(
+        (
+            c
+            for c in trainer.checkpoint_callbacks
+            if getattr(c, "monitor", None) == cfg.head.monitor and c.best_model_path
+        ),
+        None,
+    )
+    if best is None or not Path(best.best_model_path).is_file():
+        return f"last (step {trainer.global_step})"
+    checkpoint = torch.load(best.best_model_path, map_location="cpu", weights_only=True)
+    system.load_state_dict(checkpoint["state_dict"])
+    score = float(best.best_model_score) if best.best_model_score is not None else float("nan")
+    return f"best ({cfg.head.monitor} {score:.4f} at step {checkpoint['global_step']})"
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes each checkpoint beside itself, then renames it: a kill leaves the old file whole (why Lightning's
+    own save does not: docs/reliability.md)."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None or "://" in str(path):  # remote storage: fsspec's way
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_open(path, "wb") as f:
+            torch.save(checkpoint, f)

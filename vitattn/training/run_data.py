@@ -9,7 +9,7 @@ import hydra
 
 from vitattn.data.tokenizer import Tokenizer
 from vitattn.run_dir import RunDir
-from vitattn.training.config_targets import check_targets
+from vitattn.training.compose import check_targets
 
 __all__ = ["datamodule_from_run"]
 
