@@ -28,7 +28,7 @@ import hydra
 import torch
 
 from vitattn.precision import cpu_bf16_units
-from vitattn.training.assemble import build_system
+from vitattn.training.build import build_system
 from vitattn.training.compose import compose_train
 
 MODELS = {

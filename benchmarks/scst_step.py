@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from vitattn.metrics import CiderD
-from vitattn.training.assemble import build_system
+from vitattn.training.build import build_system
 from vitattn.training.compose import compose_train
 
 

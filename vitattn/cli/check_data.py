@@ -61,18 +61,18 @@ def run(args: tuple[DictConfig, int]) -> int:
     """Check the images of the composed config's data; returns the exit status (1 when some are bad)."""
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.data.bad_images import find_bad_images
+    from vitattn.training.build import setup_data
     from vitattn.training.config import check_data_paths, data_name
-    from vitattn.training.data import setup_data
+    from vitattn.training.run_data import read_once
 
     cfg, threads = args
     check_targets(cfg.data)
     check_data_paths(cfg.data)
-    datamodule: Any = hydra.utils.instantiate(cfg.data)
+    datamodule: Any = hydra.utils.instantiate(cfg.data, **read_once(cfg.data))  # this reads each file once itself
     if not getattr(datamodule, "reads_files", False):
         raise UsageError(
             f"data={data_name(cfg.data)} has no image files to check; give data=imagefolder, data=coco or data=karpathy"
         )
-    datamodule.cache_mode, datamodule.verify = "none", False  # this reads each file once itself
     setup_data(cfg, datamodule)
     paths = datamodule.image_files()
     started = time.monotonic()

@@ -1,12 +1,11 @@
-"""Validation of the composed training config.
+"""Validation of the composed, resolved training config (``train`` resolves it first: ``vitattn.training.start``).
 
 Every user error in a config is found here, before any data is read or any step runs, and is
 reported as one ``ConfigError`` line that names the key and the fix. Rules about the model's shape
 (heads that divide the width, a patch that divides the image, known activations and pools) belong
 to the models: the config is checked by building them on the ``meta`` device (no memory, no time)
-and their messages are given the config keys' full names. ``finetune.pretrained`` must name something
-that exists (``check_source`` says what; ``vitattn.training.pretrained`` reads the weights, and checks
-them against the model, when the system is built).
+and their messages are given the config keys' full names. What a constructor checks (the tokenizer
+group, ``data.bad_images``, ``head.nonfinite``) is checked there, when the run builds it.
 """
 
 from __future__ import annotations
@@ -20,20 +19,16 @@ import hydra
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from vitattn.bundle.folder import CONFIG_FILE, is_bundle_weights
 from vitattn.data.augment import Augment
 from vitattn.data.preprocess import WEIGHTS_KEYS, check_preprocess, default_preprocess
 from vitattn.data.tasks import TASKS
-from vitattn.data.tokenizer import KINDS, SubwordTokenizer
 from vitattn.errors import ConfigError, first_line
 from vitattn.models import CaptionDecoder, VisionTransformer
-from vitattn.models.timm_hub import timm_pretrained_cfg
-from vitattn.models.timm_weights import TIMM_SUFFIXES
 from vitattn.run_dir import RunDir
 from vitattn.training.compose import check_targets
 from vitattn.training.systems.self_critical import ScstConfig
 
-__all__ = ["check_config", "check_data_paths", "check_source", "data_name", "fully_sharded"]
+__all__ = ["check_config", "check_data_paths", "data_class", "data_name", "fully_sharded", "qualify"]
 
 _DIR_KEYS = ("root", "image_dir")
 _FILE_KEYS = ("train_annotations", "val_annotations", "test_annotations", "vocab_path", "dataset_json")
@@ -44,15 +39,15 @@ def data_name(data: DictConfig) -> str:
     return str(data._target_).rsplit(".", 1)[-1]
 
 
-def _data_tasks(data: DictConfig) -> tuple[str, ...]:
+def data_class(data: DictConfig) -> type:
+    """The DataModule class ``data._target_`` names, or a one-line ``ConfigError``."""
     try:
-        cls = hydra.utils.get_class(data._target_)
+        return hydra.utils.get_class(data._target_)
     except (ImportError, ValueError) as err:
         raise ConfigError(
             f"data._target_={data._target_} cannot be imported ({type(err).__name__}); "
             "choose data=shapes, data=imagefolder, data=coco or data=karpathy"
         ) from err
-    return tuple(getattr(cls, "tasks", TASKS))
 
 
 def check_data_paths(data: DictConfig) -> None:
@@ -81,9 +76,9 @@ def _check_sizes(cfg: DictConfig) -> None:
             raise ConfigError(f"data.{key}={cfg.data[key]} leaves that split empty; use 1 or more")
 
 
-def _qualified(message: str, keys: dict[str, str]) -> str:
+def qualify(message: str, keys: dict[str, str]) -> str:
     """``num_heads=3 must divide embed_dim=32`` -> ``model.num_heads=3 must divide model.embed_dim=32``."""
-    return re.sub(r"\b(\w+)=", lambda m: f"{keys.get(m[1], m[1])}=", message)
+    return re.sub(r"(?<![\w.])(\w+)=", lambda m: f"{keys.get(m[1], m[1])}=", message)
 
 
 def _build_on_meta(build: Any, kwargs: dict[str, Any], keys: dict[str, str]) -> None:
@@ -91,15 +86,13 @@ def _build_on_meta(build: Any, kwargs: dict[str, Any], keys: dict[str, str]) -> 
         with torch.device("meta"):
             build(**kwargs)
     except (ValueError, TypeError) as err:
-        raise ConfigError(_qualified(str(err).splitlines()[0], keys)) from err
+        raise ConfigError(qualify(str(err).splitlines()[0], keys)) from err
 
 
 def _check_models(cfg: DictConfig) -> None:
     encoder = OmegaConf.to_container(cfg.model, resolve=True)
     keys = {k: f"model.{k}" for k in encoder} | {"img_size": "data.img_size", "d_model": "model.embed_dim"}
     _build_on_meta(VisionTransformer, encoder, keys)
-    if cfg.finetune.get("pretrained"):
-        check_source(cfg.finetune.pretrained)
     if cfg.head.task != "caption":
         return
     decoder = OmegaConf.to_container(cfg.head.decoder, resolve=True)
@@ -110,41 +103,6 @@ def _check_models(cfg: DictConfig) -> None:
         raise ConfigError(
             f"head.generate.max_new_tokens={max_new} must be below head.decoder.max_len={decoder['max_len']}"
         )
-
-
-def check_source(source: str) -> tuple[str, Path | str, Path | None]:
-    """What a ``finetune.pretrained`` value names, without reading weights: ``(kind, where, file)``.
-
-    ``kind`` is ``vitattn`` (a run folder, bundle or .ckpt at ``where``), ``timm-file`` (a weights file) or
-    ``timm-name`` (``where`` a timm name; ``file`` its local weights for ``NAME@FILE``, else None).
-
-    Raises:
-        ConfigError: nothing at that path and no timm model of that name; an unknown tag.
-    """
-    text = str(source)
-    path = Path(text).expanduser()
-    if path.exists():
-        if path.is_dir() or path.suffix == ".ckpt" or path.name == CONFIG_FILE or is_bundle_weights(path):
-            return "vitattn", path, None
-        if path.suffix.lower() in TIMM_SUFFIXES:
-            return "timm-file", path, None
-        raise ConfigError(
-            f"finetune.pretrained={text} is not a weights file; give a {', '.join(TIMM_SUFFIXES)} file, "
-            "a timm model name, or a vitattn run folder, bundle or .ckpt"
-        )
-    name, at, file = text.partition("@")
-    try:
-        timm_pretrained_cfg(name, downloadable=not at)
-    except ValueError as err:
-        if "not a timm model" in str(err) and not at:
-            raise ConfigError(
-                f"finetune.pretrained={text} is neither an existing file or folder nor a timm model name "
-                "with a pretrained tag (e.g. vit_base_patch16_224.augreg2_in21k_ft_in1k)"
-            ) from None
-        raise ConfigError(f"finetune.pretrained={text}: {first_line(err)}") from None
-    if at and not Path(file).expanduser().is_file():
-        raise ConfigError(f"finetune.pretrained={text}: {file} does not exist; give the weights file of {name}")
-    return "timm-name", name, Path(file).expanduser() if at else None
 
 
 def _check_finetuning(cfg: DictConfig) -> None:
@@ -248,29 +206,6 @@ def _check_preprocess(data: DictConfig) -> None:
         raise ConfigError(str(err).replace("data: ", "data.", 1)) from None
 
 
-def _check_tokenizer(cfg: DictConfig) -> None:
-    """The ``tokenizer`` group: a known kind, a BPE size, a ``tokenizer.json`` that loads (one line each)."""
-    tokenizer = cfg.get("tokenizer")
-    if cfg.head.task != "caption" or tokenizer is None:
-        return
-    kind = tokenizer.get("kind")
-    if kind not in KINDS:
-        raise ConfigError(f"tokenizer kind={kind!r} is unknown; choose tokenizer=words, bpe or file")
-    size = tokenizer.get("vocab_size", "auto")
-    if kind == "bpe" and size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 259):
-        raise ConfigError(f"tokenizer.vocab_size={size!r} must be auto or at least 259 (256 bytes and 3 specials)")
-    if kind == "file":
-        path = tokenizer.get("path") if not OmegaConf.is_missing(tokenizer, "path") else None
-        if not path:
-            raise ConfigError("tokenizer=file needs tokenizer.path=FILE, a Hugging Face tokenizer.json")
-        if not Path(path).is_file():
-            raise ConfigError(f"tokenizer.path={path} does not exist; give a tokenizer.json file")
-        try:
-            SubwordTokenizer.from_file(path, add_specials=True)
-        except ValueError as err:
-            raise ConfigError(f"tokenizer.path={path}: {first_line(err)}") from None
-
-
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config)."""
     check_targets(cfg)
@@ -279,17 +214,13 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"head.task={task!r} is unknown; choose head=caption or head=classification")
     if cfg.get("weights", "best") not in ("best", "last"):
         raise ConfigError(f"weights={cfg.weights!r} is unknown; choose weights=best or weights=last")
-    if cfg.head.get("nonfinite", "raise") not in ("raise", "skip"):
-        raise ConfigError(f"head.nonfinite={cfg.head.nonfinite!r} is unknown; choose raise or skip")
-    if cfg.data.get("bad_images", "raise") not in ("raise", "skip"):
-        raise ConfigError(f"data.bad_images={cfg.data.bad_images!r} is unknown; choose raise or skip")
     if cfg.data.get("augment") is not None:
         _check_augment(cfg.data)
     _check_preprocess(cfg.data)
     warmup = cfg.optim.get("warmup_steps", "auto")
     if warmup != "auto" and (not isinstance(warmup, int) or warmup < 0):
         raise ConfigError(f"optim.warmup_steps={warmup!r} must be a whole number of steps, or auto")
-    supported = _data_tasks(cfg.data)
+    supported = tuple(getattr(data_class(cfg.data), "tasks", TASKS))
     if task not in supported:
         if task == "caption":
             what, fix = "captions", "use head=classification, or data=shapes / data=coco / data=karpathy"
@@ -301,7 +232,6 @@ def check_config(cfg: DictConfig) -> None:
     _check_self_critical(cfg)
     _check_precision(cfg.trainer)
     _check_sharded(cfg)
-    _check_tokenizer(cfg)
     if cfg.get("resume") and cfg.resume != "auto" and not RunDir(cfg.resume).last_checkpoint.is_file():
         run = RunDir(cfg.resume)
         raise ConfigError(f"resume={cfg.resume} has no {run.last_checkpoint.relative_to(run.path)} to continue from")

@@ -1,7 +1,8 @@
 """``train(cfg)``: the whole training run, callable without the command line.
 
-Data flows one way: config -> DataModule + model config -> system -> Trainer -> run directory
-(resolved config, checkpoints, logs, tokenizer, exported bundle).
+Data flows one way: config -> resolved config (start weights, precision, preprocessing) -> checked ->
+DataModule + system, each built once -> Trainer -> run directory (that config, checkpoints, logs, tokenizer,
+exported bundle).
 """
 
 from __future__ import annotations
@@ -27,19 +28,16 @@ from vitattn.data.tokenizer import tokenizer_file_name
 from vitattn.fileio import atomic_open
 from vitattn.run_dir import RunDir
 from vitattn.training.advice import check_fit
-from vitattn.training.assemble import build_system
+from vitattn.training.build import build_datamodule, build_system, run_tokenizer, setup_data
 from vitattn.training.callbacks import Preemption
-from vitattn.training.compose import instantiate_group
+from vitattn.training.compose import check_targets, instantiate_group
 from vitattn.training.config import check_config, fully_sharded
-from vitattn.training.data import setup_data
-from vitattn.training.init_model import apply_init, check_init_classes, command_line_keys, read_init
 from vitattn.training.loggers import build_loggers
-from vitattn.training.pretrained import choose_preprocess, read_pretrained
 from vitattn.training.resources import on_gpu, plan_cores, resolve_train_precision
 from vitattn.training.self_critical import prepare_reward
+from vitattn.training.start import command_line_keys, log_preprocess, read_start, resolve_preprocess
 from vitattn.training.systems import VisionSystem
 from vitattn.training.systems.sharding import is_sharded, unsharded_copy
-from vitattn.training.tokenizer import prepare_tokenizer
 
 __all__ = ["AtomicCheckpointIO", "TrainResult", "load_best_weights", "should_compile", "train"]
 
@@ -78,34 +76,30 @@ def train(cfg: DictConfig) -> TrainResult:
             holds that step and ``resume`` continues from it. Also SIGTERM during the test after
             training (nothing more is saved; the test runs again on resume).
     """
-    check_config(cfg)  # every user error surfaces here, before data is read
+    check_targets(cfg)  # a run folder's config is input: nothing it names is imported before this
     run_dir = Path(cfg.paths.output_dir)
     complete = _complete_run(cfg, run_dir)
     if complete is not None:
         return complete
     pl.seed_everything(cfg.seed, workers=True)
-    init = read_init(cfg.finetune.init) if cfg.finetune.get("init") else None
-    if init is not None:
-        apply_init(cfg, init, command_line_keys())  # the model's sizes into the config, before anything is built
-    resolve_train_precision(cfg)  # auto: from the model's width and this machine, said in one line
-    datamodule = hydra.utils.instantiate(cfg.data)
-    pretrained = read_pretrained(cfg.finetune.pretrained) if cfg.finetune.get("pretrained") else None
-    choose_preprocess(
-        datamodule, init or pretrained
-    )  # before setup: every split (and the bundle) uses the weights' own
+    # Resolved first, in place: what the start weights fix, the precision, the preprocessing. The config that is
+    # checked next is the one that runs and the one saved.
+    start = read_start(cfg.finetune.init, cfg.finetune.get("init_kind", "model")) if cfg.finetune.get("init") else None
+    if start is not None:
+        start.resolve(cfg, command_line_keys())
+    resolve_train_precision(cfg)
+    preprocess_from = resolve_preprocess(cfg, start)
+    check_config(cfg)  # every user error surfaces here, before data is read
     ckpt_path = _resume_checkpoint(cfg)
-    prepare_tokenizer(cfg, datamodule, run_dir, ckpt_path is not None)  # the run's own, once rank 0 wrote it
-    if init is not None and cfg.head.task == "caption":
-        datamodule.vocab = init.bundle.vocab  # the model's tokenizer, never one built from this run's captions
+    vocab = start.vocab if start is not None else run_tokenizer(cfg, run_dir, ckpt_path is not None)
+    datamodule = build_datamodule(cfg, vocab)
+    log_preprocess(datamodule, preprocess_from)
     first_step = _checkpoint_step(ckpt_path) if ckpt_path else 0
     setup_data(cfg, datamodule, ckpt_path)  # empty data, wrong vocabulary: one line, no step run
     plan_cores(cfg, datamodule)
     if rank_zero_only.rank == 0:
         check_fit(cfg, datamodule)  # a coarse patch grid, a vocabulary of <unk>, a schedule with no end
-    system = build_system(cfg, datamodule, pretrained)
-    if init is not None:
-        check_init_classes(init, datamodule)
-        init.load_into(system)
+    system = build_system(cfg, datamodule, start)
     if cfg.finetune.get("scst") is not None:
         # CIDEr-D statistics: computed once per run by rank 0
         system.use_reward(prepare_reward(datamodule, run_dir, ckpt_path is not None))

@@ -17,7 +17,7 @@ from vitattn.errors import ConfigError
 from vitattn.fileio import atomic_write, read_json
 from vitattn.metrics import CiderD
 from vitattn.run_dir import RunDir
-from vitattn.training.tokenizer import WAIT_SECONDS, wait_for_rank_zero
+from vitattn.training.build import WAIT_SECONDS, wait_for_rank_zero
 
 __all__ = ["prepare_reward", "read_statistics", "write_statistics"]
 

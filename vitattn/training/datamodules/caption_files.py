@@ -10,6 +10,7 @@ from vitattn.data.augment import CAPTION_CROP_SCALE, Augment, CaptionAugment
 from vitattn.data.cache import should_cache
 from vitattn.data.coco import CocoCaptionDataset, CocoImage
 from vitattn.data.eval_split import EvalSplit
+from vitattn.data.tokenizer import Tokenizer
 from vitattn.training.datamodules.base import ImageDataModule
 
 __all__ = ["CaptionFilesDataModule"]
@@ -33,8 +34,8 @@ class CaptionFilesDataModule(ImageDataModule):
         augment: training augmentation (``vitattn.data.augment.Augment``).
         cache: ``auto``, ``ram`` or ``none`` (``vitattn.data.cache``).
         preprocess: the ``data.*`` preprocessing keys set (``mean``, ``std``, ``interpolation``, ``crop_pct``,
-            ``crop_mode``); the rest are the pretrained weights', else the whole image squashed (bicubic) and
-            ImageNet's statistics.
+            ``crop_mode``); the rest the whole image squashed (bicubic) and ImageNet's statistics.
+        tokenizer, vocab: the ``tokenizer`` group, or a given tokenizer (``ImageDataModule``).
 
     Subclasses take ``bad_images`` and ``verify`` as ``ImageFolderDataModule`` does, and the preprocessing keys
     one by one.
@@ -55,8 +56,10 @@ class CaptionFilesDataModule(ImageDataModule):
         augment: bool | Mapping[str, Any],
         cache: str,
         preprocess: Mapping[str, Any] | None = None,
+        tokenizer: Mapping[str, Any] | None = None,
+        vocab: Tokenizer | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, img_size, **(preprocess or {}))
+        super().__init__(batch_size, num_workers, img_size, **(preprocess or {}), tokenizer=tokenizer, vocab=vocab)
         self.image_dir = image_dir
         self.min_word_freq, self.max_caption_len, self.vocab_path = min_word_freq, max_caption_len, vocab_path
         # Captions: the mild crop always; flips and colour jitter only where asked, and only where

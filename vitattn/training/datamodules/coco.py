@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from vitattn.data.coco import CocoImage, load_coco_captions
+from vitattn.data.tokenizer import Tokenizer
 from vitattn.training.datamodules.caption_files import CaptionFilesDataModule
 
 __all__ = ["CocoCaptionDataModule"]
@@ -48,6 +49,8 @@ class CocoCaptionDataModule(CaptionFilesDataModule):
         interpolation: str | None = None,
         crop_pct: float | None = None,
         crop_mode: str | None = None,
+        tokenizer: Mapping[str, Any] | None = None,
+        vocab: Tokenizer | None = None,
     ) -> None:
         preprocess = dict(mean=mean, std=std, interpolation=interpolation, crop_pct=crop_pct, crop_mode=crop_mode)
         super().__init__(
@@ -61,6 +64,8 @@ class CocoCaptionDataModule(CaptionFilesDataModule):
             augment,
             cache,
             preprocess,
+            tokenizer,
+            vocab,
         )
         self._bad_image_settings(bad_images, verify)
         self.annotations = (train_annotations, val_annotations, test_annotations or val_annotations)

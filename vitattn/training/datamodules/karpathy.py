@@ -9,6 +9,7 @@ from typing import Any
 
 from vitattn.data.coco import CocoImage
 from vitattn.data.karpathy import load_karpathy
+from vitattn.data.tokenizer import Tokenizer
 from vitattn.training.datamodules.caption_files import CaptionFilesDataModule
 
 __all__ = ["KarpathyDataModule"]
@@ -52,6 +53,8 @@ class KarpathyDataModule(CaptionFilesDataModule):
         interpolation: str | None = None,
         crop_pct: float | None = None,
         crop_mode: str | None = None,
+        tokenizer: Mapping[str, Any] | None = None,
+        vocab: Tokenizer | None = None,
     ) -> None:
         preprocess = dict(mean=mean, std=std, interpolation=interpolation, crop_pct=crop_pct, crop_mode=crop_mode)
         super().__init__(
@@ -65,6 +68,8 @@ class KarpathyDataModule(CaptionFilesDataModule):
             augment,
             cache,
             preprocess,
+            tokenizer,
+            vocab,
         )
         self._bad_image_settings(bad_images, verify)
         self.dataset_json, self.restval_in_train = dataset_json, restval_in_train

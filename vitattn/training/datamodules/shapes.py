@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 from vitattn.data.eval_split import EvalSplit
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
+from vitattn.data.tokenizer import Tokenizer
 from vitattn.training.datamodules.base import ImageDataModule
 
 __all__ = ["ShapesDataModule"]
@@ -50,8 +51,10 @@ class ShapesDataModule(ImageDataModule):
         vocab_path: str | os.PathLike | None = None,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
+        tokenizer: Mapping[str, Any] | None = None,
+        vocab: Tokenizer | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, img_size, mean=mean, std=std)
+        super().__init__(batch_size, num_workers, img_size, mean=mean, std=std, tokenizer=tokenizer, vocab=vocab)
         self.task, self.seed = task, seed
         self.num_train, self.num_val, self.num_test = num_train, num_val, num_test
         self.max_caption_len, self.vocab_path = max_caption_len, vocab_path

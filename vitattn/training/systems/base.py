@@ -39,7 +39,7 @@ class VisionSystem(pl.LightningModule):
     def __init__(self, optim: dict[str, Any] | None = None, nonfinite: str = "raise") -> None:
         super().__init__()
         if nonfinite not in ("raise", "skip"):
-            raise ValueError(f"nonfinite={nonfinite!r} is unknown; choose 'raise' or 'skip'")
+            raise ValueError(f"nonfinite={nonfinite!r} is unknown; choose raise or skip")
         self.optim = dict(optim or {})
         self.nonfinite = nonfinite
         self.skipped_batches = 0
