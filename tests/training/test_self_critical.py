@@ -33,7 +33,7 @@ from vitattn.metrics import CiderD, cider_d
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 from vitattn.run_dir import RunDir
 from vitattn.training import train
-from vitattn.training.self_critical import prepare_reward, read_statistics
+from vitattn.training.build import prepare_reward, read_statistics
 from vitattn.training.start import read_start
 from vitattn.training.systems.self_critical import ScstConfig, SelfCritical, mean_of_others, sample_log_probs, scst_loss
 

@@ -1,17 +1,9 @@
 """``vitattn-check-data``: read every image of a training config's data once, in parallel; list the bad ones.
 
-Usage::
-
-    vitattn-check-data data=imagefolder data.root=DIR
-    vitattn-check-data data=coco data.image_dir=DIR data.train_annotations=FILE data.val_annotations=FILE
-    vitattn-check-data data=karpathy data.dataset_json=FILE data.image_dir=DIR [threads=N]
-    vitattn-check-data experiment=coco_vit_small
-
-The arguments are vitattn-train's (the same Hydra config and overrides), plus ``threads`` (reading
-threads; default: the cores, at most 16). The train, val and test images are each decoded once, as
-training decodes them. Prints ``PATH: REASON`` on stdout for each file that cannot be read, and a
-summary on stderr. Exit status: 0 when every image reads, 1 when some do not, 2 on a usage or data
-error. ``vitattn-train ... data.verify=true`` does the same check before it trains.
+Usage: ``vitattn-check-data data=imagefolder data.root=DIR [threads=N]`` (the arguments are vitattn-train's,
+plus ``threads``: reading threads, default the cores, at most 16). Prints ``PATH: REASON`` on stdout for each
+file that cannot be read, and a summary on stderr. Exit status: 0 when every image reads, 1 when some do not,
+2 on a usage or data error. ``vitattn-train ... data.verify=true`` does the same check before it trains.
 """
 
 from __future__ import annotations

@@ -1,12 +1,19 @@
 """The run's DataModule and system, each built once from the resolved config (``train`` resolves it first:
-the start weights, the precision, the preprocessing), with what only the run knows passed in: the tokenizer
-(a trained model's, or the run's own once written), the sizes only the data knows (classes, vocabulary).
-Empty splits and a checkpoint that does not fit the data are one-line errors before any step."""
+the start weights, ``resolve_train_precision``, the preprocessing), with what only the run knows passed in:
+the tokenizer (a trained model's, or the run's own once written), the sizes only the data knows (classes,
+vocabulary), the machine's cores (``plan_cores``), the ``finetune=scst`` reward. Empty splits and a checkpoint
+that does not fit the data are one-line errors before any step. What rank 0 computes once per run (the
+tokenizer, the reward's CIDEr-D statistics) is written into the run folder, and the other ranks and every
+restart read it instead of the training captions."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +32,30 @@ from vitattn.data.tokenizer import (
     tokenizer_labels,
 )
 from vitattn.errors import ConfigError, first_line
+from vitattn.fileio import atomic_write, read_json
+from vitattn.metrics import CiderD
+from vitattn.precision import native_bf16
 from vitattn.run_dir import RunDir
 from vitattn.training.config import data_name, qualify
 from vitattn.training.start import Encoder, WholeModel
 from vitattn.training.systems import VisionSystem
 
 __all__ = [
+    "BF16_TRAIN_MIN_WIDTH",
     "WAIT_SECONDS",
     "build_datamodule",
     "build_system",
     "model_config_from",
+    "on_gpu",
+    "plan_cores",
+    "prepare_reward",
+    "processes_per_node",
+    "read_statistics",
+    "resolve_train_precision",
     "run_tokenizer",
     "setup_data",
     "wait_for_rank_zero",
+    "write_statistics",
 ]
 
 log = logging.getLogger(__name__)
@@ -233,3 +251,145 @@ def _check_subword_matches(cfg: DictConfig, ours: Any, labels: Any, ckpt_path: s
         f"{source}: the tokenizer ({type(ours).__name__}, {len(ours)} tokens) differs from the checkpoint's "
         f"({type(theirs).__name__}, {len(theirs)} tokens); use the tokenizer the model was trained with: {fix}"
     )
+
+
+# The width from which a bf16-mixed training step beats fp32 on a CPU with bf16 matrix units: the model=cpu
+# captioner at 64 px, batch 64 was 1.0x at width 128 and 1.2x at 192 (benchmarks/bf16_train.py --widths,
+# docs/benchmarks.md); smaller products gain less than autocast's casts cost.
+BF16_TRAIN_MIN_WIDTH = 192
+
+
+def on_gpu(cfg: DictConfig) -> bool:
+    """The run trains on GPUs: ``trainer.accelerator`` is gpu or cuda, or auto with CUDA available."""
+    return cfg.trainer.accelerator in ("gpu", "cuda") or (
+        cfg.trainer.accelerator == "auto" and torch.cuda.is_available()
+    )
+
+
+def plan_cores(cfg: DictConfig, datamodule: Any) -> tuple[int, int]:
+    """Loader workers and torch threads that do not fight over the cores; returns ``(workers, threads)``.
+
+    Each of the node's training processes (``trainer.devices`` of them, or torchrun's
+    ``LOCAL_WORLD_SIZE``) plans with its share of the cores. ``data.num_workers=auto`` is resolved
+    by the DataModule (``plan_workers``); ``num_threads=auto`` gives torch the share the workers
+    leave on a CPU run (at least one), so that on a CPU threads + workers of all processes stay
+    within the cores, and keeps torch's default on GPUs. A number set by the user is kept as it is.
+    """
+    cores, processes = len(os.sched_getaffinity(0)), processes_per_node(cfg)
+    share = max(1, cores // processes)
+    plan = getattr(datamodule, "plan_workers", None)
+    workers = plan(on_gpu(cfg), share) if plan is not None else int(getattr(datamodule, "num_workers", 0))
+    threads = cfg.get("num_threads")
+    if threads == "auto":
+        threads = torch.get_num_threads() if on_gpu(cfg) else max(1, share - workers)
+    if threads:
+        torch.set_num_threads(int(threads))
+    log.info(
+        "cores: %d for %d process(es); loader workers: %d; torch threads: %d",
+        cores,
+        processes,
+        workers,
+        torch.get_num_threads(),
+    )
+    return workers, torch.get_num_threads()
+
+
+def processes_per_node(cfg: DictConfig) -> int:
+    """The training processes on this machine: torchrun's ``LOCAL_WORLD_SIZE``, else ``trainer.devices``
+    (a count, or device ids: a list or ``"0,1"``); 1 for ``auto`` and ``-1``."""
+    if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+        return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    devices = cfg.trainer.get("devices", 1)
+    if isinstance(devices, str):
+        ids = [d for d in devices.split(",") if d.strip()]
+        devices = int(devices) if devices.strip().isdigit() else len(ids) if "," in devices else 1
+    if isinstance(devices, int):
+        return max(1, devices)
+    return len(devices) if isinstance(devices, Sequence) and not isinstance(devices, str) else 1
+
+
+def resolve_train_precision(cfg: DictConfig) -> str:
+    """``trainer.precision=auto`` made concrete, in place, with one log line; other values are left as they are.
+
+    ``auto`` is ``bf16-mixed`` on GPUs, and on a CPU with native bf16 matrix instructions
+    (``vitattn.precision.native_bf16``) for a model of width ``BF16_TRAIN_MIN_WIDTH`` or more; ``32-true``
+    elsewhere (small models, CPUs without the units: nothing changes there).
+    """
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    if precision != "auto":
+        return precision
+    width = int(cfg.model.embed_dim)
+    if on_gpu(cfg):
+        chosen, why = "bf16-mixed", "a GPU"
+    elif width < BF16_TRAIN_MIN_WIDTH:
+        chosen, why = "32-true", f"model.embed_dim={width} is below {BF16_TRAIN_MIN_WIDTH}, where bf16 stops paying"
+    elif native_bf16():
+        chosen, why = "bf16-mixed", f"bf16 matrix units on this CPU and model.embed_dim={width}"
+    else:
+        chosen, why = "32-true", "this CPU has no bf16 matrix units"
+    cfg.trainer.precision = chosen
+    log.info("trainer.precision=auto: %s (%s)", chosen, why)
+    return chosen
+
+
+FORMAT = "vitattn-cider-statistics/1"
+
+
+def prepare_reward(datamodule: Any, run_dir: str | Path, resuming: bool, wait: float = WAIT_SECONDS) -> CiderD:
+    """The run's CIDEr-D reward: its statistics read from the run folder (a restart, ``resuming``; a rank other
+    than 0), or on rank 0's first start computed from ``datamodule.train_references()`` and written there.
+
+    Raises:
+        ConfigError: the data has no caption references, or none in its training split.
+        TimeoutError: a rank other than 0 found no statistics within ``wait`` seconds.
+    """
+    path = RunDir(run_dir).cider_statistics
+    if rank_zero_only.rank != 0:
+        wait_for_rank_zero(path, wait)
+    if path.is_file() and (resuming or rank_zero_only.rank != 0):
+        log.info("finetune=scst: CIDEr-D statistics from this run's %s (computed once per run)", path)
+        return read_statistics(path)
+    references = _train_references(datamodule)
+    started = time.monotonic()
+    scorer = CiderD(references)
+    write_statistics(scorer, path)
+    log.info(
+        "finetune=scst: CIDEr-D document frequencies of %d n-grams over the %d training images' references "
+        "(%.1f s), written to %s",
+        len(scorer.doc_freq),
+        scorer.num_images,
+        time.monotonic() - started,
+        path,
+    )
+    return scorer
+
+
+def _train_references(datamodule: Any) -> list[list[str]]:
+    what = type(datamodule).__name__
+    get = getattr(datamodule, "train_references", None)
+    references = get() if get is not None else None
+    if not references:
+        raise ConfigError(
+            f"finetune=scst: the data ({what}) gives no reference captions for its training images, and the "
+            "reward is CIDEr-D against them; use caption data (data=coco, karpathy, webdataset with captions, shapes)"
+        )
+    return references
+
+
+def write_statistics(scorer: CiderD, path: Path) -> None:
+    """Save the scorer's document frequencies (n-grams as space-joined tokens) atomically."""
+    frequencies = {" ".join(gram): count for gram, count in scorer.doc_freq.items()}
+    payload = {"format": FORMAT, "num_images": scorer.num_images, "n": scorer.n, "document_frequency": frequencies}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps(payload, ensure_ascii=False))
+
+
+def read_statistics(path: Path) -> CiderD:
+    """The scorer ``write_statistics`` saved, or a one-line ``ValueError``."""
+    saved = read_json(path, "CIDEr-D statistics")
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        raise ValueError(
+            f"{path} is not a vitattn CIDEr-D statistics file ({FORMAT}); move it away to compute it again"
+        )
+    frequencies = Counter({tuple(gram.split(" ")): count for gram, count in saved["document_frequency"].items()})
+    return CiderD.from_statistics(frequencies, saved["num_images"], n=saved["n"])

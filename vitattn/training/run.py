@@ -28,13 +28,20 @@ from vitattn.data.tokenizer import tokenizer_file_name
 from vitattn.fileio import atomic_open
 from vitattn.run_dir import RunDir
 from vitattn.training.advice import check_fit
-from vitattn.training.build import build_datamodule, build_system, run_tokenizer, setup_data
+from vitattn.training.build import (
+    build_datamodule,
+    build_system,
+    on_gpu,
+    plan_cores,
+    prepare_reward,
+    resolve_train_precision,
+    run_tokenizer,
+    setup_data,
+)
 from vitattn.training.callbacks import Preemption
 from vitattn.training.compose import check_targets, instantiate_group
 from vitattn.training.config import check_config, fully_sharded
 from vitattn.training.loggers import build_loggers
-from vitattn.training.resources import on_gpu, plan_cores, resolve_train_precision
-from vitattn.training.self_critical import prepare_reward
 from vitattn.training.start import command_line_keys, log_preprocess, read_start, resolve_preprocess
 from vitattn.training.systems import VisionSystem
 from vitattn.training.systems.sharding import is_sharded, unsharded_copy

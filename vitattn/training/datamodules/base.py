@@ -1,26 +1,11 @@
-"""What every DataModule shares: loaders, preprocessing, the cache, the evaluation split.
+"""What every DataModule shares: loaders, preprocessing, the cache, the evaluation split, the tokenizer.
 
-Classification batches are ``(images, labels)``: (B, 3, height, width) uint8 and (B,) long. Caption batches
-are dicts from ``collate_captions``: ``images`` (B, 3, height, width) uint8, ``tokens`` (B, T) padded
-``bos ... eos``, ``image_ids`` (B,) and ``references`` (B lists of strings). The training loader is a
-``ResumableLoader`` (``vitattn.data.resumable``): the shuffle of a plain ``DataLoader`` in one process and of
-Lightning's ``DistributedSampler`` under DDP, and a state in every checkpoint from which a run resumed
-mid-epoch trains the rest of the epoch, each sample once. ``last_keys`` name the samples of the batch last
-given to a training step (``sample_key``). Evaluation loaders are plain: Lightning shards them under DDP;
-``image_ids`` identify the samples it repeats to even out the ranks.
-
-The images cross to the device as uint8, a quarter of the bytes of float32, from pinned memory on CUDA (Lightning
-copies with ``non_blocking``); ``on_after_batch_transfer`` normalises them there (``normalize_batch``), as timm's
-prefetcher does, bit for bit what ``ToTensor`` and ``Normalize`` in the loader made of them before.
-
-Image files that cannot be read stop the run or are skipped as ``bad_images`` says
-(``vitattn.data.bad_images``); skipped files are kept in ``skipped_images``.
-
-``preprocess`` (evaluation, and the normalisation and interpolation of training) is the data's own (``crop``,
-ImageNet's mean and std) under the ``data.*`` keys given (``mean``, ``std``, ``interpolation``, ``crop_pct``,
-``crop_mode``), which a run resolves from its start weights before it builds the data
-(``vitattn.training.start``). A caption tokenizer is given (``vocab``: a trained model's, or the run's own on a
-restart) or built in ``setup`` as ``tokenizer`` (the ``tokenizer`` group) says.
+Classification batches are ``(images, labels)``: (B, 3, height, width) uint8 and (B,) long; caption batches
+dicts from ``collate_captions`` (``images``, ``tokens`` (B, T), ``image_ids``, ``references``). The training
+loader resumes mid-epoch, each sample once (``vitattn.data.resumable``). Images cross to the device as uint8
+and are normalised there (``on_after_batch_transfer``). ``preprocess`` is the data's own under the ``data.*``
+keys given, which a run resolves from its start weights first (``vitattn.training.start``); a caption
+tokenizer is given (``vocab``) or built in ``setup`` as ``tokenizer`` says. The design: docs/training.md.
 """
 
 from __future__ import annotations
