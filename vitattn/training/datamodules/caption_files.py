@@ -37,12 +37,10 @@ class CaptionFilesDataModule(ImageDataModule):
             training captions; the ``tokenizer`` group (set by training) says what is built otherwise.
         augment: training augmentation (``vitattn.data.augment.Augment``).
         cache: ``auto``, ``ram`` or ``none`` (``vitattn.data.cache``).
-        preprocess: the ``data.*`` preprocessing keys set (``mean``, ``std``, ``interpolation``, ``crop_pct``,
-            ``crop_mode``); the rest the whole image squashed (bicubic) and ImageNet's statistics.
+        bad_images, verify: unreadable image files, as in ``ImageFolderDataModule``.
+        mean, std, interpolation, crop_pct, crop_mode: the ``data.*`` preprocessing keys (None: the whole image
+            squashed, bicubic, ImageNet's statistics).
         tokenizer, vocab: the ``tokenizer`` group, or a given tokenizer (``ImageDataModule``).
-
-    Subclasses take ``bad_images`` and ``verify`` as ``ImageFolderDataModule`` does, and the preprocessing keys
-    one by one.
     """
 
     tasks = ("caption",)
@@ -51,19 +49,28 @@ class CaptionFilesDataModule(ImageDataModule):
     def __init__(
         self,
         image_dir: str | os.PathLike,
-        img_size: int,
-        batch_size: int,
-        num_workers: int | str,
-        min_word_freq: int | str,
-        max_caption_len: int,
-        vocab_path: str | os.PathLike | None,
-        augment: bool | Mapping[str, Any],
-        cache: str,
-        preprocess: Mapping[str, Any] | None = None,
+        img_size: int = 224,
+        batch_size: int = 64,
+        num_workers: int | str = "auto",
+        min_word_freq: int | str = "auto",
+        max_caption_len: int = 32,
+        vocab_path: str | os.PathLike | None = None,
+        augment: bool | Mapping[str, Any] = True,
+        cache: str = "auto",
+        bad_images: str = "raise",
+        verify: bool = False,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        interpolation: str | None = None,
+        crop_pct: float | None = None,
+        crop_mode: str | None = None,
         tokenizer: Mapping[str, Any] | None = None,
         vocab: Tokenizer | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, img_size, **(preprocess or {}), tokenizer=tokenizer, vocab=vocab)
+        super().__init__(
+            batch_size, num_workers, img_size, mean, std, interpolation, crop_pct, crop_mode, tokenizer, vocab
+        )
+        self._bad_image_settings(bad_images, verify)
         self.image_dir = image_dir
         self.min_word_freq, self.max_caption_len, self.vocab_path = min_word_freq, max_caption_len, vocab_path
         # Captions: the mild crop always; flips and colour jitter only where asked, and only where
@@ -124,11 +131,7 @@ class CocoCaptionDataModule(CaptionFilesDataModule):
         image_dir: folder that the files' ``file_name`` entries are relative to.
         train_annotations, val_annotations: COCO caption JSON files.
         test_annotations: the test file; ``val_annotations`` when not given.
-        img_size, batch_size, num_workers, min_word_freq, max_caption_len, vocab_path, augment, cache:
-            as in ``CaptionFilesDataModule``.
-        bad_images, verify: unreadable image files, as in ``ImageFolderDataModule``.
-        mean, std, interpolation, crop_pct, crop_mode: the preprocessing (None: the whole image squashed, bicubic,
-            ImageNet's statistics).
+        num_workers, **settings: as ``CaptionFilesDataModule`` takes them.
     """
 
     def __init__(
@@ -137,40 +140,10 @@ class CocoCaptionDataModule(CaptionFilesDataModule):
         train_annotations: str | os.PathLike,
         val_annotations: str | os.PathLike,
         test_annotations: str | os.PathLike | None = None,
-        img_size: int = 224,
-        batch_size: int = 64,
         num_workers: int | str = 0,
-        min_word_freq: int | str = "auto",
-        max_caption_len: int = 32,
-        vocab_path: str | os.PathLike | None = None,
-        augment: bool | Mapping[str, Any] = True,
-        cache: str = "auto",
-        bad_images: str = "raise",
-        verify: bool = False,
-        mean: Sequence[float] | None = None,
-        std: Sequence[float] | None = None,
-        interpolation: str | None = None,
-        crop_pct: float | None = None,
-        crop_mode: str | None = None,
-        tokenizer: Mapping[str, Any] | None = None,
-        vocab: Tokenizer | None = None,
+        **settings: Any,
     ) -> None:
-        preprocess = dict(mean=mean, std=std, interpolation=interpolation, crop_pct=crop_pct, crop_mode=crop_mode)
-        super().__init__(
-            image_dir,
-            img_size,
-            batch_size,
-            num_workers,
-            min_word_freq,
-            max_caption_len,
-            vocab_path,
-            augment,
-            cache,
-            preprocess,
-            tokenizer,
-            vocab,
-        )
-        self._bad_image_settings(bad_images, verify)
+        super().__init__(image_dir, num_workers=num_workers, **settings)
         self.annotations = (train_annotations, val_annotations, test_annotations or val_annotations)
 
     def split_images(self) -> tuple[list[CocoImage], list[CocoImage], list[CocoImage]]:
@@ -193,52 +166,17 @@ class KarpathyDataModule(CaptionFilesDataModule):
         image_dir: folder that the file names are relative to: for COCO the one holding
             ``train2014/`` and ``val2014/``, for Flickr the one holding the images.
         restval_in_train: train on the ``restval`` images too (the usual COCO setting); else they are unused.
-        img_size, batch_size, num_workers, min_word_freq, max_caption_len, vocab_path, augment, cache:
-            as in ``CaptionFilesDataModule``.
-        bad_images, verify: unreadable image files, as in ``ImageFolderDataModule``.
-        mean, std, interpolation, crop_pct, crop_mode: the preprocessing (None: the whole image squashed, bicubic,
-            ImageNet's statistics).
+        **settings: as ``CaptionFilesDataModule`` takes them.
     """
 
     def __init__(
         self,
         dataset_json: str | os.PathLike,
         image_dir: str | os.PathLike,
-        img_size: int = 224,
-        batch_size: int = 64,
-        num_workers: int | str = "auto",
-        min_word_freq: int | str = "auto",
-        max_caption_len: int = 32,
-        vocab_path: str | os.PathLike | None = None,
         restval_in_train: bool = True,
-        augment: bool | Mapping[str, Any] = True,
-        cache: str = "auto",
-        bad_images: str = "raise",
-        verify: bool = False,
-        mean: Sequence[float] | None = None,
-        std: Sequence[float] | None = None,
-        interpolation: str | None = None,
-        crop_pct: float | None = None,
-        crop_mode: str | None = None,
-        tokenizer: Mapping[str, Any] | None = None,
-        vocab: Tokenizer | None = None,
+        **settings: Any,
     ) -> None:
-        preprocess = dict(mean=mean, std=std, interpolation=interpolation, crop_pct=crop_pct, crop_mode=crop_mode)
-        super().__init__(
-            image_dir,
-            img_size,
-            batch_size,
-            num_workers,
-            min_word_freq,
-            max_caption_len,
-            vocab_path,
-            augment,
-            cache,
-            preprocess,
-            tokenizer,
-            vocab,
-        )
-        self._bad_image_settings(bad_images, verify)
+        super().__init__(image_dir, **settings)
         self.dataset_json, self.restval_in_train = dataset_json, restval_in_train
 
     def split_images(self) -> tuple[list[CocoImage], list[CocoImage], list[CocoImage]]:
