@@ -1,5 +1,6 @@
-"""``finetune.init_kind=encoder``: every source, built from a randomly initialised timm model saved to a file, gives
-the encoder timm's features; the timm ViT families load with the switches their weights show."""
+"""``finetune.init``, where a run starts. Kind ``encoder``: every source, built from a randomly initialised timm
+model saved to a file, gives the encoder timm's features; the timm ViT families load with the switches their
+weights show. Kind ``model``: a whole vitattn model of the run's task (the rest: test_self_critical.py)."""
 
 import json
 import logging
@@ -12,7 +13,7 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train
+from tests.helpers import TINY, TINY_SHAPES, compose_train, make_caption_bundle
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.data.preprocess import default_preprocess
 from vitattn.errors import ConfigError
@@ -330,3 +331,43 @@ def test_train_from_timm_weights_then_caption_from_that_run(tmp_path):
     for key, value in classifier.state_dict().items():
         if not key.startswith("head."):
             torch.testing.assert_close(encoder.state_dict()[key], value, rtol=0, atol=0)
+
+
+def test_init_leaves_grad_checkpointing_to_the_run(tmp_path):
+    """Whether the model was trained with gradient checkpointing is the new run's choice, on the command line too."""
+    bundle = make_caption_bundle(tmp_path / "bundle")
+    config = json.loads((bundle / "config.json").read_text())
+    config["model"]["encoder"]["grad_checkpointing"] = config["model"]["decoder"]["grad_checkpointing"] = True
+    (bundle / "config.json").write_text(json.dumps(config))
+    init = read_start(str(bundle))
+    assert init.bundle.model.encoder.grad_checkpointing  # read from the bundle
+    cfg = compose_train([*TINY, f"finetune.init={bundle}"], tmp_path / "run")
+    init.resolve(cfg, ["model.grad_checkpointing"])
+    assert cfg.model.grad_checkpointing is False and cfg.head.decoder.grad_checkpointing is False
+    assert cfg.data.max_caption_len == 8  # the model's sizes still come from it (24 composed)
+
+
+def test_init_refuses_a_classifier_for_a_captioner(tmp_path):
+    classifier = tmp_path / "classifier"
+    train(compose_train(["head=classification", *TINY, *TINY_SHAPES, "trainer.max_steps=1", "test=false"], classifier))
+    with pytest.raises(ConfigError, match=r"is a classification model, not a caption model \(head=caption\)"):
+        train(compose_train([*TINY, f"finetune.init={classifier}"], tmp_path / "run"))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            [f"finetune.init={TIMM_TINY}"],
+            rf"^finetune\.init={TIMM_TINY} does not exist; .*finetune\.init_kind=encoder$",
+        ),
+        (["finetune.init={file}"], r"is a timm weights file, an encoder: add finetune\.init_kind=encoder$"),
+        (["finetune.init={file}", "finetune.init_kind=head"], r"^finetune\.init_kind='head' is unknown"),
+    ],
+)
+def test_a_start_of_the_wrong_kind_is_one_line_before_any_step(overrides, message, tmp_path):
+    save_file(_timm().state_dict(), tmp_path / "vit.safetensors")
+    given = [o.format(file=tmp_path / "vit.safetensors") for o in overrides]
+    with pytest.raises(ConfigError, match=message) as err:
+        train(compose_train([*TINY, *TINY_SHAPES, *given], tmp_path / "run"))
+    assert "\n" not in str(err.value) and not (tmp_path / "run" / "config.yaml").exists()
