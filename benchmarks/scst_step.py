@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from vitattn.metrics import CiderD
 from vitattn.training.build import build_system
-from vitattn.training.compose import compose_train
+from vitattn.training.config import compose_train
 
 
 def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:

@@ -41,7 +41,7 @@ from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.inference import caption_to_file, list_inputs
 from vitattn.inference.shard_captioning import assign_shards, caption_shards, finished_outputs, remove_temporaries
 from vitattn.training import train
-from vitattn.training.compose import compose_train
+from vitattn.training.config import compose_train
 
 # Quiet, one thread, one loader worker, batches of 32, no validation.
 RUN = (

@@ -11,7 +11,7 @@ import vitattn.conf
 from omegaconf import DictConfig
 from PIL import Image
 
-from vitattn.training.compose import compose_train as compose
+from vitattn.training.config import compose_train as compose
 
 CONF_DIR = Path(vitattn.conf.__file__).parent
 

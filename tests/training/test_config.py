@@ -9,8 +9,7 @@ from omegaconf import OmegaConf
 from tests.helpers import TINY, TINY_SHAPES, compose_train, make_coco, make_image_folder
 from vitattn.errors import ConfigError
 from vitattn.training import train
-from vitattn.training.compose import check_targets
-from vitattn.training.config import check_config
+from vitattn.training.config import check_config, check_targets
 
 SHAPES = [*TINY, *TINY_SHAPES]
 CLS = ["head=classification", *SHAPES]

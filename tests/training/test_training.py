@@ -29,8 +29,7 @@ from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.models import VisionTransformer
 from vitattn.training import build_system, train
 from vitattn.training.callbacks import EMA, FreezeEncoder, Preemption, TimeBudgetHorizon
-from vitattn.training.compose import instantiate_group
-from vitattn.training.config import check_config
+from vitattn.training.config import check_config, instantiate_group
 
 GROUPS = {
     g: sorted(p.stem for p in (CONF_DIR / g).glob("*.yaml"))

@@ -19,7 +19,6 @@ from omegaconf import DictConfig
 
 from vitattn.cli.args import UsageError, run_main
 from vitattn.errors import first_line
-from vitattn.training.compose import check_targets
 from vitattn.upstream import defer_wandb_in_timm
 
 __all__ = ["main", "parse_args", "run"]
@@ -30,7 +29,7 @@ log = logging.getLogger("vitattn")
 def parse_args(argv: list[str]) -> tuple[DictConfig, int]:
     """Hydra overrides (and ``threads=N``) -> the composed training config and the number of threads."""
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from vitattn.training.compose import compose_train
+    from vitattn.training.config import compose_train
 
     threads = 0
     overrides = []
@@ -54,7 +53,7 @@ def run(args: tuple[DictConfig, int]) -> int:
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.data.bad_images import find_bad_images
     from vitattn.training.build import setup_data
-    from vitattn.training.config import check_data_paths, data_name
+    from vitattn.training.config import check_data_paths, check_targets, data_name
     from vitattn.training.run_data import read_once
 
     cfg, threads = args

@@ -1,22 +1,25 @@
-"""Validation of the composed, resolved training config (``train`` resolves it first: ``vitattn.training.start``).
+"""The training config: composed as ``vitattn-train`` composes it (``compose_train``), its ``_target_`` nodes
+kept to an allow-list (a run folder's config is input), its groups of ``_target_`` nodes built
+(``instantiate_group``), and its validation once resolved (``train`` resolves it first: ``start``).
 
-Every user error in a config is found here, before any data is read or any step runs, and is
-reported as one ``ConfigError`` line that names the key and the fix. Rules about the model's shape
-(heads that divide the width, a patch that divides the image, known activations and pools) belong
-to the models: the config is checked by building them on the ``meta`` device (no memory, no time)
-and their messages are given the config keys' full names. What a constructor checks (the tokenizer
-group, ``data.bad_images``, ``head.nonfinite``) is checked there, when the run builds it.
+Every user error in a config is found by ``check_config``, before any data is read or any step runs, as
+one ``ConfigError`` line that names the key and the fix. Rules about the model's shape belong to the
+models: the config is checked by building them on the ``meta`` device and their messages are given the
+config keys' full names. What a constructor checks (the tokenizer group, ``data.bad_images``,
+``head.nonfinite``) is checked there, when the run builds it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import hydra
 import torch
+from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from vitattn.data.augment import Augment
@@ -25,13 +28,65 @@ from vitattn.data.tasks import TASKS
 from vitattn.errors import ConfigError, first_line
 from vitattn.models import CaptionDecoder, VisionTransformer
 from vitattn.run_dir import RunDir
-from vitattn.training.compose import check_targets
 from vitattn.training.systems.self_critical import ScstConfig
 
-__all__ = ["check_config", "check_data_paths", "data_class", "data_name", "fully_sharded", "qualify"]
+__all__ = [
+    "ALLOWED_TARGET_PREFIXES",
+    "check_config",
+    "check_data_paths",
+    "check_targets",
+    "compose_train",
+    "data_class",
+    "data_name",
+    "fully_sharded",
+    "instantiate_group",
+    "qualify",
+]
 
 _DIR_KEYS = ("root", "image_dir")
 _FILE_KEYS = ("train_annotations", "val_annotations", "test_annotations", "vocab_path", "dataset_json")
+
+
+# A config read back from disk (a run folder) is input: its targets may name these packages only.
+ALLOWED_TARGET_PREFIXES = ("vitattn.", "torch.", "torchvision.", "timm.", "lightning.", "pytorch_lightning.")
+
+
+def compose_train(overrides: list[str]) -> DictConfig:
+    """``conf/train.yaml`` composed with Hydra ``overrides`` as ``vitattn-train`` composes it, without a run
+    directory (``paths.output_dir`` stays unresolved unless an override sets it)."""
+    with initialize_config_module("vitattn.conf", version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def check_targets(cfg: DictConfig) -> None:
+    """Refuse a ``_target_`` outside vitattn, torch, torchvision, timm and lightning."""
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, DictConfig):
+            target = node.get("_target_") if "_target_" in node else None
+            if target is not None and not str(target).startswith(ALLOWED_TARGET_PREFIXES):
+                allowed = ", ".join(p.rstrip(".") for p in ALLOWED_TARGET_PREFIXES)
+                raise ConfigError(f"{path}._target_={target} is not allowed; targets must be in {allowed}")
+            for key, child in node.items_ex(resolve=False):  # a child unresolved: a `???` elsewhere is no error here
+                walk(child, f"{path}.{key}" if path else str(key))
+
+    walk(cfg, "")
+
+
+def instantiate_group(
+    group: DictConfig | None, extra: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+) -> list[Any]:
+    """Build each ``_target_`` entry of ``group``, in order, except one whose ``enabled`` is false, null or 0.
+
+    ``enabled`` is interpolated from the run's own keys (``enabled: ${ema.decay}``) and not passed on;
+    ``extra``, given an entry, returns keyword arguments that only the run knows.
+    """
+    entries = OmegaConf.to_container(group, resolve=True) if group else {}
+    return [
+        hydra.utils.instantiate({k: v for k, v in node.items() if k != "enabled"}, **(extra(node) if extra else {}))
+        for node in entries.values()
+        if isinstance(node, dict) and "_target_" in node and node.get("enabled", True)
+    ]
 
 
 def data_name(data: DictConfig) -> str:

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from vitattn.errors import ConfigError, first_line
 from vitattn.fileio import atomic_open, atomic_write
 from vitattn.run_dir import RunDir
-from vitattn.training.compose import instantiate_group
+from vitattn.training.config import instantiate_group
 
 __all__ = [
     "ResumableCSVLogger",

@@ -39,8 +39,7 @@ from vitattn.training.build import (
     setup_data,
 )
 from vitattn.training.callbacks import Preemption
-from vitattn.training.compose import check_targets, instantiate_group
-from vitattn.training.config import check_config, fully_sharded
+from vitattn.training.config import check_config, check_targets, fully_sharded, instantiate_group
 from vitattn.training.loggers import build_loggers
 from vitattn.training.start import command_line_keys, log_preprocess, read_start, resolve_preprocess
 from vitattn.training.systems import VisionSystem

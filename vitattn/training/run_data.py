@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from vitattn.data.preprocess import weights_preprocess
 from vitattn.data.tokenizer import Tokenizer
 from vitattn.run_dir import RunDir
-from vitattn.training.compose import check_targets
+from vitattn.training.config import check_targets
 
 __all__ = ["datamodule_from_run", "read_once"]
 
