@@ -87,7 +87,7 @@ class ImageDataModule(pl.LightningDataModule):
     bad_images = "raise"  # an unreadable file: raise | skip
     verify = False  # read every image once before training
     crop = {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bicubic"}  # whole image, squashed
-    weights_keys = WEIGHTS_KEYS  # what pretrained weights' own preprocessing sets here
+    weights_keys = WEIGHTS_KEYS  # the data.* keys a run takes from its start weights (training.start)
 
     def __init__(
         self,

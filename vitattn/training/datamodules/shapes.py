@@ -18,8 +18,8 @@ class ShapesDataModule(ImageDataModule):
     """The built-in shapes data (``vitattn.data.shapes``) for captioning or classification.
 
     Images are not augmented: flips or crops would change which shape is left of which. The loaders yield them as
-    drawn (uint8) and ``normalize`` runs on the device; pretrained weights set its mean and std (the images are
-    drawn at ``img_size``, so no resize or crop of theirs applies).
+    drawn (uint8) and ``normalize`` runs on the device; start weights give only their mean and std (the images
+    are drawn at ``img_size``, so no resize or crop of theirs applies).
 
     Args:
         task: "caption" (dict batches, ``vocab`` after setup) or "classification" (``(images,
@@ -31,7 +31,7 @@ class ShapesDataModule(ImageDataModule):
         max_caption_len: longest token sequence, bos and eos included.
         vocab_path: a saved tokenizer (``vocab.json`` or ``tokenizer.json``) to use rather than one built from
             training captions; the ``tokenizer`` group (set by training) says what is built otherwise.
-        mean, std: the normalisation (None: the pretrained weights', else ImageNet's).
+        mean, std: the normalisation (None: ImageNet's).
     """
 
     tasks = ("caption", "classification")

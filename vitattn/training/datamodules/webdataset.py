@@ -109,8 +109,8 @@ class WebDatasetDataModule(ImageDataModule):
         cache: ``none`` (``auto`` reads as none): shards are streamed, never held in memory.
         bad_images: ``raise`` | ``skip`` for undecodable images, samples without caption or class, and shards
             that are truncated or cannot be read.
-        mean, std, interpolation, crop_pct, crop_mode: the preprocessing (None: the pretrained weights', else the
-            head's file DataModule's: ``ImageFolderDataModule``'s or ``KarpathyDataModule``'s).
+        mean, std, interpolation, crop_pct, crop_mode: the preprocessing (None: the head's file DataModule's:
+            ``ImageFolderDataModule``'s or ``KarpathyDataModule``'s).
     """
 
     tasks = ("caption", "classification")
