@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -122,7 +123,10 @@ def build_system(cfg: DictConfig, datamodule: Any, start: WholeModel | Encoder |
     if start is not None:
         start.check_data(datamodule)
     labels = {"vocab": tokenizer_labels(datamodule.vocab)} if caption else {"class_names": list(datamodule.class_names)}
-    keys = {k: f"head.{k}" if k in cfg.head else f"head.system.{k}" for k in cfg.head.system}
+    keys = {
+        k: _config_key(cfg.head.system, k, f"head.{k}" if k in cfg.head else f"head.system.{k}")
+        for k in cfg.head.system
+    }
     system = _instantiate(
         cfg.head.system,
         "head.system",
@@ -134,6 +138,13 @@ def build_system(cfg: DictConfig, datamodule: Any, start: WholeModel | Encoder |
     if start is not None:
         start.load_into(system)
     return system
+
+
+def _config_key(node: DictConfig, key: str, default: str) -> str:
+    """The config key a node's ``key`` takes its value from (``scst: ${finetune.scst}``: ``finetune.scst``)."""
+    value = node._get_node(key)._value()
+    interpolated = OmegaConf.is_interpolation(node, key) and re.fullmatch(r"\$\{([\w.]+)\}", str(value))
+    return interpolated[1] if interpolated else default
 
 
 def _instantiate(node: DictConfig, where: str, keys: dict[str, str], **kwargs: Any) -> Any:
