@@ -28,8 +28,8 @@ import hydra
 import torch
 
 from vitattn.precision import cpu_bf16_units
-from vitattn.training.assemble import build_system
-from vitattn.training.compose import compose_train
+from vitattn.training.build import build_system
+from vitattn.training.config import compose_train
 
 MODELS = {
     "cpu caption (64 px, batch 64)": ["model=cpu", "data.batch_size=64"],

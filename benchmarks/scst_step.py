@@ -24,8 +24,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from vitattn.metrics import CiderD
-from vitattn.training.assemble import build_system
-from vitattn.training.compose import compose_train
+from vitattn.training.build import build_system
+from vitattn.training.config import compose_train
 
 
 def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:

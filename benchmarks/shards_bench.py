@@ -41,7 +41,7 @@ from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.inference import caption_files, caption_shards, list_inputs
 from vitattn.inference.captioning import assign_units, unfinished_shards
 from vitattn.training import train
-from vitattn.training.compose import compose_train
+from vitattn.training.config import compose_train
 
 # Quiet, one thread, one loader worker, batches of 32, no validation.
 RUN = (

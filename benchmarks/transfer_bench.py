@@ -11,7 +11,7 @@ training defaults (model=cpu: 64 px, 8 px patches, width 128, 4 layers, a 2-laye
 1. ``head=classification`` on the shapes of ``data.seed=1`` (other images than the caption runs
    see) for ``--pretrain-steps`` steps: the encoder to transfer.
 2. ``head=caption`` on the shapes of ``data.seed=0`` for ``--steps`` steps, three ways, all else the
-   same: the encoder from scratch; from the classifier (``finetune.pretrained=RUN``, everything trains);
+   same: the encoder from scratch; from the classifier (``finetune.init=RUN``, its encoder, everything trains);
    and from the classifier, frozen for the whole run (``finetune.freeze_encoder_epochs=1`` of a one-epoch
    run: only the decoder trains).
 
@@ -51,8 +51,12 @@ PRETRAIN_DATA_SEED, CAPTION_DATA_SEED = 1, 0
 # The caption runs: what each adds to the shared overrides, given the classification run's folder.
 ARMS = {
     "scratch": lambda pretrained: [],
-    "pretrained": lambda pretrained: [f"finetune.pretrained={pretrained}"],
-    "frozen": lambda pretrained: [f"finetune.pretrained={pretrained}", "finetune.freeze_encoder_epochs=1"],
+    "pretrained": lambda pretrained: [f"finetune.init={pretrained}", "finetune.init_kind=encoder"],
+    "frozen": lambda pretrained: [
+        f"finetune.init={pretrained}",
+        "finetune.init_kind=encoder",
+        "finetune.freeze_encoder_epochs=1",
+    ],
 }
 ARM_NAMES = {
     "scratch": "from scratch",
@@ -61,7 +65,7 @@ ARM_NAMES = {
 }
 METRICS = ("bleu4", "cider_d", "exact_match")
 TABLE_METRICS = (*METRICS, "loss")  # the val loss: teacher-forced cross-entropy, beside the decoded captions' scores
-LOADED = "pretrained encoder:"  # the line a run logs when finetune.pretrained loads
+LOADED = "pretrained encoder:"  # the line a run logs when an encoder of finetune.init loads
 
 
 @dataclass

@@ -7,7 +7,7 @@ import torch
 from hydra.utils import instantiate
 
 from tests.helpers import TINY, compose_train, make_coco, make_image_folder
-from vitattn.training.resources import plan_cores, processes_per_node
+from vitattn.training.build import plan_cores, processes_per_node
 
 
 @pytest.fixture(scope="module")

@@ -287,7 +287,7 @@ def test_caption_eval_and_serve_load_in_the_precision_given(caption_run, tmp_pat
     ],
 )
 def test_training_precision_auto_follows_the_units_and_the_width(accelerator, width, units, expected, fresh_detection):
-    from vitattn.training.resources import BF16_TRAIN_MIN_WIDTH, resolve_train_precision
+    from vitattn.training.build import BF16_TRAIN_MIN_WIDTH, resolve_train_precision
 
     fresh_detection.setenv(NATIVE_BF16_ENV, "1" if units else "0")
     cfg = compose_train(
@@ -314,7 +314,7 @@ def test_training_precision_auto_trains_and_saves_what_it_chose(tmp_path, fresh_
 
     fresh_detection.setattr(pl.Trainer, "fit", fit)
     run = [*TINY, "model.embed_dim=192", "model.depth=1", "model.num_heads=6", "head.decoder.depth=1"]
-    with caplog.at_level(logging.INFO, logger="vitattn.training.resources"):
+    with caplog.at_level(logging.INFO, logger="vitattn.training.build"):
         result = train(compose_train([*run, "trainer.precision=auto", "trainer.max_steps=2"], tmp_path))
     assert chosen == ["bf16-mixed"] and result.global_step == 2
     assert OmegaConf.load(tmp_path / "config.yaml").trainer.precision == "bf16-mixed"

@@ -50,7 +50,7 @@ def test_bench_captions_three_ways_and_transfers_the_classifiers_encoder(tmp_pat
         assert (
             r["loaded"].startswith("pretrained encoder: loaded ") and f"classification model {pretrain}" in r["loaded"]
         )
-        assert f"finetune.pretrained={pretrain}" in r["command"]
+        assert f"finetune.init={pretrain} finetune.init_kind=encoder" in r["command"]
     classifier = _encoder(pretrain)
     assert _max_diff(_encoder(frozen["run_dir"]), classifier) == 0  # frozen from the first step to the last
     # AdamW moves a weight by about lr a step (at most ~lr early on): the fine-tuned encoder started from

@@ -227,19 +227,15 @@ def test_the_bpe_run_says_it_has_no_unknown_words(tmp_path, caplog):
 def test_a_restart_reads_the_runs_bpe_and_other_ranks_wait_for_it(bpe_run, monkeypatch):
     from lightning.pytorch.utilities import rank_zero_only
 
-    from vitattn.training.datamodules import ShapesDataModule
-    from vitattn.training.tokenizer import prepare_tokenizer
+    from vitattn.training.build import run_tokenizer
 
     run, result = bpe_run
     cfg = compose_train([*FAST_RUN, "tokenizer=bpe"], run)
-    dm = ShapesDataModule(task="caption", img_size=32, num_train=64, num_val=16, num_test=16, batch_size=8)
-    prepare_tokenizer(cfg, dm, run, resuming=False)
-    assert dm.vocab is None  # a first start in a folder that holds a tokenizer builds its own
-    prepare_tokenizer(cfg, dm, run, resuming=True)
-    assert dm.vocab == result.system.vocab  # read from the run, not trained again
+    assert run_tokenizer(cfg, run, resuming=False) is None  # a first start in a folder that holds one builds its own
+    assert run_tokenizer(cfg, run, resuming=True) == result.system.vocab  # read from the run, not trained again
     monkeypatch.setattr(rank_zero_only, "rank", 1)
     with pytest.raises(TimeoutError, match="rank 0 wrote no .*tokenizer.json in 0 s"):
-        prepare_tokenizer(cfg, ShapesDataModule(task="caption"), run / "elsewhere", resuming=False, wait=0.0)
+        run_tokenizer(cfg, run / "elsewhere", resuming=False, wait=0.0)
 
 
 def test_resuming_with_another_tokenizer_is_one_line(bpe_run, tmp_path):

@@ -8,7 +8,7 @@ With ``trainer=ddp`` Lightning starts this file again for rank 1, so both ranks 
 rank 1's images at step K become NaN, and so does its loss; or (``VITATTN_EMPTY_STEP``) its batch at step K
 is None, as when ``data.bad_images=skip`` could read none of its images. When training ends each rank writes
 ``DIR/<rank>.pt``: its count of skipped batches, its optimizer's step counts and its weights. Used by
-tests/training/test_reliability.py.
+tests/training/test_nonfinite.py.
 """
 
 from __future__ import annotations

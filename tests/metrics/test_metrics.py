@@ -38,7 +38,7 @@ def test_compute_caption_metrics_matches_published_coco_figures():
 
 
 # What pycocoevalcap's own tokenizer (CoreNLP 3.4.1's PTBTokenizer in Java, lower-cased, its punctuation
-# dropped) gives for each line; tests/test_coco_toolkit.py checks 30,000 captions against Java itself.
+# dropped) gives for each line; tests/metrics/test_coco_toolkit.py checks 30,000 captions against Java itself.
 @pytest.mark.parametrize(
     ("text", "tokens"),
     [

@@ -27,7 +27,7 @@ from vitattn.data.preprocess import (
 )
 from vitattn.data.shapes import CLASS_NAMES
 from vitattn.data.shards.writer import shapes_samples, write_shards
-from vitattn.training.assemble import build_system
+from vitattn.training.build import build_system
 from vitattn.training.datamodules import (
     CocoCaptionDataModule,
     ImageFolderDataModule,

@@ -1,16 +1,11 @@
 """Fine-tuning controls: layer-wise lr decay, a head / decoder rate, an encoder frozen for the first epochs."""
 
-import re
-import subprocess
-import sys
-
 import pytest
 import torch
 from lightning.pytorch import Callback
-from omegaconf import open_dict
 from timm.optim import param_groups_weight_decay
 
-import vitattn.training.config_targets as targets
+import vitattn.training.config as targets
 from tests.helpers import TINY, TINY_SHAPES, compose_train
 from vitattn.cli.train import _resume_argv
 from vitattn.errors import ConfigError
@@ -18,7 +13,6 @@ from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 from vitattn.run_dir import RunDir
 from vitattn.training import train
 from vitattn.training.config import check_config
-from vitattn.training.moved_keys import check_moved_keys
 from vitattn.training.systems.optim import (
     add_param_groups,
     build_optimizer,
@@ -143,41 +137,17 @@ def test_bad_fine_tuning_values_are_one_config_error(override, message, tmp_path
         check_config(cfg)
 
 
-@pytest.mark.parametrize("old", ["model.pretrained=runs/a", "+model.freeze_encoder_epochs=2"])
-def test_a_moved_key_on_the_command_line_is_one_error_naming_its_new_key(old, tmp_path):
-    key, value = old.lstrip("+").split("=")
-    new = key.replace("model.", "finetune.")
-    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is now {re.escape(new)}: use {re.escape(new)}={value}$"):
-        compose_train([*TINY, old], tmp_path)
-
-
-def test_a_moved_key_in_a_config_file_is_one_error(tmp_path):
-    cfg = compose_train([*TINY, *TINY_SHAPES], tmp_path)
-    with open_dict(cfg.model):
-        cfg.model.pretrained = "runs/a"  # what an experiment file of the old layout merges in
-    with pytest.raises(ConfigError, match=r"^model\.pretrained is now finetune\.pretrained: set finetune\.pretrained"):
-        check_config(cfg)
-
-
-def test_vitattn_train_refuses_a_moved_key_in_one_line(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "vitattn.cli.train", "model.freeze_encoder_epochs=1", f"hydra.run.dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 2 and not list(tmp_path.iterdir())
-    assert done.stderr.strip().splitlines() == [
-        "error: model.freeze_encoder_epochs is now finetune.freeze_encoder_epochs: use finetune.freeze_encoder_epochs=1"
-    ]
-
-
-def test_resume_of_a_run_saved_before_the_move_replays_the_new_keys(tmp_path):
+def test_resume_replays_the_saved_overrides_before_the_command_lines(tmp_path):
     run = RunDir(tmp_path / "old")
     run.overrides.parent.mkdir(parents=True)
-    run.overrides.write_text("- model.pretrained=runs/a\n- model.freeze_encoder_epochs=1\n- optim.lr=0.1\n")
-    argv = _resume_argv([f"resume={run.path}"])
-    assert argv[:3] == ["finetune.pretrained=runs/a", "finetune.freeze_encoder_epochs=1", "optim.lr=0.1"]
-    check_moved_keys(argv)  # nothing old is left to refuse
+    run.overrides.write_text("- finetune.freeze_encoder_epochs=1\n- optim.lr=0.1\n")
+    argv = _resume_argv([f"resume={run.path}", "optim.lr=0.2"])
+    assert argv == [
+        "finetune.freeze_encoder_epochs=1",
+        f"resume={run.path}",
+        "optim.lr=0.2",
+        f"hydra.run.dir={run.path}",
+    ]
 
 
 class _Snapshots(Callback):

@@ -346,7 +346,7 @@ def test_auto_workers_and_threads_never_oversubscribe_the_cores(tmp_path, monkey
 
     from hydra.utils import instantiate
 
-    from vitattn.training.resources import plan_cores
+    from vitattn.training.build import plan_cores
 
     folder = make_image_folder(tmp_path / "folder", per_class=2, size=20)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))

@@ -51,7 +51,7 @@ def _step(checkpoint: Path) -> int:
 
 
 # The file loggers and MLflow, for the commands below: CSV rows on disk at each step; no validation pictures
-# (a matplotlib figure for each logger at each validation; tests/test_loggers.py keeps TensorBoard's).
+# (a matplotlib figure for each logger at each validation; tests/training/test_loggers.py keeps TensorBoard's).
 LOGGERS = [
     "logger=[csv,tensorboard,mlflow]",
     "+logger.csv.flush_logs_every_n_steps=1",

@@ -20,6 +20,7 @@ from tests.helpers import (
     compose_train,
     console_script,
     make_caption_bundle,
+    make_classifier_bundle,
     make_coco,
     make_karpathy,
 )
@@ -32,8 +33,7 @@ from vitattn.metrics import CiderD, cider_d
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 from vitattn.run_dir import RunDir
 from vitattn.training import train
-from vitattn.training.init_model import apply_init, read_init
-from vitattn.training.self_critical import prepare_reward, read_statistics
+from vitattn.training.build import prepare_reward, read_statistics
 from vitattn.training.systems.self_critical import ScstConfig, SelfCritical, mean_of_others, sample_log_probs, scst_loss
 
 # A captioner on the built-in shapes that logs every step; SCST and cross-entropy second stages start from it.
@@ -161,20 +161,22 @@ def test_cider_d_rewards_average_to_the_corpus_score_when_the_corpus_is_the_scor
     "overrides, message",
     [
         (["finetune=scst"], "finetune=scst needs finetune.init=RUN_OR_BUNDLE: a captioner trained"),
-        (["finetune=scst", "head=classification", "finetune.init=x"], "finetune=scst trains captioners"),
+        (["finetune=scst", "head=classification", "finetune.init={classifier}"], "finetune=scst trains captioners"),
         (
-            ["finetune=scst", "finetune.init=x", "finetune.scst.samples=1"],
+            ["finetune=scst", "finetune.init={captioner}", "finetune.scst.samples=1"],
             "finetune.scst.samples=1 with finetune.scst.baseline=mean leaves no other sample to average",
         ),
         (
-            ["finetune=scst", "finetune.init=x", "finetune.scst.baseline=best"],
+            ["finetune=scst", "finetune.init={captioner}", "finetune.scst.baseline=best"],
             "finetune.scst.baseline='best' is unknown",
         ),
     ],
 )
 def test_bad_self_critical_settings_are_one_line(overrides, message, tmp_path):
+    models = {"classifier": make_classifier_bundle(tmp_path / "c"), "captioner": make_caption_bundle(tmp_path / "b")}
+    overrides = [o.format(**models) for o in overrides]
     with pytest.raises(ConfigError) as err:
-        train(compose_train([*TINY, *overrides], tmp_path / "run"))
+        train(compose_train([*TINY, *TINY_SHAPES, *overrides], tmp_path / "run"))
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
     assert not (tmp_path / "run").exists()
 
@@ -238,27 +240,6 @@ def test_init_refuses_what_the_command_line_says_otherwise(given, message, base_
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
-
-
-def test_init_leaves_grad_checkpointing_to_the_run(tmp_path):
-    """Whether the model was trained with gradient checkpointing is the new run's choice, on the command line too."""
-    bundle = make_caption_bundle(tmp_path / "bundle")
-    config = json.loads((bundle / "config.json").read_text())
-    config["model"]["encoder"]["grad_checkpointing"] = config["model"]["decoder"]["grad_checkpointing"] = True
-    (bundle / "config.json").write_text(json.dumps(config))
-    init = read_init(str(bundle))
-    assert init.bundle.model.encoder.grad_checkpointing  # read from the bundle
-    cfg = compose_train([*TINY, f"finetune.init={bundle}"], tmp_path / "run")
-    apply_init(cfg, init, ["model.grad_checkpointing"])
-    assert cfg.model.grad_checkpointing is False and cfg.head.decoder.grad_checkpointing is False
-    assert cfg.data.max_caption_len == 8  # the model's sizes still come from it (24 composed)
-
-
-def test_init_refuses_a_classifier_for_a_captioner(tmp_path):
-    classifier = tmp_path / "classifier"
-    train(compose_train(["head=classification", *TINY, *TINY_SHAPES, "trainer.max_steps=1", "test=false"], classifier))
-    with pytest.raises(ConfigError, match=r"is a classification model, not a caption model \(head=caption\)"):
-        train(compose_train([*TINY, f"finetune.init={classifier}"], tmp_path / "run"))
 
 
 def test_scst_trains_from_the_checkpoint_logs_its_reward_and_computes_statistics_once(base_run, tmp_path):

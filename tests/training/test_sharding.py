@@ -17,8 +17,8 @@ from tests.helpers import TINY, TINY_SHAPES, compose_train
 from vitattn.bundle import load_bundle, load_checkpoint
 from vitattn.errors import ConfigError
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
-from vitattn.training.compile import should_compile
 from vitattn.training.config import check_config
+from vitattn.training.run import should_compile
 from vitattn.training.systems.sharding import gather_for_evaluation, shard_again, shard_layers, unsharded_copy
 
 # Two CPU processes, the tiny model on the shapes; a constant learning rate (a resumed run with another

@@ -29,8 +29,7 @@ from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.models import VisionTransformer
 from vitattn.training import build_system, train
 from vitattn.training.callbacks import EMA, FreezeEncoder, Preemption, TimeBudgetHorizon
-from vitattn.training.config import check_config
-from vitattn.training.groups import instantiate_group
+from vitattn.training.config import check_config, instantiate_group
 
 GROUPS = {
     g: sorted(p.stem for p in (CONF_DIR / g).glob("*.yaml"))
@@ -361,7 +360,7 @@ def test_ddp_training_exports_one_bundle_from_rank_zero_only(tmp_path):
     ],
 )
 def test_compile_auto_follows_the_accelerator(overrides, expected, tmp_path):
-    from vitattn.training.compile import should_compile
+    from vitattn.training.run import should_compile
 
     assert should_compile(compose_train(overrides, tmp_path)) is expected
 
@@ -452,17 +451,20 @@ def test_the_self_critical_recipe_is_the_first_stages_second_stage(datasets, tmp
     first = compose_train(["experiment=coco_karpathy_vit_b16", *given], tmp_path)
     cfg = compose_train(["experiment=coco_karpathy_vit_b16_scst", f"finetune.init={tmp_path}", *given], tmp_path)
     check_config(cfg)
-    assert cfg.finetune.scst.samples == 5 and cfg.finetune.scst.baseline == "mean" and not cfg.finetune.pretrained
+    assert cfg.finetune.scst.samples == 5 and cfg.finetune.scst.baseline == "mean" and cfg.finetune.init_kind == "model"
     assert cfg.data == first.data and cfg.optim.lr < first.optim.lr
 
 
 @pytest.mark.parametrize("recipe", ["coco_karpathy_vit_b16", "flickr8k_vit_s16"])
 def test_captioning_recipes_pass_validation(recipe, datasets, tmp_path):
     from vitattn.training.config import check_config
+    from vitattn.training.start import source_kind
 
     cfg = compose_train([f"experiment={recipe}", *datasets["karpathy"], "trainer.devices=1"], tmp_path)
-    check_config(cfg)  # no network: the pretrained name is checked against timm's registry only
-    assert cfg.finetune.pretrained.startswith("vit_") and cfg.head.generate.num_beams == 3
+    check_config(cfg)
+    assert source_kind(cfg.finetune.init)[0] == "timm-name"  # no network: checked against timm's registry only
+    assert cfg.finetune.init.startswith("vit_") and cfg.finetune.init_kind == "encoder"
+    assert cfg.head.generate.num_beams == 3
     assert cfg.data._target_ == "vitattn.training.datamodules.KarpathyDataModule" and cfg.optim.layer_decay == 0.75
 
 

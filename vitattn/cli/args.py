@@ -14,8 +14,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from vitattn.cli.errors import USER_ERRORS, report_user_error
-from vitattn.cli.noise import quiet_upstream
+from vitattn.cli.errors import USER_ERRORS, quiet_upstream, report_user_error
 from vitattn.errors import brief, first_line
 from vitattn.precision import check_precision
 

@@ -1,17 +1,9 @@
 """``vitattn-check-data``: read every image of a training config's data once, in parallel; list the bad ones.
 
-Usage::
-
-    vitattn-check-data data=imagefolder data.root=DIR
-    vitattn-check-data data=coco data.image_dir=DIR data.train_annotations=FILE data.val_annotations=FILE
-    vitattn-check-data data=karpathy data.dataset_json=FILE data.image_dir=DIR [threads=N]
-    vitattn-check-data experiment=coco_vit_small
-
-The arguments are vitattn-train's (the same Hydra config and overrides), plus ``threads`` (reading
-threads; default: the cores, at most 16). The train, val and test images are each decoded once, as
-training decodes them. Prints ``PATH: REASON`` on stdout for each file that cannot be read, and a
-summary on stderr. Exit status: 0 when every image reads, 1 when some do not, 2 on a usage or data
-error. ``vitattn-train ... data.verify=true`` does the same check before it trains.
+Usage: ``vitattn-check-data data=imagefolder data.root=DIR [threads=N]`` (the arguments are vitattn-train's,
+plus ``threads``: reading threads, default the cores, at most 16). Prints ``PATH: REASON`` on stdout for each
+file that cannot be read, and a summary on stderr. Exit status: 0 when every image reads, 1 when some do not,
+2 on a usage or data error. ``vitattn-train ... data.verify=true`` does the same check before it trains.
 """
 
 from __future__ import annotations
@@ -27,7 +19,6 @@ from omegaconf import DictConfig
 
 from vitattn.cli.args import UsageError, run_main
 from vitattn.errors import first_line
-from vitattn.training.config_targets import check_targets
 
 __all__ = ["main", "parse_args", "run"]
 
@@ -37,7 +28,7 @@ log = logging.getLogger("vitattn")
 def parse_args(argv: list[str]) -> tuple[DictConfig, int]:
     """Hydra overrides (and ``threads=N``) -> the composed training config and the number of threads."""
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from vitattn.training.compose import compose_train
+    from vitattn.training.config import compose_train
 
     threads = 0
     overrides = []
@@ -60,18 +51,18 @@ def run(args: tuple[DictConfig, int]) -> int:
     """Check the images of the composed config's data; returns the exit status (1 when some are bad)."""
     # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.data.bad_images import find_bad_images
-    from vitattn.training.config import check_data_paths, data_name
-    from vitattn.training.data import setup_data
+    from vitattn.training.build import setup_data
+    from vitattn.training.config import check_data_paths, check_targets, data_name
+    from vitattn.training.run_data import read_once
 
     cfg, threads = args
     check_targets(cfg.data)
     check_data_paths(cfg.data)
-    datamodule: Any = hydra.utils.instantiate(cfg.data)
+    datamodule: Any = hydra.utils.instantiate(cfg.data, **read_once(cfg.data))  # this reads each file once itself
     if not getattr(datamodule, "reads_files", False):
         raise UsageError(
             f"data={data_name(cfg.data)} has no image files to check; give data=imagefolder, data=coco or data=karpathy"
         )
-    datamodule.cache_mode, datamodule.verify = "none", False  # this reads each file once itself
     setup_data(cfg, datamodule)
     paths = datamodule.image_files()
     started = time.monotonic()

@@ -1,8 +1,11 @@
-"""One-line errors for user mistakes, shared by every entry point; full tracebacks only with ``debug=true``."""
+"""What a command line shows its user, shared by every entry point: user mistakes as one-line errors (full
+tracebacks only with ``debug=true``), and no upstream notice the user cannot act on."""
 
 from __future__ import annotations
 
+import logging
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -10,7 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from vitattn.errors import MissingDependencyError, NonFiniteLossError, first_line
 
-__all__ = ["USER_ERRORS", "report_user_error", "user_errors"]
+__all__ = ["USER_ERRORS", "quiet_upstream", "report_user_error", "user_errors"]
 
 # What a config, a path, a file or the data can cause; anything else is a bug and keeps its traceback.
 USER_ERRORS = (
@@ -40,3 +43,34 @@ def user_errors(debug: bool = False) -> Iterator[None]:
         if debug:
             raise
         sys.exit(report_user_error(err, " (debug=true shows the traceback)"))
+
+
+# Lightning (2.6) adds its own stderr handler to these loggers when it is imported (``lightning`` always,
+# the other two when logging is not configured yet); under Hydra's root handler every message would print twice.
+_LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
+# torch 2.10+ deprecates LeafSpec, which Lightning's own _pytree still builds on each fit (not our code).
+_LEAFSPEC = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+_ITERABLE_LEN = r"Your `IterableDataset` has `__len__` defined"
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def quiet_upstream() -> None:
+    """Route Lightning's messages through the root logger once, and drop upstream notices we cannot act on."""
+    for name in _LIGHTNING_LOGGERS:
+        logger = logging.getLogger(name)
+        if logging.getLogger().handlers:  # a configured root logger (Hydra's) prints them, with the run log
+            logger.handlers.clear()
+            logger.propagate = True
+    # An advertisement printed by every Trainer (Lightning 2.6) for a cloud service.
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropMessage("litlogger"))
+    warnings.filterwarnings("ignore", message=_LEAFSPEC, category=FutureWarning)
+    # data=webdataset: its workers each read a planned part of the epoch, so the loader's length is exact.
+    warnings.filterwarnings("ignore", message=_ITERABLE_LEN, category=UserWarning)

@@ -22,11 +22,9 @@ from typing import TYPE_CHECKING
 import hydra
 from omegaconf import DictConfig
 
-from vitattn.cli.errors import report_user_error, user_errors
-from vitattn.cli.noise import quiet_upstream
+from vitattn.cli.errors import quiet_upstream, report_user_error, user_errors
 from vitattn.errors import ConfigError, Preempted
 from vitattn.run_dir import RunDir
-from vitattn.training.moved_keys import MOVED_KEYS, check_moved_keys
 
 if TYPE_CHECKING:
     from vitattn.training import TrainResult
@@ -43,16 +41,10 @@ def _resume_argv(argv: list[str]) -> list[str]:
         return argv  # not resuming, or already expanded (DDP child processes), or resume=auto in hydra.run.dir
     if resume == "auto":
         sys.exit(report_user_error(ValueError("resume=auto continues the run in hydra.run.dir: add hydra.run.dir=DIR")))
-    previous = [_moved(o) for o in RunDir(resume).saved_overrides()]  # a run saved before its keys moved
+    previous = RunDir(resume).saved_overrides()
     keys = {a.split("=", 1)[0].lstrip("+~") for a in argv}
     replay = [o for o in previous if o.split("=", 1)[0].lstrip("+~") not in keys]
     return replay + argv + [f"hydra.run.dir={resume}"]
-
-
-def _moved(override: str) -> str:
-    key, sep, value = override.partition("=")
-    prefix = key[: len(key) - len(key.lstrip("+~"))]
-    return f"{prefix}{MOVED_KEYS.get(key.lstrip('+~'), key.lstrip('+~'))}{sep}{value}"
 
 
 def optimized_value(metrics: dict[str, float], name: str | None) -> float | None:
@@ -133,7 +125,6 @@ def _complete_run(argv: list[str]) -> str | None:
 def main() -> None:
     sys.argv = [sys.argv[0], *_resume_argv(sys.argv[1:])]
     try:
-        check_moved_keys(sys.argv[1:])
         complete = _complete_run(sys.argv[1:])
     except (ConfigError, ValueError) as err:
         sys.exit(report_user_error(err))

@@ -313,7 +313,7 @@ def pretrained_timm_model(name: str, file: str | Path | None = None) -> nn.Modul
             f"{name}: its weights are not in timm's cache and vitattn does not download; fetch them beforehand "
             f"where the network is reachable (timm.create_model('{name}', pretrained=True)), "
             f"or load a local copy with timm's pretrained_cfg_overlay=dict(file='/path/to/model.safetensors'), "
-            f"in vitattn finetune.pretrained={name}@/path/to/model.safetensors"
+            f"in vitattn finetune.init={name}@/path/to/model.safetensors"
         )
     overlay = dict(file=str(local), custom_load=Path(local).suffix.lower() == ".npz")
     try:

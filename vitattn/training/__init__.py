@@ -9,11 +9,11 @@ from importlib import import_module
 __all__ = ["AtomicCheckpointIO", "TrainResult", "build_system", "model_config_from", "setup_data", "train"]
 
 _OWNERS = {
-    "AtomicCheckpointIO": "vitattn.training.checkpoint_io",
+    "AtomicCheckpointIO": "vitattn.training.run",
     "TrainResult": "vitattn.training.run",
-    "build_system": "vitattn.training.assemble",
-    "model_config_from": "vitattn.training.assemble",
-    "setup_data": "vitattn.training.data",
+    "build_system": "vitattn.training.build",
+    "model_config_from": "vitattn.training.build",
+    "setup_data": "vitattn.training.build",
     "train": "vitattn.training.run",
 }
 

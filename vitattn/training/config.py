@@ -1,48 +1,89 @@
-"""Validation of the composed training config.
+"""The training config: composed as ``vitattn-train`` composes it (``compose_train``), its ``_target_`` nodes
+kept to an allow-list (a run folder's config is input), its groups of ``_target_`` nodes built
+(``instantiate_group``), and its validation once resolved (``train`` resolves it first: ``start``).
 
-Every user error in a config is found here, before any data is read or any step runs, and is
-reported as one ``ConfigError`` line that names the key and the fix. Rules about the model's shape
-(heads that divide the width, a patch that divides the image, known activations and pools) belong
-to the models: the config is checked by building them on the ``meta`` device (no memory, no time)
-and their messages are given the config keys' full names. ``finetune.pretrained`` must name something
-that exists (``check_source`` says what; ``vitattn.training.pretrained`` reads the weights, and checks
-them against the model, when the system is built).
+Every user error in a config is found by ``check_config``, before any data is read or any step runs, as
+one ``ConfigError`` line that names the key and the fix. Rules about the model's shape belong to the
+models: the config is checked by building them on the ``meta`` device and their messages are given the
+config keys' full names. What a constructor checks (the tokenizer group, ``data.bad_images``,
+``head.nonfinite``) is checked there, when the run builds it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import hydra
 import torch
+from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from vitattn.bundle.folder import CONFIG_FILE, is_bundle_weights
 from vitattn.data.preprocess import WEIGHTS_KEYS, Augment, check_preprocess, default_preprocess
-from vitattn.data.tokenizer import KINDS, SubwordTokenizer
-from vitattn.errors import ConfigError, first_line
+from vitattn.errors import ConfigError
 from vitattn.models import TASKS, CaptionDecoder, VisionTransformer
-from vitattn.models.timm_weights import TIMM_SUFFIXES, timm_pretrained_cfg
 from vitattn.run_dir import RunDir
-from vitattn.training.config_targets import check_targets
-from vitattn.training.moved_keys import MOVED_KEYS
-from vitattn.training.systems.self_critical import ScstConfig
 
-__all__ = ["check_config", "check_data_paths", "check_source", "data_name", "fully_sharded"]
+__all__ = [
+    "ALLOWED_TARGET_PREFIXES",
+    "check_config",
+    "check_data_paths",
+    "check_targets",
+    "compose_train",
+    "data_class",
+    "data_name",
+    "fully_sharded",
+    "instantiate_group",
+    "qualify",
+]
 
 _DIR_KEYS = ("root", "image_dir")
 _FILE_KEYS = ("train_annotations", "val_annotations", "test_annotations", "vocab_path", "dataset_json")
 
 
-def _check_moved(cfg: DictConfig) -> None:
-    """A moved key set in a config file (an experiment written for the old layout)."""
-    for old, new in MOVED_KEYS.items():
-        group, key = old.split(".")
-        if key in cfg[group]:
-            raise ConfigError(f"{old} is now {new}: set {new} (finetune: {{{key}: ...}} in an experiment)")
+# A config read back from disk (a run folder) is input: its targets may name these packages only.
+ALLOWED_TARGET_PREFIXES = ("vitattn.", "torch.", "torchvision.", "timm.", "lightning.", "pytorch_lightning.")
+
+
+def compose_train(overrides: list[str]) -> DictConfig:
+    """``conf/train.yaml`` composed with Hydra ``overrides`` as ``vitattn-train`` composes it, without a run
+    directory (``paths.output_dir`` stays unresolved unless an override sets it)."""
+    with initialize_config_module("vitattn.conf", version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def check_targets(cfg: DictConfig) -> None:
+    """Refuse a ``_target_`` outside vitattn, torch, torchvision, timm and lightning."""
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, DictConfig):
+            target = node.get("_target_") if "_target_" in node else None
+            if target is not None and not str(target).startswith(ALLOWED_TARGET_PREFIXES):
+                allowed = ", ".join(p.rstrip(".") for p in ALLOWED_TARGET_PREFIXES)
+                raise ConfigError(f"{path}._target_={target} is not allowed; targets must be in {allowed}")
+            for key, child in node.items_ex(resolve=False):  # a child unresolved: a `???` elsewhere is no error here
+                walk(child, f"{path}.{key}" if path else str(key))
+
+    walk(cfg, "")
+
+
+def instantiate_group(
+    group: DictConfig | None, extra: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+) -> list[Any]:
+    """Build each ``_target_`` entry of ``group``, in order, except one whose ``enabled`` is false, null or 0.
+
+    ``enabled`` is interpolated from the run's own keys (``enabled: ${ema.decay}``) and not passed on;
+    ``extra``, given an entry, returns keyword arguments that only the run knows.
+    """
+    entries = OmegaConf.to_container(group, resolve=True) if group else {}
+    return [
+        hydra.utils.instantiate({k: v for k, v in node.items() if k != "enabled"}, **(extra(node) if extra else {}))
+        for node in entries.values()
+        if isinstance(node, dict) and "_target_" in node and node.get("enabled", True)
+    ]
 
 
 def data_name(data: DictConfig) -> str:
@@ -50,15 +91,15 @@ def data_name(data: DictConfig) -> str:
     return str(data._target_).rsplit(".", 1)[-1]
 
 
-def _data_tasks(data: DictConfig) -> tuple[str, ...]:
+def data_class(data: DictConfig) -> type:
+    """The DataModule class ``data._target_`` names, or a one-line ``ConfigError``."""
     try:
-        cls = hydra.utils.get_class(data._target_)
+        return hydra.utils.get_class(data._target_)
     except (ImportError, ValueError) as err:
         raise ConfigError(
             f"data._target_={data._target_} cannot be imported ({type(err).__name__}); "
             "choose data=shapes, data=imagefolder, data=coco or data=karpathy"
         ) from err
-    return tuple(getattr(cls, "tasks", TASKS))
 
 
 def check_data_paths(data: DictConfig) -> None:
@@ -87,9 +128,9 @@ def _check_sizes(cfg: DictConfig) -> None:
             raise ConfigError(f"data.{key}={cfg.data[key]} leaves that split empty; use 1 or more")
 
 
-def _qualified(message: str, keys: dict[str, str]) -> str:
+def qualify(message: str, keys: dict[str, str]) -> str:
     """``num_heads=3 must divide embed_dim=32`` -> ``model.num_heads=3 must divide model.embed_dim=32``."""
-    return re.sub(r"\b(\w+)=", lambda m: f"{keys.get(m[1], m[1])}=", message)
+    return re.sub(r"(?<![\w.])(\w+)(?==|\.\w)", lambda m: keys.get(m[1], m[1]), message)
 
 
 def _build_on_meta(build: Any, kwargs: dict[str, Any], keys: dict[str, str]) -> None:
@@ -97,15 +138,13 @@ def _build_on_meta(build: Any, kwargs: dict[str, Any], keys: dict[str, str]) -> 
         with torch.device("meta"):
             build(**kwargs)
     except (ValueError, TypeError) as err:
-        raise ConfigError(_qualified(str(err).splitlines()[0], keys)) from err
+        raise ConfigError(qualify(str(err).splitlines()[0], keys)) from err
 
 
 def _check_models(cfg: DictConfig) -> None:
     encoder = OmegaConf.to_container(cfg.model, resolve=True)
     keys = {k: f"model.{k}" for k in encoder} | {"img_size": "data.img_size", "d_model": "model.embed_dim"}
     _build_on_meta(VisionTransformer, encoder, keys)
-    if cfg.finetune.get("pretrained"):
-        check_source(cfg.finetune.pretrained)
     if cfg.head.task != "caption":
         return
     decoder = OmegaConf.to_container(cfg.head.decoder, resolve=True)
@@ -116,41 +155,6 @@ def _check_models(cfg: DictConfig) -> None:
         raise ConfigError(
             f"head.generate.max_new_tokens={max_new} must be below head.decoder.max_len={decoder['max_len']}"
         )
-
-
-def check_source(source: str) -> tuple[str, Path | str, Path | None]:
-    """What a ``finetune.pretrained`` value names, without reading weights: ``(kind, where, file)``.
-
-    ``kind`` is ``vitattn`` (a run folder, bundle or .ckpt at ``where``), ``timm-file`` (a weights file) or
-    ``timm-name`` (``where`` a timm name; ``file`` its local weights for ``NAME@FILE``, else None).
-
-    Raises:
-        ConfigError: nothing at that path and no timm model of that name; an unknown tag.
-    """
-    text = str(source)
-    path = Path(text).expanduser()
-    if path.exists():
-        if path.is_dir() or path.suffix == ".ckpt" or path.name == CONFIG_FILE or is_bundle_weights(path):
-            return "vitattn", path, None
-        if path.suffix.lower() in TIMM_SUFFIXES:
-            return "timm-file", path, None
-        raise ConfigError(
-            f"finetune.pretrained={text} is not a weights file; give a {', '.join(TIMM_SUFFIXES)} file, "
-            "a timm model name, or a vitattn run folder, bundle or .ckpt"
-        )
-    name, at, file = text.partition("@")
-    try:
-        timm_pretrained_cfg(name, downloadable=not at)
-    except ValueError as err:
-        if "not a timm model" in str(err) and not at:
-            raise ConfigError(
-                f"finetune.pretrained={text} is neither an existing file or folder nor a timm model name "
-                "with a pretrained tag (e.g. vit_base_patch16_224.augreg2_in21k_ft_in1k)"
-            ) from None
-        raise ConfigError(f"finetune.pretrained={text}: {first_line(err)}") from None
-    if at and not Path(file).expanduser().is_file():
-        raise ConfigError(f"finetune.pretrained={text}: {file} does not exist; give the weights file of {name}")
-    return "timm-name", name, Path(file).expanduser() if at else None
 
 
 def _check_finetuning(cfg: DictConfig) -> None:
@@ -184,7 +188,8 @@ def _check_precision(trainer: DictConfig) -> None:
 
 
 def _check_self_critical(cfg: DictConfig) -> None:
-    """``finetune=scst``: a captioner to start from, and settings ``ScstConfig`` takes (one line each)."""
+    """``finetune=scst``: a caption head, and a captioner to start from (its settings: ``ScstConfig``, built by the
+    system)."""
     scst = cfg.finetune.get("scst")
     if scst is None:
         return
@@ -198,12 +203,6 @@ def _check_self_critical(cfg: DictConfig) -> None:
             "finetune=scst needs finetune.init=RUN_OR_BUNDLE: a captioner trained with cross-entropy first "
             "(self-critical training from random weights samples nothing a reward can rank)"
         )
-    try:
-        ScstConfig(**OmegaConf.to_container(scst, resolve=True))
-    except TypeError as err:
-        raise ConfigError(f"finetune.scst: {first_line(err).replace('ScstConfig.__init__() ', '')}") from None
-    except ValueError as err:
-        raise ConfigError(str(err).replace("scst.", "finetune.scst.")) from None
 
 
 def _distributed(trainer: DictConfig) -> bool:
@@ -254,49 +253,21 @@ def _check_preprocess(data: DictConfig) -> None:
         raise ConfigError(str(err).replace("data: ", "data.", 1)) from None
 
 
-def _check_tokenizer(cfg: DictConfig) -> None:
-    """The ``tokenizer`` group: a known kind, a BPE size, a ``tokenizer.json`` that loads (one line each)."""
-    tokenizer = cfg.get("tokenizer")
-    if cfg.head.task != "caption" or tokenizer is None:
-        return
-    kind = tokenizer.get("kind")
-    if kind not in KINDS:
-        raise ConfigError(f"tokenizer kind={kind!r} is unknown; choose tokenizer=words, bpe or file")
-    size = tokenizer.get("vocab_size", "auto")
-    if kind == "bpe" and size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 259):
-        raise ConfigError(f"tokenizer.vocab_size={size!r} must be auto or at least 259 (256 bytes and 3 specials)")
-    if kind == "file":
-        path = tokenizer.get("path") if not OmegaConf.is_missing(tokenizer, "path") else None
-        if not path:
-            raise ConfigError("tokenizer=file needs tokenizer.path=FILE, a Hugging Face tokenizer.json")
-        if not Path(path).is_file():
-            raise ConfigError(f"tokenizer.path={path} does not exist; give a tokenizer.json file")
-        try:
-            SubwordTokenizer.from_file(path, add_specials=True)
-        except ValueError as err:
-            raise ConfigError(f"tokenizer.path={path}: {first_line(err)}") from None
-
-
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config)."""
     check_targets(cfg)
-    _check_moved(cfg)
     task = cfg.head.task
     if task not in TASKS:
         raise ConfigError(f"head.task={task!r} is unknown; choose head=caption or head=classification")
     if cfg.get("weights", "best") not in ("best", "last"):
         raise ConfigError(f"weights={cfg.weights!r} is unknown; choose weights=best or weights=last")
-    if cfg.head.get("nonfinite", "raise") not in ("raise", "skip"):
-        raise ConfigError(f"head.nonfinite={cfg.head.nonfinite!r} is unknown; choose raise or skip")
-    if cfg.data.get("bad_images", "raise") not in ("raise", "skip"):
-        raise ConfigError(f"data.bad_images={cfg.data.bad_images!r} is unknown; choose raise or skip")
     if cfg.data.get("augment") is not None:
         _check_augment(cfg.data)
     _check_preprocess(cfg.data)
     warmup = cfg.optim.get("warmup_steps", "auto")
     if warmup != "auto" and (not isinstance(warmup, int) or warmup < 0):
         raise ConfigError(f"optim.warmup_steps={warmup!r} must be a whole number of steps, or auto")
-    supported = _data_tasks(cfg.data)
+    supported = tuple(getattr(data_class(cfg.data), "tasks", TASKS))
     if task not in supported:
         if task == "caption":
             what, fix = "captions", "use head=classification, or data=shapes / data=coco / data=karpathy"
@@ -308,7 +279,6 @@ def check_config(cfg: DictConfig) -> None:
     _check_self_critical(cfg)
     _check_precision(cfg.trainer)
     _check_sharded(cfg)
-    _check_tokenizer(cfg)
     if cfg.get("resume") and cfg.resume != "auto" and not RunDir(cfg.resume).last_checkpoint.is_file():
         run = RunDir(cfg.resume)
         raise ConfigError(f"resume={cfg.resume} has no {run.last_checkpoint.relative_to(run.path)} to continue from")

@@ -1,25 +1,9 @@
 """The run's loggers: a resumed run continues the logs it started, keeping everything logged before its checkpoint.
 
-Lightning's loggers each start afresh: ``CSVLogger`` deletes the folder's ``metrics.csv``, ``TensorBoardLogger``
-adds an event file whose steps overlap the old ones, ``MLFlowLogger`` and ``WandbLogger`` start new runs. Given
-``start_step``, the global step of the checkpoint the run resumes from, each logger here keeps what was logged
-before that step and drops what was logged at it and after: the steps that a process killed after its last
-checkpoint had logged, and that the resumed run logs again.
-
-- CSV: the same ``metrics.csv``, its rows from ``start_step`` on removed, the new rows appended.
-- TensorBoard: the same folder; when the newest event file holds steps from ``start_step`` on, the new file
-  starts with ``purge_step=start_step`` (``SummaryWriter``'s), and readers drop the older events from there.
-- MLflow: the same run, its id kept in the run folder; its metric values from ``start_step`` on are deleted
-  from an SQL store (the default SQLite one); a tracking server keeps them.
-- W&B: the same run id, with ``resume="allow"``; W&B keeps what it was sent.
-
-Both file loggers write out what they hold whenever a checkpoint is saved, so that a kill loses nothing logged
-before the checkpoint a run resumes from. ``start_step=None`` is a new run: Lightning's behaviour.
-
-Lightning logs a validation's scalars at the step of the training batch it follows (``s - 1`` for the last
-validation before a checkpoint at ``s``, which a resumed run does not repeat), but vitattn's pictures and caption
-samples at ``trainer.global_step`` (``s``): a TensorBoard purge from ``s`` would lose those pictures, so it is
-made only when scalars from ``s`` on, or anything after ``s``, are there to discard.
+Lightning's loggers each start afresh; given ``start_step``, the global step of the checkpoint the run resumes
+from, each logger here keeps what was logged before that step and drops what was logged at it and after (CSV
+rows removed, a TensorBoard ``purge_step``, MLflow's values deleted from an SQL store, W&B's ``resume="allow"``).
+``start_step=None`` is a new run: Lightning's behaviour. How each one does it: docs/training.md#resume.
 """
 
 from __future__ import annotations
@@ -43,7 +27,7 @@ from omegaconf import DictConfig
 from vitattn.errors import ConfigError, first_line
 from vitattn.fileio import atomic_open, atomic_write
 from vitattn.run_dir import RunDir
-from vitattn.training.groups import instantiate_group
+from vitattn.training.config import instantiate_group
 
 __all__ = [
     "ResumableCSVLogger",

@@ -1,7 +1,8 @@
 """``train(cfg)``: the whole training run, callable without the command line.
 
-Data flows one way: config -> DataModule + model config -> system -> Trainer -> run directory
-(resolved config, checkpoints, logs, tokenizer, exported bundle).
+Data flows one way: config -> resolved config (start weights, precision, preprocessing) -> checked ->
+DataModule + system, each built once -> Trainer -> run directory (that config, checkpoints, logs, tokenizer,
+exported bundle).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import hydra
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
@@ -22,26 +25,27 @@ from omegaconf import DictConfig
 from vitattn.bundle import bundle_from_system
 from vitattn.data.bad_images import gather_skipped
 from vitattn.data.tokenizer import tokenizer_file_name
+from vitattn.fileio import atomic_open
 from vitattn.run_dir import RunDir
 from vitattn.training.advice import check_fit
-from vitattn.training.assemble import build_system
-from vitattn.training.best_weights import load_best_weights
+from vitattn.training.build import (
+    build_datamodule,
+    build_system,
+    on_gpu,
+    plan_cores,
+    prepare_reward,
+    resolve_train_precision,
+    run_tokenizer,
+    setup_data,
+)
 from vitattn.training.callbacks import Preemption
-from vitattn.training.checkpoint_io import AtomicCheckpointIO
-from vitattn.training.compile import should_compile
-from vitattn.training.config import check_config
-from vitattn.training.data import setup_data
-from vitattn.training.groups import instantiate_group
-from vitattn.training.init_model import apply_init, check_init_classes, command_line_keys, read_init
+from vitattn.training.config import check_config, check_targets, fully_sharded, instantiate_group
 from vitattn.training.loggers import build_loggers
-from vitattn.training.pretrained import choose_preprocess, read_pretrained
-from vitattn.training.resources import plan_cores, resolve_train_precision
-from vitattn.training.self_critical import prepare_reward
+from vitattn.training.start import command_line_keys, log_preprocess, read_start, resolve_preprocess
 from vitattn.training.systems import VisionSystem
 from vitattn.training.systems.sharding import is_sharded, unsharded_copy
-from vitattn.training.tokenizer import prepare_tokenizer
 
-__all__ = ["TrainResult", "train"]
+__all__ = ["AtomicCheckpointIO", "TrainResult", "load_best_weights", "should_compile", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -78,34 +82,30 @@ def train(cfg: DictConfig) -> TrainResult:
             holds that step and ``resume`` continues from it. Also SIGTERM during the test after
             training (nothing more is saved; the test runs again on resume).
     """
-    check_config(cfg)  # every user error surfaces here, before data is read
+    check_targets(cfg)  # a run folder's config is input: nothing it names is imported before this
     run_dir = Path(cfg.paths.output_dir)
     complete = _complete_run(cfg, run_dir)
     if complete is not None:
         return complete
     pl.seed_everything(cfg.seed, workers=True)
-    init = read_init(cfg.finetune.init) if cfg.finetune.get("init") else None
-    if init is not None:
-        apply_init(cfg, init, command_line_keys())  # the model's sizes into the config, before anything is built
-    resolve_train_precision(cfg)  # auto: from the model's width and this machine, said in one line
-    datamodule = hydra.utils.instantiate(cfg.data)
-    pretrained = read_pretrained(cfg.finetune.pretrained) if cfg.finetune.get("pretrained") else None
-    choose_preprocess(
-        datamodule, init or pretrained
-    )  # before setup: every split (and the bundle) uses the weights' own
+    # Resolved first, in place: what the start weights fix, the precision, the preprocessing. The config that is
+    # checked next is the one that runs and the one saved.
+    start = read_start(cfg.finetune.init, cfg.finetune.get("init_kind", "model")) if cfg.finetune.get("init") else None
+    if start is not None:
+        start.resolve(cfg, command_line_keys())
+    resolve_train_precision(cfg)
+    preprocess_from = resolve_preprocess(cfg, start)
+    check_config(cfg)  # every user error surfaces here, before data is read
     ckpt_path = _resume_checkpoint(cfg)
-    prepare_tokenizer(cfg, datamodule, run_dir, ckpt_path is not None)  # the run's own, once rank 0 wrote it
-    if init is not None and cfg.head.task == "caption":
-        datamodule.vocab = init.bundle.vocab  # the model's tokenizer, never one built from this run's captions
+    vocab = start.vocab if start is not None else run_tokenizer(cfg, run_dir, ckpt_path is not None)
+    datamodule = build_datamodule(cfg, vocab)
+    log_preprocess(datamodule, preprocess_from)
     first_step = _checkpoint_step(ckpt_path) if ckpt_path else 0
     setup_data(cfg, datamodule, ckpt_path)  # empty data, wrong vocabulary: one line, no step run
     plan_cores(cfg, datamodule)
     if rank_zero_only.rank == 0:
         check_fit(cfg, datamodule)  # a coarse patch grid, a vocabulary of <unk>, a schedule with no end
-    system = build_system(cfg, datamodule, pretrained)
-    if init is not None:
-        check_init_classes(init, datamodule)
-        init.load_into(system)
+    system = build_system(cfg, datamodule, start)
     if cfg.finetune.get("scst") is not None:
         # CIDEr-D statistics: computed once per run by rank 0
         system.use_reward(prepare_reward(datamodule, run_dir, ckpt_path is not None))
@@ -228,3 +228,45 @@ def _finish_wandb_run() -> None:
 
 def _export(system: VisionSystem, run_dir: Path) -> Path:
     return bundle_from_system(system, RunDir(run_dir).bundle)
+
+
+def should_compile(cfg: DictConfig) -> bool:
+    """``compile=auto`` compiles on GPUs only: on CPUs eager is as fast (see docs/benchmarks.md); and not under
+    ``trainer=fsdp``, whose sharded layers have not been tested compiled (``compile=true`` asks for it)."""
+    if str(cfg.compile).lower() == "auto":
+        return on_gpu(cfg) and not fully_sharded(cfg.trainer)
+    return bool(cfg.compile)
+
+
+def load_best_weights(cfg: DictConfig, trainer: pl.Trainer, system: VisionSystem) -> str:
+    """Load the best checkpoint by ``head.monitor`` into ``system`` when ``weights=best`` and there is one;
+    returns what the tested and exported weights are."""
+    if cfg.get("weights", "best") != "best" or cfg.trainer.get("fast_dev_run"):
+        return f"last (step {trainer.global_step})"
+    best = next(
+        (
+            c
+            for c in trainer.checkpoint_callbacks
+            if getattr(c, "monitor", None) == cfg.head.monitor and c.best_model_path
+        ),
+        None,
+    )
+    if best is None or not Path(best.best_model_path).is_file():
+        return f"last (step {trainer.global_step})"
+    checkpoint = torch.load(best.best_model_path, map_location="cpu", weights_only=True)
+    system.load_state_dict(checkpoint["state_dict"])
+    score = float(best.best_model_score) if best.best_model_score is not None else float("nan")
+    return f"best ({cfg.head.monitor} {score:.4f} at step {checkpoint['global_step']})"
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes each checkpoint beside itself, then renames it: a kill leaves the old file whole (why Lightning's
+    own save does not: docs/reliability.md)."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None or "://" in str(path):  # remote storage: fsspec's way
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_open(path, "wb") as f:
+            torch.save(checkpoint, f)

@@ -1,4 +1,4 @@
-"""A training run's own data, rebuilt from its saved config for evaluation."""
+"""A training run's own data, rebuilt resolved from its saved config for evaluation."""
 
 from __future__ import annotations
 
@@ -6,12 +6,20 @@ from collections.abc import Mapping
 from typing import Any
 
 import hydra
+from omegaconf import DictConfig
 
+from vitattn.data.preprocess import weights_preprocess
 from vitattn.data.tokenizer import Tokenizer
 from vitattn.run_dir import RunDir
-from vitattn.training.config_targets import check_targets
+from vitattn.training.config import check_targets
 
-__all__ = ["datamodule_from_run"]
+__all__ = ["datamodule_from_run", "read_once"]
+
+
+def read_once(data: DictConfig) -> dict[str, Any]:
+    """The settings of a DataModule for a pass that reads each file once itself (evaluation, ``vitattn-check-data``):
+    no cache, no verification, where ``data`` has those keys."""
+    return {key: value for key, value in (("cache", "none"), ("verify", False)) if key in data}
 
 
 def datamodule_from_run(
@@ -23,13 +31,13 @@ def datamodule_from_run(
     num_workers: int = 0,
     **overrides: Any,
 ) -> Any:
-    """The run's DataModule, set up for evaluation (``val`` and ``test``; no training split where it costs).
+    """The run's DataModule, built resolved and set up for evaluation (``val`` and ``test``; no training split
+    where it costs; no cache, no verification: evaluation reads each file once itself and counts the unreadable).
 
     Args:
         run: the training run folder.
         vocab: the model's tokenizer, used instead of one built from the training captions.
-        preprocess: the model's preprocessing (a bundle's): what the run's data took from its pretrained weights
-            (``use_weights_preprocess``), which its saved config does not hold.
+        preprocess: the model's preprocessing (a bundle's), for the ``data.*`` keys its saved config leaves null.
         batch_size, num_workers: loader settings for the evaluation (the run's own are replaced).
         **overrides: other data settings to replace (e.g. ``image_dir`` when the images have moved).
 
@@ -44,14 +52,16 @@ def datamodule_from_run(
     unknown = [key for key in overrides if key not in data]
     if unknown:
         raise KeyError(f"the run's data ({data._target_}) has no {', '.join(unknown)}")
+    settings: dict[str, Any] = {"batch_size": batch_size, "num_workers": num_workers, **read_once(data)}
+    if preprocess is not None:
+        theirs = weights_preprocess(preprocess)
+        weights_keys = getattr(hydra.utils.get_class(data._target_), "weights_keys", ())
+        settings |= {k: theirs[k] for k in weights_keys if k in theirs and data.get(k) is None}
+    if vocab is not None:
+        settings["vocab"] = vocab
     try:
-        datamodule = hydra.utils.instantiate(data, batch_size=batch_size, num_workers=num_workers, **overrides)
+        datamodule = hydra.utils.instantiate(data, **settings, **overrides)
     except Exception as err:  # noqa: BLE001 - a key this version's DataModule does not take, a bad path, ...
         raise ValueError(f"the data of {run.config} cannot be rebuilt: {' '.join(str(err).split())[:200]}") from None
-    datamodule.vocab = vocab
-    if preprocess is not None:
-        datamodule.use_weights_preprocess(preprocess)
-    datamodule.cache_mode = "none"  # evaluation reads each file once itself: decoding them all first is waste
-    datamodule.verify = False  # ... and counts the unreadable ones
     datamodule.setup("validate")
     return datamodule

@@ -3,12 +3,11 @@ encoder frozen for the first epochs, the count of unreadable images skipped, pic
 validation for TensorBoard and MLflow, a checkpoint when the run is preempted, and a record of the samples
 each step trained."""
 
+from vitattn.training.callbacks.batches import SampleKeys, SkippedImages
 from vitattn.training.callbacks.ema import EMA
 from vitattn.training.callbacks.freeze import FreezeEncoder
 from vitattn.training.callbacks.pictures import ValidationPictures
 from vitattn.training.callbacks.preemption import Preemption
-from vitattn.training.callbacks.sample_keys import SampleKeys
-from vitattn.training.callbacks.skipped_images import SkippedImages
 from vitattn.training.callbacks.time_budget import TimeBudgetHorizon, schedule_of
 
 __all__ = [

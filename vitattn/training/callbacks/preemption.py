@@ -1,16 +1,5 @@
-"""A polite stop (SIGTERM, SIGUSR1) ends training after the current step, with a checkpoint to continue from.
-
-Lightning 2.6 already stops on SIGTERM: its signal connector (``trainer/connectors/signal_connector.py``)
-sets ``trainer.received_sigterm``, and the training loop then raises ``SIGTERMException`` once the
-step under way is done (a ``SystemExit`` with status 0; nothing is saved). Two things keep that from
-serving as it is: SIGUSR1, what SLURM sends before a time limit, stops nothing outside SLURM's
-auto-requeue, and with several processes its handler broadcasts from inside the signal handler,
-wherever each rank happens to be (Lightning's SLURM SIGUSR1 handler saves a checkpoint there too).
-``Preemption`` replaces the SIGTERM and SIGUSR1 handlers while training runs with one that only
-notes the signal, agrees across ranks after each step, sets Lightning's flag, writes the checkpoint
-from ``on_exception`` and then runs the SIGUSR1 handler it replaced (SLURM's requeue). Lightning
-restores the previous handlers when ``fit`` ends.
-"""
+"""A polite stop (SIGTERM, SIGUSR1) ends training after the current step, with a checkpoint to continue from
+(why Lightning's own stop does not serve as it is: docs/reliability.md)."""
 
 from __future__ import annotations
 

@@ -10,9 +10,8 @@ the samples it repeats to even out the ranks. The images are normalised on the d
 """
 
 from vitattn.training.datamodules.base import ImageDataModule
-from vitattn.training.datamodules.coco import CocoCaptionDataModule
+from vitattn.training.datamodules.caption_files import CocoCaptionDataModule, KarpathyDataModule
 from vitattn.training.datamodules.image_folder import ImageFolderDataModule
-from vitattn.training.datamodules.karpathy import KarpathyDataModule
 from vitattn.training.datamodules.shapes import ShapesDataModule
 from vitattn.training.datamodules.webdataset import WebDatasetDataModule
 

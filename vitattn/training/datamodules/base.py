@@ -1,25 +1,11 @@
-"""What every DataModule shares: loaders, preprocessing, the cache, the evaluation split.
+"""What every DataModule shares: loaders, preprocessing, the cache, the evaluation split, the tokenizer.
 
-Classification batches are ``(images, labels)``: (B, 3, height, width) uint8 and (B,) long. Caption batches
-are dicts from ``collate_captions``: ``images`` (B, 3, height, width) uint8, ``tokens`` (B, T) padded
-``bos ... eos``, ``image_ids`` (B,) and ``references`` (B lists of strings). The training loader is a
-``ResumableLoader`` (``vitattn.data.resumable``): the shuffle of a plain ``DataLoader`` in one process and of
-Lightning's ``DistributedSampler`` under DDP, and a state in every checkpoint from which a run resumed
-mid-epoch trains the rest of the epoch, each sample once. ``last_keys`` name the samples of the batch last
-given to a training step (``sample_key``). Evaluation loaders are plain: Lightning shards them under DDP;
-``image_ids`` identify the samples it repeats to even out the ranks.
-
-The images cross to the device as uint8, a quarter of the bytes of float32, from pinned memory on CUDA (Lightning
-copies with ``non_blocking``); ``on_after_batch_transfer`` normalises them there (``normalize_batch``), as timm's
-prefetcher does, bit for bit what ``ToTensor`` and ``Normalize`` in the loader made of them before.
-
-Image files that cannot be read stop the run or are skipped as ``bad_images`` says
-(``vitattn.data.bad_images``); skipped files are kept in ``skipped_images``.
-
-``preprocess`` (evaluation, and the normalisation and interpolation of training) is, from lowest to highest
-precedence: the data's own (``crop``, ImageNet's mean and std), the pretrained weights' own
-(``use_weights_preprocess``, before ``setup``), and the ``data.*`` keys a config sets (``mean``, ``std``,
-``interpolation``, ``crop_pct``, ``crop_mode``).
+Classification batches are ``(images, labels)``: (B, 3, height, width) uint8 and (B,) long; caption batches
+dicts from ``collate_captions`` (``images``, ``tokens`` (B, T), ``image_ids``, ``references``). The training
+loader resumes mid-epoch, each sample once (``vitattn.data.resumable``). Images cross to the device as uint8
+and are normalised there (``on_after_batch_transfer``). ``preprocess`` is the data's own under the ``data.*``
+keys given, which a run resolves from its start weights first (``vitattn.training.start``); a caption
+tokenizer is given (``vocab``) or built in ``setup`` as ``tokenizer`` says. The design: docs/training.md.
 """
 
 from __future__ import annotations
@@ -29,6 +15,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -52,10 +39,10 @@ from vitattn.data.preprocess import (
     check_preprocess,
     default_preprocess,
     eval_transform,
-    weights_preprocess,
 )
 from vitattn.data.resumable import EpochSampler, ResumableLoader
 from vitattn.data.tokenizer import (
+    KINDS,
     SubwordTokenizer,
     TokenizedCaptions,
     Tokenizer,
@@ -64,6 +51,7 @@ from vitattn.data.tokenizer import (
     load_tokenizer,
     train_bpe,
 )
+from vitattn.errors import ConfigError, first_line
 
 __all__ = ["EvaluationBatches", "ImageDataModule", "rank_and_world"]
 
@@ -105,7 +93,7 @@ class ImageDataModule(pl.LightningDataModule):
     bad_images = "raise"  # an unreadable file: raise | skip
     verify = False  # read every image once before training
     crop = {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bicubic"}  # whole image, squashed
-    weights_keys = WEIGHTS_KEYS  # what pretrained weights' own preprocessing sets here
+    weights_keys = WEIGHTS_KEYS  # the data.* keys a run takes from its start weights (training.start)
 
     def __init__(
         self,
@@ -117,6 +105,8 @@ class ImageDataModule(pl.LightningDataModule):
         interpolation: str | None = None,
         crop_pct: float | None = None,
         crop_mode: str | None = None,
+        tokenizer: Mapping[str, Any] | None = None,
+        vocab: Tokenizer | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -128,9 +118,11 @@ class ImageDataModule(pl.LightningDataModule):
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
         self.collate_fn = None  # the DataLoader default unless captions set one
-        self.vocab: Tokenizer | None = None  # the caption tokenizer (a word Vocabulary or a SubwordTokenizer)
-        # Which tokenizer setup builds when no vocab is preset: the tokenizer config group (kind words, bpe or file).
-        self.tokenizer_config: dict[str, Any] = {"kind": "words"}
+        self.vocab: Tokenizer | None = vocab  # the caption tokenizer (a word Vocabulary or a SubwordTokenizer)
+        # Which tokenizer setup builds when no vocab is given: the tokenizer config group (kind words, bpe or file).
+        self.tokenizer_config: dict[str, Any] = dict(tokenizer or {"kind": "words"})
+        if vocab is None:
+            _check_tokenizer(self.tokenizer_config)
         self.train_captions: list[str] | None = None  # the training captions, when the tokenizer was built from them
         self.skipped_images: dict[str, str] = {}  # files left out of batches in this process: path -> reason
         self.skipped_counts: Counter[str] = Counter()  # items left out, by the trainer's stage (train, validate, ...)
@@ -138,7 +130,6 @@ class ImageDataModule(pl.LightningDataModule):
         self.preprocess_overrides = {  # the data.* keys a config sets: they win over the weights' own
             k: list(v) if k in ("mean", "std") else v for k, v in given.items() if v is not None
         }
-        self.preprocess_from_weights: dict[str, Any] = {}  # the pretrained weights' own (use_weights_preprocess)
         self.last_keys: list[str] = []  # the keys of the samples of the batch last given to a training step
         self._train_loader: ResumableLoader | None = None
         self._train_loader_state: dict[str, Any] | None = None  # a checkpoint's, for the training loader to come
@@ -147,25 +138,10 @@ class ImageDataModule(pl.LightningDataModule):
 
     @property
     def preprocess(self) -> dict:
-        """``img_size``, ``crop_pct``, ``crop_mode``, ``interpolation``, ``mean``, ``std``: the data's own, then the
-        weights' own, then the ``data.*`` keys set."""
+        """``img_size``, ``crop_pct``, ``crop_mode``, ``interpolation``, ``mean``, ``std``: the data's own under the
+        ``data.*`` keys given."""
         default = {"mean": list(IMAGENET_DEFAULT_MEAN), "std": list(IMAGENET_DEFAULT_STD)}
-        return {
-            "img_size": self.img_size,
-            **self.crop,
-            **default,
-            **self.preprocess_from_weights,
-            **self.preprocess_overrides,
-        }
-
-    def use_weights_preprocess(self, preprocess: Mapping[str, Any]) -> dict[str, Any]:
-        """Take the preprocessing the encoder's pretrained weights were trained with (a model's ``preprocess``),
-        before ``setup``: its ``weights_keys``, where no ``data.*`` key says otherwise. Returns what it took."""
-        if self.train_dataset is not None or self.val_dataset is not None:
-            raise RuntimeError(f"{type(self).__name__}.use_weights_preprocess must come before setup()")
-        theirs = weights_preprocess(preprocess)
-        self.preprocess_from_weights = {k: theirs[k] for k in self.weights_keys if k in theirs}
-        return {k: v for k, v in self.preprocess_from_weights.items() if k not in self.preprocess_overrides}
+        return {"img_size": self.img_size, **self.crop, **default, **self.preprocess_overrides}
 
     def eval_transform(self) -> Callable[[Any], torch.Tensor]:
         """The evaluation transform of an image file in the loaders: inference's ``eval_transform(self.preprocess)``
@@ -221,7 +197,7 @@ class ImageDataModule(pl.LightningDataModule):
 
     def _bad_image_settings(self, bad_images: str, verify: bool) -> None:
         if bad_images not in BAD_IMAGE_MODES:
-            raise ValueError(f"bad_images={bad_images!r} is unknown; choose one of {list(BAD_IMAGE_MODES)}")
+            raise ValueError(f"bad_images={bad_images!r} is unknown; choose {' or '.join(BAD_IMAGE_MODES)}")
         self.bad_images, self.verify = bad_images, bool(verify)
 
     def image_files(self) -> list[str]:
@@ -364,6 +340,24 @@ class ImageDataModule(pl.LightningDataModule):
         self.train_captions = captions()
         if kind == "bpe":
             return train_bpe(self.train_captions, config.get("vocab_size", "auto"))
-        if kind != "words":
-            raise ValueError(f"tokenizer kind={kind!r} is unknown; choose one of words, bpe, file")
         return Vocabulary.build(self.train_captions, min_freq=min_freq)
+
+
+def _check_tokenizer(tokenizer: Mapping[str, Any]) -> None:
+    """The ``tokenizer`` group: a known kind, a BPE size, a ``tokenizer.json`` that loads (one line each)."""
+    kind = tokenizer.get("kind")
+    if kind not in KINDS:
+        raise ConfigError(f"tokenizer kind={kind!r} is unknown; choose tokenizer=words, bpe or file")
+    size = tokenizer.get("vocab_size", "auto")
+    if kind == "bpe" and size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 259):
+        raise ConfigError(f"tokenizer.vocab_size={size!r} must be auto or at least 259 (256 bytes and 3 specials)")
+    if kind == "file":
+        path = tokenizer.get("path")
+        if not path:
+            raise ConfigError("tokenizer=file needs tokenizer.path=FILE, a Hugging Face tokenizer.json")
+        if not Path(path).is_file():
+            raise ConfigError(f"tokenizer.path={path} does not exist; give a tokenizer.json file")
+        try:
+            SubwordTokenizer.from_file(path, add_specials=True)
+        except ValueError as err:
+            raise ConfigError(f"tokenizer.path={path}: {first_line(err)}") from None

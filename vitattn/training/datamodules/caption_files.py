@@ -1,17 +1,21 @@
-"""What the caption DataModules that read image files share: settings, setup, the evaluation split."""
+"""Caption DataModules that read image files: what they share (settings, setup, the evaluation split), and
+the two of them: COCO-style caption files (``CocoCaptionDataModule``) and a Karpathy-split file
+(``KarpathyDataModule``: COCO, Flickr8k, Flickr30k)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from vitattn.data.coco import CocoCaptionDataset, CocoImage
+from vitattn.data.coco import CocoCaptionDataset, CocoImage, load_coco_captions, load_karpathy
 from vitattn.data.images import EvalSplit, should_cache
 from vitattn.data.preprocess import CAPTION_CROP_SCALE, Augment, CaptionAugment
+from vitattn.data.tokenizer import Tokenizer
 from vitattn.training.datamodules.base import ImageDataModule
 
-__all__ = ["CaptionFilesDataModule"]
+__all__ = ["CaptionFilesDataModule", "CocoCaptionDataModule", "KarpathyDataModule"]
 
 
 class CaptionFilesDataModule(ImageDataModule):
@@ -31,12 +35,10 @@ class CaptionFilesDataModule(ImageDataModule):
             training captions; the ``tokenizer`` group (set by training) says what is built otherwise.
         augment: training augmentation (``vitattn.data.preprocess.Augment``).
         cache: ``auto``, ``ram`` or ``none`` (``vitattn.data.images``).
-        preprocess: the ``data.*`` preprocessing keys set (``mean``, ``std``, ``interpolation``, ``crop_pct``,
-            ``crop_mode``); the rest are the pretrained weights', else the whole image squashed (bicubic) and
-            ImageNet's statistics.
-
-    Subclasses take ``bad_images`` and ``verify`` as ``ImageFolderDataModule`` does, and the preprocessing keys
-    one by one.
+        bad_images, verify: unreadable image files, as in ``ImageFolderDataModule``.
+        mean, std, interpolation, crop_pct, crop_mode: the ``data.*`` preprocessing keys (None: the whole image
+            squashed, bicubic, ImageNet's statistics).
+        tokenizer, vocab: the ``tokenizer`` group, or a given tokenizer (``ImageDataModule``).
     """
 
     tasks = ("caption",)
@@ -45,17 +47,28 @@ class CaptionFilesDataModule(ImageDataModule):
     def __init__(
         self,
         image_dir: str | os.PathLike,
-        img_size: int,
-        batch_size: int,
-        num_workers: int | str,
-        min_word_freq: int | str,
-        max_caption_len: int,
-        vocab_path: str | os.PathLike | None,
-        augment: bool | Mapping[str, Any],
-        cache: str,
-        preprocess: Mapping[str, Any] | None = None,
+        img_size: int = 224,
+        batch_size: int = 64,
+        num_workers: int | str = "auto",
+        min_word_freq: int | str = "auto",
+        max_caption_len: int = 32,
+        vocab_path: str | os.PathLike | None = None,
+        augment: bool | Mapping[str, Any] = True,
+        cache: str = "auto",
+        bad_images: str = "raise",
+        verify: bool = False,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        interpolation: str | None = None,
+        crop_pct: float | None = None,
+        crop_mode: str | None = None,
+        tokenizer: Mapping[str, Any] | None = None,
+        vocab: Tokenizer | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, img_size, **(preprocess or {}))
+        super().__init__(
+            batch_size, num_workers, img_size, mean, std, interpolation, crop_pct, crop_mode, tokenizer, vocab
+        )
+        self._bad_image_settings(bad_images, verify)
         self.image_dir = image_dir
         self.min_word_freq, self.max_caption_len, self.vocab_path = min_word_freq, max_caption_len, vocab_path
         # Captions: the mild crop always; flips and colour jitter only where asked, and only where
@@ -107,3 +120,67 @@ class CaptionFilesDataModule(ImageDataModule):
             ids=[im.image_id for im in images.images],
             references={im.image_id: list(im.captions) for im in images.images},
         )
+
+
+class CocoCaptionDataModule(CaptionFilesDataModule):
+    """Captioning from COCO-style caption files (see ``vitattn.data.coco``).
+
+    Args:
+        image_dir: folder that the files' ``file_name`` entries are relative to.
+        train_annotations, val_annotations: COCO caption JSON files.
+        test_annotations: the test file; ``val_annotations`` when not given.
+        num_workers, **settings: as ``CaptionFilesDataModule`` takes them.
+    """
+
+    def __init__(
+        self,
+        image_dir: str | os.PathLike,
+        train_annotations: str | os.PathLike,
+        val_annotations: str | os.PathLike,
+        test_annotations: str | os.PathLike | None = None,
+        num_workers: int | str = 0,
+        **settings: Any,
+    ) -> None:
+        super().__init__(image_dir, num_workers=num_workers, **settings)
+        self.annotations = (train_annotations, val_annotations, test_annotations or val_annotations)
+
+    def split_images(self) -> tuple[list[CocoImage], list[CocoImage], list[CocoImage]]:
+        train_file, val_file, test_file = self.annotations
+        train, val = load_coco_captions(train_file), load_coco_captions(val_file)
+        return train, val, val if test_file == val_file else load_coco_captions(test_file)
+
+    def split_source(self, split: str) -> str:
+        return str(Path(self.annotations[1 if split == "val" else 2]).resolve())
+
+
+class KarpathyDataModule(CaptionFilesDataModule):
+    """The train / val / test splits of a Karpathy-split JSON file (see ``vitattn.data.coco``).
+
+    Val and test references are all of an image's sentences; the vocabulary comes from the training
+    captions only (``restval`` included when it joins training).
+
+    Args:
+        dataset_json: ``dataset_coco.json``, ``dataset_flickr8k.json`` or ``dataset_flickr30k.json``.
+        image_dir: folder that the file names are relative to: for COCO the one holding
+            ``train2014/`` and ``val2014/``, for Flickr the one holding the images.
+        restval_in_train: train on the ``restval`` images too (the usual COCO setting); else they are unused.
+        **settings: as ``CaptionFilesDataModule`` takes them.
+    """
+
+    def __init__(
+        self,
+        dataset_json: str | os.PathLike,
+        image_dir: str | os.PathLike,
+        restval_in_train: bool = True,
+        **settings: Any,
+    ) -> None:
+        super().__init__(image_dir, **settings)
+        self.dataset_json, self.restval_in_train = dataset_json, restval_in_train
+
+    def split_images(self) -> tuple[list[CocoImage], list[CocoImage], list[CocoImage]]:
+        splits = load_karpathy(self.dataset_json)
+        train = splits["train"] + (splits["restval"] if self.restval_in_train else [])
+        return train, splits["val"], splits["test"]
+
+    def split_source(self, split: str) -> str:
+        return f"{Path(self.dataset_json).resolve()} ({split} split)"

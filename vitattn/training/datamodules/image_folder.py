@@ -28,8 +28,8 @@ class ImageFolderDataModule(ImageDataModule):
         bad_images: an image file that cannot be read: ``raise`` stops the run naming it, ``skip`` leaves it
             out of its batch and counts it (``vitattn.data.bad_images``).
         verify: read every image once, in parallel, before training and list the unreadable ones.
-        mean, std, interpolation, crop_pct, crop_mode: the preprocessing (None: the pretrained weights', else
-            timm's ImageNet evaluation default: ImageNet statistics, bilinear, center crop 0.875).
+        mean, std, interpolation, crop_pct, crop_mode: the preprocessing (None: timm's ImageNet evaluation
+            default: ImageNet statistics, bilinear, center crop 0.875).
     """
 
     tasks = ("classification",)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 from vitattn.data.images import EvalSplit
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
+from vitattn.data.tokenizer import Tokenizer
 from vitattn.training.datamodules.base import ImageDataModule
 
 __all__ = ["ShapesDataModule"]
@@ -17,8 +18,8 @@ class ShapesDataModule(ImageDataModule):
     """The built-in shapes data (``vitattn.data.shapes``) for captioning or classification.
 
     Images are not augmented: flips or crops would change which shape is left of which. The loaders yield them as
-    drawn (uint8) and ``normalize`` runs on the device; pretrained weights set its mean and std (the images are
-    drawn at ``img_size``, so no resize or crop of theirs applies).
+    drawn (uint8) and ``normalize`` runs on the device; start weights give only their mean and std (the images
+    are drawn at ``img_size``, so no resize or crop of theirs applies).
 
     Args:
         task: "caption" (dict batches, ``vocab`` after setup) or "classification" (``(images,
@@ -30,7 +31,7 @@ class ShapesDataModule(ImageDataModule):
         max_caption_len: longest token sequence, bos and eos included.
         vocab_path: a saved tokenizer (``vocab.json`` or ``tokenizer.json``) to use rather than one built from
             training captions; the ``tokenizer`` group (set by training) says what is built otherwise.
-        mean, std: the normalisation (None: the pretrained weights', else ImageNet's).
+        mean, std: the normalisation (None: ImageNet's).
     """
 
     tasks = ("caption", "classification")
@@ -50,8 +51,10 @@ class ShapesDataModule(ImageDataModule):
         vocab_path: str | os.PathLike | None = None,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
+        tokenizer: Mapping[str, Any] | None = None,
+        vocab: Tokenizer | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, img_size, mean=mean, std=std)
+        super().__init__(batch_size, num_workers, img_size, mean=mean, std=std, tokenizer=tokenizer, vocab=vocab)
         self.task, self.seed = task, seed
         self.num_train, self.num_val, self.num_test = num_train, num_val, num_test
         self.max_caption_len, self.vocab_path = max_caption_len, vocab_path

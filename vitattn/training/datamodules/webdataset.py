@@ -37,7 +37,7 @@ from vitattn.data.shards.stream import (
     sample_caption,
     sample_references,
 )
-from vitattn.data.tokenizer import collate_captions
+from vitattn.data.tokenizer import Tokenizer, collate_captions
 from vitattn.training.datamodules.base import EvaluationBatches, ImageDataModule, rank_and_world
 
 __all__ = ["WebDatasetDataModule", "shard_captions", "shard_references"]
@@ -108,8 +108,8 @@ class WebDatasetDataModule(ImageDataModule):
         cache: ``none`` (``auto`` reads as none): shards are streamed, never held in memory.
         bad_images: ``raise`` | ``skip`` for undecodable images, samples without caption or class, and shards
             that are truncated or cannot be read.
-        mean, std, interpolation, crop_pct, crop_mode: the preprocessing (None: the pretrained weights', else the
-            head's file DataModule's: ``ImageFolderDataModule``'s or ``KarpathyDataModule``'s).
+        mean, std, interpolation, crop_pct, crop_mode: the preprocessing (None: the head's file DataModule's:
+            ``ImageFolderDataModule``'s or ``KarpathyDataModule``'s).
     """
 
     tasks = ("caption", "classification")
@@ -141,8 +141,12 @@ class WebDatasetDataModule(ImageDataModule):
         interpolation: str | None = None,
         crop_pct: float | None = None,
         crop_mode: str | None = None,
+        tokenizer: Mapping[str, Any] | None = None,
+        vocab: Tokenizer | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, img_size, mean, std, interpolation, crop_pct, crop_mode)
+        super().__init__(
+            batch_size, num_workers, img_size, mean, std, interpolation, crop_pct, crop_mode, tokenizer, vocab
+        )
         self._bad_image_settings(bad_images, False)
         if task not in self.tasks:
             raise ValueError(f"task={task!r} is unknown; choose one of {list(self.tasks)}")

@@ -1,16 +1,9 @@
 """Self-critical sequence training (Rennie et al., 2017): sample captions, reward each with CIDEr-D against its
-image's references, and raise the log-probability of the captions that beat a baseline.
+image's references, and raise the log-probability of the captions that beat a baseline (``mean`` of the
+image's other samples, Luo 2020, or its ``greedy`` caption's, Rennie et al.); the loss and the sampling are
+the reference implementation's (docs/training.md#a-second-stage-self-critical-training-on-cider-d).
 
 Dimension letters: B images, K samples per image, T generated positions, V vocabulary, N image tokens, D width.
-
-The baseline is the mean reward of the image's other K - 1 samples (``mean``: Luo, "A better variant of
-self-critical sequence training", 2020) or the reward of the image's greedy caption (``greedy``: Rennie et
-al.). The loss is the reference implementation's (``RewardCriterion`` of self-critical.pytorch): the
-advantage times each generated token's log-probability, ``<eos>`` included, summed over the samples and
-divided by the number of tokens. A sample is drawn with the key/value cache from the search every runtime
-shares (``vitattn.models.search``: ``<pad>``, ``<bos>`` and ``<unk>`` never drawn), one batched search for
-the B * K rows over the B images' tokens; its log-probabilities come from one teacher-forced pass of the
-decoder with gradients, under the same bans, so the policy whose gradient is taken is the one that sampled.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
@@ -21,7 +22,15 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from vitattn.layers import DecoderLayer, EncoderLayer
 from vitattn.models import ImageCaptioner, VisionTransformer
 
-__all__ = ["SHARD_UNITS", "gather_for_evaluation", "is_sharded", "shard_layers", "shard_again", "unsharded_copy"]
+__all__ = [
+    "SHARD_UNITS",
+    "FullyShardedStrategy",
+    "gather_for_evaluation",
+    "is_sharded",
+    "shard_layers",
+    "shard_again",
+    "unsharded_copy",
+]
 
 SHARD_UNITS = (EncoderLayer, DecoderLayer)  # each one all-gathered for its own forward and backward
 
@@ -76,3 +85,19 @@ def unsharded_copy(model: nn.Module) -> nn.Module:
             copy = VisionTransformer(**model.config)
     copy.load_state_dict(weights, strict=True)
     return copy.train(model.training)
+
+
+class FullyShardedStrategy(ModelParallelStrategy):
+    """``trainer=fsdp``: FSDP2 over all ``num_nodes x devices`` processes, each a data-parallel rank holding a
+    shard of every weight (``configure_model`` shards it), no tensor parallelism; each checkpoint one whole
+    file gathered on rank 0, read as a DDP run's are (why not Lightning's own strategies: docs/scaling.md)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(save_distributed_checkpoint=False, **kwargs)
+
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        if self._tensor_parallel_size == "auto":
+            self._tensor_parallel_size = 1
+        super().setup_environment()

@@ -1,5 +1,6 @@
-"""``finetune.pretrained``: every source, built from a randomly initialised timm model saved to a file, gives
-the encoder timm's features; the timm ViT families load with the switches their weights show."""
+"""``finetune.init``, where a run starts. Kind ``encoder``: every source, built from a randomly initialised timm
+model saved to a file, gives the encoder timm's features; the timm ViT families load with the switches their
+weights show. Kind ``model``: a whole vitattn model of the run's task (the rest: test_self_critical.py)."""
 
 import json
 import logging
@@ -12,15 +13,16 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train
+from tests.helpers import TINY, TINY_SHAPES, compose_train, make_caption_bundle
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.data.preprocess import default_preprocess
 from vitattn.errors import ConfigError
 from vitattn.models import VisionTransformer
 from vitattn.models.vit import preset_config
 from vitattn.training import build_system, train
+from vitattn.training.build import build_datamodule
 from vitattn.training.config import check_config
-from vitattn.training.pretrained import read_pretrained
+from vitattn.training.start import read_start
 
 SHAPE = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
 # The timm ViT families, each at the tiny shape: what their weights show, and what a file cannot show.
@@ -49,8 +51,8 @@ def _config(**overrides) -> dict:
 
 
 def _encoder(source, **overrides) -> VisionTransformer:
-    """What ``build_system`` does with ``finetune.pretrained=source``: read, fit the config, build, load."""
-    weights = read_pretrained(str(source))
+    """What a run does with ``finetune.init=source`` of kind encoder: read, fit the config, build, load."""
+    weights = read_start(str(source), "encoder")
     config = _config(**overrides)
     weights.fit(config)
     model = VisionTransformer(**config)
@@ -179,10 +181,10 @@ def test_a_timm_name_offline_and_uncached_is_one_line_naming_the_local_file_fix(
     with pytest.raises(
         ConfigError, match=rf"{TIMM_TINY}: its weights are not in timm's cache and vitattn does not"
     ) as err:
-        read_pretrained(TIMM_TINY)
+        read_start(TIMM_TINY, "encoder")
     message = str(err.value)
     assert "\n" not in message
-    assert "pretrained_cfg_overlay=dict(file=" in message and f"finetune.pretrained={TIMM_TINY}@/path/to/" in message
+    assert "pretrained_cfg_overlay=dict(file=" in message and f"finetune.init={TIMM_TINY}@/path/to/" in message
 
 
 def _vitattn_classifier(ref: torch.nn.Module, tmp_path: Path) -> VisionTransformer:
@@ -245,7 +247,7 @@ def test_switches_are_set_from_the_weights_and_logged_in_one_line(tmp_path, capl
 )
 def test_a_config_that_contradicts_the_weights_is_refused_in_one_line(overrides, message, tmp_path):
     save_file(_timm().state_dict(), tmp_path / "vit.safetensors")
-    with pytest.raises(ConfigError, match=rf"^finetune\.pretrained=.*vit\.safetensors: .*{message}"):
+    with pytest.raises(ConfigError, match=rf"^finetune\.init=.*vit\.safetensors: .*{message}"):
         _encoder(tmp_path / "vit.safetensors", **overrides)
 
 
@@ -281,10 +283,11 @@ def test_timm_vits_that_the_encoder_cannot_copy_are_refused(kwargs, message, tmp
         (f"{TIMM_TINY}@/no/such.safetensors", r"/no/such\.safetensors does not exist"),
     ],
 )
-def test_check_config_refuses_a_pretrained_source_that_is_not_there(value, message, tmp_path):
-    cfg = compose_train([*TINY, f"finetune.pretrained={value}"], tmp_path)
-    with pytest.raises(ConfigError, match=rf"^finetune\.pretrained={value}.*{message}"):
-        check_config(cfg)
+def test_a_start_encoder_that_is_not_there_is_refused_before_any_step(value, message, tmp_path):
+    cfg = compose_train([*TINY, *TINY_SHAPES, f"finetune.init={value}", "finetune.init_kind=encoder"], tmp_path)
+    with pytest.raises(ConfigError, match=rf"^finetune\.init={value}.*{message}") as err:
+        train(cfg)
+    assert "\n" not in str(err.value) and not (tmp_path / "config.yaml").exists()
 
 
 def test_defaults_keep_todays_encoder_and_old_configs_load():
@@ -302,19 +305,69 @@ def test_train_from_timm_weights_then_caption_from_that_run(tmp_path):
     fast = [*TINY, *TINY_SHAPES, "trainer.fast_dev_run=true", "model.mlp_ratio=2.0"]
     first = train(
         compose_train(
-            [*fast, "head=classification", f"finetune.pretrained={tmp_path / 'clip.safetensors'}"], tmp_path / "a"
+            [
+                *fast,
+                "head=classification",
+                f"finetune.init={tmp_path / 'clip.safetensors'}",
+                "finetune.init_kind=encoder",
+            ],
+            tmp_path / "a",
         )
     )
     saved = json.loads((first.bundle_dir / "config.json").read_text())["model"]
     assert saved["norm_pre"] and "pretrained" not in saved
-    cfg = compose_train([*fast, "head.decoder.depth=1", f"finetune.pretrained={first.run_dir}"], tmp_path / "b")
-    check_config(cfg)
-    datamodule = __import__("hydra").utils.instantiate(cfg.data)
+    overrides = [*fast, "head.decoder.depth=1", f"finetune.init={first.run_dir}", "finetune.init_kind=encoder"]
+    cfg = compose_train(overrides, tmp_path / "b")
+    start = read_start(cfg.finetune.init, cfg.finetune.init_kind)
+    start.resolve(cfg, [])
+    check_config(cfg)  # the resolved config: the one the run builds and saves
+    assert cfg.model.norm_pre  # set from the weights in the config itself
+    datamodule = build_datamodule(cfg)
     datamodule.setup("fit")
-    system = build_system(cfg, datamodule)
+    system = build_system(cfg, datamodule, start)
     encoder = system.model.encoder
     assert encoder.config["norm_pre"] and "pretrained" not in system.hparams["model_config"]["encoder"]
     classifier = load_bundle(first.bundle_dir).model
     for key, value in classifier.state_dict().items():
         if not key.startswith("head."):
             torch.testing.assert_close(encoder.state_dict()[key], value, rtol=0, atol=0)
+
+
+def test_init_leaves_grad_checkpointing_to_the_run(tmp_path):
+    """Whether the model was trained with gradient checkpointing is the new run's choice, on the command line too."""
+    bundle = make_caption_bundle(tmp_path / "bundle")
+    config = json.loads((bundle / "config.json").read_text())
+    config["model"]["encoder"]["grad_checkpointing"] = config["model"]["decoder"]["grad_checkpointing"] = True
+    (bundle / "config.json").write_text(json.dumps(config))
+    init = read_start(str(bundle))
+    assert init.bundle.model.encoder.grad_checkpointing  # read from the bundle
+    cfg = compose_train([*TINY, f"finetune.init={bundle}"], tmp_path / "run")
+    init.resolve(cfg, ["model.grad_checkpointing"])
+    assert cfg.model.grad_checkpointing is False and cfg.head.decoder.grad_checkpointing is False
+    assert cfg.data.max_caption_len == 8  # the model's sizes still come from it (24 composed)
+
+
+def test_init_refuses_a_classifier_for_a_captioner(tmp_path):
+    classifier = tmp_path / "classifier"
+    train(compose_train(["head=classification", *TINY, *TINY_SHAPES, "trainer.max_steps=1", "test=false"], classifier))
+    with pytest.raises(ConfigError, match=r"is a classification model, not a caption model \(head=caption\)"):
+        train(compose_train([*TINY, f"finetune.init={classifier}"], tmp_path / "run"))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            [f"finetune.init={TIMM_TINY}"],
+            rf"^finetune\.init={TIMM_TINY} does not exist; .*finetune\.init_kind=encoder$",
+        ),
+        (["finetune.init={file}"], r"is a timm weights file, an encoder: add finetune\.init_kind=encoder$"),
+        (["finetune.init={file}", "finetune.init_kind=head"], r"^finetune\.init_kind='head' is unknown"),
+    ],
+)
+def test_a_start_of_the_wrong_kind_is_one_line_before_any_step(overrides, message, tmp_path):
+    save_file(_timm().state_dict(), tmp_path / "vit.safetensors")
+    given = [o.format(file=tmp_path / "vit.safetensors") for o in overrides]
+    with pytest.raises(ConfigError, match=message) as err:
+        train(compose_train([*TINY, *TINY_SHAPES, *given], tmp_path / "run"))
+    assert "\n" not in str(err.value) and not (tmp_path / "run" / "config.yaml").exists()

@@ -8,7 +8,6 @@ import json
 import logging
 from pathlib import Path
 
-import hydra
 import numpy as np
 import pytest
 import timm
@@ -26,9 +25,10 @@ from vitattn.errors import ConfigError
 from vitattn.models import VisionTransformer
 from vitattn.run_dir import RunDir
 from vitattn.training import train
+from vitattn.training.build import build_datamodule
 from vitattn.training.config import check_config
-from vitattn.training.pretrained import choose_preprocess, read_pretrained
 from vitattn.training.run_data import datamodule_from_run
+from vitattn.training.start import log_preprocess, read_start, resolve_preprocess
 
 # Each family's weights as the issue names them, and a small model of the same family and preprocessing that the
 # fast tests load from a file (NAME@FILE), with the model keys that fit it.
@@ -132,7 +132,8 @@ def _train_from_timm(name: str, model: list[str], tmp: Path, extra: list[str] = 
         *model,
         "trainer.fast_dev_run=true",
         "finetune.freeze_encoder_epochs=1",
-        f"finetune.pretrained={name}@{file}",
+        f"finetune.init={name}@{file}",
+        "finetune.init_kind=encoder",
         *extra,
     ]
     result = {}
@@ -231,16 +232,21 @@ def test_the_named_weights_train_with_timms_preprocessing_and_features(family, t
     torch.testing.assert_close(features, expected, rtol=0, atol=1e-4)
 
 
-def _datamodule(overrides: list[str], tmp_path: Path):
+def _datamodule(overrides: list[str], tmp_path: Path, source=None):
+    """The run's data built from its resolved config: the preprocessing of ``source`` (an encoder) written into
+    ``data.*`` first, as ``train`` does. Returns it and the log lines of the resolution."""
     cfg = compose_train([*TINY, *overrides], tmp_path / "run")
-    check_config(cfg)
-    return hydra.utils.instantiate(cfg.data)
+    start = read_start(str(source), "encoder") if source is not None else None
+    why = resolve_preprocess(cfg, start)
+    check_config(cfg)  # the resolved config is the one checked
+    datamodule = build_datamodule(cfg)
+    lines = _logged(lambda: log_preprocess(datamodule, why))
+    return datamodule, [line for line in lines if line.startswith(LOG)]
 
 
-def _choose(datamodule, source) -> tuple[dict, list[str]]:
-    chosen = {}
-    lines = _logged(lambda: chosen.update(choose_preprocess(datamodule, read_pretrained(str(source)))))
-    return chosen, [line for line in lines if line.startswith(LOG)]
+def _choose(overrides: list[str], tmp_path: Path, source) -> tuple[dict, list[str], object]:
+    datamodule, lines = _datamodule(overrides, tmp_path, source)
+    return datamodule.preprocess, lines, datamodule
 
 
 def _tiny_timm_file(tmp_path: Path) -> Path:
@@ -251,9 +257,9 @@ def _tiny_timm_file(tmp_path: Path) -> Path:
 
 
 def test_a_bare_file_keeps_the_datas_preprocessing_and_says_so(tmp_path):
-    datamodule = _datamodule(["head=classification", "data=imagefolder", f"data.root={tmp_path}"], tmp_path)
-    default = datamodule.preprocess
-    chosen, lines = _choose(datamodule, _tiny_timm_file(tmp_path))
+    folder = ["head=classification", "data=imagefolder", f"data.root={tmp_path}"]
+    default = _datamodule(folder, tmp_path)[0].preprocess
+    chosen, lines, _ = _choose(folder, tmp_path, _tiny_timm_file(tmp_path))
     assert chosen == default and chosen["mean"] == [0.485, 0.456, 0.406]
     assert len(lines) == 1
     assert "the data's own, ImageNet's mean and std: " in lines[0]
@@ -263,7 +269,8 @@ def test_a_bare_file_keeps_the_datas_preprocessing_and_says_so(tmp_path):
 
 def test_a_bare_run_says_once_that_the_family_cannot_be_known(tmp_path):
     file = _tiny_timm_file(tmp_path)
-    overrides = [*TINY, *TINY_SHAPES, *QUIET[:2], "trainer.fast_dev_run=true", f"finetune.pretrained={file}"]
+    overrides = [*TINY, *TINY_SHAPES, *QUIET[:2], "trainer.fast_dev_run=true", f"finetune.init={file}"]
+    overrides.append("finetune.init_kind=encoder")
     lines = _logged(lambda: train(compose_train(overrides, tmp_path / "run")))
     assert sum("family cannot be known" in line for line in lines) == 1, lines
 
@@ -273,8 +280,8 @@ def test_a_file_in_timms_hub_layout_has_the_preprocessing_of_its_config(tmp_path
     file = _tiny_timm_file(tmp_path)
     config = {"architecture": name.split(".")[0], "pretrained_cfg": get_pretrained_cfg(name).to_dict()}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    datamodule = _datamodule(["head=classification", "data=imagefolder", f"data.root={tmp_path}"], tmp_path)
-    chosen, lines = _choose(datamodule, file)
+    folder = ["head=classification", "data=imagefolder", f"data.root={tmp_path}"]
+    chosen, lines, _ = _choose(folder, tmp_path, file)
     assert (chosen["mean"], chosen["std"], chosen["crop_pct"], chosen["crop_mode"]) == (
         [0.5] * 3,
         [0.5] * 3,
@@ -291,8 +298,9 @@ def test_a_vitattn_source_brings_its_own_preprocessing(tmp_path):
     )
     bundle = save_bundle(tmp_path / "bundle", model, task="classification", preprocess=own)
     root = _image_folder(tmp_path / "images")
-    datamodule = _datamodule(["head=classification", "data=imagefolder", f"data.root={root}"], tmp_path)
-    chosen, lines = _choose(datamodule, bundle)
+    chosen, lines, datamodule = _choose(
+        ["head=classification", "data=imagefolder", f"data.root={root}"], tmp_path, bundle
+    )
     assert chosen == {**own, "img_size": 32}  # the image size is the run's
     assert lines == [
         "preprocessing: mean (0.5, 0.5, 0.5) std (0.25, 0.25, 0.25), bilinear, crop_mode squash crop_pct 1, 32 px: "
@@ -307,8 +315,8 @@ def test_data_keys_win_over_the_weights_and_the_log_says_which(tmp_path):
     name = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
     file = _weights_file(name, tmp_path)
     overrides = ["data.mean=[0.1,0.2,0.3]", "data.std=[0.3,0.3,0.3]", "data.crop_mode=squash"]
-    datamodule = _datamodule(["head=classification", "data=imagefolder", f"data.root={tmp_path}", *overrides], tmp_path)
-    chosen, lines = _choose(datamodule, f"{name}@{file}")
+    folder = ["head=classification", "data=imagefolder", f"data.root={tmp_path}", *overrides]
+    chosen, lines, _ = _choose(folder, tmp_path, f"{name}@{file}")
     assert chosen == dict(
         img_size=32, crop_pct=0.9, crop_mode="squash", interpolation="bicubic", mean=[0.1, 0.2, 0.3], std=[0.3] * 3
     )
@@ -321,8 +329,7 @@ def test_data_keys_win_over_the_weights_and_the_log_says_which(tmp_path):
 def test_the_shapes_data_takes_the_weights_mean_and_std_and_keeps_its_whole_images(tmp_path):
     name = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
     file = _weights_file(name, tmp_path)
-    datamodule = _datamodule(["head=classification", *TINY_SHAPES], tmp_path)
-    chosen, lines = _choose(datamodule, f"{name}@{file}")
+    chosen, lines, datamodule = _choose(["head=classification", *TINY_SHAPES], tmp_path, f"{name}@{file}")
     assert (chosen["mean"], chosen["std"], chosen["crop_mode"], chosen["crop_pct"]) == (
         [0.5] * 3,
         [0.5] * 3,

@@ -1,0 +1,77 @@
+"""The run's data, built and set up before any step: an empty split and a checkpoint that does not fit the
+data (vocabulary, tokenizer, classes, head) are one-line errors, with nothing written."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import TINY, TINY_SHAPES, compose_train, make_image_folder
+from tests.training.test_config import error_data
+from vitattn.data.tokenizer import Vocabulary
+from vitattn.errors import ConfigError
+from vitattn.training import setup_data, train
+from vitattn.training.build import build_datamodule
+
+SHAPES = [*TINY, *TINY_SHAPES]
+CLS = ["head=classification", *SHAPES]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return error_data(tmp_path_factory.mktemp("data"))
+
+
+def test_empty_image_folder_fails_before_any_step(data, tmp_path):
+    cfg = compose_train(
+        [*TINY, "data=imagefolder", "head=classification", f"data.root={data['empty']}", "data.num_workers=0"], tmp_path
+    )
+    with pytest.raises(ConfigError, match=r"^data\.root=.*empty: .*train.*expected ROOT/train/<class>/<image>") as err:
+        train(cfg)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "config.yaml").exists()
+
+
+def _fake_checkpoint(path: Path, **hparams) -> Path:
+    """A checkpoint file carrying only the hyperparameters (what the pre-training checks read)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"global_step": 3, "hyper_parameters": hparams}, path)
+    return path
+
+
+@pytest.mark.parametrize("how", ["resume", "ckpt_path"])
+def test_vocabulary_differing_from_the_checkpoint_fails_before_any_step(how, tmp_path):
+    run = tmp_path / "run"
+    trained = Vocabulary(["a", "red", "circle"])
+    ckpt = _fake_checkpoint(run / "checkpoints" / "last.ckpt", vocab=trained.itos[4:], model_config={})
+    trained.save(run / "vocab.json")
+    other = Vocabulary(["a", "blue", "circle"])
+    other.save(tmp_path / "other.json")
+    load = f"resume={run}" if how == "resume" else f"ckpt_path={ckpt}"
+    cfg = compose_train(["head=caption", *SHAPES, f"data.vocab_path={tmp_path / 'other.json'}", load], tmp_path / "out")
+    pattern = (
+        r"^data\.vocab_path: .*other\.json \(3 words\) differs .*'blue' vs 'red'.*"
+        rf"data\.vocab_path={re.escape(str(run / 'vocab.json'))}$"
+    )
+    with pytest.raises(ConfigError, match=pattern):
+        train(cfg)
+    assert not (tmp_path / "out").exists()  # nothing written, no step run
+    # the same vocabulary passes, and a checkpoint of the other head is refused
+    matching = compose_train(["head=caption", *SHAPES, f"data.vocab_path={run / 'vocab.json'}", load], tmp_path / "out")
+    setup_data(matching, build_datamodule(matching), str(ckpt))
+    cls_cfg = compose_train([*CLS, load], tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"was trained with head=caption, not head=classification; use head=caption"):
+        setup_data(cls_cfg, build_datamodule(cls_cfg), str(ckpt))
+
+
+def test_class_list_differing_from_the_checkpoint_fails_before_any_step(tmp_path):
+    root = make_image_folder(tmp_path / "folder", classes=("bird", "cat"), per_class=2)
+    ckpt = tmp_path / "trained.ckpt"
+    torch.save({"hyper_parameters": {"class_names": ["cat", "dog"]}}, ckpt)
+    cfg = compose_train(
+        ["head=classification", "data=imagefolder", f"data.root={root}", f"ckpt_path={ckpt}"], tmp_path / "run"
+    )
+    dm = build_datamodule(cfg)
+    with pytest.raises(ConfigError, match=r"classes \['bird', 'cat'\] differ from the checkpoint's \['cat', 'dog'\]"):
+        setup_data(cfg, dm, str(ckpt))

@@ -1,0 +1,497 @@
+"""``finetune.init``: the weights a run starts from, of one of two kinds (``finetune.init_kind``).
+
+- ``model``: a whole trained vitattn model (run folder, bundle or ``.ckpt``): its sizes, image size, caption
+  length, tokenizer or class names, preprocessing and every weight; the run's config brings the rest (data,
+  optimiser, schedule, regularisation, the objective: cross-entropy or ``finetune=scst``).
+- ``encoder``: an encoder only, from a timm weights file, a timm name (``NAME``, ``NAME@FILE``) or a vitattn
+  model; the switches its weights show are set in the model config, sizes that contradict them refused.
+
+``read_start`` reads the weights once; ``resolve`` writes what they fix into the run's config before it is
+checked, saved and built (``resolve_preprocess`` their preprocessing); ``load_into`` copies them into the
+built system. See docs/finetuning.md.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.utilities import rank_zero_info
+from omegaconf import DictConfig, OmegaConf, open_dict
+from timm.data import resolve_model_data_config
+from torch import Tensor
+
+from vitattn.bundle import Bundle, load_bundle
+from vitattn.bundle.folder import CONFIG_FILE, is_bundle_weights
+from vitattn.data import Vocabulary
+from vitattn.data.preprocess import WEIGHTS_KEYS, describe, from_timm, weights_preprocess
+from vitattn.data.tokenizer import Tokenizer
+from vitattn.errors import ConfigError, first_line
+from vitattn.models import VisionTransformer
+from vitattn.models.timm_weights import (
+    TIMM_SUFFIXES,
+    convert_timm_state_dict,
+    load_encoder_state,
+    pretrained_timm_model,
+    read_timm_file,
+    timm_file_data_config,
+    timm_model_config,
+    timm_pretrained_cfg,
+    weights_config,
+)
+from vitattn.models.vit import PRESETS, preset_config
+
+__all__ = [
+    "Encoder",
+    "WholeModel",
+    "command_line_keys",
+    "read_start",
+    "log_preprocess",
+    "resolve_preprocess",
+    "source_kind",
+]
+
+KINDS = ("model", "encoder")
+
+# Model keys that are training choices, not what the weights are: the run's config keeps its own.
+TRAINING_KEYS = frozenset(
+    {
+        "drop_rate",
+        "pos_drop_rate",
+        "attn_drop_rate",
+        "drop_path_rate",
+        "fused_attn",
+        "pos_embed_init",
+        "init",
+        "grad_checkpointing",
+    }
+)
+
+
+# Keys the weights fix that the config must already agree with: changing them changes what the model is.
+_REFUSED = ("in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio")
+# Switches set from the weights (and logged) when the config says otherwise.
+_SET = ("patch_size", "qkv_bias", "norm_first", "activation", "layer_norm_eps", "norm_pre")
+_VITATTN_KEYS = ("num_heads", "norm_first", "activation", "layer_norm_eps")
+
+
+@dataclass
+class WholeModel:
+    """``finetune.init_kind=model``: a whole trained vitattn model, loaded on the CPU (``bundle``)."""
+
+    source: str
+    bundle: Bundle
+    kind = "model"
+
+    @property
+    def preprocess(self) -> dict[str, Any]:
+        return dict(self.bundle.preprocess)
+
+    @property
+    def preprocess_from(self) -> str:
+        return f"finetune.init={self.source}"
+
+    @property
+    def vocab(self) -> Tokenizer | None:
+        """The model's tokenizer: a captioner's run never builds one from its captions."""
+        return self.bundle.vocab if self.bundle.task == "caption" else None
+
+    def resolve(self, cfg: DictConfig, given: list[str]) -> None:
+        """Write the model's sizes, image size and caption length into ``cfg`` (in place) and log them.
+
+        Args:
+            given: the keys the command line set (``command_line_keys``); one that the model contradicts is refused.
+
+        Raises:
+            ConfigError: a model of the other task; a tokenizer other than the model's; a size given that differs.
+        """
+        bundle, task = self.bundle, cfg.head.task
+        if bundle.task != task:
+            raise ConfigError(
+                f"finetune.init={self.source} is a {bundle.task} model, not a {task} model (head={task}); start from "
+                f"a {task} model, or add finetune.init_kind=encoder to start only the encoder from it"
+            )
+        if task == "caption":
+            _refuse_other_tokenizer(cfg, self, given)
+        wanted = _config_values(cfg, bundle.config["model"])
+        contradicted = [
+            f"{key}={_current(cfg, key)}"
+            for key, value in wanted.items()
+            if _given(key, given) and _current(cfg, key) != value
+        ]
+        if contradicted:
+            theirs = " ".join(f"{key.split('=')[0]}={wanted[key.split('=')[0]]}" for key in contradicted)
+            raise ConfigError(
+                f"finetune.init={self.source}: its model has {theirs}, not {' '.join(contradicted)} as given; the "
+                "model's sizes come from finetune.init, so drop them from the command line"
+            )
+        changed = []
+        with open_dict(cfg):
+            for key, value in wanted.items():
+                if _current(cfg, key) != value:
+                    changed.append(f"{key} {_current(cfg, key)} -> {value}")
+                    _set(cfg, key, value)
+        rank_zero_info(
+            f"finetune.init={self.source}: the model's sizes, tokenizer and preprocessing"
+            + (f"; set from it: {', '.join(changed)}" if changed else "")
+        )
+
+    def check_data(self, datamodule: Any) -> None:
+        """A classifier is trained on the classes it has, in its order; else one line."""
+        theirs = self.bundle.class_names
+        if self.bundle.task == "classification" and list(datamodule.class_names) != list(theirs):
+            raise ConfigError(
+                f"finetune.init={self.source} classifies {list(theirs)}; the data's classes are "
+                f"{list(datamodule.class_names)}; train on the same classes"
+            )
+
+    def load_into(self, system: Any) -> None:
+        """Copy every weight of the model into ``system.model`` (built from the config ``resolve`` set)."""
+        try:
+            system.model.load_state_dict(self.bundle.model.state_dict(), strict=True)
+        except RuntimeError as err:
+            raise ConfigError(f"finetune.init={self.source}: {first_line(err)}") from None
+        rank_zero_info(f"finetune.init: started from every weight of the {self.bundle.task} model {self.source}")
+
+
+@dataclass
+class Encoder:
+    """``finetune.init_kind=encoder``: encoder weights read from a source, and the ``VisionTransformer`` keyword
+    arguments they fix.
+
+    Attributes:
+        source: the ``finetune.init`` value.
+        what: how the log line names it (``timm file x.safetensors``, ``timm vit_base_patch16_224.augreg...``).
+        state: the encoder state dict in vitattn's layout (with its classifier head, if any).
+        known: ``VisionTransformer`` keyword arguments the source fixes.
+        notes: what the log line adds (e.g. timm's note on QuickGELU).
+        changes: the switches ``fit`` set, ``key old -> new``.
+        preprocess: the preprocessing the weights were trained with (a ``preprocess`` mapping); None: unknown.
+        preprocess_from: where it comes from (or why it is unknown), as the run log says it.
+    """
+
+    source: str
+    what: str
+    state: dict[str, Tensor]
+    known: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    changes: list[str] = field(default_factory=list)
+    preprocess: dict[str, Any] | None = None
+    preprocess_from: str = ""
+
+    def fit(self, encoder: dict[str, Any]) -> None:
+        """Set the switches the weights show in ``encoder`` (VisionTransformer kwargs, in place).
+
+        Raises:
+            ConfigError: a width, depth, head count, MLP ratio or channel count that contradicts the
+                weights; a patch size from the weights that does not divide the image size.
+        """
+        self._refuse_contradictions(encoder)
+        if "activation" not in self.known and self.known["norm_pre"]:
+            self.notes.append(
+                f"activation {encoder['activation']} from the config, not the weights "
+                "(OpenAI CLIP weights need model.activation=quick_gelu)"
+            )
+        for key in _SET:
+            if key in self.known and encoder[key] != self.known[key]:
+                self._set(encoder, key, self.known[key])
+        wanted = self.known["fc_norm"]
+        if wanted and not _uses_fc_norm(encoder) and encoder["global_pool"] == "cls":
+            self._set(encoder, "global_pool", "avg")  # timm's fc_norm goes with average pooling
+        if wanted != _uses_fc_norm(encoder):
+            self._set(encoder, "fc_norm", wanted)
+        if encoder["img_size"] % encoder["patch_size"]:
+            raise ConfigError(
+                f"finetune.init={self.source}: its patch_size={encoder['patch_size']} does not divide "
+                f"data.img_size={encoder['img_size']}; use a multiple of {encoder['patch_size']}"
+            )
+
+    kind = "encoder"
+    vocab = None  # the run's own tokenizer
+
+    def resolve(self, cfg: DictConfig, given: list[str]) -> None:
+        """Set the switches the weights show in ``cfg.model`` (in place): the config that is checked and saved."""
+        encoder = {**OmegaConf.to_container(cfg.model, resolve=True), "img_size": cfg.data.img_size}
+        self.fit(encoder)
+        with open_dict(cfg):
+            for key in cfg.model:
+                if key != "img_size" and key in encoder and _current(cfg, f"model.{key}") != encoder[key]:
+                    cfg.model[key] = encoder[key]
+
+    def check_data(self, datamodule: Any) -> None:
+        """Nothing: the run's data sizes the head."""
+
+    def load_into(self, target: Any) -> None:
+        """Copy the weights into ``target``'s encoder (a system, or a ``VisionTransformer`` built from the fitted
+        config) and log one line."""
+        encoder = target if isinstance(target, VisionTransformer) else getattr(target.model, "encoder", target.model)
+        try:
+            notes = load_encoder_state(encoder, self.state)
+        except ValueError as err:
+            raise ConfigError(f"finetune.init={self.source}: {first_line(err)}") from None
+        set_from = f"; set from the weights: {', '.join(self.changes)}" if self.changes else ""
+        extra = "; ".join(notes + self.notes)
+        rank_zero_info(
+            f"pretrained encoder: loaded {len(self.state)} tensors of {self.what}{set_from}"
+            + (f"; {extra}" if extra else "")
+        )
+
+    def _set(self, encoder: dict[str, Any], key: str, value: Any) -> None:
+        self.changes.append(f"model.{key} {_plain(encoder[key])} -> {_plain(value)}")
+        encoder[key] = value
+
+    def _refuse_contradictions(self, encoder: dict[str, Any]) -> None:
+        def differs(key: str) -> bool:
+            if key == "mlp_ratio":  # the hidden width is what the weights hold
+                width = encoder["embed_dim"]
+                return int(width * encoder[key]) != round(width * self.known[key])
+            return encoder[key] != self.known[key]
+
+        wrong = [k for k in _REFUSED if k in self.known and differs(k)]
+        if not wrong:
+            return
+        theirs = " ".join(f"{k}={_plain(self.known[k])}" for k in _REFUSED if k in self.known)
+        fix = " ".join(f"model.{k}={_plain(self.known[k])}" for k in wrong)
+        sizes = [n for n in PRESETS if all(preset_config(n)[k] == self.known[k] for k in ("embed_dim", "depth"))]
+        hint = f" (or model={sizes[0]})" if sizes and "in_chans" not in wrong else ""
+        raise ConfigError(f"finetune.init={self.source}: the weights have {theirs}; set {fix}{hint}")
+
+
+def _uses_fc_norm(encoder: dict[str, Any]) -> bool:
+    return encoder["global_pool"] == "avg" if encoder["fc_norm"] is None else encoder["fc_norm"]
+
+
+def _plain(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (bool, type(None))) else str(value)
+
+
+def read_start(source: str, kind: str = "model") -> WholeModel | Encoder:
+    """The weights ``finetune.init=source`` names, of ``kind`` (``finetune.init_kind``), read once.
+
+    Raises:
+        ConfigError: an unknown kind or source; weights that cannot be read, are not a supported ViT, or are
+            neither cached nor reachable (timm names, offline).
+    """
+    if kind not in KINDS:
+        raise ConfigError(f"finetune.init_kind={kind!r} is unknown; choose model (a whole vitattn model) or encoder")
+    if kind == "model":
+        return _read_model(str(source))
+    what, where, file = source_kind(source)
+    try:
+        if what == "vitattn":
+            return _read_vitattn(source, Path(where))
+        if what == "timm-file":
+            return _read_timm_file(source, Path(where))
+        return _read_timm_name(source, str(where), file)
+    except (ValueError, FileNotFoundError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        message = first_line(err, limit=600).removeprefix(f"{where}: ")  # timm_hub's lines start with the name
+        raise ConfigError(f"finetune.init={source}: {message}") from None
+
+
+def _read_model(source: str) -> WholeModel:
+    path = Path(source).expanduser()
+    if not path.exists():
+        hint = "; a timm encoder needs finetune.init_kind=encoder" if "/" not in source else ""
+        raise ConfigError(f"finetune.init={source} does not exist; give a vitattn run folder, bundle or .ckpt{hint}")
+    if path.suffix.lower() in TIMM_SUFFIXES and not is_bundle_weights(path):
+        raise ConfigError(f"finetune.init={source} is a timm weights file, an encoder: add finetune.init_kind=encoder")
+    try:
+        bundle = load_bundle(path)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"finetune.init={source}: {first_line(err)}") from None
+    if bundle.runtime != "torch":
+        raise ConfigError(f"finetune.init={source} is an ONNX folder; give the run folder or bundle it came from")
+    return WholeModel(source, bundle)
+
+
+def command_line_keys() -> list[str]:
+    """The keys (and groups) the command line set: the Hydra overrides of a ``vitattn-train`` run; none when
+    the config was composed another way."""
+    if not HydraConfig.initialized():
+        return []
+    return [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
+
+
+def source_kind(source: str) -> tuple[str, Path | str, Path | None]:
+    """What a ``finetune.init`` value names, without reading weights: ``(kind, where, file)``.
+
+    ``kind`` is ``vitattn`` (a run folder, bundle or .ckpt at ``where``), ``timm-file`` (a weights file) or
+    ``timm-name`` (``where`` a timm name; ``file`` its local weights for ``NAME@FILE``, else None).
+
+    Raises:
+        ConfigError: nothing at that path and no timm model of that name; an unknown tag.
+    """
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.exists():
+        if path.is_dir() or path.suffix == ".ckpt" or path.name == CONFIG_FILE or is_bundle_weights(path):
+            return "vitattn", path, None
+        if path.suffix.lower() in TIMM_SUFFIXES:
+            return "timm-file", path, None
+        raise ConfigError(
+            f"finetune.init={text} is not a weights file; give a {', '.join(TIMM_SUFFIXES)} file, "
+            "a timm model name, or a vitattn run folder, bundle or .ckpt"
+        )
+    name, at, file = text.partition("@")
+    try:
+        timm_pretrained_cfg(name, downloadable=not at)
+    except ValueError as err:
+        if "not a timm model" in str(err) and not at:
+            raise ConfigError(
+                f"finetune.init={text} is neither an existing file or folder nor a timm model name "
+                "with a pretrained tag (e.g. vit_base_patch16_224.augreg2_in21k_ft_in1k)"
+            ) from None
+        raise ConfigError(f"finetune.init={text}: {first_line(err)}") from None
+    if at and not Path(file).expanduser().is_file():
+        raise ConfigError(f"finetune.init={text}: {file} does not exist; give the weights file of {name}")
+    return "timm-name", name, Path(file).expanduser() if at else None
+
+
+def _read_vitattn(source: str, path: Path) -> Encoder:
+    bundle = load_bundle(path.parent if is_bundle_weights(path) else path)
+    encoder = bundle.model.encoder if bundle.task == "caption" else bundle.model
+    state = {k: v.detach() for k, v in encoder.state_dict().items()}
+    known = {**weights_config(state), **{k: encoder.config[k] for k in _VITATTN_KEYS}}
+    what = f"the vitattn {bundle.task} model {path}"
+    return Encoder(source, what, state, known, preprocess=dict(bundle.preprocess), preprocess_from=what)
+
+
+def _read_timm_file(source: str, path: Path) -> Encoder:
+    state, known = read_timm_file(path)
+    weights = Encoder(source, f"timm file {path}", state, {**weights_config(state), **known})
+    found = timm_file_data_config(path)
+    if found is None:
+        weights.preprocess_from = f"{path} is a bare weights file whose family cannot be known"
+    else:
+        name, data_config = found
+        weights.preprocess = from_timm(data_config)
+        weights.preprocess_from = f"timm's pretrained config of {name} (the config.json beside {path.name})"
+    return weights
+
+
+def _read_timm_name(source: str, name: str, file: Path | None) -> Encoder:
+    model = pretrained_timm_model(name, file)
+    known = timm_model_config(model)
+    state = convert_timm_state_dict(model.state_dict())
+    notes = [f"timm: {n}" for n in (model.pretrained_cfg.get("notes") or ())]
+    what = f"timm {name}" + (f" from {file}" if file else "")
+    cfg = model.pretrained_cfg
+    tagged = f"{cfg['architecture']}.{cfg['tag']}" if cfg.get("architecture") and cfg.get("tag") else name
+    return Encoder(
+        source,
+        what,
+        state,
+        {**weights_config(state), **known},
+        notes,
+        preprocess=from_timm(resolve_model_data_config(model)),
+        preprocess_from=f"timm's pretrained config of {tagged}",
+    )
+
+
+def _config_values(cfg: DictConfig, model: dict[str, Any]) -> dict[str, Any]:
+    """The config keys and values that build ``model`` (a saved model config) again."""
+    if cfg.head.task == "classification":
+        encoder, decoder = model, None
+    else:
+        encoder, decoder = model["encoder"], model["decoder"]
+    values = {"data.img_size": encoder["img_size"]}
+    values.update(
+        {f"model.{k}": encoder[k] for k in cfg.model if k in encoder and k not in TRAINING_KEYS | {"img_size"}}
+    )
+    if decoder is not None:
+        values["data.max_caption_len"] = decoder["max_len"]
+        values.update(
+            {
+                f"head.decoder.{k}": decoder[k]
+                for k in cfg.head.decoder
+                if k in decoder and k not in TRAINING_KEYS | {"max_len"}
+            }
+        )
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+
+
+def _current(cfg: DictConfig, key: str) -> Any:
+    value = cfg
+    for part in key.split("."):
+        value = value[part]
+    return list(value) if hasattr(value, "__len__") and not isinstance(value, str) else value
+
+
+def _set(cfg: DictConfig, key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    node = cfg
+    for part in parents:
+        node = node[part]
+    node[last] = value
+
+
+def _given(key: str, given: list[str]) -> bool:
+    """Whether the command line set ``key`` itself, or the group it belongs to (``model=small`` sets model.*)."""
+    group = key.split(".")[0]
+    return key in given or (group == "model" and "model" in given)
+
+
+def _refuse_other_tokenizer(cfg: DictConfig, init: WholeModel, given: list[str]) -> None:
+    theirs = init.bundle.vocab
+    kind = "words" if isinstance(theirs, Vocabulary) else "subword"
+    asked = [k for k in given if k == "tokenizer" or k.startswith("tokenizer.") or k == "data.vocab_path"]
+    ours = cfg.tokenizer.kind if "tokenizer" in cfg else "words"
+    if asked and (cfg.data.get("vocab_path") or (ours == "words") != (kind == "words")):
+        raise ConfigError(
+            f"finetune.init={init.source} brings its own tokenizer ({type(theirs).__name__}, {len(theirs)} tokens), "
+            f"not the one {' '.join(asked)} asks for; drop {' '.join(asked)}"
+        )
+
+
+def resolve_preprocess(cfg: DictConfig, start: WholeModel | Encoder | None) -> str:
+    """Write into ``cfg.data`` (in place) the preprocessing ``start`` was trained with, where the config sets no
+    ``data.*`` key and the data takes it (its ``weights_keys``).
+
+    Returns:
+        Where each part of the preprocessing comes from, for ``log_preprocess`` once the data is built.
+    """
+    data_class = hydra.utils.get_class(cfg.data._target_)
+    config = [k for k in WEIGHTS_KEYS if cfg.data.get(k) is not None]
+    theirs = weights_preprocess(start.preprocess) if start is not None and start.preprocess is not None else {}
+    taken = {k: theirs[k] for k in data_class.weights_keys if k in theirs and k not in config}
+    with open_dict(cfg):
+        for key, value in taken.items():
+            cfg.data[key] = list(value) if isinstance(value, (list, tuple)) else value
+    pretrained = start
+    parts = []
+    if config:
+        parts.append((", ".join(f"data.{k}" for k in config), "from the config"))
+    if taken:
+        parts.append((", ".join(taken), f"the pretrained weights' own, from {pretrained.preprocess_from}"))
+    rest = [k for k in WEIGHTS_KEYS if k not in config and k not in taken]
+    if rest:
+        parts.append((", ".join(rest), _data_default(pretrained, rest)))
+    last = len(parts) - 1
+    why = "; ".join(f"{'the rest' if i == last else keys}: {source}" for i, (keys, source) in enumerate(parts))
+    return parts[0][1] if not last else why
+
+
+def log_preprocess(datamodule: Any, why: str) -> None:
+    """One line: the preprocessing the built data uses, and where each part comes from (``resolve_preprocess``)."""
+    rank_zero_info(f"preprocessing: {describe(datamodule.preprocess)}: {why}")
+
+
+def _data_default(pretrained: WholeModel | Encoder | None, rest: list[str]) -> str:
+    if pretrained is None:
+        return "the data's own (no finetune.init)"
+    if pretrained.preprocess is not None:
+        return "the data's own"
+    stats = [k for k in ("mean", "std") if k in rest]
+    if not stats:
+        return f"the data's own: {pretrained.preprocess_from}"
+    fix = " ".join(f"data.{k}=[...]" for k in stats)
+    return (
+        f"the data's own, ImageNet's {' and '.join(stats)}: {pretrained.preprocess_from}; "
+        f"if its weights were trained with others, set {fix}"
+    )
