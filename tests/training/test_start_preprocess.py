@@ -142,6 +142,7 @@ def _train_from_timm(name: str, model: list[str], tmp: Path, extra: list[str] = 
     return dict(
         bundle=load_bundle(result["run"].bundle_dir),
         datamodule=result["run"].system.trainer.datamodule,  # the run's own data
+        run_dir=result["run"].run_dir,
         images=sorted((root / "val").rglob("*.png")),
         reference=reference,
         transform=transform,
@@ -185,6 +186,18 @@ def test_the_bundle_and_every_split_preprocess_as_timm_does(timm_run):
     assert isinstance(normalize, Normalize)
     torch.testing.assert_close(normalize.mean.flatten(), torch.tensor(config["mean"]), rtol=0, atol=1e-7)
     torch.testing.assert_close(normalize.std.flatten(), torch.tensor(config["std"]), rtol=0, atol=1e-7)
+
+
+def test_the_saved_config_is_the_resolved_one_that_ran(timm_run):
+    """The run folder's config holds the preprocessing the run was checked and built with (the weights', resolved
+    into the null data.* keys first), so what evaluation or a resume rebuilds from it is what trained."""
+    saved = RunDir(timm_run["run_dir"]).load_config().data
+    config = resolve_model_data_config(timm_run["reference"])
+    ran = timm_run["datamodule"].preprocess
+    assert list(saved.mean) == list(ran["mean"]) == list(config["mean"])
+    assert list(saved.std) == list(ran["std"]) == list(config["std"])
+    assert saved.interpolation == ran["interpolation"] == config["interpolation"]
+    assert saved.crop_pct == ran["crop_pct"] == config["crop_pct"]
 
 
 def test_the_encoders_features_on_the_bundles_transform_are_timms(timm_run):

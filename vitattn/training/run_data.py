@@ -53,10 +53,7 @@ def datamodule_from_run(
     if unknown:
         raise KeyError(f"the run's data ({data._target_}) has no {', '.join(unknown)}")
     settings: dict[str, Any] = {"batch_size": batch_size, "num_workers": num_workers, **read_once(data)}
-    if preprocess is not None:
-        theirs = weights_preprocess(preprocess)
-        weights_keys = getattr(hydra.utils.get_class(data._target_), "weights_keys", ())
-        settings |= {k: theirs[k] for k in weights_keys if k in theirs and data.get(k) is None}
+    settings |= preprocess_taken(data, preprocess)
     if vocab is not None:
         settings["vocab"] = vocab
     try:
@@ -65,3 +62,13 @@ def datamodule_from_run(
         raise ValueError(f"the data of {run.config} cannot be rebuilt: {' '.join(str(err).split())[:200]}") from None
     datamodule.setup("validate")
     return datamodule
+
+
+def preprocess_taken(data: DictConfig, preprocess: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What of a model's ``preprocess`` the data takes: the data class's ``weights_keys`` that ``data`` leaves
+    null (a ``data.*`` key the config sets wins over the weights')."""
+    if preprocess is None:
+        return {}
+    theirs = weights_preprocess(preprocess)
+    keys = getattr(hydra.utils.get_class(data._target_), "weights_keys", ())
+    return {k: theirs[k] for k in keys if k in theirs and data.get(k) is None}

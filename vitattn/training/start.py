@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -28,7 +27,7 @@ from torch import Tensor
 from vitattn.bundle import Bundle, load_bundle
 from vitattn.bundle.folder import CONFIG_FILE, is_bundle_weights
 from vitattn.data import Vocabulary
-from vitattn.data.preprocess import WEIGHTS_KEYS, describe, from_timm, weights_preprocess
+from vitattn.data.preprocess import WEIGHTS_KEYS, describe, from_timm
 from vitattn.data.tokenizer import Tokenizer
 from vitattn.errors import ConfigError, first_line
 from vitattn.models import VisionTransformer
@@ -44,6 +43,7 @@ from vitattn.models.timm_weights import (
     weights_config,
 )
 from vitattn.models.vit import PRESETS, preset_config
+from vitattn.training.run_data import preprocess_taken
 
 __all__ = [
     "Encoder",
@@ -456,22 +456,19 @@ def resolve_preprocess(cfg: DictConfig, start: WholeModel | Encoder | None) -> s
     Returns:
         Where each part of the preprocessing comes from, for ``log_preprocess`` once the data is built.
     """
-    data_class = hydra.utils.get_class(cfg.data._target_)
     config = [k for k in WEIGHTS_KEYS if cfg.data.get(k) is not None]
-    theirs = weights_preprocess(start.preprocess) if start is not None and start.preprocess is not None else {}
-    taken = {k: theirs[k] for k in data_class.weights_keys if k in theirs and k not in config}
+    taken = preprocess_taken(cfg.data, start.preprocess if start is not None else None)
     with open_dict(cfg):
         for key, value in taken.items():
             cfg.data[key] = list(value) if isinstance(value, (list, tuple)) else value
-    pretrained = start
     parts = []
     if config:
         parts.append((", ".join(f"data.{k}" for k in config), "from the config"))
     if taken:
-        parts.append((", ".join(taken), f"the pretrained weights' own, from {pretrained.preprocess_from}"))
+        parts.append((", ".join(taken), f"the pretrained weights' own, from {start.preprocess_from}"))
     rest = [k for k in WEIGHTS_KEYS if k not in config and k not in taken]
     if rest:
-        parts.append((", ".join(rest), _data_default(pretrained, rest)))
+        parts.append((", ".join(rest), _data_default(start, rest)))
     last = len(parts) - 1
     why = "; ".join(f"{'the rest' if i == last else keys}: {source}" for i, (keys, source) in enumerate(parts))
     return parts[0][1] if not last else why

@@ -21,7 +21,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from vitattn.data.bad_images import (
@@ -127,35 +126,20 @@ class ImageDataModule(pl.LightningDataModule):
         self.skipped_images: dict[str, str] = {}  # files left out of batches in this process: path -> reason
         self.skipped_counts: Counter[str] = Counter()  # items left out, by the trainer's stage (train, validate, ...)
         given = dict(mean=mean, std=std, interpolation=interpolation, crop_pct=crop_pct, crop_mode=crop_mode)
-        self.preprocess_overrides = {  # the data.* keys a config sets: they win over the weights' own
-            k: list(v) if k in ("mean", "std") else v for k, v in given.items() if v is not None
-        }
+        set_keys = {k: list(v) if k in ("mean", "std") else v for k, v in given.items() if v is not None}
+        # img_size, crop_pct, crop_mode, interpolation, mean, std: the data's own under the data.* keys set
+        self.preprocess: dict[str, Any] = {**default_preprocess(img_size), **self.crop, **set_keys}
+        check_preprocess(self.preprocess, "data")
+        # the loaders' uint8 images normalised (on any device): with eval_transform, inference's transform bit for bit
+        self.normalize = Normalize(self.preprocess["mean"], self.preprocess["std"])
         self.last_keys: list[str] = []  # the keys of the samples of the batch last given to a training step
         self._train_loader: ResumableLoader | None = None
         self._train_loader_state: dict[str, Any] | None = None  # a checkpoint's, for the training loader to come
-        self._normalize: tuple[Any, Normalize] | None = None  # ((mean, std), its Normalize)
-        check_preprocess({**default_preprocess(img_size), **self.preprocess_overrides}, "data")
-
-    @property
-    def preprocess(self) -> dict:
-        """``img_size``, ``crop_pct``, ``crop_mode``, ``interpolation``, ``mean``, ``std``: the data's own under the
-        ``data.*`` keys given."""
-        default = {"mean": list(IMAGENET_DEFAULT_MEAN), "std": list(IMAGENET_DEFAULT_STD)}
-        return {"img_size": self.img_size, **self.crop, **default, **self.preprocess_overrides}
 
     def eval_transform(self) -> Callable[[Any], torch.Tensor]:
         """The evaluation transform of an image file in the loaders: inference's ``eval_transform(self.preprocess)``
         up to its normalisation, a (3, img_size, img_size) uint8 tensor that ``normalize`` finishes."""
         return eval_transform(self.preprocess, normalize=False)
-
-    @property
-    def normalize(self) -> Normalize:
-        """``preprocess``'s normalisation of the loaders' uint8 images (on any device): with ``eval_transform``,
-        inference's transform bit for bit."""
-        key = (tuple(self.preprocess["mean"]), tuple(self.preprocess["std"]))
-        if self._normalize is None or self._normalize[0] != key:  # the weights' preprocessing may come late
-            self._normalize = (key, Normalize(*key))
-        return self._normalize[1]
 
     def normalize_batch(self, batch: Any) -> Any:
         """A loader's batch as the model takes it: its uint8 images (``images`` of a dict, the first item

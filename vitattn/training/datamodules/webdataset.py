@@ -39,6 +39,7 @@ from vitattn.data.shards.stream import (
 )
 from vitattn.data.tokenizer import Tokenizer, collate_captions
 from vitattn.training.datamodules.base import EvaluationBatches, ImageDataModule, rank_and_world
+from vitattn.training.datamodules.image_folder import ImageFolderDataModule
 
 __all__ = ["WebDatasetDataModule", "shard_captions", "shard_references"]
 
@@ -144,18 +145,19 @@ class WebDatasetDataModule(ImageDataModule):
         tokenizer: Mapping[str, Any] | None = None,
         vocab: Tokenizer | None = None,
     ) -> None:
+        if task not in self.tasks:
+            raise ValueError(f"task={task!r} is unknown; choose one of {list(self.tasks)}")
+        self.task = task  # before the base builds the preprocessing: ``crop`` is the task's
         super().__init__(
             batch_size, num_workers, img_size, mean, std, interpolation, crop_pct, crop_mode, tokenizer, vocab
         )
         self._bad_image_settings(bad_images, False)
-        if task not in self.tasks:
-            raise ValueError(f"task={task!r} is unknown; choose one of {list(self.tasks)}")
         if cache not in ("none", "auto"):
             raise ValueError(f"data.cache={cache!r}: shards are streamed, not cached; use data.cache=none")
         if samples_per_epoch is not None and samples_per_epoch < 1:
             raise ValueError(f"data.samples_per_epoch={samples_per_epoch} must be at least 1, or null for all")
         self.shards = {"train": train_shards, "val": val_shards, "test": test_shards}
-        self.task, self.caption_key, self.class_names_spec = task, caption_key, class_names
+        self.caption_key, self.class_names_spec = caption_key, class_names
         self.min_word_freq, self.max_caption_len, self.vocab_path = min_word_freq, max_caption_len, vocab_path
         scale = CAPTION_CROP_SCALE if task == "caption" else "auto"
         self.augment = Augment.from_config(augment, scale=scale, **({"hflip": 0.0} if task == "caption" else {}))
@@ -170,9 +172,7 @@ class WebDatasetDataModule(ImageDataModule):
 
     @property
     def crop(self) -> dict[str, Any]:  # the evaluation transform of the data the head's file DataModules use
-        if self.task == "classification":
-            return {"crop_pct": 0.875, "crop_mode": "center", "interpolation": "bilinear"}
-        return {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bicubic"}
+        return ImageFolderDataModule.crop if self.task == "classification" else ImageDataModule.crop
 
     def prepare_data(self) -> None:
         """Count and index the shards once a machine (Lightning runs this on each machine's first process,
