@@ -52,9 +52,20 @@ def test_listed_packages_are_every_package_folder():
         for p in (ROOT / top).rglob("__init__.py")
         if "__pycache__" not in p.parts
     }
+    # hydra_plugins is a namespace package (no __init__): listed, so that an editable install lets Hydra's plugin
+    # scan find the sweeper in it
+    expected = folders | {"vitattn.conf", "hydra_plugins"}
     listed = set(SETUPTOOLS["packages"])
-    assert listed == folders | {"vitattn.conf"}, sorted(listed ^ (folders | {"vitattn.conf"}))
+    assert listed == expected, sorted(listed ^ expected)
     assert SETUPTOOLS["package-dir"] == {"vitattn.conf": "conf"} and (ROOT / "conf" / "train.yaml").is_file()
+
+
+def test_hydras_plugin_scan_finds_the_optuna_sweeper():
+    """Hydra finds plugins by listing the ``hydra_plugins`` namespace package: the installed project must be in it."""
+    code = "import hydra_plugins, pkgutil; print(sorted(m.name for m in pkgutil.iter_modules(hydra_plugins.__path__)))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True, check=True)
+    assert "vitattn_optuna_sweeper" in out.stdout, out.stdout
 
 
 def _wheel_metadata(wheel: Path):

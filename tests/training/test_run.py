@@ -73,14 +73,14 @@ def test_killed_training_resumes_with_at_most_one_interval_repeated(tmp_path):
             found = list(runs.glob("classification/*/checkpoints/last.ckpt"))
             # kill once a step checkpoint exists and training is past the first validation (which
             # rewrites metrics.csv with new columns) and past the step-10 checkpoint
-            if found and max(_train_steps(found[0].parents[2] / "csv" / "metrics.csv"), default=0) >= 11:
+            if found and max(_train_steps(found[0].parents[1] / "csv" / "metrics.csv"), default=0) >= 11:
                 last = found[0]
                 break
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert last is not None and proc.returncode == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-3000:]
-    run_dir = last.parents[2]
+    run_dir = last.parents[1]
     _assert_checkpoints_whole(run_dir)  # none partial after the kill
     done_before_kill = max(_train_steps(run_dir / "csv" / "metrics.csv")) + 1
     resumed_from = torch.load(last, weights_only=True)["global_step"]
