@@ -49,7 +49,7 @@ def measure(threads: int, batch_size: int, samples: int, baseline: str, repeats:
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.setup("fit")
     system = build_system(cfg, datamodule)
-    system.use_reward(CiderD(datamodule.train_references()))
+    system.use_reward(CiderD(datamodule.train_references(), eos_word=True))
     model = system.model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     batch = datamodule.ready_batch(next(iter(datamodule.train_dataloader())))  # images normalised, as in training

@@ -114,7 +114,7 @@ def test_one_self_critical_step_rewards_each_sample_against_its_own_images_refer
     words = ["<pad>", "<bos>", "<eos>", "<unk>", "red", "blue", "circle"]
     decode = lambda ids: [" ".join(words[i] for i in row if i > 3) for row in ids.tolist()]  # noqa: E731
     references = [["red circle", "a red circle"], ["blue blue", "blue circle"]]
-    scorer = CiderD([*references, ["circle"], ["red blue"]])
+    scorer = CiderD([*references, ["circle"], ["red blue"]], eos_word=True)
     objective = SelfCritical(ScstConfig(samples=4, baseline="mean"), scorer, decode)
     torch.manual_seed(3)
     loss, logged = objective(model, torch.randn(2, 3, 16, 16), references, None)
@@ -130,7 +130,10 @@ def test_one_self_critical_step_rewards_each_sample_against_its_own_images_refer
         "cpu",
         dict(temperature=1.0, top_k=0, top_p=1.0, generator=None),
     )
-    rewards = torch.tensor(scorer(decode(sampled), [references[0]] * 4 + [references[1]] * 4))
+    ended = (sampled == 2).any(1).tolist()
+    assert 0 < sum(ended) < 8  # some samples end, some are cut by the length limit
+    rewards = torch.tensor(scorer(decode(sampled), [references[0]] * 4 + [references[1]] * 4, ended))
+    assert rewards.tolist() != scorer(decode(sampled), [references[0]] * 4 + [references[1]] * 4)  # as if all ended
     assert len(set(decode(sampled))) > 2  # the samples differ, so the rewards can
     assert float(logged["reward"]) == pytest.approx(float(rewards.mean()))
     assert float(logged["baseline"]) == pytest.approx(float(rewards.mean()))  # mean of the leave-one-out means
@@ -152,6 +155,89 @@ def test_cider_d_rewards_average_to_the_corpus_score_when_the_corpus_is_the_scor
     assert sum(per_image) / 3 == pytest.approx(cider_d(preds, refs), rel=1e-12)
     assert per_image[0] > per_image[1] > 0  # a caption's score is its own: not the batch's
     assert scorer(preds[:1], refs[:1]) == per_image[:1]
+
+
+def test_the_rewards_eos_word_is_the_toolkits_cider_d_with_eos_written_as_a_word():
+    # self-critical.pytorch scores id strings with the end id written after every reference and after each
+    # candidate that ended; the same corpus with a literal "<eos>" word, scored by the plain rule, is the oracle
+    refs = [["a red circle", "red circle left"], ["a blue square", "one blue square"], ["two green triangles"]]
+    preds, ended = ["a red circle", "a blue", "two green triangles"], [True, False, True]
+    written = [[f"{r} <eos>" for r in image_refs] for image_refs in refs]
+    expected = CiderD(written)([p + " <eos>" * e for p, e in zip(preds, ended)], written)
+    assert CiderD(refs, eos_word=True)(preds, refs, ended) == pytest.approx(expected, rel=1e-12)
+    assert CiderD(refs, eos_word=True)(preds, refs, ended) != pytest.approx(CiderD(refs)(preds, refs), rel=1e-3)
+
+
+def test_a_caption_cut_by_the_length_limit_scores_below_the_whole_caption():
+    references = [  # five per image, as COCO's
+        ["a woman rides a horse on the beach", "a man riding a horse", "a man riding a horse on the sand"],
+        ["a woman on a horse", "a woman rides a horse by the ocean", "a man riding a horse by the ocean"],
+        ["a woman riding a horse on the sand", "a man rides a horse by the ocean", "a man on a horse on the sand"],
+    ]
+    references[0] += ["a man on a horse on a beach", "a man riding a horse"]
+    references[1] += ["a man riding a horse along the shore", "a person rides a horse on the sand"]
+    references[2] += ["a woman riding a horse by the ocean"] * 2
+    whole, cut = "a man riding a horse on the beach", "a man riding a horse on the"
+    plain = CiderD(references)([whole, cut], references[:1] * 2)
+    assert plain[1] > plain[0]  # the toolkit's rule rewards the dangling ending
+    reward = CiderD(references, eos_word=True)([whole, cut], references[:1] * 2, [True, False])
+    assert reward[0] > reward[1]
+
+
+def test_the_pass_that_samples_and_the_pass_that_scores_give_the_same_log_probabilities(monkeypatch):
+    # a decoder with heavy dropout, in train mode: two passes under two dropout masks would differ
+    torch.manual_seed(0)
+    encoder = VisionTransformer(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2, num_classes=0)
+    decoder = CaptionDecoder(7, embed_dim=16, depth=1, num_heads=2, max_len=6, drop_rate=0.5, memory_dim=16)
+    model = ImageCaptioner(encoder, decoder).train()
+    import vitattn.models.search as search
+    import vitattn.training.systems.self_critical as self_critical
+
+    steps, scored = [], {}
+    next_logits, log_probs_of = search._next_logits, self_critical.sample_log_probs
+    monkeypatch.setattr(search, "_next_logits", lambda *a: steps.append(next_logits(*a)) or steps[-1])
+
+    def scoring_pass(model, memory, sampled):
+        scored["sampled"] = sampled
+        scored["log_probs"], scored["mask"] = log_probs_of(model, memory, sampled)
+        return scored["log_probs"], scored["mask"]
+
+    monkeypatch.setattr(self_critical, "sample_log_probs", scoring_pass)
+    scorer = CiderD([["red circle"], ["blue square"]], eos_word=True)
+    objective = SelfCritical(ScstConfig(samples=3), scorer, lambda ids: ["red circle"] * len(ids))
+    loss, _ = objective(model, torch.randn(2, 3, 16, 16), [["red circle"], ["blue square"]], None)
+
+    sampled, mask = scored["sampled"], scored["mask"]
+    drawn = torch.stack([logits.float().log_softmax(-1) for logits in steps], dim=1)  # (B * K, T, V) as sampled
+    drawn = drawn.gather(-1, sampled[..., None]).squeeze(-1)  # (B * K, T)
+    assert mask.sum() >= 12  # several tokens compared
+    torch.testing.assert_close(scored["log_probs"][mask], drawn[mask], rtol=1e-5, atol=1e-6)
+    assert model.decoder.training and loss.requires_grad  # the decoder's mode restored, a gradient to take
+
+
+class _References:
+    def __init__(self, references):
+        self.references, self.calls = references, 0
+
+    def train_references(self):
+        self.calls += 1
+        return self.references
+
+
+def test_reward_statistics_record_their_rule_and_an_older_file_is_computed_again(tmp_path):
+    references = [["a red circle", "red circle left"], ["a blue square"]]
+    data = _References(references)
+    path = RunDir(tmp_path).cider_statistics
+    older = {"format": "vitattn-cider-statistics/1", "num_images": 2, "n": 4, "document_frequency": {"red": 9}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(older))
+    scorer = prepare_reward(data, tmp_path, resuming=True)  # a restart of a run whose file is of the old rule
+    assert data.calls == 1 and scorer.eos_word and scorer.doc_freq == CiderD(references, eos_word=True).doc_freq
+    assert ("<eos>",) in scorer.doc_freq and json.loads(path.read_text())["eos_word"] is True
+    again = prepare_reward(data, tmp_path, resuming=True)  # the file of this rule is read, not recomputed
+    assert data.calls == 1 and again.doc_freq == scorer.doc_freq and again.eos_word
+    preds = ["a red circle", "a blue"]
+    assert again(preds, references, [True, False]) == scorer(preds, references, [True, False])
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -255,7 +341,7 @@ def test_scst_trains_from_the_checkpoint_logs_its_reward_and_computes_statistics
     # The statistics are the training references' and are read, not recomputed, by a restart.
     statistics = read_statistics(RunDir(run_dir).cider_statistics)
     assert statistics.num_images == 64
-    fresh = CiderD(result.system.trainer.datamodule.train_references())
+    fresh = CiderD(result.system.trainer.datamodule.train_references(), eos_word=True)
     assert statistics.doc_freq == fresh.doc_freq
     # Its bundle exports to ONNX like any other, and the ONNX folder captions as the bundle does.
     onnx_dir = tmp_path / "onnx"
@@ -290,7 +376,7 @@ def test_scst_trains_on_every_caption_data_path_with_ema(data, caption_data, bas
     with open(run_dir / "csv" / "metrics.csv", newline="") as f:
         assert any(row.get("train/reward") for row in csv.DictReader(f))
     statistics = read_statistics(RunDir(run_dir).cider_statistics)
-    assert statistics.doc_freq == CiderD(result.system.trainer.datamodule.train_references()).doc_freq
+    assert statistics.doc_freq == CiderD(result.system.trainer.datamodule.train_references(), eos_word=True).doc_freq
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from vitattn.metrics.tokenize import coco_tokenize_file
 
 Tokens = list[str]
 Ngram = tuple[str, ...]
+EOS_WORD = "<eos>"  # the end of a caption as a word, as self-critical.pytorch appends it to every reference
 
 # pycocoevalcap's BLEU smoothing: 'tiny' keeps a zero count from giving log(0), 'small' a zero guess
 # from dividing by zero.
@@ -212,23 +213,41 @@ def _cider_d(hyps: list[Tokens], refs: list[list[Tokens]], sigma: float, n: int)
 
 class CiderD:
     """CIDEr-D of a few captions at a time with document frequencies fixed by ``corpus`` (the training
-    references): the reward of self-critical training. Up to ``cache_size`` images' reference vectors are kept."""
+    references): the reward of self-critical training. Up to ``cache_size`` images' reference vectors are kept.
+
+    With ``eos_word`` (the reward's rule, as self-critical.pytorch scores), every reference and every prediction
+    that ``ended`` gets the word ``<eos>`` after its last token, in the document frequencies too: a caption cut
+    short by a length limit no longer scores as one that ended.
+    """
 
     def __init__(
-        self, corpus: Sequence[Sequence[str]], sigma: float = 6.0, n: int = 4, cache_size: int = 65536
+        self,
+        corpus: Sequence[Sequence[str]],
+        sigma: float = 6.0,
+        n: int = 4,
+        cache_size: int = 65536,
+        eos_word: bool = False,
     ) -> None:
         if not corpus:
             raise ValueError("the corpus is empty: CIDEr-D's document frequencies need at least one image")
+        self.eos_word = eos_word
         _, refs = _words_corpus(*_tokenize_corpus([""] * len(corpus), corpus))
-        doc_freq = _document_frequency([[_ngram_counts(r, n) for r in image_refs] for image_refs in refs])
+        doc_freq = _document_frequency([[_ngram_counts(self._ended(r), n) for r in image_refs] for image_refs in refs])
         self._keep(doc_freq, len(corpus), sigma, n, cache_size)
 
     @classmethod
     def from_statistics(
-        cls, doc_freq: Counter[Ngram], num_images: int, sigma: float = 6.0, n: int = 4, cache_size: int = 65536
+        cls,
+        doc_freq: Counter[Ngram],
+        num_images: int,
+        sigma: float = 6.0,
+        n: int = 4,
+        cache_size: int = 65536,
+        eos_word: bool = False,
     ) -> CiderD:
         """A scorer with document frequencies computed elsewhere (``doc_freq``, ``num_images`` of a scorer)."""
         scorer = cls.__new__(cls)
+        scorer.eos_word = eos_word
         scorer._keep(Counter(doc_freq), num_images, sigma, n, cache_size)
         return scorer
 
@@ -237,11 +256,20 @@ class CiderD:
         self.sigma, self.n, self.cache_size = sigma, n, cache_size
         self._refs: dict[tuple[str, ...], list] = {}
 
-    def __call__(self, predictions: Sequence[str], references: Sequence[Sequence[str]]) -> list[float]:
-        """Each prediction's CIDEr-D against its own references (I predictions, I reference lists)."""
+    def _ended(self, words: Tokens, ended: bool = True) -> Tokens:
+        return [*words, EOS_WORD] if self.eos_word and ended else words
+
+    def __call__(
+        self, predictions: Sequence[str], references: Sequence[Sequence[str]], ended: Sequence[bool] | None = None
+    ) -> list[float]:
+        """Each prediction's CIDEr-D against its own references (I predictions, I reference lists); with
+        ``eos_word``, ``ended`` (I,) says which predictions ended (all when None)."""
         check_corpus(predictions, references)
+        if ended is not None and len(ended) != len(predictions):
+            raise ValueError(f"ended has {len(ended)} items but predictions has {len(predictions)}")
         log_num_images = math.log(self.num_images)
         hyps = [_words(t) for t in coco_tokenize_file(predictions)]
+        hyps = [self._ended(h, e) for h, e in zip(hyps, ended if ended is not None else [True] * len(hyps))]
         return [
             _cider_d_image(
                 h, self._reference_vectors(r, log_num_images), self.doc_freq, log_num_images, self.sigma, self.n
@@ -253,7 +281,7 @@ class CiderD:
         key = tuple(references)
         found = self._refs.get(key)
         if found is None:
-            tokens = [_words(t) for t in coco_tokenize_file(key)]
+            tokens = [self._ended(_words(t)) for t in coco_tokenize_file(key)]
             found = [(_tfidf(_ngram_counts(t, self.n), self.doc_freq, log_num_images, self.n), len(t)) for t in tokens]
             if len(self._refs) >= self.cache_size:
                 self._refs.pop(next(iter(self._refs)))  # the oldest

@@ -343,26 +343,28 @@ def resolve_train_precision(cfg: DictConfig) -> str:
     return chosen
 
 
-FORMAT = "vitattn-cider-statistics/1"
+FORMAT = "vitattn-cider-statistics/2"  # /2: <eos> a word of every reference (CiderD's eos_word)
 
 
 def prepare_reward(datamodule: Any, run_dir: str | Path, resuming: bool, wait: float = WAIT_SECONDS) -> CiderD:
     """The run's CIDEr-D reward: its statistics read from the run folder (a restart, ``resuming``; a rank other
-    than 0), or on rank 0's first start computed from ``datamodule.train_references()`` and written there.
+    than 0), or on rank 0's first start computed from ``datamodule.train_references()`` and written there. A file
+    written under another rule (an older format) is computed again by rank 0, never read as this one.
 
     Raises:
         ConfigError: the data has no caption references, or none in its training split.
-        TimeoutError: a rank other than 0 found no statistics within ``wait`` seconds.
+        TimeoutError: a rank other than 0 found no statistics of this format within ``wait`` seconds.
     """
     path = RunDir(run_dir).cider_statistics
     if rank_zero_only.rank != 0:
-        wait_for_rank_zero(path, wait)
-    if path.is_file() and (resuming or rank_zero_only.rank != 0):
+        return _wait_for_statistics(path, wait)
+    saved = read_statistics(path) if resuming and path.is_file() else None
+    if saved is not None:
         log.info("finetune=scst: CIDEr-D statistics from this run's %s (computed once per run)", path)
-        return read_statistics(path)
+        return saved
     references = _train_references(datamodule)
     started = time.monotonic()
-    scorer = CiderD(references)
+    scorer = CiderD(references, eos_word=True)
     write_statistics(scorer, path)
     log.info(
         "finetune=scst: CIDEr-D document frequencies of %d n-grams over the %d training images' references "
@@ -372,6 +374,16 @@ def prepare_reward(datamodule: Any, run_dir: str | Path, resuming: bool, wait: f
         time.monotonic() - started,
         path,
     )
+    return scorer
+
+
+def _wait_for_statistics(path: Path, wait: float) -> CiderD:
+    deadline = time.monotonic() + wait
+    wait_for_rank_zero(path, wait)
+    while (scorer := read_statistics(path)) is None:  # an older file that rank 0 is replacing
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 wrote no {path} of format {FORMAT} in {wait:.0f} s; see rank 0's log")
+        time.sleep(1.0)
     return scorer
 
 
@@ -390,17 +402,28 @@ def _train_references(datamodule: Any) -> list[list[str]]:
 def write_statistics(scorer: CiderD, path: Path) -> None:
     """Save the scorer's document frequencies (n-grams as space-joined tokens) atomically."""
     frequencies = {" ".join(gram): count for gram, count in scorer.doc_freq.items()}
-    payload = {"format": FORMAT, "num_images": scorer.num_images, "n": scorer.n, "document_frequency": frequencies}
+    payload = {
+        "format": FORMAT,
+        "eos_word": scorer.eos_word,
+        "num_images": scorer.num_images,
+        "n": scorer.n,
+        "document_frequency": frequencies,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(payload, ensure_ascii=False))
 
 
-def read_statistics(path: Path) -> CiderD:
-    """The scorer ``write_statistics`` saved, or a one-line ``ValueError``."""
+def read_statistics(path: Path) -> CiderD | None:
+    """The scorer ``write_statistics`` saved; None for an older vitattn format (a rule no longer used); a
+    one-line ``ValueError`` for a file that is not one."""
     saved = read_json(path, "CIDEr-D statistics")
-    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+    found = saved.get("format", "") if isinstance(saved, dict) else ""
+    if found != FORMAT:
+        if found.startswith("vitattn-cider-statistics/"):
+            log.info("%s was built under an older rule (%s): computing it again", path, found)
+            return None
         raise ValueError(
             f"{path} is not a vitattn CIDEr-D statistics file ({FORMAT}); move it away to compute it again"
         )
     frequencies = Counter({tuple(gram.split(" ")): count for gram, count in saved["document_frequency"].items()})
-    return CiderD.from_statistics(frequencies, saved["num_images"], n=saved["n"])
+    return CiderD.from_statistics(frequencies, saved["num_images"], n=saved["n"], eos_word=saved["eos_word"])

@@ -1,13 +1,16 @@
 """Self-critical sequence training (Rennie et al., 2017): sample captions, reward each with CIDEr-D against its
 image's references, and raise the log-probability of the captions that beat a baseline (``mean`` of the
-image's other samples, Luo 2020, or its ``greedy`` caption's, Rennie et al.); the loss and the sampling are
-the reference implementation's (docs/training.md#a-second-stage-self-critical-training-on-cider-d).
+image's other samples, Luo 2020, or its ``greedy`` caption's, Rennie et al.); the loss, the sampling and the
+reward's ``<eos>`` word are the reference implementation's; the decoder's dropout is off in the pass that samples
+and the pass that scores (docs/training.md#a-second-stage-self-critical-training-on-cider-d).
 
 Dimension letters: B images, K samples per image, T generated positions, V vocabulary, N image tokens, D width.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,24 +106,31 @@ class SelfCritical:
         with record_function("scst/encode"):
             memory = model.encode(images)  # (B, N, D), with gradients
         B = memory.shape[0]
-        with torch.no_grad(), record_function("scst/sample"):
-            step = model.decode_step(memory.detach(), max_new)  # B * K rows over B images' tokens
-            sample = dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, generator=generator)
-            sampled = greedy_search(step, B * K, max_new, ids, memory.device, sample)  # (B * K, T)
-        with record_function("scst/reward"):
-            image_refs = [refs for refs in references for _ in range(K)]
-            rewards = torch.tensor(self.scorer(self.decode(sampled), image_refs), device=memory.device)
-        if cfg.baseline == "mean":
-            baseline = mean_of_others(rewards, K)
-        else:
-            with record_function("scst/greedy_baseline"):
-                greedy = self._greedy_rewards(model, images, references, max_new)
-            baseline = torch.tensor(greedy, device=memory.device).repeat_interleave(K)
-        with record_function("scst/log_probs"):
-            log_probs, mask = sample_log_probs(model, memory, sampled)
+        with decoder_dropout_off(model):  # one policy: the pass that samples and the pass that scores agree
+            with torch.no_grad(), record_function("scst/sample"):
+                step = model.decode_step(memory.detach(), max_new)  # B * K rows over B images' tokens
+                sample = dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, generator=generator)
+                sampled = greedy_search(step, B * K, max_new, ids, memory.device, sample)  # (B * K, T)
+            with record_function("scst/reward"):
+                image_refs = [refs for refs in references for _ in range(K)]
+                rewards = torch.tensor(self._rewards(model, sampled, image_refs), device=memory.device)
+            if cfg.baseline == "mean":
+                baseline = mean_of_others(rewards, K)
+            else:
+                with record_function("scst/greedy_baseline"):
+                    greedy = self._greedy_rewards(model, images, references, max_new)
+                baseline = torch.tensor(greedy, device=memory.device).repeat_interleave(K)
+            with record_function("scst/log_probs"):
+                log_probs, mask = sample_log_probs(model, memory, sampled)
         loss = scst_loss(log_probs, mask, rewards - baseline)
         ended = (sampled == ids.eos_id).any(dim=1).float().mean()
         return loss, {"reward": rewards.mean(), "baseline": baseline.mean(), "eos_share": ended}
+
+    def _rewards(self, model: ImageCaptioner, generated: Tensor, references: list[list[str]]) -> list[float]:
+        """CIDEr-D of each row of ``generated`` (S, T); a row without ``<eos>`` (cut by the length limit) has
+        no ending to match the references' (the scorer's ``eos_word``)."""
+        ended = (generated == model.special_ids.eos_id).any(dim=1).tolist()
+        return self.scorer(self.decode(generated), references, ended)
 
     def _greedy_rewards(
         self, model: ImageCaptioner, images: Tensor, references: list[list[str]], max_new: int
@@ -133,7 +143,19 @@ class SelfCritical:
                 greedy = model.generate(images, max_new_tokens=max_new)
         finally:
             model.train(was_training)
-        return self.scorer(self.decode(greedy), references)
+        return self._rewards(model, greedy, references)
+
+
+@contextmanager
+def decoder_dropout_off(model: ImageCaptioner) -> Iterator[None]:
+    """The decoder in eval mode inside (the encoder as it was): sampling under one dropout mask and taking the
+    gradient under another would score the samples with a policy that did not draw them."""
+    was_training = model.decoder.training
+    model.decoder.eval()
+    try:
+        yield
+    finally:
+        model.decoder.train(was_training)
 
 
 def sample_log_probs(model: ImageCaptioner, memory: Tensor, sampled: Tensor) -> tuple[Tensor, Tensor]:
