@@ -317,6 +317,29 @@ def test_generate_rejects_bad_arguments():
         model.generate(images, do_sample=True, num_beams=2)
 
 
+@pytest.mark.parametrize(
+    "encoder",
+    [
+        dict(global_pool="cls"),
+        dict(global_pool="mean"),
+        dict(global_pool="avg"),
+        dict(global_pool="avg", fc_norm=True, norm_pre=True),  # timm's *_gap_* ViTs
+        dict(global_pool="cls", norm_first=False, activation="relu"),  # the document's post-norm layers
+    ],
+)
+def test_a_caption_step_reads_normalised_tokens_and_trains_every_parameter(encoder):
+    vit = VisionTransformer(**TINY, **encoder)
+    model = ImageCaptioner(vit, CaptionDecoder(11, embed_dim=32, depth=1, num_heads=2, max_len=6, memory_dim=32))
+    images, tokens = torch.randn(3, 3, 32, 32) * 5 + 2, torch.randint(4, 11, (3, 5))
+    memory = model.encode(images)
+    if encoder.get("norm_first", True):  # a LayerNorm's output: every token of mean 0 and variance 1
+        torch.testing.assert_close(memory.mean(-1), torch.zeros(3, 17), atol=1e-4, rtol=0)
+        torch.testing.assert_close(memory.var(-1, unbiased=False), torch.ones(3, 17), atol=1e-2, rtol=0)
+    model(images, tokens).logsumexp(-1).mean().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
 def test_captioner_config_round_trip():
     model = _captioner()
     clone = ImageCaptioner.from_config(model.config).eval()

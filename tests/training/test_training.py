@@ -334,6 +334,18 @@ def test_ddp_two_processes_through_the_cli(tmp_path):
 
 
 @pytest.mark.slow
+def test_ddp_trains_a_captioner_on_an_encoder_that_normalises_after_pooling(tmp_path):
+    # timm's avg pool: fc_norm, not norm, follows the layers; a caption step must use it (DDP's reducer
+    # fails the second step on a parameter without a gradient)
+    runs = tmp_path / "runs"
+    overrides = ["model.global_pool=avg", "model.norm_pre=true", f"paths.runs_dir={runs}", "export_bundle=false"]
+    _run_ddp([sys.executable, "-m", "vitattn.cli.train", *overrides, "test=false"], [], tmp_path)
+    (run,) = (runs / "caption").iterdir()
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 3 and "model.encoder.fc_norm.weight" in ckpt["state_dict"]
+
+
+@pytest.mark.slow
 def test_ddp_training_exports_one_bundle_from_rank_zero_only(tmp_path):
     runs, exports = tmp_path / "runs", tmp_path / "exports.log"
     launch = [sys.executable, str(Path(__file__).parents[1] / "helpers" / "ddp_train.py")]  # records each rank's export

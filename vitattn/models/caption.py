@@ -172,8 +172,9 @@ class ImageCaptioner(nn.Module, CaptionSearch):
         return layer_groups("encoder.")
 
     def encode(self, images: Tensor) -> Tensor:
-        """(B, C, height, width) -> (B, N, D) image tokens in the decoder's width."""
-        return self.decoder.memory_proj(self.encoder.forward_features(images))
+        """(B, C, height, width) -> (B, N, D) image tokens in the decoder's width, normalised: an encoder whose
+        norm comes after pooling (``fc_norm``, timm's ``avg`` pool) has it applied to every token."""
+        return self.decoder.memory_proj(self.encoder.fc_norm(self.encoder.forward_features(images)))
 
     def forward(self, images: Tensor, tokens: Tensor) -> Tensor:
         """Teacher forcing: (B, C, height, width), (B, T) -> (B, T, V) next-token logits."""
