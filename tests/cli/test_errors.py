@@ -50,6 +50,26 @@ def test_cli_user_error_is_one_line_exit_2(name, data, tmp_path):
     assert not list(runs.rglob("*.ckpt"))
 
 
+@pytest.mark.parametrize("trainer", ["ddp", "fsdp", "gpu"])
+def test_a_gpu_trainer_without_a_gpu_names_the_cpu_overrides_in_one_line(trainer, tmp_path):
+    env = {**ENV, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, on any machine
+    proc = subprocess.run(
+        [*TRAIN_CLI, f"trainer={trainer}", *SHAPES, *QUIET, f"paths.runs_dir={tmp_path / 'runs'}"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=tmp_path,
+    )
+    devices = 1 if trainer == "gpu" else 2
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith(
+        "error: trainer.accelerator=gpu but this machine has no GPU; to train on its CPUs add "
+        f"trainer.accelerator=cpu trainer.devices={devices} trainer.precision=32-true"
+    ), lines[0]
+
+
 def test_user_errors_show_traceback_only_with_debug(capsys):
     with pytest.raises(SystemExit, match="^2$") as exit_, user_errors(debug=False):
         raise NonFiniteLossError("non-finite training loss nan at step 7 (epoch 0)\nsecond line")

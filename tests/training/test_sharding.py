@@ -152,6 +152,13 @@ def test_shard_layers_makes_each_encoder_and_decoder_layer_a_unit(one_process_gr
         torch.testing.assert_close(copy(images, tokens), expected)
 
 
+def test_trainer_fsdp_refuses_self_critical_training_in_one_line(tmp_path):
+    cfg = compose_train(["trainer=fsdp", "finetune=scst", f"finetune.init={tmp_path}"], tmp_path)
+    with pytest.raises(ConfigError, match="finetune=scst does not work with trainer=fsdp") as error:
+        check_config(cfg)
+    assert "\n" not in str(error.value) and "trainer=ddp" in str(error.value)
+
+
 def test_trainer_fsdp_refuses_the_ema_in_one_line_and_compiles_only_when_asked(tmp_path):
     cfg = compose_train(["trainer=fsdp", "ema.decay=0.99"], tmp_path)
     with pytest.raises(ConfigError, match="ema.decay=0.99 does not work with trainer=fsdp") as error:

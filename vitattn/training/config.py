@@ -221,12 +221,32 @@ def fully_sharded(trainer: DictConfig) -> bool:
 
 
 def _check_sharded(cfg: DictConfig) -> None:
-    """``trainer=fsdp`` with the EMA: refused in one line, with the reason."""
-    if fully_sharded(cfg.trainer) and cfg.get("ema", {}).get("decay"):
+    """``trainer=fsdp`` with the EMA or self-critical training: refused in one line, with the reason."""
+    if not fully_sharded(cfg.trainer):
+        return
+    if cfg.get("ema", {}).get("decay"):
         raise ConfigError(
             f"ema.decay={cfg.ema.decay} does not work with trainer=fsdp: Lightning's WeightAveraging keeps a whole "
             "copy of the model on every process and averages it with the sharded weights; set ema.decay=null, "
             "or train with trainer=ddp"
+        )
+    if cfg.finetune.get("scst") is not None:
+        raise ConfigError(
+            "finetune=scst does not work with trainer=fsdp: its sampling loop calls the sharded decoder step by "
+            "step outside forward, where FSDP gathers no weights, and the ranks' samples end at different steps; "
+            "train it with trainer=ddp"
+        )
+
+
+def _check_accelerator(trainer: DictConfig) -> None:
+    """A GPU trainer on a machine without one: the CPU overrides, in one line."""
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        devices = trainer.get("devices", 1)
+        n = devices if isinstance(devices, int) and devices > 0 else "N"
+        raise ConfigError(
+            f"trainer.accelerator={accelerator} but this machine has no GPU; to train on its CPUs add "
+            f"trainer.accelerator=cpu trainer.devices={n} trainer.precision=32-true"
         )
 
 
@@ -286,3 +306,4 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"ckpt_path={cfg.ckpt_path} does not exist")
     _check_sizes(cfg)
     check_data_paths(cfg.data)
+    _check_accelerator(cfg.trainer)
