@@ -13,6 +13,9 @@
 #   7. channels_last against NCHW (forward and training step, bf16 autocast) and the copy of a pinned
 #      (256, 3, 224, 224) batch as uint8 (normalised on the device) against float32; the device's
 #      normalisation is bit for bit the CPU's (tests/training/test_device_input.py on CUDA).
+#   8. the GPU defaults: trainer.precision=auto and precision=auto against the device's compute capability,
+#      float32_matmul_precision=auto (TF32), and FSDP2 under bf16-mixed gathering weights in bf16
+#      (tests/test_precision.py and tests/training/test_sharding.py's one-process tests, on CUDA).
 # Results go to ${OUT:-bench_results}/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,3 +55,14 @@ python -c "print(f'captions from shards on one GPU: {3000 / ($end - $start):.0f}
   | tee -a "$out/gpu.txt"
 python -m benchmarks.channels_last --device cuda --repeats 5 2>&1 | tee "$out/channels_last_gpu.txt"
 python -m pytest -q -x tests/training/test_device_input.py -k "normalize or eval_transform or cuda" 2>&1 | tail -2 | tee -a "$out/gpu.txt"
+python - <<'PY' | tee -a "$out/gpu.txt"
+import torch
+from vitattn.precision import cuda_bf16, resolve_precision
+from vitattn.training.build import resolve_train_precision, set_matmul_precision
+from vitattn.training.config import compose_train
+cfg = compose_train(["trainer=gpu", "trainer.precision=auto"])
+print(f"compute capability {torch.cuda.get_device_capability()}: cuda_bf16={cuda_bf16()}, "
+      f"precision=auto -> {resolve_precision('auto', 'cuda')}, trainer.precision=auto -> {resolve_train_precision(cfg)}, "
+      f"float32_matmul_precision=auto -> {set_matmul_precision(cfg)}")
+PY
+python -m pytest -q -x tests/training/test_sharding.py -k "gathered_in_bf16 or shard_layers_makes" 2>&1 | tail -2 | tee -a "$out/gpu.txt"

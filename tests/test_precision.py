@@ -23,6 +23,7 @@ from vitattn.cli import serve as serve_cli
 from vitattn.cli.args import UsageError
 from vitattn.cli.export import main as export_main
 from vitattn.data.shapes import ShapesDataset
+from vitattn.errors import ConfigError
 from vitattn.inference.api import to_pixels
 from vitattn.models.search import sequence_log_prob
 from vitattn.precision import NATIVE_BF16_ENV, check_precision, native_bf16, resolve_precision
@@ -125,11 +126,17 @@ def test_native_bf16_env_refuses_other_values_in_one_line(fresh_detection):
         native_bf16()
 
 
+def _cuda(monkeypatch, capability: tuple[int, int]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
 @pytest.mark.parametrize("found", [False, True])
 def test_auto_is_bf16_on_cuda_and_on_cpus_with_the_units_only(monkeypatch, found):
     _units(monkeypatch, found)
     assert resolve_precision("auto", "cpu") == ("bf16" if found else "fp32")
-    assert resolve_precision("auto", "cuda:1") == "bf16"
+    _cuda(monkeypatch, (8, 0) if found else (7, 5))  # A100 / T4
+    assert resolve_precision("auto", "cuda:1") == ("bf16" if found else "fp32")
     assert resolve_precision("auto", "mps") == "fp32"
     for device in ("cpu", "cuda"):
         assert resolve_precision("fp32", device) == "fp32"
@@ -283,13 +290,16 @@ def test_caption_eval_and_serve_load_in_the_precision_given(caption_run, tmp_pat
         ("cpu", 192, True, "bf16-mixed"),
         ("cpu", 384, False, "32-true"),  # a CPU without the units loses nothing
         ("cpu", 128, True, "32-true"),  # products too small for bf16 to pay (make train's width)
-        ("gpu", 64, False, "bf16-mixed"),
+        ("gpu", 64, True, "bf16-mixed"),  # compute capability 8.0
+        ("gpu", 64, False, "16-mixed"),  # 7.5: bf16 would be emulated
     ],
 )
 def test_training_precision_auto_follows_the_units_and_the_width(accelerator, width, units, expected, fresh_detection):
     from vitattn.training.build import BF16_TRAIN_MIN_WIDTH, resolve_train_precision
 
     fresh_detection.setenv(NATIVE_BF16_ENV, "1" if units else "0")
+    if accelerator == "gpu":
+        _cuda(fresh_detection, (8, 0) if units else (7, 5))
     cfg = compose_train(
         [*TINY, f"model.embed_dim={width}", f"trainer.accelerator={accelerator}", "trainer.precision=auto"], "run"
     )
@@ -320,3 +330,32 @@ def test_training_precision_auto_trains_and_saves_what_it_chose(tmp_path, fresh_
     assert OmegaConf.load(tmp_path / "config.yaml").trainer.precision == "bf16-mixed"
     lines = [r.getMessage() for r in caplog.records if "trainer.precision=auto" in r.getMessage()]
     assert lines == ["trainer.precision=auto: bf16-mixed (bf16 matrix units on this CPU and model.embed_dim=192)"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "gpu", "expected"),
+    [
+        (["trainer=gpu"], True, "high"),  # TF32, as conf/trainer/gpu.yaml says
+        ([], False, "highest"),  # torch's default on the CPU
+        (["float32_matmul_precision=medium"], False, "medium"),
+    ],
+)
+def test_float32_matmul_precision_is_set_as_the_config_says(overrides, gpu, expected, monkeypatch):
+    from vitattn.training.build import set_matmul_precision
+
+    if gpu:
+        _cuda(monkeypatch, (8, 0))
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert set_matmul_precision(compose_train([*TINY, *overrides], "run")) == expected
+        assert torch.get_float32_matmul_precision() == expected
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_an_unknown_float32_matmul_precision_is_one_line():
+    from vitattn.training.config import check_config
+
+    with pytest.raises(ConfigError, match="^float32_matmul_precision='tf32' is unknown; choose one of auto, highest"):
+        check_config(compose_train([*TINY, "float32_matmul_precision=tf32"], "run"))

@@ -2,8 +2,9 @@
 
 ``bf16`` runs a model's forward, encoding and decoding steps under ``torch.autocast`` in bfloat16; the
 search's scores and log-softmax, and the explicit attention's scores, ``-1e9`` mask and softmax, stay fp32.
-``auto`` is bf16 on CUDA and on CPUs with native bf16 matrix instructions (``amx_bf16``: Intel Sapphire
-Rapids and later; ``avx512_bf16``: those and AMD Zen 4 and later), fp32 elsewhere. ONNX folders run in fp32.
+``auto`` is bf16 on GPUs with bf16 units (compute capability 8.0 or more) and on CPUs with native bf16 matrix
+instructions (``amx_bf16``: Intel Sapphire Rapids and later; ``avx512_bf16``: those and AMD Zen 4 and later),
+fp32 elsewhere. ONNX folders run in fp32.
 
 Torch is imported only to detect the units or enter autocast, so a command line is checked without it.
 """
@@ -21,6 +22,7 @@ __all__ = [
     "PRECISIONS",
     "check_precision",
     "cpu_bf16_units",
+    "cuda_bf16",
     "native_bf16",
     "precision_autocast",
     "resolve_precision",
@@ -89,14 +91,22 @@ def native_bf16() -> bool:
     return bool(units)
 
 
+def cuda_bf16(device: Any = None) -> bool:
+    """Whether the CUDA ``device`` (None: the current one) has native bf16 units: compute capability 8.0 or more
+    (Ampere and later); a V100 or T4 would only emulate bf16."""
+    import torch  # heavy: only to detect
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def resolve_precision(precision: str, device: Any) -> str:
     """``fp32`` or ``bf16``: what ``precision`` runs on ``device`` (a ``torch.device`` or its name); ``auto`` is
-    bf16 on CUDA and on a CPU with ``native_bf16``, fp32 elsewhere."""
+    bf16 on a GPU with ``cuda_bf16`` and on a CPU with ``native_bf16``, fp32 elsewhere."""
     check_precision(precision)
     if precision != "auto":
         return precision
     kind = getattr(device, "type", str(device).split(":")[0])
-    return _NAME[kind == "cuda" or (kind == "cpu" and native_bf16())]
+    return _NAME[(kind == "cuda" and cuda_bf16(device)) or (kind == "cpu" and native_bf16())]
 
 
 def precision_autocast(precision: str, device: Any) -> contextlib.AbstractContextManager:

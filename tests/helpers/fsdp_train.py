@@ -23,8 +23,8 @@ from vitattn.cli.train import main
 _shard_layers = vitattn.training.systems.base.shard_layers  # what configure_model calls
 
 
-def recording_shard_layers(model: nn.Module, mesh: DeviceMesh) -> None:
-    _shard_layers(model, mesh)
+def recording_shard_layers(model: nn.Module, mesh: DeviceMesh, precision: str = "32-true") -> None:
+    _shard_layers(model, mesh, precision)
     params = list(model.parameters())
     record = {
         "rank": mesh.get_rank(),

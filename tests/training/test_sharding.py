@@ -152,6 +152,21 @@ def test_shard_layers_makes_each_encoder_and_decoder_layer_a_unit(one_process_gr
         torch.testing.assert_close(copy(images, tokens), expected)
 
 
+@pytest.mark.parametrize(("precision", "gathered"), [("bf16-mixed", torch.bfloat16), ("32-true", torch.float32)])
+def test_under_bf16_mixed_weights_are_gathered_in_bf16_and_gradients_reduced_in_fp32(
+    precision, gathered, one_process_group
+):
+    model = _captioner()
+    seen = []
+    layer = model.encoder.blocks[0]
+    layer.register_forward_pre_hook(lambda module, args: seen.append(module.ffn[0].weight.dtype))
+    shard_layers(model, one_process_group, precision)
+    model(torch.randn(2, 3, 32, 32), torch.randint(4, 12, (2, 6))).float().logsumexp(-1).mean().backward()
+    assert seen == [gathered]  # the weights the layer computed with
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the sharded weights the optimizer steps
+    assert {p.grad.dtype for p in model.parameters() if p.grad is not None} == {torch.float32}
+
+
 def test_trainer_fsdp_refuses_self_critical_training_in_one_line(tmp_path):
     cfg = compose_train(["trainer=fsdp", "finetune=scst", f"finetune.init={tmp_path}"], tmp_path)
     with pytest.raises(ConfigError, match="finetune=scst does not work with trainer=fsdp") as error:

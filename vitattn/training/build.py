@@ -35,7 +35,7 @@ from vitattn.data.tokenizer import (
 from vitattn.errors import ConfigError, first_line
 from vitattn.fileio import atomic_write, read_json
 from vitattn.metrics import CiderD
-from vitattn.precision import native_bf16
+from vitattn.precision import cuda_bf16, native_bf16
 from vitattn.run_dir import RunDir
 from vitattn.training.config import data_name, qualify
 from vitattn.training.start import Encoder, WholeModel
@@ -54,6 +54,7 @@ __all__ = [
     "read_statistics",
     "resolve_train_precision",
     "run_tokenizer",
+    "set_matmul_precision",
     "setup_data",
     "wait_for_rank_zero",
     "write_statistics",
@@ -322,16 +323,18 @@ def processes_per_node(cfg: DictConfig) -> int:
 def resolve_train_precision(cfg: DictConfig) -> str:
     """``trainer.precision=auto`` made concrete, in place, with one log line; other values are left as they are.
 
-    ``auto`` is ``bf16-mixed`` on GPUs, and on a CPU with native bf16 matrix instructions
-    (``vitattn.precision.native_bf16``) for a model of width ``BF16_TRAIN_MIN_WIDTH`` or more; ``32-true``
-    elsewhere (small models, CPUs without the units: nothing changes there).
+    ``auto`` is ``bf16-mixed`` on GPUs with bf16 units (``cuda_bf16``; others get ``16-mixed``, with Lightning's
+    gradient scaler), and on a CPU with native bf16 matrix instructions (``native_bf16``) for a model of width
+    ``BF16_TRAIN_MIN_WIDTH`` or more; ``32-true`` elsewhere (small models, CPUs without the units).
     """
     precision = str(cfg.trainer.get("precision", "32-true"))
     if precision != "auto":
         return precision
     width = int(cfg.model.embed_dim)
-    if on_gpu(cfg):
-        chosen, why = "bf16-mixed", "a GPU"
+    if on_gpu(cfg) and cuda_bf16():
+        chosen, why = "bf16-mixed", "a GPU with bf16 units"
+    elif on_gpu(cfg):
+        chosen, why = "16-mixed", "a GPU of compute capability below 8.0, which has no bf16 units"
     elif width < BF16_TRAIN_MIN_WIDTH:
         chosen, why = "32-true", f"model.embed_dim={width} is below {BF16_TRAIN_MIN_WIDTH}, where bf16 stops paying"
     elif native_bf16():
@@ -341,6 +344,16 @@ def resolve_train_precision(cfg: DictConfig) -> str:
     cfg.trainer.precision = chosen
     log.info("trainer.precision=auto: %s (%s)", chosen, why)
     return chosen
+
+
+def set_matmul_precision(cfg: DictConfig) -> str:
+    """``torch.set_float32_matmul_precision`` as ``float32_matmul_precision`` says (``auto``: ``high``, TF32, on
+    GPUs; torch's default elsewhere); returns the precision set."""
+    wanted = str(cfg.get("float32_matmul_precision", "auto"))
+    if wanted == "auto":
+        wanted = "high" if on_gpu(cfg) else torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(wanted)
+    return wanted
 
 
 FORMAT = "vitattn-cider-statistics/2"  # /2: <eos> a word of every reference (CiderD's eos_word)

@@ -175,6 +175,9 @@ def _check_finetuning(cfg: DictConfig) -> None:
         )
 
 
+MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
+
+
 def _check_precision(trainer: DictConfig) -> None:
     """``trainer.precision``: Lightning's values and ``auto`` (``resolve_train_precision``); the ``-true`` half
     precisions are refused in one line, with the reason."""
@@ -298,6 +301,11 @@ def check_config(cfg: DictConfig) -> None:
     _check_finetuning(cfg)
     _check_self_critical(cfg)
     _check_precision(cfg.trainer)
+    if cfg.get("float32_matmul_precision", "auto") not in MATMUL_PRECISIONS:
+        raise ConfigError(
+            f"float32_matmul_precision={cfg.float32_matmul_precision!r} is unknown; choose one of "
+            f"{', '.join(MATMUL_PRECISIONS)}"
+        )
     _check_sharded(cfg)
     if cfg.get("resume") and cfg.resume != "auto" and not RunDir(cfg.resume).last_checkpoint.is_file():
         run = RunDir(cfg.resume)

@@ -36,6 +36,7 @@ from vitattn.training.build import (
     prepare_reward,
     resolve_train_precision,
     run_tokenizer,
+    set_matmul_precision,
     setup_data,
 )
 from vitattn.training.callbacks import Preemption
@@ -96,6 +97,7 @@ def train(cfg: DictConfig) -> TrainResult:
     resolve_train_precision(cfg)
     preprocess_from = resolve_preprocess(cfg, start)
     check_config(cfg)  # every user error surfaces here, before data is read
+    set_matmul_precision(cfg)
     ckpt_path = _resume_checkpoint(cfg)
     vocab = start.vocab if start is not None else run_tokenizer(cfg, run_dir, ckpt_path is not None)
     datamodule = build_datamodule(cfg, vocab)

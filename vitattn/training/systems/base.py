@@ -157,7 +157,7 @@ class VisionSystem(pl.LightningModule):
         mesh = self.device_mesh
         if mesh is None or self.trainer.state.fn != TrainerFn.FITTING or is_sharded(self.model):
             return
-        shard_layers(self.model, mesh["data_parallel"])
+        shard_layers(self.model, mesh["data_parallel"], str(self.trainer.precision))
         self.example_input_array = None  # the summary's forward runs on rank 0 alone: the others would not gather
 
     def on_validation_model_eval(self) -> None:

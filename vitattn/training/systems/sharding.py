@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from vitattn.layers import DecoderLayer, EncoderLayer
 from vitattn.models import ImageCaptioner, VisionTransformer
@@ -35,12 +35,16 @@ __all__ = [
 SHARD_UNITS = (EncoderLayer, DecoderLayer)  # each one all-gathered for its own forward and backward
 
 
-def shard_layers(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Shard ``model`` in place over ``mesh``: each ``SHARD_UNITS`` layer, then the model for what is left."""
+def shard_layers(model: nn.Module, mesh: DeviceMesh, precision: str = "32-true") -> None:
+    """Shard ``model`` in place over ``mesh``: each ``SHARD_UNITS`` layer, then the model for what is left. Under
+    ``bf16-mixed`` the weights are gathered in bf16 and the gradients reduced in fp32 (half the traffic)."""
+    policy = MixedPrecisionPolicy()
+    if precision == "bf16-mixed":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for module in model.modules():
         if isinstance(module, SHARD_UNITS):
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def is_sharded(model: nn.Module) -> bool:
