@@ -1,6 +1,7 @@
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -70,6 +71,21 @@ def test_bundle_round_trip_generates_the_same_captions(tmp_path, captioner_and_v
             bundle.model.generate(images, **kwargs), model.generate(images, **kwargs), rtol=0, atol=0
         )
     assert bundle.transform(Image.new("RGB", (50, 30), (255, 0, 0))).shape == (3, 32, 32)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("4", "other_special_ids='4'"), ([4, -1], "other_special_ids=[4, -1]"), ([True], "other_special_ids=[True]")],
+)
+def test_a_bundle_whose_special_ids_are_not_a_list_of_ids_is_one_line(value, message, tmp_path, captioner_and_vocab):
+    model, vocab = captioner_and_vocab
+    directory = save_bundle(tmp_path / "bundle", model, task="caption", preprocess=PREPROCESS, vocab=vocab)
+    config = json.loads((directory / "config.json").read_text())
+    assert config["model"]["decoder"]["other_special_ids"] == []
+    config["model"]["decoder"]["other_special_ids"] = value
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape(f"{message}; it must be a list of non-negative integers")):
+        load_bundle(directory)
 
 
 def test_untied_output_layer_round_trips_and_old_configs_stay_tied(tmp_path):

@@ -149,6 +149,60 @@ def test_a_pretrained_tokenizer_json_gets_the_specials_it_lacks(tmp_path):
     assert unknown_share(tokenizer, ["a dog on the grass"]) == pytest.approx(0.2)
 
 
+def _trained_json(kind: str, tmp_path) -> tuple:
+    """A tokenizer.json of each ``tokenizers`` model type, trained offline, with its unknown and other specials."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers, trainers
+
+    if kind == "wordpiece":
+        model, unk, others = models.WordPiece(unk_token="[UNK]"), "[UNK]", ["[CLS]", "[SEP]", "[PAD]"]
+        trainer = trainers.WordPieceTrainer(vocab_size=80, special_tokens=[unk, *others])
+    elif kind == "bpe":
+        model, unk, others = models.BPE(unk_token="<unk>"), "<unk>", ["<|endoftext|>"]
+        trainer = trainers.BpeTrainer(vocab_size=80, special_tokens=[unk, *others])
+    else:  # SentencePiece's Unigram: the model names its unknown by id, not by token
+        model, unk, others = models.Unigram(), "<unk>", ["<s>", "</s>"]
+        trainer = trainers.UnigramTrainer(vocab_size=40, special_tokens=[unk, *others], unk_token=unk)
+    hf = HF(model)
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.train_from_iterator(["a red circle on the left", "two blue squares above a green triangle"] * 8, trainer)
+    hf.save(str(tmp_path / f"{kind}.json"))
+    return tmp_path / f"{kind}.json", hf.token_to_id(unk), sorted(hf.token_to_id(t) for t in others)
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "unigram"])
+def test_a_tokenizer_files_unknown_id_and_other_specials_are_found(kind, tmp_path):
+    path, unk_id, others = _trained_json(kind, tmp_path)
+    tokenizer = SubwordTokenizer.from_file(path, add_specials=True)
+    assert tokenizer.unk_id == unk_id is not None
+    assert list(tokenizer.other_special_ids) == others and others
+    assert unknown_share(tokenizer, ["a red zebra"]) > 0  # "z" was never seen: its unknown is counted
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "unigram"])
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_no_special_token_but_eos_is_ever_generated(kind, num_beams, tmp_path):
+    from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
+
+    tokenizer = SubwordTokenizer.from_file(_trained_json(kind, tmp_path)[0], add_specials=True)
+    ids = tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id, tokenizer.unk_id
+    torch.manual_seed(0)
+    encoder = VisionTransformer(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2)
+    decoder = CaptionDecoder(
+        len(tokenizer), embed_dim=16, depth=1, num_heads=2, max_len=8, memory_dim=16, tie_embeddings=False,
+        **dict(zip(("pad_id", "bos_id", "eos_id", "unk_id"), ids)), other_special_ids=tokenizer.other_special_ids,
+    )  # fmt: skip
+    banned = [*ids[:2], ids[3], *tokenizer.other_special_ids]
+    with torch.no_grad():  # the banned tokens are the likeliest by far, <eos> next
+        decoder.head.bias.zero_()
+        decoder.head.bias[banned] = 50.0
+        decoder.head.bias[tokenizer.eos_id] = 5.0
+    model = ImageCaptioner(encoder, decoder).eval()
+    generated = model.generate(torch.randn(4, 3, 16, 16), num_beams=num_beams, max_new_tokens=6)
+    assert not set(generated.flatten().tolist()) & set(banned)
+    assert (generated[:, 0] == tokenizer.eos_id).all()  # the likeliest allowed token
+
+
 def test_a_tokenizer_json_that_does_not_load_is_one_line(tmp_path):
     bad = tmp_path / "tokenizer.json"
     bad.write_text('{"version": "1.0", "model": {"type": "NoSuchModel"}}')

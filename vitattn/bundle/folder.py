@@ -13,6 +13,7 @@ A bundle folder holds ``model.safetensors``, ``config.json`` and, for captioning
 
 from __future__ import annotations
 
+import collections.abc
 import inspect
 import json
 import logging
@@ -169,6 +170,10 @@ def check_arguments(function: Callable, arguments: Any, where: str, unknown_ok: 
             continue
         if key not in hints:
             raise ValueError(f"{where} has {brief(key)}, which is not a {name} argument")
+        if typing.get_origin(hints[key]) is collections.abc.Sequence:  # of ints: a JSON list of token ids
+            if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+                raise ValueError(f"{where} has {key}={brief(value)}; it must be a list of non-negative integers")
+            continue
         allowed = typing.get_args(hints[key]) or (hints[key],)
         ok = (
             (value is None and type(None) in allowed)
@@ -430,11 +435,12 @@ def finish_bundle(bundle: Bundle, device: str | torch.device, where: str | os.Pa
         )
     if bundle.vocab is not None:
         decoder, vocab = bundle.model.decoder, bundle.vocab
-        ids = (decoder.pad_id, decoder.bos_id, decoder.eos_id, decoder.unk_id)
-        if ids != (vocab.pad_id, vocab.bos_id, vocab.eos_id, vocab.unk_id):
+        ids = (decoder.pad_id, decoder.bos_id, decoder.eos_id, decoder.unk_id, decoder.other_special_ids)
+        expected = (vocab.pad_id, vocab.bos_id, vocab.eos_id, vocab.unk_id, vocab.other_special_ids)
+        if ids != expected:
             raise ValueError(
-                f"{where}: the decoder's pad, bos, eos and unk ids {ids} "
-                f"are not the vocabulary's {(vocab.pad_id, vocab.bos_id, vocab.eos_id, vocab.unk_id)}"
+                f"{where}: the decoder's pad, bos, eos, unk and other special ids {ids} "
+                f"are not the vocabulary's {expected}"
             )
     if bundle.class_names is not None and len(bundle.class_names) != bundle.model.num_classes:
         raise ValueError(f"{where}: {len(bundle.class_names)} class_names for num_classes={bundle.model.num_classes}")

@@ -199,11 +199,12 @@ class OnnxCaptioner(CaptionSearch):
     ids), decoded by ``CaptionSearch`` as ``ImageCaptioner`` is.
     """
 
-    def __init__(self, encoder: Any, step: Any, decoder: Mapping[str, int]) -> None:
+    def __init__(self, encoder: Any, step: Any, decoder: Mapping[str, int], other_ids: tuple[int, ...] = ()) -> None:
         self.encoder_session, self.step_session = encoder, step
         self.max_len = decoder["max_len"]
         self.vocab_size = decoder["vocab_size"]
-        self.special_ids = SpecialIds(decoder["pad_id"], decoder["bos_id"], decoder["eos_id"], decoder["unk_id"])
+        ids = (decoder["pad_id"], decoder["bos_id"], decoder["eos_id"], decoder["unk_id"])
+        self.special_ids = SpecialIds(*ids, other_ids)  # the tokenizer's other special tokens: never generated
 
     def encode(self, images: Tensor) -> list[np.ndarray]:
         """(B, C, height, width) -> 2L arrays: each decoder layer's cross-attention keys (B, H, d, N) and values
@@ -293,7 +294,7 @@ def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Onn
             f"{directory}: the tokenizer {name} ({len(vocab)} tokens, special ids {ids}) does not fit the decoder "
             f"(vocab_size={decoder['vocab_size']}); export the folder again"
         )
-    model = OnnxCaptioner(sessions["encoder"], sessions["decoder_step"], decoder)
+    model = OnnxCaptioner(sessions["encoder"], sessions["decoder_step"], decoder, vocab.other_special_ids)
     try:
         model.check_generate(
             **{k: v for k, v in generate.items() if k in inspect.signature(model.check_generate).parameters}

@@ -77,6 +77,7 @@ class Tokenizer(Protocol):
     bos_id: int
     eos_id: int
     unk_id: int | None  # None: every text has an encoding (byte-level BPE)
+    other_special_ids: tuple[int, ...]  # special tokens besides these four ([CLS], <|endoftext|>): never generated
 
     def __len__(self) -> int: ...
 
@@ -103,6 +104,7 @@ class Vocabulary(Tokenizer):
     """Caption words to ids and back; ids 0-3 are ``<pad> <bos> <eos> <unk>``, ``words`` follow in id order."""
 
     pad_id, bos_id, eos_id, unk_id = PAD_ID, BOS_ID, EOS_ID, UNK_ID
+    other_special_ids = ()
 
     def __init__(self, words: Sequence[str]) -> None:
         self.itos: list[str] = [*SPECIALS, *words]
@@ -226,10 +228,10 @@ class SubwordTokenizer(Tokenizer):
         tokenizer.no_truncation()
         self.hf = tokenizer
         self.pad_id, self.bos_id, self.eos_id = ids
-        unk = getattr(tokenizer.model, "unk_token", None)
-        self.unk_id: int | None = tokenizer.token_to_id(unk) if unk else None
+        self.unk_id = _unknown_id(tokenizer)
         self._size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
         self._special = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special} | set(ids)
+        self.other_special_ids = tuple(sorted(self._special - {*ids, self.unk_id}))
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, add_specials: bool = False) -> SubwordTokenizer:
@@ -313,6 +315,16 @@ class SubwordTokenizer(Tokenizer):
     def save(self, path: str | os.PathLike) -> None:
         """Write the ``tokenizer.json``, atomically."""
         atomic_write(path, self.hf.to_str(pretty=True) + "\n")
+
+
+def _unknown_id(tokenizer: Any) -> int | None:
+    """The unknown token's id of any ``tokenizers`` model: WordPiece, BPE and WordLevel name it (``unk_token``),
+    Unigram (SentencePiece's) gives its id (``unk_id``); None: the model has none (byte-level BPE)."""
+    model = json.loads(tokenizer.to_str())["model"]
+    if model.get("type") == "Unigram":
+        return model.get("unk_id")
+    unk = model.get("unk_token")
+    return tokenizer.token_to_id(unk) if unk else None
 
 
 def auto_bpe_size(captions: Iterable[str]) -> int:

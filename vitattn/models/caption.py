@@ -7,6 +7,7 @@ over each layer's key/value cache.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,8 +29,9 @@ class CaptionDecoder(nn.Module):
         max_len: most caption positions, ``<bos>`` included.
         memory_dim: width of the image tokens; projected to D when it differs.
         norm_first, activation, fused_attn: as ``EncoderLayer``'s.
-        pad_id, bos_id, eos_id, unk_id: special ids (``Vocabulary``'s; ``unk_id`` None: none). ``<unk>`` is never
-            generated.
+        pad_id, bos_id, eos_id, unk_id: special ids (``Vocabulary``'s; ``unk_id`` None: none).
+        other_special_ids: the tokenizer's other special tokens; these, ``<unk>``, ``<pad>`` and ``<bos>`` are
+            never generated.
         tie_embeddings: the output projection is the token embedding (GPT-2); false: its own weight and bias.
         init: ``timm`` (truncated normal, std 0.02) or ``torch`` (``nn.Linear``'s default; learns faster from
             small data, docs/learning.md).
@@ -54,6 +56,7 @@ class CaptionDecoder(nn.Module):
         bos_id: int = 1,
         eos_id: int = 2,
         unk_id: int | None = 3,
+        other_special_ids: Sequence[int] = (),
         fused_attn: bool = True,
         tie_embeddings: bool = True,
         init: str = "timm",
@@ -65,8 +68,10 @@ class CaptionDecoder(nn.Module):
         check_heads(num_heads, embed_dim)
         if init not in ("timm", "torch"):
             raise ValueError(f"init={init!r} is unknown; choose timm or torch")
-        if vocab_size <= max(pad_id, bos_id, eos_id, -1 if unk_id is None else unk_id):
+        if vocab_size <= max(pad_id, bos_id, eos_id, -1 if unk_id is None else unk_id, *other_special_ids):
             raise ValueError(f"vocab_size={vocab_size} must exceed the special token ids")
+        config["other_special_ids"] = [int(i) for i in other_special_ids]  # a list in config.json
+        self.other_special_ids = tuple(config["other_special_ids"])
         self.config = config
         self.vocab_size, self.max_len = vocab_size, max_len
         self.pad_id, self.bos_id, self.eos_id, self.unk_id = pad_id, bos_id, eos_id, unk_id
@@ -207,7 +212,7 @@ class ImageCaptioner(nn.Module, CaptionSearch):
     @property
     def special_ids(self) -> SpecialIds:
         dec = self.decoder
-        return SpecialIds(dec.pad_id, dec.bos_id, dec.eos_id, dec.unk_id)
+        return SpecialIds(dec.pad_id, dec.bos_id, dec.eos_id, dec.unk_id, dec.other_special_ids)
 
 
 class DecoderStep:

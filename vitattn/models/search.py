@@ -43,13 +43,19 @@ class DecodeStep(Protocol):
 
 
 class SpecialIds(NamedTuple):
-    """The vocabulary's ``<pad>``, ``<bos>``, ``<eos>`` and ``<unk>`` ids; ``unk_id`` None: a vocabulary
-    without an unknown token. The search never generates ``<pad>``, ``<bos>`` or ``<unk>``."""
+    """The vocabulary's ``<pad>``, ``<bos>``, ``<eos>`` and ``<unk>`` ids (``unk_id`` None: a vocabulary without
+    an unknown token) and its other special tokens. The search generates ``<eos>`` and no other special token."""
 
     pad_id: int
     bos_id: int
     eos_id: int
     unk_id: int | None = None
+    other_ids: tuple[int, ...] = ()
+
+    @property
+    def banned(self) -> list[int]:
+        """Every special id but ``<eos>``: never generated."""
+        return [self.pad_id, self.bos_id, *([] if self.unk_id is None else [self.unk_id]), *self.other_ids]
 
 
 def check_early_stopping(early_stopping: bool | str) -> bool | str:
@@ -163,13 +169,10 @@ def sequence_log_prob(step: DecodeStep, generated: Tensor, ids: SpecialIds) -> T
 
 
 def _next_logits(step: DecodeStep, tokens: Tensor, ids: SpecialIds) -> Tensor:
-    """(B, V) fp32 logits of the next token, ``<pad>``, ``<bos>`` and ``<unk>`` banned (never generated)."""
+    """(B, V) fp32 logits of the next token, ``ids.banned`` (every special but ``<eos>``) never generated."""
     logits = step(tokens).float()  # a no-op (no copy) when already fp32
-    # scalar indices: no index tensor is built (and copied to the GPU) per step
-    logits[:, ids.pad_id] = float("-inf")
-    logits[:, ids.bos_id] = float("-inf")
-    if ids.unk_id is not None:
-        logits[:, ids.unk_id] = float("-inf")
+    for banned in ids.banned:  # scalar indices: no index tensor is built (and copied to the GPU) per step
+        logits[:, banned] = float("-inf")
     return logits
 
 

@@ -176,6 +176,7 @@ def model_config_from(cfg: DictConfig, datamodule: Any) -> dict[str, Any]:
         bos_id=vocab.bos_id,
         eos_id=vocab.eos_id,
         unk_id=vocab.unk_id,
+        other_special_ids=list(vocab.other_special_ids),
     )
     return {"encoder": {**encoder, "num_classes": 0}, "decoder": decoder}
 

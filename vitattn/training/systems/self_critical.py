@@ -172,8 +172,7 @@ def sample_log_probs(model: ImageCaptioner, memory: Tensor, sampled: Tensor) -> 
     ids = model.special_ids
     bos = sampled.new_full((sampled.shape[0], 1), ids.bos_id)
     logits = model.decoder(torch.cat([bos, sampled[:, :-1]], dim=1), memory).float()  # (B * K, T, V)
-    banned = [i for i in (ids.pad_id, ids.bos_id, ids.unk_id) if i is not None]
-    logits = logits.index_fill(-1, torch.tensor(banned, device=logits.device), float("-inf"))
+    logits = logits.index_fill(-1, torch.tensor(ids.banned, device=logits.device), float("-inf"))
     log_probs = logits.log_softmax(-1).gather(-1, sampled.unsqueeze(-1)).squeeze(-1)  # (B * K, T)
     mask = sampled != ids.pad_id
     return log_probs.masked_fill(~mask, 0.0), mask
