@@ -1,11 +1,8 @@
 """Inference precision, ``precision=auto|fp32|bf16``, and whether this CPU has bf16 matrix units.
 
-``bf16`` runs a model's forward, encoding and decoding steps under ``torch.autocast`` in bfloat16; the
-search's scores and log-softmax, and the explicit attention's scores, ``-1e9`` mask and softmax, stay fp32.
-``auto`` is bf16 on CUDA and on CPUs with native bf16 matrix instructions (``amx_bf16``: Intel Sapphire
-Rapids and later; ``avx512_bf16``: those and AMD Zen 4 and later), fp32 elsewhere. ONNX folders run in fp32.
-
-Torch is imported only to detect the units or enter autocast, so a command line is checked without it.
+``bf16`` runs the model under ``torch.autocast`` in bfloat16 (search scores and attention softmax stay fp32);
+``auto`` is bf16 on CUDA and on CPUs with ``amx_bf16`` (Intel Sapphire Rapids on) or ``avx512_bf16`` (and AMD
+Zen 4 on), fp32 elsewhere. ONNX folders run in fp32. Torch is imported only to detect or autocast.
 """
 
 from __future__ import annotations
@@ -47,11 +44,8 @@ def check_precision(precision: Any) -> str:
 
 
 def cpu_bf16_units() -> list[str]:
-    """The native bf16 matrix instructions of this CPU that torch can use: ``amx_bf16``, ``avx512_bf16``, or none.
-
-    Torch's own checks where it has them (any OS), else the flags of ``/proc/cpuinfo``; none without oneDNN,
-    which runs torch's bf16 matrix products on the CPU.
-    """
+    """This CPU's native bf16 matrix instructions that torch can use (``amx_bf16``, ``avx512_bf16``): torch's
+    checks, else ``/proc/cpuinfo``'s flags; none without oneDNN, which runs torch's bf16 CPU matrix products."""
     import torch  # heavy: only to detect
 
     if not torch.backends.mkldnn.is_available():
@@ -72,8 +66,8 @@ def cpu_bf16_units() -> list[str]:
 
 @functools.cache
 def native_bf16() -> bool:
-    """Whether ``auto`` takes this CPU for one with native bf16 matrix instructions: detected once per process
-    (``VITATTN_NATIVE_BF16=0`` or ``1`` decides instead) and said in one log line."""
+    """Whether ``auto`` takes this CPU for one with bf16 units: detected once per process and logged in one line
+    (``VITATTN_NATIVE_BF16=0`` or ``1`` decides instead)."""
     forced = os.environ.get(NATIVE_BF16_ENV)
     if forced is not None:
         if forced not in ("0", "1"):

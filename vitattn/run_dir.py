@@ -1,9 +1,4 @@
-"""The layout of a training run folder (``runs/<task>/<date>_<time>/``); every other module asks ``RunDir``.
-
-It holds ``config.yaml``, ``.hydra/overrides.yaml`` (replayed by ``resume=RUN``), ``vocab.json`` or
-``tokenizer.json``, ``checkpoints/`` (``last.ckpt``, ``best.ckpt``, step checkpoints), ``bundle/``, ``result.json``
-(once complete) and the MLflow and W&B run ids its loggers continue.
-"""
+"""The layout of a training run folder (``runs/<task>/<date>_<time>/``); every other module asks ``RunDir``."""
 
 from __future__ import annotations
 
@@ -50,10 +45,6 @@ class RunDir:
         )
         for name, value in paths.items():
             object.__setattr__(self, name, value)
-
-    def saved_tokenizer(self) -> Path | None:
-        """The tokenizer file the run holds (``tokenizer.json`` or ``vocab.json``), or None."""
-        return next((p for p in (self.tokenizer, self.vocab) if p.is_file()), None)
 
     def is_run(self) -> bool:
         """The folder holds a training config."""

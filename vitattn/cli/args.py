@@ -20,8 +20,6 @@ from vitattn.precision import check_precision
 
 __all__ = ["UsageError", "parse_key_values", "resolve_device", "run_main"]
 
-log = logging.getLogger("vitattn")
-
 
 # Counts that the entry points share, and their least values.
 _COUNTS = {"batch_size": 1, "num_workers": 0, "num_threads": 1}
@@ -81,7 +79,6 @@ def _literal(value: str | None) -> str | None:
 
 def resolve_device(name: str) -> str:
     """``auto`` -> ``cuda`` when available, else ``cpu``; a CUDA device without CUDA is refused."""
-    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     import torch
 
     if name == "auto":

@@ -62,7 +62,6 @@ def parse_args(argv: list[str]) -> Any:
 
 def run(cfg: Any) -> int:
     """Evaluate as ``cfg`` says; returns the exit status (0 every image scored, 1 some were not)."""
-    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.bundle import load_model
     from vitattn.models.search import SEARCH_KEYS
     from vitattn.training.evaluation import evaluate_captions, evaluate_classification, format_report, write_report

@@ -28,8 +28,7 @@ class CaptionDecoder(nn.Module):
         max_len: most caption positions, ``<bos>`` included.
         memory_dim: width of the image tokens; projected to D when it differs.
         norm_first, activation, fused_attn: as ``EncoderLayer``'s.
-        pad_id, bos_id, eos_id, unk_id: special ids (``Vocabulary``'s; ``unk_id`` None: none). ``<unk>`` is never
-            generated.
+        pad_id, bos_id, eos_id, unk_id: special ids (``unk_id`` None: none); ``<unk>`` is never generated.
         tie_embeddings: the output projection is the token embedding (GPT-2); false: its own weight and bias.
         init: ``timm`` (truncated normal, std 0.02) or ``torch`` (``nn.Linear``'s default; learns faster from
             small data, docs/learning.md).
@@ -110,13 +109,11 @@ class CaptionDecoder(nn.Module):
             self.token_embed.weight[self.pad_id].zero_()
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """Recompute each decoder layer's activations in the backward pass instead of keeping them: less
-        memory for about one more forward pass. Only while training with gradients and never with a cache."""
+        """Recompute each layer in the backward pass (less memory, one more forward); never with a cache."""
         self.grad_checkpointing = self.config["grad_checkpointing"] = enable
 
     def new_cache(self, capacity: int | None = None) -> list[LayerCache]:
-        """An empty key/value cache, one entry per layer, with room for ``capacity`` positions
-        (default ``max_len``) allocated at the first step."""
+        """An empty key/value cache per layer, room for ``capacity`` positions (default ``max_len``)."""
         return [LayerCache(capacity or self.max_len) for _ in self.layers]
 
     def forward_features(
@@ -194,13 +191,12 @@ class ImageCaptioner(nn.Module, CaptionSearch):
     def start_search(
         self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
     ) -> tuple[DecoderStep, int, torch.device]:
-        """``CaptionSearch.start_search``: the decoder's step over the image tokens (B, N, D), which it
-        projects once per image for the K beams of each."""
+        """``CaptionSearch.start_search``: the decoder's step over the (B, N, D) image tokens."""
         memory = self.encode(images)  # (B, N, D)
         return self.decode_step(memory, max_new_tokens, use_cache), memory.shape[0], memory.device
 
     def decode_step(self, memory: Tensor, max_new_tokens: int, use_cache: bool = True) -> DecoderStep:
-        """The PyTorch ``DecodeStep`` over image tokens ``memory`` (B, N, D), for the shared search loops."""
+        """The PyTorch ``DecodeStep`` over (B, N, D) image tokens ``memory``."""
         return DecoderStep(self.decoder, memory, self.decoder.new_cache(max_new_tokens) if use_cache else None)
 
     @property
@@ -214,9 +210,8 @@ class DecoderStep:
     recomputed from position 0; ``memory`` may hold one row per image for its K beams."""
 
     def __init__(self, decoder: CaptionDecoder, memory: Tensor, cache: list[LayerCache] | None) -> None:
-        # On a CPU the steps run in fp32 even under bf16 autocast (the encoder, most of the matrix work, stays
-        # bf16): at one query position torch's bf16 CPU kernels are slower than fp32 (attention 85 vs 38 us a
-        # call), and the captions stay nearer fp32's. On a GPU the layers run in bf16.
+        # On a CPU the steps run in fp32 even under bf16 autocast (only the encoder in bf16): at one query
+        # position torch's bf16 CPU kernels are slower than fp32's (docs/benchmarks.md). A GPU steps in bf16.
         self.fp32 = memory.device.type == "cpu"
         self.decoder, self.cache = decoder, cache
         self.memory = memory.float() if self.fp32 else memory
@@ -232,8 +227,7 @@ class DecoderStep:
             h = self.decoder.forward_features(tokens, self.memory)[:, -1:]  # (B, 1, D)
         else:
             h = self.decoder.forward_features(tokens[:, -1:], self.memory, self.cache, start=tokens.shape[1] - 1)
-        # The search's scores in fp32 even under bf16 autocast: rounded to bf16 (3 significant digits), near-tied
-        # words swap (a tiny shapes captioner kept 92 % of its fp32 greedy captions with a bf16 head, 97 % with this).
+        # The search's scores in fp32 even under bf16 autocast: in bf16 (3 significant digits) near-tied words swap.
         with torch.autocast(h.device.type, enabled=False):
             return self.decoder.head(h.float())[:, -1]  # (B, V)
 

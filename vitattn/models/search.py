@@ -20,7 +20,6 @@ __all__ = [
     "SpecialIds",
     "beam_search",
     "check_early_stopping",
-    "check_search",
     "greedy_search",
     "sample_token",
     "sequence_log_prob",
@@ -35,11 +34,9 @@ class DecodeStep(Protocol):
 
     def __call__(self, tokens: Tensor) -> Tensor:
         """(B, t) tokens so far (``<bos>`` first; one more than at the previous call) -> (B, V) logits."""
-        ...
 
     def reorder(self, index: Tensor) -> None:
         """Keep the cached rows ``index`` (B,), in that order (beam search)."""
-        ...
 
 
 class SpecialIds(NamedTuple):
@@ -61,32 +58,6 @@ def check_early_stopping(early_stopping: bool | str) -> bool | str:
     if value not in ("true", "false", "never"):
         raise ValueError(f"early_stopping={early_stopping!r} must be true, false or never")
     return "never" if value == "never" else value == "true"
-
-
-def check_search(
-    max_len: int,
-    max_new_tokens: int | None = None,
-    num_beams: int = 1,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    early_stopping: bool | str = False,
-) -> int:
-    """Refuse settings a decoder of ``max_len`` positions cannot decode with (a one-line ``ValueError``);
-    returns ``max_new_tokens`` with None replaced by ``max_len - 1``."""
-    check_early_stopping(early_stopping)
-    if max_new_tokens is None:
-        max_new_tokens = max_len - 1
-    if max_new_tokens + 1 > max_len:
-        raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the decoder's max_len={max_len} - 1")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
-    if num_beams < 1:
-        raise ValueError(f"num_beams={num_beams} must be at least 1")
-    if do_sample and num_beams > 1:
-        raise ValueError("do_sample=True needs num_beams=1 (beam sampling is not supported)")
-    if do_sample and temperature <= 0:
-        raise ValueError(f"temperature={temperature} must be positive")
-    return max_new_tokens
 
 
 class CaptionSearch:
@@ -113,7 +84,20 @@ class CaptionSearch:
     ) -> int:
         """Refuse ``generate`` settings it cannot decode with (a one-line ``ValueError``); returns
         ``max_new_tokens`` with None replaced by ``max_len - 1``."""
-        return check_search(self.max_len, max_new_tokens, num_beams, do_sample, temperature, early_stopping)
+        check_early_stopping(early_stopping)
+        if max_new_tokens is None:
+            max_new_tokens = self.max_len - 1
+        if max_new_tokens + 1 > self.max_len:
+            raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the decoder's max_len={self.max_len} - 1")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+        if num_beams < 1:
+            raise ValueError(f"num_beams={num_beams} must be at least 1")
+        if do_sample and num_beams > 1:
+            raise ValueError("do_sample=True needs num_beams=1 (beam sampling is not supported)")
+        if do_sample and temperature <= 0:
+            raise ValueError(f"temperature={temperature} must be positive")
+        return max_new_tokens
 
     @torch.no_grad()
     def generate(

@@ -192,8 +192,7 @@ class VisionTransformer(nn.Module):
                     nn.init.zeros_(m.bias)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """Recompute each encoder layer's activations in the backward pass instead of keeping them (timm's
-        switch): less memory for about one more forward pass. Only while training with gradients."""
+        """Recompute each layer in the backward pass while training (timm's switch): less memory, one more forward."""
         self.grad_checkpointing = self.config["grad_checkpointing"] = enable
 
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
