@@ -89,8 +89,8 @@ def resolve_device(name: str) -> str:
 
 
 def run_main(doc: str, argv: Sequence[str] | None, parse: Callable[[list[str]], Any], run: Callable[[Any], int]) -> int:
-    """A console entry point: ``--help`` prints ``doc``; user errors print ``error: <one line>`` on
-    stderr and give exit status 2; otherwise ``run(parse(argv))``'s status."""
+    """A console entry point over ``argv`` (default ``sys.argv[1:]``): ``--help`` prints ``doc``; a user error
+    prints ``error: <one line>`` on stderr, exit status 2; else ``run(parse(argv))``'s status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help", "help") for a in argv):
         print(doc.strip())

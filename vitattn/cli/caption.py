@@ -149,7 +149,6 @@ def _caption_shards(cfg: Any, model: Any, options: dict[str, Any]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
     return run_main(__doc__, argv, parse_args, run)
 
 

@@ -69,18 +69,12 @@ def run(args: tuple[DictConfig, int]) -> int:
     for path, reason in bad.items():
         print(f"{path}: {reason}", flush=True)
     total = len(set(paths))
-    log.info(
-        "%d of %d images cannot be read (%.1f s, %.0f images/s)",
-        len(bad),
-        total,
-        seconds,
-        total / seconds if seconds > 0 else 0.0,
-    )
+    rate = total / seconds if seconds > 0 else 0.0
+    log.info("%d of %d images cannot be read (%.1f s, %.0f images/s)", len(bad), total, seconds, rate)
     return 1 if bad else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
     return run_main(__doc__, argv, parse_args, run)
 
 

@@ -84,7 +84,6 @@ def run(args: ShardsArgs) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
     return run_main(__doc__, argv, parse, run)
 
 

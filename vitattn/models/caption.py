@@ -7,6 +7,7 @@ over each layer's key/value cache.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -184,10 +185,6 @@ class ImageCaptioner(nn.Module, CaptionSearch):
         logp = logits.float().log_softmax(-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)  # (B, T)
         return (logp * (generated != dec.pad_id)).sum(dim=1)
 
-    @property
-    def max_len(self) -> int:
-        return self.decoder.max_len
-
     def start_search(
         self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
     ) -> tuple[DecoderStep, int, torch.device]:
@@ -195,14 +192,18 @@ class ImageCaptioner(nn.Module, CaptionSearch):
         memory = self.encode(images)  # (B, N, D)
         return self.decode_step(memory, max_new_tokens, use_cache), memory.shape[0], memory.device
 
-    def decode_step(self, memory: Tensor, max_new_tokens: int, use_cache: bool = True) -> DecoderStep:
-        """The PyTorch ``DecodeStep`` over (B, N, D) image tokens ``memory``."""
-        return DecoderStep(self.decoder, memory, self.decoder.new_cache(max_new_tokens) if use_cache else None)
+    @property
+    def max_len(self) -> int:
+        return self.decoder.max_len
 
     @property
     def special_ids(self) -> SpecialIds:
         dec = self.decoder
         return SpecialIds(dec.pad_id, dec.bos_id, dec.eos_id, dec.unk_id)
+
+    def decode_step(self, memory: Tensor, max_new_tokens: int, use_cache: bool = True) -> DecoderStep:
+        """The PyTorch ``DecodeStep`` over (B, N, D) image tokens ``memory``."""
+        return DecoderStep(self.decoder, memory, self.decoder.new_cache(max_new_tokens) if use_cache else None)
 
 
 class DecoderStep:
@@ -217,16 +218,11 @@ class DecoderStep:
         self.memory = memory.float() if self.fp32 else memory
 
     def __call__(self, tokens: Tensor) -> Tensor:
-        if self.fp32:
-            with torch.autocast("cpu", enabled=False):
-                return self._logits(tokens)
-        return self._logits(tokens)
-
-    def _logits(self, tokens: Tensor) -> Tensor:
-        if self.cache is None:
-            h = self.decoder.forward_features(tokens, self.memory)[:, -1:]  # (B, 1, D)
-        else:
-            h = self.decoder.forward_features(tokens[:, -1:], self.memory, self.cache, start=tokens.shape[1] - 1)
+        with torch.autocast("cpu", enabled=False) if self.fp32 else nullcontext():
+            if self.cache is None:
+                h = self.decoder.forward_features(tokens, self.memory)[:, -1:]  # (B, 1, D)
+            else:
+                h = self.decoder.forward_features(tokens[:, -1:], self.memory, self.cache, start=tokens.shape[1] - 1)
         # The search's scores in fp32 even under bf16 autocast: in bf16 (3 significant digits) near-tied words swap.
         with torch.autocast(h.device.type, enabled=False):
             return self.decoder.head(h.float())[:, -1]  # (B, V)

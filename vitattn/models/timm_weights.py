@@ -80,8 +80,7 @@ def convert_timm_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tenso
             continue
         if ".attn.qkv." in key:
             prefix, kind = key.split(".attn.qkv.")  # kind: weight or bias
-            q, k, v = value.chunk(3, dim=0)
-            for name, part in zip(("wq", "wk", "wv"), (q, k, v)):
+            for name, part in zip(("wq", "wk", "wv"), value.chunk(3, dim=0)):
                 out[f"{prefix}.mha.{name}.{kind}"] = part.clone()
             continue
         for old, new in _BLOCK_RENAMES.items():
@@ -166,10 +165,8 @@ def read_timm_file(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]
     if path.suffix.lower() == ".npz":
         return _read_npz(path)
     try:
-        with quiet_timm():
-            raw = load_state_dict(
-                str(path)
-            )  # safetensors or weights_only torch.load; EMA / state_dict / model wrappers
+        with quiet_timm():  # safetensors or weights_only torch.load; EMA / state_dict / model wrappers unwrapped
+            raw = load_state_dict(str(path))
     except Exception as err:  # noqa: BLE001 - safetensors and torch raise their own types for unreadable files
         raise ValueError(f"{path} cannot be read as timm weights: {first_line(err)}") from None
     if any(k.startswith(("visual.", "module.visual.")) for k in raw):
@@ -232,7 +229,6 @@ def load_encoder_state(model: VisionTransformer, state: Mapping[str, Tensor], lo
         ValueError: keys or shapes that do not fit the model.
     """
     own = model.state_dict()
-    state = dict(state)
     notes = []
     head, own_head = state.get("head.weight"), own.get("head.weight")
     if head is not None and (not load_head or own_head is None or head.shape != own_head.shape):
