@@ -1,8 +1,6 @@
-"""Caption decoder and the image captioner with greedy, beam and sampled decoding.
+"""Caption decoder and the image captioner, whose ``generate`` is ``vitattn.models.search``'s.
 
 Dimension letters: B batch, K beams, N image tokens, D width, T caption positions, V vocabulary.
-The image is encoded once per ``generate``; the search loops (``vitattn.models.search``) call a ``DecoderStep``
-over each layer's key/value cache.
 """
 
 from __future__ import annotations

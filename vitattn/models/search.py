@@ -1,9 +1,7 @@
-"""Greedy, sampled and beam search over a decoding step, whichever runtime computes the step.
+"""Greedy, sampled and beam search over a ``DecodeStep``: one search for every runtime (PyTorch, ONNX).
 
 Dimension letters: B images, K beams, t positions so far, T' generated tokens, V vocabulary. A caption's
-length counts ``<eos>``, not ``<bos>`` (Hugging Face's). A ``DecodeStep`` gives the next token's logits and
-keeps its own cache (PyTorch's ``ImageCaptioner``, an exported ONNX step): these loops are the only ones,
-so every runtime decodes alike, and ``CaptionSearch`` gives both caption models the same ``generate``.
+length counts ``<eos>``, not ``<bos>`` (Hugging Face's).
 """
 
 from __future__ import annotations
@@ -40,8 +38,7 @@ class DecodeStep(Protocol):
 
 
 class SpecialIds(NamedTuple):
-    """The vocabulary's ``<pad>``, ``<bos>``, ``<eos>`` and ``<unk>`` ids; ``unk_id`` None: a vocabulary
-    without an unknown token. The search never generates ``<pad>``, ``<bos>`` or ``<unk>``."""
+    """The vocabulary's ``<pad>``, ``<bos>``, ``<eos>`` and ``<unk>`` ids (``unk_id`` None: no unknown token)."""
 
     pad_id: int
     bos_id: int

@@ -92,8 +92,7 @@ def convert_timm_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tenso
 
 
 def weights_config(state: Mapping[str, Tensor]) -> dict[str, Any]:
-    """The ``VisionTransformer`` arguments an encoder state dict (ours) fixes: ``embed_dim``, ``depth``,
-    ``mlp_ratio``, ``patch_size``, ``in_chans``, ``qkv_bias``, ``norm_pre``, ``fc_norm``.
+    """The ``VisionTransformer`` arguments that an encoder state dict (ours) fixes by its shapes and keys.
 
     Raises:
         ValueError: not a ViT with a class token, square patches and a square grid of positions.
@@ -123,8 +122,7 @@ def weights_config(state: Mapping[str, Tensor]) -> dict[str, Any]:
 
 
 def timm_model_config(model: nn.Module) -> dict[str, Any]:
-    """What a timm ViT's structure fixes beyond its weights: ``num_heads``, ``activation``, ``layer_norm_eps``,
-    ``norm_first``.
+    """What a timm ViT's structure fixes beyond its weights (heads, activation, LayerNorm epsilon, pre-norm).
 
     Raises:
         ValueError: a timm model our encoder cannot copy (distillation token, registers, layer scale, ...).
@@ -152,8 +150,7 @@ def timm_model_config(model: nn.Module) -> dict[str, Any]:
 
 
 def read_timm_file(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """A local timm weights file as (state dict in our layout, the arguments it fixes beyond its shapes);
-    ``.npz`` goes through timm's JAX loader.
+    """A local timm weights file as (state dict in our layout, the arguments it fixes beyond its shapes).
 
     Raises:
         FileNotFoundError: no such file.
@@ -221,9 +218,9 @@ def _read_npz(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     return convert_timm_state_dict(model.state_dict()), timm_model_config(model)
 
 
-def load_encoder_state(model: VisionTransformer, state: Mapping[str, Tensor], load_head: bool = True) -> list[str]:
-    """Copy an encoder state dict (ours) into ``model``, the position grid resampled to the model's; a head of
-    another size (or ``load_head=False``) is left. Returns what was resampled, skipped or left new, for the log.
+def load_encoder_state(model: VisionTransformer, state: Mapping[str, Tensor]) -> list[str]:
+    """Copy an encoder state dict (ours) into ``model``, positions resampled, a head of another size left;
+    returns what was resampled, skipped or left new, for the log.
 
     Raises:
         ValueError: keys or shapes that do not fit the model.
@@ -231,7 +228,7 @@ def load_encoder_state(model: VisionTransformer, state: Mapping[str, Tensor], lo
     own = model.state_dict()
     notes = []
     head, own_head = state.get("head.weight"), own.get("head.weight")
-    if head is not None and (not load_head or own_head is None or head.shape != own_head.shape):
+    if head is not None and (own_head is None or head.shape != own_head.shape):
         notes.append(f"skipped head ({head.shape[0]} classes; the model has {model.num_classes or 'none'})")
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
     elif head is None and own_head is not None:
@@ -259,12 +256,9 @@ def load_encoder_state(model: VisionTransformer, state: Mapping[str, Tensor], lo
     return notes
 
 
-def load_timm_weights(
-    model: VisionTransformer, source: str | Path | Mapping[str, Tensor] | nn.Module, load_head: bool = True
-) -> None:
-    """Copy timm ViT weights (a timm model, its state dict, or a local ``.safetensors`` / ``.pth`` / ``.bin`` /
-    ``.npz`` file) into ``model`` (``norm_first=True``, the weights' width, depth, patch and activation);
-    positions of another size are resampled, a head of another shape skipped."""
+def load_timm_weights(model: VisionTransformer, source: str | Path | Mapping[str, Tensor] | nn.Module) -> None:
+    """Copy timm ViT weights (a timm model, its state dict, or a local file of ``TIMM_SUFFIXES``) into a
+    ``norm_first`` ``model`` of their shapes, as ``load_encoder_state`` does."""
     if not model.config["norm_first"]:
         raise ValueError("timm weights are pre-norm: build the model with norm_first=True")
     if isinstance(source, nn.Module):
@@ -273,7 +267,7 @@ def load_timm_weights(
         state = convert_timm_state_dict(source)
     else:
         state, _ = read_timm_file(source)
-    for note in load_encoder_state(model, state, load_head):
+    for note in load_encoder_state(model, state):
         log.info("timm weights: %s", note)
 
 
@@ -336,8 +330,8 @@ def _cached_file(cfg: Any) -> str | None:
 
 
 def timm_file_data_config(path: str | Path) -> tuple[str, dict[str, Any]] | None:
-    """``(name, data config)`` of a weights file from the ``config.json`` beside it in timm's hub layout, as
-    ``push_to_hub`` writes it (the data config as ``resolve_data_config`` gives it); None without one."""
+    """``(name, data config)`` of a weights file from the ``config.json`` that timm's ``push_to_hub`` writes
+    beside it; None without one."""
     config_file = Path(path).parent / "config.json"
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))

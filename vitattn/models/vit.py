@@ -75,9 +75,8 @@ class PatchEmbed(nn.Module):
 class VisionTransformer(nn.Module):
     """ViT: strided-conv patch embedding, class token, learned positions, ``EncoderLayer`` stack.
 
-    Arguments are timm's (``img_size``, ``patch_size``, ``in_chans``, ``num_classes`` (0: features), ``embed_dim``,
-    ``depth``, ``num_heads``, ``mlp_ratio``, ``qkv_bias``, ``drop_rate``, ``pos_drop_rate``, ``attn_drop_rate``,
-    ``drop_path_rate`` (rising over the layers), ``fc_norm`` (None: on for ``avg``), ``layer_norm_eps``), and:
+    Arguments are timm's (``num_classes=0``: features; ``drop_path_rate`` rises over the layers; ``fc_norm`` None:
+    on for ``avg``), and:
 
     Args:
         global_pool: ``cls``, ``mean`` (of the patch tokens) or ``avg`` (timm's: the mean, then ``fc_norm``).
