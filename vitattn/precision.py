@@ -69,18 +69,16 @@ def native_bf16() -> bool:
     """Whether ``auto`` takes this CPU for one with bf16 units: detected once per process and logged in one line
     (``VITATTN_NATIVE_BF16=0`` or ``1`` decides instead)."""
     forced = os.environ.get(NATIVE_BF16_ENV)
-    if forced is not None:
-        if forced not in ("0", "1"):
-            raise ValueError(f"{NATIVE_BF16_ENV}={forced!r} must be 0 (fp32) or 1 (bf16), or unset (detect)")
-        found = forced == "1"
-        log.info("precision=auto: %s=%s, so inference on the CPU runs in %s", NATIVE_BF16_ENV, forced, _NAME[found])
-        return found
-    units = cpu_bf16_units()
-    found = ", ".join(units) or f"none of {', '.join(_BF16_FLAGS)}"
-    log.info(
-        "precision=auto: bf16 matrix instructions on this CPU: %s, so inference runs in %s", found, _NAME[bool(units)]
-    )
-    return bool(units)
+    if forced not in (None, "0", "1"):
+        raise ValueError(f"{NATIVE_BF16_ENV}={forced!r} must be 0 (fp32) or 1 (bf16), or unset (detect)")
+    if forced is None:
+        units = cpu_bf16_units()
+        listed = ", ".join(units) or f"none of {', '.join(_BF16_FLAGS)}"
+        found, why = bool(units), f"bf16 matrix instructions on this CPU: {listed}"
+    else:
+        found, why = forced == "1", f"{NATIVE_BF16_ENV}={forced}"
+    log.info("precision=auto: %s, so inference runs in %s", why, _NAME[found])
+    return found
 
 
 def resolve_precision(precision: str, device: Any) -> str:

@@ -73,14 +73,12 @@ class RunDir:
         return [str(o) for o in OmegaConf.load(self.overrides)] if self.overrides.is_file() else []
 
     def save_result(self, global_step: int, weights: str, metrics: dict[str, float], bundle: bool) -> None:
-        """Mark the run complete: its last step, the weights tested and exported, the final metrics, and
-        whether it exported a bundle."""
+        """Mark the run complete: its last step, the weights tested, the final metrics, whether it has a bundle."""
         result = {"global_step": global_step, "weights": weights, "metrics": metrics, "bundle": bundle}
         atomic_write(self.result, json.dumps(result, indent=2) + "\n")
 
     def load_result(self) -> dict[str, Any] | None:
-        """What ``save_result`` wrote, or None while the run is not complete; a one-line ``ValueError`` when
-        the file is not one that it writes."""
+        """What ``save_result`` wrote, or None while the run is not complete (a one-line ``ValueError``: not that)."""
         if not self.result.is_file():
             return None
         result = read_json(self.result, "run result")

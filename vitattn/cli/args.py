@@ -30,11 +30,8 @@ class UsageError(ValueError):
 
 
 def parse_key_values(argv: Sequence[str], schema: type, prog: str) -> Any:
-    """``key=value`` arguments -> a structured config of the dataclass ``schema``, each value taken literally (a
-    glob is not YAML; ``null`` clears an option) and checked against its field's type. A ``UsageError`` names
-    a bad argument, an unknown key (with the closest known one), a count below its least value (``_COUNTS``),
-    an unknown ``device`` or ``precision``, or a missing key.
-    """
+    """``key=value`` arguments -> a structured config of the dataclass ``schema``, values taken literally (a glob
+    is not YAML; ``null`` clears an option); a ``UsageError`` names a bad or missing argument, with the closest key."""
     known = [f.name for f in fields(schema)]
     given: dict[str, Any] = {}
     for arg in argv:

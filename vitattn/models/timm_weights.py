@@ -72,8 +72,7 @@ def quiet_timm() -> Iterator[None]:
 
 
 def convert_timm_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """A timm ViT state dict in our names, each ``attn.qkv`` split into ``mha.wq/wk/wv``; ``pre_logits`` dropped
-    as timm's own checkpoint filter drops it."""
+    """A timm ViT state dict in our names: ``attn.qkv`` split into ``mha.wq/wk/wv``, ``pre_logits`` dropped (timm's)."""
     out: dict[str, Tensor] = {}
     for key, value in state_dict.items():
         if key.startswith("pre_logits."):
@@ -257,8 +256,7 @@ def load_encoder_state(model: VisionTransformer, state: Mapping[str, Tensor]) ->
 
 
 def load_timm_weights(model: VisionTransformer, source: str | Path | Mapping[str, Tensor] | nn.Module) -> None:
-    """Copy timm ViT weights (a timm model, its state dict, or a local file of ``TIMM_SUFFIXES``) into a
-    ``norm_first`` ``model`` of their shapes, as ``load_encoder_state`` does."""
+    """Copy timm ViT weights (a timm model, its state dict, a ``TIMM_SUFFIXES`` file) into a ``norm_first`` model."""
     if not model.config["norm_first"]:
         raise ValueError("timm weights are pre-norm: build the model with norm_first=True")
     if isinstance(source, nn.Module):
@@ -330,8 +328,7 @@ def _cached_file(cfg: Any) -> str | None:
 
 
 def timm_file_data_config(path: str | Path) -> tuple[str, dict[str, Any]] | None:
-    """``(name, data config)`` of a weights file from the ``config.json`` that timm's ``push_to_hub`` writes
-    beside it; None without one."""
+    """``(name, data config)`` from the ``config.json`` timm's ``push_to_hub`` writes beside a weights file, or None."""
     config_file = Path(path).parent / "config.json"
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
