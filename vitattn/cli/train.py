@@ -1,9 +1,7 @@
 """``vitattn-train``: Hydra entry point around ``vitattn.training.train``.
 
-``resume=RUN_DIR`` continues that run in place, its saved overrides replayed; ``resume=auto`` with
-``hydra.run.dir=DIR`` continues DIR's run if it has ``checkpoints/last.ckpt`` (docs/scaling.md). A complete run
-is left as it is. SIGTERM or SIGUSR1 stops after the current step with that checkpoint: exit status 75
-(``EX_TEMPFAIL``: run the same command again). The task function returns ``optimized_metric`` for a sweeper.
+``resume=RUN_DIR`` (or ``resume=auto hydra.run.dir=DIR``) continues a run in place; a complete run is left as it is;
+a preempted run exits 75 (``EX_TEMPFAIL``: run it again) (docs/scaling.md). Returns ``optimized_metric`` for sweeps.
 """
 
 from __future__ import annotations
