@@ -22,9 +22,6 @@ if TYPE_CHECKING:
     from vitattn.training import TrainResult
 
 
-PREEMPTED_EXIT_STATUS = os.EX_TEMPFAIL  # 75: stopped by a signal with a checkpoint; start it again to continue
-
-
 def _resume_argv(argv: list[str]) -> list[str]:
     """Expand ``resume=RUN_DIR`` into the run's saved overrides plus ``hydra.run.dir=RUN_DIR``."""
     resume = next((a.split("=", 1)[1] for a in argv if a.startswith("resume=")), None)
@@ -65,7 +62,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         except Preempted as stop:
             if rank_zero_only.rank == 0:
                 print(f"{stop}; continue with resume={stop.checkpoint.parents[1]}", file=sys.stderr, flush=True)
-            sys.exit(PREEMPTED_EXIT_STATUS)
+            sys.exit(os.EX_TEMPFAIL)  # 75: stopped with a checkpoint; start it again to continue
         if rank_zero_only.rank == 0 and not result.already_complete:  # else train() said so in one line
             _report(result)
         return optimized_value(result.metrics, cfg.get("optimized_metric"))
