@@ -56,10 +56,7 @@ class RunDir:
         path = Path(model).resolve()
         if path.is_file():
             path = path.parent  # checkpoints/x.ckpt or bundle/config.json
-        for candidate in (cls(path), cls(path.parent)):
-            if candidate.is_run():
-                return candidate
-        return None
+        return next((run for run in (cls(path), cls(path.parent)) if run.is_run()), None)
 
     def load_config(self) -> Any:
         """The saved training config (a ``DictConfig``); a one-line ``ValueError`` when unreadable."""

@@ -74,8 +74,7 @@ def _report(result: TrainResult) -> None:
         lines.append(f"model bundle:  {result.bundle_dir}")
     lines.append(f"weights:       {result.weights}")
     lines.append(f"speed:         {result.steps_per_second:.2f} steps/s (training with its validations)")
-    for key in sorted(result.metrics):
-        lines.append(f"  {key:<22} {result.metrics[key]:.4f}")
+    lines += [f"  {key:<22} {value:.4f}" for key, value in sorted(result.metrics.items())]
     if result.skipped_images:
         lines.append(f"skipped images ({len(result.skipped_images)} files could not be read; data.bad_images=skip):")
         lines += [f"  {path}: {reason}" for path, reason in result.skipped_images.items()]
