@@ -67,13 +67,11 @@ _brief.maxlevel, _brief.maxstring, _brief.maxlong, _brief.maxother = 3, 60, 40, 
 
 
 def brief(value: Any, limit: int = 80) -> str:
-    """A short ``repr`` of a value read from a file, for an error message: however large or deeply
-    nested the value, the result is one line of at most ``limit`` characters, computed in little time."""
+    """A one-line ``repr`` of at most ``limit`` characters for an error message, quick for any large value."""
     text = _brief.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def printable(text: str) -> str:
-    """``text`` as it is when every character prints, else its ``repr``: a name that a user typed or a
-    file holds stays on one line of a message even when it holds a line break or a control character."""
+    """``text``, or its ``repr`` when a character would not print: a name with a line break stays on one line."""
     return text if text.isprintable() else repr(text)

@@ -1,12 +1,9 @@
 """Inference precision, ``precision=auto|fp32|bf16``, and whether this CPU has bf16 matrix units.
 
-``bf16`` runs a model's forward, encoding and decoding steps under ``torch.autocast`` in bfloat16; the
-search's scores and log-softmax, and the explicit attention's scores, ``-1e9`` mask and softmax, stay fp32.
-``auto`` is bf16 on GPUs with bf16 units (compute capability 8.0 or more) and on CPUs with native bf16 matrix
-instructions (``amx_bf16``: Intel Sapphire Rapids and later; ``avx512_bf16``: those and AMD Zen 4 and later),
-fp32 elsewhere. ONNX folders run in fp32.
-
-Torch is imported only to detect the units or enter autocast, so a command line is checked without it.
+``bf16`` runs the model under ``torch.autocast`` in bfloat16 (search scores and attention softmax stay fp32);
+``auto`` is bf16 on GPUs with bf16 units (compute capability 8.0 on) and on CPUs with ``amx_bf16`` (Intel
+Sapphire Rapids on) or ``avx512_bf16`` (and AMD Zen 4 on), fp32 elsewhere. ONNX folders run in fp32. Torch is
+imported only to detect or autocast.
 """
 
 from __future__ import annotations
@@ -49,11 +46,8 @@ def check_precision(precision: Any) -> str:
 
 
 def cpu_bf16_units() -> list[str]:
-    """The native bf16 matrix instructions of this CPU that torch can use: ``amx_bf16``, ``avx512_bf16``, or none.
-
-    Torch's own checks where it has them (any OS), else the flags of ``/proc/cpuinfo``; none without oneDNN,
-    which runs torch's bf16 matrix products on the CPU.
-    """
+    """This CPU's native bf16 matrix instructions that torch can use (``amx_bf16``, ``avx512_bf16``): torch's
+    checks, else ``/proc/cpuinfo``'s flags; none without oneDNN, which runs torch's bf16 CPU matrix products."""
     import torch  # heavy: only to detect
 
     if not torch.backends.mkldnn.is_available():
@@ -74,21 +68,19 @@ def cpu_bf16_units() -> list[str]:
 
 @functools.cache
 def native_bf16() -> bool:
-    """Whether ``auto`` takes this CPU for one with native bf16 matrix instructions: detected once per process
-    (``VITATTN_NATIVE_BF16=0`` or ``1`` decides instead) and said in one log line."""
+    """Whether ``auto`` takes this CPU for one with bf16 units: detected once per process and logged in one line
+    (``VITATTN_NATIVE_BF16=0`` or ``1`` decides instead)."""
     forced = os.environ.get(NATIVE_BF16_ENV)
-    if forced is not None:
-        if forced not in ("0", "1"):
-            raise ValueError(f"{NATIVE_BF16_ENV}={forced!r} must be 0 (fp32) or 1 (bf16), or unset (detect)")
-        found = forced == "1"
-        log.info("precision=auto: %s=%s, so inference on the CPU runs in %s", NATIVE_BF16_ENV, forced, _NAME[found])
-        return found
-    units = cpu_bf16_units()
-    found = ", ".join(units) or f"none of {', '.join(_BF16_FLAGS)}"
-    log.info(
-        "precision=auto: bf16 matrix instructions on this CPU: %s, so inference runs in %s", found, _NAME[bool(units)]
-    )
-    return bool(units)
+    if forced not in (None, "0", "1"):
+        raise ValueError(f"{NATIVE_BF16_ENV}={forced!r} must be 0 (fp32) or 1 (bf16), or unset (detect)")
+    if forced is None:
+        units = cpu_bf16_units()
+        listed = ", ".join(units) or f"none of {', '.join(_BF16_FLAGS)}"
+        found, why = bool(units), f"bf16 matrix instructions on this CPU: {listed}"
+    else:
+        found, why = forced == "1", f"{NATIVE_BF16_ENV}={forced}"
+    log.info("precision=auto: %s, so inference runs in %s", why, _NAME[found])
+    return found
 
 
 def cuda_bf16(device: Any = None) -> bool:

@@ -1,9 +1,4 @@
-"""The layout of a training run folder (``runs/<task>/<date>_<time>/``); every other module asks ``RunDir``.
-
-It holds ``config.yaml``, ``.hydra/overrides.yaml`` (replayed by ``resume=RUN``), ``vocab.json`` or
-``tokenizer.json``, ``checkpoints/`` (``last.ckpt``, ``best.ckpt``, step checkpoints), ``bundle/``, ``result.json``
-(once complete) and the MLflow and W&B run ids its loggers continue.
-"""
+"""The layout of a training run folder (``runs/<task>/<date>_<time>/``); every other module asks ``RunDir``."""
 
 from __future__ import annotations
 
@@ -51,10 +46,6 @@ class RunDir:
         for name, value in paths.items():
             object.__setattr__(self, name, value)
 
-    def saved_tokenizer(self) -> Path | None:
-        """The tokenizer file the run holds (``tokenizer.json`` or ``vocab.json``), or None."""
-        return next((p for p in (self.tokenizer, self.vocab) if p.is_file()), None)
-
     def is_run(self) -> bool:
         """The folder holds a training config."""
         return self.config.is_file()
@@ -65,10 +56,7 @@ class RunDir:
         path = Path(model).resolve()
         if path.is_file():
             path = path.parent  # checkpoints/x.ckpt or bundle/config.json
-        for candidate in (cls(path), cls(path.parent)):
-            if candidate.is_run():
-                return candidate
-        return None
+        return next((run for run in (cls(path), cls(path.parent)) if run.is_run()), None)
 
     def load_config(self) -> Any:
         """The saved training config (a ``DictConfig``); a one-line ``ValueError`` when unreadable."""
@@ -82,14 +70,12 @@ class RunDir:
         return [str(o) for o in OmegaConf.load(self.overrides)] if self.overrides.is_file() else []
 
     def save_result(self, global_step: int, weights: str, metrics: dict[str, float], bundle: bool) -> None:
-        """Mark the run complete: its last step, the weights tested and exported, the final metrics, and
-        whether it exported a bundle."""
+        """Mark the run complete: its last step, the weights tested, the final metrics, whether it has a bundle."""
         result = {"global_step": global_step, "weights": weights, "metrics": metrics, "bundle": bundle}
         atomic_write(self.result, json.dumps(result, indent=2) + "\n")
 
     def load_result(self) -> dict[str, Any] | None:
-        """What ``save_result`` wrote, or None while the run is not complete; a one-line ``ValueError`` when
-        the file is not one that it writes."""
+        """What ``save_result`` wrote, or None while the run is not complete (a one-line ``ValueError``: not that)."""
         if not self.result.is_file():
             return None
         result = read_json(self.result, "run result")

@@ -20,8 +20,6 @@ from vitattn.precision import check_precision
 
 __all__ = ["UsageError", "parse_key_values", "resolve_device", "run_main"]
 
-log = logging.getLogger("vitattn")
-
 
 # Counts that the entry points share, and their least values.
 _COUNTS = {"batch_size": 1, "num_workers": 0, "num_threads": 1}
@@ -32,11 +30,8 @@ class UsageError(ValueError):
 
 
 def parse_key_values(argv: Sequence[str], schema: type, prog: str) -> Any:
-    """``key=value`` arguments -> a structured config of the dataclass ``schema``, each value taken literally (a
-    glob is not YAML; ``null`` clears an option) and checked against its field's type. A ``UsageError`` names
-    a bad argument, an unknown key (with the closest known one), a count below its least value (``_COUNTS``),
-    an unknown ``device`` or ``precision``, or a missing key.
-    """
+    """``key=value`` arguments -> a structured config of the dataclass ``schema``, values taken literally (a glob
+    is not YAML; ``null`` clears an option); a ``UsageError`` names a bad or missing argument, with the closest key."""
     known = [f.name for f in fields(schema)]
     given: dict[str, Any] = {}
     for arg in argv:
@@ -81,7 +76,6 @@ def _literal(value: str | None) -> str | None:
 
 def resolve_device(name: str) -> str:
     """``auto`` -> ``cuda`` when available, else ``cpu``; a CUDA device without CUDA is refused."""
-    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     import torch
 
     if name == "auto":
@@ -92,8 +86,8 @@ def resolve_device(name: str) -> str:
 
 
 def run_main(doc: str, argv: Sequence[str] | None, parse: Callable[[list[str]], Any], run: Callable[[Any], int]) -> int:
-    """A console entry point: ``--help`` prints ``doc``; user errors print ``error: <one line>`` on
-    stderr and give exit status 2; otherwise ``run(parse(argv))``'s status."""
+    """A console entry point over ``argv`` (default ``sys.argv[1:]``): ``--help`` prints ``doc``; a user error
+    prints ``error: <one line>`` on stderr, exit status 2; else ``run(parse(argv))``'s status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help", "help") for a in argv):
         print(doc.strip())

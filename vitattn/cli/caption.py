@@ -61,10 +61,7 @@ class CaptionConfig:
 
 
 def parse_args(argv: list[str]) -> Any:
-    """``key=value`` arguments -> a validated ``CaptionConfig`` (an OmegaConf structured config).
-
-    Values are taken literally (a glob such as ``images=*.jpg`` is not YAML); ``null`` clears an option.
-    """
+    """``key=value`` arguments -> a validated ``CaptionConfig``."""
     cfg = parse_key_values(argv, CaptionConfig, "vitattn-caption")
     if cfg.images is None and cfg.shards is None:
         raise UsageError("missing images=... (image files) or shards=... (WebDataset tars); see vitattn-caption --help")
@@ -80,7 +77,6 @@ def parse_args(argv: list[str]) -> Any:
 
 def run(cfg: Any) -> int:
     """Caption as ``cfg`` says; returns the exit status (0 all captioned, 1 some failed)."""
-    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     import torch
 
     from vitattn.bundle import load_model, runtime_of
@@ -88,9 +84,8 @@ def run(cfg: Any) -> int:
 
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
-    if cfg.shards is not None:
-        if cfg.format not in SHARD_FORMATS:
-            raise UsageError(f"format={cfg.format!r} is unknown for shards; choose {' or '.join(SHARD_FORMATS)}")
+    if cfg.shards is not None and cfg.format not in SHARD_FORMATS:
+        raise UsageError(f"format={cfg.format!r} is unknown for shards; choose {' or '.join(SHARD_FORMATS)}")
     accelerator = cfg.accelerator or {"auto": "auto", "cpu": "cpu", "cuda": "gpu"}.get(cfg.device, cfg.device)
     processes = launch_processes(
         devices=cfg.devices,
@@ -123,7 +118,7 @@ def run(cfg: Any) -> int:
 
 
 def _caption_files(cfg: Any, model: Any, options: dict[str, Any]) -> int:
-    from vitattn.inference import caption_files, list_inputs  # heavy: torch, as run's imports
+    from vitattn.inference import caption_files, list_inputs
 
     inputs = list_inputs(cfg.images, cfg.image_dir)
     processes = options["processes"]
@@ -135,7 +130,6 @@ def _caption_files(cfg: Any, model: Any, options: dict[str, Any]) -> int:
 
 
 def _caption_shards(cfg: Any, model: Any, options: dict[str, Any]) -> int:
-    # heavy: torch, as run's imports
     from vitattn.data.shards import expand_shards
     from vitattn.inference import caption_shards
 
@@ -155,7 +149,6 @@ def _caption_shards(cfg: Any, model: Any, options: dict[str, Any]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
     return run_main(__doc__, argv, parse_args, run)
 
 

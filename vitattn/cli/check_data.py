@@ -27,7 +27,6 @@ log = logging.getLogger("vitattn")
 
 def parse_args(argv: list[str]) -> tuple[DictConfig, int]:
     """Hydra overrides (and ``threads=N``) -> the composed training config and the number of threads."""
-    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.training.config import compose_train
 
     threads = 0
@@ -49,7 +48,6 @@ def parse_args(argv: list[str]) -> tuple[DictConfig, int]:
 
 def run(args: tuple[DictConfig, int]) -> int:
     """Check the images of the composed config's data; returns the exit status (1 when some are bad)."""
-    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.data.bad_images import find_bad_images
     from vitattn.training.build import setup_data
     from vitattn.training.config import check_data_paths, check_targets, data_name
@@ -71,18 +69,12 @@ def run(args: tuple[DictConfig, int]) -> int:
     for path, reason in bad.items():
         print(f"{path}: {reason}", flush=True)
     total = len(set(paths))
-    log.info(
-        "%d of %d images cannot be read (%.1f s, %.0f images/s)",
-        len(bad),
-        total,
-        seconds,
-        total / seconds if seconds > 0 else 0.0,
-    )
+    rate = total / seconds if seconds > 0 else 0.0
+    log.info("%d of %d images cannot be read (%.1f s, %.0f images/s)", len(bad), total, seconds, rate)
     return 1 if bad else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
     return run_main(__doc__, argv, parse_args, run)
 
 

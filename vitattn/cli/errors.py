@@ -53,13 +53,9 @@ _LEAFSPEC = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 _ITERABLE_LEN = r"Your `IterableDataset` has `__len__` defined"
 
 
-class _DropMessage(logging.Filter):
-    def __init__(self, text: str) -> None:
-        super().__init__()
-        self.text = text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
+def _no_litlogger(record: logging.LogRecord) -> bool:
+    """Drop the advertisement every Trainer (Lightning 2.6) prints for a cloud service."""
+    return "litlogger" not in record.getMessage()
 
 
 def quiet_upstream() -> None:
@@ -69,8 +65,7 @@ def quiet_upstream() -> None:
         if logging.getLogger().handlers:  # a configured root logger (Hydra's) prints them, with the run log
             logger.handlers.clear()
             logger.propagate = True
-    # An advertisement printed by every Trainer (Lightning 2.6) for a cloud service.
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropMessage("litlogger"))
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_litlogger)
     warnings.filterwarnings("ignore", message=_LEAFSPEC, category=FutureWarning)
     # data=webdataset: its workers each read a planned part of the epoch, so the loader's length is exact.
     warnings.filterwarnings("ignore", message=_ITERABLE_LEN, category=UserWarning)

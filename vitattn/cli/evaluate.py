@@ -62,7 +62,6 @@ def parse_args(argv: list[str]) -> Any:
 
 def run(cfg: Any) -> int:
     """Evaluate as ``cfg`` says; returns the exit status (0 every image scored, 1 some were not)."""
-    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.bundle import load_model
     from vitattn.models.search import SEARCH_KEYS
     from vitattn.training.evaluation import evaluate_captions, evaluate_classification, format_report, write_report
@@ -109,7 +108,6 @@ def run(cfg: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
     return run_main(__doc__, argv, parse_args, run)
 
 

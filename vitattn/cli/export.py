@@ -52,7 +52,6 @@ def parse_args(argv: list[str]) -> Any:
 
 def run(cfg: Any) -> int:
     """Load ``cfg.model`` and save it as a bundle at ``cfg.out``."""
-    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.bundle import load_bundle, save_bundle
     from vitattn.bundle.onnx_folder import is_onnx_folder
 
@@ -93,7 +92,6 @@ def run(cfg: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
     return run_main(__doc__, argv, parse_args, run)
 
 

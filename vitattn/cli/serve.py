@@ -70,7 +70,6 @@ def parse_args(argv: list[str]) -> Any:
 
 def run(cfg: Any) -> int:
     """Load the model once here (a bad model fails now, in one line), then serve until SIGTERM or SIGINT."""
-    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
     from vitattn.bundle import load_model
     from vitattn.serve import CaptionAPI, GracefulStop, build_server
 
@@ -104,7 +103,6 @@ def run(cfg: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
     return run_main(__doc__, argv, parse_args, run)
 
 

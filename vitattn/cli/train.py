@@ -1,19 +1,11 @@
 """``vitattn-train``: Hydra entry point around ``vitattn.training.train``.
 
-``resume=RUN_DIR`` continues that run in place: its saved overrides are replayed, the run directory
-is reused and training restarts from ``RUN_DIR/checkpoints/last.ckpt``. ``resume=auto`` with
-``hydra.run.dir=DIR`` continues DIR's run when it has that checkpoint and starts afresh in DIR
-otherwise; either leaves a complete run (its ``result.json`` written) as it is, and says so in one line.
-SIGTERM or SIGUSR1 stops training after the current step with that checkpoint written, one line on
-stderr and exit status 75 (``EX_TEMPFAIL``: run the same command again).
-
-The task function returns the final validation value of ``optimized_metric`` (``val/loss`` when it is
-null), which is what a Hydra sweeper such as ``hparams_search=optuna`` optimises.
+``resume=RUN_DIR`` (or ``resume=auto hydra.run.dir=DIR``) continues a run in place; a complete run is left as it is;
+a preempted run exits 75 (``EX_TEMPFAIL``: run it again) (docs/scaling.md). Returns ``optimized_metric`` for sweeps.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
@@ -23,15 +15,11 @@ import hydra
 from omegaconf import DictConfig
 
 from vitattn.cli.errors import quiet_upstream, report_user_error, user_errors
-from vitattn.errors import ConfigError, Preempted
+from vitattn.errors import Preempted
 from vitattn.run_dir import RunDir
 
 if TYPE_CHECKING:
     from vitattn.training import TrainResult
-
-log = logging.getLogger("vitattn")
-
-PREEMPTED_EXIT_STATUS = os.EX_TEMPFAIL  # 75: stopped by a signal with a checkpoint; start it again to continue
 
 
 def _resume_argv(argv: list[str]) -> list[str]:
@@ -63,7 +51,8 @@ def optimized_value(metrics: dict[str, float], name: str | None) -> float | None
 
 @hydra.main(version_base="1.3", config_path="pkg://vitattn.conf", config_name="train")
 def _hydra_main(cfg: DictConfig) -> float | None:
-    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
+    from lightning.pytorch.utilities import rank_zero_only
+
     from vitattn.training import train
 
     quiet_upstream()  # after Hydra has configured logging
@@ -71,25 +60,21 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         try:
             result = train(cfg)
         except Preempted as stop:
-            _report_preempted(stop)
-            sys.exit(PREEMPTED_EXIT_STATUS)
-        _report(result)
+            if rank_zero_only.rank == 0:
+                print(f"{stop}; continue with resume={stop.checkpoint.parents[1]}", file=sys.stderr, flush=True)
+            sys.exit(os.EX_TEMPFAIL)  # 75: stopped with a checkpoint; start it again to continue
+        if rank_zero_only.rank == 0 and not result.already_complete:  # else train() said so in one line
+            _report(result)
         return optimized_value(result.metrics, cfg.get("optimized_metric"))
 
 
 def _report(result: TrainResult) -> None:
-    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from lightning.pytorch.utilities import rank_zero_only
-
-    if rank_zero_only.rank != 0 or result.already_complete:  # train() said so in one line
-        return
     lines = [f"run directory: {result.run_dir}"]
     if result.bundle_dir:
         lines.append(f"model bundle:  {result.bundle_dir}")
     lines.append(f"weights:       {result.weights}")
     lines.append(f"speed:         {result.steps_per_second:.2f} steps/s (training with its validations)")
-    for key in sorted(result.metrics):
-        lines.append(f"  {key:<22} {result.metrics[key]:.4f}")
+    lines += [f"  {key:<22} {value:.4f}" for key, value in sorted(result.metrics.items())]
     if result.skipped_images:
         lines.append(f"skipped images ({len(result.skipped_images)} files could not be read; data.bad_images=skip):")
         lines += [f"  {path}: {reason}" for path, reason in result.skipped_images.items()]
@@ -97,14 +82,6 @@ def _report(result: TrainResult) -> None:
         lines.append("validation captions (generated | reference):")
         lines += [f"  {caption!r:<60} | {refs[0]!r}" for caption, refs in result.samples]
     print("\n".join(lines), flush=True)
-
-
-def _report_preempted(stop: Preempted) -> None:
-    # heavy: torch and Lightning stay out of the command's import, so --help and usage errors are instant
-    from lightning.pytorch.utilities import rank_zero_only
-
-    if rank_zero_only.rank == 0:
-        print(f"{stop}; continue with resume={stop.checkpoint.parents[1]}", file=sys.stderr, flush=True)
 
 
 def _complete_run(argv: list[str]) -> str | None:
@@ -126,7 +103,7 @@ def main() -> None:
     sys.argv = [sys.argv[0], *_resume_argv(sys.argv[1:])]
     try:
         complete = _complete_run(sys.argv[1:])
-    except (ConfigError, ValueError) as err:
+    except ValueError as err:  # ConfigError included
         sys.exit(report_user_error(err))
     if complete is not None:  # nothing to train, and nothing in the run folder rewritten
         print(complete, flush=True)

@@ -15,7 +15,6 @@ Usage::
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ from vitattn.cli.args import UsageError, parse_key_values, run_main
 
 __all__ = ["main"]
 
-log = logging.getLogger("vitattn")
 SOURCES = ("folder", "coco", "karpathy", "shapes")
 
 
@@ -59,7 +57,6 @@ def parse(argv: list[str]) -> ShardsArgs:
 
 
 def run(args: ShardsArgs) -> int:
-    # heavy: vitattn.data imports torch; out of the command's import, so --help and usage errors are instant
     from vitattn.data.coco import load_coco_captions, load_karpathy
     from vitattn.data.shapes import CLASS_NAMES
     from vitattn.data.shards.writer import coco_samples, folder_samples, shapes_samples, write_shards
@@ -87,7 +84,6 @@ def run(args: ShardsArgs) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
     return run_main(__doc__, argv, parse, run)
 
 

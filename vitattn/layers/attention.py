@@ -111,8 +111,7 @@ class MultiHeadAttention(nn.Module):
             B, L, _ = k.shape
             kv = F.linear(k, _cat(self.wk.weight, self.wv.weight), _cat(self.wk.bias, self.wv.bias))
             kv = kv.view(B, L, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (2, B, H, L, d)
-            k, v = kv.unbind(0)  # views; backward stacks the two gradients instead of zero-filling per index
-            return k, v
+            return kv.unbind(0)  # k, v: views, as in project_qkv
         return self.split_heads(self.wk(k), k.shape[0]), self.split_heads(self.wv(v), v.shape[0])
 
     def qkv_params(self) -> tuple[Tensor, Tensor | None]:
@@ -127,11 +126,8 @@ class MultiHeadAttention(nn.Module):
         w, b = params or self.qkv_params()
         qkv = F.linear(x, w, b).view(B, L, 3, self.num_heads, self.head_dim)
         qkv = qkv.permute(2, 0, 3, 1, 4)  # (3, B, H, L, d)
-        # unbind, not qkv[0], qkv[1], qkv[2]: the same views, but one backward (a stack) instead of
-        # three that each zero-fill a full (3, B, H, L, d) gradient and add them up, which shows in a whole
-        # train step (docs/benchmarks.md, "What changed in the layers for speed").
-        q, k, v = qkv.unbind(0)
-        return q, k, v
+        # q, k, v: unbind's one backward (a stack), not three that zero-fill the gradient (docs/benchmarks.md)
+        return qkv.unbind(0)
 
     def attend(
         self,

@@ -135,8 +135,7 @@ class LayerCache:
         return self.k, self.v
 
     def reorder(self, index: Tensor) -> None:
-        """Keep the batch rows in ``index`` (beam search); cross heads are per image and beams of
-        one image share them, so they are left as they are."""
+        """Keep the batch rows in ``index`` (beam search); the cross heads, one per image, stay."""
         if self._k is not None:
             self._k = self._k.index_select(0, index)
             self._v = self._v.index_select(0, index)
@@ -154,7 +153,6 @@ class DecoderLayer(nn.Module):
         norm_first: bool = False,
         activation: str = "relu",
         attn_drop: float = 0.0,
-        drop_path: float = 0.0,
         layer_norm_eps: float = 1e-6,
         fused_attn: bool = True,
     ) -> None:
@@ -169,7 +167,6 @@ class DecoderLayer(nn.Module):
         self.dropout1 = nn.Dropout(rate)
         self.dropout2 = nn.Dropout(rate)
         self.dropout3 = nn.Dropout(rate)
-        self.drop_path = StochasticDepth(drop_path, "row") if drop_path > 0 else nn.Identity()
 
     def _self_attention(self, h: Tensor, cache: LayerCache | None) -> Tensor:
         if cache is None:
@@ -208,13 +205,12 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, memory: Tensor, cache: LayerCache | None = None) -> Tensor:
         """(B, t, D) new caption positions (all T without ``cache``) over (B, N, D) image tokens -> (B, t, D).
 
-        ``memory`` may be (B / K, N, D) for K consecutive rows per image (beams): its keys and values are projected
-        once per image. ``cache`` is filled and extended in place.
+        ``memory`` may be (B / K, N, D), one row per K beams of an image; ``cache`` is extended in place.
         """
         if self.norm_first:
-            x = x + self.drop_path(self.dropout1(self._self_attention(self.layernorm1(x), cache)))
-            x = x + self.drop_path(self.dropout2(self._cross_attention(self.layernorm2(x), memory, cache)))
-            return x + self.drop_path(self.dropout3(self.ffn(self.layernorm3(x))))
-        out1 = self.layernorm1(x + self.drop_path(self.dropout1(self._self_attention(x, cache))))
-        out2 = self.layernorm2(out1 + self.drop_path(self.dropout2(self._cross_attention(out1, memory, cache))))
-        return self.layernorm3(out2 + self.drop_path(self.dropout3(self.ffn(out2))))
+            x = x + self.dropout1(self._self_attention(self.layernorm1(x), cache))
+            x = x + self.dropout2(self._cross_attention(self.layernorm2(x), memory, cache))
+            return x + self.dropout3(self.ffn(self.layernorm3(x)))
+        out1 = self.layernorm1(x + self.dropout1(self._self_attention(x, cache)))
+        out2 = self.layernorm2(out1 + self.dropout2(self._cross_attention(out1, memory, cache)))
+        return self.layernorm3(out2 + self.dropout3(self.ffn(out2)))

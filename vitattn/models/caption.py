@@ -1,13 +1,12 @@
-"""Caption decoder and the image captioner with greedy, beam and sampled decoding.
+"""Caption decoder and the image captioner, whose ``generate`` is ``vitattn.models.search``'s.
 
 Dimension letters: B batch, K beams, N image tokens, D width, T caption positions, V vocabulary.
-The image is encoded once per ``generate``; the search loops (``vitattn.models.search``) call a ``DecoderStep``
-over each layer's key/value cache.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -24,18 +23,22 @@ __all__ = ["CaptionDecoder", "DecoderStep", "ImageCaptioner"]
 class CaptionDecoder(nn.Module):
     """Token + position embedding, a stack of ``DecoderLayer``s, an output projection.
 
-    Args:
-        vocab_size, embed_dim, depth, num_heads, mlp_ratio, drop_rate, attn_drop_rate: V, D and timm's others.
-        max_len: most caption positions, ``<bos>`` included.
-        memory_dim: width of the image tokens; projected to D when it differs.
-        norm_first, activation, fused_attn: as ``EncoderLayer``'s.
-        pad_id, bos_id, eos_id, unk_id: special ids (``Vocabulary``'s; ``unk_id`` None: none).
-        other_special_ids: the tokenizer's other special tokens; these, ``<unk>``, ``<pad>`` and ``<bos>`` are
-            never generated.
-        tie_embeddings: the output projection is the token embedding (GPT-2); false: its own weight and bias.
-        init: ``timm`` (truncated normal, std 0.02) or ``torch`` (``nn.Linear``'s default; learns faster from
-            small data, docs/learning.md).
-        grad_checkpointing: recompute each layer in the backward pass.
+        Args:
+            vocab_size, embed_dim, depth, num_heads, mlp_ratio, drop_rate, attn_drop_rate: V, D and timm's others.
+            max_len: most caption positions, ``<bos>`` included.
+            memory_dim: width of the image tokens; projected to D when it differs.
+            norm_first, activation, fused_attn: as ``EncoderLayer``'s.
+    <<<<<<< HEAD
+            pad_id, bos_id, eos_id, unk_id: special ids (``Vocabulary``'s; ``unk_id`` None: none).
+            other_special_ids: the tokenizer's other special tokens; these, ``<unk>``, ``<pad>`` and ``<bos>`` are
+                never generated.
+    =======
+            pad_id, bos_id, eos_id, unk_id: special ids (``unk_id`` None: none); ``<unk>`` is never generated.
+    >>>>>>> trimD
+            tie_embeddings: the output projection is the token embedding (GPT-2); false: its own weight and bias.
+            init: ``timm`` (truncated normal, std 0.02) or ``torch`` (``nn.Linear``'s default; learns faster from
+                small data, docs/learning.md).
+            grad_checkpointing: recompute each layer in the backward pass.
     """
 
     def __init__(
@@ -115,13 +118,11 @@ class CaptionDecoder(nn.Module):
             self.token_embed.weight[self.pad_id].zero_()
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """Recompute each decoder layer's activations in the backward pass instead of keeping them: less
-        memory for about one more forward pass. Only while training with gradients and never with a cache."""
+        """Recompute each layer in the backward pass (less memory, one more forward); never with a cache."""
         self.grad_checkpointing = self.config["grad_checkpointing"] = enable
 
     def new_cache(self, capacity: int | None = None) -> list[LayerCache]:
-        """An empty key/value cache, one entry per layer, with room for ``capacity`` positions
-        (default ``max_len``) allocated at the first step."""
+        """An empty key/value cache per layer, room for ``capacity`` positions (default ``max_len``)."""
         return [LayerCache(capacity or self.max_len) for _ in self.layers]
 
     def forward_features(
@@ -193,26 +194,25 @@ class ImageCaptioner(nn.Module, CaptionSearch):
         logp = logits.float().log_softmax(-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)  # (B, T)
         return (logp * (generated != dec.pad_id)).sum(dim=1)
 
-    @property
-    def max_len(self) -> int:
-        return self.decoder.max_len
-
     def start_search(
         self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
     ) -> tuple[DecoderStep, int, torch.device]:
-        """``CaptionSearch.start_search``: the decoder's step over the image tokens (B, N, D), which it
-        projects once per image for the K beams of each."""
+        """``CaptionSearch.start_search``: the decoder's step over the (B, N, D) image tokens."""
         memory = self.encode(images)  # (B, N, D)
         return self.decode_step(memory, max_new_tokens, use_cache), memory.shape[0], memory.device
 
-    def decode_step(self, memory: Tensor, max_new_tokens: int, use_cache: bool = True) -> DecoderStep:
-        """The PyTorch ``DecodeStep`` over image tokens ``memory`` (B, N, D), for the shared search loops."""
-        return DecoderStep(self.decoder, memory, self.decoder.new_cache(max_new_tokens) if use_cache else None)
+    @property
+    def max_len(self) -> int:
+        return self.decoder.max_len
 
     @property
     def special_ids(self) -> SpecialIds:
         dec = self.decoder
         return SpecialIds(dec.pad_id, dec.bos_id, dec.eos_id, dec.unk_id, dec.other_special_ids)
+
+    def decode_step(self, memory: Tensor, max_new_tokens: int, use_cache: bool = True) -> DecoderStep:
+        """The PyTorch ``DecodeStep`` over (B, N, D) image tokens ``memory``."""
+        return DecoderStep(self.decoder, memory, self.decoder.new_cache(max_new_tokens) if use_cache else None)
 
 
 class DecoderStep:
@@ -220,26 +220,19 @@ class DecoderStep:
     recomputed from position 0; ``memory`` may hold one row per image for its K beams."""
 
     def __init__(self, decoder: CaptionDecoder, memory: Tensor, cache: list[LayerCache] | None) -> None:
-        # On a CPU the steps run in fp32 even under bf16 autocast (the encoder, most of the matrix work, stays
-        # bf16): at one query position torch's bf16 CPU kernels are slower than fp32 (attention 85 vs 38 us a
-        # call), and the captions stay nearer fp32's. On a GPU the layers run in bf16.
+        # On a CPU the steps run in fp32 even under bf16 autocast (only the encoder in bf16): at one query
+        # position torch's bf16 CPU kernels are slower than fp32's (docs/benchmarks.md). A GPU steps in bf16.
         self.fp32 = memory.device.type == "cpu"
         self.decoder, self.cache = decoder, cache
         self.memory = memory.float() if self.fp32 else memory
 
     def __call__(self, tokens: Tensor) -> Tensor:
-        if self.fp32:
-            with torch.autocast("cpu", enabled=False):
-                return self._logits(tokens)
-        return self._logits(tokens)
-
-    def _logits(self, tokens: Tensor) -> Tensor:
-        if self.cache is None:
-            h = self.decoder.forward_features(tokens, self.memory)[:, -1:]  # (B, 1, D)
-        else:
-            h = self.decoder.forward_features(tokens[:, -1:], self.memory, self.cache, start=tokens.shape[1] - 1)
-        # The search's scores in fp32 even under bf16 autocast: rounded to bf16 (3 significant digits), near-tied
-        # words swap (a tiny shapes captioner kept 92 % of its fp32 greedy captions with a bf16 head, 97 % with this).
+        with torch.autocast("cpu", enabled=False) if self.fp32 else nullcontext():
+            if self.cache is None:
+                h = self.decoder.forward_features(tokens, self.memory)[:, -1:]  # (B, 1, D)
+            else:
+                h = self.decoder.forward_features(tokens[:, -1:], self.memory, self.cache, start=tokens.shape[1] - 1)
+        # The search's scores in fp32 even under bf16 autocast: in bf16 (3 significant digits) near-tied words swap.
         with torch.autocast(h.device.type, enabled=False):
             return self.decoder.head(h.float())[:, -1]  # (B, V)
 

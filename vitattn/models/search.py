@@ -1,9 +1,7 @@
-"""Greedy, sampled and beam search over a decoding step, whichever runtime computes the step.
+"""Greedy, sampled and beam search over a ``DecodeStep``: one search for every runtime (PyTorch, ONNX).
 
 Dimension letters: B images, K beams, t positions so far, T' generated tokens, V vocabulary. A caption's
-length counts ``<eos>``, not ``<bos>`` (Hugging Face's). A ``DecodeStep`` gives the next token's logits and
-keeps its own cache (PyTorch's ``ImageCaptioner``, an exported ONNX step): these loops are the only ones,
-so every runtime decodes alike, and ``CaptionSearch`` gives both caption models the same ``generate``.
+length counts ``<eos>``, not ``<bos>`` (Hugging Face's).
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ __all__ = [
     "SpecialIds",
     "beam_search",
     "check_early_stopping",
-    "check_search",
     "greedy_search",
     "sample_token",
     "sequence_log_prob",
@@ -35,16 +32,14 @@ class DecodeStep(Protocol):
 
     def __call__(self, tokens: Tensor) -> Tensor:
         """(B, t) tokens so far (``<bos>`` first; one more than at the previous call) -> (B, V) logits."""
-        ...
 
     def reorder(self, index: Tensor) -> None:
         """Keep the cached rows ``index`` (B,), in that order (beam search)."""
-        ...
 
 
 class SpecialIds(NamedTuple):
-    """The vocabulary's ``<pad>``, ``<bos>``, ``<eos>`` and ``<unk>`` ids (``unk_id`` None: a vocabulary without
-    an unknown token) and its other special tokens. The search generates ``<eos>`` and no other special token."""
+    """The vocabulary's ``<pad>``, ``<bos>``, ``<eos>`` and ``<unk>`` ids (``unk_id`` None: no unknown token) and
+    its other special tokens: the search generates ``<eos>`` and no other special token."""
 
     pad_id: int
     bos_id: int
@@ -67,32 +62,6 @@ def check_early_stopping(early_stopping: bool | str) -> bool | str:
     if value not in ("true", "false", "never"):
         raise ValueError(f"early_stopping={early_stopping!r} must be true, false or never")
     return "never" if value == "never" else value == "true"
-
-
-def check_search(
-    max_len: int,
-    max_new_tokens: int | None = None,
-    num_beams: int = 1,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    early_stopping: bool | str = False,
-) -> int:
-    """Refuse settings a decoder of ``max_len`` positions cannot decode with (a one-line ``ValueError``);
-    returns ``max_new_tokens`` with None replaced by ``max_len - 1``."""
-    check_early_stopping(early_stopping)
-    if max_new_tokens is None:
-        max_new_tokens = max_len - 1
-    if max_new_tokens + 1 > max_len:
-        raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the decoder's max_len={max_len} - 1")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
-    if num_beams < 1:
-        raise ValueError(f"num_beams={num_beams} must be at least 1")
-    if do_sample and num_beams > 1:
-        raise ValueError("do_sample=True needs num_beams=1 (beam sampling is not supported)")
-    if do_sample and temperature <= 0:
-        raise ValueError(f"temperature={temperature} must be positive")
-    return max_new_tokens
 
 
 class CaptionSearch:
@@ -119,7 +88,20 @@ class CaptionSearch:
     ) -> int:
         """Refuse ``generate`` settings it cannot decode with (a one-line ``ValueError``); returns
         ``max_new_tokens`` with None replaced by ``max_len - 1``."""
-        return check_search(self.max_len, max_new_tokens, num_beams, do_sample, temperature, early_stopping)
+        check_early_stopping(early_stopping)
+        if max_new_tokens is None:
+            max_new_tokens = self.max_len - 1
+        if max_new_tokens + 1 > self.max_len:
+            raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the decoder's max_len={self.max_len} - 1")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+        if num_beams < 1:
+            raise ValueError(f"num_beams={num_beams} must be at least 1")
+        if do_sample and num_beams > 1:
+            raise ValueError("do_sample=True needs num_beams=1 (beam sampling is not supported)")
+        if do_sample and temperature <= 0:
+            raise ValueError(f"temperature={temperature} must be positive")
+        return max_new_tokens
 
     @torch.no_grad()
     def generate(

@@ -72,16 +72,14 @@ def quiet_timm() -> Iterator[None]:
 
 
 def convert_timm_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """A timm ViT state dict in our names, each ``attn.qkv`` split into ``mha.wq/wk/wv``; ``pre_logits`` dropped
-    as timm's own checkpoint filter drops it."""
+    """A timm ViT state dict in our names: ``attn.qkv`` split into ``mha.wq/wk/wv``, ``pre_logits`` dropped (timm's)."""
     out: dict[str, Tensor] = {}
     for key, value in state_dict.items():
         if key.startswith("pre_logits."):
             continue
         if ".attn.qkv." in key:
             prefix, kind = key.split(".attn.qkv.")  # kind: weight or bias
-            q, k, v = value.chunk(3, dim=0)
-            for name, part in zip(("wq", "wk", "wv"), (q, k, v)):
+            for name, part in zip(("wq", "wk", "wv"), value.chunk(3, dim=0)):
                 out[f"{prefix}.mha.{name}.{kind}"] = part.clone()
             continue
         for old, new in _BLOCK_RENAMES.items():
@@ -93,8 +91,7 @@ def convert_timm_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tenso
 
 
 def weights_config(state: Mapping[str, Tensor]) -> dict[str, Any]:
-    """The ``VisionTransformer`` arguments an encoder state dict (ours) fixes: ``embed_dim``, ``depth``,
-    ``mlp_ratio``, ``patch_size``, ``in_chans``, ``qkv_bias``, ``norm_pre``, ``fc_norm``.
+    """The ``VisionTransformer`` arguments that an encoder state dict (ours) fixes by its shapes and keys.
 
     Raises:
         ValueError: not a ViT with a class token, square patches and a square grid of positions.
@@ -124,8 +121,7 @@ def weights_config(state: Mapping[str, Tensor]) -> dict[str, Any]:
 
 
 def timm_model_config(model: nn.Module) -> dict[str, Any]:
-    """What a timm ViT's structure fixes beyond its weights: ``num_heads``, ``activation``, ``layer_norm_eps``,
-    ``norm_first``.
+    """What a timm ViT's structure fixes beyond its weights (heads, activation, LayerNorm epsilon, pre-norm).
 
     Raises:
         ValueError: a timm model our encoder cannot copy (distillation token, registers, layer scale, ...).
@@ -153,8 +149,7 @@ def timm_model_config(model: nn.Module) -> dict[str, Any]:
 
 
 def read_timm_file(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """A local timm weights file as (state dict in our layout, the arguments it fixes beyond its shapes);
-    ``.npz`` goes through timm's JAX loader.
+    """A local timm weights file as (state dict in our layout, the arguments it fixes beyond its shapes).
 
     Raises:
         FileNotFoundError: no such file.
@@ -166,10 +161,8 @@ def read_timm_file(path: str | Path) -> tuple[dict[str, Tensor], dict[str, Any]]
     if path.suffix.lower() == ".npz":
         return _read_npz(path)
     try:
-        with quiet_timm():
-            raw = load_state_dict(
-                str(path)
-            )  # safetensors or weights_only torch.load; EMA / state_dict / model wrappers
+        with quiet_timm():  # safetensors or weights_only torch.load; EMA / state_dict / model wrappers unwrapped
+            raw = load_state_dict(str(path))
     except Exception as err:  # noqa: BLE001 - safetensors and torch raise their own types for unreadable files
         raise ValueError(f"{path} cannot be read as timm weights: {first_line(err)}") from None
     if any(k.startswith(("visual.", "module.visual.")) for k in raw):
@@ -224,18 +217,17 @@ def _read_npz(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     return convert_timm_state_dict(model.state_dict()), timm_model_config(model)
 
 
-def load_encoder_state(model: VisionTransformer, state: Mapping[str, Tensor], load_head: bool = True) -> list[str]:
-    """Copy an encoder state dict (ours) into ``model``, the position grid resampled to the model's; a head of
-    another size (or ``load_head=False``) is left. Returns what was resampled, skipped or left new, for the log.
+def load_encoder_state(model: VisionTransformer, state: Mapping[str, Tensor]) -> list[str]:
+    """Copy an encoder state dict (ours) into ``model``, positions resampled, a head of another size left;
+    returns what was resampled, skipped or left new, for the log.
 
     Raises:
         ValueError: keys or shapes that do not fit the model.
     """
     own = model.state_dict()
-    state = dict(state)
     notes = []
     head, own_head = state.get("head.weight"), own.get("head.weight")
-    if head is not None and (not load_head or own_head is None or head.shape != own_head.shape):
+    if head is not None and (own_head is None or head.shape != own_head.shape):
         notes.append(f"skipped head ({head.shape[0]} classes; the model has {model.num_classes or 'none'})")
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
     elif head is None and own_head is not None:
@@ -263,12 +255,8 @@ def load_encoder_state(model: VisionTransformer, state: Mapping[str, Tensor], lo
     return notes
 
 
-def load_timm_weights(
-    model: VisionTransformer, source: str | Path | Mapping[str, Tensor] | nn.Module, load_head: bool = True
-) -> None:
-    """Copy timm ViT weights (a timm model, its state dict, or a local ``.safetensors`` / ``.pth`` / ``.bin`` /
-    ``.npz`` file) into ``model`` (``norm_first=True``, the weights' width, depth, patch and activation);
-    positions of another size are resampled, a head of another shape skipped."""
+def load_timm_weights(model: VisionTransformer, source: str | Path | Mapping[str, Tensor] | nn.Module) -> None:
+    """Copy timm ViT weights (a timm model, its state dict, a ``TIMM_SUFFIXES`` file) into a ``norm_first`` model."""
     if not model.config["norm_first"]:
         raise ValueError("timm weights are pre-norm: build the model with norm_first=True")
     if isinstance(source, nn.Module):
@@ -277,7 +265,7 @@ def load_timm_weights(
         state = convert_timm_state_dict(source)
     else:
         state, _ = read_timm_file(source)
-    for note in load_encoder_state(model, state, load_head):
+    for note in load_encoder_state(model, state):
         log.info("timm weights: %s", note)
 
 
@@ -340,8 +328,7 @@ def _cached_file(cfg: Any) -> str | None:
 
 
 def timm_file_data_config(path: str | Path) -> tuple[str, dict[str, Any]] | None:
-    """``(name, data config)`` of a weights file from the ``config.json`` beside it in timm's hub layout, as
-    ``push_to_hub`` writes it (the data config as ``resolve_data_config`` gives it); None without one."""
+    """``(name, data config)`` from the ``config.json`` timm's ``push_to_hub`` writes beside a weights file, or None."""
     config_file = Path(path).parent / "config.json"
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))

@@ -75,9 +75,8 @@ class PatchEmbed(nn.Module):
 class VisionTransformer(nn.Module):
     """ViT: strided-conv patch embedding, class token, learned positions, ``EncoderLayer`` stack.
 
-    Arguments are timm's (``img_size``, ``patch_size``, ``in_chans``, ``num_classes`` (0: features), ``embed_dim``,
-    ``depth``, ``num_heads``, ``mlp_ratio``, ``qkv_bias``, ``drop_rate``, ``pos_drop_rate``, ``attn_drop_rate``,
-    ``drop_path_rate`` (rising over the layers), ``fc_norm`` (None: on for ``avg``), ``layer_norm_eps``), and:
+    Arguments are timm's (``num_classes=0``: features; ``drop_path_rate`` rises over the layers; ``fc_norm`` None:
+    on for ``avg``), and:
 
     Args:
         global_pool: ``cls``, ``mean`` (of the patch tokens) or ``avg`` (timm's: the mean, then ``fc_norm``).
@@ -192,8 +191,7 @@ class VisionTransformer(nn.Module):
                     nn.init.zeros_(m.bias)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """Recompute each encoder layer's activations in the backward pass instead of keeping them (timm's
-        switch): less memory for about one more forward pass. Only while training with gradients."""
+        """Recompute each layer in the backward pass while training (timm's switch): less memory, one more forward."""
         self.grad_checkpointing = self.config["grad_checkpointing"] = enable
 
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
