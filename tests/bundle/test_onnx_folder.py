@@ -79,7 +79,14 @@ def _tokens(captioner: Captioner, images: torch.Tensor, **generate) -> list[list
         return captioner.model.generate(images, **{**captioner.bundle.generate, **generate}).tolist()
 
 
-@pytest.mark.parametrize("generate", [{}, {"num_beams": 3}], ids=["greedy", "beam3"])
+CONTROLS = {"min_new_tokens": 4, "no_repeat_ngram_size": 2, "repetition_penalty": 1.5}
+
+
+@pytest.mark.parametrize(
+    "generate",
+    [{}, {"num_beams": 3}, CONTROLS, {"num_beams": 3, **CONTROLS}],
+    ids=["greedy", "beam3", "greedy-controls", "beam3-controls"],
+)
 def test_onnx_fp32_captions_equal_pytorch_on_every_image(caption_run, test_split, generate):
     run, onnx_dir, _ = caption_run
     images, _ = test_split
@@ -90,6 +97,10 @@ def test_onnx_fp32_captions_equal_pytorch_on_every_image(caption_run, test_split
     assert len(onnx_tokens) == SPLIT
     differ = [i for i, (a, b) in enumerate(zip(torch_tokens, onnx_tokens)) if a != b]
     assert differ == [], f"{len(differ)} of {SPLIT} captions differ, first image {differ[:1]}"
+    if "min_new_tokens" in generate:  # the controls hold in both runtimes
+        eos = onnx_captioner.vocab.eos_id
+        assert all(eos not in row[:4] for row in onnx_tokens)
+        assert onnx_tokens != _tokens(onnx_captioner, images, num_beams=generate.get("num_beams", 1))
 
 
 def test_onnx_fp32_step_logits_within_1e4_of_pytorch(caption_run, test_split):
@@ -162,13 +173,16 @@ def test_vitattn_caption_on_an_onnx_folder_writes_the_bundles_captions(caption_r
     for i in range(len(data)):
         Image.fromarray(data.image(i).permute(1, 2, 0).numpy()).save(folder / f"{i}.png")
     outs = {}
-    for name, model in (("torch", run), ("onnx", onnx_dir)):
+    for name, model in (("torch", run), ("onnx", onnx_dir), ("controls", onnx_dir)):
         out = tmp_path / f"{name}.jsonl"
-        assert (
-            caption_main([f"model={model}", f"images={folder}", f"out={out}", "num_workers=0", "progress=false"]) == 0
-        )
+        args = [f"model={model}", f"images={folder}", f"out={out}", "num_workers=0", "progress=false"]
+        if name == "controls":
+            args += [f"{k}={v}" for k, v in CONTROLS.items()]
+        assert caption_main(args) == 0
         outs[name] = {r["image"]: r["caption"] for r in map(json.loads, out.read_text().splitlines())}
     assert outs["onnx"] == outs["torch"] and len(outs["onnx"]) == 6
+    expected = Captioner.load(onnx_dir).caption(sorted(folder.iterdir()), **CONTROLS)
+    assert [outs["controls"][str(p)] for p in sorted(folder.iterdir())] == expected != list(outs["onnx"].values())
 
 
 def test_vitattn_eval_on_an_onnx_folder_scores_as_its_run(caption_run, tmp_path):

@@ -13,7 +13,14 @@ import itertools
 import pytest
 import torch
 
-from vitattn.models.search import SpecialIds, beam_search, check_early_stopping
+from vitattn.models.search import (
+    Controls,
+    SpecialIds,
+    beam_search,
+    check_early_stopping,
+    greedy_search,
+    sequence_log_prob,
+)
 
 IDS = SpecialIds(pad_id=0, bos_id=1, eos_id=2, unk_id=3)
 WORDS = 4  # ordinary tokens, after the 4 special ones
@@ -260,6 +267,49 @@ def test_three_beams_give_transformers_generate_captions(length_penalty, early_s
         )
     expected = [_caption(row) for row in hf[:, 1:]]  # Hugging Face pads with <eos> when pad_token_id is 0
     assert _search(decoders, 3, length_penalty, early_stopping) == expected
+
+
+CONTROLS = {
+    "min-new-tokens": Controls(min_new_tokens=3),
+    "no-repeat-bigrams": Controls(no_repeat_ngram_size=2),
+    "repetition-penalty": Controls(repetition_penalty=1.8),
+    "repetition-bonus": Controls(repetition_penalty=0.6),
+    "all-three": Controls(2, 2, 1.3),
+}
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+@pytest.mark.parametrize("name", list(CONTROLS))
+def test_decoding_controls_give_transformers_generate_captions_and_scores(name, num_beams):
+    controls, K = CONTROLS[name], num_beams
+    decoders = ToyDecoders(T=4, seed=5, num_beams=K, eos_bias=2.0)
+    model = _hf_toy_model(decoders, K)
+    with torch.no_grad():
+        hf = model.generate(
+            torch.full((B, 1), IDS.bos_id),
+            num_beams=K,
+            max_new_tokens=4,
+            do_sample=False,
+            use_cache=False,
+            **controls._asdict(),
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+
+    def search(controls: Controls) -> list[tuple[int, ...]]:
+        decoders.rows = None
+        if K > 1:
+            return [_caption(row) for row in beam_search(decoders, B, 4, K, IDS, controls=controls)]
+        return [_caption(row) for row in greedy_search(decoders, B, 4, IDS, controls=controls)]
+
+    expected = [_caption(row) for row in hf.sequences[:, 1:]]
+    assert search(controls) == expected
+    assert search(Controls()) != expected  # the controls change captions
+    if K > 1:  # the score of each returned caption is the one the search ranked it by (length penalty 1)
+        decoders.K, decoders.rows = 1, None
+        rows = torch.nn.utils.rnn.pad_sequence([torch.tensor(c) for c in expected], batch_first=True)
+        scored = sequence_log_prob(decoders, rows, IDS, controls) / torch.tensor([len(c) for c in expected])
+        torch.testing.assert_close(scored, hf.sequences_scores, rtol=0, atol=1e-5)
 
 
 def test_three_beams_give_transformers_generate_captions_on_a_tiny_gpt2():

@@ -128,6 +128,26 @@ def test_predict_mixed_batch_matches_vitattn_caption(api, images, expected):
     assert single["caption"] == expected["rgb.jpg"]["caption"]
 
 
+def test_the_servers_decoding_controls_caption_as_vitattn_caption_does(bundle_dir, images):
+    controls = ["min_new_tokens=4", "no_repeat_ngram_size=2", "repetition_penalty=1.5"]
+    cfg = parse_args([f"model={bundle_dir}", *controls])
+    from vitattn.bundle import load_model
+
+    generate = load_model(bundle_dir).generate_settings(cfg)
+    assert {k: generate[k] for k in ("min_new_tokens", "no_repeat_ngram_size", "repetition_penalty")} == {
+        "min_new_tokens": 4,
+        "no_repeat_ngram_size": 2,
+        "repetition_penalty": 1.5,
+    }
+    api = CaptionAPI(str(bundle_dir), generate=generate, max_batch_size=4)
+    api.setup("cpu")
+    names = ["rgb.jpg", "gray.png", "cmyk.jpg"]
+    outputs = api.unbatch(api.predict(api.batch([api.decode_request(_form(images / n)) for n in names])))
+    records = caption_images(load_model(bundle_dir), [images / n for n in names], batch_size=4, **generate)
+    assert [o["caption"] for o in outputs] == [r["caption"] for r in records]
+    assert all(len(o["tokens"]) >= 4 for o in outputs)  # no <eos> before the fourth token
+
+
 def _echo_app(middleware, **kwargs):
     """A Starlette app whose ``POST /predict`` returns the JSON body it received, behind ``middleware``."""
     from starlette.applications import Starlette

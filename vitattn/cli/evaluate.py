@@ -4,6 +4,7 @@
         [device=auto|cpu|cuda] [precision=auto|fp32|bf16] [progress=true]
       captions:       [references=COCO_JSON [image_dir=DIR]] [predictions=FILE] [scorer=builtin|coco]
                       [num_beams=N] [max_new_tokens=N] [length_penalty=X] [early_stopping=true|false|never]
+                      [min_new_tokens=N] [no_repeat_ngram_size=N] [repetition_penalty=X]
       classification: [data_root=DIR]
 
 Without ``references`` (or ``data_root``) the run's own split is scored. Exit status: 0 every image scored,
@@ -41,6 +42,9 @@ class EvalConfig:
     max_new_tokens: int | None = None
     length_penalty: float | None = None
     early_stopping: bool | str | None = None  # Hugging Face's: true, false or never
+    min_new_tokens: int | None = None  # Hugging Face's decoding controls
+    no_repeat_ngram_size: int | None = None
+    repetition_penalty: float | None = None
     batch_size: int = 32
     num_workers: int = 2
     out: str | None = None

@@ -29,7 +29,7 @@ from vitattn.data.preprocess import denormalize
 from vitattn.errors import brief
 from vitattn.inference.attention_maps import attention_from_tokens, caption_words
 from vitattn.inference.captioning import generate_tokens
-from vitattn.models.search import sequence_log_prob
+from vitattn.models.search import Controls, sequence_log_prob
 from vitattn.precision import precision_autocast
 
 __all__ = ["AttentionMaps", "Caption", "Captioner", "Classifier", "ImageLike", "Prediction", "load_model", "to_pixels"]
@@ -45,7 +45,7 @@ _KINDS = (
 @dataclass
 class Caption:
     """One caption: its words (special tokens left out), the generated ids (``<eos>`` kept, padding dropped) and its
-    total log-probability under the model.
+    total log-probability as the search scored it (``Captioner.score``).
     """
 
     text: str
@@ -146,7 +146,7 @@ class Captioner(_TaskModel):
             if not details:
                 results += texts
                 continue
-            scores = self.score(pixels, tokens)
+            scores = self.score(pixels, tokens, **generate)
             pad = self.vocab.pad_id
             for text, row, score in zip(texts, tokens.tolist(), scores.tolist()):
                 results.append(Caption(text, [t for t in row if t != pad], score))
@@ -159,12 +159,15 @@ class Captioner(_TaskModel):
         tokens = generate_tokens(self.model, pixels.to(self.device), self.precision, **settings)  # (B, T')
         return self.vocab.decode_batch(tokens), tokens
 
-    def score(self, pixels: Tensor, tokens: Tensor) -> Tensor:
-        """(B,) total log-probabilities of captions ``tokens`` (B, T') of images ``pixels`` (B, C, height, width)."""
+    def score(self, pixels: Tensor, tokens: Tensor, **generate: Any) -> Tensor:
+        """(B,) total log-probabilities of captions ``tokens`` (B, T') of images ``pixels`` (B, C, height, width), as
+        the beam search ranks them under the ``generate`` settings' controls (before its length penalty)."""
         model = self.model
+        settings = self.bundle.generate_settings(generate)
+        controls = Controls(*(settings.get(k, d) for k, d in Controls._field_defaults.items()))
         with torch.inference_mode(), precision_autocast(self.precision, self.device):
             step = model.decode_step(model.encode(pixels), tokens.shape[1] + 1)
-            return sequence_log_prob(step, tokens, model.special_ids)
+            return sequence_log_prob(step, tokens, model.special_ids, controls)
 
     def attention_maps(self, image: ImageLike, layer: int = -1, **generate: Any) -> AttentionMaps:
         """Caption one image and say where each word looked (needs the PyTorch runtime: attention

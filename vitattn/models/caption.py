@@ -187,12 +187,14 @@ class ImageCaptioner(nn.Module, CaptionSearch):
         return self.decoder(tokens, self.encode(images))
 
     def sequence_log_prob(self, images: Tensor, generated: Tensor) -> Tensor:
-        """(B,) total log-probability of generated captions (``<bos>`` and the padding after ``<eos>`` excluded)."""
+        """(B,) total log-probability of generated captions (``<bos>`` and the padding after ``<eos>`` excluded), over
+        the tokens the search may generate (the banned ones masked before ``log_softmax``, as it does)."""
         dec = self.decoder
         bos = generated.new_full((generated.shape[0], 1), dec.bos_id)
-        logits = self(images, torch.cat([bos, generated[:, :-1]], dim=1))  # (B, T, V)
-        logp = logits.float().log_softmax(-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)  # (B, T)
-        return (logp * (generated != dec.pad_id)).sum(dim=1)
+        logits = self(images, torch.cat([bos, generated[:, :-1]], dim=1)).float()  # (B, T, V)
+        logits[..., self.special_ids.banned] = float("-inf")
+        logp = logits.log_softmax(-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)  # (B, T)
+        return logp.masked_fill(generated == dec.pad_id, 0.0).sum(dim=1)
 
     def start_search(
         self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool

@@ -14,6 +14,7 @@ from torch import Tensor
 __all__ = [
     "SEARCH_KEYS",
     "CaptionSearch",
+    "Controls",
     "DecodeStep",
     "SpecialIds",
     "beam_search",
@@ -24,7 +25,63 @@ __all__ = [
 ]
 
 # ``generate``'s deterministic decoding settings (greedy or beam search), as entry points and reports name them
-SEARCH_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "early_stopping")
+SEARCH_KEYS = (
+    "num_beams",
+    "max_new_tokens",
+    "length_penalty",
+    "early_stopping",
+    "min_new_tokens",
+    "no_repeat_ngram_size",
+    "repetition_penalty",
+)
+
+
+class Controls(NamedTuple):
+    """Hugging Face's logits processors of the same names: ``<eos>`` banned until ``min_new_tokens`` are made; no
+    n-gram of ``no_repeat_ngram_size`` twice; each score of a token already in the row (``<bos>`` included)
+    divided by ``repetition_penalty`` when positive, multiplied when negative. 0, 0, 1.0: off."""
+
+    min_new_tokens: int = 0
+    no_repeat_ngram_size: int = 0
+    repetition_penalty: float = 1.0
+
+    def check(self) -> None:
+        """A one-line ``ValueError`` for a setting out of range."""
+        if self.min_new_tokens < 0 or self.no_repeat_ngram_size < 0:
+            raise ValueError(
+                f"min_new_tokens={self.min_new_tokens} and no_repeat_ngram_size={self.no_repeat_ngram_size} "
+                "must be at least 0"
+            )
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be positive (1.0: off)")
+
+    def __call__(self, scores: Tensor, tokens: Tensor, eos_id: int) -> Tensor:
+        """``scores`` (R, V) of the next token after ``tokens`` (R, 1 + i), ``<bos>`` first, changed in place."""
+        if self.repetition_penalty != 1.0:
+            seen = scores.gather(1, tokens)  # (R, 1 + i)
+            penalised = torch.where(seen < 0, seen * self.repetition_penalty, seen / self.repetition_penalty)
+            scores.scatter_(1, tokens, penalised)
+        n = self.no_repeat_ngram_size
+        if n > 0 and tokens.shape[1] + 1 >= n:
+            for row, banned in enumerate(_ngram_bans(tokens.tolist(), n)):
+                scores[row, banned] = float("-inf")
+        if tokens.shape[1] - 1 < self.min_new_tokens:
+            scores[:, eos_id] = float("-inf")
+        return scores
+
+
+NO_CONTROLS = Controls()
+
+
+def _ngram_bans(rows: list[list[int]], n: int) -> list[list[int]]:
+    """For each row, the tokens that would end an n-gram the row already holds (after its last n - 1 tokens)."""
+    bans = []
+    for row in rows:
+        follows: dict[tuple[int, ...], list[int]] = {}
+        for i in range(len(row) - n + 1):
+            follows.setdefault(tuple(row[i : i + n - 1]), []).append(row[i + n - 1])
+        bans.append(follows.get(tuple(row[len(row) - n + 1 :]), []))
+    return bans
 
 
 class DecodeStep(Protocol):
@@ -85,10 +142,14 @@ class CaptionSearch:
         do_sample: bool = False,
         temperature: float = 1.0,
         early_stopping: bool | str = False,
+        min_new_tokens: int = 0,
+        no_repeat_ngram_size: int = 0,
+        repetition_penalty: float = 1.0,
     ) -> int:
         """Refuse ``generate`` settings it cannot decode with (a one-line ``ValueError``); returns
         ``max_new_tokens`` with None replaced by ``max_len - 1``."""
         check_early_stopping(early_stopping)
+        Controls(min_new_tokens, no_repeat_ngram_size, repetition_penalty).check()
         if max_new_tokens is None:
             max_new_tokens = self.max_len - 1
         if max_new_tokens + 1 > self.max_len:
@@ -117,6 +178,9 @@ class CaptionSearch:
         top_p: float = 1.0,
         use_cache: bool = True,
         generator: torch.Generator | None = None,
+        min_new_tokens: int = 0,
+        no_repeat_ngram_size: int = 0,
+        repetition_penalty: float = 1.0,
     ) -> Tensor:
         """(B, T') token ids of the images' captions, without ``<bos>``, ending in ``<eos>``, ``<pad>`` after.
 
@@ -126,27 +190,32 @@ class CaptionSearch:
             num_beams, length_penalty, early_stopping: Hugging Face's beam search (``beam_search``); 1 beam: greedy.
             do_sample, temperature, top_k, top_p, generator: sampling instead (``top_k=0``, ``top_p=1`` keep all).
             use_cache: decode with the key/value cache; False recomputes every step.
+            min_new_tokens, no_repeat_ngram_size, repetition_penalty: Hugging Face's (``Controls``).
         """
-        max_new_tokens = self.check_generate(max_new_tokens, num_beams, do_sample, temperature, early_stopping)
+        controls = Controls(min_new_tokens, no_repeat_ngram_size, repetition_penalty)
+        max_new_tokens = self.check_generate(
+            max_new_tokens, num_beams, do_sample, temperature, early_stopping, *controls
+        )
         step, B, device = self.start_search(images, max_new_tokens, num_beams, use_cache)
         if num_beams > 1:
             return beam_search(
-                step, B, max_new_tokens, num_beams, self.special_ids, length_penalty, early_stopping, device
+                step, B, max_new_tokens, num_beams, self.special_ids, length_penalty, early_stopping, device, controls
             )
         sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator) if do_sample else None
-        return greedy_search(step, B, max_new_tokens, self.special_ids, device, sample)
+        return greedy_search(step, B, max_new_tokens, self.special_ids, device, sample, controls)
 
 
-def sequence_log_prob(step: DecodeStep, generated: Tensor, ids: SpecialIds) -> Tensor:
+def sequence_log_prob(step: DecodeStep, generated: Tensor, ids: SpecialIds, controls: Controls = NO_CONTROLS) -> Tensor:
     """Total log-probability of generated captions (B, T') (``<bos>`` excluded, padded after ``<eos>``),
-    fed to a fresh ``step`` one position at a time. Returns (B,) sums over the non-pad tokens."""
+    fed to a fresh ``step`` one position at a time, as the beam search scores tokens: the banned tokens masked
+    before ``log_softmax``, the ``controls`` after. Returns (B,) sums over the non-pad tokens."""
     B, T = generated.shape
     tokens = torch.cat([generated.new_full((B, 1), ids.bos_id), generated], dim=1)  # (B, 1 + T')
     total = torch.zeros(B, dtype=torch.float, device=generated.device)
     for i in range(T):
-        logp = step(tokens[:, : i + 1]).float().log_softmax(-1)  # (B, V)
+        logp = controls(_next_logits(step, tokens[:, : i + 1], ids).log_softmax(-1), tokens[:, : i + 1], ids.eos_id)
         token = generated[:, i]
-        total += logp.gather(1, token[:, None]).squeeze(1) * (token != ids.pad_id)
+        total += logp.gather(1, token[:, None]).squeeze(1).masked_fill(token == ids.pad_id, 0.0)  # banned <pad>: -inf
     return total
 
 
@@ -165,15 +234,17 @@ def greedy_search(
     ids: SpecialIds,
     device: torch.device | str = "cpu",
     sample: dict | None = None,
+    controls: Controls = NO_CONTROLS,
 ) -> Tensor:
-    """(B, T') the most likely token at each step, or one sampled with ``sample``'s settings."""
+    """(B, T') the most likely token at each step, or one sampled with ``sample``'s settings; the ``controls``
+    change the banned logits first (Hugging Face's processors, then its temperature, top-k and top-p)."""
     B = batch_size
     # every column allocated once; step i reads columns 0..i and writes column i + 1
     tokens = torch.full((B, max_new_tokens + 1), ids.pad_id, dtype=torch.long, device=device)  # (B, 1 + T')
     tokens[:, 0] = ids.bos_id
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     for i in range(max_new_tokens):
-        logits = _next_logits(step, tokens[:, : i + 1], ids)  # (B, V)
+        logits = controls(_next_logits(step, tokens[:, : i + 1], ids), tokens[:, : i + 1], ids.eos_id)  # (B, V)
         nxt = logits.argmax(-1) if sample is None else sample_token(logits, **sample)  # (B,)
         nxt.masked_fill_(finished, ids.pad_id)
         tokens[:, i + 1] = nxt
@@ -192,9 +263,12 @@ def beam_search(
     length_penalty: float = 1.0,
     early_stopping: bool | str = False,
     device: torch.device | str = "cpu",
+    controls: Controls = NO_CONTROLS,
 ) -> Tensor:
     """Hugging Face's beam search (``generate(num_beams=K)``) over B * K rows: (B, T') each image's best
-    finished caption, ranked by ``log p / length ** length_penalty``.
+    finished caption, ranked by ``log p / length ** length_penalty``: each token's ``log p`` with the banned
+    tokens masked before ``log_softmax`` and the ``controls`` applied after it, as Hugging Face applies its
+    processors.
 
     Each step keeps an image's 2K best candidates: those among the first K that end in ``<eos>`` join its K best
     finished captions, the K best others live on. ``early_stopping``: True stops an image once it has K, False
@@ -215,7 +289,8 @@ def beam_search(
     offsets = torch.arange(B, device=device)[:, None] * K  # (B, 1)
     first_k = torch.arange(2 * K, device=device) < K  # (2K,) only the first K candidates may finish
     for i in range(T):
-        logp = _next_logits(step, live.view(B * K, 1 + T)[:, : i + 1], ids).log_softmax(-1)  # (B*K, V)
+        rows = live.view(B * K, 1 + T)[:, : i + 1]  # (B*K, 1 + i)
+        logp = controls(_next_logits(step, rows, ids).log_softmax(-1), rows, ids.eos_id)  # (B*K, V)
         V = logp.shape[-1]
         cand = (live_scores.view(B * K, 1) + logp).view(B, K * V)
         cand_scores, cand_idx = cand.topk(2 * K, dim=1)  # (B, 2K), best first
