@@ -63,21 +63,14 @@ def _ngram_counts(tokens: Tokens, max_n: int) -> Counter[Ngram]:
     return Counter(tuple(tokens[i : i + k]) for k in range(1, max_n + 1) for i in range(len(tokens) - k + 1))
 
 
-# --------------------------------------------------------------------------------------------- BLEU
-
-
-def _closest_ref_len(hyp_len: int, ref_lens: Sequence[int]) -> int:
-    """The reference length nearest the prediction's; a tie goes to the shorter one."""
-    return min(ref_lens, key=lambda ref_len: (abs(ref_len - hyp_len), ref_len))
-
-
 def _bleu(hyps: list[Tokens], refs: list[list[Tokens]], max_n: int) -> list[float]:
     hyp_len = ref_len = 0
     correct = [0] * max_n  # clipped matches per order, summed over the corpus
     guess = [0] * max_n  # prediction n-grams per order
     for hyp, image_refs in zip(hyps, refs):
         hyp_len += len(hyp)
-        ref_len += _closest_ref_len(len(hyp), [len(r) for r in image_refs])
+        # the reference length nearest the prediction's; a tie goes to the shorter one
+        ref_len += min((len(r) for r in image_refs), key=lambda n: (abs(n - len(hyp)), n))
         max_ref_counts: Counter[Ngram] = Counter()
         for ref in image_refs:
             max_ref_counts |= _ngram_counts(ref, max_n)  # | keeps the max count of each n-gram
@@ -105,9 +98,6 @@ def corpus_bleu(predictions: Sequence[str], references: Sequence[Sequence[str]],
     if max_n < 1:
         raise ValueError(f"max_n={max_n} must be at least 1")
     return _bleu(*_words_corpus(*_tokenize_corpus(predictions, references)), max_n=max_n)
-
-
-# ------------------------------------------------------------------------------------------ ROUGE-L
 
 
 def _lcs_length(a: Tokens, b: Tokens) -> int:
@@ -140,9 +130,6 @@ def _rouge_l(hyps: list[Tokens], refs: list[list[Tokens]], beta: float) -> float
 def rouge_l(predictions: Sequence[str], references: Sequence[Sequence[str]], beta: float = 1.2) -> float:
     """ROUGE-L (F-measure weighted by ``beta``), the mean over images, as the toolkit's ``Rouge``."""
     return _rouge_l(*_tokenize_corpus(predictions, references), beta=beta)
-
-
-# ------------------------------------------------------------------------------------------ CIDEr-D
 
 
 def _document_frequency(ref_counts: list[list[Counter[Ngram]]]) -> Counter[Ngram]:
