@@ -1,9 +1,5 @@
-"""An image file becomes pixels here, for training and for inference alike; image folders, the in-memory
-image cache (``data.cache``) and what evaluation scores (``EvalSplit``).
-
-``read_image`` is the one reader (datasets, the captioner, shards, the server), so a model sees at inference
-exactly what it saw in training.
-"""
+"""An image file becomes pixels here (``read_image``, for training and inference alike, so a model sees at
+inference exactly what it saw in training); image folders, the image cache (``data.cache``) and ``EvalSplit``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """How an image becomes the model's input: evaluation (``eval_transform``, timm's, written without timm),
-normalisation on the device (``Normalize``) and training augmentation (``Augment``; docs/data.md).
-
-A ``preprocess`` mapping (checkpoints, bundles) holds timm's ``create_transform`` arguments: ``img_size``,
-``crop_pct``, ``mean``, ``std``, ``interpolation``, an optional ``crop_mode``. Pretrained weights bring their own
-(``WEIGHTS_KEYS``; ``from_timm`` reads timm's data config).
-"""
+normalisation on the device (``Normalize``) and training augmentation (``Augment``; docs/data.md). A
+``preprocess`` mapping (checkpoints, bundles) holds timm's ``create_transform`` arguments (``PREPROCESS_KEYS``)."""
 
 from __future__ import annotations
 
@@ -15,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from torchvision import transforms as T
@@ -123,11 +120,8 @@ def eval_transform(preprocess: Mapping[str, Any], normalize: bool = True) -> Cal
     """timm's evaluation transform of ``preprocess``, PIL image -> (3, img_size, img_size): resize, crop, to
     tensor, normalise; ``normalize=False`` stops at uint8, which ``Normalize`` then finishes bit for bit."""
     p = check_preprocess(preprocess, "preprocess")
-    size, mode, scale = (
-        p["img_size"],
-        T.InterpolationMode(p["interpolation"]),
-        math.floor(p["img_size"] / p["crop_pct"]),
-    )
+    size, mode = p["img_size"], T.InterpolationMode(p["interpolation"])
+    scale = math.floor(size / p["crop_pct"])
     if p.get("crop_mode") == "squash":
         steps = [T.Resize((scale, scale), interpolation=mode), T.CenterCrop(size)]
     elif p.get("crop_mode") == "border":
@@ -261,8 +255,7 @@ def normalize() -> Normalize:
     return Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)
 
 
-# Captions: BLIP's recipe crops at least half of a 224-384 px photo; a small image is not cropped at all:
-# half of a 32 px emoji loses the skin tone, the flag's emblem or the hair that its name is about.
+# Captions: BLIP's recipe crops at least half of a 224-384 px photo; a small one is not cropped (docs/data.md).
 CAPTION_CROP_SCALE = "auto_caption"
 CROPS = ("resized", "pad")
 LEFT_RIGHT = frozenset({"left", "right", "leftmost", "rightmost"})
@@ -277,11 +270,7 @@ def auto_min_scale(img_size: int, captions: bool = False) -> float:
     """The smallest random-resized-crop scale for ``img_size``. Classification: 0.5 up to 64 px, timm's ImageNet
     0.08 from 224 px. Captions: 1 (no crop) up to 64 px, BLIP's 0.5 from 224 px. Linear in between."""
     small, large = (1.0, 0.5) if captions else (0.5, 0.08)
-    if img_size <= 64:
-        return small
-    if img_size >= 224:
-        return large
-    return small + (large - small) * (img_size - 64) / (224 - 64)
+    return float(np.interp(img_size, (64, 224), (small, large)))
 
 
 @dataclass
@@ -356,10 +345,6 @@ def _geometry(img_size: int, augment: Augment, interpolation: str) -> list[Calla
     return [T.RandomResizedCrop(img_size, scale=augment.crop_scale(img_size), ratio=ratio, interpolation=mode)]
 
 
-def _to_tensor() -> list[Callable]:  # uint8: the loaders' images are normalised on the device (``Normalize``)
-    return [T.PILToTensor()]
-
-
 def classification_train_transform(
     img_size: int, augment: Augment, preprocess: Mapping[str, Any]
 ) -> Callable[[Image.Image], torch.Tensor]:
@@ -372,7 +357,7 @@ def classification_train_transform(
         steps.append(T.ColorJitter(*(3 * [augment.color_jitter])))
     if augment.auto_augment:
         steps.append(_auto_augment(augment.auto_augment, img_size, preprocess["mean"]))
-    return T.Compose(steps + _to_tensor())
+    return T.Compose([*steps, T.PILToTensor()])  # uint8: batches are normalised on the device
 
 
 class CaptionAugment:
@@ -386,7 +371,7 @@ class CaptionAugment:
         self.crop = T.Compose(_geometry(img_size, augment, preprocess["interpolation"]))
         self.flip = T.RandomHorizontalFlip(1.0) if augment.hflip > 0 else None
         self.jitter = T.ColorJitter(*(3 * [augment.color_jitter])) if augment.color_jitter > 0 else None
-        self.finish = T.Compose(_to_tensor())
+        self.finish = T.PILToTensor()
 
     def __call__(self, image: Image.Image, captions: Sequence[str]) -> torch.Tensor:
         words = {w for caption in captions for w in _WORD.findall(caption.lower())}
