@@ -50,9 +50,11 @@ SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIALS))
 VOCAB_FORMAT = "vitattn.vocabulary"
 _VERSION = 1
-
-
 AUTO_MAX_UNKNOWN = 0.02
+KINDS = ("words", "bpe", "file")
+SUBWORD_SPECIALS = ("<pad>", "<bos>", "<eos>")
+MAX_AUTO_BPE = 32000
+_BYTES = 256  # the byte-level alphabet
 
 
 def auto_min_freq(counts: Counter[str], max_unknown: float = AUTO_MAX_UNKNOWN) -> int:
@@ -62,12 +64,6 @@ def auto_min_freq(counts: Counter[str], max_unknown: float = AUTO_MAX_UNKNOWN) -
         if sum(n for n in counts.values() if n < threshold) / total <= max_unknown:
             return threshold
     return 1
-
-
-KINDS = ("words", "bpe", "file")
-SUBWORD_SPECIALS = ("<pad>", "<bos>", "<eos>")
-MAX_AUTO_BPE = 32000
-_BYTES = 256  # the byte-level alphabet
 
 
 @runtime_checkable

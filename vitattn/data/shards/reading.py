@@ -13,6 +13,7 @@ import tarfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
+from itertools import groupby
 from operator import itemgetter
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -237,11 +238,7 @@ class SampleIndex:
 
 
 @contextmanager
-def open_index(
-    path: str | os.PathLike,
-    cache_dir: str | os.PathLike | None = None,
-    opener: Callable[[str], BinaryIO] | None = None,
-) -> Iterator[SampleIndex | None]:
+def open_index(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Iterator[SampleIndex | None]:
     """The shard's index where one beside it or in the cache was written for the shard as it is now (same size,
     same modification time, as long as its count says); None where there is none."""
     try:
@@ -251,7 +248,7 @@ def open_index(
         return
     for candidate in index_files(path, cache_dir):
         try:
-            file = (opener or open_shard)(str(candidate))
+            file = open_shard(str(candidate))
         except OSError:
             continue
         try:
@@ -422,15 +419,10 @@ def _indexed(
 
 
 def _runs(offsets: Iterable[int]) -> Iterator[tuple[int, int]]:
-    """``[a, b)`` of each run of consecutive offsets (ascending)."""
-    run: list[int] = []
-    for o in offsets:
-        if run and o != run[1]:
-            yield run[0], run[1]
-            run = []
-        run = [run[0] if run else o, o + 1]
-    if run:
-        yield run[0], run[1]
+    """``[a, b)`` of each run of consecutive offsets (ascending): those whose offset minus place is the same."""
+    for _, group in groupby(enumerate(offsets), lambda place_offset: place_offset[1] - place_offset[0]):
+        run = [offset for _, offset in group]
+        yield run[0], run[-1] + 1
 
 
 class _MemberFilter:

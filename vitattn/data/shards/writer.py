@@ -96,9 +96,9 @@ def write_shards(
             return shards
         number = len(shards)
         path = out / f"{number:05d}.tar"
+        keys = [f"{number:05d}{i:0{digits}d}" for i in range(len(batch))]
         with atomic_open(path, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            for i, sample in enumerate(batch):
-                key = f"{number:05d}{i:0{digits}d}"
+            for key, sample in zip(keys, batch):
                 meta = {"key": key, **sample.meta, "captions": sample.captions}
                 _add(tar, f"{key}.{sample.ext}", sample.image)
                 if sample.captions:
@@ -109,9 +109,8 @@ def write_shards(
                 _add(tar, f"{key}.json", json.dumps(meta).encode())
         if parquet:
             rows = [
-                {"key": f"{number:05d}{i:0{digits}d}", "caption": (s.captions or [None])[0], "status": "success"}
-                | {"source": s.meta.get("source")}
-                for i, s in enumerate(batch)
+                {"key": key, "caption": (s.captions or [None])[0], "status": "success", "source": s.meta.get("source")}
+                for key, s in zip(keys, batch)
             ]
             _write_parquet(out / f"{number:05d}.parquet", rows)
         stats = {"count": len(batch), "successes": len(batch), "failed_to_download": 0, "failed_to_resize": 0}
