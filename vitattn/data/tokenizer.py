@@ -306,11 +306,9 @@ def auto_bpe_size(captions: Iterable[str]) -> int:
     return min(MAX_AUTO_BPE, -(-size // 64) * 64)
 
 
-def train_bpe(
-    captions: Sequence[str], vocab_size: int | str = "auto", progress: bool | None = None
-) -> SubwordTokenizer:
+def train_bpe(captions: Sequence[str], vocab_size: int | str = "auto") -> SubwordTokenizer:
     """A byte-level BPE of ``vocab_size`` tokens (``auto``: ``auto_bpe_size``) trained on ``captions``, NFC, lower
-    case, single spaces; no unknown token. ``progress``: tokenizers' bar (None: on a terminal)."""
+    case, single spaces; no unknown token. Tokenizers' progress bar shows on a terminal."""
     if vocab_size == "auto":
         vocab_size = auto_bpe_size(captions)
     smallest = _BYTES + len(SUBWORD_SPECIALS)
@@ -326,7 +324,7 @@ def train_bpe(
         vocab_size=vocab_size,
         special_tokens=list(SUBWORD_SPECIALS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=bool(progress) if progress is not None else sys.stderr.isatty(),
+        show_progress=sys.stderr.isatty(),
     )
     tokenizer.train_from_iterator(captions, trainer, length=len(captions))
     return SubwordTokenizer(tokenizer, "the trained BPE")

@@ -199,29 +199,26 @@ def _cider_d(hyps: list[Tokens], refs: list[list[Tokens]], sigma: float, n: int)
 
 class CiderD:
     """CIDEr-D of a few captions at a time with document frequencies fixed by ``corpus`` (the training
-    references): the reward of self-critical training. Up to ``cache_size`` images' reference vectors are kept."""
+    references): the reward of self-critical training."""
 
-    def __init__(
-        self, corpus: Sequence[Sequence[str]], sigma: float = 6.0, n: int = 4, cache_size: int = 65536
-    ) -> None:
+    cache_size = 65536  # images whose reference vectors are kept
+
+    def __init__(self, corpus: Sequence[Sequence[str]], sigma: float = 6.0, n: int = 4) -> None:
         if not corpus:
             raise ValueError("the corpus is empty: CIDEr-D's document frequencies need at least one image")
         _, refs = _words_corpus(*_tokenize_corpus([""] * len(corpus), corpus))
         doc_freq = _document_frequency([[_ngram_counts(r, n) for r in image_refs] for image_refs in refs])
-        self._keep(doc_freq, len(corpus), sigma, n, cache_size)
+        self._keep(doc_freq, len(corpus), sigma, n)
 
     @classmethod
-    def from_statistics(
-        cls, doc_freq: Counter[Ngram], num_images: int, sigma: float = 6.0, n: int = 4, cache_size: int = 65536
-    ) -> CiderD:
+    def from_statistics(cls, doc_freq: Counter[Ngram], num_images: int, sigma: float = 6.0, n: int = 4) -> CiderD:
         """A scorer with document frequencies computed elsewhere (``doc_freq``, ``num_images`` of a scorer)."""
         scorer = cls.__new__(cls)
-        scorer._keep(Counter(doc_freq), num_images, sigma, n, cache_size)
+        scorer._keep(Counter(doc_freq), num_images, sigma, n)
         return scorer
 
-    def _keep(self, doc_freq: Counter[Ngram], num_images: int, sigma: float, n: int, cache_size: int) -> None:
-        self.doc_freq, self.num_images = doc_freq, num_images
-        self.sigma, self.n, self.cache_size = sigma, n, cache_size
+    def _keep(self, doc_freq: Counter[Ngram], num_images: int, sigma: float, n: int) -> None:
+        self.doc_freq, self.num_images, self.sigma, self.n = doc_freq, num_images, sigma, n
         self._refs: dict[tuple[str, ...], list] = {}
 
     def __call__(self, predictions: Sequence[str], references: Sequence[Sequence[str]]) -> list[float]:

@@ -388,8 +388,7 @@ def _guarded(url: str, read: Callable[[BinaryIO], Iterator[tuple[int, dict]]]) -
 def _walked(
     url: str, extensions: set[str] | None, wanted: Callable[[int], bool] | None, stream: BinaryIO
 ) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(offset, sample)`` of every sample from the shard's start; those not ``wanted`` hold None for members
-    not read."""
+    """``(offset, sample)`` from the shard's start; the members of samples not ``wanted`` hold None."""
     if local_path(url) is not None and is_plain_tar(stream):  # the common case, without tarfile's cost
         wants = _MemberFilter(extensions, wanted)
         files = ({"fname": name, "data": data, "__url__": url} for name, data in tar_files(stream, wants))
