@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import IO, Any, Literal, overload
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
@@ -224,10 +223,6 @@ class ImageCache:
         if key in self.bad:
             raise BadImageError(f"{key}: {self.bad[key]}", key, self.bad[key])
         return Image.fromarray(self.images[key])
-
-    def tensor(self, path: Any) -> torch.Tensor:
-        """The cached image of ``path`` as (3, height, width) uint8."""
-        return torch.from_numpy(self.images[str(path)]).permute(2, 0, 1)
 
 
 SPLITS = ("val", "test")  # the splits evaluation scores; training data never is

@@ -1,8 +1,6 @@
-"""Shapes: a generated dataset for captioning and classification, a pure function of ``(seed, split, index)``.
-
-Each image holds one to three shapes; its caption names them left to right with where each sits relative to
-the next ("a small red circle left of a large blue square"). Positions are fractions of the side, y down.
-"""
+"""Shapes: a generated dataset for captioning and classification, a pure function of ``(seed, split, index)``:
+one to three shapes named left to right ("a small red circle left of a large blue square"); positions are
+fractions of the side, y down."""
 
 from __future__ import annotations
 

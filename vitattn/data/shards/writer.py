@@ -1,8 +1,5 @@
-"""Writing WebDataset shards in the img2dataset layout, from image files or the built-in shapes.
-
-``OUT/00000.tar`` holds ``KEY.jpg`` (the file's bytes as they are), ``KEY.txt``, ``KEY.json`` and ``KEY.cls``, with
-``00000_stats.json`` (and ``.parquet``, pyarrow) beside it and ``classes.txt``; every file written atomically.
-"""
+"""Writing WebDataset shards in the img2dataset layout (docs/shards.md), from image files, COCO or Karpathy
+captions or the built-in shapes; image bytes as they are, every file written atomically."""
 
 from __future__ import annotations
 
