@@ -224,14 +224,10 @@ def _whole_shards(
         load, slot = heapq.heappop(heap)
         owned[slot].append(u)
         heapq.heappush(heap, (load + counts[u], slot))
-    loads = sorted(((sum(counts[u] for u in owned[s]), s) for s in range(slots)), key=lambda x: (-x[0], x[1]))
+    loads = sorted(heap, key=lambda load_slot: (-load_slot[0], load_slot[1]))  # (samples, slot), fullest first
     # the i-th fullest slot: rank i % world_size, worker i // world_size (worker 0, which steps first, the fullest)
     slot_of = {(i % world_size, i // world_size): s for i, (_, s) in enumerate(loads)}
-    need = [
-        workers * (math.ceil(sum(counts[u] for u in owned[s]) / batch_size) - 1) + w + 1
-        for (_, w), s in slot_of.items()
-    ]
-    batches = max(need)
+    batches = max(workers * (math.ceil(n / batch_size) - 1) + i // world_size + 1 for i, (n, _) in enumerate(loads))
     plans = []
     for r in range(world_size):
         rank_plans = []
