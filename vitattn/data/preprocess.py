@@ -9,6 +9,7 @@ import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -125,50 +126,37 @@ def eval_transform(preprocess: Mapping[str, Any], normalize: bool = True) -> Cal
     if p.get("crop_mode") == "squash":
         steps = [T.Resize((scale, scale), interpolation=mode), T.CenterCrop(size)]
     elif p.get("crop_mode") == "border":
-        steps = [_ResizeLongest(scale, mode), _CenterCropOrPad(size, [round(255 * v) for v in p["mean"]])]
+        fill = [round(255 * v) for v in p["mean"]]
+        steps = [partial(_resize_longest, size=scale, interpolation=mode), partial(_crop_or_pad, size=size, fill=fill)]
     else:
         steps = [T.Resize(scale, interpolation=mode), T.CenterCrop(size)]
     if not normalize:
-        return T.Compose([*steps, _ToTensor(scale=False)])
-    return T.Compose([*steps, _ToTensor(scale=True), T.Normalize(torch.tensor(p["mean"]), torch.tensor(p["std"]))])
+        return T.Compose([*steps, partial(_to_tensor, scale=False)])
+    mean, std = torch.tensor(p["mean"]), torch.tensor(p["std"])
+    return T.Compose([*steps, partial(_to_tensor, scale=True), T.Normalize(mean, std)])
 
 
-class _ResizeLongest:
+def _resize_longest(image: Image.Image, size: int, interpolation: T.InterpolationMode) -> Image.Image:
     """timm's ``ResizeKeepRatio(longest=1)``: the longer side to ``size``, the aspect ratio kept."""
-
-    def __init__(self, size: int, interpolation: T.InterpolationMode) -> None:
-        self.size, self.interpolation = size, interpolation
-
-    def __call__(self, image: Image.Image) -> Image.Image:
-        _, height, width = TF.get_dimensions(image)
-        ratio = max(height / self.size, width / self.size)
-        return TF.resize(image, [round(height / ratio), round(width / ratio)], self.interpolation)
+    _, height, width = TF.get_dimensions(image)
+    ratio = max(height / size, width / size)
+    return TF.resize(image, [round(height / ratio), round(width / ratio)], interpolation)
 
 
-class _CenterCropOrPad:
+def _crop_or_pad(image: Image.Image, size: int, fill: list[int]) -> Image.Image:
     """timm's ``CenterCropOrPad``: pad a side shorter than ``size`` with ``fill``, then crop the centre."""
-
-    def __init__(self, size: int, fill: list[int]) -> None:
-        self.size, self.fill = size, fill
-
-    def __call__(self, image: Image.Image) -> Image.Image:
-        _, height, width = TF.get_dimensions(image)
-        dw, dh = max(self.size - width, 0), max(self.size - height, 0)
-        if dw or dh:
-            image = TF.pad(image, [dw // 2, dh // 2, (dw + 1) // 2, (dh + 1) // 2], fill=self.fill)
-        return TF.center_crop(image, [self.size, self.size])
+    _, height, width = TF.get_dimensions(image)
+    dw, dh = max(size - width, 0), max(size - height, 0)
+    if dw or dh:
+        image = TF.pad(image, [dw // 2, dh // 2, (dw + 1) // 2, (dh + 1) // 2], fill=fill)
+    return TF.center_crop(image, [size, size])
 
 
-class _ToTensor:
+def _to_tensor(image: Any, scale: bool) -> torch.Tensor:
     """timm's ``MaybeToTensor`` (``scale``: float in [0, 1]) or ``MaybePILToTensor`` (uint8); a tensor as it is."""
-
-    def __init__(self, scale: bool) -> None:
-        self.scale = scale
-
-    def __call__(self, image: Any) -> torch.Tensor:
-        if isinstance(image, torch.Tensor):
-            return image
-        return TF.to_tensor(image) if self.scale else TF.pil_to_tensor(image)
+    if isinstance(image, torch.Tensor):
+        return image
+    return TF.to_tensor(image) if scale else TF.pil_to_tensor(image)
 
 
 def check_preprocess(preprocess: Any, where: str = "preprocess") -> dict[str, Any]:
