@@ -10,7 +10,7 @@ import sys
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import takewhile
+from itertools import islice, takewhile
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -384,16 +384,12 @@ def unknown_share(tokenizer: Tokenizer, captions: Iterable[str], limit: int = 50
     if tokenizer.unk_id is None:
         return 0.0
     stoi = getattr(tokenizer, "stoi", None)
+    if stoi is None:  # each word encoded: the first ``limit`` captions
+        captions = islice(captions, limit)
     total = unknown = 0
-    for n, caption in enumerate(captions):
-        if stoi is None and n >= limit:
-            break
-        for word in coco_tokenize(caption):
-            total += 1
-            if stoi is not None:
-                unknown += word not in stoi
-            else:
-                unknown += tokenizer.unk_id in tokenizer.encode(word)
+    for word in (word for caption in captions for word in coco_tokenize(caption)):
+        total += 1
+        unknown += word not in stoi if stoi is not None else tokenizer.unk_id in tokenizer.encode(word)
     return unknown / total if total else 0.0
 
 
