@@ -147,7 +147,6 @@ class Vocabulary(Tokenizer):
         return _framed(self, [self.stoi.get(word, self.unk_id) for word in coco_tokenize(text)], max_len)
 
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
-        """Words for ``ids`` up to the first eos, special tokens left out."""
         ids = _before_eos(self, ids, "the vocabulary of")
         return " ".join(self.itos[i] for i in ids if i >= len(SPECIALS))
 
@@ -276,7 +275,6 @@ class SubwordTokenizer(Tokenizer):
         return _framed(self, self.hf.encode(text, add_special_tokens=False).ids, max_len)
 
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
-        """The caption of ``ids`` up to the first eos, special tokens left out."""
         content = [i for i in _before_eos(self, ids, "the tokenizer's") if i not in self._special]
         return self.hf.decode(content, skip_special_tokens=True).strip()
 
