@@ -263,15 +263,8 @@ def auto_min_scale(img_size: int, captions: bool = False) -> float:
 
 @dataclass
 class Augment:
-    """Training augmentation (``data.augment.*``).
-
-    Attributes:
-        enabled: off: training images get the evaluation transform.
-        scale: crop area range; ``auto``: ``auto_min_scale(img_size)`` to 1, ``auto_caption``: the captions' rule.
-        ratio, hflip, color_jitter: crop aspect range, flip probability, jitter strength (0: off).
-        crop: ``resized`` (random-resized) or ``pad`` (reflect-pad an eighth and cut: the CIFAR shift).
-        auto_augment: ``rand-m9-mstd0.5-inc1`` (timm), ``trivialaugment``, ``augmix-m5-w3`` (timm) or None.
-    """
+    """Training augmentation, ``data.augment.*`` (docs/training.md); off: the evaluation transform. ``scale`` is
+    the crop's area range, ``auto`` ``auto_min_scale(img_size)`` to 1; ``hflip`` a probability."""
 
     enabled: bool = True
     scale: Any = "auto"
