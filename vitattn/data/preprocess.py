@@ -101,7 +101,7 @@ def describe(preprocess: Mapping[str, Any]) -> str:
     """How the run log names a preprocessing, in the ``data.*`` keys that set it:
     ``mean (0.5, 0.5, 0.5) std (0.5, 0.5, 0.5) [Inception 0.5], bicubic, crop_mode center crop_pct 0.9, 224 px``."""
     mean, std = tuple(preprocess["mean"]), tuple(preprocess["std"])
-    name = next((f" [{n}]" for (m, s), n in _STATISTICS.items() if _close(m, mean) and _close(s, std)), "")
+    name = next((f" [{n}]" for pair, n in _STATISTICS.items() if np.allclose(pair, (mean, std), rtol=0, atol=1e-6)), "")
     return (
         f"mean {_numbers(mean)} std {_numbers(std)}{name}, {preprocess['interpolation']}, "
         f"crop_mode {preprocess.get('crop_mode') or 'center'} crop_pct {float(preprocess['crop_pct']):g}, "
@@ -111,10 +111,6 @@ def describe(preprocess: Mapping[str, Any]) -> str:
 
 def _numbers(values: Sequence[float]) -> str:
     return "(" + ", ".join(f"{x:g}" for x in values) + ")"
-
-
-def _close(a: Sequence[float], b: Sequence[float]) -> bool:
-    return all(abs(x - y) < 1e-6 for x, y in zip(a, b))
 
 
 def eval_transform(preprocess: Mapping[str, Any], normalize: bool = True) -> Callable[[Image.Image], torch.Tensor]:
