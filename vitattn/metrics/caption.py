@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from itertools import islice
 from typing import Any
 
 from vitattn.metrics.tokenize import coco_tokenize_file
@@ -41,11 +42,8 @@ def _tokenize_corpus(
 ) -> tuple[list[Tokens], list[list[Tokens]]]:
     """Validate the corpus and tokenise every caption."""
     check_corpus(predictions, references)
-    flat = coco_tokenize_file([r for image_refs in references for r in image_refs])
-    refs, start = [], 0
-    for image_refs in references:
-        refs.append(flat[start : start + len(image_refs)])
-        start += len(image_refs)
+    flat = iter(coco_tokenize_file([r for image_refs in references for r in image_refs]))
+    refs = [list(islice(flat, len(image_refs))) for image_refs in references]  # the flat list cut back per image
     return coco_tokenize_file(predictions), refs
 
 
