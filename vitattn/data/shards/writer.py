@@ -9,6 +9,7 @@ import tarfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 from vitattn.data.coco import CocoImage
@@ -88,7 +89,7 @@ def write_shards(
     shards: list[Path] = []
     iterator = iter(samples)
     while True:
-        batch = [s for _, s in zip(range(samples_per_shard), iterator)]
+        batch = list(islice(iterator, samples_per_shard))
         if not batch:
             return shards
         number = len(shards)
