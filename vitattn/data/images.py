@@ -105,15 +105,10 @@ def read_many(
         except BadImageError as err:
             return None, err.reason or str(err)
 
-    results: dict[str, Any] = {}
-    bad: dict[str, str] = {}
     with ThreadPoolExecutor(threads) as pool:
-        for path, (result, reason) in zip(unique, pool.map(attempt, unique)):
-            if reason is None:
-                results[path] = result
-            else:
-                bad[path] = reason
-    return results, bad
+        outcomes = dict(zip(unique, pool.map(attempt, unique)))
+    bad = {path: reason for path, (_, reason) in outcomes.items() if reason is not None}
+    return {path: result for path, (result, reason) in outcomes.items() if reason is None}, bad
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
