@@ -1,9 +1,6 @@
-"""Images that cannot be read while training: ``data.bad_images=raise|skip`` and ``data.verify``.
-
-``raise`` stops at the first with one line naming it; ``skip`` makes it a ``SkippedImage`` (``GuardedImages``),
-batched out of the worker beside the rest (``collate_skipping``: a ``PartialBatch``) and counted; a batch of
-bad images only is None. ``find_bad_images`` reads every file once beforehand (``vitattn-check-data``).
-"""
+"""Images that cannot be read while training: ``data.bad_images=raise`` stops at the first with one line naming
+it, ``skip`` leaves it out of its batch and counts it; ``find_bad_images`` reads every file beforehand
+(``data.verify``, ``vitattn-check-data``)."""
 
 from __future__ import annotations
 
@@ -49,8 +46,7 @@ class PartialBatch(NamedTuple):
 
 
 class GuardedImages(Dataset):
-    """``dataset``, whose unreadable images stop the run with one line (``raise``) or become ``SkippedImage`` items
-    (``skip``). The dataset's loader raises ``BadImageError`` for them (``read_image``, ``ImageCache.load``)."""
+    """``dataset``, whose ``BadImageError`` items stop the run (``raise``) or become ``SkippedImage`` (``skip``)."""
 
     def __init__(self, dataset: Dataset, mode: str) -> None:
         self.dataset, self.mode = dataset, mode

@@ -1,9 +1,5 @@
-"""An image file becomes pixels here, for training and for inference alike; image folders, the in-memory
-image cache (``data.cache``) and what evaluation scores (``EvalSplit``).
-
-``read_image`` is the one reader (datasets, the captioner, shards, the server), so a model sees at inference
-exactly what it saw in training.
-"""
+"""An image file becomes pixels here (``read_image``, for training and inference alike, so a model sees at
+inference exactly what it saw in training); image folders, the image cache (``data.cache``) and ``EvalSplit``."""
 
 from __future__ import annotations
 
@@ -17,7 +13,6 @@ from pathlib import Path
 from typing import IO, Any, Literal, overload
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
@@ -110,15 +105,10 @@ def read_many(
         except BadImageError as err:
             return None, err.reason or str(err)
 
-    results: dict[str, Any] = {}
-    bad: dict[str, str] = {}
     with ThreadPoolExecutor(threads) as pool:
-        for path, (result, reason) in zip(unique, pool.map(attempt, unique)):
-            if reason is None:
-                results[path] = result
-            else:
-                bad[path] = reason
-    return results, bad
+        outcomes = dict(zip(unique, pool.map(attempt, unique)))
+    bad = {path: reason for path, (_, reason) in outcomes.items() if reason is not None}
+    return {path: result for path, (result, reason) in outcomes.items() if reason is None}, bad
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -228,10 +218,6 @@ class ImageCache:
         if key in self.bad:
             raise BadImageError(f"{key}: {self.bad[key]}", key, self.bad[key])
         return Image.fromarray(self.images[key])
-
-    def tensor(self, path: Any) -> torch.Tensor:
-        """The cached image of ``path`` as (3, height, width) uint8."""
-        return torch.from_numpy(self.images[str(path)]).permute(2, 0, 1)
 
 
 SPLITS = ("val", "test")  # the splits evaluation scores; training data never is

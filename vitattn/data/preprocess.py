@@ -1,10 +1,6 @@
 """How an image becomes the model's input: evaluation (``eval_transform``, timm's, written without timm),
-normalisation on the device (``Normalize``) and training augmentation (``Augment``; docs/data.md).
-
-A ``preprocess`` mapping (checkpoints, bundles) holds timm's ``create_transform`` arguments: ``img_size``,
-``crop_pct``, ``mean``, ``std``, ``interpolation``, an optional ``crop_mode``. Pretrained weights bring their own
-(``WEIGHTS_KEYS``; ``from_timm`` reads timm's data config).
-"""
+normalisation on the device (``Normalize``) and training augmentation (``Augment``; docs/data.md). A
+``preprocess`` mapping (checkpoints, bundles) holds timm's ``create_transform`` arguments (``PREPROCESS_KEYS``)."""
 
 from __future__ import annotations
 
@@ -13,8 +9,10 @@ import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from torchvision import transforms as T
@@ -103,7 +101,7 @@ def describe(preprocess: Mapping[str, Any]) -> str:
     """How the run log names a preprocessing, in the ``data.*`` keys that set it:
     ``mean (0.5, 0.5, 0.5) std (0.5, 0.5, 0.5) [Inception 0.5], bicubic, crop_mode center crop_pct 0.9, 224 px``."""
     mean, std = tuple(preprocess["mean"]), tuple(preprocess["std"])
-    name = next((f" [{n}]" for (m, s), n in _STATISTICS.items() if _close(m, mean) and _close(s, std)), "")
+    name = next((f" [{n}]" for pair, n in _STATISTICS.items() if np.allclose(pair, (mean, std), rtol=0, atol=1e-6)), "")
     return (
         f"mean {_numbers(mean)} std {_numbers(std)}{name}, {preprocess['interpolation']}, "
         f"crop_mode {preprocess.get('crop_mode') or 'center'} crop_pct {float(preprocess['crop_pct']):g}, "
@@ -115,66 +113,46 @@ def _numbers(values: Sequence[float]) -> str:
     return "(" + ", ".join(f"{x:g}" for x in values) + ")"
 
 
-def _close(a: Sequence[float], b: Sequence[float]) -> bool:
-    return all(abs(x - y) < 1e-6 for x, y in zip(a, b))
-
-
 def eval_transform(preprocess: Mapping[str, Any], normalize: bool = True) -> Callable[[Image.Image], torch.Tensor]:
     """timm's evaluation transform of ``preprocess``, PIL image -> (3, img_size, img_size): resize, crop, to
     tensor, normalise; ``normalize=False`` stops at uint8, which ``Normalize`` then finishes bit for bit."""
     p = check_preprocess(preprocess, "preprocess")
-    size, mode, scale = (
-        p["img_size"],
-        T.InterpolationMode(p["interpolation"]),
-        math.floor(p["img_size"] / p["crop_pct"]),
-    )
+    size, mode = p["img_size"], T.InterpolationMode(p["interpolation"])
+    scale = math.floor(size / p["crop_pct"])
     if p.get("crop_mode") == "squash":
         steps = [T.Resize((scale, scale), interpolation=mode), T.CenterCrop(size)]
     elif p.get("crop_mode") == "border":
-        steps = [_ResizeLongest(scale, mode), _CenterCropOrPad(size, [round(255 * v) for v in p["mean"]])]
+        fill = [round(255 * v) for v in p["mean"]]
+        steps = [partial(_resize_longest, size=scale, interpolation=mode), partial(_crop_or_pad, size=size, fill=fill)]
     else:
         steps = [T.Resize(scale, interpolation=mode), T.CenterCrop(size)]
     if not normalize:
-        return T.Compose([*steps, _ToTensor(scale=False)])
-    return T.Compose([*steps, _ToTensor(scale=True), T.Normalize(torch.tensor(p["mean"]), torch.tensor(p["std"]))])
+        return T.Compose([*steps, partial(_to_tensor, scale=False)])
+    mean, std = torch.tensor(p["mean"]), torch.tensor(p["std"])
+    return T.Compose([*steps, partial(_to_tensor, scale=True), T.Normalize(mean, std)])
 
 
-class _ResizeLongest:
+def _resize_longest(image: Image.Image, size: int, interpolation: T.InterpolationMode) -> Image.Image:
     """timm's ``ResizeKeepRatio(longest=1)``: the longer side to ``size``, the aspect ratio kept."""
-
-    def __init__(self, size: int, interpolation: T.InterpolationMode) -> None:
-        self.size, self.interpolation = size, interpolation
-
-    def __call__(self, image: Image.Image) -> Image.Image:
-        _, height, width = TF.get_dimensions(image)
-        ratio = max(height / self.size, width / self.size)
-        return TF.resize(image, [round(height / ratio), round(width / ratio)], self.interpolation)
+    _, height, width = TF.get_dimensions(image)
+    ratio = max(height / size, width / size)
+    return TF.resize(image, [round(height / ratio), round(width / ratio)], interpolation)
 
 
-class _CenterCropOrPad:
+def _crop_or_pad(image: Image.Image, size: int, fill: list[int]) -> Image.Image:
     """timm's ``CenterCropOrPad``: pad a side shorter than ``size`` with ``fill``, then crop the centre."""
-
-    def __init__(self, size: int, fill: list[int]) -> None:
-        self.size, self.fill = size, fill
-
-    def __call__(self, image: Image.Image) -> Image.Image:
-        _, height, width = TF.get_dimensions(image)
-        dw, dh = max(self.size - width, 0), max(self.size - height, 0)
-        if dw or dh:
-            image = TF.pad(image, [dw // 2, dh // 2, (dw + 1) // 2, (dh + 1) // 2], fill=self.fill)
-        return TF.center_crop(image, [self.size, self.size])
+    _, height, width = TF.get_dimensions(image)
+    dw, dh = max(size - width, 0), max(size - height, 0)
+    if dw or dh:
+        image = TF.pad(image, [dw // 2, dh // 2, (dw + 1) // 2, (dh + 1) // 2], fill=fill)
+    return TF.center_crop(image, [size, size])
 
 
-class _ToTensor:
+def _to_tensor(image: Any, scale: bool) -> torch.Tensor:
     """timm's ``MaybeToTensor`` (``scale``: float in [0, 1]) or ``MaybePILToTensor`` (uint8); a tensor as it is."""
-
-    def __init__(self, scale: bool) -> None:
-        self.scale = scale
-
-    def __call__(self, image: Any) -> torch.Tensor:
-        if isinstance(image, torch.Tensor):
-            return image
-        return TF.to_tensor(image) if self.scale else TF.pil_to_tensor(image)
+    if isinstance(image, torch.Tensor):
+        return image
+    return TF.to_tensor(image) if scale else TF.pil_to_tensor(image)
 
 
 def check_preprocess(preprocess: Any, where: str = "preprocess") -> dict[str, Any]:
@@ -261,8 +239,7 @@ def normalize() -> Normalize:
     return Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)
 
 
-# Captions: BLIP's recipe crops at least half of a 224-384 px photo; a small image is not cropped at all:
-# half of a 32 px emoji loses the skin tone, the flag's emblem or the hair that its name is about.
+# Captions: BLIP's recipe crops at least half of a 224-384 px photo; a small one is not cropped (docs/data.md).
 CAPTION_CROP_SCALE = "auto_caption"
 CROPS = ("resized", "pad")
 LEFT_RIGHT = frozenset({"left", "right", "leftmost", "rightmost"})
@@ -277,24 +254,13 @@ def auto_min_scale(img_size: int, captions: bool = False) -> float:
     """The smallest random-resized-crop scale for ``img_size``. Classification: 0.5 up to 64 px, timm's ImageNet
     0.08 from 224 px. Captions: 1 (no crop) up to 64 px, BLIP's 0.5 from 224 px. Linear in between."""
     small, large = (1.0, 0.5) if captions else (0.5, 0.08)
-    if img_size <= 64:
-        return small
-    if img_size >= 224:
-        return large
-    return small + (large - small) * (img_size - 64) / (224 - 64)
+    return float(np.interp(img_size, (64, 224), (small, large)))
 
 
 @dataclass
 class Augment:
-    """Training augmentation (``data.augment.*``).
-
-    Attributes:
-        enabled: off: training images get the evaluation transform.
-        scale: crop area range; ``auto``: ``auto_min_scale(img_size)`` to 1, ``auto_caption``: the captions' rule.
-        ratio, hflip, color_jitter: crop aspect range, flip probability, jitter strength (0: off).
-        crop: ``resized`` (random-resized) or ``pad`` (reflect-pad an eighth and cut: the CIFAR shift).
-        auto_augment: ``rand-m9-mstd0.5-inc1`` (timm), ``trivialaugment``, ``augmix-m5-w3`` (timm) or None.
-    """
+    """Training augmentation, ``data.augment.*`` (docs/training.md); off: the evaluation transform. ``scale`` is
+    the crop's area range, ``auto`` ``auto_min_scale(img_size)`` to 1; ``hflip`` a probability."""
 
     enabled: bool = True
     scale: Any = "auto"
@@ -356,10 +322,6 @@ def _geometry(img_size: int, augment: Augment, interpolation: str) -> list[Calla
     return [T.RandomResizedCrop(img_size, scale=augment.crop_scale(img_size), ratio=ratio, interpolation=mode)]
 
 
-def _to_tensor() -> list[Callable]:  # uint8: the loaders' images are normalised on the device (``Normalize``)
-    return [T.PILToTensor()]
-
-
 def classification_train_transform(
     img_size: int, augment: Augment, preprocess: Mapping[str, Any]
 ) -> Callable[[Image.Image], torch.Tensor]:
@@ -372,7 +334,7 @@ def classification_train_transform(
         steps.append(T.ColorJitter(*(3 * [augment.color_jitter])))
     if augment.auto_augment:
         steps.append(_auto_augment(augment.auto_augment, img_size, preprocess["mean"]))
-    return T.Compose(steps + _to_tensor())
+    return T.Compose([*steps, T.PILToTensor()])  # uint8: batches are normalised on the device
 
 
 class CaptionAugment:
@@ -386,7 +348,7 @@ class CaptionAugment:
         self.crop = T.Compose(_geometry(img_size, augment, preprocess["interpolation"]))
         self.flip = T.RandomHorizontalFlip(1.0) if augment.hflip > 0 else None
         self.jitter = T.ColorJitter(*(3 * [augment.color_jitter])) if augment.color_jitter > 0 else None
-        self.finish = T.Compose(_to_tensor())
+        self.finish = T.PILToTensor()
 
     def __call__(self, image: Image.Image, captions: Sequence[str]) -> torch.Tensor:
         words = {w for caption in captions for w in _WORD.findall(caption.lower())}

@@ -1,9 +1,6 @@
-"""A training loader that resumes mid-epoch: each sample of an interrupted epoch trained once over both runs.
-
-``EpochSampler`` draws each epoch's order as Lightning's shuffled loader would (``RandomSampler``'s, under DDP
-``DistributedSampler``'s); ``ResumableLoader``'s state (the order's seed, batches handed out) goes into every
-checkpoint, and a resumed epoch draws the same order and skips what was trained, on every rank.
-"""
+"""A training loader that resumes mid-epoch, each sample of an interrupted epoch trained once over both runs: the
+order is drawn as Lightning's shuffled loader would, and its seed and the batches handed out are kept in
+checkpoints (docs/training.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Shapes: a generated dataset for captioning and classification, a pure function of ``(seed, split, index)``.
-
-Each image holds one to three shapes; its caption names them left to right with where each sits relative to
-the next ("a small red circle left of a large blue square"). Positions are fractions of the side, y down.
-"""
+"""Shapes: a generated dataset for captioning and classification, a pure function of ``(seed, split, index)``:
+one to three shapes named left to right ("a small red circle left of a large blue square"); positions are
+fractions of the side, y down."""
 
 from __future__ import annotations
 
@@ -85,9 +83,7 @@ def scene_caption(scene: Scene) -> str:
 
 def scene_references(scene: Scene) -> list[str]:
     """All valid captions: the canonical one, then (2+ objects) the chain read right to left."""
-    if len(scene) == 1:
-        return [describe(scene)]
-    return [describe(scene), describe(scene[::-1])]
+    return [describe(scene)] if len(scene) == 1 else [describe(scene), describe(scene[::-1])]
 
 
 def scene_label(scene: Scene) -> int:
@@ -139,13 +135,9 @@ def generate_scene(seed: int, split: str, index: int) -> Scene:
     return sample_scene(np.random.default_rng([seed, SPLITS.index(split), index]))
 
 
-def _supersample(img_size: int) -> int:
-    return max(2, min(4, -(-256 // img_size)))  # draw at >= 256 px where 2-4x allows
-
-
 def render_scene(scene: Scene, img_size: int = 64) -> Image.Image:
     """The scene as an ``img_size`` RGB square, drawn at 2-4x and box-filtered down (antialiased edges)."""
-    factor = _supersample(img_size)
+    factor = max(2, min(4, -(-256 // img_size)))  # drawn at >= 256 px where 2-4x allows
     side = img_size * factor
     image = Image.new("RGB", (side, side), BACKGROUND)
     draw = ImageDraw.Draw(image)

@@ -9,7 +9,8 @@ import os
 import sys
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice, takewhile
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -49,9 +50,11 @@ SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIALS))
 VOCAB_FORMAT = "vitattn.vocabulary"
 _VERSION = 1
-
-
 AUTO_MAX_UNKNOWN = 0.02
+KINDS = ("words", "bpe", "file")
+SUBWORD_SPECIALS = ("<pad>", "<bos>", "<eos>")
+MAX_AUTO_BPE = 32000
+_BYTES = 256  # the byte-level alphabet
 
 
 def auto_min_freq(counts: Counter[str], max_unknown: float = AUTO_MAX_UNKNOWN) -> int:
@@ -61,12 +64,6 @@ def auto_min_freq(counts: Counter[str], max_unknown: float = AUTO_MAX_UNKNOWN) -
         if sum(n for n in counts.values() if n < threshold) / total <= max_unknown:
             return threshold
     return 1
-
-
-KINDS = ("words", "bpe", "file")
-SUBWORD_SPECIALS = ("<pad>", "<bos>", "<eos>")
-MAX_AUTO_BPE = 32000
-_BYTES = 256  # the byte-level alphabet
 
 
 @runtime_checkable
@@ -152,27 +149,12 @@ class Vocabulary(Tokenizer):
         return _framed(self, [self.stoi.get(word, self.unk_id) for word in coco_tokenize(text)], max_len)
 
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
-        """Words for ``ids`` up to the first eos, special tokens left out."""
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        words = []
-        for i in ids:
-            if i == self.eos_id:
-                break
-            if not 0 <= i < len(self.itos):
-                raise ValueError(f"token id {i} is outside the vocabulary of {len(self)} tokens")
-            if i >= len(SPECIALS):
-                words.append(self.itos[i])
-        return " ".join(words)
+        ids = _before_eos(self, ids, "the vocabulary of")
+        return " ".join(self.itos[i] for i in ids if i >= len(SPECIALS))
 
     def tokens(self, ids: Sequence[int]) -> list[str]:
         """The word of each id before eos or pad (``<unk>`` kept, so words line up with positions)."""
-        words = []
-        for i in ids:
-            if i in (self.eos_id, self.pad_id):
-                break
-            words.append(self.itos[i])
-        return words
+        return [self.itos[i] for i in _shown(self, ids)]
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the vocabulary as JSON (specials included, in id order), atomically."""
@@ -207,10 +189,19 @@ def normalize_caption(text: str) -> str:
     return " ".join(unicodedata.normalize("NFC", text).lower().split())
 
 
-def _check_range(ids: list[int], size: int) -> None:
-    bad = next((i for i in ids if not 0 <= i < size), None)
+def _before_eos(tokenizer: Tokenizer, ids: Sequence[int] | torch.Tensor, what: str) -> list[int]:
+    """``ids`` up to the first eos, each checked to be one of the tokenizer's (``what`` names it)."""
+    ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    ids = ids[: ids.index(tokenizer.eos_id)] if tokenizer.eos_id in ids else ids
+    bad = next((i for i in ids if not 0 <= i < len(tokenizer)), None)
     if bad is not None:
-        raise ValueError(f"token id {bad} is outside the tokenizer's {size} tokens")
+        raise ValueError(f"token id {bad} is outside {what} {len(tokenizer)} tokens")
+    return ids
+
+
+def _shown(tokenizer: Tokenizer, ids: Sequence[int]) -> Iterator[int]:
+    """The ids before the first eos or pad."""
+    return takewhile(lambda i: i not in (tokenizer.eos_id, tokenizer.pad_id), ids)
 
 
 class SubwordTokenizer(Tokenizer):
@@ -285,25 +276,14 @@ class SubwordTokenizer(Tokenizer):
         """Token ids ``[bos, t1, ..., tn, eos]``; longer than ``max_len``: the last subwords are cut, eos kept."""
         return _framed(self, self.hf.encode(text, add_special_tokens=False).ids, max_len)
 
-    def _content(self, ids: Sequence[int] | torch.Tensor) -> list[int]:
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        ids = list(ids)
-        if self.eos_id in ids:
-            ids = ids[: ids.index(self.eos_id)]
-        _check_range(ids, len(self))
-        return [i for i in ids if i not in self._special]
-
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
-        """The caption of ``ids`` up to the first eos, special tokens left out."""
-        return self.hf.decode(self._content(ids), skip_special_tokens=True).strip()
+        content = [i for i in _before_eos(self, ids, "the tokenizer's") if i not in self._special]
+        return self.hf.decode(content, skip_special_tokens=True).strip()
 
     def tokens(self, ids: Sequence[int]) -> list[str]:
         """Each id before eos or pad as its text (a piece of a word; an unfinished UTF-8 byte shows as �)."""
         shown = []
-        for i in ids:
-            if i in (self.eos_id, self.pad_id):
-                break
+        for i in _shown(self, ids):
             text = "" if i in self._special else self.hf.decode([i], skip_special_tokens=False).strip()
             shown.append(text or self.hf.id_to_token(i) or "")
         return shown
@@ -336,11 +316,9 @@ def auto_bpe_size(captions: Iterable[str]) -> int:
     return min(MAX_AUTO_BPE, -(-size // 64) * 64)
 
 
-def train_bpe(
-    captions: Sequence[str], vocab_size: int | str = "auto", progress: bool | None = None
-) -> SubwordTokenizer:
+def train_bpe(captions: Sequence[str], vocab_size: int | str = "auto") -> SubwordTokenizer:
     """A byte-level BPE of ``vocab_size`` tokens (``auto``: ``auto_bpe_size``) trained on ``captions``, NFC, lower
-    case, single spaces; no unknown token. ``progress``: tokenizers' bar (None: on a terminal)."""
+    case, single spaces; no unknown token. Tokenizers' progress bar shows on a terminal."""
     if vocab_size == "auto":
         vocab_size = auto_bpe_size(captions)
     smallest = _BYTES + len(SUBWORD_SPECIALS)
@@ -356,7 +334,7 @@ def train_bpe(
         vocab_size=vocab_size,
         special_tokens=list(SUBWORD_SPECIALS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=bool(progress) if progress is not None else sys.stderr.isatty(),
+        show_progress=sys.stderr.isatty(),
     )
     tokenizer.train_from_iterator(captions, trainer, length=len(captions))
     return SubwordTokenizer(tokenizer, "the trained BPE")
@@ -416,16 +394,12 @@ def unknown_share(tokenizer: Tokenizer, captions: Iterable[str], limit: int = 50
     if tokenizer.unk_id is None:
         return 0.0
     stoi = getattr(tokenizer, "stoi", None)
+    if stoi is None:  # each word encoded: the first ``limit`` captions
+        captions = islice(captions, limit)
     total = unknown = 0
-    for n, caption in enumerate(captions):
-        if stoi is None and n >= limit:
-            break
-        for word in coco_tokenize(caption):
-            total += 1
-            if stoi is not None:
-                unknown += word not in stoi
-            else:
-                unknown += tokenizer.unk_id in tokenizer.encode(word)
+    for word in (word for caption in captions for word in coco_tokenize(caption)):
+        total += 1
+        unknown += word not in stoi if stoi is not None else tokenizer.unk_id in tokenizer.encode(word)
     return unknown / total if total else 0.0
 
 

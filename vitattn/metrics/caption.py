@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from itertools import islice
 from typing import Any
 
 from vitattn.metrics.tokenize import coco_tokenize_file
@@ -42,11 +43,8 @@ def _tokenize_corpus(
 ) -> tuple[list[Tokens], list[list[Tokens]]]:
     """Validate the corpus and tokenise every caption."""
     check_corpus(predictions, references)
-    flat = coco_tokenize_file([r for image_refs in references for r in image_refs])
-    refs, start = [], 0
-    for image_refs in references:
-        refs.append(flat[start : start + len(image_refs)])
-        start += len(image_refs)
+    flat = iter(coco_tokenize_file([r for image_refs in references for r in image_refs]))
+    refs = [list(islice(flat, len(image_refs))) for image_refs in references]  # the flat list cut back per image
     return coco_tokenize_file(predictions), refs
 
 
@@ -64,21 +62,14 @@ def _ngram_counts(tokens: Tokens, max_n: int) -> Counter[Ngram]:
     return Counter(tuple(tokens[i : i + k]) for k in range(1, max_n + 1) for i in range(len(tokens) - k + 1))
 
 
-# --------------------------------------------------------------------------------------------- BLEU
-
-
-def _closest_ref_len(hyp_len: int, ref_lens: Sequence[int]) -> int:
-    """The reference length nearest the prediction's; a tie goes to the shorter one."""
-    return min(ref_lens, key=lambda ref_len: (abs(ref_len - hyp_len), ref_len))
-
-
 def _bleu(hyps: list[Tokens], refs: list[list[Tokens]], max_n: int) -> list[float]:
     hyp_len = ref_len = 0
     correct = [0] * max_n  # clipped matches per order, summed over the corpus
     guess = [0] * max_n  # prediction n-grams per order
     for hyp, image_refs in zip(hyps, refs):
         hyp_len += len(hyp)
-        ref_len += _closest_ref_len(len(hyp), [len(r) for r in image_refs])
+        # the reference length nearest the prediction's; a tie goes to the shorter one
+        ref_len += min((len(r) for r in image_refs), key=lambda n: (abs(n - len(hyp)), n))
         max_ref_counts: Counter[Ngram] = Counter()
         for ref in image_refs:
             max_ref_counts |= _ngram_counts(ref, max_n)  # | keeps the max count of each n-gram
@@ -106,9 +97,6 @@ def corpus_bleu(predictions: Sequence[str], references: Sequence[Sequence[str]],
     if max_n < 1:
         raise ValueError(f"max_n={max_n} must be at least 1")
     return _bleu(*_words_corpus(*_tokenize_corpus(predictions, references)), max_n=max_n)
-
-
-# ------------------------------------------------------------------------------------------ ROUGE-L
 
 
 def _lcs_length(a: Tokens, b: Tokens) -> int:
@@ -141,9 +129,6 @@ def _rouge_l(hyps: list[Tokens], refs: list[list[Tokens]], beta: float) -> float
 def rouge_l(predictions: Sequence[str], references: Sequence[Sequence[str]], beta: float = 1.2) -> float:
     """ROUGE-L (F-measure weighted by ``beta``), the mean over images, as the toolkit's ``Rouge``."""
     return _rouge_l(*_tokenize_corpus(predictions, references), beta=beta)
-
-
-# ------------------------------------------------------------------------------------------ CIDEr-D
 
 
 def _document_frequency(ref_counts: list[list[Counter[Ngram]]]) -> Counter[Ngram]:
@@ -213,47 +198,35 @@ def _cider_d(hyps: list[Tokens], refs: list[list[Tokens]], sigma: float, n: int)
 
 class CiderD:
     """CIDEr-D of a few captions at a time with document frequencies fixed by ``corpus`` (the training
-    references): the reward of self-critical training. Up to ``cache_size`` images' reference vectors are kept.
+    references): the reward of self-critical training.
 
     With ``eos_word`` (the reward's rule, as self-critical.pytorch scores), every reference and every prediction
     that ``ended`` gets the word ``<eos>`` after its last token, in the document frequencies too: a caption cut
     short by a length limit no longer scores as one that ended.
     """
 
-    def __init__(
-        self,
-        corpus: Sequence[Sequence[str]],
-        sigma: float = 6.0,
-        n: int = 4,
-        cache_size: int = 65536,
-        eos_word: bool = False,
-    ) -> None:
+    cache_size = 65536  # images whose reference vectors are kept
+
+    def __init__(self, corpus: Sequence[Sequence[str]], sigma: float = 6.0, n: int = 4, eos_word: bool = False) -> None:
         if not corpus:
             raise ValueError("the corpus is empty: CIDEr-D's document frequencies need at least one image")
         self.eos_word = eos_word
         _, refs = _words_corpus(*_tokenize_corpus([""] * len(corpus), corpus))
         doc_freq = _document_frequency([[_ngram_counts(self._ended(r), n) for r in image_refs] for image_refs in refs])
-        self._keep(doc_freq, len(corpus), sigma, n, cache_size)
+        self._keep(doc_freq, len(corpus), sigma, n)
 
     @classmethod
     def from_statistics(
-        cls,
-        doc_freq: Counter[Ngram],
-        num_images: int,
-        sigma: float = 6.0,
-        n: int = 4,
-        cache_size: int = 65536,
-        eos_word: bool = False,
+        cls, doc_freq: Counter[Ngram], num_images: int, sigma: float = 6.0, n: int = 4, eos_word: bool = False
     ) -> CiderD:
         """A scorer with document frequencies computed elsewhere (``doc_freq``, ``num_images`` of a scorer)."""
         scorer = cls.__new__(cls)
         scorer.eos_word = eos_word
-        scorer._keep(Counter(doc_freq), num_images, sigma, n, cache_size)
+        scorer._keep(Counter(doc_freq), num_images, sigma, n)
         return scorer
 
-    def _keep(self, doc_freq: Counter[Ngram], num_images: int, sigma: float, n: int, cache_size: int) -> None:
-        self.doc_freq, self.num_images = doc_freq, num_images
-        self.sigma, self.n, self.cache_size = sigma, n, cache_size
+    def _keep(self, doc_freq: Counter[Ngram], num_images: int, sigma: float, n: int) -> None:
+        self.doc_freq, self.num_images, self.sigma, self.n = doc_freq, num_images, sigma, n
         self._refs: dict[tuple[str, ...], list] = {}
 
     def _ended(self, words: Tokens, ended: bool = True) -> Tokens:

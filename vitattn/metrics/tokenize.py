@@ -1,8 +1,5 @@
-"""Caption tokenisation as the COCO caption toolkit does it (CoreNLP 3.4.1's PTBTokenizer), without Java.
-
-The lexer's rules are Python regular expressions applied as JFlex applies them (the longest match wins, the
-earlier rule a tie), each rewriting its match as CoreNLP does; token for token (docs/metrics.md).
-"""
+"""Caption tokenisation as the COCO caption toolkit does it (CoreNLP 3.4.1's PTBTokenizer), without Java: its
+lexer's rules as Python regular expressions applied as JFlex applies them, token for token (docs/metrics.md)."""
 
 from __future__ import annotations
 

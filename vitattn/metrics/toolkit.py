@@ -1,8 +1,5 @@
-"""The COCO caption toolkit itself (pycocoevalcap), for ``vitattn-eval scorer=coco``: its Java tokenizer,
-then BLEU-1..4, METEOR 1.5, ROUGE-L and CIDEr-D (its "CIDEr"), as ``COCOEvalCap.evaluate`` runs them.
-
-Needs ``pip install 'vitattn[coco]'`` and ``java`` on PATH. SPICE is left out (it downloads models).
-"""
+"""The COCO caption toolkit itself (pycocoevalcap and Java: ``vitattn[coco]``), for ``vitattn-eval scorer=coco``:
+BLEU-1..4, METEOR 1.5, ROUGE-L and CIDEr-D as ``COCOEvalCap.evaluate`` runs them; no SPICE (it downloads models)."""
 
 from __future__ import annotations
 

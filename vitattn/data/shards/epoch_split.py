@@ -1,10 +1,5 @@
-"""Which samples of the shards each rank and loader worker trains in an epoch, and how an epoch resumes.
-
-An epoch is positions ``0 .. total-1`` (the shards in an order drawn from ``(seed, epoch)``, each in tar order);
-``split_epoch`` cuts the positions still to train into one run per rank and worker, every sample once and
-every rank the same number of batches (DDP steps in lock step). Trained positions are kept as ranges
-(``PositionSet``) in checkpoints; a resumed run plans the rest. Design: docs/shards.md.
-"""
+"""Which samples of the shards each rank and loader worker trains in an epoch, every sample once and every rank
+the same number of batches, and how an interrupted epoch resumes (docs/shards.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +10,7 @@ import math
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 __all__ = ["EpochOrder", "PositionSet", "WorkerPlan", "batches_per_rank", "read_factor", "split_epoch"]
 
@@ -56,9 +52,6 @@ class PositionSet:
                 self.ranges[i + 1] = (p, self.ranges[i + 1][1])
             else:
                 self.ranges.insert(i + 1, (p, p + 1))
-
-    def union(self, other: PositionSet) -> PositionSet:
-        return PositionSet([*self.ranges, *other.ranges])
 
     def __len__(self) -> int:
         return sum(b - a for a, b in self.ranges)
@@ -114,13 +107,9 @@ class EpochOrder:
         self.order = list(range(len(self.sizes)))
         if self.shuffle:
             random.Random(f"{self.seed}/{self.epoch}").shuffle(self.order)
-        self.starts = [0]
-        for shard in self.order:
-            self.starts.append(self.starts[-1] + int(self.sizes[shard]))
+        self.starts = [0, *accumulate(int(self.sizes[shard]) for shard in self.order)]
         self._start_of = {shard: self.starts[k] for k, shard in enumerate(self.order)}
-        self._bases = [0]
-        for n in self.sizes:
-            self._bases.append(self._bases[-1] + int(n))
+        self._bases = [0, *accumulate(int(n) for n in self.sizes)]
 
     @property
     def total(self) -> int:
@@ -204,18 +193,13 @@ def split_epoch(
     plans, start = [], 0
     for n in per_rank:
         rank_ranges, offset, rank_plans = _take(remaining, start, n), 0, []
-        for sizes in _worker_batches(n, batches, workers):
+        rank_sizes = _even_sizes(n, batches)
+        for sizes in (rank_sizes[w::workers] for w in range(workers)):  # batch j to worker j % workers
             rank_plans.append(WorkerPlan(_take(rank_ranges, offset, sum(sizes)), sizes))
             offset += sum(sizes)
         plans.append(rank_plans)
         start += n
     return plans
-
-
-def _worker_batches(n: int, batches: int, workers: int) -> list[list[int]]:
-    """A rank's ``n`` samples over its ``batches`` (``_even_sizes``); batch ``j`` to worker ``j % workers``."""
-    sizes = _even_sizes(n, batches)
-    return [sizes[w::workers] for w in range(workers)]
 
 
 def _even_sizes(n: int, batches: int) -> list[int]:
@@ -240,14 +224,10 @@ def _whole_shards(
         load, slot = heapq.heappop(heap)
         owned[slot].append(u)
         heapq.heappush(heap, (load + counts[u], slot))
-    loads = sorted(((sum(counts[u] for u in owned[s]), s) for s in range(slots)), key=lambda x: (-x[0], x[1]))
+    loads = sorted(heap, key=lambda load_slot: (-load_slot[0], load_slot[1]))  # (samples, slot), fullest first
     # the i-th fullest slot: rank i % world_size, worker i // world_size (worker 0, which steps first, the fullest)
     slot_of = {(i % world_size, i // world_size): s for i, (_, s) in enumerate(loads)}
-    need = [
-        workers * (math.ceil(sum(counts[u] for u in owned[s]) / batch_size) - 1) + w + 1
-        for (_, w), s in slot_of.items()
-    ]
-    batches = max(need)
+    batches = max(workers * (math.ceil(n / batch_size) - 1) + i // world_size + 1 for i, (n, _) in enumerate(loads))
     plans = []
     for r in range(world_size):
         rank_plans = []

@@ -115,8 +115,7 @@ def _indexed_count(url: str, cache_dir: str | os.PathLike | None) -> int | None:
 
 
 def _index(url: str, cache_dir: str | os.PathLike | None) -> int | None:
-    """Index a local shard; its sample count, or None where it is not a plain tar or cannot be read (counting
-    it, where it must be counted, says why)."""
+    """Index a local shard: its sample count, or None where it is not a plain tar or cannot be read."""
     try:
         return build_index(local_path(url), cache_dir)
     except (OSError, tarfile.ReadError) as err:

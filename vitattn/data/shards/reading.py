@@ -1,9 +1,6 @@
-"""Reading one WebDataset shard (a local tar, a ``pipe:`` command or a URL): its samples in tar order.
-
-A plain local tar is read from its 512-byte headers (``tar_members``: what ``tarfile`` reads, four times
-faster), and where its member index lies beside it (``build_index``: where each sample starts) a worker
-seeks straight to its own samples; anything else goes through webdataset. Design: docs/shards.md.
-"""
+"""Reading one WebDataset shard (a local tar, a ``pipe:`` command or a URL): its samples in tar order; a plain
+local tar from its headers, and where its member index lies beside it straight at a worker's own samples;
+anything else through webdataset (docs/shards.md)."""
 
 from __future__ import annotations
 
@@ -12,12 +9,12 @@ import io
 import os
 import re
 import struct
-import sys
 import tarfile
-from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
+from itertools import groupby
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -48,6 +45,7 @@ BLOCK = 512
 # name, mode, uid, gid, size, mtime, chksum, typeflag, linkname, magic, version, uname, gname, devmajor,
 # devminor, prefix (POSIX.1-1988 ustar; GNU and pax tars share the layout)
 _HEADER = struct.Struct("100s8s8s8s12s12s8sc100s6s2s32s32s8s8s155s")
+_FIELDS = itemgetter(0, 4, 6, 7, 9, 15)  # name, size, chksum, typeflag, magic, prefix
 _META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members (``__key__``, ...), skipped as it skips them
 _FILES = (b"0", b"\0", b"7")  # regular file (old and new spelling), contiguous file
 _SKIPPED = (b"1", b"2", b"3", b"4", b"5", b"6", b"g")  # links, devices, directories, fifos, pax global header
@@ -82,13 +80,8 @@ def is_plain_tar(stream: BinaryIO) -> bool:
     stream.seek(0)
     if len(header) < BLOCK:
         return False
-    fields = _HEADER.unpack_from(header)
-    kind = fields[7]
-    return (
-        _checksum_ok(header, fields[6])
-        and _size(fields[4]) is not None
-        and (kind in _FILES or kind in _SKIPPED or kind in _NAMES)
-    )
+    _, size, chksum, kind, _, _ = _FIELDS(_HEADER.unpack_from(header))
+    return _checksum_ok(header, chksum) and _size(size) is not None and kind in _FILES + _SKIPPED + _NAMES
 
 
 def _pax_path(data: bytes) -> str | None:
@@ -136,15 +129,7 @@ def tar_members(
             if 0 < len(header) < BLOCK:
                 raise tarfile.ReadError("unexpected end of data")
             return
-        fields = _HEADER.unpack_from(header)
-        name, size_field, chksum, kind, magic, prefix = (
-            fields[0],
-            fields[4],
-            fields[6],
-            fields[7],
-            fields[9],
-            fields[15],
-        )
+        name, size_field, chksum, kind, magic, prefix = _FIELDS(_HEADER.unpack_from(header))
         size = _size(size_field)
         if not _checksum_ok(header, chksum) or size is None:
             raise tarfile.ReadError("bad checksum" if size is not None else "unsupported member size")
@@ -205,13 +190,12 @@ class SampleCounter:
     one where the key (``base_plus_ext``) changes; a member without an extension belongs to none."""
 
     def __init__(self) -> None:
-        self._split = base_plus_ext
         self.key: str | None = None
         self.offset = -1
 
     def __call__(self, name: str) -> tuple[int, str] | None:
         """``(sample offset, extension)`` of the member ``name`` (members in tar order), or None."""
-        key, extension = self._split(name)
+        key, extension = base_plus_ext(name)
         if key is None:
             return None  # group_by_keys leaves it out
         if key != self.key:
@@ -246,21 +230,15 @@ class SampleIndex:
             return []
         self.file.seek(_HEAD.size + _INT * first)
         data = self.file.read(_INT * (last - first + 1))
-        values = array("q")
-        values.frombytes(data)
-        if sys.byteorder == "big":
-            values.byteswap()
-        out = values.tolist()
-        ok = len(out) == last - first + 1 and all(0 <= a < b for a, b in zip(out, out[1:]))
+        if len(data) != _INT * (last - first + 1):
+            return None
+        out = list(struct.unpack(f"<{last - first + 1}q", data))
+        ok = all(0 <= a < b for a, b in zip(out, out[1:]))
         return out if ok and out[-1] <= self.shard_size else None
 
 
 @contextmanager
-def open_index(
-    path: str | os.PathLike,
-    cache_dir: str | os.PathLike | None = None,
-    opener: Callable[[str], BinaryIO] | None = None,
-) -> Iterator[SampleIndex | None]:
+def open_index(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Iterator[SampleIndex | None]:
     """The shard's index where one beside it or in the cache was written for the shard as it is now (same size,
     same modification time, as long as its count says); None where there is none."""
     try:
@@ -270,17 +248,15 @@ def open_index(
         return
     for candidate in index_files(path, cache_dir):
         try:
-            file = (opener or open_shard)(str(candidate))
+            file = open_shard(str(candidate))
         except OSError:
             continue
         try:
             head = file.read(_HEAD.size)
-            length = os.fstat(file.fileno()).st_size
             if len(head) == _HEAD.size:
                 magic, size, mtime, count = _HEAD.unpack(head)
-                if (magic, size, mtime) == (_MAGIC, st.st_size, st.st_mtime_ns) and length == _HEAD.size + _INT * (
-                    count + 1
-                ):
+                whole = os.fstat(file.fileno()).st_size == _HEAD.size + _INT * (count + 1)
+                if whole and (magic, size, mtime) == (_MAGIC, st.st_size, st.st_mtime_ns):
                     yield SampleIndex(file, count, size)
                     return
         finally:
@@ -305,10 +281,7 @@ def build_index(
             return None
         st = os.fstat(stream.fileno())
         starts = sample_starts(stream)
-    body = array("q", starts)
-    if sys.byteorder == "big":
-        body.byteswap()
-    data = _HEAD.pack(_MAGIC, st.st_size, st.st_mtime_ns, len(starts) - 1) + body.tobytes()
+    data = _HEAD.pack(_MAGIC, st.st_size, st.st_mtime_ns, len(starts) - 1) + struct.pack(f"<{len(starts)}q", *starts)
     for candidate in index_files(path, cache_dir):
         try:
             candidate.parent.mkdir(parents=True, exist_ok=True)
@@ -415,8 +388,7 @@ def _guarded(url: str, read: Callable[[BinaryIO], Iterator[tuple[int, dict]]]) -
 def _walked(
     url: str, extensions: set[str] | None, wanted: Callable[[int], bool] | None, stream: BinaryIO
 ) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(offset, sample)`` of every sample from the shard's start; those not ``wanted`` hold None for members
-    not read."""
+    """``(offset, sample)`` from the shard's start; the members of samples not ``wanted`` hold None."""
     if local_path(url) is not None and is_plain_tar(stream):  # the common case, without tarfile's cost
         wants = _MemberFilter(extensions, wanted)
         files = ({"fname": name, "data": data, "__url__": url} for name, data in tar_files(stream, wants))
@@ -446,15 +418,10 @@ def _indexed(
 
 
 def _runs(offsets: Iterable[int]) -> Iterator[tuple[int, int]]:
-    """``[a, b)`` of each run of consecutive offsets (ascending)."""
-    run: list[int] = []
-    for o in offsets:
-        if run and o != run[1]:
-            yield run[0], run[1]
-            run = []
-        run = [run[0] if run else o, o + 1]
-    if run:
-        yield run[0], run[1]
+    """``[a, b)`` of each run of consecutive offsets (ascending): those whose offset minus place is the same."""
+    for _, group in groupby(enumerate(offsets), lambda place_offset: place_offset[1] - place_offset[0]):
+        run = [offset for _, offset in group]
+        yield run[0], run[-1] + 1
 
 
 class _MemberFilter:

@@ -1,10 +1,5 @@
-"""Batches read from WebDataset shards by loader workers, every sample once per epoch (docs/shards.md).
-
-``ShardStream`` is the loader's dataset: before each epoch it gets the shard order and this rank's plan;
-each worker reads its positions, shuffles them in a buffer, decodes them (``ShardSamples``) and yields
-``ShardBatch``es carrying their positions and keys, so a checkpoint knows what was trained. A sample that
-cannot be used stops the run with one line (``bad_images=raise``) or is left out and counted (``skip``).
-"""
+"""Batches read from WebDataset shards by loader workers as each epoch's plan says, every sample once, each
+batch with its samples' positions and keys (docs/shards.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Writing WebDataset shards in the img2dataset layout, from image files or the built-in shapes.
-
-``OUT/00000.tar`` holds ``KEY.jpg`` (the file's bytes as they are), ``KEY.txt``, ``KEY.json`` and ``KEY.cls``, with
-``00000_stats.json`` (and ``.parquet``, pyarrow) beside it and ``classes.txt``; every file written atomically.
-"""
+"""Writing WebDataset shards in the img2dataset layout (docs/shards.md), from image files, COCO or Karpathy
+captions or the built-in shapes; image bytes as they are, every file written atomically."""
 
 from __future__ import annotations
 
@@ -12,6 +9,7 @@ import tarfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 from vitattn.data.coco import CocoImage
@@ -91,14 +89,14 @@ def write_shards(
     shards: list[Path] = []
     iterator = iter(samples)
     while True:
-        batch = [s for _, s in zip(range(samples_per_shard), iterator)]
+        batch = list(islice(iterator, samples_per_shard))
         if not batch:
             return shards
         number = len(shards)
         path = out / f"{number:05d}.tar"
+        keys = [f"{number:05d}{i:0{digits}d}" for i in range(len(batch))]
         with atomic_open(path, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            for i, sample in enumerate(batch):
-                key = f"{number:05d}{i:0{digits}d}"
+            for key, sample in zip(keys, batch):
                 meta = {"key": key, **sample.meta, "captions": sample.captions}
                 _add(tar, f"{key}.{sample.ext}", sample.image)
                 if sample.captions:
@@ -109,9 +107,8 @@ def write_shards(
                 _add(tar, f"{key}.json", json.dumps(meta).encode())
         if parquet:
             rows = [
-                {"key": f"{number:05d}{i:0{digits}d}", "caption": (s.captions or [None])[0], "status": "success"}
-                | {"source": s.meta.get("source")}
-                for i, s in enumerate(batch)
+                {"key": key, "caption": (s.captions or [None])[0], "status": "success", "source": s.meta.get("source")}
+                for key, s in zip(keys, batch)
             ]
             _write_parquet(out / f"{number:05d}.parquet", rows)
         stats = {"count": len(batch), "successes": len(batch), "failed_to_download": 0, "failed_to_resize": 0}
