@@ -3,6 +3,9 @@ process killed after that checkpoint logged from s on (the resumed run logs thos
 
 import csv
 import logging
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -160,6 +163,29 @@ def test_mlflow_logger_names_a_saved_run_that_the_store_lacks(tmp_path):
     (tmp_path / "mlflow_run_id.txt").write_text("0123456789abcdef0123456789abcdef\n")
     with pytest.raises(ConfigError, match=r"^the MLflow run 0123456789abcdef0123456789abcdef named in .*"):
         _ = _mlflow_logger(tmp_path, RESUMED_AT).experiment
+
+
+OPEN_STORE = """
+import sys, time
+from vitattn.training.loggers import ResumableMLFlowLogger
+while time.time() < float(sys.argv[2]):
+    pass
+ResumableMLFlowLogger(experiment_name="x", tracking_uri=f"sqlite:///{sys.argv[1]}/mlflow.db")
+"""
+
+
+@pytest.mark.slow
+def test_mlflow_loggers_started_together_on_a_new_store_all_open_it(tmp_path):
+    # as torchrun starts the ranks: each makes its MLFlowLogger, whose client opens (and would migrate) the store;
+    # without the lock, one of two failed in each of 3 tries
+    start = str(time.time() + 8)  # after every process has imported what it needs
+    procs = [
+        subprocess.Popen([sys.executable, "-c", OPEN_STORE, str(tmp_path), start], stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    errors = [proc.communicate(timeout=120)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0, 0], errors
+    assert (tmp_path / "mlflow.db").is_file()
 
 
 def test_wandb_logger_keeps_its_run_id_in_the_run_folder(tmp_path):

@@ -8,11 +8,13 @@ rows removed, a TensorBoard ``purge_step``, MLflow's values deleted from an SQL 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import inspect
 import logging
 import secrets
 import string
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,11 @@ from vitattn.errors import ConfigError, first_line
 from vitattn.fileio import atomic_open, atomic_write
 from vitattn.run_dir import RunDir
 from vitattn.training.config import instantiate_group
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on POSIX: the store is opened unlocked
+    fcntl = None
 
 __all__ = [
     "ResumableCSVLogger",
@@ -199,7 +206,8 @@ class ResumableMLFlowLogger(MLFlowLogger):
         self, *args: Any, start_step: int | None = None, run_id_file: str | None = None, **kwargs: Any
     ) -> None:
         saved = _read_id(run_id_file) if start_step is not None and not kwargs.get("run_id") else None
-        super().__init__(*args, **{**kwargs, "run_id": saved or kwargs.get("run_id")})
+        with _store_lock(kwargs.get("tracking_uri")):  # Lightning opens (and makes) the store on every rank
+            super().__init__(*args, **{**kwargs, "run_id": saved or kwargs.get("run_id")})
         self.start_step, self.run_id_file = start_step, run_id_file
         self.continued = saved is not None
 
@@ -242,6 +250,20 @@ class ResumableMLFlowLogger(MLFlowLogger):
         if changed:
             log.warning("MLflow run %s keeps its first values of %s", self._run_id, ", ".join(changed))
         super().log_hyperparams({k: v for k, v in params.items() if k not in logged})
+
+
+@contextlib.contextmanager
+def _store_lock(tracking_uri: str | None) -> Iterator[None]:
+    """Held while a local SQLite store is opened: processes started together (torchrun) would each create and
+    migrate the same new file, and all but one fail; in turn, the first makes it and the others find it made."""
+    if fcntl is None or not str(tracking_uri).startswith("sqlite:///"):
+        yield
+        return
+    path = Path(str(tracking_uri).removeprefix("sqlite:///"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _drop_metrics_from(client: Any, run_id: str, step: int) -> bool:
