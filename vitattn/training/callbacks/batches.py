@@ -34,10 +34,8 @@ class SampleKeys(pl.Callback):
 
 
 class SkippedImages(pl.Callback):
-    """Logs ``train/skipped_images``, ``val/skipped_images`` and ``test/skipped_images`` at the end of each epoch:
-    the images of the epoch's batches that could not be read, summed over the ranks. Idle unless the
-    DataModule skips such images (``data.bad_images=skip``). The DataModule counts them by stage
-    (``on_before_batch_transfer``): a batch with no readable image never reaches the batch hooks.
+    """Logs ``train/``, ``val/`` and ``test/skipped_images`` at the end of each epoch: the images that could not
+    be read, summed over the ranks, as the DataModule counted them by stage (``data.bad_images=skip``).
     """
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str, name: str) -> None:

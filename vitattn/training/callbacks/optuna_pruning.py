@@ -1,13 +1,6 @@
-"""Stop a search's trial early when its validation metric is worse than the study's other trials.
-
-After every validation the run reports ``monitor`` at its global step to its Optuna trial; when the
-study's pruner says so, ``fit`` ends with ``optuna.TrialPruned``, which the sweeper
-(``hydra/sweeper=vitattn_optuna``) records as a pruned trial. ``hparams_search=optuna`` adds this callback.
-
-optuna-integration's ``PyTorchLightningPruningCallback`` does the same with the epoch number as the step,
-so a run that validates several times an epoch (``trainer.val_check_interval``) has all but the first
-validation of each epoch dropped, and under DDP it needs an RDB storage and a ``check_pruned()`` call after
-``fit``. This one reports the optimizer step, decides on rank 0 and stops every rank, with any storage.
+"""Stop a search's trial early when its validation metric is worse than the study's other trials: ``fit``
+ends with ``optuna.TrialPruned``, which the sweeper records as a pruned trial (why not optuna-integration's
+callback: docs/experiments.md).
 """
 
 from __future__ import annotations

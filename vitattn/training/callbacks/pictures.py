@@ -1,13 +1,6 @@
-"""Pictures of every validation for the loggers that show them: TensorBoard images, MLflow artifacts.
-
-Captioning: the same first ``num_images`` validation images each time, each drawn as
-``vitattn-caption attention_maps=`` draws it (the image, one cross-attention map per generated word,
-the encoder rollout), titled with the generated caption and a reference. Classification: the
-confusion matrix of the validation split (torchmetrics), rows the true classes.
-
-Loggers are found by type, so the pictures go wherever they are attached: ``TensorBoardLogger``
-(``add_image``, and the captions as text), ``MLFlowLogger`` (``log_figure`` into the run's
-artifacts) and ``WandbLogger`` (``log_image``); with none of them the callback does nothing.
+"""Pictures of every validation for the loggers that show them, found by type (TensorBoard, MLflow, wandb):
+captioning's attention figures of the first validation images, classification's confusion matrix
+(docs/training.md#pictures-in-tensorboard-and-mlflow).
 """
 
 from __future__ import annotations
@@ -39,7 +32,7 @@ class ValidationPictures(pl.Callback):
     Args:
         num_images: captioning: how many validation images (the split's first ones, the same every time).
         max_labelled_classes: classification: class names and counts are written on the confusion
-            matrix up to this many classes (beyond it they would not be legible).
+            matrix up to this many classes.
     """
 
     def __init__(self, num_images: int = 4, max_labelled_classes: int = 20) -> None:

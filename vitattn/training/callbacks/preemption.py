@@ -58,11 +58,12 @@ class Preemption(Checkpoint):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._agreed_signal(trainer):
-            _stop_after_this_step(trainer, True)
+            # Lightning's own flag: the training loop stops at the end of the step, the evaluation loop after a batch.
+            request_sigterm_stop(trainer, True)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.stopped_by:  # let the validation due after this step run whole
-            _stop_after_this_step(trainer, False)
+            request_sigterm_stop(trainer, False)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Stop here, as a ModelCheckpoint would save here (this callback runs after them: a Checkpoint
@@ -101,19 +102,11 @@ class Preemption(Checkpoint):
         return Preempted(name, self.saved_step, self.checkpoint)
 
 
-def _stop_after_this_step(trainer: pl.Trainer, stop: bool) -> None:
-    # The flag Lightning's own SIGTERM handler sets (``trainer.received_sigterm`` reads it): the
-    # training loop raises SIGTERMException at the end of the step, the evaluation loop after a batch.
-    request_sigterm_stop(trainer, stop)
-
-
 def _host_group(trainer: pl.Trainer) -> Any:
     """The group to agree over with host tensors: the default one where it is gloo (CPU runs), else a gloo group
     over the same ranks (NCCL reduces only device tensors, and reading one back waits for the device); created
     here, where every rank is (``new_group`` is itself collective). None in one process."""
     dist = torch.distributed
-    if trainer.world_size <= 1 or not dist.is_available() or not dist.is_initialized():
-        return None
-    if dist.get_backend() == "gloo":
+    if trainer.world_size <= 1 or not dist.is_available() or not dist.is_initialized() or dist.get_backend() == "gloo":
         return None
     return dist.new_group(backend="gloo")

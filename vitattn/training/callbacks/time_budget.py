@@ -25,11 +25,6 @@ def schedule_of(trainer: pl.Trainer) -> WarmupCosine | None:
     return None
 
 
-def step_limit(trainer: pl.Trainer) -> float:
-    """Optimizer steps at which ``max_steps`` or ``max_epochs`` ends training (whichever comes first), or inf."""
-    return float(trainer.estimated_stepping_batches)
-
-
 class TimeBudgetHorizon(Callback):
     """Moves the schedule's horizon to the number of steps that fit in ``trainer.max_time``.
 
@@ -56,7 +51,8 @@ class TimeBudgetHorizon(Callback):
         self._first_step, self._start = trainer.global_step, None
         timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
         self._timer = timer if timer is not None and timer.time_remaining() is not None else None
-        self._schedule, self._limit = schedule_of(trainer), step_limit(trainer)
+        # the optimizer steps at which max_steps or max_epochs ends training (whichever comes first), or inf
+        self._schedule, self._limit = schedule_of(trainer), float(trainer.estimated_stepping_batches)
         # A resumed schedule keeps its saved horizon; the limits of this run (the first to end it) win.
         if self._schedule is not None and math.isfinite(self._limit) and self._schedule.total_steps != int(self._limit):
             self._schedule.total_steps = int(self._limit)

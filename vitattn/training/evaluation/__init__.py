@@ -1,9 +1,7 @@
 """Evaluate a trained model on a split: caption metrics, or top-1 / top-5 accuracy and a confusion matrix.
 
-``splits`` decides which images are scored and against what (the run's own data through
-``vitattn.training.run_data.datamodule_from_run``, or a user's COCO file / ImageFolder tree); ``captions`` and
-``classification`` score them, each image once; ``report`` shows and keeps the result
-(``metrics.json``, ``captions.jsonl`` or the confusion matrix, each file written atomically).
+``splits`` chooses the images and their references or labels, ``captions`` and ``classification`` score them,
+``report`` shows and keeps the result.
 """
 
 from vitattn.training.evaluation.captions import evaluate_captions, read_predictions

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch import Tensor
 
 from vitattn.fileio import atomic_write
@@ -82,18 +83,10 @@ def save_confusion_matrix(
         ax.set_yticks(range(k), labels=list(class_names), fontsize=8)
     if k <= 30:
         high = counts.max() / 2 if counts.size else 0
-        for i in range(k):
-            for j in range(k):
-                if counts[i, j]:
-                    ax.text(
-                        j,
-                        i,
-                        str(counts[i, j]),
-                        ha="center",
-                        va="center",
-                        fontsize=7,
-                        color="white" if counts[i, j] > high else "black",
-                    )
+        for (i, j), count in np.ndenumerate(counts):
+            if count:
+                color = "white" if count > high else "black"
+                ax.text(j, i, str(count), ha="center", va="center", fontsize=7, color=color)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     if title:

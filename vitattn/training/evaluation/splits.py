@@ -1,9 +1,5 @@
-"""Which images to score, and against what: a user's files, or the training run's own split.
-
-The run's data comes from ``vitattn.training.run_data.datamodule_from_run`` and its ``evaluation_split``:
-image files with ids (COCO, Karpathy, ImageFolder) or ready batches (the built-in shapes). A COCO
-caption file (``references`` + ``image_dir``) or an ImageFolder tree (``data_root``) replaces the
-run's data; only the run's own data imports Lightning and Hydra.
+"""Which images to score, and against what: a user's COCO caption file or ImageFolder tree, or the training
+run's own split (its DataModule's ``evaluation_split``: image files with ids, or ready batches).
 """
 
 from __future__ import annotations
