@@ -13,12 +13,7 @@ __all__ = ["SampleKeys", "SkippedImages"]
 
 class SampleKeys(pl.Callback):
     """Appends ``<global step> <key> <key> ...`` to ``<folder>/keys.rank<R>.txt`` after each training step: the
-    keys of the step's samples (the DataModule's ``last_keys``: image file names, image paths, scene numbers or
-    shard keys; skipped samples included). For auditing a run's data order, e.g. that a resumed epoch trains
-    each sample once:
-
-        vitattn-train data=coco ... +callbacks.sample_keys._target_=vitattn.training.callbacks.SampleKeys
-        +callbacks.sample_keys.folder=DIR
+    DataModule's ``last_keys``, skipped samples included, for auditing a run's data order (docs/scaling.md).
     """
 
     def __init__(self, folder: str) -> None:

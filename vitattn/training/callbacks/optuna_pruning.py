@@ -26,12 +26,7 @@ class OptunaPruning(pl.Callback):
     """
 
     def __init__(
-        self,
-        monitor: str,
-        study_name: str,
-        storage: str | None,
-        trial_number: int,
-        pruner: optuna.pruners.BasePruner,
+        self, monitor: str, study_name: str, storage: str | None, trial_number: int, pruner: optuna.pruners.BasePruner
     ) -> None:
         self.monitor = monitor
         self._where = (study_name, storage, trial_number, pruner)

@@ -17,6 +17,7 @@ from torchmetrics.classification import MulticlassConfusionMatrix
 
 from vitattn.inference.attention_maps import attention_figures, figure_png
 from vitattn.inference.captioning import generate_tokens
+from vitattn.training.evaluation.report import confusion_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -49,13 +50,7 @@ class ValidationPictures(pl.Callback):
             self._confmat = MulticlassConfusionMatrix(num_classes).to(pl_module.device)
 
     def on_validation_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, *args: Any
     ) -> None:
         if self._confmat is not None and isinstance(outputs, torch.Tensor):
             self._confmat.update(outputs.argmax(dim=-1), batch[1])  # logits (B, K), labels (B,)
@@ -71,24 +66,11 @@ class ValidationPictures(pl.Callback):
             matrix = self._confmat.compute()  # every rank: the counts are summed over ranks
             self._confmat = None
             if trainer.is_global_zero:
-                figure = self._confusion_figure(matrix, pl_module.hparams["class_names"])
+                most = self.max_labelled_classes
+                figure = confusion_figure(matrix, pl_module.hparams["class_names"], named=most, counted=most)
                 _log_figure(loggers, "val/confusion_matrix", figure, trainer.global_step)
         elif trainer.is_global_zero:
             self._log_captions(trainer, pl_module, loggers)
-
-    def _confusion_figure(self, matrix: torch.Tensor, class_names: list[str]) -> Figure:
-        from matplotlib.figure import Figure  # heavy: imported only when a figure is drawn
-
-        n = len(class_names)
-        labelled = n <= self.max_labelled_classes
-        side = min(4.0 + 0.5 * n, 16.0)
-        figure = Figure(figsize=(side, side))
-        ax = figure.add_subplot()
-        MulticlassConfusionMatrix(n).plot(
-            matrix.cpu(), ax=ax, add_text=labelled, labels=list(class_names) if labelled else None
-        )
-        figure.tight_layout()
-        return figure
 
     def _log_captions(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loggers: list[Logger]) -> None:
         images, references = self._validation_images(trainer)

@@ -57,9 +57,7 @@ class TimeBudgetHorizon(Callback):
         if self._schedule is not None and math.isfinite(self._limit) and self._schedule.total_steps != int(self._limit):
             self._schedule.total_steps = int(self._limit)
 
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         timer, schedule = self._timer, self._schedule
         if timer is None or schedule is None:
             return

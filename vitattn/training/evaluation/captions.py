@@ -186,13 +186,5 @@ def evaluate_captions(
             len(refs),
             len(items),
         )
-    return EvalReport(
-        "caption",
-        split,
-        data.source,
-        metrics,
-        decoding,
-        str(Path(predictions).resolve()) if predictions is not None else None,
-        captions=items,
-        coco=coco,
-    )
+    read = str(Path(predictions).resolve()) if predictions is not None else None
+    return EvalReport("caption", split, data.source, metrics, decoding, read, captions=items, coco=coco)

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch import Tensor
 
 from vitattn.fileio import atomic_write
+from vitattn.inference.attention_maps import figure_png
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["EvalReport", "format_report", "save_confusion_matrix", "write_report"]
 
@@ -63,11 +66,11 @@ class EvalReport:
         return not self.metrics.get("num_failed") and not self.metrics.get("num_missing")
 
 
-def save_confusion_matrix(
-    confusion: Tensor, class_names: Sequence[str], path: str | os.PathLike, title: str | None = None
-) -> Path:
-    """Draw a (K, K) confusion matrix (rows true, columns predicted) with the class names on the
-    axes (counts in the cells up to 30 classes); write the PNG atomically."""
+def confusion_figure(
+    confusion: Tensor, class_names: Sequence[str], title: str | None = None, named: int = 100, counted: int = 30
+) -> Figure:
+    """A (K, K) confusion matrix, rows true and columns predicted, with the class names on the axes up to
+    ``named`` classes and the counts in the cells up to ``counted``."""
     # heavy: matplotlib is imported only when a figure is drawn; no pyplot: no global state, Agg chosen by savefig
     from matplotlib.figure import Figure
 
@@ -78,10 +81,10 @@ def save_confusion_matrix(
     ax = fig.add_subplot()
     shown = ax.imshow(counts, cmap="Blues", interpolation="nearest")
     fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.04)
-    if k <= 100:
+    if k <= named:
         ax.set_xticks(range(k), labels=list(class_names), rotation=90, fontsize=8)
         ax.set_yticks(range(k), labels=list(class_names), fontsize=8)
-    if k <= 30:
+    if k <= counted:
         high = counts.max() / 2 if counts.size else 0
         for (i, j), count in np.ndenumerate(counts):
             if count:
@@ -92,10 +95,15 @@ def save_confusion_matrix(
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
+    return fig
+
+
+def save_confusion_matrix(
+    confusion: Tensor, class_names: Sequence[str], path: str | os.PathLike, title: str | None = None
+) -> Path:
+    """Write ``confusion_figure`` as a PNG, atomically."""
     path = Path(path)
-    atomic_write(path, buffer.getvalue())
+    atomic_write(path, figure_png(confusion_figure(confusion, class_names, title), dpi=100))
     return path
 
 

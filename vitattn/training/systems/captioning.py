@@ -41,8 +41,7 @@ class CaptionSystem(VisionSystem):
         label_smoothing: cross-entropy label smoothing.
         generate: ``ImageCaptioner.generate`` keyword arguments used in validation and test.
         num_samples: captions shown in the log (TensorBoard text) each validation.
-        optim: ``build_optimizer`` keyword arguments.
-        nonfinite: ``raise`` or ``skip`` on a non-finite loss.
+        optim, nonfinite: as ``VisionSystem`` takes them.
         scst: ``ScstConfig`` settings: train self-critically on CIDEr-D (``finetune=scst``) rather than with
             teacher-forced cross-entropy; the run gives the reward with ``use_reward`` before training.
     """

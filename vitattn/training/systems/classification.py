@@ -27,8 +27,7 @@ class ClassificationSystem(VisionSystem):
         label_smoothing: cross-entropy label smoothing.
         mixup, cutmix: timm's ``Mixup`` alphas for training batches (0 = off); with both, one or the
             other per batch. The loss then takes the mixed soft targets (smoothed as above).
-        optim: ``build_optimizer`` keyword arguments.
-        nonfinite: ``raise`` or ``skip`` on a non-finite loss.
+        optim, nonfinite: as ``VisionSystem`` takes them.
     """
 
     task = "classification"

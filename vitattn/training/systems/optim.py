@@ -35,8 +35,7 @@ class WarmupCosine:
 
     Args:
         total_steps: the horizon: steps at which the factor reaches ``min_lr_ratio``.
-        warmup_steps: steps of linear warmup (capped at a tenth of the horizon); ``"auto"``:
-            ``AUTO_WARMUP_STEPS``, so a short run warms up for a tenth of it and a long one for 200 steps.
+        warmup_steps: steps of linear warmup, at most a tenth of the horizon (``"auto"``: ``AUTO_WARMUP_STEPS``).
         min_lr_ratio: the final factor.
     """
 
@@ -71,21 +70,11 @@ def param_groups(
     layer_decay: float | None = None,
     head_lr: float | None = None,
 ) -> list[dict[str, Any]]:
-    """AdamW parameter groups of the trainable parameters, each with its own peak ``lr``.
+    """AdamW parameter groups ``[{"params", "lr", "weight_decay"}, ...]`` of the trainable parameters.
 
-    Norms, biases and embeddings get no weight decay. With ``layer_decay`` the groups come from timm's
-    ``param_groups_layer_decay`` over ``model.group_matcher()``: a layer ``i`` of ``L`` (the stem 0, block
-    ``k`` ``k + 1``, the head or decoder ``L``) learns at ``lr * layer_decay ** (L - i)``.
-
-    Args:
-        model: a ``VisionTransformer`` or an ``ImageCaptioner``.
-        lr: peak learning rate (of the top layer).
-        weight_decay: decoupled weight decay on matrices.
-        layer_decay: layer-wise decay in (0, 1]; None: one rate for all.
-        head_lr: peak learning rate of ``head_modules(model)``; None: as above.
-
-    Returns:
-        ``[{"params", "lr", "weight_decay"}, ...]``; frozen parameters are left out.
+    Norms, biases and embeddings get no weight decay. With ``layer_decay`` (timm's ``param_groups_layer_decay``
+    over ``model.group_matcher()``) layer ``i`` of ``L`` (the stem 0, block ``k`` ``k + 1``, the head or decoder
+    ``L``) learns at ``lr * layer_decay ** (L - i)``; ``head_lr`` is the rate of ``head_modules(model)``.
     """
     no_decay = no_weight_decay_names(model)
     if layer_decay is None:

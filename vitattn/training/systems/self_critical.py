@@ -1,7 +1,5 @@
-"""Self-critical sequence training (Rennie et al., 2017): sample captions, reward each with CIDEr-D against its
-image's references, and raise the log-probability of the captions that beat a baseline (``mean`` of the
-image's other samples, Luo 2020, or its ``greedy`` caption's, Rennie et al.); the loss and the sampling are
-the reference implementation's (docs/training.md#a-second-stage-self-critical-training-on-cider-d).
+"""Self-critical sequence training (Rennie et al., 2017) on CIDEr-D, the reference implementation's loss and
+sampling (docs/training.md#a-second-stage-self-critical-training-on-cider-d).
 
 Dimension letters: B images, K samples per image, T generated positions, V vocabulary, N image tokens, D width.
 """
@@ -26,14 +24,9 @@ BASELINES = ("mean", "greedy")
 
 @dataclass(frozen=True)
 class ScstConfig:
-    """``finetune.scst``: samples per image, the baseline, the sampling filters and the cross-entropy mixed in.
-
-    Args:
-        samples: K captions sampled per image.
-        baseline: ``mean`` (the image's other samples' mean reward) or ``greedy`` (its greedy caption's).
-        temperature, top_k, top_p: the sampling filters, as ``generate`` takes them.
-        xe_weight: weight of the teacher-forced cross-entropy on the batch's captions added to the loss; 0: none.
-        max_new_tokens: longest sample, ``<eos>`` included; None: the decoder's ``max_len - 1``.
+    """``finetune.scst``: K ``samples`` per image, the ``baseline`` (``mean`` of the image's other samples'
+    rewards, Luo 2020, or its ``greedy`` caption's), the sampling filters as ``generate`` takes them, the weight
+    of the teacher-forced cross-entropy mixed in, the longest sample (None: the decoder's ``max_len - 1``).
     """
 
     samples: int = 5
@@ -74,8 +67,7 @@ def scst_loss(log_probs: Tensor, mask: Tensor, advantage: Tensor) -> Tensor:
 
 
 def mean_of_others(rewards: Tensor, samples: int) -> Tensor:
-    """(B * K,) rewards, the K of an image consecutive -> each sample's baseline: the mean of the image's other
-    K - 1 rewards."""
+    """(B * K,) rewards, the K of an image consecutive -> (B * K,) means of the image's other K - 1 rewards."""
     grouped = rewards.view(-1, samples)  # (B, K)
     return ((grouped.sum(1, keepdim=True) - grouped) / (samples - 1)).reshape(-1)
 
