@@ -1,5 +1,4 @@
-"""Lightning callbacks of a training run: time budget, EMA, frozen encoder, pictures, preemption, the batches'
-keys and skipped images."""
+"""Lightning callbacks of a training run."""
 
 from vitattn.training.callbacks.batches import SampleKeys, SkippedImages
 from vitattn.training.callbacks.ema import EMA

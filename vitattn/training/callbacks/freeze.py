@@ -14,13 +14,9 @@ __all__ = ["FreezeEncoder"]
 
 
 class FreezeEncoder(BaseFinetuning):
-    """Freeze everything but ``head_modules(model)`` until epoch ``unfreeze_at_epoch``.
-
-    The encoder then joins the optimizer with the groups it would have had from the start
-    (``VisionSystem.param_groups``, at the schedule's current factor), not Lightning's one group of one rate.
-
-    Args:
-        unfreeze_at_epoch: the first epoch that trains the encoder (``finetune.freeze_encoder_epochs``).
+    """Freeze everything but ``head_modules(model)`` until epoch ``unfreeze_at_epoch``
+    (``finetune.freeze_encoder_epochs``); the encoder then joins the optimizer with the groups it would have had
+    from the start (``VisionSystem.param_groups``, at the schedule's current factor), not Lightning's one group.
     """
 
     def __init__(self, unfreeze_at_epoch: int) -> None:

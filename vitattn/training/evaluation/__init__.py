@@ -1,8 +1,4 @@
-"""Evaluate a trained model on a split: caption metrics, or top-1 / top-5 accuracy and a confusion matrix.
-
-``splits`` chooses the images and their references or labels, ``captions`` and ``classification`` score them,
-``report`` shows and keeps the result.
-"""
+"""Evaluate a trained model on a split: caption metrics, or top-1 / top-5 accuracy and a confusion matrix."""
 
 from vitattn.training.evaluation.captions import evaluate_captions, read_predictions
 from vitattn.training.evaluation.classification import evaluate_classification

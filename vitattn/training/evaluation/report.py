@@ -18,14 +18,11 @@ from vitattn.inference.attention_maps import figure_png
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["EvalReport", "format_report", "save_confusion_matrix", "write_report"]
+__all__ = ["EvalReport", "confusion_figure", "format_report", "save_confusion_matrix", "write_report"]
 
 
 _LABELS = {
-    "bleu1": "BLEU-1",
-    "bleu2": "BLEU-2",
-    "bleu3": "BLEU-3",
-    "bleu4": "BLEU-4",
+    **{f"bleu{n}": f"BLEU-{n}" for n in range(1, 5)},
     "rouge_l": "ROUGE-L",
     "cider_d": "CIDEr-D",
     "meteor": "METEOR",

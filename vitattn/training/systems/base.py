@@ -22,10 +22,8 @@ UNKNOWN_HORIZON = 10**9  # steps: a schedule with no step, epoch or time limit s
 
 
 class NonFiniteNotes:
-    """The earliest non-finite loss since the last look: its step and value, kept on the loss's device.
-
-    ``note`` reads nothing back (no host sync); ``take`` reads the notes (one sync) and clears them.
-    """
+    """The earliest non-finite loss since the last look, kept on the loss's device: ``note`` reads nothing back
+    (no host sync); ``take`` reads the notes (one sync) and clears them."""
 
     def __init__(self) -> None:
         self.step: Tensor | None = None  # () long: the step of the earliest non-finite loss, -1 for none
@@ -128,10 +126,8 @@ class VisionSystem(pl.LightningModule):
             raise found from error
 
     def check_finite(self) -> None:
-        """Raise ``NonFiniteLossError`` if a loss noted since the last look was not finite, on any rank.
-
-        One host sync (an all-gather under DDP: every rank calls it together); the notes are cleared.
-        """
+        """Raise ``NonFiniteLossError`` if a loss noted since the last look was not finite, on any rank (one
+        host sync; under DDP every rank calls it together)."""
         found = self._nonfinite_error(self._nonfinite_notes.take(self.device, self._gather))
         if found is not None:
             raise found

@@ -38,12 +38,10 @@ class CaptionSystem(VisionSystem):
         vocab: the tokenizer as ``tokenizer_labels`` keeps it: a word vocabulary's ordinary words in id order,
             or a subword tokenizer's ``tokenizer.json`` text (plain types: checkpoints load with weights_only).
         preprocess: evaluation preprocessing kept with the checkpoint for inference.
-        label_smoothing: cross-entropy label smoothing.
         generate: ``ImageCaptioner.generate`` keyword arguments used in validation and test.
         num_samples: captions shown in the log (TensorBoard text) each validation.
         optim, nonfinite: as ``VisionSystem`` takes them.
-        scst: ``ScstConfig`` settings: train self-critically on CIDEr-D (``finetune=scst``) rather than with
-            teacher-forced cross-entropy; the run gives the reward with ``use_reward`` before training.
+        scst: ``ScstConfig`` settings: train self-critically (``finetune=scst``) with the reward ``use_reward`` gives.
     """
 
     task = "caption"

@@ -110,12 +110,11 @@ def build_optimizer(
     Args:
         model: the parameters to optimise (the trainable ones: a frozen encoder is added when it thaws).
         total_steps: optimizer steps of the whole run: the schedule's horizon.
-        betas: AdamW betas.
         warmup_steps, min_lr_ratio: the schedule's, see ``WarmupCosine``.
 
     Returns:
-        ``(optimizer, scheduler)``, the scheduler stepped once per optimizer step; ``scheduler.lr_lambdas[0]``
-        is the ``WarmupCosine``, shared by every group.
+        ``(optimizer, scheduler)``, the scheduler stepped once per optimizer step; its ``lr_lambdas[0]`` is the
+        ``WarmupCosine`` every group shares.
     """
     groups = param_groups(model, lr, weight_decay, layer_decay, head_lr)
     optimizer = AdamW(groups, lr=lr, betas=tuple(betas))

@@ -74,11 +74,7 @@ def mean_of_others(rewards: Tensor, samples: int) -> Tensor:
 
 class SelfCritical:
     """The self-critical objective of a ``CaptionSystem``: one call gives the loss of a batch and what to log.
-
-    Args:
-        config: the ``finetune.scst`` settings.
-        scorer: CIDEr-D with the training set's document frequencies.
-        decode: token ids (S, T) -> captions, the model's tokenizer's ``decode_batch``.
+    ``scorer`` is CIDEr-D with the training set's document frequencies, ``decode`` the tokenizer's ``decode_batch``.
     """
 
     def __init__(self, config: ScstConfig, scorer: CiderD, decode: Any) -> None:
@@ -136,8 +132,7 @@ def sample_log_probs(model: ImageCaptioner, memory: Tensor, sampled: Tensor) -> 
         sampled: (B * K, T) token ids without ``<bos>``, padded after ``<eos>``.
 
     Returns:
-        (B * K, T) log-probabilities (``<pad>``, ``<bos>`` and ``<unk>`` banned, as in the search) and the
-        (B * K, T) mask of generated tokens, ``<eos>`` included.
+        (B * K, T) log-probabilities (with the search's bans) and the mask of generated tokens, ``<eos>`` included.
     """
     ids = model.special_ids
     bos = sampled.new_full((sampled.shape[0], 1), ids.bos_id)
