@@ -1,8 +1,8 @@
 """An exponential moving average of the weights, validated, tested and exported in their place.
 
 Lightning's ``WeightAveraging`` keeps, swaps in and checkpoints the average; this adds timm's ``ModelEmaV3``
-warm-up (the decay grows as ``(1 + n) / (10 + n)`` up to ``decay``), so that a short run's average is not
-dominated by the random initial weights, and its one ``torch._foreach_lerp_`` update, which reads nothing back.
+warm-up, so that a short run's average is not dominated by the random initial weights, and its one
+``torch._foreach_lerp_`` update, which reads nothing back.
 """
 
 from __future__ import annotations
@@ -51,11 +51,8 @@ class _WarmupEma(AveragedModel):
 
 
 class EMA(WeightAveraging):
-    """EMA of the parameters (and buffers), updated after every optimizer step.
-
-    Args:
-        decay: the final decay; the average spans about ``1 / (1 - decay)`` steps.
-    """
+    """EMA of the parameters and buffers, updated after every optimizer step; the final ``decay`` spans about
+    ``1 / (1 - decay)`` steps."""
 
     def __init__(self, decay: float = 0.999) -> None:
         if not 0.0 < decay < 1.0:

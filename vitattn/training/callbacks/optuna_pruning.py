@@ -19,10 +19,9 @@ class OptunaPruning(pl.Callback):
 
     Args:
         monitor: the validation metric the search optimises (``optimized_metric``).
-        study_name: the sweeper's ``hydra.sweeper.study_name``.
-        storage: the sweeper's ``hydra.sweeper.storage`` (not null: the trial runs in another process).
+        study_name, storage, pruner: the sweeper's ``hydra.sweeper`` settings (storage not null: the trial runs in
+            another process).
         trial_number: the trial this run is (``hydra.job.num``, which the sweeper sets to it).
-        pruner: the study's pruner (``hydra.sweeper.pruner``).
     """
 
     def __init__(

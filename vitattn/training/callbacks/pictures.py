@@ -32,8 +32,7 @@ class ValidationPictures(pl.Callback):
 
     Args:
         num_images: captioning: how many validation images (the split's first ones, the same every time).
-        max_labelled_classes: classification: class names and counts are written on the confusion
-            matrix up to this many classes.
+        max_labelled_classes: classification: the confusion matrix names its classes and counts up to this many.
     """
 
     def __init__(self, num_images: int = 4, max_labelled_classes: int = 20) -> None:

@@ -99,9 +99,7 @@ def save_confusion_matrix(
     confusion: Tensor, class_names: Sequence[str], path: str | os.PathLike, title: str | None = None
 ) -> Path:
     """Write ``confusion_figure`` as a PNG, atomically."""
-    path = Path(path)
-    atomic_write(path, figure_png(confusion_figure(confusion, class_names, title), dpi=100))
-    return path
+    return atomic_write(path, figure_png(confusion_figure(confusion, class_names, title), dpi=100))
 
 
 def _plain(metrics: Mapping[str, float]) -> dict[str, float | int]:
@@ -109,10 +107,8 @@ def _plain(metrics: Mapping[str, float]) -> dict[str, float | int]:
 
 
 def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) -> list[Path]:
-    """Write ``metrics.json`` (``task``, ``model``, ``split``, ``data``, ``predictions``, ``decoding``, ``metrics`` and,
-    scored by the toolkit too, ``coco``) into ``out_dir``, with ``captions.jsonl`` for generated captions or
-    ``confusion_matrix.png`` and ``.json`` for a classifier; returns the files written.
-    """
+    """Write ``metrics.json`` into ``out_dir``, with ``captions.jsonl`` for generated captions or
+    ``confusion_matrix.png`` and ``.json`` for a classifier; returns the files written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -121,8 +117,7 @@ def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) 
             json.dumps({"image_id": k, "caption": c, "references": r}, ensure_ascii=False) + "\n"
             for k, c, r in report.captions
         )
-        atomic_write(out / "captions.jsonl", "".join(lines).encode("utf-8"))
-        written.append(out / "captions.jsonl")
+        written.append(atomic_write(out / "captions.jsonl", "".join(lines)))
     if report.confusion is not None:
         table = {
             "class_names": report.class_names,
@@ -130,12 +125,9 @@ def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) 
             "columns": "predicted class",
             "matrix": report.confusion.tolist(),
         }
-        atomic_write(out / "confusion_matrix.json", (json.dumps(table) + "\n").encode("utf-8"))
+        written.append(atomic_write(out / "confusion_matrix.json", json.dumps(table) + "\n"))
         title = f"{report.split}: top-1 {report.metrics['top1']:.3f} over {report.metrics['num_images']} images"
-        written += [
-            out / "confusion_matrix.json",
-            save_confusion_matrix(report.confusion, report.class_names, out / "confusion_matrix.png", title),
-        ]
+        written.append(save_confusion_matrix(report.confusion, report.class_names, out / "confusion_matrix.png", title))
     summary = {
         "task": report.task,
         "model": model,
@@ -147,8 +139,7 @@ def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) 
     }
     if report.coco:
         summary["coco"] = _plain(report.coco)
-    atomic_write(out / "metrics.json", (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
-    return [out / "metrics.json", *written]
+    return [atomic_write(out / "metrics.json", json.dumps(summary, indent=2) + "\n"), *written]
 
 
 def format_report(report: EvalReport) -> str:

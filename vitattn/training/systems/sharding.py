@@ -81,9 +81,8 @@ def unsharded_copy(model: nn.Module) -> nn.Module:
 
 
 class FullyShardedStrategy(ModelParallelStrategy):
-    """``trainer=fsdp``: FSDP2 over all ``num_nodes x devices`` processes, each a data-parallel rank holding a
-    shard of every weight (``configure_model`` shards it), no tensor parallelism; each checkpoint one whole
-    file gathered on rank 0, read as a DDP run's are (why not Lightning's own strategies: docs/scaling.md)."""
+    """``trainer=fsdp``: FSDP2 over all ``num_nodes x devices`` processes, each a data-parallel rank (no tensor
+    parallelism); each checkpoint one whole file gathered on rank 0 (why not Lightning's own: docs/scaling.md)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(save_distributed_checkpoint=False, **kwargs)
