@@ -65,8 +65,8 @@ class ValidationPictures(pl.Callback):
             matrix = self._confmat.compute()  # every rank: the counts are summed over ranks
             self._confmat = None
             if trainer.is_global_zero:
-                most = self.max_labelled_classes
-                figure = confusion_figure(matrix, pl_module.hparams["class_names"], named=most, counted=most)
+                limit = self.max_labelled_classes
+                figure = confusion_figure(matrix, pl_module.hparams["class_names"], named=limit, counted=limit)
                 _log_figure(loggers, "val/confusion_matrix", figure, trainer.global_step)
         elif trainer.is_global_zero:
             self._log_captions(trainer, pl_module, loggers)
