@@ -1,7 +1,4 @@
-"""Lightning callbacks of a training run: a schedule that follows a time budget, EMA weights, an
-encoder frozen for the first epochs, the count of unreadable images skipped, pictures of every
-validation for TensorBoard and MLflow, a checkpoint when the run is preempted, and a record of the samples
-each step trained."""
+"""Lightning callbacks of a training run."""
 
 from vitattn.training.callbacks.batches import SampleKeys, SkippedImages
 from vitattn.training.callbacks.ema import EMA

@@ -13,12 +13,7 @@ __all__ = ["SampleKeys", "SkippedImages"]
 
 class SampleKeys(pl.Callback):
     """Appends ``<global step> <key> <key> ...`` to ``<folder>/keys.rank<R>.txt`` after each training step: the
-    keys of the step's samples (the DataModule's ``last_keys``: image file names, image paths, scene numbers or
-    shard keys; skipped samples included). For auditing a run's data order, e.g. that a resumed epoch trains
-    each sample once:
-
-        vitattn-train data=coco ... +callbacks.sample_keys._target_=vitattn.training.callbacks.SampleKeys
-        +callbacks.sample_keys.folder=DIR
+    DataModule's ``last_keys``, skipped samples included, for auditing a run's data order (docs/scaling.md).
     """
 
     def __init__(self, folder: str) -> None:
@@ -34,10 +29,8 @@ class SampleKeys(pl.Callback):
 
 
 class SkippedImages(pl.Callback):
-    """Logs ``train/skipped_images``, ``val/skipped_images`` and ``test/skipped_images`` at the end of each epoch:
-    the images of the epoch's batches that could not be read, summed over the ranks. Idle unless the
-    DataModule skips such images (``data.bad_images=skip``). The DataModule counts them by stage
-    (``on_before_batch_transfer``): a batch with no readable image never reaches the batch hooks.
+    """Logs ``train/``, ``val/`` and ``test/skipped_images`` at the end of each epoch: the images that could not
+    be read, summed over the ranks, as the DataModule counted them by stage (``data.bad_images=skip``).
     """
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str, name: str) -> None:

@@ -1,13 +1,8 @@
 """An exponential moving average of the weights, validated, tested and exported in their place.
 
-Lightning's ``WeightAveraging`` does the work (the averaged copy, swapping it in for validation,
-checkpointing it, and leaving it in the model when training ends, so that the test run and the
-exported bundle use it); this adds the warm-up that short runs on small data need: the decay grows
-as ``(1 + n) / (10 + n)`` up to ``decay`` (timm's ``ModelEmaV3`` warm-up), so the average is not
-dominated by the random initial weights.
-
-The update is one ``torch._foreach_lerp_`` over all the weights (as in ``ModelEmaV3``), with the decay
-computed from a count kept on the host: a training step with the EMA reads nothing back from the device.
+Lightning's ``WeightAveraging`` keeps, swaps in and checkpoints the average; this adds timm's ``ModelEmaV3``
+warm-up, so that a short run's average is not dominated by the random initial weights, and its one
+``torch._foreach_lerp_`` update, which reads nothing back.
 """
 
 from __future__ import annotations
@@ -23,11 +18,8 @@ __all__ = ["EMA"]
 
 
 class _WarmupEma(AveragedModel):
-    """``AveragedModel`` whose update is averaged <- d * averaged + (1 - d) * current, in one foreach call, with
-    d = min(decay, (1 + n) / (10 + n)) after n updates.
-
-    ``AveragedModel`` keeps its count of updates in the ``n_averaged`` buffer, on the device, and reads it
-    back at each update; here the count lives on the host and the buffer follows it, for checkpoints.
+    """``AveragedModel`` whose update is averaged <- d * averaged + (1 - d) * current, with
+    d = min(decay, (1 + n) / (10 + n)) after n updates; n is counted on the host, ``n_averaged`` follows it.
     """
 
     def __init__(self, model: torch.nn.Module, decay: float, device: torch.device | None = None) -> None:
@@ -59,11 +51,8 @@ class _WarmupEma(AveragedModel):
 
 
 class EMA(WeightAveraging):
-    """EMA of the parameters (and buffers), updated after every optimizer step.
-
-    Args:
-        decay: the final decay; the average spans about ``1 / (1 - decay)`` steps.
-    """
+    """EMA of the parameters and buffers, updated after every optimizer step; the final ``decay`` spans about
+    ``1 / (1 - decay)`` steps."""
 
     def __init__(self, decay: float = 0.999) -> None:
         if not 0.0 < decay < 1.0:

@@ -1,9 +1,5 @@
-"""Train the head (or the caption decoder) alone for the first epochs, then the whole model.
-
-Lightning's ``BaseFinetuning`` does the bookkeeping: it freezes before the optimizer is built, calls
-``finetune_function`` at each epoch start, and saves the param groups added on the way with the
-checkpoint, so that a resumed run rebuilds the same optimizer before its state is loaded.
-"""
+"""Train the head (or the caption decoder) alone for the first epochs, then the whole model (Lightning's
+``BaseFinetuning`` freezes, thaws and checkpoints the param groups added on the way)."""
 
 from __future__ import annotations
 
@@ -18,15 +14,9 @@ __all__ = ["FreezeEncoder"]
 
 
 class FreezeEncoder(BaseFinetuning):
-    """Freeze everything but ``head_modules(model)`` until epoch ``unfreeze_at_epoch``.
-
-    The encoder then joins the optimizer with the groups it would have had from the start (its
-    layer-decayed rates and weight decays, ``VisionSystem.param_groups``), at the schedule's current
-    factor. Lightning's ``unfreeze_and_add_param_group`` adds one group with one rate and the optimizer's
-    default weight decay, so the groups are added here instead; ``make_trainable`` is Lightning's.
-
-    Args:
-        unfreeze_at_epoch: the first epoch that trains the encoder (``finetune.freeze_encoder_epochs``).
+    """Freeze everything but ``head_modules(model)`` until epoch ``unfreeze_at_epoch``
+    (``finetune.freeze_encoder_epochs``); the encoder then joins the optimizer with the groups it would have had
+    from the start (``VisionSystem.param_groups``, at the schedule's current factor), not Lightning's one group.
     """
 
     def __init__(self, unfreeze_at_epoch: int) -> None:

@@ -1,13 +1,6 @@
-"""Stop a search's trial early when its validation metric is worse than the study's other trials.
-
-After every validation the run reports ``monitor`` at its global step to its Optuna trial; when the
-study's pruner says so, ``fit`` ends with ``optuna.TrialPruned``, which the sweeper
-(``hydra/sweeper=vitattn_optuna``) records as a pruned trial. ``hparams_search=optuna`` adds this callback.
-
-optuna-integration's ``PyTorchLightningPruningCallback`` does the same with the epoch number as the step,
-so a run that validates several times an epoch (``trainer.val_check_interval``) has all but the first
-validation of each epoch dropped, and under DDP it needs an RDB storage and a ``check_pruned()`` call after
-``fit``. This one reports the optimizer step, decides on rank 0 and stops every rank, with any storage.
+"""Stop a search's trial early when its validation metric is worse than the study's other trials: ``fit``
+ends with ``optuna.TrialPruned``, which the sweeper records as a pruned trial (why not optuna-integration's
+callback: docs/experiments.md).
 """
 
 from __future__ import annotations
@@ -26,19 +19,13 @@ class OptunaPruning(pl.Callback):
 
     Args:
         monitor: the validation metric the search optimises (``optimized_metric``).
-        study_name: the sweeper's ``hydra.sweeper.study_name``.
-        storage: the sweeper's ``hydra.sweeper.storage`` (not null: the trial runs in another process).
+        study_name, storage, pruner: the sweeper's ``hydra.sweeper`` settings (storage not null: the trial runs in
+            another process).
         trial_number: the trial this run is (``hydra.job.num``, which the sweeper sets to it).
-        pruner: the study's pruner (``hydra.sweeper.pruner``).
     """
 
     def __init__(
-        self,
-        monitor: str,
-        study_name: str,
-        storage: str | None,
-        trial_number: int,
-        pruner: optuna.pruners.BasePruner,
+        self, monitor: str, study_name: str, storage: str | None, trial_number: int, pruner: optuna.pruners.BasePruner
     ) -> None:
         self.monitor = monitor
         self._where = (study_name, storage, trial_number, pruner)

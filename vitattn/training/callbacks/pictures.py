@@ -1,13 +1,6 @@
-"""Pictures of every validation for the loggers that show them: TensorBoard images, MLflow artifacts.
-
-Captioning: the same first ``num_images`` validation images each time, each drawn as
-``vitattn-caption attention_maps=`` draws it (the image, one cross-attention map per generated word,
-the encoder rollout), titled with the generated caption and a reference. Classification: the
-confusion matrix of the validation split (torchmetrics), rows the true classes.
-
-Loggers are found by type, so the pictures go wherever they are attached: ``TensorBoardLogger``
-(``add_image``, and the captions as text), ``MLFlowLogger`` (``log_figure`` into the run's
-artifacts) and ``WandbLogger`` (``log_image``); with none of them the callback does nothing.
+"""Pictures of every validation for the loggers that show them, found by type (TensorBoard, MLflow, wandb):
+captioning's attention figures of the first validation images, classification's confusion matrix
+(docs/training.md#pictures-in-tensorboard-and-mlflow).
 """
 
 from __future__ import annotations
@@ -24,6 +17,7 @@ from torchmetrics.classification import MulticlassConfusionMatrix
 
 from vitattn.inference.attention_maps import attention_figures, figure_png
 from vitattn.inference.captioning import generate_tokens
+from vitattn.training.evaluation.report import confusion_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -38,8 +32,7 @@ class ValidationPictures(pl.Callback):
 
     Args:
         num_images: captioning: how many validation images (the split's first ones, the same every time).
-        max_labelled_classes: classification: class names and counts are written on the confusion
-            matrix up to this many classes (beyond it they would not be legible).
+        max_labelled_classes: classification: the confusion matrix names its classes and counts up to this many.
     """
 
     def __init__(self, num_images: int = 4, max_labelled_classes: int = 20) -> None:
@@ -56,13 +49,7 @@ class ValidationPictures(pl.Callback):
             self._confmat = MulticlassConfusionMatrix(num_classes).to(pl_module.device)
 
     def on_validation_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, *args: Any
     ) -> None:
         if self._confmat is not None and isinstance(outputs, torch.Tensor):
             self._confmat.update(outputs.argmax(dim=-1), batch[1])  # logits (B, K), labels (B,)
@@ -78,24 +65,11 @@ class ValidationPictures(pl.Callback):
             matrix = self._confmat.compute()  # every rank: the counts are summed over ranks
             self._confmat = None
             if trainer.is_global_zero:
-                figure = self._confusion_figure(matrix, pl_module.hparams["class_names"])
+                limit = self.max_labelled_classes
+                figure = confusion_figure(matrix, pl_module.hparams["class_names"], named=limit, counted=limit)
                 _log_figure(loggers, "val/confusion_matrix", figure, trainer.global_step)
         elif trainer.is_global_zero:
             self._log_captions(trainer, pl_module, loggers)
-
-    def _confusion_figure(self, matrix: torch.Tensor, class_names: list[str]) -> Figure:
-        from matplotlib.figure import Figure  # heavy: imported only when a figure is drawn
-
-        n = len(class_names)
-        labelled = n <= self.max_labelled_classes
-        side = min(4.0 + 0.5 * n, 16.0)
-        figure = Figure(figsize=(side, side))
-        ax = figure.add_subplot()
-        MulticlassConfusionMatrix(n).plot(
-            matrix.cpu(), ax=ax, add_text=labelled, labels=list(class_names) if labelled else None
-        )
-        figure.tight_layout()
-        return figure
 
     def _log_captions(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loggers: list[Logger]) -> None:
         images, references = self._validation_images(trainer)

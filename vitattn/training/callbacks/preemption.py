@@ -25,12 +25,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class Preemption(Checkpoint):
-    """On SIGTERM or SIGUSR1: finish the current step (and a validation that follows it), write the
-    run's ``checkpoints/last.ckpt``, stop; ``preempted()`` then describes the stop.
-
-    Args:
-        run_dir: the run folder; the checkpoint is its ``last_checkpoint`` (what ``resume`` continues
-            from), written through the trainer's checkpoint IO, so atomically.
+    """On SIGTERM or SIGUSR1: finish the current step (and a validation that follows it), write the run's
+    ``last_checkpoint`` (what ``resume`` continues from; atomically, through the trainer's checkpoint IO), stop;
+    ``preempted()`` then describes the stop.
     """
 
     def __init__(self, run_dir: str | Path) -> None:
@@ -58,16 +55,16 @@ class Preemption(Checkpoint):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._agreed_signal(trainer):
-            _stop_after_this_step(trainer, True)
+            # Lightning's own flag: the training loop stops at the end of the step, the evaluation loop after a batch.
+            request_sigterm_stop(trainer, True)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.stopped_by:  # let the validation due after this step run whole
-            _stop_after_this_step(trainer, False)
+            request_sigterm_stop(trainer, False)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Stop here, as a ModelCheckpoint would save here (this callback runs after them: a Checkpoint
-        # callback, Lightning orders those last): a run restarted from this point skips the validation
-        # and counts the step for its loggers once.
+        # Stop here, after the ModelCheckpoints (Lightning runs Checkpoint callbacks last) have saved: a run
+        # restarted from this point skips the validation and counts the step for its loggers once.
         if not trainer.sanity_checking and self._agreed_signal(trainer):
             raise SIGTERMException
 
@@ -101,19 +98,10 @@ class Preemption(Checkpoint):
         return Preempted(name, self.saved_step, self.checkpoint)
 
 
-def _stop_after_this_step(trainer: pl.Trainer, stop: bool) -> None:
-    # The flag Lightning's own SIGTERM handler sets (``trainer.received_sigterm`` reads it): the
-    # training loop raises SIGTERMException at the end of the step, the evaluation loop after a batch.
-    request_sigterm_stop(trainer, stop)
-
-
 def _host_group(trainer: pl.Trainer) -> Any:
-    """The group to agree over with host tensors: the default one where it is gloo (CPU runs), else a gloo group
-    over the same ranks (NCCL reduces only device tensors, and reading one back waits for the device); created
-    here, where every rank is (``new_group`` is itself collective). None in one process."""
+    """The gloo group to agree over with host tensors (NCCL reduces device tensors, whose reading waits for the
+    device), made where every rank is; None for the default group where it is gloo, or in one process."""
     dist = torch.distributed
-    if trainer.world_size <= 1 or not dist.is_available() or not dist.is_initialized():
-        return None
-    if dist.get_backend() == "gloo":
+    if trainer.world_size <= 1 or not dist.is_available() or not dist.is_initialized() or dist.get_backend() == "gloo":
         return None
     return dist.new_group(backend="gloo")

@@ -25,22 +25,12 @@ def schedule_of(trainer: pl.Trainer) -> WarmupCosine | None:
     return None
 
 
-def step_limit(trainer: pl.Trainer) -> float:
-    """Optimizer steps at which ``max_steps`` or ``max_epochs`` ends training (whichever comes first), or inf."""
-    return float(trainer.estimated_stepping_batches)
-
-
 class TimeBudgetHorizon(Callback):
     """Moves the schedule's horizon to the number of steps that fit in ``trainer.max_time``.
 
-    The step rate is measured over the run so far (validation included, the first ``skip_steps``
-    left out) and the horizon re-estimated every ``every_n_steps``: ``steps done + time left x rate``,
-    never past the step or epoch limit. Without ``max_time`` it only sets the horizon to the step or
-    epoch limit when training starts (a resumed run may have new limits).
-
-    Args:
-        skip_steps: steps before the first measurement (start-up, first batches).
-        every_n_steps: how often to re-estimate.
+    The step rate is measured over the run so far (validation included, the first ``skip_steps`` left out) and
+    the horizon, ``steps done + time left x rate`` (never past the step or epoch limit), re-estimated every
+    ``every_n_steps``. Without ``max_time`` it sets the horizon to the step or epoch limit at the start.
     """
 
     def __init__(self, skip_steps: int = 5, every_n_steps: int = 10) -> None:
@@ -56,14 +46,12 @@ class TimeBudgetHorizon(Callback):
         self._first_step, self._start = trainer.global_step, None
         timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
         self._timer = timer if timer is not None and timer.time_remaining() is not None else None
-        self._schedule, self._limit = schedule_of(trainer), step_limit(trainer)
-        # A resumed schedule keeps its saved horizon; the limits of this run (the first to end it) win.
-        if self._schedule is not None and math.isfinite(self._limit) and self._schedule.total_steps != int(self._limit):
+        # the step at which max_steps or max_epochs ends training, or inf; it replaces a resumed schedule's horizon
+        self._schedule, self._limit = schedule_of(trainer), float(trainer.estimated_stepping_batches)
+        if self._schedule is not None and math.isfinite(self._limit):
             self._schedule.total_steps = int(self._limit)
 
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         timer, schedule = self._timer, self._schedule
         if timer is None or schedule is None:
             return

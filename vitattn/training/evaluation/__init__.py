@@ -1,10 +1,4 @@
-"""Evaluate a trained model on a split: caption metrics, or top-1 / top-5 accuracy and a confusion matrix.
-
-``splits`` decides which images are scored and against what (the run's own data through
-``vitattn.training.run_data.datamodule_from_run``, or a user's COCO file / ImageFolder tree); ``captions`` and
-``classification`` score them, each image once; ``report`` shows and keeps the result
-(``metrics.json``, ``captions.jsonl`` or the confusion matrix, each file written atomically).
-"""
+"""Evaluate a trained model on a split: caption metrics, or top-1 / top-5 accuracy and a confusion matrix."""
 
 from vitattn.training.evaluation.captions import evaluate_captions, read_predictions
 from vitattn.training.evaluation.classification import evaluate_classification

@@ -145,8 +145,7 @@ def evaluate_captions(
         check_toolkit()  # before any caption is made
     if bundle.task != "caption":
         raise ValueError(f"this is a {bundle.task} model; caption metrics need a caption model")
-    run = run_dir if isinstance(run_dir, RunDir) or run_dir is None else RunDir(run_dir)
-    data = caption_split(bundle, split, run, references, image_dir, batch_size, num_workers)
+    data = caption_split(bundle, split, run_dir, references, image_dir, batch_size, num_workers)
     refs, decoding = data.references, {}
     if predictions is not None:
         captions, failed = read_predictions(predictions)
@@ -186,13 +185,5 @@ def evaluate_captions(
             len(refs),
             len(items),
         )
-    return EvalReport(
-        "caption",
-        split,
-        data.source,
-        metrics,
-        decoding,
-        str(Path(predictions).resolve()) if predictions is not None else None,
-        captions=items,
-        coco=coco,
-    )
+    read = str(Path(predictions).resolve()) if predictions is not None else None
+    return EvalReport("caption", split, data.source, metrics, decoding, read, captions=items, coco=coco)

@@ -66,8 +66,7 @@ def evaluate_classification(
     if bundle.task != "classification":
         raise ValueError(f"this is a {bundle.task} model; accuracy needs a classification model")
     failed: list[str] = []
-    run = run_dir if isinstance(run_dir, RunDir) or run_dir is None else RunDir(run_dir)
-    data = labelled_split(bundle, split, run, data_root, batch_size, num_workers)
+    data = labelled_split(bundle, split, run_dir, data_root, batch_size, num_workers)
     source = data.source
     if data.loader is not None:
         batches, total = data.loader, len(data.loader.dataset)

@@ -2,26 +2,27 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from torch import Tensor
 
 from vitattn.fileio import atomic_write
+from vitattn.inference.attention_maps import figure_png
 
-__all__ = ["EvalReport", "format_report", "save_confusion_matrix", "write_report"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["EvalReport", "confusion_figure", "format_report", "save_confusion_matrix", "write_report"]
 
 
 _LABELS = {
-    "bleu1": "BLEU-1",
-    "bleu2": "BLEU-2",
-    "bleu3": "BLEU-3",
-    "bleu4": "BLEU-4",
+    **{f"bleu{n}": f"BLEU-{n}" for n in range(1, 5)},
     "rouge_l": "ROUGE-L",
     "cider_d": "CIDEr-D",
     "meteor": "METEOR",
@@ -62,11 +63,11 @@ class EvalReport:
         return not self.metrics.get("num_failed") and not self.metrics.get("num_missing")
 
 
-def save_confusion_matrix(
-    confusion: Tensor, class_names: Sequence[str], path: str | os.PathLike, title: str | None = None
-) -> Path:
-    """Draw a (K, K) confusion matrix (rows true, columns predicted) with the class names on the
-    axes (counts in the cells up to 30 classes); write the PNG atomically."""
+def confusion_figure(
+    confusion: Tensor, class_names: Sequence[str], title: str | None = None, named: int = 100, counted: int = 30
+) -> Figure:
+    """A (K, K) confusion matrix, rows true and columns predicted, with the class names on the axes up to
+    ``named`` classes and the counts in the cells up to ``counted``."""
     # heavy: matplotlib is imported only when a figure is drawn; no pyplot: no global state, Agg chosen by savefig
     from matplotlib.figure import Figure
 
@@ -77,33 +78,28 @@ def save_confusion_matrix(
     ax = fig.add_subplot()
     shown = ax.imshow(counts, cmap="Blues", interpolation="nearest")
     fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.04)
-    if k <= 100:
+    if k <= named:
         ax.set_xticks(range(k), labels=list(class_names), rotation=90, fontsize=8)
         ax.set_yticks(range(k), labels=list(class_names), fontsize=8)
-    if k <= 30:
+    if k <= counted:
         high = counts.max() / 2 if counts.size else 0
-        for i in range(k):
-            for j in range(k):
-                if counts[i, j]:
-                    ax.text(
-                        j,
-                        i,
-                        str(counts[i, j]),
-                        ha="center",
-                        va="center",
-                        fontsize=7,
-                        color="white" if counts[i, j] > high else "black",
-                    )
+        for (i, j), count in np.ndenumerate(counts):
+            if count:
+                color = "white" if count > high else "black"
+                ax.text(j, i, str(count), ha="center", va="center", fontsize=7, color=color)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    path = Path(path)
-    atomic_write(path, buffer.getvalue())
-    return path
+    return fig
+
+
+def save_confusion_matrix(
+    confusion: Tensor, class_names: Sequence[str], path: str | os.PathLike, title: str | None = None
+) -> Path:
+    """Write ``confusion_figure`` as a PNG, atomically."""
+    return atomic_write(path, figure_png(confusion_figure(confusion, class_names, title), dpi=100))
 
 
 def _plain(metrics: Mapping[str, float]) -> dict[str, float | int]:
@@ -111,10 +107,8 @@ def _plain(metrics: Mapping[str, float]) -> dict[str, float | int]:
 
 
 def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) -> list[Path]:
-    """Write ``metrics.json`` (``task``, ``model``, ``split``, ``data``, ``predictions``, ``decoding``, ``metrics`` and,
-    scored by the toolkit too, ``coco``) into ``out_dir``, with ``captions.jsonl`` for generated captions or
-    ``confusion_matrix.png`` and ``.json`` for a classifier; returns the files written.
-    """
+    """Write ``metrics.json`` into ``out_dir``, with ``captions.jsonl`` for generated captions or
+    ``confusion_matrix.png`` and ``.json`` for a classifier; returns the files written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -123,8 +117,7 @@ def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) 
             json.dumps({"image_id": k, "caption": c, "references": r}, ensure_ascii=False) + "\n"
             for k, c, r in report.captions
         )
-        atomic_write(out / "captions.jsonl", "".join(lines).encode("utf-8"))
-        written.append(out / "captions.jsonl")
+        written.append(atomic_write(out / "captions.jsonl", "".join(lines)))
     if report.confusion is not None:
         table = {
             "class_names": report.class_names,
@@ -132,12 +125,9 @@ def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) 
             "columns": "predicted class",
             "matrix": report.confusion.tolist(),
         }
-        atomic_write(out / "confusion_matrix.json", (json.dumps(table) + "\n").encode("utf-8"))
+        written.append(atomic_write(out / "confusion_matrix.json", json.dumps(table) + "\n"))
         title = f"{report.split}: top-1 {report.metrics['top1']:.3f} over {report.metrics['num_images']} images"
-        written += [
-            out / "confusion_matrix.json",
-            save_confusion_matrix(report.confusion, report.class_names, out / "confusion_matrix.png", title),
-        ]
+        written.append(save_confusion_matrix(report.confusion, report.class_names, out / "confusion_matrix.png", title))
     summary = {
         "task": report.task,
         "model": model,
@@ -149,8 +139,7 @@ def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) 
     }
     if report.coco:
         summary["coco"] = _plain(report.coco)
-    atomic_write(out / "metrics.json", (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
-    return [out / "metrics.json", *written]
+    return [atomic_write(out / "metrics.json", json.dumps(summary, indent=2) + "\n"), *written]
 
 
 def format_report(report: EvalReport) -> str:

@@ -1,9 +1,5 @@
-"""Which images to score, and against what: a user's files, or the training run's own split.
-
-The run's data comes from ``vitattn.training.run_data.datamodule_from_run`` and its ``evaluation_split``:
-image files with ids (COCO, Karpathy, ImageFolder) or ready batches (the built-in shapes). A COCO
-caption file (``references`` + ``image_dir``) or an ImageFolder tree (``data_root``) replaces the
-run's data; only the run's own data imports Lightning and Hydra.
+"""Which images to score, and against what: a user's COCO caption file or ImageFolder tree, or the training
+run's own split (its DataModule's ``evaluation_split``: image files with ids, or ready batches).
 """
 
 from __future__ import annotations
@@ -32,7 +28,7 @@ def check_split(split: str) -> None:
 
 def _run_split(
     bundle: LoadedModel,
-    run: RunDir | None,
+    run: RunDir | str | os.PathLike | None,
     split: str,
     wanted: str,
     batch_size: int,
@@ -44,6 +40,7 @@ def _run_split(
             "the model is not inside a training run (no config.yaml beside it), so there is no split to take; "
             f"give {wanted}"
         )
+    run = run if isinstance(run, RunDir) else RunDir(run)
     # heavy: the run's own data is its DataModule, rebuilt by Hydra (Lightning); a user's files need neither
     from vitattn.training.run_data import datamodule_from_run
 
@@ -85,7 +82,7 @@ def _model_labels(labels: Sequence[int], names: Sequence[str], model_names: Sequ
 def caption_split(
     bundle: LoadedModel,
     split: str,
-    run: RunDir | None,
+    run: RunDir | str | os.PathLike | None,
     references: str | os.PathLike | None,
     image_dir: str | os.PathLike | None,
     batch_size: int,
@@ -119,28 +116,23 @@ def caption_split(
 def labelled_split(
     bundle: LoadedModel,
     split: str,
-    run: RunDir | None,
+    run: RunDir | str | os.PathLike | None,
     data_root: str | os.PathLike | None,
     batch_size: int,
     num_workers: int,
 ) -> EvalSplit:
     """An ImageFolder tree's ``split`` (files, ids = the model's class indices), else the run's own ``split``."""
-    class_names = list(bundle.class_names)
     if data_root is None:
         wanted = "data_root=DIR (holding <split>/<class>/<image>)"
         evaluation = _run_split(bundle, run, split, wanted, batch_size, num_workers)
         if evaluation.references is not None:
             raise ValueError(f"the run's data has no class labels ({evaluation.source}); give data_root=DIR")
         return evaluation
-    return _folder_split(Path(data_root), split, class_names)
-
-
-def _folder_split(root: Path, split: str, class_names: Sequence[str]) -> EvalSplit:
-    """Image paths of ``root/<split>/<class>/`` and their labels in the model's class order."""
+    root = Path(data_root)
     directory = image_folder_split(root, split)
     if directory != root / split:
         log.warning("%s does not exist; evaluating %s, as training tested on it", root / split, directory)
     folder = open_image_folder(directory)  # lists files; nothing is read
     files = [path for path, _ in folder.samples]
-    labels = _model_labels([target for _, target in folder.samples], folder.classes, class_names, str(directory))
+    labels = _model_labels([label for _, label in folder.samples], folder.classes, bundle.class_names, str(directory))
     return EvalSplit(str(directory.resolve()), files=files, ids=labels)

@@ -22,11 +22,8 @@ UNKNOWN_HORIZON = 10**9  # steps: a schedule with no step, epoch or time limit s
 
 
 class NonFiniteNotes:
-    """The earliest non-finite loss since the last look: its step and value, kept on the loss's device.
-
-    ``note`` queues a few device operations and reads nothing back, so a step that notes its loss makes no
-    host sync; ``take`` reads the notes (one sync) and clears them.
-    """
+    """The earliest non-finite loss since the last look, kept on the loss's device: ``note`` reads nothing back
+    (no host sync); ``take`` reads the notes (one sync) and clears them."""
 
     def __init__(self) -> None:
         self.step: Tensor | None = None  # () long: the step of the earliest non-finite loss, -1 for none
@@ -48,9 +45,8 @@ class NonFiniteNotes:
 
         Args:
             device: where a rank that noted nothing puts its empty note.
-            gather: under DDP, the all-gather of a scalar over the ranks (``LightningModule.all_gather``): every
-                rank must then take its notes together. None: this process's notes alone.
-            rank: this process's rank, named when its notes are taken alone.
+            gather: under DDP the all-gather over the ranks (every rank takes its notes together); None: this
+                process's notes alone, named as ``rank``'s.
         """
         step, loss = (self.step, self.loss) if self.step is not None else self._empty(device)
         self.step = self.loss = None
@@ -68,13 +64,12 @@ class NonFiniteNotes:
 class VisionSystem(pl.LightningModule):
     """Base LightningModule: AdamW + warmup/cosine, and what to do with a non-finite loss.
 
-    Subclasses build ``self.model`` from plain-value hyperparameters (saved with
-    ``save_hyperparameters``), so a checkpoint loads with ``torch.load(weights_only=True)``.
+    Subclasses build ``self.model`` from plain-value hyperparameters, so a checkpoint loads with
+    ``torch.load(weights_only=True)``.
 
     Args:
         optim: keyword arguments of ``build_optimizer`` (lr, weight_decay, warmup_steps, ...).
-        nonfinite: ``raise`` stops training naming the step; ``skip`` skips the step (on every rank together)
-            and counts it.
+        nonfinite: ``raise`` stops training naming the step; ``skip`` skips the step on every rank and counts it.
     """
 
     model: torch.nn.Module
@@ -96,31 +91,20 @@ class VisionSystem(pl.LightningModule):
 
     @property
     def loss_on_progress_bar(self) -> bool:
-        """Whether a progress bar shows the training loss. Lightning reads every ``prog_bar`` value back to the
-        host at each step, a sync that a run without a progress bar need not make."""
+        """Whether a progress bar shows the training loss (Lightning reads its values back at every step)."""
         return self._trainer is not None and self._trainer.progress_bar_callback is not None
 
     def guard(self, loss: Tensor) -> Tensor:
-        """``loss``, unchanged; whether it is finite is noted on its device, without a host sync.
-
-        ``optimizer_step`` reads the note: with ``nonfinite=skip`` at every step (the decision needs the value),
-        with ``raise`` at logging steps; ``raise`` also looks before validation and checkpoints and at the end
-        of each epoch.
-        """
+        """``loss``, unchanged; whether it is finite is noted on its device, without a host sync."""
         self._nonfinite_notes.note(loss, self.global_step)
         return loss
 
     def optimizer_step(
         self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Callable[[], Any] | None = None
     ) -> None:
-        """Lightning's step, after a look at the noted losses where one is due.
-
-        With ``nonfinite=skip`` every rank looks at every step and, if a loss on any rank was not finite, every
-        rank skips the optimizer's update (the step still counts, for ``global_step`` and the schedule). Lightning
-        refuses a ``None`` loss under DDP, and a rank that stopped alone would leave the others waiting in the
-        gradient all-reduce. With ``raise`` the look is at logging steps only: a step that logs nothing makes no
-        host sync.
-        """
+        """Lightning's step, after a look at the noted losses: every step with ``nonfinite=skip`` (a non-finite
+        loss on any rank skips the update on every rank; the step still counts), logging steps with ``raise``
+        (docs/scaling.md#on-gpus)."""
         try:
             loss = optimizer_closure()  # training_step and backward: under DDP every rank joins the all-reduce
             if self.nonfinite == "skip":
@@ -142,18 +126,15 @@ class VisionSystem(pl.LightningModule):
             raise found from error
 
     def check_finite(self) -> None:
-        """Raise ``NonFiniteLossError`` if a loss noted since the last look was not finite, on any rank.
-
-        One host sync (and an all-gather under DDP: every rank must call it together); the notes are cleared.
-        """
+        """Raise ``NonFiniteLossError`` if a loss noted since the last look was not finite, on any rank (one
+        host sync; under DDP every rank calls it together)."""
         found = self._nonfinite_error(self._nonfinite_notes.take(self.device, self._gather))
         if found is not None:
             raise found
 
     def configure_model(self) -> None:
-        """Under ``trainer=fsdp`` (Lightning's ``ModelParallelStrategy``, which gives a device mesh) shard the
-        model for training, one unit per encoder and decoder layer (``shard_layers``). A test after training runs
-        on the whole weights (``vitattn.training`` gathers them), so only fitting shards."""
+        """Under ``trainer=fsdp`` (a device mesh) shard the model for fitting, one unit per layer; a test after
+        training runs on the whole weights."""
         mesh = self.device_mesh
         if mesh is None or self.trainer.state.fn != TrainerFn.FITTING or is_sharded(self.model):
             return
@@ -185,10 +166,8 @@ class VisionSystem(pl.LightningModule):
     def nothing_to_train(self) -> Tensor | None:
         """The training step of a batch none of whose images could be read (``data.bad_images=skip``).
 
-        One process: None, Lightning's "skip this batch". Under DDP Lightning refuses None, and a rank that skipped
-        the backward pass alone would leave the others waiting in the gradient all-reduce for ever: the rank
-        returns a zero loss that reaches every trainable weight, joins the all-reduce with zero gradients, and
-        the step's update is the other ranks' gradients averaged over all ranks.
+        One process: None, Lightning's "skip this batch". Under DDP (which refuses None) a zero loss over every
+        trainable weight, so that the rank joins the gradient all-reduce with zero gradients.
         """
         if self._gather is None:
             return None
@@ -216,14 +195,12 @@ class VisionSystem(pl.LightningModule):
         self.log("train/skipped_batches", float(self.skipped_batches))
 
     def param_groups(self) -> list[dict[str, Any]]:
-        """The optimizer's groups for the parameters trainable now (``optim.param_groups``): what a
-        thawing encoder adds to the running optimizer."""
+        """The optimizer's groups of the parameters trainable now: what a thawing encoder adds."""
         keys = ("lr", "weight_decay", "layer_decay", "head_lr")
         return param_groups(self.model, **{k: v for k, v in self.optim.items() if k in keys})
 
     def configure_optimizers(self) -> dict[str, Any]:
-        # The step or epoch limit, whichever ends training first; under a time budget alone the
-        # horizon is unknown here and ``TimeBudgetHorizon`` sets it once the step rate is measured.
+        # The step or epoch limit; under a time budget alone ``TimeBudgetHorizon`` sets it later.
         limit = self.trainer.estimated_stepping_batches
         total = int(limit) if math.isfinite(limit) else UNKNOWN_HORIZON
         optimizer, scheduler = build_optimizer(self.model, total_steps=total, **self.optim)

@@ -1,9 +1,5 @@
 """Image captioning: teacher-forced cross-entropy, or self-critical training on CIDEr-D (``scst``); validation
-decodes and scores the whole split.
-
-Under DDP each rank decodes its share; the captions are gathered from all ranks, the distributed
-sampler's padding duplicates are dropped by image id, and BLEU / CIDEr-D are computed once over the
-whole split, so every rank logs the same value and it equals the single-process figure.
+decodes and scores the whole split, gathered from every rank, so each rank logs the single-process figure.
 """
 
 from __future__ import annotations
@@ -42,13 +38,10 @@ class CaptionSystem(VisionSystem):
         vocab: the tokenizer as ``tokenizer_labels`` keeps it: a word vocabulary's ordinary words in id order,
             or a subword tokenizer's ``tokenizer.json`` text (plain types: checkpoints load with weights_only).
         preprocess: evaluation preprocessing kept with the checkpoint for inference.
-        label_smoothing: cross-entropy label smoothing.
         generate: ``ImageCaptioner.generate`` keyword arguments used in validation and test.
         num_samples: captions shown in the log (TensorBoard text) each validation.
-        optim: ``build_optimizer`` keyword arguments.
-        nonfinite: ``raise`` or ``skip`` on a non-finite loss.
-        scst: ``ScstConfig`` settings: train self-critically on CIDEr-D (``finetune=scst``) rather than with
-            teacher-forced cross-entropy; the run gives the reward with ``use_reward`` before training.
+        optim, nonfinite: as ``VisionSystem`` takes them.
+        scst: ``ScstConfig`` settings: train self-critically (``finetune=scst``) with the reward ``use_reward`` gives.
     """
 
     task = "caption"
@@ -108,15 +101,14 @@ class CaptionSystem(VisionSystem):
         if self.scst is None:
             loss = self._loss(batch, self.label_smoothing)
         else:
-            loss = self._self_critical_loss(batch)
+            loss = self._self_critical_loss(batch, size)
         self.log("train/loss", loss, prog_bar=self.loss_on_progress_bar, batch_size=size)
         return self.guard(loss)
 
-    def _self_critical_loss(self, batch: dict[str, Any]) -> Tensor:
+    def _self_critical_loss(self, batch: dict[str, Any], size: int) -> Tensor:
         if self.self_critical is None:
             raise RuntimeError("scst is set but no reward was given: call use_reward(scorer) before training")
         loss, logged = self.self_critical(self.model, batch["images"], batch["references"], None)
-        size = len(batch["images"])
         self.log_dict({f"train/{k}": v for k, v in logged.items()}, batch_size=size)
         if self.scst.xe_weight:
             loss = loss + self.scst.xe_weight * self._loss(batch, self.label_smoothing)

@@ -22,13 +22,10 @@ class ClassificationSystem(VisionSystem):
     Args:
         model_config: ``VisionTransformer`` keyword arguments, ``num_classes`` included.
         class_names: one name per class, in label order.
-        preprocess: evaluation preprocessing (img_size, crop_pct, mean, std, interpolation), kept
-            with the checkpoint for inference.
-        label_smoothing: cross-entropy label smoothing.
-        mixup, cutmix: timm's ``Mixup`` alphas for training batches (0 = off); with both, one or the
-            other per batch. The loss then takes the mixed soft targets (smoothed as above).
-        optim: ``build_optimizer`` keyword arguments.
-        nonfinite: ``raise`` or ``skip`` on a non-finite loss.
+        preprocess: evaluation preprocessing (img_size, crop_pct, mean, std, interpolation), kept for inference.
+        mixup, cutmix: timm's ``Mixup`` alphas for training batches (0 = off); the loss then takes the mixed soft
+            targets (label-smoothed).
+        optim, nonfinite: as ``VisionSystem`` takes them.
     """
 
     task = "classification"
@@ -52,11 +49,9 @@ class ClassificationSystem(VisionSystem):
         self.example_input_array = self.example_images(self.model)  # the model summary counts FLOPs per image
         self.label_smoothing = label_smoothing
         n = len(class_names)
-        self.mixup = (
-            Mixup(mixup_alpha=mixup, cutmix_alpha=cutmix, label_smoothing=label_smoothing, num_classes=n)
-            if mixup > 0 or cutmix > 0
-            else None
-        )
+        self.mixup: Mixup | None = None
+        if mixup > 0 or cutmix > 0:  # with both, timm draws one or the other per batch
+            self.mixup = Mixup(mixup_alpha=mixup, cutmix_alpha=cutmix, label_smoothing=label_smoothing, num_classes=n)
         self.train_acc = MulticlassAccuracy(n, average="micro")
         self.val_acc = MulticlassAccuracy(n, average="micro")
         self.val_top5 = MulticlassAccuracy(n, top_k=min(5, n), average="micro")

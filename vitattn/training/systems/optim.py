@@ -1,11 +1,6 @@
-"""AdamW with warmup + cosine decay, stepped every optimizer step, over a horizon that can move.
-
-The horizon is the number of optimizer steps the run will take. It is fixed when ``max_steps`` or
-``max_epochs`` ends training; under a ``max_time`` budget ``vitattn.training.callbacks.TimeBudgetHorizon``
-re-estimates it from the measured step rate so that the learning rate reaches its floor at the deadline.
-
-Each parameter group has its own peak learning rate (layer-wise decay over the encoder, a head or
-decoder rate); one ``WarmupCosine`` factor multiplies them all.
+"""AdamW with warmup + cosine decay, stepped every optimizer step, over a horizon that can move
+(``TimeBudgetHorizon`` moves it under ``trainer.max_time``). Each parameter group has its own peak learning
+rate (layer-wise decay, a head or decoder rate); one ``WarmupCosine`` factor multiplies them all.
 """
 
 from __future__ import annotations
@@ -36,13 +31,11 @@ AUTO_WARMUP_STEPS = 200  # optim.warmup_steps=auto: 200 steps, or a tenth of a s
 class WarmupCosine:
     """Learning-rate factor at an optimizer step: linear warmup from 1/1000, then cosine to ``min_lr_ratio``.
 
-    A plain object (its ``__dict__`` is the scheduler's saved state), so a resumed run continues the
-    same curve, and ``total_steps`` may be moved while training.
+    A plain object (its ``__dict__`` is the scheduler's saved state): a resumed run continues the same curve.
 
     Args:
         total_steps: the horizon: steps at which the factor reaches ``min_lr_ratio``.
-        warmup_steps: steps of linear warmup (capped at a tenth of the horizon); ``"auto"``:
-            ``AUTO_WARMUP_STEPS``, so a short run warms up for a tenth of it and a long one for 200 steps.
+        warmup_steps: steps of linear warmup, at most a tenth of the horizon (``"auto"``: ``AUTO_WARMUP_STEPS``).
         min_lr_ratio: the final factor.
     """
 
@@ -77,28 +70,17 @@ def param_groups(
     layer_decay: float | None = None,
     head_lr: float | None = None,
 ) -> list[dict[str, Any]]:
-    """AdamW parameter groups of the trainable parameters, each with its own peak ``lr``.
+    """AdamW parameter groups ``[{"params", "lr", "weight_decay"}, ...]`` of the trainable parameters.
 
-    Norms, biases and embeddings get no weight decay. With ``layer_decay`` the groups come from timm's
-    ``param_groups_layer_decay`` over ``model.group_matcher()``: a layer ``i`` of ``L`` (the stem 0, block
-    ``k`` ``k + 1``, the head or decoder ``L``) learns at ``lr * layer_decay ** (L - i)``.
-
-    Args:
-        model: a ``VisionTransformer`` or an ``ImageCaptioner``.
-        lr: peak learning rate (of the top layer).
-        weight_decay: decoupled weight decay on matrices.
-        layer_decay: layer-wise decay in (0, 1]; None: one rate for all.
-        head_lr: peak learning rate of ``head_modules(model)``; None: as above.
-
-    Returns:
-        ``[{"params", "lr", "weight_decay"}, ...]``; frozen parameters are left out.
+    Norms, biases and embeddings get no weight decay. With ``layer_decay`` (timm's ``param_groups_layer_decay``
+    over ``model.group_matcher()``) layer ``i`` of ``L`` (the stem 0, block ``k`` ``k + 1``, the head or decoder
+    ``L``) learns at ``lr * layer_decay ** (L - i)``; ``head_lr`` is the rate of ``head_modules(model)``.
     """
+    no_decay = no_weight_decay_names(model)
     if layer_decay is None:
-        groups = param_groups_weight_decay(model, weight_decay, no_weight_decay_list=no_weight_decay_names(model))
+        groups = param_groups_weight_decay(model, weight_decay, no_weight_decay_list=no_decay)
     else:
-        groups = param_groups_layer_decay(
-            model, weight_decay, no_weight_decay_list=no_weight_decay_names(model), layer_decay=layer_decay
-        )
+        groups = param_groups_layer_decay(model, weight_decay, no_weight_decay_list=no_decay, layer_decay=layer_decay)
     groups = [{**g, "lr": lr * g.pop("lr_scale", 1.0)} for g in groups]
     if head_lr is None:
         return groups
@@ -123,22 +105,16 @@ def build_optimizer(
     layer_decay: float | None = None,
     head_lr: float | None = None,
 ) -> tuple[AdamW, LambdaLR]:
-    """AdamW (no decay on norms, biases and embeddings) and a warmup-then-cosine schedule.
+    """AdamW over ``param_groups(model, lr, weight_decay, layer_decay, head_lr)`` and a ``WarmupCosine`` schedule.
 
     Args:
         model: the parameters to optimise (the trainable ones: a frozen encoder is added when it thaws).
-        total_steps: optimizer steps of the whole run (the schedule ends there; ``WarmupCosine`` may move it).
-        lr: peak learning rate.
-        weight_decay: decoupled weight decay on matrices.
-        betas: AdamW betas.
-        warmup_steps: linear warmup from ``lr / 1000``; capped at a tenth of the run (``"auto"``: see
-            ``WarmupCosine``).
-        min_lr_ratio: final learning rate / peak.
-        layer_decay, head_lr: per-group peak rates, see ``param_groups``.
+        total_steps: optimizer steps of the whole run: the schedule's horizon.
+        warmup_steps, min_lr_ratio: the schedule's, see ``WarmupCosine``.
 
     Returns:
-        ``(optimizer, scheduler)``; step the scheduler once per optimizer step; ``scheduler.lr_lambdas[0]``
-        is the ``WarmupCosine``, shared by every group.
+        ``(optimizer, scheduler)``, the scheduler stepped once per optimizer step; its ``lr_lambdas[0]`` is the
+        ``WarmupCosine`` every group shares.
     """
     groups = param_groups(model, lr, weight_decay, layer_decay, head_lr)
     optimizer = AdamW(groups, lr=lr, betas=tuple(betas))

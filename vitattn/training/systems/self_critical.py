@@ -1,8 +1,6 @@
-"""Self-critical sequence training (Rennie et al., 2017): sample captions, reward each with CIDEr-D against its
-image's references, and raise the log-probability of the captions that beat a baseline (``mean`` of the
-image's other samples, Luo 2020, or its ``greedy`` caption's, Rennie et al.); the loss, the sampling and the
-reward's ``<eos>`` word are the reference implementation's; the decoder's dropout is off in the pass that samples
-and the pass that scores (docs/training.md#a-second-stage-self-critical-training-on-cider-d).
+"""Self-critical sequence training (Rennie et al., 2017) on CIDEr-D: the reference implementation's loss, sampling
+and reward (``<eos>`` a word), the decoder's dropout off in the pass that samples and the pass that scores
+(docs/training.md#a-second-stage-self-critical-training-on-cider-d).
 
 Dimension letters: B images, K samples per image, T generated positions, V vocabulary, N image tokens, D width.
 """
@@ -29,14 +27,9 @@ BASELINES = ("mean", "greedy")
 
 @dataclass(frozen=True)
 class ScstConfig:
-    """``finetune.scst``: samples per image, the baseline, the sampling filters and the cross-entropy mixed in.
-
-    Args:
-        samples: K captions sampled per image.
-        baseline: ``mean`` (the image's other samples' mean reward) or ``greedy`` (its greedy caption's).
-        temperature, top_k, top_p: the sampling filters, as ``generate`` takes them.
-        xe_weight: weight of the teacher-forced cross-entropy on the batch's captions added to the loss; 0: none.
-        max_new_tokens: longest sample, ``<eos>`` included; None: the decoder's ``max_len - 1``.
+    """``finetune.scst``: K ``samples`` per image, the ``baseline`` (``mean`` of the image's other samples'
+    rewards, Luo 2020, or its ``greedy`` caption's), the sampling filters as ``generate`` takes them, the weight
+    of the teacher-forced cross-entropy mixed in, the longest sample (None: the decoder's ``max_len - 1``).
     """
 
     samples: int = 5
@@ -77,19 +70,14 @@ def scst_loss(log_probs: Tensor, mask: Tensor, advantage: Tensor) -> Tensor:
 
 
 def mean_of_others(rewards: Tensor, samples: int) -> Tensor:
-    """(B * K,) rewards, the K of an image consecutive -> each sample's baseline: the mean of the image's other
-    K - 1 rewards."""
+    """(B * K,) rewards, the K of an image consecutive -> (B * K,) means of the image's other K - 1 rewards."""
     grouped = rewards.view(-1, samples)  # (B, K)
     return ((grouped.sum(1, keepdim=True) - grouped) / (samples - 1)).reshape(-1)
 
 
 class SelfCritical:
     """The self-critical objective of a ``CaptionSystem``: one call gives the loss of a batch and what to log.
-
-    Args:
-        config: the ``finetune.scst`` settings.
-        scorer: CIDEr-D with the training set's document frequencies.
-        decode: token ids (S, T) -> captions, the model's tokenizer's ``decode_batch``.
+    ``scorer`` is CIDEr-D with the training set's document frequencies, ``decode`` the tokenizer's ``decode_batch``.
     """
 
     def __init__(self, config: ScstConfig, scorer: CiderD, decode: Any) -> None:
@@ -166,8 +154,7 @@ def sample_log_probs(model: ImageCaptioner, memory: Tensor, sampled: Tensor) -> 
         sampled: (B * K, T) token ids without ``<bos>``, padded after ``<eos>``.
 
     Returns:
-        (B * K, T) log-probabilities (``<pad>``, ``<bos>`` and ``<unk>`` banned, as in the search) and the
-        (B * K, T) mask of generated tokens, ``<eos>`` included.
+        (B * K, T) log-probabilities (with the search's bans) and the mask of generated tokens, ``<eos>`` included.
     """
     ids = model.special_ids
     bos = sampled.new_full((sampled.shape[0], 1), ids.bos_id)

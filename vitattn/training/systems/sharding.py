@@ -1,11 +1,6 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for the systems' models: each of the document's layers
-(``EncoderLayer``, ``DecoderLayer``) is one shard unit, the rest of the model (embeddings, norms, heads)
-another; every process keeps a 1/N slice of each weight, its gradient and AdamW's two moments.
-
-Evaluation (validation during training) runs on the gathered weights: the decoding loops of captioning stop
-when every caption of a batch has ended, after a number of steps that differs between processes, and a
-sharded layer would all-gather its weights at each step, so that one process would wait for the others
-forever. The weights are gathered once before evaluation and sharded again after it.
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for the systems' models: each ``EncoderLayer`` and
+``DecoderLayer`` one shard unit, the rest of the model another; validation runs on weights gathered once
+before it (why: docs/scaling.md#big-models-fsdp).
 """
 
 from __future__ import annotations
@@ -76,10 +71,8 @@ def shard_again(model: nn.Module) -> None:
 
 
 def unsharded_copy(model: nn.Module) -> nn.Module:
-    """A plain copy of a sharded ``model`` with its whole weights, on the device of its shards, in its mode.
-
-    Every process must call it: the weights are all-gathered.
-    """
+    """A plain copy of a sharded ``model`` with its whole weights, on the device of its shards, in its mode;
+    every process calls it together."""
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     device = next(iter(weights.values())).device
     with torch.device(device):
@@ -92,9 +85,8 @@ def unsharded_copy(model: nn.Module) -> nn.Module:
 
 
 class FullyShardedStrategy(ModelParallelStrategy):
-    """``trainer=fsdp``: FSDP2 over all ``num_nodes x devices`` processes, each a data-parallel rank holding a
-    shard of every weight (``configure_model`` shards it), no tensor parallelism; each checkpoint one whole
-    file gathered on rank 0, read as a DDP run's are (why not Lightning's own strategies: docs/scaling.md)."""
+    """``trainer=fsdp``: FSDP2 over all ``num_nodes x devices`` processes, each a data-parallel rank (no tensor
+    parallelism); each checkpoint one whole file gathered on rank 0 (why not Lightning's own: docs/scaling.md)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(save_distributed_checkpoint=False, **kwargs)
