@@ -14,27 +14,22 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import inspect
 import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from vitattn.bundle.folder import LoadedModel
+from vitattn.bundle.folder import LoadedModel, check_decoding, check_tokenizer, read_config, read_labels
 from vitattn.data.preprocess import check_preprocess
-from vitattn.data.tokenizer import load_tokenizer
 from vitattn.errors import MissingDependencyError, brief, first_line
-from vitattn.fileio import read_json
-from vitattn.models import TASKS
 from vitattn.models.search import CaptionSearch, SpecialIds
-from vitattn.run_dir import VOCAB_FILE
 
 __all__ = [
     "DECODER_KEYS",
@@ -111,32 +106,21 @@ def check_onnx_config(directory: Path) -> dict[str, Any]:
     """``onnx.json`` of ``directory``, checked: format, version, task, preprocessing, decoder sizes and
     every graph's file and checksum. A one-line ``ValueError`` names the problem and the fix."""
     where = directory / ONNX_CONFIG_FILE
-    config = read_json(where, "ONNX folder config")
-    if not isinstance(config, dict) or config.get("format") != ONNX_FORMAT:
-        raise ValueError(f"{where} is not a vitattn ONNX config (format must be {ONNX_FORMAT!r}); {_REEXPORT}")
-    if config.get("version") != ONNX_VERSION:
-        raise ValueError(
-            f"{where} has version={brief(config.get('version'))} (written by vitattn "
-            f"{brief(config.get('vitattn_version'))}); this vitattn reads version {ONNX_VERSION}: {_REEXPORT}"
-        )
-    task = config.get("task")
-    if task not in TASKS:
-        raise ValueError(f"{where} has task={brief(task)}; expected one of {list(TASKS)}")
+    config = read_config(where, "vitattn ONNX config", ONNX_FORMAT, ONNX_VERSION, f"; {_REEXPORT}")
+    task = config["task"]
     if config.get("precision") not in PRECISIONS:
         raise ValueError(f"{where} has precision={brief(config.get('precision'))}; expected one of {list(PRECISIONS)}")
     config["preprocess"] = check_preprocess(config.get("preprocess"), f"{where}: preprocess")
     if task == "caption":
-        decoder = config.get("decoder")
-        bad = [k for k in DECODER_KEYS if not isinstance((decoder or {}).get(k), int) or decoder[k] < 0]
-        if not isinstance(decoder, Mapping) or bad:
+        decoder = config.get("decoder") if isinstance(config.get("decoder"), Mapping) else {}
+        bad = [k for k in DECODER_KEYS if not isinstance(decoder.get(k), int) or decoder[k] < 0]
+        if bad:
             raise ValueError(f"{where}: decoder needs non-negative integers {list(DECODER_KEYS)}; {bad} are not")
         if "unk_id" not in decoder:
             raise ValueError(f"{where}: decoder has no unk_id; {_REEXPORT}")
         unk = decoder["unk_id"]
         if unk is not None and (not isinstance(unk, int) or isinstance(unk, bool) or unk < 0):
             raise ValueError(f"{where}: decoder.unk_id={brief(unk)} must be a non-negative integer or null")
-        if not isinstance(config.get("generate", {}), Mapping):
-            raise ValueError(f"{where}: 'generate' must be a mapping of generate() keyword arguments")
     graphs = config.get("graphs")
     if not isinstance(graphs, Mapping):
         raise ValueError(f"{where} has no 'graphs' mapping; {_REEXPORT}")
@@ -203,7 +187,7 @@ class OnnxCaptioner(CaptionSearch):
         self.encoder_session, self.step_session = encoder, step
         self.max_len = decoder["max_len"]
         self.vocab_size = decoder["vocab_size"]
-        self.special_ids = SpecialIds(decoder["pad_id"], decoder["bos_id"], decoder["eos_id"], decoder["unk_id"])
+        self.special_ids = SpecialIds(*(decoder[k] for k in SpecialIds._fields))
 
     def encode(self, images: Tensor) -> list[np.ndarray]:
         """(B, C, height, width) -> 2L arrays: each decoder layer's cross-attention keys (B, H, d, N) and values
@@ -239,12 +223,8 @@ class OnnxModel(LoadedModel):
     ``OnnxCaptioner`` or ``OnnxClassifier``, ``config`` its ``onnx.json``, ``precision`` what it was exported in.
     """
 
+    runtime: ClassVar[str] = "onnx"
     model: OnnxCaptioner | OnnxClassifier
-
-    @property
-    def runtime(self) -> str:
-        """``onnx``."""
-        return "onnx"
 
     @property
     def device(self) -> torch.device:
@@ -258,46 +238,28 @@ def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Onn
     """
     ort = require_onnxruntime()
     config = check_onnx_config(directory)
+    where, task = directory / ONNX_CONFIG_FILE, config["task"]
+    vocab, class_names = read_labels(directory, config, where)
+    generate = config.get("generate") or {}
     if torch.device(device).type != "cpu":
         log.warning("%s runs on ONNX Runtime's CPU provider; device=%s is not used", directory, device)
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()  # as many threads as the PyTorch runtime
     options.inter_op_num_threads = 1
-    sessions = {}
-    for name in ("encoder", "decoder_step") if config["task"] == "caption" else ("classifier",):
+    sessions = []
+    for name in GRAPHS[task]:
         path = graph_path(directory, config, name)
         try:
-            sessions[name] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            sessions.append(ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]))
         except Exception as err:  # noqa: BLE001 - onnxruntime raises its own error types for graphs it cannot run
             raise ValueError(
                 f"{path} cannot be run by onnxruntime {ort.__version__}: {first_line(err)}; export it again with "
                 "this vitattn (vitattn-export model=RUN format=onnx out=DIR) or install a newer onnxruntime"
             ) from None
-    preprocess, generate = config["preprocess"], dict(config.get("generate") or {})
-    if config["task"] == "classification":
-        names = config.get("class_names")
-        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-            raise ValueError(f"{directory / ONNX_CONFIG_FILE} has no 'class_names' list of strings")
-        model = OnnxClassifier(sessions["classifier"], len(names))
-        return OnnxModel(model, "classification", preprocess, config, None, names, generate, config["precision"])
-    name = config.get("vocab_file", VOCAB_FILE)
-    if not isinstance(name, str) or Path(name).name != name or not name:
-        raise ValueError(
-            f"{directory / ONNX_CONFIG_FILE} has vocab_file={brief(name)}; it must be a file name inside the folder"
-        )
-    vocab = load_tokenizer(directory / name)
-    decoder = config["decoder"]
-    ids = (vocab.pad_id, vocab.bos_id, vocab.eos_id, vocab.unk_id)
-    if len(vocab) != decoder["vocab_size"] or ids != tuple(decoder[f"{k}_id"] for k in ("pad", "bos", "eos", "unk")):
-        raise ValueError(
-            f"{directory}: the tokenizer {name} ({len(vocab)} tokens, special ids {ids}) does not fit the decoder "
-            f"(vocab_size={decoder['vocab_size']}); export the folder again"
-        )
-    model = OnnxCaptioner(sessions["encoder"], sessions["decoder_step"], decoder)
-    try:
-        model.check_generate(
-            **{k: v for k, v in generate.items() if k in inspect.signature(model.check_generate).parameters}
-        )
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{directory / ONNX_CONFIG_FILE}: generate: {first_line(err)}") from None
-    return OnnxModel(model, "caption", preprocess, config, vocab, None, generate, config["precision"])
+    if task == "classification":
+        model = OnnxClassifier(sessions[0], len(class_names))
+    else:
+        model = OnnxCaptioner(*sessions, config["decoder"])
+        check_tokenizer(vocab, model.vocab_size, model.special_ids, directory)
+    check_decoding(model, task, generate, where)
+    return OnnxModel(model, task, config["preprocess"], config, vocab, class_names, dict(generate), config["precision"])
