@@ -5,7 +5,7 @@ d head width, P past caption positions, N image tokens, D width, V vocabulary.
 
 PyTorch's TorchScript-based exporter (``dynamo=False``) traces the modules the PyTorch runtime runs. The
 encoder's self-attention is written as ONNX Runtime's contrib ``Attention`` op, and int8 folders take GELU's
-tanh form as ``FastGelu``; why, and the int8 choices: docs/serving.md ("ONNX export").
+tanh form as ``FastGelu``; why, and the int8 choices: docs/captioning.md ("ONNX Runtime").
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from vitattn.models import CaptionDecoder, ImageCaptioner
 
 __all__ = [
     "OPSET",
-    "ClassifierGraph",
     "DecoderStepGraph",
     "EncoderGraph",
     "FastGelu",
@@ -193,17 +192,6 @@ class DecoderStepGraph(nn.Module):
         return (logits, *(t for c in caches for t in c.present))
 
 
-class ClassifierGraph(nn.Module):
-    """Images -> (B, num_classes) logits."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, images: Tensor) -> Tensor:
-        return self.model(images)
-
-
 def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | None = None) -> Path:
     """Write ``bundle`` as an ONNX folder at ``directory``, atomically (an earlier ONNX folder there is replaced),
     in fp32 or, with ``quantize="int8"``, ONNX Runtime's dynamic int8 quantization. Returns the folder.
@@ -240,7 +228,7 @@ def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | No
             )
             bundle.vocab.save(tmp / tokenizer_file_name(bundle.vocab))
         else:
-            graph = ClassifierGraph(for_export(model, approximate_gelu=precision == "int8"))
+            graph = for_export(model, approximate_gelu=precision == "int8")
             _export(graph, (images,), tmp / graph_file("classifier"), ["images"], ["logits"], {})
             config["class_names"] = list(bundle.class_names)
         if precision == "int8":
@@ -254,7 +242,7 @@ def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | No
 
 def _export_captioner(model: ImageCaptioner, images: Tensor, folder: Path, precision: str) -> dict[str, Any]:
     """Write ``encoder.onnx`` and ``decoder_step.onnx``; returns the ``decoder`` sizes for ``onnx.json``."""
-    approximate_gelu = precision == "int8"  # FastGelu: see ``onnx_contrib``
+    approximate_gelu = precision == "int8"
     dec = model.decoder
     L = len(dec.layers)
     cross = EncoderGraph(model)(images)  # 2L x (B, H, N, d)
@@ -319,7 +307,10 @@ def _quantize(folder: Path, graphs: tuple[str, ...]) -> None:
 
     # onnxruntime.quantization logs through the root logger: advice to pre-process (measured: no gain here)
     # and, at INFO, one line per activation whose scale is computed at run time (all of them: dynamic)
-    advice = _DropMessage(("Please consider to run pre-processing", "Quantization parameters for tensor"))
+    def advice(record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not message.startswith(("Please consider to run pre-processing", "Quantization parameters for tensor"))
+
     logging.getLogger().addFilter(advice)
     try:
         for name in graphs:
@@ -354,14 +345,3 @@ def _logits_product(graph) -> str:  # noqa: ANN001 - an onnx GraphProto
     while node.op_type != "MatMul":  # back through the slice of the last position and the bias
         node = next(producers[x] for x in node.input if x in producers)
     return node.name
-
-
-class _DropMessage(logging.Filter):
-    """Drops the log records whose message starts with ``prefix`` (a string or a tuple of them)."""
-
-    def __init__(self, prefix: str | tuple[str, ...]) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefix)
