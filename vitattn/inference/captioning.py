@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm.auto import tqdm
 
 from vitattn.bundle import LoadedModel
-from vitattn.data.images import BadImageError, read_image
+from vitattn.data.images import BadImageError, ImageSource, read_image
 from vitattn.data.shards import ShardError, read_shard, shard_sizes
 from vitattn.data.shards.stream import image_member, sample_caption
 from vitattn.fileio import atomic_open
@@ -76,9 +76,9 @@ def generate_tokens(model: Any, images: Tensor, precision: str = "auto", **gener
         return model.generate(images, **generate)
 
 
-def read_pixels(path: str | os.PathLike, transform: Callable[[Any], Tensor]) -> Tensor | str:
-    """An image file as a (C, height, width) model input, or the one-line reason it cannot be read."""
-    image = read_image(path, on_error="skip")
+def read_pixels(source: ImageSource, transform: Callable[[Any], Tensor]) -> Tensor | str:
+    """An image (path or binary file) as a (C, height, width) model input, or the one-line reason it cannot be read."""
+    image = read_image(source, on_error="skip")
     return image.reason if isinstance(image, BadImageError) else transform(image)
 
 
@@ -186,51 +186,32 @@ class _UnitBatches(IterableDataset):
         items: list[tuple[int, torch.Tensor | None, dict | None]] = []
         for k, unit in mine:
             samples = self._shard(unit.shard) if unit.shard is not None else self._files(unit.positions)
-            sample = next(samples, None)
-            if sample is None:
-                items.append((k, None, None))
-            while sample is not None:
-                items.append((k, *sample))
-                sample = next(samples, None)
-                if sample is None:  # the unit's end goes with its last sample: it is finished with that batch
-                    items.append((k, None, None))
+            for pixels, row in samples:
                 if sum(row is not None for _, _, row in items) == self.size:
                     yield _collate(items)
                     items = []
+                if isinstance(pixels, str):  # an image that cannot be read is an error row, not a stop
+                    pixels, row = None, {**row, "error": pixels}
+                items.append((k, pixels, row))
+            items.append((k, None, None))  # the unit's end goes with its last sample: finished with that batch
         if items:
             yield _collate(items)
 
-    def _files(self, positions: Sequence[int]) -> Iterator[tuple[torch.Tensor | None, dict[str, Any]]]:
+    def _files(self, positions: Sequence[int]) -> Iterator[tuple[torch.Tensor | str, dict[str, Any]]]:
         for i in positions:
             x = self.inputs[int(i)]
-            pixels = read_pixels(x.path, self.transform)
-            row = {"image": x.path, "image_id": x.image_id}
-            yield (None, {**row, "error": pixels}) if isinstance(pixels, str) else (pixels, row)
+            yield read_pixels(x.path, self.transform), {"image": x.path, "image_id": x.image_id}
 
-    def _shard(self, url: str) -> Iterator[tuple[torch.Tensor | None, dict[str, Any]]]:
+    def _shard(self, url: str) -> Iterator[tuple[torch.Tensor | str, dict[str, Any]]]:
         try:
             for sample in read_shard(url):
-                row: dict[str, Any] = {"key": sample["__key__"]}
-                original = sample_caption(sample, None)
-                if original is not None:
-                    row["original_caption"] = original
-                try:
-                    url_of = json.loads(sample.get("json") or b"{}").get("url")
-                except (ValueError, AttributeError):
-                    url_of = None
-                if url_of is not None:
-                    row["url"] = url_of
+                found = {"original_caption": sample_caption(sample, None), "url": sample_caption(sample, "url")}
+                row = {"key": sample["__key__"], **{k: v for k, v in found.items() if v is not None}}
                 name = image_member(sample)
-                if name is None:
-                    yield None, {**row, "error": "no image member"}
-                    continue
-                image = read_image(io.BytesIO(sample[name]), on_error="skip")
-                if isinstance(image, BadImageError):  # an undecodable image is an error row, not a stop
-                    yield None, {**row, "error": image.reason}
-                else:
-                    yield self.transform(image), row
+                pixels = "no image member" if name is None else read_pixels(io.BytesIO(sample[name]), self.transform)
+                yield pixels, row
         except ShardError as err:  # a shard that ends early: one row with its error
-            yield None, {"error": str(err)}
+            yield str(err), {}
 
 
 def _collate(items: list[tuple[int, torch.Tensor | None, dict | None]]) -> tuple[list, torch.Tensor | None, list[int]]:
@@ -356,14 +337,14 @@ def caption_files(
         check_figures_runtime(model)
     inputs = InputList.unique(inputs)
     parts = out.with_name(out.name + ".parts")
-    lock, plan = None, ("", None)
-    if processes.is_zero:  # the others write nothing before rank 0 has listed what is there
-        try:
-            lock = _lock(parts, out)
-            plan = ("", _file_plan(inputs, out, parts, format, batch_size))
-        except ValueError as err:
-            plan = (str(err), None)
-    try:
+    with ExitStack() as held:
+        plan = ("", None)
+        if processes.is_zero:  # the others write nothing before rank 0 has listed what is there
+            try:
+                held.enter_context(_lock(parts, out))
+                plan = ("", _file_plan(inputs, out, parts, format, batch_size))
+            except ValueError as err:
+                plan = (str(err), None)
         refused, plan = processes.broadcast(plan)
         if refused:
             raise ValueError(refused)
@@ -398,10 +379,7 @@ def caption_files(
             counts = _merge(inputs, out, format, recorded, units)
             shutil.rmtree(parts, ignore_errors=True)
         captioned, failed = processes.broadcast(counts)
-        return CaptionSummary(captioned, failed, skipped, out, len(todo), len(units) - len(todo))
-    finally:
-        if lock is not None:
-            lock.close()
+    return CaptionSummary(captioned, failed, skipped, out, len(todo), len(units) - len(todo))
 
 
 def _lock(parts: Path, out: Path) -> IO[bytes]:
@@ -474,30 +452,24 @@ def _merge(
             old.seek(recorded[path])
             return old.readline()
 
-        def records() -> Iterator[tuple[bytes, dict[str, Any] | None]]:
+        def records() -> Iterator[tuple[bytes, dict[str, Any]]]:
             for path in inputs.paths:
                 line = read(path) if path in recorded else next(chunks)
                 record = json.loads(line.decode("utf-8", errors="replace"))
                 counts["caption" not in record] += 1
                 yield line, record
-            if format == "jsonl" and recorded:
-                wanted = set(inputs.paths)
-                yield from ((read(path), None) for path in recorded if path not in wanted)
 
         if not units and out.exists():  # nothing new: out stays as it is
             for _ in records():
                 pass
-            return counts[0], counts[1]
-        with atomic_open(out, "wb") as f:
-            if format == "jsonl":
-                for line, _ in records():
-                    f.write(line)
-            else:
-                text = io.TextIOWrapper(f, encoding="utf-8", errors="surrogateescape", newline="")
-                rows = (record for _, record in records() if record is not None)
-                (_write_coco if format == "coco" else _write_csv)(text, rows)
-                text.flush()
-                text.detach()
+        elif format == "jsonl":
+            with atomic_open(out, "wb") as f:
+                f.writelines(line for line, _ in records())
+                wanted = set(inputs.paths)
+                f.writelines(read(path) for path in recorded if path not in wanted)
+        else:
+            with atomic_open(out, "w", encoding="utf-8", errors="surrogateescape", newline="") as f:
+                (_write_coco if format == "coco" else _write_csv)(f, (record for _, record in records()))
     return counts[0], counts[1]
 
 
