@@ -25,7 +25,7 @@ from torch import Tensor
 from vitattn.bundle import load_model
 from vitattn.data.images import BadImageError, read_image
 from vitattn.inference.api import Captioner
-from vitattn.inference.attention_maps import attention_figures, caption_words, figure_png
+from vitattn.inference.attention_maps import attention_figures, figure_png
 from vitattn.serve.stop import leave_interrupts_to_parent
 
 __all__ = ["CaptionAPI", "ImageRequest", "decode_image_request"]
@@ -161,9 +161,7 @@ class CaptionAPI(ls.LitAPI):
         bundle = self.bundle
         images = torch.stack([r.image for r in requests]).to(self.device)  # (B, C, height, width)
         captions, tokens = self.captioner.caption_pixels(images, **self.generate_kwargs)  # tokens (B, T')
-        results = [
-            {"caption": c, "tokens": caption_words(row, bundle.vocab)} for c, row in zip(captions, tokens.tolist())
-        ]
+        results = [{"caption": c, "tokens": bundle.vocab.tokens(row)} for c, row in zip(captions, tokens.tolist())]
         wanted = [i for i, r in enumerate(requests) if r.attention]
         if wanted and bundle.runtime != "torch":
             for i in wanted:
