@@ -151,8 +151,8 @@ def _at_most_tensors(limit: int) -> Iterator[None]:
 
 
 def check_arguments(function: Callable, arguments: Any, where: str, unknown_ok: bool = False) -> None:
-    """``arguments`` (a config's mapping) are keyword arguments of ``function`` of the types it declares,
-    floats finite: a file's ``"1e-6"`` or ``NaN`` is refused here rather than failing in a forward pass."""
+    """``arguments`` (a config's mapping) are keyword arguments of ``function`` of the types it declares, floats
+    finite: a file's ``"1e-6"`` or ``NaN`` is refused here, not in a forward pass."""
     name = function.__qualname__.removesuffix(".__init__")
     if not isinstance(arguments, Mapping):
         raise ValueError(f"{where} must be a mapping of {name} arguments, got {brief(arguments)}")
@@ -214,11 +214,8 @@ def _misfit(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> str:
 
 
 def build_model(task: str, model_config: Any, where: Path, shapes: Mapping[str, Sequence[int]]) -> nn.Module:
-    """The ``task`` model of ``model_config``, built once a copy on the meta device (no memory) has shown that its
-    tensors have the ``shapes`` of the weights: a config that does not fit is refused before any memory is
-    taken, however large the sizes it names (no size exceeds the number of weights; the copy stops at the first
-    tensor more than the weights hold).
-    """
+    """The ``task`` model of ``model_config``, built once a copy on the meta device has shown that its tensors have
+    the ``shapes`` of the weights: a config that does not fit is refused before any memory is taken."""
     if not isinstance(model_config, Mapping):
         raise ValueError(f"{where}: the model config must be a mapping, got {type(model_config).__name__}")
     _check_config(task, model_config, where)
@@ -252,11 +249,9 @@ def save_bundle(
     class_names: Sequence[str] | None = None,
     generate: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write ``model`` (an ``ImageCaptioner``, or a ``VisionTransformer`` with classes) as a bundle folder,
-    atomically (an earlier bundle there is replaced), with its ``preprocess`` (``eval_transform``'s), its
-    tokenizer (``vocab``, as large as the decoder's vocabulary) or ``class_names`` (default ``"0"``, ``"1"``, ...),
-    and the decoding defaults ``generate``. Returns the folder.
-    """
+    """Write ``model`` (an ``ImageCaptioner``, or a ``VisionTransformer`` with classes) as a bundle folder, atomically
+    (an earlier bundle there replaced), with ``eval_transform``'s ``preprocess``, its tokenizer ``vocab`` or
+    ``class_names`` (default ``"0"``, ``"1"``, ...) and the decoding defaults ``generate``. Returns the folder."""
     directory = Path(directory)
     config = _bundle_config(model, task, preprocess, vocab, class_names)
     if generate:

@@ -114,36 +114,30 @@ class FastGelu(nn.Module):
 
 
 def for_export(model: nn.Module, approximate_gelu: bool = False) -> nn.Module:
-    """A copy of ``model`` whose attention exports as ONNX Runtime runs it fastest: the encoder layers' unmasked
-    self-attention as its ``Attention`` op (a mask raises ``ValueError``), every other attention on the explicit
-    path; with ``approximate_gelu``, every ``nn.GELU`` as ``FastGelu``.
-    """
+    """A copy of ``model`` whose attention exports as ONNX Runtime runs it fastest: the encoder's self-attention
+    as its ``Attention`` op, every other on the explicit path; ``approximate_gelu``: ``nn.GELU`` as ``FastGelu``."""
     model = copy.deepcopy(model)
-    if approximate_gelu:
-        for parent in list(model.modules()):
-            for name, child in parent.named_children():
-                if isinstance(child, nn.GELU):
-                    setattr(parent, name, FastGelu())
-    for module in model.modules():
+    for module in list(model.modules()):
         if isinstance(module, MultiHeadAttention):
             module.fused_attn = False
-    for layer in model.modules():
-        if isinstance(layer, EncoderLayer):
-            layer.mha = _ContribSelfAttention(layer.mha)
+        if isinstance(module, EncoderLayer):
+            module.mha = _ContribSelfAttention(module.mha)
+        for name, child in module.named_children():
+            if approximate_gelu and isinstance(child, nn.GELU):
+                setattr(module, name, FastGelu())
     return model
 
 
 def contrib_opsets(module: nn.Module) -> dict[str, int]:
-    """``torch.onnx.export``'s ``custom_opsets`` for ``module``: the contrib domain when ``for_export``
-    wrote a contrib op in it (the exporter warns about a domain the graph does not use)."""
+    """``torch.onnx.export``'s ``custom_opsets``: the contrib domain if ``for_export`` put a contrib op in ``module``
+    (the exporter warns about a domain the graph does not use)."""
     contrib = (_ContribSelfAttention, FastGelu)
     return _CONTRIB_OPSET if any(isinstance(m, contrib) for m in module.modules()) else {}
 
 
 class EncoderGraph(nn.Module):
-    """Images -> each decoder layer's cross-attention keys, (B, H, d, N), transposed once per image (every step
-    multiplies queries by them, and ONNX Runtime reads a transposed operand more slowly), and values (B, H, N, d).
-    """
+    """Images -> each decoder layer's cross-attention keys (B, H, d, N), transposed once per image (ONNX Runtime
+    reads a transposed operand more slowly at every step), and values (B, H, N, d)."""
 
     def __init__(self, model: ImageCaptioner) -> None:
         super().__init__()
@@ -193,9 +187,8 @@ class DecoderStepGraph(nn.Module):
 
 
 def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | None = None) -> Path:
-    """Write ``bundle`` as an ONNX folder at ``directory``, atomically (an earlier ONNX folder there is replaced),
-    in fp32 or, with ``quantize="int8"``, ONNX Runtime's dynamic int8 quantization. Returns the folder.
-    """
+    """Write ``bundle`` as an ONNX folder at ``directory``, atomically (an earlier one there replaced), in fp32 or,
+    with ``quantize="int8"``, ONNX Runtime's dynamic int8 quantization. Returns the folder."""
     precision = quantize or "fp32"
     if precision not in PRECISIONS:
         raise ValueError(f"quantize={quantize!r} is unknown; choose quantize=int8 or leave it out for fp32")
@@ -297,10 +290,8 @@ def _export(
 
 
 def _quantize(folder: Path, graphs: tuple[str, ...]) -> None:
-    """Replace each graph by ONNX Runtime's dynamic int8 quantization of it (weights int8 per output channel with
-    7 bits of range, activations quantized per call), leaving ``kept_fp32``'s products and the non-``MatMul``
-    operators in fp32: why, docs/captioning.md ("ONNX Runtime").
-    """
+    """Replace each graph by ONNX Runtime's dynamic int8 quantization of it, ``kept_fp32``'s products and the
+    non-``MatMul`` operators left in fp32: why, docs/captioning.md ("ONNX Runtime")."""
     require_onnxruntime(export=True)
     import onnx  # an optional dependency, as onnxruntime
     from onnxruntime.quantization import QuantType, quantize_dynamic  # an optional dependency

@@ -4,10 +4,9 @@
 Dimension letters: B images, K beams, L decoder layers, H heads, d head width, P past positions,
 N image tokens, V vocabulary.
 
-A caption folder holds ``encoder.onnx`` (images -> each decoder layer's cross-attention keys, transposed, and
-values), ``decoder_step.onnx`` (a token per caption row and the past keys and values -> the next token's
-logits and the keys and values with it) and the tokenizer; a classifier, ``classifier.onnx``. Each graph's
-SHA-256 is checked before ONNX Runtime reads it. More: docs/captioning.md ("ONNX Runtime").
+A caption folder holds ``encoder.onnx``, ``decoder_step.onnx`` and the tokenizer; a classifier,
+``classifier.onnx``. Each graph's SHA-256 is checked before ONNX Runtime reads it. The graphs' inputs and
+outputs: ``onnx_export``; more in docs/captioning.md ("ONNX Runtime").
 """
 
 from __future__ import annotations
@@ -151,10 +150,8 @@ def _numpy(x: Tensor) -> np.ndarray:
 
 
 class OnnxDecoderStep:
-    """``decoder_step.onnx`` as a ``DecodeStep``: it feeds the past keys/values of its previous call and keeps the
-    ones it returns. ``cross``: ``encoder.onnx``'s 2L arrays, keys (B, H, d, N) and values (B, H, N, d), one row
-    per image; the first call's tokens say how many caption rows (K per image, consecutive) there are.
-    """
+    """``decoder_step.onnx`` as a ``DecodeStep``, fed the past keys/values it returned last and ``encoder.onnx``'s
+    ``cross`` ones, a row per image; the first call's tokens say how many caption rows (K per image) there are."""
 
     def __init__(self, session: Any, cross: Sequence[np.ndarray]) -> None:
         self.session = session
@@ -179,9 +176,7 @@ class OnnxDecoderStep:
 
 
 class OnnxCaptioner(CaptionSearch):
-    """An ONNX folder's caption model (``encoder`` and ``step`` sessions, ``onnx.json``'s ``decoder`` sizes and special
-    ids), decoded by ``CaptionSearch`` as ``ImageCaptioner`` is.
-    """
+    """An ONNX folder's caption model (two sessions and ``onnx.json``'s ``decoder``), decoded as ``ImageCaptioner``."""
 
     def __init__(self, encoder: Any, step: Any, decoder: Mapping[str, int]) -> None:
         self.encoder_session, self.step_session = encoder, step
@@ -190,19 +185,16 @@ class OnnxCaptioner(CaptionSearch):
         self.special_ids = SpecialIds(*(decoder[k] for k in SpecialIds._fields))
 
     def encode(self, images: Tensor) -> list[np.ndarray]:
-        """(B, C, height, width) -> 2L arrays: each decoder layer's cross-attention keys (B, H, d, N) and values
-        (B, H, N, d)."""
+        """(B, C, height, width) -> each decoder layer's cross-attention keys (B, H, d, N) and values (B, H, N, d)."""
         return self.encoder_session.run(None, {"images": _numpy(images)})
 
     def decode_step(self, cross: Sequence[np.ndarray], max_new_tokens: int, use_cache: bool = True) -> OnnxDecoderStep:
-        """The ``DecodeStep`` over ``encode``'s output, for K caption rows per image (the step always
-        caches: ``use_cache`` is PyTorch's)."""
+        """The ``DecodeStep`` over ``encode``'s output (it always caches: ``use_cache`` is PyTorch's)."""
         return OnnxDecoderStep(self.step_session, cross)
 
     def start_search(
         self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
     ) -> tuple[OnnxDecoderStep, int, str]:
-        """``CaptionSearch.start_search``: ``decoder_step.onnx`` over ``encoder.onnx``'s keys/values."""
         cross = self.encode(images)
         return self.decode_step(cross, max_new_tokens), cross[0].shape[0], "cpu"
 
@@ -219,9 +211,7 @@ class OnnxClassifier:
 
 @dataclass
 class OnnxModel(LoadedModel):
-    """An ONNX folder loaded for inference: ``LoadedModel``'s ``onnx`` runtime, on the CPU; ``model`` is an
-    ``OnnxCaptioner`` or ``OnnxClassifier``, ``config`` its ``onnx.json``, ``precision`` what it was exported in.
-    """
+    """An ONNX folder loaded for inference, on the CPU; ``config`` is its ``onnx.json``."""
 
     runtime: ClassVar[str] = "onnx"
     model: OnnxCaptioner | OnnxClassifier

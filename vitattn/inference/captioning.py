@@ -2,13 +2,10 @@
 
 Dimension letters: B batch, C channels, T' generated tokens; image sides are written out (height, width).
 
-The work is cut into units, each written whole, atomically, once every sample of it is captioned: a
-WebDataset shard (``OUTDIR/<shard>.jsonl`` or ``.parquet``, final) or a chunk of an image list
-(``OUT.parts/<k>-<digest>.jsonl``; rank 0 then merges the chunks into ``OUT`` in input order). A run killed
-at any moment (``kill -9``, any rank) leaves whole unit outputs only: the same command again skips them and
-captions the others from their start. Rank 0 lists what is finished before any rank writes, and every rank
-plans from that one listing. A bad image never stops a batch: its row holds an ``error``. Design:
-docs/captioning.md ("Resumable output").
+The work is cut into units, each written whole, atomically, once all of it is captioned: a shard
+(``OUTDIR/<shard>.jsonl`` or ``.parquet``) or a chunk of an image list (``OUT.parts/<k>-<digest>.jsonl``, merged
+by rank 0 into ``OUT``). A run killed at any moment leaves whole outputs, which the same command skips; every
+rank plans from rank 0's one listing of them. Design: docs/captioning.md ("Resumable output").
 """
 
 from __future__ import annotations
@@ -84,8 +81,8 @@ def read_pixels(source: ImageSource, transform: Callable[[Any], Tensor]) -> Tens
 
 @dataclass
 class CaptionSummary:
-    """What a run did. Image files: ``captioned`` and ``failed`` count every input, ``skipped`` those an earlier
-    run had done; shards: this run's samples. ``units``: shards (or chunks) done now, ``units_before`` before."""
+    """What a run did: for image files, counts of every input (``skipped``: done before), for shards this run's;
+    ``units``: shards (or chunks) done now, ``units_before`` before."""
 
     captioned: int
     failed: int
@@ -97,8 +94,7 @@ class CaptionSummary:
 
 @dataclass
 class Processes:
-    """This process among the captioning ones: rank, number, device and Lightning Fabric's collectives
-    (``fabric`` None: a single process, which shares nothing)."""
+    """This process among the captioning ones, and Lightning Fabric's collectives (``fabric`` None: one process)."""
 
     rank: int = 0
     world_size: int = 1
@@ -107,7 +103,7 @@ class Processes:
 
     @property
     def is_zero(self) -> bool:
-        """Rank 0 holds the lock, lists what is finished, merges, shows progress and reports."""
+        """Rank 0 holds the lock, lists what is finished, merges and reports."""
         return self.rank == 0
 
     def broadcast(self, value: Any) -> Any:
@@ -135,8 +131,7 @@ def launch_processes(
     *, devices: int = 1, num_nodes: int = 1, accelerator: str = "auto", device: str = "cpu", runtime: str = "torch"
 ) -> Processes:
     """Start (or join, under ``torchrun`` or ``srun``) ``devices`` x ``num_nodes`` captioning processes with
-    Lightning Fabric; one process needs no launch. An ONNX folder (``runtime`` ``onnx``) runs on CPUs only.
-    """
+    Lightning Fabric; an ONNX folder (``runtime`` ``onnx``) runs on CPUs only."""
     if runtime == "onnx":
         if devices * num_nodes > 1 and accelerator not in ("auto", "cpu"):
             raise ValueError(
@@ -233,8 +228,8 @@ def _caption_units(
     figures: Mapping[str, Path] | None = None,
     **generate: Any,
 ) -> None:
-    """Caption the samples of ``units`` ((index, unit) pairs); ``finish(index, rows)`` gets each unit's rows,
-    in order, once all are captioned. ``figures``: image path -> where its attention figure goes."""
+    """Caption ``units`` ((index, unit) pairs); ``finish(index, rows)`` gets each unit's rows once all are captioned.
+    ``figures``: image path -> where its attention figure goes."""
     if model.task != "caption":
         raise ValueError(f"this model is a {model.task} model; captioning needs a caption model")
     if batch_size < 1:
@@ -297,8 +292,7 @@ def caption_images(
     model: LoadedModel, paths: Sequence[str | os.PathLike] | Sequence[InputImage], **options: Any
 ) -> list[dict[str, Any]]:
     """Caption image files in memory: one ``{"image", "image_id", "caption"}`` (or ``"error"``) per path, in
-    order; ``image_id`` is the position of a plain path. ``options``: ``caption_files``' ``batch_size``,
-    ``num_workers``, ``progress`` and ``generate`` settings."""
+    order (a plain path's id: its position); ``options``: ``caption_files``' but ``out`` and ``processes``."""
     inputs = [p if isinstance(p, InputImage) else InputImage(str(p), i) for i, p in enumerate(paths)]
     listed = InputList([x.path for x in inputs], [x.image_id for x in inputs])
     units = _chunks(listed, range(len(listed)), CHUNK_BATCHES * options.get("batch_size", 32), Path())
@@ -321,12 +315,10 @@ def caption_files(
     seed: int | None = None,
     **generate: Any,
 ) -> CaptionSummary:
-    """Caption image files into ``out``, resuming what a run of the same command left; called the same way on
-    every rank of ``processes`` (default: this process alone), with the same ``inputs``, it returns the same
-    summary on each. ``format``: ``jsonl`` (``{"image", "image_id", "caption"}`` or ``"error"`` a line),
-    ``coco`` (``[{"image_id", "caption"}]``) or ``csv`` (``image,image_id,caption,error``). ``attention_maps``: a
-    folder for one figure per captioned image; ``seed``: ``seed + rank`` seeds sampling; ``**generate``: settings.
-    """
+    """Caption image files into ``out``, resuming what a run of the same command left; every rank of ``processes``
+    (default: this process alone) calls it alike and gets the same summary. ``format``: ``jsonl`` (a line
+    ``{"image", "image_id", "caption"}`` or ``"error"``), ``coco`` (``[{"image_id", "caption"}]``) or ``csv``.
+    ``attention_maps``: a folder for each image's figure; ``seed + rank`` seeds sampling."""
     processes = processes or Processes(device=model.device)
     if format not in FILE_FORMATS:
         raise ValueError(f"format={format!r} is unknown; choose one of {list(FILE_FORMATS)}")

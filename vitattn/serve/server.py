@@ -103,13 +103,9 @@ def _as_json(headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[byte
 
 
 def _replay(body: bytes, receive: Any) -> Any:
-    sent = False
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def replay() -> dict:  # the body once, then the client's own messages (a disconnect)
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
+        return messages.pop() if messages else await receive()
 
     return replay
