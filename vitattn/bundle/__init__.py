@@ -1,7 +1,5 @@
 """Models as inference loads them: ``load_model`` turns any model path into a ``LoadedModel`` of the runtime
-its folder holds (``Bundle``: PyTorch; ``OnnxModel``: ONNX Runtime). ``folder`` writes and reads bundle
-folders, ``checkpoint`` makes bundles of checkpoints and trained systems, ``onnx_folder`` reads ONNX
-folders and ``onnx_export`` writes them.
+its folder holds (``Bundle``: PyTorch; ``OnnxModel``: ONNX Runtime).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Lightning checkpoints as bundles: a trained system's bundle, and a ``.ckpt`` read back without unpickling.
-
-A checkpoint is read with ``torch.load(..., weights_only=True)``: one that needs real unpickling is
-refused. Its ``hyper_parameters`` hold the same plain values as a bundle's ``config.json``.
-"""
+"""Lightning checkpoints as bundles: a trained system's bundle, and a ``.ckpt`` read back with
+``torch.load(..., weights_only=True)`` (one that needs real unpickling is refused)."""
 
 from __future__ import annotations
 
@@ -15,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from vitattn.bundle.folder import (
     BUNDLE_FORMAT,
@@ -23,13 +19,14 @@ from vitattn.bundle.folder import (
     Bundle,
     build_model,
     finish_bundle,
+    img_size,
     plain_json,
     save_bundle,
 )
 from vitattn.data.preprocess import check_preprocess, default_preprocess
 from vitattn.data.tokenizer import Tokenizer, tokenizer_file_name, tokenizer_from_labels
 from vitattn.errors import first_line
-from vitattn.models import TASKS, ImageCaptioner
+from vitattn.models import TASKS
 
 __all__ = ["bundle_from_system", "load_checkpoint"]
 
@@ -42,7 +39,7 @@ def bundle_from_system(system: Any, directory: str | os.PathLike) -> Path:
     """
     hparams = dict(getattr(system, "hparams", {}) or {})
     model = system.model
-    preprocess = hparams.get("preprocess") or default_preprocess(_img_size(model))
+    preprocess = hparams.get("preprocess") or default_preprocess(img_size(model))
     return save_bundle(
         directory,
         model,
@@ -52,11 +49,6 @@ def bundle_from_system(system: Any, directory: str | os.PathLike) -> Path:
         class_names=hparams.get("class_names"),
         generate=getattr(system, "generate_kwargs", None),
     )
-
-
-def _img_size(model: nn.Module) -> int:
-    encoder = model.encoder if isinstance(model, ImageCaptioner) else model
-    return int(encoder.config["img_size"])
 
 
 def _read_checkpoint(path: Path) -> Any:
@@ -89,7 +81,7 @@ def load_checkpoint(path: Path, device: str | torch.device) -> Bundle:
     if hparams.get("preprocess"):
         preprocess = check_preprocess(hparams["preprocess"], f"{path}: hyper_parameters preprocess")
     else:
-        preprocess = default_preprocess(_img_size(model))
+        preprocess = default_preprocess(img_size(model))
         log.warning(
             "%s has no preprocess in hyper_parameters; using a %d px squash resize", path, preprocess["img_size"]
         )

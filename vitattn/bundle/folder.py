@@ -54,6 +54,7 @@ __all__ = [
     "check_arguments",
     "check_decoding",
     "check_tokenizer",
+    "img_size",
     "is_bundle_weights",
     "load_bundle_folder",
     "read_config",
@@ -414,15 +415,17 @@ def check_tokenizer(vocab: Tokenizer, vocab_size: int, ids: tuple[int | None, ..
         raise ValueError(f"{where}: the decoder's pad, bos, eos and unk ids {ids} are not the vocabulary's {theirs}")
 
 
+def img_size(model: nn.Module) -> int:
+    """The image side that ``model`` (an ``ImageCaptioner`` or a ``VisionTransformer``) takes."""
+    encoder = model.encoder if isinstance(model, ImageCaptioner) else model
+    return int(encoder.config["img_size"])
+
+
 def finish_bundle(bundle: Bundle, device: str | torch.device, where: str | os.PathLike) -> Bundle:
     """``bundle`` with its model on ``device`` in eval mode, once its parts (read from ``where``) agree."""
-    model = bundle.model
-    encoder = model.encoder if isinstance(model, ImageCaptioner) else model
-    if bundle.preprocess["img_size"] != encoder.config["img_size"]:
-        raise ValueError(
-            f"{where}: preprocess img_size={bundle.preprocess['img_size']} "
-            f"but the model takes {encoder.config['img_size']} px images"
-        )
+    model, size = bundle.model, bundle.preprocess["img_size"]
+    if size != img_size(model):
+        raise ValueError(f"{where}: preprocess img_size={size} but the model takes {img_size(model)} px images")
     if bundle.vocab is not None:
         dec = model.decoder
         check_tokenizer(bundle.vocab, dec.vocab_size, (dec.pad_id, dec.bos_id, dec.eos_id, dec.unk_id), where)

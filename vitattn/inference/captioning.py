@@ -543,8 +543,7 @@ def _write_rows(path: Path, rows: list[dict[str, Any]], format: str) -> None:
         with atomic_open(path, "wb") as f:
             f.write("".join(_json_line(row) for row in rows).encode("utf-8"))
         return
-    # optional: parquet output only
-    import pyarrow as pa
+    import pyarrow as pa  # optional: parquet output only
     import pyarrow.parquet as pq
 
     columns = sorted({k for row in rows for k in row} | {"key", "caption"})

@@ -120,7 +120,6 @@ class CaptionAPI(ls.LitAPI):
         leave_interrupts_to_parent()  # this runs in the inference worker: Ctrl+C is the parent's to handle
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
-        # a bundle, run folder, checkpoint or ONNX folder
         self.bundle = load_model(self.model_path, device=device, precision=self.precision)
         if self.bundle.task != "caption":
             raise ValueError(f"model={self.model_path} is a {self.bundle.task} model; serving needs a caption model")

@@ -1,9 +1,6 @@
 """A server that stops: SIGTERM or SIGINT lets the requests in flight finish, answers new ones 503, then ends
-every process LitServe started, so that the port is free again; a second signal stops at once.
-
-The parent (the process that calls ``serve``) shares a flag with the forked API servers, waits for the
-requests in flight (at most ``timeout``), then sets LitServe's shutdown event; its children leave SIGINT
-(Ctrl+C reaches the whole process group) to it. Why and how: docs/serving.md ("How the server stops").
+every process LitServe started, so that the port is free again; a second signal stops at once. Why and how:
+docs/serving.md ("How the server stops").
 """
 
 from __future__ import annotations
