@@ -13,18 +13,9 @@ from typing import Any
 
 import torch
 
-from vitattn.bundle.folder import (
-    BUNDLE_FORMAT,
-    BUNDLE_VERSION,
-    Bundle,
-    build_model,
-    finish_bundle,
-    img_size,
-    plain_json,
-    save_bundle,
-)
+from vitattn.bundle.folder import Bundle, build_model, bundle_config, finish_bundle, img_size, save_bundle
 from vitattn.data.preprocess import check_preprocess, default_preprocess
-from vitattn.data.tokenizer import Tokenizer, tokenizer_file_name, tokenizer_from_labels
+from vitattn.data.tokenizer import Tokenizer, tokenizer_from_labels
 from vitattn.errors import first_line
 from vitattn.models import TASKS
 
@@ -90,21 +81,12 @@ def load_checkpoint(path: Path, device: str | torch.device) -> Bundle:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as err:
         raise ValueError(f"{path}: its 'model.*' weights do not fit the model: {first_line(err)}") from None
-    config = {
-        "format": BUNDLE_FORMAT,
-        "version": BUNDLE_VERSION,
-        "task": task,
-        "model": plain_json(hparams["model_config"], "model_config"),
-        "preprocess": preprocess,
-        **({"vocab_file": tokenizer_file_name(vocab)} if task == "caption" else {"class_names": class_names}),
-    }
     generate = hparams.get("generate") or {}
     if not isinstance(generate, Mapping):
         raise ValueError(f"{path}: hyper_parameters 'generate' must be a mapping")
-    generate = plain_json(dict(generate), "generate")
-    if generate:
-        config["generate"] = generate
-    return finish_bundle(Bundle(model, task, preprocess, config, vocab, class_names, generate), device, path)
+    config = bundle_config(task, hparams["model_config"], preprocess, vocab, class_names, generate)
+    bundle = Bundle(model, task, preprocess, config, vocab, class_names, config.get("generate", {}))
+    return finish_bundle(bundle, device, path)
 
 
 def _read_parts(path: Path) -> tuple[Mapping[str, Any], Mapping[str, Any], str]:

@@ -51,6 +51,7 @@ __all__ = [
     "Bundle",
     "LoadedModel",
     "build_model",
+    "bundle_config",
     "check_arguments",
     "check_decoding",
     "check_tokenizer",
@@ -254,9 +255,8 @@ def save_bundle(
     (an earlier bundle there replaced), with ``eval_transform``'s ``preprocess``, its tokenizer ``vocab`` or
     ``class_names`` (default ``"0"``, ``"1"``, ...) and the decoding defaults ``generate``. Returns the folder."""
     directory = Path(directory)
-    config = _bundle_config(model, task, preprocess, vocab, class_names)
-    if generate:
-        config["generate"] = plain_json(dict(generate), "generate")
+    class_names = _labels(model, task, vocab, class_names)
+    config = bundle_config(task, model.config, preprocess, vocab, class_names, generate)
     if directory.exists() and not (directory.is_dir() and (not any(directory.iterdir()) or _is_bundle(directory))):
         raise FileExistsError(f"{directory} exists and is not a vitattn bundle; choose another folder or remove it")
     with atomic_folder(directory) as tmp:
@@ -267,20 +267,10 @@ def save_bundle(
     return directory
 
 
-def _bundle_config(
-    model: nn.Module,
-    task: str,
-    preprocess: Mapping[str, Any],
-    vocab: Tokenizer | None,
-    class_names: Sequence[str] | None,
-) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "format": BUNDLE_FORMAT,
-        "version": BUNDLE_VERSION,
-        "task": task,
-        "model": plain_json(model.config, "model.config"),
-        "preprocess": check_preprocess(plain_json(preprocess, "preprocess"), "preprocess"),
-    }
+def _labels(
+    model: nn.Module, task: str, vocab: Tokenizer | None, class_names: Sequence[str] | None
+) -> list[str] | None:
+    """The class names to save with ``model`` (None for a captioner), once its ``vocab`` or ``class_names`` fit."""
     if task == "caption":
         if not isinstance(model, ImageCaptioner):
             raise ValueError(f"task='caption' needs an ImageCaptioner, got {type(model).__name__}")
@@ -288,16 +278,38 @@ def _bundle_config(
             raise ValueError("task='caption' needs vocab=Vocabulary(...) or a SubwordTokenizer")
         if len(vocab) != model.decoder.vocab_size:
             raise ValueError(f"vocab has {len(vocab)} tokens but the decoder's vocab_size={model.decoder.vocab_size}")
-        config["vocab_file"] = tokenizer_file_name(vocab)
-    elif task == "classification":
-        if not isinstance(model, VisionTransformer) or model.num_classes <= 0:
-            raise ValueError("task='classification' needs a VisionTransformer with num_classes > 0")
-        names = [str(i) for i in range(model.num_classes)] if class_names is None else [str(n) for n in class_names]
-        if len(names) != model.num_classes:
-            raise ValueError(f"class_names has {len(names)} names but the model has num_classes={model.num_classes}")
-        config["class_names"] = names
-    else:
+        return None
+    if task != "classification":
         raise ValueError(f"task={task!r} is unknown; choose one of {list(TASKS)}")
+    if not isinstance(model, VisionTransformer) or model.num_classes <= 0:
+        raise ValueError("task='classification' needs a VisionTransformer with num_classes > 0")
+    names = [str(i) for i in range(model.num_classes)] if class_names is None else [str(n) for n in class_names]
+    if len(names) != model.num_classes:
+        raise ValueError(f"class_names has {len(names)} names but the model has num_classes={model.num_classes}")
+    return names
+
+
+def bundle_config(
+    task: str,
+    model_config: Mapping[str, Any],
+    preprocess: Mapping[str, Any],
+    vocab: Tokenizer | None,
+    class_names: Sequence[str] | None,
+    generate: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """A bundle's ``config.json``: the model's config, ``preprocess``, the tokenizer's file name (task ``caption``)
+    or the ``class_names``, and the decoding defaults ``generate`` when there are any."""
+    labels = {"vocab_file": tokenizer_file_name(vocab)} if task == "caption" else {"class_names": list(class_names)}
+    config = {
+        "format": BUNDLE_FORMAT,
+        "version": BUNDLE_VERSION,
+        "task": task,
+        "model": plain_json(model_config, "model config"),
+        "preprocess": check_preprocess(plain_json(preprocess, "preprocess"), "preprocess"),
+        **labels,
+    }
+    if generate:
+        config["generate"] = plain_json(dict(generate), "generate")
     return config
 
 
