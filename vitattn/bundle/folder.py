@@ -222,10 +222,9 @@ def build_model(task: str, model_config: Any, where: Path, shapes: Mapping[str, 
         raise ValueError(f"{where}: the model config must be a mapping, got {type(model_config).__name__}")
     _check_config(task, model_config, where)
     num_weights = sum(math.prod(shape) for shape in shapes.values())
-    too_large = [(k, v) for k, v in _integers(model_config) if v > num_weights]
-    if too_large:
-        key, value = too_large[0]
-        raise ValueError(f"{where}: model {key}={value} does not fit weights of {num_weights} numbers")
+    for key, value in _integers(model_config):
+        if value > num_weights:
+            raise ValueError(f"{where}: model {key}={value} does not fit weights of {num_weights} numbers")
     try:  # tied weights are registered (and counted) twice, but saved once
         with torch.device("meta"), _at_most_tensors(2 * len(shapes) + 8):
             skeleton = _construct(task, model_config)

@@ -94,11 +94,8 @@ def is_onnx_folder(path: Path) -> bool:
 
 def sha256(path: str | os.PathLike) -> str:
     """The SHA-256 of a file's bytes, as hex."""
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def check_onnx_config(directory: Path) -> dict[str, Any]:

@@ -1,14 +1,11 @@
-"""The Python API: ``Captioner`` and ``Classifier``, loaded from a bundle, a run folder, a checkpoint or an
-ONNX folder, fed images of any common kind (paths, PIL images, numpy arrays, tensors).
+"""The Python API: ``Captioner`` and ``Classifier``, loaded from any model path, fed images of any common kind
+(paths, PIL images, numpy arrays, tensors), each made an upright 8-bit RGB image as ``read_image`` makes a file's,
+then the model's ``transform`` (README.md, "Python API").
 
 Dimension letters: B batch, C channels, T' generated tokens, gh x gw patch grid; image sides are written out.
 
-    >>> from vitattn import Captioner
     >>> Captioner.load("runs/coco/bundle").caption("cat.jpg", num_beams=3)
     'a cat sitting on a couch'
-
-Every kind of image becomes an upright 8-bit RGB PIL image first (``read_image`` for files), then the model's
-``transform``: the model sees what it saw in training, and what ``vitattn-caption`` gives it for the file.
 """
 
 from __future__ import annotations

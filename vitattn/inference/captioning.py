@@ -330,16 +330,16 @@ def caption_files(
     inputs = InputList.unique(inputs)
     parts = out.with_name(out.name + ".parts")
     with ExitStack() as held:
-        plan = ("", None)
+        plan: tuple | str | None = None
         if processes.is_zero:  # the others write nothing before rank 0 has listed what is there
             try:
                 held.enter_context(_lock(parts, out))
-                plan = ("", _file_plan(inputs, out, parts, format, batch_size))
+                plan = _file_plan(inputs, out, parts, format, batch_size)
             except ValueError as err:
-                plan = (str(err), None)
-        refused, plan = processes.broadcast(plan)
-        if refused:
-            raise ValueError(refused)
+                plan = str(err)  # refused on every rank
+        plan = processes.broadcast(plan)
+        if isinstance(plan, str):
+            raise ValueError(plan)
         recorded, units, finished = plan
         todo = [k for k, unit in enumerate(units) if unit.output.name not in finished]
         skipped = len(inputs) - sum(units[k].size for k in todo)

@@ -1,7 +1,5 @@
-"""What to caption: a folder, a glob, a text list, a COCO file or paths, listed as ``InputImage``s.
-
-A listing holds one ``str`` per image (``InputList``); folders are walked with ``os.scandir``, so a
-million files cost one list of paths, not several.
+"""What to caption: a folder, a glob, a text list, a COCO file or paths, listed as ``InputImage``s held as one
+``str`` per image (``InputList``): a million files cost one list of paths, not several.
 """
 
 from __future__ import annotations
@@ -33,10 +31,7 @@ class InputImage:
 
 
 class InputList(Sequence[InputImage]):
-    """``InputImage``s stored as a list of paths and, unless they are 0, 1, ..., a list of ids.
-
-    Items are made when asked for, so a listing costs one ``str`` per image.
-    """
+    """``InputImage``s stored as a list of paths and, unless they are 0, 1, ..., a list of ids."""
 
     def __init__(self, paths: list[str], ids: list[int] | None = None) -> None:
         if ids is not None and len(ids) != len(paths):

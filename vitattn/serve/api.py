@@ -1,11 +1,7 @@
-"""The captioning ``LitAPI``: a request's image becomes a tensor or a one-line reason; the good images of a
-batch are captioned together, bad ones answer HTTP 400 without failing their batch.
+"""The captioning ``LitAPI``: a request's image (what it may be: docs/serving.md) becomes a tensor or a one-line
+reason; the good images of a batch are captioned together, bad ones answer HTTP 400 without failing their batch.
 
 Dimension letters: B batch, C channels, T' generated tokens; image sides are written out (height, width).
-
-A request is a multipart form with an ``image`` file field (or one file field of any name), or JSON
-``{"image": "<base64>"}`` (a ``data:`` URL too); ``attention=true`` adds the attention figure as a PNG
-``data:`` URL. LitServe batches requests across clients and decodes each one apart.
 """
 
 from __future__ import annotations

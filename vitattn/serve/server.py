@@ -1,7 +1,4 @@
-"""The ``LitServer`` of a ``CaptionAPI``: ``GET /`` serves the page of ``index.html``, and ``RequestBodies`` lets
-``POST /predict`` take a raw image body as well as the form or JSON that LitServe parses (anything else
-would fail inside LitServe as a 500; here it gets a 400 naming the problem).
-"""
+"""The ``LitServer`` of a ``CaptionAPI``, with the page of ``index.html`` at ``GET /`` and ``RequestBodies``."""
 
 from __future__ import annotations
 
@@ -31,10 +28,9 @@ def build_server(
     timeout: float = 60.0,
     stop: GracefulStop | None = None,
 ) -> ls.LitServer:
-    """A ``LitServer`` for ``api`` (batching is the api's): ``POST /predict``, ``GET /health`` and ``GET /``, the
-    page, on ``accelerator`` (``auto``, ``cpu``, ``cuda``) and ``devices`` GPUs, ``workers_per_device`` model copies
-    each; a request waits ``timeout`` seconds before a 504. ``stop``'s 503 gate goes in front of it all.
-    """
+    """A ``LitServer`` for ``api`` on ``accelerator`` (``auto``, ``cpu``, ``cuda``) and ``devices`` GPUs,
+    ``workers_per_device`` model copies each; a request waits ``timeout`` seconds before a 504. ``stop``'s 503
+    gate goes in front of it all."""
     server = ls.LitServer(
         api, accelerator=accelerator, devices=devices, workers_per_device=workers_per_device, timeout=timeout
     )
@@ -58,8 +54,8 @@ NOT_AN_IMAGE_BODY = (
 
 
 class RequestBodies:
-    """ASGI middleware for ``POST`` to ``path``: forms pass, raw images become JSON, other non-JSON bodies
-    get a 400; every other request passes through untouched."""
+    """ASGI middleware for ``POST`` to ``path``: forms pass, raw images become the JSON LitServe parses, other
+    non-JSON bodies get a 400 (not LitServe's 500); every other request passes through untouched."""
 
     def __init__(self, app: Any, path: str) -> None:
         self.app = app
