@@ -55,9 +55,6 @@ __all__ = [
 OPSET = 17
 
 
-_CONTRIB_OPSET = {"com.microsoft": 1}  # the domain of ONNX Runtime's contrib ops
-
-
 class _Attention(torch.autograd.Function):
     """(B, N, D) tokens, the (D, 3D) stacked weights and (3D,) biases -> (B, N, D) concatenated heads."""
 
@@ -132,7 +129,7 @@ def contrib_opsets(module: nn.Module) -> dict[str, int]:
     """``torch.onnx.export``'s ``custom_opsets``: the contrib domain if ``for_export`` put a contrib op in ``module``
     (the exporter warns about a domain the graph does not use)."""
     contrib = (_ContribSelfAttention, FastGelu)
-    return _CONTRIB_OPSET if any(isinstance(m, contrib) for m in module.modules()) else {}
+    return {"com.microsoft": 1} if any(isinstance(m, contrib) for m in module.modules()) else {}
 
 
 class EncoderGraph(nn.Module):

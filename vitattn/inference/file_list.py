@@ -19,9 +19,6 @@ from vitattn.fileio import read_json
 __all__ = ["InputImage", "InputList", "list_inputs"]
 
 
-_GLOB_CHARS = set("*?[")
-
-
 @dataclass(frozen=True)
 class InputImage:
     """One image to caption: its path as listed (the output key) and its id."""
@@ -93,7 +90,7 @@ def list_inputs(
         if suffix in IMAGE_EXTENSIONS:
             return _numbered([spec], sort=False)
         return _numbered(_text_list(path, image_dir), sort=True)
-    if _GLOB_CHARS & set(spec):
+    if set("*?[") & set(spec):  # a glob
         found = glob.glob(spec, recursive=True)
         if not found:
             raise ValueError(f"images={shown}: the glob matches no files")

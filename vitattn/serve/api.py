@@ -28,8 +28,6 @@ __all__ = ["CaptionAPI", "ImageRequest", "decode_image_request"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_IMAGE_BYTES = 20_000_000
-
 
 @dataclass
 class ImageRequest:
@@ -99,7 +97,7 @@ class CaptionAPI(ls.LitAPI):
         self,
         model: str,
         generate: dict[str, Any] | None = None,
-        max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+        max_image_bytes: int = 20_000_000,
         num_threads: int | None = None,
         precision: str = "auto",
         max_batch_size: int = 8,

@@ -44,9 +44,6 @@ def build_server(
     return server
 
 
-_FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
-_RAW_TYPES = ("image/", "application/octet-stream")
-
 NOT_AN_IMAGE_BODY = (
     "the body is neither a multipart form, JSON nor an image (Content-Type: image/...); "
     "send the image as a file field 'image'"
@@ -66,10 +63,10 @@ class RequestBodies:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         content_type = headers.get(b"content-type", b"").decode("latin-1").lower()
-        if content_type.startswith(_FORM_TYPES):
+        if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
             return await self.app(scope, receive, send)
         body = await _read_body(receive)
-        if content_type.startswith(_RAW_TYPES):
+        if content_type.startswith(("image/", "application/octet-stream")):
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
             fields = {"image": base64.b64encode(body).decode("ascii")}
             if "attention" in query:

@@ -25,11 +25,6 @@ log = logging.getLogger(__name__)
 
 SHUTTING_DOWN = "the server is shutting down; send the request to another server or retry later"
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-# seconds uvicorn and LitServe give an API server to close once nothing is in flight (LitServe's default: 30)
-API_SERVER_CLOSE_S = 5.0
-
 
 def leave_interrupts_to_parent() -> None:
     """In a child process of the server, ignore SIGINT: Ctrl+C reaches the whole process group, and the
@@ -58,12 +53,13 @@ class GracefulStop:
     def attach(self, server: Any) -> None:
         """Put the 503 gate in front of ``server``'s app (outermost: call after every other middleware)."""
         server.app.add_middleware(StopGate, stop=self)
-        server.uvicorn_graceful_timeout = API_SERVER_CLOSE_S  # public attribute; read by ``run``
+        # seconds uvicorn and LitServe give an API server to close once nothing is in flight (LitServe's default: 30)
+        server.uvicorn_graceful_timeout = 5.0  # public attribute; read by ``run``
 
     def serve(self, server: Any, **run_kwargs: Any) -> None:
         """``server.run(**run_kwargs)`` with SIGTERM and SIGINT stopping it cleanly; returns once it has stopped."""
         self._pid, self._server = os.getpid(), server
-        self._previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         # Python's advice before forking: what exists now stays out of every later collection, so the
         # forked API servers share these pages, and the exit skips a seconds-long sweep of torch's objects.
         gc.freeze()
