@@ -113,10 +113,8 @@ class Captioner(_TaskModel):
         details: bool = False,
         **generate: Any,
     ) -> str | list[str] | Caption | list[Caption]:
-        """Caption one image (a path, PIL image, (height, width, 3) uint8 array, or (3, height, width) tensor, uint8 or
-        in [0, 1]) or a list of them, ``batch_size`` per ``generate`` call, ``**generate`` over the model's defaults.
-        Returns a string for one image, a list for a list; ``details``: ``Caption``s (text, tokens, log-probability).
-        """
+        """Caption one image (an ``ImageLike``) or a list of them, ``batch_size`` per ``generate`` call, ``**generate``
+        over the model's defaults: a string for one image, a list for a list; ``details``: ``Caption``s instead."""
         batches, single = _batches(images, batch_size)
         results: list[str | Caption] = []
         for batch in batches:

@@ -484,10 +484,9 @@ def caption_shards(
     seed: int | None = None,
     **generate: Any,
 ) -> CaptionSummary:
-    """Caption the unfinished shards of ``urls``, one output per shard in ``out_dir`` (``format`` ``jsonl`` or
-    ``parquet``): a row per sample, ``key`` and ``caption`` (or ``error``), and its ``url`` and original caption
-    (``.txt``) when it has them. Called as ``caption_files``, with the same options; counts are this run's.
-    """
+    """Caption the unfinished shards of ``urls``, one output per shard in ``out_dir`` (``jsonl`` or ``parquet``): a
+    row per sample, ``key`` and ``caption`` (or ``error``), its ``url`` and original caption (``.txt``) if it has
+    them. Called as ``caption_files``; counts are this run's."""
     processes = processes or Processes(device=model.device)
     if format not in SHARD_FORMATS:
         raise ValueError(f"format={format!r} is unknown for shards; choose one of {list(SHARD_FORMATS)}")
