@@ -1,7 +1,5 @@
 """Models as inference loads them: ``load_model`` turns any model path into a ``LoadedModel`` of the runtime
-its folder holds (``Bundle``: PyTorch; ``OnnxModel``: ONNX Runtime). ``folder`` writes and reads bundle
-folders, ``checkpoint`` makes bundles of checkpoints and trained systems, ``onnx_folder`` reads ONNX
-folders and ``onnx_export`` writes them.
+its folder holds (``Bundle``: PyTorch; ``OnnxModel``: ONNX Runtime).
 """
 
 from __future__ import annotations
@@ -41,9 +39,7 @@ __all__ = [
 
 def load_bundle(path: str | os.PathLike, device: str | torch.device = "cpu") -> Bundle:
     """The PyTorch model at ``path``, in eval mode on ``device``: a bundle folder (``config.json``), a training run
-    folder (its ``bundle/``, else ``checkpoints/last.ckpt``) or a Lightning ``.ckpt`` (never unpickled).
-    ``FileNotFoundError`` when nothing is there; ``ValueError`` for a corrupt file or pickled objects.
-    """
+    folder (its ``bundle/``, else ``checkpoints/last.ckpt``) or a Lightning ``.ckpt`` (never unpickled)."""
     path = Path(path)
     if path.is_dir():
         run = RunDir(path)
@@ -73,10 +69,8 @@ def runtime_of(path: str | os.PathLike) -> str:
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", precision: str = "auto") -> LoadedModel:
     """The model at ``path`` (a bundle folder, run folder or ``.ckpt`` on PyTorch; an ONNX folder on ONNX Runtime,
-    on the CPU), ready for inference on ``device``: the one loader of the API and of every entry point.
-    ``precision`` (``auto``, ``fp32``, ``bf16``) is resolved for ``device``; an ONNX folder runs in what it was
-    exported in, and another ``precision`` than ``auto`` or that is refused in one line.
-    """
+    on the CPU), ready on ``device``: the one loader of the API and every entry point. ``precision`` (``auto``,
+    ``fp32``, ``bf16``) is resolved for ``device``; an ONNX folder runs in the one it was exported in."""
     check_precision(precision)
     if runtime_of(path) == "onnx":
         model = load_onnx_folder(Path(path), device)

@@ -1,8 +1,5 @@
-"""Lightning checkpoints as bundles: a trained system's bundle, and a ``.ckpt`` read back without unpickling.
-
-A checkpoint is read with ``torch.load(..., weights_only=True)``: one that needs real unpickling is
-refused. Its ``hyper_parameters`` hold the same plain values as a bundle's ``config.json``.
-"""
+"""Lightning checkpoints as bundles: a trained system's bundle, and a ``.ckpt`` read back with
+``torch.load(..., weights_only=True)`` (one that needs real unpickling is refused)."""
 
 from __future__ import annotations
 
@@ -15,21 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from vitattn.bundle.folder import (
-    BUNDLE_FORMAT,
-    BUNDLE_VERSION,
-    Bundle,
-    build_model,
-    finish_bundle,
-    plain_json,
-    save_bundle,
-)
+from vitattn.bundle.folder import Bundle, build_model, bundle_config, finish_bundle, img_size, save_bundle
 from vitattn.data.preprocess import check_preprocess, default_preprocess
-from vitattn.data.tokenizer import Tokenizer, tokenizer_file_name, tokenizer_from_labels
+from vitattn.data.tokenizer import Tokenizer, tokenizer_from_labels
 from vitattn.errors import first_line
-from vitattn.models import TASKS, ImageCaptioner
+from vitattn.models import TASKS
 
 __all__ = ["bundle_from_system", "load_checkpoint"]
 
@@ -42,7 +30,7 @@ def bundle_from_system(system: Any, directory: str | os.PathLike) -> Path:
     """
     hparams = dict(getattr(system, "hparams", {}) or {})
     model = system.model
-    preprocess = hparams.get("preprocess") or default_preprocess(_img_size(model))
+    preprocess = hparams.get("preprocess") or default_preprocess(img_size(model))
     return save_bundle(
         directory,
         model,
@@ -52,11 +40,6 @@ def bundle_from_system(system: Any, directory: str | os.PathLike) -> Path:
         class_names=hparams.get("class_names"),
         generate=getattr(system, "generate_kwargs", None),
     )
-
-
-def _img_size(model: nn.Module) -> int:
-    encoder = model.encoder if isinstance(model, ImageCaptioner) else model
-    return int(encoder.config["img_size"])
 
 
 def _read_checkpoint(path: Path) -> Any:
@@ -89,7 +72,7 @@ def load_checkpoint(path: Path, device: str | torch.device) -> Bundle:
     if hparams.get("preprocess"):
         preprocess = check_preprocess(hparams["preprocess"], f"{path}: hyper_parameters preprocess")
     else:
-        preprocess = default_preprocess(_img_size(model))
+        preprocess = default_preprocess(img_size(model))
         log.warning(
             "%s has no preprocess in hyper_parameters; using a %d px squash resize", path, preprocess["img_size"]
         )
@@ -98,21 +81,12 @@ def load_checkpoint(path: Path, device: str | torch.device) -> Bundle:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as err:
         raise ValueError(f"{path}: its 'model.*' weights do not fit the model: {first_line(err)}") from None
-    config = {
-        "format": BUNDLE_FORMAT,
-        "version": BUNDLE_VERSION,
-        "task": task,
-        "model": plain_json(hparams["model_config"], "model_config"),
-        "preprocess": preprocess,
-        **({"vocab_file": tokenizer_file_name(vocab)} if task == "caption" else {"class_names": class_names}),
-    }
     generate = hparams.get("generate") or {}
     if not isinstance(generate, Mapping):
         raise ValueError(f"{path}: hyper_parameters 'generate' must be a mapping")
-    generate = plain_json(dict(generate), "generate")
-    if generate:
-        config["generate"] = generate
-    return finish_bundle(Bundle(model, task, preprocess, config, vocab, class_names, generate), device, path)
+    config = bundle_config(task, hparams["model_config"], preprocess, vocab, class_names, generate)
+    bundle = Bundle(model, task, preprocess, config, vocab, class_names, config.get("generate", {}))
+    return finish_bundle(bundle, device, path)
 
 
 def _read_parts(path: Path) -> tuple[Mapping[str, Any], Mapping[str, Any], str]:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from omegaconf import OmegaConf
@@ -40,7 +40,7 @@ from vitattn.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_file_nam
 from vitattn.errors import brief, first_line
 from vitattn.fileio import atomic_folder, read_json
 from vitattn.models import TASKS, CaptionDecoder, ImageCaptioner, VisionTransformer
-from vitattn.models.search import SEARCH_KEYS
+from vitattn.models.search import SEARCH_KEYS, CaptionSearch
 from vitattn.run_dir import VOCAB_FILE
 
 __all__ = [
@@ -52,9 +52,15 @@ __all__ = [
     "Bundle",
     "LoadedModel",
     "build_model",
+    "bundle_config",
     "check_arguments",
+    "check_decoding",
+    "check_tokenizer",
+    "img_size",
     "is_bundle_weights",
     "load_bundle_folder",
+    "read_config",
+    "read_labels",
     "save_bundle",
 ]
 
@@ -67,14 +73,14 @@ WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 
 @dataclass
 class LoadedModel(ABC):
-    """A model ready for inference, whichever runtime runs it (``Bundle``: PyTorch; ``OnnxModel``: ONNX Runtime).
+    """A model ready for inference, whichever ``runtime`` runs it (``Bundle``: ``torch``; ``OnnxModel``: ``onnx``).
 
     ``model`` is a ``CaptionSearch`` (task ``caption``) or a classifier ((B, C, height, width) -> (B, K) logits);
-    ``preprocess`` is what ``transform`` does; ``config`` the folder's description; ``vocab`` (captions) or
-    ``class_names``; ``generate`` the stored decoding defaults; ``precision`` ``fp32`` or ``bf16`` (PyTorch, as
-    ``load_model`` resolves ``auto``) or an ONNX folder's ``fp32`` or ``int8``.
+    ``config`` is the folder's description; ``generate`` the stored decoding defaults; ``precision`` ``fp32`` or
+    ``bf16`` (PyTorch, as ``load_model`` resolves ``auto``) or an ONNX folder's ``fp32`` or ``int8``.
     """
 
+    runtime: ClassVar[str]
     model: Any
     task: str
     preprocess: dict[str, Any]
@@ -83,11 +89,6 @@ class LoadedModel(ABC):
     class_names: list[str] | None = None
     generate: dict[str, Any] = field(default_factory=dict)
     precision: str = "fp32"
-
-    @property
-    @abstractmethod
-    def runtime(self) -> str:
-        """``torch`` or ``onnx``."""
 
     @property
     @abstractmethod
@@ -100,10 +101,9 @@ class LoadedModel(ABC):
         return eval_transform(self.preprocess)
 
     def generate_settings(self, given: Mapping[str, Any] | None = None, written_out: bool = False) -> dict[str, Any]:
-        """The ``generate`` keyword arguments to decode with, resolved here for every entry point: the stored
-        defaults that ``generate`` takes (others dropped with a warning), then the ``given`` ones (any mapping,
-        a command line's included) that ``generate`` takes and that are not None. ``written_out`` adds the
-        search settings' own defaults, ``max_new_tokens`` as the decoder's limit, as a report shows them."""
+        """The ``generate`` keyword arguments of every entry point: the stored defaults (unknown ones dropped with a
+        warning), then the ``given`` ones that ``generate`` takes and that are not None. ``written_out`` adds the
+        search settings' own defaults (``max_new_tokens`` as the decoder's limit), as a report shows them."""
         parameters = inspect.signature(self.model.generate).parameters
         accepted = {k: p for k, p in parameters.items() if p.default is not inspect.Parameter.empty}
         settings = {k: v for k, v in self.generate.items() if k in accepted}
@@ -120,15 +120,10 @@ class LoadedModel(ABC):
 
 @dataclass
 class Bundle(LoadedModel):
-    """A PyTorch model (``ImageCaptioner`` or ``VisionTransformer``, in eval mode): ``LoadedModel``'s ``torch``
-    runtime; ``config`` is its ``config.json``."""
+    """A PyTorch model (``ImageCaptioner`` or ``VisionTransformer``, in eval mode); ``config``: its ``config.json``."""
 
+    runtime: ClassVar[str] = "torch"
     model: nn.Module
-
-    @property
-    def runtime(self) -> str:
-        """``torch``."""
-        return "torch"
 
     @property
     def device(self) -> torch.device:
@@ -159,8 +154,8 @@ def _at_most_tensors(limit: int) -> Iterator[None]:
 
 
 def check_arguments(function: Callable, arguments: Any, where: str, unknown_ok: bool = False) -> None:
-    """``arguments`` (a config's mapping) are keyword arguments of ``function`` of the types it declares,
-    floats finite: a file's ``"1e-6"`` or ``NaN`` is refused here rather than failing in a forward pass."""
+    """``arguments`` (a config's mapping) are keyword arguments of ``function`` of the types it declares, floats
+    finite: a file's ``"1e-6"`` or ``NaN`` is refused here, not in a forward pass."""
     name = function.__qualname__.removesuffix(".__init__")
     if not isinstance(arguments, Mapping):
         raise ValueError(f"{where} must be a mapping of {name} arguments, got {brief(arguments)}")
@@ -226,19 +221,15 @@ def _misfit(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> str:
 
 
 def build_model(task: str, model_config: Any, where: Path, shapes: Mapping[str, Sequence[int]]) -> nn.Module:
-    """The ``task`` model of ``model_config``, built once a copy on the meta device (no memory) has shown that its
-    tensors have the ``shapes`` of the weights: a config that does not fit is refused before any memory is
-    taken, however large the sizes it names (no size exceeds the number of weights; the copy stops at the first
-    tensor more than the weights hold).
-    """
+    """The ``task`` model of ``model_config``, built once a copy on the meta device has shown that its tensors have
+    the ``shapes`` of the weights: a config that does not fit is refused before any memory is taken."""
     if not isinstance(model_config, Mapping):
         raise ValueError(f"{where}: the model config must be a mapping, got {type(model_config).__name__}")
     _check_config(task, model_config, where)
     num_weights = sum(math.prod(shape) for shape in shapes.values())
-    too_large = [(k, v) for k, v in _integers(model_config) if v > num_weights]
-    if too_large:
-        key, value = too_large[0]
-        raise ValueError(f"{where}: model {key}={value} does not fit weights of {num_weights} numbers")
+    for key, value in _integers(model_config):
+        if value > num_weights:
+            raise ValueError(f"{where}: model {key}={value} does not fit weights of {num_weights} numbers")
     try:  # tied weights are registered (and counted) twice, but saved once
         with torch.device("meta"), _at_most_tensors(2 * len(shapes) + 8):
             skeleton = _construct(task, model_config)
@@ -264,15 +255,12 @@ def save_bundle(
     class_names: Sequence[str] | None = None,
     generate: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write ``model`` (an ``ImageCaptioner``, or a ``VisionTransformer`` with classes) as a bundle folder,
-    atomically (an earlier bundle there is replaced), with its ``preprocess`` (``eval_transform``'s), its
-    tokenizer (``vocab``, as large as the decoder's vocabulary) or ``class_names`` (default ``"0"``, ``"1"``, ...),
-    and the decoding defaults ``generate``. Returns the folder.
-    """
+    """Write ``model`` (an ``ImageCaptioner``, or a ``VisionTransformer`` with classes) as a bundle folder, atomically
+    (an earlier bundle there replaced), with ``eval_transform``'s ``preprocess``, its tokenizer ``vocab`` or
+    ``class_names`` (default ``"0"``, ``"1"``, ...) and the decoding defaults ``generate``. Returns the folder."""
     directory = Path(directory)
-    config = _bundle_config(model, task, preprocess, vocab, class_names)
-    if generate:
-        config["generate"] = plain_json(dict(generate), "generate")
+    class_names = _labels(model, task, vocab, class_names)
+    config = bundle_config(task, model.config, preprocess, vocab, class_names, generate)
     if directory.exists() and not (directory.is_dir() and (not any(directory.iterdir()) or _is_bundle(directory))):
         raise FileExistsError(f"{directory} exists and is not a vitattn bundle; choose another folder or remove it")
     with atomic_folder(directory) as tmp:
@@ -283,20 +271,10 @@ def save_bundle(
     return directory
 
 
-def _bundle_config(
-    model: nn.Module,
-    task: str,
-    preprocess: Mapping[str, Any],
-    vocab: Tokenizer | None,
-    class_names: Sequence[str] | None,
-) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "format": BUNDLE_FORMAT,
-        "version": BUNDLE_VERSION,
-        "task": task,
-        "model": plain_json(model.config, "model.config"),
-        "preprocess": check_preprocess(plain_json(preprocess, "preprocess"), "preprocess"),
-    }
+def _labels(
+    model: nn.Module, task: str, vocab: Tokenizer | None, class_names: Sequence[str] | None
+) -> list[str] | None:
+    """The class names to save with ``model`` (None for a captioner), once its ``vocab`` or ``class_names`` fit."""
     if task == "caption":
         if not isinstance(model, ImageCaptioner):
             raise ValueError(f"task='caption' needs an ImageCaptioner, got {type(model).__name__}")
@@ -304,16 +282,38 @@ def _bundle_config(
             raise ValueError("task='caption' needs vocab=Vocabulary(...) or a SubwordTokenizer")
         if len(vocab) != model.decoder.vocab_size:
             raise ValueError(f"vocab has {len(vocab)} tokens but the decoder's vocab_size={model.decoder.vocab_size}")
-        config["vocab_file"] = tokenizer_file_name(vocab)
-    elif task == "classification":
-        if not isinstance(model, VisionTransformer) or model.num_classes <= 0:
-            raise ValueError("task='classification' needs a VisionTransformer with num_classes > 0")
-        names = [str(i) for i in range(model.num_classes)] if class_names is None else [str(n) for n in class_names]
-        if len(names) != model.num_classes:
-            raise ValueError(f"class_names has {len(names)} names but the model has num_classes={model.num_classes}")
-        config["class_names"] = names
-    else:
+        return None
+    if task != "classification":
         raise ValueError(f"task={task!r} is unknown; choose one of {list(TASKS)}")
+    if not isinstance(model, VisionTransformer) or model.num_classes <= 0:
+        raise ValueError("task='classification' needs a VisionTransformer with num_classes > 0")
+    names = [str(i) for i in range(model.num_classes)] if class_names is None else [str(n) for n in class_names]
+    if len(names) != model.num_classes:
+        raise ValueError(f"class_names has {len(names)} names but the model has num_classes={model.num_classes}")
+    return names
+
+
+def bundle_config(
+    task: str,
+    model_config: Mapping[str, Any],
+    preprocess: Mapping[str, Any],
+    vocab: Tokenizer | None,
+    class_names: Sequence[str] | None,
+    generate: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """A bundle's ``config.json``: the model's config, ``preprocess``, the tokenizer's file name (task ``caption``)
+    or the ``class_names``, and the decoding defaults ``generate`` when there are any."""
+    labels = {"vocab_file": tokenizer_file_name(vocab)} if task == "caption" else {"class_names": list(class_names)}
+    config = {
+        "format": BUNDLE_FORMAT,
+        "version": BUNDLE_VERSION,
+        "task": task,
+        "model": plain_json(model_config, "model config"),
+        "preprocess": check_preprocess(plain_json(preprocess, "preprocess"), "preprocess"),
+        **labels,
+    }
+    if generate:
+        config["generate"] = plain_json(dict(generate), "generate")
     return config
 
 
@@ -342,10 +342,13 @@ def _is_bundle(directory: Path) -> bool:
 def load_bundle_folder(directory: Path, device: str | torch.device) -> Bundle:
     """The bundle in ``directory`` (it holds ``config.json``), on ``device``, in eval mode."""
     config_path = directory / CONFIG_FILE
-    config = _read_config(config_path)
+    config = read_config(config_path, "vitattn bundle config", BUNDLE_FORMAT, BUNDLE_VERSION)
+    for key in ("model", "preprocess"):
+        if key not in config:
+            raise ValueError(f"{config_path} has no {key!r}")
     task = config["task"]
     preprocess = check_preprocess(config["preprocess"], str(config_path))
-    vocab, class_names = _read_labels(directory, config_path, config)
+    vocab, class_names = read_labels(directory, config, config_path)
     weights = directory / WEIGHTS_FILE
     model = build_model(task, config["model"], config_path, _weight_shapes(weights, config_path))
     try:
@@ -353,44 +356,41 @@ def load_bundle_folder(directory: Path, device: str | torch.device) -> Bundle:
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for corrupt files
         raise ValueError(f"{weights} cannot be loaded into the model of {config_path}: {first_line(err)}") from None
     generate = config.get("generate") or {}
-    _check_generate(model, task, generate, config_path)
+    check_decoding(model, task, generate, config_path)
     return finish_bundle(
         Bundle(model, task, preprocess, config, vocab, class_names, dict(generate)), device, config_path
     )
 
 
-def _read_config(config_path: Path) -> dict[str, Any]:
-    """``config.json`` of a bundle of this format and version, with a known task, a model and a preprocess."""
-    config = read_json(config_path, "bundle config")
-    if not isinstance(config, dict) or config.get("format") != BUNDLE_FORMAT:
-        raise ValueError(f"{config_path} is not a vitattn bundle config (format must be {BUNDLE_FORMAT!r})")
-    if config.get("version") != BUNDLE_VERSION:
+def read_config(path: Path, what: str, format: str, version: int, fix: str = "") -> dict[str, Any]:
+    """The JSON ``what`` at ``path``, of ``format`` and ``version`` and with a known task; ``fix`` (``"; ..."``)
+    ends the errors of another format or version."""
+    config = read_json(path, what)
+    if not isinstance(config, dict) or config.get("format") != format:
+        raise ValueError(f"{path} is not a {what} (format must be {format!r}){fix}")
+    if config.get("version") != version:
+        written = f" (written by vitattn {brief(config['vitattn_version'])})" if "vitattn_version" in config else ""
         raise ValueError(
-            f"{config_path} has version={config.get('version')!r}; this vitattn reads version {BUNDLE_VERSION}"
+            f"{path} has version={brief(config.get('version'))}{written}; this vitattn reads version {version}{fix}"
         )
-    task = config.get("task")
-    if task not in TASKS:
-        raise ValueError(f"{config_path} has task={task!r}; expected one of {list(TASKS)}")
-    for key in ("model", "preprocess"):
-        if key not in config:
-            raise ValueError(f"{config_path} has no {key!r}")
+    if config.get("task") not in TASKS:
+        raise ValueError(f"{path} has task={brief(config.get('task'))}; expected one of {list(TASKS)}")
     return config
 
 
-def _read_labels(
-    directory: Path, config_path: Path, config: dict[str, Any]
-) -> tuple[Tokenizer | None, list[str] | None]:
-    """The caption tokenizer (caption task) or the class names (classification task)."""
+def read_labels(directory: Path, config: Mapping[str, Any], where: Path) -> tuple[Tokenizer | None, list[str] | None]:
+    """The tokenizer that ``config``'s ``vocab_file`` names in ``directory`` (task ``caption``), or its
+    ``class_names``."""
     if config["task"] == "caption":
         name = config.get("vocab_file", VOCAB_FILE)
         if not isinstance(name, str) or Path(name).name != name or not 0 < len(name.encode(errors="replace")) <= 255:
-            raise ValueError(f"{config_path} has vocab_file={brief(name)}; it must be a file name inside the bundle")
+            raise ValueError(f"{where} has vocab_file={brief(name)}; it must be a file name inside the folder")
         return load_tokenizer(directory / name), None
     class_names = config.get("class_names")
-    if not isinstance(class_names, list) or not all(isinstance(name, str) for name in class_names):
-        raise ValueError(f"{config_path} has no 'class_names' list of strings")
+    if not isinstance(class_names, list) or not class_names or not all(isinstance(n, str) for n in class_names):
+        raise ValueError(f"{where} has no 'class_names' list of strings")
     if len(set(class_names)) != len(class_names):
-        raise ValueError(f"{config_path} repeats class names: {brief(class_names)}")
+        raise ValueError(f"{where} repeats class names: {brief(class_names)}")
     return None, class_names
 
 
@@ -405,44 +405,52 @@ def _weight_shapes(weights: Path, config_path: Path) -> dict[str, list[int]]:
         raise ValueError(f"{weights} cannot be loaded into the model of {config_path}: {first_line(err)}") from None
 
 
-def _check_generate(model: nn.Module, task: str, generate: Any, config_path: Path) -> None:
-    """The stored decoding defaults are ``generate`` keyword arguments the model accepts."""
-    if task == "caption":
-        check_arguments(ImageCaptioner.generate, generate, f"{config_path}: generate", unknown_ok=True)
-        try:
-            checked = inspect.signature(model.check_generate).parameters
-            model.check_generate(**{k: v for k, v in generate.items() if k in checked})
-        except ValueError as err:
-            raise ValueError(f"{config_path}: generate: {err}") from None
-    elif not isinstance(generate, dict):
-        raise ValueError(f"{config_path}: 'generate' must be a mapping of generate() keyword arguments")
+def check_decoding(model: Any, task: str, generate: Any, where: Path) -> None:
+    """The stored decoding defaults ``generate`` are keyword arguments that ``model.generate`` accepts."""
+    if task != "caption":
+        if not isinstance(generate, Mapping):
+            raise ValueError(f"{where}: 'generate' must be a mapping of generate() keyword arguments")
+        return
+    check_arguments(CaptionSearch.generate, generate, f"{where}: generate", unknown_ok=True)
+    checked = inspect.signature(model.check_generate).parameters
+    try:
+        model.check_generate(**{k: v for k, v in generate.items() if k in checked})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: generate: {first_line(err)}") from None
+
+
+def check_tokenizer(vocab: Tokenizer, vocab_size: int, ids: tuple[int | None, ...], where: str | os.PathLike) -> None:
+    """``vocab`` has the decoder's ``vocab_size`` and its pad, bos, eos and unk ``ids``."""
+    if len(vocab) != vocab_size:
+        raise ValueError(
+            f"{where}: the tokenizer has {len(vocab)} tokens but the decoder's vocab_size={vocab_size}; use the "
+            f"tokenizer the model was trained with (its run's {tokenizer_file_name(vocab)}), or export the model again"
+        )
+    theirs = (vocab.pad_id, vocab.bos_id, vocab.eos_id, vocab.unk_id)
+    if tuple(ids) != theirs:
+        raise ValueError(f"{where}: the decoder's pad, bos, eos and unk ids {ids} are not the vocabulary's {theirs}")
+
+
+def img_size(model: nn.Module) -> int:
+    """The image side that ``model`` (an ``ImageCaptioner`` or a ``VisionTransformer``) takes."""
+    encoder = model.encoder if isinstance(model, ImageCaptioner) else model
+    return int(encoder.config["img_size"])
 
 
 def finish_bundle(bundle: Bundle, device: str | torch.device, where: str | os.PathLike) -> Bundle:
-    """``bundle`` with its model on ``device`` in eval mode, once its parts are known to agree (``where`` names
-    the file they were read from)."""
-    encoder = bundle.model.encoder if isinstance(bundle.model, ImageCaptioner) else bundle.model
-    if bundle.preprocess["img_size"] != encoder.config["img_size"]:
-        raise ValueError(
-            f"{where}: preprocess img_size={bundle.preprocess['img_size']} "
-            f"but the model takes {encoder.config['img_size']} px images"
-        )
-    if bundle.vocab is not None and len(bundle.vocab) != bundle.model.decoder.vocab_size:
-        raise ValueError(
-            f"{where}: the tokenizer has {len(bundle.vocab)} tokens but the decoder's "
-            f"vocab_size={bundle.model.decoder.vocab_size}; use the tokenizer the model was trained with "
-            f"(its run's {tokenizer_file_name(bundle.vocab)}), or export the model again"
-        )
+    """``bundle`` with its model on ``device`` in eval mode, once its parts (read from ``where``) agree."""
+    model, size = bundle.model, bundle.preprocess["img_size"]
+    if size != img_size(model):
+        raise ValueError(f"{where}: preprocess img_size={size} but the model takes {img_size(model)} px images")
     if bundle.vocab is not None:
-        decoder, vocab = bundle.model.decoder, bundle.vocab
-        ids = (decoder.pad_id, decoder.bos_id, decoder.eos_id, decoder.unk_id, decoder.other_special_ids)
-        expected = (vocab.pad_id, vocab.bos_id, vocab.eos_id, vocab.unk_id, vocab.other_special_ids)
-        if ids != expected:
+        dec = model.decoder
+        check_tokenizer(bundle.vocab, dec.vocab_size, (dec.pad_id, dec.bos_id, dec.eos_id, dec.unk_id), where)
+        if dec.other_special_ids != bundle.vocab.other_special_ids:
             raise ValueError(
-                f"{where}: the decoder's pad, bos, eos, unk and other special ids {ids} "
-                f"are not the vocabulary's {expected}"
+                f"{where}: the decoder's other special ids {list(dec.other_special_ids)} are not the tokenizer's "
+                f"{list(bundle.vocab.other_special_ids)}"
             )
-    if bundle.class_names is not None and len(bundle.class_names) != bundle.model.num_classes:
-        raise ValueError(f"{where}: {len(bundle.class_names)} class_names for num_classes={bundle.model.num_classes}")
-    bundle.model.to(device).eval()
+    if bundle.class_names is not None and len(bundle.class_names) != model.num_classes:
+        raise ValueError(f"{where}: {len(bundle.class_names)} class_names for num_classes={model.num_classes}")
+    model.to(device).eval()
     return bundle

@@ -5,7 +5,7 @@ d head width, P past caption positions, N image tokens, D width, V vocabulary.
 
 PyTorch's TorchScript-based exporter (``dynamo=False``) traces the modules the PyTorch runtime runs. The
 encoder's self-attention is written as ONNX Runtime's contrib ``Attention`` op, and int8 folders take GELU's
-tanh form as ``FastGelu``; why, and the int8 choices: docs/serving.md ("ONNX export").
+tanh form as ``FastGelu``; why, and the int8 choices: docs/captioning.md ("ONNX Runtime").
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from vitattn.models import CaptionDecoder, ImageCaptioner
 
 __all__ = [
     "OPSET",
-    "ClassifierGraph",
     "DecoderStepGraph",
     "EncoderGraph",
     "FastGelu",
@@ -54,9 +53,6 @@ __all__ = [
 ]
 
 OPSET = 17
-
-
-_CONTRIB_OPSET = {"com.microsoft": 1}  # the domain of ONNX Runtime's contrib ops
 
 
 class _Attention(torch.autograd.Function):
@@ -115,36 +111,30 @@ class FastGelu(nn.Module):
 
 
 def for_export(model: nn.Module, approximate_gelu: bool = False) -> nn.Module:
-    """A copy of ``model`` whose attention exports as ONNX Runtime runs it fastest: the encoder layers' unmasked
-    self-attention as its ``Attention`` op (a mask raises ``ValueError``), every other attention on the explicit
-    path; with ``approximate_gelu``, every ``nn.GELU`` as ``FastGelu``.
-    """
+    """A copy of ``model`` whose attention exports as ONNX Runtime runs it fastest: the encoder's self-attention
+    as its ``Attention`` op, every other on the explicit path; ``approximate_gelu``: ``nn.GELU`` as ``FastGelu``."""
     model = copy.deepcopy(model)
-    if approximate_gelu:
-        for parent in list(model.modules()):
-            for name, child in parent.named_children():
-                if isinstance(child, nn.GELU):
-                    setattr(parent, name, FastGelu())
-    for module in model.modules():
+    for module in list(model.modules()):
         if isinstance(module, MultiHeadAttention):
             module.fused_attn = False
-    for layer in model.modules():
-        if isinstance(layer, EncoderLayer):
-            layer.mha = _ContribSelfAttention(layer.mha)
+        if isinstance(module, EncoderLayer):
+            module.mha = _ContribSelfAttention(module.mha)
+        for name, child in module.named_children():
+            if approximate_gelu and isinstance(child, nn.GELU):
+                setattr(module, name, FastGelu())
     return model
 
 
 def contrib_opsets(module: nn.Module) -> dict[str, int]:
-    """``torch.onnx.export``'s ``custom_opsets`` for ``module``: the contrib domain when ``for_export``
-    wrote a contrib op in it (the exporter warns about a domain the graph does not use)."""
+    """``torch.onnx.export``'s ``custom_opsets``: the contrib domain if ``for_export`` put a contrib op in ``module``
+    (the exporter warns about a domain the graph does not use)."""
     contrib = (_ContribSelfAttention, FastGelu)
-    return _CONTRIB_OPSET if any(isinstance(m, contrib) for m in module.modules()) else {}
+    return {"com.microsoft": 1} if any(isinstance(m, contrib) for m in module.modules()) else {}
 
 
 class EncoderGraph(nn.Module):
-    """Images -> each decoder layer's cross-attention keys, (B, H, d, N), transposed once per image (every step
-    multiplies queries by them, and ONNX Runtime reads a transposed operand more slowly), and values (B, H, N, d).
-    """
+    """Images -> each decoder layer's cross-attention keys (B, H, d, N), transposed once per image (ONNX Runtime
+    reads a transposed operand more slowly at every step), and values (B, H, N, d)."""
 
     def __init__(self, model: ImageCaptioner) -> None:
         super().__init__()
@@ -193,21 +183,9 @@ class DecoderStepGraph(nn.Module):
         return (logits, *(t for c in caches for t in c.present))
 
 
-class ClassifierGraph(nn.Module):
-    """Images -> (B, num_classes) logits."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, images: Tensor) -> Tensor:
-        return self.model(images)
-
-
 def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | None = None) -> Path:
-    """Write ``bundle`` as an ONNX folder at ``directory``, atomically (an earlier ONNX folder there is replaced),
-    in fp32 or, with ``quantize="int8"``, ONNX Runtime's dynamic int8 quantization. Returns the folder.
-    """
+    """Write ``bundle`` as an ONNX folder at ``directory``, atomically (an earlier one there replaced), in fp32 or,
+    with ``quantize="int8"``, ONNX Runtime's dynamic int8 quantization. Returns the folder."""
     precision = quantize or "fp32"
     if precision not in PRECISIONS:
         raise ValueError(f"quantize={quantize!r} is unknown; choose quantize=int8 or leave it out for fp32")
@@ -240,7 +218,7 @@ def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | No
             )
             bundle.vocab.save(tmp / tokenizer_file_name(bundle.vocab))
         else:
-            graph = ClassifierGraph(for_export(model, approximate_gelu=precision == "int8"))
+            graph = for_export(model, approximate_gelu=precision == "int8")
             _export(graph, (images,), tmp / graph_file("classifier"), ["images"], ["logits"], {})
             config["class_names"] = list(bundle.class_names)
         if precision == "int8":
@@ -254,7 +232,7 @@ def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | No
 
 def _export_captioner(model: ImageCaptioner, images: Tensor, folder: Path, precision: str) -> dict[str, Any]:
     """Write ``encoder.onnx`` and ``decoder_step.onnx``; returns the ``decoder`` sizes for ``onnx.json``."""
-    approximate_gelu = precision == "int8"  # FastGelu: see ``onnx_contrib``
+    approximate_gelu = precision == "int8"
     dec = model.decoder
     L = len(dec.layers)
     cross = EncoderGraph(model)(images)  # 2L x (B, H, N, d)
@@ -309,17 +287,18 @@ def _export(
 
 
 def _quantize(folder: Path, graphs: tuple[str, ...]) -> None:
-    """Replace each graph by ONNX Runtime's dynamic int8 quantization of it (weights int8 per output channel with
-    7 bits of range, activations quantized per call), leaving ``kept_fp32``'s products and the non-``MatMul``
-    operators in fp32: why, docs/captioning.md ("ONNX Runtime").
-    """
+    """Replace each graph by ONNX Runtime's dynamic int8 quantization of it, ``kept_fp32``'s products and the
+    non-``MatMul`` operators left in fp32: why, docs/captioning.md ("ONNX Runtime")."""
     require_onnxruntime(export=True)
     import onnx  # an optional dependency, as onnxruntime
     from onnxruntime.quantization import QuantType, quantize_dynamic  # an optional dependency
 
     # onnxruntime.quantization logs through the root logger: advice to pre-process (measured: no gain here)
     # and, at INFO, one line per activation whose scale is computed at run time (all of them: dynamic)
-    advice = _DropMessage(("Please consider to run pre-processing", "Quantization parameters for tensor"))
+    def advice(record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not message.startswith(("Please consider to run pre-processing", "Quantization parameters for tensor"))
+
     logging.getLogger().addFilter(advice)
     try:
         for name in graphs:
@@ -354,14 +333,3 @@ def _logits_product(graph) -> str:  # noqa: ANN001 - an onnx GraphProto
     while node.op_type != "MatMul":  # back through the slice of the last position and the bias
         node = next(producers[x] for x in node.input if x in producers)
     return node.name
-
-
-class _DropMessage(logging.Filter):
-    """Drops the log records whose message starts with ``prefix`` (a string or a tuple of them)."""
-
-    def __init__(self, prefix: str | tuple[str, ...]) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefix)

@@ -4,37 +4,31 @@
 Dimension letters: B images, K beams, L decoder layers, H heads, d head width, P past positions,
 N image tokens, V vocabulary.
 
-A caption folder holds ``encoder.onnx`` (images -> each decoder layer's cross-attention keys, transposed, and
-values), ``decoder_step.onnx`` (a token per caption row and the past keys and values -> the next token's
-logits and the keys and values with it) and the tokenizer; a classifier, ``classifier.onnx``. Each graph's
-SHA-256 is checked before ONNX Runtime reads it. More: docs/captioning.md ("ONNX Runtime").
+A caption folder holds ``encoder.onnx``, ``decoder_step.onnx`` and the tokenizer; a classifier,
+``classifier.onnx``. Each graph's SHA-256 is checked before ONNX Runtime reads it. The graphs' inputs and
+outputs: ``onnx_export``; more in docs/captioning.md ("ONNX Runtime").
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
-import inspect
 import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from vitattn.bundle.folder import LoadedModel
+from vitattn.bundle.folder import LoadedModel, check_decoding, check_tokenizer, read_config, read_labels
 from vitattn.data.preprocess import check_preprocess
-from vitattn.data.tokenizer import load_tokenizer
 from vitattn.errors import MissingDependencyError, brief, first_line
-from vitattn.fileio import read_json
-from vitattn.models import TASKS
 from vitattn.models.search import CaptionSearch, SpecialIds
-from vitattn.run_dir import VOCAB_FILE
 
 __all__ = [
     "DECODER_KEYS",
@@ -100,43 +94,29 @@ def is_onnx_folder(path: Path) -> bool:
 
 def sha256(path: str | os.PathLike) -> str:
     """The SHA-256 of a file's bytes, as hex."""
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def check_onnx_config(directory: Path) -> dict[str, Any]:
     """``onnx.json`` of ``directory``, checked: format, version, task, preprocessing, decoder sizes and
     every graph's file and checksum. A one-line ``ValueError`` names the problem and the fix."""
     where = directory / ONNX_CONFIG_FILE
-    config = read_json(where, "ONNX folder config")
-    if not isinstance(config, dict) or config.get("format") != ONNX_FORMAT:
-        raise ValueError(f"{where} is not a vitattn ONNX config (format must be {ONNX_FORMAT!r}); {_REEXPORT}")
-    if config.get("version") != ONNX_VERSION:
-        raise ValueError(
-            f"{where} has version={brief(config.get('version'))} (written by vitattn "
-            f"{brief(config.get('vitattn_version'))}); this vitattn reads version {ONNX_VERSION}: {_REEXPORT}"
-        )
-    task = config.get("task")
-    if task not in TASKS:
-        raise ValueError(f"{where} has task={brief(task)}; expected one of {list(TASKS)}")
+    config = read_config(where, "vitattn ONNX config", ONNX_FORMAT, ONNX_VERSION, f"; {_REEXPORT}")
+    task = config["task"]
     if config.get("precision") not in PRECISIONS:
         raise ValueError(f"{where} has precision={brief(config.get('precision'))}; expected one of {list(PRECISIONS)}")
     config["preprocess"] = check_preprocess(config.get("preprocess"), f"{where}: preprocess")
     if task == "caption":
-        decoder = config.get("decoder")
-        bad = [k for k in DECODER_KEYS if not isinstance((decoder or {}).get(k), int) or decoder[k] < 0]
-        if not isinstance(decoder, Mapping) or bad:
+        decoder = config.get("decoder") if isinstance(config.get("decoder"), Mapping) else {}
+        bad = [k for k in DECODER_KEYS if not isinstance(decoder.get(k), int) or decoder[k] < 0]
+        if bad:
             raise ValueError(f"{where}: decoder needs non-negative integers {list(DECODER_KEYS)}; {bad} are not")
         if "unk_id" not in decoder:
             raise ValueError(f"{where}: decoder has no unk_id; {_REEXPORT}")
         unk = decoder["unk_id"]
         if unk is not None and (not isinstance(unk, int) or isinstance(unk, bool) or unk < 0):
             raise ValueError(f"{where}: decoder.unk_id={brief(unk)} must be a non-negative integer or null")
-        if not isinstance(config.get("generate", {}), Mapping):
-            raise ValueError(f"{where}: 'generate' must be a mapping of generate() keyword arguments")
     graphs = config.get("graphs")
     if not isinstance(graphs, Mapping):
         raise ValueError(f"{where} has no 'graphs' mapping; {_REEXPORT}")
@@ -167,10 +147,8 @@ def _numpy(x: Tensor) -> np.ndarray:
 
 
 class OnnxDecoderStep:
-    """``decoder_step.onnx`` as a ``DecodeStep``: it feeds the past keys/values of its previous call and keeps the
-    ones it returns. ``cross``: ``encoder.onnx``'s 2L arrays, keys (B, H, d, N) and values (B, H, N, d), one row
-    per image; the first call's tokens say how many caption rows (K per image, consecutive) there are.
-    """
+    """``decoder_step.onnx`` as a ``DecodeStep``, fed the past keys/values it returned last and ``encoder.onnx``'s
+    ``cross`` ones, a row per image; the first call's tokens say how many caption rows (K per image) there are."""
 
     def __init__(self, session: Any, cross: Sequence[np.ndarray]) -> None:
         self.session = session
@@ -195,9 +173,7 @@ class OnnxDecoderStep:
 
 
 class OnnxCaptioner(CaptionSearch):
-    """An ONNX folder's caption model (``encoder`` and ``step`` sessions, ``onnx.json``'s ``decoder`` sizes and special
-    ids), decoded by ``CaptionSearch`` as ``ImageCaptioner`` is.
-    """
+    """An ONNX folder's caption model (two sessions and ``onnx.json``'s ``decoder``), decoded as ``ImageCaptioner``."""
 
     def __init__(self, encoder: Any, step: Any, decoder: Mapping[str, int], other_ids: tuple[int, ...] = ()) -> None:
         self.encoder_session, self.step_session = encoder, step
@@ -207,19 +183,16 @@ class OnnxCaptioner(CaptionSearch):
         self.special_ids = SpecialIds(*ids, other_ids)  # the tokenizer's other special tokens: never generated
 
     def encode(self, images: Tensor) -> list[np.ndarray]:
-        """(B, C, height, width) -> 2L arrays: each decoder layer's cross-attention keys (B, H, d, N) and values
-        (B, H, N, d)."""
+        """(B, C, height, width) -> each decoder layer's cross-attention keys (B, H, d, N) and values (B, H, N, d)."""
         return self.encoder_session.run(None, {"images": _numpy(images)})
 
     def decode_step(self, cross: Sequence[np.ndarray], max_new_tokens: int, use_cache: bool = True) -> OnnxDecoderStep:
-        """The ``DecodeStep`` over ``encode``'s output, for K caption rows per image (the step always
-        caches: ``use_cache`` is PyTorch's)."""
+        """The ``DecodeStep`` over ``encode``'s output (it always caches: ``use_cache`` is PyTorch's)."""
         return OnnxDecoderStep(self.step_session, cross)
 
     def start_search(
         self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
     ) -> tuple[OnnxDecoderStep, int, str]:
-        """``CaptionSearch.start_search``: ``decoder_step.onnx`` over ``encoder.onnx``'s keys/values."""
         cross = self.encode(images)
         return self.decode_step(cross, max_new_tokens), cross[0].shape[0], "cpu"
 
@@ -236,16 +209,10 @@ class OnnxClassifier:
 
 @dataclass
 class OnnxModel(LoadedModel):
-    """An ONNX folder loaded for inference: ``LoadedModel``'s ``onnx`` runtime, on the CPU; ``model`` is an
-    ``OnnxCaptioner`` or ``OnnxClassifier``, ``config`` its ``onnx.json``, ``precision`` what it was exported in.
-    """
+    """An ONNX folder loaded for inference, on the CPU; ``config`` is its ``onnx.json``."""
 
+    runtime: ClassVar[str] = "onnx"
     model: OnnxCaptioner | OnnxClassifier
-
-    @property
-    def runtime(self) -> str:
-        """``onnx``."""
-        return "onnx"
 
     @property
     def device(self) -> torch.device:
@@ -259,46 +226,28 @@ def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Onn
     """
     ort = require_onnxruntime()
     config = check_onnx_config(directory)
+    where, task = directory / ONNX_CONFIG_FILE, config["task"]
+    vocab, class_names = read_labels(directory, config, where)
+    generate = config.get("generate") or {}
     if torch.device(device).type != "cpu":
         log.warning("%s runs on ONNX Runtime's CPU provider; device=%s is not used", directory, device)
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()  # as many threads as the PyTorch runtime
     options.inter_op_num_threads = 1
-    sessions = {}
-    for name in ("encoder", "decoder_step") if config["task"] == "caption" else ("classifier",):
+    sessions = []
+    for name in GRAPHS[task]:
         path = graph_path(directory, config, name)
         try:
-            sessions[name] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            sessions.append(ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]))
         except Exception as err:  # noqa: BLE001 - onnxruntime raises its own error types for graphs it cannot run
             raise ValueError(
                 f"{path} cannot be run by onnxruntime {ort.__version__}: {first_line(err)}; export it again with "
                 "this vitattn (vitattn-export model=RUN format=onnx out=DIR) or install a newer onnxruntime"
             ) from None
-    preprocess, generate = config["preprocess"], dict(config.get("generate") or {})
-    if config["task"] == "classification":
-        names = config.get("class_names")
-        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-            raise ValueError(f"{directory / ONNX_CONFIG_FILE} has no 'class_names' list of strings")
-        model = OnnxClassifier(sessions["classifier"], len(names))
-        return OnnxModel(model, "classification", preprocess, config, None, names, generate, config["precision"])
-    name = config.get("vocab_file", VOCAB_FILE)
-    if not isinstance(name, str) or Path(name).name != name or not name:
-        raise ValueError(
-            f"{directory / ONNX_CONFIG_FILE} has vocab_file={brief(name)}; it must be a file name inside the folder"
-        )
-    vocab = load_tokenizer(directory / name)
-    decoder = config["decoder"]
-    ids = (vocab.pad_id, vocab.bos_id, vocab.eos_id, vocab.unk_id)
-    if len(vocab) != decoder["vocab_size"] or ids != tuple(decoder[f"{k}_id"] for k in ("pad", "bos", "eos", "unk")):
-        raise ValueError(
-            f"{directory}: the tokenizer {name} ({len(vocab)} tokens, special ids {ids}) does not fit the decoder "
-            f"(vocab_size={decoder['vocab_size']}); export the folder again"
-        )
-    model = OnnxCaptioner(sessions["encoder"], sessions["decoder_step"], decoder, vocab.other_special_ids)
-    try:
-        model.check_generate(
-            **{k: v for k, v in generate.items() if k in inspect.signature(model.check_generate).parameters}
-        )
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{directory / ONNX_CONFIG_FILE}: generate: {first_line(err)}") from None
-    return OnnxModel(model, "caption", preprocess, config, vocab, None, generate, config["precision"])
+    if task == "classification":
+        model = OnnxClassifier(sessions[0], len(class_names))
+    else:
+        model = OnnxCaptioner(*sessions, config["decoder"], vocab.other_special_ids)
+        check_tokenizer(vocab, model.vocab_size, model.special_ids[:4], directory)
+    check_decoding(model, task, generate, where)
+    return OnnxModel(model, task, config["preprocess"], config, vocab, class_names, dict(generate), config["precision"])

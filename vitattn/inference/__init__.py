@@ -1,6 +1,5 @@
-"""Inference: the Python API (``api``: ``Captioner``, ``Classifier``), image files and shards captioned in
-batches into resumable outputs (``captioning``), what to caption (``file_list``) and where the model looked
-(``attention_maps``). Every model loads with ``vitattn.bundle.load_model``.
+"""Inference: the Python API (``api``), image files and shards captioned into resumable outputs
+(``captioning``), what to caption (``file_list``) and where the model looked (``attention_maps``).
 """
 
 from vitattn.inference.attention_maps import attention_figure, attention_from_tokens, attention_rollout, figure_png

@@ -1,14 +1,11 @@
-"""The Python API: ``Captioner`` and ``Classifier``, loaded from a bundle, a run folder, a checkpoint or an
-ONNX folder, fed images of any common kind (paths, PIL images, numpy arrays, tensors).
+"""The Python API: ``Captioner`` and ``Classifier``, loaded from any model path, fed images of any common kind
+(paths, PIL images, numpy arrays, tensors), each made an upright 8-bit RGB image as ``read_image`` makes a file's,
+then the model's ``transform`` (README.md, "Python API").
 
 Dimension letters: B batch, C channels, T' generated tokens, gh x gw patch grid; image sides are written out.
 
-    >>> from vitattn import Captioner
     >>> Captioner.load("runs/coco/bundle").caption("cat.jpg", num_beams=3)
     'a cat sitting on a couch'
-
-Every kind of image becomes an upright 8-bit RGB PIL image first (``read_image`` for files), then the model's
-``transform``: the model sees what it saw in training, and what ``vitattn-caption`` gives it for the file.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from vitattn.bundle import LoadedModel, load_model
 from vitattn.data.images import read_image, upright_rgb
 from vitattn.data.preprocess import denormalize
 from vitattn.errors import brief
-from vitattn.inference.attention_maps import attention_from_tokens, caption_words
+from vitattn.inference.attention_maps import attention_from_tokens
 from vitattn.inference.captioning import generate_tokens
 from vitattn.models.search import Controls, sequence_log_prob
 from vitattn.precision import precision_autocast
@@ -36,17 +33,11 @@ __all__ = ["AttentionMaps", "Caption", "Captioner", "Classifier", "ImageLike", "
 
 ImageLike = str | os.PathLike | Image.Image | np.ndarray | torch.Tensor
 
-_KINDS = (
-    "a file path, a PIL image, a (height, width, 3) uint8 numpy array or a (3, height, width) torch tensor "
-    "(uint8, or float in [0, 1])"
-)
-
 
 @dataclass
 class Caption:
-    """One caption: its words (special tokens left out), the generated ids (``<eos>`` kept, padding dropped) and its
-    total log-probability as the search scored it (``Captioner.score``).
-    """
+    """One caption: its words, the generated ids (``<eos>`` kept, padding dropped), its total log-probability as
+    the search scored it (``Captioner.score``)."""
 
     text: str
     tokens: list[int]
@@ -91,14 +82,9 @@ class _TaskModel:
         if bundle.task != self.task:
             raise ValueError(f"this is a {bundle.task} model; load it with {self.other}.load")
         self.bundle, self.transform = bundle, bundle.transform
-        # the network (a PyTorch module or an ONNX folder's model), its runtime (torch or onnx), its device, and
-        # what it runs in (fp32 or bf16, load's precision resolved; an ONNX folder's fp32 or int8)
-        self.model, self.runtime, self.device, self.precision = (
-            bundle.model,
-            bundle.runtime,
-            bundle.device,
-            bundle.precision,
-        )
+        self.model, self.runtime = bundle.model, bundle.runtime  # a PyTorch module on torch, an ONNX folder's on onnx
+        self.device, self.precision = bundle.device, bundle.precision  # fp32 or bf16 (torch), fp32 or int8 (onnx)
+        self.vocab, self.class_names = bundle.vocab, bundle.class_names
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu", precision: str = "auto") -> Any:
@@ -116,10 +102,6 @@ class Captioner(_TaskModel):
 
     task, other = "caption", "Classifier"
 
-    def __init__(self, bundle: LoadedModel) -> None:
-        super().__init__(bundle)
-        self.vocab = bundle.vocab
-
     def pixels(self, images: Sequence[ImageLike]) -> Tensor:
         """(B, C, height, width) model inputs of ``images``, on the model's device."""
         return to_pixels(images, self.transform).to(self.device)
@@ -132,16 +114,12 @@ class Captioner(_TaskModel):
         details: bool = False,
         **generate: Any,
     ) -> str | list[str] | Caption | list[Caption]:
-        """Caption one image (a path, PIL image, (height, width, 3) uint8 array, or (3, height, width) tensor, uint8 or
-        in [0, 1]) or a list of them, ``batch_size`` per ``generate`` call, ``**generate`` over the model's defaults.
-        Returns a string for one image, a list for a list; ``details``: ``Caption``s (text, tokens, log-probability).
-        """
-        items, single = as_image_list(images)
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be at least 1")
+        """Caption one image (an ``ImageLike``) or a list of them, ``batch_size`` per ``generate`` call, ``**generate``
+        over the model's defaults: a string for one image, a list for a list; ``details``: ``Caption``s instead."""
+        batches, single = _batches(images, batch_size)
         results: list[str | Caption] = []
-        for start in range(0, len(items), batch_size):
-            pixels = self.pixels(items[start : start + batch_size])  # (b, C, height, width)
+        for batch in batches:
+            pixels = self.pixels(batch)  # (b, C, height, width)
             texts, tokens = self.caption_pixels(pixels, **generate)  # (b, T')
             if not details:
                 results += texts
@@ -177,16 +155,12 @@ class Captioner(_TaskModel):
                 "attention maps need the PyTorch runtime; load the bundle or run folder instead of the ONNX folder"
             )
         pixels = self.pixels([image])  # (1, C, height, width)
-        tokens = generate_tokens(
-            self.model, pixels, self.precision, **self.bundle.generate_settings(generate)
-        )  # (1, T')
+        texts, tokens = self.caption_pixels(pixels, **generate)  # tokens (1, T')
         with torch.inference_mode():  # maps in fp32, as vitattn-caption draws them: from the tokens generated
             cross, rollout = attention_from_tokens(self.model, pixels, tokens, layer)
-        words = caption_words(tokens[0].tolist(), self.vocab)
+        words = self.vocab.tokens(tokens[0].tolist())
         shown = denormalize(pixels[0].float().cpu(), self.bundle.preprocess["mean"], self.bundle.preprocess["std"])
-        return AttentionMaps(
-            self.vocab.decode(tokens[0]), words, cross[0, : len(words)].cpu(), rollout[0].cpu(), shown.clamp(0, 1)
-        )
+        return AttentionMaps(texts[0], words, cross[0, : len(words)].cpu(), rollout[0].cpu(), shown.clamp(0, 1))
 
 
 class Classifier(_TaskModel):
@@ -194,21 +168,11 @@ class Classifier(_TaskModel):
 
     task, other = "classification", "Captioner"
 
-    def __init__(self, bundle: LoadedModel) -> None:
-        super().__init__(bundle)
-        self.class_names = bundle.class_names
-
     def logits(self, images: ImageLike | Sequence[ImageLike], batch_size: int = 32) -> Tensor:
         """(B, num_classes) logits of one image or a list."""
-        items, _ = as_image_list(images)
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be at least 1")
-        device = self.device
-        rows = []
+        batches, _ = _batches(images, batch_size)
         with torch.inference_mode(), precision_autocast(self.precision, self.device):
-            for start in range(0, len(items), batch_size):
-                pixels = to_pixels(items[start : start + batch_size], self.transform).to(device)
-                rows.append(self.model(pixels).float().cpu())
+            rows = [self.model(to_pixels(batch, self.transform).to(self.device)).float().cpu() for batch in batches]
         return torch.cat(rows) if rows else torch.empty(0, len(self.class_names))
 
     def predict(
@@ -217,20 +181,22 @@ class Classifier(_TaskModel):
         """The ``top_k`` most probable classes of one image (a ``Prediction``) or of each of a list."""
         if top_k < 1:
             raise ValueError(f"top_k={top_k} must be at least 1")
-        _, single = as_image_list(images)
         probs = self.logits(images, batch_size).softmax(-1)  # (B, num_classes)
         values, indices = probs.topk(min(top_k, probs.shape[-1]), dim=-1)
         predictions = [
             Prediction([self.class_names[i] for i in idx], p) for idx, p in zip(indices.tolist(), values.tolist())
         ]
-        return predictions[0] if single else predictions
+        return predictions if isinstance(images, (list, tuple)) else predictions[0]
 
 
-def as_image_list(images: ImageLike | Sequence[ImageLike]) -> tuple[list[ImageLike], bool]:
-    """``(images as a list, whether one image was given)``; a list or tuple holds images, anything else is one."""
-    if isinstance(images, (list, tuple)):
-        return list(images), False
-    return [images], True
+def _batches(images: ImageLike | Sequence[ImageLike], batch_size: int) -> tuple[list[list[ImageLike]], bool]:
+    """``images`` (a list or tuple of images, anything else one image) cut into lists of ``batch_size``, and
+    whether one image was given."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be at least 1")
+    single = not isinstance(images, (list, tuple))
+    items = [images] if single else list(images)
+    return [items[i : i + batch_size] for i in range(0, len(items), batch_size)], single
 
 
 def to_pil(image: Any, where: str = "image") -> Image.Image:
@@ -245,7 +211,10 @@ def to_pil(image: Any, where: str = "image") -> Image.Image:
         return Image.fromarray(_tensor_to_hwc(image, where))
     if isinstance(image, np.ndarray):
         return Image.fromarray(_array_to_hwc(image, where))
-    raise TypeError(f"{where} is {brief(image)} ({type(image).__name__}); pass {_KINDS}")
+    raise TypeError(
+        f"{where} is {brief(image)} ({type(image).__name__}); pass a file path, a PIL image, a (height, width, 3) "
+        "uint8 numpy array or a (3, height, width) torch tensor (uint8, or float in [0, 1])"
+    )
 
 
 def to_pixels(

@@ -36,7 +36,6 @@ __all__ = [
     "attention_figures",
     "attention_from_tokens",
     "attention_rollout",
-    "caption_words",
     "check_figures_runtime",
     "figure_paths",
     "figure_png",
@@ -163,14 +162,9 @@ def attention_figures(
     cross, rollout = attention_from_tokens(model, images, tokens)  # (b, T', gh, gw), (b, gh, gw)
     shown = denormalize(images.float(), preprocess["mean"], preprocess["std"]).clamp(0, 1).cpu()  # (b, 3, h, w)
     return [
-        attention_figure(shown[row], caption_words(tokens[row].tolist(), vocab), cross[row], rollout[row], title=title)
+        attention_figure(shown[row], vocab.tokens(tokens[row].tolist()), cross[row], rollout[row], title=title)
         for row, title in enumerate(titles)
     ]
-
-
-def caption_words(ids: Sequence[int], vocab: Any) -> list[str]:
-    """Tokens before ``<eos>`` as strings, one per position (``<unk>`` kept, subwords as their text)."""
-    return vocab.tokens(ids)
 
 
 def check_figures_runtime(model: Any) -> None:

@@ -2,13 +2,10 @@
 
 Dimension letters: B batch, C channels, T' generated tokens; image sides are written out (height, width).
 
-The work is cut into units, each written whole, atomically, once every sample of it is captioned: a
-WebDataset shard (``OUTDIR/<shard>.jsonl`` or ``.parquet``, final) or a chunk of an image list
-(``OUT.parts/<k>-<digest>.jsonl``; rank 0 then merges the chunks into ``OUT`` in input order). A run killed
-at any moment (``kill -9``, any rank) leaves whole unit outputs only: the same command again skips them and
-captions the others from their start. Rank 0 lists what is finished before any rank writes, and every rank
-plans from that one listing. A bad image never stops a batch: its row holds an ``error``. Design:
-docs/captioning.md ("Resumable output").
+The work is cut into units, each written whole, atomically, once all of it is captioned: a shard
+(``OUTDIR/<shard>.jsonl`` or ``.parquet``) or a chunk of an image list (``OUT.parts/<k>-<digest>.jsonl``, merged
+by rank 0 into ``OUT``). A run killed at any moment leaves whole outputs, which the same command skips; every
+rank plans from rank 0's one listing of them. Design: docs/captioning.md ("Resumable output").
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm.auto import tqdm
 
 from vitattn.bundle import LoadedModel
-from vitattn.data.images import BadImageError, read_image
+from vitattn.data.images import BadImageError, ImageSource, read_image
 from vitattn.data.shards import ShardError, read_shard, shard_sizes
 from vitattn.data.shards.stream import image_member, sample_caption
 from vitattn.fileio import atomic_open
@@ -76,16 +73,16 @@ def generate_tokens(model: Any, images: Tensor, precision: str = "auto", **gener
         return model.generate(images, **generate)
 
 
-def read_pixels(path: str | os.PathLike, transform: Callable[[Any], Tensor]) -> Tensor | str:
-    """An image file as a (C, height, width) model input, or the one-line reason it cannot be read."""
-    image = read_image(path, on_error="skip")
+def read_pixels(source: ImageSource, transform: Callable[[Any], Tensor]) -> Tensor | str:
+    """An image (path or binary file) as a (C, height, width) model input, or the one-line reason it cannot be read."""
+    image = read_image(source, on_error="skip")
     return image.reason if isinstance(image, BadImageError) else transform(image)
 
 
 @dataclass
 class CaptionSummary:
-    """What a run did. Image files: ``captioned`` and ``failed`` count every input, ``skipped`` those an earlier
-    run had done; shards: this run's samples. ``units``: shards (or chunks) done now, ``units_before`` before."""
+    """What a run did: for image files, counts of every input (``skipped``: done before), for shards this run's;
+    ``units``: shards (or chunks) done now, ``units_before`` before."""
 
     captioned: int
     failed: int
@@ -97,8 +94,7 @@ class CaptionSummary:
 
 @dataclass
 class Processes:
-    """This process among the captioning ones: rank, number, device and Lightning Fabric's collectives
-    (``fabric`` None: a single process, which shares nothing)."""
+    """This process among the captioning ones, and Lightning Fabric's collectives (``fabric`` None: one process)."""
 
     rank: int = 0
     world_size: int = 1
@@ -107,7 +103,7 @@ class Processes:
 
     @property
     def is_zero(self) -> bool:
-        """Rank 0 holds the lock, lists what is finished, merges, shows progress and reports."""
+        """Rank 0 holds the lock, lists what is finished, merges and reports."""
         return self.rank == 0
 
     def broadcast(self, value: Any) -> Any:
@@ -135,8 +131,7 @@ def launch_processes(
     *, devices: int = 1, num_nodes: int = 1, accelerator: str = "auto", device: str = "cpu", runtime: str = "torch"
 ) -> Processes:
     """Start (or join, under ``torchrun`` or ``srun``) ``devices`` x ``num_nodes`` captioning processes with
-    Lightning Fabric; one process needs no launch. An ONNX folder (``runtime`` ``onnx``) runs on CPUs only.
-    """
+    Lightning Fabric; an ONNX folder (``runtime`` ``onnx``) runs on CPUs only."""
     if runtime == "onnx":
         if devices * num_nodes > 1 and accelerator not in ("auto", "cpu"):
             raise ValueError(
@@ -186,51 +181,32 @@ class _UnitBatches(IterableDataset):
         items: list[tuple[int, torch.Tensor | None, dict | None]] = []
         for k, unit in mine:
             samples = self._shard(unit.shard) if unit.shard is not None else self._files(unit.positions)
-            sample = next(samples, None)
-            if sample is None:
-                items.append((k, None, None))
-            while sample is not None:
-                items.append((k, *sample))
-                sample = next(samples, None)
-                if sample is None:  # the unit's end goes with its last sample: it is finished with that batch
-                    items.append((k, None, None))
+            for pixels, row in samples:
                 if sum(row is not None for _, _, row in items) == self.size:
                     yield _collate(items)
                     items = []
+                if isinstance(pixels, str):  # an image that cannot be read is an error row, not a stop
+                    pixels, row = None, {**row, "error": pixels}
+                items.append((k, pixels, row))
+            items.append((k, None, None))  # the unit's end goes with its last sample: finished with that batch
         if items:
             yield _collate(items)
 
-    def _files(self, positions: Sequence[int]) -> Iterator[tuple[torch.Tensor | None, dict[str, Any]]]:
+    def _files(self, positions: Sequence[int]) -> Iterator[tuple[torch.Tensor | str, dict[str, Any]]]:
         for i in positions:
             x = self.inputs[int(i)]
-            pixels = read_pixels(x.path, self.transform)
-            row = {"image": x.path, "image_id": x.image_id}
-            yield (None, {**row, "error": pixels}) if isinstance(pixels, str) else (pixels, row)
+            yield read_pixels(x.path, self.transform), {"image": x.path, "image_id": x.image_id}
 
-    def _shard(self, url: str) -> Iterator[tuple[torch.Tensor | None, dict[str, Any]]]:
+    def _shard(self, url: str) -> Iterator[tuple[torch.Tensor | str, dict[str, Any]]]:
         try:
             for sample in read_shard(url):
-                row: dict[str, Any] = {"key": sample["__key__"]}
-                original = sample_caption(sample, None)
-                if original is not None:
-                    row["original_caption"] = original
-                try:
-                    url_of = json.loads(sample.get("json") or b"{}").get("url")
-                except (ValueError, AttributeError):
-                    url_of = None
-                if url_of is not None:
-                    row["url"] = url_of
+                found = {"original_caption": sample_caption(sample, None), "url": sample_caption(sample, "url")}
+                row = {"key": sample["__key__"], **{k: v for k, v in found.items() if v is not None}}
                 name = image_member(sample)
-                if name is None:
-                    yield None, {**row, "error": "no image member"}
-                    continue
-                image = read_image(io.BytesIO(sample[name]), on_error="skip")
-                if isinstance(image, BadImageError):  # an undecodable image is an error row, not a stop
-                    yield None, {**row, "error": image.reason}
-                else:
-                    yield self.transform(image), row
+                pixels = "no image member" if name is None else read_pixels(io.BytesIO(sample[name]), self.transform)
+                yield pixels, row
         except ShardError as err:  # a shard that ends early: one row with its error
-            yield None, {"error": str(err)}
+            yield str(err), {}
 
 
 def _collate(items: list[tuple[int, torch.Tensor | None, dict | None]]) -> tuple[list, torch.Tensor | None, list[int]]:
@@ -252,8 +228,8 @@ def _caption_units(
     figures: Mapping[str, Path] | None = None,
     **generate: Any,
 ) -> None:
-    """Caption the samples of ``units`` ((index, unit) pairs); ``finish(index, rows)`` gets each unit's rows,
-    in order, once all are captioned. ``figures``: image path -> where its attention figure goes."""
+    """Caption ``units`` ((index, unit) pairs); ``finish(index, rows)`` gets each unit's rows once all are captioned.
+    ``figures``: image path -> where its attention figure goes."""
     if model.task != "caption":
         raise ValueError(f"this model is a {model.task} model; captioning needs a caption model")
     if batch_size < 1:
@@ -316,8 +292,7 @@ def caption_images(
     model: LoadedModel, paths: Sequence[str | os.PathLike] | Sequence[InputImage], **options: Any
 ) -> list[dict[str, Any]]:
     """Caption image files in memory: one ``{"image", "image_id", "caption"}`` (or ``"error"``) per path, in
-    order; ``image_id`` is the position of a plain path. ``options``: ``caption_files``' ``batch_size``,
-    ``num_workers``, ``progress`` and ``generate`` settings."""
+    order (a plain path's id: its position); ``options``: ``caption_files``' but ``out`` and ``processes``."""
     inputs = [p if isinstance(p, InputImage) else InputImage(str(p), i) for i, p in enumerate(paths)]
     listed = InputList([x.path for x in inputs], [x.image_id for x in inputs])
     units = _chunks(listed, range(len(listed)), CHUNK_BATCHES * options.get("batch_size", 32), Path())
@@ -340,12 +315,10 @@ def caption_files(
     seed: int | None = None,
     **generate: Any,
 ) -> CaptionSummary:
-    """Caption image files into ``out``, resuming what a run of the same command left; called the same way on
-    every rank of ``processes`` (default: this process alone), with the same ``inputs``, it returns the same
-    summary on each. ``format``: ``jsonl`` (``{"image", "image_id", "caption"}`` or ``"error"`` a line),
-    ``coco`` (``[{"image_id", "caption"}]``) or ``csv`` (``image,image_id,caption,error``). ``attention_maps``: a
-    folder for one figure per captioned image; ``seed``: ``seed + rank`` seeds sampling; ``**generate``: settings.
-    """
+    """Caption image files into ``out``, resuming what a run of the same command left; every rank of ``processes``
+    (default: this process alone) calls it alike and gets the same summary. ``format``: ``jsonl`` (a line
+    ``{"image", "image_id", "caption"}`` or ``"error"``), ``coco`` (``[{"image_id", "caption"}]``) or ``csv``.
+    ``attention_maps``: a folder for each image's figure; ``seed + rank`` seeds sampling."""
     processes = processes or Processes(device=model.device)
     if format not in FILE_FORMATS:
         raise ValueError(f"format={format!r} is unknown; choose one of {list(FILE_FORMATS)}")
@@ -356,17 +329,17 @@ def caption_files(
         check_figures_runtime(model)
     inputs = InputList.unique(inputs)
     parts = out.with_name(out.name + ".parts")
-    lock, plan = None, ("", None)
-    if processes.is_zero:  # the others write nothing before rank 0 has listed what is there
-        try:
-            lock = _lock(parts, out)
-            plan = ("", _file_plan(inputs, out, parts, format, batch_size))
-        except ValueError as err:
-            plan = (str(err), None)
-    try:
-        refused, plan = processes.broadcast(plan)
-        if refused:
-            raise ValueError(refused)
+    with ExitStack() as held:
+        plan: tuple | str | None = None
+        if processes.is_zero:  # the others write nothing before rank 0 has listed what is there
+            try:
+                held.enter_context(_lock(parts, out))
+                plan = _file_plan(inputs, out, parts, format, batch_size)
+            except ValueError as err:
+                plan = str(err)  # refused on every rank
+        plan = processes.broadcast(plan)
+        if isinstance(plan, str):
+            raise ValueError(plan)
         recorded, units, finished = plan
         todo = [k for k, unit in enumerate(units) if unit.output.name not in finished]
         skipped = len(inputs) - sum(units[k].size for k in todo)
@@ -398,10 +371,7 @@ def caption_files(
             counts = _merge(inputs, out, format, recorded, units)
             shutil.rmtree(parts, ignore_errors=True)
         captioned, failed = processes.broadcast(counts)
-        return CaptionSummary(captioned, failed, skipped, out, len(todo), len(units) - len(todo))
-    finally:
-        if lock is not None:
-            lock.close()
+    return CaptionSummary(captioned, failed, skipped, out, len(todo), len(units) - len(todo))
 
 
 def _lock(parts: Path, out: Path) -> IO[bytes]:
@@ -474,30 +444,24 @@ def _merge(
             old.seek(recorded[path])
             return old.readline()
 
-        def records() -> Iterator[tuple[bytes, dict[str, Any] | None]]:
+        def records() -> Iterator[tuple[bytes, dict[str, Any]]]:
             for path in inputs.paths:
                 line = read(path) if path in recorded else next(chunks)
                 record = json.loads(line.decode("utf-8", errors="replace"))
                 counts["caption" not in record] += 1
                 yield line, record
-            if format == "jsonl" and recorded:
-                wanted = set(inputs.paths)
-                yield from ((read(path), None) for path in recorded if path not in wanted)
 
         if not units and out.exists():  # nothing new: out stays as it is
             for _ in records():
                 pass
-            return counts[0], counts[1]
-        with atomic_open(out, "wb") as f:
-            if format == "jsonl":
-                for line, _ in records():
-                    f.write(line)
-            else:
-                text = io.TextIOWrapper(f, encoding="utf-8", errors="surrogateescape", newline="")
-                rows = (record for _, record in records() if record is not None)
-                (_write_coco if format == "coco" else _write_csv)(text, rows)
-                text.flush()
-                text.detach()
+        elif format == "jsonl":
+            with atomic_open(out, "wb") as f:
+                f.writelines(line for line, _ in records())
+                wanted = set(inputs.paths)
+                f.writelines(read(path) for path in recorded if path not in wanted)
+        else:
+            with atomic_open(out, "w", encoding="utf-8", errors="surrogateescape", newline="") as f:
+                (_write_coco if format == "coco" else _write_csv)(f, (record for _, record in records()))
     return counts[0], counts[1]
 
 
@@ -520,10 +484,9 @@ def caption_shards(
     seed: int | None = None,
     **generate: Any,
 ) -> CaptionSummary:
-    """Caption the unfinished shards of ``urls``, one output per shard in ``out_dir`` (``format`` ``jsonl`` or
-    ``parquet``): a row per sample, ``key`` and ``caption`` (or ``error``), and its ``url`` and original caption
-    (``.txt``) when it has them. Called as ``caption_files``, with the same options; counts are this run's.
-    """
+    """Caption the unfinished shards of ``urls``, one output per shard in ``out_dir`` (``jsonl`` or ``parquet``): a
+    row per sample, ``key`` and ``caption`` (or ``error``), its ``url`` and original caption (``.txt``) if it has
+    them. Called as ``caption_files``; counts are this run's."""
     processes = processes or Processes(device=model.device)
     if format not in SHARD_FORMATS:
         raise ValueError(f"format={format!r} is unknown for shards; choose one of {list(SHARD_FORMATS)}")
@@ -579,8 +542,7 @@ def _write_rows(path: Path, rows: list[dict[str, Any]], format: str) -> None:
         with atomic_open(path, "wb") as f:
             f.write("".join(_json_line(row) for row in rows).encode("utf-8"))
         return
-    # optional: parquet output only
-    import pyarrow as pa
+    import pyarrow as pa  # optional: parquet output only
     import pyarrow.parquet as pq
 
     columns = sorted({k for row in rows for k in row} | {"key", "caption"})

@@ -1,7 +1,5 @@
-"""What to caption: a folder, a glob, a text list, a COCO file or paths, listed as ``InputImage``s.
-
-A listing holds one ``str`` per image (``InputList``); folders are walked with ``os.scandir``, so a
-million files cost one list of paths, not several.
+"""What to caption: a folder, a glob, a text list, a COCO file or paths, listed as ``InputImage``s held as one
+``str`` per image (``InputList``): a million files cost one list of paths, not several.
 """
 
 from __future__ import annotations
@@ -21,9 +19,6 @@ from vitattn.fileio import read_json
 __all__ = ["InputImage", "InputList", "list_inputs"]
 
 
-_GLOB_CHARS = set("*?[")
-
-
 @dataclass(frozen=True)
 class InputImage:
     """One image to caption: its path as listed (the output key) and its id."""
@@ -33,10 +28,7 @@ class InputImage:
 
 
 class InputList(Sequence[InputImage]):
-    """``InputImage``s stored as a list of paths and, unless they are 0, 1, ..., a list of ids.
-
-    Items are made when asked for, so a listing costs one ``str`` per image.
-    """
+    """``InputImage``s stored as a list of paths and, unless they are 0, 1, ..., a list of ids."""
 
     def __init__(self, paths: list[str], ids: list[int] | None = None) -> None:
         if ids is not None and len(ids) != len(paths):
@@ -98,7 +90,7 @@ def list_inputs(
         if suffix in IMAGE_EXTENSIONS:
             return _numbered([spec], sort=False)
         return _numbered(_text_list(path, image_dir), sort=True)
-    if _GLOB_CHARS & set(spec):
+    if set("*?[") & set(spec):  # a glob
         found = glob.glob(spec, recursive=True)
         if not found:
             raise ValueError(f"images={shown}: the glob matches no files")

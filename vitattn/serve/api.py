@@ -1,11 +1,7 @@
-"""The captioning ``LitAPI``: a request's image becomes a tensor or a one-line reason; the good images of a
-batch are captioned together, bad ones answer HTTP 400 without failing their batch.
+"""The captioning ``LitAPI``: a request's image (what it may be: docs/serving.md) becomes a tensor or a one-line
+reason; the good images of a batch are captioned together, bad ones answer HTTP 400 without failing their batch.
 
 Dimension letters: B batch, C channels, T' generated tokens; image sides are written out (height, width).
-
-A request is a multipart form with an ``image`` file field (or one file field of any name), or JSON
-``{"image": "<base64>"}`` (a ``data:`` URL too); ``attention=true`` adds the attention figure as a PNG
-``data:`` URL. LitServe batches requests across clients and decodes each one apart.
 """
 
 from __future__ import annotations
@@ -23,18 +19,14 @@ from fastapi.responses import JSONResponse
 from torch import Tensor
 
 from vitattn.bundle import load_model
-from vitattn.data.images import BadImageError, read_image
 from vitattn.inference.api import Captioner
-from vitattn.inference.attention_maps import attention_figures, caption_words, figure_png
+from vitattn.inference.attention_maps import attention_figures, figure_png
+from vitattn.inference.captioning import read_pixels
 from vitattn.serve.stop import leave_interrupts_to_parent
 
 __all__ = ["CaptionAPI", "ImageRequest", "decode_image_request"]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_IMAGE_BYTES = 20_000_000
-
-_TRUE = ("1", "true", "yes", "on")
 
 
 @dataclass
@@ -46,19 +38,13 @@ class ImageRequest:
     attention: bool = False
 
 
-def _flag(value: Any) -> bool:
-    return value is True or str(value).strip().lower() in _TRUE
-
-
 def _is_upload(value: Any) -> bool:
     return hasattr(value, "file")  # a multipart upload (starlette UploadFile)
 
 
 def _image_bytes(request: Any) -> bytes | str:
-    """The request's image bytes, or a one-line reason why there are none.
-
-    The ``image`` field, else the form's one file field whatever its name (``curl -F file=@x.jpg``).
-    """
+    """The bytes of the ``image`` field, else of the form's one file field (``curl -F file=@x.jpg``), or a one-line
+    reason why there are none."""
     if not hasattr(request, "get"):
         return 'send the image as a multipart file field \'image\' or as JSON {"image": "<base64>"}'
     field = request.get("image")
@@ -87,22 +73,18 @@ def _image_bytes(request: Any) -> bytes | str:
 
 
 def decode_image_request(request: Any, transform: Any, max_image_bytes: int) -> ImageRequest:
-    """A request (form or JSON) -> an ``ImageRequest``, never raising: the image read by ``read_image``, with
-    ``vitattn-caption``'s reasons; one over ``max_image_bytes`` is refused unread.
+    """A request (form or JSON) -> an ``ImageRequest``, never raising: the image read as ``vitattn-caption``
+    reads a file, with its reasons; one over ``max_image_bytes`` is refused unread.
     """
-    attention = _flag(request.get("attention", False)) if hasattr(request, "get") else False
+    flag = request.get("attention", "") if hasattr(request, "get") else ""
+    attention = str(flag).strip().lower() in ("1", "true", "yes", "on")
     data = _image_bytes(request)
-    if isinstance(data, str):
-        return ImageRequest(error=data, attention=attention)
-    if len(data) > max_image_bytes:
-        return ImageRequest(
-            error=f"image of {len(data)} bytes is over the limit of max_image_bytes={max_image_bytes}",
-            attention=attention,
-        )
-    image = read_image(io.BytesIO(data), on_error="skip")
-    if isinstance(image, BadImageError):
-        return ImageRequest(error=image.reason, attention=attention)
-    return ImageRequest(image=transform(image), attention=attention)
+    if isinstance(data, bytes) and len(data) > max_image_bytes:
+        data = f"image of {len(data)} bytes is over the limit of max_image_bytes={max_image_bytes}"
+    pixels = data if isinstance(data, str) else read_pixels(io.BytesIO(data), transform)
+    if isinstance(pixels, str):
+        return ImageRequest(error=pixels, attention=attention)
+    return ImageRequest(image=pixels, attention=attention)
 
 
 class CaptionAPI(ls.LitAPI):
@@ -115,7 +97,7 @@ class CaptionAPI(ls.LitAPI):
         self,
         model: str,
         generate: dict[str, Any] | None = None,
-        max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+        max_image_bytes: int = 20_000_000,
         num_threads: int | None = None,
         precision: str = "auto",
         max_batch_size: int = 8,
@@ -132,12 +114,10 @@ class CaptionAPI(ls.LitAPI):
         leave_interrupts_to_parent()  # this runs in the inference worker: Ctrl+C is the parent's to handle
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
-        # a bundle, run folder, checkpoint or ONNX folder
         self.bundle = load_model(self.model_path, device=device, precision=self.precision)
         if self.bundle.task != "caption":
             raise ValueError(f"model={self.model_path} is a {self.bundle.task} model; serving needs a caption model")
         self.captioner = Captioner(self.bundle)
-        self.device = self.bundle.device  # the CPU for an ONNX folder, whatever LitServe assigned
         self.transform = self.bundle.transform
 
     # ``request`` stays unannotated: LitServe reads the annotation to choose what the endpoint parses
@@ -159,11 +139,9 @@ class CaptionAPI(ls.LitAPI):
 
     def _caption(self, requests: list[ImageRequest]) -> list[dict[str, Any]]:
         bundle = self.bundle
-        images = torch.stack([r.image for r in requests]).to(self.device)  # (B, C, height, width)
+        images = torch.stack([r.image for r in requests]).to(bundle.device)  # (B, C, height, width)
         captions, tokens = self.captioner.caption_pixels(images, **self.generate_kwargs)  # tokens (B, T')
-        results = [
-            {"caption": c, "tokens": caption_words(row, bundle.vocab)} for c, row in zip(captions, tokens.tolist())
-        ]
+        results = [{"caption": c, "tokens": bundle.vocab.tokens(row)} for c, row in zip(captions, tokens.tolist())]
         wanted = [i for i, r in enumerate(requests) if r.attention]
         if wanted and bundle.runtime != "torch":
             for i in wanted:
@@ -171,13 +149,9 @@ class CaptionAPI(ls.LitAPI):
                     "error": "attention=true needs the PyTorch runtime; serve the bundle, not the ONNX folder"
                 }
         elif wanted:
+            titles = [captions[i] for i in wanted]
             figures = attention_figures(
-                bundle.model,
-                images[wanted],
-                tokens[wanted],
-                bundle.vocab,
-                bundle.preprocess,
-                [captions[i] for i in wanted],
+                bundle.model, images[wanted], tokens[wanted], bundle.vocab, bundle.preprocess, titles
             )
             for i, fig in zip(wanted, figures):
                 results[i]["attention"] = "data:image/png;base64," + base64.b64encode(figure_png(fig)).decode("ascii")

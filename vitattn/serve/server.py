@@ -1,7 +1,4 @@
-"""The ``LitServer`` of a ``CaptionAPI``: ``GET /`` serves the page of ``index.html``, and ``RequestBodies`` lets
-``POST /predict`` take a raw image body as well as the form or JSON that LitServe parses (anything else
-would fail inside LitServe as a 500; here it gets a 400 naming the problem).
-"""
+"""The ``LitServer`` of a ``CaptionAPI``, with the page of ``index.html`` at ``GET /`` and ``RequestBodies``."""
 
 from __future__ import annotations
 
@@ -31,10 +28,9 @@ def build_server(
     timeout: float = 60.0,
     stop: GracefulStop | None = None,
 ) -> ls.LitServer:
-    """A ``LitServer`` for ``api`` (batching is the api's): ``POST /predict``, ``GET /health`` and ``GET /``, the
-    page, on ``accelerator`` (``auto``, ``cpu``, ``cuda``) and ``devices`` GPUs, ``workers_per_device`` model copies
-    each; a request waits ``timeout`` seconds before a 504. ``stop``'s 503 gate goes in front of it all.
-    """
+    """A ``LitServer`` for ``api`` on ``accelerator`` (``auto``, ``cpu``, ``cuda``) and ``devices`` GPUs,
+    ``workers_per_device`` model copies each; a request waits ``timeout`` seconds before a 504. ``stop``'s 503
+    gate goes in front of it all."""
     server = ls.LitServer(
         api, accelerator=accelerator, devices=devices, workers_per_device=workers_per_device, timeout=timeout
     )
@@ -48,9 +44,6 @@ def build_server(
     return server
 
 
-_FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
-_RAW_TYPES = ("image/", "application/octet-stream")
-
 NOT_AN_IMAGE_BODY = (
     "the body is neither a multipart form, JSON nor an image (Content-Type: image/...); "
     "send the image as a file field 'image'"
@@ -58,8 +51,8 @@ NOT_AN_IMAGE_BODY = (
 
 
 class RequestBodies:
-    """ASGI middleware for ``POST`` to ``path``: forms pass, raw images become JSON, other non-JSON bodies
-    get a 400; every other request passes through untouched."""
+    """ASGI middleware for ``POST`` to ``path``: forms pass, raw images become the JSON LitServe parses, other
+    non-JSON bodies get a 400 (not LitServe's 500); every other request passes through untouched."""
 
     def __init__(self, app: Any, path: str) -> None:
         self.app = app
@@ -70,10 +63,10 @@ class RequestBodies:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         content_type = headers.get(b"content-type", b"").decode("latin-1").lower()
-        if content_type.startswith(_FORM_TYPES):
+        if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
             return await self.app(scope, receive, send)
         body = await _read_body(receive)
-        if content_type.startswith(_RAW_TYPES):
+        if content_type.startswith(("image/", "application/octet-stream")):
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
             fields = {"image": base64.b64encode(body).decode("ascii")}
             if "attention" in query:
@@ -103,13 +96,9 @@ def _as_json(headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[byte
 
 
 def _replay(body: bytes, receive: Any) -> Any:
-    sent = False
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def replay() -> dict:  # the body once, then the client's own messages (a disconnect)
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
+        return messages.pop() if messages else await receive()
 
     return replay

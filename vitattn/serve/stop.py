@@ -1,9 +1,6 @@
 """A server that stops: SIGTERM or SIGINT lets the requests in flight finish, answers new ones 503, then ends
-every process LitServe started, so that the port is free again; a second signal stops at once.
-
-The parent (the process that calls ``serve``) shares a flag with the forked API servers, waits for the
-requests in flight (at most ``timeout``), then sets LitServe's shutdown event; its children leave SIGINT
-(Ctrl+C reaches the whole process group) to it. Why and how: docs/serving.md ("How the server stops").
+every process LitServe started, so that the port is free again; a second signal stops at once. Why and how:
+docs/serving.md ("How the server stops").
 """
 
 from __future__ import annotations
@@ -27,11 +24,6 @@ __all__ = ["SHUTTING_DOWN", "GracefulStop", "leave_interrupts_to_parent"]
 log = logging.getLogger(__name__)
 
 SHUTTING_DOWN = "the server is shutting down; send the request to another server or retry later"
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-# seconds uvicorn and LitServe give an API server to close once nothing is in flight (LitServe's default: 30)
-API_SERVER_CLOSE_S = 5.0
 
 
 def leave_interrupts_to_parent() -> None:
@@ -61,12 +53,13 @@ class GracefulStop:
     def attach(self, server: Any) -> None:
         """Put the 503 gate in front of ``server``'s app (outermost: call after every other middleware)."""
         server.app.add_middleware(StopGate, stop=self)
-        server.uvicorn_graceful_timeout = API_SERVER_CLOSE_S  # public attribute; read by ``run``
+        # seconds uvicorn and LitServe give an API server to close once nothing is in flight (LitServe's default: 30)
+        server.uvicorn_graceful_timeout = 5.0  # public attribute; read by ``run``
 
     def serve(self, server: Any, **run_kwargs: Any) -> None:
         """``server.run(**run_kwargs)`` with SIGTERM and SIGINT stopping it cleanly; returns once it has stopped."""
         self._pid, self._server = os.getpid(), server
-        self._previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         # Python's advice before forking: what exists now stays out of every later collection, so the
         # forked API servers share these pages, and the exit skips a seconds-long sweep of torch's objects.
         gc.freeze()
