@@ -146,7 +146,7 @@ def train(cfg: DictConfig) -> TrainResult:
         skipped_images=gather_skipped(datamodule.skipped_images) if cfg.data.get("bad_images") == "skip" else {},
     )
     if cfg.export_bundle and trainer.is_global_zero:
-        result.bundle_dir = _export(system, run_dir)
+        result.bundle_dir = bundle_from_system(system, RunDir(run_dir).bundle)
     if trainer.is_global_zero:  # last: a run stopped before this point is not complete, and resumes
         RunDir(run_dir).save_result(result.global_step, source, metrics, result.bundle_dir is not None)
     _finish_wandb_run()
@@ -226,10 +226,6 @@ def _finish_wandb_run() -> None:
         wandb.finish()
 
 
-def _export(system: VisionSystem, run_dir: Path) -> Path:
-    return bundle_from_system(system, RunDir(run_dir).bundle)
-
-
 def should_compile(cfg: DictConfig) -> bool:
     """``compile=auto`` compiles on GPUs only: on CPUs eager is as fast (see docs/benchmarks.md); and not under
     ``trainer=fsdp``, whose sharded layers have not been tested compiled (``compile=true`` asks for it)."""
@@ -243,14 +239,8 @@ def load_best_weights(cfg: DictConfig, trainer: pl.Trainer, system: VisionSystem
     returns what the tested and exported weights are."""
     if cfg.get("weights", "best") != "best" or cfg.trainer.get("fast_dev_run"):
         return f"last (step {trainer.global_step})"
-    best = next(
-        (
-            c
-            for c in trainer.checkpoint_callbacks
-            if getattr(c, "monitor", None) == cfg.head.monitor and c.best_model_path
-        ),
-        None,
-    )
+    monitoring = [c for c in trainer.checkpoint_callbacks if getattr(c, "monitor", None) == cfg.head.monitor]
+    best = next((c for c in monitoring if c.best_model_path), None)
     if best is None or not Path(best.best_model_path).is_file():
         return f"last (step {trainer.global_step})"
     checkpoint = torch.load(best.best_model_path, map_location="cpu", weights_only=True)

@@ -1,6 +1,4 @@
-"""Caption DataModules that read image files: what they share (settings, setup, the evaluation split), and
-the two of them: COCO-style caption files (``CocoCaptionDataModule``) and a Karpathy-split file
-(``KarpathyDataModule``: COCO, Flickr8k, Flickr30k)."""
+"""Caption DataModules that read image files: COCO-style caption files and Karpathy-split files."""
 
 from __future__ import annotations
 
@@ -21,21 +19,17 @@ __all__ = ["CaptionFilesDataModule", "CocoCaptionDataModule", "KarpathyDataModul
 class CaptionFilesDataModule(ImageDataModule):
     """Image files under ``image_dir`` with their captions; subclasses say which images each split holds.
 
-    Training items take one of their image's captions at random each time they are loaded;
-    val and test items take the first, and carry all of them as references.
+    Training items take one of their image's captions at random each time they are loaded; val and test items
+    take the first, and carry all of them as references.
 
     Args:
         image_dir: folder that the images' ``file_name`` entries are relative to.
-        img_size: side of the square images.
-        batch_size, num_workers: DataLoader settings.
         min_word_freq: words seen fewer times in the training captions become ``<unk>``; ``auto``:
             the largest threshold up to 5 that leaves at most 2 % of the tokens as ``<unk>``.
         max_caption_len: longest token sequence, bos and eos included.
         vocab_path: a saved tokenizer (``vocab.json`` or ``tokenizer.json``) to use rather than one built from
             training captions; the ``tokenizer`` group (set by training) says what is built otherwise.
-        augment: training augmentation (``vitattn.data.preprocess.Augment``).
-        cache: ``auto``, ``ram`` or ``none`` (``vitattn.data.images``).
-        bad_images, verify: unreadable image files, as in ``ImageFolderDataModule``.
+        augment, cache, bad_images, verify: as in ``ImageFolderDataModule``.
         mean, std, interpolation, crop_pct, crop_mode: the ``data.*`` preprocessing keys (None: the whole image
             squashed, bicubic, ImageNet's statistics).
         tokenizer, vocab: the ``tokenizer`` group, or a given tokenizer (``ImageDataModule``).
@@ -71,11 +65,10 @@ class CaptionFilesDataModule(ImageDataModule):
         self._bad_image_settings(bad_images, verify)
         self.image_dir = image_dir
         self.min_word_freq, self.max_caption_len, self.vocab_path = min_word_freq, max_caption_len, vocab_path
-        # Captions: the mild crop always; flips and colour jitter only where asked, and only where
-        # no caption of the image says left / right or names a colour (CaptionAugment).
+        # the mild crop always; flips and colour jitter only where asked and no caption contradicts them
         self.augment = Augment.from_config(augment, scale=CAPTION_CROP_SCALE, hflip=0.0)
         self.cache_mode = cache
-        should_cache(cache, 0, 0)
+        should_cache(cache, 0, 0)  # an unknown mode fails here, before any file is read
 
     def split_images(self) -> tuple[list[CocoImage], list[CocoImage], list[CocoImage]]:
         """The (train, val, test) images; test may be the val list itself, which then is one dataset."""
@@ -155,9 +148,6 @@ class CocoCaptionDataModule(CaptionFilesDataModule):
 
 class KarpathyDataModule(CaptionFilesDataModule):
     """The train / val / test splits of a Karpathy-split JSON file (see ``vitattn.data.coco``).
-
-    Val and test references are all of an image's sentences; the vocabulary comes from the training
-    captions only (``restval`` included when it joins training).
 
     Args:
         dataset_json: ``dataset_coco.json``, ``dataset_flickr8k.json`` or ``dataset_flickr30k.json``.

@@ -20,8 +20,6 @@ class ImageFolderDataModule(ImageDataModule):
 
     Args:
         root: folder holding the splits.
-        img_size: side of the square crops.
-        batch_size, num_workers: DataLoader settings.
         augment: training augmentation (``vitattn.data.preprocess.Augment``): ``True`` for the defaults
             that suit ``img_size``, ``False`` for the evaluation transform, or a mapping of its settings.
         cache: ``auto``, ``ram`` or ``none``: decode and resize every image once (``vitattn.data.images``).

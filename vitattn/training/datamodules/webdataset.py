@@ -1,11 +1,8 @@
 """Training from WebDataset shards (the img2dataset layout), across ranks and workers, resumable mid-epoch.
 
-Every sample is trained once per epoch: the epoch's positions are split over ranks and loader workers
-with no overlap and the same number of batches on every rank (``vitattn.data.shards.epoch_split``). The samples
-each step trained are recorded as they reach the model; ``state_dict`` (which Lightning writes into every
-checkpoint) holds the epoch and the positions trained so far, gathered from every rank, and a run resumed
-from that checkpoint plans the rest of the epoch from the positions not yet trained: none twice, none
-skipped, whatever the number of ranks and workers of the resumed run (its batches are planned afresh).
+Every sample is trained once per epoch, whatever the ranks and workers of a resumed run: ``state_dict`` holds
+the epoch's positions trained so far on every rank, and the rest of the epoch is planned from those not yet
+trained. The design: docs/shards.md.
 """
 
 from __future__ import annotations
@@ -46,8 +43,8 @@ __all__ = ["WebDatasetDataModule", "shard_captions", "shard_references"]
 log = logging.getLogger(__name__)
 
 
-def shard_captions(urls: Sequence[str], caption_key: str | None, total: int | None = None) -> list[str]:
-    """Every caption of the shards (a progress bar of samples read); samples without one are left out."""
+def shard_captions(urls: Sequence[str], caption_key: str | None) -> list[str]:
+    """Every caption of the shards; samples without one are left out."""
     return _read_captions(urls, caption_key, "vocabulary: reading captions", lambda sample, caption: caption)
 
 
@@ -57,7 +54,6 @@ def shard_references(urls: Sequence[str], caption_key: str | None) -> list[list[
 
 
 def _read_captions(urls: Sequence[str], caption_key: str | None, desc: str, take: Any) -> list[Any]:
-    """``take(sample, caption)`` of every captioned sample of the shards, with a progress bar of shards read."""
 
     def read(url: str) -> list[Any]:
         items = []
@@ -95,18 +91,16 @@ class WebDatasetDataModule(ImageDataModule):
         train_shards, val_shards: brace notation (``DIR/{00000..00099}.tar``), a list, or a file listing one
             shard a line; local paths or ``pipe:`` commands. test_shards: None tests on ``val_shards``.
         task: ``caption`` or ``classification`` (the head's).
-        img_size, batch_size, num_workers: as every DataModule.
         caption_key: the caption is this key of the sample's ``.json``; None: the ``.txt``.
         class_names: for classification: a list, or a file of one name a line; None: ``classes.txt`` beside
             the first train shard.
         min_word_freq, max_caption_len, vocab_path: the caption vocabulary, as for caption files.
-        augment: training augmentation (``vitattn.data.preprocess.Augment``).
         shuffle_buffer: samples each loader worker holds to shuffle (0: read order).
         seed: the shard order and shuffle of epoch ``e`` come from ``(seed, e)``.
         samples_per_epoch: train this many samples an epoch (each at most once); None: every sample.
-        count_cache: folder for the cached shard counts (shards without ``_stats.json``) and the member indexes
-            of shards in folders that cannot be written to; None: ~/.cache/vitattn.
-        cache: ``none`` (``auto`` reads as none): shards are streamed, never held in memory.
+        count_cache: folder for the shard counts and member indexes that cannot be kept beside the shards; None:
+            ~/.cache/vitattn.
+        cache: ``none`` (``auto`` reads as none): shards are streamed.
         bad_images: ``raise`` | ``skip`` for undecodable images, samples without caption or class, and shards
             that are truncated or cannot be read.
         mean, std, interpolation, crop_pct, crop_mode: the preprocessing (None: the head's file DataModule's:
@@ -175,8 +169,7 @@ class WebDatasetDataModule(ImageDataModule):
         return ImageFolderDataModule.crop if self.task == "classification" else ImageDataModule.crop
 
     def prepare_data(self) -> None:
-        """Count and index the shards once a machine (Lightning runs this on each machine's first process,
-        before any ``setup``), so that the other ranks find the counts and member indexes written."""
+        """Count and index the shards once a machine (its first process, before any ``setup``) for the other ranks."""
         for split, spec in self.shards.items():
             if spec:
                 shard_sizes(expand_shards(spec, f"data.{split}_shards"), self.count_cache)
@@ -224,11 +217,6 @@ class WebDatasetDataModule(ImageDataModule):
             sum(sizes["val"]),
         )
 
-    def _workers(self) -> int:
-        if self.num_workers == "auto":
-            self.plan_workers(torch.cuda.is_available(), len(os.sched_getaffinity(0)))
-        return int(self.num_workers)
-
     def _epoch_order(self, stream: ShardStream, epoch: int, train: bool) -> EpochOrder:
         limit = self.samples_per_epoch if train else None
         return EpochOrder(stream.sizes, self.seed, epoch, shuffle=train, limit=limit)
@@ -242,8 +230,7 @@ class WebDatasetDataModule(ImageDataModule):
             stream.batches = sum(len(plan.batch_sizes) for plan in plans[0])
 
     def _plan(self, stream: ShardStream, train: bool) -> None:
-        """Give ``stream`` this rank's plan for the epoch now starting (training: the trainer's current epoch,
-        less what the checkpoint being resumed says was trained)."""
+        """Give ``stream`` this rank's plan for the epoch now starting, less what a resumed checkpoint trained."""
         rank, world = rank_and_world(self.trainer)
         epoch = self.trainer.current_epoch if (train and self.trainer is not None) else 0
         order = self._epoch_order(stream, epoch, train)
@@ -301,8 +288,7 @@ class WebDatasetDataModule(ImageDataModule):
         )
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Record which samples a training step gets (its epoch positions, and keys in ``last_keys``), then
-        take skipped samples off the batch as every DataModule does."""
+        """Record which samples a training step gets (positions, and keys in ``last_keys``), then the base's."""
         if isinstance(batch, ShardBatch):
             if self.trainer is not None and self.trainer.training:
                 self.trained.add(batch.positions)
@@ -311,8 +297,7 @@ class WebDatasetDataModule(ImageDataModule):
         return super().on_before_batch_transfer(batch, dataloader_idx)
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch and the positions trained in it on every rank (a collective call under DDP, as Lightning
-        makes it when it writes a checkpoint)."""
+        """The epoch and the positions trained in it on every rank (a collective call under DDP)."""
         trained = self.trained
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             parts: list[Any] = [None] * dist.get_world_size()
