@@ -179,8 +179,7 @@ def _check_precision(trainer: DictConfig) -> None:
 
 
 def _check_self_critical(cfg: DictConfig) -> None:
-    scst = cfg.finetune.get("scst")
-    if scst is None:
+    if cfg.finetune.get("scst") is None:
         return
     if cfg.head.task != "caption":
         raise ConfigError(

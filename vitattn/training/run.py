@@ -73,14 +73,12 @@ def train(cfg: DictConfig) -> TrainResult:
         cfg: the composed ``conf/train.yaml``; ``cfg.paths.output_dir`` is the run directory.
 
     Returns:
-        The run directory, the final validation (and test) metrics, sample captions and the bundle. A run that
-        ``resume`` finds complete (its ``result.json`` written) is left as it is: its saved result, with
-        ``already_complete``.
+        The run directory, the final validation (and test) metrics, sample captions and the bundle; for a run
+        ``resume`` finds complete, its saved result, with ``already_complete``.
 
     Raises:
-        Preempted: SIGTERM or SIGUSR1 stopped training after a whole step; ``checkpoints/last.ckpt``
-            holds that step and ``resume`` continues from it. Also SIGTERM during the test after
-            training (nothing more is saved; the test runs again on resume).
+        Preempted: SIGTERM or SIGUSR1 stopped training after a whole step (``checkpoints/last.ckpt`` holds it and
+            ``resume`` continues from it), or SIGTERM stopped the test after training (it runs again on resume).
     """
     check_targets(cfg)  # a run folder's config is input: nothing it names is imported before this
     run_dir = Path(cfg.paths.output_dir)
@@ -180,14 +178,11 @@ def _checkpoint_step(ckpt_path: str) -> int:
 
 def _test(trainer: pl.Trainer, system: VisionSystem, datamodule: pl.LightningDataModule) -> dict[str, float]:
     """The test split's metrics for the weights ``system`` holds now."""
-    metrics: dict[str, float] = {}
     try:
         rows = trainer.test(system, datamodule=datamodule, verbose=False)
     except SIGTERMException:  # not a finished run: it must not exit with status 0
         raise _preempted(trainer) from None
-    for row in rows:
-        metrics.update({k: float(v) for k, v in row.items()})
-    return metrics
+    return {k: float(v) for row in rows for k, v in row.items()}
 
 
 def _preempted(trainer: pl.Trainer) -> Exception:

@@ -109,15 +109,12 @@ class WholeModel:
         if task == "caption":
             _refuse_other_tokenizer(cfg, self, given)
         wanted = _config_values(cfg, bundle.config["model"])
-        contradicted = [
-            f"{key}={_current(cfg, key)}"
-            for key, value in wanted.items()
-            if _given(key, given) and _current(cfg, key) != value
-        ]
+        contradicted = [key for key, value in wanted.items() if _given(key, given) and _current(cfg, key) != value]
         if contradicted:
-            theirs = " ".join(f"{key.split('=')[0]}={wanted[key.split('=')[0]]}" for key in contradicted)
+            theirs = " ".join(f"{key}={wanted[key]}" for key in contradicted)
+            ours = " ".join(f"{key}={_current(cfg, key)}" for key in contradicted)
             raise ConfigError(
-                f"finetune.init={self.source}: its model has {theirs}, not {' '.join(contradicted)} as given; the "
+                f"finetune.init={self.source}: its model has {theirs}, not {ours} as given; the "
                 "model's sizes come from finetune.init, so drop them from the command line"
             )
         changed = []
@@ -217,12 +214,10 @@ class Encoder:
             notes = load_encoder_state(encoder, self.state)
         except ValueError as err:
             raise ConfigError(f"finetune.init={self.source}: {first_line(err)}") from None
-        set_from = f"; set from the weights: {', '.join(self.changes)}" if self.changes else ""
-        extra = "; ".join(notes + self.notes)
-        rank_zero_info(
-            f"pretrained encoder: loaded {len(self.state)} tensors of {self.what}{set_from}"
-            + (f"; {extra}" if extra else "")
-        )
+        parts = [f"pretrained encoder: loaded {len(self.state)} tensors of {self.what}"]
+        if self.changes:
+            parts.append(f"set from the weights: {', '.join(self.changes)}")
+        rank_zero_info("; ".join(parts + notes + self.notes))
 
     def _set(self, encoder: dict[str, Any], key: str, value: Any) -> None:
         self.changes.append(f"model.{key} {_plain(encoder[key])} -> {_plain(value)}")

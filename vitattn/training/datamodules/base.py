@@ -169,10 +169,11 @@ class ImageDataModule(pl.LightningDataModule):
         self.cache = ImageCache(paths, resize)
         return self.cache
 
-    def _bad_image_settings(self, bad_images: str, verify: bool) -> None:
+    def _file_settings(self, bad_images: str, verify: bool, cache: str = "none") -> None:
         if bad_images not in BAD_IMAGE_MODES:
             raise ValueError(f"bad_images={bad_images!r} is unknown; choose {' or '.join(BAD_IMAGE_MODES)}")
-        self.bad_images, self.verify = bad_images, bool(verify)
+        should_cache(cache, 0, 0)  # an unknown mode fails here, before any file is read
+        self.bad_images, self.verify, self.cache_mode = bad_images, bool(verify), cache
 
     def image_files(self) -> list[str]:
         """Every image file of the train, val and test splits (after ``setup``); none for generated images."""
@@ -230,7 +231,7 @@ class ImageDataModule(pl.LightningDataModule):
         """Resolve ``num_workers=auto`` (after ``setup``) for this process's ``cores``: on GPUs ``min(8, cores - 1)``;
         on CPUs, where torch's threads share the cores, 0 for images in memory, else 1. Returns the number."""
         if self.num_workers == "auto":
-            in_memory = self.cache is not None or not getattr(self, "reads_files", False)
+            in_memory = self.cache is not None or not self.reads_files
             self.num_workers = max(0, min(8, cores - 1)) if on_gpu else (0 if in_memory else min(1, cores - 1))
         return int(self.num_workers)
 

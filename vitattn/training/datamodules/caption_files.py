@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from vitattn.data.coco import CocoCaptionDataset, CocoImage, load_coco_captions, load_karpathy
-from vitattn.data.images import EvalSplit, should_cache
+from vitattn.data.images import EvalSplit
 from vitattn.data.preprocess import CAPTION_CROP_SCALE, Augment, CaptionAugment
 from vitattn.data.tokenizer import Tokenizer
 from vitattn.training.datamodules.base import ImageDataModule
@@ -20,19 +20,9 @@ class CaptionFilesDataModule(ImageDataModule):
     """Image files under ``image_dir`` with their captions; subclasses say which images each split holds.
 
     Training items take one of their image's captions at random each time they are loaded; val and test items
-    take the first, and carry all of them as references.
-
-    Args:
-        image_dir: folder that the images' ``file_name`` entries are relative to.
-        min_word_freq: words seen fewer times in the training captions become ``<unk>``; ``auto``:
-            the largest threshold up to 5 that leaves at most 2 % of the tokens as ``<unk>``.
-        max_caption_len: longest token sequence, bos and eos included.
-        vocab_path: a saved tokenizer (``vocab.json`` or ``tokenizer.json``) to use rather than one built from
-            training captions; the ``tokenizer`` group (set by training) says what is built otherwise.
-        augment, cache, bad_images, verify: as in ``ImageFolderDataModule``.
-        mean, std, interpolation, crop_pct, crop_mode: the ``data.*`` preprocessing keys (None: the whole image
-            squashed, bicubic, ImageNet's statistics).
-        tokenizer, vocab: the ``tokenizer`` group, or a given tokenizer (``ImageDataModule``).
+    take the first, and carry all of them as references. The arguments are the ``data.*`` keys that
+    conf/data/coco.yaml and karpathy.yaml describe (``vocab_path``: a saved ``vocab.json`` or ``tokenizer.json``
+    to use rather than one built from the training captions); ``tokenizer`` and ``vocab`` are ``ImageDataModule``'s.
     """
 
     tasks = ("caption",)
@@ -62,13 +52,11 @@ class CaptionFilesDataModule(ImageDataModule):
         super().__init__(
             batch_size, num_workers, img_size, mean, std, interpolation, crop_pct, crop_mode, tokenizer, vocab
         )
-        self._bad_image_settings(bad_images, verify)
+        self._file_settings(bad_images, verify, cache)
         self.image_dir = image_dir
         self.min_word_freq, self.max_caption_len, self.vocab_path = min_word_freq, max_caption_len, vocab_path
         # the mild crop always; flips and colour jitter only where asked and no caption contradicts them
         self.augment = Augment.from_config(augment, scale=CAPTION_CROP_SCALE, hflip=0.0)
-        self.cache_mode = cache
-        should_cache(cache, 0, 0)  # an unknown mode fails here, before any file is read
 
     def split_images(self) -> tuple[list[CocoImage], list[CocoImage], list[CocoImage]]:
         """The (train, val, test) images; test may be the val list itself, which then is one dataset."""
@@ -116,14 +104,8 @@ class CaptionFilesDataModule(ImageDataModule):
 
 
 class CocoCaptionDataModule(CaptionFilesDataModule):
-    """Captioning from COCO-style caption files (see ``vitattn.data.coco``).
-
-    Args:
-        image_dir: folder that the files' ``file_name`` entries are relative to.
-        train_annotations, val_annotations: COCO caption JSON files.
-        test_annotations: the test file; ``val_annotations`` when not given.
-        num_workers, **settings: as ``CaptionFilesDataModule`` takes them.
-    """
+    """Captioning from COCO-style caption files (``vitattn.data.coco``); ``test_annotations`` None tests on
+    ``val_annotations``."""
 
     def __init__(
         self,
@@ -147,15 +129,8 @@ class CocoCaptionDataModule(CaptionFilesDataModule):
 
 
 class KarpathyDataModule(CaptionFilesDataModule):
-    """The train / val / test splits of a Karpathy-split JSON file (see ``vitattn.data.coco``).
-
-    Args:
-        dataset_json: ``dataset_coco.json``, ``dataset_flickr8k.json`` or ``dataset_flickr30k.json``.
-        image_dir: folder that the file names are relative to: for COCO the one holding
-            ``train2014/`` and ``val2014/``, for Flickr the one holding the images.
-        restval_in_train: train on the ``restval`` images too (the usual COCO setting); else they are unused.
-        **settings: as ``CaptionFilesDataModule`` takes them.
-    """
+    """The train / val / test splits of a Karpathy-split JSON file (``vitattn.data.coco``): COCO, Flickr8k or
+    Flickr30k; ``restval_in_train`` trains on the ``restval`` images too."""
 
     def __init__(
         self,

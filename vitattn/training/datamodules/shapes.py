@@ -15,18 +15,11 @@ __all__ = ["ShapesDataModule"]
 
 
 class ShapesDataModule(ImageDataModule):
-    """The built-in shapes data (``vitattn.data.shapes``) for captioning or classification.
+    """The built-in shapes data (``vitattn.data.shapes``) for captioning or classification (label: the colour
+    and shape of the left-most object); ``seed`` is the base seed of all three splits.
 
     Images are not augmented: flips or crops would change which shape is left of which. Start weights give only
     their mean and std: the images are drawn at ``img_size``, so no resize or crop of theirs applies.
-
-    Args:
-        task: "caption" (dict batches, ``vocab`` after setup) or "classification" (``(images,
-            labels)``, label = colour and shape of the left-most object).
-        num_train, num_val, num_test: images per split.
-        seed: base seed of all three splits.
-        max_caption_len, vocab_path: as in ``CaptionFilesDataModule``.
-        mean, std: the normalisation (None: ImageNet's).
     """
 
     tasks = ("caption", "classification")

@@ -87,24 +87,9 @@ def _class_names(value: Any, urls: Sequence[str]) -> list[str]:
 class WebDatasetDataModule(ImageDataModule):
     """Captions (``.txt``, or ``caption_key`` inside ``.json``) or classes (``.cls``) from tar shards.
 
-    Args:
-        train_shards, val_shards: brace notation (``DIR/{00000..00099}.tar``), a list, or a file listing one
-            shard a line; local paths or ``pipe:`` commands. test_shards: None tests on ``val_shards``.
-        task: ``caption`` or ``classification`` (the head's).
-        caption_key: the caption is this key of the sample's ``.json``; None: the ``.txt``.
-        class_names: for classification: a list, or a file of one name a line; None: ``classes.txt`` beside
-            the first train shard.
-        min_word_freq, max_caption_len, vocab_path: the caption vocabulary, as for caption files.
-        shuffle_buffer: samples each loader worker holds to shuffle (0: read order).
-        seed: the shard order and shuffle of epoch ``e`` come from ``(seed, e)``.
-        samples_per_epoch: train this many samples an epoch (each at most once); None: every sample.
-        count_cache: folder for the shard counts and member indexes that cannot be kept beside the shards; None:
-            ~/.cache/vitattn.
-        cache: ``none`` (``auto`` reads as none): shards are streamed.
-        bad_images: ``raise`` | ``skip`` for undecodable images, samples without caption or class, and shards
-            that are truncated or cannot be read.
-        mean, std, interpolation, crop_pct, crop_mode: the preprocessing (None: the head's file DataModule's:
-            ``ImageFolderDataModule``'s or ``KarpathyDataModule``'s).
+    The arguments are the ``data.*`` keys that conf/data/webdataset.yaml describes; ``task`` is the head's, and
+    ``mean`` to ``crop_mode`` default to the head's file DataModule's (``ImageFolderDataModule``'s or
+    ``KarpathyDataModule``'s).
     """
 
     tasks = ("caption", "classification")
@@ -145,7 +130,7 @@ class WebDatasetDataModule(ImageDataModule):
         super().__init__(
             batch_size, num_workers, img_size, mean, std, interpolation, crop_pct, crop_mode, tokenizer, vocab
         )
-        self._bad_image_settings(bad_images, False)
+        self._file_settings(bad_images, False)
         if cache not in ("none", "auto"):
             raise ValueError(f"data.cache={cache!r}: shards are streamed, not cached; use data.cache=none")
         if samples_per_epoch is not None and samples_per_epoch < 1:
