@@ -63,11 +63,7 @@ WAIT_SECONDS = 3600.0  # how long a rank other than 0 waits for a file rank 0 wr
 
 def run_tokenizer(cfg: DictConfig, run_dir: str | Path, resuming: bool, wait: float = WAIT_SECONDS) -> Tokenizer | None:
     """The run's own ``vocab.json`` or ``tokenizer.json`` (``tokenizer=words`` or ``bpe``, built by rank 0) on a
-    restart and on the other ranks; None where the DataModule builds or reads the tokenizer itself.
-
-    Raises:
-        TimeoutError: rank 0 wrote no tokenizer within ``wait`` seconds.
-    """
+    restart and on the other ranks (``wait_for_rank_zero``); None where the DataModule builds or reads it itself."""
     if cfg.head.task != "caption" or "tokenizer" not in cfg:
         return None
     kind = cfg.tokenizer.get("kind")
@@ -86,11 +82,7 @@ def run_tokenizer(cfg: DictConfig, run_dir: str | Path, resuming: bool, wait: fl
 
 
 def wait_for_rank_zero(path: Path, wait: float = WAIT_SECONDS) -> None:
-    """Return once ``path`` exists (a file rank 0 writes into the run folder for every rank).
-
-    Raises:
-        TimeoutError: no such file within ``wait`` seconds.
-    """
+    """Return once rank 0 has written ``path`` for every rank; ``TimeoutError`` after ``wait`` seconds."""
     if path.is_file():
         return
     log.info("rank %d: waiting for rank 0 to write %s", rank_zero_only.rank, path)
@@ -279,19 +271,14 @@ def plan_cores(cfg: DictConfig, datamodule: Any) -> tuple[int, int]:
     share = max(1, cores // processes)
     plan = getattr(datamodule, "plan_workers", None)
     workers = plan(on_gpu(cfg), share) if plan is not None else int(getattr(datamodule, "num_workers", 0))
-    threads = cfg.get("num_threads")
-    if threads == "auto":
-        threads = torch.get_num_threads() if on_gpu(cfg) else max(1, share - workers)
-    if threads:
-        torch.set_num_threads(int(threads))
-    log.info(
-        "cores: %d for %d process(es); loader workers: %d; torch threads: %d",
-        cores,
-        processes,
-        workers,
-        torch.get_num_threads(),
-    )
-    return workers, torch.get_num_threads()
+    wanted = cfg.get("num_threads")
+    if wanted == "auto":
+        wanted = torch.get_num_threads() if on_gpu(cfg) else max(1, share - workers)
+    if wanted:
+        torch.set_num_threads(int(wanted))
+    threads = torch.get_num_threads()
+    log.info("cores: %d for %d process(es); loader workers: %d; torch threads: %d", cores, processes, workers, threads)
+    return workers, threads
 
 
 def processes_per_node(cfg: DictConfig) -> int:

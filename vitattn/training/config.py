@@ -40,8 +40,6 @@ __all__ = [
 _DIR_KEYS = ("root", "image_dir")
 _FILE_KEYS = ("train_annotations", "val_annotations", "test_annotations", "vocab_path", "dataset_json")
 
-
-# A config read back from disk (a run folder) is input: its targets may name these packages only.
 ALLOWED_TARGET_PREFIXES = ("vitattn.", "torch.", "torchvision.", "timm.", "lightning.", "pytorch_lightning.")
 
 

@@ -142,8 +142,7 @@ class ResumableTensorBoardLogger(TensorBoardLogger):
 
 
 def _logged_from(log_dir: Path, step: int) -> bool:
-    """The newest event file in ``log_dir`` holds a scalar at ``step`` or later, or any event after ``step`` (the
-    pictures at ``step`` are the stopped run's own, not to purge; docs/training.md#resume)."""
+    """Whether the newest event file in ``log_dir`` holds a scalar at ``step`` or later, or any event after it."""
     # optional: tensorboard is read back only when a killed run resumes
     from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
@@ -215,8 +214,7 @@ class ResumableMLFlowLogger(MLFlowLogger):
 
 
 def _drop_metrics_from(client: Any, run_id: str, step: int) -> bool:
-    """Delete the run's metric values at ``step`` and later from an SQL tracking store (MLflow's client has no call
-    for it) and point its latest values at what remains; False for any other store."""
+    """Delete the run's metric values from ``step`` on in an SQL store (MLflow's client cannot); False elsewhere."""
     # optional: the trackers extra (logger=mlflow); MLflow's SQL store internals, see the docstring
     from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore

@@ -86,8 +86,7 @@ def train(cfg: DictConfig) -> TrainResult:
     if complete is not None:
         return complete
     pl.seed_everything(cfg.seed, workers=True)
-    # Resolved first, in place: what the start weights fix, the precision, the preprocessing. The config that is
-    # checked next is the one that runs and the one saved.
+    # resolved in place first, so that the config checked next is the one that runs and is saved
     start = read_start(cfg.finetune.init, cfg.finetune.get("init_kind", "model")) if cfg.finetune.get("init") else None
     if start is not None:
         start.resolve(cfg, command_line_keys())
@@ -105,7 +104,6 @@ def train(cfg: DictConfig) -> TrainResult:
         check_fit(cfg, datamodule)  # a coarse patch grid, a vocabulary of <unk>, a schedule with no end
     system = build_system(cfg, datamodule, start)
     if cfg.finetune.get("scst") is not None:
-        # CIDEr-D statistics: computed once per run by rank 0
         system.use_reward(prepare_reward(datamodule, run_dir, ckpt_path is not None))
     if should_compile(cfg):
         system.model.compile()  # in place: parameter names (checkpoints, bundles) stay as they are
@@ -214,8 +212,7 @@ def _save_run_files(cfg: DictConfig, datamodule: pl.LightningDataModule, run_dir
 
 
 def _finish_wandb_run() -> None:
-    """End the Weights & Biases run (``logger=wandb``): Lightning leaves it open, and the next run in this
-    process (a sweep's next trial) would otherwise log into it."""
+    """End the W&B run Lightning leaves open, which a sweep's next trial in this process would log into."""
     wandb = sys.modules.get("wandb")
     if wandb is not None and getattr(wandb, "run", None) is not None:
         wandb.finish()

@@ -356,21 +356,15 @@ def _read_timm_file(source: str, path: Path) -> Encoder:
 
 def _read_timm_name(source: str, name: str, file: Path | None) -> Encoder:
     model = pretrained_timm_model(name, file)
-    known = timm_model_config(model)
     state = convert_timm_state_dict(model.state_dict())
-    notes = [f"timm: {n}" for n in (model.pretrained_cfg.get("notes") or ())]
-    what = f"timm {name}" + (f" from {file}" if file else "")
+    known = {**weights_config(state), **timm_model_config(model)}
     cfg = model.pretrained_cfg
+    notes = [f"timm: {n}" for n in (cfg.get("notes") or ())]
+    what = f"timm {name}" + (f" from {file}" if file else "")
     tagged = f"{cfg['architecture']}.{cfg['tag']}" if cfg.get("architecture") and cfg.get("tag") else name
-    return Encoder(
-        source,
-        what,
-        state,
-        {**weights_config(state), **known},
-        notes,
-        preprocess=from_timm(resolve_model_data_config(model)),
-        preprocess_from=f"timm's pretrained config of {tagged}",
-    )
+    preprocess = from_timm(resolve_model_data_config(model))
+    origin = f"timm's pretrained config of {tagged}"
+    return Encoder(source, what, state, known, notes, preprocess=preprocess, preprocess_from=origin)
 
 
 def _config_values(cfg: DictConfig, model: dict[str, Any]) -> dict[str, Any]:

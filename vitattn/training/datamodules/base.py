@@ -213,18 +213,13 @@ class ImageDataModule(pl.LightningDataModule):
         loader = self.val_dataloader() if split == "val" else self.test_dataloader()
         return EvalSplit(f"{type(self).__name__} {split} split", loader=EvaluationBatches(loader, self.ready_batch))
 
-    def _use_captions(
-        self,
-        splits: tuple[Dataset, Dataset, Dataset],
-        vocab: Tokenizer,
-        max_len: int,
-        sample_train_caption: bool,
-    ) -> None:
+    def _use_captions(self, splits: tuple[Dataset, Dataset, Dataset], vocab: Tokenizer, sample_train: bool) -> None:
+        """The (train, val, test) caption datasets tokenized, up to the subclass's ``max_caption_len``."""
         train, val, test = splits
         self.vocab = vocab
-        self.train_dataset = TokenizedCaptions(train, vocab, max_len, sample_train_caption)
-        self.val_dataset = TokenizedCaptions(val, vocab, max_len)
-        self.test_dataset = TokenizedCaptions(test, vocab, max_len)
+        self.train_dataset = TokenizedCaptions(train, vocab, self.max_caption_len, sample_train)
+        self.val_dataset = TokenizedCaptions(val, vocab, self.max_caption_len)
+        self.test_dataset = TokenizedCaptions(test, vocab, self.max_caption_len)
         self.collate_fn = partial(collate_captions, pad_id=vocab.pad_id)
 
     def plan_workers(self, on_gpu: bool, cores: int) -> int:
@@ -296,8 +291,7 @@ class ImageDataModule(pl.LightningDataModule):
         return self._loader(self.test_dataset, shuffle=False)
 
     def _caption_tokenizer(self, captions: Callable[[], list[str]], min_freq: int | str) -> Tokenizer:
-        """The tokenizer given, else the one at ``vocab_path``, else the one ``tokenizer_config`` names (``words`` and
-        ``bpe`` built from the training ``captions``)."""
+        """The tokenizer given, else the one at ``vocab_path``, else the one ``tokenizer_config`` names."""
         if self.vocab is not None:
             return self.vocab
         vocab_path = getattr(self, "vocab_path", None)

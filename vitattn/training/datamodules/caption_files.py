@@ -76,7 +76,7 @@ class CaptionFilesDataModule(ImageDataModule):
         val = CocoCaptionDataset(self.image_dir, val_images, evaluate)
         test = val if test_images is val_images else CocoCaptionDataset(self.image_dir, test_images, evaluate)
         vocab = self._caption_tokenizer(lambda: train.captions, self.min_word_freq)
-        self._use_captions((train, val, test), vocab, self.max_caption_len, sample_train_caption=True)
+        self._use_captions((train, val, test), vocab, sample_train=True)
         self._read_images({train, val, test})
 
     def image_files(self) -> list[str]:

@@ -64,7 +64,7 @@ class ShapesDataModule(ImageDataModule):
             return
         vocab = self._caption_tokenizer(lambda: splits[0].captions, min_freq=1)
         # canonical caption as the target everywhere: the synthetic captions are unambiguous
-        self._use_captions(splits, vocab, self.max_caption_len, sample_train_caption=False)
+        self._use_captions(splits, vocab, sample_train=False)
 
     def train_references(self) -> list[list[str]]:
         """Each training scene's valid captions (after ``setup``)."""

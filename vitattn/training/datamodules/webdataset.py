@@ -171,17 +171,12 @@ class WebDatasetDataModule(ImageDataModule):
         if self.task == "caption":
             vocab = self._caption_tokenizer(lambda: shard_captions(urls["train"], self.caption_key), self.min_word_freq)
             self.vocab = vocab
-            training = CaptionAugment(self.img_size, self.augment, self.preprocess) if self.augment.enabled else None
-            collate = partial(collate_captions, pad_id=vocab.pad_id)
+            augmenter, collate = CaptionAugment, partial(collate_captions, pad_id=vocab.pad_id)
         else:
             self.class_names = _class_names(self.class_names_spec, urls["train"])
             self.num_classes, vocab = len(self.class_names), None
-            training = (
-                classification_train_transform(self.img_size, self.augment, self.preprocess)
-                if self.augment.enabled
-                else None
-            )
-            collate = default_collate
+            augmenter, collate = classification_train_transform, default_collate
+        training = augmenter(self.img_size, self.augment, self.preprocess) if self.augment.enabled else evaluate
 
         def stream(split: str, transform: Any, buffer: int) -> ShardStream:
             samples = ShardSamples(
@@ -189,7 +184,7 @@ class WebDatasetDataModule(ImageDataModule):
             )
             return ShardStream(urls[split], sizes[split], samples, collate, self.bad_images, buffer, self.count_cache)
 
-        self.train_dataset = stream("train", training or evaluate, self.shuffle_buffer)
+        self.train_dataset = stream("train", training, self.shuffle_buffer)
         self.val_dataset = stream("val", evaluate, 0)
         self.test_dataset = self.val_dataset if urls["test"] == urls["val"] else stream("test", evaluate, 0)
         for dataset in {self.train_dataset, self.val_dataset, self.test_dataset}:
@@ -232,30 +227,22 @@ class WebDatasetDataModule(ImageDataModule):
         if sum(len(plan.batch_sizes) for plan in plans[0]) > stream.batches:  # never more batches than len()
             plans = split_epoch(remaining, world, workers, self.batch_size)
         if _streamed(stream) and rank == 0 and id(stream) not in self._warned:
-            self._warn_reads(order, plans, remaining, len(done) > 0, world, workers, stream)
+            self._warn_reads(stream, order, plans, remaining, resumed=len(done) > 0)
         seed = f"{self.seed}/{epoch}/{rank}/{len(done)}"
         stream.configure(order, plans[rank], stream.batches, seed)
 
-    def _warn_reads(
-        self,
-        order: EpochOrder,
-        plans: Any,
-        remaining: Any,
-        resumed: bool,
-        world: int,
-        workers: int,
-        stream: ShardStream,
-    ) -> None:
-        """One warning a stream, naming the read factor, where a plan reads streamed shards more than once."""
+    def _warn_reads(self, stream: ShardStream, order: EpochOrder, plans: Any, remaining: Any, resumed: bool) -> None:
+        """One warning a stream where ``plans`` (``[rank][worker]``) read streamed shards more than once."""
         factor = read_factor(order, plans)
         if factor <= 1.05:
             return
         self._warned.add(id(stream))
+        shards, world, workers = len(order.shard_runs(remaining)), len(plans), len(plans[0])
         why = (
             "a resumed epoch reads again the trained samples before those left in a shard"
             if resumed
-            else f"{len(order.shard_runs(remaining))} shards are fewer than the {world} ranks x {workers} loader "
-            "workers, so several workers read the same shard from its start"
+            else f"{shards} shards are fewer than the {world} ranks x {workers} loader workers, so several workers "
+            "read the same shard from its start"
         )
         log.warning("pipe:/URL shards are read %.2fx per sample trained: %s", factor, why)
 
