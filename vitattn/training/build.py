@@ -287,12 +287,11 @@ def processes_per_node(cfg: DictConfig) -> int:
     if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
         return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
     devices = cfg.trainer.get("devices", 1)
-    if isinstance(devices, str):
-        ids = [d for d in devices.split(",") if d.strip()]
-        devices = int(devices) if devices.strip().isdigit() else len(ids) if "," in devices else 1
+    if isinstance(devices, str):  # a count, or ids ("0,1"); "auto" and "-1" are one id each
+        devices = int(devices) if devices.strip().isdigit() else [d for d in devices.split(",") if d.strip()]
     if isinstance(devices, int):
         return max(1, devices)
-    return len(devices) if isinstance(devices, Sequence) and not isinstance(devices, str) else 1
+    return max(1, len(devices)) if isinstance(devices, Sequence) else 1
 
 
 def resolve_train_precision(cfg: DictConfig) -> str:

@@ -56,13 +56,20 @@ def build_loggers(group: DictConfig | None, run_dir: str | Path, start_step: int
     return loggers
 
 
-class ResumableCSVLogger(CSVLogger):
-    """Lightning's ``CSVLogger`` that keeps the rows of ``metrics.csv`` before ``start_step`` (None: a new file) and
-    appends, writing its rows out whenever a checkpoint is saved."""
+class _ContinuedFiles:
+    """A file logger's ``start_step``, and what it holds written out whenever a checkpoint is saved."""
 
     def __init__(self, *args: Any, start_step: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.start_step = start_step
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        self.save()  # what was logged before the checkpoint on disk, however the process ends
+
+
+class ResumableCSVLogger(_ContinuedFiles, CSVLogger):
+    """Lightning's ``CSVLogger`` that keeps the rows of ``metrics.csv`` before ``start_step`` (None: a new file) and
+    appends, writing its rows out whenever a checkpoint is saved."""
 
     @property
     @rank_zero_experiment
@@ -71,9 +78,6 @@ class ResumableCSVLogger(CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _ContinuedWriter(self.log_dir, self.start_step)
         return self._experiment
-
-    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
-        self.save()  # the rows before the checkpoint on disk, however the process ends
 
 
 class _ContinuedWriter(ExperimentWriter):
@@ -120,13 +124,9 @@ class _ContinuedWriter(ExperimentWriter):
             writer.writerows(rows)
 
 
-class ResumableTensorBoardLogger(TensorBoardLogger):
+class ResumableTensorBoardLogger(_ContinuedFiles, TensorBoardLogger):
     """Lightning's ``TensorBoardLogger`` whose new event file discards the steps from ``start_step`` on when the
     folder holds some (``SummaryWriter``'s ``purge_step``), and which flushes whenever a checkpoint is saved."""
-
-    def __init__(self, *args: Any, start_step: int | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.start_step = start_step
 
     @property
     @rank_zero_experiment
@@ -136,9 +136,6 @@ class ResumableTensorBoardLogger(TensorBoardLogger):
                 self._kwargs["purge_step"] = self.start_step
                 log.info("%s: events from step %d on discarded", self.log_dir, self.start_step)
         return super().experiment
-
-    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
-        self.save()  # the events before the checkpoint on disk, however the process ends
 
 
 def _logged_from(log_dir: Path, step: int) -> bool:

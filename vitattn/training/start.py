@@ -148,22 +148,16 @@ class WholeModel:
 
 @dataclass
 class Encoder:
-    """``finetune.init_kind=encoder``: encoder weights in vitattn's layout (``state``, with its classifier head
-    if any) and the ``VisionTransformer`` keyword arguments they fix (``known``).
+    """``finetune.init_kind=encoder``: encoder weights and the ``VisionTransformer`` keyword arguments they fix."""
 
-    ``what`` names the source in the log line and ``notes`` add to it; ``changes`` are the switches ``fit`` set
-    (``key old -> new``); ``preprocess`` is what the weights were trained with (None: unknown), ``preprocess_from``
-    where it comes from, as the run log says it.
-    """
-
-    source: str
-    what: str
-    state: dict[str, Tensor]
-    known: dict[str, Any]
-    notes: list[str] = field(default_factory=list)
-    changes: list[str] = field(default_factory=list)
-    preprocess: dict[str, Any] | None = None
-    preprocess_from: str = ""
+    source: str  # the finetune.init value
+    what: str  # how the log line names the source
+    state: dict[str, Tensor]  # the encoder state dict in vitattn's layout (with its classifier head, if any)
+    known: dict[str, Any]  # the VisionTransformer keyword arguments the weights fix
+    notes: list[str] = field(default_factory=list)  # what the log line adds (e.g. timm's note on QuickGELU)
+    changes: list[str] = field(default_factory=list)  # the switches ``fit`` set: ``key old -> new``
+    preprocess: dict[str, Any] | None = None  # what the weights were trained with; None: unknown
+    preprocess_from: str = ""  # where that comes from, or why it is unknown, as the run log says it
 
     def fit(self, encoder: dict[str, Any]) -> None:
         """Set the switches the weights show in ``encoder`` (VisionTransformer kwargs, in place).
