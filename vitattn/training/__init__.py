@@ -1,7 +1,6 @@
 """Training (Lightning + Hydra): ``train(cfg)`` runs a whole training run from a composed config.
 
-Its rooms (systems, datamodules, callbacks, evaluation, the recipe) import only when named, so that
-``vitattn.training.config`` or ``vitattn.training.evaluation`` does not start the whole recipe.
+The names below import their rooms only when used, so that importing a light room does not start the recipe.
 """
 
 from importlib import import_module

@@ -67,11 +67,8 @@ def _vocabulary(cfg: DictConfig, datamodule: Any) -> str | None:
 
 def _step_limit(trainer: DictConfig, steps_per_epoch: int) -> float:
     """Optimizer steps at which ``max_steps`` or ``max_epochs`` ends training (the first of them), or inf."""
-    limits = []
-    if trainer.get("max_steps") is not None and trainer.max_steps > 0:
-        limits.append(trainer.max_steps)
-    if trainer.get("max_epochs") is not None and trainer.max_epochs > 0:
-        limits.append(trainer.max_epochs * steps_per_epoch)
+    steps, epochs = trainer.get("max_steps") or 0, trainer.get("max_epochs") or 0
+    limits = [n for n in (steps, epochs * steps_per_epoch) if n > 0]  # -1 or null: no limit
     return float(min(limits)) if limits else math.inf
 
 
@@ -80,7 +77,7 @@ def _schedule(cfg: DictConfig, datamodule: Any) -> str | None:
     if trainer.get("fast_dev_run"):
         return None
     batches = len(datamodule.train_dataloader())
-    if trainer.get("limit_train_batches") is not None and isinstance(trainer.limit_train_batches, int):
+    if isinstance(trainer.get("limit_train_batches"), int):  # a float is a share of the epoch
         batches = min(batches, trainer.limit_train_batches)
     steps_per_epoch = max(1, math.ceil(batches / max(1, trainer.get("accumulate_grad_batches") or 1)))
     limit = _step_limit(trainer, steps_per_epoch)

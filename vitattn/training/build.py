@@ -1,10 +1,7 @@
-"""The run's DataModule and system, each built once from the resolved config (``train`` resolves it first:
-the start weights, ``resolve_train_precision``, the preprocessing), with what only the run knows passed in:
-the tokenizer (a trained model's, or the run's own once written), the sizes only the data knows (classes,
-vocabulary), the machine's cores (``plan_cores``), the ``finetune=scst`` reward. Empty splits and a checkpoint
-that does not fit the data are one-line errors before any step. What rank 0 computes once per run (the
-tokenizer, the reward's CIDEr-D statistics) is written into the run folder, and the other ranks and every
-restart read it instead of the training captions."""
+"""The run's DataModule and system, each built once from the resolved config, given what only the run knows:
+the tokenizer, the sizes only the data knows, the machine's cores, the ``finetune=scst`` reward. What rank 0
+computes once per run (the tokenizer, the reward's CIDEr-D statistics) is written into the run folder, where
+the other ranks and every restart read it."""
 
 from __future__ import annotations
 
@@ -36,7 +33,7 @@ from vitattn.errors import ConfigError, first_line
 from vitattn.fileio import atomic_write, read_json
 from vitattn.metrics import CiderD
 from vitattn.precision import cuda_bf16, native_bf16
-from vitattn.run_dir import RunDir
+from vitattn.run_dir import VOCAB_FILE, RunDir
 from vitattn.training.config import data_name, qualify
 from vitattn.training.start import Encoder, WholeModel
 from vitattn.training.systems import VisionSystem
@@ -66,13 +63,8 @@ WAIT_SECONDS = 3600.0  # how long a rank other than 0 waits for a file rank 0 wr
 
 
 def run_tokenizer(cfg: DictConfig, run_dir: str | Path, resuming: bool, wait: float = WAIT_SECONDS) -> Tokenizer | None:
-    """The run's own ``vocab.json`` or ``tokenizer.json`` (``tokenizer=words`` or ``bpe``, built once per run by rank
-    0 and written into the run folder before training): on a restart (``resuming``), and on a rank other than 0 once
-    rank 0 wrote it; None where the DataModule builds or reads the tokenizer itself.
-
-    Raises:
-        TimeoutError: rank 0 wrote no tokenizer within ``wait`` seconds.
-    """
+    """The run's own ``vocab.json`` or ``tokenizer.json`` (``tokenizer=words`` or ``bpe``, built by rank 0) on a
+    restart and on the other ranks (``wait_for_rank_zero``); None where the DataModule builds or reads it itself."""
     if cfg.head.task != "caption" or "tokenizer" not in cfg:
         return None
     kind = cfg.tokenizer.get("kind")
@@ -91,11 +83,7 @@ def run_tokenizer(cfg: DictConfig, run_dir: str | Path, resuming: bool, wait: fl
 
 
 def wait_for_rank_zero(path: Path, wait: float = WAIT_SECONDS) -> None:
-    """Return once ``path`` exists (a file rank 0 writes into the run folder for every rank).
-
-    Raises:
-        TimeoutError: no such file within ``wait`` seconds.
-    """
+    """Return once rank 0 has written ``path`` for every rank; ``TimeoutError`` after ``wait`` seconds."""
     if path.is_file():
         return
     log.info("rank %d: waiting for rank 0 to write %s", rank_zero_only.rank, path)
@@ -118,8 +106,7 @@ def build_datamodule(cfg: DictConfig, vocab: Tokenizer | None = None) -> Any:
 
 
 def build_system(cfg: DictConfig, datamodule: Any, start: WholeModel | Encoder | None = None) -> VisionSystem:
-    """The LightningModule ``cfg.head.system`` names, sized from the data (classes, vocabulary, image), started
-    from ``start``'s weights (``finetune.init``)."""
+    """The LightningModule ``cfg.head.system`` names, sized from the data, started from ``start``'s weights."""
     caption = cfg.head.task == "caption"
     if start is not None:
         start.check_data(datamodule)
@@ -182,11 +169,8 @@ def model_config_from(cfg: DictConfig, datamodule: Any) -> dict[str, Any]:
 
 
 def setup_data(cfg: DictConfig, datamodule: Any, ckpt_path: str | None = None) -> None:
-    """``datamodule.setup("fit")``, with what only the data can tell reported as ``ConfigError``.
-
-    An unreadable or empty split, and a vocabulary or class list that differs from the one the
-    checkpoint being resumed (``ckpt_path``) was trained with, are one-line errors before any step.
-    """
+    """``datamodule.setup("fit")``; an unreadable or empty split, and a vocabulary or class list other than the
+    resumed checkpoint's (``ckpt_path``), as one-line ``ConfigError``s before any step."""
     data = cfg.data
     where = f"data.root={data.root}" if "root" in data else f"data={data_name(data)}"
     try:
@@ -218,13 +202,10 @@ def _check_checkpoint_matches(cfg: DictConfig, datamodule: Any, ckpt_path: str) 
         raise ConfigError(
             f"{key}: checkpoint {ckpt_path} was trained with head={trained}, not head={task}; use head={trained}"
         )
-    if (
-        task == "caption"
-        and trained == "caption"
-        and (isinstance(hparams["vocab"], str) or isinstance(tokenizer_labels(datamodule.vocab), str))
-    ):
+    caption = trained == "caption"
+    if caption and (isinstance(hparams["vocab"], str) or isinstance(tokenizer_labels(datamodule.vocab), str)):
         _check_subword_matches(cfg, datamodule.vocab, hparams["vocab"], ckpt_path)
-    elif task == "caption" and trained == "caption":
+    elif caption:
         words, theirs = list(datamodule.vocab.words), list(hparams["vocab"])
         if words != theirs:
             i = next((i for i, (a, b) in enumerate(zip(words, theirs)) if a != b), min(len(words), len(theirs)))
@@ -234,13 +215,12 @@ def _check_checkpoint_matches(cfg: DictConfig, datamodule: Any, ckpt_path: str) 
                 if cfg.data.get("vocab_path")
                 else "the vocabulary built from the training captions"
             )
-            saved = RunDir(Path(ckpt_path).resolve().parents[1]).vocab
-            fix = f"data.vocab_path={saved}" if saved.is_file() else f"data.vocab_path=<the run's {saved.name}>"
             raise ConfigError(
                 f"data.vocab_path: {source} ({len(words)} words) differs from the checkpoint's ({len(theirs)} words, "
-                f"first difference at word {i}: {differ}); use the vocabulary the model was trained with: {fix}"
+                f"first difference at word {i}: {differ}); use the vocabulary the model was trained with: "
+                f"{_saved_tokenizer(ckpt_path, VOCAB_FILE)}"
             )
-    if task == "classification" and trained == "classification":
+    elif trained == "classification":
         names, theirs = list(datamodule.class_names), list(hparams["class_names"])
         if names != theirs:
             raise ConfigError(
@@ -258,17 +238,20 @@ def _check_subword_matches(cfg: DictConfig, ours: Any, labels: Any, ckpt_path: s
         return
     kind = cfg.get("tokenizer", {}).get("kind", "words")
     source = f"data.vocab_path={cfg.data.vocab_path}" if cfg.data.get("vocab_path") else f"tokenizer={kind}"
-    saved = RunDir(Path(ckpt_path).resolve().parents[1]).path / tokenizer_file_name(theirs)
-    fix = f"data.vocab_path={saved}" if saved.is_file() else f"data.vocab_path=<the run's {saved.name}>"
     raise ConfigError(
         f"{source}: the tokenizer ({type(ours).__name__}, {len(ours)} tokens) differs from the checkpoint's "
-        f"({type(theirs).__name__}, {len(theirs)} tokens); use the tokenizer the model was trained with: {fix}"
+        f"({type(theirs).__name__}, {len(theirs)} tokens); use the tokenizer the model was trained with: "
+        f"{_saved_tokenizer(ckpt_path, tokenizer_file_name(theirs))}"
     )
 
 
-# The width from which a bf16-mixed training step beats fp32 on a CPU with bf16 matrix units: the model=cpu
-# captioner at 64 px, batch 64 was 1.0x at width 128 and 1.2x at 192 (benchmarks/bf16_train.py --widths,
-# docs/benchmarks.md); smaller products gain less than autocast's casts cost.
+def _saved_tokenizer(ckpt_path: str, name: str) -> str:
+    """``data.vocab_path=`` the tokenizer file ``name`` of the checkpoint's run folder."""
+    saved = RunDir(Path(ckpt_path).resolve().parents[1]).path / name
+    return f"data.vocab_path={saved}" if saved.is_file() else f"data.vocab_path=<the run's {name}>"
+
+
+# The width from which a bf16-mixed training step beats fp32 on a CPU with bf16 matrix units (docs/benchmarks.md).
 BF16_TRAIN_MIN_WIDTH = 192
 
 
@@ -282,52 +265,41 @@ def on_gpu(cfg: DictConfig) -> bool:
 def plan_cores(cfg: DictConfig, datamodule: Any) -> tuple[int, int]:
     """Loader workers and torch threads that do not fight over the cores; returns ``(workers, threads)``.
 
-    Each of the node's training processes (``trainer.devices`` of them, or torchrun's
-    ``LOCAL_WORLD_SIZE``) plans with its share of the cores. ``data.num_workers=auto`` is resolved
-    by the DataModule (``plan_workers``); ``num_threads=auto`` gives torch the share the workers
-    leave on a CPU run (at least one), so that on a CPU threads + workers of all processes stay
-    within the cores, and keeps torch's default on GPUs. A number set by the user is kept as it is.
+    Each of the node's training processes plans with its share of the cores: ``data.num_workers=auto`` is the
+    DataModule's ``plan_workers``; ``num_threads=auto`` is the share the workers leave on a CPU (at least one)
+    and torch's default on GPUs. A number the user set is kept.
     """
     cores, processes = len(os.sched_getaffinity(0)), processes_per_node(cfg)
     share = max(1, cores // processes)
     plan = getattr(datamodule, "plan_workers", None)
     workers = plan(on_gpu(cfg), share) if plan is not None else int(getattr(datamodule, "num_workers", 0))
-    threads = cfg.get("num_threads")
-    if threads == "auto":
-        threads = torch.get_num_threads() if on_gpu(cfg) else max(1, share - workers)
-    if threads:
-        torch.set_num_threads(int(threads))
-    log.info(
-        "cores: %d for %d process(es); loader workers: %d; torch threads: %d",
-        cores,
-        processes,
-        workers,
-        torch.get_num_threads(),
-    )
-    return workers, torch.get_num_threads()
+    wanted = cfg.get("num_threads")
+    if wanted == "auto":
+        wanted = torch.get_num_threads() if on_gpu(cfg) else max(1, share - workers)
+    if wanted:
+        torch.set_num_threads(int(wanted))
+    threads = torch.get_num_threads()
+    log.info("cores: %d for %d process(es); loader workers: %d; torch threads: %d", cores, processes, workers, threads)
+    return workers, threads
 
 
 def processes_per_node(cfg: DictConfig) -> int:
-    """The training processes on this machine: torchrun's ``LOCAL_WORLD_SIZE``, else ``trainer.devices``
-    (a count, or device ids: a list or ``"0,1"``); 1 for ``auto`` and ``-1``."""
+    """The training processes on this machine: torchrun's ``LOCAL_WORLD_SIZE``, else ``trainer.devices`` (a count or
+    device ids); 1 for ``auto`` and ``-1``."""
     if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
         return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
     devices = cfg.trainer.get("devices", 1)
-    if isinstance(devices, str):
-        ids = [d for d in devices.split(",") if d.strip()]
-        devices = int(devices) if devices.strip().isdigit() else len(ids) if "," in devices else 1
+    if isinstance(devices, str):  # a count, or ids ("0,1"); "auto" and "-1" are one id each
+        devices = int(devices) if devices.strip().isdigit() else [d for d in devices.split(",") if d.strip()]
     if isinstance(devices, int):
         return max(1, devices)
-    return len(devices) if isinstance(devices, Sequence) and not isinstance(devices, str) else 1
+    return max(1, len(devices)) if isinstance(devices, Sequence) else 1
 
 
 def resolve_train_precision(cfg: DictConfig) -> str:
-    """``trainer.precision=auto`` made concrete, in place, with one log line; other values are left as they are.
-
-    ``auto`` is ``bf16-mixed`` on GPUs with bf16 units (``cuda_bf16``; others get ``16-mixed``, with Lightning's
-    gradient scaler), and on a CPU with native bf16 matrix instructions (``native_bf16``) for a model of width
-    ``BF16_TRAIN_MIN_WIDTH`` or more; ``32-true`` elsewhere (small models, CPUs without the units).
-    """
+    """``trainer.precision=auto`` made concrete, in place, with one log line: ``bf16-mixed`` on GPUs with bf16
+    units (``cuda_bf16``; ``16-mixed`` with its scaler below), and on a CPU with bf16 matrix units (``native_bf16``)
+    from width ``BF16_TRAIN_MIN_WIDTH``; ``32-true`` elsewhere."""
     precision = str(cfg.trainer.get("precision", "32-true"))
     if precision != "auto":
         return precision
@@ -361,9 +333,9 @@ FORMAT = "vitattn-cider-statistics/2"  # /2: <eos> a word of every reference (Ci
 
 
 def prepare_reward(datamodule: Any, run_dir: str | Path, resuming: bool, wait: float = WAIT_SECONDS) -> CiderD:
-    """The run's CIDEr-D reward: its statistics read from the run folder (a restart, ``resuming``; a rank other
-    than 0), or on rank 0's first start computed from ``datamodule.train_references()`` and written there. A file
-    written under another rule (an older format) is computed again by rank 0, never read as this one.
+    """The run's CIDEr-D reward: its statistics read from the run folder (a restart; a rank other than 0), or on
+    rank 0's first start computed from ``datamodule.train_references()`` and written there; a file of an older
+    format is computed again, never read as this one.
 
     Raises:
         ConfigError: the data has no caption references, or none in its training split.
@@ -376,7 +348,14 @@ def prepare_reward(datamodule: Any, run_dir: str | Path, resuming: bool, wait: f
     if saved is not None:
         log.info("finetune=scst: CIDEr-D statistics from this run's %s (computed once per run)", path)
         return saved
-    references = _train_references(datamodule)
+    get = getattr(datamodule, "train_references", None)
+    references = get() if get is not None else None
+    if not references:
+        raise ConfigError(
+            f"finetune=scst: the data ({type(datamodule).__name__}) gives no reference captions for its training "
+            "images, and the reward is CIDEr-D against them; use caption data (data=coco, karpathy, webdataset with "
+            "captions, shapes)"
+        )
     started = time.monotonic()
     scorer = CiderD(references, eos_word=True)
     write_statistics(scorer, path)
@@ -399,18 +378,6 @@ def _wait_for_statistics(path: Path, wait: float) -> CiderD:
             raise TimeoutError(f"rank 0 wrote no {path} of format {FORMAT} in {wait:.0f} s; see rank 0's log")
         time.sleep(1.0)
     return scorer
-
-
-def _train_references(datamodule: Any) -> list[list[str]]:
-    what = type(datamodule).__name__
-    get = getattr(datamodule, "train_references", None)
-    references = get() if get is not None else None
-    if not references:
-        raise ConfigError(
-            f"finetune=scst: the data ({what}) gives no reference captions for its training images, and the "
-            "reward is CIDEr-D against them; use caption data (data=coco, karpathy, webdataset with captions, shapes)"
-        )
-    return references
 
 
 def write_statistics(scorer: CiderD, path: Path) -> None:

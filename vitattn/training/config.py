@@ -1,12 +1,9 @@
-"""The training config: composed as ``vitattn-train`` composes it (``compose_train``), its ``_target_`` nodes
-kept to an allow-list (a run folder's config is input), its groups of ``_target_`` nodes built
-(``instantiate_group``), and its validation once resolved (``train`` resolves it first: ``start``).
+"""The training config: composed as ``vitattn-train`` composes it, its ``_target_`` nodes kept to an allow-list
+(a run folder's config is input), its groups built, and checked once resolved.
 
-Every user error in a config is found by ``check_config``, before any data is read or any step runs, as
-one ``ConfigError`` line that names the key and the fix. Rules about the model's shape belong to the
-models: the config is checked by building them on the ``meta`` device and their messages are given the
-config keys' full names. What a constructor checks (the tokenizer group, ``data.bad_images``,
-``head.nonfinite``) is checked there, when the run builds it.
+``check_config`` finds every user error before any data is read, as one ``ConfigError`` line naming the key and
+the fix. The model's shape is checked by building the models on the ``meta`` device, their messages given the
+config keys' full names; what a constructor checks (``tokenizer``, ``data.bad_images``) is checked there.
 """
 
 from __future__ import annotations
@@ -43,14 +40,11 @@ __all__ = [
 _DIR_KEYS = ("root", "image_dir")
 _FILE_KEYS = ("train_annotations", "val_annotations", "test_annotations", "vocab_path", "dataset_json")
 
-
-# A config read back from disk (a run folder) is input: its targets may name these packages only.
 ALLOWED_TARGET_PREFIXES = ("vitattn.", "torch.", "torchvision.", "timm.", "lightning.", "pytorch_lightning.")
 
 
 def compose_train(overrides: list[str]) -> DictConfig:
-    """``conf/train.yaml`` composed with Hydra ``overrides`` as ``vitattn-train`` composes it, without a run
-    directory (``paths.output_dir`` stays unresolved unless an override sets it)."""
+    """``conf/train.yaml`` composed with Hydra ``overrides``, without a run directory (``paths.output_dir``)."""
     with initialize_config_module("vitattn.conf", version_base="1.3"):
         return compose("train", overrides=list(overrides))
 
@@ -73,11 +67,8 @@ def check_targets(cfg: DictConfig) -> None:
 def instantiate_group(
     group: DictConfig | None, extra: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 ) -> list[Any]:
-    """Build each ``_target_`` entry of ``group``, in order, except one whose ``enabled`` is false, null or 0.
-
-    ``enabled`` is interpolated from the run's own keys (``enabled: ${ema.decay}``) and not passed on;
-    ``extra``, given an entry, returns keyword arguments that only the run knows.
-    """
+    """Build each ``_target_`` entry of ``group``, in order, except one whose ``enabled`` (not passed on) is
+    false, null or 0; ``extra``, given an entry, returns keyword arguments that only the run knows."""
     entries = OmegaConf.to_container(group, resolve=True) if group else {}
     return [
         hydra.utils.instantiate({k: v for k, v in node.items() if k != "enabled"}, **(extra(node) if extra else {}))
@@ -179,8 +170,6 @@ MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
 
 
 def _check_precision(trainer: DictConfig) -> None:
-    """``trainer.precision``: Lightning's values and ``auto`` (``resolve_train_precision``); the ``-true`` half
-    precisions are refused in one line, with the reason."""
     precision = str(trainer.get("precision", "32-true"))
     if precision in ("bf16-true", "16-true"):
         raise ConfigError(
@@ -191,10 +180,7 @@ def _check_precision(trainer: DictConfig) -> None:
 
 
 def _check_self_critical(cfg: DictConfig) -> None:
-    """``finetune=scst``: a caption head, and a captioner to start from (its settings: ``ScstConfig``, built by the
-    system)."""
-    scst = cfg.finetune.get("scst")
-    if scst is None:
+    if cfg.finetune.get("scst") is None:
         return
     if cfg.head.task != "caption":
         raise ConfigError(
@@ -254,7 +240,6 @@ def _check_accelerator(trainer: DictConfig) -> None:
 
 
 def _check_augment(data: DictConfig) -> None:
-    """``data.augment``: known keys, a known crop, a valid crop scale (``Augment`` says what is wrong)."""
     augment = data.augment
     value = OmegaConf.to_container(augment, resolve=True) if isinstance(augment, DictConfig) else augment
     try:
@@ -264,7 +249,6 @@ def _check_augment(data: DictConfig) -> None:
 
 
 def _check_preprocess(data: DictConfig) -> None:
-    """``data.mean``, ``data.std``, ``data.interpolation``, ``data.crop_pct``, ``data.crop_mode``, where set."""
     given = {
         k: OmegaConf.to_object(data[k]) if OmegaConf.is_config(data[k]) else data[k]
         for k in WEIGHTS_KEYS

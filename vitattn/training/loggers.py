@@ -1,9 +1,5 @@
-"""The run's loggers: a resumed run continues the logs it started, keeping everything logged before its checkpoint.
-
-Lightning's loggers each start afresh; given ``start_step``, the global step of the checkpoint the run resumes
-from, each logger here keeps what was logged before that step and drops what was logged at it and after (CSV
-rows removed, a TensorBoard ``purge_step``, MLflow's values deleted from an SQL store, W&B's ``resume="allow"``).
-``start_step=None`` is a new run: Lightning's behaviour. How each one does it: docs/training.md#resume.
+"""The run's loggers: given ``start_step`` (the resumed checkpoint's global step) each keeps what was logged before
+it and drops what was logged at it and after; ``None`` is a new run. How each does it: docs/training.md#resume.
 """
 
 from __future__ import annotations
@@ -48,14 +44,8 @@ log = logging.getLogger(__name__)
 
 
 def build_loggers(group: DictConfig | None, run_dir: str | Path, start_step: int | None) -> list[Logger]:
-    """The ``logger`` group's loggers, each ``Resumable*`` one continuing the logs of ``run_dir`` from ``start_step``.
-
-    Args:
-        group: the config's ``logger`` group (``_target_`` entries).
-        run_dir: the run folder, where the MLflow and W&B run ids are kept.
-        start_step: the global step the training starts at when it continues the folder's run (the resumed
-            checkpoint's, or 0); None for a new run.
-    """
+    """The ``logger`` group's loggers, each ``Resumable*`` one continuing the logs of ``run_dir`` (where the MLflow
+    and W&B run ids are kept) from ``start_step``, the first step of a continued run; None for a new run."""
     run = RunDir(run_dir)
     run_id_files = {ResumableMLFlowLogger: run.mlflow_run_id, ResumableWandbLogger: run.wandb_run_id}
 
@@ -73,18 +63,20 @@ def build_loggers(group: DictConfig | None, run_dir: str | Path, start_step: int
     return loggers
 
 
-class ResumableCSVLogger(CSVLogger):
-    """Lightning's ``CSVLogger`` that continues ``metrics.csv`` from ``start_step`` instead of deleting it, and
-    writes its rows out whenever a checkpoint is saved.
-
-    Args:
-        start_step: keep the rows logged before this step, drop the rest, append; None: start the file afresh.
-        *args, **kwargs: ``CSVLogger``'s.
-    """
+class _ContinuedFiles:
+    """A file logger's ``start_step``, and what it holds written out whenever a checkpoint is saved."""
 
     def __init__(self, *args: Any, start_step: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.start_step = start_step
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        self.save()  # what was logged before the checkpoint on disk, however the process ends
+
+
+class ResumableCSVLogger(_ContinuedFiles, CSVLogger):
+    """Lightning's ``CSVLogger`` that keeps the rows of ``metrics.csv`` before ``start_step`` (None: a new file) and
+    appends, writing its rows out whenever a checkpoint is saved."""
 
     @property
     @rank_zero_experiment
@@ -94,20 +86,16 @@ class ResumableCSVLogger(CSVLogger):
             self._experiment = _ContinuedWriter(self.log_dir, self.start_step)
         return self._experiment
 
-    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
-        self.save()  # the rows before the checkpoint on disk, however the process ends
-
 
 class _ContinuedWriter(ExperimentWriter):
-    """Lightning's writer, continuing an existing ``metrics.csv`` from ``start_step``; header rewrites (a new
-    metric) replace the file whole."""
+    """Lightning's writer, continuing ``metrics.csv`` from ``start_step``; a new metric rewrites the file whole."""
 
     def __init__(self, log_dir: str, start_step: int | None) -> None:
         self.start_step = start_step
         super().__init__(log_dir)
 
     def _check_log_dir_exists(self) -> None:
-        # Called by __init__, where Lightning deletes metrics.csv.
+        # called by __init__, where Lightning deletes metrics.csv
         if self.start_step is None or not self._fs.isfile(self.metrics_file_path):
             return super()._check_log_dir_exists()
         with self._fs.open(self.metrics_file_path, "r", newline="") as file:
@@ -143,18 +131,9 @@ class _ContinuedWriter(ExperimentWriter):
             writer.writerows(rows)
 
 
-class ResumableTensorBoardLogger(TensorBoardLogger):
+class ResumableTensorBoardLogger(_ContinuedFiles, TensorBoardLogger):
     """Lightning's ``TensorBoardLogger`` whose new event file discards the steps from ``start_step`` on when the
-    folder holds some (``SummaryWriter``'s ``purge_step``), and which flushes whenever a checkpoint is saved.
-
-    Args:
-        start_step: the step the run continues from; None: nothing is discarded.
-        *args, **kwargs: ``TensorBoardLogger``'s (its extra keyword arguments go to ``SummaryWriter``).
-    """
-
-    def __init__(self, *args: Any, start_step: int | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.start_step = start_step
+    folder holds some (``SummaryWriter``'s ``purge_step``), and which flushes whenever a checkpoint is saved."""
 
     @property
     @rank_zero_experiment
@@ -165,16 +144,9 @@ class ResumableTensorBoardLogger(TensorBoardLogger):
                 log.info("%s: events from step %d on discarded", self.log_dir, self.start_step)
         return super().experiment
 
-    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
-        self.save()  # the events before the checkpoint on disk, however the process ends
-
 
 def _logged_from(log_dir: Path, step: int) -> bool:
-    """The newest event file in ``log_dir`` holds a scalar at ``step`` or later, or any event after ``step``.
-
-    A run stopped by a signal logged scalars up to ``step - 1`` (and pictures at ``step``); a run killed after its
-    checkpoint logged beyond it. The older files were purged, if need be, when the newest one was started.
-    """
+    """Whether the newest event file in ``log_dir`` holds a scalar at ``step`` or later, or any event after it."""
     # optional: tensorboard is read back only when a killed run resumes
     from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
@@ -192,15 +164,9 @@ def _is_scalar(value: Any) -> bool:
 
 
 class ResumableMLFlowLogger(MLFlowLogger):
-    """Lightning's ``MLFlowLogger`` that keeps its run's id in ``run_id_file`` and, given ``start_step``, continues
-    the run named there: its metric values from that step on are deleted first (from an SQL store; a tracking
-    server keeps them), and the parameters it holds are not logged again (MLflow refuses a changed value).
-
-    Args:
-        start_step: the step the run continues from; None: a new MLflow run.
-        run_id_file: where the run id is kept (``RunDir.mlflow_run_id``); None: nowhere.
-        *args, **kwargs: ``MLFlowLogger``'s.
-    """
+    """Lightning's ``MLFlowLogger`` that keeps its run's id in ``run_id_file`` (None: nowhere) and, given
+    ``start_step``, continues the run named there: its metric values from that step on are deleted first (from an
+    SQL store), and the parameters it holds are not logged again (MLflow refuses a changed value)."""
 
     def __init__(
         self, *args: Any, start_step: int | None = None, run_id_file: str | None = None, **kwargs: Any
@@ -267,8 +233,7 @@ def _store_lock(tracking_uri: str | None) -> Iterator[None]:
 
 
 def _drop_metrics_from(client: Any, run_id: str, step: int) -> bool:
-    """Delete the run's metric values at ``step`` and later from an SQL tracking store (MLflow's client has no call
-    for it) and point its latest values at what remains; False for any other store."""
+    """Delete the run's metric values from ``step`` on in an SQL store (MLflow's client cannot); False elsewhere."""
     # optional: the trackers extra (logger=mlflow); MLflow's SQL store internals, see the docstring
     from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
@@ -296,14 +261,8 @@ def _drop_metrics_from(client: Any, run_id: str, step: int) -> bool:
 
 
 class ResumableWandbLogger(WandbLogger):
-    """Lightning's ``WandbLogger`` with a run id kept in ``run_id_file``: given ``start_step``, the run continues
-    the W&B run named there (Lightning's ``resume="allow"``).
-
-    Args:
-        start_step: the step the run continues from; None: a new W&B run.
-        run_id_file: where the run id is kept (``RunDir.wandb_run_id``); None: nowhere, W&B picks the id.
-        *args, **kwargs: ``WandbLogger``'s.
-    """
+    """Lightning's ``WandbLogger`` with a run id kept in ``run_id_file`` (None: W&B picks one): given ``start_step``,
+    the run continues the W&B run named there (Lightning's ``resume="allow"``)."""
 
     def __init__(
         self, *args: Any, start_step: int | None = None, run_id_file: str | None = None, **kwargs: Any
@@ -322,7 +281,6 @@ def _write_id(path: str, run_id: str) -> None:
 
 
 def _read_id(path: str | None) -> str | None:
-    """The run id kept in ``path``; None when there is none."""
     if not path or not Path(path).is_file():
         return None
     text = Path(path).read_text(encoding="utf-8", errors="replace").strip()

@@ -74,14 +74,12 @@ def train(cfg: DictConfig) -> TrainResult:
         cfg: the composed ``conf/train.yaml``; ``cfg.paths.output_dir`` is the run directory.
 
     Returns:
-        The run directory, the final validation (and test) metrics, sample captions and the bundle. A run that
-        ``resume`` finds complete (its ``result.json`` written) is left as it is: its saved result, with
-        ``already_complete``.
+        The run directory, the final validation (and test) metrics, sample captions and the bundle; for a run
+        ``resume`` finds complete, its saved result, with ``already_complete``.
 
     Raises:
-        Preempted: SIGTERM or SIGUSR1 stopped training after a whole step; ``checkpoints/last.ckpt``
-            holds that step and ``resume`` continues from it. Also SIGTERM during the test after
-            training (nothing more is saved; the test runs again on resume).
+        Preempted: SIGTERM or SIGUSR1 stopped training after a whole step (``checkpoints/last.ckpt`` holds it and
+            ``resume`` continues from it), or SIGTERM stopped the test after training (it runs again on resume).
     """
     check_targets(cfg)  # a run folder's config is input: nothing it names is imported before this
     run_dir = Path(cfg.paths.output_dir)
@@ -89,8 +87,7 @@ def train(cfg: DictConfig) -> TrainResult:
     if complete is not None:
         return complete
     pl.seed_everything(cfg.seed, workers=True)
-    # Resolved first, in place: what the start weights fix, the precision, the preprocessing. The config that is
-    # checked next is the one that runs and the one saved.
+    # resolved in place first, so that the config checked next is the one that runs and is saved
     start = read_start(cfg.finetune.init, cfg.finetune.get("init_kind", "model")) if cfg.finetune.get("init") else None
     if start is not None:
         start.resolve(cfg, command_line_keys())
@@ -109,7 +106,6 @@ def train(cfg: DictConfig) -> TrainResult:
         check_fit(cfg, datamodule)  # a coarse patch grid, a vocabulary of <unk>, a schedule with no end
     system = build_system(cfg, datamodule, start)
     if cfg.finetune.get("scst") is not None:
-        # CIDEr-D statistics: computed once per run by rank 0
         system.use_reward(prepare_reward(datamodule, run_dir, ckpt_path is not None))
     if should_compile(cfg):
         system.model.compile()  # in place: parameter names (checkpoints, bundles) stay as they are
@@ -148,7 +144,7 @@ def train(cfg: DictConfig) -> TrainResult:
         skipped_images=gather_skipped(datamodule.skipped_images) if cfg.data.get("bad_images") == "skip" else {},
     )
     if cfg.export_bundle and trainer.is_global_zero:
-        result.bundle_dir = _export(system, run_dir)
+        result.bundle_dir = bundle_from_system(system, RunDir(run_dir).bundle)
     if trainer.is_global_zero:  # last: a run stopped before this point is not complete, and resumes
         RunDir(run_dir).save_result(result.global_step, source, metrics, result.bundle_dir is not None)
     _finish_wandb_run()
@@ -182,14 +178,11 @@ def _checkpoint_step(ckpt_path: str) -> int:
 
 def _test(trainer: pl.Trainer, system: VisionSystem, datamodule: pl.LightningDataModule) -> dict[str, float]:
     """The test split's metrics for the weights ``system`` holds now."""
-    metrics: dict[str, float] = {}
     try:
         rows = trainer.test(system, datamodule=datamodule, verbose=False)
     except SIGTERMException:  # not a finished run: it must not exit with status 0
         raise _preempted(trainer) from None
-    for row in rows:
-        metrics.update({k: float(v) for k, v in row.items()})
-    return metrics
+    return {k: float(v) for row in rows for k, v in row.items()}
 
 
 def _preempted(trainer: pl.Trainer) -> Exception:
@@ -221,15 +214,10 @@ def _save_run_files(cfg: DictConfig, datamodule: pl.LightningDataModule, run_dir
 
 
 def _finish_wandb_run() -> None:
-    """End the Weights & Biases run (``logger=wandb``): Lightning leaves it open, and the next run in this
-    process (a sweep's next trial) would otherwise log into it."""
+    """End the W&B run Lightning leaves open, which a sweep's next trial in this process would log into."""
     wandb = sys.modules.get("wandb")
     if wandb is not None and getattr(wandb, "run", None) is not None:
         wandb.finish()
-
-
-def _export(system: VisionSystem, run_dir: Path) -> Path:
-    return bundle_from_system(system, RunDir(run_dir).bundle)
 
 
 def should_compile(cfg: DictConfig) -> bool:
@@ -245,14 +233,8 @@ def load_best_weights(cfg: DictConfig, trainer: pl.Trainer, system: VisionSystem
     returns what the tested and exported weights are."""
     if cfg.get("weights", "best") != "best" or cfg.trainer.get("fast_dev_run"):
         return f"last (step {trainer.global_step})"
-    best = next(
-        (
-            c
-            for c in trainer.checkpoint_callbacks
-            if getattr(c, "monitor", None) == cfg.head.monitor and c.best_model_path
-        ),
-        None,
-    )
+    monitoring = [c for c in trainer.checkpoint_callbacks if getattr(c, "monitor", None) == cfg.head.monitor]
+    best = next((c for c in monitoring if c.best_model_path), None)
     if best is None or not Path(best.best_model_path).is_file():
         return f"last (step {trainer.global_step})"
     checkpoint = torch.load(best.best_model_path, map_location="cpu", weights_only=True)

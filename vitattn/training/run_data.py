@@ -31,14 +31,13 @@ def datamodule_from_run(
     num_workers: int = 0,
     **overrides: Any,
 ) -> Any:
-    """The run's DataModule, built resolved and set up for evaluation (``val`` and ``test``; no training split
-    where it costs; no cache, no verification: evaluation reads each file once itself and counts the unreadable).
+    """The run's DataModule, built resolved and set up for evaluation (``val`` and ``test``; ``read_once``).
 
     Args:
         run: the training run folder.
         vocab: the model's tokenizer, used instead of one built from the training captions.
         preprocess: the model's preprocessing (a bundle's), for the ``data.*`` keys its saved config leaves null.
-        batch_size, num_workers: loader settings for the evaluation (the run's own are replaced).
+        batch_size, num_workers: the evaluation's loader settings.
         **overrides: other data settings to replace (e.g. ``image_dir`` when the images have moved).
 
     Raises:

@@ -1,14 +1,8 @@
-"""``finetune.init``: the weights a run starts from, of one of two kinds (``finetune.init_kind``).
+"""``finetune.init``: the weights a run starts from, a whole vitattn ``model`` or an ``encoder`` (``init_kind``).
 
-- ``model``: a whole trained vitattn model (run folder, bundle or ``.ckpt``): its sizes, image size, caption
-  length, tokenizer or class names, preprocessing and every weight; the run's config brings the rest (data,
-  optimiser, schedule, regularisation, the objective: cross-entropy or ``finetune=scst``).
-- ``encoder``: an encoder only, from a timm weights file, a timm name (``NAME``, ``NAME@FILE``) or a vitattn
-  model; the switches its weights show are set in the model config, sizes that contradict them refused.
-
-``read_start`` reads the weights once; ``resolve`` writes what they fix into the run's config before it is
-checked, saved and built (``resolve_preprocess`` their preprocessing); ``load_into`` copies them into the
-built system. See docs/finetuning.md.
+``read_start`` reads them once; ``resolve`` writes what they fix into the run's config before it is checked,
+saved and built (``resolve_preprocess`` their preprocessing); ``load_into`` copies them into the built system.
+The kinds and what each brings: docs/finetuning.md.
 """
 
 from __future__ import annotations
@@ -55,8 +49,6 @@ __all__ = [
     "source_kind",
 ]
 
-KINDS = ("model", "encoder")
-
 # Model keys that are training choices, not what the weights are: the run's config keeps its own.
 TRAINING_KEYS = frozenset(
     {
@@ -85,7 +77,6 @@ class WholeModel:
 
     source: str
     bundle: Bundle
-    kind = "model"
 
     @property
     def preprocess(self) -> dict[str, Any]:
@@ -118,15 +109,12 @@ class WholeModel:
         if task == "caption":
             _refuse_other_tokenizer(cfg, self, given)
         wanted = _config_values(cfg, bundle.config["model"])
-        contradicted = [
-            f"{key}={_current(cfg, key)}"
-            for key, value in wanted.items()
-            if _given(key, given) and _current(cfg, key) != value
-        ]
+        contradicted = [key for key, value in wanted.items() if _given(key, given) and _current(cfg, key) != value]
         if contradicted:
-            theirs = " ".join(f"{key.split('=')[0]}={wanted[key.split('=')[0]]}" for key in contradicted)
+            theirs = " ".join(f"{key}={wanted[key]}" for key in contradicted)
+            ours = " ".join(f"{key}={_current(cfg, key)}" for key in contradicted)
             raise ConfigError(
-                f"finetune.init={self.source}: its model has {theirs}, not {' '.join(contradicted)} as given; the "
+                f"finetune.init={self.source}: its model has {theirs}, not {ours} as given; the "
                 "model's sizes come from finetune.init, so drop them from the command line"
             )
         changed = []
@@ -134,7 +122,7 @@ class WholeModel:
             for key, value in wanted.items():
                 if _current(cfg, key) != value:
                     changed.append(f"{key} {_current(cfg, key)} -> {value}")
-                    _set(cfg, key, value)
+                    OmegaConf.update(cfg, key, value, merge=False)
         rank_zero_info(
             f"finetune.init={self.source}: the model's sizes, tokenizer and preprocessing"
             + (f"; set from it: {', '.join(changed)}" if changed else "")
@@ -160,28 +148,16 @@ class WholeModel:
 
 @dataclass
 class Encoder:
-    """``finetune.init_kind=encoder``: encoder weights read from a source, and the ``VisionTransformer`` keyword
-    arguments they fix.
+    """``finetune.init_kind=encoder``: encoder weights and the ``VisionTransformer`` keyword arguments they fix."""
 
-    Attributes:
-        source: the ``finetune.init`` value.
-        what: how the log line names it (``timm file x.safetensors``, ``timm vit_base_patch16_224.augreg...``).
-        state: the encoder state dict in vitattn's layout (with its classifier head, if any).
-        known: ``VisionTransformer`` keyword arguments the source fixes.
-        notes: what the log line adds (e.g. timm's note on QuickGELU).
-        changes: the switches ``fit`` set, ``key old -> new``.
-        preprocess: the preprocessing the weights were trained with (a ``preprocess`` mapping); None: unknown.
-        preprocess_from: where it comes from (or why it is unknown), as the run log says it.
-    """
-
-    source: str
-    what: str
-    state: dict[str, Tensor]
-    known: dict[str, Any]
-    notes: list[str] = field(default_factory=list)
-    changes: list[str] = field(default_factory=list)
-    preprocess: dict[str, Any] | None = None
-    preprocess_from: str = ""
+    source: str  # the finetune.init value
+    what: str  # how the log line names the source
+    state: dict[str, Tensor]  # the encoder state dict in vitattn's layout (with its classifier head, if any)
+    known: dict[str, Any]  # the VisionTransformer keyword arguments the weights fix
+    notes: list[str] = field(default_factory=list)  # what the log line adds (e.g. timm's note on QuickGELU)
+    changes: list[str] = field(default_factory=list)  # the switches ``fit`` set: ``key old -> new``
+    preprocess: dict[str, Any] | None = None  # what the weights were trained with; None: unknown
+    preprocess_from: str = ""  # where that comes from, or why it is unknown, as the run log says it
 
     def fit(self, encoder: dict[str, Any]) -> None:
         """Set the switches the weights show in ``encoder`` (VisionTransformer kwargs, in place).
@@ -210,7 +186,6 @@ class Encoder:
                 f"data.img_size={encoder['img_size']}; use a multiple of {encoder['patch_size']}"
             )
 
-    kind = "encoder"
     vocab = None  # the run's own tokenizer
 
     def resolve(self, cfg: DictConfig, given: list[str]) -> None:
@@ -233,12 +208,10 @@ class Encoder:
             notes = load_encoder_state(encoder, self.state)
         except ValueError as err:
             raise ConfigError(f"finetune.init={self.source}: {first_line(err)}") from None
-        set_from = f"; set from the weights: {', '.join(self.changes)}" if self.changes else ""
-        extra = "; ".join(notes + self.notes)
-        rank_zero_info(
-            f"pretrained encoder: loaded {len(self.state)} tensors of {self.what}{set_from}"
-            + (f"; {extra}" if extra else "")
-        )
+        parts = [f"pretrained encoder: loaded {len(self.state)} tensors of {self.what}"]
+        if self.changes:
+            parts.append(f"set from the weights: {', '.join(self.changes)}")
+        rank_zero_info("; ".join(parts + notes + self.notes))
 
     def _set(self, encoder: dict[str, Any], key: str, value: Any) -> None:
         self.changes.append(f"model.{key} {_plain(encoder[key])} -> {_plain(value)}")
@@ -276,7 +249,7 @@ def read_start(source: str, kind: str = "model") -> WholeModel | Encoder:
         ConfigError: an unknown kind or source; weights that cannot be read, are not a supported ViT, or are
             neither cached nor reachable (timm names, offline).
     """
-    if kind not in KINDS:
+    if kind not in ("model", "encoder"):
         raise ConfigError(f"finetune.init_kind={kind!r} is unknown; choose model (a whole vitattn model) or encoder")
     if kind == "model":
         return _read_model(str(source))
@@ -377,72 +350,44 @@ def _read_timm_file(source: str, path: Path) -> Encoder:
 
 def _read_timm_name(source: str, name: str, file: Path | None) -> Encoder:
     model = pretrained_timm_model(name, file)
-    known = timm_model_config(model)
     state = convert_timm_state_dict(model.state_dict())
-    notes = [f"timm: {n}" for n in (model.pretrained_cfg.get("notes") or ())]
-    what = f"timm {name}" + (f" from {file}" if file else "")
+    known = {**weights_config(state), **timm_model_config(model)}
     cfg = model.pretrained_cfg
+    notes = [f"timm: {n}" for n in (cfg.get("notes") or ())]
+    what = f"timm {name}" + (f" from {file}" if file else "")
     tagged = f"{cfg['architecture']}.{cfg['tag']}" if cfg.get("architecture") and cfg.get("tag") else name
-    return Encoder(
-        source,
-        what,
-        state,
-        {**weights_config(state), **known},
-        notes,
-        preprocess=from_timm(resolve_model_data_config(model)),
-        preprocess_from=f"timm's pretrained config of {tagged}",
-    )
+    preprocess = from_timm(resolve_model_data_config(model))
+    origin = f"timm's pretrained config of {tagged}"
+    return Encoder(source, what, state, known, notes, preprocess=preprocess, preprocess_from=origin)
 
 
 def _config_values(cfg: DictConfig, model: dict[str, Any]) -> dict[str, Any]:
     """The config keys and values that build ``model`` (a saved model config) again."""
-    if cfg.head.task == "classification":
-        encoder, decoder = model, None
-    else:
-        encoder, decoder = model["encoder"], model["decoder"]
+    encoder, decoder = (model, None) if cfg.head.task == "classification" else (model["encoder"], model["decoder"])
+    skip = TRAINING_KEYS | {"img_size", "max_len"}  # the data's keys, below
     values = {"data.img_size": encoder["img_size"]}
-    values.update(
-        {f"model.{k}": encoder[k] for k in cfg.model if k in encoder and k not in TRAINING_KEYS | {"img_size"}}
-    )
+    values |= {f"model.{k}": encoder[k] for k in cfg.model if k in encoder and k not in skip}
     if decoder is not None:
         values["data.max_caption_len"] = decoder["max_len"]
-        values.update(
-            {
-                f"head.decoder.{k}": decoder[k]
-                for k in cfg.head.decoder
-                if k in decoder and k not in TRAINING_KEYS | {"max_len"}
-            }
-        )
+        values |= {f"head.decoder.{k}": decoder[k] for k in cfg.head.decoder if k in decoder and k not in skip}
     return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 
 def _current(cfg: DictConfig, key: str) -> Any:
-    value = cfg
-    for part in key.split("."):
-        value = value[part]
+    value = OmegaConf.select(cfg, key, throw_on_missing=True)
     return list(value) if hasattr(value, "__len__") and not isinstance(value, str) else value
-
-
-def _set(cfg: DictConfig, key: str, value: Any) -> None:
-    *parents, last = key.split(".")
-    node = cfg
-    for part in parents:
-        node = node[part]
-    node[last] = value
 
 
 def _given(key: str, given: list[str]) -> bool:
     """Whether the command line set ``key`` itself, or the group it belongs to (``model=small`` sets model.*)."""
-    group = key.split(".")[0]
-    return key in given or (group == "model" and "model" in given)
+    return key in given or (key.startswith("model.") and "model" in given)
 
 
 def _refuse_other_tokenizer(cfg: DictConfig, init: WholeModel, given: list[str]) -> None:
     theirs = init.bundle.vocab
-    kind = "words" if isinstance(theirs, Vocabulary) else "subword"
     asked = [k for k in given if k == "tokenizer" or k.startswith("tokenizer.") or k == "data.vocab_path"]
     ours = cfg.tokenizer.kind if "tokenizer" in cfg else "words"
-    if asked and (cfg.data.get("vocab_path") or (ours == "words") != (kind == "words")):
+    if asked and (cfg.data.get("vocab_path") or (ours == "words") != isinstance(theirs, Vocabulary)):
         raise ConfigError(
             f"finetune.init={init.source} brings its own tokenizer ({type(theirs).__name__}, {len(theirs)} tokens), "
             f"not the one {' '.join(asked)} asks for; drop {' '.join(asked)}"

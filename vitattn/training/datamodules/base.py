@@ -1,11 +1,7 @@
 """What every DataModule shares: loaders, preprocessing, the cache, the evaluation split, the tokenizer.
 
-Classification batches are ``(images, labels)``: (B, 3, height, width) uint8 and (B,) long; caption batches
-dicts from ``collate_captions`` (``images``, ``tokens`` (B, T), ``image_ids``, ``references``). The training
-loader resumes mid-epoch, each sample once (``vitattn.data.resumable``). Images cross to the device as uint8
-and are normalised there (``on_after_batch_transfer``). ``preprocess`` is the data's own under the ``data.*``
-keys given, which a run resolves from its start weights first (``vitattn.training.start``); a caption
-tokenizer is given (``vocab``) or built in ``setup`` as ``tokenizer`` says. The design: docs/training.md.
+The training loader resumes mid-epoch, each sample once (``vitattn.data.resumable``); images cross to the device
+as uint8 and are normalised there. The design: docs/training.md.
 """
 
 from __future__ import annotations
@@ -83,8 +79,8 @@ class EvaluationBatches:
 class ImageDataModule(pl.LightningDataModule):
     """Loader settings shared by every DataModule; subclasses fill the datasets in ``setup``.
 
-    ``tasks`` says which heads the data can train; ``preprocess`` describes the evaluation transform
-    of an image file (timm's ``create_transform`` arguments) so inference reproduces it.
+    ``tasks`` are the heads the data can train; ``preprocess`` describes the evaluation transform of an image file
+    (timm's ``create_transform`` arguments) so that inference reproduces it.
     """
 
     tasks: tuple[str, ...] = ()
@@ -118,7 +114,6 @@ class ImageDataModule(pl.LightningDataModule):
         self.test_dataset: Dataset | None = None
         self.collate_fn = None  # the DataLoader default unless captions set one
         self.vocab: Tokenizer | None = vocab  # the caption tokenizer (a word Vocabulary or a SubwordTokenizer)
-        # Which tokenizer setup builds when no vocab is given: the tokenizer config group (kind words, bpe or file).
         self.tokenizer_config: dict[str, Any] = dict(tokenizer or {"kind": "words"})
         if vocab is None:
             _check_tokenizer(self.tokenizer_config)
@@ -127,7 +122,6 @@ class ImageDataModule(pl.LightningDataModule):
         self.skipped_counts: Counter[str] = Counter()  # items left out, by the trainer's stage (train, validate, ...)
         given = dict(mean=mean, std=std, interpolation=interpolation, crop_pct=crop_pct, crop_mode=crop_mode)
         set_keys = {k: list(v) if k in ("mean", "std") else v for k, v in given.items() if v is not None}
-        # img_size, crop_pct, crop_mode, interpolation, mean, std: the data's own under the data.* keys set
         self.preprocess: dict[str, Any] = {**default_preprocess(img_size), **self.crop, **set_keys}
         check_preprocess(self.preprocess, "data")
         # the loaders' uint8 images normalised (on any device): with eval_transform, inference's transform bit for bit
@@ -137,13 +131,11 @@ class ImageDataModule(pl.LightningDataModule):
         self._train_loader_state: dict[str, Any] | None = None  # a checkpoint's, for the training loader to come
 
     def eval_transform(self) -> Callable[[Any], torch.Tensor]:
-        """The evaluation transform of an image file in the loaders: inference's ``eval_transform(self.preprocess)``
-        up to its normalisation, a (3, img_size, img_size) uint8 tensor that ``normalize`` finishes."""
+        """Inference's ``eval_transform(self.preprocess)`` up to its normalisation: (3, img_size, img_size) uint8."""
         return eval_transform(self.preprocess, normalize=False)
 
     def normalize_batch(self, batch: Any) -> Any:
-        """A loader's batch as the model takes it: its uint8 images (``images`` of a dict, the first item
-        otherwise) through ``normalize`` on their device; None (nothing readable) stays None."""
+        """A loader's batch with its uint8 images (``images`` of a dict, else the first item) through ``normalize``."""
         if batch is None:
             return None
         images = batch["images"] if isinstance(batch, Mapping) else batch[0]
@@ -154,9 +146,8 @@ class ImageDataModule(pl.LightningDataModule):
         return [self.normalize(images), *batch[1:]]
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """The batch's uint8 images normalised on the device they were copied to (``normalize_batch``). What holds
-        no uint8 images is no loader batch and passes as it is: the system's example input (float images, alone
-        or with caption tokens), which Lightning's model summary sends through the same hooks."""
+        """``normalize_batch`` on the device; what holds no uint8 images (the system's example input, which Lightning's
+        model summary sends through the same hooks) passes as it is."""
         if isinstance(batch, torch.Tensor) or (
             isinstance(batch, (tuple, list)) and batch and getattr(batch[0], "dtype", None) != torch.uint8
         ):
@@ -171,7 +162,6 @@ class ImageDataModule(pl.LightningDataModule):
     cache: ImageCache | None = None
 
     def _cache(self, paths: list[str]) -> ImageCache | None:
-        """An ``ImageCache`` of ``paths`` when ``self.cache_mode`` asks for one (``vitattn.data.images``)."""
         resize = self.eval_transform().transforms[0]  # timm's eval transform starts with its resize
         side = math.floor(self.img_size / float(self.preprocess["crop_pct"]))
         if not should_cache(self.cache_mode, len(set(paths)), side):
@@ -179,18 +169,18 @@ class ImageDataModule(pl.LightningDataModule):
         self.cache = ImageCache(paths, resize)
         return self.cache
 
-    def _bad_image_settings(self, bad_images: str, verify: bool) -> None:
+    def _file_settings(self, bad_images: str, verify: bool, cache: str = "none") -> None:
         if bad_images not in BAD_IMAGE_MODES:
             raise ValueError(f"bad_images={bad_images!r} is unknown; choose {' or '.join(BAD_IMAGE_MODES)}")
-        self.bad_images, self.verify = bad_images, bool(verify)
+        should_cache(cache, 0, 0)  # an unknown mode fails here, before any file is read
+        self.bad_images, self.verify, self.cache_mode = bad_images, bool(verify), cache
 
     def image_files(self) -> list[str]:
         """Every image file of the train, val and test splits (after ``setup``); none for generated images."""
         return []
 
     def _read_images(self, datasets: Any) -> None:
-        """Before any step: cache the images of ``datasets`` (``cache_mode``), or with ``verify`` read each file
-        once; unreadable files found then stop the run (``bad_images=raise``) or are announced (``skip``)."""
+        """Before any step: cache the images of ``datasets`` (``cache_mode``), or with ``verify`` read each once."""
         paths = self.image_files()
         cache = self._cache(paths)
         if cache is not None:
@@ -204,9 +194,8 @@ class ImageDataModule(pl.LightningDataModule):
         check_bad_images(bad, len(set(paths)), self.bad_images, listed=self.verify)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Take the skipped files off a ``PartialBatch`` (``bad_images=skip``) and count them under the trainer's
-        stage: the model gets the readable items, or None when there are none (Lightning then skips a training
-        batch without a step)."""
+        """Take the skipped files off a ``PartialBatch`` (``bad_images=skip``) and count them by the trainer's stage;
+        None when nothing is readable (Lightning then skips the batch)."""
         loader = self._train_loader
         if loader is not None and self.trainer is not None and self.trainer.training:
             self.last_keys = [self.sample_key(i) for i in loader.last_indices]
@@ -224,29 +213,26 @@ class ImageDataModule(pl.LightningDataModule):
         loader = self.val_dataloader() if split == "val" else self.test_dataloader()
         return EvalSplit(f"{type(self).__name__} {split} split", loader=EvaluationBatches(loader, self.ready_batch))
 
-    def _use_captions(
-        self,
-        splits: tuple[Dataset, Dataset, Dataset],
-        vocab: Tokenizer,
-        max_len: int,
-        sample_train_caption: bool,
-    ) -> None:
-        """Wrap (train, val, test) caption datasets to yield tokens and batch them as dicts."""
+    def _use_captions(self, splits: tuple[Dataset, Dataset, Dataset], vocab: Tokenizer, sample_train: bool) -> None:
+        """The (train, val, test) caption datasets tokenized, up to the subclass's ``max_caption_len``."""
         train, val, test = splits
         self.vocab = vocab
-        self.train_dataset = TokenizedCaptions(train, vocab, max_len, sample_train_caption)
-        self.val_dataset = TokenizedCaptions(val, vocab, max_len)
-        self.test_dataset = TokenizedCaptions(test, vocab, max_len)
+        self.train_dataset = TokenizedCaptions(train, vocab, self.max_caption_len, sample_train)
+        self.val_dataset = TokenizedCaptions(val, vocab, self.max_caption_len)
+        self.test_dataset = TokenizedCaptions(test, vocab, self.max_caption_len)
         self.collate_fn = partial(collate_captions, pad_id=vocab.pad_id)
 
     def plan_workers(self, on_gpu: bool, cores: int) -> int:
-        """Resolve ``num_workers=auto`` (after ``setup``) for ``cores`` (this training process's share of
-        them): on GPUs ``min(8, cores - 1)`` to keep the device fed; on CPUs, where the workers and
-        torch's threads share the cores, 0 when the images are in memory (cached or generated) and one
-        worker otherwise. Returns the number."""
+        """Resolve ``num_workers=auto`` (after ``setup``) for this process's ``cores``: on GPUs ``min(8, cores - 1)``;
+        on CPUs, where torch's threads share the cores, 0 for images in memory, else 1. Returns the number."""
         if self.num_workers == "auto":
-            in_memory = self.cache is not None or not getattr(self, "reads_files", False)
+            in_memory = self.cache is not None or not self.reads_files
             self.num_workers = max(0, min(8, cores - 1)) if on_gpu else (0 if in_memory else min(1, cores - 1))
+        return int(self.num_workers)
+
+    def _workers(self) -> int:
+        if self.num_workers == "auto":
+            self.plan_workers(torch.cuda.is_available(), len(os.sched_getaffinity(0)))
         return int(self.num_workers)
 
     def sample_key(self, index: int) -> str:
@@ -257,8 +243,7 @@ class ImageDataModule(pl.LightningDataModule):
         """Evaluation loaders in order; the training loader (``shuffle``) a ``ResumableLoader``."""
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}.setup() must run before its dataloaders")
-        if self.num_workers == "auto":
-            self.plan_workers(torch.cuda.is_available(), len(os.sched_getaffinity(0)))
+        workers = self._workers()
         collate = self.collate_fn
         if self.reads_files:
             dataset = GuardedImages(dataset, self.bad_images)
@@ -266,10 +251,10 @@ class ImageDataModule(pl.LightningDataModule):
                 collate = partial(collate_skipping, collate=collate or default_collate)
         settings = dict(
             batch_size=self.batch_size,
-            num_workers=self.num_workers,
+            num_workers=workers,
             collate_fn=collate,
             pin_memory=torch.cuda.is_available(),
-            persistent_workers=self.num_workers > 0,
+            persistent_workers=workers > 0,
         )
         if not shuffle:
             return DataLoader(dataset, **settings)
@@ -282,11 +267,8 @@ class ImageDataModule(pl.LightningDataModule):
         return self._train_loader
 
     def state_dict(self) -> dict[str, Any]:
-        """The training loader's state (``ResumableLoader.state_dict``): Lightning writes it into every checkpoint.
-
-        Lightning keeps the loader's state itself too, but gives it back only after the loader has been built
-        and started when ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``; a DataModule's
-        state comes back before."""
+        """The training loader's state, in every checkpoint; Lightning's own copy comes back too late (after
+        ``configure_optimizers`` has built and started the loader), a DataModule's before."""
         return {} if self._train_loader is None else {"train_loader": self._train_loader.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -309,9 +291,7 @@ class ImageDataModule(pl.LightningDataModule):
         return self._loader(self.test_dataset, shuffle=False)
 
     def _caption_tokenizer(self, captions: Callable[[], list[str]], min_freq: int | str) -> Tokenizer:
-        """The tokenizer preset before ``setup`` (a trained model's), else the one at ``vocab_path`` (a
-        ``vocab.json`` or ``tokenizer.json``), else the one ``tokenizer_config`` names: ``file`` reads its
-        ``path``; ``words`` (``min_freq``) and ``bpe`` (``vocab_size``) are built from the training ``captions``."""
+        """The tokenizer given, else the one at ``vocab_path``, else the one ``tokenizer_config`` names."""
         if self.vocab is not None:
             return self.vocab
         vocab_path = getattr(self, "vocab_path", None)
@@ -328,7 +308,6 @@ class ImageDataModule(pl.LightningDataModule):
 
 
 def _check_tokenizer(tokenizer: Mapping[str, Any]) -> None:
-    """The ``tokenizer`` group: a known kind, a BPE size, a ``tokenizer.json`` that loads (one line each)."""
     kind = tokenizer.get("kind")
     if kind not in KINDS:
         raise ConfigError(f"tokenizer kind={kind!r} is unknown; choose tokenizer=words, bpe or file")

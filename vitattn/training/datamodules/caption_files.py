@@ -1,6 +1,4 @@
-"""Caption DataModules that read image files: what they share (settings, setup, the evaluation split), and
-the two of them: COCO-style caption files (``CocoCaptionDataModule``) and a Karpathy-split file
-(``KarpathyDataModule``: COCO, Flickr8k, Flickr30k)."""
+"""Caption DataModules that read image files: COCO-style caption files and Karpathy-split files."""
 
 from __future__ import annotations
 
@@ -10,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from vitattn.data.coco import CocoCaptionDataset, CocoImage, load_coco_captions, load_karpathy
-from vitattn.data.images import EvalSplit, should_cache
+from vitattn.data.images import EvalSplit
 from vitattn.data.preprocess import CAPTION_CROP_SCALE, Augment, CaptionAugment
 from vitattn.data.tokenizer import Tokenizer
 from vitattn.training.datamodules.base import ImageDataModule
@@ -21,24 +19,10 @@ __all__ = ["CaptionFilesDataModule", "CocoCaptionDataModule", "KarpathyDataModul
 class CaptionFilesDataModule(ImageDataModule):
     """Image files under ``image_dir`` with their captions; subclasses say which images each split holds.
 
-    Training items take one of their image's captions at random each time they are loaded;
-    val and test items take the first, and carry all of them as references.
-
-    Args:
-        image_dir: folder that the images' ``file_name`` entries are relative to.
-        img_size: side of the square images.
-        batch_size, num_workers: DataLoader settings.
-        min_word_freq: words seen fewer times in the training captions become ``<unk>``; ``auto``:
-            the largest threshold up to 5 that leaves at most 2 % of the tokens as ``<unk>``.
-        max_caption_len: longest token sequence, bos and eos included.
-        vocab_path: a saved tokenizer (``vocab.json`` or ``tokenizer.json``) to use rather than one built from
-            training captions; the ``tokenizer`` group (set by training) says what is built otherwise.
-        augment: training augmentation (``vitattn.data.preprocess.Augment``).
-        cache: ``auto``, ``ram`` or ``none`` (``vitattn.data.images``).
-        bad_images, verify: unreadable image files, as in ``ImageFolderDataModule``.
-        mean, std, interpolation, crop_pct, crop_mode: the ``data.*`` preprocessing keys (None: the whole image
-            squashed, bicubic, ImageNet's statistics).
-        tokenizer, vocab: the ``tokenizer`` group, or a given tokenizer (``ImageDataModule``).
+    Training items take one of their image's captions at random each time they are loaded; val and test items
+    take the first, and carry all of them as references. The arguments are the ``data.*`` keys that
+    conf/data/coco.yaml and karpathy.yaml describe (``vocab_path``: a saved ``vocab.json`` or ``tokenizer.json``
+    to use rather than one built from the training captions); ``tokenizer`` and ``vocab`` are ``ImageDataModule``'s.
     """
 
     tasks = ("caption",)
@@ -68,14 +52,11 @@ class CaptionFilesDataModule(ImageDataModule):
         super().__init__(
             batch_size, num_workers, img_size, mean, std, interpolation, crop_pct, crop_mode, tokenizer, vocab
         )
-        self._bad_image_settings(bad_images, verify)
+        self._file_settings(bad_images, verify, cache)
         self.image_dir = image_dir
         self.min_word_freq, self.max_caption_len, self.vocab_path = min_word_freq, max_caption_len, vocab_path
-        # Captions: the mild crop always; flips and colour jitter only where asked, and only where
-        # no caption of the image says left / right or names a colour (CaptionAugment).
+        # the mild crop always; flips and colour jitter only where asked and no caption contradicts them
         self.augment = Augment.from_config(augment, scale=CAPTION_CROP_SCALE, hflip=0.0)
-        self.cache_mode = cache
-        should_cache(cache, 0, 0)
 
     def split_images(self) -> tuple[list[CocoImage], list[CocoImage], list[CocoImage]]:
         """The (train, val, test) images; test may be the val list itself, which then is one dataset."""
@@ -95,7 +76,7 @@ class CaptionFilesDataModule(ImageDataModule):
         val = CocoCaptionDataset(self.image_dir, val_images, evaluate)
         test = val if test_images is val_images else CocoCaptionDataset(self.image_dir, test_images, evaluate)
         vocab = self._caption_tokenizer(lambda: train.captions, self.min_word_freq)
-        self._use_captions((train, val, test), vocab, self.max_caption_len, sample_train_caption=True)
+        self._use_captions((train, val, test), vocab, sample_train=True)
         self._read_images({train, val, test})
 
     def image_files(self) -> list[str]:
@@ -123,14 +104,8 @@ class CaptionFilesDataModule(ImageDataModule):
 
 
 class CocoCaptionDataModule(CaptionFilesDataModule):
-    """Captioning from COCO-style caption files (see ``vitattn.data.coco``).
-
-    Args:
-        image_dir: folder that the files' ``file_name`` entries are relative to.
-        train_annotations, val_annotations: COCO caption JSON files.
-        test_annotations: the test file; ``val_annotations`` when not given.
-        num_workers, **settings: as ``CaptionFilesDataModule`` takes them.
-    """
+    """Captioning from COCO-style caption files (``vitattn.data.coco``); ``test_annotations`` None tests on
+    ``val_annotations``."""
 
     def __init__(
         self,
@@ -154,18 +129,8 @@ class CocoCaptionDataModule(CaptionFilesDataModule):
 
 
 class KarpathyDataModule(CaptionFilesDataModule):
-    """The train / val / test splits of a Karpathy-split JSON file (see ``vitattn.data.coco``).
-
-    Val and test references are all of an image's sentences; the vocabulary comes from the training
-    captions only (``restval`` included when it joins training).
-
-    Args:
-        dataset_json: ``dataset_coco.json``, ``dataset_flickr8k.json`` or ``dataset_flickr30k.json``.
-        image_dir: folder that the file names are relative to: for COCO the one holding
-            ``train2014/`` and ``val2014/``, for Flickr the one holding the images.
-        restval_in_train: train on the ``restval`` images too (the usual COCO setting); else they are unused.
-        **settings: as ``CaptionFilesDataModule`` takes them.
-    """
+    """The train / val / test splits of a Karpathy-split JSON file (``vitattn.data.coco``): COCO, Flickr8k or
+    Flickr30k; ``restval_in_train`` trains on the ``restval`` images too."""
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vitattn.data.images import EvalSplit, image_folder_split, open_image_folder, should_cache
+from vitattn.data.images import EvalSplit, image_folder_split, open_image_folder
 from vitattn.data.preprocess import Augment, classification_train_transform
 from vitattn.training.datamodules.base import ImageDataModule
 
@@ -15,21 +15,11 @@ __all__ = ["ImageFolderDataModule"]
 
 
 class ImageFolderDataModule(ImageDataModule):
-    """Classification from ``root/train``, ``root/val`` and (if present) ``root/test``, each laid
-    out as ``<split>/<class>/<image>``; without ``root/test`` the test loader reuses ``root/val``.
+    """Classification from ``root/train``, ``root/val`` and (if present) ``root/test``, each laid out as
+    ``<split>/<class>/<image>``; without ``root/test`` the test loader reuses ``root/val``.
 
-    Args:
-        root: folder holding the splits.
-        img_size: side of the square crops.
-        batch_size, num_workers: DataLoader settings.
-        augment: training augmentation (``vitattn.data.preprocess.Augment``): ``True`` for the defaults
-            that suit ``img_size``, ``False`` for the evaluation transform, or a mapping of its settings.
-        cache: ``auto``, ``ram`` or ``none``: decode and resize every image once (``vitattn.data.images``).
-        bad_images: an image file that cannot be read: ``raise`` stops the run naming it, ``skip`` leaves it
-            out of its batch and counts it (``vitattn.data.bad_images``).
-        verify: read every image once, in parallel, before training and list the unreadable ones.
-        mean, std, interpolation, crop_pct, crop_mode: the preprocessing (None: timm's ImageNet evaluation
-            default: ImageNet statistics, bilinear, center crop 0.875).
+    The arguments are the ``data.*`` keys that conf/data/imagefolder.yaml describes (``augment``:
+    ``vitattn.data.preprocess.Augment``; ``bad_images``: ``vitattn.data.bad_images``).
     """
 
     tasks = ("classification",)
@@ -53,11 +43,9 @@ class ImageFolderDataModule(ImageDataModule):
         crop_mode: str | None = None,
     ) -> None:
         super().__init__(batch_size, num_workers, img_size, mean, std, interpolation, crop_pct, crop_mode)
-        self._bad_image_settings(bad_images, verify)
+        self._file_settings(bad_images, verify, cache)
         self.root = Path(root)
         self.augment = Augment.from_config(augment)
-        self.cache_mode = cache
-        should_cache(cache, 0, 0)  # an unknown mode fails here, before any file is read
         self.class_names: list[str] | None = None
         self.num_classes: int | None = None
 

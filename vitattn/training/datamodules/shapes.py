@@ -15,23 +15,11 @@ __all__ = ["ShapesDataModule"]
 
 
 class ShapesDataModule(ImageDataModule):
-    """The built-in shapes data (``vitattn.data.shapes``) for captioning or classification.
+    """The built-in shapes data (``vitattn.data.shapes``) for captioning or classification (label: the colour
+    and shape of the left-most object); ``seed`` is the base seed of all three splits.
 
-    Images are not augmented: flips or crops would change which shape is left of which. The loaders yield them as
-    drawn (uint8) and ``normalize`` runs on the device; start weights give only their mean and std (the images
-    are drawn at ``img_size``, so no resize or crop of theirs applies).
-
-    Args:
-        task: "caption" (dict batches, ``vocab`` after setup) or "classification" (``(images,
-            labels)``, label = colour and shape of the left-most object).
-        img_size: image side in pixels.
-        num_train, num_val, num_test: images per split.
-        seed: base seed of all three splits.
-        batch_size, num_workers: DataLoader settings.
-        max_caption_len: longest token sequence, bos and eos included.
-        vocab_path: a saved tokenizer (``vocab.json`` or ``tokenizer.json``) to use rather than one built from
-            training captions; the ``tokenizer`` group (set by training) says what is built otherwise.
-        mean, std: the normalisation (None: ImageNet's).
+    Images are not augmented: flips or crops would change which shape is left of which. Start weights give only
+    their mean and std: the images are drawn at ``img_size``, so no resize or crop of theirs applies.
     """
 
     tasks = ("caption", "classification")
@@ -76,7 +64,7 @@ class ShapesDataModule(ImageDataModule):
             return
         vocab = self._caption_tokenizer(lambda: splits[0].captions, min_freq=1)
         # canonical caption as the target everywhere: the synthetic captions are unambiguous
-        self._use_captions(splits, vocab, self.max_caption_len, sample_train_caption=False)
+        self._use_captions(splits, vocab, sample_train=False)
 
     def train_references(self) -> list[list[str]]:
         """Each training scene's valid captions (after ``setup``)."""

@@ -1,11 +1,8 @@
 """Training from WebDataset shards (the img2dataset layout), across ranks and workers, resumable mid-epoch.
 
-Every sample is trained once per epoch: the epoch's positions are split over ranks and loader workers
-with no overlap and the same number of batches on every rank (``vitattn.data.shards.epoch_split``). The samples
-each step trained are recorded as they reach the model; ``state_dict`` (which Lightning writes into every
-checkpoint) holds the epoch and the positions trained so far, gathered from every rank, and a run resumed
-from that checkpoint plans the rest of the epoch from the positions not yet trained: none twice, none
-skipped, whatever the number of ranks and workers of the resumed run (its batches are planned afresh).
+Every sample is trained once per epoch, whatever the ranks and workers of a resumed run: ``state_dict`` holds
+the epoch's positions trained so far on every rank, and the rest of the epoch is planned from those not yet
+trained. The design: docs/shards.md.
 """
 
 from __future__ import annotations
@@ -46,8 +43,8 @@ __all__ = ["WebDatasetDataModule", "shard_captions", "shard_references"]
 log = logging.getLogger(__name__)
 
 
-def shard_captions(urls: Sequence[str], caption_key: str | None, total: int | None = None) -> list[str]:
-    """Every caption of the shards (a progress bar of samples read); samples without one are left out."""
+def shard_captions(urls: Sequence[str], caption_key: str | None) -> list[str]:
+    """Every caption of the shards; samples without one are left out."""
     return _read_captions(urls, caption_key, "vocabulary: reading captions", lambda sample, caption: caption)
 
 
@@ -57,7 +54,6 @@ def shard_references(urls: Sequence[str], caption_key: str | None) -> list[list[
 
 
 def _read_captions(urls: Sequence[str], caption_key: str | None, desc: str, take: Any) -> list[Any]:
-    """``take(sample, caption)`` of every captioned sample of the shards, with a progress bar of shards read."""
 
     def read(url: str) -> list[Any]:
         items = []
@@ -91,26 +87,9 @@ def _class_names(value: Any, urls: Sequence[str]) -> list[str]:
 class WebDatasetDataModule(ImageDataModule):
     """Captions (``.txt``, or ``caption_key`` inside ``.json``) or classes (``.cls``) from tar shards.
 
-    Args:
-        train_shards, val_shards: brace notation (``DIR/{00000..00099}.tar``), a list, or a file listing one
-            shard a line; local paths or ``pipe:`` commands. test_shards: None tests on ``val_shards``.
-        task: ``caption`` or ``classification`` (the head's).
-        img_size, batch_size, num_workers: as every DataModule.
-        caption_key: the caption is this key of the sample's ``.json``; None: the ``.txt``.
-        class_names: for classification: a list, or a file of one name a line; None: ``classes.txt`` beside
-            the first train shard.
-        min_word_freq, max_caption_len, vocab_path: the caption vocabulary, as for caption files.
-        augment: training augmentation (``vitattn.data.preprocess.Augment``).
-        shuffle_buffer: samples each loader worker holds to shuffle (0: read order).
-        seed: the shard order and shuffle of epoch ``e`` come from ``(seed, e)``.
-        samples_per_epoch: train this many samples an epoch (each at most once); None: every sample.
-        count_cache: folder for the cached shard counts (shards without ``_stats.json``) and the member indexes
-            of shards in folders that cannot be written to; None: ~/.cache/vitattn.
-        cache: ``none`` (``auto`` reads as none): shards are streamed, never held in memory.
-        bad_images: ``raise`` | ``skip`` for undecodable images, samples without caption or class, and shards
-            that are truncated or cannot be read.
-        mean, std, interpolation, crop_pct, crop_mode: the preprocessing (None: the head's file DataModule's:
-            ``ImageFolderDataModule``'s or ``KarpathyDataModule``'s).
+    The arguments are the ``data.*`` keys that conf/data/webdataset.yaml describes; ``task`` is the head's, and
+    ``mean`` to ``crop_mode`` default to the head's file DataModule's (``ImageFolderDataModule``'s or
+    ``KarpathyDataModule``'s).
     """
 
     tasks = ("caption", "classification")
@@ -151,7 +130,7 @@ class WebDatasetDataModule(ImageDataModule):
         super().__init__(
             batch_size, num_workers, img_size, mean, std, interpolation, crop_pct, crop_mode, tokenizer, vocab
         )
-        self._bad_image_settings(bad_images, False)
+        self._file_settings(bad_images, False)
         if cache not in ("none", "auto"):
             raise ValueError(f"data.cache={cache!r}: shards are streamed, not cached; use data.cache=none")
         if samples_per_epoch is not None and samples_per_epoch < 1:
@@ -175,8 +154,7 @@ class WebDatasetDataModule(ImageDataModule):
         return ImageFolderDataModule.crop if self.task == "classification" else ImageDataModule.crop
 
     def prepare_data(self) -> None:
-        """Count and index the shards once a machine (Lightning runs this on each machine's first process,
-        before any ``setup``), so that the other ranks find the counts and member indexes written."""
+        """Count and index the shards once a machine (its first process, before any ``setup``) for the other ranks."""
         for split, spec in self.shards.items():
             if spec:
                 shard_sizes(expand_shards(spec, f"data.{split}_shards"), self.count_cache)
@@ -193,17 +171,12 @@ class WebDatasetDataModule(ImageDataModule):
         if self.task == "caption":
             vocab = self._caption_tokenizer(lambda: shard_captions(urls["train"], self.caption_key), self.min_word_freq)
             self.vocab = vocab
-            training = CaptionAugment(self.img_size, self.augment, self.preprocess) if self.augment.enabled else None
-            collate = partial(collate_captions, pad_id=vocab.pad_id)
+            augmenter, collate = CaptionAugment, partial(collate_captions, pad_id=vocab.pad_id)
         else:
             self.class_names = _class_names(self.class_names_spec, urls["train"])
             self.num_classes, vocab = len(self.class_names), None
-            training = (
-                classification_train_transform(self.img_size, self.augment, self.preprocess)
-                if self.augment.enabled
-                else None
-            )
-            collate = default_collate
+            augmenter, collate = classification_train_transform, default_collate
+        training = augmenter(self.img_size, self.augment, self.preprocess) if self.augment.enabled else evaluate
 
         def stream(split: str, transform: Any, buffer: int) -> ShardStream:
             samples = ShardSamples(
@@ -211,7 +184,7 @@ class WebDatasetDataModule(ImageDataModule):
             )
             return ShardStream(urls[split], sizes[split], samples, collate, self.bad_images, buffer, self.count_cache)
 
-        self.train_dataset = stream("train", training or evaluate, self.shuffle_buffer)
+        self.train_dataset = stream("train", training, self.shuffle_buffer)
         self.val_dataset = stream("val", evaluate, 0)
         self.test_dataset = self.val_dataset if urls["test"] == urls["val"] else stream("test", evaluate, 0)
         for dataset in {self.train_dataset, self.val_dataset, self.test_dataset}:
@@ -223,11 +196,6 @@ class WebDatasetDataModule(ImageDataModule):
             len(urls["val"]),
             sum(sizes["val"]),
         )
-
-    def _workers(self) -> int:
-        if self.num_workers == "auto":
-            self.plan_workers(torch.cuda.is_available(), len(os.sched_getaffinity(0)))
-        return int(self.num_workers)
 
     def _epoch_order(self, stream: ShardStream, epoch: int, train: bool) -> EpochOrder:
         limit = self.samples_per_epoch if train else None
@@ -242,8 +210,7 @@ class WebDatasetDataModule(ImageDataModule):
             stream.batches = sum(len(plan.batch_sizes) for plan in plans[0])
 
     def _plan(self, stream: ShardStream, train: bool) -> None:
-        """Give ``stream`` this rank's plan for the epoch now starting (training: the trainer's current epoch,
-        less what the checkpoint being resumed says was trained)."""
+        """Give ``stream`` this rank's plan for the epoch now starting, less what a resumed checkpoint trained."""
         rank, world = rank_and_world(self.trainer)
         epoch = self.trainer.current_epoch if (train and self.trainer is not None) else 0
         order = self._epoch_order(stream, epoch, train)
@@ -260,30 +227,22 @@ class WebDatasetDataModule(ImageDataModule):
         if sum(len(plan.batch_sizes) for plan in plans[0]) > stream.batches:  # never more batches than len()
             plans = split_epoch(remaining, world, workers, self.batch_size)
         if _streamed(stream) and rank == 0 and id(stream) not in self._warned:
-            self._warn_reads(order, plans, remaining, len(done) > 0, world, workers, stream)
+            self._warn_reads(stream, order, plans, remaining, resumed=len(done) > 0)
         seed = f"{self.seed}/{epoch}/{rank}/{len(done)}"
         stream.configure(order, plans[rank], stream.batches, seed)
 
-    def _warn_reads(
-        self,
-        order: EpochOrder,
-        plans: Any,
-        remaining: Any,
-        resumed: bool,
-        world: int,
-        workers: int,
-        stream: ShardStream,
-    ) -> None:
-        """One warning a stream, naming the read factor, where a plan reads streamed shards more than once."""
+    def _warn_reads(self, stream: ShardStream, order: EpochOrder, plans: Any, remaining: Any, resumed: bool) -> None:
+        """One warning a stream where ``plans`` (``[rank][worker]``) read streamed shards more than once."""
         factor = read_factor(order, plans)
         if factor <= 1.05:
             return
         self._warned.add(id(stream))
+        shards, world, workers = len(order.shard_runs(remaining)), len(plans), len(plans[0])
         why = (
             "a resumed epoch reads again the trained samples before those left in a shard"
             if resumed
-            else f"{len(order.shard_runs(remaining))} shards are fewer than the {world} ranks x {workers} loader "
-            "workers, so several workers read the same shard from its start"
+            else f"{shards} shards are fewer than the {world} ranks x {workers} loader workers, so several workers "
+            "read the same shard from its start"
         )
         log.warning("pipe:/URL shards are read %.2fx per sample trained: %s", factor, why)
 
@@ -301,8 +260,7 @@ class WebDatasetDataModule(ImageDataModule):
         )
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Record which samples a training step gets (its epoch positions, and keys in ``last_keys``), then
-        take skipped samples off the batch as every DataModule does."""
+        """Record which samples a training step gets (positions, and keys in ``last_keys``), then the base's."""
         if isinstance(batch, ShardBatch):
             if self.trainer is not None and self.trainer.training:
                 self.trained.add(batch.positions)
@@ -311,8 +269,7 @@ class WebDatasetDataModule(ImageDataModule):
         return super().on_before_batch_transfer(batch, dataloader_idx)
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch and the positions trained in it on every rank (a collective call under DDP, as Lightning
-        makes it when it writes a checkpoint)."""
+        """The epoch and the positions trained in it on every rank (a collective call under DDP)."""
         trained = self.trained
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             parts: list[Any] = [None] * dist.get_world_size()
