@@ -85,6 +85,24 @@ def test_caption_details_score_is_the_models_log_probability(caption_dir, photos
         assert caption.score == pytest.approx(score, abs=1e-4)
 
 
+def test_caption_details_score_is_what_the_search_ranked_under_its_controls(caption_dir, photos):
+    from vitattn.models.search import Controls, sequence_log_prob
+
+    captioner = Captioner.load(caption_dir)
+    controls = Controls(repetition_penalty=1.05)
+    details = captioner.caption(photos, details=True, num_beams=3, repetition_penalty=1.05)
+    pixels = captioner.pixels(photos)
+    model = captioner.model
+    with torch.no_grad():
+        tokens = model.generate(pixels, num_beams=3, repetition_penalty=1.05)
+        step = model.decode_step(model.encode(pixels), tokens.shape[1] + 1)
+        oracle = sequence_log_prob(step, tokens, model.special_ids, controls)
+        step = model.decode_step(model.encode(pixels), tokens.shape[1] + 1)
+        uncontrolled = sequence_log_prob(step, tokens, model.special_ids)  # the same tokens, no penalty
+    assert [c.score for c in details] == pytest.approx(oracle.tolist(), abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(oracle.tolist(), uncontrolled.tolist())) > 1e-2  # the penalty shows
+
+
 def _attention_seen_while_captioning(model, pixels: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """What the model attends to while it captions ``pixels`` greedily, computed here, not by vitattn: each
     attention layer's ``attend`` is wrapped to take softmax(q kᵀ / √d) of the queries and keys it is given

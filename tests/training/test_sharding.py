@@ -168,7 +168,8 @@ def test_under_bf16_mixed_weights_are_gathered_in_bf16_and_gradients_reduced_in_
 
 
 def test_trainer_fsdp_refuses_self_critical_training_in_one_line(tmp_path):
-    cfg = compose_train(["trainer=fsdp", "finetune=scst", f"finetune.init={tmp_path}"], tmp_path)
+    cpu = ["trainer.accelerator=cpu", "trainer.precision=32-true"]  # so that no GPU check answers first
+    cfg = compose_train(["trainer=fsdp", *cpu, "finetune=scst", f"finetune.init={tmp_path}"], tmp_path)
     with pytest.raises(ConfigError, match="finetune=scst does not work with trainer=fsdp") as error:
         check_config(cfg)
     assert "\n" not in str(error.value) and "trainer=ddp" in str(error.value)
