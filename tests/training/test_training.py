@@ -91,8 +91,8 @@ def test_every_config_composes_and_instantiates(group, option, datasets, tmp_pat
             cfg.trainer, {"accelerator": "cpu", "precision": "32-true", "devices": 1, "strategy": "auto"}
         )
         assert isinstance(hydra.utils.instantiate(trainer_cfg, logger=False), Trainer)
-        if option in ("gpu", "ddp"):
-            assert cfg.trainer.precision == "bf16-mixed"
+        if option in ("gpu", "ddp"):  # bf16-mixed or 16-mixed by the GPU's compute capability (tests/test_precision.py)
+            assert cfg.trainer.precision == "auto"
         if option == "ddp":
             assert cfg.trainer.strategy == "ddp"
     elif group == "logger":

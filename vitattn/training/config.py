@@ -26,6 +26,7 @@ from vitattn.run_dir import RunDir
 
 __all__ = [
     "ALLOWED_TARGET_PREFIXES",
+    "check_accelerator",
     "check_config",
     "check_data_paths",
     "check_targets",
@@ -227,8 +228,9 @@ def _check_sharded(cfg: DictConfig) -> None:
         )
 
 
-def _check_accelerator(trainer: DictConfig) -> None:
-    """A GPU trainer on a machine without one: the CPU overrides, in one line."""
+def check_accelerator(trainer: DictConfig) -> None:
+    """A GPU trainer on a machine without one: the CPU overrides, in one line (a check of this machine, not of
+    the config: ``check_config`` passes GPU recipes anywhere)."""
     accelerator = str(trainer.get("accelerator", "auto"))
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         devices = trainer.get("devices", 1)
@@ -298,4 +300,3 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"ckpt_path={cfg.ckpt_path} does not exist")
     _check_sizes(cfg)
     check_data_paths(cfg.data)
-    _check_accelerator(cfg.trainer)

@@ -40,7 +40,7 @@ from vitattn.training.build import (
     setup_data,
 )
 from vitattn.training.callbacks import Preemption
-from vitattn.training.config import check_config, check_targets, fully_sharded, instantiate_group
+from vitattn.training.config import check_accelerator, check_config, check_targets, fully_sharded, instantiate_group
 from vitattn.training.loggers import build_loggers
 from vitattn.training.start import command_line_keys, log_preprocess, read_start, resolve_preprocess
 from vitattn.training.systems import VisionSystem
@@ -94,6 +94,7 @@ def train(cfg: DictConfig) -> TrainResult:
     resolve_train_precision(cfg)
     preprocess_from = resolve_preprocess(cfg, start)
     check_config(cfg)  # every user error surfaces here, before data is read
+    check_accelerator(cfg.trainer)
     set_matmul_precision(cfg)
     ckpt_path = _resume_checkpoint(cfg)
     vocab = start.vocab if start is not None else run_tokenizer(cfg, run_dir, ckpt_path is not None)
