@@ -3,10 +3,9 @@
     vitattn-caption model=PATH images=INPUT out=FILE [image_dir=DIR] [format=jsonl|coco|csv]
     vitattn-caption model=PATH shards='DIR/{00000..00999}.tar' out=OUTDIR [format=jsonl|parquet]
         [batch_size=32] [num_workers=2] [num_beams=N] [max_new_tokens=N] [length_penalty=X]
-        [early_stopping=true|false|never] [do_sample=true temperature=X top_k=N top_p=X] [seed=N]
-        [min_new_tokens=N] [no_repeat_ngram_size=N] [repetition_penalty=X]
-        [device=auto|cpu|cuda] [precision=auto|fp32|bf16] [attention_maps=DIR] [progress=true]
-        [num_threads=N] [devices=N num_nodes=M accelerator=auto|cpu|gpu]
+        [early_stopping=true|false|never] [do_sample=true temperature=X top_k=N top_p=X] [seed=N] [min_new_tokens=N]
+        [no_repeat_ngram_size=N] [repetition_penalty=X] [device=auto|cpu|cuda] [precision=auto|fp32|bf16]
+        [attention_maps=DIR] [progress=true] [num_threads=N] [devices=N num_nodes=M accelerator=auto|cpu|gpu]
 
 The same command again resumes a killed run. Exit status: 0 all captioned, 1 some could not be read, 2 a
 usage or model error. More: docs/captioning.md.

@@ -1,7 +1,5 @@
 """``vitattn-shards``: write WebDataset shards (the img2dataset layout) from image data, for data=webdataset.
 
-Usage::
-
     vitattn-shards source=folder folder=DIR/train out=OUT [samples_per_shard=10000] [parquet=true]
     vitattn-shards source=coco annotations=captions_train2017.json image_dir=DIR out=OUT
     vitattn-shards source=karpathy dataset_json=dataset_coco.json image_dir=DIR split=train out=OUT
