@@ -323,8 +323,9 @@ def set_matmul_precision(cfg: DictConfig) -> str:
     """``torch.set_float32_matmul_precision`` as ``float32_matmul_precision`` says (``auto``: ``high``, TF32, on
     GPUs; torch's default elsewhere); returns the precision set."""
     wanted = str(cfg.get("float32_matmul_precision", "auto"))
-    if wanted == "auto":
-        wanted = "high" if on_gpu(cfg) else torch.get_float32_matmul_precision()
+    if wanted == "auto" and not on_gpu(cfg):
+        return torch.get_float32_matmul_precision()  # left as torch has it
+    wanted = "high" if wanted == "auto" else wanted
     torch.set_float32_matmul_precision(wanted)
     return wanted
 
