@@ -272,11 +272,14 @@ def test_a_shard_that_is_not_a_tar_raises_or_its_samples_are_skipped(tmp_path):
     assert len(batch.batch.skipped) == 2 and batch.batch.batch["images"].shape[0] == 2
 
 
-def test_the_vocabulary_is_built_from_the_train_captions_with_min_word_freq_auto(shards):
+def test_the_vocabulary_is_built_from_every_train_reference_with_min_word_freq_auto(shards):
     dm = _datamodule(shards, min_word_freq="auto")
     dm.setup("fit")
-    captions = [s["txt"].decode() for url in expand_shards(str(shards["train"])) for s in read_shard(url)]
-    assert dm.vocab == Vocabulary.build(captions, min_freq="auto")
+    samples = [s for url in expand_shards(str(shards["train"])) for s in read_shard(url)]
+    references = [c for s in samples for c in json.loads(s["json"])["captions"]]  # training draws from them all
+    assert dm.vocab == Vocabulary.build(references, min_freq="auto")
+    first = Vocabulary.build([s["txt"].decode() for s in samples], min_freq="auto")
+    assert "right" in dm.vocab.tokens(dm.vocab.encode("right")) and len(dm.vocab) > len(first)
 
 
 def test_train_on_shards_and_the_schedule_horizon_follows_the_epoch(shards, tmp_path):

@@ -16,11 +16,12 @@ __all__ = ["EpochSampler", "ResumableLoader"]
 
 class EpochSampler(DistributedSampler):
     """This rank's share of each epoch's shuffled order of ``size`` samples, less those a resumed checkpoint
-    trained; under DDP epoch ``e`` is seeded ``seed + e``."""
+    trained; under DDP epoch ``e`` is seeded ``seed + e``. ``draws``: hand out ``(index, epoch seed)``, for datasets
+    that draw from both (``TokenizedCaptions``), so a resumed epoch draws what the interrupted one would have."""
 
-    def __init__(self, size: int, num_replicas: int = 1, rank: int = 0, seed: int = 0) -> None:
+    def __init__(self, size: int, num_replicas: int = 1, rank: int = 0, seed: int = 0, draws: bool = False) -> None:
         super().__init__(range(size), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
-        self.size = size
+        self.size, self.draws = size, draws
         self.epoch_seed: int | None = None  # the seed of the order being drawn (None before the first epoch)
         self.share: list[int] = []  # this rank's indices of the epoch, in order, the trained ones included
         self._resume: tuple[int, int] | None = None  # (epoch seed, samples to skip) for the next epoch
@@ -44,7 +45,10 @@ class EpochSampler(DistributedSampler):
         padding = self.total_size - len(order)
         order += (order * math.ceil(padding / max(1, len(order))))[:padding]
         self.share = order[self.rank : self.total_size : self.num_replicas]
-        yield from self.share[skip:]
+        if self.draws:
+            yield from ((index, self.epoch_seed) for index in self.share[skip:])
+        else:
+            yield from self.share[skip:]
 
 
 class ResumableLoader(DataLoader):

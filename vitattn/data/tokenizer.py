@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import unicodedata
 from collections import Counter
@@ -28,8 +29,10 @@ from vitattn.run_dir import TOKENIZER_FILE, VOCAB_FILE
 __all__ = [
     "auto_bpe_size",
     "auto_min_freq",
+    "check_captions_per_image",
     "collate_captions",
     "describe_tokenizer",
+    "draw_captions",
     "KINDS",
     "load_tokenizer",
     "normalize_caption",
@@ -411,38 +414,61 @@ def describe_tokenizer(tokenizer: Tokenizer) -> str:
     return f"the {len(tokenizer.words):,}-word vocabulary" + (f" (min_word_freq={freq})" if freq is not None else "")
 
 
+def check_captions_per_image(value: Any) -> int | str:
+    """``data.captions_per_image``: a whole number of at least 1, or ``all``."""
+    if value == "all" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f"data.captions_per_image={value!r} must be a whole number of at least 1, or all")
+
+
+def draw_captions(references: Sequence[str], k: int | str, rng: random.Random) -> list[str]:
+    """``k`` of an image's references: drawn without replacement, then (fewer than ``k``) every one and repeats
+    drawn at random, so each image weighs the same; ``all``: every one, in order."""
+    if k == "all":
+        return list(references)
+    if len(references) >= k:
+        return rng.sample(list(references), k)
+    return [*references, *rng.choices(list(references), k=k - len(references))]
+
+
 class TokenizedCaptions(Dataset):
     """A caption dataset's items with ``tokens`` (T,) long ``bos ... eos`` (at most ``max_len``) in place of
-    ``caption``; ``sample_caption``: a random reference each time (training on COCO)."""
+    ``caption``. ``per_image``: take that many of the references (``draw_captions``; ``tokens`` then a tuple),
+    drawn from the index and the epoch's seed that ``EpochSampler(draws=True)`` hands out with it, so a resumed
+    epoch draws the same; None: the item's own ``caption``."""
 
-    def __init__(self, dataset: Dataset, vocab: Tokenizer, max_len: int, sample_caption: bool = False):
+    def __init__(self, dataset: Dataset, vocab: Tokenizer, max_len: int, per_image: int | str | None = None):
         self.dataset, self.vocab, self.max_len = dataset, vocab, max_len
-        self.sample_caption = sample_caption
+        self.per_image = per_image
+        self.draws = per_image is not None  # its sampler hands out (index, epoch seed)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, index: int | tuple[int, int]) -> dict[str, Any]:
+        index, seed = index if isinstance(index, tuple) else (index, 0)
         item = self.dataset[index]
-        caption = item["caption"]
-        if self.sample_caption:
-            # torch's RNG: seeded per worker by the DataLoader and by Lightning's seed_everything
-            caption = item["references"][torch.randint(len(item["references"]), ()).item()]
-        tokens = self.vocab.encode(caption, max_len=self.max_len)
-        return {
-            "image": item["image"],
-            "tokens": torch.tensor(tokens, dtype=torch.long),
-            "references": item["references"],
-            "image_id": item["image_id"],
-        }
+        if self.per_image is None:
+            tokens: Any = self._tokens(item["caption"])
+        else:
+            drawn = draw_captions(item["references"], self.per_image, random.Random(f"{seed}/{index}"))
+            tokens = tuple(self._tokens(caption) for caption in drawn)
+        references, image_id = item["references"], item["image_id"]
+        return {"image": item["image"], "tokens": tokens, "references": references, "image_id": image_id}
+
+    def _tokens(self, caption: str) -> torch.Tensor:
+        return torch.tensor(self.vocab.encode(caption, max_len=self.max_len), dtype=torch.long)
 
 
 def collate_captions(items: list[dict[str, Any]], pad_id: int = PAD_ID) -> dict[str, Any]:
-    """``images`` (B, 3, height, width), ``tokens`` (B, T) right-padded with ``pad_id``, ``image_ids`` (B,),
-    ``references`` of ``TokenizedCaptions`` items."""
+    """``images`` (B, 3, height, width); ``tokens`` (N, T) right-padded with ``pad_id``, every caption of every item
+    (one per item, or a tuple of several); ``caption_image`` (N,) the image of each; ``image_ids`` (B,);
+    ``references``."""
+    rows = [tokens if isinstance(tokens, tuple) else (tokens,) for tokens in (item["tokens"] for item in items)]
     return {
         "images": torch.stack([item["image"] for item in items]),  # (B, 3, height, width)
-        "tokens": pad_sequence([item["tokens"] for item in items], batch_first=True, padding_value=pad_id),  # (B, T)
+        "tokens": pad_sequence([t for r in rows for t in r], batch_first=True, padding_value=pad_id),  # (N, T)
+        "caption_image": torch.tensor([i for i, r in enumerate(rows) for _ in r], dtype=torch.long),  # (N,)
         "image_ids": torch.tensor([item["image_id"] for item in items], dtype=torch.long),  # (B,)
         "references": [list(item["references"]) for item in items],
     }

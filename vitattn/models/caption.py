@@ -182,9 +182,13 @@ class ImageCaptioner(nn.Module, CaptionSearch):
         norm comes after pooling (``fc_norm``, timm's ``avg`` pool) has it applied to every token."""
         return self.decoder.memory_proj(self.encoder.fc_norm(self.encoder.forward_features(images)))
 
-    def forward(self, images: Tensor, tokens: Tensor) -> Tensor:
-        """Teacher forcing: (B, C, height, width), (B, T) -> (B, T, V) next-token logits."""
-        return self.decoder(tokens, self.encode(images))
+    def forward(self, images: Tensor, tokens: Tensor, caption_image: Tensor | None = None) -> Tensor:
+        """Teacher forcing: (B, C, height, width), (N, T) -> (N, T, V) next-token logits; caption ``n`` reads
+        image ``caption_image[n]`` (N,), encoded once however many captions it has (default: caption n, image n)."""
+        memory = self.encode(images)
+        if caption_image is not None and len(caption_image) != len(images):
+            memory = memory.index_select(0, caption_image)
+        return self.decoder(tokens, memory)
 
     def sequence_log_prob(self, images: Tensor, generated: Tensor) -> Tensor:
         """(B,) total log-probability of generated captions (``<bos>`` and the padding after ``<eos>`` excluded), over

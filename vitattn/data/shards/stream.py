@@ -19,7 +19,7 @@ from vitattn.data.bad_images import SkippedImage, collate_skipping
 from vitattn.data.images import IMAGE_EXTENSIONS, BadImageError, read_image
 from vitattn.data.shards.epoch_split import EpochOrder, WorkerPlan
 from vitattn.data.shards.reading import ShardError, ShortShard, read_samples
-from vitattn.data.tokenizer import Tokenizer
+from vitattn.data.tokenizer import Tokenizer, draw_captions
 
 __all__ = [
     "EpochLoader",
@@ -63,8 +63,9 @@ def sample_caption(sample: dict[str, Any], caption_key: str | None) -> str | Non
 
 class ShardSamples:
     """A shard sample as a head trains on it: ``{"image", "tokens", "references", "image_id"}`` (``vocab``,
-    ``max_len``; the caption from ``.txt`` or the ``caption_key`` of ``.json``), or ``(image, label)`` from ``.cls``
-    (below ``num_classes``); ``transform`` makes the image's tensor."""
+    ``max_len``; the caption from ``.txt`` or the ``caption_key`` of ``.json``, or ``per_image`` of its references
+    drawn by ``draw_captions``), or ``(image, label)`` from ``.cls`` (below ``num_classes``); ``transform`` makes
+    the image's tensor."""
 
     def __init__(
         self,
@@ -74,12 +75,14 @@ class ShardSamples:
         vocab: Tokenizer | None = None,
         max_len: int = 32,
         num_classes: int | None = None,
+        per_image: int | str | None = None,
     ) -> None:
         self.task, self.transform, self.caption_key = task, transform, caption_key
-        self.vocab, self.max_len, self.num_classes = vocab, max_len, num_classes
+        self.vocab, self.max_len, self.num_classes, self.per_image = vocab, max_len, num_classes, per_image
 
-    def __call__(self, sample: dict[str, Any], sample_id: int) -> Any:
-        """The item; raises ``BadImageError`` (``<shard>: <key>: <reason>``) for a sample that cannot be used."""
+    def __call__(self, sample: dict[str, Any], sample_id: int, draw: str = "") -> Any:
+        """The item, its captions drawn with the seed ``draw`` (the epoch's and the position's); raises
+        ``BadImageError`` (``<shard>: <key>: <reason>``) for a sample that cannot be used."""
         where = f"{sample.get('__url__', '?')}: {sample['__key__']}"
         name = image_member(sample)
         if name is None:
@@ -94,19 +97,24 @@ class ShardSamples:
         image = read_image(io.BytesIO(sample[name]), on_error="skip")
         if isinstance(image, BadImageError):
             raise BadImageError(f"{where}: {image.reason}", where, image.reason)
-        if getattr(self.transform, "reads_captions", False):  # CaptionAugment: flips and colours the caption allows
-            pixels = self.transform(image, [caption])
+        if self.task != "caption":
+            return self.transform(image), label
+        references = sample_references(sample, caption)
+        if self.per_image is not None:
+            captions = draw_captions(references, self.per_image, random.Random(draw))
+        else:
+            captions = [caption]
+        if getattr(self.transform, "reads_captions", False):  # CaptionAugment: flips and colours the captions allow
+            pixels = self.transform(image, captions)
         else:
             pixels = self.transform(image)
-        if self.task == "caption":
-            tokens = self.vocab.encode(caption, max_len=self.max_len)
-            return {
-                "image": pixels,
-                "tokens": torch.tensor(tokens, dtype=torch.long),
-                "references": sample_references(sample, caption),
-                "image_id": sample_id,
-            }
-        return pixels, label
+        rows = tuple(torch.tensor(self.vocab.encode(c, max_len=self.max_len), dtype=torch.long) for c in captions)
+        return {
+            "image": pixels,
+            "tokens": rows[0] if self.per_image is None else rows,
+            "references": references,
+            "image_id": sample_id,
+        }
 
     def _label(self, sample: dict[str, Any], where: str) -> int:
         raw = sample.get("cls")
@@ -209,7 +217,8 @@ class ShardStream(IterableDataset):
             return sample
         shard, offset = self.order.locate(position)
         try:
-            return self.samples(sample, self.order.sample_id(shard, offset))
+            draw = f"{self.order.seed}/{self.order.epoch}/{position}"  # the same whatever the plan or a resume
+            return self.samples(sample, self.order.sample_id(shard, offset), draw)
         except BadImageError as err:
             if self.bad_images == "raise":
                 raise BadImageError(f"{err}; {_HINT}", err.path, err.reason) from None

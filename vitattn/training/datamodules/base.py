@@ -213,11 +213,14 @@ class ImageDataModule(pl.LightningDataModule):
         loader = self.val_dataloader() if split == "val" else self.test_dataloader()
         return EvalSplit(f"{type(self).__name__} {split} split", loader=EvaluationBatches(loader, self.ready_batch))
 
-    def _use_captions(self, splits: tuple[Dataset, Dataset, Dataset], vocab: Tokenizer, sample_train: bool) -> None:
-        """The (train, val, test) caption datasets tokenized, up to the subclass's ``max_caption_len``."""
+    def _use_captions(
+        self, splits: tuple[Dataset, Dataset, Dataset], vocab: Tokenizer, per_image: int | str | None
+    ) -> None:
+        """The (train, val, test) caption datasets tokenized, up to the subclass's ``max_caption_len``; training takes
+        ``per_image`` references of each image (``TokenizedCaptions``)."""
         train, val, test = splits
         self.vocab = vocab
-        self.train_dataset = TokenizedCaptions(train, vocab, self.max_caption_len, sample_train)
+        self.train_dataset = TokenizedCaptions(train, vocab, self.max_caption_len, per_image)
         self.val_dataset = TokenizedCaptions(val, vocab, self.max_caption_len)
         self.test_dataset = TokenizedCaptions(test, vocab, self.max_caption_len)
         self.collate_fn = partial(collate_captions, pad_id=vocab.pad_id)
@@ -245,6 +248,7 @@ class ImageDataModule(pl.LightningDataModule):
             raise RuntimeError(f"{type(self).__name__}.setup() must run before its dataloaders")
         workers = self._workers()
         collate = self.collate_fn
+        draws = getattr(dataset, "draws", False)
         if self.reads_files:
             dataset = GuardedImages(dataset, self.bad_images)
             if self.bad_images == "skip":
@@ -259,7 +263,7 @@ class ImageDataModule(pl.LightningDataModule):
         if not shuffle:
             return DataLoader(dataset, **settings)
         rank, world = rank_and_world(self.trainer)
-        sampler = EpochSampler(len(dataset), world, rank, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
+        sampler = EpochSampler(len(dataset), world, rank, int(os.environ.get("PL_GLOBAL_SEED", 0)), draws)
         self._train_loader = ResumableLoader(dataset, sampler=sampler, **settings)
         if self._train_loader_state is not None:
             self._train_loader.load_state_dict(self._train_loader_state)

@@ -10,7 +10,7 @@ from typing import Any
 from vitattn.data.coco import CocoCaptionDataset, CocoImage, load_coco_captions, load_karpathy
 from vitattn.data.images import EvalSplit
 from vitattn.data.preprocess import CAPTION_CROP_SCALE, Augment, CaptionAugment
-from vitattn.data.tokenizer import Tokenizer
+from vitattn.data.tokenizer import Tokenizer, check_captions_per_image
 from vitattn.training.datamodules.base import ImageDataModule
 
 __all__ = ["CaptionFilesDataModule", "CocoCaptionDataModule", "KarpathyDataModule"]
@@ -19,8 +19,9 @@ __all__ = ["CaptionFilesDataModule", "CocoCaptionDataModule", "KarpathyDataModul
 class CaptionFilesDataModule(ImageDataModule):
     """Image files under ``image_dir`` with their captions; subclasses say which images each split holds.
 
-    Training items take one of their image's captions at random each time they are loaded; val and test items
-    take the first, and carry all of them as references. The arguments are the ``data.*`` keys that
+    Training items take ``captions_per_image`` of their image's captions (``draw_captions``: at random, ``all``
+    every one), teacher-forced on one encoding of the image; val and test items take the first, and carry all of
+    them as references. The arguments are the ``data.*`` keys that
     conf/data/coco.yaml and karpathy.yaml describe (``vocab_path``: a saved ``vocab.json`` or ``tokenizer.json``
     to use rather than one built from the training captions); ``tokenizer`` and ``vocab`` are ``ImageDataModule``'s.
     """
@@ -36,6 +37,7 @@ class CaptionFilesDataModule(ImageDataModule):
         num_workers: int | str = "auto",
         min_word_freq: int | str = "auto",
         max_caption_len: int = 32,
+        captions_per_image: int | str = 1,
         vocab_path: str | os.PathLike | None = None,
         augment: bool | Mapping[str, Any] = True,
         cache: str = "auto",
@@ -55,6 +57,7 @@ class CaptionFilesDataModule(ImageDataModule):
         self._file_settings(bad_images, verify, cache)
         self.image_dir = image_dir
         self.min_word_freq, self.max_caption_len, self.vocab_path = min_word_freq, max_caption_len, vocab_path
+        self.captions_per_image = check_captions_per_image(captions_per_image)
         # the mild crop always; flips and colour jitter only where asked and no caption contradicts them
         self.augment = Augment.from_config(augment, scale=CAPTION_CROP_SCALE, hflip=0.0)
 
@@ -76,7 +79,7 @@ class CaptionFilesDataModule(ImageDataModule):
         val = CocoCaptionDataset(self.image_dir, val_images, evaluate)
         test = val if test_images is val_images else CocoCaptionDataset(self.image_dir, test_images, evaluate)
         vocab = self._caption_tokenizer(lambda: train.captions, self.min_word_freq)
-        self._use_captions((train, val, test), vocab, sample_train=True)
+        self._use_captions((train, val, test), vocab, self.captions_per_image)
         self._read_images({train, val, test})
 
     def image_files(self) -> list[str]:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from vitattn.data.images import EvalSplit
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
-from vitattn.data.tokenizer import Tokenizer
+from vitattn.data.tokenizer import Tokenizer, check_captions_per_image
 from vitattn.training.datamodules.base import ImageDataModule
 
 __all__ = ["ShapesDataModule"]
@@ -18,6 +18,7 @@ class ShapesDataModule(ImageDataModule):
     """The built-in shapes data (``vitattn.data.shapes``) for captioning or classification (label: the colour
     and shape of the left-most object); ``seed`` is the base seed of all three splits.
 
+    Captions: the canonical one (``captions_per_image=1``), or that many of the valid ones (``draw_captions``).
     Images are not augmented: flips or crops would change which shape is left of which. Start weights give only
     their mean and std: the images are drawn at ``img_size``, so no resize or crop of theirs applies.
     """
@@ -36,6 +37,7 @@ class ShapesDataModule(ImageDataModule):
         batch_size: int = 64,
         num_workers: int | str = 0,
         max_caption_len: int = 24,
+        captions_per_image: int | str = 1,
         vocab_path: str | os.PathLike | None = None,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
@@ -46,6 +48,7 @@ class ShapesDataModule(ImageDataModule):
         self.task, self.seed = task, seed
         self.num_train, self.num_val, self.num_test = num_train, num_val, num_test
         self.max_caption_len, self.vocab_path = max_caption_len, vocab_path
+        self.captions_per_image = check_captions_per_image(captions_per_image)
         self.class_names = list(CLASS_NAMES)
         self.num_classes = len(CLASS_NAMES)
 
@@ -62,9 +65,12 @@ class ShapesDataModule(ImageDataModule):
         if self.task == "classification":
             self.train_dataset, self.val_dataset, self.test_dataset = splits
             return
-        vocab = self._caption_tokenizer(lambda: splits[0].captions, min_freq=1)
-        # canonical caption as the target everywhere: the synthetic captions are unambiguous
-        self._use_captions(splits, vocab, sample_train=False)
+        # one caption: the canonical one, as the target everywhere (the synthetic captions are unambiguous)
+        per_image = None if self.captions_per_image == 1 else self.captions_per_image
+        train = splits[0]
+        every = lambda: [r for i in range(len(train)) for r in train.references(i)]  # noqa: E731
+        vocab = self._caption_tokenizer(every if per_image else lambda: train.captions, min_freq=1)
+        self._use_captions(splits, vocab, per_image)
 
     def train_references(self) -> list[list[str]]:
         """Each training scene's valid captions (after ``setup``)."""

@@ -34,7 +34,7 @@ from vitattn.data.shards.stream import (
     sample_caption,
     sample_references,
 )
-from vitattn.data.tokenizer import Tokenizer, collate_captions
+from vitattn.data.tokenizer import Tokenizer, check_captions_per_image, collate_captions
 from vitattn.training.datamodules.base import EvaluationBatches, ImageDataModule, rank_and_world
 from vitattn.training.datamodules.image_folder import ImageFolderDataModule
 
@@ -44,8 +44,9 @@ log = logging.getLogger(__name__)
 
 
 def shard_captions(urls: Sequence[str], caption_key: str | None) -> list[str]:
-    """Every caption of the shards; samples without one are left out."""
-    return _read_captions(urls, caption_key, "vocabulary: reading captions", lambda sample, caption: caption)
+    """Every reference of every sample of the shards (training draws from them); samples without one left out."""
+    references = _read_captions(urls, caption_key, "vocabulary: reading captions", sample_references)
+    return [caption for refs in references for caption in refs]
 
 
 def shard_references(urls: Sequence[str], caption_key: str | None) -> list[list[str]]:
@@ -108,6 +109,7 @@ class WebDatasetDataModule(ImageDataModule):
         class_names: str | Sequence[str] | None = None,
         min_word_freq: int | str = "auto",
         max_caption_len: int = 32,
+        captions_per_image: int | str = 1,
         vocab_path: str | os.PathLike | None = None,
         augment: bool | Mapping[str, Any] = True,
         shuffle_buffer: int = 1000,
@@ -138,6 +140,7 @@ class WebDatasetDataModule(ImageDataModule):
         self.shards = {"train": train_shards, "val": val_shards, "test": test_shards}
         self.caption_key, self.class_names_spec = caption_key, class_names
         self.min_word_freq, self.max_caption_len, self.vocab_path = min_word_freq, max_caption_len, vocab_path
+        self.captions_per_image = check_captions_per_image(captions_per_image)
         scale = CAPTION_CROP_SCALE if task == "caption" else "auto"
         self.augment = Augment.from_config(augment, scale=scale, **({"hflip": 0.0} if task == "caption" else {}))
         self.shuffle_buffer, self.seed, self.samples_per_epoch = int(shuffle_buffer), int(seed), samples_per_epoch
@@ -179,8 +182,9 @@ class WebDatasetDataModule(ImageDataModule):
         training = augmenter(self.img_size, self.augment, self.preprocess) if self.augment.enabled else evaluate
 
         def stream(split: str, transform: Any, buffer: int) -> ShardStream:
+            per_image = self.captions_per_image if split == "train" else None
             samples = ShardSamples(
-                self.task, transform, self.caption_key, vocab, self.max_caption_len, self.num_classes
+                self.task, transform, self.caption_key, vocab, self.max_caption_len, self.num_classes, per_image
             )
             return ShardStream(urls[split], sizes[split], samples, collate, self.bad_images, buffer, self.count_cache)
 

@@ -79,8 +79,8 @@ class CaptionSystem(VisionSystem):
         return self.model(images, tokens)
 
     def _loss(self, batch: dict[str, Any], label_smoothing: float = 0.0) -> Tensor:
-        tokens = batch["tokens"]  # (B, T): bos ... eos pad
-        logits = self.model(batch["images"], tokens[:, :-1])  # (B, T-1, V)
+        tokens = batch["tokens"]  # (N, T): bos ... eos pad, N >= B with several captions per image
+        logits = self.model(batch["images"], tokens[:, :-1], batch.get("caption_image"))  # (N, T-1, V)
         return F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(),
             tokens[:, 1:].reshape(-1),
