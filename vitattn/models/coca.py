@@ -115,9 +115,10 @@ class CocaCaptioner(ImageCaptioner):
         )
         self.image_proj = nn.Linear(encoder.embed_dim, embed_dim, bias=False)
         self.text_proj = nn.Linear(width, embed_dim, bias=False)
-        self.logit_scale = nn.Parameter(torch.tensor(float(init_logit_scale)))
+        # (1,), not scalars: FSDP shards no scalar parameter
+        self.logit_scale = nn.Parameter(torch.full((1,), float(init_logit_scale)))
         bias = init_logit_bias is not None
-        self.logit_bias = nn.Parameter(torch.tensor(float(init_logit_bias))) if bias else None
+        self.logit_bias = nn.Parameter(torch.full((1,), float(init_logit_bias))) if bias else None
 
     @property
     def config(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ Dimension letters: B this rank's pairs, W ranks, E embedding width.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -65,7 +66,10 @@ def gather_rows(x: Tensor) -> tuple[Tensor, int]:
     them, and the index of this rank's first row; without a process group, ``x`` and 0."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return x, 0
-    return torch.cat(dist_nn.all_gather(x.contiguous())), dist.get_rank() * x.shape[0]
+    with warnings.catch_warnings():  # torch 2.14 deprecates it for a private module's; it still works on every backend
+        warnings.simplefilter("ignore", FutureWarning)
+        parts = dist_nn.all_gather(x.contiguous())
+    return torch.cat(parts), dist.get_rank() * x.shape[0]
 
 
 def clip_loss(image: Tensor, text: Tensor, logit_scale: Tensor) -> Tensor:
@@ -90,8 +94,9 @@ def siglip_loss(image: Tensor, text: Tensor, logit_scale: Tensor, logit_bias: Te
 
 
 def contrastive_loss(loss: str, image: Tensor, text: Tensor, model: Any) -> Tensor:
-    """The ``loss`` (``clip`` or ``siglip``) of (B, E) embeddings in fp32, with ``model``'s scale and bias."""
-    image, text = image.float(), text.float()
+    """The ``loss`` (``clip`` or ``siglip``) of (B, E) embeddings in fp32 at least, with ``model``'s scale and bias."""
+    dtype = torch.promote_types(image.dtype, torch.float32)  # bf16 embeddings under autocast: fp32
+    image, text = image.to(dtype), text.to(dtype)
     if loss == "siglip":
         return siglip_loss(image, text, model.logit_scale, model.logit_bias)
     return clip_loss(image, text, model.logit_scale)
