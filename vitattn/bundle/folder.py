@@ -39,7 +39,14 @@ from vitattn.data.preprocess import check_preprocess, eval_transform
 from vitattn.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_file_name
 from vitattn.errors import brief, first_line
 from vitattn.fileio import atomic_folder, read_json
-from vitattn.models import TASKS, CaptionDecoder, ImageCaptioner, VisionTransformer
+from vitattn.models import (
+    TASKS,
+    CaptionDecoder,
+    CocaCaptioner,
+    ImageCaptioner,
+    VisionTransformer,
+    captioner_from_config,
+)
 from vitattn.models.search import SEARCH_KEYS, CaptionSearch
 from vitattn.run_dir import VOCAB_FILE
 
@@ -186,13 +193,15 @@ def _check_config(task: str, model_config: Mapping[str, Any], where: Path) -> No
     if task == "caption":
         for part, cls in (("encoder", VisionTransformer), ("decoder", CaptionDecoder)):
             check_arguments(cls.__init__, model_config.get(part), f"{where}: model.{part}")
+        if "contrastive" in model_config:  # head=coca
+            check_arguments(CocaCaptioner.__init__, model_config["contrastive"], f"{where}: model.contrastive")
     else:
         check_arguments(VisionTransformer.__init__, model_config, f"{where}: model")
 
 
 def _construct(task: str, model_config: Mapping[str, Any]) -> nn.Module:
     if task == "caption":
-        return ImageCaptioner.from_config(dict(model_config))
+        return captioner_from_config(dict(model_config))
     return VisionTransformer(**model_config)
 
 

@@ -17,7 +17,7 @@ from vitattn.layers import DecoderLayer, LayerCache, check_heads
 from vitattn.models.search import CaptionSearch, SpecialIds
 from vitattn.models.vit import VisionTransformer, layer_groups, trunc_normal_
 
-__all__ = ["CaptionDecoder", "DecoderStep", "ImageCaptioner"]
+__all__ = ["CaptionDecoder", "DecoderStep", "ImageCaptioner", "per_caption"]
 
 
 class CaptionDecoder(nn.Module):
@@ -180,15 +180,16 @@ class ImageCaptioner(nn.Module, CaptionSearch):
     def encode(self, images: Tensor) -> Tensor:
         """(B, C, height, width) -> (B, N, D) image tokens in the decoder's width, normalised: an encoder whose
         norm comes after pooling (``fc_norm``, timm's ``avg`` pool) has it applied to every token."""
-        return self.decoder.memory_proj(self.encoder.fc_norm(self.encoder.forward_features(images)))
+        return self.memory(self.encoder.forward_features(images))
+
+    def memory(self, features: Tensor) -> Tensor:
+        """``encode`` from the encoder's (B, N, D) ``forward_features``."""
+        return self.decoder.memory_proj(self.encoder.fc_norm(features))
 
     def forward(self, images: Tensor, tokens: Tensor, caption_image: Tensor | None = None) -> Tensor:
         """Teacher forcing: (B, C, height, width), (N, T) -> (N, T, V) next-token logits; caption ``n`` reads
         image ``caption_image[n]`` (N,), encoded once however many captions it has (default: caption n, image n)."""
-        memory = self.encode(images)
-        if caption_image is not None and len(caption_image) != len(images):
-            memory = memory.index_select(0, caption_image)
-        return self.decoder(tokens, memory)
+        return self.decoder(tokens, per_caption(self.encode(images), caption_image))
 
     def sequence_log_prob(self, images: Tensor, generated: Tensor) -> Tensor:
         """(B,) total log-probability of generated captions (``<bos>`` and the padding after ``<eos>`` excluded), over
@@ -219,6 +220,13 @@ class ImageCaptioner(nn.Module, CaptionSearch):
     def decode_step(self, memory: Tensor, max_new_tokens: int, use_cache: bool = True) -> DecoderStep:
         """The PyTorch ``DecodeStep`` over (B, N, D) image tokens ``memory``."""
         return DecoderStep(self.decoder, memory, self.decoder.new_cache(max_new_tokens) if use_cache else None)
+
+
+def per_caption(memory: Tensor, caption_image: Tensor | None) -> Tensor:
+    """(B, N, D) image tokens -> one row per caption: caption ``n`` reads image ``caption_image[n]`` (None: image n)."""
+    if caption_image is not None and len(caption_image) != len(memory):
+        memory = memory.index_select(0, caption_image)
+    return memory
 
 
 class DecoderStep:

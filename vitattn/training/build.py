@@ -37,6 +37,7 @@ from vitattn.run_dir import VOCAB_FILE, RunDir
 from vitattn.training.config import data_name, qualify
 from vitattn.training.start import Encoder, WholeModel
 from vitattn.training.systems import VisionSystem
+from vitattn.training.systems.contrastive import contrastive_model_config
 
 __all__ = [
     "BF16_TRAIN_MIN_WIDTH",
@@ -165,7 +166,13 @@ def model_config_from(cfg: DictConfig, datamodule: Any) -> dict[str, Any]:
         unk_id=vocab.unk_id,
         other_special_ids=list(vocab.other_special_ids),
     )
-    return {"encoder": {**encoder, "num_classes": 0}, "decoder": decoder}
+    config = {"encoder": {**encoder, "num_classes": 0}, "decoder": decoder}
+    if "contrastive" in cfg.head:  # head=coca
+        pairs = int(cfg.data.batch_size) * processes_per_node(cfg) * int(cfg.trainer.get("num_nodes", 1))
+        config["contrastive"] = contrastive_model_config(
+            OmegaConf.to_container(cfg.head.contrastive, resolve=True), pairs
+        )
+    return config
 
 
 def setup_data(cfg: DictConfig, datamodule: Any, ckpt_path: str | None = None) -> None:

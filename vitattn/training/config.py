@@ -23,6 +23,7 @@ from vitattn.data.preprocess import WEIGHTS_KEYS, Augment, check_preprocess, def
 from vitattn.errors import ConfigError
 from vitattn.models import TASKS, CaptionDecoder, VisionTransformer
 from vitattn.run_dir import RunDir
+from vitattn.training.systems.contrastive import check_contrastive
 
 __all__ = [
     "ALLOWED_TARGET_PREFIXES",
@@ -146,6 +147,23 @@ def _check_models(cfg: DictConfig) -> None:
     if max_new is not None and max_new + 1 > decoder["max_len"]:
         raise ConfigError(
             f"head.generate.max_new_tokens={max_new} must be below head.decoder.max_len={decoder['max_len']}"
+        )
+
+
+def _check_contrastive(cfg: DictConfig) -> None:
+    """head=coca: its loss and weights; and no batch left out on one rank, whose negatives the others wait for."""
+    head = cfg.head
+    try:
+        check_contrastive(head.contrastive.loss, head.contrastive_weight, head.caption_weight)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    bias = head.contrastive.get("init_logit_bias", "auto")
+    if bias != "auto" and (isinstance(bias, bool) or not isinstance(bias, (int, float))):
+        raise ConfigError(f"head.contrastive.init_logit_bias={bias!r} must be auto or a number (e.g. -10)")
+    if cfg.data.get("bad_images") == "skip" and _distributed(cfg.trainer):
+        raise ConfigError(
+            "data.bad_images=skip does not work with head=coca on several processes: a rank whose batch lost "
+            "images would gather fewer contrastive negatives than the others wait for; use data.bad_images=raise"
         )
 
 
@@ -284,6 +302,8 @@ def check_config(cfg: DictConfig) -> None:
             what, fix = "class labels", "use head=caption, or data=shapes / data=imagefolder"
         raise ConfigError(f"data={data_name(cfg.data)} has no {what} for head={task}; {fix}")
     _check_models(cfg)
+    if "contrastive" in cfg.head:
+        _check_contrastive(cfg)
     _check_finetuning(cfg)
     _check_self_critical(cfg)
     _check_precision(cfg.trainer)

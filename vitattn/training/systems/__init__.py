@@ -3,5 +3,13 @@
 from vitattn.training.systems.base import NonFiniteLossError, VisionSystem
 from vitattn.training.systems.captioning import CaptionSystem, gather_predictions
 from vitattn.training.systems.classification import ClassificationSystem
+from vitattn.training.systems.coca import CocaSystem
 
-__all__ = ["CaptionSystem", "ClassificationSystem", "NonFiniteLossError", "VisionSystem", "gather_predictions"]
+__all__ = [
+    "CaptionSystem",
+    "ClassificationSystem",
+    "CocaSystem",
+    "NonFiniteLossError",
+    "VisionSystem",
+    "gather_predictions",
+]

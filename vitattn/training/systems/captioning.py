@@ -14,7 +14,7 @@ from torch import Tensor
 
 from vitattn.data.tokenizer import tokenizer_from_labels
 from vitattn.metrics import CiderD, first_per_image, score_captions
-from vitattn.models import ImageCaptioner
+from vitattn.models import captioner_from_config
 from vitattn.training.systems.base import VisionSystem
 from vitattn.training.systems.self_critical import ScstConfig, SelfCritical
 
@@ -66,7 +66,7 @@ class CaptionSystem(VisionSystem):
         if vocab_size != len(self.vocab):
             raise ValueError(f"decoder vocab_size={vocab_size} does not match the tokenizer's {len(self.vocab)} tokens")
         self.save_hyperparameters()
-        self.model = ImageCaptioner.from_config(model_config)
+        self.model = captioner_from_config(model_config)  # a CocaCaptioner for CocaSystem
         tokens = torch.zeros(1, self.model.decoder.max_len - 1, dtype=torch.long)  # (1, T): a full-length caption
         self.example_input_array = (self.example_images(self.model.encoder), tokens)  # summary: FLOPs per caption
         self.label_smoothing = label_smoothing

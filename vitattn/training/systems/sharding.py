@@ -12,10 +12,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from vitattn.layers import DecoderLayer, EncoderLayer
-from vitattn.models import ImageCaptioner, VisionTransformer
+from vitattn.models import CocaCaptioner, ImageCaptioner, VisionTransformer, captioner_from_config
 
 __all__ = [
     "SHARD_UNITS",
@@ -40,6 +40,8 @@ def shard_layers(model: nn.Module, mesh: DeviceMesh, precision: str = "32-true")
         if isinstance(module, SHARD_UNITS):
             fully_shard(module, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if isinstance(model, CocaCaptioner):
+        register_fsdp_forward_method(model, "forward_coca")  # training's pass: gathers the root's weights as forward
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -77,7 +79,7 @@ def unsharded_copy(model: nn.Module) -> nn.Module:
     device = next(iter(weights.values())).device
     with torch.device(device):
         if isinstance(model, ImageCaptioner):
-            copy: nn.Module = ImageCaptioner.from_config(model.config)
+            copy: nn.Module = captioner_from_config(model.config)
         else:
             copy = VisionTransformer(**model.config)
     copy.load_state_dict(weights, strict=True)

@@ -1,0 +1,220 @@
+"""``head=coca``: the contrastive losses against references written from the logits, two ranks (gloo, DDP and FSDP)
+against one process on both batches, the captioning path against the plain captioner's, a run end to end."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
+
+from tests.helpers import TINY, TINY_SHAPES, compose_train
+from vitattn.bundle import load_bundle, load_checkpoint
+from vitattn.data.tokenizer import Vocabulary
+from vitattn.errors import ConfigError
+from vitattn.models import CaptionDecoder, CocaCaptioner, ImageCaptioner, VisionTransformer
+from vitattn.training import train
+from vitattn.training.config import check_config
+from vitattn.training.systems import CocaSystem
+from vitattn.training.systems.contrastive import clip_loss, contrastive_model_config, siglip_loss
+from vitattn.training.systems.sharding import shard_layers
+
+WORDS = "a red blue green circle square on the".split()
+B, T = 4, 6  # pairs per rank; caption length, <bos> and <eos> included
+
+
+def _unit(*shape: int) -> torch.Tensor:
+    return torch.nn.functional.normalize(torch.randn(*shape), dim=-1)
+
+
+def test_clip_loss_is_the_mean_of_both_cross_entropies_and_its_scale_is_capped_at_100():
+    image, text = _unit(5, 8), _unit(5, 8)
+    for log_scale, scale in ((math.log(1 / 0.07), 1 / 0.07), (math.log(300.0), 100.0)):
+        logits = scale * image @ text.T  # (images, texts)
+        reference = -(logits.log_softmax(1).diagonal().mean() + logits.log_softmax(0).diagonal().mean()) / 2
+        torch.testing.assert_close(clip_loss(image, text, torch.tensor(log_scale)), reference)
+
+
+def test_siglip_loss_sums_a_binary_loss_per_pair_over_the_texts_and_averages_over_the_images():
+    image, text, bias = _unit(5, 8), _unit(5, 8), torch.tensor(-2.0)
+    logits = 10.0 * image @ text.T + bias
+    same = torch.eye(5, dtype=torch.bool)
+    reference = -(torch.sigmoid(logits)[same].log().sum() + torch.sigmoid(-logits)[~same].log().sum()) / 5
+    torch.testing.assert_close(siglip_loss(image, text, torch.tensor(math.log(10.0)), bias), reference)
+
+
+def test_siglip_auto_bias_starts_random_embeddings_at_the_loss_minimum():
+    n = 6
+    eye = torch.eye(2 * n)
+    image, text = eye[:n], eye[n:]  # every image orthogonal to every text: each logit is the bias
+    head = {"loss": "siglip", "embed_dim": 8, "text_depth": 1, "text_num_heads": 2, "text_mlp_ratio": 2.0}
+    for init, slope in (("auto", 0.0), (-10.0, -1.0)):  # d loss / d bias = n sigmoid(bias) - 1
+        bias = torch.tensor(contrastive_model_config({**head, "init_logit_bias": init}, n)["init_logit_bias"])
+        bias.requires_grad_()
+        siglip_loss(image, text, torch.tensor(0.0), bias).backward()
+        torch.testing.assert_close(bias.grad, torch.tensor(slope), atol=1e-3, rtol=0)
+
+
+def _system(loss: str) -> CocaSystem:
+    """A tiny CocaSystem, the same weights for the same seed."""
+    torch.manual_seed(0)
+    vocab = Vocabulary(WORDS)
+    encoder = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
+    decoder = dict(vocab_size=len(vocab), embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0, max_len=8, drop_rate=0.0)
+    head = {"loss": loss, "embed_dim": 16, "text_depth": 1, "text_num_heads": 2, "text_mlp_ratio": 2.0}
+    config = {"encoder": encoder, "decoder": decoder, "contrastive": contrastive_model_config(head, 2 * B)}
+    system = CocaSystem(config, WORDS, contrastive_loss=loss)
+    system.model.double()  # float64: the ranks' sums in another order stay far within 1e-6
+    return system
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    """Two ranks' batches, concatenated: captions of one length, so that each rank's caption loss averages as many
+    tokens and the ranks' mean is the whole batch's."""
+    generator = torch.Generator().manual_seed(1)
+    words = torch.randint(4, 4 + len(WORDS), (2 * B, T - 2), generator=generator)
+    tokens = torch.cat([torch.full((2 * B, 1), 1), words, torch.full((2 * B, 1), 2)], dim=1)  # (2B, T)
+    images = torch.randn(2 * B, 3, 32, 32, generator=generator, dtype=torch.float64)
+    return {"images": images, "tokens": tokens}
+
+
+class _Loss(nn.Module):
+    """The system's training loss as a module's forward, as Lightning's DDP wrapper calls it."""
+
+    def __init__(self, system: CocaSystem) -> None:
+        super().__init__()
+        self.system = system
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.system._loss(batch)
+
+
+def _loss_and_gradients(system: CocaSystem, batch: dict, mode: str) -> dict:
+    if mode == "ddp":
+        ddp = DistributedDataParallel(_Loss(system))  # held until the backward, whose gradients it averages
+        loss = ddp(batch)
+    else:
+        if mode == "fsdp":
+            shard_layers(system.model, init_device_mesh("cpu", (dist.get_world_size(),)))
+        loss = system._loss(batch)
+    loss.backward()
+    params = [(n, p) for n, p in system.model.named_parameters() if p.grad is not None]
+    grads = {n: p.grad.full_tensor() if mode == "fsdp" else p.grad for n, p in params}
+    return {"loss": loss.detach(), "contrastive": system._terms["contrastive_loss"], "grads": grads}
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        rows = slice(rank * B, (rank + 1) * B)
+        results = {}
+        for loss in ("clip", "siglip"):
+            for mode in ("ddp", "fsdp"):
+                batch = {k: v[rows] for k, v in _batch().items()}
+                results[loss, mode] = _loss_and_gradients(_system(loss), batch, mode)
+        torch.save(results, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Each case's loss and gradients on two gloo processes, each with its half of ``_batch``."""
+    folder = tmp_path_factory.mktemp("ranks")
+    mp.spawn(_rank, args=(str(folder / "store"), str(folder / "out")), nprocs=2)
+    return [torch.load(folder / f"out.{rank}", weights_only=True) for rank in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+def test_two_ranks_give_the_loss_and_gradients_of_one_process_on_both_batches(loss, mode, two_ranks):
+    expected = _loss_and_gradients(_system(loss), _batch(), "one")
+    ranks = [results[loss, mode] for results in two_ranks]
+    for key in ("loss", "contrastive"):  # the mean over the ranks of each rank's mean over its rows
+        torch.testing.assert_close((ranks[0][key] + ranks[1][key]) / 2, expected[key], rtol=0, atol=1e-6)
+    for rank in ranks:  # DDP's and FSDP's mean of the ranks' gradients, on every rank
+        assert rank["grads"].keys() == expected["grads"].keys()
+        for name, grad in expected["grads"].items():
+            torch.testing.assert_close(rank["grads"][name], grad, rtol=0, atol=1e-6, msg=name)
+    assert ranks[0]["contrastive"] != ranks[1]["contrastive"]  # each rank's loss is over its own rows
+    assert expected["grads"]["logit_scale"].abs() > 1e-3 and expected["grads"]["text.cls_token"].abs().sum() > 1e-3
+
+
+def _captioner_and_coca() -> tuple[ImageCaptioner, CocaCaptioner]:
+    encoder = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
+    decoder = CaptionDecoder(12, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, max_len=8, drop_rate=0.0)
+    coca = CocaCaptioner(encoder, decoder, embed_dim=16, text_depth=1, text_num_heads=2, text_mlp_ratio=2.0)
+    plain = ImageCaptioner.from_config({"encoder": encoder.config, "decoder": decoder.config})
+    plain.load_state_dict(coca.state_dict(), strict=False)
+    return plain.eval(), coca.eval()
+
+
+@torch.no_grad()
+def test_coca_captions_as_the_plain_captioner_with_its_weights_and_training_encodes_once():
+    plain, coca = _captioner_and_coca()
+    images, tokens = torch.randn(3, 3, 32, 32), torch.randint(4, 12, (3, T))
+    for settings in ({}, {"num_beams": 3}, {"do_sample": True, "top_k": 4}):
+        torch.manual_seed(0)
+        expected = plain.generate(images, **settings)
+        torch.manual_seed(0)
+        assert torch.equal(coca.generate(images, **settings), expected), settings
+    logits, image, text = coca.forward_coca(images, tokens, tokens)
+    torch.testing.assert_close(logits, plain(images, tokens[:, :-1]))
+    torch.testing.assert_close(image, coca.embed_images(images))
+    torch.testing.assert_close(text, coca.embed_texts(tokens))
+    torch.testing.assert_close(image.norm(dim=-1), torch.ones(3))
+
+
+@torch.no_grad()
+def test_a_text_embedding_ignores_the_padding():
+    _, coca = _captioner_and_coca()
+    tokens = torch.tensor([[1, 5, 6, 7, 2]])
+    padded = torch.cat([tokens, torch.zeros(1, 3, dtype=torch.long)], dim=1)  # <pad> is 0
+    torch.testing.assert_close(coca.embed_texts(padded), coca.embed_texts(tokens))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("head.contrastive.loss=triplet", "head.contrastive.loss='triplet' is unknown; choose clip or siglip"),
+        ("head.caption_weight=-1", "head.caption_weight=-1 must be a number of 0 or more"),
+        ("head.contrastive_weight=0 head.caption_weight=0", "head.contrastive_weight=0 and head.caption_weight=0"),
+        ("head.contrastive.init_logit_bias=low", "head.contrastive.init_logit_bias='low' must be auto or a number"),
+        (
+            "data=coco trainer=ddp trainer.accelerator=cpu data.bad_images=skip",
+            "data.bad_images=skip does not work with head=coca",
+        ),
+    ],
+)
+def test_a_bad_coca_setting_is_refused_in_one_line(override, message, tmp_path):
+    cfg = compose_train(["head=coca", "trainer.precision=32-true", *override.split()], tmp_path)
+    with pytest.raises(ConfigError) as error:
+        check_config(cfg)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+def test_a_coca_run_logs_both_terms_and_its_bundle_captions_and_embeds(loss, tmp_path):
+    overrides = ["head=coca", f"head.contrastive.loss={loss}", *TINY, *TINY_SHAPES, "trainer.fast_dev_run=true"]
+    cfg = compose_train(overrides, tmp_path)
+    result = train(cfg)
+    logged = {k: float(v) for k, v in result.system.trainer.callback_metrics.items()}
+    for stage in ("train", "val"):  # loss = 1.0 * contrastive + 2.0 * caption
+        total = logged[f"{stage}/contrastive_loss"] + 2.0 * logged[f"{stage}/caption_loss"]
+        assert logged[f"{stage}/loss"] == pytest.approx(total, rel=1e-5)
+    assert result.metrics["val/cider_d"] >= 0.0
+    bundle, single = load_bundle(result.bundle_dir), load_checkpoint(tmp_path / "checkpoints" / "last.ckpt", "cpu")
+    assert isinstance(bundle.model, CocaCaptioner) and (bundle.model.logit_bias is None) == (loss == "clip")
+    images, tokens = torch.randn(2, 3, 32, 32), torch.tensor([[1, 5, 6, 2], [1, 7, 2, 0]])
+    with torch.no_grad():
+        assert torch.equal(bundle.model.generate(images), single.model.generate(images))
+        torch.testing.assert_close(bundle.model.embed_images(images), single.model.embed_images(images))
+        texts = bundle.model.embed_texts(tokens)
+    assert texts.shape == (2, cfg.model.embed_dim)
+    torch.testing.assert_close(texts.norm(dim=-1), torch.ones(2))

@@ -1,0 +1,80 @@
+"""CoCa training: the captioner's teacher-forced cross-entropy and a contrastive loss between its image and text
+embeddings, weighted, from one encoding of each image; validation logs both terms and scores the captions as
+``CaptionSystem`` does (docs/captioning.md#coca)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from vitattn.training.systems.captioning import CaptionSystem
+from vitattn.training.systems.contrastive import check_contrastive, contrastive_loss
+
+__all__ = ["CocaSystem"]
+
+
+class CocaSystem(CaptionSystem):
+    """Trains a ``CocaCaptioner`` on ``caption_weight`` · caption + ``contrastive_weight`` · contrastive loss.
+
+    Args:
+        model_config: as ``CaptionSystem``'s, with the ``contrastive`` part ``CocaCaptioner`` takes.
+        contrastive_loss: ``clip`` or ``siglip``, with the negatives of every rank (``systems.contrastive``).
+        contrastive_weight, caption_weight: the terms' weights (open_clip's CoCa: 1 and 2).
+        kwargs: ``CaptionSystem``'s other arguments. With ``scst`` the self-critical loss is trained, and its
+            cross-entropy term (``scst.xe_weight``) is this weighted sum.
+    """
+
+    def __init__(
+        self,
+        model_config: dict[str, Any],
+        vocab: list[str] | str,
+        contrastive_loss: str = "clip",
+        contrastive_weight: float = 1.0,
+        caption_weight: float = 2.0,
+        **kwargs: Any,
+    ) -> None:
+        check_contrastive(contrastive_loss, contrastive_weight, caption_weight)
+        if "contrastive" not in model_config:
+            raise ValueError("model_config has no 'contrastive' part: CocaSystem trains a CocaCaptioner")
+        super().__init__(model_config, vocab, **kwargs)
+        self.contrastive_loss = contrastive_loss
+        self.contrastive_weight, self.caption_weight = contrastive_weight, caption_weight
+        self._terms: dict[str, Tensor] = {}  # the last ``_loss``'s two terms, logged by the step that asked for it
+
+    def _loss(self, batch: dict[str, Any], label_smoothing: float = 0.0) -> Tensor:
+        """The weighted sum; the contrastive pairs are each image and its first caption."""
+        tokens, caption_image = batch["tokens"], batch.get("caption_image")  # (N, T), (N,) or None
+        images = batch["images"]
+        texts = tokens  # (B, T): one caption per image for the contrastive pairs
+        if caption_image is not None and len(caption_image) != len(images):
+            first = torch.searchsorted(caption_image, torch.arange(len(images), device=caption_image.device))
+            texts = tokens.index_select(0, first)
+        logits, image, text = self.model.forward_coca(images, tokens, texts, caption_image)
+        caption = F.cross_entropy(  # CaptionSystem._loss's, on the logits of this pass
+            logits.reshape(-1, logits.shape[-1]).float(),
+            tokens[:, 1:].reshape(-1),
+            ignore_index=self.vocab.pad_id,
+            label_smoothing=label_smoothing,
+        )
+        contrastive = contrastive_loss(self.contrastive_loss, image, text, self.model)
+        self._terms = {"caption_loss": caption.detach(), "contrastive_loss": contrastive.detach()}
+        return self.caption_weight * caption + self.contrastive_weight * contrastive
+
+    def _log_terms(self, stage: str, size: int) -> None:
+        terms, self._terms = self._terms, {}
+        if terms:
+            self.log_dict({f"{stage}/{k}": v for k, v in terms.items()}, sync_dist=stage != "train", batch_size=size)
+
+    def training_step(self, batch: dict[str, Any] | None, batch_idx: int) -> Tensor | None:
+        loss = super().training_step(batch, batch_idx)
+        if batch is not None:
+            self._log_terms("train", len(batch["images"]))
+        return loss
+
+    def _evaluate(self, batch: dict[str, Any] | None, stage: str) -> None:
+        super()._evaluate(batch, stage)
+        if batch is not None:
+            self._log_terms(stage, len(batch["images"]))
