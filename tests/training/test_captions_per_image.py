@@ -10,6 +10,7 @@ import torch
 
 from tests.helpers import make_karpathy
 from vitattn.data.shapes import ShapesDataset
+from vitattn.data.shards.epoch_split import PositionSet
 from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.data.tokenizer import collate_captions, draw_captions
 from vitattn.metrics.tokenize import coco_tokenize
@@ -117,13 +118,19 @@ def test_shard_draws_are_those_of_the_sample_and_epoch_whatever_the_plan(tmp_pat
     write_shards(shapes_samples("train", 20, img_size=32), tmp_path / "train", 6)
     write_shards(shapes_samples("val", 4, img_size=32), tmp_path / "val", 4)
 
-    def draws(workers: int, buffer: int, epoch: int = 0) -> dict[str, list[list[int]]]:
+    def datamodule(workers: int, buffer: int, epoch: int) -> WebDatasetDataModule:
         dm = WebDatasetDataModule(
             str(tmp_path / "train"), str(tmp_path / "val"), img_size=32, batch_size=4, num_workers=workers,
             shuffle_buffer=buffer, captions_per_image=3, augment=False, count_cache=tmp_path / "cache",
         )  # fmt: skip
         dm.trainer = SimpleNamespace(current_epoch=epoch, global_rank=0, world_size=1)  # what the plan reads
         dm.setup("fit")
+        return dm
+
+    def draws(workers: int, buffer: int, epoch: int = 0, resume: dict | None = None) -> dict[str, list[list[int]]]:
+        dm = datamodule(workers, buffer, epoch)
+        if resume is not None:
+            dm.load_state_dict(resume)
         out = {}
         for shard_batch in dm.train_dataloader():
             batch = shard_batch.batch
@@ -135,6 +142,10 @@ def test_shard_draws_are_those_of_the_sample_and_epoch_whatever_the_plan(tmp_pat
     one = draws(0, 0)
     assert len(one) == 20 and all(len(rows) == 3 for rows in one.values())
     assert draws(2, 8) == one  # another plan and read order, the same captions per sample
+    stopped = datamodule(0, 0, 0)
+    stopped.epoch, stopped.trained = 0, PositionSet([(0, 8)])  # 8 samples trained when it stopped
+    rest = draws(0, 0, resume=json.loads(json.dumps(stopped.state_dict())))
+    assert len(rest) == 12 and rest == {key: one[key] for key in rest}  # the rest of the epoch, drawn as before
     assert draws(0, 0, epoch=1) != one  # each epoch draws anew
 
 

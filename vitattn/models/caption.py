@@ -23,22 +23,18 @@ __all__ = ["CaptionDecoder", "DecoderStep", "ImageCaptioner", "per_caption"]
 class CaptionDecoder(nn.Module):
     """Token + position embedding, a stack of ``DecoderLayer``s, an output projection.
 
-        Args:
-            vocab_size, embed_dim, depth, num_heads, mlp_ratio, drop_rate, attn_drop_rate: V, D and timm's others.
-            max_len: most caption positions, ``<bos>`` included.
-            memory_dim: width of the image tokens; projected to D when it differs.
-            norm_first, activation, fused_attn: as ``EncoderLayer``'s.
-    <<<<<<< HEAD
-            pad_id, bos_id, eos_id, unk_id: special ids (``Vocabulary``'s; ``unk_id`` None: none).
-            other_special_ids: the tokenizer's other special tokens; these, ``<unk>``, ``<pad>`` and ``<bos>`` are
-                never generated.
-    =======
-            pad_id, bos_id, eos_id, unk_id: special ids (``unk_id`` None: none); ``<unk>`` is never generated.
-    >>>>>>> trimD
-            tie_embeddings: the output projection is the token embedding (GPT-2); false: its own weight and bias.
-            init: ``timm`` (truncated normal, std 0.02) or ``torch`` (``nn.Linear``'s default; learns faster from
-                small data, docs/learning.md).
-            grad_checkpointing: recompute each layer in the backward pass.
+    Args:
+        vocab_size, embed_dim, depth, num_heads, mlp_ratio, drop_rate, attn_drop_rate: V, D and timm's others.
+        max_len: most caption positions, ``<bos>`` included.
+        memory_dim: width of the image tokens; projected to D when it differs.
+        norm_first, activation, fused_attn: as ``EncoderLayer``'s.
+        pad_id, bos_id, eos_id, unk_id: special ids (``Vocabulary``'s; ``unk_id`` None: none).
+        other_special_ids: the tokenizer's other special tokens; these, ``<unk>``, ``<pad>`` and ``<bos>`` are
+            never generated.
+        tie_embeddings: the output projection is the token embedding (GPT-2); false: its own weight and bias.
+        init: ``timm`` (truncated normal, std 0.02) or ``torch`` (``nn.Linear``'s default; learns faster from
+            small data, docs/learning.md).
+        grad_checkpointing: recompute each layer in the backward pass.
     """
 
     def __init__(

@@ -81,6 +81,10 @@ class CaptionSystem(VisionSystem):
     def _loss(self, batch: dict[str, Any], label_smoothing: float = 0.0) -> Tensor:
         tokens = batch["tokens"]  # (N, T): bos ... eos pad, N >= B with several captions per image
         logits = self.model(batch["images"], tokens[:, :-1], batch.get("caption_image"))  # (N, T-1, V)
+        return self._caption_loss(logits, tokens, label_smoothing)
+
+    def _caption_loss(self, logits: Tensor, tokens: Tensor, label_smoothing: float) -> Tensor:
+        """Cross-entropy of (N, T-1, V) next-token logits against ``tokens[:, 1:]``, the padding ignored."""
         return F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(),
             tokens[:, 1:].reshape(-1),

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from vitattn.training.systems.captioning import CaptionSystem
@@ -53,12 +52,7 @@ class CocaSystem(CaptionSystem):
             first = torch.searchsorted(caption_image, torch.arange(len(images), device=caption_image.device))
             texts = tokens.index_select(0, first)
         logits, image, text = self.model.forward_coca(images, tokens, texts, caption_image)
-        caption = F.cross_entropy(  # CaptionSystem._loss's, on the logits of this pass
-            logits.reshape(-1, logits.shape[-1]).float(),
-            tokens[:, 1:].reshape(-1),
-            ignore_index=self.vocab.pad_id,
-            label_smoothing=label_smoothing,
-        )
+        caption = self._caption_loss(logits, tokens, label_smoothing)
         contrastive = contrastive_loss(self.contrastive_loss, image, text, self.model)
         self._terms = {"caption_loss": caption.detach(), "contrastive_loss": contrastive.detach()}
         return self.caption_weight * caption + self.contrastive_weight * contrastive
