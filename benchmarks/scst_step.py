@@ -60,7 +60,7 @@ def measure(threads: int, batch_size: int, samples: int, baseline: str, repeats:
         optimizer.step()
 
     xe = _median_seconds(lambda: step(lambda: system._loss(batch)), repeats)
-    scst_loss = lambda: system._self_critical_loss(batch)  # noqa: E731
+    scst_loss = lambda: system._self_critical_loss(batch, len(batch["images"]))  # noqa: E731
     scst_seconds = _median_seconds(lambda: step(scst_loss), repeats)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()

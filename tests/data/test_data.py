@@ -321,7 +321,8 @@ def check_caption_batch(batch: dict, vocab: Vocabulary, batch_size: int, img_siz
         batch["references"],
     )
     assert images.shape == (batch_size, 3, img_size, img_size) and images.dtype == torch.uint8  # normalised on device
-    assert tokens.dtype == torch.long and tokens.shape[0] == batch_size
+    rows = batch["caption_image"]  # the image of each caption: every reference of a training image, one otherwise
+    assert tokens.dtype == torch.long and rows.tolist() == sorted(rows.tolist()) and len(set(rows.tolist())) == batch_size
     assert ids.shape == (batch_size,) and ids.dtype == torch.long
     assert len(refs) == batch_size and all(r and all(isinstance(c, str) for c in r) for r in refs)
     assert (tokens[:, 0] == vocab.bos_id).all()
@@ -447,12 +448,16 @@ def test_coco_datamodule_batches(coco):
     assert dm.test_dataset.dataset is dm.val_dataset.dataset  # no test file: test on val
     batch = next(iter(dm.train_dataloader()))
     check_caption_batch(batch, dm.vocab, 2, 32)
-    for tokens, refs in zip(batch["tokens"], batch["references"]):
-        assert dm.vocab.decode(tokens) in [" ".join(coco_tokenize(r)) for r in refs]
+    decoded = [dm.vocab.decode(tokens) for tokens in batch["tokens"]]
+    for i, refs in enumerate(batch["references"]):  # captions_per_image=all: each reference, once
+        assert [d for d, row in zip(decoded, batch["caption_image"]) if row == i] == [
+            " ".join(coco_tokenize(r)) for r in refs
+        ]
 
 
 def test_coco_datamodule_samples_every_training_caption(coco):
-    dm = CocoCaptionDataModule(coco / "images", coco / "train.json", coco / "val.json", img_size=32, batch_size=2)
+    settings = {"img_size": 32, "batch_size": 2, "captions_per_image": 1}
+    dm = CocoCaptionDataModule(coco / "images", coco / "train.json", coco / "val.json", **settings)
     dm.setup()
     seen = {dm.vocab.decode(dm.train_dataset[0, seed]["tokens"][0]) for seed in range(30)}  # each missed w.p. 2**-30
     assert seen == {" ".join(coco_tokenize(c)) for c in TRAIN_CAPTIONS[1]}

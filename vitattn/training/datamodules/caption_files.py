@@ -37,7 +37,7 @@ class CaptionFilesDataModule(ImageDataModule):
         num_workers: int | str = "auto",
         min_word_freq: int | str = "auto",
         max_caption_len: int = 32,
-        captions_per_image: int | str = 1,
+        captions_per_image: int | str = "all",
         vocab_path: str | os.PathLike | None = None,
         augment: bool | Mapping[str, Any] = True,
         cache: str = "auto",

@@ -109,7 +109,7 @@ class WebDatasetDataModule(ImageDataModule):
         class_names: str | Sequence[str] | None = None,
         min_word_freq: int | str = "auto",
         max_caption_len: int = 32,
-        captions_per_image: int | str = 1,
+        captions_per_image: int | str = "all",
         vocab_path: str | os.PathLike | None = None,
         augment: bool | Mapping[str, Any] = True,
         shuffle_buffer: int = 1000,
