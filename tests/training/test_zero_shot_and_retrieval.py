@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import make_caption_bundle, make_classifier_bundle
+from tests.helpers import TINY, TINY_SHAPES, compose_train, make_caption_bundle, make_classifier_bundle
 from tests.helpers.coca import COLOURS, colour_image, train_colour_coca
 from vitattn import Captioner
 from vitattn.cli.evaluate import main as eval_main
+from vitattn.data.shapes import ShapesDataset
+from vitattn.training import train
 from vitattn.training.evaluation import retrieval_metrics
 
 
@@ -152,3 +154,13 @@ def test_eval_zero_shot_or_retrieval_on_a_model_without_embeddings_is_one_line(t
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"error: {message}") and "needs a head=coca model" in err and "\n" not in err, err
         assert not (tmp_path / "eval").exists()
+
+
+def test_eval_retrieval_on_the_runs_own_caption_split(tmp_path):
+    overrides = ["head=coca", "trainer.precision=32-true", *TINY, *TINY_SHAPES, "trainer.fast_dev_run=true"]
+    train(compose_train(overrides, tmp_path))
+    assert eval_main([f"model={tmp_path}", "task=retrieval", "num_workers=0", "progress=false"]) == 0
+    metrics = json.loads((tmp_path / "eval-val" / "metrics.json").read_text())["metrics"]
+    val = ShapesDataset("val", 16, img_size=32)
+    assert metrics["num_images"] == 16 and metrics["num_texts"] == sum(len(val.references(i)) for i in range(16))
+    assert 0 <= metrics["i2t_r1"] <= metrics["i2t_r5"] <= metrics["i2t_r10"] <= 1
