@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_folder", "atomic_open", "atomic_write", "cache_folder", "parse_json", "read_json"]
+__all__ = ["atomic_folder", "atomic_open", "atomic_write", "cache_folder", "parse_json", "read_json", "read_text"]
 
 
 def cache_folder(given: str | os.PathLike | None = None) -> Path:
@@ -77,6 +77,18 @@ def parse_json(text: str) -> Any:
         raise ValueError("it nests arrays or objects too deeply to be read") from None
     except ValueError as err:  # JSONDecodeError, or an integer of more than sys.get_int_max_str_digits() digits
         raise ValueError(" ".join(str(err).split())) from None
+
+
+def read_text(path: str | os.PathLike, missing: str, not_text: str) -> str:
+    """The UTF-8 text of the file at ``path``: ``FileNotFoundError(missing)`` when there is none,
+    ``ValueError(not_text)`` when it is not UTF-8 (both one line, said by the caller)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(missing)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(not_text) from None
 
 
 def read_json(path: str | os.PathLike, what: str) -> Any:

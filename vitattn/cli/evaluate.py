@@ -6,8 +6,12 @@
                       [num_beams=N] [max_new_tokens=N] [length_penalty=X] [early_stopping=true|false|never]
                       [min_new_tokens=N] [no_repeat_ngram_size=N] [repetition_penalty=X]
       classification: [data_root=DIR]
+      a head=coca model also:
+        task=zero_shot data_root=DIR [labels=a,b,c|FILE] [templates='a photo of a {}.|a {}.'|FILE]
+        task=retrieval [references=COCO_JSON [image_dir=DIR]]
 
-Without ``references`` (or ``data_root``) the run's own split is scored. Exit status: 0 every image scored,
+Without ``references`` (or ``data_root``) the run's own split is scored; ``task`` defaults to the model's own
+(caption or classification). Exit status: 0 every image scored,
 1 some not, 2 a usage, data or model error. More: docs/captioning.md ("Evaluation and export").
 """
 
@@ -25,7 +29,9 @@ from vitattn.metrics import SCORERS
 from vitattn.metrics.toolkit import check_toolkit
 from vitattn.run_dir import RunDir
 
-__all__ = ["EvalConfig", "main", "parse_args", "run"]
+__all__ = ["TASKS", "EvalConfig", "main", "parse_args", "run"]
+
+TASKS = ("caption", "classification", "zero_shot", "retrieval")
 
 
 @dataclass
@@ -52,6 +58,9 @@ class EvalConfig:
     precision: str = "auto"  # auto, fp32 or bf16 (vitattn.precision)
     progress: bool = True
     scorer: str = "builtin"
+    task: str | None = None  # caption, classification, zero_shot or retrieval; None: the model's own
+    labels: Any = None  # zero_shot: a file of class names, one a line, or names separated by commas
+    templates: Any = None  # zero_shot: a file of prompt templates, one a line, or templates separated by |
 
 
 def parse_args(argv: list[str]) -> Any:
@@ -61,7 +70,33 @@ def parse_args(argv: list[str]) -> Any:
         raise UsageError(f"split={cfg.split!r} is unknown; choose val or test")
     if cfg.scorer not in SCORERS:
         raise UsageError(f"scorer={cfg.scorer!r} is unknown; choose {' or '.join(SCORERS)}")
+    if cfg.task is not None and cfg.task not in TASKS:
+        raise UsageError(f"task={cfg.task!r} is unknown; choose {', '.join(TASKS)}")
+    named = [k for k in ("labels", "templates") if cfg[k] is not None]
+    if named and cfg.task != "zero_shot":
+        raise UsageError(f"{' and '.join(named)} go with task=zero_shot")
+    if cfg.task == "zero_shot":
+        if cfg.data_root is None:
+            raise UsageError("task=zero_shot needs data_root=DIR (holding <split>/<class>/<image>)")
+        # heavy: torch, which the zero-shot names need only as the model runs
+        from vitattn.inference.zero_shot import templates_from
+
+        try:  # refused before a model loads
+            cfg.labels = _labels(cfg.labels)
+            cfg.templates = templates_from(cfg.templates)
+        except (ValueError, FileNotFoundError) as err:
+            raise UsageError(str(err)) from None
     return cfg
+
+
+def _labels(value: str | None) -> list[str] | None:
+    """``labels=``: a file of one name a line, else comma-separated names."""
+    from vitattn.inference.zero_shot import check_labels, read_lines
+
+    if value is None:
+        return None
+    names = read_lines(value, "labels") if Path(value).is_file() else value.split(",")
+    return check_labels(names)
 
 
 def run(cfg: Any) -> int:
@@ -83,7 +118,12 @@ def run(cfg: Any) -> int:
     loading = dict(
         split=cfg.split, run_dir=run, batch_size=cfg.batch_size, num_workers=cfg.num_workers, progress=cfg.progress
     )
-    if bundle.task == "caption":
+    task = cfg.task or bundle.task
+    if task in ("zero_shot", "retrieval"):
+        report = _embedding_task(cfg, bundle, task, loading)
+    elif task != bundle.task:
+        raise UsageError(f"task={task} but model={cfg.model} is a {bundle.task} model")
+    elif task == "caption":
         if cfg.data_root is not None:
             raise UsageError(
                 f"data_root= is for classifiers; model={cfg.model} is a caption model (use references=COCO_JSON)"
@@ -99,16 +139,41 @@ def run(cfg: Any) -> int:
             **loading,
         )
     else:
-        given = [k for k in ("references", "image_dir", "predictions", *SEARCH_KEYS) if cfg[k] is not None]
-        given += ["scorer"] if cfg.scorer != "builtin" else []
-        if given:
-            raise UsageError(f"{', '.join(given)} apply to caption models; model={cfg.model} is a {bundle.task} model")
+        _refuse(cfg, ("references", "image_dir", "predictions"), f"model={cfg.model} is a {bundle.task} model")
         report = evaluate_classification(bundle, data_root=cfg.data_root, **loading)
     out = Path(cfg.out) if cfg.out is not None else (run.path if run else Path.cwd()) / f"eval-{cfg.split}"
     files = write_report(report, out, model=str(Path(cfg.model).resolve()))
     print(format_report(report))
     print(f"metrics -> {files[0]}", flush=True)
     return 0 if report.complete else 1
+
+
+def _refuse(cfg: Any, keys: tuple[str, ...], why: str) -> None:
+    """A ``UsageError`` when any of ``keys``, a decoding setting or ``scorer`` is given: they apply to captions."""
+    from vitattn.models.search import SEARCH_KEYS
+
+    given = [k for k in (*keys, *SEARCH_KEYS) if cfg[k] is not None]
+    given += ["scorer"] if cfg.scorer != "builtin" else []
+    if given:
+        raise UsageError(f"{', '.join(given)} apply to caption models; {why}")
+
+
+def _embedding_task(cfg: Any, bundle: Any, task: str, loading: dict[str, Any]) -> Any:
+    """The report of ``task=zero_shot`` or ``task=retrieval``, on a ``head=coca`` model."""
+    from vitattn.inference.embeddings import embedding_model
+    from vitattn.training.evaluation import evaluate_retrieval, evaluate_zero_shot
+
+    what = "task=zero_shot" if task == "zero_shot" else "task=retrieval"
+    embedding_model(bundle, what, f"model={cfg.model}")
+    if task == "zero_shot":
+        _refuse(cfg, ("references", "image_dir", "predictions"), f"{what} classifies by name")
+        loading = {k: v for k, v in loading.items() if k != "run_dir"}
+        labels = None if cfg.labels is None else list(cfg.labels)
+        return evaluate_zero_shot(
+            bundle, data_root=cfg.data_root, labels=labels, templates=list(cfg.templates), **loading
+        )
+    _refuse(cfg, ("data_root", "predictions"), f"{what} embeds the split's images and captions")
+    return evaluate_retrieval(bundle, references=cfg.references, image_dir=cfg.image_dir, **loading)
 
 
 def main(argv: list[str] | None = None) -> int:

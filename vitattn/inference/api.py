@@ -6,6 +6,8 @@ Dimension letters: B batch, C channels, T' generated tokens, gh x gw patch grid;
 
     >>> Captioner.load("runs/coco/bundle").caption("cat.jpg", num_beams=3)
     'a cat sitting on a couch'
+    >>> Classifier.load("runs/coca/bundle", labels=["cat", "dog"]).predict("cat.jpg", top_k=1).labels
+    ['cat']
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from vitattn.data.preprocess import denormalize
 from vitattn.errors import brief
 from vitattn.inference.attention_maps import attention_from_tokens
 from vitattn.inference.captioning import generate_tokens
+from vitattn.inference.embeddings import embed_pixels, embed_texts
+from vitattn.inference.zero_shot import check_labels, read_lines, templates_from, zero_shot_model
 from vitattn.models.search import Controls, sequence_log_prob
 from vitattn.precision import precision_autocast
 
@@ -162,11 +166,58 @@ class Captioner(_TaskModel):
         shown = denormalize(pixels[0].float().cpu(), self.bundle.preprocess["mean"], self.bundle.preprocess["std"])
         return AttentionMaps(texts[0], words, cross[0, : len(words)].cpu(), rollout[0].cpu(), shown.clamp(0, 1))
 
+    def embed_images(self, images: ImageLike | Sequence[ImageLike], batch_size: int = 32) -> Tensor:
+        """(B, E) unit-length embeddings of one image or a list (a ``head=coca`` model's), on the CPU."""
+        batches, _ = _batches(images, batch_size)
+        return torch.cat([embed_pixels(self.bundle, self.pixels(batch)) for batch in batches])
+
+    def embed_texts(self, texts: str | Sequence[str], batch_size: int = 256) -> Tensor:
+        """(N, E) unit-length embeddings of one text or a list, on the CPU; a text longer than the decoder's
+        ``max_len`` tokens is cut to it, with a warning that counts them."""
+        return embed_texts(self.bundle, [texts] if isinstance(texts, str) else list(texts), batch_size)
+
+    def similarity(self, images: ImageLike | Sequence[ImageLike], texts: str | Sequence[str]) -> Tensor:
+        """(B, N) cosine similarities of images and texts, in [-1, 1], rows images."""
+        return self.embed_images(images) @ self.embed_texts(texts).T
+
 
 class Classifier(_TaskModel):
-    """Classify images with a trained model: ``Classifier.load(path).predict(images, top_k=5)``."""
+    """Classify images with a trained model: ``Classifier.load(path).predict(images, top_k=5)``; or, with a
+    ``head=coca`` model, by class name: ``Classifier.load(path, labels=["cat", "dog"])`` (zero-shot)."""
 
     task, other = "classification", "Captioner"
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        device: str | torch.device = "cpu",
+        precision: str = "auto",
+        *,
+        labels: Sequence[str] | None = None,
+        labels_file: str | os.PathLike | None = None,
+        templates: str | os.PathLike | Sequence[str] | None = None,
+    ) -> Classifier:
+        """The classifier at ``path``; with ``labels`` (or ``labels_file``, one name a line) a ``head=coca``
+        model's zero-shot classifier of those classes, named through ``templates`` (a list, a file of one a line,
+        or ``|``-separated; each with ``{}``; default ``DEFAULT_TEMPLATES``)."""
+        if labels is not None and labels_file is not None:
+            raise ValueError("give labels= or labels_file=, not both")
+        if labels_file is not None:
+            labels = read_lines(labels_file, "labels_file")
+        if labels is None:
+            if templates is not None:
+                raise ValueError("templates= name classes for zero-shot classification; give labels= with them")
+            return super().load(path, device, precision)
+        names = check_labels(labels, "labels_file" if labels_file is not None else "labels")
+        prompts = templates_from(templates)  # refused before the model loads
+        bundle = load_model(path, device, precision)
+        if bundle.task == "classification":
+            raise ValueError(
+                f"{path} is a classification model with its own classes; labels= are for zero-shot classification "
+                "with a head=coca model"
+            )
+        return cls(zero_shot_model(bundle, names, prompts, where=str(path)))
 
     def logits(self, images: ImageLike | Sequence[ImageLike], batch_size: int = 32) -> Tensor:
         """(B, num_classes) logits of one image or a list."""

@@ -1,15 +1,21 @@
-"""Evaluate a trained model on a split: caption metrics, or top-1 / top-5 accuracy and a confusion matrix."""
+"""Evaluate a trained model on a split: caption metrics; top-1 / top-5 accuracy and a confusion matrix (a trained
+head or zero-shot by class name); image-text retrieval recall."""
 
 from vitattn.training.evaluation.captions import evaluate_captions, read_predictions
-from vitattn.training.evaluation.classification import evaluate_classification
+from vitattn.training.evaluation.classification import evaluate_classification, evaluate_zero_shot
 from vitattn.training.evaluation.report import EvalReport, format_report, save_confusion_matrix, write_report
+from vitattn.training.evaluation.retrieval import evaluate_retrieval, retrieval_metrics, retrieval_ranks
 
 __all__ = [
     "EvalReport",
     "evaluate_captions",
     "evaluate_classification",
+    "evaluate_retrieval",
+    "evaluate_zero_shot",
     "format_report",
     "read_predictions",
+    "retrieval_metrics",
+    "retrieval_ranks",
     "save_confusion_matrix",
     "write_report",
 ]

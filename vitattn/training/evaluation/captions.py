@@ -18,7 +18,7 @@ from vitattn.bundle import LoadedModel
 from vitattn.data.images import EvalSplit
 from vitattn.data.tokenizer import describe_tokenizer, unknown_share
 from vitattn.errors import brief
-from vitattn.fileio import parse_json
+from vitattn.fileio import parse_json, read_text
 from vitattn.inference import InputImage, caption_images, generate_tokens
 from vitattn.metrics import SCORERS, first_per_image, score_captions
 from vitattn.metrics.toolkit import check_toolkit, toolkit_scores
@@ -46,12 +46,8 @@ def read_predictions(path: str | os.PathLike) -> tuple[dict[Any, str], list[Any]
     list ``[{"image_id", "caption"}]``; a repeated id keeps its first caption. Anything else: a ``ValueError``.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"predictions file not found: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"predictions={path} is not UTF-8 text (JSON Lines or a COCO results JSON)") from None
+    not_text = f"predictions={path} is not UTF-8 text (JSON Lines or a COCO results JSON)"
+    text = read_text(path, f"predictions file not found: {path}", not_text)
     if text.lstrip().startswith("["):
         try:
             records = parse_json(text)

@@ -1,4 +1,5 @@
-"""Classification evaluation: top-1 / top-5 accuracy and the confusion matrix of a split.
+"""Classification evaluation: top-1 / top-5 accuracy and the confusion matrix of a split, for a trained head or a
+``head=coca`` model's zero-shot classifier.
 
 Dimension letters: B batch, K classes.
 """
@@ -8,20 +9,23 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from vitattn.bundle import LoadedModel
+from vitattn.data.images import image_folder_split, open_image_folder
 from vitattn.inference import InputList
 from vitattn.inference.captioning import image_file_batches
+from vitattn.inference.zero_shot import check_labels, templates_from, zero_shot_model
 from vitattn.precision import precision_autocast
 from vitattn.run_dir import RunDir
 from vitattn.training.evaluation.report import EvalReport
 from vitattn.training.evaluation.splits import check_split, labelled_split
 
-__all__ = ["evaluate_classification", "file_batches"]
+__all__ = ["evaluate_classification", "evaluate_zero_shot", "file_batches"]
 
 log = logging.getLogger(__name__)
 
@@ -97,3 +101,30 @@ def evaluate_classification(
     return EvalReport(
         "classification", split, source, metrics, confusion=confusion.compute(), class_names=list(bundle.class_names)
     )
+
+
+def evaluate_zero_shot(
+    bundle: LoadedModel,
+    *,
+    data_root: str | os.PathLike,
+    labels: Sequence[str] | None = None,
+    templates: str | os.PathLike | Sequence[str] | None = None,
+    split: str = "val",
+    batch_size: int = 32,
+    num_workers: int = 0,
+    progress: bool = False,
+) -> EvalReport:
+    """``evaluate_classification`` of a ``head=coca`` model classifying by name (``zero_shot_model``) on ``split``
+    of ``data_root``: the classes are ``labels`` (each class folder must be one of them) or the folder names;
+    ``templates`` as ``templates_from`` reads them. The report's ``decoding`` lists the templates."""
+    check_split(split)
+    prompts = templates_from(templates)
+    names = check_labels(labels) if labels is not None else None
+    if names is None:
+        names = open_image_folder(image_folder_split(Path(data_root), split)).classes
+    model = zero_shot_model(bundle, names, prompts)
+    report = evaluate_classification(
+        model, split=split, data_root=data_root, batch_size=batch_size, num_workers=num_workers, progress=progress
+    )
+    report.task, report.decoding = "zero_shot", {"templates": prompts}
+    return report

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["EvalReport", "confusion_figure", "format_report", "save_confusion_matrix", "write_report"]
 
 
+RECALL = (1, 5, 10)  # retrieval's recall@k
 _LABELS = {
     **{f"bleu{n}": f"BLEU-{n}" for n in range(1, 5)},
     "rouge_l": "ROUGE-L",
@@ -30,6 +31,13 @@ _LABELS = {
     "distinct": "distinct captions",
     "top1": "top-1 accuracy",
     "top5": "top-5 accuracy",
+    **{
+        f"{way}_r{k}": f"{name} R@{k}" for way, name in (("i2t", "image->text"), ("t2i", "text->image")) for k in RECALL
+    },
+    "i2t_median_rank": "image->text median rank",
+    "t2i_median_rank": "text->image median rank",
+    "num_texts": "texts",
+    "num_texts_cut": "texts cut to max_len",
     "unknown_words": "ref. words outside vocab",
     "num_images": "images",
     "num_failed": "images failed",
@@ -40,10 +48,11 @@ _LABELS = {
 @dataclass
 class EvalReport:
     """One evaluation: what was scored (``task``, ``split``, ``data``, ``predictions``), how (``decoding``: the
-    ``generate`` settings), and the scores: ``metrics`` (BLEU, ROUGE-L, CIDEr-D, ``distinct``, ``exact_match``,
-    ``unknown_words``, or ``top1``, ``top5``; ``num_images``, ``num_failed``, ``num_missing``), ``captions``
-    (``(image_id, caption, references)`` sorted by id), ``confusion`` ((K, K), rows true, columns predicted) with
-    ``class_names``, and ``coco``, the COCO toolkit's own numbers (``scorer="coco"``).
+    ``generate`` settings, or zero-shot's templates), and the scores: ``metrics`` (BLEU, ROUGE-L, CIDEr-D,
+    ``distinct``, ``exact_match``, ``unknown_words``, or ``top1``, ``top5``, or retrieval's recalls and median ranks;
+    ``num_images``, ``num_failed``, ``num_missing``), ``captions`` (``(image_id, caption, references)`` sorted
+    by id), ``confusion`` ((K, K), rows true, columns predicted) with ``class_names``, and ``coco``, the COCO
+    toolkit's own numbers (``scorer="coco"``).
     """
 
     task: str

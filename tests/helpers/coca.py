@@ -1,0 +1,52 @@
+"""A tiny ``head=coca`` model trained, with the contrastive loss, to pair flat colour images with captions that
+name their colour: a model whose zero-shot answers and retrieval ranks are known."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from tests.helpers import CAPTION_PREPROCESS
+
+COLOURS = {"red": (215, 40, 40), "green": (40, 160, 60), "blue": (40, 90, 215), "yellow": (240, 200, 20)}
+WORDS = "a an the photo picture image of square".split() + list(COLOURS)
+TRAIN_TEMPLATES = ("a photo of a {}.", "a picture of a {}.", "an image of a {}.", "a {}.", "the {} square")
+
+
+def colour_image(colour: str, rng: np.random.Generator, size: int = 32) -> Image.Image:
+    """A flat ``colour`` square with pixel noise."""
+    noise = rng.integers(-30, 30, (size, size, 3))
+    return Image.fromarray(np.clip(np.array(COLOURS[colour]) + noise, 0, 255).astype(np.uint8))
+
+
+def train_colour_coca(folder: Path, steps: int = 300):
+    """Train a tiny ``CocaCaptioner`` (seed 0) for ``steps`` CLIP-loss steps, one fresh image per colour a step,
+    each with a caption from ``TRAIN_TEMPLATES``; write its bundle to ``folder`` and return the path."""
+    import torch
+
+    from vitattn.bundle import save_bundle
+    from vitattn.data.preprocess import eval_transform
+    from vitattn.data.tokenizer import Vocabulary
+    from vitattn.inference.embeddings import encode_texts
+    from vitattn.models import CaptionDecoder, CocaCaptioner, VisionTransformer
+    from vitattn.training.systems.contrastive import clip_loss
+
+    torch.manual_seed(0)
+    rng, pick = np.random.default_rng(0), random.Random(0)
+    vocab = Vocabulary(WORDS)
+    encoder = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
+    decoder = CaptionDecoder(len(vocab), embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0, max_len=8, drop_rate=0.0)
+    model = CocaCaptioner(encoder, decoder, embed_dim=16, text_depth=1, text_num_heads=2, text_mlp_ratio=2.0)
+    transform = eval_transform(CAPTION_PREPROCESS)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        images = torch.stack([transform(colour_image(c, rng)) for c in COLOURS])  # (4, 3, 32, 32)
+        tokens = encode_texts(vocab, [pick.choice(TRAIN_TEMPLATES).format(c) for c in COLOURS], decoder.max_len)
+        loss = clip_loss(model.embed_images(images), model.embed_texts(tokens), model.logit_scale)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return save_bundle(folder, model.eval(), task="caption", preprocess=CAPTION_PREPROCESS, vocab=vocab)

@@ -1,0 +1,116 @@
+"""Zero-shot classification and embeddings in the Python API: a trained tiny CoCa model names colours it was never
+given as classes, the class embeddings are the renormalised mean over templates, and bad input is refused in one
+line before anything runs."""
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import distinct, make_caption_bundle, make_classifier_bundle
+from tests.helpers.coca import COLOURS, colour_image, train_colour_coca
+from vitattn import Captioner, Classifier
+from vitattn.bundle import load_model
+from vitattn.inference.zero_shot import DEFAULT_TEMPLATES, zero_shot_model
+
+
+@pytest.fixture(scope="module")
+def coca_dir(tmp_path_factory) -> Path:
+    return train_colour_coca(tmp_path_factory.mktemp("coca") / "bundle")
+
+
+def _images(seed: int = 5, per_colour: int = 2) -> tuple[list, list[str]]:
+    rng = np.random.default_rng(seed)
+    names = [c for c in COLOURS for _ in range(per_colour)]
+    return [colour_image(c, rng) for c in names], names
+
+
+def test_zero_shot_on_a_trained_coca_model_names_the_colour_of_each_image(coca_dir, tmp_path):
+    images, truth = _images()
+    labels = ["blue", "yellow", "red", "green"]  # another order than training saw: classes are names, not indices
+    predicted = [p.labels[0] for p in Classifier.load(coca_dir, labels=labels).predict(images, top_k=2)]
+    distinct(predicted, at_least=4)
+    assert predicted == truth
+    (tmp_path / "labels.txt").write_text("\n".join(labels) + "\n\n")
+    from_file = Classifier.load(coca_dir, labels_file=tmp_path / "labels.txt", templates=["a {}."])
+    assert [p.labels[0] for p in from_file.predict(images, top_k=1)] == truth
+
+
+def test_class_embeddings_are_the_renormalised_mean_of_the_template_embeddings(coca_dir):
+    bundle = load_model(coca_dir)
+    labels, templates = ["red", "blue", "green"], ["a photo of a {}.", "the {} square", "{}"]
+    classifier = zero_shot_model(bundle, labels, templates).model
+    model, vocab = bundle.model, bundle.vocab
+    with torch.no_grad():
+        expected = []
+        for label in labels:
+            rows = [model.embed_texts(torch.tensor([vocab.encode(t.replace("{}", label))])) for t in templates]
+            mean = torch.cat(rows).mean(0)  # (E,)
+            expected.append(mean / mean.norm())
+        expected = torch.stack(expected)  # (K, E)
+        torch.testing.assert_close(classifier.classes, expected)
+        images = torch.randn(2, 3, 32, 32)
+        scale = model.logit_scale.exp()  # below the cap of 100 here
+        torch.testing.assert_close(classifier(images), scale * model.embed_images(images) @ expected.T)
+    assert len(DEFAULT_TEMPLATES) > 1 and all("{}" in t for t in DEFAULT_TEMPLATES)
+
+
+def test_captioner_embeddings_are_unit_length_and_similarity_is_their_product(coca_dir):
+    captioner, (images, truth) = Captioner.load(coca_dir), _images(per_colour=1)
+    texts = [f"a photo of a {c}." for c in truth]
+    image, text = captioner.embed_images(images), captioner.embed_texts(texts)
+    assert image.shape == (4, 16) and text.shape == (4, 16)
+    torch.testing.assert_close(image.norm(dim=-1), torch.ones(4))
+    similarity = captioner.similarity(images, texts)
+    torch.testing.assert_close(similarity, image @ text.T)
+    assert similarity.argmax(1).tolist() == [0, 1, 2, 3]  # each image nearest its own colour's caption
+    torch.testing.assert_close(captioner.embed_texts(texts[0]), text[:1])
+    assert isinstance(captioner.caption(images[0]), str)  # it still captions
+
+
+def test_a_text_longer_than_max_len_is_cut_with_a_count_in_a_warning(coca_dir, caplog):
+    captioner = Captioner.load(coca_dir)  # max_len 8: <bos>, six words, <eos>
+    long, cut = "a photo of a red square a photo of a red", "a photo of a red square"
+    with caplog.at_level(logging.WARNING):
+        embedded = captioner.embed_texts([long, "a red.", long])
+    assert "2 of 3 texts are longer than the decoder's max_len=8 tokens" in caplog.text
+    torch.testing.assert_close(embedded[0], captioner.embed_texts(cut)[0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"labels": []}, "labels is empty; give the class names to choose from"),
+        ({"labels": ["red", "blue", "red"]}, "labels repeats ['red']; give each class name once"),
+        ({"labels": ["red", " "]}, "labels has ' '; each class name is a non-blank string"),
+        ({"labels": "red"}, "labels='red' must be a list of class names"),
+        ({"labels": ["red"], "templates": ["a photo of a", "a {}"]}, "template 'a photo of a' has no {}"),
+        ({"labels": ["red"], "templates": "prompts.txt"}, "template 'prompts.txt' has no {} (nor is it a file)"),
+        ({"labels": ["red"], "templates": []}, "templates=[] holds no template"),
+        ({"templates": ["a {}"]}, "templates= name classes for zero-shot classification; give labels= with them"),
+        ({"labels": ["red"], "labels_file": "x.txt"}, "give labels= or labels_file=, not both"),
+    ],
+)
+def test_bad_labels_and_templates_are_refused_in_one_line(kwargs, message, coca_dir):
+    with pytest.raises(ValueError) as error:
+        Classifier.load(coca_dir, **kwargs)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_models_without_embeddings_are_refused_in_one_line(tmp_path):
+    caption = make_caption_bundle(tmp_path / "caption")
+    classifier = make_classifier_bundle(tmp_path / "classifier")
+    cases = [
+        (lambda: Classifier.load(caption, labels=["red"]), f"{caption} is a head=caption model without image and"),
+        (lambda: Captioner.load(caption).embed_texts("a red"), "this is a head=caption model without image and"),
+        (lambda: Captioner.load(caption).embed_images(np.zeros((8, 8, 3), np.uint8)), "this is a head=caption"),
+        (lambda: Classifier.load(classifier, labels=["red"]), f"{classifier} is a classification model with its"),
+        (lambda: Classifier.load(caption), f"{caption} is a caption model; load it with Captioner.load"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError) as error:
+            call()
+        assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)
+    assert "needs a head=coca model" in str(pytest.raises(ValueError, cases[0][0]).value)

@@ -1,0 +1,166 @@
+"""``vitattn-eval task=zero_shot`` and ``task=retrieval`` on a trained tiny CoCa model: the classification report
+from class names, recall@k and median rank against a brute-force oracle, and bad input refused in one line with
+nothing written."""
+
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import TINY, TINY_SHAPES, compose_train, make_caption_bundle, make_classifier_bundle
+from tests.helpers.coca import COLOURS, colour_image, train_colour_coca
+from vitattn import Captioner
+from vitattn.cli.evaluate import main as eval_main
+from vitattn.data.shapes import ShapesDataset
+from vitattn.training import train
+from vitattn.training.evaluation import retrieval_metrics
+
+
+@pytest.fixture(scope="module")
+def coca_dir(tmp_path_factory) -> Path:
+    return train_colour_coca(tmp_path_factory.mktemp("coca") / "bundle")
+
+
+def _oracle(similarity: torch.Tensor, text_image: list[int]) -> dict[str, float]:
+    """Recall@k and median rank by sorting each query's candidates, a tie in the match's favour: image -> its
+    best-placed own caption, text -> its image."""
+    B, N = similarity.shape
+    s = similarity.tolist()
+    image_ranks = []
+    for i in range(B):
+        order = sorted(range(N), key=lambda j: (-s[i][j], text_image[j] != i))
+        image_ranks.append(1 + min(order.index(j) for j in range(N) if text_image[j] == i))
+    text_ranks = [
+        1 + sorted(range(B), key=lambda i: (-s[i][j], i != text_image[j])).index(text_image[j]) for j in range(N)
+    ]
+    expected = {}
+    for way, ranks in (("i2t", image_ranks), ("t2i", text_ranks)):
+        for k in (1, 5, 10):
+            expected[f"{way}_r{k}"] = sum(r <= k for r in ranks) / len(ranks)
+        expected[f"{way}_median_rank"] = float(statistics.median(ranks))
+    return expected
+
+
+def test_retrieval_metrics_match_a_brute_force_oracle_with_several_captions_per_image():
+    generator = torch.Generator().manual_seed(0)
+    text_image = [0, 1, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11, 11]  # 12 images, 16 texts: k = 10 is not all
+    similarity = torch.randn(12, len(text_image), generator=generator)
+    metrics = retrieval_metrics(similarity, torch.tensor(text_image))
+    assert metrics == pytest.approx(_oracle(similarity, text_image))
+    assert 0 < metrics["i2t_r1"] < metrics["i2t_r10"] < 1 and 0 < metrics["t2i_r1"] < metrics["t2i_r10"] < 1
+
+
+def _colour_coco(root: Path) -> tuple[Path, Path, list[str]]:
+    """Eight colour images, two of each colour, one to three captions each, in a COCO caption file (the two images
+    of a colour share captions: ties)."""
+    rng, images, annotations, names = np.random.default_rng(3), [], [], []
+    captions = ["a photo of a {}.", "the {} square", "an image of a {}."]
+    (root / "images").mkdir(parents=True)
+    for n, colour in enumerate([c for c in COLOURS for _ in range(2)], start=1):
+        colour_image(colour, rng).save(root / "images" / f"{n}.png")
+        images.append({"id": n, "file_name": f"{n}.png"})
+        names.append(f"{n}.png")
+        for caption in captions[: 1 + n % 3]:
+            annotations.append({"id": len(annotations) + 1, "image_id": n, "caption": caption.format(colour)})
+    path = root / "captions.json"
+    path.write_text(json.dumps({"images": images, "annotations": annotations}))
+    return path, root / "images", names
+
+
+def test_eval_retrieval_on_a_coco_file_matches_the_oracle_of_the_apis_similarity(coca_dir, tmp_path, capsys):
+    references, image_dir, files = _colour_coco(tmp_path / "coco")
+    out = tmp_path / "eval"
+    argv = [f"model={coca_dir}", "task=retrieval", f"references={references}", f"image_dir={image_dir}"]
+    assert eval_main([*argv, f"out={out}", "num_workers=0", "progress=false", "batch_size=3"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())["metrics"]
+    annotations = json.loads(references.read_text())["annotations"]
+    texts, text_image = [a["caption"] for a in annotations], [a["image_id"] - 1 for a in annotations]
+    similarity = Captioner.load(coca_dir).similarity([str(image_dir / f) for f in files], texts)
+    expected = _oracle(similarity, text_image)
+    assert {k: metrics[k] for k in expected} == pytest.approx(expected)
+    assert metrics["num_images"] == 8 and metrics["num_texts"] == len(texts)
+    assert metrics["i2t_r5"] == 1.0  # two images of each colour: a trained model puts its own in the top five
+    assert "image->text R@1" in capsys.readouterr().out
+
+
+def _colour_folder(root: Path, per_colour: int = 2) -> Path:
+    rng = np.random.default_rng(7)
+    for colour in COLOURS:
+        (root / "val" / colour).mkdir(parents=True)
+        for i in range(per_colour):
+            colour_image(colour, rng).save(root / "val" / colour / f"{i}.png")
+    return root
+
+
+def test_eval_zero_shot_on_an_image_folder_writes_the_classification_report(coca_dir, tmp_path, capsys):
+    root = _colour_folder(tmp_path / "data")
+    out = tmp_path / "eval"
+    argv = [f"model={coca_dir}", "task=zero_shot", f"data_root={root}", f"out={out}", "num_workers=0"]
+    assert eval_main([*argv, "progress=false", "templates=a photo of a {}.|the {} square"]) == 0
+    summary = json.loads((out / "metrics.json").read_text())
+    assert summary["task"] == "zero_shot" and summary["decoding"]["templates"] == ["a photo of a {}.", "the {} square"]
+    assert summary["metrics"]["top1"] == 1.0 and summary["metrics"]["num_images"] == 8
+    confusion = json.loads((out / "confusion_matrix.json").read_text())
+    assert confusion["class_names"] == sorted(COLOURS) and (out / "confusion_matrix.png").is_file()
+    assert np.array_equal(np.array(confusion["matrix"]), 2 * np.eye(4))
+    assert "zero_shot evaluation" in capsys.readouterr().out
+    # labels=: the candidates, folders matched by name; a distractor class takes no image
+    (tmp_path / "labels.txt").write_text("purple\n" + "\n".join(COLOURS) + "\n")
+    assert eval_main([*argv, "progress=false", f"labels={tmp_path / 'labels.txt'}"]) == 0
+    confusion = json.loads((out / "confusion_matrix.json").read_text())
+    assert confusion["class_names"][0] == "purple" and sum(row[0] for row in confusion["matrix"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ("task=zero_shot", "task=zero_shot needs data_root=DIR"),
+        ("task=zero_shot data_root=D labels=,", "labels has ''; each class name is a non-blank string"),
+        ("task=zero_shot data_root=D labels=red,blue,red", "labels repeats ['red']; give each class name once"),
+        ("task=zero_shot data_root=D templates=a_photo", "template 'a_photo' has no {} (nor is it a file)"),
+        ("labels=red,blue", "labels go with task=zero_shot"),
+        ("task=search", "task='search' is unknown; choose caption, classification, zero_shot, retrieval"),
+        ("task=retrieval data_root=D", "data_root apply to caption models; task=retrieval embeds"),
+        ("task=zero_shot data_root=D num_beams=3", "num_beams apply to caption models; task=zero_shot"),
+        ("task=classification", "task=classification but model=M is a caption model"),
+    ],
+)
+def test_eval_bad_zero_shot_and_retrieval_arguments_are_one_line_and_write_nothing(
+    args, message, coca_dir, tmp_path, capsys
+):
+    root = _colour_folder(tmp_path / "data")
+    argv = [a.replace("=D", f"={root}") for a in args.split()]
+    assert eval_main([f"model={coca_dir}", *argv, f"out={tmp_path / 'eval'}", "progress=false"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {message.replace('model=M', f'model={coca_dir}')}") and "\n" not in err, err
+    assert not (tmp_path / "eval").exists()
+
+
+def test_eval_zero_shot_or_retrieval_on_a_model_without_embeddings_is_one_line(tmp_path, capsys):
+    caption, classifier = make_caption_bundle(tmp_path / "caption"), make_classifier_bundle(tmp_path / "classifier")
+    root = _colour_folder(tmp_path / "data")
+    for model, task, message in (
+        (caption, "retrieval", f"model={caption} is a head=caption model without image and text embeddings"),
+        (caption, "zero_shot", f"model={caption} is a head=caption model without image and text embeddings"),
+        (classifier, "zero_shot", f"model={classifier} is a classification model, which has no text embeddings"),
+        (classifier, "retrieval", f"model={classifier} is a classification model, which has no text embeddings"),
+    ):
+        argv = [f"model={model}", f"task={task}", f"data_root={root}"] if task == "zero_shot" else [f"model={model}"]
+        argv = argv + [f"task={task}"] if task == "retrieval" else argv
+        assert eval_main([*argv, f"out={tmp_path / 'eval'}", "progress=false"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {message}") and "needs a head=coca model" in err and "\n" not in err, err
+        assert not (tmp_path / "eval").exists()
+
+
+def test_eval_retrieval_on_the_runs_own_caption_split(tmp_path):
+    overrides = ["head=coca", "trainer.precision=32-true", *TINY, *TINY_SHAPES, "trainer.fast_dev_run=true"]
+    train(compose_train(overrides, tmp_path))
+    assert eval_main([f"model={tmp_path}", "task=retrieval", "num_workers=0", "progress=false"]) == 0
+    metrics = json.loads((tmp_path / "eval-val" / "metrics.json").read_text())["metrics"]
+    val = ShapesDataset("val", 16, img_size=32)
+    assert metrics["num_images"] == 16 and metrics["num_texts"] == sum(len(val.references(i)) for i in range(16))
+    assert 0 <= metrics["i2t_r1"] <= metrics["i2t_r5"] <= metrics["i2t_r10"] <= 1
