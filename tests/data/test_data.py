@@ -321,8 +321,8 @@ def check_caption_batch(batch: dict, vocab: Vocabulary, batch_size: int, img_siz
         batch["references"],
     )
     assert images.shape == (batch_size, 3, img_size, img_size) and images.dtype == torch.uint8  # normalised on device
-    rows = batch["caption_image"]  # the image of each caption: every reference of a training image, one otherwise
-    assert tokens.dtype == torch.long and rows.tolist() == sorted(rows.tolist()) and len(set(rows.tolist())) == batch_size
+    rows = batch["caption_image"].tolist()  # the image of each caption: every reference of a training image, else one
+    assert tokens.dtype == torch.long and rows == sorted(rows) and len(set(rows)) == batch_size
     assert ids.shape == (batch_size,) and ids.dtype == torch.long
     assert len(refs) == batch_size and all(r and all(isinstance(c, str) for c in r) for r in refs)
     assert (tokens[:, 0] == vocab.bos_id).all()

@@ -163,7 +163,8 @@ def test_an_epoch_gives_every_sample_once_for_both_heads(shards, task, workers):
     assert sorted(keys) == sorted(expected) and len(batches) == len(loader) == 13
     first = batches[0].batch
     if task == "caption":
-        assert first["images"].shape == (4, 3, 32, 32) and first["tokens"].shape[0] == 4
+        assert first["images"].shape == (4, 3, 32, 32) and set(first["caption_image"].tolist()) == {0, 1, 2, 3}
+        assert len(first["tokens"]) == sum(map(len, first["references"]))  # captions_per_image=all
         assert len(dm.vocab) > 10
     else:
         images, labels = first
