@@ -65,10 +65,11 @@ def test_caption_metrics_without_image_ids_scores_every_caption():
     assert metric.compute() == expected and expected["num_images"] == len(CORPUS) + 1
 
 
-def test_caption_metrics_moves_between_devices_and_computes_on_cpu_with_its_strings():
+def test_caption_metrics_holding_captions_moves_hashes_and_computes_on_cpu():
     metric = CaptionMetrics(compute_on_cpu=True)
     _update(metric, CORPUS)
     metric.to(torch.float64).to("cpu")  # what a LightningModule does with its children
+    assert metric in set(torch.nn.Sequential(metric).modules())  # named_modules hashes each module, states and all
     assert metric.compute() == _expected()
 
 

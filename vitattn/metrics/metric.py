@@ -77,7 +77,7 @@ class CaptionMetrics(Metric):
         if self.image_ids and ids and (self.image_ids[0] is None) != (ids[0] is None):
             raise ValueError("CaptionMetrics.update: image_ids given in some updates but not in others")
         self.captions.extend(captions)
-        self.references.extend(list(refs) for refs in references)
+        self.references.extend(tuple(refs) for refs in references)  # hashable: Metric.__hash__ hashes the states
         self.image_ids.extend(ids)
 
     def compute(self) -> dict[str, float]:
@@ -87,7 +87,7 @@ class CaptionMetrics(Metric):
             if any(i is not None for i in ids):
                 raise ValueError("CaptionMetrics: some ranks gave image_ids and others did not")
             ids = range(len(ids))
-        self.corpus = first_per_image(zip(ids, self.captions, self.references))
+        self.corpus = first_per_image(zip(ids, self.captions, map(list, self.references)))
         return score_captions(self.corpus, self.synthetic) if self.corpus else {}
 
     def reset(self) -> None:
