@@ -1,5 +1,6 @@
 """Caption metrics as the COCO caption toolkit computes them, offline and without Java; the toolkit itself
-(``vitattn.metrics.toolkit``, METEOR included) when pycocoevalcap and Java are installed."""
+(``vitattn.metrics.toolkit``, METEOR included) when pycocoevalcap and Java are installed; ``CaptionMetrics``, the
+same scores as a torchmetrics ``Metric`` (imported when first named: the inference path imports no torchmetrics)."""
 
 from vitattn.metrics.caption import (
     SCORERS,
@@ -17,6 +18,7 @@ from vitattn.metrics.caption import (
 from vitattn.metrics.tokenize import coco_tokenize
 
 __all__ = [
+    "CaptionMetrics",
     "CiderD",
     "SCORERS",
     "check_corpus",
@@ -30,3 +32,11 @@ __all__ = [
     "rouge_l",
     "score_captions",
 ]
+
+
+def __getattr__(name: str):
+    if name == "CaptionMetrics":
+        from vitattn.metrics.metric import CaptionMetrics
+
+        return CaptionMetrics
+    raise AttributeError(f"module 'vitattn.metrics' has no attribute {name!r}")

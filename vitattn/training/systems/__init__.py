@@ -1,7 +1,7 @@
 """LightningModules: loss, metrics, optimizer and logging around the plain models."""
 
 from vitattn.training.systems.base import NonFiniteLossError, VisionSystem
-from vitattn.training.systems.captioning import CaptionSystem, gather_predictions
+from vitattn.training.systems.captioning import CaptionSystem
 from vitattn.training.systems.classification import ClassificationSystem
 from vitattn.training.systems.coca import CocaSystem
 
@@ -11,5 +11,4 @@ __all__ = [
     "CocaSystem",
     "NonFiniteLossError",
     "VisionSystem",
-    "gather_predictions",
 ]

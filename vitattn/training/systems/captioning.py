@@ -7,27 +7,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
 from vitattn.data.tokenizer import tokenizer_from_labels
-from vitattn.metrics import CiderD, first_per_image, score_captions
+from vitattn.metrics import CaptionMetrics, CiderD
 from vitattn.models import captioner_from_config
 from vitattn.training.systems.base import VisionSystem
 from vitattn.training.systems.self_critical import ScstConfig, SelfCritical
 
-__all__ = ["CaptionSystem", "gather_predictions"]
-
-
-def gather_predictions(local: list[tuple[int, str, list[str]]]) -> list[tuple[int, str, list[str]]]:
-    """All ranks' ``(image_id, caption, references)``, one per image id, sorted by id."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, local)
-        local = [item for part in parts for item in part]
-    return first_per_image(local)
+__all__ = ["CaptionSystem"]
 
 
 class CaptionSystem(VisionSystem):
@@ -72,7 +62,7 @@ class CaptionSystem(VisionSystem):
         self.label_smoothing = label_smoothing
         self.generate_kwargs = dict(generate or {})
         self.num_samples = num_samples
-        self._outputs: list[tuple[int, str, list[str]]] = []
+        self.caption_metrics = CaptionMetrics(synthetic=True)  # every rank's captions, scored once
         self.last_samples: list[tuple[str, list[str]]] = []  # (caption, references) of the last evaluation
 
     def forward(self, images: Tensor, tokens: Tensor) -> Tensor:
@@ -123,15 +113,14 @@ class CaptionSystem(VisionSystem):
             return
         self.log(f"{stage}/loss", self._loss(batch), sync_dist=True, prog_bar=True, batch_size=len(batch["images"]))
         captions = self.vocab.decode_batch(self.model.generate(batch["images"], **self.generate_kwargs))
-        ids = batch["image_ids"].tolist()
-        self._outputs.extend(zip(ids, captions, batch["references"]))
+        self.caption_metrics.update(captions, batch["references"], batch["image_ids"].tolist())
 
     def _score(self, stage: str) -> None:
-        outputs = gather_predictions(self._outputs)
-        self._outputs = []
-        if not outputs or self.trainer.sanity_checking:
+        metrics = {} if self.trainer.sanity_checking else self.caption_metrics.compute()  # every rank alike
+        outputs = self.caption_metrics.corpus  # what was scored: one per image, sorted by id
+        self.caption_metrics.reset()
+        if not metrics:
             return
-        metrics = score_captions(outputs)
         # Every rank holds the whole split, so the values already agree: no reduction.
         self.log_dict({f"{stage}/{k}": float(v) for k, v in metrics.items()}, sync_dist=False, rank_zero_only=False)
         self.last_samples = [(caption, refs) for _, caption, refs in outputs][: self.num_samples]
