@@ -78,17 +78,32 @@ def test_xfail_strict_in_the_ini_file_counts_as_strict(tmp_path):
     assert "fails the run" not in proc.stdout and "1 xfailed" in proc.stdout
 
 
+# Each case starts a pytest run (about 8 s): two run with the fast tests, the rest with the slow ones.
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(
     "files",
     [
-        {"test_id.py": GPU_ID},
-        {"gpu/test_folder.py": IN_GPU_FOLDER},
-        {"test_xfail.py": XFAIL},
-        {"test_xfail.py": "import pytest\n\ndef test_known_bug():\n    pytest.xfail('known')\n"},
-        {"test_xfail.py": "import pytest\n\n@pytest.mark.xfail(reason='known')\ndef test_passes():\n    pass\n"},
-        {"test_xfail.py": XFAIL.replace("reason='known'", "reason='known', strict=True, run=False")},
+        pytest.param({"test_id.py": GPU_ID}, id="gpu-parametrize-id"),
+        pytest.param({"gpu/test_folder.py": IN_GPU_FOLDER}, id="gpu-folder", marks=SLOW),
+        pytest.param({"test_xfail.py": XFAIL}, id="xfail-mark"),
+        pytest.param(
+            {"test_xfail.py": "import pytest\n\ndef test_known_bug():\n    pytest.xfail('known')\n"},
+            id="pytest.xfail()",
+            marks=SLOW,
+        ),
+        pytest.param(
+            {"test_xfail.py": "import pytest\n\n@pytest.mark.xfail(reason='known')\ndef test_passes():\n    pass\n"},
+            id="xpassed",
+            marks=SLOW,
+        ),
+        pytest.param(
+            {"test_xfail.py": XFAIL.replace("reason='known'", "reason='known', strict=True, run=False")},
+            id="xfail-not-run",
+            marks=SLOW,
+        ),
     ],
-    ids=["gpu-parametrize-id", "gpu-folder", "xfail-mark", "pytest.xfail()", "xpassed", "xfail-not-run"],
 )
 def test_a_gpu_keyword_without_the_marker_or_a_not_strict_xfail_fails_the_run_in_ci(files, tmp_path):
     """The allow-list reads the gpu marker, not every keyword of the test (parametrize ids, folder names); an
