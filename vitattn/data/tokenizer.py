@@ -440,7 +440,11 @@ class TokenizedCaptions(Dataset):
     def __init__(self, dataset: Dataset, vocab: Tokenizer, max_len: int, per_image: int | str | None = None):
         self.dataset, self.vocab, self.max_len = dataset, vocab, max_len
         self.per_image = per_image
-        self.draws = per_image is not None  # its sampler hands out (index, epoch seed)
+
+    @property
+    def draws(self) -> bool:
+        """Whether its sampler hands out ``(index, epoch seed)``."""
+        return self.per_image is not None
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -94,11 +94,15 @@ class CocaCaptioner(ImageCaptioner):
         init_logit_scale: float = math.log(1 / 0.07),
         init_logit_bias: float | None = None,
     ) -> None:
-        contrastive = dict(locals())
-        for name in ("self", "__class__", "encoder", "decoder"):
-            del contrastive[name]
         super().__init__(encoder, decoder)
-        self.contrastive_config = contrastive
+        self.contrastive_config = {
+            "embed_dim": embed_dim,
+            "text_depth": text_depth,
+            "text_num_heads": text_num_heads,
+            "text_mlp_ratio": text_mlp_ratio,
+            "init_logit_scale": init_logit_scale,
+            "init_logit_bias": init_logit_bias,
+        }
         dec = decoder.config
         width = dec["embed_dim"]
         self.text = TextEncoder(
