@@ -329,8 +329,11 @@ def test_kill_9_then_resume_auto_keeps_each_logged_step_once(processes, tmp_path
         proc = subprocess.Popen(command, stdout=log, stderr=log, env=ENV, cwd=tmp_path, start_new_session=True)
         deadline = time.monotonic() + 300
         while proc.poll() is None and time.monotonic() < deadline:
-            if last.is_file() and len(_train_steps(run_dir)) >= _step(last) + 3:  # steps logged past the checkpoint
-                break
+            if last.is_file() and len(_train_steps(run_dir)) >= _step(last) + 2:  # steps logged past the checkpoint
+                os.killpg(proc.pid, signal.SIGSTOP)  # frozen, so a checkpoint cannot land between look and kill
+                if len(_train_steps(run_dir)) >= _step(last) + 2:
+                    break
+                os.killpg(proc.pid, signal.SIGCONT)
             time.sleep(0.05)
         assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         os.killpg(proc.pid, signal.SIGKILL)
