@@ -280,7 +280,7 @@ def _check_confusion(out: Path, num_images: int, top1: float) -> None:
     assert matrix.sum() == num_images and np.trace(matrix) / num_images == pytest.approx(top1)
 
 
-def test_eval_classification_on_the_run_split(classifier_run, tmp_path):
+def test_eval_classification_on_the_run_split(classifier_run, tmp_path, capsys):
     assert eval_main([f"model={classifier_run}", "split=test", f"out={tmp_path}", *FAST]) == 0
     report = _metrics(tmp_path)
     assert (report["task"], report["split"], report["decoding"]) == ("classification", "test", {})
@@ -288,9 +288,25 @@ def test_eval_classification_on_the_run_split(classifier_run, tmp_path):
     images = torch.stack([data[i][0] for i in range(16)])
     with torch.no_grad():
         logits = load_bundle(classifier_run).model(images)
-    top1, top5 = _hand_count(logits, [data.label(i) for i in range(16)])
+    labels = [data.label(i) for i in range(16)]
+    top1, top5 = _hand_count(logits, labels)
     assert report["metrics"] == {"top1": pytest.approx(top1), "top5": pytest.approx(top5), "num_images": 16}
     _check_confusion(tmp_path, 16, top1)
+    # per class: the share of each class's images whose top prediction is that class, counted by hand
+    predicted = logits.argmax(dim=-1).tolist()
+    by_hand = {}
+    for y, p in zip(labels, predicted):
+        by_hand.setdefault(CLASS_NAMES[y], []).append(p == y)
+    table = json.loads((tmp_path / "confusion_matrix.json").read_text())["per_class"]
+    assert [row["class"] for row in table] == CLASS_NAMES
+    for row in table:
+        hits = by_hand.get(row["class"], [])
+        assert row["images"] == len(hits)
+        assert row["accuracy"] == (pytest.approx(sum(hits) / len(hits)) if hits else None)
+    printed = capsys.readouterr().out
+    assert "per class: accuracy (images)" in printed
+    name, hits = next(iter(by_hand.items()))
+    assert f"    {name:<26} {sum(hits) / len(hits):>8.4f}  ({len(hits)})" in printed
 
 
 def test_eval_classification_on_an_image_folder_maps_classes_by_name(classifier_run, tmp_path):

@@ -106,6 +106,7 @@ def test_eval_zero_shot_on_an_image_folder_writes_the_classification_report(coca
     confusion = json.loads((out / "confusion_matrix.json").read_text())
     assert confusion["class_names"] == sorted(COLOURS) and (out / "confusion_matrix.png").is_file()
     assert np.array_equal(np.array(confusion["matrix"]), 2 * np.eye(4))
+    assert confusion["per_class"] == [{"class": c, "images": 2, "accuracy": 1.0} for c in sorted(COLOURS)]
     assert "zero_shot evaluation" in capsys.readouterr().out
     # labels=: the candidates, folders matched by name; a distractor class takes no image
     (tmp_path / "labels.txt").write_text("purple\n" + "\n".join(COLOURS) + "\n")

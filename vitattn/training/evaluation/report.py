@@ -133,6 +133,7 @@ def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) 
             "rows": "true class",
             "columns": "predicted class",
             "matrix": report.confusion.tolist(),
+            "per_class": [{"class": c, "images": n, "accuracy": a} for c, n, a in _class_accuracies(report)],
         }
         written.append(atomic_write(out / "confusion_matrix.json", json.dumps(table) + "\n"))
         title = f"{report.split}: top-1 {report.metrics['top1']:.3f} over {report.metrics['num_images']} images"
@@ -149,6 +150,24 @@ def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) 
     if report.coco:
         summary["coco"] = _plain(report.coco)
     return [atomic_write(out / "metrics.json", json.dumps(summary, indent=2) + "\n"), *written]
+
+
+def _class_accuracies(report: EvalReport) -> list[tuple[str, int, float | None]]:
+    """Each class's name, images and accuracy (the share of its images predicted as it; None without images),
+    from the confusion matrix."""
+    images = report.confusion.sum(dim=1).tolist()
+    right = report.confusion.diagonal().tolist()
+    return [(c, n, r / n if n else None) for c, n, r in zip(report.class_names, images, right)]
+
+
+def _per_class_lines(report: EvalReport, shown: int = 20) -> list[str]:
+    """The per-class rows of the table: every class up to ``shown`` of them, else the ``shown`` weakest."""
+    rows = [row for row in _class_accuracies(report) if row[1]]
+    title = "  per class: accuracy (images)"
+    if len(rows) > shown:
+        rows = sorted(rows, key=lambda row: row[2])[:shown]
+        title += f", the {shown} weakest of {len(report.class_names)} (all in confusion_matrix.json)"
+    return [title, *(f"    {name:<26} {accuracy:>8.4f}  ({n})" for name, n, accuracy in rows)]
 
 
 def format_report(report: EvalReport) -> str:
@@ -171,4 +190,6 @@ def format_report(report: EvalReport) -> str:
         if key in coco:
             row += f"  {coco[key]:>12.4f}"
         lines.append(row)
+    if report.confusion is not None:
+        lines += _per_class_lines(report)
     return "\n".join(lines)
