@@ -3,7 +3,7 @@
     vitattn-serve model=PATH [port=8000] [host=127.0.0.1|0.0.0.0|::] [accelerator=auto|cpu|cuda]
         [devices=auto|N] [workers_per_device=1] [max_batch_size=8] [batch_timeout=0.05] [timeout=60]
         [max_image_bytes=20000000] [num_beams=N] [max_new_tokens=N] [length_penalty=X]
-        [early_stopping=true|false|never] [min_new_tokens=N] [no_repeat_ngram_size=N] [repetition_penalty=X]
+        [early_stopping=true|false|never] [min_new_tokens=N] [no_repeat_ngram_size=N] [repetition_penalty=X] [rerank=N]
         [num_threads=N] [precision=auto|fp32|bf16]
 
 ``POST /predict`` an image -> {"caption", "tokens"}; ``GET /health``; ``GET /``, a page. SIGTERM or SIGINT
@@ -49,6 +49,7 @@ class ServeConfig:
     min_new_tokens: int | None = None  # Hugging Face's decoding controls
     no_repeat_ngram_size: int | None = None
     repetition_penalty: float | None = None
+    rerank: int | None = None  # N > 1: of N captions, the one nearest the image (head=coca)
     num_threads: int | None = None
     precision: str = "auto"  # auto, fp32 or bf16 (vitattn.precision)
 
