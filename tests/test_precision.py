@@ -273,9 +273,9 @@ def test_caption_eval_and_serve_load_in_the_precision_given(caption_run, tmp_pat
     class Served(Exception):
         pass
 
-    def no_server(api, **kwargs):
-        api.setup("cpu")  # what each inference worker does
-        assert api.bundle.precision == "bf16"
+    def no_server(apis, **kwargs):
+        apis[0].setup("cpu")  # what each inference worker does
+        assert apis[0].bundle.precision == "bf16"
         raise Served
 
     monkeypatch.setattr(vitattn.serve, "build_server", no_server)

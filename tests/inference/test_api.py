@@ -1,3 +1,4 @@
+import json
 import re
 import shutil
 from pathlib import Path
@@ -8,6 +9,7 @@ import torch
 from PIL import Image
 
 from tests.helpers import distinct, make_caption_bundle, make_classifier_bundle
+from tests.helpers.coca import COLOURS, colour_image, train_colour_coca
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle
 from vitattn.data.images import BadImageError, read_image
@@ -24,6 +26,11 @@ def caption_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def classifier_dir(tmp_path_factory) -> Path:
     return make_classifier_bundle(tmp_path_factory.mktemp("api") / "classifier")
+
+
+@pytest.fixture(scope="module")
+def coca_dir(tmp_path_factory) -> Path:
+    return train_colour_coca(tmp_path_factory.mktemp("api") / "coca")
 
 
 @pytest.fixture(scope="module")
@@ -259,3 +266,96 @@ def test_readme_python_api_example_runs_as_written(caption_dir, classifier_dir, 
     assert namespace["best"].text == namespace["captioner"].caption("cat.jpg")
     assert namespace["prediction"].labels[0] in ("cat", "dog", "bird")
     assert (tmp_path / "cat_attention.png").stat().st_size > 0
+
+
+def _rerank_seen(captioner: Captioner, images: list, **generate) -> tuple[list[str], list[list[str]]]:
+    """The captions ``caption(images, **generate)`` returns and the candidates (as texts) each was chosen from."""
+    seen = []
+    choose = captioner.model.choose
+
+    def spy(pixels, candidates):
+        seen.append(candidates.clone())
+        return choose(pixels, candidates)
+
+    captioner.model.choose = spy
+    try:
+        captions = captioner.caption(images, **generate)
+    finally:
+        del captioner.model.choose
+    texts = captioner.vocab.decode_batch(torch.cat(seen))
+    N = len(texts) // len(images)
+    return captions, [texts[i * N : (i + 1) * N] for i in range(len(images))]
+
+
+@pytest.mark.parametrize(
+    "generate",
+    [{"num_beams": 5, "rerank": 5}, {"num_beams": 6, "rerank": 3}, {"do_sample": True, "rerank": 6}],
+    ids=["beam-5-of-5", "beam-3-of-6", "sample-6"],
+)
+def test_rerank_keeps_the_candidate_whose_text_embedding_is_nearest_the_image(coca_dir, generate):
+    """The oracle embeds every candidate through the public API (texts, not token ids) and takes the argmax."""
+    rng = np.random.default_rng(7)
+    images = [colour_image(c, rng) for c in COLOURS for _ in range(3)]
+    captioner = Captioner.load(coca_dir)
+    if generate.get("do_sample"):
+        generate = {**generate, "generator": torch.Generator().manual_seed(0)}
+    captions, candidates = _rerank_seen(captioner, images, batch_size=5, **generate)
+    image_embeddings = captioner.embed_images(images)  # (B, E)
+    chosen = []
+    for b, texts in enumerate(candidates):
+        assert len(texts) == generate["rerank"]
+        cosine = captioner.embed_texts(texts) @ image_embeddings[b]  # (N,)
+        i = texts.index(captions[b])
+        assert cosine[i] >= cosine.max() - 1e-6, (b, texts, cosine.tolist())  # identical texts may tie
+        chosen.append(i)
+    assert any(i > 0 for i in chosen), chosen  # the choice is not always the beam's best (or the first sample)
+    distinct(captions, at_least=2)
+
+
+def test_rerank_is_off_at_one_and_the_beams_best_is_kept(coca_dir):
+    captioner = Captioner.load(coca_dir)
+    images = [colour_image(c, np.random.default_rng(1)) for c in COLOURS]
+    assert captioner.caption(images, num_beams=4, rerank=1) == captioner.caption(images, num_beams=4)
+
+
+@pytest.mark.parametrize(
+    "generate, message",
+    [
+        ({"num_beams": 2, "rerank": 3}, "rerank=3 chooses among the beam's best captions and needs num_beams >= 3"),
+        ({"rerank": 2}, "needs num_beams >= 2 (num_beams=1), or do_sample=true"),
+        ({"num_beams": 3, "rerank": 0}, "rerank=0 must be at least 1"),
+    ],
+)
+def test_rerank_refuses_settings_it_cannot_use_in_one_line(coca_dir, generate, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        Captioner.load(coca_dir).caption(colour_image("red", np.random.default_rng(0)), **generate)
+    assert "\n" not in str(err.value)
+
+
+def test_rerank_on_a_model_without_embeddings_is_refused_in_one_line(caption_dir, photos):
+    with pytest.raises(
+        ValueError, match=r"^rerank=3 chooses among captions by image and text embeddings, which only"
+    ) as err:
+        Captioner.load(caption_dir).caption(photos[0], num_beams=3, rerank=3)
+    assert "head=coca" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_vitattn_caption_rerank_writes_the_captions_the_api_chooses(coca_dir, caption_dir, tmp_path, capsys):
+    from vitattn.cli.caption import main as caption_main
+
+    rng = np.random.default_rng(3)
+    paths = []
+    for i, colour in enumerate([c for c in COLOURS for _ in range(2)]):
+        paths.append(tmp_path / f"{i}.png")
+        colour_image(colour, rng).save(paths[-1])
+    (tmp_path / "list.txt").write_text("".join(f"{p}\n" for p in paths))
+    args = [f"images={tmp_path / 'list.txt'}", "num_beams=5", "rerank=4", "device=cpu", "progress=false"]
+    assert caption_main([f"model={coca_dir}", f"out={tmp_path / 'c.jsonl'}", "num_workers=0", *args]) == 0
+    written = [json.loads(line)["caption"] for line in (tmp_path / "c.jsonl").read_text().splitlines()]
+    chosen = Captioner.load(coca_dir).caption(paths, num_beams=5, rerank=4)
+    assert written == chosen
+    assert chosen != Captioner.load(coca_dir).caption(paths, num_beams=5)  # reranking changed some captions
+    capsys.readouterr()
+    assert caption_main([f"model={caption_dir}", f"out={tmp_path / 'd.jsonl'}", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: rerank=4 chooses among captions by image and text embeddings"), err

@@ -106,10 +106,11 @@ def _exhaustive(decoders: ToyDecoders, b: int, length_penalty: float) -> tuple[f
 
 def _hf_style_beam_search(
     decoders: ToyDecoders, b: int, K: int, length_penalty: float, early_stopping
-) -> tuple[float, tuple[int, ...]]:
-    """Image b's beam search as Hugging Face's ``_beam_search`` (transformers 4.50+; the ``BeamHypotheses``
-    rules), written out with lists: the 2K best extensions of the K live beams; of the first K of them, those
-    ending in ``<eos>`` (all of them at the last step) join the finished hypotheses, scored
+) -> list[tuple[float, tuple[int, ...]]]:
+    """Image b's K finished hypotheses (score, caption), best first, of a beam search as Hugging Face's
+    ``_beam_search`` (transformers 4.50+; the ``BeamHypotheses`` rules), written out with lists: the 2K best
+    extensions of the K live beams; of the first K of them, those ending in ``<eos>`` (all of them at the last
+    step) join the finished hypotheses, scored
     ``log p / length ** length_penalty`` with length the tokens generated, of which the K best are kept;
     the K best that do not end live on. Once K have finished, the image is done when ``early_stopping`` is
     True, or when the best live beam scored at its current length (False) or at the longest length
@@ -136,7 +137,7 @@ def _hf_style_beam_search(
             longest = T if early_stopping == "never" and length_penalty > 0 else i + 1
             if live[0][0] / longest**length_penalty <= finished[-1][0]:
                 break
-    return finished[0]
+    return finished
 
 
 @pytest.mark.parametrize("early_stopping", EARLY_STOPPING)
@@ -161,9 +162,47 @@ def test_three_beams_score_as_a_hugging_face_style_search(length_penalty, early_
     decoders = ToyDecoders(T=4, seed=1)
     got = _search(decoders, 3, length_penalty, early_stopping)
     for b in range(B):
-        ref_score, ref = _hf_style_beam_search(decoders, b, 3, length_penalty, early_stopping)
+        ref_score, ref = _hf_style_beam_search(decoders, b, 3, length_penalty, early_stopping)[0]
         assert decoders.score(b, got[b], length_penalty) >= ref_score - 1e-9, (b, got[b], ref)
         assert got[b] == ref, (b, got[b], ref)
+
+
+@pytest.mark.parametrize("early_stopping", EARLY_STOPPING)
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_num_return_sequences_are_the_best_finished_hypotheses_in_order(R, early_stopping):
+    """K = 4 beams return each image's R best finished captions, best first, an image's R consecutive."""
+    decoders = ToyDecoders(T=4, seed=2)
+    decoders.K = 4
+    out = beam_search(decoders, B, 4, 4, IDS, 1.0, early_stopping, num_return_sequences=R)  # (B * R, T')
+    assert out.shape[0] == B * R
+    got = [_caption(row) for row in out]
+    for b in range(B):
+        expected = [caption for _, caption in _hf_style_beam_search(decoders, b, 4, 1.0, early_stopping)[:R]]
+        assert got[b * R : (b + 1) * R] == expected, b
+
+
+def test_num_return_sequences_give_transformers_generate_captions():
+    decoders = ToyDecoders(T=4, seed=4)
+    model = _hf_toy_model(decoders, 4)
+    with torch.no_grad():
+        hf = model.generate(
+            torch.full((B, 1), IDS.bos_id),
+            num_beams=4,
+            num_return_sequences=3,
+            max_new_tokens=4,
+            do_sample=False,
+            use_cache=False,
+        )
+    decoders.K = 4
+    got = beam_search(decoders, B, 4, 4, IDS, num_return_sequences=3)
+    assert [_caption(row) for row in got] == [_caption(row) for row in hf[:, 1:]]
+    assert len({_caption(row) for row in got[:3]}) == 3  # an image's three are three captions
+
+
+@pytest.mark.parametrize("R", [0, 5])
+def test_num_return_sequences_beyond_the_beams_are_refused_in_one_line(R):
+    with pytest.raises(ValueError, match=f"^num_return_sequences={R} must be between 1 and num_beams=4$"):
+        beam_search(ToyDecoders(T=2, seed=0, num_beams=4), B, 2, 4, IDS, num_return_sequences=R)
 
 
 def test_early_stopping_settings_change_captions_as_they_should():

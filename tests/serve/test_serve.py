@@ -167,7 +167,7 @@ def _echo_app(middleware, **kwargs):
 def test_raw_image_body_becomes_the_json_decode_reads(api, images, expected):
     from vitattn.serve.server import RequestBodies
 
-    client = _echo_app(RequestBodies, path="/predict")
+    client = _echo_app(RequestBodies, paths=["/predict"])
     raw = (images / "rgb.jpg").read_bytes()
     echoed = client.post("/predict?attention=true", content=raw, headers={"Content-Type": "image/jpeg"}).json()
     assert echoed["content_type"] == "application/json"
@@ -450,3 +450,211 @@ def test_load_script_passes_its_checks_on_a_small_run(bundle_dir, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert report["passed"] and report["answered"] == 60 and report["status_counts"] == {"200": 54, "400": 6}
     assert report["latency_ms"]["p50"] <= report["latency_ms"]["p99"]
+
+
+# ---- /embed and /classify: a head=coca model's routes
+
+
+@pytest.fixture(scope="module")
+def coca_dir(tmp_path_factory) -> Path:
+    from tests.helpers.coca import train_colour_coca
+
+    return train_colour_coca(tmp_path_factory.mktemp("coca") / "bundle")
+
+
+@pytest.fixture(scope="module")
+def colours(tmp_path_factory) -> dict[str, Path]:
+    """One noisy square of each colour the coca model was trained on, as a PNG file."""
+    import numpy as np
+
+    from tests.helpers.coca import COLOURS, colour_image
+
+    folder, rng = tmp_path_factory.mktemp("colours"), np.random.default_rng(11)
+    paths = {colour: folder / f"{colour}.png" for colour in COLOURS}
+    for colour, path in paths.items():
+        colour_image(colour, rng).save(path)
+    return paths
+
+
+def _b64(path: Path) -> str:
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def _answers(api, requests: list) -> list:
+    """Each request through the LitAPI as LitServe takes it: decoded, predicted as one batch, encoded."""
+    outputs = api.unbatch(api.predict(api.batch([api.decode_request(r) for r in requests])))
+    return [api.encode_response(out) for out in outputs]
+
+
+def _detail(response) -> str:
+    assert response.status_code == 400, response
+    detail = json.loads(response.body)["detail"]
+    assert "\n" not in detail
+    return detail
+
+
+def test_embed_gives_the_python_apis_unit_embeddings_of_images_and_texts(coca_dir, colours):
+    import torch
+
+    from vitattn import Captioner
+    from vitattn.serve import EmbedAPI
+
+    api = EmbedAPI(str(coca_dir), max_batch_size=8)
+    api.setup("cpu")
+    texts = ["a red square", "the blue square", "a photo of a green."]
+    answers = _answers(
+        api,
+        [
+            _form(colours["red"]),
+            {"text": texts[0]},
+            {"image": _b64(colours["blue"])},
+            {"texts": texts},
+            {"file": _form(colours["yellow"])["image"]},
+        ],
+    )
+    captioner = Captioner.load(coca_dir)
+    want_images = captioner.embed_images([colours[c] for c in ("red", "blue", "yellow")])  # (3, E)
+    want_texts = captioner.embed_texts(texts)  # (3, E)
+    got_images = torch.tensor([answers[i]["embedding"] for i in (0, 2, 4)])
+    torch.testing.assert_close(got_images, want_images, rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(answers[1]["embedding"]), want_texts[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(answers[3]["embeddings"]), want_texts, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_images.norm(dim=-1), torch.ones(3))
+    assert got_images[0] @ want_texts[0] > got_images[1] @ want_texts[0]  # the red image nearest "a red square"
+
+
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        ({}, "the request has no 'image', 'text' or 'texts'"),
+        ({"text": 3}, "'text' must be a string, got 3"),
+        ({"texts": []}, "'texts' must be a non-empty list of strings, got []"),
+        ({"texts": ["a", 1]}, "'texts' must be a non-empty list of strings"),
+        ({"text": "a", "texts": ["b"]}, "the request has both 'text' and 'texts'"),
+        ({"text": "a", "image": "AAAA"}, "the request has an image and text"),
+        ({"image": "@@"}, "'image' is not valid base64"),
+    ],
+)
+def test_embed_refuses_bad_requests_in_one_line_without_failing_the_batch(coca_dir, colours, request_, message):
+    from vitattn.serve import EmbedAPI
+
+    api = EmbedAPI(str(coca_dir), max_batch_size=4)
+    api.setup("cpu")
+    bad, good = _answers(api, [request_, {"text": "a red square"}])
+    assert message in _detail(bad)
+    assert len(good["embedding"]) == 16
+
+
+def test_classify_gives_zero_shot_probabilities_most_probable_first(coca_dir, colours):
+    import torch
+
+    from vitattn import Classifier
+    from vitattn.serve import ClassifyAPI
+
+    api = ClassifyAPI(str(coca_dir), max_batch_size=8)
+    api.setup("cpu")
+    four, two, templates = ["blue", "yellow", "red", "green"], ["green", "red"], ["a {}.", "the {} square"]
+    answers = _answers(
+        api,
+        [
+            {"image": _b64(colours["red"]), "labels": four},
+            _form(colours["green"], labels="green, red", templates="a {}.|the {} square"),
+            {"image": _b64(colours["yellow"]), "labels": four, "templates": templates},
+        ],
+    )
+    cases = [("red", four, None), ("green", two, templates), ("yellow", four, templates)]
+    for answer, (colour, labels, prompts) in zip(answers, cases):
+        want = Classifier.load(coca_dir, labels=labels, templates=prompts).predict(colours[colour], top_k=10)
+        assert answer["labels"] == want.labels and answer["labels"][0] == colour
+        torch.testing.assert_close(answer["probabilities"], want.probabilities, rtol=0, atol=1e-5)
+        assert answer["probabilities"] == sorted(answer["probabilities"], reverse=True)
+        assert sum(answer["probabilities"]) == pytest.approx(1.0, abs=1e-5)
+    assert answers[0]["probabilities"] != answers[2]["probabilities"]  # the templates matter
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"labels": []}, "labels is empty; give the class names to choose from"),
+        ({"labels": ""}, "labels is empty"),
+        ({"labels": ["red", "red"]}, "labels repeats ['red']; give each class name once"),
+        ({"labels": "red,blue,red"}, "labels repeats ['red']"),
+        ({"labels": ["red", ""]}, "each class name is a non-blank string"),
+        ({"labels": 3}, "'labels' must be a list of strings or one string, got 3"),
+        ({}, "the request has no 'labels'"),
+        ({"labels": ["red"], "templates": ["a photo"]}, "template 'a photo' has no {}"),
+        ({"labels": ["red"], "templates": []}, "holds no template"),
+        ({"labels": ["red"], "templates": str(Path(__file__))}, "has no {}"),  # a path is a template, never read
+        ({"labels": ["red"], "image": None}, "the request has no 'image' field"),
+    ],
+)
+def test_classify_refuses_bad_labels_templates_and_images_in_one_line(coca_dir, colours, fields, message):
+    from vitattn.serve import ClassifyAPI
+
+    api = ClassifyAPI(str(coca_dir), max_batch_size=4)
+    api.setup("cpu")
+    request_ = {"image": _b64(colours["red"]), **fields}
+    if request_["image"] is None:
+        del request_["image"]
+    bad, good = _answers(api, [request_, {"image": _b64(colours["blue"]), "labels": ["red", "blue"]}])
+    assert message in _detail(bad)
+    assert good["labels"][0] == "blue"
+
+
+def test_embedding_routes_are_served_for_coca_and_answer_404_in_one_line_otherwise(coca_dir, bundle_dir):
+    from starlette.testclient import TestClient
+
+    from vitattn.bundle import load_model
+    from vitattn.serve import build_server, serving_apis
+
+    apis, refused = serving_apis(CaptionAPI(str(coca_dir), max_batch_size=3), load_model(coca_dir))
+    assert [a.api_path for a in apis] == ["/predict", "/embed", "/classify"] and refused is None
+    assert [a.max_batch_size for a in apis] == [3, 3, 3]
+    paths = {getattr(r, "path", None) for r in build_server(apis, accelerator="cpu").app.router.routes}
+    assert {"/predict", "/embed", "/classify"} <= paths
+    apis, refused = serving_apis(CaptionAPI(str(bundle_dir)), load_model(bundle_dir))
+    assert [a.api_path for a in apis] == ["/predict"]
+    client = TestClient(build_server(apis, refused=refused, accelerator="cpu").app)
+    for path in ("/embed", "/classify"):
+        response = client.post(path, json={"text": "a cat"})
+        assert response.status_code == 404, path
+        detail = response.json()["detail"]
+        assert detail.startswith(f"model={bundle_dir} is a head=caption model without image and text embeddings")
+        assert "POST /embed and /classify needs a head=coca model" in detail and "\n" not in detail
+
+
+@pytest.mark.slow
+def test_a_coca_server_embeds_and_classifies_over_http(coca_dir, colours, server):
+    from vitattn import Captioner, Classifier
+
+    proc, url = _start_server(coca_dir, "max_batch_size=4")
+    try:
+        red = colours["red"].read_bytes()
+        image = httpx.post(f"{url}/embed", files={"image": ("red.png", red)}, timeout=120)
+        texts = httpx.post(f"{url}/embed", json={"texts": ["a red square", "a blue square"]}, timeout=120)
+        labels = ["blue", "red", "green"]
+        form = httpx.post(f"{url}/classify", files={"image": ("red.png", red)}, data={"labels": "blue,red,green"})
+        raw = httpx.post(
+            f"{url}/classify?labels=blue,red,green", content=red, headers={"Content-Type": "image/png"}, timeout=120
+        )
+        bad = httpx.post(f"{url}/classify", json={"image": _b64(colours["red"]), "labels": ["red", "red"]})
+        caption = httpx.post(f"{url}/predict", files={"image": ("red.png", red)}, timeout=120)
+    finally:
+        _end_group(proc)
+    captioner = Captioner.load(coca_dir)
+    assert image.json()["embedding"] == pytest.approx(captioner.embed_images(colours["red"])[0].tolist(), abs=1e-5)
+    want = captioner.embed_texts(["a red square", "a blue square"]).tolist()
+    assert [row == pytest.approx(w, abs=1e-5) for row, w in zip(texts.json()["embeddings"], want)] == [True, True]
+    expected = Classifier.load(coca_dir, labels=labels).predict(colours["red"], top_k=3)
+    for response in (form, raw):
+        assert response.status_code == 200 and response.json()["labels"] == expected.labels == [
+            "red",
+            *expected.labels[1:],
+        ]
+        assert response.json()["probabilities"] == pytest.approx(expected.probabilities, abs=1e-5)
+    assert bad.status_code == 400 and bad.json() == {"detail": "labels repeats ['red']; give each class name once"}
+    assert caption.status_code == 200 and caption.json()["caption"] == captioner.caption(colours["red"])
+    # the head=caption server of this module answers the two routes 404, with why
+    for path in ("/embed", "/classify"):
+        refused = httpx.post(f"{server}{path}", json={"text": "a cat"}, timeout=60)
+        assert refused.status_code == 404 and "needs a head=coca model" in refused.json()["detail"], path

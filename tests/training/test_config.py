@@ -87,6 +87,10 @@ CONFIG_ERRORS = {
         "data=coco {coco} data.val_annotations={ann_dir}",
         r"^data\.val_annotations=.* is not a file",
     ),
+    "rerank-without-embeddings": (
+        "head=caption head.generate.num_beams=3 head.generate.rerank=3",
+        r"^head\.generate\.rerank=3 chooses captions by image and text embeddings; train head=coca for it$",
+    ),
     "empty-shapes": ("data.num_train=0", r"^data\.num_train=0 leaves that split empty; use 1 or more"),
     "resume-without-checkpoint": ("resume={folder}", r"^resume=.* has no checkpoints/last\.ckpt"),
     "untrusted-target": ("data._target_=os.system", r"^data\._target_=os\.system is not allowed"),

@@ -93,7 +93,7 @@ def test_eval_captions_on_the_run_split_match_the_oracle(caption_run, split, dec
         None,
     )
     defaults = {"num_beams": 1, "max_new_tokens": 23, "length_penalty": 1.0, "early_stopping": False}
-    defaults |= {"min_new_tokens": 0, "no_repeat_ngram_size": 0, "repetition_penalty": 1.0}  # the controls: off
+    defaults |= {"min_new_tokens": 0, "no_repeat_ngram_size": 0, "repetition_penalty": 1.0, "rerank": 1}  # off
     assert report["decoding"] == {**defaults, **decoding}
     assert set(report["metrics"]) == CAPTION_KEYS | {"exact_match"}
     captions, references = _generated(run, split, **decoding)

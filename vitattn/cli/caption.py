@@ -4,7 +4,7 @@
     vitattn-caption model=PATH shards='DIR/{00000..00999}.tar' out=OUTDIR [format=jsonl|parquet]
         [batch_size=32] [num_workers=2] [num_beams=N] [max_new_tokens=N] [length_penalty=X]
         [early_stopping=true|false|never] [do_sample=true temperature=X top_k=N top_p=X] [seed=N] [min_new_tokens=N]
-        [no_repeat_ngram_size=N] [repetition_penalty=X] [device=auto|cpu|cuda] [precision=auto|fp32|bf16]
+        [no_repeat_ngram_size=N] [repetition_penalty=X] [rerank=N] [device=auto|cpu|cuda] [precision=auto|fp32|bf16]
         [attention_maps=DIR] [progress=true] [num_threads=N] [devices=N num_nodes=M accelerator=auto|cpu|gpu]
 
 The same command again resumes a killed run. Exit status: 0 all captioned, 1 some could not be read, 2 a
@@ -48,6 +48,7 @@ class CaptionConfig:
     min_new_tokens: int | None = None  # Hugging Face's decoding controls
     no_repeat_ngram_size: int | None = None
     repetition_penalty: float | None = None
+    rerank: int | None = None  # N > 1: of N captions, the one nearest the image (head=coca)
     do_sample: bool | None = None
     temperature: float | None = None
     top_k: int | None = None

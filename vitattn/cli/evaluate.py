@@ -4,7 +4,7 @@
         [device=auto|cpu|cuda] [precision=auto|fp32|bf16] [progress=true]
       captions:       [references=COCO_JSON [image_dir=DIR]] [predictions=FILE] [scorer=builtin|coco]
                       [num_beams=N] [max_new_tokens=N] [length_penalty=X] [early_stopping=true|false|never]
-                      [min_new_tokens=N] [no_repeat_ngram_size=N] [repetition_penalty=X]
+                      [min_new_tokens=N] [no_repeat_ngram_size=N] [repetition_penalty=X] [rerank=N]
       classification: [data_root=DIR]
       a head=coca model also:
         task=zero_shot data_root=DIR [labels=a,b,c|FILE] [templates='a photo of a {}.|a {}.'|FILE]
@@ -51,6 +51,7 @@ class EvalConfig:
     min_new_tokens: int | None = None  # Hugging Face's decoding controls
     no_repeat_ngram_size: int | None = None
     repetition_penalty: float | None = None
+    rerank: int | None = None  # N > 1: of N captions, the one nearest the image (head=coca)
     batch_size: int = 32
     num_workers: int = 2
     out: str | None = None

@@ -3,11 +3,13 @@
     vitattn-serve model=PATH [port=8000] [host=127.0.0.1|0.0.0.0|::] [accelerator=auto|cpu|cuda]
         [devices=auto|N] [workers_per_device=1] [max_batch_size=8] [batch_timeout=0.05] [timeout=60]
         [max_image_bytes=20000000] [num_beams=N] [max_new_tokens=N] [length_penalty=X]
-        [early_stopping=true|false|never] [min_new_tokens=N] [no_repeat_ngram_size=N] [repetition_penalty=X]
+        [early_stopping=true|false|never] [min_new_tokens=N] [no_repeat_ngram_size=N] [repetition_penalty=X] [rerank=N]
         [num_threads=N] [precision=auto|fp32|bf16]
 
-``POST /predict`` an image -> {"caption", "tokens"}; ``GET /health``; ``GET /``, a page. SIGTERM or SIGINT
-drains the requests in flight, then every server process exits. More: docs/serving.md.
+``POST /predict`` an image -> {"caption", "tokens"}; a head=coca model also ``POST /embed`` an image or
+{"text"} / {"texts"} -> embeddings and ``POST /classify`` an image and labels -> probabilities (404 on other
+models); ``GET /health``; ``GET /``, a page. SIGTERM or SIGINT drains the requests in flight, then every server
+process exits. More: docs/serving.md.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class ServeConfig:
     min_new_tokens: int | None = None  # Hugging Face's decoding controls
     no_repeat_ngram_size: int | None = None
     repetition_penalty: float | None = None
+    rerank: int | None = None  # N > 1: of N captions, the one nearest the image (head=coca)
     num_threads: int | None = None
     precision: str = "auto"  # auto, fp32 or bf16 (vitattn.precision)
 
@@ -75,13 +78,12 @@ def parse_args(argv: list[str]) -> Any:
 def run(cfg: Any) -> int:
     """Load the model once here (a bad model fails now, in one line), then serve until SIGTERM or SIGINT."""
     from vitattn.bundle import load_model
-    from vitattn.serve import CaptionAPI, GracefulStop, build_server
+    from vitattn.serve import CaptionAPI, GracefulStop, build_server, serving_apis
 
     bundle = load_model(cfg.model, device="cpu", precision=cfg.precision)
     if bundle.task != "caption":
         raise UsageError(f"model={cfg.model} is a {bundle.task} model; vitattn-serve needs a caption model")
     generate = bundle.generate_settings(cfg)
-    del bundle  # each inference worker loads its own copy on its device
     api = CaptionAPI(
         cfg.model,
         generate=generate,
@@ -91,16 +93,20 @@ def run(cfg: Any) -> int:
         max_batch_size=cfg.max_batch_size,
         batch_timeout=cfg.batch_timeout,
     )
+    apis, refused = serving_apis(api, bundle)
+    del bundle  # each inference worker loads its own copy on its device
     stop = GracefulStop(timeout=cfg.timeout)
     server = build_server(
-        api,
+        apis,
+        refused=refused,
         accelerator=cfg.accelerator,
         devices=int(cfg.devices) if cfg.devices.isdigit() else "auto",
         workers_per_device=cfg.workers_per_device,
         timeout=cfg.timeout,
         stop=stop,
     )
-    log.info("serving %s on http://%s:%d (POST /predict, GET /health, GET /)", cfg.model, cfg.host, cfg.port)
+    routes = ", ".join(f"POST {a.api_path}" for a in apis)
+    log.info("serving %s on http://%s:%d (%s, GET /health, GET /)", cfg.model, cfg.host, cfg.port, routes)
     stop.serve(server, host=cfg.host, port=cfg.port, generate_client_file=False, log_level="warning")
     log.info("stopped: every server process has exited")
     return 0

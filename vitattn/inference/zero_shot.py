@@ -105,8 +105,13 @@ class ZeroShotClassifier(nn.Module):
 
     def forward(self, images: Tensor) -> Tensor:
         """(B, C, height, width) -> (B, K)."""
-        scale = self.model.logit_scale.clamp(max=math.log(100.0)).exp()  # (1,)
-        return scale * self.model.embed_images(images) @ self.classes.T.to(images.dtype)  # (B, K)
+        return self.logits(self.model, self.model.embed_images(images), self.classes.to(images.dtype))
+
+    @staticmethod
+    def logits(model: CocaCaptioner, images: Tensor, classes: Tensor) -> Tensor:
+        """(B, E) image embeddings, (K, E) class embeddings -> (B, K) cosines times ``model``'s scale."""
+        scale = model.logit_scale.clamp(max=math.log(100.0)).exp().to(images.device)  # (1,)
+        return scale * images @ classes.T  # (B, K)
 
 
 def zero_shot_model(

@@ -83,6 +83,8 @@ class CocaCaptioner(ImageCaptioner):
         init_logit_bias: the start of SigLIP's learned logit bias; None: no bias (CLIP).
     """
 
+    embeds = True  # ``generate(rerank=N)`` chooses among N captions with ``choose``
+
     def __init__(
         self,
         encoder: VisionTransformer,
@@ -142,6 +144,29 @@ class CocaCaptioner(ImageCaptioner):
         """(N, T) token ids, ``<bos> ... <eos>`` right-padded -> (N, E) unit-length text embeddings."""
         x = self.decoder.token_embed(tokens)  # (N, T, D): the decoder's embedding, shared
         return F.normalize(self.text_proj(self.text(x, tokens == self.decoder.pad_id)), dim=-1)
+
+    def choose(self, images: Tensor, candidates: Tensor) -> Tensor:
+        """(B, T') the caption of each image whose text embedding is nearest its image embedding (cosine), among
+        (B * N, T') ``generate``'s candidates (an image's N consecutive; no ``<bos>``, ``<pad>`` after ``<eos>``),
+        as LAION-COCO and BLIP's CapFilt choose. The images are encoded again, for their pooled embedding."""
+        B, T = images.shape[0], candidates.shape[1]
+        texts = self.embed_texts(self.caption_texts(candidates)).view(B, -1, self.image_proj.out_features)
+        cosine = torch.einsum("be,bne->bn", self.embed_images(images), texts)  # (B, N): both unit-length
+        best = cosine.argmax(dim=1)  # (B,)
+        return candidates.view(B, -1, T)[torch.arange(B, device=best.device), best]  # (B, T')
+
+    def caption_texts(self, captions: Tensor) -> Tensor:
+        """(M, T') generated captions -> (M, <= max_len) ``embed_texts`` rows, the ids ``encode_texts`` makes of
+        their words: ``<bos>`` first, and a caption cut at the length limit ends in ``<eos>``, in its last word's
+        place when it would not fit."""
+        dec = self.decoder
+        M = captions.shape[0]
+        bos = captions.new_full((M, 1), dec.bos_id)
+        rows = torch.cat([bos, captions, captions.new_full((M, 1), dec.pad_id)], dim=1)  # (M, 2 + T')
+        cut = ~(captions == dec.eos_id).any(dim=1)  # (M,)
+        at = ((captions != dec.pad_id).sum(dim=1) + 1).clamp(max=dec.max_len - 1)  # (M,) where its <eos> goes
+        rows[cut.nonzero()[:, 0], at[cut]] = dec.eos_id
+        return rows[:, : dec.max_len]
 
     def forward_coca(
         self, images: Tensor, tokens: Tensor, texts: Tensor, caption_image: Tensor | None = None

@@ -24,7 +24,7 @@ __all__ = [
     "sequence_log_prob",
 ]
 
-# ``generate``'s deterministic decoding settings (greedy or beam search), as entry points and reports name them
+# ``generate``'s settings but sampling's (greedy or beam search; ``rerank``), as entry points and reports name them
 SEARCH_KEYS = (
     "num_beams",
     "max_new_tokens",
@@ -33,6 +33,7 @@ SEARCH_KEYS = (
     "min_new_tokens",
     "no_repeat_ngram_size",
     "repetition_penalty",
+    "rerank",
 )
 
 
@@ -123,16 +124,22 @@ def check_early_stopping(early_stopping: bool | str) -> bool | str:
 
 class CaptionSearch:
     """``generate`` and ``check_generate`` of a caption model, the same for every runtime: the runtime gives
-    ``max_len``, ``special_ids`` and ``start_search``."""
+    ``max_len``, ``special_ids`` and ``start_search``; a model that embeds images and texts (``embeds`` True) also
+    ``choose``, which ``rerank`` needs."""
 
     max_len: int
     special_ids: SpecialIds
+    embeds = False
 
     def start_search(
         self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
     ) -> tuple[DecodeStep, int, torch.device | str]:
         """Encode (B, C, height, width) images once; the ``DecodeStep`` over them for B * K rows (an image's K
         beams consecutive), B and the device of the search's tokens."""
+        raise NotImplementedError
+
+    def choose(self, images: Tensor, candidates: Tensor) -> Tensor:
+        """(B, T') each image's candidate nearest it, of (B * N, T') candidates (an image's N consecutive)."""
         raise NotImplementedError
 
     def check_generate(
@@ -145,6 +152,7 @@ class CaptionSearch:
         min_new_tokens: int = 0,
         no_repeat_ngram_size: int = 0,
         repetition_penalty: float = 1.0,
+        rerank: int = 1,
     ) -> int:
         """Refuse ``generate`` settings it cannot decode with (a one-line ``ValueError``); returns
         ``max_new_tokens`` with None replaced by ``max_len - 1``."""
@@ -162,6 +170,18 @@ class CaptionSearch:
             raise ValueError("do_sample=True needs num_beams=1 (beam sampling is not supported)")
         if do_sample and temperature <= 0:
             raise ValueError(f"temperature={temperature} must be positive")
+        if rerank < 1:
+            raise ValueError(f"rerank={rerank} must be at least 1 (1: off)")
+        if rerank > 1 and not self.embeds:
+            raise ValueError(
+                f"rerank={rerank} chooses among captions by image and text embeddings, which only a head=coca model "
+                "(its bundle or run folder) has"
+            )
+        if rerank > num_beams and not do_sample:
+            raise ValueError(
+                f"rerank={rerank} chooses among the beam's best captions and needs num_beams >= {rerank} "
+                f"(num_beams={num_beams}), or do_sample=true to choose among {rerank} samples"
+            )
         return max_new_tokens
 
     @torch.no_grad()
@@ -181,6 +201,7 @@ class CaptionSearch:
         min_new_tokens: int = 0,
         no_repeat_ngram_size: int = 0,
         repetition_penalty: float = 1.0,
+        rerank: int = 1,
     ) -> Tensor:
         """(B, T') token ids of the images' captions, without ``<bos>``, ending in ``<eos>``, ``<pad>`` after.
 
@@ -191,18 +212,34 @@ class CaptionSearch:
             do_sample, temperature, top_k, top_p, generator: sampling instead (``top_k=0``, ``top_p=1`` keep all).
             use_cache: decode with the key/value cache; False recomputes every step.
             min_new_tokens, no_repeat_ngram_size, repetition_penalty: Hugging Face's (``Controls``).
+            rerank: N > 1 makes N candidates, the beam's N best (``num_beams >= N``) or N samples, and keeps the
+                one ``choose`` finds nearest the image (a ``head=coca`` model's, cosine); 1: off.
         """
         controls = Controls(min_new_tokens, no_repeat_ngram_size, repetition_penalty)
         max_new_tokens = self.check_generate(
-            max_new_tokens, num_beams, do_sample, temperature, early_stopping, *controls
+            max_new_tokens, num_beams, do_sample, temperature, early_stopping, *controls, rerank
         )
-        step, B, device = self.start_search(images, max_new_tokens, num_beams, use_cache)
+        rows = rerank if do_sample else num_beams  # caption rows per image: its beams or its samples
+        step, B, device = self.start_search(images, max_new_tokens, rows, use_cache)
         if num_beams > 1:
-            return beam_search(
-                step, B, max_new_tokens, num_beams, self.special_ids, length_penalty, early_stopping, device, controls
+            candidates = beam_search(
+                step,
+                B,
+                max_new_tokens,
+                num_beams,
+                self.special_ids,
+                length_penalty,
+                early_stopping,
+                device,
+                controls,
+                num_return_sequences=rerank,
             )
-        sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator) if do_sample else None
-        return greedy_search(step, B, max_new_tokens, self.special_ids, device, sample, controls)
+        else:
+            sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator) if do_sample else None
+            candidates = greedy_search(step, B * rows, max_new_tokens, self.special_ids, device, sample, controls)
+        if rerank == 1:
+            return candidates
+        return _trim(self.choose(images, candidates), self.special_ids.pad_id)
 
 
 def sequence_log_prob(step: DecodeStep, generated: Tensor, ids: SpecialIds, controls: Controls = NO_CONTROLS) -> Tensor:
@@ -264,11 +301,12 @@ def beam_search(
     early_stopping: bool | str = False,
     device: torch.device | str = "cpu",
     controls: Controls = NO_CONTROLS,
+    num_return_sequences: int = 1,
 ) -> Tensor:
-    """Hugging Face's beam search (``generate(num_beams=K)``) over B * K rows: (B, T') each image's best
-    finished caption, ranked by ``log p / length ** length_penalty``: each token's ``log p`` with the banned
-    tokens masked before ``log_softmax`` and the ``controls`` applied after it, as Hugging Face applies its
-    processors.
+    """Hugging Face's beam search (``generate(num_beams=K)``) over B * K rows: (B * R, T') each image's R =
+    ``num_return_sequences`` <= K best finished captions, best first, an image's R consecutive, ranked by
+    ``log p / length ** length_penalty``: each token's ``log p`` with the banned tokens masked before
+    ``log_softmax`` and the ``controls`` applied after it, as Hugging Face applies its processors.
 
     Each step keeps an image's 2K best candidates: those among the first K that end in ``<eos>`` join its K best
     finished captions, the K best others live on. ``early_stopping``: True stops an image once it has K, False
@@ -277,6 +315,8 @@ def beam_search(
     """
     early_stopping = check_early_stopping(early_stopping)
     B, K, T = batch_size, num_beams, max_new_tokens
+    if not 1 <= num_return_sequences <= K:
+        raise ValueError(f"num_return_sequences={num_return_sequences} must be between 1 and num_beams={K}")
     inf = float("-inf")
     # every column allocated once; step i writes column i + 1 of the candidates
     live = torch.full((B, K, 1 + T), ids.pad_id, dtype=torch.long, device=device)  # (B, K, 1 + T')
@@ -311,7 +351,7 @@ def beam_search(
         closed |= _closed(live_scores, done_scores, early_stopping, length_penalty, i + 1, T)
         if bool(closed.all()):
             break
-    return _trim(done[:, 0, 1:], ids.pad_id)
+    return _trim(done[:, :num_return_sequences, 1:].reshape(-1, T), ids.pad_id)  # (B * R, T')
 
 
 def _closed(

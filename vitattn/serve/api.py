@@ -1,5 +1,6 @@
-"""The captioning ``LitAPI``: a request's image (what it may be: docs/serving.md) becomes a tensor or a one-line
-reason; the good images of a batch are captioned together, bad ones answer HTTP 400 without failing their batch.
+"""The captioning ``LitAPI`` and what every route of a model shares (``BundleAPI``): a request's image (what it may
+be: docs/serving.md) becomes a tensor or a one-line reason; the good images of a batch are captioned together, bad
+ones answer HTTP 400 without failing their batch.
 
 Dimension letters: B batch, C channels, T' generated tokens; image sides are written out (height, width).
 """
@@ -24,7 +25,7 @@ from vitattn.inference.attention_maps import attention_figures, figure_png
 from vitattn.inference.captioning import read_pixels
 from vitattn.serve.stop import leave_interrupts_to_parent
 
-__all__ = ["CaptionAPI", "ImageRequest", "decode_image_request"]
+__all__ = ["BundleAPI", "CaptionAPI", "ImageRequest", "decode_image_request"]
 
 log = logging.getLogger(__name__)
 
@@ -87,25 +88,24 @@ def decode_image_request(request: Any, transform: Any, max_image_bytes: int) -> 
     return ImageRequest(image=pixels, attention=attention)
 
 
-class CaptionAPI(ls.LitAPI):
-    """Captions images with the ``model`` path (as ``load_model`` takes it, in ``precision``) on one device, with
-    ``generate`` settings already resolved; LitServe gives it batches of decoded requests (``max_batch_size``,
-    ``batch_timeout`` seconds). Images over ``max_image_bytes`` get a 400 unread; ``num_threads``: torch's.
-    """
+class BundleAPI(ls.LitAPI):
+    """What the routes of one model share: the ``model`` path (as ``load_model`` takes it, in ``precision``) loaded
+    on one device in each inference worker, batches of decoded requests from LitServe (``max_batch_size``,
+    ``batch_timeout`` seconds), images over ``max_image_bytes`` refused unread, torch's ``num_threads``, and a
+    request's ``{"error"}`` answered 400 with its one line."""
 
     def __init__(
         self,
         model: str,
-        generate: dict[str, Any] | None = None,
         max_image_bytes: int = 20_000_000,
         num_threads: int | None = None,
         precision: str = "auto",
         max_batch_size: int = 8,
         batch_timeout: float = 0.05,
+        api_path: str = "/predict",
     ) -> None:
-        super().__init__(max_batch_size=max_batch_size, batch_timeout=batch_timeout)
+        super().__init__(max_batch_size=max_batch_size, batch_timeout=batch_timeout, api_path=api_path)
         self.model_path = model
-        self.generate_kwargs = dict(generate or {})
         self.max_image_bytes = max_image_bytes
         self.num_threads = num_threads
         self.precision = precision
@@ -117,15 +117,35 @@ class CaptionAPI(ls.LitAPI):
         self.bundle = load_model(self.model_path, device=device, precision=self.precision)
         if self.bundle.task != "caption":
             raise ValueError(f"model={self.model_path} is a {self.bundle.task} model; serving needs a caption model")
-        self.captioner = Captioner(self.bundle)
         self.transform = self.bundle.transform
+
+    def batch(self, inputs: list[Any]) -> list[Any]:
+        return inputs
+
+    def unbatch(self, output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return output
+
+    def encode_response(self, output: dict[str, Any]):  # no annotation: LitServe then returns a 400 as it is
+        if "error" in output:
+            return JSONResponse({"detail": output["error"]}, status_code=400)
+        return output
+
+
+class CaptionAPI(BundleAPI):
+    """``POST /predict``: captions images with ``generate`` settings already resolved; the other arguments are
+    ``BundleAPI``'s."""
+
+    def __init__(self, model: str, generate: dict[str, Any] | None = None, **settings: Any) -> None:
+        super().__init__(model, **settings)
+        self.generate_kwargs = dict(generate or {})
+
+    def setup(self, device: str) -> None:
+        super().setup(device)
+        self.captioner = Captioner(self.bundle)
 
     # ``request`` stays unannotated: LitServe reads the annotation to choose what the endpoint parses
     def decode_request(self, request) -> ImageRequest:
         return decode_image_request(request, self.transform, self.max_image_bytes)
-
-    def batch(self, inputs: list[ImageRequest]) -> list[ImageRequest]:
-        return inputs
 
     def predict(self, x: list[ImageRequest] | ImageRequest) -> list[dict[str, Any]] | dict[str, Any]:
         """Caption the batch's good images in one ``generate`` call; bad ones keep their reason."""
@@ -156,11 +176,3 @@ class CaptionAPI(ls.LitAPI):
             for i, fig in zip(wanted, figures):
                 results[i]["attention"] = "data:image/png;base64," + base64.b64encode(figure_png(fig)).decode("ascii")
         return results
-
-    def unbatch(self, output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return output
-
-    def encode_response(self, output: dict[str, Any]):  # no annotation: LitServe then returns a 400 as it is
-        if "error" in output:
-            return JSONResponse({"detail": output["error"]}, status_code=400)
-        return output

@@ -1,9 +1,11 @@
-"""The ``LitServer`` of a ``CaptionAPI``, with the page of ``index.html`` at ``GET /`` and ``RequestBodies``."""
+"""The ``LitServer`` of a model's routes (``POST /predict``; ``/embed`` and ``/classify`` of a ``head=coca`` model),
+with the page of ``index.html`` at ``GET /`` and ``RequestBodies``."""
 
 from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Sequence
 from importlib.resources import files
 from typing import Any
 from urllib.parse import parse_qs
@@ -11,37 +13,71 @@ from urllib.parse import parse_qs
 import litserve as ls
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from vitattn.serve.api import CaptionAPI
+from vitattn.bundle import LoadedModel
+from vitattn.inference.embeddings import embedding_model
+from vitattn.serve.api import BundleAPI, CaptionAPI
+from vitattn.serve.embeddings import EMBEDDING_ROUTES, ClassifyAPI, EmbedAPI
 from vitattn.serve.stop import GracefulStop
 
-__all__ = ["INDEX_PAGE", "NOT_AN_IMAGE_BODY", "RequestBodies", "build_server"]
+__all__ = ["INDEX_PAGE", "NOT_AN_IMAGE_BODY", "RequestBodies", "build_server", "serving_apis"]
 
 INDEX_PAGE = "index.html"
 
 
+def serving_apis(api: CaptionAPI, bundle: LoadedModel) -> tuple[list[BundleAPI], str | None]:
+    """The routes of ``api``'s model, ``bundle`` (loaded once to look): ``/predict``, and ``/embed`` and ``/classify``
+    with ``api``'s settings when it has embeddings; else the one line those two answer 404 with, saying why."""
+    try:
+        embedding_model(bundle, "POST /embed and /classify", f"model={api.model_path}")
+    except ValueError as err:
+        return [api], str(err)
+    settings = {
+        "max_image_bytes": api.max_image_bytes,
+        "num_threads": api.num_threads,
+        "precision": api.precision,
+        "max_batch_size": api.max_batch_size,
+        "batch_timeout": api.batch_timeout,
+    }
+    return [api, EmbedAPI(api.model_path, **settings), ClassifyAPI(api.model_path, **settings)], None
+
+
 def build_server(
-    api: CaptionAPI,
+    apis: BundleAPI | Sequence[BundleAPI],
     *,
+    refused: str | None = None,
     accelerator: str = "auto",
     devices: int | str = "auto",
     workers_per_device: int = 1,
     timeout: float = 60.0,
     stop: GracefulStop | None = None,
 ) -> ls.LitServer:
-    """A ``LitServer`` for ``api`` on ``accelerator`` (``auto``, ``cpu``, ``cuda``) and ``devices`` GPUs,
-    ``workers_per_device`` model copies each; a request waits ``timeout`` seconds before a 504. ``stop``'s 503
-    gate goes in front of it all."""
+    """A ``LitServer`` for ``apis`` (``serving_apis``'), each on its own route, on ``accelerator`` (``auto``,
+    ``cpu``, ``cuda``) and ``devices`` GPUs, ``workers_per_device`` model copies of each route each; a request waits
+    ``timeout`` seconds before a 504. ``refused``: ``/embed`` and ``/classify``, when not served, answer 404 with
+    it. ``stop``'s 503 gate goes in front of it all."""
+    apis = [apis] if isinstance(apis, BundleAPI) else list(apis)
     server = ls.LitServer(
-        api, accelerator=accelerator, devices=devices, workers_per_device=workers_per_device, timeout=timeout
+        apis, accelerator=accelerator, devices=devices, workers_per_device=workers_per_device, timeout=timeout
     )
     page = files("vitattn.serve").joinpath(INDEX_PAGE).read_text(encoding="utf-8")
     # LitServe answers GET / with "litserve running"; the page takes its place.
     server.app.router.routes = [r for r in server.app.router.routes if getattr(r, "path", None) != "/"]
     server.app.add_api_route("/", lambda: HTMLResponse(page), methods=["GET"], include_in_schema=False)
-    server.app.add_middleware(RequestBodies, path=api.api_path)
+    served = [api.api_path for api in apis]
+    for path in EMBEDDING_ROUTES:
+        if path not in served and refused is not None:
+            server.app.add_api_route(path, _not_found(refused), methods=["POST"], include_in_schema=False)
+    server.app.add_middleware(RequestBodies, paths=served)
     if stop is not None:
         stop.attach(server)
     return server
+
+
+def _not_found(line: str) -> Any:
+    async def not_found() -> JSONResponse:
+        return JSONResponse({"detail": line}, status_code=404)
+
+    return not_found
 
 
 NOT_AN_IMAGE_BODY = (
@@ -51,15 +87,16 @@ NOT_AN_IMAGE_BODY = (
 
 
 class RequestBodies:
-    """ASGI middleware for ``POST`` to ``path``: forms pass, raw images become the JSON LitServe parses, other
-    non-JSON bodies get a 400 (not LitServe's 500); every other request passes through untouched."""
+    """ASGI middleware for ``POST`` to one of ``paths``: forms pass, raw images become the JSON LitServe parses (the
+    query's fields, ``?attention=true`` or ``?labels=a,b``, beside the image), other non-JSON bodies get a 400 (not
+    LitServe's 500); every other request passes through untouched."""
 
-    def __init__(self, app: Any, path: str) -> None:
+    def __init__(self, app: Any, paths: Sequence[str]) -> None:
         self.app = app
-        self.path = path
+        self.paths = set(paths)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         content_type = headers.get(b"content-type", b"").decode("latin-1").lower()
@@ -68,9 +105,8 @@ class RequestBodies:
         body = await _read_body(receive)
         if content_type.startswith(("image/", "application/octet-stream")):
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-            fields = {"image": base64.b64encode(body).decode("ascii")}
-            if "attention" in query:
-                fields["attention"] = query["attention"][-1]
+            fields = {key: values[-1] for key, values in query.items()}
+            fields["image"] = base64.b64encode(body).decode("ascii")
             body = json.dumps(fields).encode("ascii")
             scope = {**scope, "headers": _as_json(scope["headers"], len(body))}
         else:

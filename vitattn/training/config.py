@@ -148,6 +148,11 @@ def _check_models(cfg: DictConfig) -> None:
         raise ConfigError(
             f"head.generate.max_new_tokens={max_new} must be below head.decoder.max_len={decoder['max_len']}"
         )
+    rerank = cfg.head.generate.get("rerank") or 1
+    if rerank > 1 and "contrastive" not in cfg.head:
+        raise ConfigError(
+            f"head.generate.rerank={rerank} chooses captions by image and text embeddings; train head=coca for it"
+        )
 
 
 def _check_contrastive(cfg: DictConfig) -> None:
