@@ -8,7 +8,7 @@ from lightning.pytorch.callbacks import BaseFinetuning
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from vitattn.training.systems.optim import add_param_groups, head_modules, schedule_all_groups
+from vitattn.training.systems.base import add_param_groups, head_modules, schedule_all_groups
 
 __all__ = ["FreezeEncoder"]
 

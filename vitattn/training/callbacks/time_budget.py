@@ -9,7 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, Timer
 
-from vitattn.training.systems.optim import WarmupCosine
+from vitattn.training.systems.base import WarmupCosine
 
 __all__ = ["TimeBudgetHorizon", "schedule_of"]
 
