@@ -51,15 +51,9 @@ AUTO_WARMUP_STEPS = 200  # optim.warmup_steps=auto: 200 steps, or a tenth of a s
 
 
 class WarmupCosine:
-    """Learning-rate factor at an optimizer step: linear warmup from 1/1000, then cosine to ``min_lr_ratio``.
-
-    A plain object (its ``__dict__`` is the scheduler's saved state): a resumed run continues the same curve.
-
-    Args:
-        total_steps: the horizon: steps at which the factor reaches ``min_lr_ratio``.
-        warmup_steps: steps of linear warmup, at most a tenth of the horizon (``"auto"``: ``AUTO_WARMUP_STEPS``).
-        min_lr_ratio: the final factor.
-    """
+    """Learning-rate factor at an optimizer step: linear warmup from 1/1000 over ``warmup_steps`` (at most a tenth
+    of the horizon; ``auto``: ``AUTO_WARMUP_STEPS``), then cosine to ``min_lr_ratio`` at ``total_steps``. A plain
+    object (its ``__dict__`` is the scheduler's saved state): a resumed run continues the same curve."""
 
     def __init__(self, total_steps: int, warmup_steps: int | str, min_lr_ratio: float) -> None:
         self.total_steps = max(1, int(total_steps))
@@ -127,17 +121,9 @@ def build_optimizer(
     layer_decay: float | None = None,
     head_lr: float | None = None,
 ) -> tuple[AdamW, LambdaLR]:
-    """AdamW over ``param_groups(model, lr, weight_decay, layer_decay, head_lr)`` and a ``WarmupCosine`` schedule.
-
-    Args:
-        model: the parameters to optimise (the trainable ones: a frozen encoder is added when it thaws).
-        total_steps: optimizer steps of the whole run: the schedule's horizon.
-        warmup_steps, min_lr_ratio: the schedule's, see ``WarmupCosine``.
-
-    Returns:
-        ``(optimizer, scheduler)``, the scheduler stepped once per optimizer step; its ``lr_lambdas[0]`` is the
-        ``WarmupCosine`` every group shares.
-    """
+    """AdamW over ``param_groups`` of the trainable parameters (a frozen encoder joins when it thaws) and a
+    ``LambdaLR`` stepped once per optimizer step, whose ``lr_lambdas[0]`` is the ``WarmupCosine`` over
+    ``total_steps`` that every group shares."""
     groups = param_groups(model, lr, weight_decay, layer_decay, head_lr)
     optimizer = AdamW(groups, lr=lr, betas=tuple(betas))
     schedule = WarmupCosine(total_steps, warmup_steps, min_lr_ratio)
