@@ -16,7 +16,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from vitattn.training.systems.base import WarmupCosine, add_param_groups, head_modules, schedule_all_groups
 
-__all__ = ["FreezeEncoder", "TimeBudgetHorizon", "schedule_of"]
+__all__ = ["FreezeEncoder", "TimeBudgetHorizon"]
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +66,6 @@ def _lambda_schedulers(trainer: pl.Trainer) -> list[LambdaLR]:
     return [c.scheduler for c in trainer.lr_scheduler_configs if isinstance(c.scheduler, LambdaLR)]
 
 
-def schedule_of(trainer: pl.Trainer) -> WarmupCosine | None:
-    """The ``WarmupCosine`` of the trainer's first scheduler, if it has one."""
-    for config in trainer.lr_scheduler_configs:
-        lambdas = getattr(config.scheduler, "lr_lambdas", [])
-        if lambdas and isinstance(lambdas[0], WarmupCosine):
-            return lambdas[0]
-    return None
-
-
 class TimeBudgetHorizon(Callback):
     """Moves the schedule's horizon to the number of steps that fit in ``trainer.max_time``.
 
@@ -97,7 +88,8 @@ class TimeBudgetHorizon(Callback):
         timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
         self._timer = timer if timer is not None and timer.time_remaining() is not None else None
         # the step at which max_steps or max_epochs ends training, or inf; it replaces a resumed schedule's horizon
-        self._schedule, self._limit = schedule_of(trainer), float(trainer.estimated_stepping_batches)
+        schedules = (s.lr_lambdas[0] for s in _lambda_schedulers(trainer) if isinstance(s.lr_lambdas[0], WarmupCosine))
+        self._schedule, self._limit = next(schedules, None), float(trainer.estimated_stepping_batches)
         if self._schedule is not None and math.isfinite(self._limit):
             self._schedule.total_steps = int(self._limit)
 
