@@ -27,7 +27,7 @@ from vitattn.data.bad_images import (
     collate_skipping,
     find_bad_images,
 )
-from vitattn.data.images import SPLITS, EvalSplit, ImageCache, should_cache
+from vitattn.data.images import EvalSplit, ImageCache, check_split, should_cache
 from vitattn.data.preprocess import (
     WEIGHTS_KEYS,
     Normalize,
@@ -208,8 +208,7 @@ class ImageDataModule(pl.LightningDataModule):
 
     def evaluation_split(self, split: str) -> EvalSplit:
         """The ``val`` or ``test`` split for scoring (after ``setup``); subclasses with files override this."""
-        if split not in SPLITS:
-            raise ValueError(f"split={split!r} is unknown; choose one of {list(SPLITS)}")
+        check_split(split)
         loader = self.val_dataloader() if split == "val" else self.test_dataloader()
         return EvalSplit(f"{type(self).__name__} {split} split", loader=EvaluationBatches(loader, self.ready_batch))
 

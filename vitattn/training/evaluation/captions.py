@@ -19,7 +19,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from vitattn.bundle import LoadedModel
-from vitattn.data.images import EvalSplit
+from vitattn.data.images import EvalSplit, check_split
 from vitattn.data.tokenizer import describe_tokenizer, unknown_share
 from vitattn.errors import brief
 from vitattn.fileio import parse_json, read_text
@@ -30,7 +30,7 @@ from vitattn.metrics.toolkit import check_toolkit, toolkit_scores
 from vitattn.run_dir import RunDir
 from vitattn.training.evaluation.classification import file_batches
 from vitattn.training.evaluation.report import RECALL, EvalReport
-from vitattn.training.evaluation.splits import caption_split, check_split
+from vitattn.training.evaluation.splits import caption_split
 
 __all__ = ["evaluate_captions", "evaluate_retrieval", "read_predictions", "retrieval_metrics", "retrieval_ranks"]
 
