@@ -167,13 +167,9 @@ class NonFiniteNotes:
     def take(
         self, device: torch.device, gather: Callable[[Tensor], Tensor] | None = None, rank: int = 0
     ) -> tuple[int, int, float] | None:
-        """``(step, rank, loss)`` of the earliest non-finite loss noted, or None; the notes are cleared.
-
-        Args:
-            device: where a rank that noted nothing puts its empty note.
-            gather: under DDP the all-gather over the ranks (every rank takes its notes together); None: this
-                process's notes alone, named as ``rank``'s.
-        """
+        """``(step, rank, loss)`` of the earliest non-finite loss noted, or None; the notes are cleared. ``gather``:
+        under DDP the all-gather over the ranks (every rank takes its notes together; an empty note on ``device``);
+        None: this process's notes alone, named as ``rank``'s."""
         step, loss = (self.step, self.loss) if self.step is not None else self._empty(device)
         self.step = self.loss = None
         if gather is not None:
@@ -188,15 +184,9 @@ class NonFiniteNotes:
 
 
 class VisionSystem(pl.LightningModule):
-    """Base LightningModule: AdamW + warmup/cosine, and what to do with a non-finite loss.
-
-    Subclasses build ``self.model`` from plain-value hyperparameters, so a checkpoint loads with
-    ``torch.load(weights_only=True)``.
-
-    Args:
-        optim: keyword arguments of ``build_optimizer`` (lr, weight_decay, warmup_steps, ...).
-        nonfinite: ``raise`` stops training naming the step; ``skip`` skips the step on every rank and counts it.
-    """
+    """Base LightningModule: ``build_optimizer(**optim)``, and on a non-finite loss ``nonfinite=raise`` (stop,
+    naming the step) or ``skip`` (skip the step on every rank, counted). Subclasses build ``self.model`` from
+    plain-value hyperparameters, so a checkpoint loads with ``torch.load(weights_only=True)``."""
 
     model: torch.nn.Module
 
