@@ -7,7 +7,7 @@ Docstring lines are the lines of module, class and function docstrings. An impor
 importing another of the package (top level or inside a function, as grimp counts them); a circle is a
 set of two or more modules that reach each other through such arrows (a strongly connected component), or a
 module that imports a name from its own package (``from vitattn.data.shards import reading`` inside
-``vitattn.data.shards.listing``), whose ``__init__`` imports the module back.
+``vitattn.data.shards.stream``), whose ``__init__`` imports the module back.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ from PIL import Image
 
 from tests.helpers import write_good_images
 from vitattn.data import eval_transform, read_image
+from vitattn.data.images import check_split
 from vitattn.inference.captioning import read_pixels
-from vitattn.training.datamodules import CocoCaptionDataModule, ImageFolderDataModule
+from vitattn.training.datamodules import CocoCaptionDataModule, ImageFolderDataModule, ShapesDataModule
 
 
 def _palette_with_transparency(path):
@@ -68,3 +69,12 @@ def test_image_folder_training_data_and_captioner_see_identical_tensors(tricky, 
         torch.testing.assert_close(dm.normalize(dm.val_dataset[i][0]), tensor, rtol=0, atol=0, msg=path)
         torch.testing.assert_close(dm.normalize(training), tensor, rtol=0, atol=0, msg=path)
     assert np.isfinite(torch.stack(ours).numpy()).all()
+
+
+def test_evaluation_refuses_the_training_split():
+    for split in ("val", "test"):
+        check_split(split)
+    with pytest.raises(ValueError, match=r"^split='train' is unknown; choose one of \['val', 'test'\]$"):
+        check_split("train")
+    with pytest.raises(ValueError, match=r"^split='train' is unknown"):  # a DataModule asks the same check
+        ShapesDataModule(img_size=32, num_train=2, num_val=2, num_test=2).evaluation_split("train")

@@ -1,5 +1,5 @@
 """Every file and generated DataModule resumes mid-epoch exactly: the samples of an interrupted epoch, over both
-runs, are those of an uninterrupted one, in one process and in two (vitattn.data.resumable)."""
+runs, are those of an uninterrupted one, in one process and in two (vitattn.training.datamodules.base)."""
 
 import json
 import os
@@ -13,8 +13,8 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler, RandomSampler
 
 from tests.helpers import TINY, compose_train, make_coco, make_image_folder, stop_mid_run
-from vitattn.data.resumable import EpochSampler, ResumableLoader
 from vitattn.training import train
+from vitattn.training.datamodules.base import EpochSampler, ResumableLoader
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {

@@ -13,7 +13,7 @@ from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 from vitattn.run_dir import RunDir
 from vitattn.training import train
 from vitattn.training.config import check_config
-from vitattn.training.systems.optim import (
+from vitattn.training.systems.base import (
     add_param_groups,
     build_optimizer,
     head_modules,

@@ -22,7 +22,7 @@ from vitattn.data.preprocess import (
 )
 from vitattn.training import train
 from vitattn.training.datamodules import ImageFolderDataModule
-from vitattn.training.systems.optim import WarmupCosine
+from vitattn.training.systems.base import WarmupCosine
 
 CLS = ["head=classification", *TINY, *TINY_SHAPES, "test=false", "export_bundle=false", "num_threads=1"]
 

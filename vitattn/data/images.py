@@ -32,6 +32,7 @@ __all__ = [
     "read_many",
     "should_cache",
     "SPLITS",
+    "check_split",
     "unreadable_reason",
     "upright_rgb",
 ]
@@ -221,6 +222,12 @@ class ImageCache:
 
 
 SPLITS = ("val", "test")  # the splits evaluation scores; training data never is
+
+
+def check_split(split: str) -> None:
+    """Refuse a split other than ``val`` and ``test`` (training data is never scored)."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is unknown; choose one of {list(SPLITS)}")
 
 
 @dataclass

@@ -270,12 +270,9 @@ def on_gpu(cfg: DictConfig) -> bool:
 
 
 def plan_cores(cfg: DictConfig, datamodule: Any) -> tuple[int, int]:
-    """Loader workers and torch threads that do not fight over the cores; returns ``(workers, threads)``.
-
-    Each of the node's training processes plans with its share of the cores: ``data.num_workers=auto`` is the
-    DataModule's ``plan_workers``; ``num_threads=auto`` is the share the workers leave on a CPU (at least one)
-    and torch's default on GPUs. A number the user set is kept.
-    """
+    """``(workers, threads)`` for this process's share of the node's cores, so they do not fight: ``auto`` workers
+    are the DataModule's ``plan_workers``, ``auto`` threads what the workers leave on a CPU (at least one) and
+    torch's default on GPUs; a number the user set is kept."""
     cores, processes = len(os.sched_getaffinity(0)), processes_per_node(cfg)
     share = max(1, cores // processes)
     plan = getattr(datamodule, "plan_workers", None)
@@ -341,14 +338,10 @@ FORMAT = "vitattn-cider-statistics/2"  # /2: <eos> a word of every reference (Ci
 
 
 def prepare_reward(datamodule: Any, run_dir: str | Path, resuming: bool, wait: float = WAIT_SECONDS) -> CiderD:
-    """The run's CIDEr-D reward: its statistics read from the run folder (a restart; a rank other than 0), or on
-    rank 0's first start computed from ``datamodule.train_references()`` and written there; a file of an older
-    format is computed again, never read as this one.
-
-    Raises:
-        ConfigError: the data has no caption references, or none in its training split.
-        TimeoutError: a rank other than 0 found no statistics of this format within ``wait`` seconds.
-    """
+    """The run's CIDEr-D reward: its statistics read from the run folder (a restart; a rank other than 0, which
+    waits ``wait`` seconds before a ``TimeoutError``), or on rank 0's first start computed from
+    ``datamodule.train_references()`` (``ConfigError`` without them) and written there; a file of an older format
+    is computed again, never read as this one."""
     path = RunDir(run_dir).cider_statistics
     if rank_zero_only.rank != 0:
         return _wait_for_statistics(path, wait)

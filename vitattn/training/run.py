@@ -68,18 +68,12 @@ class TrainResult:
 
 
 def train(cfg: DictConfig) -> TrainResult:
-    """Train (and test, and export) as ``cfg`` says.
-
-    Args:
-        cfg: the composed ``conf/train.yaml``; ``cfg.paths.output_dir`` is the run directory.
-
-    Returns:
-        The run directory, the final validation (and test) metrics, sample captions and the bundle; for a run
-        ``resume`` finds complete, its saved result, with ``already_complete``.
+    """Train, test and export as ``cfg`` (the composed ``conf/train.yaml``) says, into ``cfg.paths.output_dir``;
+    a run ``resume`` finds complete returns its saved result, with ``already_complete``.
 
     Raises:
-        Preempted: SIGTERM or SIGUSR1 stopped training after a whole step (``checkpoints/last.ckpt`` holds it and
-            ``resume`` continues from it), or SIGTERM stopped the test after training (it runs again on resume).
+        Preempted: SIGTERM or SIGUSR1 stopped training after a whole step (``resume`` continues from
+            ``checkpoints/last.ckpt``), or SIGTERM stopped the test after training (it runs again on resume).
     """
     check_targets(cfg)  # a run folder's config is input: nothing it names is imported before this
     run_dir = Path(cfg.paths.output_dir)

@@ -31,19 +31,10 @@ def datamodule_from_run(
     num_workers: int = 0,
     **overrides: Any,
 ) -> Any:
-    """The run's DataModule, built resolved and set up for evaluation (``val`` and ``test``; ``read_once``).
-
-    Args:
-        run: the training run folder.
-        vocab: the model's tokenizer, used instead of one built from the training captions.
-        preprocess: the model's preprocessing (a bundle's), for the ``data.*`` keys its saved config leaves null.
-        batch_size, num_workers: the evaluation's loader settings.
-        **overrides: other data settings to replace (e.g. ``image_dir`` when the images have moved).
-
-    Raises:
-        ValueError: the run's config has no data section that names a DataModule.
-        KeyError: an override names a setting the run's data does not have.
-    """
+    """The run's DataModule, built resolved and set up for evaluation (``val`` and ``test``; ``read_once``), with
+    the model's ``vocab`` rather than one built from the training captions, its ``preprocess`` for the ``data.*``
+    keys the saved config leaves null, and ``overrides`` of other data settings (``image_dir`` when the images
+    have moved). ``ValueError``: no data section names a DataModule; ``KeyError``: an override the data lacks."""
     data = run.load_config().get("data")
     if data is None or "_target_" not in data:
         raise ValueError(f"{run.config} has no data config with a _target_; give the images and references directly")

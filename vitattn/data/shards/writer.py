@@ -15,7 +15,7 @@ from pathlib import Path
 from vitattn.data.coco import CocoImage
 from vitattn.data.images import open_image_folder
 from vitattn.data.shapes import generate_scene, render_scene, scene_label, scene_references
-from vitattn.data.shards.listing import CLASSES_FILE
+from vitattn.data.shards.reading import CLASSES_FILE
 from vitattn.fileio import atomic_open, atomic_write
 
 __all__ = ["ShardSample", "coco_samples", "folder_samples", "shapes_samples", "write_shards"]

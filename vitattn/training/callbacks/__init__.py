@@ -2,10 +2,9 @@
 
 from vitattn.training.callbacks.batches import SampleKeys, SkippedImages
 from vitattn.training.callbacks.ema import EMA
-from vitattn.training.callbacks.freeze import FreezeEncoder
 from vitattn.training.callbacks.pictures import ValidationPictures
 from vitattn.training.callbacks.preemption import Preemption
-from vitattn.training.callbacks.time_budget import TimeBudgetHorizon, schedule_of
+from vitattn.training.callbacks.schedule import FreezeEncoder, TimeBudgetHorizon
 
 __all__ = [
     "EMA",
@@ -15,5 +14,4 @@ __all__ = [
     "SkippedImages",
     "TimeBudgetHorizon",
     "ValidationPictures",
-    "schedule_of",
 ]

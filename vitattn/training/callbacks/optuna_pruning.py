@@ -15,14 +15,9 @@ __all__ = ["OptunaPruning"]
 
 
 class OptunaPruning(pl.Callback):
-    """Report ``monitor`` after each validation to trial ``trial_number`` of the sweeper's study.
-
-    Args:
-        monitor: the validation metric the search optimises (``optimized_metric``).
-        study_name, storage, pruner: the sweeper's ``hydra.sweeper`` settings (storage not null: the trial runs in
-            another process).
-        trial_number: the trial this run is (``hydra.job.num``, which the sweeper sets to it).
-    """
+    """Report ``monitor`` (``optimized_metric``) after each validation to trial ``trial_number``
+    (``hydra.job.num``) of the sweeper's study; ``study_name``, ``storage`` (not null: the trial runs in another
+    process) and ``pruner`` are the ``hydra.sweeper`` settings."""
 
     def __init__(
         self, monitor: str, study_name: str, storage: str | None, trial_number: int, pruner: optuna.pruners.BasePruner

@@ -28,12 +28,9 @@ _PICTURE_LOGGERS = (TensorBoardLogger, MLFlowLogger, WandbLogger)
 
 
 class ValidationPictures(pl.Callback):
-    """After every validation (not the sanity check), log pictures to the image-taking loggers.
-
-    Args:
-        num_images: captioning: how many validation images (the split's first ones, the same every time).
-        max_labelled_classes: classification: the confusion matrix names its classes and counts up to this many.
-    """
+    """After every validation (not the sanity check), log pictures to the image-taking loggers: captioning's
+    ``num_images`` first validation images, classification's confusion matrix (its classes and counts named up to
+    ``max_labelled_classes``)."""
 
     def __init__(self, num_images: int = 4, max_labelled_classes: int = 20) -> None:
         if num_images < 1:

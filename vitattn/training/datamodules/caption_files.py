@@ -21,9 +21,8 @@ class CaptionFilesDataModule(ImageDataModule):
 
     Training items take ``captions_per_image`` of their image's captions (``draw_captions``: at random, ``all``
     every one), teacher-forced on one encoding of the image; val and test items take the first, and carry all of
-    them as references. The arguments are the ``data.*`` keys that
-    conf/data/coco.yaml and karpathy.yaml describe (``vocab_path``: a saved ``vocab.json`` or ``tokenizer.json``
-    to use rather than one built from the training captions); ``tokenizer`` and ``vocab`` are ``ImageDataModule``'s.
+    them as references. The arguments are the ``data.*`` keys of conf/data/coco.yaml and karpathy.yaml;
+    ``vocab_path``: a saved ``vocab.json`` or ``tokenizer.json`` to use rather than one built from the captions.
     """
 
     tasks = ("caption",)

@@ -25,7 +25,7 @@ from vitattn.data.images import EvalSplit
 from vitattn.data.preprocess import CAPTION_CROP_SCALE, Augment, CaptionAugment, classification_train_transform
 from vitattn.data.shards import expand_shards, local_path, read_shard, shard_sizes
 from vitattn.data.shards.epoch_split import EpochOrder, PositionSet, batches_per_rank, read_factor, split_epoch
-from vitattn.data.shards.listing import CLASSES_FILE
+from vitattn.data.shards.reading import CLASSES_FILE
 from vitattn.data.shards.stream import (
     EpochLoader,
     ShardBatch,

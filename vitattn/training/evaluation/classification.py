@@ -16,14 +16,14 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from vitattn.bundle import LoadedModel
-from vitattn.data.images import image_folder_split, open_image_folder
+from vitattn.data.images import check_split, image_folder_split, open_image_folder
 from vitattn.inference import InputList
 from vitattn.inference.captioning import image_file_batches
 from vitattn.inference.zero_shot import check_labels, templates_from, zero_shot_model
 from vitattn.precision import precision_autocast
 from vitattn.run_dir import RunDir
 from vitattn.training.evaluation.report import EvalReport
-from vitattn.training.evaluation.splits import check_split, labelled_split
+from vitattn.training.evaluation.splits import labelled_split
 
 __all__ = ["evaluate_classification", "evaluate_zero_shot", "file_batches"]
 

@@ -12,18 +12,12 @@ from typing import Any
 
 from vitattn.bundle import LoadedModel
 from vitattn.data.coco import load_coco_captions
-from vitattn.data.images import SPLITS, EvalSplit, image_folder_split, open_image_folder
+from vitattn.data.images import EvalSplit, image_folder_split, open_image_folder
 from vitattn.run_dir import RunDir
 
-__all__ = ["caption_split", "check_split", "labelled_split"]
+__all__ = ["caption_split", "labelled_split"]
 
 log = logging.getLogger(__name__)
-
-
-def check_split(split: str) -> None:
-    """Refuse a split other than ``val`` and ``test`` (training data is never scored)."""
-    if split not in SPLITS:
-        raise ValueError(f"split={split!r} is unknown; choose one of {list(SPLITS)}")
 
 
 def _run_split(

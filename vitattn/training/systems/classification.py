@@ -17,16 +17,9 @@ __all__ = ["ClassificationSystem"]
 
 
 class ClassificationSystem(VisionSystem):
-    """Trains a ``VisionTransformer`` with a classification head.
-
-    Args:
-        model_config: ``VisionTransformer`` keyword arguments, ``num_classes`` included.
-        class_names: one name per class, in label order.
-        preprocess: evaluation preprocessing (img_size, crop_pct, mean, std, interpolation), kept for inference.
-        mixup, cutmix: timm's ``Mixup`` alphas for training batches (0 = off); the loss then takes the mixed soft
-            targets (label-smoothed).
-        optim, nonfinite: as ``VisionSystem`` takes them.
-    """
+    """Trains a ``VisionTransformer(**model_config)`` (``num_classes`` included) on ``class_names`` in label
+    order; ``preprocess`` is kept for inference. ``mixup``, ``cutmix``: timm's ``Mixup`` alphas (0 = off), the loss
+    then on the mixed, label-smoothed soft targets; ``optim``, ``nonfinite``: ``VisionSystem``'s."""
 
     task = "classification"
 

@@ -16,15 +16,9 @@ __all__ = ["CocaSystem"]
 
 
 class CocaSystem(CaptionSystem):
-    """Trains a ``CocaCaptioner`` on ``caption_weight`` · caption + ``contrastive_weight`` · contrastive loss.
-
-    Args:
-        model_config: as ``CaptionSystem``'s, with the ``contrastive`` part ``CocaCaptioner`` takes.
-        contrastive_loss: ``clip`` or ``siglip``, with the negatives of every rank (``systems.contrastive``).
-        contrastive_weight, caption_weight: the terms' weights (open_clip's CoCa: 1 and 2).
-        kwargs: ``CaptionSystem``'s other arguments. With ``scst`` the self-critical loss is trained, and its
-            cross-entropy term (``scst.xe_weight``) is this weighted sum.
-    """
+    """Trains a ``CocaCaptioner`` (``model_config`` with its ``contrastive`` part) on ``caption_weight`` · caption
+    + ``contrastive_weight`` · ``contrastive_loss`` (``clip`` or ``siglip``, every rank's negatives; open_clip's
+    weights: 2 and 1). Other arguments are ``CaptionSystem``'s; with ``scst``, this sum is its cross-entropy term."""
 
     def __init__(
         self,
