@@ -18,7 +18,8 @@ __all__ = ["CocaSystem"]
 class CocaSystem(CaptionSystem):
     """Trains a ``CocaCaptioner`` (``model_config`` with its ``contrastive`` part) on ``caption_weight`` · caption
     + ``contrastive_weight`` · ``contrastive_loss`` (``clip`` or ``siglip``, every rank's negatives; open_clip's
-    weights: 2 and 1). Other arguments are ``CaptionSystem``'s; with ``scst``, this sum is its cross-entropy term."""
+    weights: 2 and 1). Other arguments are ``CaptionSystem``'s; under ``scst`` the SCST loss and its cross-entropy term take the
+    caption's weight."""
 
     def __init__(
         self,
@@ -39,6 +40,19 @@ class CocaSystem(CaptionSystem):
 
     def _loss(self, batch: dict[str, Any], label_smoothing: float = 0.0) -> Tensor:
         """The weighted sum; the contrastive pairs are each image and its first caption."""
+        caption, contrastive = self._pair_terms(batch, label_smoothing)
+        return self.caption_weight * caption + self.contrastive_weight * contrastive
+
+    def _self_critical_loss(self, batch: dict[str, Any], size: int) -> Tensor:
+        """``contrastive_weight`` · contrastive + ``caption_weight`` · (SCST + ``xe_weight`` · cross-entropy): the
+        contrastive term keeps training the embeddings the first stage built."""
+        scst = self._scst_loss(batch, size)
+        caption, contrastive = self._pair_terms(batch, self.label_smoothing)
+        self._terms["scst_loss"] = scst.detach()
+        return self.contrastive_weight * contrastive + self.caption_weight * (scst + self.scst.xe_weight * caption)
+
+    def _pair_terms(self, batch: dict[str, Any], label_smoothing: float) -> tuple[Tensor, Tensor]:
+        """The caption cross-entropy and the contrastive loss, from one encoding of each image."""
         tokens, caption_image = batch["tokens"], batch.get("caption_image")  # (N, T), (N,) or None
         images = batch["images"]
         texts = tokens  # (B, T): one caption per image for the contrastive pairs
@@ -49,7 +63,7 @@ class CocaSystem(CaptionSystem):
         caption = self._caption_loss(logits, tokens, label_smoothing)
         contrastive = contrastive_loss(self.contrastive_loss, image, text, self.model)
         self._terms = {"caption_loss": caption.detach(), "contrastive_loss": contrastive.detach()}
-        return self.caption_weight * caption + self.contrastive_weight * contrastive
+        return caption, contrastive
 
     def _log_terms(self, stage: str, size: int) -> None:
         terms, self._terms = self._terms, {}
