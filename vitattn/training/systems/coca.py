@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vitattn.inference.embeddings import encode_texts
+from vitattn.metrics.metric import RetrievalMetrics
 from vitattn.training.systems.captioning import CaptionSystem
 from vitattn.training.systems.contrastive import check_contrastive, contrastive_loss
 
@@ -18,8 +20,8 @@ __all__ = ["CocaSystem"]
 class CocaSystem(CaptionSystem):
     """Trains a ``CocaCaptioner`` (``model_config`` with its ``contrastive`` part) on ``caption_weight`` · caption
     + ``contrastive_weight`` · ``contrastive_loss`` (``clip`` or ``siglip``, every rank's negatives; open_clip's
-    weights: 2 and 1). Other arguments are ``CaptionSystem``'s; under ``scst`` the SCST loss and its cross-entropy term take the
-    caption's weight."""
+    weights: 2 and 1). Other arguments are ``CaptionSystem``'s; under ``scst`` the SCST loss and its cross-entropy
+    term take the caption's weight."""
 
     def __init__(
         self,
@@ -36,6 +38,7 @@ class CocaSystem(CaptionSystem):
         super().__init__(model_config, vocab, **kwargs)
         self.contrastive_loss = contrastive_loss
         self.contrastive_weight, self.caption_weight = contrastive_weight, caption_weight
+        self.retrieval_metrics = RetrievalMetrics()  # every rank's embeddings, ranked once
         self._terms: dict[str, Tensor] = {}  # the last ``_loss``'s two terms, logged by the step that asked for it
 
     def _loss(self, batch: dict[str, Any], label_smoothing: float = 0.0) -> Tensor:
@@ -78,5 +81,22 @@ class CocaSystem(CaptionSystem):
 
     def _evaluate(self, batch: dict[str, Any] | None, stage: str) -> None:
         super()._evaluate(batch, stage)
-        if batch is not None:
-            self._log_terms(stage, len(batch["images"]))
+        if batch is None:
+            return
+        self._log_terms(stage, len(batch["images"]))
+        references = batch["references"]
+        texts = encode_texts(self.vocab, [t for refs in references for t in refs], self.model.decoder.max_len)
+        text_image = torch.tensor([i for i, refs in enumerate(references) for _ in refs], device=self.device)
+        self.retrieval_metrics.update(
+            self.model.embed_images(batch["images"]),
+            batch["image_ids"],
+            self.model.embed_texts(texts.to(self.device)),
+            text_image,
+        )
+
+    def _score(self, stage: str) -> None:
+        """The captions' scores, then ``i2t_r1`` ... of the split's images among all their captions."""
+        super()._score(stage)
+        metrics = {} if self.trainer.sanity_checking else self.retrieval_metrics.compute()
+        self.retrieval_metrics.reset()
+        self.log_dict({f"{stage}/{k}": float(v) for k, v in metrics.items()}, sync_dist=False, rank_zero_only=False)
