@@ -4,7 +4,6 @@ weights show. Kind ``model``: a whole vitattn model of the run's task (the rest:
 
 import json
 import logging
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, make_caption_bundle
+from tests.helpers import TINY, TINY_SHAPES, compose_train, make_caption_bundle, put_in_hub_cache
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.data.preprocess import default_preprocess
 from vitattn.errors import ConfigError
@@ -101,28 +100,6 @@ def _save_npz(model: torch.nn.Module, path: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def no_network(monkeypatch):
-    """Any connection attempt fails the test: the hub must be neither asked nor waited for."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"network access attempted: {args}")
-
-    monkeypatch.setattr(socket, "create_connection", refuse)
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-
-
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch):
-    """An empty Hugging Face hub cache (timm's cache for hub weights) in ``tmp_path``."""
-    from huggingface_hub import constants
-
-    cache = tmp_path / "hub"
-    cache.mkdir()
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    return cache
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_each_timm_family_gives_timm_features_with_the_switches_its_weights_show(family, tmp_path):
     name, not_in_the_weights = FAMILIES[family]
@@ -162,17 +139,14 @@ def test_a_timm_name_with_a_local_file_loads_through_timm(tmp_path, no_network):
     assert ours.config["patch_size"] == 16  # set from the weights
     ref = timm.create_model(TIMM_TINY, pretrained=True, pretrained_cfg_overlay=dict(file=str(file)), img_size=32)
     _assert_same_features(ours, ref.eval())
+    assert not no_network
 
 
 def test_a_timm_name_loads_from_timms_cache_without_the_network(tmp_path, hub_cache, no_network):
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = hub_cache / f"models--timm--{TIMM_TINY}"
-    (repo / "snapshots" / commit).mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    file = repo / "snapshots" / commit / "model.safetensors"
-    save_file(timm.create_model(TIMM_TINY, pretrained=False).state_dict(), file)
+    save_file(timm.create_model(TIMM_TINY, pretrained=False).state_dict(), tmp_path / "model.safetensors")
+    file = put_in_hub_cache(hub_cache, f"timm/{TIMM_TINY}", [tmp_path / "model.safetensors"]) / "model.safetensors"
     ours = _encoder(TIMM_TINY, embed_dim=192, depth=12, num_heads=3, mlp_ratio=4.0)
+    assert not no_network
     ref = timm.create_model(TIMM_TINY, pretrained=True, pretrained_cfg_overlay=dict(file=str(file)), img_size=32)
     _assert_same_features(ours, ref.eval())
 
@@ -182,6 +156,7 @@ def test_a_timm_name_offline_and_uncached_is_one_line_naming_the_local_file_fix(
         ConfigError, match=rf"{TIMM_TINY}: its weights are not in timm's cache and vitattn does not"
     ) as err:
         read_start(TIMM_TINY, "encoder")
+    assert not no_network
     message = str(err.value)
     assert "\n" not in message
     assert "pretrained_cfg_overlay=dict(file=" in message and f"finetune.init={TIMM_TINY}@/path/to/" in message
@@ -256,6 +231,7 @@ def test_a_timm_name_refuses_a_head_count_that_contradicts_it(tmp_path, no_netwo
     save_file(timm.create_model(TIMM_TINY, pretrained=False).state_dict(), file)
     with pytest.raises(ConfigError, match=r"num_heads=3 mlp_ratio=4\.0; set model\.num_heads=3 \(or model=tiny\)$"):
         _encoder(f"{TIMM_TINY}@{file}", embed_dim=192, depth=12, num_heads=4, mlp_ratio=4.0)
+    assert not no_network
 
 
 @pytest.mark.parametrize(
