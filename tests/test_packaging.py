@@ -15,10 +15,10 @@ from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
+import vitattn.conf
 from omegaconf import OmegaConf
 
 import vitattn
-import vitattn.conf
 from tests.helpers import TINY, TINY_SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]

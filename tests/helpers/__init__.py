@@ -10,10 +10,10 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+import vitattn.conf
 from omegaconf import DictConfig
 from PIL import Image
 
-import vitattn.conf
 from vitattn.training.config import compose_train as compose
 
 CONF_DIR = Path(vitattn.conf.__file__).parent
