@@ -64,3 +64,27 @@ def test_a_hub_folder_of_something_else_says_what_it_is(config, held, tmp_path, 
     put_in_hub_cache(hub_cache, "org/other", folder)
     with pytest.raises(ValueError, match=f"hf-hub:org/other is not a vitattn model: the repository holds {held}"):
         Captioner.load("hf-hub:org/other")
+
+
+def test_vitattn_caption_takes_a_hub_name_offline(tmp_path, hub_cache, hub_offline):
+    import json
+    import subprocess
+
+    from PIL import Image
+
+    from tests.helpers import console_script
+
+    local = make_caption_bundle(tmp_path / "bundle")
+    put_in_hub_cache(hub_cache, "org/tiny", local)
+    images = tmp_path / "images"
+    images.mkdir()
+    for i, image in enumerate(IMAGES):
+        Image.fromarray(image).save(images / f"{i}.png")
+    captions = {}
+    for model in (str(local), "hf-hub:org/tiny"):
+        out = tmp_path / f"{len(captions)}.jsonl"
+        cmd = [str(console_script("vitattn-caption")), f"model={model}", f"images={images}", f"out={out}"]
+        subprocess.run([*cmd, "device=cpu", "progress=false"], check=True, capture_output=True, timeout=120)
+        captions[model] = [json.loads(line)["caption"] for line in out.read_text().splitlines()]
+    assert len(captions["hf-hub:org/tiny"]) == len(IMAGES)
+    assert captions["hf-hub:org/tiny"] == captions[str(local)]

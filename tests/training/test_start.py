@@ -323,6 +323,19 @@ def test_init_leaves_grad_checkpointing_to_the_run(tmp_path):
     assert cfg.data.max_caption_len == 8  # the model's sizes still come from it (24 composed)
 
 
+def test_a_hub_bundle_starts_a_run_by_its_name_offline(tmp_path, hub_cache, hub_offline, no_network):
+    """finetune.init=hf-hub:ORG/NAME reads the cached bundle: its weights, and the sizes they fix in the config."""
+    bundle = make_caption_bundle(tmp_path / "bundle")
+    put_in_hub_cache(hub_cache, "org/tiny", bundle)
+    init = read_start("hf-hub:org/tiny")
+    local = load_bundle(bundle).model.state_dict()
+    for key, value in init.bundle.model.state_dict().items():
+        torch.testing.assert_close(value, local[key], rtol=0, atol=0)
+    cfg = compose_train([*TINY, "finetune.init=hf-hub:org/tiny"], tmp_path / "run")
+    init.resolve(cfg, [])
+    assert cfg.data.max_caption_len == 8 and not no_network  # the bundle's sizes (24 composed); no connection
+
+
 def test_init_refuses_a_classifier_for_a_captioner(tmp_path):
     classifier = tmp_path / "classifier"
     train(compose_train(["head=classification", *TINY, *TINY_SHAPES, "trainer.max_steps=1", "test=false"], classifier))
