@@ -19,7 +19,7 @@ from vitattn.data.preprocess import describe
 from vitattn.models.timm_weights import timm_pretrained_cfg
 from vitattn.run_dir import RunDir
 
-__all__ = ["CARD_FILE", "METRICS_HEADING", "PIPELINE_TAGS", "model_card", "run_datasets", "run_license"]
+__all__ = ["CARD_FILE", "METRICS_HEADING", "PIPELINE_TAGS", "model_card"]
 
 CARD_FILE = "README.md"
 METRICS_HEADING = "## Test metrics"
@@ -28,21 +28,21 @@ _ENCODER_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "m
 _DECODER_KEYS = ("vocab_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "max_len")
 
 
-def run_datasets(run: RunDir | None) -> list[str]:
-    """The data the run was trained on, as its config names it: the data module's name (``ShapesDataModule``
-    -> ``shapes``); none without a run."""
-    if run is None or not run.is_run():
+def _run_datasets(config: Any | None) -> list[str]:
+    """The data a run was trained on, as its training ``config`` names it: the data module's name
+    (``ShapesDataModule`` -> ``shapes``); none without a run."""
+    if config is None:
         return []
-    target = str(OmegaConf.select(run.load_config(), "data._target_", default="") or "")
+    target = str(OmegaConf.select(config, "data._target_", default="") or "")
     name = target.rsplit(".", 1)[-1].removesuffix("DataModule").lower()
     return [name] if name else []
 
 
-def run_license(run: RunDir | None) -> str | None:
-    """The license timm gives the pretrained weights the run started from (``finetune.init=NAME``), or None."""
-    if run is None or not run.is_run():
+def _run_license(config: Any | None) -> str | None:
+    """The license timm gives the pretrained weights a run started from (``finetune.init=NAME``), or None."""
+    if config is None:
         return None
-    init = OmegaConf.select(run.load_config(), "finetune.init", default=None)
+    init = OmegaConf.select(config, "finetune.init", default=None)
     if not init or is_hub_name(init) or Path(str(init)).expanduser().exists():
         return None
     try:
@@ -59,10 +59,9 @@ def _settings(settings: Mapping[str, Any]) -> str:
     return " ".join(f"{k}={json.dumps(v)}" for k, v in settings.items())
 
 
-def _training(run: RunDir | None, result: Mapping[str, Any] | None, datasets: Sequence[str]) -> list[str]:
-    if run is None or not run.is_run():
+def _training(cfg: Any | None, result: Mapping[str, Any] | None, datasets: Sequence[str]) -> list[str]:
+    if cfg is None:
         return ["Not exported from a training run: no training record."]
-    cfg = run.load_config()
     data = OmegaConf.to_container(cfg.data, resolve=True)
     counts = ", ".join(f"{k.removeprefix('num_')} {data[k]}" for k in ("num_train", "num_val", "num_test") if k in data)
     lines = [f"- data: {', '.join(datasets) or 'see config'}" + (f" ({counts} images)" if counts else "")]
@@ -112,21 +111,22 @@ def model_card(
     onnx: bool = False,
 ) -> Any:
     """The ``huggingface_hub.ModelCard`` of ``model`` published as ``name`` (``ORG/NAME``), from the ``run`` it was
-    trained in when there is one (its ``result.json`` metrics and its config's decoding, data and optimiser)."""
+    trained in when there is one (its ``result.json`` metrics and its config's decoding, data and optimiser);
+    ``license`` and ``datasets`` default to the run's (timm's license of its start weights; its data module)."""
     from huggingface_hub import ModelCard, ModelCardData
 
+    cfg = run.load_config() if run is not None else None
     result = run.load_result() if run is not None else None
+    datasets = list(datasets) or _run_datasets(cfg)
     decoding = None
-    if model.task == "caption":
-        decoding = dict(model.generate)
-        if run is not None and run.is_run():  # what the run's test was decoded with
-            decoding = OmegaConf.to_container(run.load_config().head.generate, resolve=True)
+    if model.task == "caption":  # what the run's test was decoded with, else the bundle's defaults
+        decoding = OmegaConf.to_container(cfg.head.generate, resolve=True) if cfg is not None else dict(model.generate)
     tags = ["vitattn", "vision-transformer", "image-captioning" if model.task == "caption" else "image-classification"]
     data = ModelCardData(
         library_name="vitattn",
         pipeline_tag=PIPELINE_TAGS[model.task],
-        license=license,
-        datasets=list(datasets) or None,
+        license=license or _run_license(cfg),
+        datasets=datasets or None,
         tags=tags + (["onnx"] if onnx else []),
     )
     config = model.config.get("model", {})
@@ -149,7 +149,7 @@ def model_card(
         "",
         "## Training",
         "",
-        *_training(run, result, datasets),
+        *_training(cfg, result, datasets),
         "",
         METRICS_HEADING,
         "",

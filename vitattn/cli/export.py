@@ -81,9 +81,9 @@ def run(cfg: Any) -> int:
     """Load ``cfg.model`` and save it as a bundle, ONNX or Hub folder at ``cfg.out``."""
     from vitattn.bundle import load_bundle, runtime_of, save_bundle
     from vitattn.bundle.card import CARD_FILE
-    from vitattn.bundle.hub import push_folder
+    from vitattn.bundle.hub import push_folder, resolve_model_path
 
-    source = cfg.model
+    source = resolve_model_path(cfg.model)  # a hf-hub: name fetched once, for runtime_of and load_bundle
     if cfg.which is not None:
         run = RunDir(cfg.model)
         if not run.checkpoints.is_dir():
@@ -129,17 +129,16 @@ def run(cfg: Any) -> int:
 
 def _write_card(cfg: Any, bundle: Any, source: str | Path, out: Path) -> None:
     """The model card of the Hub folder ``out``, from the run ``source`` came from (none for a Hub model)."""
-    from vitattn.bundle.card import CARD_FILE, model_card, run_datasets, run_license
+    from vitattn.bundle.card import CARD_FILE, model_card
     from vitattn.bundle.hub import is_hub_name
 
-    run = None if is_hub_name(source) else RunDir.find(source)
-    given = [d.strip() for d in (cfg.datasets or "").split(",") if d.strip()]
+    run = None if is_hub_name(cfg.model) else RunDir.find(source)
     card = model_card(
         bundle,
         cfg.push_to_hub or "ORG/NAME",
         run,
-        license=cfg.license or run_license(run),
-        datasets=given or run_datasets(run),
+        license=cfg.license,
+        datasets=[d.strip() for d in (cfg.datasets or "").split(",") if d.strip()],
         onnx=_onnx_format(cfg) is not None,
     )
     card.save(out / CARD_FILE)

@@ -19,7 +19,7 @@ from timm.data import resolve_model_data_config
 from torch import Tensor
 
 from vitattn.bundle import Bundle, load_bundle
-from vitattn.bundle.folder import CONFIG_FILE, is_bundle_folder, is_bundle_weights
+from vitattn.bundle.folder import CONFIG_FILE, WEIGHTS_FILE, is_bundle_folder, is_bundle_weights
 from vitattn.bundle.hub import describe_folder, hub_folder, is_hub_name
 from vitattn.data import Vocabulary
 from vitattn.data.preprocess import WEIGHTS_KEYS, describe, from_timm
@@ -70,8 +70,9 @@ _REFUSED = ("in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio")
 # Switches set from the weights (and logged) when the config says otherwise.
 _SET = ("patch_size", "qkv_bias", "norm_first", "activation", "layer_norm_eps", "norm_pre")
 _VITATTN_KEYS = ("num_heads", "norm_first", "activation", "layer_norm_eps")
-# The weights files of a timm model on the Hub (timm's push_to_hub), in the order timm's loader prefers them.
-_TIMM_HUB_FILES = ("model.safetensors", "pytorch_model.bin")
+# The weights files of a timm model on the Hub (timm's push_to_hub names its safetensors file as a bundle does),
+# in the order timm's loader prefers them.
+_TIMM_HUB_FILES = (WEIGHTS_FILE, "pytorch_model.bin")
 
 
 @dataclass
@@ -271,11 +272,13 @@ def read_start(source: str, kind: str = "model") -> WholeModel | Encoder:
 
 
 def _read_model(source: str) -> WholeModel:
-    path = source if is_hub_name(source) else Path(source).expanduser()  # a hf-hub: name: load_bundle fetches it
-    if isinstance(path, Path) and not path.exists():
+    path = Path(source).expanduser()
+    if is_hub_name(source):
+        path = source  # load_bundle fetches it
+    elif not path.exists():
         hint = "; a timm encoder needs finetune.init_kind=encoder" if "/" not in source else ""
         raise ConfigError(f"finetune.init={source} does not exist; give a vitattn run folder, bundle or .ckpt{hint}")
-    if isinstance(path, Path) and path.suffix.lower() in TIMM_SUFFIXES and not is_bundle_weights(path):
+    elif path.suffix.lower() in TIMM_SUFFIXES and not is_bundle_weights(path):
         raise ConfigError(f"finetune.init={source} is a timm weights file, an encoder: add finetune.init_kind=encoder")
     try:
         bundle = load_bundle(path)
