@@ -1,4 +1,5 @@
 import os
+import socket
 import sys
 from contextlib import contextmanager
 
@@ -51,6 +52,47 @@ def _seed_and_threads():
     with _one_torch_thread():
         torch.manual_seed(0)
         yield
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Every connection is refused, as with the network down: returns the list of the attempts (empty while
+    nothing tried to connect, as HF_HUB_OFFLINE promises)."""
+    attempts = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args)
+        raise ConnectionRefusedError(f"network access refused by the test: {args[1:] or args}")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    return attempts
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face hub cache in ``tmp_path`` (``HF_HOME``/hub), for this process and the commands it
+    starts; ``tests.helpers.put_in_hub_cache`` fills it as huggingface_hub does."""
+    from huggingface_hub import constants
+
+    home = tmp_path / "hf_home"
+    cache = home / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture
+def hub_offline(monkeypatch):
+    """``HF_HUB_OFFLINE=1``, for this process (huggingface_hub reads it once, at import) and the commands it starts."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
 
 
 def pytest_collection_modifyitems(config, items):

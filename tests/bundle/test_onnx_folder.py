@@ -295,7 +295,7 @@ def test_vitattn_caption_asks_for_what_an_onnx_folder_cannot_do_in_one_line(
 
 def test_export_refuses_quantize_without_format_onnx(caption_run, tmp_path, capsys):
     assert export_main([f"model={caption_run[0]}", f"out={tmp_path / 'b'}", "quantize=int8"]) == 2
-    assert capsys.readouterr().err.strip() == "error: quantize=int8 needs format=onnx"
+    assert capsys.readouterr().err.strip() == "error: quantize=int8 needs format=onnx (or format=hub hub_format=onnx)"
 
 
 def _run_console(args: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:

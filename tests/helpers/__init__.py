@@ -121,6 +121,33 @@ def make_classifier_bundle(folder: Path, class_names=("cat", "dog", "bird")) -> 
     )
 
 
+def put_in_hub_cache(cache: Path, repo_id: str, files, revision: str = "main") -> Path:
+    """Lay ``files`` (paths, or a folder's files) out in the Hugging Face ``cache`` as huggingface_hub's
+    download does, for the model repository ``repo_id`` at ``revision`` (a branch or tag, else a commit hash):
+    ``models--ORG--NAME/blobs/<sha256>``, ``snapshots/<commit>/<name>`` linking to its blob, and
+    ``refs/<revision>`` holding the commit. Returns the snapshot folder."""
+    import hashlib
+    import os
+    import shutil
+
+    files = sorted(Path(files).iterdir()) if isinstance(files, (str, Path)) else [Path(f) for f in files]
+    repo = Path(cache) / ("models--" + repo_id.replace("/", "--"))
+    is_commit = len(revision) == 40 and all(c in "0123456789abcdef" for c in revision)
+    commit = revision if is_commit else hashlib.sha1(f"{repo_id}@{revision}".encode()).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for file in files:
+        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copyfile(file, blob)
+        (snapshot / file.name).unlink(missing_ok=True)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    if not is_commit:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / revision).write_text(commit)
+    return snapshot
+
+
 def console_script(name: str) -> Path:
     """The venv's ``name`` console script. A missing one fails the test: the install is broken, nothing to skip."""
     path = Path(sys.executable).with_name(name)

@@ -4,7 +4,6 @@ weights show. Kind ``model``: a whole vitattn model of the run's task (the rest:
 
 import json
 import logging
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, make_caption_bundle
+from tests.helpers import TINY, TINY_SHAPES, compose_train, make_caption_bundle, put_in_hub_cache
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.data.preprocess import default_preprocess
 from vitattn.errors import ConfigError
@@ -102,28 +101,6 @@ def _save_npz(model: torch.nn.Module, path: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def no_network(monkeypatch):
-    """Any connection attempt fails the test: the hub must be neither asked nor waited for."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"network access attempted: {args}")
-
-    monkeypatch.setattr(socket, "create_connection", refuse)
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-
-
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch):
-    """An empty Hugging Face hub cache (timm's cache for hub weights) in ``tmp_path``."""
-    from huggingface_hub import constants
-
-    cache = tmp_path / "hub"
-    cache.mkdir()
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    return cache
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_each_timm_family_gives_timm_features_with_the_switches_its_weights_show(family, tmp_path):
     name, not_in_the_weights = FAMILIES[family]
@@ -163,17 +140,14 @@ def test_a_timm_name_with_a_local_file_loads_through_timm(tmp_path, no_network):
     assert ours.config["patch_size"] == 16  # set from the weights
     ref = timm.create_model(TIMM_TINY, pretrained=True, pretrained_cfg_overlay=dict(file=str(file)), img_size=32)
     _assert_same_features(ours, ref.eval())
+    assert not no_network
 
 
 def test_a_timm_name_loads_from_timms_cache_without_the_network(tmp_path, hub_cache, no_network):
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = hub_cache / f"models--timm--{TIMM_TINY}"
-    (repo / "snapshots" / commit).mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    file = repo / "snapshots" / commit / "model.safetensors"
-    save_file(timm.create_model(TIMM_TINY, pretrained=False).state_dict(), file)
+    save_file(timm.create_model(TIMM_TINY, pretrained=False).state_dict(), tmp_path / "model.safetensors")
+    file = put_in_hub_cache(hub_cache, f"timm/{TIMM_TINY}", [tmp_path / "model.safetensors"]) / "model.safetensors"
     ours = _encoder(TIMM_TINY, embed_dim=192, depth=12, num_heads=3, mlp_ratio=4.0)
+    assert not no_network
     ref = timm.create_model(TIMM_TINY, pretrained=True, pretrained_cfg_overlay=dict(file=str(file)), img_size=32)
     _assert_same_features(ours, ref.eval())
 
@@ -183,6 +157,7 @@ def test_a_timm_name_offline_and_uncached_is_one_line_naming_the_local_file_fix(
         ConfigError, match=rf"{TIMM_TINY}: its weights are not in timm's cache and vitattn does not"
     ) as err:
         read_start(TIMM_TINY, "encoder")
+    assert not no_network
     message = str(err.value)
     assert "\n" not in message
     assert "pretrained_cfg_overlay=dict(file=" in message and f"finetune.init={TIMM_TINY}@/path/to/" in message
@@ -257,6 +232,7 @@ def test_a_timm_name_refuses_a_head_count_that_contradicts_it(tmp_path, no_netwo
     save_file(timm.create_model(TIMM_TINY, pretrained=False).state_dict(), file)
     with pytest.raises(ConfigError, match=r"num_heads=3 mlp_ratio=4\.0; set model\.num_heads=3 \(or model=tiny\)$"):
         _encoder(f"{TIMM_TINY}@{file}", embed_dim=192, depth=12, num_heads=4, mlp_ratio=4.0)
+    assert not no_network
 
 
 @pytest.mark.parametrize(
@@ -346,6 +322,19 @@ def test_init_leaves_grad_checkpointing_to_the_run(tmp_path):
     init.resolve(cfg, ["model.grad_checkpointing"])
     assert cfg.model.grad_checkpointing is False and cfg.head.decoder.grad_checkpointing is False
     assert cfg.data.max_caption_len == 8  # the model's sizes still come from it (24 composed)
+
+
+def test_a_hub_bundle_starts_a_run_by_its_name_offline(tmp_path, hub_cache, hub_offline, no_network):
+    """finetune.init=hf-hub:ORG/NAME reads the cached bundle: its weights, and the sizes they fix in the config."""
+    bundle = make_caption_bundle(tmp_path / "bundle")
+    put_in_hub_cache(hub_cache, "org/tiny", bundle)
+    init = read_start("hf-hub:org/tiny")
+    local = load_bundle(bundle).model.state_dict()
+    for key, value in init.bundle.model.state_dict().items():
+        torch.testing.assert_close(value, local[key], rtol=0, atol=0)
+    cfg = compose_train([*TINY, "finetune.init=hf-hub:org/tiny"], tmp_path / "run")
+    init.resolve(cfg, [])
+    assert cfg.data.max_caption_len == 8 and not no_network  # the bundle's sizes (24 composed); no connection
 
 
 def test_init_refuses_a_classifier_for_a_captioner(tmp_path):

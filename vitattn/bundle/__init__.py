@@ -1,11 +1,10 @@
-"""Models as inference loads them: ``load_model`` turns any model path into a ``LoadedModel`` of the runtime
-its folder holds (``Bundle``: PyTorch; ``OnnxModel``: ONNX Runtime).
+"""Models as inference loads them: ``load_model`` turns any model path (or ``hf-hub:`` name) into a
+``LoadedModel`` of the runtime its folder holds (``Bundle``: PyTorch; ``OnnxModel``: ONNX Runtime).
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
@@ -19,6 +18,7 @@ from vitattn.bundle.folder import (
     load_bundle_folder,
     save_bundle,
 )
+from vitattn.bundle.hub import resolve_model_path
 from vitattn.bundle.onnx_folder import is_onnx_folder, load_onnx_folder
 from vitattn.precision import check_precision, resolve_precision
 from vitattn.run_dir import RunDir
@@ -39,8 +39,9 @@ __all__ = [
 
 def load_bundle(path: str | os.PathLike, device: str | torch.device = "cpu") -> Bundle:
     """The PyTorch model at ``path``, in eval mode on ``device``: a bundle folder (``config.json``), a training run
-    folder (its ``bundle/``, else ``checkpoints/last.ckpt``) or a Lightning ``.ckpt`` (never unpickled)."""
-    path = Path(path)
+    folder (its ``bundle/``, else ``checkpoints/last.ckpt``), a Lightning ``.ckpt`` (never unpickled) or a
+    ``hf-hub:ORG/NAME[@REVISION]`` bundle."""
+    path = resolve_model_path(path)
     if path.is_dir():
         run = RunDir(path)
         if (path / CONFIG_FILE).is_file():
@@ -63,17 +64,20 @@ def load_bundle(path: str | os.PathLike, device: str | torch.device = "cpu") -> 
 
 
 def runtime_of(path: str | os.PathLike) -> str:
-    """``onnx`` for an ONNX folder, else ``torch``: the runtime of the model at ``path``, known before loading it."""
-    return "onnx" if is_onnx_folder(Path(path)) else "torch"
+    """``onnx`` for an ONNX folder, else ``torch``: the runtime of the model at ``path`` (or ``hf-hub:`` name),
+    known before loading it."""
+    return "onnx" if is_onnx_folder(resolve_model_path(path)) else "torch"
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", precision: str = "auto") -> LoadedModel:
     """The model at ``path`` (a bundle folder, run folder or ``.ckpt`` on PyTorch; an ONNX folder on ONNX Runtime,
-    on the CPU), ready on ``device``: the one loader of the API and every entry point. ``precision`` (``auto``,
-    ``fp32``, ``bf16``) is resolved for ``device``; an ONNX folder runs in the one it was exported in."""
+    on the CPU; either as ``hf-hub:ORG/NAME[@REVISION]``), ready on ``device``: the one loader of the API and every
+    entry point. ``precision`` (``auto``, ``fp32``, ``bf16``) is resolved for ``device``; an ONNX folder runs in the
+    one it was exported in."""
     check_precision(precision)
+    path = resolve_model_path(path)
     if runtime_of(path) == "onnx":
-        model = load_onnx_folder(Path(path), device)
+        model = load_onnx_folder(path, device)
         if precision not in ("auto", model.precision):
             raise ValueError(
                 f"precision={precision} but {path} is an ONNX folder, which runs in the {model.precision} it was "

@@ -64,6 +64,7 @@ __all__ = [
     "check_decoding",
     "check_tokenizer",
     "img_size",
+    "is_bundle_folder",
     "is_bundle_weights",
     "load_bundle_folder",
     "read_config",
@@ -270,7 +271,9 @@ def save_bundle(
     directory = Path(directory)
     class_names = _labels(model, task, vocab, class_names)
     config = bundle_config(task, model.config, preprocess, vocab, class_names, generate)
-    if directory.exists() and not (directory.is_dir() and (not any(directory.iterdir()) or _is_bundle(directory))):
+    if directory.exists() and not (
+        directory.is_dir() and (not any(directory.iterdir()) or is_bundle_folder(directory))
+    ):
         raise FileExistsError(f"{directory} exists and is not a vitattn bundle; choose another folder or remove it")
     with atomic_folder(directory) as tmp:
         save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -338,10 +341,11 @@ def plain_json(value: Any, where: str) -> Any:
 
 def is_bundle_weights(path: Path) -> bool:
     """A bundle's ``model.safetensors`` (its folder's config.json says vitattn-bundle)."""
-    return path.suffix == ".safetensors" and _is_bundle(path.parent)
+    return path.suffix == ".safetensors" and is_bundle_folder(path.parent)
 
 
-def _is_bundle(directory: Path) -> bool:
+def is_bundle_folder(directory: Path) -> bool:
+    """Whether ``directory`` holds a bundle: its config.json says vitattn-bundle."""
     try:
         return json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8")).get("format") == BUNDLE_FORMAT
     except (OSError, ValueError, AttributeError):

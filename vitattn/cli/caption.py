@@ -84,24 +84,26 @@ def run(cfg: Any) -> int:
     import torch
 
     from vitattn.bundle import load_model, runtime_of
+    from vitattn.bundle.hub import resolve_model_path
     from vitattn.inference.captioning import SHARD_FORMATS, launch_processes
 
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     if cfg.shards is not None and cfg.format not in SHARD_FORMATS:
         raise UsageError(f"format={cfg.format!r} is unknown for shards; choose {' or '.join(SHARD_FORMATS)}")
+    model_path = resolve_model_path(cfg.model)  # a hf-hub: name fetched once, for runtime_of and load_model
     accelerator = cfg.accelerator or {"auto": "auto", "cpu": "cpu", "cuda": "gpu"}.get(cfg.device, cfg.device)
     processes = launch_processes(
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
         accelerator=accelerator,
         device=resolve_device(cfg.device),
-        runtime=runtime_of(cfg.model),
+        runtime=runtime_of(model_path),
     )
     if not processes.is_zero:
         log.setLevel(logging.WARNING)
     try:
-        model = load_model(cfg.model, device=processes.device, precision=cfg.precision)
+        model = load_model(model_path, device=processes.device, precision=cfg.precision)
         if model.task != "caption":
             raise UsageError(f"model={cfg.model} is a {model.task} model; vitattn-caption needs a caption model")
         options = dict(

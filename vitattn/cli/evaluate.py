@@ -103,6 +103,7 @@ def _labels(value: str | None) -> list[str] | None:
 def run(cfg: Any) -> int:
     """Evaluate as ``cfg`` says; returns the exit status (0 every image scored, 1 some were not)."""
     from vitattn.bundle import load_model
+    from vitattn.bundle.hub import is_hub_name
     from vitattn.models.search import SEARCH_KEYS
     from vitattn.training.evaluation import evaluate_captions, evaluate_classification, format_report, write_report
 
@@ -143,7 +144,7 @@ def run(cfg: Any) -> int:
         _refuse(cfg, ("references", "image_dir", "predictions"), f"model={cfg.model} is a {bundle.task} model")
         report = evaluate_classification(bundle, data_root=cfg.data_root, **loading)
     out = Path(cfg.out) if cfg.out is not None else (run.path if run else Path.cwd()) / f"eval-{cfg.split}"
-    files = write_report(report, out, model=str(Path(cfg.model).resolve()))
+    files = write_report(report, out, model=cfg.model if is_hub_name(cfg.model) else str(Path(cfg.model).resolve()))
     print(format_report(report))
     print(f"metrics -> {files[0]}", flush=True)
     return 0 if report.complete else 1

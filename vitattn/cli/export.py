@@ -1,12 +1,16 @@
-"""``vitattn-export``: write a model as a bundle folder (safetensors + config.json + its tokenizer), or as an
-ONNX folder for ONNX Runtime.
+"""``vitattn-export``: write a model as a bundle folder (safetensors + config.json + its tokenizer), as an
+ONNX folder for ONNX Runtime, or as a folder for the Hugging Face Hub.
 
-    vitattn-export model=PATH out=DIR [which=best|last] [device=cpu] [format=bundle|onnx] [quantize=int8]
+    vitattn-export model=PATH out=DIR [which=best|last] [device=cpu] [format=bundle|onnx|hub] [quantize=int8]
+        [hub_format=bundle|onnx] [license=ID] [datasets=NAME,NAME] [push_to_hub=ORG/NAME]
 
 ``model`` is a training run folder (``which``: its best or last checkpoint; else its own bundle), a ``.ckpt``
-(never unpickled) or a bundle. ``format=onnx`` (the ``onnx`` extra) writes what ``vitattn-caption``,
-``vitattn-serve`` and ``Captioner.load`` run on ONNX Runtime; ``quantize=int8`` quantizes it. The folder is
-written atomically. Exit status: 0 on success, 2 on a usage or model error. More: docs/serving.md.
+(never unpickled), a bundle or a ``hf-hub:ORG/NAME`` bundle. ``format=onnx`` (the ``onnx`` extra) writes what
+``vitattn-caption``, ``vitattn-serve`` and ``Captioner.load`` run on ONNX Runtime; ``quantize=int8`` quantizes
+it. ``format=hub`` writes the bundle (``hub_format=onnx``: the ONNX folder) with a model card README.md made
+from the run (``license``, ``datasets``: its metadata, else the run's); ``push_to_hub=ORG/NAME`` uploads it.
+The folder is written atomically. Exit status: 0 on success, 2 on a usage or model error, or when the upload
+cannot be made (offline). More: docs/captioning.md.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ class ExportConfig:
     device: str = "cpu"
     format: str = "bundle"
     quantize: str | None = None
+    hub_format: str = "bundle"
+    license: str | None = None
+    datasets: str | None = None  # comma-separated
+    push_to_hub: str | None = None
 
 
 def parse_args(argv: list[str]) -> Any:
@@ -41,21 +49,41 @@ def parse_args(argv: list[str]) -> Any:
     cfg = parse_key_values(argv, ExportConfig, "vitattn-export")
     if cfg.which not in (None, "best", "last"):
         raise UsageError(f"which={cfg.which!r} is unknown; choose which=best or which=last")
-    if cfg.format not in ("bundle", "onnx"):
-        raise UsageError(f"format={cfg.format!r} is unknown; choose format=bundle or format=onnx")
+    if cfg.format not in ("bundle", "onnx", "hub"):
+        raise UsageError(f"format={cfg.format!r} is unknown; choose format=bundle, format=onnx or format=hub")
+    if cfg.hub_format not in ("bundle", "onnx"):
+        raise UsageError(f"hub_format={cfg.hub_format!r} is unknown; choose hub_format=bundle or hub_format=onnx")
+    hub_only = [k for k in ("license", "datasets", "push_to_hub") if cfg[k] is not None]
+    if cfg.hub_format != "bundle":
+        hub_only.append("hub_format")
+    if hub_only and cfg.format != "hub":
+        raise UsageError(f"{', '.join(hub_only)} need format=hub")
     if cfg.quantize not in (None, "int8"):
         raise UsageError(f"quantize={cfg.quantize!r} is unknown; choose quantize=int8 or leave it out")
-    if cfg.quantize is not None and cfg.format != "onnx":
-        raise UsageError("quantize=int8 needs format=onnx")
+    if cfg.quantize is not None and _onnx_format(cfg) is None:
+        raise UsageError("quantize=int8 needs format=onnx (or format=hub hub_format=onnx)")
+    if cfg.push_to_hub is not None:
+        from vitattn.bundle.hub import HUB_PREFIX, parse_hub_name
+
+        try:
+            parse_hub_name(HUB_PREFIX + cfg.push_to_hub)
+        except ValueError as err:
+            raise UsageError(f"push_to_hub={cfg.push_to_hub}: {err}") from None
     return cfg
 
 
-def run(cfg: Any) -> int:
-    """Load ``cfg.model`` and save it as a bundle at ``cfg.out``."""
-    from vitattn.bundle import load_bundle, save_bundle
-    from vitattn.bundle.onnx_folder import is_onnx_folder
+def _onnx_format(cfg: Any) -> str | None:
+    """``onnx`` when the folder written is an ONNX folder (``format=onnx``, or ``format=hub hub_format=onnx``)."""
+    return "onnx" if cfg.format == "onnx" or (cfg.format == "hub" and cfg.hub_format == "onnx") else None
 
-    source = cfg.model
+
+def run(cfg: Any) -> int:
+    """Load ``cfg.model`` and save it as a bundle, ONNX or Hub folder at ``cfg.out``."""
+    from vitattn.bundle import load_bundle, runtime_of, save_bundle
+    from vitattn.bundle.card import CARD_FILE
+    from vitattn.bundle.hub import push_folder, resolve_model_path
+
+    source = resolve_model_path(cfg.model)  # a hf-hub: name fetched once, for runtime_of and load_bundle
     if cfg.which is not None:
         run = RunDir(cfg.model)
         if not run.checkpoints.is_dir():
@@ -63,32 +91,57 @@ def run(cfg: Any) -> int:
         source = run.best_checkpoint if cfg.which == "best" else run.last_checkpoint
         if not source.is_file():
             raise FileNotFoundError(f"model={cfg.model} has no {source.relative_to(run.path)}")
-    if is_onnx_folder(Path(source)):
+    if runtime_of(source) == "onnx":
         raise UsageError(
             f"model={cfg.model} is an ONNX folder, which cannot be exported again; export the bundle or run folder "
             "it came from"
         )
-    bundle = load_bundle(source, device=resolve_device(cfg.device))
-    if cfg.format == "onnx":
-        # heavy: the ONNX exporter (torch.onnx) is imported only for format=onnx
-        from vitattn.bundle.onnx_export import export_onnx
+    if _onnx_format(cfg):
         from vitattn.bundle.onnx_folder import require_onnxruntime
 
         require_onnxruntime(export=True)  # before the export's minutes, not after
+    bundle = load_bundle(source, device=resolve_device(cfg.device))
+    if _onnx_format(cfg):
+        # heavy: the ONNX exporter (torch.onnx) is imported only for an ONNX folder
+        from vitattn.bundle.onnx_export import export_onnx
+
         out = export_onnx(bundle, cfg.out, quantize=cfg.quantize)
-        print(f"{bundle.task} ONNX folder ({cfg.quantize or 'fp32'}) of {source} -> {out}", flush=True)
-        return 0
-    out = save_bundle(
-        cfg.out,
-        bundle.model,
-        task=bundle.task,
-        preprocess=bundle.preprocess,
-        vocab=bundle.vocab,
-        class_names=bundle.class_names,
-        generate=bundle.generate,
-    )
-    print(f"{bundle.task} bundle of {source} -> {out}", flush=True)
+        what = f"{bundle.task} ONNX folder ({cfg.quantize or 'fp32'})"
+    else:
+        out = save_bundle(
+            cfg.out,
+            bundle.model,
+            task=bundle.task,
+            preprocess=bundle.preprocess,
+            vocab=bundle.vocab,
+            class_names=bundle.class_names,
+            generate=bundle.generate,
+        )
+        what = f"{bundle.task} bundle"
+    if cfg.format == "hub":
+        _write_card(cfg, bundle, source, Path(out))
+        what = f"Hub folder ({what} + {CARD_FILE})"
+    print(f"{what} of {source} -> {out}", flush=True)
+    if cfg.push_to_hub is not None:
+        print(f"uploaded to {push_folder(Path(out), cfg.push_to_hub)}", flush=True)
     return 0
+
+
+def _write_card(cfg: Any, bundle: Any, source: str | Path, out: Path) -> None:
+    """The model card of the Hub folder ``out``, from the run ``source`` came from (none for a Hub model)."""
+    from vitattn.bundle.card import CARD_FILE, model_card
+    from vitattn.bundle.hub import is_hub_name
+
+    run = None if is_hub_name(cfg.model) else RunDir.find(source)
+    card = model_card(
+        bundle,
+        cfg.push_to_hub or "ORG/NAME",
+        run,
+        license=cfg.license,
+        datasets=[d.strip() for d in (cfg.datasets or "").split(",") if d.strip()],
+        onnx=_onnx_format(cfg) is not None,
+    )
+    card.save(out / CARD_FILE)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,8 @@ from timm.data import resolve_model_data_config
 from torch import Tensor
 
 from vitattn.bundle import Bundle, load_bundle
-from vitattn.bundle.folder import CONFIG_FILE, is_bundle_weights
+from vitattn.bundle.folder import CONFIG_FILE, WEIGHTS_FILE, is_bundle_folder, is_bundle_weights
+from vitattn.bundle.hub import describe_folder, hub_folder, is_hub_name
 from vitattn.data import Vocabulary
 from vitattn.data.preprocess import WEIGHTS_KEYS, describe, from_timm
 from vitattn.data.tokenizer import Tokenizer
@@ -70,6 +71,9 @@ _REFUSED = ("in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio")
 # Switches set from the weights (and logged) when the config says otherwise.
 _SET = ("patch_size", "qkv_bias", "norm_first", "activation", "layer_norm_eps", "norm_pre")
 _VITATTN_KEYS = ("num_heads", "norm_first", "activation", "layer_norm_eps")
+# The weights files of a timm model on the Hub (timm's push_to_hub names its safetensors file as a bundle does),
+# in the order timm's loader prefers them.
+_TIMM_HUB_FILES = (WEIGHTS_FILE, "pytorch_model.bin")
 
 
 @dataclass
@@ -291,10 +295,12 @@ def read_start(source: str, kind: str = "model") -> WholeModel | Encoder:
 
 def _read_model(source: str) -> WholeModel:
     path = Path(source).expanduser()
-    if not path.exists():
+    if is_hub_name(source):
+        path = source  # load_bundle fetches it
+    elif not path.exists():
         hint = "; a timm encoder needs finetune.init_kind=encoder" if "/" not in source else ""
         raise ConfigError(f"finetune.init={source} does not exist; give a vitattn run folder, bundle or .ckpt{hint}")
-    if path.suffix.lower() in TIMM_SUFFIXES and not is_bundle_weights(path):
+    elif path.suffix.lower() in TIMM_SUFFIXES and not is_bundle_weights(path):
         raise ConfigError(f"finetune.init={source} is a timm weights file, an encoder: add finetune.init_kind=encoder")
     try:
         bundle = load_bundle(path)
@@ -317,12 +323,16 @@ def source_kind(source: str) -> tuple[str, Path | str, Path | None]:
     """What a ``finetune.init`` value names, without reading weights: ``(kind, where, file)``.
 
     ``kind`` is ``vitattn`` (a run folder, bundle or .ckpt at ``where``), ``timm-file`` (a weights file) or
-    ``timm-name`` (``where`` a timm name; ``file`` its local weights for ``NAME@FILE``, else None).
+    ``timm-name`` (``where`` a timm name; ``file`` its local weights for ``NAME@FILE``, else None). A
+    ``hf-hub:`` name is fetched (``hub_folder``): a vitattn bundle, or the weights of a timm model pushed there.
 
     Raises:
-        ConfigError: nothing at that path and no timm model of that name; an unknown tag.
+        ConfigError: nothing at that path and no timm model of that name; an unknown tag; a Hub name that is
+            malformed, unreachable or neither.
     """
     text = str(source)
+    if is_hub_name(text):
+        return _hub_kind(text)
     path = Path(text).expanduser()
     if path.exists():
         if path.is_dir() or path.suffix == ".ckpt" or path.name == CONFIG_FILE or is_bundle_weights(path):
@@ -346,6 +356,22 @@ def source_kind(source: str) -> tuple[str, Path | str, Path | None]:
     if at and not Path(file).expanduser().is_file():
         raise ConfigError(f"finetune.init={text}: {file} does not exist; give the weights file of {name}")
     return "timm-name", name, Path(file).expanduser() if at else None
+
+
+def _hub_kind(name: str) -> tuple[str, Path, None]:
+    try:
+        folder = hub_folder(name)
+    except ValueError as err:
+        raise ConfigError(f"finetune.init={first_line(err)}") from None
+    if is_bundle_folder(folder):
+        return "vitattn", folder, None
+    held = describe_folder(folder)
+    weights = next((folder / n for n in _TIMM_HUB_FILES if (folder / n).is_file()), None)
+    if held.startswith("a timm model") and weights is not None:
+        return "timm-file", weights, None
+    raise ConfigError(
+        f"finetune.init={name} holds {held}; give a vitattn bundle or a timm model ({' or '.join(_TIMM_HUB_FILES)})"
+    )
 
 
 def _read_vitattn(source: str, path: Path) -> Encoder:

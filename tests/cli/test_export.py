@@ -1,0 +1,42 @@
+"""``vitattn-export format=hub``: a folder that round-trips through the Hub cache, and a card that tells the run."""
+
+import json
+
+import numpy as np
+import pytest
+from huggingface_hub import ModelCard
+
+from tests.helpers import TINY, TINY_SHAPES, compose_train, put_in_hub_cache
+from vitattn import Captioner
+from vitattn.cli.export import main as export_main
+from vitattn.training import train
+
+IMAGES = [np.full((32, 32, 3), v, np.uint8) for v in (0, 90, 180, 255)]
+
+
+@pytest.fixture(scope="module")
+def caption_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("run")
+    overrides = ["head=caption", *TINY, *TINY_SHAPES, "head.decoder.depth=1", "trainer.max_steps=4"]
+    train(compose_train([*overrides, "trainer.max_epochs=-1"], run))
+    return run
+
+
+def test_a_hub_folder_round_trips_and_its_card_has_the_runs_numbers(caption_run, tmp_path, hub_cache, no_network):
+    out = tmp_path / "hub"
+    assert export_main([f"model={caption_run}", f"out={out}", "format=hub", "license=mit"]) == 0
+    put_in_hub_cache(hub_cache, "org/tiny", out)
+    assert Captioner.load("hf-hub:org/tiny").caption(IMAGES) == Captioner.load(caption_run).caption(IMAGES)
+    card = ModelCard.load(out / "README.md")
+    assert (card.data.library_name, card.data.pipeline_tag, card.data.license) == ("vitattn", "image-to-text", "mit")
+    section = card.text.split("## Test metrics", 1)[1].split("\n## ", 1)[0]
+    rows = [r.strip("|").split("|") for r in section.splitlines() if r.startswith("| ") and "---" not in r][1:]
+    result = json.loads((caption_run / "result.json").read_text())
+    assert {k.strip(): float(v) for k, v in rows} == result["metrics"]
+
+
+def test_push_to_hub_offline_is_one_line_exit_2(caption_run, tmp_path, hub_offline, capsys):
+    args = [f"model={caption_run}", f"out={tmp_path / 'hub'}", "format=hub", "push_to_hub=org/tiny"]
+    assert export_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "HF_HUB_OFFLINE" in err and "\n" not in err

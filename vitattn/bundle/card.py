@@ -1,0 +1,166 @@
+"""The model card (``README.md``) of a Hub folder: the Hub's metadata header (huggingface_hub's ``ModelCardData``)
+and a body written from the bundle and, when it came from one, its training run (``result.json``, ``config.yaml``):
+sizes, data and steps, the test metrics with the decoding settings that produced them, the preprocessing, and
+the commands that use it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from vitattn.bundle.folder import Bundle
+from vitattn.bundle.hub import HUB_PREFIX, is_hub_name
+from vitattn.data.preprocess import describe
+from vitattn.models.timm_weights import timm_pretrained_cfg
+from vitattn.run_dir import RunDir
+
+__all__ = ["CARD_FILE", "METRICS_HEADING", "PIPELINE_TAGS", "model_card"]
+
+CARD_FILE = "README.md"
+METRICS_HEADING = "## Test metrics"
+PIPELINE_TAGS = {"caption": "image-to-text", "classification": "image-classification"}
+_ENCODER_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")
+_DECODER_KEYS = ("vocab_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "max_len")
+
+
+def _run_datasets(config: Any | None) -> list[str]:
+    """The data a run was trained on, as its training ``config`` names it: the data module's name
+    (``ShapesDataModule`` -> ``shapes``); none without a run."""
+    if config is None:
+        return []
+    target = str(OmegaConf.select(config, "data._target_", default="") or "")
+    name = target.rsplit(".", 1)[-1].removesuffix("DataModule").lower()
+    return [name] if name else []
+
+
+def _run_license(config: Any | None) -> str | None:
+    """The license timm gives the pretrained weights a run started from (``finetune.init=NAME``), or None."""
+    if config is None:
+        return None
+    init = OmegaConf.select(config, "finetune.init", default=None)
+    if not init or is_hub_name(init) or Path(str(init)).expanduser().exists():
+        return None
+    try:
+        return timm_pretrained_cfg(str(init).partition("@")[0], downloadable=False).license
+    except (ValueError, AttributeError):  # not a timm name, or timm knows no license
+        return None
+
+
+def _sizes(config: Mapping[str, Any], keys: Sequence[str]) -> str:
+    return ", ".join(f"{k} {config[k]}" for k in keys if k in config)
+
+
+def _settings(settings: Mapping[str, Any]) -> str:
+    return " ".join(f"{k}={json.dumps(v)}" for k, v in settings.items())
+
+
+def _training(cfg: Any | None, result: Mapping[str, Any] | None, datasets: Sequence[str]) -> list[str]:
+    if cfg is None:
+        return ["Not exported from a training run: no training record."]
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    counts = ", ".join(f"{k.removeprefix('num_')} {data[k]}" for k in ("num_train", "num_val", "num_test") if k in data)
+    lines = [f"- data: {', '.join(datasets) or 'see config'}" + (f" ({counts} images)" if counts else "")]
+    if result is not None:
+        lines.append(f"- steps: {result['global_step']}; weights: {result['weights']}")
+    lines.append(f"- optimiser: lr {cfg.optim.lr}, weight decay {cfg.optim.weight_decay}")
+    return lines
+
+
+def _metrics(result: Mapping[str, Any] | None, decoding: Mapping[str, Any] | None) -> list[str]:
+    if result is None or not result["metrics"]:
+        return ["No test metrics: the run was not tested (test=false) or is not complete."]
+    lines = [f"Decoding: {_settings(decoding)}", ""] if decoding else []
+    lines += ["| metric | value |", "|---|---|"]
+    lines += [f"| {name} | {value!r} |" for name, value in result["metrics"].items()]
+    return lines
+
+
+def _usage(model: Bundle, name: str) -> list[str]:
+    hub = f"{HUB_PREFIX}{name}"
+    if model.task == "caption":
+        shell = f"vitattn-caption model={hub} images=photos/ out=captions.jsonl"
+        python = [
+            "from vitattn import Captioner",
+            "",
+            f'captioner = Captioner.load("{hub}")',
+            'print(captioner.caption("cat.jpg"))',
+        ]
+    else:
+        shell = f"vitattn-eval model={hub} data_root=images/"
+        python = [
+            "from vitattn import Classifier",
+            "",
+            f'classifier = Classifier.load("{hub}")',
+            'print(classifier.predict("cat.jpg", top_k=5))',
+        ]
+    return ["```bash", "pip install vitattn", shell, "```", "", "```python", *python, "```"]
+
+
+def model_card(
+    model: Bundle,
+    name: str,
+    run: RunDir | None,
+    *,
+    license: str | None = None,
+    datasets: Sequence[str] = (),
+    onnx: bool = False,
+) -> Any:
+    """The ``huggingface_hub.ModelCard`` of ``model`` published as ``name`` (``ORG/NAME``), from the ``run`` it was
+    trained in when there is one (its ``result.json`` metrics and its config's decoding, data and optimiser);
+    ``license`` and ``datasets`` default to the run's (timm's license of its start weights; its data module)."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    cfg = run.load_config() if run is not None else None
+    result = run.load_result() if run is not None else None
+    datasets = list(datasets) or _run_datasets(cfg)
+    decoding = None
+    if model.task == "caption":  # what the run's test was decoded with, else the bundle's defaults
+        decoding = OmegaConf.to_container(cfg.head.generate, resolve=True) if cfg is not None else dict(model.generate)
+    tags = ["vitattn", "vision-transformer", "image-captioning" if model.task == "caption" else "image-classification"]
+    data = ModelCardData(
+        library_name="vitattn",
+        pipeline_tag=PIPELINE_TAGS[model.task],
+        license=license or _run_license(cfg),
+        datasets=datasets or None,
+        tags=tags + (["onnx"] if onnx else []),
+    )
+    config = model.config.get("model", {})
+    encoder = config.get("encoder", config)
+    parameters = sum(p.numel() for p in model.model.parameters())
+    sizes = [f"- parameters: {parameters:,}", f"- encoder: ViT, {_sizes(encoder, _ENCODER_KEYS)}"]
+    if "decoder" in config:
+        sizes.append(f"- decoder: {_sizes(config['decoder'], _DECODER_KEYS)}")
+    if model.class_names is not None:
+        sizes.append(f"- classes: {len(model.class_names)} ({', '.join(model.class_names[:10])})")
+    runtime = "ONNX Runtime (an ONNX folder)" if onnx else "PyTorch (a vitattn bundle)"
+    body = [
+        f"# {name}",
+        "",
+        f"A vitattn {model.task} model for {runtime}.",
+        "",
+        "## Model",
+        "",
+        *sizes,
+        "",
+        "## Training",
+        "",
+        *_training(cfg, result, datasets),
+        "",
+        METRICS_HEADING,
+        "",
+        *_metrics(result, decoding),
+        "",
+        "## Preprocessing",
+        "",
+        describe(model.preprocess),
+        "",
+        "## Use",
+        "",
+        *_usage(model, name),
+    ]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n")
