@@ -12,8 +12,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train
+from tests.helpers import TINY, TINY_SHAPES, compose_train, make_coco, make_karpathy
 from vitattn.bundle import load_bundle, load_checkpoint
+from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.data.tokenizer import Vocabulary
 from vitattn.errors import ConfigError
 from vitattn.metrics.metric import RetrievalMetrics
@@ -253,3 +254,39 @@ def test_the_best_checkpoint_is_the_one_with_the_best_value_of_head_monitor(moni
     checkpoint = torch.load(RunDir(tmp_path).best_checkpoint, map_location="cpu", weights_only=False)
     assert checkpoint["global_step"] == int(rows[at]["step"]) + 1 == 2 * (at + 1)
     assert result.weights.startswith(f"best ({monitor} {max(values):.4f} at step {2 * (at + 1)})")
+
+
+@pytest.mark.parametrize(
+    "data, extra",
+    [
+        ("coco", ["ema.decay=0.9"]),
+        ("karpathy", ["data.captions_per_image=all"]),
+        ("webdataset", ["trainer.precision=bf16-mixed"]),
+        ("shapes", ["ema.decay=0.9"]),
+    ],
+)
+def test_coca_trains_on_the_caption_data_paths_with_ema_and_bf16(data, extra, tmp_path):
+    """COCO json, a Karpathy split (every reference of an image in the step), shards and the built-in data, with
+    EMA or bf16: both terms logged, finite, summed with their weights."""
+    if data == "karpathy":
+        given = [f"data.{k}={v}" for k, v in make_karpathy(tmp_path / "karpathy", size=32).items()]
+    elif data == "coco":
+        given = [f"data.{k}={v}" for k, v in make_coco(tmp_path / "coco", num_train=8, num_val=4, size=32).items()]
+    elif data == "webdataset":
+        shards = write_shards(shapes_samples("train", 8, img_size=32), tmp_path / "shards", 4)
+        given = [f"data.train_shards={shards[0].parent}", f"data.val_shards={shards[0]}", "data.num_workers=0"]
+    else:
+        given = list(TINY_SHAPES)
+    overrides = ["head=coca", *TINY, f"data={data}", *given, *extra, "trainer.max_steps=2", "trainer.max_epochs=-1"]
+    overrides += ["trainer.log_every_n_steps=1", "trainer.num_sanity_val_steps=0", "test=false"]
+    if "trainer.precision=bf16-mixed" not in extra:
+        overrides.append("trainer.precision=32-true")
+    result = train(compose_train(overrides, tmp_path / "run"))
+    assert result.global_step == 2
+    with open(tmp_path / "run" / "csv" / "metrics.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("train/contrastive_loss")]
+    assert [int(r["step"]) for r in rows] == [0, 1]
+    for row in rows:
+        terms = [float(row[f"train/{k}"]) for k in ("loss", "contrastive_loss", "caption_loss")]
+        assert all(math.isfinite(t) and t > 0 for t in terms)
+        assert terms[0] == pytest.approx(terms[1] + 2.0 * terms[2], rel=1e-3)

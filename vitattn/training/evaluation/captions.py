@@ -26,14 +26,14 @@ from vitattn.fileio import parse_json, read_text
 from vitattn.inference import InputImage, caption_images, generate_tokens
 from vitattn.inference.embeddings import embed_pixels, embed_texts, embedding_model
 from vitattn.metrics import SCORERS, first_per_image, score_captions
-from vitattn.metrics.retrieval import retrieval_metrics, retrieval_ranks
+from vitattn.metrics.retrieval import retrieval_metrics
 from vitattn.metrics.toolkit import check_toolkit, toolkit_scores
 from vitattn.run_dir import RunDir
 from vitattn.training.evaluation.classification import file_batches
 from vitattn.training.evaluation.report import EvalReport
 from vitattn.training.evaluation.splits import caption_split
 
-__all__ = ["evaluate_captions", "evaluate_retrieval", "read_predictions", "retrieval_metrics", "retrieval_ranks"]
+__all__ = ["evaluate_captions", "evaluate_retrieval", "read_predictions"]
 
 log = logging.getLogger(__name__)
 
