@@ -1,6 +1,7 @@
 """``head=coca``: the contrastive losses against references written from the logits, two ranks (gloo, DDP and FSDP)
 against one process on both batches, the captioning path against the plain captioner's, a run end to end."""
 
+import csv
 import math
 
 import pytest
@@ -11,11 +12,14 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train
+from tests.helpers import TINY, TINY_SHAPES, compose_train, make_coco, make_karpathy
 from vitattn.bundle import load_bundle, load_checkpoint
+from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.data.tokenizer import Vocabulary
 from vitattn.errors import ConfigError
+from vitattn.metrics.metric import RetrievalMetrics
 from vitattn.models import CaptionDecoder, CocaCaptioner, ImageCaptioner, VisionTransformer
+from vitattn.run_dir import RunDir
 from vitattn.training import train
 from vitattn.training.config import check_config
 from vitattn.training.systems import CocaSystem
@@ -190,6 +194,11 @@ def test_a_text_embedding_ignores_the_padding():
             "data=coco trainer=ddp trainer.accelerator=cpu data.bad_images=skip",
             "data.bad_images=skip does not work with head=coca",
         ),
+        (
+            "head.monitor=val/i2t_r5",
+            "head.monitor=val/i2t_r5 head.monitor_mode=max: head=coca picks its best checkpoint by one of "
+            "val/cider_d, val/i2t_r1, val/t2i_r1, with head.monitor_mode=max",
+        ),
     ],
 )
 def test_a_bad_coca_setting_is_refused_in_one_line(override, message, tmp_path):
@@ -209,6 +218,7 @@ def test_a_coca_run_logs_both_terms_and_its_bundle_captions_and_embeds(loss, tmp
         total = logged[f"{stage}/contrastive_loss"] + 2.0 * logged[f"{stage}/caption_loss"]
         assert logged[f"{stage}/loss"] == pytest.approx(total, rel=1e-5)
     assert result.metrics["val/cider_d"] >= 0.0
+    assert 0 <= logged["val/i2t_r1"] <= logged["val/i2t_r5"] <= 1 and 0 <= logged["val/t2i_r1"] <= 1
     bundle, single = load_bundle(result.bundle_dir), load_checkpoint(tmp_path / "checkpoints" / "last.ckpt", "cpu")
     assert isinstance(bundle.model, CocaCaptioner) and (bundle.model.logit_bias is None) == (loss == "clip")
     images, tokens = torch.randn(2, 3, 32, 32), torch.tensor([[1, 5, 6, 2], [1, 7, 2, 0]])
@@ -218,3 +228,65 @@ def test_a_coca_run_logs_both_terms_and_its_bundle_captions_and_embeds(loss, tmp
         texts = bundle.model.embed_texts(tokens)
     assert texts.shape == (2, cfg.model.embed_dim)
     torch.testing.assert_close(texts.norm(dim=-1), torch.ones(2))
+
+
+@pytest.mark.parametrize("monitor, best", [("val/i2t_r1", 1), ("val/t2i_r1", 2), ("val/cider_d", None)])
+def test_the_best_checkpoint_is_the_one_with_the_best_value_of_head_monitor(monitor, best, tmp_path, monkeypatch):
+    """Three validations whose retrieval recalls are set to differ from each other and from CIDEr-D: the best
+    checkpoint kept is the step where the chosen monitor peaked."""
+    recalls = iter([(0.1, 0.5), (0.9, 0.2), (0.3, 0.8)])  # (i2t_r1, t2i_r1) of validations 1, 2, 3
+
+    def compute(self):
+        i2t, t2i = next(recalls)
+        return {"i2t_r1": i2t, "t2i_r1": t2i}
+
+    monkeypatch.setattr(RetrievalMetrics, "compute", compute)
+    overrides = ["head=coca", "trainer.precision=32-true", *TINY, *TINY_SHAPES, f"head.monitor={monitor}"]
+    overrides += ["trainer.max_steps=6", "trainer.max_epochs=-1", "trainer.val_check_interval=2"]
+    overrides += ["trainer.check_val_every_n_epoch=null", "trainer.num_sanity_val_steps=0", "test=false"]
+    result = train(compose_train(overrides, tmp_path))
+    with open(tmp_path / "csv" / "metrics.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("val/t2i_r1")]
+    values = [float(row[monitor]) for row in rows]
+    assert len(values) == 3 and values.count(max(values)) == 1
+    at = values.index(max(values))
+    assert best is None or at == best
+    checkpoint = torch.load(RunDir(tmp_path).best_checkpoint, map_location="cpu", weights_only=False)
+    assert checkpoint["global_step"] == int(rows[at]["step"]) + 1 == 2 * (at + 1)
+    assert result.weights.startswith(f"best ({monitor} {max(values):.4f} at step {2 * (at + 1)})")
+
+
+@pytest.mark.parametrize(
+    "data, extra",
+    [
+        ("coco", ["ema.decay=0.9"]),
+        ("karpathy", ["data.captions_per_image=all"]),
+        ("webdataset", ["trainer.precision=bf16-mixed"]),
+        ("shapes", ["ema.decay=0.9"]),
+    ],
+)
+def test_coca_trains_on_the_caption_data_paths_with_ema_and_bf16(data, extra, tmp_path):
+    """COCO json, a Karpathy split (every reference of an image in the step), shards and the built-in data, with
+    EMA or bf16: both terms logged, finite, summed with their weights."""
+    if data == "karpathy":
+        given = [f"data.{k}={v}" for k, v in make_karpathy(tmp_path / "karpathy", size=32).items()]
+    elif data == "coco":
+        given = [f"data.{k}={v}" for k, v in make_coco(tmp_path / "coco", num_train=8, num_val=4, size=32).items()]
+    elif data == "webdataset":
+        shards = write_shards(shapes_samples("train", 8, img_size=32), tmp_path / "shards", 4)
+        given = [f"data.train_shards={shards[0].parent}", f"data.val_shards={shards[0]}", "data.num_workers=0"]
+    else:
+        given = list(TINY_SHAPES)
+    overrides = ["head=coca", *TINY, f"data={data}", *given, *extra, "trainer.max_steps=2", "trainer.max_epochs=-1"]
+    overrides += ["trainer.log_every_n_steps=1", "trainer.num_sanity_val_steps=0", "test=false"]
+    if "trainer.precision=bf16-mixed" not in extra:
+        overrides.append("trainer.precision=32-true")
+    result = train(compose_train(overrides, tmp_path / "run"))
+    assert result.global_step == 2
+    with open(tmp_path / "run" / "csv" / "metrics.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("train/contrastive_loss")]
+    assert [int(r["step"]) for r in rows] == [0, 1]
+    for row in rows:
+        terms = [float(row[f"train/{k}"]) for k in ("loss", "contrastive_loss", "caption_loss")]
+        assert all(math.isfinite(t) and t > 0 for t in terms)
+        assert terms[0] == pytest.approx(terms[1] + 2.0 * terms[2], rel=1e-3)

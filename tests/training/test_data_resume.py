@@ -101,7 +101,8 @@ def _overrides(name: str, size: int, root: Path) -> tuple[list[str], list[str]]:
     else:
         files = make_coco(root / "coco", num_train=size, num_val=4, size=32)
         keys = [image["file_name"] for image in json.loads(files["train_annotations"].read_text())["images"]]
-        data = ["head=caption", "data=coco", *[f"data.{k}={v}" for k, v in files.items()]]
+        head = "head=coca" if name == "coco-coca" else "head=caption"
+        data = [head, "trainer.precision=32-true", "data=coco", *[f"data.{k}={v}" for k, v in files.items()]]
     run = ["data.batch_size=4", "trainer.max_epochs=1", "test=false", "export_bundle=false"]
     return [*TINY, *data, *run, "+callbacks.sample_keys._target_=vitattn.training.callbacks.SampleKeys"], keys
 
@@ -118,7 +119,12 @@ def _keys(folder: Path, suffix: str = "txt") -> list[tuple[int, int, list[str]]]
 # The fast run keeps coco without workers; the rest run with the slow tests (as do the DDP ones).
 @pytest.mark.parametrize(
     "name",
-    ["coco", pytest.param("imagefolder", marks=pytest.mark.slow), pytest.param("shapes", marks=pytest.mark.slow)],
+    [
+        "coco",
+        "coco-coca",
+        pytest.param("imagefolder", marks=pytest.mark.slow),
+        pytest.param("shapes", marks=pytest.mark.slow),
+    ],
 )
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_preempted_epoch_in_one_process_trains_what_an_uninterrupted_one_does(name, workers, tmp_path):

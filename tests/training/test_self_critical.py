@@ -352,6 +352,26 @@ def test_scst_trains_from_the_checkpoint_logs_its_reward_and_computes_statistics
     )
 
 
+@pytest.mark.parametrize("contrastive_weight", [1.0, 0.0])
+def test_scst_on_coca_from_a_captioner_keeps_the_weighted_contrastive_term(contrastive_weight, base_run, tmp_path):
+    """head=coca under finetune=scst, started from the head=caption run: loss = contrastive_weight · contrastive
+    + caption_weight · (SCST + xe_weight · cross-entropy), every term logged and finite at every step."""
+    run_dir = tmp_path / "run"
+    overrides = ["head=coca", "finetune=scst", f"finetune.init={base_run}", "trainer.max_steps=3"]
+    overrides += ["finetune.scst.samples=2", "finetune.scst.xe_weight=0.5", "head.caption_weight=2.0"]
+    overrides += [f"head.contrastive_weight={contrastive_weight}", "trainer.precision=32-true"]
+    train(compose_train([*BASE, *overrides], run_dir))
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("train/scst_loss")]
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]
+    for row in rows:
+        loss, scst, caption, contrastive = (
+            float(row[f"train/{k}"]) for k in ("loss", "scst_loss", "caption_loss", "contrastive_loss")
+        )
+        assert all(math.isfinite(v) for v in (loss, scst, caption, contrastive)) and contrastive > 0
+        assert loss == pytest.approx(contrastive_weight * contrastive + 2.0 * (scst + 0.5 * caption), abs=1e-5)
+
+
 @pytest.fixture(scope="module")
 def caption_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")

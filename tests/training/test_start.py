@@ -17,6 +17,7 @@ from vitattn.bundle import load_bundle, save_bundle
 from vitattn.data.preprocess import default_preprocess
 from vitattn.errors import ConfigError
 from vitattn.models import VisionTransformer
+from vitattn.models.coca import CONTRASTIVE_PARTS
 from vitattn.models.vit import preset_config
 from vitattn.training import build_system, train
 from vitattn.training.build import build_datamodule
@@ -360,3 +361,58 @@ def test_a_start_of_the_wrong_kind_is_one_line_before_any_step(overrides, messag
     with pytest.raises(ConfigError, match=message) as err:
         train(compose_train([*TINY, *TINY_SHAPES, *given], tmp_path / "run"))
     assert "\n" not in str(err.value) and not (tmp_path / "run" / "config.yaml").exists()
+
+
+def _start_system(bundle: Path, head: str, tmp_path: Path):
+    cfg = compose_train([f"head={head}", *TINY, f"finetune.init={bundle}"], tmp_path / head)
+    start = read_start(cfg.finetune.init, cfg.finetune.init_kind)
+    start.resolve(cfg, [])
+    check_config(cfg)
+    datamodule = build_datamodule(cfg, start.vocab)
+    datamodule.setup("fit")
+    return build_system(cfg, datamodule, start), start
+
+
+def test_init_crosses_caption_and_coca_loading_the_captioner_in_one_line(tmp_path, caplog):
+    """head=coca from a head=caption model: the captioner's weights, the contrastive parts fresh; and back: the
+    contrastive parts dropped. Each said in one line."""
+    caption = make_caption_bundle(tmp_path / "caption")
+    theirs = load_bundle(caption).model.state_dict()
+    with caplog.at_level(logging.INFO):
+        coca, _ = _start_system(caption, "coca", tmp_path)
+    ours = coca.model.state_dict()
+    new = {k.split(".")[0] for k in set(ours) - set(theirs)}
+    assert set(theirs) < set(ours) and new == set(CONTRASTIVE_PARTS) - {"logit_bias"}  # clip has no bias
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, rtol=0, atol=0)
+    (line,) = [r.getMessage() for r in caplog.records if "new (the model has none)" in r.getMessage()]
+    assert "image_proj, logit_scale, text, text_proj" in line and "\n" not in line
+    save_bundle(
+        tmp_path / "coca",
+        coca.model,
+        task="caption",
+        preprocess=load_bundle(caption).preprocess,
+        vocab=load_bundle(caption).vocab,
+    )
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        back, _ = _start_system(tmp_path / "coca", "caption", tmp_path)
+    assert set(back.model.state_dict()) == set(theirs)
+    for key, value in back.model.state_dict().items():
+        torch.testing.assert_close(value, ours[key], rtol=0, atol=0)
+    (line,) = [r.getMessage() for r in caplog.records if "dropped (the run has none)" in r.getMessage()]
+    assert "image_proj, logit_scale, text, text_proj" in line
+
+
+def test_init_refuses_any_other_mismatch_in_one_line(tmp_path, monkeypatch):
+    caption = make_caption_bundle(tmp_path / "caption")
+    state = load_bundle(caption).model.state_dict()
+    cfg = compose_train(["head=coca", *TINY, f"finetune.init={caption}"], tmp_path / "run")
+    start = read_start(cfg.finetune.init, cfg.finetune.init_kind)
+    start.resolve(cfg, [])
+    monkeypatch.setattr(start.bundle.model, "state_dict", lambda: {**state, "extra.weight": torch.zeros(1)})
+    datamodule = build_datamodule(cfg, start.vocab)
+    datamodule.setup("fit")
+    with pytest.raises(ConfigError, match=r"^finetune\.init=.*: its model and the run.s differ in extra; only") as err:
+        build_system(cfg, datamodule, start)
+    assert "\n" not in str(err.value)

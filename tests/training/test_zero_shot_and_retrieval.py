@@ -15,8 +15,8 @@ from tests.helpers.coca import COLOURS, colour_image, train_colour_coca
 from vitattn import Captioner
 from vitattn.cli.evaluate import main as eval_main
 from vitattn.data.shapes import ShapesDataset
+from vitattn.metrics.retrieval import retrieval_metrics
 from vitattn.training import train
-from vitattn.training.evaluation import retrieval_metrics
 
 
 @pytest.fixture(scope="module")

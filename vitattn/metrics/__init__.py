@@ -19,6 +19,7 @@ from vitattn.metrics.tokenize import coco_tokenize
 
 __all__ = [
     "CaptionMetrics",
+    "RetrievalMetrics",
     "CiderD",
     "SCORERS",
     "check_corpus",
@@ -35,8 +36,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name == "CaptionMetrics":
-        from vitattn.metrics.metric import CaptionMetrics
+    if name in ("CaptionMetrics", "RetrievalMetrics"):
+        from vitattn.metrics import metric
 
-        return CaptionMetrics
+        return getattr(metric, name)
     raise AttributeError(f"module 'vitattn.metrics' has no attribute {name!r}")

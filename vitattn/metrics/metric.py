@@ -1,4 +1,5 @@
-"""``CaptionMetrics``: ``score_captions`` as a ``torchmetrics.Metric``, for any LightningModule or training loop.
+"""``CaptionMetrics``: ``score_captions`` as a ``torchmetrics.Metric``, for any LightningModule or training loop;
+``RetrievalMetrics``: retrieval recall of embeddings gathered from every rank.
 
 Corpus metrics (CIDEr-D's document frequencies, BLEU's brevity penalty) are not a mean of per-rank figures: each
 rank keeps its captions as strings, ``compute`` gathers every rank's, drops the repeats a ``DistributedSampler``
@@ -10,13 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.nn import Module
 from torchmetrics import Metric
+from torchmetrics.utilities import dim_zero_cat
 
 from vitattn.metrics.caption import Item, first_per_image, score_captions
+from vitattn.metrics.retrieval import retrieval_metrics
 
-__all__ = ["CaptionMetrics"]
+__all__ = ["CaptionMetrics", "RetrievalMetrics"]
 
 _STRING_STATES = ("captions", "references", "image_ids")
 
@@ -107,3 +112,44 @@ class CaptionMetrics(Metric):
 
     def _move_list_states_to_cpu(self) -> None:
         pass  # compute_on_cpu: the strings are on the host already
+
+
+class RetrievalMetrics(Metric):
+    """Image->text and text->image recall (``retrieval_metrics``: ``i2t_r1`` ... ``t2i_median_rank``) over every
+    rank's images and every caption of each, the gallery ``vitattn-eval task=retrieval`` ranks. The embeddings are
+    gathered across ranks (``dist_reduce_fx="cat"``); an image seen twice (a ``DistributedSampler``'s padding) is
+    ranked once, by its id."""
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for name in ("images", "image_ids", "texts", "text_ids", "text_numbers"):
+            self.add_state(name, default=[], dist_reduce_fx="cat")
+
+    def update(self, images: Tensor, image_ids: Tensor, texts: Tensor, text_image: Tensor) -> None:
+        """(B, E) image and (N, E) text embeddings, (B,) the images' ids, (N,) each text's row in ``images``."""
+        self.images.append(images.float())
+        self.image_ids.append(image_ids)
+        self.texts.append(texts.float())
+        self.text_ids.append(image_ids[text_image])
+        starts = torch.searchsorted(text_image, text_image, right=False)  # text_image is sorted: each image's texts
+        self.text_numbers.append(torch.arange(len(text_image), device=text_image.device) - starts)
+
+    def compute(self) -> dict[str, float]:
+        images, image_ids, texts, text_ids, numbers = (
+            dim_zero_cat(getattr(self, name)) for name in ("images", "image_ids", "texts", "text_ids", "text_numbers")
+        )
+        ids, first = _first_of_each(image_ids)
+        _, kept = _first_of_each(text_ids * (int(numbers.max()) + 1) + numbers)  # each (image, caption k) once
+        text_image = torch.searchsorted(ids, text_ids[kept])
+        return retrieval_metrics(images[first] @ texts[kept].T, text_image)
+
+
+def _first_of_each(keys: Tensor) -> tuple[Tensor, Tensor]:
+    """The sorted distinct ``keys`` and, for each, the row where it first appears."""
+    distinct, inverse = torch.unique(keys, return_inverse=True)
+    rows = torch.arange(len(keys), device=keys.device)
+    return distinct, torch.full_like(distinct, len(keys)).scatter_reduce(0, inverse, rows, reduce="amin")

@@ -19,7 +19,10 @@ from vitattn.layers import EncoderLayer, check_heads
 from vitattn.models.caption import CaptionDecoder, ImageCaptioner, per_caption
 from vitattn.models.vit import VisionTransformer, trunc_normal_
 
-__all__ = ["CocaCaptioner", "TextEncoder", "captioner_from_config"]
+__all__ = ["CONTRASTIVE_PARTS", "CocaCaptioner", "TextEncoder", "captioner_from_config"]
+
+# what a ``CocaCaptioner`` has beyond its ``ImageCaptioner``: the text tower, both projections, the logit scale and bias
+CONTRASTIVE_PARTS = ("image_proj", "logit_bias", "logit_scale", "text", "text_proj")
 
 
 class TextEncoder(nn.Module):

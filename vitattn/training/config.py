@@ -23,7 +23,7 @@ from vitattn.data.preprocess import WEIGHTS_KEYS, Augment, check_preprocess, def
 from vitattn.errors import ConfigError
 from vitattn.models import TASKS, CaptionDecoder, VisionTransformer
 from vitattn.run_dir import RunDir
-from vitattn.training.systems.contrastive import check_contrastive
+from vitattn.training.systems.contrastive import RETRIEVAL_MONITORS, check_contrastive
 
 __all__ = [
     "ALLOWED_TARGET_PREFIXES",
@@ -162,6 +162,12 @@ def _check_contrastive(cfg: DictConfig) -> None:
         check_contrastive(head.contrastive.loss, head.contrastive_weight, head.caption_weight)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    monitors = ("val/cider_d", *RETRIEVAL_MONITORS)
+    if head.monitor not in monitors or head.monitor_mode != "max":
+        raise ConfigError(
+            f"head.monitor={head.monitor} head.monitor_mode={head.monitor_mode}: head=coca picks its best "
+            f"checkpoint by one of {', '.join(monitors)}, with head.monitor_mode=max"
+        )
     bias = head.contrastive.get("init_logit_bias", "auto")
     if bias != "auto" and (isinstance(bias, bool) or not isinstance(bias, (int, float))):
         raise ConfigError(f"head.contrastive.init_logit_bias={bias!r} must be auto or a number (e.g. -10)")

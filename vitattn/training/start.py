@@ -26,6 +26,7 @@ from vitattn.data.preprocess import WEIGHTS_KEYS, describe, from_timm
 from vitattn.data.tokenizer import Tokenizer
 from vitattn.errors import ConfigError, first_line
 from vitattn.models import VisionTransformer
+from vitattn.models.coca import CONTRASTIVE_PARTS
 from vitattn.models.timm_weights import (
     TIMM_SUFFIXES,
     convert_timm_state_dict,
@@ -142,12 +143,33 @@ class WholeModel:
             )
 
     def load_into(self, system: Any) -> None:
-        """Copy every weight of the model into ``system.model`` (built from the config ``resolve`` set)."""
+        """Copy every weight of the model into ``system.model`` (built from the config ``resolve`` set). Between
+        ``head=caption`` and ``head=coca`` the captioner's weights load: the contrastive parts the model lacks start
+        fresh, those it has and the run lacks are dropped, each said in one line; any other mismatch is refused."""
+        ours, theirs = system.model.state_dict(), self.bundle.model.state_dict()
+        new, dropped = _parts(ours.keys() - theirs.keys()), _parts(theirs.keys() - ours.keys())
+        other = [part for part in new + dropped if part not in CONTRASTIVE_PARTS]
+        if other:
+            raise ConfigError(
+                f"finetune.init={self.source}: its model and the run's differ in {', '.join(other)}; only the "
+                f"contrastive parts ({', '.join(CONTRASTIVE_PARTS)}) may differ, between head=caption and head=coca"
+            )
+        strict = not (new or dropped)
         try:
-            system.model.load_state_dict(self.bundle.model.state_dict(), strict=True)
+            system.model.load_state_dict({k: v for k, v in theirs.items() if k in ours}, strict=strict)
         except RuntimeError as err:
             raise ConfigError(f"finetune.init={self.source}: {first_line(err)}") from None
-        rank_zero_info(f"finetune.init: started from every weight of the {self.bundle.task} model {self.source}")
+        what = "every weight" if strict else "the captioner's weights"
+        rank_zero_info(
+            f"finetune.init: started from {what} of the {self.bundle.task} model {self.source}"
+            + (f"; new (the model has none): {', '.join(new)}" if new else "")
+            + (f"; dropped (the run has none): {', '.join(dropped)}" if dropped else "")
+        )
+
+
+def _parts(keys: Any) -> list[str]:
+    """The top-level modules and parameters that ``keys`` (state-dict keys) belong to, sorted."""
+    return sorted({key.split(".")[0] for key in keys})
 
 
 @dataclass

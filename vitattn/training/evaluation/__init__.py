@@ -1,13 +1,7 @@
 """Evaluate a trained model on a split: caption metrics; top-1 / top-5 accuracy and a confusion matrix (a trained
 head or zero-shot by class name); image-text retrieval recall."""
 
-from vitattn.training.evaluation.captions import (
-    evaluate_captions,
-    evaluate_retrieval,
-    read_predictions,
-    retrieval_metrics,
-    retrieval_ranks,
-)
+from vitattn.training.evaluation.captions import evaluate_captions, evaluate_retrieval, read_predictions
 from vitattn.training.evaluation.classification import evaluate_classification, evaluate_zero_shot
 from vitattn.training.evaluation.report import EvalReport, format_report, save_confusion_matrix, write_report
 
@@ -19,8 +13,6 @@ __all__ = [
     "evaluate_zero_shot",
     "format_report",
     "read_predictions",
-    "retrieval_metrics",
-    "retrieval_ranks",
     "save_confusion_matrix",
     "write_report",
 ]

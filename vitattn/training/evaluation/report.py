@@ -14,6 +14,7 @@ from torch import Tensor
 
 from vitattn.fileio import atomic_write
 from vitattn.inference.attention_maps import figure_png
+from vitattn.metrics.retrieval import RECALL
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -21,7 +22,6 @@ if TYPE_CHECKING:
 __all__ = ["EvalReport", "confusion_figure", "format_report", "save_confusion_matrix", "write_report"]
 
 
-RECALL = (1, 5, 10)  # retrieval's recall@k
 _LABELS = {
     **{f"bleu{n}": f"BLEU-{n}" for n in range(1, 5)},
     "rouge_l": "ROUGE-L",

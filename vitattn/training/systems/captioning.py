@@ -100,12 +100,17 @@ class CaptionSystem(VisionSystem):
         return self.guard(loss)
 
     def _self_critical_loss(self, batch: dict[str, Any], size: int) -> Tensor:
+        loss = self._scst_loss(batch, size)
+        if self.scst.xe_weight:
+            loss = loss + self.scst.xe_weight * self._loss(batch, self.label_smoothing)
+        return loss
+
+    def _scst_loss(self, batch: dict[str, Any], size: int) -> Tensor:
+        """The self-critical term alone; its reward, baseline and ``eos_share`` are logged."""
         if self.self_critical is None:
             raise RuntimeError("scst is set but no reward was given: call use_reward(scorer) before training")
         loss, logged = self.self_critical(self.model, batch["images"], batch["references"], None)
         self.log_dict({f"train/{k}": v for k, v in logged.items()}, batch_size=size)
-        if self.scst.xe_weight:
-            loss = loss + self.scst.xe_weight * self._loss(batch, self.label_smoothing)
         return loss
 
     def _evaluate(self, batch: dict[str, Any] | None, stage: str) -> None:

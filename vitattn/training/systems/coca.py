@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vitattn.inference.embeddings import encode_texts
+from vitattn.metrics.metric import RetrievalMetrics
 from vitattn.training.systems.captioning import CaptionSystem
 from vitattn.training.systems.contrastive import check_contrastive, contrastive_loss
 
@@ -18,7 +20,8 @@ __all__ = ["CocaSystem"]
 class CocaSystem(CaptionSystem):
     """Trains a ``CocaCaptioner`` (``model_config`` with its ``contrastive`` part) on ``caption_weight`` · caption
     + ``contrastive_weight`` · ``contrastive_loss`` (``clip`` or ``siglip``, every rank's negatives; open_clip's
-    weights: 2 and 1). Other arguments are ``CaptionSystem``'s; with ``scst``, this sum is its cross-entropy term."""
+    weights: 2 and 1). Other arguments are ``CaptionSystem``'s; under ``scst`` the SCST loss and its cross-entropy
+    term take the caption's weight."""
 
     def __init__(
         self,
@@ -35,10 +38,24 @@ class CocaSystem(CaptionSystem):
         super().__init__(model_config, vocab, **kwargs)
         self.contrastive_loss = contrastive_loss
         self.contrastive_weight, self.caption_weight = contrastive_weight, caption_weight
+        self.retrieval_metrics = RetrievalMetrics()  # every rank's embeddings, ranked once
         self._terms: dict[str, Tensor] = {}  # the last ``_loss``'s two terms, logged by the step that asked for it
 
     def _loss(self, batch: dict[str, Any], label_smoothing: float = 0.0) -> Tensor:
         """The weighted sum; the contrastive pairs are each image and its first caption."""
+        caption, contrastive = self._pair_terms(batch, label_smoothing)
+        return self.caption_weight * caption + self.contrastive_weight * contrastive
+
+    def _self_critical_loss(self, batch: dict[str, Any], size: int) -> Tensor:
+        """``contrastive_weight`` · contrastive + ``caption_weight`` · (SCST + ``xe_weight`` · cross-entropy): the
+        contrastive term keeps training the embeddings the first stage built."""
+        scst = self._scst_loss(batch, size)
+        caption, contrastive = self._pair_terms(batch, self.label_smoothing)
+        self._terms["scst_loss"] = scst.detach()
+        return self.contrastive_weight * contrastive + self.caption_weight * (scst + self.scst.xe_weight * caption)
+
+    def _pair_terms(self, batch: dict[str, Any], label_smoothing: float) -> tuple[Tensor, Tensor]:
+        """The caption cross-entropy and the contrastive loss, from one encoding of each image."""
         tokens, caption_image = batch["tokens"], batch.get("caption_image")  # (N, T), (N,) or None
         images = batch["images"]
         texts = tokens  # (B, T): one caption per image for the contrastive pairs
@@ -49,7 +66,7 @@ class CocaSystem(CaptionSystem):
         caption = self._caption_loss(logits, tokens, label_smoothing)
         contrastive = contrastive_loss(self.contrastive_loss, image, text, self.model)
         self._terms = {"caption_loss": caption.detach(), "contrastive_loss": contrastive.detach()}
-        return self.caption_weight * caption + self.contrastive_weight * contrastive
+        return caption, contrastive
 
     def _log_terms(self, stage: str, size: int) -> None:
         terms, self._terms = self._terms, {}
@@ -64,5 +81,22 @@ class CocaSystem(CaptionSystem):
 
     def _evaluate(self, batch: dict[str, Any] | None, stage: str) -> None:
         super()._evaluate(batch, stage)
-        if batch is not None:
-            self._log_terms(stage, len(batch["images"]))
+        if batch is None:
+            return
+        self._log_terms(stage, len(batch["images"]))
+        references = batch["references"]
+        texts = encode_texts(self.vocab, [t for refs in references for t in refs], self.model.decoder.max_len)
+        text_image = torch.tensor([i for i, refs in enumerate(references) for _ in refs], device=self.device)
+        self.retrieval_metrics.update(
+            self.model.embed_images(batch["images"]),
+            batch["image_ids"],
+            self.model.embed_texts(texts.to(self.device)),
+            text_image,
+        )
+
+    def _score(self, stage: str) -> None:
+        """The captions' scores, then ``i2t_r1`` ... of the split's images among all their captions."""
+        super()._score(stage)
+        metrics = {} if self.trainer.sanity_checking else self.retrieval_metrics.compute()
+        self.retrieval_metrics.reset()
+        self.log_dict({f"{stage}/{k}": float(v) for k, v in metrics.items()}, sync_dist=False, rank_zero_only=False)

@@ -23,6 +23,7 @@ from torch import Tensor
 __all__ = [
     "LOSSES",
     "MAX_LOGIT_SCALE",
+    "RETRIEVAL_MONITORS",
     "check_contrastive",
     "clip_loss",
     "contrastive_loss",
@@ -34,6 +35,7 @@ __all__ = [
 LOSSES = ("clip", "siglip")
 MAX_LOGIT_SCALE = math.log(100)  # CLIP's cap on the learned log temperature
 INIT_LOGIT_SCALE = {"clip": math.log(1 / 0.07), "siglip": math.log(10)}
+RETRIEVAL_MONITORS = ("val/i2t_r1", "val/t2i_r1")  # what validation logs from ``RetrievalMetrics``
 
 
 def check_contrastive(loss: str, contrastive_weight: float, caption_weight: float) -> None:
