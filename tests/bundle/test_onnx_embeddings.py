@@ -71,6 +71,7 @@ def test_onnx_int8_embeddings_keep_the_direction_of_pytorchs(coca):
     print(f"int8 embeddings: min cosine {cosines.min():.6f} to PyTorch's over {len(cosines)} rows")
     assert cosines.min().item() >= INT8_MIN_COSINE
     assert (images - expected_images).abs().max().item() > 1e-5  # int8 indeed: not the fp32 graphs
+    torch.testing.assert_close(torch.cat([images, texts]).norm(dim=-1), torch.ones(len(cosines)))  # normalised
 
 
 def test_onnx_folder_records_the_embedding_graphs_and_scale(coca):
