@@ -1,6 +1,7 @@
 """The ONNX folder of a ``head=coca`` model: its image and text embedding graphs against the PyTorch model (fp32
 and int8), zero-shot classification, similarity and rerank from the folder, and a caption-only folder refused."""
 
+import base64
 import json
 
 import numpy as np
@@ -13,6 +14,7 @@ from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle, load_model
 from vitattn.bundle.onnx_export import export_onnx
 from vitattn.bundle.onnx_folder import GRAPHS, ONNX_CONFIG_FILE, sha256
+from vitattn.cli.evaluate import main as eval_main
 from vitattn.inference.embeddings import embed_pixels, embed_texts, encode_texts
 
 INT8_MIN_COSINE = 0.999  # measured: 0.9999 per row on the inputs below; int8 moves each embedding a little
@@ -127,3 +129,48 @@ def test_embeddings_of_a_caption_only_onnx_folder_are_refused_in_one_line(tmp_pa
     )
     with pytest.raises(ValueError, match="zero-shot classification needs a head=coca model"):
         Classifier.load(folder, labels=["red", "blue"])
+
+
+def test_vitattn_eval_zero_shot_and_retrieval_on_an_onnx_folder_score_as_its_bundle(coca, tmp_path):
+    bundle, onnx_dir, _, _ = coca
+    rng, images, annotations = np.random.default_rng(11), [], []
+    for n, colour in enumerate([c for c in COLOURS for _ in range(2)], start=1):  # val/<class>/<image>, and COCO
+        (tmp_path / "val" / colour).mkdir(parents=True, exist_ok=True)
+        colour_image(colour, rng).save(tmp_path / "val" / colour / f"{n}.png")
+        images.append({"id": n, "file_name": f"{colour}/{n}.png"})
+        annotations.append({"id": n, "image_id": n, "caption": f"a photo of a {colour}."})
+    (tmp_path / "captions.json").write_text(json.dumps({"images": images, "annotations": annotations}))
+    tasks = {
+        "zero_shot": [f"data_root={tmp_path}"],
+        "retrieval": [f"references={tmp_path / 'captions.json'}", f"image_dir={tmp_path / 'val'}"],
+    }
+    for task, args in tasks.items():
+        metrics = {}
+        for name, model in (("torch", bundle), ("onnx", onnx_dir)):
+            out = tmp_path / f"{task}-{name}"
+            common = [f"model={model}", f"task={task}", f"out={out}", "num_workers=0", "progress=false"]
+            assert eval_main([*common, *args]) == 0
+            metrics[name] = json.loads((out / "metrics.json").read_text())["metrics"]
+        key = "top1" if task == "zero_shot" else "i2t_r1"
+        assert metrics["onnx"] == pytest.approx(metrics["torch"]) and metrics["onnx"][key] == 1.0, (task, metrics)
+
+
+def test_serving_embed_on_an_onnx_folder_answers_the_bundles_embeddings(coca, tmp_path):
+    from vitattn.serve import EmbedAPI
+
+    bundle, onnx_dir, _, _ = coca
+    rng, paths = np.random.default_rng(5), []
+    for colour in COLOURS:
+        paths.append(tmp_path / f"{colour}.png")
+        colour_image(colour, rng).save(paths[-1])
+    requests = [{"image": base64.b64encode(p.read_bytes()).decode()} for p in paths] + [{"texts": TEXTS}]
+    api = EmbedAPI(str(onnx_dir), max_batch_size=8)
+    api.setup("cpu")
+    answers = [
+        api.encode_response(out)
+        for out in api.unbatch(api.predict(api.batch([api.decode_request(r) for r in requests])))
+    ]
+    captioner = Captioner.load(bundle)
+    got_images = torch.tensor([a["embedding"] for a in answers[:-1]])
+    torch.testing.assert_close(got_images, captioner.embed_images(paths), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(answers[-1]["embeddings"]), captioner.embed_texts(TEXTS), rtol=0, atol=1e-5)
