@@ -3,6 +3,7 @@ and int8), zero-shot classification, similarity and rerank from the folder, and 
 
 import base64
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -174,3 +175,20 @@ def test_serving_embed_on_an_onnx_folder_answers_the_bundles_embeddings(coca, tm
     got_images = torch.tensor([a["embedding"] for a in answers[:-1]])
     torch.testing.assert_close(got_images, captioner.embed_images(paths), rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.tensor(answers[-1]["embeddings"]), captioner.embed_texts(TEXTS), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "drop, message",
+    [
+        ("image_embed", r"graphs\.image_embed needs 'file' and 'sha256'; export it again"),
+        ("embed", r"embed needs a positive integer embed_dim and a number logit_scale; export it again"),
+    ],
+)
+def test_a_coca_onnx_folder_without_its_embedding_parts_is_refused_in_one_line(coca, tmp_path, drop, message):
+    folder = shutil.copytree(coca[1], tmp_path / "onnx")
+    config = json.loads((folder / ONNX_CONFIG_FILE).read_text())
+    del (config["graphs"] if drop == "image_embed" else config)[drop]
+    (folder / ONNX_CONFIG_FILE).write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message) as info:
+        Captioner.load(folder)
+    assert "\n" not in str(info.value)
