@@ -20,11 +20,11 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.timing import wall_and_cpu
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.bundle.onnx_export import export_onnx
@@ -50,14 +50,6 @@ def _captioner(preset: str, img_size: int, heads: int, vocab_size: int) -> tuple
     with torch.no_grad():
         decoder.head.bias[vocab.eos_id] = -1e4  # never chosen: every caption runs MAX_NEW_TOKENS steps
     return ImageCaptioner(encoder, decoder).eval(), vocab
-
-
-def _seconds(fn, *args) -> tuple[float, float]:
-    """(wall seconds, this process's CPU seconds) of one call."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    with torch.inference_mode():
-        fn(*args)
-    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 RUNTIMES = ("eager", "eager-bf16", "onnx-fp32", "onnx-int8")
@@ -107,11 +99,11 @@ def _rows(name: str, folder: Path, repeats: int, runtimes: list[str], work: list
     rows = []
     for what, run in (WORK[w] for w in work):
         for models in loaded.values():  # warm-up: first calls allocate
-            _seconds(run, *models, images)
+            wall_and_cpu(run, *models, images)
         times = {r: [] for r in loaded}
         for _ in range(repeats):
             for r, models in loaded.items():
-                times[r].append(_seconds(run, *models, images))
+                times[r].append(wall_and_cpu(run, *models, images))
         wall = {r: statistics.median(t[0] for t in times[r]) for r in loaded}
         cpu = {r: statistics.median(t[1] for t in times[r]) for r in loaded}
         for r in loaded:

@@ -1,4 +1,4 @@
-"""Interleaved timing rounds, their medians and quartiles, and a time limit.
+"""Interleaved timing rounds, their medians and quartiles, one call's wall and CPU time, and a time limit.
 
 Every comparison runs both sides in the same process, interleaved in rounds (A B, B A, A B, ...)
 after a warm-up; each side's figure is its median over the rounds, and the ratio is the median of
@@ -67,6 +67,17 @@ def interleaved(
             sync()
             samples[name].append((time.perf_counter() - t0) / inner[name])
     return samples
+
+
+def wall_and_cpu(fn: Callable[..., Any], *args: Any) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one call of ``fn(*args)`` in inference mode: CPU time is the
+    steadier measure on a shared machine at one thread."""
+    import torch
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    with torch.inference_mode():
+        fn(*args)
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def _no_sync() -> None:

@@ -1,7 +1,7 @@
 """A ``Bundle`` written as an ONNX folder (``onnx_folder``), optionally int8-quantized.
 
 Dimension letters: B images (B * K caption rows when decoding K beams), L decoder layers, H heads,
-d head width, P past caption positions, N image tokens, D width, V vocabulary.
+d head width, P past caption positions, N image tokens, D width, V vocabulary, E embedding width.
 
 PyTorch's TorchScript-based exporter (``dynamo=False``) traces the modules the PyTorch runtime runs. The
 encoder's self-attention is written as ONNX Runtime's contrib ``Attention`` op, and int8 folders take GELU's
@@ -25,12 +25,12 @@ from torch import Tensor, nn
 
 from vitattn.bundle.folder import Bundle, plain_json
 from vitattn.bundle.onnx_folder import (
-    GRAPHS,
     ONNX_CONFIG_FILE,
     ONNX_FORMAT,
     ONNX_VERSION,
     PRECISIONS,
     graph_file,
+    graph_names,
     is_onnx_folder,
     kv_names,
     require_onnxruntime,
@@ -39,11 +39,12 @@ from vitattn.bundle.onnx_folder import (
 from vitattn.data.tokenizer import tokenizer_file_name
 from vitattn.fileio import atomic_folder
 from vitattn.layers import EncoderLayer, LayerCache, MultiHeadAttention
-from vitattn.models import CaptionDecoder, ImageCaptioner
+from vitattn.models import CaptionDecoder, CocaCaptioner, ImageCaptioner
 
 __all__ = [
     "OPSET",
     "DecoderStepGraph",
+    "EmbeddingGraph",
     "EncoderGraph",
     "FastGelu",
     "contrib_opsets",
@@ -110,14 +111,15 @@ class FastGelu(nn.Module):
         return _FastGelu.apply(x)
 
 
-def for_export(model: nn.Module, approximate_gelu: bool = False) -> nn.Module:
-    """A copy of ``model`` whose attention exports as ONNX Runtime runs it fastest: the encoder's self-attention
-    as its ``Attention`` op, every other on the explicit path; ``approximate_gelu``: ``nn.GELU`` as ``FastGelu``."""
+def for_export(model: nn.Module, approximate_gelu: bool = False, contrib_attention: bool = True) -> nn.Module:
+    """A copy of ``model`` whose attention exports as ONNX Runtime runs it fastest: each ``EncoderLayer``'s
+    self-attention as its ``Attention`` op, every other on the explicit path; ``approximate_gelu``: ``nn.GELU`` as
+    ``FastGelu``; ``contrib_attention=False``: every attention explicit (the text tower's, which masks padding)."""
     model = copy.deepcopy(model)
     for module in list(model.modules()):
         if isinstance(module, MultiHeadAttention):
             module.fused_attn = False
-        if isinstance(module, EncoderLayer):
+        if isinstance(module, EncoderLayer) and contrib_attention:
             module.mha = _ContribSelfAttention(module.mha)
         for name, child in module.named_children():
             if approximate_gelu and isinstance(child, nn.GELU):
@@ -183,6 +185,18 @@ class DecoderStepGraph(nn.Module):
         return (logits, *(t for c in caches for t in c.present))
 
 
+class EmbeddingGraph(nn.Module):
+    """``CocaCaptioner.embed_images`` (``what="images"``: (B, C, height, width) -> (B, E)) or ``embed_texts``
+    (``"texts"``: (N, T) right-padded token ids, the padding found in the graph -> (N, E)), as a module to export."""
+
+    def __init__(self, model: CocaCaptioner, what: str) -> None:
+        super().__init__()
+        self.model, self.what = model, what
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model.embed_images(x) if self.what == "images" else self.model.embed_texts(x)
+
+
 def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | None = None) -> Path:
     """Write ``bundle`` as an ONNX folder at ``directory``, atomically (an earlier one there replaced), in fp32 or,
     with ``quantize="int8"``, ONNX Runtime's dynamic int8 quantization. Returns the folder."""
@@ -217,14 +231,17 @@ def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | No
                 vocab_file=tokenizer_file_name(bundle.vocab),
             )
             bundle.vocab.save(tmp / tokenizer_file_name(bundle.vocab))
+            if isinstance(model, CocaCaptioner):
+                config.update(_export_embedders(model, images, tmp, precision))
         else:
             graph = for_export(model, approximate_gelu=precision == "int8")
             _export(graph, (images,), tmp / graph_file("classifier"), ["images"], ["logits"], {})
             config["class_names"] = list(bundle.class_names)
         if precision == "int8":
-            _quantize(tmp, GRAPHS[bundle.task])
+            _quantize(tmp, graph_names(bundle.task, config["model"]))
         config["graphs"] = {
-            name: {"file": graph_file(name), "sha256": sha256(tmp / graph_file(name))} for name in GRAPHS[bundle.task]
+            name: {"file": graph_file(name), "sha256": sha256(tmp / graph_file(name))}
+            for name in graph_names(bundle.task, config["model"])
         }
         (tmp / ONNX_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return directory
@@ -258,6 +275,21 @@ def _export_captioner(model: ImageCaptioner, images: Tensor, folder: Path, preci
     return {"decoder": {**sizes, **ids}}
 
 
+def _export_embedders(model: CocaCaptioner, images: Tensor, folder: Path, precision: str) -> dict[str, Any]:
+    """Write ``image_embed.onnx`` and ``text_embed.onnx``; returns the ``embed`` width and scale for ``onnx.json``."""
+    approximate_gelu = precision == "int8"
+    image = EmbeddingGraph(for_export(model, approximate_gelu), "images")
+    _export(image, (images,), folder / graph_file("image_embed"), ["images"], ["embeds"], {})
+    dec = model.decoder
+    # (N, T), traced with padding (T within the text tower's positions): any N and T <= max_len run alike
+    tokens = torch.full((3, min(5, dec.max_len)), dec.eos_id, dtype=torch.long)
+    tokens[:, 0], tokens[1, 3:] = dec.bos_id, dec.pad_id
+    axes = {"tokens": {0: "batch", 1: "length"}}
+    text = EmbeddingGraph(for_export(model, approximate_gelu, contrib_attention=False), "texts")
+    _export(text, (tokens,), folder / graph_file("text_embed"), ["tokens"], ["embeds"], axes)
+    return {"embed": {"embed_dim": model.embed_dim, "logit_scale": float(model.logit_scale.detach()[0])}}
+
+
 def _export(
     module: nn.Module,
     args: tuple[Tensor, ...],
@@ -270,6 +302,8 @@ def _export(
     with torch.no_grad(), warnings.catch_warnings():
         # the traced shape checks (caption length within max_len, causal mask for one query) hold for every step
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        # the text tower's positions are sliced to the traced length: ONNX Runtime slices them, nothing to fold
+        warnings.filterwarnings("ignore", "Constant folding - Only steps=1 can be constant folded", UserWarning)
         # the TorchScript-based exporter is chosen (dynamo=False): it traces the modules the PyTorch runtime runs
         warnings.filterwarnings("ignore", "You are using the legacy TorchScript-based ONNX export", DeprecationWarning)
         warnings.filterwarnings("ignore", "The feature will be removed", DeprecationWarning)
@@ -320,7 +354,8 @@ def _quantize(folder: Path, graphs: tuple[str, ...]) -> None:
 
 def kept_fp32(graph, name: str) -> list[str]:  # noqa: ANN001 - an onnx GraphProto
     """The matrix products of graph ``name`` (its fp32 export) that int8 quantization leaves in fp32: the
-    products of two activations, and the decoder step's vocabulary projection (see ``_quantize``)."""
+    products of two activations, and the decoder step's vocabulary projection (see ``_quantize``); the embedding
+    graphs' projections are quantized (kept fp32, they moved no cosine to PyTorch's by more than 1e-4)."""
     weights = {w.name for w in graph.initializer}
     activations = [n.name for n in graph.node if n.op_type == "MatMul" and not any(x in weights for x in n.input)]
     return activations + ([_logits_product(graph)] if name == "decoder_step" else [])

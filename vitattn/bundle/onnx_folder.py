@@ -4,9 +4,10 @@
 Dimension letters: B images, K beams, L decoder layers, H heads, d head width, P past positions,
 N image tokens, V vocabulary.
 
-A caption folder holds ``encoder.onnx``, ``decoder_step.onnx`` and the tokenizer; a classifier,
-``classifier.onnx``. Each graph's SHA-256 is checked before ONNX Runtime reads it. The graphs' inputs and
-outputs: ``onnx_export``; more in docs/captioning.md ("ONNX Runtime").
+A caption folder holds ``encoder.onnx``, ``decoder_step.onnx`` and the tokenizer, a ``head=coca`` one also
+``image_embed.onnx`` and ``text_embed.onnx``; a classifier, ``classifier.onnx``. Each graph's SHA-256 is checked
+before ONNX Runtime reads it. The graphs' inputs and outputs: ``onnx_export``; more in docs/captioning.md
+("ONNX Runtime").
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from torch import Tensor
 from vitattn.bundle.folder import LoadedModel, check_decoding, check_tokenizer, read_config, read_labels
 from vitattn.data.preprocess import check_preprocess
 from vitattn.errors import MissingDependencyError, brief, first_line
+from vitattn.models import Embedder
 from vitattn.models.search import CaptionSearch, SpecialIds
 
 __all__ = [
     "DECODER_KEYS",
     "OnnxCaptioner",
     "OnnxClassifier",
+    "OnnxCocaCaptioner",
     "OnnxDecoderStep",
     "OnnxModel",
     "GRAPHS",
@@ -43,6 +46,7 @@ __all__ = [
     "PRECISIONS",
     "check_onnx_config",
     "graph_file",
+    "graph_names",
     "graph_path",
     "is_onnx_folder",
     "kv_names",
@@ -57,7 +61,12 @@ ONNX_FORMAT = "vitattn-onnx"
 ONNX_VERSION = 2  # 2: cross-attention keys transposed and shared by the beams of an image
 ONNX_CONFIG_FILE = "onnx.json"
 PRECISIONS = ("fp32", "int8")
-GRAPHS = {"caption": ("encoder", "decoder_step"), "classification": ("classifier",)}
+# the graphs of each kind of model (``graph_names``): a captioner, a head=coca one, a classifier
+GRAPHS = {
+    "caption": ("encoder", "decoder_step"),
+    "coca": ("encoder", "decoder_step", "image_embed", "text_embed"),
+    "classification": ("classifier",),
+}
 DECODER_KEYS = ("depth", "num_heads", "head_dim", "max_len", "vocab_size", "pad_id", "bos_id", "eos_id")
 
 _REEXPORT = "export it again with this vitattn: vitattn-export model=RUN format=onnx out=DIR"
@@ -82,6 +91,11 @@ def kv_names(prefix: str, depth: int) -> list[str]:
     return [f"{prefix}_{kv}.{i}" for i in range(depth) for kv in ("k", "v")]
 
 
+def graph_names(task: str, model_config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The ``GRAPHS`` of a folder of ``task`` whose model has ``model_config`` (a ``contrastive`` part: head=coca)."""
+    return GRAPHS["coca" if task == "caption" and "contrastive" in model_config else task]
+
+
 def graph_file(name: str) -> str:
     """The file name of graph ``name`` (one of ``GRAPHS``) in an ONNX folder."""
     return f"{name}.onnx"
@@ -99,8 +113,9 @@ def sha256(path: str | os.PathLike) -> str:
 
 
 def check_onnx_config(directory: Path) -> dict[str, Any]:
-    """``onnx.json`` of ``directory``, checked: format, version, task, preprocessing, decoder sizes and
-    every graph's file and checksum. A one-line ``ValueError`` names the problem and the fix."""
+    """``onnx.json`` of ``directory``, checked: format, version, task, preprocessing, decoder sizes, a head=coca
+    model's embedding width and scale, and every graph's file and checksum. A one-line ``ValueError`` names the
+    problem and the fix."""
     where = directory / ONNX_CONFIG_FILE
     config = read_config(where, "vitattn ONNX config", ONNX_FORMAT, ONNX_VERSION, f"; {_REEXPORT}")
     task = config["task"]
@@ -117,10 +132,18 @@ def check_onnx_config(directory: Path) -> dict[str, Any]:
         unk = decoder["unk_id"]
         if unk is not None and (not isinstance(unk, int) or isinstance(unk, bool) or unk < 0):
             raise ValueError(f"{where}: decoder.unk_id={brief(unk)} must be a non-negative integer or null")
+    if not isinstance(config.get("model"), Mapping):
+        raise ValueError(f"{where} has no 'model' mapping; {_REEXPORT}")
+    names = graph_names(task, config["model"])
+    if "image_embed" in names:
+        embed = config.get("embed") if isinstance(config.get("embed"), Mapping) else {}
+        dim, scale = embed.get("embed_dim"), embed.get("logit_scale")
+        if not isinstance(dim, int) or dim < 1 or not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            raise ValueError(f"{where}: embed needs a positive integer embed_dim and a number logit_scale; {_REEXPORT}")
     graphs = config.get("graphs")
     if not isinstance(graphs, Mapping):
         raise ValueError(f"{where} has no 'graphs' mapping; {_REEXPORT}")
-    for name in GRAPHS[task]:
+    for name in names:
         entry = graphs.get(name)
         if not isinstance(entry, Mapping) or not isinstance(entry.get("sha256"), str):
             raise ValueError(f"{where}: graphs.{name} needs 'file' and 'sha256'; {_REEXPORT}")
@@ -197,6 +220,32 @@ class OnnxCaptioner(CaptionSearch):
         return self.decode_step(cross, max_new_tokens), cross[0].shape[0], "cpu"
 
 
+class OnnxCocaCaptioner(Embedder, OnnxCaptioner):
+    """An ONNX folder's head=coca model: ``OnnxCaptioner`` and, from ``image_embed.onnx`` and ``text_embed.onnx``,
+    the image and text embeddings ``CocaCaptioner`` gives (``onnx.json``'s ``embed``: their width and scale)."""
+
+    def __init__(
+        self,
+        encoder: Any,
+        step: Any,
+        image_embed: Any,
+        text_embed: Any,
+        decoder: Mapping[str, int],
+        embed: Mapping[str, Any],
+        other_ids: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__(encoder, step, decoder, other_ids)
+        self.image_session, self.text_session = image_embed, text_embed
+        self.embed_dim = embed["embed_dim"]
+        self.logit_scale = torch.tensor([float(embed["logit_scale"])])  # (1,), as the model's parameter
+
+    def embed_images(self, images: Tensor) -> Tensor:
+        return torch.from_numpy(self.image_session.run(None, {"images": _numpy(images)})[0])
+
+    def embed_texts(self, tokens: Tensor) -> Tensor:
+        return torch.from_numpy(self.text_session.run(None, {"tokens": tokens.cpu().numpy().astype(np.int64)})[0])
+
+
 class OnnxClassifier:
     """An ONNX folder's classifier: ``model(images)`` gives (B, num_classes) logits, as ``VisionTransformer``'s."""
 
@@ -212,7 +261,7 @@ class OnnxModel(LoadedModel):
     """An ONNX folder loaded for inference, on the CPU; ``config`` is its ``onnx.json``."""
 
     runtime: ClassVar[str] = "onnx"
-    model: OnnxCaptioner | OnnxClassifier
+    model: OnnxCaptioner | OnnxCocaCaptioner | OnnxClassifier
 
     @property
     def device(self) -> torch.device:
@@ -235,7 +284,8 @@ def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Onn
     options.intra_op_num_threads = torch.get_num_threads()  # as many threads as the PyTorch runtime
     options.inter_op_num_threads = 1
     sessions = []
-    for name in GRAPHS[task]:
+    names = graph_names(task, config["model"])
+    for name in names:
         path = graph_path(directory, config, name)
         try:
             sessions.append(ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]))
@@ -246,8 +296,11 @@ def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Onn
             ) from None
     if task == "classification":
         model = OnnxClassifier(sessions[0], len(class_names))
+    elif "image_embed" in names:
+        model = OnnxCocaCaptioner(*sessions, config["decoder"], config["embed"], vocab.other_special_ids)
     else:
         model = OnnxCaptioner(*sessions, config["decoder"], vocab.other_special_ids)
+    if task == "caption":
         check_tokenizer(vocab, model.vocab_size, model.special_ids[:4], directory)
     check_decoding(model, task, generate, where)
     return OnnxModel(model, task, config["preprocess"], config, vocab, class_names, dict(generate), config["precision"])

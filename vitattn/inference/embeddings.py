@@ -1,5 +1,6 @@
-"""Image and text embeddings of a ``head=coca`` model (a ``CocaCaptioner``), for zero-shot classification and
-retrieval: which loaded models have them, and texts tokenised for the text tower with every cut counted.
+"""Image and text embeddings of a ``head=coca`` model (an ``Embedder``: a ``CocaCaptioner`` or its ONNX folder), for
+zero-shot classification and retrieval: which loaded models have them, and texts tokenised for the text tower with
+every cut counted.
 
 Dimension letters: B images, N texts, T tokens, E embedding width; image sides are written out.
 """
@@ -15,7 +16,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from vitattn.bundle import LoadedModel
 from vitattn.data.tokenizer import Tokenizer
-from vitattn.models import CocaCaptioner
+from vitattn.models import Embedder
 from vitattn.precision import precision_autocast
 
 __all__ = ["embed_pixels", "embed_texts", "embedding_model", "encode_texts"]
@@ -23,21 +24,17 @@ __all__ = ["embed_pixels", "embed_texts", "embedding_model", "encode_texts"]
 log = logging.getLogger(__name__)
 
 
-def embedding_model(bundle: LoadedModel, what: str, where: str = "this") -> CocaCaptioner:
-    """The ``CocaCaptioner`` of ``bundle``, or a one-line ``ValueError`` saying why ``what`` (e.g. "zero-shot
-    classification") cannot run on it: a classifier, a ``head=caption`` captioner, an ONNX folder."""
+def embedding_model(bundle: LoadedModel, what: str, where: str = "this") -> Embedder:
+    """The ``Embedder`` of ``bundle`` (a ``head=coca`` model, PyTorch or ONNX), or a one-line ``ValueError`` saying
+    why ``what`` (e.g. "zero-shot classification") cannot run on it: a classifier, a ``head=caption`` captioner."""
     if bundle.task == "classification":
         raise ValueError(
             f"{where} is a classification model, which has no text embeddings; {what} needs a head=coca model"
         )
-    if bundle.runtime != "torch":
+    if not isinstance(bundle.model, Embedder):
+        folder = " (an ONNX folder of the captioner only)" if bundle.runtime != "torch" else ""
         raise ValueError(
-            f"{what} needs the PyTorch runtime, and {where} is an ONNX folder (it holds the captioner only); "
-            "load the bundle or run folder"
-        )
-    if not isinstance(bundle.model, CocaCaptioner):
-        raise ValueError(
-            f"{where} is a head=caption model without image and text embeddings; {what} needs a head=coca model"
+            f"{where} is a head=caption model{folder} without image and text embeddings; {what} needs a head=coca model"
         )
     return bundle.model
 
@@ -64,13 +61,13 @@ def encode_texts(vocab: Tokenizer, texts: Sequence[str], max_len: int) -> Tensor
 def embed_texts(bundle: LoadedModel, texts: Sequence[str], batch_size: int = 256) -> Tensor:
     """(N, E) unit-length embeddings of ``texts``, on the CPU in fp32 (``encode_texts`` warns of any cut)."""
     model = embedding_model(bundle, "embedding texts")
-    tokens = encode_texts(bundle.vocab, texts, model.decoder.max_len)  # (N, T)
+    tokens = encode_texts(bundle.vocab, texts, model.max_len)  # (N, T)
     with torch.inference_mode(), precision_autocast(bundle.precision, bundle.device):
         rows = [
             model.embed_texts(tokens[i : i + batch_size].to(bundle.device)).float().cpu()
             for i in range(0, len(tokens), batch_size)
         ]
-    return torch.cat(rows) if rows else torch.empty(0, model.image_proj.out_features)
+    return torch.cat(rows) if rows else torch.empty(0, model.embed_dim)
 
 
 def embed_pixels(bundle: LoadedModel, pixels: Tensor) -> Tensor:

@@ -22,7 +22,7 @@ from vitattn.bundle import LoadedModel
 from vitattn.errors import brief
 from vitattn.fileio import read_text
 from vitattn.inference.embeddings import embed_texts, embedding_model
-from vitattn.models import CocaCaptioner
+from vitattn.models import Embedder
 
 __all__ = [
     "DEFAULT_TEMPLATES",
@@ -94,10 +94,10 @@ def class_embeddings(bundle: LoadedModel, labels: Sequence[str], templates: Sequ
 
 
 class ZeroShotClassifier(nn.Module):
-    """A ``CocaCaptioner``'s image embedding against fixed class embeddings (K, E): (B, K) logits, the cosine
-    similarities times the model's learned scale (capped at 100, as in training)."""
+    """A ``head=coca`` model's (an ``Embedder``'s) image embedding against fixed class embeddings (K, E): (B, K)
+    logits, the cosine similarities times the model's learned scale (capped at 100, as in training)."""
 
-    def __init__(self, model: CocaCaptioner, classes: Tensor) -> None:
+    def __init__(self, model: Embedder, classes: Tensor) -> None:
         super().__init__()
         self.model = model
         self.register_buffer("classes", classes.to(model.logit_scale.device), persistent=False)
@@ -108,7 +108,7 @@ class ZeroShotClassifier(nn.Module):
         return self.logits(self.model, self.model.embed_images(images), self.classes.to(images.dtype))
 
     @staticmethod
-    def logits(model: CocaCaptioner, images: Tensor, classes: Tensor) -> Tensor:
+    def logits(model: Embedder, images: Tensor, classes: Tensor) -> Tensor:
         """(B, E) image embeddings, (K, E) class embeddings -> (B, K) cosines times ``model``'s scale."""
         scale = model.logit_scale.clamp(max=math.log(100.0)).exp().to(images.device)  # (1,)
         return scale * images @ classes.T  # (B, K)

@@ -2,7 +2,7 @@
 ``timm_weights``."""
 
 from vitattn.models.caption import CaptionDecoder, ImageCaptioner
-from vitattn.models.coca import CocaCaptioner, captioner_from_config
+from vitattn.models.coca import CocaCaptioner, Embedder, captioner_from_config
 from vitattn.models.vit import PRESETS, VisionTransformer, vit_preset
 
 TASKS = ("caption", "classification")  # what a vitattn model is trained for: a caption or a class per image
@@ -12,6 +12,7 @@ __all__ = [
     "TASKS",
     "CaptionDecoder",
     "CocaCaptioner",
+    "Embedder",
     "ImageCaptioner",
     "VisionTransformer",
     "captioner_from_config",

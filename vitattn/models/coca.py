@@ -17,9 +17,10 @@ from torch import Tensor, nn
 
 from vitattn.layers import EncoderLayer, check_heads
 from vitattn.models.caption import CaptionDecoder, ImageCaptioner, per_caption
+from vitattn.models.search import CaptionSearch
 from vitattn.models.vit import VisionTransformer, trunc_normal_
 
-__all__ = ["CONTRASTIVE_PARTS", "CocaCaptioner", "TextEncoder", "captioner_from_config"]
+__all__ = ["CONTRASTIVE_PARTS", "CocaCaptioner", "Embedder", "TextEncoder", "captioner_from_config"]
 
 # what a ``CocaCaptioner`` has beyond its ``ImageCaptioner``: the text tower, both projections, the logit scale and bias
 CONTRASTIVE_PARTS = ("image_proj", "logit_bias", "logit_scale", "text", "text_proj")
@@ -74,7 +75,48 @@ class TextEncoder(nn.Module):
         return self.norm(x[:, 0])  # (N, D)
 
 
-class CocaCaptioner(ImageCaptioner):
+class Embedder(CaptionSearch):
+    """A caption model that also embeds images and texts, L2-normalised, in one space of width ``embed_dim``; the
+    runtime gives ``embed_images``, ``embed_texts`` and ``logit_scale`` (the learned log temperature, (1,)), this
+    class what follows from them: ``choose``, which ``generate(rerank=N)`` needs."""
+
+    embeds = True
+    embed_dim: int
+    logit_scale: Tensor
+
+    def embed_images(self, images: Tensor) -> Tensor:
+        """(B, C, height, width) -> (B, E) unit-length image embeddings."""
+        raise NotImplementedError
+
+    def embed_texts(self, tokens: Tensor) -> Tensor:
+        """(N, T) token ids, ``<bos> ... <eos>`` right-padded -> (N, E) unit-length text embeddings."""
+        raise NotImplementedError
+
+    def choose(self, images: Tensor, candidates: Tensor) -> Tensor:
+        """(B, T') the caption of each image whose text embedding is nearest its image embedding (cosine), among
+        (B * N, T') ``generate``'s candidates (an image's N consecutive; no ``<bos>``, ``<pad>`` after ``<eos>``),
+        as LAION-COCO and BLIP's CapFilt choose. The images are encoded again, for their pooled embedding."""
+        B, T = images.shape[0], candidates.shape[1]
+        texts = self.embed_texts(self.caption_texts(candidates)).view(B, -1, self.embed_dim)
+        cosine = torch.einsum("be,bne->bn", self.embed_images(images), texts)  # (B, N): both unit-length
+        best = cosine.argmax(dim=1)  # (B,)
+        return candidates.view(B, -1, T)[torch.arange(B, device=best.device), best]  # (B, T')
+
+    def caption_texts(self, captions: Tensor) -> Tensor:
+        """(M, T') generated captions -> (M, <= max_len) ``embed_texts`` rows, the ids ``encode_texts`` makes of
+        their words: ``<bos>`` first, and a caption cut at the length limit ends in ``<eos>``, in its last word's
+        place when it would not fit."""
+        ids = self.special_ids
+        M = captions.shape[0]
+        bos = captions.new_full((M, 1), ids.bos_id)
+        rows = torch.cat([bos, captions, captions.new_full((M, 1), ids.pad_id)], dim=1)  # (M, 2 + T')
+        cut = ~(captions == ids.eos_id).any(dim=1)  # (M,)
+        at = ((captions != ids.pad_id).sum(dim=1) + 1).clamp(max=self.max_len - 1)  # (M,) where its <eos> goes
+        rows[cut.nonzero()[:, 0], at[cut]] = ids.eos_id
+        return rows[:, : self.max_len]
+
+
+class CocaCaptioner(Embedder, ImageCaptioner):
     """An ``ImageCaptioner`` that also embeds images and texts, L2-normalised, in one space of width E.
 
     Args:
@@ -85,8 +127,6 @@ class CocaCaptioner(ImageCaptioner):
         init_logit_scale: the start of the learned log temperature (CLIP's log(1/0.07), SigLIP's log 10).
         init_logit_bias: the start of SigLIP's learned logit bias; None: no bias (CLIP).
     """
-
-    embeds = True  # ``generate(rerank=N)`` chooses among N captions with ``choose``
 
     def __init__(
         self,
@@ -122,6 +162,7 @@ class CocaCaptioner(ImageCaptioner):
             layer_norm_eps=dec["layer_norm_eps"],
             fused_attn=dec["fused_attn"],
         )
+        self.embed_dim = embed_dim
         self.image_proj = nn.Linear(encoder.embed_dim, embed_dim, bias=False)
         self.text_proj = nn.Linear(width, embed_dim, bias=False)
         # (1,), not scalars: FSDP shards no scalar parameter
@@ -147,29 +188,6 @@ class CocaCaptioner(ImageCaptioner):
         """(N, T) token ids, ``<bos> ... <eos>`` right-padded -> (N, E) unit-length text embeddings."""
         x = self.decoder.token_embed(tokens)  # (N, T, D): the decoder's embedding, shared
         return F.normalize(self.text_proj(self.text(x, tokens == self.decoder.pad_id)), dim=-1)
-
-    def choose(self, images: Tensor, candidates: Tensor) -> Tensor:
-        """(B, T') the caption of each image whose text embedding is nearest its image embedding (cosine), among
-        (B * N, T') ``generate``'s candidates (an image's N consecutive; no ``<bos>``, ``<pad>`` after ``<eos>``),
-        as LAION-COCO and BLIP's CapFilt choose. The images are encoded again, for their pooled embedding."""
-        B, T = images.shape[0], candidates.shape[1]
-        texts = self.embed_texts(self.caption_texts(candidates)).view(B, -1, self.image_proj.out_features)
-        cosine = torch.einsum("be,bne->bn", self.embed_images(images), texts)  # (B, N): both unit-length
-        best = cosine.argmax(dim=1)  # (B,)
-        return candidates.view(B, -1, T)[torch.arange(B, device=best.device), best]  # (B, T')
-
-    def caption_texts(self, captions: Tensor) -> Tensor:
-        """(M, T') generated captions -> (M, <= max_len) ``embed_texts`` rows, the ids ``encode_texts`` makes of
-        their words: ``<bos>`` first, and a caption cut at the length limit ends in ``<eos>``, in its last word's
-        place when it would not fit."""
-        dec = self.decoder
-        M = captions.shape[0]
-        bos = captions.new_full((M, 1), dec.bos_id)
-        rows = torch.cat([bos, captions, captions.new_full((M, 1), dec.pad_id)], dim=1)  # (M, 2 + T')
-        cut = ~(captions == dec.eos_id).any(dim=1)  # (M,)
-        at = ((captions != dec.pad_id).sum(dim=1) + 1).clamp(max=dec.max_len - 1)  # (M,) where its <eos> goes
-        rows[cut.nonzero()[:, 0], at[cut]] = dec.eos_id
-        return rows[:, : dec.max_len]
 
     def forward_coca(
         self, images: Tensor, tokens: Tensor, texts: Tensor, caption_image: Tensor | None = None

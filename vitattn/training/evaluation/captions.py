@@ -231,7 +231,7 @@ def evaluate_retrieval(
     similarity = torch.cat(image_rows) @ embed_texts(bundle, texts).T  # (B, N)
     metrics = retrieval_metrics(similarity, text_image)
     metrics.update(num_images=len(captions), num_texts=len(texts))
-    cut = sum(len(bundle.vocab.encode(text)) > model.decoder.max_len for text in texts)
+    cut = sum(len(bundle.vocab.encode(text)) > model.max_len for text in texts)
     if cut:
         metrics["num_texts_cut"] = cut
     if failed:

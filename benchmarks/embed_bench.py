@@ -1,0 +1,110 @@
+"""Image and text embeddings of the default ``head=coca`` model (``model=cpu``, random weights) on the CPU: PyTorch
+eager fp32 and bf16 (autocast, ``precision=bf16``) and ONNX Runtime fp32 and int8, in one process, at one thread
+count; and each runtime's embeddings against eager fp32's.
+
+    python -m benchmarks.embed_bench [--threads 1] [--repeats 3] [--images 64] [--out FILE.json]
+
+The model is ``head=coca``'s defaults over ``model=cpu``: a 64 px ViT of width 128, 4 layers, 8 px patches; a
+2-layer decoder and 2-layer text tower of width 128, 4 heads, ``max_len`` 24; embeddings of width 128. Work: one
+batch of ``--images`` random images and one of as many texts (8 to 24 tokens), through
+``vitattn.inference.embeddings`` (what zero-shot, retrieval and ``/embed`` call). Runtimes are timed in turn within
+each repeat; a row is the median over the repeats of the wall time and of this process's CPU time (steadier on a
+shared machine), and a ratio is eager fp32's over the runtime's (above 1: faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.timing import wall_and_cpu
+from vitattn.bundle import load_bundle, load_model, save_bundle
+from vitattn.bundle.onnx_export import export_onnx
+from vitattn.data.preprocess import default_preprocess
+from vitattn.data.tokenizer import Vocabulary
+from vitattn.inference.embeddings import embed_pixels, embed_texts
+from vitattn.models import CaptionDecoder, CocaCaptioner, vit_preset
+
+RUNTIMES = ("eager", "eager-bf16", "onnx-fp32", "onnx-int8")
+IMG_SIZE, WIDTH, HEADS, MAX_LEN, VOCAB = 64, 128, 4, 24, 1000
+
+
+WORDS = [f"w{i}" for i in range(VOCAB - 4)]
+
+
+def _coca() -> tuple[CocaCaptioner, Vocabulary]:
+    torch.manual_seed(0)
+    vocab = Vocabulary(WORDS)
+    encoder = vit_preset("cpu", img_size=IMG_SIZE)
+    decoder = CaptionDecoder(len(vocab), WIDTH, depth=2, num_heads=HEADS, mlp_ratio=2.0, max_len=MAX_LEN)
+    model = CocaCaptioner(encoder, decoder, embed_dim=WIDTH, text_depth=2, text_num_heads=HEADS, text_mlp_ratio=2.0)
+    return model.eval(), vocab
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--images", type=int, default=64, help="images (and texts) per batch")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)  # ONNX Runtime sessions take torch's thread count when loaded
+    model, vocab = _coca()
+    pick = random.Random(0)
+    texts = [" ".join(pick.choices(WORDS, k=pick.randint(6, MAX_LEN - 2))) for _ in range(args.images)]
+    pixels = torch.randn(args.images, 3, IMG_SIZE, IMG_SIZE, generator=torch.Generator().manual_seed(0))
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle_dir = save_bundle(
+            Path(tmp) / "coca", model, task="caption", preprocess=default_preprocess(IMG_SIZE), vocab=vocab
+        )
+        loaded = {
+            "eager": load_model(bundle_dir, precision="fp32"),
+            "eager-bf16": load_model(bundle_dir, precision="bf16"),
+        }
+        for runtime, quantize in (("onnx-fp32", None), ("onnx-int8", "int8")):
+            loaded[runtime] = load_model(export_onnx(load_bundle(bundle_dir), Path(tmp) / runtime, quantize=quantize))
+        work = {"images": lambda b: embed_pixels(b, pixels), "texts": lambda b: embed_texts(b, texts)}
+        rows = []
+        for what, run in work.items():
+            outputs = {r: run(b) for r, b in loaded.items()}  # warm-up; the outputs compared
+            times = {r: [] for r in loaded}
+            for _ in range(args.repeats):
+                for r, b in loaded.items():
+                    times[r].append(wall_and_cpu(run, b))
+            wall = {r: statistics.median(t[0] for t in times[r]) for r in loaded}
+            cpu = {r: statistics.median(t[1] for t in times[r]) for r in loaded}
+            for r in loaded:
+                cosine = (outputs[r] * outputs["eager"]).sum(-1)  # (B,): unit-length rows
+                rows.append(
+                    dict(
+                        work=what,
+                        runtime=r,
+                        seconds=wall[r],
+                        per_second=args.images / wall[r],
+                        vs_eager=wall["eager"] / wall[r],
+                        cpu_seconds=cpu[r],
+                        cpu_vs_eager=cpu["eager"] / cpu[r],
+                        max_abs_diff=(outputs[r] - outputs["eager"]).abs().max().item(),
+                        min_cosine=cosine.min().item(),
+                    )
+                )
+    print(f"threads={args.threads}, {args.images} {'/'.join(work)} a batch, median of {args.repeats}")
+    print("| work | runtime | wall s | per s (wall) | vs eager | CPU s | vs eager (CPU) | max abs diff | min cosine |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['work']} | {r['runtime']} | {r['seconds']:.3f} | {r['per_second']:,.0f} | {r['vs_eager']:.2f}x "
+            f"| {r['cpu_seconds']:.3f} | {r['cpu_vs_eager']:.2f}x | {r['max_abs_diff']:.1e} | {r['min_cosine']:.5f} |"
+        )
+    if args.out is not None:
+        args.out.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
