@@ -8,7 +8,7 @@ import tarfile
 import pytest
 
 from vitattn.data.shards import read_shard
-from vitattn.data.shards.reading import BLOCK, is_plain_tar, tar_files
+from vitattn.data.shards.reading import BLOCK, is_plain_tar, tar_members
 
 LONG = "a-directory-with-a-long-name/" * 5 + "sample-0001.jpg"  # over 100 characters: prefix, GNU L or pax path
 NAMES = ["k0.jpg", "k0.txt", "k0.json", "ключ-1.jpg", "ключ-1.txt", LONG, "sub/dir/k2.cls", "empty.txt"]
@@ -48,7 +48,7 @@ def test_the_files_names_and_bytes_are_tarfiles(fmt):
     expected = _with_tarfile(data)
     assert LONG in [name for name, _ in expected] and len(expected) >= 6
     assert is_plain_tar(io.BytesIO(data))
-    assert list(tar_files(io.BytesIO(data))) == expected
+    assert [(name, member) for _, name, member in tar_members(io.BytesIO(data))] == expected
 
 
 def test_a_tar_that_ends_inside_a_member_is_refused_as_tarfile_refuses_it():
@@ -57,7 +57,7 @@ def test_a_tar_that_ends_inside_a_member_is_refused_as_tarfile_refuses_it():
         member = max(tar.getmembers(), key=lambda m: m.size)
     cut = data[: member.offset_data + member.size // 2]
     with pytest.raises(tarfile.ReadError, match="unexpected end of data"):
-        list(tar_files(io.BytesIO(cut)))
+        list(tar_members(io.BytesIO(cut)))
     with pytest.raises(tarfile.ReadError):
         _with_tarfile(cut)
 
@@ -67,7 +67,7 @@ def test_a_damaged_header_fails_its_checksum():
     second = BLOCK + -(-len(b"k0.jpg") // BLOCK) * BLOCK  # the second member's header
     data[second + 5] ^= 0x55
     with pytest.raises(tarfile.ReadError, match="bad checksum"):
-        list(tar_files(io.BytesIO(bytes(data))))
+        list(tar_members(io.BytesIO(bytes(data))))
 
 
 def test_compressed_or_foreign_files_are_not_plain_tars():

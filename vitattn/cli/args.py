@@ -8,7 +8,7 @@ import logging
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -18,7 +18,7 @@ from vitattn.cli.errors import USER_ERRORS, quiet_upstream, report_user_error
 from vitattn.errors import brief, first_line
 from vitattn.precision import check_precision
 
-__all__ = ["UsageError", "parse_key_values", "resolve_device", "run_main"]
+__all__ = ["DecodingArgs", "UsageError", "parse_key_values", "resolve_device", "run_main"]
 
 
 # Counts that the entry points share, and their least values.
@@ -27,6 +27,20 @@ _COUNTS = {"batch_size": 1, "num_workers": 0, "num_threads": 1}
 
 class UsageError(ValueError):
     """A bad command line."""
+
+
+@dataclass
+class DecodingArgs:
+    """The decoding arguments (``SEARCH_KEYS``) of the entry points that caption; None: the bundle's default."""
+
+    num_beams: int | None = None
+    max_new_tokens: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None  # Hugging Face's: true, false or never
+    min_new_tokens: int | None = None  # Hugging Face's decoding controls
+    no_repeat_ngram_size: int | None = None
+    repetition_penalty: float | None = None
+    rerank: int | None = None  # N > 1: of N captions, the one nearest the image (head=coca)
 
 
 def parse_key_values(argv: Sequence[str], schema: type, prog: str) -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from vitattn.cli.args import UsageError, parse_key_values, resolve_device, run_main
+from vitattn.cli.args import DecodingArgs, UsageError, parse_key_values, resolve_device, run_main
 from vitattn.cli.errors import USER_ERRORS
 
 __all__ = ["CaptionConfig", "UsageError", "main", "parse_args", "run"]
@@ -30,8 +30,8 @@ log = logging.getLogger("vitattn")
 
 
 @dataclass
-class CaptionConfig:
-    """``vitattn-caption`` arguments; decoding ones left None take the bundle's defaults."""
+class CaptionConfig(DecodingArgs):
+    """``vitattn-caption`` arguments; decoding ones (``DecodingArgs``) left None take the bundle's defaults."""
 
     model: str = MISSING
     images: str | None = None
@@ -41,14 +41,6 @@ class CaptionConfig:
     format: str = "jsonl"
     batch_size: int = 32
     num_workers: int = 2
-    num_beams: int | None = None
-    max_new_tokens: int | None = None
-    length_penalty: float | None = None
-    early_stopping: bool | str | None = None  # Hugging Face's: true, false or never
-    min_new_tokens: int | None = None  # Hugging Face's decoding controls
-    no_repeat_ngram_size: int | None = None
-    repetition_penalty: float | None = None
-    rerank: int | None = None  # N > 1: of N captions, the one nearest the image (head=coca)
     do_sample: bool | None = None
     temperature: float | None = None
     top_k: int | None = None

@@ -24,7 +24,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from vitattn.cli.args import UsageError, parse_key_values, resolve_device, run_main
+from vitattn.cli.args import DecodingArgs, UsageError, parse_key_values, resolve_device, run_main
 from vitattn.metrics import SCORERS
 from vitattn.metrics.toolkit import check_toolkit
 from vitattn.run_dir import RunDir
@@ -35,8 +35,8 @@ TASKS = ("caption", "classification", "zero_shot", "retrieval")
 
 
 @dataclass
-class EvalConfig:
-    """``vitattn-eval`` arguments; decoding ones left None take the bundle's defaults."""
+class EvalConfig(DecodingArgs):
+    """``vitattn-eval`` arguments; decoding ones (``DecodingArgs``) left None take the bundle's defaults."""
 
     model: str = MISSING
     split: str = "val"
@@ -44,14 +44,6 @@ class EvalConfig:
     references: str | None = None
     image_dir: str | None = None
     data_root: str | None = None
-    num_beams: int | None = None
-    max_new_tokens: int | None = None
-    length_penalty: float | None = None
-    early_stopping: bool | str | None = None  # Hugging Face's: true, false or never
-    min_new_tokens: int | None = None  # Hugging Face's decoding controls
-    no_repeat_ngram_size: int | None = None
-    repetition_penalty: float | None = None
-    rerank: int | None = None  # N > 1: of N captions, the one nearest the image (head=coca)
     batch_size: int = 32
     num_workers: int = 2
     out: str | None = None

@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from vitattn.cli.args import UsageError, parse_key_values, run_main
+from vitattn.cli.args import DecodingArgs, UsageError, parse_key_values, run_main
 
 __all__ = ["ServeConfig", "main", "parse_args", "run"]
 
@@ -31,8 +31,8 @@ HOSTS = ("127.0.0.1", "0.0.0.0", "::")
 
 
 @dataclass
-class ServeConfig:
-    """``vitattn-serve`` arguments; decoding ones left None take the bundle's defaults."""
+class ServeConfig(DecodingArgs):
+    """``vitattn-serve`` arguments; decoding ones (``DecodingArgs``) left None take the bundle's defaults."""
 
     model: str = MISSING
     port: int = 8000
@@ -44,14 +44,6 @@ class ServeConfig:
     batch_timeout: float = 0.05
     max_image_bytes: int = 20_000_000
     timeout: float = 60.0
-    num_beams: int | None = None
-    max_new_tokens: int | None = None
-    length_penalty: float | None = None
-    early_stopping: bool | str | None = None  # Hugging Face's: true, false or never
-    min_new_tokens: int | None = None  # Hugging Face's decoding controls
-    no_repeat_ngram_size: int | None = None
-    repetition_penalty: float | None = None
-    rerank: int | None = None  # N > 1: of N captions, the one nearest the image (head=coca)
     num_threads: int | None = None
     precision: str = "auto"  # auto, fp32 or bf16 (vitattn.precision)
 

@@ -82,9 +82,9 @@ class _TaskModel:
     task = ""
     other = ""  # the class that loads the other task
 
-    def __init__(self, bundle: LoadedModel) -> None:
+    def __init__(self, bundle: LoadedModel, where: str = "this") -> None:
         if bundle.task != self.task:
-            raise ValueError(f"this is a {bundle.task} model; load it with {self.other}.load")
+            raise ValueError(f"{where} is a {bundle.task} model; load it with {self.other}.load")
         self.bundle, self.transform = bundle, bundle.transform
         self.model, self.runtime = bundle.model, bundle.runtime  # a PyTorch module on torch, an ONNX folder's on onnx
         self.device, self.precision = bundle.device, bundle.precision  # fp32 or bf16 (torch), fp32 or int8 (onnx)
@@ -93,10 +93,7 @@ class _TaskModel:
     @classmethod
     def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu", precision: str = "auto") -> Any:
         """The model at ``path``, as ``load_model`` loads it (``precision``: ``auto``, ``fp32`` or ``bf16``)."""
-        bundle = load_model(path, device, precision)
-        if bundle.task != cls.task:
-            raise ValueError(f"{path} is a {bundle.task} model; load it with {cls.other}.load")
-        return cls(bundle)
+        return cls(load_model(path, device, precision), where=str(path))
 
 
 class Captioner(_TaskModel):

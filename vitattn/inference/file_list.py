@@ -72,7 +72,7 @@ def list_inputs(
     file's folder, the current one). COCO files keep their order and ids; the rest is sorted, numbered from 0.
     """
     if not isinstance(images, (str, os.PathLike)):
-        return _numbered([str(p) for p in images], sort=False)
+        return InputList(list(dict.fromkeys(str(p) for p in images)))  # each once, in order
     spec = str(images)
     path, shown = Path(spec), printable(spec)
     if path.is_dir():
@@ -88,21 +88,14 @@ def list_inputs(
         if suffix == ".json":
             return _coco_inputs(path, image_dir)
         if suffix in IMAGE_EXTENSIONS:
-            return _numbered([spec], sort=False)
-        return _numbered(_text_list(path, image_dir), sort=True)
+            return InputList([spec])
+        return InputList(sorted(set(_text_list(path, image_dir))))
     if set("*?[") & set(spec):  # a glob
         found = glob.glob(spec, recursive=True)
         if not found:
             raise ValueError(f"images={shown}: the glob matches no files")
-        return _numbered(found, sort=True)
+        return InputList(sorted(set(found)))
     raise FileNotFoundError(f"images={shown}: no such folder, file or glob")
-
-
-def _numbered(paths: Sequence[str], sort: bool) -> InputList:
-    unique = list(dict.fromkeys(paths))
-    if sort:
-        unique.sort()
-    return InputList(unique)
 
 
 def _walk_images(root: Path, shown: str) -> list[str]:

@@ -47,7 +47,6 @@ __all__ = [
     "read_shard",
     "ShardError",
     "ShortShard",
-    "tar_files",
     "tar_members",
 ]
 
@@ -89,7 +88,7 @@ def _size(field: bytes) -> int | None:
 
 
 def is_plain_tar(stream: BinaryIO) -> bool:
-    """Whether ``stream`` (a seekable file, left at its start) begins with a header ``tar_files`` reads."""
+    """Whether ``stream`` (a seekable file, left at its start) begins with a header ``tar_members`` reads."""
     header = stream.read(BLOCK)
     stream.seek(0)
     if len(header) < BLOCK:
@@ -116,22 +115,16 @@ def _pax_path(data: bytes) -> str | None:
     return path
 
 
-def tar_files(stream: BinaryIO, wants: Callable[[str], bool] | None = None) -> Iterator[tuple[str, bytes | None]]:
-    """``(name, data)`` of each regular file of an uncompressed, seekable tar, in order; a name ``wants``
-    refuses comes with data None (its bytes passed over by seeking).
+def tar_members(
+    stream: BinaryIO, wants: Callable[[str], bool] | None = None, stop: int | None = None
+) -> Iterator[tuple[int, str, bytes | None]]:
+    """``(start, name, data)`` of each regular file of an uncompressed, seekable tar, in order, from the stream's
+    position to ``stop``; ``start`` is the file's first header (a long-name or pax header before it included), and
+    a name ``wants`` refuses comes with data None (its bytes passed over by seeking).
 
     Raises:
         tarfile.ReadError: a bad checksum, an unknown header kind, data that ends inside a member.
     """
-    for _, name, data in tar_members(stream, wants):
-        yield name, data
-
-
-def tar_members(
-    stream: BinaryIO, wants: Callable[[str], bool] | None = None, stop: int | None = None
-) -> Iterator[tuple[int, str, bytes | None]]:
-    """``(start, name, data)`` as ``tar_files`` gives them, from the stream's position to ``stop``; ``start`` is
-    the file's first header (a long-name or pax header before it included)."""
     pos = stream.tell()
     end = stream.seek(0, io.SEEK_END)  # a member passed over must still end inside the file
     stream.seek(pos)
@@ -405,7 +398,7 @@ def _walked(
     """``(offset, sample)`` from the shard's start; the members of samples not ``wanted`` hold None."""
     if local_path(url) is not None and is_plain_tar(stream):  # the common case, without tarfile's cost
         wants = _MemberFilter(extensions, wanted)
-        files = ({"fname": name, "data": data, "__url__": url} for name, data in tar_files(stream, wants))
+        files = ({"fname": name, "data": data, "__url__": url} for _, name, data in tar_members(stream, wants))
     else:
         files = tar_file_expander([{"url": url, "stream": stream}], eof_value=None)
     yield from enumerate(group_by_keys(files, suffixes=extensions))
