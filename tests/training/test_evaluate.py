@@ -424,3 +424,27 @@ def _declared_console_scripts() -> list[str]:
 @pytest.mark.parametrize("script", _declared_console_scripts())
 def test_every_declared_console_script_is_in_the_venv(script):
     assert console_script(script).is_file()  # a missing one fails here, naming it, rather than skipping a test
+
+
+def test_more_than_20_classes_print_the_20_weakest_and_write_every_row(tmp_path):
+    from vitattn.training.evaluation import EvalReport, format_report, write_report
+
+    generator = torch.Generator().manual_seed(0)
+    confusion = torch.randint(0, 6, (25, 25), generator=generator)  # rows true, columns predicted; not symmetric
+    confusion[3] = 0  # a class without images: no accuracy, and never among the weakest
+    names = [f"class {i:02d}" for i in range(25)]
+    top1 = float(confusion.diagonal().sum() / confusion.sum())
+    report = EvalReport("classification", "test", "folder", {"top1": top1, "num_images": int(confusion.sum())})
+    report.confusion, report.class_names = confusion, names
+    write_report(report, tmp_path, model="m")
+    table = json.loads((tmp_path / "confusion_matrix.json").read_text())["per_class"]
+    by_hand = [
+        (n, int(row.sum()), int(row[i]) / int(row.sum()) if row.sum() else None)
+        for i, (n, row) in enumerate(zip(names, confusion))
+    ]
+    assert [(r["class"], r["images"]) for r in table] == [(n, k) for n, k, _ in by_hand]
+    assert [r["accuracy"] for r in table] == [pytest.approx(a) if a is not None else None for _, _, a in by_hand]
+    printed = format_report(report).split("per class: accuracy (images)")[1].splitlines()
+    assert printed[0] == ", the 20 weakest of 25 (all in confusion_matrix.json)"
+    weakest = sorted((r for r in by_hand if r[2] is not None), key=lambda r: r[2])[:20]
+    assert printed[1:] == [f"    {n:<26} {a:>8.4f}  ({k})" for n, k, a in weakest]
