@@ -88,3 +88,30 @@ def test_vitattn_caption_takes_a_hub_name_offline(tmp_path, hub_cache, hub_offli
         captions[model] = [json.loads(line)["caption"] for line in out.read_text().splitlines()]
     assert len(captions["hf-hub:org/tiny"]) == len(IMAGES)
     assert captions["hf-hub:org/tiny"] == captions[str(local)]
+
+
+def test_vitattn_eval_takes_a_hub_name_offline(tmp_path, hub_cache, hub_offline, no_network):
+    import json
+
+    from tests.helpers import make_coco
+    from vitattn.cli.evaluate import main as eval_main
+
+    local = make_caption_bundle(tmp_path / "bundle")
+    put_in_hub_cache(hub_cache, "org/tiny", local)
+    coco = make_coco(tmp_path / "coco")
+    data = [
+        f"references={coco['val_annotations']}",
+        f"image_dir={coco['image_dir']}",
+        "num_workers=0",
+        "progress=false",
+    ]
+    scored = {}
+    for model in (str(local), "hf-hub:org/tiny"):
+        out = tmp_path / f"eval{len(scored)}"
+        assert eval_main([f"model={model}", *data, f"out={out}"]) == 0
+        scored[model] = json.loads((out / "metrics.json").read_text())
+    assert scored["hf-hub:org/tiny"]["metrics"] == scored[str(local)]["metrics"]
+    assert (
+        scored["hf-hub:org/tiny"]["metrics"]["num_images"] == 6
+        and scored["hf-hub:org/tiny"]["model"] == "hf-hub:org/tiny"
+    )

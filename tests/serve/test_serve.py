@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tests.helpers import distinct, make_caption_bundle, write_bad_images, write_good_images
+from tests.helpers import distinct, make_caption_bundle, put_in_hub_cache, write_bad_images, write_good_images
 from vitattn.cli.serve import main, parse_args
 from vitattn.inference import caption_images
 
@@ -126,6 +126,16 @@ def test_predict_mixed_batch_matches_vitattn_caption(api, images, expected):
     assert Image.open(io.BytesIO(png)).format == "PNG"
     single = api.predict(api.decode_request(_form(images / "rgb.jpg")))  # max_batch_size=1: one request, no list
     assert single["caption"] == expected["rgb.jpg"]["caption"]
+
+
+def test_the_server_takes_a_hub_name_offline(bundle_dir, images, expected, hub_cache, hub_offline, no_network):
+    put_in_hub_cache(hub_cache, "org/tiny", bundle_dir)
+    api = CaptionAPI("hf-hub:org/tiny", max_image_bytes=100_000, max_batch_size=4)
+    api.setup("cpu")  # what each inference worker of vitattn-serve model=hf-hub:org/tiny does
+    names = ["rgb.jpg", "gray.png", "cmyk.jpg"]
+    outputs = api.unbatch(api.predict(api.batch([api.decode_request(_form(images / n)) for n in names])))
+    distinct([expected[n]["caption"] for n in names])  # a swap in the batch would show
+    assert [out["caption"] for out in outputs] == [expected[n]["caption"] for n in names]
 
 
 def test_the_servers_decoding_controls_caption_as_vitattn_caption_does(bundle_dir, images):
