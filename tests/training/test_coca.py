@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, make_coco, make_karpathy
+from tests.helpers import TINY, TINY_SHAPES, compose_train, make_coco, make_image_folder, make_karpathy
 from vitattn.bundle import load_bundle, load_checkpoint
 from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.data.tokenizer import Vocabulary
@@ -197,8 +197,9 @@ def test_a_text_embedding_ignores_the_padding():
         (
             "head.monitor=val/i2t_r5",
             "head.monitor=val/i2t_r5 head.monitor_mode=max: head=coca picks its best checkpoint by one of "
-            "val/cider_d, val/i2t_r1, val/t2i_r1, with head.monitor_mode=max",
+            "val/cider_d, val/i2t_r1, val/t2i_r1, val/zero_shot_top1, with head.monitor_mode=max",
         ),
+        ("head.monitor=val/zero_shot_top1", "head.monitor=val/zero_shot_top1 needs head.zero_shot.data_root=DIR"),
     ],
 )
 def test_a_bad_coca_setting_is_refused_in_one_line(override, message, tmp_path):
@@ -230,18 +231,27 @@ def test_a_coca_run_logs_both_terms_and_its_bundle_captions_and_embeds(loss, tmp
     torch.testing.assert_close(texts.norm(dim=-1), torch.ones(2))
 
 
-@pytest.mark.parametrize("monitor, best", [("val/i2t_r1", 1), ("val/t2i_r1", 2), ("val/cider_d", None)])
+@pytest.mark.parametrize(
+    "monitor, best", [("val/i2t_r1", 1), ("val/t2i_r1", 2), ("val/zero_shot_top1", 0), ("val/cider_d", None)]
+)
 def test_the_best_checkpoint_is_the_one_with_the_best_value_of_head_monitor(monitor, best, tmp_path, monkeypatch):
-    """Three validations whose retrieval recalls are set to differ from each other and from CIDEr-D: the best
-    checkpoint kept is the step where the chosen monitor peaked."""
+    """Three validations whose retrieval recalls and zero-shot accuracies are set to differ from each other and
+    from CIDEr-D: the best checkpoint kept is the step where the chosen monitor peaked."""
     recalls = iter([(0.1, 0.5), (0.9, 0.2), (0.3, 0.8)])  # (i2t_r1, t2i_r1) of validations 1, 2, 3
+    accuracies = iter([0.7, 0.4, 0.6])  # zero_shot_top1 of validations 1, 2, 3
 
     def compute(self):
         i2t, t2i = next(recalls)
         return {"i2t_r1": i2t, "t2i_r1": t2i}
 
+    def zero_shot_accuracy(self):
+        return {"zero_shot_top1": torch.tensor(next(accuracies))}
+
     monkeypatch.setattr(RetrievalMetrics, "compute", compute)
+    monkeypatch.setattr(CocaSystem, "_zero_shot_accuracy", zero_shot_accuracy)
+    folder = make_image_folder(tmp_path / "folder", classes=("red", "blue"), per_class=1, size=8)
     overrides = ["head=coca", "trainer.precision=32-true", *TINY, *TINY_SHAPES, f"head.monitor={monitor}"]
+    overrides += [f"head.zero_shot.data_root={folder}"]
     overrides += ["trainer.max_steps=6", "trainer.max_epochs=-1", "trainer.val_check_interval=2"]
     overrides += ["trainer.check_val_every_n_epoch=null", "trainer.num_sanity_val_steps=0", "test=false"]
     result = train(compose_train(overrides, tmp_path))
@@ -290,3 +300,94 @@ def test_coca_trains_on_the_caption_data_paths_with_ema_and_bf16(data, extra, tm
         terms = [float(row[f"train/{k}"]) for k in ("loss", "contrastive_loss", "caption_loss")]
         assert all(math.isfinite(t) and t > 0 for t in terms)
         assert terms[0] == pytest.approx(terms[1] + 2.0 * terms[2], rel=1e-3)
+
+
+ZERO_SHOT_CLASSES = ("red circle", "blue square", "green triangle", "small red square", "large blue circle", "green")
+
+
+@pytest.fixture(scope="module")
+def zero_shot_run(tmp_path_factory):
+    """A head=coca run validated at its last step with zero-shot classification of a six-class folder."""
+    root = tmp_path_factory.mktemp("zero_shot")
+    folder = make_image_folder(root / "folder", classes=ZERO_SHOT_CLASSES, per_class=4, size=36)
+    overrides = ["head=coca", "trainer.precision=32-true", *TINY, *TINY_SHAPES, f"head.zero_shot.data_root={folder}"]
+    overrides += ["trainer.max_steps=3", "trainer.max_epochs=-1", "trainer.val_check_interval=3"]
+    overrides += ["trainer.check_val_every_n_epoch=null", "trainer.num_sanity_val_steps=0", "test=false"]
+    result = train(compose_train(overrides, root / "run"))
+    return folder, root / "run", result
+
+
+def test_zero_shot_at_validation_is_what_vitattn_eval_gives_for_those_weights(zero_shot_run):
+    from vitattn.training.evaluation import evaluate_zero_shot
+
+    folder, run, result = zero_shot_run
+    logged = {k: float(v) for k, v in result.system.trainer.callback_metrics.items()}
+    report = evaluate_zero_shot(load_checkpoint(run / "checkpoints" / "last.ckpt", "cpu"), data_root=folder)
+    assert report.metrics["num_images"] == 24 and report.class_names == sorted(ZERO_SHOT_CLASSES)
+    assert logged["val/zero_shot_top1"] == pytest.approx(report.metrics["top1"], abs=1e-6)
+    assert logged["val/zero_shot_top5"] == pytest.approx(report.metrics["top5"], abs=1e-6)
+    assert 0 < report.metrics["top5"] < 1  # six classes: top-5 can miss, so a top-k mix-up would show
+
+
+def test_zero_shot_ranks_count_each_image_once_and_sum_as_one_process(zero_shot_run):
+    """Each rank's counts (top-1 hits, top-5 hits, images) over its share, summed as the strategy sums them,
+    equal one process's over the whole folder."""
+    from types import SimpleNamespace
+
+    system = zero_shot_run[2].system.eval()
+    counts = {}
+    for world in (1, 2, 3):
+        for rank in range(world):
+            key = (world, rank)
+            strategy = SimpleNamespace(reduce=lambda t, reduce_op, key=key: counts.setdefault(key, t.clone()))
+            system._trainer = SimpleNamespace(world_size=world, global_rank=rank, strategy=strategy)
+            system._zero_shot_accuracy()
+    single = counts[(1, 0)]
+    assert single[2] == 24 and single[1] >= single[0]
+    for world in (2, 3):
+        torch.testing.assert_close(sum(counts[(world, r)] for r in range(world)), single)
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("head.zero_shot.data_root=MISSING", "head.zero_shot.data_root=MISSING: image folder not found: MISSING/val"),
+        ("head.zero_shot.templates=a photo", "template 'a photo' has no {}"),
+    ],
+)
+def test_a_bad_zero_shot_folder_or_template_is_one_line_before_training(setting, message, tmp_path):
+    folder = make_image_folder(tmp_path / "folder", classes=("red", "blue"), per_class=1, size=8)
+    missing = str(tmp_path / "absent")
+    setting, message = setting.replace("MISSING", missing), message.replace("MISSING", missing)
+    overrides = ["head=coca", "trainer.precision=32-true", *TINY, *TINY_SHAPES, f"head.zero_shot.data_root={folder}"]
+    with pytest.raises(ConfigError) as error:
+        train(compose_train([*overrides, setting], tmp_path / "run"))
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_zero_shot_under_ddp_is_what_one_process_gives_for_the_same_weights(tmp_path):
+    """Two gloo processes, each classifying half of a 24-image folder: the logged accuracy is that of the whole."""
+    import os
+    import subprocess
+    import sys
+
+    from vitattn.training.evaluation import evaluate_zero_shot
+
+    folder = make_image_folder(tmp_path / "folder", classes=ZERO_SHOT_CLASSES, per_class=4, size=36)
+    run = tmp_path / "run"
+    args = ["head=coca", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
+    args += [*TINY, *TINY_SHAPES, f"head.zero_shot.data_root={folder}", "trainer.max_steps=3", "trainer.max_epochs=-1"]
+    args += ["trainer.val_check_interval=3", "trainer.check_val_every_n_epoch=null", "trainer.num_sanity_val_steps=0"]
+    args += ["test=false", "export_bundle=false", "logger=csv", f"hydra.run.dir={run}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "vitattn.cli.train", *args], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(run / "csv" / "metrics.csv", newline="") as f:
+        (row,) = [row for row in csv.DictReader(f) if row.get("val/zero_shot_top1")]
+    report = evaluate_zero_shot(load_checkpoint(run / "checkpoints" / "last.ckpt", "cpu"), data_root=folder)
+    assert float(row["val/zero_shot_top1"]) == pytest.approx(report.metrics["top1"], abs=1e-6)
+    assert float(row["val/zero_shot_top5"]) == pytest.approx(report.metrics["top5"], abs=1e-6)

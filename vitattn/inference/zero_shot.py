@@ -29,7 +29,9 @@ __all__ = [
     "ZeroShotClassifier",
     "check_labels",
     "class_embeddings",
+    "class_prompts",
     "read_lines",
+    "template_means",
     "templates_from",
     "zero_shot_model",
 ]
@@ -85,12 +87,19 @@ def templates_from(templates: str | os.PathLike | Sequence[str] | None) -> list[
 
 
 def class_embeddings(bundle: LoadedModel, labels: Sequence[str], templates: Sequence[str]) -> Tensor:
-    """(K, E) unit-length class embeddings: the mean over the M ``templates`` of each label's prompt embeddings,
-    renormalised (the mean of unit vectors is shorter than one, and shorter the more its prompts disagree)."""
-    prompts = [template.replace("{}", label) for label in labels for template in templates]  # label-major
-    texts = embed_texts(bundle, prompts)  # (K * M, E)
-    means = texts.view(len(labels), len(templates), -1).mean(1)  # (K, E)
-    return nn.functional.normalize(means, dim=-1)
+    """(K, E) unit-length class embeddings of ``bundle``'s text tower (``class_prompts``, ``template_means``)."""
+    return template_means(embed_texts(bundle, class_prompts(labels, templates)), len(templates))
+
+
+def class_prompts(labels: Sequence[str], templates: Sequence[str]) -> list[str]:
+    """The K * M prompts: each label in place of each template's ``{}``, label-major."""
+    return [template.replace("{}", label) for label in labels for template in templates]
+
+
+def template_means(texts: Tensor, num_templates: int) -> Tensor:
+    """(K * M, E) prompt embeddings, label-major -> (K, E): each label's mean over its M templates, renormalised
+    (the mean of unit vectors is shorter than one, and shorter the more its prompts disagree)."""
+    return nn.functional.normalize(texts.view(-1, num_templates, texts.shape[-1]).mean(1), dim=-1)
 
 
 class ZeroShotClassifier(nn.Module):

@@ -23,7 +23,7 @@ from vitattn.data.preprocess import WEIGHTS_KEYS, Augment, check_preprocess, def
 from vitattn.errors import ConfigError
 from vitattn.models import TASKS, CaptionDecoder, VisionTransformer
 from vitattn.run_dir import RunDir
-from vitattn.training.systems.contrastive import RETRIEVAL_MONITORS, check_contrastive
+from vitattn.training.systems.contrastive import RETRIEVAL_MONITORS, ZERO_SHOT_MONITOR, check_contrastive
 
 __all__ = [
     "ALLOWED_TARGET_PREFIXES",
@@ -162,11 +162,16 @@ def _check_contrastive(cfg: DictConfig) -> None:
         check_contrastive(head.contrastive.loss, head.contrastive_weight, head.caption_weight)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    monitors = ("val/cider_d", *RETRIEVAL_MONITORS)
+    monitors = ("val/cider_d", *RETRIEVAL_MONITORS, ZERO_SHOT_MONITOR)
     if head.monitor not in monitors or head.monitor_mode != "max":
         raise ConfigError(
             f"head.monitor={head.monitor} head.monitor_mode={head.monitor_mode}: head=coca picks its best "
             f"checkpoint by one of {', '.join(monitors)}, with head.monitor_mode=max"
+        )
+    if head.monitor == ZERO_SHOT_MONITOR and head.get("zero_shot", {}).get("data_root") is None:
+        raise ConfigError(
+            f"head.monitor={ZERO_SHOT_MONITOR} needs head.zero_shot.data_root=DIR, a folder <split>/<class>/<image> "
+            "classified by its class names at each validation"
         )
     bias = head.contrastive.get("init_logit_bias", "auto")
     if bias != "auto" and (isinstance(bias, bool) or not isinstance(bias, (int, float))):

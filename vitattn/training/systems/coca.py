@@ -1,27 +1,38 @@
 """CoCa training: the captioner's teacher-forced cross-entropy and a contrastive loss between its image and text
-embeddings, weighted, from one encoding of each image; validation logs both terms and scores the captions as
-``CaptionSystem`` does (docs/captioning.md#coca)."""
+embeddings, weighted, from one encoding of each image; validation logs both terms, scores the captions as
+``CaptionSystem`` does, retrieval among the split's images and captions, and, given a labelled folder, zero-shot
+classification by its class names (docs/captioning.md#coca)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from vitattn.data.images import image_folder_split, open_image_folder
+from vitattn.data.preprocess import default_preprocess, eval_transform
+from vitattn.inference import InputList
+from vitattn.inference.captioning import image_file_batches
 from vitattn.inference.embeddings import encode_texts
+from vitattn.inference.zero_shot import ZeroShotClassifier, check_labels, class_prompts, template_means, templates_from
 from vitattn.metrics.metric import RetrievalMetrics
 from vitattn.training.systems.captioning import CaptionSystem
 from vitattn.training.systems.contrastive import check_contrastive, contrastive_loss
 
 __all__ = ["CocaSystem"]
 
+log = logging.getLogger(__name__)
+
 
 class CocaSystem(CaptionSystem):
     """Trains a ``CocaCaptioner`` (``model_config`` with its ``contrastive`` part) on ``caption_weight`` · caption
     + ``contrastive_weight`` · ``contrastive_loss`` (``clip`` or ``siglip``, every rank's negatives; open_clip's
-    weights: 2 and 1). Other arguments are ``CaptionSystem``'s; under ``scst`` the SCST loss and its cross-entropy
-    term take the caption's weight."""
+    weights: 2 and 1). ``zero_shot`` (``data_root``, ``split``, ``templates``): a folder ``<split>/<class>/<image>``
+    classified by its class names at each validation, as open_clip's ``--imagenet-val``, logged as
+    ``val/zero_shot_top1`` and ``val/zero_shot_top5``. Other arguments are ``CaptionSystem``'s; under ``scst`` the
+    SCST loss and its cross-entropy term take the caption's weight."""
 
     def __init__(
         self,
@@ -30,6 +41,7 @@ class CocaSystem(CaptionSystem):
         contrastive_loss: str = "clip",
         contrastive_weight: float = 1.0,
         caption_weight: float = 2.0,
+        zero_shot: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         check_contrastive(contrastive_loss, contrastive_weight, caption_weight)
@@ -40,6 +52,15 @@ class CocaSystem(CaptionSystem):
         self.contrastive_weight, self.caption_weight = contrastive_weight, caption_weight
         self.retrieval_metrics = RetrievalMetrics()  # every rank's embeddings, ranked once
         self._terms: dict[str, Tensor] = {}  # the last ``_loss``'s two terms, logged by the step that asked for it
+        self.zero_shot = None  # (the folder's (path, class) samples, class names, templates)
+        if zero_shot and zero_shot.get("data_root") is not None:
+            where = f"head.zero_shot.data_root={zero_shot['data_root']}"
+            try:
+                folder = open_image_folder(image_folder_split(zero_shot["data_root"], zero_shot.get("split") or "val"))
+            except (FileNotFoundError, ValueError) as err:
+                raise ValueError(f"{where}: {err}") from None
+            names = check_labels(folder.classes, f"{where}'s class folders")
+            self.zero_shot = (folder.samples, names, templates_from(zero_shot.get("templates")))
 
     def _loss(self, batch: dict[str, Any], label_smoothing: float = 0.0) -> Tensor:
         """The weighted sum; the contrastive pairs are each image and its first caption."""
@@ -95,8 +116,40 @@ class CocaSystem(CaptionSystem):
         )
 
     def _score(self, stage: str) -> None:
-        """The captions' scores, then ``i2t_r1`` ... of the split's images among all their captions."""
+        """The captions' scores, then ``i2t_r1`` ... of the split's images among all their captions, then (at
+        validation) the zero-shot accuracy."""
         super()._score(stage)
         metrics = {} if self.trainer.sanity_checking else self.retrieval_metrics.compute()
         self.retrieval_metrics.reset()
+        if metrics and stage == "val" and self.zero_shot is not None:
+            metrics.update(self._zero_shot_accuracy())
         self.log_dict({f"{stage}/{k}": float(v) for k, v in metrics.items()}, sync_dist=False, rank_zero_only=False)
+
+    @torch.no_grad()
+    def _zero_shot_accuracy(self, batch_size: int = 64) -> dict[str, Tensor]:
+        """Top-1 and top-5 of the zero-shot folder, each rank classifying every world_size-th image, the counts
+        summed over the ranks; unreadable images are left out with a warning."""
+        samples, names, templates = self.zero_shot
+        prompts = encode_texts(self.vocab, class_prompts(names, templates), self.model.max_len)  # (K * M, T)
+        classes = template_means(self.model.embed_texts(prompts.to(self.device)), len(templates))  # (K, E)
+        mine = samples[self.global_rank :: self.trainer.world_size]
+        inputs = InputList([path for path, _ in mine], [label for _, label in mine])
+        preprocess = self.hparams.get("preprocess") or default_preprocess(self.model.encoder.config["img_size"])
+        transform = eval_transform(preprocess)  # inference's, so the accuracy is the one vitattn-eval will give
+        counts = torch.zeros(3, device=self.device)  # top-1 hits, top-5 hits, images read
+        for rows, images, decoded in image_file_batches(inputs, transform, batch_size):
+            for row in rows:
+                if "error" in row:
+                    log.warning("zero-shot image left out: %s: %s", row["image"], row["error"])
+            if images is None:
+                continue
+            targets = torch.tensor([rows[i]["image_id"] for i in decoded], device=self.device)  # (B,)
+            embedded = self.model.embed_images(images.to(self.device))
+            top = ZeroShotClassifier.logits(self.model, embedded, classes.to(embedded.dtype)).topk(min(5, len(names)))
+            hits = top.indices == targets[:, None]  # (B, 5)
+            counts += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(), torch.tensor(len(targets))]).to(counts)
+        top1, top5, read = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
+        return {
+            "zero_shot_top1": torch.tensor(top1 / max(read, 1)),
+            "zero_shot_top5": torch.tensor(top5 / max(read, 1)),
+        }

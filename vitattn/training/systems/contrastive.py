@@ -24,6 +24,7 @@ __all__ = [
     "LOSSES",
     "MAX_LOGIT_SCALE",
     "RETRIEVAL_MONITORS",
+    "ZERO_SHOT_MONITOR",
     "check_contrastive",
     "clip_loss",
     "contrastive_loss",
@@ -36,6 +37,7 @@ LOSSES = ("clip", "siglip")
 MAX_LOGIT_SCALE = math.log(100)  # CLIP's cap on the learned log temperature
 INIT_LOGIT_SCALE = {"clip": math.log(1 / 0.07), "siglip": math.log(10)}
 RETRIEVAL_MONITORS = ("val/i2t_r1", "val/t2i_r1")  # what validation logs from ``RetrievalMetrics``
+ZERO_SHOT_MONITOR = "val/zero_shot_top1"  # what validation logs with ``head.zero_shot.data_root``
 
 
 def check_contrastive(loss: str, contrastive_weight: float, caption_weight: float) -> None:
