@@ -254,3 +254,17 @@ def test_two_process_run_killed_and_resumed_captions_each_image_once(bundle_dir,
     expected = {r["image"]: r for r in _jsonl(tmp_path / "one.jsonl")}
     assert Counter("caption" in r for r in records) == Counter({True: len(inputs) - len(bad), False: len(bad)})
     assert {r["image"]: r for r in records} == expected  # the same captions and errors, image for image
+
+
+def test_close_ends_the_process_group_before_the_interpreter_does(tmp_path):
+    """gloo's threads left to the interpreter's teardown can abort a finished run (exit -6); ``close`` ends them."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        Processes(fabric=object()).close()
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

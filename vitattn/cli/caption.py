@@ -112,6 +112,8 @@ def run(cfg: Any) -> int:
         if processes.is_zero:
             raise
         return 2  # rank 0 says why, in one line
+    finally:
+        processes.close()
     return status
 
 

@@ -119,6 +119,12 @@ class Processes:
         """A sampling generator on this rank's device seeded ``seed + rank`` (None for no seed)."""
         return None if seed is None else torch.Generator(self.device).manual_seed(seed + self.rank)
 
+    def close(self) -> None:
+        """End the process group before the interpreter exits: gloo's threads left to its teardown can abort the
+        process ("terminate called without an active exception") after every caption is written."""
+        if self.fabric is not None and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
     def sum(self, counts: list[int]) -> list[int]:
         """Each of ``counts`` summed over the ranks."""
         if self.fabric is None:
