@@ -1,5 +1,6 @@
 """The names of the files vitattn writes (run folders, bundles, ONNX folders, shard sets) are each spelled in one
-module, which every other module asks; docstrings and messages may mention them."""
+module, which every other module asks; docstrings and messages may mention them. A module's docstring says what
+and why in at most 12 lines (design notes go to docs/)."""
 
 import ast
 import re
@@ -60,3 +61,17 @@ def test_the_check_sees_a_second_spelling(tmp_path):
     (package / "a.py").write_text('VOCAB = "vocab.json"\n')
     (package / "b.py").write_text('"""Reads ``vocab.json``."""\nNAME = f"{1}.json"\nPATH = "vocab.json"\n')
     assert spelled_file_names(package) == {"vocab.json": {"pkg/a.py", "pkg/b.py"}}
+
+
+MODULE_DOCSTRING_LINES = 12
+
+
+def test_every_module_docstring_is_at_most_12_lines():
+    long = {}
+    for path in sorted(Path(vitattn.__file__).parent.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        first = tree.body[0] if tree.body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if first.end_lineno - first.lineno + 1 > MODULE_DOCSTRING_LINES:
+                long[str(path.relative_to(Path(vitattn.__file__).parent))] = first.end_lineno - first.lineno + 1
+    assert long == {}

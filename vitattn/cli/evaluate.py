@@ -1,19 +1,15 @@
 """``vitattn-eval``: score a trained model on a split; print a table and write ``metrics.json``.
 
-    vitattn-eval model=PATH [split=val|test] [out=DIR] [batch_size=32] [num_workers=2]
-        [device=auto|cpu|cuda] [precision=auto|fp32|bf16] [progress=true]
+    vitattn-eval model=PATH [split=val|test] [out=DIR] [batch_size=32] [num_workers=2] [device=auto|cpu|cuda]
+        [precision=auto|fp32|bf16] [progress=true]
       captions:       [references=COCO_JSON [image_dir=DIR]] [predictions=FILE] [scorer=builtin|coco]
                       [num_beams=N] [max_new_tokens=N] [length_penalty=X] [early_stopping=true|false|never]
                       [min_new_tokens=N] [no_repeat_ngram_size=N] [repetition_penalty=X] [rerank=N]
       classification: [data_root=DIR]
-      a head=coca model also:
-        task=zero_shot data_root=DIR [labels=a,b,c|FILE] [templates='a photo of a {}.|a {}.'|FILE]
-        task=retrieval [references=COCO_JSON [image_dir=DIR]]
+      head=coca also: task=zero_shot data_root=DIR [labels=a,b,c|FILE] [templates='a photo of a {}.|a {}.'|FILE]
+                      task=retrieval [references=COCO_JSON [image_dir=DIR]]
 
-Without ``references`` (or ``data_root``) the run's own split is scored; ``task`` defaults to the model's own
-(caption or classification). Exit status: 0 every image scored,
-1 some not, 2 a usage, data or model error. More: docs/captioning.md ("Evaluation and export").
-"""
+Default: the run's split, the model's task. Exit status: 0 all scored, 1 some not, 2 a usage, data or model error."""
 
 from __future__ import annotations
 

@@ -1,17 +1,13 @@
-"""``vitattn-export``: write a model as a bundle folder (safetensors + config.json + its tokenizer), as an
-ONNX folder for ONNX Runtime, or as a folder for the Hugging Face Hub.
+"""``vitattn-export``: write a model as a bundle (safetensors, config.json, tokenizer), an ONNX or a Hub folder.
 
     vitattn-export model=PATH out=DIR [which=best|last] [device=cpu] [format=bundle|onnx|hub] [quantize=int8]
         [hub_format=bundle|onnx] [license=ID] [datasets=NAME,NAME] [push_to_hub=ORG/NAME]
 
-``model`` is a training run folder (``which``: its best or last checkpoint; else its own bundle), a ``.ckpt``
-(never unpickled), a bundle or a ``hf-hub:ORG/NAME`` bundle. ``format=onnx`` (the ``onnx`` extra) writes what
-``vitattn-caption``, ``vitattn-serve`` and ``Captioner.load`` run on ONNX Runtime; ``quantize=int8`` quantizes
-it. ``format=hub`` writes the bundle (``hub_format=onnx``: the ONNX folder) with a model card README.md made
-from the run (``license``, ``datasets``: its metadata, else the run's); ``push_to_hub=ORG/NAME`` uploads it.
-The folder is written atomically. Exit status: 0 on success, 2 on a usage or model error, or when the upload
-cannot be made (offline). More: docs/captioning.md.
-"""
+``model``: a run folder (``which``: its best or last checkpoint; else its bundle), a ``.ckpt`` (never unpickled), a
+bundle or ``hf-hub:ORG/NAME``. ``format=onnx`` (the ``onnx`` extra) is what ONNX Runtime runs; ``quantize=int8``
+quantizes it. ``format=hub`` adds a model card README.md made from the run (``license``, ``datasets``: its metadata)
+to the bundle (``hub_format=onnx``: the ONNX folder); ``push_to_hub=ORG/NAME`` uploads it. Written atomically. Exit
+status: 0 done; 2 a usage or model error, or an upload that cannot be made (offline). More: docs/captioning.md."""
 
 from __future__ import annotations
 

@@ -6,11 +6,9 @@
         [early_stopping=true|false|never] [min_new_tokens=N] [no_repeat_ngram_size=N] [repetition_penalty=X] [rerank=N]
         [num_threads=N] [precision=auto|fp32|bf16]
 
-``POST /predict`` an image -> {"caption", "tokens"}; a head=coca model also ``POST /embed`` an image or
-{"text"} / {"texts"} -> embeddings and ``POST /classify`` an image and labels -> probabilities (404 on other
-models); ``GET /health``; ``GET /``, a page. SIGTERM or SIGINT drains the requests in flight, then every server
-process exits. More: docs/serving.md.
-"""
+``POST /predict`` an image -> {"caption", "tokens"}; a head=coca model also ``POST /embed`` an image or {"text"} /
+{"texts"} -> embeddings and ``POST /classify`` an image and labels -> probabilities (404 on other models); ``GET
+/health``; ``GET /``, a page. SIGTERM or SIGINT drains the requests in flight, then it exits. docs/serving.md."""
 
 from __future__ import annotations
 
