@@ -28,10 +28,11 @@ def _pytest(tmp_path: Path, files: dict[str, str], ci: bool, ini: str = "") -> s
         (tmp_path / name).write_text(text)
     (tmp_path / "pytest.ini").write_text(f"[pytest]\naddopts = --strict-markers\n{ini}")
     env = {k: v for k, v in os.environ.items() if k != "CI"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    # the plugin by its own name: as tests.helpers.skip_policy it would import tests.helpers, and with it Lightning
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "helpers"), str(ROOT), env.get("PYTHONPATH", "")])
     if ci:
         env["CI"] = "true"
-    command = [sys.executable, "-m", "pytest", "-p", "tests.helpers.skip_policy", "-p", "no:cacheprovider", "-q", "-rs"]
+    command = [sys.executable, "-m", "pytest", "-p", "skip_policy", "-p", "no:cacheprovider", "-q", "-rs"]
     return subprocess.run([*command, str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
 
 
