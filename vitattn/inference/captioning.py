@@ -53,6 +53,7 @@ __all__ = [
     "caption_images",
     "caption_shards",
     "generate_tokens",
+    "file_batches",
     "image_file_batches",
     "launch_processes",
     "read_pixels",
@@ -292,6 +293,26 @@ def image_file_batches(
         rows = [row for _, row in items if row is not None]
         at = {id(row): i for i, row in enumerate(rows)}
         yield rows, images, [at[id(items[i][1])] for i in decoded]
+
+
+def file_batches(
+    paths: Sequence[str],
+    labels: Sequence[int],
+    transform: Callable[[Any], Tensor],
+    batch_size: int,
+    num_workers: int,
+    failed: list[str],
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """``(images, labels)`` batches of image files; unreadable files are logged, added to ``failed`` and left out."""
+    for rows, images, decoded in image_file_batches(
+        InputList(list(paths), list(labels)), transform, batch_size, num_workers
+    ):
+        for row in rows:
+            if "error" in row:
+                log.warning("%s: %s", row["image"], row["error"])
+                failed.append(row["image"])
+        if images is not None:
+            yield images, torch.tensor([rows[i]["image_id"] for i in decoded])
 
 
 def caption_images(

@@ -24,12 +24,12 @@ from vitattn.data.tokenizer import describe_tokenizer, unknown_share
 from vitattn.errors import brief
 from vitattn.fileio import parse_json, read_text
 from vitattn.inference import InputImage, caption_images, generate_tokens
+from vitattn.inference.captioning import file_batches
 from vitattn.inference.embeddings import embed_pixels, embed_texts, embedding_model
 from vitattn.metrics import SCORERS, first_per_image, score_captions
 from vitattn.metrics.retrieval import retrieval_metrics
 from vitattn.metrics.toolkit import check_toolkit, toolkit_scores
 from vitattn.run_dir import RunDir
-from vitattn.training.evaluation.classification import file_batches
 from vitattn.training.evaluation.report import EvalReport
 from vitattn.training.evaluation.splits import caption_split
 
@@ -215,7 +215,7 @@ def evaluate_retrieval(
         batches = ((b["images"], b["references"]) for b in data.loader)
     else:
         refs = data.references
-        positions = file_batches(bundle, data.files, list(range(len(data.files))), batch_size, num_workers, failed)
+        positions = file_batches(data.files, range(len(data.files)), bundle.transform, batch_size, num_workers, failed)
         batches = ((images, [refs[data.ids[i]] for i in at.tolist()]) for images, at in positions)
     image_rows: list[Tensor] = []
     captions: list[Sequence[str]] = []

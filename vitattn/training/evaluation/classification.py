@@ -6,47 +6,23 @@ Dimension letters: B batch, K classes.
 
 from __future__ import annotations
 
-import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch import Tensor
 from tqdm.auto import tqdm
 
 from vitattn.bundle import LoadedModel
 from vitattn.data.images import check_split, image_folder_split, open_image_folder
-from vitattn.inference import InputList
-from vitattn.inference.captioning import image_file_batches
+from vitattn.inference.captioning import file_batches
 from vitattn.inference.zero_shot import check_labels, templates_from, zero_shot_model
 from vitattn.precision import precision_autocast
 from vitattn.run_dir import RunDir
 from vitattn.training.evaluation.report import EvalReport
 from vitattn.training.evaluation.splits import labelled_split
 
-__all__ = ["evaluate_classification", "evaluate_zero_shot", "file_batches"]
-
-log = logging.getLogger(__name__)
-
-
-def file_batches(
-    bundle: LoadedModel,
-    paths: Sequence[str],
-    labels: Sequence[int],
-    batch_size: int,
-    num_workers: int,
-    failed: list[str],
-) -> Iterator[tuple[Tensor, Tensor]]:
-    """``(images, labels)`` batches of image files; unreadable files are logged and left out."""
-    inputs = InputList(list(paths), list(labels))
-    for rows, images, decoded in image_file_batches(inputs, bundle.transform, batch_size, num_workers):
-        for row in rows:
-            if "error" in row:
-                log.warning("%s: %s", row["image"], row["error"])
-                failed.append(row["image"])
-        if images is not None:
-            yield images, torch.tensor([rows[i]["image_id"] for i in decoded])
+__all__ = ["evaluate_classification", "evaluate_zero_shot"]
 
 
 def evaluate_classification(
@@ -75,7 +51,10 @@ def evaluate_classification(
     if data.loader is not None:
         batches, total = data.loader, len(data.loader.dataset)
     else:
-        batches, total = file_batches(bundle, data.files, data.ids, batch_size, num_workers, failed), len(data.files)
+        batches, total = (
+            file_batches(data.files, data.ids, bundle.transform, batch_size, num_workers, failed),
+            len(data.files),
+        )
     k = len(bundle.class_names)
     top1 = MulticlassAccuracy(k, top_k=1, average="micro")
     top5 = MulticlassAccuracy(k, top_k=min(5, k), average="micro")

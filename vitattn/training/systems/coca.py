@@ -5,7 +5,6 @@ classification by its class names (docs/captioning.md#coca)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -13,8 +12,7 @@ from torch import Tensor
 
 from vitattn.data.images import image_folder_split, open_image_folder
 from vitattn.data.preprocess import default_preprocess, eval_transform
-from vitattn.inference import InputList
-from vitattn.inference.captioning import image_file_batches
+from vitattn.inference.captioning import file_batches
 from vitattn.inference.embeddings import encode_texts
 from vitattn.inference.zero_shot import ZeroShotClassifier, check_labels, class_prompts, template_means, templates_from
 from vitattn.metrics.metric import RetrievalMetrics
@@ -22,8 +20,6 @@ from vitattn.training.systems.captioning import CaptionSystem
 from vitattn.training.systems.contrastive import check_contrastive, contrastive_loss
 
 __all__ = ["CocaSystem"]
-
-log = logging.getLogger(__name__)
 
 
 class CocaSystem(CaptionSystem):
@@ -52,7 +48,7 @@ class CocaSystem(CaptionSystem):
         self.contrastive_weight, self.caption_weight = contrastive_weight, caption_weight
         self.retrieval_metrics = RetrievalMetrics()  # every rank's embeddings, ranked once
         self._terms: dict[str, Tensor] = {}  # the last ``_loss``'s two terms, logged by the step that asked for it
-        self.zero_shot = None  # (the folder's (path, class) samples, class names, templates)
+        self._zero_shot = None  # (the folder's (path, class) samples, class names, templates, inference's transform)
         if zero_shot and zero_shot.get("data_root") is not None:
             where = f"head.zero_shot.data_root={zero_shot['data_root']}"
             try:
@@ -60,7 +56,13 @@ class CocaSystem(CaptionSystem):
             except (FileNotFoundError, ValueError) as err:
                 raise ValueError(f"{where}: {err}") from None
             names = check_labels(folder.classes, f"{where}'s class folders")
-            self.zero_shot = (folder.samples, names, templates_from(zero_shot.get("templates")))
+            preprocess = kwargs.get("preprocess") or default_preprocess(model_config["img_size"])
+            self._zero_shot = (
+                folder.samples,
+                names,
+                templates_from(zero_shot.get("templates")),
+                eval_transform(preprocess),
+            )
 
     def _loss(self, batch: dict[str, Any], label_smoothing: float = 0.0) -> Tensor:
         """The weighted sum; the contrastive pairs are each image and its first caption."""
@@ -121,32 +123,24 @@ class CocaSystem(CaptionSystem):
         super()._score(stage)
         metrics = {} if self.trainer.sanity_checking else self.retrieval_metrics.compute()
         self.retrieval_metrics.reset()
-        if metrics and stage == "val" and self.zero_shot is not None:
+        if stage == "val" and self._zero_shot is not None and not self.trainer.sanity_checking:
             metrics.update(self._zero_shot_accuracy())
         self.log_dict({f"{stage}/{k}": float(v) for k, v in metrics.items()}, sync_dist=False, rank_zero_only=False)
 
     @torch.no_grad()
     def _zero_shot_accuracy(self, batch_size: int = 64) -> dict[str, Tensor]:
-        """Top-1 and top-5 of the zero-shot folder, each rank classifying every world_size-th image, the counts
-        summed over the ranks; unreadable images are left out with a warning."""
-        samples, names, templates = self.zero_shot
+        """Top-1 and top-5 of the zero-shot folder, read and preprocessed as ``vitattn-eval task=zero_shot`` reads
+        it, each rank classifying every world_size-th image, the counts summed over the ranks; unreadable images are
+        left out with a warning."""
+        samples, names, templates, transform = self._zero_shot
         prompts = encode_texts(self.vocab, class_prompts(names, templates), self.model.max_len)  # (K * M, T)
         classes = template_means(self.model.embed_texts(prompts.to(self.device)), len(templates))  # (K, E)
-        mine = samples[self.global_rank :: self.trainer.world_size]
-        inputs = InputList([path for path, _ in mine], [label for _, label in mine])
-        preprocess = self.hparams.get("preprocess") or default_preprocess(self.model.encoder.config["img_size"])
-        transform = eval_transform(preprocess)  # inference's, so the accuracy is the one vitattn-eval will give
+        paths, labels = zip(*samples[self.global_rank :: self.trainer.world_size]) if samples else ((), ())
         counts = torch.zeros(3, device=self.device)  # top-1 hits, top-5 hits, images read
-        for rows, images, decoded in image_file_batches(inputs, transform, batch_size):
-            for row in rows:
-                if "error" in row:
-                    log.warning("zero-shot image left out: %s: %s", row["image"], row["error"])
-            if images is None:
-                continue
-            targets = torch.tensor([rows[i]["image_id"] for i in decoded], device=self.device)  # (B,)
+        for images, targets in file_batches(paths, labels, transform, batch_size, 0, []):
             embedded = self.model.embed_images(images.to(self.device))
             top = ZeroShotClassifier.logits(self.model, embedded, classes.to(embedded.dtype)).topk(min(5, len(names)))
-            hits = top.indices == targets[:, None]  # (B, 5)
+            hits = top.indices == targets.to(self.device)[:, None]  # (B, 5)
             counts += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(), torch.tensor(len(targets))]).to(counts)
         top1, top5, read = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
         return {
