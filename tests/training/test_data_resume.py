@@ -15,6 +15,7 @@ from torch.utils.data import Dataset, DistributedSampler, RandomSampler
 from tests.helpers import TINY, compose_train, make_coco, make_image_folder, stop_mid_run
 from vitattn.training import train
 from vitattn.training.datamodules.base import EpochSampler, ResumableLoader
+from vitattn.training.datamodules.shapes import ShapesDataModule
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {
@@ -182,3 +183,24 @@ def test_a_stopped_ddp_epoch_resumes_with_every_sample_once(name, stop, tmp_path
     repeated = [k for k, n in Counter(before + after).items() if n > 1]
     assert not repeated, f"{len(repeated)} samples trained twice: {repeated[:5]}"
     assert sorted(before + after) == sorted(expected)  # none skipped
+
+
+def test_in_a_process_group_the_loader_workers_start_from_a_fork_server(tmp_path):
+    """A fork of a process whose gloo threads hold the interpreter's locks can hang the child (CPython 3.11), so
+    in a process group the workers start from a fork server; out of one, by fork; both hand out every sample."""
+
+    def batches(dm):
+        dm.setup("fit")
+        loader = dm.train_dataloader()
+        method = loader.multiprocessing_context and loader.multiprocessing_context.get_start_method()
+        return method, sorted(int(i) for _, labels in loader for i in labels)
+
+    settings = dict(task="classification", img_size=16, num_train=12, num_val=2, num_test=2, batch_size=4)
+    alone, labels = batches(ShapesDataModule(**settings, num_workers=1))
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        grouped, grouped_labels = batches(ShapesDataModule(**settings, num_workers=1))
+    finally:
+        torch.distributed.destroy_process_group()
+    assert (alone, grouped) == (None, "forkserver")
+    assert grouped_labels == labels and len(labels) == 12

@@ -48,7 +48,14 @@ from vitattn.data.tokenizer import (
 )
 from vitattn.errors import ConfigError, first_line
 
-__all__ = ["EpochSampler", "EvaluationBatches", "ImageDataModule", "ResumableLoader", "rank_and_world"]
+__all__ = [
+    "EpochSampler",
+    "EvaluationBatches",
+    "ImageDataModule",
+    "ResumableLoader",
+    "rank_and_world",
+    "worker_context",
+]
 
 
 class EpochSampler(DistributedSampler):
@@ -351,6 +358,7 @@ class ImageDataModule(pl.LightningDataModule):
             collate_fn=collate,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=workers > 0,
+            multiprocessing_context=worker_context(workers),
         )
         if not shuffle:
             return DataLoader(dataset, **settings)
@@ -401,6 +409,17 @@ class ImageDataModule(pl.LightningDataModule):
         if kind == "bpe":
             return train_bpe(self.train_captions, config.get("vocab_size", "auto"))
         return Vocabulary.build(self.train_captions, min_freq=min_freq)
+
+
+def worker_context(workers: int) -> Any:
+    """How loader workers start: by fork, except in a process group, whose threads can hold the interpreter's
+    locks at the moment of a fork and hang the child (CPython 3.11); there from a fork server, forked and
+    exec'd before those threads, with torch imported once."""
+    if workers == 0 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    context = torch.multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", __name__])
+    return context
 
 
 def _check_tokenizer(tokenizer: Mapping[str, Any]) -> None:

@@ -35,7 +35,7 @@ from vitattn.data.shards.stream import (
     sample_references,
 )
 from vitattn.data.tokenizer import Tokenizer, check_captions_per_image, collate_captions
-from vitattn.training.datamodules.base import EvaluationBatches, ImageDataModule, rank_and_world
+from vitattn.training.datamodules.base import EvaluationBatches, ImageDataModule, rank_and_world, worker_context
 from vitattn.training.datamodules.image_folder import ImageFolderDataModule
 
 __all__ = ["WebDatasetDataModule", "shard_captions", "shard_references"]
@@ -261,6 +261,7 @@ class WebDatasetDataModule(ImageDataModule):
             num_workers=workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=False,  # each pass starts workers with that pass's plan
+            multiprocessing_context=worker_context(workers),
         )
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
