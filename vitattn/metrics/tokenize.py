@@ -82,6 +82,11 @@ def _caseless(words: list[str]) -> str:
     return "(?i:" + "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)) + ")"
 
 
+def _expand(pattern: str, macros: dict[str, str]) -> str:
+    """``{NAME}`` references to the macros written out, as JFlex expands them."""
+    return re.sub(r"\{([A-Z][A-Z0-9_]*)\}", lambda ref: f"(?:{macros[ref[1]]})", pattern)
+
+
 @cache
 def _macros() -> dict[str, str]:
     """PTBLexer.flex's macros as Python regular expressions: literals caseless, character classes not."""
@@ -89,7 +94,7 @@ def _macros() -> dict[str, str]:
     m: dict[str, str] = {}
 
     def define(name: str, pattern: str) -> None:
-        m[name] = re.sub(r"\{([A-Z][A-Z0-9_]*)\}", lambda ref: f"(?:{m[ref[1]]})", pattern)
+        m[name] = _expand(pattern, m)
 
     define("SPACE", r"[ \t\u00A0\u2000-\u200A\u3000]")
     define("NEWLINE", r"\r\n|[\r\n\u2028\u2029\x0b\x0c\x85]")
@@ -172,16 +177,9 @@ def _macros() -> dict[str, str]:
 Action = Callable[[str], tuple[list[str], int]]
 
 
-def _keep(text: str) -> tuple[list[str], int]:
-    return [text], len(text)
-
-
-def _skip(text: str) -> tuple[list[str], int]:
-    return [], len(text)
-
-
-def _emit(token: str) -> Action:
-    return lambda text: ([token], len(text))
+def _map(change: Callable[[str], str]) -> Action:
+    """The whole match consumed, as one token changed by ``change``."""
+    return lambda text: ([change(text)], len(text))
 
 
 def _pushback(n: int) -> Action:
@@ -199,26 +197,21 @@ def _acronym(text: str) -> tuple[list[str], int]:
     return ([text[0]], 1) if len(text) == 2 else ([text], len(text) - 1)
 
 
-def _no_soft_hyphens(text: str) -> tuple[list[str], int]:
-    return [text.replace("\u00ad", "") or "-"], len(text)
+def _emit(token: str) -> Action:
+    return _map(lambda text: token)
 
 
-def _nbsp(text: str) -> tuple[list[str], int]:
-    return [text.replace(" ", "\u00a0")], len(text)
+def _skip(text: str) -> tuple[list[str], int]:
+    return [], len(text)
 
 
-def _brackets(text: str) -> tuple[list[str], int]:
-    return [text.replace("(", "-LRB-").replace(")", "-RRB-")], len(text)
-
-
-def _phone(text: str) -> tuple[list[str], int]:
-    return [text.replace(" ", "\u00a0").replace("(", "-LRB-").replace(")", "-RRB-")], len(text)
-
-
-def _amp(text: str) -> tuple[list[str], int]:
-    return [re.sub("(?i)&amp;", "&", text)], len(text)
-
-
+_keep = _map(str)
+_no_soft_hyphens = _map(lambda text: text.replace("\u00ad", "") or "-")
+_nbsp = _map(lambda text: text.replace(" ", "\u00a0"))
+_brackets = _map(lambda text: text.replace("(", "-LRB-").replace(")", "-RRB-"))
+_phone = _map(lambda text: text.replace(" ", "\u00a0").replace("(", "-LRB-").replace(")", "-RRB-"))
+_amp = _map(lambda text: re.sub("(?i)&amp;", "&", text))
+_dashes = _map(lambda text: "--" if 3 <= len(text) <= 4 else text)
 _FRACTIONS = {"\u00bc": "1/4", "\u00bd": "1/2", "\u00be": "3/4", "\u2153": "1/3", "\u2154": "2/3"}
 _CURRENCY = {"\u00a2": "cents", "\u00a3": "#", "\x80": "$", "\u00a4": "$", "\u20a0": "$", "\u20ac": "$"}
 
@@ -227,20 +220,12 @@ def _quotes(probably_left: bool) -> Action:
     """PTB's LaTeX quotes: ` `` for opening, ' '' for closing; curly quotes by their own direction."""
     single, double = ("`", "``") if probably_left else ("'", "''")
 
-    def action(text: str) -> tuple[list[str], int]:
-        out = re.sub("(?i)&apos;|'", single, text)
-        out = re.sub('(?i)&quot;|"', double, out)
-        out = re.sub("[\x91\u2018\u201b\u2039]", "`", out)
-        out = re.sub("[\x92\u2019\u203a]", "'", out)
-        out = re.sub("[\x93\u201c\u00ab]", "``", out)
-        out = re.sub("[\x94\u201d\u00bb]", "''", out)
-        return [out], len(text)
+    def change(text: str) -> str:
+        out = re.sub('(?i)&quot;|"', double, re.sub("(?i)&apos;|'", single, text))
+        out = re.sub("[\x93\u201c\u00ab]", "``", re.sub("[\x91\u2018\u201b\u2039]", "`", out))
+        return re.sub("[\x94\u201d\u00bb]", "''", re.sub("[\x92\u2019\u203a]", "'", out))
 
-    return action
-
-
-def _dashes(text: str) -> tuple[list[str], int]:
-    return ["--" if 3 <= len(text) <= 4 else text], len(text)
+    return _map(change)
 
 
 @cache
@@ -248,10 +233,6 @@ def _rules() -> list[tuple[re.Pattern[str], Action]]:
     """PTBLexer's rules in its .flex order; group ``t`` is the token, what follows JFlex's trailing context.
     Alternatives of different lengths are split, so Python's first match is still JFlex's longest."""
     m = _macros()
-
-    def p(pattern: str) -> re.Pattern[str]:
-        return re.compile(re.sub(r"\{([A-Z][A-Z0-9_]*)\}", lambda ref: f"(?:{m[ref[1]]})", pattern))
-
     starts = "|".join(w[0] + (f"(?i:{re.escape(w[1:])})" if len(w) > 1 else "") for w in _SENTENCE_STARTS)
     rules: list[tuple[str, Action]] = [
         (r"(?P<t>(?i:c\+\+|[cf]#))", _keep),
@@ -302,7 +283,7 @@ def _rules() -> list[tuple[re.Pattern[str], Action]]:
         (r"(?P<t>{NUMBER})", _no_soft_hyphens),
         (r"(?P<t>{SUBSUPNUM})", _keep),
         (r"(?P<t>{FRAC})", _nbsp),
-        (r"(?P<t>{FRAC2})", lambda text: ([_FRACTIONS.get(text, text)], 1)),
+        (r"(?P<t>{FRAC2})", _map(lambda text: _FRACTIONS.get(text, text))),
         *[
             (f"(?P<t>{alternative})", _amp)
             for alternative in (
@@ -316,7 +297,7 @@ def _rules() -> list[tuple[re.Pattern[str], Action]]:
         ],
         (r"(?P<t>{THING3})", _keep),
         (r"(?P<t>{DOLSIGN})", _keep),
-        (r"(?P<t>{DOLSIGN2})", lambda text: ([_CURRENCY.get(text, text)], 1)),
+        (r"(?P<t>{DOLSIGN2})", _map(lambda text: _CURRENCY.get(text, text))),
         (rf"(?P<t>{{ACRO}}\.)(?:{{SPACENL}})+(?:{starts}|{{SGML}}){{SPACENL}}", _acronym),
         (r"(?P<t>{ABBREV3}){SPACENL}?{DIGIT}", _keep),
         (r"(?P<t>(?:(?i:pt)[eyEY]|(?i:co))\.){SPACE}(?i:ltd|lim)", _keep),
@@ -384,7 +365,7 @@ def _rules() -> list[tuple[re.Pattern[str], Action]]:
         (f"(?P<t>[{_MISC_SYMBOL}])", _keep),
         (r"(?P<t>\x00|{SPACE}+|[\u200B\u200E\u200F\uFEFF]|{NEWLINE}|(?i:&nbsp;))", _skip),
     ]
-    return [(p(pattern), action) for pattern, action in rules]
+    return [(re.compile(_expand(pattern, m)), action) for pattern, action in rules]
 
 
 # Most of a caption is ASCII words between spaces, which every rule reads as the word itself except the
