@@ -181,11 +181,9 @@ class CocaCaptioner(Embedder, ImageCaptioner):
         return cls(encoder, decoder, **config["contrastive"])
 
     def embed_images(self, images: Tensor) -> Tensor:
-        """(B, C, height, width) -> (B, E) unit-length image embeddings."""
         return self._image_embedding(self.encoder.forward_features(images))
 
     def embed_texts(self, tokens: Tensor) -> Tensor:
-        """(N, T) token ids, ``<bos> ... <eos>`` right-padded -> (N, E) unit-length text embeddings."""
         x = self.decoder.token_embed(tokens)  # (N, T, D): the decoder's embedding, shared
         return F.normalize(self.text_proj(self.text(x, tokens == self.decoder.pad_id)), dim=-1)
 
