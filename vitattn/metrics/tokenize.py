@@ -331,24 +331,19 @@ def _rules() -> list[tuple[re.Pattern[str], Action]]:
                 r"\([\^x=~<>']-[\^x=~<>'`]\)",
             )
         ],
-        (r"(?P<t>\{)", _emit("-LCB-")),
-        (r"(?P<t>\})", _emit("-RCB-")),
-        (r"(?P<t>\[)", _emit("-LSB-")),
-        (r"(?P<t>\])", _emit("-RSB-")),
-        (r"(?P<t>\()", _emit("-LRB-")),
-        (r"(?P<t>\))", _emit("-RRB-")),
+        *[
+            (f"(?P<t>{re.escape(c)})", _emit(f"-{name}-"))
+            for c, name in zip("{}[]()", "LCB RCB LSB RSB LRB RRB".split())
+        ],
         (r"(?P<t>-+)", _dashes),
         (r"(?P<t>\.{3,5})", _emit("...")),
         (r"(?P<t>(?:\.[ \u00A0]){2,4}\.)", _emit("...")),
         (r"(?P<t>[\x85\u2026])", _emit("...")),
-        (r"(?P<t>@+|#+|_+)", _keep),
-        (r"(?P<t>\*+)", _keep),
-        (r"(?P<t>(?:\\\*){1,3})", _keep),
-        (r"(?P<t>{INSENTP})", _keep),
-        (r"(?P<t>[?!]+)", _keep),
-        (r"(?P<t>[.\u00A1\u00BF\u037E\u0589\u061F\u06D4\u0700-\u0702\u07FA\u3002])", _keep),
-        (r"(?P<t>=)", _keep),
-        (r"(?P<t>/)", _keep),
+        # consecutive rules of one action, their alternatives starting with different characters: one rule
+        (
+            r"(?P<t>@+|#+|_+|\*+|(?:\\\*){1,3}|{INSENTP}|[?!]+|[.\u00A1\u00BF\u037E\u0589\u061F\u06D4\u0700-\u0702\u07FA\u3002=/])",
+            _keep,
+        ),
         (r"(?P<t>{HTHING}\.){INSENTP}", _no_soft_hyphens),
         (r"(?P<t>{HTHING})", _no_soft_hyphens),
         (r"(?P<t>{THING}\.){INSENTP}", _keep),
@@ -361,8 +356,7 @@ def _rules() -> list[tuple[re.Pattern[str], Action]]:
         (r"(?P<t>'')", _quotes(False)),
         (r"(?P<t>{QUOTECHARS}{1,2})", _quotes(False)),
         (r"(?P<t>{APOS})", _quotes(False)),
-        (r"(?P<t><<|>>)", _keep),
-        (f"(?P<t>[{_MISC_SYMBOL}])", _keep),
+        (f"(?P<t><<|>>|[{_MISC_SYMBOL}])", _keep),
         (r"(?P<t>\x00|{SPACE}+|[\u200B\u200E\u200F\uFEFF]|{NEWLINE}|(?i:&nbsp;))", _skip),
     ]
     return [(re.compile(_expand(pattern, m)), action) for pattern, action in rules]
