@@ -158,8 +158,10 @@ class ImageCaptioner(nn.Module, CaptionSearch):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ImageCaptioner:
-        """Rebuild from ``config`` (the ``config`` property of a saved model)."""
-        return cls(VisionTransformer(**config["encoder"]), CaptionDecoder(**config["decoder"]))
+        """Rebuild from ``config``, the ``config`` property of a saved model (a ``CocaCaptioner``'s too)."""
+        return cls(
+            VisionTransformer(**config["encoder"]), CaptionDecoder(**config["decoder"]), **config.get("contrastive", {})
+        )
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute the encoder's and the decoder's layers in the backward pass (timm's switch), or stop."""

@@ -115,7 +115,7 @@ def check_early_stopping(early_stopping: bool | str) -> bool | str:
 class CaptionSearch:
     """``generate`` and ``check_generate`` of a caption model, the same for every runtime: the runtime gives
     ``max_len``, ``special_ids`` and ``start_search``; a model that embeds images and texts (``embeds`` True) also
-    ``choose``, which ``rerank`` needs."""
+    ``choose`` (``coca.Embedder``'s), which ``rerank`` needs."""
 
     max_len: int
     special_ids: SpecialIds
@@ -126,10 +126,6 @@ class CaptionSearch:
     ) -> tuple[DecodeStep, int, torch.device | str]:
         """Encode (B, C, height, width) images once; the ``DecodeStep`` over them for B * K rows (an image's K
         beams consecutive), B and the device of the search's tokens."""
-        raise NotImplementedError
-
-    def choose(self, images: Tensor, candidates: Tensor) -> Tensor:
-        """(B, T') each image's candidate nearest it, of (B * N, T') candidates (an image's N consecutive)."""
         raise NotImplementedError
 
     def check_generate(
