@@ -214,18 +214,16 @@ _amp = _map(lambda text: re.sub("(?i)&amp;", "&", text))
 _dashes = _map(lambda text: "--" if 3 <= len(text) <= 4 else text)
 _FRACTIONS = {"\u00bc": "1/4", "\u00bd": "1/2", "\u00be": "3/4", "\u2153": "1/3", "\u2154": "2/3"}
 _CURRENCY = {"\u00a2": "cents", "\u00a3": "#", "\x80": "$", "\u00a4": "$", "\u20a0": "$", "\u20ac": "$"}
+_CURLY = str.maketrans(
+    {**dict.fromkeys("\x91\u2018\u201b\u2039", "`"), **dict.fromkeys("\x92\u2019\u203a", "'")}
+    | {**dict.fromkeys("\x93\u201c\u00ab", "``"), **dict.fromkeys("\x94\u201d\u00bb", "''")}
+)
 
 
 def _quotes(probably_left: bool) -> Action:
     """PTB's LaTeX quotes: ` `` for opening, ' '' for closing; curly quotes by their own direction."""
     single, double = ("`", "``") if probably_left else ("'", "''")
-
-    def change(text: str) -> str:
-        out = re.sub('(?i)&quot;|"', double, re.sub("(?i)&apos;|'", single, text))
-        out = re.sub("[\x93\u201c\u00ab]", "``", re.sub("[\x91\u2018\u201b\u2039]", "`", out))
-        return re.sub("[\x94\u201d\u00bb]", "''", re.sub("[\x92\u2019\u203a]", "'", out))
-
-    return _map(change)
+    return _map(lambda text: re.sub('(?i)&quot;|"', double, re.sub("(?i)&apos;|'", single, text)).translate(_CURLY))
 
 
 @cache
