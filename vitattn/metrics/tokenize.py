@@ -26,16 +26,9 @@ def one_line(text: str) -> str:
 @cache
 def _unicode_classes() -> dict[str, str]:
     """Character-class bodies of JFlex's [:letter:], [:digit:] and [:uppercase:] over the BMP."""
-    members: dict[str, list[int]] = {"letter": [], "digit": [], "upper": []}
-    for code in range(0x10000):
-        category = unicodedata.category(chr(code))
-        if category in ("Lu", "Ll", "Lt", "Lm", "Lo"):
-            members["letter"].append(code)
-        if category == "Nd":
-            members["digit"].append(code)
-        if category == "Lu":
-            members["upper"].append(code)
-    return {name: _class_body(codes) for name, codes in members.items()}
+    wanted = {"letter": ("Lu", "Ll", "Lt", "Lm", "Lo"), "digit": ("Nd",), "upper": ("Lu",)}
+    categories = [unicodedata.category(chr(code)) for code in range(0x10000)]
+    return {name: _class_body([c for c, cat in enumerate(categories) if cat in cats]) for name, cats in wanted.items()}
 
 
 def _class_body(codes: list[int]) -> str:
