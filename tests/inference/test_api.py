@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import distinct, make_caption_bundle, make_classifier_bundle
+from tests.helpers import distinct, make_caption_bundle, make_classifier_bundle, teacher_forced_log_prob
 from tests.helpers.coca import COLOURS, colour_image, train_colour_coca
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle
@@ -84,7 +84,7 @@ def test_caption_details_score_is_the_models_log_probability(caption_dir, photos
     pixels = captioner.pixels(photos)
     with torch.no_grad():
         tokens = captioner.model.generate(pixels, num_beams=2)
-        oracle = captioner.model.sequence_log_prob(pixels, tokens)  # one teacher-forced pass
+        oracle = teacher_forced_log_prob(captioner.model, pixels, tokens)
     distinct([c.text for c in details])
     for caption, row, score in zip(details, tokens.tolist(), oracle.tolist()):
         assert caption.tokens == [t for t in row if t != captioner.vocab.pad_id]

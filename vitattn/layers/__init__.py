@@ -11,7 +11,6 @@ from vitattn.layers.transformer import (
     DecoderLayer,
     EncoderLayer,
     LayerCache,
-    get_activation,
     point_wise_feed_forward_network,
 )
 
@@ -22,7 +21,6 @@ __all__ = [
     "MultiHeadAttention",
     "causal_mask",
     "check_heads",
-    "get_activation",
     "point_wise_feed_forward_network",
     "record_attention",
     "scaled_dot_product_attention",

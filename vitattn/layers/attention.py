@@ -108,10 +108,7 @@ class MultiHeadAttention(nn.Module):
     def project_kv(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """(B, Lk, D) keys and values -> heads (B, H, Lk, d) each; one matmul when ``k is v``."""
         if k is v:
-            B, L, _ = k.shape
-            kv = F.linear(k, _cat(self.wk.weight, self.wv.weight), _cat(self.wk.bias, self.wv.bias))
-            kv = kv.view(B, L, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (2, B, H, L, d)
-            return kv.unbind(0)  # k, v: views, as in project_qkv
+            return self._fused(k, _cat(self.wk.weight, self.wv.weight), _cat(self.wk.bias, self.wv.bias))
         return self.split_heads(self.wk(k), k.shape[0]), self.split_heads(self.wv(v), v.shape[0])
 
     def qkv_params(self) -> tuple[Tensor, Tensor | None]:
@@ -122,12 +119,14 @@ class MultiHeadAttention(nn.Module):
         self, x: Tensor, params: tuple[Tensor, Tensor | None] | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(B, L, D) -> three (B, H, L, d) in one matmul; ``params``: ``qkv_params()`` stacked once beforehand."""
+        return self._fused(x, *(params or self.qkv_params()))
+
+    def _fused(self, x: Tensor, w: Tensor, b: Tensor | None) -> tuple[Tensor, ...]:
+        """(B, L, D) through P stacked projections (P·D, D) -> P heads (B, H, L, d), views of one matmul."""
         B, L, _ = x.shape
-        w, b = params or self.qkv_params()
-        qkv = F.linear(x, w, b).view(B, L, 3, self.num_heads, self.head_dim)
-        qkv = qkv.permute(2, 0, 3, 1, 4)  # (3, B, H, L, d)
-        # q, k, v: unbind's one backward (a stack), not three that zero-fill the gradient (docs/benchmarks.md)
-        return qkv.unbind(0)
+        out = F.linear(x, w, b).view(B, L, -1, self.num_heads, self.head_dim)  # (B, L, P, H, d)
+        # unbind's one backward (a stack), not P that zero-fill the gradient (docs/benchmarks.md)
+        return out.permute(2, 0, 3, 1, 4).unbind(0)  # P x (B, H, L, d)
 
     def attend(
         self,

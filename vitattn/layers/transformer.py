@@ -16,7 +16,6 @@ __all__ = [
     "ACTIVATIONS",
     "DecoderLayer",
     "EncoderLayer",
-    "get_activation",
     "LayerCache",
     "point_wise_feed_forward_network",
     "QuickGELU",
@@ -30,19 +29,15 @@ class QuickGELU(nn.Module):
         return x * torch.sigmoid(1.702 * x)
 
 
+# ``relu``: the document's; ``gelu``: ViT's; ``quick_gelu``: OpenAI CLIP's
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "quick_gelu": QuickGELU}
-
-
-def get_activation(name: str) -> nn.Module:
-    """A new activation module by name: ``relu`` (the document), ``gelu`` (ViT) or ``quick_gelu`` (OpenAI CLIP)."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"activation={name!r} is unknown; choose one of {sorted(ACTIVATIONS)}")
-    return ACTIVATIONS[name]()
 
 
 def point_wise_feed_forward_network(d_model: int, dff: int, activation: str = "relu") -> nn.Sequential:
     """``nn.Sequential(Linear(D, dff), activation, Linear(dff, D))``, the same at every position."""
-    return nn.Sequential(nn.Linear(d_model, dff), get_activation(activation), nn.Linear(dff, d_model))
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is unknown; choose one of {sorted(ACTIVATIONS)}")
+    return nn.Sequential(nn.Linear(d_model, dff), ACTIVATIONS[activation](), nn.Linear(dff, d_model))
 
 
 class EncoderLayer(nn.Module):
@@ -51,7 +46,7 @@ class EncoderLayer(nn.Module):
     Args:
         d_model, num_heads, dff, rate: the document's (``rate``: dropout after each sub-layer).
         norm_first: pre-norm (ViT) instead of the document's post-norm.
-        activation: ``relu`` (the document), ``gelu`` or ``quick_gelu`` (``get_activation``).
+        activation: ``relu`` (the document), ``gelu`` or ``quick_gelu`` (``ACTIVATIONS``).
         attn_drop, drop_path: dropout on the attention weights; stochastic-depth rate of the residual branches.
         layer_norm_eps, qkv_bias, fused_attn: LayerNorm epsilon (the document's 1e-6), ``wq``/``wk``/``wv`` bias,
             fused attention when weights are not asked for.

@@ -26,16 +26,9 @@ def one_line(text: str) -> str:
 @cache
 def _unicode_classes() -> dict[str, str]:
     """Character-class bodies of JFlex's [:letter:], [:digit:] and [:uppercase:] over the BMP."""
-    members: dict[str, list[int]] = {"letter": [], "digit": [], "upper": []}
-    for code in range(0x10000):
-        category = unicodedata.category(chr(code))
-        if category in ("Lu", "Ll", "Lt", "Lm", "Lo"):
-            members["letter"].append(code)
-        if category == "Nd":
-            members["digit"].append(code)
-        if category == "Lu":
-            members["upper"].append(code)
-    return {name: _class_body(codes) for name, codes in members.items()}
+    wanted = {"letter": ("Lu", "Ll", "Lt", "Lm", "Lo"), "digit": ("Nd",), "upper": ("Lu",)}
+    categories = [unicodedata.category(chr(code)) for code in range(0x10000)]
+    return {name: _class_body([c for c, cat in enumerate(categories) if cat in cats]) for name, cats in wanted.items()}
 
 
 def _class_body(codes: list[int]) -> str:
@@ -82,6 +75,11 @@ def _caseless(words: list[str]) -> str:
     return "(?i:" + "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)) + ")"
 
 
+def _expand(pattern: str, macros: dict[str, str]) -> str:
+    """``{NAME}`` references to the macros written out, as JFlex expands them."""
+    return re.sub(r"\{([A-Z][A-Z0-9_]*)\}", lambda ref: f"(?:{macros[ref[1]]})", pattern)
+
+
 @cache
 def _macros() -> dict[str, str]:
     """PTBLexer.flex's macros as Python regular expressions: literals caseless, character classes not."""
@@ -89,7 +87,7 @@ def _macros() -> dict[str, str]:
     m: dict[str, str] = {}
 
     def define(name: str, pattern: str) -> None:
-        m[name] = re.sub(r"\{([A-Z][A-Z0-9_]*)\}", lambda ref: f"(?:{m[ref[1]]})", pattern)
+        m[name] = _expand(pattern, m)
 
     define("SPACE", r"[ \t\u00A0\u2000-\u200A\u3000]")
     define("NEWLINE", r"\r\n|[\r\n\u2028\u2029\x0b\x0c\x85]")
@@ -172,16 +170,9 @@ def _macros() -> dict[str, str]:
 Action = Callable[[str], tuple[list[str], int]]
 
 
-def _keep(text: str) -> tuple[list[str], int]:
-    return [text], len(text)
-
-
-def _skip(text: str) -> tuple[list[str], int]:
-    return [], len(text)
-
-
-def _emit(token: str) -> Action:
-    return lambda text: ([token], len(text))
+def _map(change: Callable[[str], str]) -> Action:
+    """The whole match consumed, as one token changed by ``change``."""
+    return lambda text: ([change(text)], len(text))
 
 
 def _pushback(n: int) -> Action:
@@ -199,48 +190,33 @@ def _acronym(text: str) -> tuple[list[str], int]:
     return ([text[0]], 1) if len(text) == 2 else ([text], len(text) - 1)
 
 
-def _no_soft_hyphens(text: str) -> tuple[list[str], int]:
-    return [text.replace("\u00ad", "") or "-"], len(text)
+def _emit(token: str) -> Action:
+    return _map(lambda text: token)
 
 
-def _nbsp(text: str) -> tuple[list[str], int]:
-    return [text.replace(" ", "\u00a0")], len(text)
+def _skip(text: str) -> tuple[list[str], int]:
+    return [], len(text)
 
 
-def _brackets(text: str) -> tuple[list[str], int]:
-    return [text.replace("(", "-LRB-").replace(")", "-RRB-")], len(text)
-
-
-def _phone(text: str) -> tuple[list[str], int]:
-    return [text.replace(" ", "\u00a0").replace("(", "-LRB-").replace(")", "-RRB-")], len(text)
-
-
-def _amp(text: str) -> tuple[list[str], int]:
-    return [re.sub("(?i)&amp;", "&", text)], len(text)
-
-
+_keep = _map(str)
+_no_soft_hyphens = _map(lambda text: text.replace("\u00ad", "") or "-")
+_nbsp = _map(lambda text: text.replace(" ", "\u00a0"))
+_brackets = _map(lambda text: text.replace("(", "-LRB-").replace(")", "-RRB-"))
+_phone = _map(lambda text: text.replace(" ", "\u00a0").replace("(", "-LRB-").replace(")", "-RRB-"))
+_amp = _map(lambda text: re.sub("(?i)&amp;", "&", text))
+_dashes = _map(lambda text: "--" if 3 <= len(text) <= 4 else text)
 _FRACTIONS = {"\u00bc": "1/4", "\u00bd": "1/2", "\u00be": "3/4", "\u2153": "1/3", "\u2154": "2/3"}
 _CURRENCY = {"\u00a2": "cents", "\u00a3": "#", "\x80": "$", "\u00a4": "$", "\u20a0": "$", "\u20ac": "$"}
+_CURLY = str.maketrans(
+    {**dict.fromkeys("\x91\u2018\u201b\u2039", "`"), **dict.fromkeys("\x92\u2019\u203a", "'")}
+    | {**dict.fromkeys("\x93\u201c\u00ab", "``"), **dict.fromkeys("\x94\u201d\u00bb", "''")}
+)
 
 
 def _quotes(probably_left: bool) -> Action:
     """PTB's LaTeX quotes: ` `` for opening, ' '' for closing; curly quotes by their own direction."""
     single, double = ("`", "``") if probably_left else ("'", "''")
-
-    def action(text: str) -> tuple[list[str], int]:
-        out = re.sub("(?i)&apos;|'", single, text)
-        out = re.sub('(?i)&quot;|"', double, out)
-        out = re.sub("[\x91\u2018\u201b\u2039]", "`", out)
-        out = re.sub("[\x92\u2019\u203a]", "'", out)
-        out = re.sub("[\x93\u201c\u00ab]", "``", out)
-        out = re.sub("[\x94\u201d\u00bb]", "''", out)
-        return [out], len(text)
-
-    return action
-
-
-def _dashes(text: str) -> tuple[list[str], int]:
-    return ["--" if 3 <= len(text) <= 4 else text], len(text)
+    return _map(lambda text: re.sub('(?i)&quot;|"', double, re.sub("(?i)&apos;|'", single, text)).translate(_CURLY))
 
 
 @cache
@@ -248,10 +224,6 @@ def _rules() -> list[tuple[re.Pattern[str], Action]]:
     """PTBLexer's rules in its .flex order; group ``t`` is the token, what follows JFlex's trailing context.
     Alternatives of different lengths are split, so Python's first match is still JFlex's longest."""
     m = _macros()
-
-    def p(pattern: str) -> re.Pattern[str]:
-        return re.compile(re.sub(r"\{([A-Z][A-Z0-9_]*)\}", lambda ref: f"(?:{m[ref[1]]})", pattern))
-
     starts = "|".join(w[0] + (f"(?i:{re.escape(w[1:])})" if len(w) > 1 else "") for w in _SENTENCE_STARTS)
     rules: list[tuple[str, Action]] = [
         (r"(?P<t>(?i:c\+\+|[cf]#))", _keep),
@@ -302,7 +274,7 @@ def _rules() -> list[tuple[re.Pattern[str], Action]]:
         (r"(?P<t>{NUMBER})", _no_soft_hyphens),
         (r"(?P<t>{SUBSUPNUM})", _keep),
         (r"(?P<t>{FRAC})", _nbsp),
-        (r"(?P<t>{FRAC2})", lambda text: ([_FRACTIONS.get(text, text)], 1)),
+        (r"(?P<t>{FRAC2})", _map(lambda text: _FRACTIONS.get(text, text))),
         *[
             (f"(?P<t>{alternative})", _amp)
             for alternative in (
@@ -316,7 +288,7 @@ def _rules() -> list[tuple[re.Pattern[str], Action]]:
         ],
         (r"(?P<t>{THING3})", _keep),
         (r"(?P<t>{DOLSIGN})", _keep),
-        (r"(?P<t>{DOLSIGN2})", lambda text: ([_CURRENCY.get(text, text)], 1)),
+        (r"(?P<t>{DOLSIGN2})", _map(lambda text: _CURRENCY.get(text, text))),
         (rf"(?P<t>{{ACRO}}\.)(?:{{SPACENL}})+(?:{starts}|{{SGML}}){{SPACENL}}", _acronym),
         (r"(?P<t>{ABBREV3}){SPACENL}?{DIGIT}", _keep),
         (r"(?P<t>(?:(?i:pt)[eyEY]|(?i:co))\.){SPACE}(?i:ltd|lim)", _keep),
@@ -350,24 +322,19 @@ def _rules() -> list[tuple[re.Pattern[str], Action]]:
                 r"\([\^x=~<>']-[\^x=~<>'`]\)",
             )
         ],
-        (r"(?P<t>\{)", _emit("-LCB-")),
-        (r"(?P<t>\})", _emit("-RCB-")),
-        (r"(?P<t>\[)", _emit("-LSB-")),
-        (r"(?P<t>\])", _emit("-RSB-")),
-        (r"(?P<t>\()", _emit("-LRB-")),
-        (r"(?P<t>\))", _emit("-RRB-")),
+        *[
+            (f"(?P<t>{re.escape(c)})", _emit(f"-{name}-"))
+            for c, name in zip("{}[]()", "LCB RCB LSB RSB LRB RRB".split())
+        ],
         (r"(?P<t>-+)", _dashes),
         (r"(?P<t>\.{3,5})", _emit("...")),
         (r"(?P<t>(?:\.[ \u00A0]){2,4}\.)", _emit("...")),
         (r"(?P<t>[\x85\u2026])", _emit("...")),
-        (r"(?P<t>@+|#+|_+)", _keep),
-        (r"(?P<t>\*+)", _keep),
-        (r"(?P<t>(?:\\\*){1,3})", _keep),
-        (r"(?P<t>{INSENTP})", _keep),
-        (r"(?P<t>[?!]+)", _keep),
-        (r"(?P<t>[.\u00A1\u00BF\u037E\u0589\u061F\u06D4\u0700-\u0702\u07FA\u3002])", _keep),
-        (r"(?P<t>=)", _keep),
-        (r"(?P<t>/)", _keep),
+        # consecutive rules of one action, their alternatives starting with different characters: one rule
+        (
+            r"(?P<t>@+|#+|_+|\*+|(?:\\\*){1,3}|{INSENTP}|[?!]+|[.\u00A1\u00BF\u037E\u0589\u061F\u06D4\u0700-\u0702\u07FA\u3002=/])",
+            _keep,
+        ),
         (r"(?P<t>{HTHING}\.){INSENTP}", _no_soft_hyphens),
         (r"(?P<t>{HTHING})", _no_soft_hyphens),
         (r"(?P<t>{THING}\.){INSENTP}", _keep),
@@ -380,11 +347,10 @@ def _rules() -> list[tuple[re.Pattern[str], Action]]:
         (r"(?P<t>'')", _quotes(False)),
         (r"(?P<t>{QUOTECHARS}{1,2})", _quotes(False)),
         (r"(?P<t>{APOS})", _quotes(False)),
-        (r"(?P<t><<|>>)", _keep),
-        (f"(?P<t>[{_MISC_SYMBOL}])", _keep),
+        (f"(?P<t><<|>>|[{_MISC_SYMBOL}])", _keep),
         (r"(?P<t>\x00|{SPACE}+|[\u200B\u200E\u200F\uFEFF]|{NEWLINE}|(?i:&nbsp;))", _skip),
     ]
-    return [(p(pattern), action) for pattern, action in rules]
+    return [(re.compile(_expand(pattern, m)), action) for pattern, action in rules]
 
 
 # Most of a caption is ASCII words between spaces, which every rule reads as the word itself except the

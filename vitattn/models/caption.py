@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vitattn.layers import DecoderLayer, LayerCache, check_heads
 from vitattn.models.search import CaptionSearch, SpecialIds
-from vitattn.models.vit import VisionTransformer, layer_groups, trunc_normal_
+from vitattn.models.vit import VisionTransformer, init_linears_, layer_groups, trunc_normal_
 
 __all__ = ["CaptionDecoder", "DecoderStep", "ImageCaptioner", "per_caption"]
 
@@ -104,11 +104,8 @@ class CaptionDecoder(nn.Module):
         if self.pos_embed.is_meta:  # a copy without values (on the meta device): nothing to fill
             return
         trunc_normal_(self.pos_embed, std=0.02)
-        for m in self.modules() if linears else ():  # else PyTorch's default Linear init
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        if linears:  # else PyTorch's default Linear init
+            init_linears_(self)
         trunc_normal_(self.token_embed.weight, std=0.02)
         with torch.no_grad():
             self.token_embed.weight[self.pad_id].zero_()
@@ -161,8 +158,10 @@ class ImageCaptioner(nn.Module, CaptionSearch):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ImageCaptioner:
-        """Rebuild from ``config`` (the ``config`` property of a saved model)."""
-        return cls(VisionTransformer(**config["encoder"]), CaptionDecoder(**config["decoder"]))
+        """Rebuild from ``config``, the ``config`` property of a saved model (a ``CocaCaptioner``'s too)."""
+        return cls(
+            VisionTransformer(**config["encoder"]), CaptionDecoder(**config["decoder"]), **config.get("contrastive", {})
+        )
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute the encoder's and the decoder's layers in the backward pass (timm's switch), or stop."""
@@ -186,16 +185,6 @@ class ImageCaptioner(nn.Module, CaptionSearch):
         """Teacher forcing: (B, C, height, width), (N, T) -> (N, T, V) next-token logits; caption ``n`` reads
         image ``caption_image[n]`` (N,), encoded once however many captions it has (default: caption n, image n)."""
         return self.decoder(tokens, per_caption(self.encode(images), caption_image))
-
-    def sequence_log_prob(self, images: Tensor, generated: Tensor) -> Tensor:
-        """(B,) total log-probability of generated captions (``<bos>`` and the padding after ``<eos>`` excluded), over
-        the tokens the search may generate (the banned ones masked before ``log_softmax``, as it does)."""
-        dec = self.decoder
-        bos = generated.new_full((generated.shape[0], 1), dec.bos_id)
-        logits = self(images, torch.cat([bos, generated[:, :-1]], dim=1)).float()  # (B, T, V)
-        logits[..., self.special_ids.banned] = float("-inf")
-        logp = logits.log_softmax(-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)  # (B, T)
-        return logp.masked_fill(generated == dec.pad_id, 0.0).sum(dim=1)
 
     def start_search(
         self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool

@@ -139,29 +139,13 @@ class CocaCaptioner(Embedder, ImageCaptioner):
         init_logit_scale: float = math.log(1 / 0.07),
         init_logit_bias: float | None = None,
     ) -> None:
+        contrastive = {k: v for k, v in locals().items() if k not in ("self", "encoder", "decoder", "__class__")}
         super().__init__(encoder, decoder)
-        self.contrastive_config = {
-            "embed_dim": embed_dim,
-            "text_depth": text_depth,
-            "text_num_heads": text_num_heads,
-            "text_mlp_ratio": text_mlp_ratio,
-            "init_logit_scale": init_logit_scale,
-            "init_logit_bias": init_logit_bias,
-        }
+        self.contrastive_config = contrastive
         dec = decoder.config
         width = dec["embed_dim"]
-        self.text = TextEncoder(
-            width,
-            text_depth,
-            text_num_heads,
-            text_mlp_ratio,
-            dec["max_len"],
-            drop_rate=dec["drop_rate"],
-            norm_first=dec["norm_first"],
-            activation=dec["activation"],
-            layer_norm_eps=dec["layer_norm_eps"],
-            fused_attn=dec["fused_attn"],
-        )
+        shared = {k: dec[k] for k in ("drop_rate", "norm_first", "activation", "layer_norm_eps", "fused_attn")}
+        self.text = TextEncoder(width, text_depth, text_num_heads, text_mlp_ratio, dec["max_len"], **shared)
         self.embed_dim = embed_dim
         self.image_proj = nn.Linear(encoder.embed_dim, embed_dim, bias=False)
         self.text_proj = nn.Linear(width, embed_dim, bias=False)
@@ -181,11 +165,9 @@ class CocaCaptioner(Embedder, ImageCaptioner):
         return cls(encoder, decoder, **config["contrastive"])
 
     def embed_images(self, images: Tensor) -> Tensor:
-        """(B, C, height, width) -> (B, E) unit-length image embeddings."""
         return self._image_embedding(self.encoder.forward_features(images))
 
     def embed_texts(self, tokens: Tensor) -> Tensor:
-        """(N, T) token ids, ``<bos> ... <eos>`` right-padded -> (N, E) unit-length text embeddings."""
         x = self.decoder.token_embed(tokens)  # (N, T, D): the decoder's embedding, shared
         return F.normalize(self.text_proj(self.text(x, tokens == self.decoder.pad_id)), dim=-1)
 

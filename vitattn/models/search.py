@@ -46,16 +46,6 @@ class Controls(NamedTuple):
     no_repeat_ngram_size: int = 0
     repetition_penalty: float = 1.0
 
-    def check(self) -> None:
-        """A one-line ``ValueError`` for a setting out of range."""
-        if self.min_new_tokens < 0 or self.no_repeat_ngram_size < 0:
-            raise ValueError(
-                f"min_new_tokens={self.min_new_tokens} and no_repeat_ngram_size={self.no_repeat_ngram_size} "
-                "must be at least 0"
-            )
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be positive (1.0: off)")
-
     def __call__(self, scores: Tensor, tokens: Tensor, eos_id: int) -> Tensor:
         """``scores`` (R, V) of the next token after ``tokens`` (R, 1 + i), ``<bos>`` first, changed in place."""
         if self.repetition_penalty != 1.0:
@@ -125,7 +115,7 @@ def check_early_stopping(early_stopping: bool | str) -> bool | str:
 class CaptionSearch:
     """``generate`` and ``check_generate`` of a caption model, the same for every runtime: the runtime gives
     ``max_len``, ``special_ids`` and ``start_search``; a model that embeds images and texts (``embeds`` True) also
-    ``choose``, which ``rerank`` needs."""
+    ``choose`` (``coca.Embedder``'s), which ``rerank`` needs."""
 
     max_len: int
     special_ids: SpecialIds
@@ -136,10 +126,6 @@ class CaptionSearch:
     ) -> tuple[DecodeStep, int, torch.device | str]:
         """Encode (B, C, height, width) images once; the ``DecodeStep`` over them for B * K rows (an image's K
         beams consecutive), B and the device of the search's tokens."""
-        raise NotImplementedError
-
-    def choose(self, images: Tensor, candidates: Tensor) -> Tensor:
-        """(B, T') each image's candidate nearest it, of (B * N, T') candidates (an image's N consecutive)."""
         raise NotImplementedError
 
     def check_generate(
@@ -157,7 +143,12 @@ class CaptionSearch:
         """Refuse ``generate`` settings it cannot decode with (a one-line ``ValueError``); returns
         ``max_new_tokens`` with None replaced by ``max_len - 1``."""
         check_early_stopping(early_stopping)
-        Controls(min_new_tokens, no_repeat_ngram_size, repetition_penalty).check()
+        if min_new_tokens < 0 or no_repeat_ngram_size < 0:
+            raise ValueError(
+                f"min_new_tokens={min_new_tokens} and no_repeat_ngram_size={no_repeat_ngram_size} must be at least 0"
+            )
+        if not repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty={repetition_penalty} must be positive (1.0: off)")
         if max_new_tokens is None:
             max_new_tokens = self.max_len - 1
         if max_new_tokens + 1 > self.max_len:
@@ -303,15 +294,10 @@ def beam_search(
     controls: Controls = NO_CONTROLS,
     num_return_sequences: int = 1,
 ) -> Tensor:
-    """Hugging Face's beam search (``generate(num_beams=K)``) over B * K rows: (B * R, T') each image's R =
-    ``num_return_sequences`` <= K best finished captions, best first, an image's R consecutive, ranked by
-    ``log p / length ** length_penalty``: each token's ``log p`` with the banned tokens masked before
-    ``log_softmax`` and the ``controls`` applied after it, as Hugging Face applies its processors.
-
-    Each step keeps an image's 2K best candidates: those among the first K that end in ``<eos>`` join its K best
-    finished captions, the K best others live on. ``early_stopping``: True stops an image once it has K, False
-    once the best live beam at its length cannot beat them, ``"never"`` once it cannot at any length; one host
-    sync a step.
+    """Hugging Face's beam search (``generate(num_beams=K)``, docs/captioning.md#decoding) over B * K rows:
+    (B * R, T') each image's R = ``num_return_sequences`` <= K best finished captions, best first, consecutive,
+    by ``log p / length ** length_penalty`` (banned tokens masked before ``log_softmax``, ``controls`` after); one
+    host sync a step.
     """
     early_stopping = check_early_stopping(early_stopping)
     B, K, T = batch_size, num_beams, max_new_tokens

@@ -25,6 +25,7 @@ from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import Tensor, nn
 
 from vitattn.errors import first_line
+from vitattn.layers.transformer import ACTIVATIONS
 from vitattn.models.vit import VisionTransformer
 from vitattn.upstream import timm_url_cached
 
@@ -55,8 +56,7 @@ _BLOCK_RENAMES = {
     "mlp.fc2.": "ffn.2.",
 }
 
-# timm activation classes -> our ``activation`` names
-_ACTIVATIONS = {"GELU": "gelu", "QuickGELU": "quick_gelu", "ReLU": "relu"}
+_ACTIVATIONS = {cls.__name__: name for name, cls in ACTIVATIONS.items()}  # timm's GELU, QuickGELU, ReLU: ours
 
 
 @contextmanager

@@ -55,6 +55,15 @@ def trunc_normal_(tensor: Tensor, std: float = 0.02) -> Tensor:
         return tensor.uniform_(2 * low - 1, 2 * high - 1).erfinv_().mul_(std * math.sqrt(2.0)).add_(0.0).clamp_(-2, 2)
 
 
+def init_linears_(module: nn.Module) -> None:
+    """timm's ViT init of every ``nn.Linear`` in ``module``: weights truncated normal (std 0.02), biases zero."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
 class PatchEmbed(nn.Module):
     """timm's ``PatchEmbed`` as the ViT uses it (its parameter names): (B, C, height, width) -> (B, N, D)."""
 
@@ -184,11 +193,7 @@ class VisionTransformer(nn.Module):
         else:
             trunc_normal_(self.pos_embed, std=0.02)
         nn.init.normal_(self.cls_token, std=1e-6)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        init_linears_(self)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each layer in the backward pass while training (timm's switch): less memory, one more forward."""
