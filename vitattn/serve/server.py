@@ -31,13 +31,8 @@ def serving_apis(api: CaptionAPI, bundle: LoadedModel) -> tuple[list[BundleAPI],
         embedding_model(bundle, "POST /embed and /classify", f"model={api.model_path}")
     except ValueError as err:
         return [api], str(err)
-    settings = {
-        "max_image_bytes": api.max_image_bytes,
-        "num_threads": api.num_threads,
-        "precision": api.precision,
-        "max_batch_size": api.max_batch_size,
-        "batch_timeout": api.batch_timeout,
-    }
+    keys = ("max_image_bytes", "num_threads", "precision", "max_batch_size", "batch_timeout")
+    settings = {key: getattr(api, key) for key in keys}
     return [api, EmbedAPI(api.model_path, **settings), ClassifyAPI(api.model_path, **settings)], None
 
 
