@@ -22,7 +22,8 @@ __all__ = ["DecodingArgs", "UsageError", "parse_key_values", "resolve_device", "
 
 
 # Counts that the entry points share, and their least values.
-_COUNTS = {"batch_size": 1, "num_workers": 0, "num_threads": 1}
+_AT_LEAST_ONE = ("batch_size", "num_threads", "devices", "num_nodes", "workers_per_device", "max_batch_size")
+_COUNTS = {"num_workers": 0, "max_image_bytes": 1, **dict.fromkeys(_AT_LEAST_ONE, 1)}
 
 
 class UsageError(ValueError):
@@ -76,7 +77,7 @@ def parse_key_values(argv: Sequence[str], schema: type, prog: str) -> Any:
         except ValueError as err:
             raise UsageError(str(err)) from None
     for key, least in _COUNTS.items():
-        if cfg.get(key) is not None and cfg[key] < least:
+        if isinstance(cfg.get(key), int) and cfg[key] < least:  # serve's devices may be auto
             raise UsageError(f"{key}={cfg[key]} must be at least {least}")
     return cfg
 

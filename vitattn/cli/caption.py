@@ -65,9 +65,6 @@ def parse_args(argv: list[str]) -> Any:
         raise UsageError("images=... and shards=... are both given; caption image files or shards, not both")
     if cfg.shards is None and cfg.format not in ("jsonl", "coco", "csv"):
         raise UsageError(f"format={cfg.format!r} is unknown; choose jsonl, coco or csv")
-    for key in ("devices", "num_nodes"):
-        if cfg[key] < 1:
-            raise UsageError(f"{key}={cfg[key]} must be at least 1")
     return cfg
 
 
