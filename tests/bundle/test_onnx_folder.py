@@ -269,14 +269,19 @@ def test_export_without_the_onnx_extra_names_it(caption_run, tmp_path, monkeypat
 
 def test_attention_maps_of_an_onnx_folder_ask_for_the_pytorch_runtime(caption_run, test_split):
     captioner = Captioner.load(caption_run[1])
-    with pytest.raises(ValueError, match="attention maps need the PyTorch runtime; load the bundle or run folder"):
+    with pytest.raises(
+        ValueError, match="attention maps need the PyTorch runtime; use the bundle or run folder, not the ONNX folder"
+    ):
         captioner.attention_maps(test_split[0][0] * 0.5 + 0.5)
 
 
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["attention_maps=maps"], "attention_maps= needs the PyTorch runtime; caption with the bundle or run folder"),
+        (
+            ["attention_maps=maps"],
+            "attention maps need the PyTorch runtime; use the bundle or run folder, not the ONNX folder",
+        ),
         (
             ["devices=2", "accelerator=gpu"],
             "an ONNX folder runs on ONNX Runtime's CPU provider, not on GPUs; caption it on CPU processes",

@@ -56,7 +56,7 @@ def test_list_inputs_names_a_folder_it_cannot_read(tmp_path, monkeypatch):
 
     def refuse(path):
         if str(path).endswith("locked"):
-            raise PermissionError(13, "Permission denied")
+            raise PermissionError(13, "Permission denied", str(path))  # as os.scandir names it
         return scandir(path)
 
     monkeypatch.setattr(os, "scandir", refuse)

@@ -196,10 +196,12 @@ class OnnxDecoderStep:
 
 
 class OnnxCaptioner(CaptionSearch):
-    """An ONNX folder's caption model (two sessions and ``onnx.json``'s ``decoder``), decoded as ``ImageCaptioner``."""
+    """An ONNX folder's caption model (its sessions, in ``graph_names`` order, and ``onnx.json``), decoded as
+    ``ImageCaptioner``."""
 
-    def __init__(self, encoder: Any, step: Any, decoder: Mapping[str, int], other_ids: tuple[int, ...] = ()) -> None:
-        self.encoder_session, self.step_session = encoder, step
+    def __init__(self, sessions: Sequence[Any], config: Mapping[str, Any], other_ids: tuple[int, ...] = ()) -> None:
+        self.encoder_session, self.step_session = sessions[:2]
+        decoder = config["decoder"]
         self.max_len = decoder["max_len"]
         self.vocab_size = decoder["vocab_size"]
         ids = (decoder["pad_id"], decoder["bos_id"], decoder["eos_id"], decoder["unk_id"])
@@ -224,20 +226,11 @@ class OnnxCocaCaptioner(Embedder, OnnxCaptioner):
     """An ONNX folder's head=coca model: ``OnnxCaptioner`` and, from ``image_embed.onnx`` and ``text_embed.onnx``,
     the image and text embeddings ``CocaCaptioner`` gives (``onnx.json``'s ``embed``: their width and scale)."""
 
-    def __init__(
-        self,
-        encoder: Any,
-        step: Any,
-        image_embed: Any,
-        text_embed: Any,
-        decoder: Mapping[str, int],
-        embed: Mapping[str, Any],
-        other_ids: tuple[int, ...] = (),
-    ) -> None:
-        super().__init__(encoder, step, decoder, other_ids)
-        self.image_session, self.text_session = image_embed, text_embed
-        self.embed_dim = embed["embed_dim"]
-        self.logit_scale = torch.tensor([float(embed["logit_scale"])])  # (1,), as the model's parameter
+    def __init__(self, sessions: Sequence[Any], config: Mapping[str, Any], other_ids: tuple[int, ...] = ()) -> None:
+        super().__init__(sessions, config, other_ids)
+        self.image_session, self.text_session = sessions[2:]
+        self.embed_dim = config["embed"]["embed_dim"]
+        self.logit_scale = torch.tensor([float(config["embed"]["logit_scale"])])  # (1,), as the model's parameter
 
     def embed_images(self, images: Tensor) -> Tensor:
         return torch.from_numpy(self.image_session.run(None, {"images": _numpy(images)})[0])
@@ -296,11 +289,9 @@ def load_onnx_folder(directory: Path, device: str | torch.device = "cpu") -> Onn
             ) from None
     if task == "classification":
         model = OnnxClassifier(sessions[0], len(class_names))
-    elif "image_embed" in names:
-        model = OnnxCocaCaptioner(*sessions, config["decoder"], config["embed"], vocab.other_special_ids)
     else:
-        model = OnnxCaptioner(*sessions, config["decoder"], vocab.other_special_ids)
-    if task == "caption":
+        captioner = OnnxCocaCaptioner if "image_embed" in names else OnnxCaptioner
+        model = captioner(sessions, config, vocab.other_special_ids)
         check_tokenizer(vocab, model.vocab_size, model.special_ids[:4], directory)
     check_decoding(model, task, generate, where)
     return OnnxModel(model, task, config["preprocess"], config, vocab, class_names, dict(generate), config["precision"])

@@ -18,11 +18,12 @@ from vitattn.cli.errors import USER_ERRORS, quiet_upstream, report_user_error
 from vitattn.errors import brief, first_line
 from vitattn.precision import check_precision
 
-__all__ = ["DecodingArgs", "UsageError", "parse_key_values", "resolve_device", "run_main"]
+__all__ = ["DecodingArgs", "UsageError", "entry_point", "parse_key_values", "resolve_device"]
 
 
 # Counts that the entry points share, and their least values.
-_COUNTS = {"batch_size": 1, "num_workers": 0, "num_threads": 1}
+_AT_LEAST_ONE = ("batch_size", "num_threads", "devices", "num_nodes", "workers_per_device", "max_batch_size")
+_COUNTS = {"num_workers": 0, "max_image_bytes": 1, **dict.fromkeys(_AT_LEAST_ONE, 1)}
 
 
 class UsageError(ValueError):
@@ -76,7 +77,7 @@ def parse_key_values(argv: Sequence[str], schema: type, prog: str) -> Any:
         except ValueError as err:
             raise UsageError(str(err)) from None
     for key, least in _COUNTS.items():
-        if cfg.get(key) is not None and cfg[key] < least:
+        if isinstance(cfg.get(key), int) and cfg[key] < least:  # serve's devices may be auto
             raise UsageError(f"{key}={cfg[key]} must be at least {least}")
     return cfg
 
@@ -99,16 +100,20 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def run_main(doc: str, argv: Sequence[str] | None, parse: Callable[[list[str]], Any], run: Callable[[Any], int]) -> int:
-    """A console entry point over ``argv`` (default ``sys.argv[1:]``): ``--help`` prints ``doc``; a user error
+def entry_point(doc: str, parse: Callable[[list[str]], Any], run: Callable[[Any], int]) -> Callable[..., int]:
+    """A console entry point ``main(argv=None)`` (default ``sys.argv[1:]``): ``--help`` prints ``doc``; a user error
     prints ``error: <one line>`` on stderr, exit status 2; else ``run(parse(argv))``'s status."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(doc.strip())
-        return 0
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    quiet_upstream()
-    try:
-        return run(parse(argv))
-    except USER_ERRORS as err:
-        return report_user_error(err)
+
+    def main(argv: Sequence[str] | None = None) -> int:
+        argv = sys.argv[1:] if argv is None else list(argv)
+        if any(a in ("-h", "--help", "help") for a in argv):
+            print(doc.strip())
+            return 0
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+        quiet_upstream()
+        try:
+            return run(parse(argv))
+        except USER_ERRORS as err:
+            return report_user_error(err)
+
+    return main

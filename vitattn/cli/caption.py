@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from vitattn.cli.args import DecodingArgs, UsageError, parse_key_values, resolve_device, run_main
+from vitattn.cli.args import DecodingArgs, UsageError, entry_point, parse_key_values, resolve_device
 from vitattn.cli.errors import USER_ERRORS
 
 __all__ = ["CaptionConfig", "UsageError", "main", "parse_args", "run"]
@@ -65,9 +65,6 @@ def parse_args(argv: list[str]) -> Any:
         raise UsageError("images=... and shards=... are both given; caption image files or shards, not both")
     if cfg.shards is None and cfg.format not in ("jsonl", "coco", "csv"):
         raise UsageError(f"format={cfg.format!r} is unknown; choose jsonl, coco or csv")
-    for key in ("devices", "num_nodes"):
-        if cfg[key] < 1:
-            raise UsageError(f"{key}={cfg[key]} must be at least 1")
     return cfg
 
 
@@ -148,8 +145,7 @@ def _caption_shards(cfg: Any, model: Any, options: dict[str, Any]) -> int:
     return 1 if summary.failed else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_main(__doc__, argv, parse_args, run)
+main = entry_point(__doc__, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from vitattn.cli.args import DecodingArgs, UsageError, parse_key_values, run_main
+from vitattn.cli.args import DecodingArgs, UsageError, entry_point, parse_key_values
 
 __all__ = ["ServeConfig", "main", "parse_args", "run"]
 
@@ -57,9 +57,6 @@ def parse_args(argv: list[str]) -> Any:
         raise UsageError(f"accelerator={cfg.accelerator!r} is unknown; choose auto, cpu or cuda")
     if cfg.devices != "auto" and not (cfg.devices.isdigit() and int(cfg.devices) >= 1):
         raise UsageError(f"devices={cfg.devices!r} must be auto or a number of GPUs (1 or more)")
-    for key in ("workers_per_device", "max_batch_size", "max_image_bytes"):
-        if cfg[key] < 1:
-            raise UsageError(f"{key}={cfg[key]} must be at least 1")
     if cfg.batch_timeout < 0 or cfg.batch_timeout >= cfg.timeout:
         raise UsageError(f"batch_timeout={cfg.batch_timeout} must be from 0 to less than timeout={cfg.timeout}")
     return cfg
@@ -102,8 +99,7 @@ def run(cfg: Any) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_main(__doc__, argv, parse_args, run)
+main = entry_point(__doc__, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -36,11 +36,8 @@ def _resume_argv(argv: list[str]) -> list[str]:
 
 
 def optimized_value(metrics: dict[str, float], name: str | None) -> float | None:
-    """The value of ``optimized_metric`` among a run's final metrics; ``None`` -> ``val/loss`` if logged.
-
-    Raises:
-        ValueError: ``name`` was chosen but the run did not log it.
-    """
+    """The value of ``optimized_metric`` among a run's final metrics (``None``: ``val/loss`` if logged); a
+    ``ValueError`` when ``name`` was chosen but the run did not log it."""
     if name is None:
         return metrics.get("val/loss")
     if name not in metrics:

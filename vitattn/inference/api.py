@@ -26,7 +26,7 @@ from vitattn.bundle import LoadedModel, load_model
 from vitattn.data.images import read_image, upright_rgb
 from vitattn.data.preprocess import denormalize
 from vitattn.errors import brief
-from vitattn.inference.attention_maps import attention_from_tokens
+from vitattn.inference.attention_maps import attention_from_tokens, check_figures_runtime
 from vitattn.inference.captioning import generate_tokens
 from vitattn.inference.embeddings import embed_pixels, embed_texts
 from vitattn.inference.zero_shot import check_labels, read_lines, templates_from, zero_shot_model
@@ -151,10 +151,7 @@ class Captioner(_TaskModel):
     def attention_maps(self, image: ImageLike, layer: int = -1, **generate: Any) -> AttentionMaps:
         """Caption one image and say where each word looked (needs the PyTorch runtime: attention
         weights are not outputs of the ONNX graphs)."""
-        if self.runtime != "torch":
-            raise ValueError(
-                "attention maps need the PyTorch runtime; load the bundle or run folder instead of the ONNX folder"
-            )
+        check_figures_runtime(self.bundle)
         pixels = self.pixels([image])  # (1, C, height, width)
         texts, tokens = self.caption_pixels(pixels, **generate)  # tokens (1, T')
         with torch.inference_mode():  # maps in fp32, as vitattn-caption draws them: from the tokens generated

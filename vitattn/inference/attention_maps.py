@@ -170,9 +170,7 @@ def attention_figures(
 def check_figures_runtime(model: Any) -> None:
     """Refuse, in one line, to draw figures of a ``LoadedModel`` whose runtime has no attention weights (ONNX)."""
     if model.runtime != "torch":
-        raise ValueError(
-            "attention_maps= needs the PyTorch runtime; caption with the bundle or run folder, not the ONNX folder"
-        )
+        raise ValueError("attention maps need the PyTorch runtime; use the bundle or run folder, not the ONNX folder")
 
 
 def figure_paths(inputs: Sequence[Any], folder: Path) -> dict[str, Path]:

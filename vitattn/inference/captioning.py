@@ -54,7 +54,6 @@ __all__ = [
     "caption_shards",
     "generate_tokens",
     "file_batches",
-    "image_file_batches",
     "launch_processes",
     "read_pixels",
     "shard_output",
@@ -281,20 +280,6 @@ def _chunks(inputs: InputList, positions: Sequence[int], size: int, folder: Path
     return units
 
 
-def image_file_batches(
-    inputs: InputList, transform: Callable[[Any], Tensor], batch_size: int = 32, num_workers: int = 0
-) -> Iterator[tuple[list[dict[str, Any]], Tensor | None, list[int]]]:
-    """Image files read in batches as captioning reads them: ``(rows, (b, C, height, width) pixels or None, the
-    rows the pixels are of)``, a row ``{"image", "image_id"}`` plus ``"error"`` for a file that cannot be read."""
-    units = list(enumerate(_chunks(inputs, range(len(inputs)), CHUNK_BATCHES * batch_size, Path())))
-    workers = min(num_workers, len(units))
-    loader = DataLoader(_UnitBatches(units, inputs, transform, batch_size), batch_size=None, num_workers=workers)
-    for items, images, decoded in loader:
-        rows = [row for _, row in items if row is not None]
-        at = {id(row): i for i, row in enumerate(rows)}
-        yield rows, images, [at[id(items[i][1])] for i in decoded]
-
-
 def file_batches(
     paths: Sequence[str],
     labels: Sequence[int],
@@ -303,16 +288,20 @@ def file_batches(
     num_workers: int,
     failed: list[str],
 ) -> Iterator[tuple[Tensor, Tensor]]:
-    """``(images, labels)`` batches of image files; unreadable files are logged, added to ``failed`` and left out."""
-    for rows, images, decoded in image_file_batches(
-        InputList(list(paths), list(labels)), transform, batch_size, num_workers
+    """``(images, labels)`` batches of image files read as captioning reads them; unreadable files are logged,
+    added to ``failed`` and left out."""
+    inputs = InputList(list(paths), list(labels))
+    units = list(enumerate(_chunks(inputs, range(len(inputs)), CHUNK_BATCHES * batch_size, Path())))
+    workers = min(num_workers, len(units))
+    for items, images, decoded in DataLoader(
+        _UnitBatches(units, inputs, transform, batch_size), batch_size=None, num_workers=workers
     ):
-        for row in rows:
-            if "error" in row:
+        for _, row in items:
+            if row is not None and "error" in row:
                 log.warning("%s: %s", row["image"], row["error"])
                 failed.append(row["image"])
         if images is not None:
-            yield images, torch.tensor([rows[i]["image_id"] for i in decoded])
+            yield images, torch.tensor([items[i][1]["image_id"] for i in decoded])
 
 
 def caption_images(

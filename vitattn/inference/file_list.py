@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import overload
@@ -47,10 +47,6 @@ class InputList(Sequence[InputImage]):
         if isinstance(i, slice):
             return InputList(self.paths[i], None if self.ids is None else self.ids[i])
         return InputImage(self.paths[i], i if self.ids is None else self.ids[i])
-
-    def __iter__(self) -> Iterator[InputImage]:
-        ids = range(len(self.paths)) if self.ids is None else self.ids
-        return (InputImage(p, i) for p, i in zip(self.paths, ids))
 
     @classmethod
     def unique(cls, inputs: Sequence[InputImage]) -> InputList:
@@ -99,28 +95,21 @@ def list_inputs(
 
 
 def _walk_images(root: Path, shown: str) -> list[str]:
-    """Image paths under ``root``, hidden names skipped, one ``os.scandir`` per folder; a folder that cannot be read
-    is a ``ValueError`` (its images would be missing from the list).
-    """
+    """Image paths under ``root``, hidden names skipped, links to folders not followed; a folder that cannot be
+    read is a ``ValueError`` (its images would be missing from the list)."""
+
+    def refuse(err: OSError) -> None:
+        raise ValueError(
+            f"images={shown}: cannot read the folder {printable(str(err.filename))} ({err.strerror or err}); "
+            "fix its permissions or name the images another way"
+        ) from None
+
     found: list[str] = []
-    folders = [str(root)]
-    while folders:
-        folder = folders.pop()
-        try:
-            entries = os.scandir(folder)
-        except OSError as err:
-            raise ValueError(
-                f"images={shown}: cannot read the folder {printable(folder)} ({err.strerror or err}); "
-                "fix its permissions or name the images another way"
-            ) from None
-        with entries:
-            for entry in entries:
-                if entry.name.startswith("."):
-                    continue
-                if os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
-                    found.append(entry.path)  # a folder named like an image too: it becomes an error record
-                elif entry.is_dir(follow_symlinks=False):  # as os.walk: links to folders not followed
-                    folders.append(entry.path)
+    for folder, dirs, files in os.walk(root, onerror=refuse):
+        names = [name for name in dirs + files if not name.startswith(".")]
+        images = {name for name in names if os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS}
+        found += [os.path.join(folder, name) for name in images]  # a folder named like an image too: an error record
+        dirs[:] = [name for name in dirs if name in names and name not in images]
     return found
 
 

@@ -119,6 +119,10 @@ class BundleAPI(ls.LitAPI):
             raise ValueError(f"model={self.model_path} is a {self.bundle.task} model; serving needs a caption model")
         self.transform = self.bundle.transform
 
+    # ``request`` stays unannotated: LitServe reads the annotation to choose what the endpoint parses
+    def decode_request(self, request) -> ImageRequest:
+        return decode_image_request(request, self.transform, self.max_image_bytes)
+
     def batch(self, inputs: list[Any]) -> list[Any]:
         return inputs
 
@@ -142,10 +146,6 @@ class CaptionAPI(BundleAPI):
     def setup(self, device: str) -> None:
         super().setup(device)
         self.captioner = Captioner(self.bundle)
-
-    # ``request`` stays unannotated: LitServe reads the annotation to choose what the endpoint parses
-    def decode_request(self, request) -> ImageRequest:
-        return decode_image_request(request, self.transform, self.max_image_bytes)
 
     def predict(self, x: list[ImageRequest] | ImageRequest) -> list[dict[str, Any]] | dict[str, Any]:
         """Caption the batch's good images in one ``generate`` call; bad ones keep their reason."""

@@ -16,7 +16,7 @@ from torch import Tensor
 from vitattn.errors import brief
 from vitattn.inference.embeddings import embed_pixels, embed_texts, embedding_model
 from vitattn.inference.zero_shot import ZeroShotClassifier, check_labels, class_embeddings, templates_from
-from vitattn.serve.api import BundleAPI, ImageRequest, decode_image_request
+from vitattn.serve.api import BundleAPI, ImageRequest
 
 __all__ = ["EMBEDDING_ROUTES", "ClassifyAPI", "ClassifyRequest", "EmbedAPI", "TextRequest"]
 
@@ -52,9 +52,6 @@ class _EmbeddingAPI(BundleAPI):
         super().setup(device)
         embedding_model(self.bundle, f"POST {self.api_path}", f"model={self.model_path}")
 
-    def _image(self, request: Any) -> ImageRequest:
-        return decode_image_request(request, self.transform, self.max_image_bytes)
-
     def _embed_images(self, requests: list[ImageRequest]) -> list[Tensor]:
         """Each good image's (E,) embedding, one batch for all of them; None for a bad one."""
         good = [r.image for r in requests if r.image is not None]
@@ -87,7 +84,7 @@ class EmbedAPI(_EmbeddingAPI):
             return TextRequest(texts, single=False)
         if not has_image:
             return ImageRequest(error=NO_INPUT)
-        return self._image(request)
+        return super().decode_request(request)
 
     def predict(self, x: list | ImageRequest | TextRequest) -> list[dict[str, Any]] | dict[str, Any]:
         """Embed the batch's images together and its texts together; bad requests keep their reason."""
@@ -122,7 +119,7 @@ class ClassifyAPI(_EmbeddingAPI):
             templates = templates_from(None if templates is None else _names(templates, "|", "templates"))
         except ValueError as err:
             return ImageRequest(error=str(err))
-        image = self._image(request)
+        image = super().decode_request(request)
         return image if image.error is not None else ClassifyRequest(image, labels, templates)
 
     def predict(self, x: list | ClassifyRequest | ImageRequest) -> list[dict[str, Any]] | dict[str, Any]:

@@ -8,10 +8,11 @@ import json
 from collections.abc import Sequence
 from importlib.resources import files
 from typing import Any
-from urllib.parse import parse_qs
 
 import litserve as ls
 from fastapi.responses import HTMLResponse, JSONResponse
+from starlette.datastructures import MutableHeaders
+from starlette.requests import ClientDisconnect, Request
 
 from vitattn.bundle import LoadedModel
 from vitattn.inference.embeddings import embedding_model
@@ -31,13 +32,8 @@ def serving_apis(api: CaptionAPI, bundle: LoadedModel) -> tuple[list[BundleAPI],
         embedding_model(bundle, "POST /embed and /classify", f"model={api.model_path}")
     except ValueError as err:
         return [api], str(err)
-    settings = {
-        "max_image_bytes": api.max_image_bytes,
-        "num_threads": api.num_threads,
-        "precision": api.precision,
-        "max_batch_size": api.max_batch_size,
-        "batch_timeout": api.batch_timeout,
-    }
+    keys = ("max_image_bytes", "num_threads", "precision", "max_batch_size", "batch_timeout")
+    settings = {key: getattr(api, key) for key in keys}
     return [api, EmbedAPI(api.model_path, **settings), ClassifyAPI(api.model_path, **settings)], None
 
 
@@ -98,37 +94,24 @@ class RequestBodies:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
             return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        content_type = headers.get(b"content-type", b"").decode("latin-1").lower()
+        request = Request(scope, receive)
+        content_type = request.headers.get("content-type", "").lower()
         if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
             return await self.app(scope, receive, send)
-        body = await _read_body(receive)
+        try:
+            body = await request.body()
+        except ClientDisconnect:  # nobody to answer
+            return None
         if content_type.startswith(("image/", "application/octet-stream")):
-            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-            fields = {key: values[-1] for key, values in query.items()}
-            fields["image"] = base64.b64encode(body).decode("ascii")
-            body = json.dumps(fields).encode("ascii")
-            scope = {**scope, "headers": _as_json(scope["headers"], len(body))}
+            body = json.dumps({**request.query_params, "image": base64.b64encode(body).decode("ascii")}).encode("ascii")
+            headers = MutableHeaders(scope=scope)
+            headers["content-type"], headers["content-length"] = "application/json", str(len(body))
         else:
             try:
                 json.loads(body)
             except ValueError:
                 return await JSONResponse({"detail": NOT_AN_IMAGE_BODY}, status_code=400)(scope, receive, send)
         return await self.app(scope, _replay(body, receive), send)
-
-
-async def _read_body(receive: Any) -> bytes:
-    chunks, more = [], True
-    while more:
-        message = await receive()
-        chunks.append(message.get("body", b""))
-        more = message.get("more_body", False)
-    return b"".join(chunks)
-
-
-def _as_json(headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]:
-    kept = [(k, v) for k, v in headers if k.lower() not in (b"content-type", b"content-length")]
-    return [*kept, (b"content-type", b"application/json"), (b"content-length", str(length).encode())]
 
 
 def _replay(body: bytes, receive: Any) -> Any:
