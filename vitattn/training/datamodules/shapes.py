@@ -44,7 +44,8 @@ class ShapesDataModule(ImageDataModule):
         tokenizer: Mapping[str, Any] | None = None,
         vocab: Tokenizer | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, img_size, mean=mean, std=std, tokenizer=tokenizer, vocab=vocab)
+        settings = dict(batch_size=batch_size, num_workers=num_workers, mean=mean, std=std, tokenizer=tokenizer)
+        super().__init__(img_size=img_size, vocab=vocab, **settings)
         self.task, self.seed = task, seed
         self.num_train, self.num_val, self.num_test = num_train, num_val, num_test
         self.max_caption_len, self.vocab_path = max_caption_len, vocab_path
