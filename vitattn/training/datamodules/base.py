@@ -1,9 +1,5 @@
-"""What every DataModule shares: loaders, preprocessing, the cache, the evaluation split, the tokenizer.
-
-The training loader (``ResumableLoader``) resumes mid-epoch, each sample of an interrupted epoch trained once over
-both runs: the order is drawn as Lightning's shuffled loader would, and its seed and the batches handed out are
-kept in checkpoints. Images cross to the device as uint8 and are normalised there. The design: docs/training.md.
-"""
+"""What every DataModule shares: loaders (the training one resumes mid-epoch), uint8 images normalised on the
+device, the cache, the evaluation split, the tokenizer. The design: docs/training.md#the-datamodules."""
 
 from __future__ import annotations
 
@@ -42,6 +38,7 @@ from vitattn.data.tokenizer import (
     Tokenizer,
     Vocabulary,
     check_bpe_size,
+    check_captions_per_image,
     collate_captions,
     load_tokenizer,
     train_bpe,
@@ -181,7 +178,8 @@ class ImageDataModule(pl.LightningDataModule):
 
     ``tasks`` are the heads the data can train; ``preprocess`` describes the evaluation transform of an image file
     (timm's ``create_transform`` arguments) so that inference reproduces it. The arguments are the shared ``data.*``
-    keys (conf/data/); ``cache``, ``bad_images`` and ``verify`` apply to image files (``reads_files``).
+    keys (conf/data/); ``cache``, ``bad_images`` and ``verify`` apply to image files (``reads_files``), the rest to
+    captions (``vocab_path``: a saved ``vocab.json`` or ``tokenizer.json`` rather than one built from the captions).
     """
 
     tasks: tuple[str, ...] = ()
@@ -205,6 +203,10 @@ class ImageDataModule(pl.LightningDataModule):
         verify: bool = False,
         tokenizer: Mapping[str, Any] | None = None,
         vocab: Tokenizer | None = None,
+        min_word_freq: int | str = "auto",
+        max_caption_len: int = 32,
+        captions_per_image: int | str = "all",
+        vocab_path: str | os.PathLike | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -216,6 +218,8 @@ class ImageDataModule(pl.LightningDataModule):
         should_cache(cache, 0, 0)  # an unknown mode fails here, before any file is read
         self.batch_size, self.num_workers, self.img_size = batch_size, num_workers, img_size
         self.bad_images, self.verify, self.cache_mode = bad_images, bool(verify), cache
+        self.min_word_freq, self.max_caption_len, self.vocab_path = min_word_freq, max_caption_len, vocab_path
+        self.captions_per_image = check_captions_per_image(captions_per_image)
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
@@ -273,14 +277,6 @@ class ImageDataModule(pl.LightningDataModule):
 
     cache: ImageCache | None = None
 
-    def _cache(self, paths: list[str]) -> ImageCache | None:
-        resize = self.eval_transform().transforms[0]  # timm's eval transform starts with its resize
-        side = math.floor(self.img_size / float(self.preprocess["crop_pct"]))
-        if not should_cache(self.cache_mode, len(set(paths)), side):
-            return None
-        self.cache = ImageCache(paths, resize)
-        return self.cache
-
     def image_files(self) -> list[str]:
         """Every image file of the train, val and test splits (after ``setup``); none for generated images."""
         return []
@@ -288,11 +284,11 @@ class ImageDataModule(pl.LightningDataModule):
     def _read_images(self, datasets: Any) -> None:
         """Before any step: cache the images of ``datasets`` (``cache_mode``), or with ``verify`` read each once."""
         paths = self.image_files()
-        cache = self._cache(paths)
-        if cache is not None:
+        if should_cache(self.cache_mode, len(set(paths)), math.floor(self.img_size / self.preprocess["crop_pct"])):
+            self.cache = ImageCache(paths, self.eval_transform().transforms[0])  # timm's eval transform: resize first
             for dataset in datasets:
-                dataset.loader = cache.load
-            bad = cache.bad
+                dataset.loader = self.cache.load
+            bad = self.cache.bad
         elif self.verify:
             bad = find_bad_images(paths)
         else:
@@ -321,7 +317,7 @@ class ImageDataModule(pl.LightningDataModule):
     def _use_captions(
         self, splits: tuple[Dataset, Dataset, Dataset], vocab: Tokenizer, per_image: int | str | None
     ) -> None:
-        """The (train, val, test) caption datasets tokenized, up to the subclass's ``max_caption_len``; training takes
+        """The (train, val, test) caption datasets tokenized, up to ``max_caption_len``; training takes
         ``per_image`` references of each image (``TokenizedCaptions``)."""
         train, val, test = splits
         self.vocab = vocab
@@ -400,13 +396,12 @@ class ImageDataModule(pl.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_dataset, shuffle=False)
 
-    def _caption_tokenizer(self, captions: Callable[[], list[str]], min_freq: int | str) -> Tokenizer:
+    def _caption_tokenizer(self, captions: Callable[[], list[str]]) -> Tokenizer:
         """The tokenizer given, else the one at ``vocab_path``, else the one ``tokenizer_config`` names."""
         if self.vocab is not None:
             return self.vocab
-        vocab_path = getattr(self, "vocab_path", None)
-        if vocab_path is not None:
-            return load_tokenizer(vocab_path)
+        if self.vocab_path is not None:
+            return load_tokenizer(self.vocab_path)
         config = self.tokenizer_config
         kind = config.get("kind", "words")
         if kind == "file":
@@ -414,7 +409,7 @@ class ImageDataModule(pl.LightningDataModule):
         self.train_captions = captions()
         if kind == "bpe":
             return train_bpe(self.train_captions, config.get("vocab_size", "auto"))
-        return Vocabulary.build(self.train_captions, min_freq=min_freq)
+        return Vocabulary.build(self.train_captions, min_freq=self.min_word_freq)
 
 
 def worker_context(workers: int) -> Any:

@@ -10,7 +10,6 @@ from typing import Any
 from vitattn.data.coco import CocoCaptionDataset, CocoImage, load_coco_captions, load_karpathy
 from vitattn.data.images import EvalSplit
 from vitattn.data.preprocess import CAPTION_CROP_SCALE, Augment, CaptionAugment
-from vitattn.data.tokenizer import check_captions_per_image
 from vitattn.training.datamodules.base import ImageDataModule
 
 __all__ = ["CaptionFilesDataModule", "CocoCaptionDataModule", "KarpathyDataModule"]
@@ -22,8 +21,7 @@ class CaptionFilesDataModule(ImageDataModule):
     Training items take ``captions_per_image`` of their image's captions (``draw_captions``: at random, ``all``
     every one), teacher-forced on one encoding of the image; val and test items take the first, and carry all of
     them as references. The arguments are the ``data.*`` keys of conf/data/coco.yaml and karpathy.yaml (``settings``:
-    ``ImageDataModule``'s); ``vocab_path``: a saved ``vocab.json`` or ``tokenizer.json`` to use rather than one
-    built from the captions.
+    ``ImageDataModule``'s).
     """
 
     tasks = ("caption",)
@@ -32,17 +30,11 @@ class CaptionFilesDataModule(ImageDataModule):
     def __init__(
         self,
         image_dir: str | os.PathLike,
-        min_word_freq: int | str = "auto",
-        max_caption_len: int = 32,
-        captions_per_image: int | str = "all",
-        vocab_path: str | os.PathLike | None = None,
         augment: bool | Mapping[str, Any] = True,
         **settings: Any,
     ) -> None:
         super().__init__(**{"num_workers": "auto", "cache": "auto", **settings})
         self.image_dir = image_dir
-        self.min_word_freq, self.max_caption_len, self.vocab_path = min_word_freq, max_caption_len, vocab_path
-        self.captions_per_image = check_captions_per_image(captions_per_image)
         # the mild crop always; flips and colour jitter only where asked and no caption contradicts them
         self.augment = Augment.from_config(augment, scale=CAPTION_CROP_SCALE, hflip=0.0)
 
@@ -62,7 +54,7 @@ class CaptionFilesDataModule(ImageDataModule):
         train = CocoCaptionDataset(self.image_dir, train_images, training)
         val = CocoCaptionDataset(self.image_dir, val_images, evaluate)
         test = val if test_images is val_images else CocoCaptionDataset(self.image_dir, test_images, evaluate)
-        vocab = self._caption_tokenizer(lambda: train.captions, self.min_word_freq)
+        vocab = self._caption_tokenizer(lambda: train.captions)
         self._use_captions((train, val, test), vocab, self.captions_per_image)
         self._read_images({train, val, test})
 

@@ -1,9 +1,5 @@
-"""Training from WebDataset shards (the img2dataset layout), across ranks and workers, resumable mid-epoch.
-
-Every sample is trained once per epoch, whatever the ranks and workers of a resumed run: ``state_dict`` holds
-the epoch's positions trained so far on every rank, and the rest of the epoch is planned from those not yet
-trained. The design: docs/shards.md.
-"""
+"""Training from WebDataset shards (the img2dataset layout), across ranks and workers, every sample once per
+epoch and resumable mid-epoch from the positions trained on every rank (``state_dict``). The design: docs/shards.md."""
 
 from __future__ import annotations
 
@@ -34,7 +30,7 @@ from vitattn.data.shards.stream import (
     sample_caption,
     sample_references,
 )
-from vitattn.data.tokenizer import check_captions_per_image, collate_captions
+from vitattn.data.tokenizer import collate_captions
 from vitattn.training.datamodules.base import EvaluationBatches, ImageDataModule, rank_and_world, worker_context
 from vitattn.training.datamodules.image_folder import ImageFolderDataModule
 
@@ -101,10 +97,6 @@ class WebDatasetDataModule(ImageDataModule):
         task: str = "caption",
         caption_key: str | None = None,
         class_names: str | Sequence[str] | None = None,
-        min_word_freq: int | str = "auto",
-        max_caption_len: int = 32,
-        captions_per_image: int | str = "all",
-        vocab_path: str | os.PathLike | None = None,
         augment: bool | Mapping[str, Any] = True,
         shuffle_buffer: int = 1000,
         seed: int = 0,
@@ -124,8 +116,6 @@ class WebDatasetDataModule(ImageDataModule):
             raise ValueError(f"data.samples_per_epoch={samples_per_epoch} must be at least 1, or null for all")
         self.shards = {"train": train_shards, "val": val_shards, "test": test_shards}
         self.caption_key, self.class_names_spec = caption_key, class_names
-        self.min_word_freq, self.max_caption_len, self.vocab_path = min_word_freq, max_caption_len, vocab_path
-        self.captions_per_image = check_captions_per_image(captions_per_image)
         scale = CAPTION_CROP_SCALE if task == "caption" else "auto"
         self.augment = Augment.from_config(augment, scale=scale, **({"hflip": 0.0} if task == "caption" else {}))
         self.shuffle_buffer, self.seed, self.samples_per_epoch = int(shuffle_buffer), int(seed), samples_per_epoch
@@ -156,7 +146,7 @@ class WebDatasetDataModule(ImageDataModule):
         if sum(sizes["train"]) == 0:
             raise ValueError(f"data.train_shards: the {len(urls['train'])} shards hold no sample")
         if self.task == "caption":
-            vocab = self._caption_tokenizer(lambda: shard_captions(urls["train"], self.caption_key), self.min_word_freq)
+            vocab = self._caption_tokenizer(lambda: shard_captions(urls["train"], self.caption_key))
             self.vocab = vocab
             augmenter, collate = CaptionAugment, partial(collate_captions, pad_id=vocab.pad_id)
         else:
