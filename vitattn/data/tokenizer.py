@@ -257,7 +257,7 @@ class SubwordTokenizer(Tokenizer):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SubwordTokenizer):
             return NotImplemented
-        return json.loads(self.to_str()) == json.loads(other.to_str())
+        return json.loads(self.hf.to_str()) == json.loads(other.hf.to_str())
 
     __hash__ = None
 
@@ -279,10 +279,6 @@ class SubwordTokenizer(Tokenizer):
             text = "" if i in self._special else self.hf.decode([i], skip_special_tokens=False).strip()
             shown.append(text or self.hf.id_to_token(i) or "")
         return shown
-
-    def to_str(self) -> str:
-        """The ``tokenizer.json`` text."""
-        return self.hf.to_str()
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the ``tokenizer.json``, atomically."""
@@ -371,7 +367,7 @@ def tokenizer_labels(tokenizer: Tokenizer) -> list[str] | str:
     """What a checkpoint keeps of ``tokenizer`` (plain types, for ``weights_only`` loading): a vocabulary's
     words in id order, or a subword tokenizer's ``tokenizer.json`` text."""
     if isinstance(tokenizer, SubwordTokenizer):
-        return tokenizer.to_str()
+        return tokenizer.hf.to_str()
     return list(tokenizer.words)
 
 
@@ -434,11 +430,7 @@ class TokenizedCaptions(Dataset):
     def __init__(self, dataset: Dataset, vocab: Tokenizer, max_len: int, per_image: int | str | None = None):
         self.dataset, self.vocab, self.max_len = dataset, vocab, max_len
         self.per_image = per_image
-
-    @property
-    def draws(self) -> bool:
-        """Whether its sampler hands out ``(index, epoch seed)``."""
-        return self.per_image is not None
+        self.draws = per_image is not None  # its sampler hands out ``(index, epoch seed)``
 
     def __len__(self) -> int:
         return len(self.dataset)

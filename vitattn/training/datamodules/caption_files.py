@@ -92,10 +92,9 @@ class CocoCaptionDataModule(CaptionFilesDataModule):
         train_annotations: str | os.PathLike,
         val_annotations: str | os.PathLike,
         test_annotations: str | os.PathLike | None = None,
-        num_workers: int | str = 0,
         **settings: Any,
     ) -> None:
-        super().__init__(image_dir, num_workers=num_workers, **settings)
+        super().__init__(image_dir, **{"num_workers": 0, **settings})
         self.annotations = (train_annotations, val_annotations, test_annotations or val_annotations)
 
     def split_images(self) -> tuple[list[CocoImage], list[CocoImage], list[CocoImage]]:
