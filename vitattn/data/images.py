@@ -210,6 +210,9 @@ class ImageCache:
     def _read(self, path: str) -> np.ndarray:
         return np.asarray(self.resize(read_image(path)), dtype=np.uint8).copy()
 
+    def __len__(self) -> int:
+        return len(self.images)
+
     def load(self, path: Any) -> Image.Image:
         """The cached image of ``path`` as a PIL view; raises the ``BadImageError`` of a file that could not be read."""
         key = str(path)
