@@ -126,8 +126,12 @@ DATAMODULES = {
     "shapes classification": lambda root: ShapesDataModule(
         task="classification", img_size=32, num_train=8, num_val=6, num_test=6, batch_size=4
     ),
-    "imagefolder cached": lambda root: ImageFolderDataModule(make_image_folder(root), 32, 4, cache="ram"),
-    "imagefolder files": lambda root: ImageFolderDataModule(make_image_folder(root), 32, 4, cache="none"),
+    "imagefolder cached": lambda root: ImageFolderDataModule(
+        make_image_folder(root), img_size=32, batch_size=4, cache="ram"
+    ),
+    "imagefolder files": lambda root: ImageFolderDataModule(
+        make_image_folder(root), img_size=32, batch_size=4, cache="none"
+    ),
     "coco": lambda root: CocoCaptionDataModule(**make_coco(root), img_size=32, batch_size=4, min_word_freq=1),
     "karpathy": lambda root: KarpathyDataModule(**make_karpathy(root), img_size=32, batch_size=4, num_workers=0),
     "webdataset caption": lambda root: WebDatasetDataModule(**_shards(root), img_size=32, batch_size=4, num_workers=0),

@@ -94,7 +94,7 @@ def load_coco_captions(path: str | os.PathLike) -> list[CocoImage]:
 
 class CocoCaptionDataset(Dataset):
     """Items ``{"image", "caption", "references", "image_id"}`` of a COCO caption file (or parsed images) under
-    ``image_dir``: the PIL image from ``loader`` (``read_image``, an ``ImageCache``'s ``load``) after ``transform``
+    ``image_dir``: the PIL image from ``loader`` (``read_image``, or an ``ImageCache``'s ``load``) after ``transform``
     (a ``CaptionAugment`` also gets the captions), the first caption, all of them."""
 
     def __init__(
@@ -102,7 +102,6 @@ class CocoCaptionDataset(Dataset):
         image_dir: str | os.PathLike,
         annotations: str | os.PathLike | Sequence[CocoImage],
         transform: Callable[..., Any] | None = None,
-        loader: Callable[[str | os.PathLike], Image.Image] = read_image,
     ) -> None:
         self.image_dir = Path(image_dir)
         if not self.image_dir.is_dir():
@@ -111,7 +110,7 @@ class CocoCaptionDataset(Dataset):
             annotations = load_coco_captions(annotations)
         self.images: list[CocoImage] = list(annotations)
         self.transform = transform
-        self.loader = loader  # read_image, or an ImageCache's load
+        self.loader: Callable[[str | os.PathLike], Image.Image] = read_image  # or an ImageCache's load
 
     def __len__(self) -> int:
         return len(self.images)

@@ -204,8 +204,8 @@ class ImageCache:
     def __init__(self, paths: Sequence[str], resize: Callable[[Image.Image], Image.Image], threads: int = 0) -> None:
         self.resize = resize
         self.images, self.bad = read_many(paths, self._read, threads or max(1, min(8, os.cpu_count() or 1)))
-        self.nbytes = sum(a.nbytes for a in self.images.values())
-        log.info("cached %d images in memory (%.1f MiB)", len(self.images), self.nbytes / 2**20)
+        nbytes = sum(a.nbytes for a in self.images.values())
+        log.info("cached %d images in memory (%.1f MiB)", len(self.images), nbytes / 2**20)
 
     def _read(self, path: str) -> np.ndarray:
         return np.asarray(self.resize(read_image(path)), dtype=np.uint8).copy()

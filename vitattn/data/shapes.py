@@ -68,22 +68,18 @@ def relation(a: SceneObject, b: SceneObject) -> str:
     return "above" if dy > 0 else "below"
 
 
-def describe(objects: Scene) -> str:
-    """Chain the objects in the given order: "a small red circle left of a large blue square"."""
+def scene_caption(objects: Scene) -> str:
+    """The objects chained in the given order, "a small red circle left of a large blue square"; the canonical
+    caption of a scene (left to right)."""
     words = [objects[0].phrase]
     for prev, nxt in zip(objects, objects[1:]):
         words += [relation(prev, nxt), nxt.phrase]
     return " ".join(words)
 
 
-def scene_caption(scene: Scene) -> str:
-    """The canonical caption: objects from left to right."""
-    return describe(scene)
-
-
 def scene_references(scene: Scene) -> list[str]:
     """All valid captions: the canonical one, then (2+ objects) the chain read right to left."""
-    return [describe(scene)] if len(scene) == 1 else [describe(scene), describe(scene[::-1])]
+    return [scene_caption(scene)] if len(scene) == 1 else [scene_caption(scene), scene_caption(scene[::-1])]
 
 
 def scene_label(scene: Scene) -> int:

@@ -8,7 +8,6 @@ import json
 import os
 import random
 import sys
-import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice, takewhile
@@ -29,13 +28,13 @@ from vitattn.run_dir import TOKENIZER_FILE, VOCAB_FILE
 __all__ = [
     "auto_bpe_size",
     "auto_min_freq",
+    "check_bpe_size",
     "check_captions_per_image",
     "collate_captions",
     "describe_tokenizer",
     "draw_captions",
     "KINDS",
     "load_tokenizer",
-    "normalize_caption",
     "SPECIALS",
     "SUBWORD_SPECIALS",
     "SubwordTokenizer",
@@ -187,11 +186,6 @@ def _framed(tokenizer: Tokenizer, ids: list[int], max_len: int | None) -> list[i
     return [tokenizer.bos_id, *(ids if max_len is None else ids[: max_len - 2]), tokenizer.eos_id]
 
 
-def normalize_caption(text: str) -> str:
-    """What ``tokenizer=bpe`` makes of a caption before encoding: NFC, lower case, single spaces, no ends."""
-    return " ".join(unicodedata.normalize("NFC", text).lower().split())
-
-
 def _before_eos(tokenizer: Tokenizer, ids: Sequence[int] | torch.Tensor, what: str) -> list[int]:
     """``ids`` up to the first eos, each checked to be one of the tokenizer's (``what`` names it)."""
     ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
@@ -263,17 +257,12 @@ class SubwordTokenizer(Tokenizer):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SubwordTokenizer):
             return NotImplemented
-        return json.loads(self.to_str()) == json.loads(other.to_str())
+        return json.loads(self.hf.to_str()) == json.loads(other.hf.to_str())
 
     __hash__ = None
 
     def __repr__(self) -> str:
         return f"SubwordTokenizer({len(self)} tokens)"
-
-    def normalize(self, text: str) -> str:
-        """``text`` as the tokenizer's own normaliser leaves it (unchanged when it has none)."""
-        normalizer = self.hf.normalizer
-        return normalizer.normalize_str(text) if normalizer is not None else text
 
     def encode(self, text: str, max_len: int | None = None) -> list[int]:
         """Token ids ``[bos, t1, ..., tn, eos]``; longer than ``max_len``: the last subwords are cut, eos kept."""
@@ -290,10 +279,6 @@ class SubwordTokenizer(Tokenizer):
             text = "" if i in self._special else self.hf.decode([i], skip_special_tokens=False).strip()
             shown.append(text or self.hf.id_to_token(i) or "")
         return shown
-
-    def to_str(self) -> str:
-        """The ``tokenizer.json`` text."""
-        return self.hf.to_str()
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the ``tokenizer.json``, atomically."""
@@ -319,14 +304,19 @@ def auto_bpe_size(captions: Iterable[str]) -> int:
     return min(MAX_AUTO_BPE, -(-size // 64) * 64)
 
 
+def check_bpe_size(vocab_size: Any) -> int | str:
+    """``tokenizer.vocab_size``: ``auto``, or at least the 256 bytes and the specials."""
+    smallest = _BYTES + len(SUBWORD_SPECIALS)
+    whole = isinstance(vocab_size, int) and not isinstance(vocab_size, bool)
+    if vocab_size != "auto" and not (whole and vocab_size >= smallest):
+        raise ValueError(f"tokenizer.vocab_size={vocab_size!r} must be auto or at least {smallest} (bytes, specials)")
+    return vocab_size
+
+
 def train_bpe(captions: Sequence[str], vocab_size: int | str = "auto") -> SubwordTokenizer:
     """A byte-level BPE of ``vocab_size`` tokens (``auto``: ``auto_bpe_size``) trained on ``captions``, NFC, lower
     case, single spaces; no unknown token. Tokenizers' progress bar shows on a terminal."""
-    if vocab_size == "auto":
-        vocab_size = auto_bpe_size(captions)
-    smallest = _BYTES + len(SUBWORD_SPECIALS)
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < smallest:
-        raise ValueError(f"tokenizer.vocab_size={vocab_size!r} must be auto or at least {smallest} (bytes, specials)")
+    vocab_size = auto_bpe_size(captions) if check_bpe_size(vocab_size) == "auto" else vocab_size
     tokenizer = HFTokenizer(models.BPE())  # no unk_token: the byte alphabet covers every string
     tokenizer.normalizer = normalizers.Sequence(
         [normalizers.NFC(), normalizers.Lowercase(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Strip()]
@@ -377,7 +367,7 @@ def tokenizer_labels(tokenizer: Tokenizer) -> list[str] | str:
     """What a checkpoint keeps of ``tokenizer`` (plain types, for ``weights_only`` loading): a vocabulary's
     words in id order, or a subword tokenizer's ``tokenizer.json`` text."""
     if isinstance(tokenizer, SubwordTokenizer):
-        return tokenizer.to_str()
+        return tokenizer.hf.to_str()
     return list(tokenizer.words)
 
 
@@ -440,11 +430,7 @@ class TokenizedCaptions(Dataset):
     def __init__(self, dataset: Dataset, vocab: Tokenizer, max_len: int, per_image: int | str | None = None):
         self.dataset, self.vocab, self.max_len = dataset, vocab, max_len
         self.per_image = per_image
-
-    @property
-    def draws(self) -> bool:
-        """Whether its sampler hands out ``(index, epoch seed)``."""
-        return self.per_image is not None
+        self.draws = per_image is not None  # its sampler hands out ``(index, epoch seed)``
 
     def __len__(self) -> int:
         return len(self.dataset)

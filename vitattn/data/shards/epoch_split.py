@@ -24,34 +24,20 @@ class PositionSet:
 
     def __init__(self, ranges: Iterable[Sequence[int]] = ()) -> None:
         self.ranges: list[Range] = []
-        for start, stop in sorted((int(a), int(b)) for a, b in ranges):
-            self._append(start, stop)
+        self._merge((int(a), int(b)) for a, b in ranges)
 
-    def _append(self, start: int, stop: int) -> None:
-        if start >= stop:
-            return
-        if self.ranges and start <= self.ranges[-1][1]:
-            last = self.ranges[-1]
-            self.ranges[-1] = (last[0], max(last[1], stop))
-        else:
-            self.ranges.append((start, stop))
+    def _merge(self, ranges: Iterable[Range]) -> None:
+        merged: list[Range] = []
+        for start, stop in sorted([*self.ranges, *ranges]):  # the ranges held are sorted: a linear merge
+            if start < stop and merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+            elif start < stop:
+                merged.append((start, stop))
+        self.ranges = merged
 
     def add(self, positions: Iterable[int]) -> None:
         """Add positions (in any order)."""
-        for p in positions:
-            i = bisect.bisect_right(self.ranges, (p, float("inf"))) - 1
-            if i >= 0 and self.ranges[i][0] <= p < self.ranges[i][1]:
-                continue
-            joins_left = i >= 0 and self.ranges[i][1] == p
-            joins_right = i + 1 < len(self.ranges) and self.ranges[i + 1][0] == p + 1
-            if joins_left and joins_right:
-                self.ranges[i : i + 2] = [(self.ranges[i][0], self.ranges[i + 1][1])]
-            elif joins_left:
-                self.ranges[i] = (self.ranges[i][0], p + 1)
-            elif joins_right:
-                self.ranges[i + 1] = (p, self.ranges[i + 1][1])
-            else:
-                self.ranges.insert(i + 1, (p, p + 1))
+        self._merge((p, p + 1) for p in positions)
 
     def __len__(self) -> int:
         return sum(b - a for a, b in self.ranges)

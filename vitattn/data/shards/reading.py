@@ -1,7 +1,5 @@
-"""WebDataset shards as img2dataset writes them (``00000.tar``, ``00000_stats.json`` beside it): which shards a
-spec names (``expand_shards``), how many samples each holds (``shard_sizes``, counted once and cached), and one
-shard's samples in tar order (a local tar, a ``pipe:`` command or a URL). A plain local tar is read from its
-headers, and where its member index lies beside it straight at a worker's own samples; anything else through
+"""WebDataset shards as img2dataset writes them: which a spec names (``expand_shards``), their sample counts
+(``shard_sizes``), one shard's samples: a plain local tar from its headers and member index, anything else through
 webdataset (docs/shards.md)."""
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ __all__ = [
     "CLASSES_FILE",
     "expand_shards",
     "shard_sizes",
-    "stats_path",
     "build_index",
     "index_files",
     "INDEX_SUFFIX",
@@ -482,14 +479,6 @@ def expand_shards(spec: str | os.PathLike | Sequence[str | os.PathLike], where: 
     return urls
 
 
-def stats_path(url: str) -> Path | None:
-    """img2dataset's ``NNNNN_stats.json`` beside a local shard ``NNNNN.tar``."""
-    path = local_path(url)
-    if path is None:
-        return None
-    return Path(path).with_name(Path(path).name.rsplit(".", 1)[0] + "_stats.json")
-
-
 def shard_sizes(urls: Sequence[str], cache_dir: str | os.PathLike | None = None, threads: int = 8) -> list[int]:
     """Each shard's sample count: its ``_stats.json``'s ``successes`` (or ``.parquet`` rows), else its member
     index's, else one counting pass cached in ``cache_dir`` (``~/.cache/vitattn``) by address, size and time; a
@@ -548,10 +537,11 @@ def _index(url: str, cache_dir: str | os.PathLike | None) -> int | None:
 
 
 def _stated_size(url: str) -> int | None:
-    """``successes`` of the shard's ``_stats.json``, else the ``success`` rows of its ``.parquet`` (pyarrow)."""
-    path = stats_path(url)
-    if path is None:
+    """``successes`` of img2dataset's ``NNNNN_stats.json`` beside a local ``NNNNN.tar``, else the ``success`` rows
+    of its ``NNNNN.parquet`` (pyarrow)."""
+    if local_path(url) is None:
         return None
+    path = Path(local_path(url)).with_name(Path(local_path(url)).name.rsplit(".", 1)[0] + "_stats.json")
     if path.is_file():
         try:
             return int(json.loads(path.read_text())["successes"])

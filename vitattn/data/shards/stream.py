@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from webdataset.filters import shuffle
 
 from vitattn.data.bad_images import SkippedImage, collate_skipping
 from vitattn.data.images import IMAGE_EXTENSIONS, BadImageError, read_image
@@ -196,7 +197,8 @@ class ShardStream(IterableDataset):
         plan = self.plans[worker]
         stream = self._read(plan.ranges)
         if self.shuffle_buffer > 1:
-            stream = _buffer_shuffle(stream, self.shuffle_buffer, random.Random(f"{self.seed}/{worker}"))
+            rng = random.Random(f"{self.seed}/{worker}")
+            stream = shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(stream)  # webdataset's
         for size in plan.batch_sizes:
             chunk = list(islice(stream, size))
             if not chunk:
@@ -252,17 +254,3 @@ class ShardStream(IterableDataset):
         for offset in wanted[given:]:  # what the shard could not give, counted as skipped
             where = f"{url}: #{offset}"
             yield offset, (where, SkippedImage(where, reason))
-
-
-def _buffer_shuffle(stream: Iterator[Any], size: int, rng: random.Random) -> Iterator[Any]:
-    """``stream`` shuffled through a buffer of ``size`` items (webdataset's shuffle, with our own generator)."""
-    buffer: list[Any] = []
-    for item in stream:
-        if len(buffer) < size:
-            buffer.append(item)
-            continue
-        j = rng.randrange(size)
-        buffer[j], item = item, buffer[j]
-        yield item
-    rng.shuffle(buffer)
-    yield from buffer

@@ -1,9 +1,5 @@
-"""What every DataModule shares: loaders, preprocessing, the cache, the evaluation split, the tokenizer.
-
-The training loader (``ResumableLoader``) resumes mid-epoch, each sample of an interrupted epoch trained once over
-both runs: the order is drawn as Lightning's shuffled loader would, and its seed and the batches handed out are
-kept in checkpoints. Images cross to the device as uint8 and are normalised there. The design: docs/training.md.
-"""
+"""What every DataModule shares: loaders (the training one resumes mid-epoch), uint8 images normalised on the
+device, the cache, the evaluation split, the tokenizer. The design: docs/training.md#the-datamodules."""
 
 from __future__ import annotations
 
@@ -12,7 +8,6 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -42,6 +37,8 @@ from vitattn.data.tokenizer import (
     TokenizedCaptions,
     Tokenizer,
     Vocabulary,
+    check_bpe_size,
+    check_captions_per_image,
     collate_captions,
     load_tokenizer,
     train_bpe,
@@ -180,35 +177,49 @@ class ImageDataModule(pl.LightningDataModule):
     """Loader settings shared by every DataModule; subclasses fill the datasets in ``setup``.
 
     ``tasks`` are the heads the data can train; ``preprocess`` describes the evaluation transform of an image file
-    (timm's ``create_transform`` arguments) so that inference reproduces it.
+    (timm's ``create_transform`` arguments) so that inference reproduces it. The arguments are the shared ``data.*``
+    keys (conf/data/); ``cache``, ``bad_images`` and ``verify`` apply to image files (``reads_files``), the rest to
+    captions (``vocab_path``: a saved ``vocab.json`` or ``tokenizer.json`` rather than one built from the captions).
     """
 
     tasks: tuple[str, ...] = ()
     reads_files = False  # images come from files (which may be unreadable), not from a generator
-    bad_images = "raise"  # an unreadable file: raise | skip
-    verify = False  # read every image once before training
     crop = {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bicubic"}  # whole image, squashed
     weights_keys = WEIGHTS_KEYS  # the data.* keys a run takes from its start weights (training.start)
 
     def __init__(
         self,
-        batch_size: int,
-        num_workers: int | str,
-        img_size: int,
+        *,
+        img_size: int = 224,
+        batch_size: int = 64,
+        num_workers: int | str = 0,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
         interpolation: str | None = None,
         crop_pct: float | None = None,
         crop_mode: str | None = None,
+        cache: str = "none",
+        bad_images: str = "raise",
+        verify: bool = False,
         tokenizer: Mapping[str, Any] | None = None,
         vocab: Tokenizer | None = None,
+        min_word_freq: int | str = "auto",
+        max_caption_len: int = 32,
+        captions_per_image: int | str = "all",
+        vocab_path: str | os.PathLike | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1")
         if num_workers != "auto" and (not isinstance(num_workers, int) or num_workers < 0):
             raise ValueError(f"num_workers={num_workers!r} must be a non-negative number or auto")
+        if bad_images not in BAD_IMAGE_MODES:
+            raise ValueError(f"bad_images={bad_images!r} is unknown; choose {' or '.join(BAD_IMAGE_MODES)}")
+        should_cache(cache, 0, 0)  # an unknown mode fails here, before any file is read
         self.batch_size, self.num_workers, self.img_size = batch_size, num_workers, img_size
+        self.bad_images, self.verify, self.cache_mode = bad_images, bool(verify), cache
+        self.min_word_freq, self.max_caption_len, self.vocab_path = min_word_freq, max_caption_len, vocab_path
+        self.captions_per_image = check_captions_per_image(captions_per_image)
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
@@ -234,6 +245,12 @@ class ImageDataModule(pl.LightningDataModule):
         """Inference's ``eval_transform(self.preprocess)`` up to its normalisation: (3, img_size, img_size) uint8."""
         return eval_transform(self.preprocess, normalize=False)
 
+    def transforms(self, train: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[[Any], torch.Tensor]]:
+        """``(training, evaluation)`` transforms: ``train(img_size, self.augment, preprocess)`` unless augmentation is
+        off (then the evaluation one), and ``eval_transform``."""
+        evaluate = self.eval_transform()
+        return (train(self.img_size, self.augment, self.preprocess) if self.augment.enabled else evaluate), evaluate
+
     def normalize_batch(self, batch: Any) -> Any:
         """A loader's batch with its uint8 images (``images`` of a dict, else the first item) through ``normalize``."""
         if batch is None:
@@ -258,22 +275,7 @@ class ImageDataModule(pl.LightningDataModule):
         """A loader's batch as the model takes it, without a Trainer: what the batch hooks do, on the CPU."""
         return self.on_after_batch_transfer(self.on_before_batch_transfer(batch, 0), 0)
 
-    cache_mode = "none"
     cache: ImageCache | None = None
-
-    def _cache(self, paths: list[str]) -> ImageCache | None:
-        resize = self.eval_transform().transforms[0]  # timm's eval transform starts with its resize
-        side = math.floor(self.img_size / float(self.preprocess["crop_pct"]))
-        if not should_cache(self.cache_mode, len(set(paths)), side):
-            return None
-        self.cache = ImageCache(paths, resize)
-        return self.cache
-
-    def _file_settings(self, bad_images: str, verify: bool, cache: str = "none") -> None:
-        if bad_images not in BAD_IMAGE_MODES:
-            raise ValueError(f"bad_images={bad_images!r} is unknown; choose {' or '.join(BAD_IMAGE_MODES)}")
-        should_cache(cache, 0, 0)  # an unknown mode fails here, before any file is read
-        self.bad_images, self.verify, self.cache_mode = bad_images, bool(verify), cache
 
     def image_files(self) -> list[str]:
         """Every image file of the train, val and test splits (after ``setup``); none for generated images."""
@@ -282,11 +284,11 @@ class ImageDataModule(pl.LightningDataModule):
     def _read_images(self, datasets: Any) -> None:
         """Before any step: cache the images of ``datasets`` (``cache_mode``), or with ``verify`` read each once."""
         paths = self.image_files()
-        cache = self._cache(paths)
-        if cache is not None:
+        if should_cache(self.cache_mode, len(set(paths)), math.floor(self.img_size / self.preprocess["crop_pct"])):
+            self.cache = ImageCache(paths, self.eval_transform().transforms[0])  # timm's eval transform: resize first
             for dataset in datasets:
-                dataset.loader = cache.load
-            bad = cache.bad
+                dataset.loader = self.cache.load
+            bad = self.cache.bad
         elif self.verify:
             bad = find_bad_images(paths)
         else:
@@ -315,7 +317,7 @@ class ImageDataModule(pl.LightningDataModule):
     def _use_captions(
         self, splits: tuple[Dataset, Dataset, Dataset], vocab: Tokenizer, per_image: int | str | None
     ) -> None:
-        """The (train, val, test) caption datasets tokenized, up to the subclass's ``max_caption_len``; training takes
+        """The (train, val, test) caption datasets tokenized, up to ``max_caption_len``; training takes
         ``per_image`` references of each image (``TokenizedCaptions``)."""
         train, val, test = splits
         self.vocab = vocab
@@ -394,13 +396,12 @@ class ImageDataModule(pl.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_dataset, shuffle=False)
 
-    def _caption_tokenizer(self, captions: Callable[[], list[str]], min_freq: int | str) -> Tokenizer:
+    def _caption_tokenizer(self, captions: Callable[[], list[str]]) -> Tokenizer:
         """The tokenizer given, else the one at ``vocab_path``, else the one ``tokenizer_config`` names."""
         if self.vocab is not None:
             return self.vocab
-        vocab_path = getattr(self, "vocab_path", None)
-        if vocab_path is not None:
-            return load_tokenizer(vocab_path)
+        if self.vocab_path is not None:
+            return load_tokenizer(self.vocab_path)
         config = self.tokenizer_config
         kind = config.get("kind", "words")
         if kind == "file":
@@ -408,7 +409,7 @@ class ImageDataModule(pl.LightningDataModule):
         self.train_captions = captions()
         if kind == "bpe":
             return train_bpe(self.train_captions, config.get("vocab_size", "auto"))
-        return Vocabulary.build(self.train_captions, min_freq=min_freq)
+        return Vocabulary.build(self.train_captions, min_freq=self.min_word_freq)
 
 
 def worker_context(workers: int) -> Any:
@@ -423,19 +424,15 @@ def worker_context(workers: int) -> Any:
 
 
 def _check_tokenizer(tokenizer: Mapping[str, Any]) -> None:
-    kind = tokenizer.get("kind")
+    kind, path = tokenizer.get("kind"), tokenizer.get("path")
     if kind not in KINDS:
         raise ConfigError(f"tokenizer kind={kind!r} is unknown; choose tokenizer=words, bpe or file")
-    size = tokenizer.get("vocab_size", "auto")
-    if kind == "bpe" and size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 259):
-        raise ConfigError(f"tokenizer.vocab_size={size!r} must be auto or at least 259 (256 bytes and 3 specials)")
-    if kind == "file":
-        path = tokenizer.get("path")
-        if not path:
-            raise ConfigError("tokenizer=file needs tokenizer.path=FILE, a Hugging Face tokenizer.json")
-        if not Path(path).is_file():
-            raise ConfigError(f"tokenizer.path={path} does not exist; give a tokenizer.json file")
-        try:
+    if kind == "file" and not path:
+        raise ConfigError("tokenizer=file needs tokenizer.path=FILE, a Hugging Face tokenizer.json")
+    try:
+        if kind == "bpe":
+            check_bpe_size(tokenizer.get("vocab_size", "auto"))
+        elif kind == "file":
             SubwordTokenizer.from_file(path, add_specials=True)
-        except ValueError as err:
-            raise ConfigError(f"tokenizer.path={path}: {first_line(err)}") from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"tokenizer.path={path}: {first_line(err)}" if path else first_line(err)) from None

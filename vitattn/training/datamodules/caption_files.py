@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from vitattn.data.coco import CocoCaptionDataset, CocoImage, load_coco_captions, load_karpathy
 from vitattn.data.images import EvalSplit
 from vitattn.data.preprocess import CAPTION_CROP_SCALE, Augment, CaptionAugment
-from vitattn.data.tokenizer import Tokenizer, check_captions_per_image
 from vitattn.training.datamodules.base import ImageDataModule
 
 __all__ = ["CaptionFilesDataModule", "CocoCaptionDataModule", "KarpathyDataModule"]
@@ -21,8 +20,8 @@ class CaptionFilesDataModule(ImageDataModule):
 
     Training items take ``captions_per_image`` of their image's captions (``draw_captions``: at random, ``all``
     every one), teacher-forced on one encoding of the image; val and test items take the first, and carry all of
-    them as references. The arguments are the ``data.*`` keys of conf/data/coco.yaml and karpathy.yaml;
-    ``vocab_path``: a saved ``vocab.json`` or ``tokenizer.json`` to use rather than one built from the captions.
+    them as references. The arguments are the ``data.*`` keys of conf/data/coco.yaml and karpathy.yaml (``settings``:
+    ``ImageDataModule``'s).
     """
 
     tasks = ("caption",)
@@ -31,32 +30,11 @@ class CaptionFilesDataModule(ImageDataModule):
     def __init__(
         self,
         image_dir: str | os.PathLike,
-        img_size: int = 224,
-        batch_size: int = 64,
-        num_workers: int | str = "auto",
-        min_word_freq: int | str = "auto",
-        max_caption_len: int = 32,
-        captions_per_image: int | str = "all",
-        vocab_path: str | os.PathLike | None = None,
         augment: bool | Mapping[str, Any] = True,
-        cache: str = "auto",
-        bad_images: str = "raise",
-        verify: bool = False,
-        mean: Sequence[float] | None = None,
-        std: Sequence[float] | None = None,
-        interpolation: str | None = None,
-        crop_pct: float | None = None,
-        crop_mode: str | None = None,
-        tokenizer: Mapping[str, Any] | None = None,
-        vocab: Tokenizer | None = None,
+        **settings: Any,
     ) -> None:
-        super().__init__(
-            batch_size, num_workers, img_size, mean, std, interpolation, crop_pct, crop_mode, tokenizer, vocab
-        )
-        self._file_settings(bad_images, verify, cache)
+        super().__init__(**{"num_workers": "auto", "cache": "auto", **settings})
         self.image_dir = image_dir
-        self.min_word_freq, self.max_caption_len, self.vocab_path = min_word_freq, max_caption_len, vocab_path
-        self.captions_per_image = check_captions_per_image(captions_per_image)
         # the mild crop always; flips and colour jitter only where asked and no caption contradicts them
         self.augment = Augment.from_config(augment, scale=CAPTION_CROP_SCALE, hflip=0.0)
 
@@ -72,12 +50,11 @@ class CaptionFilesDataModule(ImageDataModule):
         if self.train_dataset is not None:
             return
         train_images, val_images, test_images = self.split_images()
-        evaluate = self.eval_transform()
-        training = CaptionAugment(self.img_size, self.augment, self.preprocess) if self.augment.enabled else evaluate
+        training, evaluate = self.transforms(CaptionAugment)
         train = CocoCaptionDataset(self.image_dir, train_images, training)
         val = CocoCaptionDataset(self.image_dir, val_images, evaluate)
         test = val if test_images is val_images else CocoCaptionDataset(self.image_dir, test_images, evaluate)
-        vocab = self._caption_tokenizer(lambda: train.captions, self.min_word_freq)
+        vocab = self._caption_tokenizer(lambda: train.captions)
         self._use_captions((train, val, test), vocab, self.captions_per_image)
         self._read_images({train, val, test})
 
@@ -115,10 +92,9 @@ class CocoCaptionDataModule(CaptionFilesDataModule):
         train_annotations: str | os.PathLike,
         val_annotations: str | os.PathLike,
         test_annotations: str | os.PathLike | None = None,
-        num_workers: int | str = 0,
         **settings: Any,
     ) -> None:
-        super().__init__(image_dir, num_workers=num_workers, **settings)
+        super().__init__(image_dir, **{"num_workers": 0, **settings})
         self.annotations = (train_annotations, val_annotations, test_annotations or val_annotations)
 
     def split_images(self) -> tuple[list[CocoImage], list[CocoImage], list[CocoImage]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,31 +19,15 @@ class ImageFolderDataModule(ImageDataModule):
     ``<split>/<class>/<image>``; without ``root/test`` the test loader reuses ``root/val``.
 
     The arguments are the ``data.*`` keys that conf/data/imagefolder.yaml describes (``augment``:
-    ``vitattn.data.preprocess.Augment``; ``bad_images``: ``vitattn.data.bad_images``).
+    ``vitattn.data.preprocess.Augment``; ``settings``: ``ImageDataModule``'s).
     """
 
     tasks = ("classification",)
     reads_files = True
     crop = {"crop_pct": 0.875, "crop_mode": "center", "interpolation": "bilinear"}  # timm eval default
 
-    def __init__(
-        self,
-        root: str | os.PathLike,
-        img_size: int = 224,
-        batch_size: int = 64,
-        num_workers: int | str = 0,
-        augment: bool | Mapping[str, Any] = True,
-        cache: str = "auto",
-        bad_images: str = "raise",
-        verify: bool = False,
-        mean: Sequence[float] | None = None,
-        std: Sequence[float] | None = None,
-        interpolation: str | None = None,
-        crop_pct: float | None = None,
-        crop_mode: str | None = None,
-    ) -> None:
-        super().__init__(batch_size, num_workers, img_size, mean, std, interpolation, crop_pct, crop_mode)
-        self._file_settings(bad_images, verify, cache)
+    def __init__(self, root: str | os.PathLike, augment: bool | Mapping[str, Any] = True, **settings: Any) -> None:
+        super().__init__(**{"cache": "auto", **settings})
         self.root = Path(root)
         self.augment = Augment.from_config(augment)
         self.class_names: list[str] | None = None
@@ -52,12 +36,7 @@ class ImageFolderDataModule(ImageDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:
             return
-        evaluate = self.eval_transform()
-        training = (
-            classification_train_transform(self.img_size, self.augment, self.preprocess)
-            if self.augment.enabled
-            else evaluate
-        )
+        training, evaluate = self.transforms(classification_train_transform)
         train = open_image_folder(self.root / "train", training)
         val = open_image_folder(image_folder_split(self.root, "val"), evaluate)
         test_dir = image_folder_split(self.root, "test")

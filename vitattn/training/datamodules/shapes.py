@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from vitattn.data.images import EvalSplit
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
-from vitattn.data.tokenizer import Tokenizer, check_captions_per_image
+from vitattn.data.tokenizer import Tokenizer
 from vitattn.training.datamodules.base import ImageDataModule
 
 __all__ = ["ShapesDataModule"]
@@ -44,11 +44,11 @@ class ShapesDataModule(ImageDataModule):
         tokenizer: Mapping[str, Any] | None = None,
         vocab: Tokenizer | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, img_size, mean=mean, std=std, tokenizer=tokenizer, vocab=vocab)
+        captions = dict(max_caption_len=max_caption_len, captions_per_image=captions_per_image, vocab_path=vocab_path)
+        settings = dict(batch_size=batch_size, num_workers=num_workers, mean=mean, std=std, tokenizer=tokenizer)
+        super().__init__(img_size=img_size, vocab=vocab, min_word_freq=1, **captions, **settings)
         self.task, self.seed = task, seed
         self.num_train, self.num_val, self.num_test = num_train, num_val, num_test
-        self.max_caption_len, self.vocab_path = max_caption_len, vocab_path
-        self.captions_per_image = check_captions_per_image(captions_per_image)
         self.class_names = list(CLASS_NAMES)
         self.num_classes = len(CLASS_NAMES)
 
@@ -69,7 +69,7 @@ class ShapesDataModule(ImageDataModule):
         per_image = None if self.captions_per_image == 1 else self.captions_per_image
         train = splits[0]
         every = lambda: [r for i in range(len(train)) for r in train.references(i)]  # noqa: E731
-        vocab = self._caption_tokenizer(every if per_image else lambda: train.captions, min_freq=1)
+        vocab = self._caption_tokenizer(every if per_image else lambda: train.captions)
         self._use_captions(splits, vocab, per_image)
 
     def train_references(self) -> list[list[str]]:

@@ -1,9 +1,5 @@
-"""Training from WebDataset shards (the img2dataset layout), across ranks and workers, resumable mid-epoch.
-
-Every sample is trained once per epoch, whatever the ranks and workers of a resumed run: ``state_dict`` holds
-the epoch's positions trained so far on every rank, and the rest of the epoch is planned from those not yet
-trained. The design: docs/shards.md.
-"""
+"""Training from WebDataset shards (the img2dataset layout), across ranks and workers, every sample once per
+epoch and resumable mid-epoch from the positions trained on every rank (``state_dict``). The design: docs/shards.md."""
 
 from __future__ import annotations
 
@@ -34,7 +30,7 @@ from vitattn.data.shards.stream import (
     sample_caption,
     sample_references,
 )
-from vitattn.data.tokenizer import Tokenizer, check_captions_per_image, collate_captions
+from vitattn.data.tokenizer import collate_captions
 from vitattn.training.datamodules.base import EvaluationBatches, ImageDataModule, rank_and_world, worker_context
 from vitattn.training.datamodules.image_folder import ImageFolderDataModule
 
@@ -45,23 +41,20 @@ log = logging.getLogger(__name__)
 
 def shard_captions(urls: Sequence[str], caption_key: str | None) -> list[str]:
     """Every reference of every sample of the shards (training draws from them); samples without one left out."""
-    references = _read_captions(urls, caption_key, "vocabulary: reading captions", sample_references)
-    return [caption for refs in references for caption in refs]
+    return [caption for refs in shard_references(urls, caption_key, "vocabulary: reading captions") for caption in refs]
 
 
-def shard_references(urls: Sequence[str], caption_key: str | None) -> list[list[str]]:
+def shard_references(
+    urls: Sequence[str], caption_key: str | None, desc: str = "CIDEr-D: reading references"
+) -> list[list[str]]:
     """Every sample's references (``sample_references``), samples in shard order; those without a caption left out."""
-    return _read_captions(urls, caption_key, "CIDEr-D: reading references", sample_references)
 
-
-def _read_captions(urls: Sequence[str], caption_key: str | None, desc: str, take: Any) -> list[Any]:
-
-    def read(url: str) -> list[Any]:
+    def read(url: str) -> list[list[str]]:
         items = []
         for sample in read_shard(url, extensions={"txt", "json"}):
             caption = sample_caption(sample, caption_key)
             if caption is not None:
-                items.append(take(sample, caption))
+                items.append(sample_references(sample, caption))
         bar.update(1)
         return items
 
@@ -88,9 +81,9 @@ def _class_names(value: Any, urls: Sequence[str]) -> list[str]:
 class WebDatasetDataModule(ImageDataModule):
     """Captions (``.txt``, or ``caption_key`` inside ``.json``) or classes (``.cls``) from tar shards.
 
-    The arguments are the ``data.*`` keys that conf/data/webdataset.yaml describes; ``task`` is the head's, and
-    ``mean`` to ``crop_mode`` default to the head's file DataModule's (``ImageFolderDataModule``'s or
-    ``KarpathyDataModule``'s).
+    The arguments are the ``data.*`` keys that conf/data/webdataset.yaml describes (``settings``:
+    ``ImageDataModule``'s); ``task`` is the head's, and ``mean`` to ``crop_mode`` default to the head's file
+    DataModule's (``ImageFolderDataModule``'s or ``KarpathyDataModule``'s).
     """
 
     tasks = ("caption", "classification")
@@ -102,45 +95,27 @@ class WebDatasetDataModule(ImageDataModule):
         val_shards: str | Sequence[str],
         test_shards: str | Sequence[str] | None = None,
         task: str = "caption",
-        img_size: int = 224,
-        batch_size: int = 64,
-        num_workers: int | str = "auto",
         caption_key: str | None = None,
         class_names: str | Sequence[str] | None = None,
-        min_word_freq: int | str = "auto",
-        max_caption_len: int = 32,
-        captions_per_image: int | str = "all",
-        vocab_path: str | os.PathLike | None = None,
         augment: bool | Mapping[str, Any] = True,
         shuffle_buffer: int = 1000,
         seed: int = 0,
         samples_per_epoch: int | None = None,
         count_cache: str | os.PathLike | None = None,
         cache: str = "none",
-        bad_images: str = "raise",
-        mean: Sequence[float] | None = None,
-        std: Sequence[float] | None = None,
-        interpolation: str | None = None,
-        crop_pct: float | None = None,
-        crop_mode: str | None = None,
-        tokenizer: Mapping[str, Any] | None = None,
-        vocab: Tokenizer | None = None,
+        **settings: Any,
     ) -> None:
         if task not in self.tasks:
             raise ValueError(f"task={task!r} is unknown; choose one of {list(self.tasks)}")
         self.task = task  # before the base builds the preprocessing: ``crop`` is the task's
-        super().__init__(
-            batch_size, num_workers, img_size, mean, std, interpolation, crop_pct, crop_mode, tokenizer, vocab
-        )
-        self._file_settings(bad_images, False)
-        if cache not in ("none", "auto"):
-            raise ValueError(f"data.cache={cache!r}: shards are streamed, not cached; use data.cache=none")
+        super().__init__(**{"num_workers": "auto", **settings})
+        if cache not in ("none", "auto") or self.verify:
+            what = f"data.cache={cache!r}" if cache not in ("none", "auto") else "data.verify=true"
+            raise ValueError(f"{what}: shards are streamed, not cached or read beforehand; use data.cache=none")
         if samples_per_epoch is not None and samples_per_epoch < 1:
             raise ValueError(f"data.samples_per_epoch={samples_per_epoch} must be at least 1, or null for all")
         self.shards = {"train": train_shards, "val": val_shards, "test": test_shards}
         self.caption_key, self.class_names_spec = caption_key, class_names
-        self.min_word_freq, self.max_caption_len, self.vocab_path = min_word_freq, max_caption_len, vocab_path
-        self.captions_per_image = check_captions_per_image(captions_per_image)
         scale = CAPTION_CROP_SCALE if task == "caption" else "auto"
         self.augment = Augment.from_config(augment, scale=scale, **({"hflip": 0.0} if task == "caption" else {}))
         self.shuffle_buffer, self.seed, self.samples_per_epoch = int(shuffle_buffer), int(seed), samples_per_epoch
@@ -170,16 +145,15 @@ class WebDatasetDataModule(ImageDataModule):
         sizes = {split: shard_sizes(u, self.count_cache) for split, u in urls.items()}
         if sum(sizes["train"]) == 0:
             raise ValueError(f"data.train_shards: the {len(urls['train'])} shards hold no sample")
-        evaluate = self.eval_transform()
         if self.task == "caption":
-            vocab = self._caption_tokenizer(lambda: shard_captions(urls["train"], self.caption_key), self.min_word_freq)
+            vocab = self._caption_tokenizer(lambda: shard_captions(urls["train"], self.caption_key))
             self.vocab = vocab
             augmenter, collate = CaptionAugment, partial(collate_captions, pad_id=vocab.pad_id)
         else:
             self.class_names = _class_names(self.class_names_spec, urls["train"])
             self.num_classes, vocab = len(self.class_names), None
             augmenter, collate = classification_train_transform, default_collate
-        training = augmenter(self.img_size, self.augment, self.preprocess) if self.augment.enabled else evaluate
+        training, evaluate = self.transforms(augmenter)
 
         def stream(split: str, transform: Any, buffer: int) -> ShardStream:
             per_image = self.captions_per_image if split == "train" else None
