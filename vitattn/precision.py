@@ -32,8 +32,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 # 0: take this CPU as one without bf16 units (auto is fp32); 1: as one with them. Unset: detect.
 NATIVE_BF16_ENV = "VITATTN_NATIVE_BF16"
 
-# /proc/cpuinfo flags of native bf16 matrix instructions
-_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # native bf16 matrix instructions
 
 _NAME = {True: "bf16", False: "fp32"}
 
@@ -46,24 +45,14 @@ def check_precision(precision: Any) -> str:
 
 
 def cpu_bf16_units() -> list[str]:
-    """This CPU's native bf16 matrix instructions that torch can use (``amx_bf16``, ``avx512_bf16``): torch's
-    checks, else ``/proc/cpuinfo``'s flags; none without oneDNN, which runs torch's bf16 CPU matrix products."""
+    """This CPU's native bf16 matrix instructions that torch can use (``amx_bf16``, ``avx512_bf16``), by torch's
+    checks (every supported torch has them); none without oneDNN, which runs torch's bf16 CPU matrix products."""
     import torch  # heavy: only to detect
 
     if not torch.backends.mkldnn.is_available():
         return []
-    checks = {
-        "amx_bf16": getattr(torch.cpu, "_is_amx_tile_supported", None),
-        "avx512_bf16": getattr(torch.cpu, "_is_avx512_bf16_supported", None),
-    }
-    if all(callable(check) for check in checks.values()):
-        return [name for name, check in checks.items() if check()]
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return []
-    return [flag for flag in _BF16_FLAGS if flag in flags]
+    checks = {"amx_bf16": torch.cpu._is_amx_tile_supported, "avx512_bf16": torch.cpu._is_avx512_bf16_supported}
+    return [name for name, check in checks.items() if check()]
 
 
 @functools.cache

@@ -83,16 +83,17 @@ def run_tokenizer(cfg: DictConfig, run_dir: str | Path, resuming: bool, wait: fl
     return load_tokenizer(saved)
 
 
-def wait_for_rank_zero(path: Path, wait: float = WAIT_SECONDS) -> None:
-    """Return once rank 0 has written ``path`` for every rank; ``TimeoutError`` after ``wait`` seconds."""
-    if path.is_file():
-        return
-    log.info("rank %d: waiting for rank 0 to write %s", rank_zero_only.rank, path)
+def wait_for_rank_zero(path: Path, wait: float = WAIT_SECONDS, read: Any = None) -> Any:
+    """Return once rank 0 has written ``path`` for every rank, with ``read(path)`` when given (None: not yet, an
+    older file rank 0 is replacing); ``TimeoutError`` after ``wait`` seconds."""
     deadline = time.monotonic() + wait
-    while not path.is_file():
+    if not path.is_file():
+        log.info("rank %d: waiting for rank 0 to write %s", rank_zero_only.rank, path)
+    while not path.is_file() or (found := read(path) if read else True) is None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank 0 wrote no {path} in {wait:.0f} s; see rank 0's log for why")
         time.sleep(1.0)
+    return found
 
 
 def build_datamodule(cfg: DictConfig, vocab: Tokenizer | None = None) -> Any:
@@ -344,7 +345,7 @@ def prepare_reward(datamodule: Any, run_dir: str | Path, resuming: bool, wait: f
     is computed again, never read as this one."""
     path = RunDir(run_dir).cider_statistics
     if rank_zero_only.rank != 0:
-        return _wait_for_statistics(path, wait)
+        return wait_for_rank_zero(path, wait, read_statistics)
     saved = read_statistics(path) if resuming and path.is_file() else None
     if saved is not None:
         log.info("finetune=scst: CIDEr-D statistics from this run's %s (computed once per run)", path)
@@ -368,16 +369,6 @@ def prepare_reward(datamodule: Any, run_dir: str | Path, resuming: bool, wait: f
         time.monotonic() - started,
         path,
     )
-    return scorer
-
-
-def _wait_for_statistics(path: Path, wait: float) -> CiderD:
-    deadline = time.monotonic() + wait
-    wait_for_rank_zero(path, wait)
-    while (scorer := read_statistics(path)) is None:  # an older file that rank 0 is replacing
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank 0 wrote no {path} of format {FORMAT} in {wait:.0f} s; see rank 0's log")
-        time.sleep(1.0)
     return scorer
 
 

@@ -83,18 +83,10 @@ class WholeModel:
     source: str
     bundle: Bundle
 
-    @property
-    def preprocess(self) -> dict[str, Any]:
-        return dict(self.bundle.preprocess)
-
-    @property
-    def preprocess_from(self) -> str:
-        return f"finetune.init={self.source}"
-
-    @property
-    def vocab(self) -> Tokenizer | None:
-        """The model's tokenizer: a captioner's run never builds one from its captions."""
-        return self.bundle.vocab if self.bundle.task == "caption" else None
+    def __post_init__(self) -> None:
+        self.preprocess, self.preprocess_from = dict(self.bundle.preprocess), f"finetune.init={self.source}"
+        # the model's tokenizer: a captioner's run never builds one from its captions
+        self.vocab: Tokenizer | None = self.bundle.vocab if self.bundle.task == "caption" else None
 
     def resolve(self, cfg: DictConfig, given: list[str]) -> None:
         """Write the model's sizes, image size and caption length into ``cfg`` (in place) and log them.

@@ -279,6 +279,19 @@ class VisionSystem(pl.LightningModule):
         if self.nonfinite == "raise":
             self.check_finite()  # before the checkpoint is written: the last good one stays the last
 
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:
+        if batch is None:  # no image of the batch could be read (data.bad_images=skip)
+            return self.nothing_to_train()
+        return self.guard(self._training_loss(batch))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        """What ``_evaluate`` returns for callbacks (a classifier's logits); nothing for an unread batch."""
+        return None if batch is None else self._evaluate(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        if batch is not None:
+            self._evaluate(batch, "test")
+
     def nothing_to_train(self) -> Tensor | None:
         """The training step of a batch none of whose images could be read (``data.bad_images=skip``).
 

@@ -88,16 +88,11 @@ class CaptionSystem(VisionSystem):
             raise ValueError("use_reward needs the system's scst settings (finetune=scst)")
         self.self_critical = SelfCritical(self.scst, scorer, self.vocab.decode_batch)
 
-    def training_step(self, batch: dict[str, Any] | None, batch_idx: int) -> Tensor | None:
-        if batch is None:  # no image of the batch could be read (data.bad_images=skip)
-            return self.nothing_to_train()
+    def _training_loss(self, batch: dict[str, Any]) -> Tensor:
         size = len(batch["images"])
-        if self.scst is None:
-            loss = self._loss(batch, self.label_smoothing)
-        else:
-            loss = self._self_critical_loss(batch, size)
+        loss = self._loss(batch, self.label_smoothing) if self.scst is None else self._self_critical_loss(batch, size)
         self.log("train/loss", loss, prog_bar=self.loss_on_progress_bar, batch_size=size)
-        return self.guard(loss)
+        return loss
 
     def _self_critical_loss(self, batch: dict[str, Any], size: int) -> Tensor:
         loss = self._scst_loss(batch, size)
@@ -113,9 +108,7 @@ class CaptionSystem(VisionSystem):
         self.log_dict({f"train/{k}": v for k, v in logged.items()}, batch_size=size)
         return loss
 
-    def _evaluate(self, batch: dict[str, Any] | None, stage: str) -> None:
-        if batch is None:  # no image of the batch could be read (data.bad_images=skip)
-            return
+    def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
         self.log(f"{stage}/loss", self._loss(batch), sync_dist=True, prog_bar=True, batch_size=len(batch["images"]))
         captions = self.vocab.decode_batch(self.model.generate(batch["images"], **self.generate_kwargs))
         self.caption_metrics.update(captions, batch["references"], batch["image_ids"].tolist())
@@ -133,14 +126,8 @@ class CaptionSystem(VisionSystem):
             text = "\n\n".join(f"**{c}**  \nreference: {r[0]}" for c, r in self.last_samples)
             self.logger.experiment.add_text(f"{stage}/samples", text, self.global_step)
 
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        self._evaluate(batch, "val")
-
     def on_validation_epoch_end(self) -> None:
         self._score("val")
-
-    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        self._evaluate(batch, "test")
 
     def on_test_epoch_end(self) -> None:
         self._score("test")

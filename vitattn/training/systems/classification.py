@@ -54,9 +54,7 @@ class ClassificationSystem(VisionSystem):
     def forward(self, images: Tensor) -> Tensor:
         return self.model(images)
 
-    def training_step(self, batch: tuple[Tensor, Tensor] | None, batch_idx: int) -> Tensor | None:
-        if batch is None:  # no image of the batch could be read (data.bad_images=skip)
-            return self.nothing_to_train()
+    def _training_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         images, labels = batch
         if self.mixup is not None and len(images) % 2 == 0:  # timm mixes pairs: an odd last batch stays plain
             mixed, soft = self.mixup(images, labels)  # (B, C, height, width), (B, K)
@@ -68,14 +66,12 @@ class ClassificationSystem(VisionSystem):
         self.train_acc(logits, labels)
         self.log("train/loss", loss, prog_bar=self.loss_on_progress_bar)
         self.log("train/acc", self.train_acc, on_step=True, on_epoch=False)
-        return self.guard(loss)
+        return loss
 
-    def _evaluate(
-        self, batch: tuple[Tensor, Tensor] | None, stage: str, top1: MulticlassAccuracy, top5: MulticlassAccuracy
-    ) -> Tensor | None:
-        if batch is None:  # no image of the batch could be read (data.bad_images=skip)
-            return None
+    def _evaluate(self, batch: tuple[Tensor, Tensor], stage: str) -> Tensor:
+        """The batch's logits (B, K), for callbacks (``ValidationPictures``' confusion matrix)."""
         images, labels = batch
+        top1, top5 = getattr(self, f"{stage}_acc"), getattr(self, f"{stage}_top5")
         logits = self.model(images)
         self.log(f"{stage}/loss", F.cross_entropy(logits, labels), sync_dist=True)
         top1(logits, labels)
@@ -83,10 +79,3 @@ class ClassificationSystem(VisionSystem):
         self.log(f"{stage}/acc", top1, prog_bar=True)
         self.log(f"{stage}/top5", top5)
         return logits
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        """The batch's logits (B, K), for callbacks (``ValidationPictures``' confusion matrix)."""
-        return self._evaluate(batch, "val", self.val_acc, self.val_top5)
-
-    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "test", self.test_acc, self.test_top5)

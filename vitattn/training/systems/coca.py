@@ -96,16 +96,13 @@ class CocaSystem(CaptionSystem):
         if terms:
             self.log_dict({f"{stage}/{k}": v for k, v in terms.items()}, sync_dist=stage != "train", batch_size=size)
 
-    def training_step(self, batch: dict[str, Any] | None, batch_idx: int) -> Tensor | None:
-        loss = super().training_step(batch, batch_idx)
-        if batch is not None:
-            self._log_terms("train", len(batch["images"]))
+    def _training_loss(self, batch: dict[str, Any]) -> Tensor:
+        loss = super()._training_loss(batch)
+        self._log_terms("train", len(batch["images"]))
         return loss
 
-    def _evaluate(self, batch: dict[str, Any] | None, stage: str) -> None:
+    def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
         super()._evaluate(batch, stage)
-        if batch is None:
-            return
         self._log_terms(stage, len(batch["images"]))
         references = batch["references"]
         texts = encode_texts(self.vocab, [t for refs in references for t in refs], self.model.decoder.max_len)
