@@ -81,34 +81,24 @@ def parse_json(text: str) -> Any:
 
 def read_text(path: str | os.PathLike, missing: str, not_text: str) -> str:
     """The UTF-8 text of the file at ``path``: ``FileNotFoundError(missing)`` when there is none,
-    ``ValueError(not_text)`` when it is not UTF-8 (both one line, said by the caller)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(missing)
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(not_text) from None
-
-
-def read_json(path: str | os.PathLike, what: str) -> Any:
-    """The JSON file at ``path``; ``what`` names it in the one-line errors.
-
-    Raises:
-        FileNotFoundError, PermissionError: no such file; it may not be read.
-        ValueError: not UTF-8 JSON, or unreadable.
-    """
+    ``ValueError(not_text)`` when it is not UTF-8 (both said by the caller), ``PermissionError``, or a one-line
+    ``ValueError`` when it cannot be read."""
     path = Path(path)
     try:
         if not path.is_file():
-            raise FileNotFoundError(f"{what} not found: {path}")
-        text = path.read_text(encoding="utf-8")
+            raise FileNotFoundError(missing)
+        return path.read_text(encoding="utf-8")
     except (FileNotFoundError, PermissionError):
         raise
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{what} {path} is not valid JSON: {' '.join(str(err).split())}") from None
+    except UnicodeDecodeError:
+        raise ValueError(not_text) from None
     except OSError as err:  # a name too long for the file system, a read error
-        raise ValueError(f"{what} {str(path)[:300]} cannot be read: {err.strerror or err}") from None
+        raise ValueError(f"{str(path)[:300]} cannot be read: {err.strerror or err}") from None
+
+
+def read_json(path: str | os.PathLike, what: str) -> Any:
+    """The JSON file at ``path`` (``read_text``'s errors); ``what`` names it in the one-line errors."""
+    text = read_text(path, f"{what} not found: {path}", f"{what} {path} is not valid JSON: it is not UTF-8 text")
     try:
         return parse_json(text)
     except ValueError as err:

@@ -46,17 +46,13 @@ class RunDir:
         for name, value in paths.items():
             object.__setattr__(self, name, value)
 
-    def is_run(self) -> bool:
-        """The folder holds a training config."""
-        return self.config.is_file()
-
     @classmethod
     def find(cls, model: str | os.PathLike) -> RunDir | None:
         """The run folder of ``model`` (the folder, its bundle or its ``config.json``, a checkpoint), or None."""
         path = Path(model).resolve()
         if path.is_file():
             path = path.parent  # checkpoints/x.ckpt or bundle/config.json
-        return next((run for run in (cls(path), cls(path.parent)) if run.is_run()), None)
+        return next((run for run in (cls(path), cls(path.parent)) if run.config.is_file()), None)
 
     def load_config(self) -> Any:
         """The saved training config (a ``DictConfig``); a one-line ``ValueError`` when unreadable."""

@@ -14,21 +14,12 @@ from omegaconf import DictConfig
 
 from vitattn.data.tokenizer import describe_tokenizer, unknown_share
 
-__all__ = ["MIN_TOKENS", "UNK_WARN_SHARE", "check_fit", "unknown_words_line"]
+__all__ = ["MIN_TOKENS", "UNK_WARN_SHARE", "check_fit"]
 
 log = logging.getLogger(__name__)
 
 MIN_TOKENS = 36  # a 6 x 6 patch grid
 UNK_WARN_SHARE = 0.05
-
-
-def unknown_words_line(vocab: Any, share: float, kind: str) -> str:
-    """The start-up line on caption words the tokenizer cannot encode: ``3.2 % of caption words are outside
-    the 9,487-word vocabulary (min_word_freq=5); tokenizer=bpe has none``."""
-    if vocab.unk_id is None:
-        return f"tokenizer={kind}: no caption word is outside {describe_tokenizer(vocab)} (it has no unknown token)"
-    also = "; tokenizer=bpe has none" if kind != "bpe" else ""
-    return f"{100 * share:.1f} % of caption words are outside {describe_tokenizer(vocab)}{also}"
 
 
 def _grid(cfg: DictConfig, img_size: int) -> str | None:
@@ -50,7 +41,13 @@ def _vocabulary(cfg: DictConfig, datamodule: Any) -> str | None:
     if vocab is None or (captions is None and vocab.unk_id is not None):
         return None
     share = unknown_share(vocab, captions or [])
-    log.info("%s", unknown_words_line(vocab, share, kind))
+    if vocab.unk_id is None:
+        log.info(
+            "tokenizer=%s: no caption word is outside %s (it has no unknown token)", kind, describe_tokenizer(vocab)
+        )
+    else:
+        also = "; tokenizer=bpe has none" if kind != "bpe" else ""
+        log.info("%.1f %% of caption words are outside %s%s", 100 * share, describe_tokenizer(vocab), also)
     if share <= UNK_WARN_SHARE:
         return None
     fix = (

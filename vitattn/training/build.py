@@ -110,8 +110,6 @@ def build_datamodule(cfg: DictConfig, vocab: Tokenizer | None = None) -> Any:
 def build_system(cfg: DictConfig, datamodule: Any, start: WholeModel | Encoder | None = None) -> VisionSystem:
     """The LightningModule ``cfg.head.system`` names, sized from the data, started from ``start``'s weights."""
     caption = cfg.head.task == "caption"
-    if start is not None:
-        start.check_data(datamodule)
     labels = {"vocab": tokenizer_labels(datamodule.vocab)} if caption else {"class_names": list(datamodule.class_names)}
     keys = {
         k: _config_key(cfg.head.system, k, f"head.{k}" if k in cfg.head else f"head.system.{k}")
@@ -271,9 +269,8 @@ def on_gpu(cfg: DictConfig) -> bool:
 
 
 def plan_cores(cfg: DictConfig, datamodule: Any) -> tuple[int, int]:
-    """``(workers, threads)`` for this process's share of the node's cores, so they do not fight: ``auto`` workers
-    are the DataModule's ``plan_workers``, ``auto`` threads what the workers leave on a CPU (at least one) and
-    torch's default on GPUs; a number the user set is kept."""
+    """``(workers, threads)`` of this process's share of the node's cores: ``auto`` workers the DataModule's
+    ``plan_workers``, ``auto`` threads what they leave on a CPU (torch's default on GPUs); a number set is kept."""
     cores, processes = len(os.sched_getaffinity(0)), processes_per_node(cfg)
     share = max(1, cores // processes)
     plan = getattr(datamodule, "plan_workers", None)
@@ -302,9 +299,8 @@ def processes_per_node(cfg: DictConfig) -> int:
 
 
 def resolve_train_precision(cfg: DictConfig) -> str:
-    """``trainer.precision=auto`` made concrete, in place, with one log line: ``bf16-mixed`` on GPUs with bf16
-    units (``cuda_bf16``; ``16-mixed`` with its scaler below), and on a CPU with bf16 matrix units (``native_bf16``)
-    from width ``BF16_TRAIN_MIN_WIDTH``; ``32-true`` elsewhere."""
+    """``trainer.precision=auto`` made concrete in place, logged: ``bf16-mixed`` on GPUs with bf16 units (else
+    ``16-mixed``) and on CPUs with them from width ``BF16_TRAIN_MIN_WIDTH``; ``32-true`` elsewhere."""
     precision = str(cfg.trainer.get("precision", "32-true"))
     if precision != "auto":
         return precision
@@ -325,8 +321,7 @@ def resolve_train_precision(cfg: DictConfig) -> str:
 
 
 def set_matmul_precision(cfg: DictConfig) -> str:
-    """``torch.set_float32_matmul_precision`` as ``float32_matmul_precision`` says (``auto``: ``high``, TF32, on
-    GPUs; torch's default elsewhere); returns the precision set."""
+    """Set and return ``float32_matmul_precision`` (``auto``: ``high``, TF32, on GPUs; else torch's default)."""
     wanted = str(cfg.get("float32_matmul_precision", "auto"))
     if wanted == "auto" and not on_gpu(cfg):
         return torch.get_float32_matmul_precision()  # left as torch has it
@@ -339,10 +334,8 @@ FORMAT = "vitattn-cider-statistics/2"  # /2: <eos> a word of every reference (Ci
 
 
 def prepare_reward(datamodule: Any, run_dir: str | Path, resuming: bool, wait: float = WAIT_SECONDS) -> CiderD:
-    """The run's CIDEr-D reward: its statistics read from the run folder (a restart; a rank other than 0, which
-    waits ``wait`` seconds before a ``TimeoutError``), or on rank 0's first start computed from
-    ``datamodule.train_references()`` (``ConfigError`` without them) and written there; a file of an older format
-    is computed again, never read as this one."""
+    """The run's CIDEr-D reward: its statistics read from the run folder (a restart; the other ranks wait), else
+    computed by rank 0 from ``datamodule.train_references()`` (``ConfigError`` without them) and written there."""
     path = RunDir(run_dir).cider_statistics
     if rank_zero_only.rank != 0:
         return wait_for_rank_zero(path, wait, read_statistics)

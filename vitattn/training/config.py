@@ -32,7 +32,6 @@ __all__ = [
     "check_data_paths",
     "check_targets",
     "compose_train",
-    "data_class",
     "data_name",
     "fully_sharded",
     "instantiate_group",
@@ -82,17 +81,6 @@ def instantiate_group(
 def data_name(data: DictConfig) -> str:
     """The DataModule class a data config names (``ShapesDataModule``, ...)."""
     return str(data._target_).rsplit(".", 1)[-1]
-
-
-def data_class(data: DictConfig) -> type:
-    """The DataModule class ``data._target_`` names, or a one-line ``ConfigError``."""
-    try:
-        return hydra.utils.get_class(data._target_)
-    except (ImportError, ValueError) as err:
-        raise ConfigError(
-            f"data._target_={data._target_} cannot be imported ({type(err).__name__}); "
-            "choose data=shapes, data=imagefolder, data=coco or data=karpathy"
-        ) from err
 
 
 def check_data_paths(data: DictConfig) -> None:
@@ -310,7 +298,13 @@ def check_config(cfg: DictConfig) -> None:
     warmup = cfg.optim.get("warmup_steps", "auto")
     if warmup != "auto" and (not isinstance(warmup, int) or warmup < 0):
         raise ConfigError(f"optim.warmup_steps={warmup!r} must be a whole number of steps, or auto")
-    supported = tuple(getattr(data_class(cfg.data), "tasks", TASKS))
+    try:
+        supported = tuple(getattr(hydra.utils.get_class(cfg.data._target_), "tasks", TASKS))
+    except (ImportError, ValueError) as err:
+        raise ConfigError(
+            f"data._target_={cfg.data._target_} cannot be imported ({type(err).__name__}); "
+            "choose data=shapes, data=imagefolder, data=coco or data=karpathy"
+        ) from err
     if task not in supported:
         if task == "caption":
             what, fix = "captions", "use head=classification, or data=shapes / data=coco / data=karpathy"

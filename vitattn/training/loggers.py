@@ -51,7 +51,7 @@ def build_loggers(group: DictConfig | None, run_dir: str | Path, start_step: int
 
     def continuation(node: dict[str, Any]) -> dict[str, Any]:
         kind = hydra.utils.get_class(node["_target_"])
-        if not issubclass(kind, _RESUMABLE):
+        if not issubclass(kind, (_ContinuedFiles, *run_id_files)):
             return {}
         files = [str(path) for base, path in run_id_files.items() if issubclass(kind, base)]
         return {"start_step": start_step, **({"run_id_file": files[0]} if files else {})}
@@ -287,11 +287,3 @@ def _read_id(path: str | None) -> str | None:
     if not text or not text.replace("-", "").replace("_", "").isalnum():
         raise ConfigError(f"{path} holds {text[:40]!r}, not a run id: delete it to log to a new run")
     return text
-
-
-_RESUMABLE: tuple[type[Logger], ...] = (
-    ResumableCSVLogger,
-    ResumableTensorBoardLogger,
-    ResumableMLFlowLogger,
-    ResumableWandbLogger,
-)

@@ -125,19 +125,17 @@ class WholeModel:
             + (f"; set from it: {', '.join(changed)}" if changed else "")
         )
 
-    def check_data(self, datamodule: Any) -> None:
-        """A classifier is trained on the classes it has, in its order; else one line."""
-        theirs = self.bundle.class_names
-        if self.bundle.task == "classification" and list(datamodule.class_names) != list(theirs):
-            raise ConfigError(
-                f"finetune.init={self.source} classifies {list(theirs)}; the data's classes are "
-                f"{list(datamodule.class_names)}; train on the same classes"
-            )
-
     def load_into(self, system: Any) -> None:
-        """Copy every weight of the model into ``system.model`` (built from the config ``resolve`` set). Between
-        ``head=caption`` and ``head=coca`` the captioner's weights load: the contrastive parts the model lacks start
-        fresh, those it has and the run lacks are dropped, each said in one line; any other mismatch is refused."""
+        """Copy every weight of the model into ``system.model`` (built from the config ``resolve`` set). A classifier
+        trains on its own classes, in its order. Between ``head=caption`` and ``head=coca`` the captioner's weights
+        load: the contrastive parts the model lacks start fresh, those it has and the run lacks are dropped, each
+        said in one line; any other mismatch is refused."""
+        classes = system.hparams.get("class_names")
+        if self.bundle.task == "classification" and list(classes) != list(self.bundle.class_names):
+            raise ConfigError(
+                f"finetune.init={self.source} classifies {list(self.bundle.class_names)}; the data's classes are "
+                f"{list(classes)}; train on the same classes"
+            )
         ours, theirs = system.model.state_dict(), self.bundle.model.state_dict()
         new, dropped = _parts(ours.keys() - theirs.keys()), _parts(theirs.keys() - ours.keys())
         other = [part for part in new + dropped if part not in CONTRASTIVE_PARTS]
@@ -214,9 +212,6 @@ class Encoder:
             for key in cfg.model:
                 if key != "img_size" and key in encoder and _current(cfg, f"model.{key}") != encoder[key]:
                     cfg.model[key] = encoder[key]
-
-    def check_data(self, datamodule: Any) -> None:
-        """Nothing: the run's data sizes the head."""
 
     def load_into(self, target: Any) -> None:
         """Copy the weights into ``target``'s encoder (a system, or a ``VisionTransformer`` built from the fitted

@@ -86,12 +86,9 @@ def param_groups(
     layer_decay: float | None = None,
     head_lr: float | None = None,
 ) -> list[dict[str, Any]]:
-    """AdamW parameter groups ``[{"params", "lr", "weight_decay"}, ...]`` of the trainable parameters.
-
-    Norms, biases and embeddings get no weight decay. With ``layer_decay`` (timm's ``param_groups_layer_decay``
-    over ``model.group_matcher()``) layer ``i`` of ``L`` (the stem 0, block ``k`` ``k + 1``, the head or decoder
-    ``L``) learns at ``lr * layer_decay ** (L - i)``; ``head_lr`` is the rate of ``head_modules(model)``.
-    """
+    """AdamW groups ``[{"params", "lr", "weight_decay"}, ...]`` of the trainable parameters: no weight decay on
+    norms, biases and embeddings; ``layer_decay`` as timm's ``param_groups_layer_decay`` (layer ``i`` of ``L`` at
+    ``lr * layer_decay ** (L - i)``); ``head_lr`` the rate of ``head_modules(model)``."""
     no_decay = no_weight_decay_names(model)
     if layer_decay is None:
         groups = param_groups_weight_decay(model, weight_decay, no_weight_decay_list=no_decay)
@@ -121,9 +118,8 @@ def build_optimizer(
     layer_decay: float | None = None,
     head_lr: float | None = None,
 ) -> tuple[AdamW, LambdaLR]:
-    """AdamW over ``param_groups`` of the trainable parameters (a frozen encoder joins when it thaws) and a
-    ``LambdaLR`` stepped once per optimizer step, whose ``lr_lambdas[0]`` is the ``WarmupCosine`` over
-    ``total_steps`` that every group shares."""
+    """AdamW over ``param_groups`` (a frozen encoder joins when it thaws) and a ``LambdaLR`` stepped every
+    optimizer step, whose ``lr_lambdas[0]`` is the ``WarmupCosine`` that every group shares."""
     groups = param_groups(model, lr, weight_decay, layer_decay, head_lr)
     optimizer = AdamW(groups, lr=lr, betas=tuple(betas))
     schedule = WarmupCosine(total_steps, warmup_steps, min_lr_ratio)
@@ -148,15 +144,15 @@ def schedule_all_groups(scheduler: LambdaLR) -> None:
 
 
 class NonFiniteNotes:
-    """The earliest non-finite loss since the last look, kept on the loss's device: ``note`` reads nothing back
-    (no host sync); ``take`` reads the notes (one sync) and clears them."""
+    """The earliest non-finite loss since the last look, on the loss's device: ``note`` reads nothing back,
+    ``take`` reads the notes (one sync) and clears them."""
 
     def __init__(self) -> None:
         self.step: Tensor | None = None  # () long: the step of the earliest non-finite loss, -1 for none
         self.loss: Tensor | None = None  # () float32: its value
 
     def note(self, loss: Tensor, step: int) -> None:
-        """Note ``loss`` (a scalar) of training step ``step`` if it is the first non-finite one since the last look."""
+        """Note ``loss`` (a scalar) of ``step`` if it is the first non-finite one since the last look."""
         value = loss.detach()
         if self.step is None:
             self.step, self.loss = self._empty(value.device)
@@ -167,9 +163,8 @@ class NonFiniteNotes:
     def take(
         self, device: torch.device, gather: Callable[[Tensor], Tensor] | None = None, rank: int = 0
     ) -> tuple[int, int, float] | None:
-        """``(step, rank, loss)`` of the earliest non-finite loss noted, or None; the notes are cleared. ``gather``:
-        under DDP the all-gather over the ranks (every rank takes its notes together; an empty note on ``device``);
-        None: this process's notes alone, named as ``rank``'s."""
+        """``(step, rank, loss)`` of the earliest non-finite loss noted, or None, clearing the notes; ``gather``: the
+        all-gather over the ranks under DDP (every rank together); None: this process's notes, as ``rank``'s."""
         step, loss = (self.step, self.loss) if self.step is not None else self._empty(device)
         self.step = self.loss = None
         if gather is not None:
@@ -218,9 +213,8 @@ class VisionSystem(pl.LightningModule):
     def optimizer_step(
         self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Callable[[], Any] | None = None
     ) -> None:
-        """Lightning's step, after a look at the noted losses: every step with ``nonfinite=skip`` (a non-finite
-        loss on any rank skips the update on every rank; the step still counts), logging steps with ``raise``
-        (docs/scaling.md#on-gpus)."""
+        """Lightning's step, after a look at the noted losses: every step with ``nonfinite=skip`` (skipped on every
+        rank, still counted), logging steps with ``raise`` (docs/scaling.md#on-gpus)."""
         try:
             loss = optimizer_closure()  # training_step and backward: under DDP every rank joins the all-reduce
             if self.nonfinite == "skip":
@@ -242,15 +236,13 @@ class VisionSystem(pl.LightningModule):
             raise found from error
 
     def check_finite(self) -> None:
-        """Raise ``NonFiniteLossError`` if a loss noted since the last look was not finite, on any rank (one
-        host sync; under DDP every rank calls it together)."""
+        """``NonFiniteLossError`` if a loss noted since the last look, on any rank, was not finite (one sync)."""
         found = self._nonfinite_error(self._nonfinite_notes.take(self.device, self._gather))
         if found is not None:
             raise found
 
     def configure_model(self) -> None:
-        """Under ``trainer=fsdp`` (a device mesh) shard the model for fitting, one unit per layer; a test after
-        training runs on the whole weights."""
+        """``trainer=fsdp``: shard the model for fitting, one unit per layer (a test after training: whole weights)."""
         mesh = self.device_mesh
         if mesh is None or self.trainer.state.fn != TrainerFn.FITTING or is_sharded(self.model):
             return
@@ -293,11 +285,8 @@ class VisionSystem(pl.LightningModule):
             self._evaluate(batch, "test")
 
     def nothing_to_train(self) -> Tensor | None:
-        """The training step of a batch none of whose images could be read (``data.bad_images=skip``).
-
-        One process: None, Lightning's "skip this batch". Under DDP (which refuses None) a zero loss over every
-        trainable weight, so that the rank joins the gradient all-reduce with zero gradients.
-        """
+        """The step of a batch with no readable image: None (Lightning's skip) in one process; under DDP, which
+        refuses None, a zero loss over every trainable weight, so that the rank joins the all-reduce."""
         if self._gather is None:
             return None
         zero = torch.zeros((), device=self.device)

@@ -1,6 +1,5 @@
 """Image captioning: teacher-forced cross-entropy, or self-critical training on CIDEr-D (``scst``); validation
-decodes and scores the whole split, gathered from every rank, so each rank logs the single-process figure.
-"""
+scores the whole split gathered from every rank, so each rank logs the single-process figure."""
 
 from __future__ import annotations
 
@@ -25,13 +24,12 @@ class CaptionSystem(VisionSystem):
 
     Args:
         model_config: ``{"encoder": VisionTransformer kwargs, "decoder": CaptionDecoder kwargs}``.
-        vocab: the tokenizer as ``tokenizer_labels`` keeps it: a word vocabulary's ordinary words in id order,
-            or a subword tokenizer's ``tokenizer.json`` text (plain types: checkpoints load with weights_only).
+        vocab: the tokenizer as ``tokenizer_labels`` keeps it (plain types: checkpoints load with weights_only).
         preprocess: evaluation preprocessing kept with the checkpoint for inference.
-        generate: ``ImageCaptioner.generate`` keyword arguments used in validation and test.
+        generate: ``ImageCaptioner.generate`` keyword arguments of validation and test.
         num_samples: captions shown in the log (TensorBoard text) each validation.
-        optim, nonfinite: as ``VisionSystem`` takes them.
-        scst: ``ScstConfig`` settings: train self-critically (``finetune=scst``) with the reward ``use_reward`` gives.
+        optim, nonfinite: ``VisionSystem``'s.
+        scst: ``ScstConfig`` settings: train self-critically with the reward ``use_reward`` gives.
     """
 
     task = "caption"
@@ -101,7 +99,7 @@ class CaptionSystem(VisionSystem):
         return loss
 
     def _scst_loss(self, batch: dict[str, Any], size: int) -> Tensor:
-        """The self-critical term alone; its reward, baseline and ``eos_share`` are logged."""
+        """The self-critical term alone, its reward, baseline and ``eos_share`` logged."""
         if self.self_critical is None:
             raise RuntimeError("scst is set but no reward was given: call use_reward(scorer) before training")
         loss, logged = self.self_critical(self.model, batch["images"], batch["references"], None)

@@ -115,8 +115,7 @@ class CocaSystem(CaptionSystem):
         )
 
     def _score(self, stage: str) -> None:
-        """The captions' scores, then ``i2t_r1`` ... of the split's images among all their captions, then (at
-        validation) the zero-shot accuracy."""
+        """The captions' scores, the split's retrieval recalls, and at validation the zero-shot accuracy."""
         super()._score(stage)
         metrics = {} if self.trainer.sanity_checking else self.retrieval_metrics.compute()
         self.retrieval_metrics.reset()
@@ -126,9 +125,8 @@ class CocaSystem(CaptionSystem):
 
     @torch.no_grad()
     def _zero_shot_accuracy(self, batch_size: int = 64) -> dict[str, Tensor]:
-        """Top-1 and top-5 of the zero-shot folder, read and preprocessed as ``vitattn-eval task=zero_shot`` reads
-        it, each rank classifying every world_size-th image, the counts summed over the ranks; unreadable images are
-        left out with a warning."""
+        """Top-1 and top-5 of the zero-shot folder read as ``vitattn-eval task=zero_shot`` reads it, each rank
+        classifying every world_size-th image, the counts summed over the ranks (unreadable images left out)."""
         samples, names, templates, transform = self._zero_shot
         prompts = encode_texts(self.vocab, class_prompts(names, templates), self.model.max_len)  # (K * M, T)
         classes = template_means(self.model.embed_texts(prompts.to(self.device)), len(templates))  # (K, E)

@@ -28,9 +28,8 @@ BASELINES = ("mean", "greedy")
 @dataclass(frozen=True)
 class ScstConfig:
     """``finetune.scst``: K ``samples`` per image, the ``baseline`` (``mean`` of the image's other samples'
-    rewards, Luo 2020, or its ``greedy`` caption's), the sampling filters as ``generate`` takes them, the weight
-    of the teacher-forced cross-entropy mixed in, the longest sample (None: the decoder's ``max_len - 1``).
-    """
+    rewards, Luo 2020, or its ``greedy`` caption's), ``generate``'s sampling filters, the cross-entropy's weight,
+    the longest sample (None: the decoder's ``max_len - 1``)."""
 
     samples: int = 5
     baseline: str = "mean"
@@ -58,13 +57,8 @@ class ScstConfig:
 
 
 def scst_loss(log_probs: Tensor, mask: Tensor, advantage: Tensor) -> Tensor:
-    """``-sum(advantage * log p(token) * mask) / sum(mask)``: the reference ``RewardCriterion``.
-
-    Args:
-        log_probs: (S, T) log-probability of each generated token.
-        mask: (S, T) 1 for generated tokens (``<eos>`` included), 0 for padding.
-        advantage: (S,) reward minus baseline of each sample (no gradient flows through it).
-    """
+    """``-sum(advantage * log p(token) * mask) / sum(mask)``, the reference ``RewardCriterion``, of (S, T)
+    ``log_probs`` and ``mask`` (1 for generated tokens, ``<eos>`` included) and (S,) ``advantage`` (no gradient)."""
     mask = mask.to(log_probs.dtype)
     return -(advantage.detach()[:, None] * log_probs * mask).sum() / mask.sum().clamp(min=1)
 
@@ -76,9 +70,8 @@ def mean_of_others(rewards: Tensor, samples: int) -> Tensor:
 
 
 class SelfCritical:
-    """The self-critical objective of a ``CaptionSystem``: one call gives the loss of a batch and what to log.
-    ``scorer`` is CIDEr-D with the training set's document frequencies, ``decode`` the tokenizer's ``decode_batch``.
-    """
+    """A ``CaptionSystem``'s self-critical loss of a batch, and what to log; ``scorer``: CIDEr-D with the training
+    set's document frequencies, ``decode``: the tokenizer's ``decode_batch``."""
 
     def __init__(self, config: ScstConfig, scorer: CiderD, decode: Any) -> None:
         self.config, self.scorer, self.decode = config, scorer, decode
@@ -115,8 +108,7 @@ class SelfCritical:
         return loss, {"reward": rewards.mean(), "baseline": baseline.mean(), "eos_share": ended}
 
     def _rewards(self, model: ImageCaptioner, generated: Tensor, references: list[list[str]]) -> list[float]:
-        """CIDEr-D of each row of ``generated`` (S, T); a row without ``<eos>`` (cut by the length limit) has
-        no ending to match the references' (the scorer's ``eos_word``)."""
+        """CIDEr-D of each row of ``generated`` (S, T); a row cut without ``<eos>`` matches no reference ending."""
         ended = (generated == model.special_ids.eos_id).any(dim=1).tolist()
         return self.scorer(self.decode(generated), references, ended)
 
@@ -136,8 +128,8 @@ class SelfCritical:
 
 @contextmanager
 def decoder_dropout_off(model: ImageCaptioner) -> Iterator[None]:
-    """The decoder in eval mode inside (the encoder as it was): sampling under one dropout mask and taking the
-    gradient under another would score the samples with a policy that did not draw them."""
+    """The decoder in eval mode inside: a gradient under another dropout mask than the sampling's would score the
+    samples with a policy that did not draw them."""
     was_training = model.decoder.training
     model.decoder.eval()
     try:
@@ -147,15 +139,8 @@ def decoder_dropout_off(model: ImageCaptioner) -> Iterator[None]:
 
 
 def sample_log_probs(model: ImageCaptioner, memory: Tensor, sampled: Tensor) -> tuple[Tensor, Tensor]:
-    """Each sampled token's log-probability under the model, with gradients, and the mask of generated tokens.
-
-    Args:
-        memory: (B, N, D) image tokens; ``sampled``'s rows are K per image, consecutive.
-        sampled: (B * K, T) token ids without ``<bos>``, padded after ``<eos>``.
-
-    Returns:
-        (B * K, T) log-probabilities (with the search's bans) and the mask of generated tokens, ``<eos>`` included.
-    """
+    """(B * K, T) log-probabilities, with gradients and the search's bans, of ``sampled`` (B * K, T: ids without
+    ``<bos>``, padded after ``<eos>``, K rows per image of ``memory`` (B, N, D)), and the mask of generated tokens."""
     ids = model.special_ids
     bos = sampled.new_full((sampled.shape[0], 1), ids.bos_id)
     logits = model.decoder(torch.cat([bos, sampled[:, :-1]], dim=1), memory).float()  # (B * K, T, V)

@@ -31,8 +31,8 @@ SHARD_UNITS = (EncoderLayer, DecoderLayer)  # each one all-gathered for its own 
 
 
 def shard_layers(model: nn.Module, mesh: DeviceMesh, precision: str = "32-true") -> None:
-    """Shard ``model`` in place over ``mesh``: each ``SHARD_UNITS`` layer, then the model for what is left. Under
-    ``bf16-mixed`` the weights are gathered in bf16 and the gradients reduced in fp32 (half the traffic)."""
+    """Shard ``model`` in place over ``mesh``: each ``SHARD_UNITS`` layer, then the rest; ``bf16-mixed`` gathers
+    weights in bf16 and reduces gradients in fp32 (half the traffic)."""
     policy = MixedPrecisionPolicy()
     if precision == "bf16-mixed":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -54,8 +54,8 @@ def _shard_units(model: nn.Module) -> list[Any]:
 
 
 def gather_for_evaluation(model: nn.Module) -> None:
-    """All-gather every weight of a sharded ``model`` (every process together) and keep them gathered through
-    the forward passes that follow, until ``shard_again``. A model that is not sharded is left as it is."""
+    """All-gather every weight of a sharded ``model`` (every process together), kept through the forward passes
+    that follow until ``shard_again``; a model that is not sharded is left as it is."""
     units = _shard_units(model)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
@@ -64,8 +64,7 @@ def gather_for_evaluation(model: nn.Module) -> None:
 
 
 def shard_again(model: nn.Module) -> None:
-    """Undo ``gather_for_evaluation``: free the gathered weights; the layers shard again after each forward
-    (the root keeps its weights until the backward, FSDP's default)."""
+    """Undo ``gather_for_evaluation``: every layer but the root shards again after each forward (FSDP's default)."""
     units = _shard_units(model)
     for unit in units:
         unit.set_reshard_after_forward(unit is not model, recurse=False)
@@ -73,8 +72,7 @@ def shard_again(model: nn.Module) -> None:
 
 
 def unsharded_copy(model: nn.Module) -> nn.Module:
-    """A plain copy of a sharded ``model`` with its whole weights, on the device of its shards, in its mode;
-    every process calls it together."""
+    """A plain copy of a sharded ``model``, whole, on its shards' device, in its mode (every process together)."""
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     device = next(iter(weights.values())).device
     with torch.device(device):
