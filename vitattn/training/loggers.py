@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import fcntl  # POSIX, as training is (``plan_cores`` reads the process's CPU affinity)
 import inspect
 import logging
 import secrets
@@ -26,11 +27,6 @@ from vitattn.errors import ConfigError, first_line
 from vitattn.fileio import atomic_open, atomic_write
 from vitattn.run_dir import RunDir
 from vitattn.training.config import instantiate_group
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not on POSIX: the store is opened unlocked
-    fcntl = None
 
 __all__ = [
     "ResumableCSVLogger",
@@ -222,7 +218,7 @@ class ResumableMLFlowLogger(MLFlowLogger):
 def _store_lock(tracking_uri: str | None) -> Iterator[None]:
     """Held while a local SQLite store is opened: processes started together (torchrun) would each create and
     migrate the same new file, and all but one fail; in turn, the first makes it and the others find it made."""
-    if fcntl is None or not str(tracking_uri).startswith("sqlite:///"):
+    if not str(tracking_uri).startswith("sqlite:///"):
         yield
         return
     path = Path(str(tracking_uri).removeprefix("sqlite:///"))
