@@ -26,9 +26,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 class Preemption(Checkpoint):
     """On SIGTERM or SIGUSR1: finish the current step (and a validation that follows it), write the run's
-    ``last_checkpoint`` (what ``resume`` continues from; atomically, through the trainer's checkpoint IO), stop;
-    ``preempted()`` then describes the stop.
-    """
+    ``last_checkpoint`` (through the trainer's atomic checkpoint IO), stop; ``preempted()`` describes the stop."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.checkpoint = RunDir(run_dir).last_checkpoint

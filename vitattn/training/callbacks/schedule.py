@@ -22,10 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class FreezeEncoder(BaseFinetuning):
-    """Freeze everything but ``head_modules(model)`` until epoch ``unfreeze_at_epoch``
-    (``finetune.freeze_encoder_epochs``); the encoder then joins the optimizer with the groups it would have had
-    from the start (``VisionSystem.param_groups``, at the schedule's current factor), not Lightning's one group.
-    """
+    """Freeze all but ``head_modules(model)`` until epoch ``unfreeze_at_epoch``; the encoder then joins with the
+    groups it would have had from the start (``VisionSystem.param_groups``), not Lightning's one group."""
 
     def __init__(self, unfreeze_at_epoch: int) -> None:
         super().__init__()
@@ -67,12 +65,9 @@ def _lambda_schedulers(trainer: pl.Trainer) -> list[LambdaLR]:
 
 
 class TimeBudgetHorizon(Callback):
-    """Moves the schedule's horizon to the number of steps that fit in ``trainer.max_time``.
-
-    The step rate is measured over the run so far (validation included, the first ``skip_steps`` left out) and
-    the horizon, ``steps done + time left x rate`` (never past the step or epoch limit), re-estimated every
-    ``every_n_steps``. Without ``max_time`` it sets the horizon to the step or epoch limit at the start.
-    """
+    """Moves the schedule's horizon to the steps that fit in ``trainer.max_time``: ``steps done + time left x
+    rate`` (the rate measured after ``skip_steps``, validation included; never past the step or epoch limit),
+    every ``every_n_steps``; without ``max_time``, the step or epoch limit, set at the start."""
 
     def __init__(self, skip_steps: int = 5, every_n_steps: int = 10) -> None:
         self.skip_steps, self.every_n_steps = skip_steps, every_n_steps
