@@ -51,10 +51,8 @@ def evaluate_classification(
     if data.loader is not None:
         batches, total = data.loader, len(data.loader.dataset)
     else:
-        batches, total = (
-            file_batches(data.files, data.ids, bundle.transform, batch_size, num_workers, failed),
-            len(data.files),
-        )
+        batches = file_batches(data.files, data.ids, bundle.transform, batch_size, num_workers, failed)
+        total = len(data.files)
     k = len(bundle.class_names)
     top1 = MulticlassAccuracy(k, top_k=1, average="micro")
     top5 = MulticlassAccuracy(k, top_k=min(5, k), average="micro")
