@@ -43,7 +43,7 @@ from PIL import Image
 
 from benchmarks.machine import loadavg, machine_info
 from benchmarks.procfs import tree_rss_kib
-from vitattn.cli.args import UsageError, entry_point, parse_key_values
+from vitattn.cli.args import UsageError, parse_key_values, run_main
 from vitattn.data import read_image
 from vitattn.data.images import BadImageError
 from vitattn.fileio import atomic_write
@@ -322,7 +322,9 @@ def parse_args(argv: list[str]) -> Any:
     return parse_key_values(argv, LoadConfig, "python -m benchmarks.load_serve")
 
 
-main = entry_point(__doc__, parse_args, run)  # argv defaults to sys.argv[1:]
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; ``argv`` defaults to ``sys.argv[1:]``."""
+    return run_main(__doc__, argv, parse_args, run)
 
 
 if __name__ == "__main__":
