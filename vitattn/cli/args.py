@@ -18,7 +18,7 @@ from vitattn.cli.errors import USER_ERRORS, quiet_upstream, report_user_error
 from vitattn.errors import brief, first_line
 from vitattn.precision import check_precision
 
-__all__ = ["DecodingArgs", "UsageError", "entry_point", "parse_key_values", "resolve_device"]
+__all__ = ["DecodingArgs", "UsageError", "parse_key_values", "resolve_device", "run_main"]
 
 
 # Counts that the entry points share, and their least values.
@@ -100,20 +100,16 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def entry_point(doc: str, parse: Callable[[list[str]], Any], run: Callable[[Any], int]) -> Callable[..., int]:
-    """A console entry point ``main(argv=None)`` (default ``sys.argv[1:]``): ``--help`` prints ``doc``; a user error
+def run_main(doc: str, argv: Sequence[str] | None, parse: Callable[[list[str]], Any], run: Callable[[Any], int]) -> int:
+    """A console entry point over ``argv`` (default ``sys.argv[1:]``): ``--help`` prints ``doc``; a user error
     prints ``error: <one line>`` on stderr, exit status 2; else ``run(parse(argv))``'s status."""
-
-    def main(argv: Sequence[str] | None = None) -> int:
-        argv = sys.argv[1:] if argv is None else list(argv)
-        if any(a in ("-h", "--help", "help") for a in argv):
-            print(doc.strip())
-            return 0
-        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-        quiet_upstream()
-        try:
-            return run(parse(argv))
-        except USER_ERRORS as err:
-            return report_user_error(err)
-
-    return main
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(doc.strip())
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    quiet_upstream()
+    try:
+        return run(parse(argv))
+    except USER_ERRORS as err:
+        return report_user_error(err)

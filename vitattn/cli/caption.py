@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from vitattn.cli.args import DecodingArgs, UsageError, entry_point, parse_key_values, resolve_device
+from vitattn.cli.args import DecodingArgs, UsageError, parse_key_values, resolve_device, run_main
 from vitattn.cli.errors import USER_ERRORS
 
 __all__ = ["CaptionConfig", "UsageError", "main", "parse_args", "run"]
@@ -145,7 +145,8 @@ def _caption_shards(cfg: Any, model: Any, options: dict[str, Any]) -> int:
     return 1 if summary.failed else 0
 
 
-main = entry_point(__doc__, parse_args, run)
+def main(argv: list[str] | None = None) -> int:
+    return run_main(__doc__, argv, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import hydra
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 
-from vitattn.cli.args import UsageError, entry_point
+from vitattn.cli.args import UsageError, run_main
 from vitattn.errors import first_line
 
 __all__ = ["main", "parse_args", "run"]
@@ -74,7 +74,8 @@ def run(args: tuple[DictConfig, int]) -> int:
     return 1 if bad else 0
 
 
-main = entry_point(__doc__, parse_args, run)
+def main(argv: list[str] | None = None) -> int:
+    return run_main(__doc__, argv, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from vitattn.cli.args import DecodingArgs, UsageError, entry_point, parse_key_values, resolve_device
+from vitattn.cli.args import DecodingArgs, UsageError, parse_key_values, resolve_device, run_main
 from vitattn.metrics import SCORERS
 from vitattn.metrics.toolkit import check_toolkit
 from vitattn.run_dir import RunDir
@@ -166,7 +166,8 @@ def _embedding_task(cfg: Any, bundle: Any, task: str, loading: dict[str, Any]) -
     return evaluate_retrieval(bundle, references=cfg.references, image_dir=cfg.image_dir, **loading)
 
 
-main = entry_point(__doc__, parse_args, run)
+def main(argv: list[str] | None = None) -> int:
+    return run_main(__doc__, argv, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from vitattn.cli.args import UsageError, entry_point, parse_key_values, resolve_device
+from vitattn.cli.args import UsageError, parse_key_values, resolve_device, run_main
 from vitattn.run_dir import RunDir
 
 __all__ = ["ExportConfig", "main", "parse_args", "run"]
@@ -140,7 +140,8 @@ def _write_card(cfg: Any, bundle: Any, source: str | Path, out: Path) -> None:
     card.save(out / CARD_FILE)
 
 
-main = entry_point(__doc__, parse_args, run)
+def main(argv: list[str] | None = None) -> int:
+    return run_main(__doc__, argv, parse_args, run)
 
 
 if __name__ == "__main__":

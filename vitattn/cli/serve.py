@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from vitattn.cli.args import DecodingArgs, UsageError, entry_point, parse_key_values
+from vitattn.cli.args import DecodingArgs, UsageError, parse_key_values, run_main
 
 __all__ = ["ServeConfig", "main", "parse_args", "run"]
 
@@ -99,7 +99,8 @@ def run(cfg: Any) -> int:
     return 0
 
 
-main = entry_point(__doc__, parse_args, run)
+def main(argv: list[str] | None = None) -> int:
+    return run_main(__doc__, argv, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,12 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from omegaconf import MISSING
 
-from vitattn.cli.args import UsageError, entry_point, parse_key_values
+from vitattn.cli.args import UsageError, parse_key_values, run_main
 
 __all__ = ["main"]
 
@@ -80,7 +81,8 @@ def run(args: ShardsArgs) -> int:
     return 0
 
 
-main = entry_point(__doc__, parse, run)
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_main(__doc__, argv, parse, run)
 
 
 if __name__ == "__main__":
