@@ -130,6 +130,7 @@ def test_two_processes_killed_mid_run_then_rerun_caption_every_key_once(bundle_d
     "argv, message",
     [
         (["model=m", "out=o"], "error: missing images=... (image files) or shards=... (WebDataset tars)"),
+        (["model=", "out=o", "images=i"], "error: missing model=...; see vitattn-caption --help"),  # not "." read
         (["model=m", "out=o", "images=i", "shards=s"], "error: images=... and shards=... are both given"),
         (["model=m", "out=o", "shards=s", "format=coco"], "error: format='coco' is unknown for shards"),
     ],

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from vitattn.cli.errors import USER_ERRORS, quiet_upstream, report_user_error
@@ -66,7 +66,8 @@ def parse_key_values(argv: Sequence[str], schema: type, prog: str) -> Any:
             cfg[key]  # read back: a typed field checks a value holding ``${`` only when it is read
     except OmegaConfBaseException as err:
         raise UsageError(f"{key}={brief(given[key])}: {first_line(err, limit=1000)}") from None
-    missing = sorted(OmegaConf.missing_keys(cfg))
+    required = {f.name for f in fields(schema) if f.default == MISSING}
+    missing = sorted(OmegaConf.missing_keys(cfg) | {k for k in required if given.get(k) == ""})  # model= too
     if missing:
         raise UsageError(f"missing {', '.join(f'{k}=...' for k in missing)}; see {prog} --help")
     if "device" in cfg and cfg.device not in ("auto", "cpu", "cuda") and not str(cfg.device).startswith("cuda:"):
