@@ -8,6 +8,8 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.vitattn-installed
 ARGS   ?=
+# pytest-xdist processes: each test runs one torch thread (tests/conftest.py), so one per core
+TEST_WORKERS ?= 2
 
 .PHONY: install train lint test test-fast bench learning-bench transfer-bench clean
 
@@ -29,10 +31,10 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,bench]"

@@ -22,7 +22,9 @@ GPU_ID = "import pytest\n\n@pytest.mark.parametrize('device', ['gpu'])\ndef test
 IN_GPU_FOLDER = "import pytest\n\ndef test_in_a_folder_named_gpu():\n    pytest.skip('no chromium')\n"
 
 
-def _pytest(tmp_path: Path, files: dict[str, str], ci: bool, ini: str = "") -> subprocess.CompletedProcess:
+def _pytest(
+    tmp_path: Path, files: dict[str, str], ci: bool, ini: str = "", *options: str
+) -> subprocess.CompletedProcess:
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
@@ -33,7 +35,9 @@ def _pytest(tmp_path: Path, files: dict[str, str], ci: bool, ini: str = "") -> s
     if ci:
         env["CI"] = "true"
     command = [sys.executable, "-m", "pytest", "-p", "skip_policy", "-p", "no:cacheprovider", "-q", "-rs"]
-    return subprocess.run([*command, str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [*command, *options, str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
 
 
 @pytest.mark.parametrize("skipped", [SKIPPED, MISSING_MODULE], ids=["skip-in-test", "importorskip-in-module"])
@@ -55,6 +59,18 @@ def test_only_gpu_tests_and_strict_expected_failures_may_skip_in_ci(tmp_path):
     proc = _pytest(tmp_path, files, ci=True)
     assert proc.returncode == pytest.ExitCode.OK, proc.stdout
     assert "fails the run" not in proc.stdout and "1 xfailed" in proc.stdout
+
+
+def test_the_policy_holds_when_pytest_xdist_runs_the_tests_in_other_processes(tmp_path):
+    """make test runs the suite with ``-n 2``: the reports are judged in the controller, not where they were made."""
+    allowed = {"test_pass.py": PASSING, "test_gpu.py": GPU_ONLY, "test_xfail.py": STRICT_XFAIL}
+    proc = _pytest(tmp_path, allowed, True, "", "-n", "2")
+    assert proc.returncode == pytest.ExitCode.OK, proc.stdout
+    assert "fails the run" not in proc.stdout and "1 xfailed" in proc.stdout
+    proc = _pytest(tmp_path, {**allowed, "test_skip.py": SKIPPED, "test_xfail.py": XFAIL}, True, "", "-n", "2")
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED, proc.stdout
+    named = proc.stdout.split("each one fails the run")[1].split("only @pytest.mark")[0]
+    assert "test_skip.py" in named and "test_xfail.py" in named and "test_gpu.py" not in named
 
 
 @pytest.mark.parametrize("units", [[], ["avx512_bf16"]], ids=["without", "with"])

@@ -47,28 +47,25 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
-_may_skip: dict[str, bool] = {}  # test node id -> marked gpu or cpu_bf16
-_strict_xfail: dict[str, bool] = {}  # test node id -> an xfail mark that is strict
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    _may_skip[item.nodeid] = any(item.get_closest_marker(marker) for marker in CI_MAY_SKIP)
+    """Each report carries what the policy needs (under pytest-xdist, reports are judged in another process)."""
+    report = yield
     xfail = item.get_closest_marker("xfail")
     strict = xfail is not None and xfail.kwargs.get("strict", item.config.getini("xfail_strict"))
-    _strict_xfail[item.nodeid] = bool(strict) and xfail.kwargs.get("run", True)
-    return (yield)
+    report.ci_may_skip = any(item.get_closest_marker(marker) for marker in CI_MAY_SKIP)
+    report.ci_strict_xfail = bool(strict) and xfail.kwargs.get("run", True)
+    return report
 
 
 def _record(report) -> None:
-    nodeid = report.nodeid
     wasxfail = getattr(report, "wasxfail", None)
     if wasxfail is not None:  # xfailed, or xpassed without strict
-        if not _strict_xfail.get(nodeid, False):
-            _unexpected.append((nodeid, f"xfail without strict=True: {wasxfail or 'no reason given'}"))
-    elif report.skipped and not _may_skip.get(nodeid, False):  # a collection report has no item: never allowed
+        if not getattr(report, "ci_strict_xfail", False):
+            _unexpected.append((report.nodeid, f"xfail without strict=True: {wasxfail or 'no reason given'}"))
+    elif report.skipped and not getattr(report, "ci_may_skip", False):  # a collection report: never allowed
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        _unexpected.append((nodeid, reason))
+        _unexpected.append((report.nodeid, reason))
 
 
 def pytest_runtest_logreport(report):
