@@ -10,6 +10,7 @@ STAMP  := $(VENV)/.vitattn-installed
 ARGS   ?=
 # pytest-xdist processes: each test runs one torch thread (tests/conftest.py), so one per core
 TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: install train lint test test-fast bench learning-bench transfer-bench clean
 
@@ -31,10 +32,10 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PYTEST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
+	$(PYTEST) -m "not slow"
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,bench]"
