@@ -34,12 +34,12 @@ def _unit(*shape: int) -> torch.Tensor:
     return torch.nn.functional.normalize(torch.randn(*shape), dim=-1)
 
 
-def test_clip_loss_is_the_mean_of_both_cross_entropies_and_its_scale_is_capped_at_100():
+def test_clip_loss_is_the_mean_of_both_cross_entropies_at_any_scale():
     image, text = _unit(5, 8), _unit(5, 8)
-    for log_scale, scale in ((math.log(1 / 0.07), 1 / 0.07), (math.log(300.0), 100.0)):
+    for scale in (1 / 0.07, 300.0):  # no cap in the loss: the system clamps the parameter after each step
         logits = scale * image @ text.T  # (images, texts)
         reference = -(logits.log_softmax(1).diagonal().mean() + logits.log_softmax(0).diagonal().mean()) / 2
-        torch.testing.assert_close(clip_loss(image, text, torch.tensor(log_scale)), reference)
+        torch.testing.assert_close(clip_loss(image, text, torch.tensor(math.log(scale))), reference)
 
 
 def test_siglip_loss_sums_a_binary_loss_per_pair_over_the_texts_and_averages_over_the_images():
@@ -190,10 +190,6 @@ def test_a_text_embedding_ignores_the_padding():
         ("head.caption_weight=-1", "head.caption_weight=-1 must be a number of 0 or more"),
         ("head.contrastive_weight=0 head.caption_weight=0", "head.contrastive_weight=0 and head.caption_weight=0"),
         ("head.contrastive.init_logit_bias=low", "head.contrastive.init_logit_bias='low' must be auto or a number"),
-        (
-            "data=coco trainer=ddp trainer.accelerator=cpu data.bad_images=skip",
-            "data.bad_images=skip does not work with head=coca",
-        ),
         (
             "head.monitor=val/i2t_r5",
             "head.monitor=val/i2t_r5 head.monitor_mode=max: head=coca picks its best checkpoint by one of "

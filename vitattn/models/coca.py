@@ -176,7 +176,7 @@ class CocaCaptioner(Embedder, ImageCaptioner):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Training's pass, one encoding of each image: the (N, T - 1, V) teacher-forced logits of captions
         ``tokens`` (N, T) (caption n of image ``caption_image[n]``, as ``forward``), the (B, E) image embeddings and
-        the text embeddings of ``texts`` (B, T). Under FSDP a forward method (``shard_layers`` registers it)."""
+        the text embeddings of ``texts`` (M, T). Under FSDP a forward method (``shard_layers`` registers it)."""
         features = self.encoder.forward_features(images)  # (B, 1 + patches, D)
         logits = self.decoder(tokens[:, :-1], per_caption(self.memory(features), caption_image))
         return logits, self._image_embedding(features), self.embed_texts(texts)

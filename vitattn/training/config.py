@@ -164,11 +164,6 @@ def _check_contrastive(cfg: DictConfig) -> None:
     bias = head.contrastive.get("init_logit_bias", "auto")
     if bias != "auto" and (isinstance(bias, bool) or not isinstance(bias, (int, float))):
         raise ConfigError(f"head.contrastive.init_logit_bias={bias!r} must be auto or a number (e.g. -10)")
-    if cfg.data.get("bad_images") == "skip" and _distributed(cfg.trainer):
-        raise ConfigError(
-            "data.bad_images=skip does not work with head=coca on several processes: a rank whose batch lost "
-            "images would gather fewer contrastive negatives than the others wait for; use data.bad_images=raise"
-        )
 
 
 def _check_finetuning(cfg: DictConfig) -> None:

@@ -17,7 +17,7 @@ from vitattn.inference.embeddings import encode_texts
 from vitattn.inference.zero_shot import ZeroShotClassifier, check_labels, class_prompts, template_means, templates_from
 from vitattn.metrics.metric import RetrievalMetrics
 from vitattn.training.systems.captioning import CaptionSystem
-from vitattn.training.systems.contrastive import check_contrastive, contrastive_loss
+from vitattn.training.systems.contrastive import MAX_LOGIT_SCALE, check_contrastive, contrastive_loss
 
 __all__ = ["CocaSystem"]
 
@@ -65,7 +65,7 @@ class CocaSystem(CaptionSystem):
             )
 
     def _loss(self, batch: dict[str, Any], label_smoothing: float = 0.0) -> Tensor:
-        """The weighted sum; the contrastive pairs are each image and its first caption."""
+        """The weighted sum."""
         caption, contrastive = self._pair_terms(batch, label_smoothing)
         return self.caption_weight * caption + self.contrastive_weight * contrastive
 
@@ -78,18 +78,22 @@ class CocaSystem(CaptionSystem):
         return self.contrastive_weight * contrastive + self.caption_weight * (scst + self.scst.xe_weight * caption)
 
     def _pair_terms(self, batch: dict[str, Any], label_smoothing: float) -> tuple[Tensor, Tensor]:
-        """The caption cross-entropy and the contrastive loss, from one encoding of each image."""
-        tokens, caption_image = batch["tokens"], batch.get("caption_image")  # (N, T), (N,) or None
+        """The caption cross-entropy and the contrastive loss, from one encoding of each image; the contrastive
+        texts are every caption of the batch, each a positive of its own image and of the images of its equals."""
+        tokens, caption_image = batch["tokens"], batch.get("caption_image")  # (N, T), (N,) or None: caption n, image n
         images = batch["images"]
-        texts = tokens  # (B, T): one caption per image for the contrastive pairs
-        if caption_image is not None and len(caption_image) != len(images):
-            first = torch.searchsorted(caption_image, torch.arange(len(images), device=caption_image.device))
-            texts = tokens.index_select(0, first)
-        logits, image, text = self.model.forward_coca(images, tokens, texts, caption_image)
+        logits, image, text = self.model.forward_coca(images, tokens, tokens, caption_image)
         caption = self._caption_loss(logits, tokens, label_smoothing)
-        contrastive = contrastive_loss(self.contrastive_loss, image, text, self.model)
+        contrastive = contrastive_loss(self.contrastive_loss, image, text, self.model, caption_image, tokens)
         self._terms = {"caption_loss": caption.detach(), "contrastive_loss": contrastive.detach()}
         return caption, contrastive
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's step (once per ``accumulate_grad_batches``), then the temperature clamped in place to
+        [0, log 100] as open_clip does: the loss has no cap, so its gradient reaches the scale at every value."""
+        super().optimizer_step(*args, **kwargs)
+        with torch.no_grad():
+            self.model.logit_scale.clamp_(0, MAX_LOGIT_SCALE)  # a DTensor under FSDP: each shard clamped
 
     def _log_terms(self, stage: str, size: int) -> None:
         terms, self._terms = self._terms, {}

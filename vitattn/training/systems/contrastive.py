@@ -1,11 +1,21 @@
-"""Contrastive losses between image and text embeddings, with every rank's embeddings as negatives.
+"""Contrastive losses between image and text embeddings, with every rank's embeddings as negatives and every
+reference of an image, and every equal text, as its positives.
 
-Each rank's loss is over its own rows against all ranks' embeddings, gathered with gradients (open_clip's
-``ClipLoss(local_loss=True, gather_with_grad=True)``), and is a mean over its own rows: the mean of the ranks'
-losses, and the mean of their gradients that DDP and FSDP take, are then one process's loss and gradients over all
-the ranks' rows together (docs/captioning.md#coca).
+Each rank gathers all ranks' embeddings with gradients (open_clip's ``ClipLoss(local_loss=True,
+gather_with_grad=True)``), the ranks' batches of any sizes (``gather_rows``), and sums the loss of its own rows
+against all columns. A text is a positive of its own image and of every image one of whose texts has the same
+token ids (``positives``): CLIP's target is spread evenly over a row's positives, SigLIP labels each +1. The loss
+one process would take over the W ranks' rows together is a mean over all I images (and all N texts); each rank's
+share is W times its rows' sum over I (and N), so that the mean over ranks that DDP and FSDP take of the losses
+and of the gradients is that one process's, whatever each rank's batch size (a rank's own mean would not be: with
+batches of 4 and 3 it weighs a row of the second 4/3 as much). The logged per-rank value is this share.
 
-Dimension letters: B this rank's pairs, W ranks, E embedding width.
+The loss runs in fp32 at least with autocast off. The temperature ``logit_scale`` is not capped here, so that its
+gradient flows at any value: the system clamps the parameter to [0, ``MAX_LOGIT_SCALE``] after each optimizer step,
+as open_clip does (docs/captioning.md#coca).
+
+Dimension letters: B this rank's images, N this rank's texts, I and N_all every rank's, W ranks, E embedding width,
+T token positions.
 """
 
 from __future__ import annotations
@@ -30,11 +40,12 @@ __all__ = [
     "contrastive_loss",
     "contrastive_model_config",
     "gather_rows",
+    "positives",
     "siglip_loss",
 ]
 
 LOSSES = ("clip", "siglip")
-MAX_LOGIT_SCALE = math.log(100)  # CLIP's cap on the learned log temperature
+MAX_LOGIT_SCALE = math.log(100)  # CLIP's cap on the learned log temperature, clamped in after each step
 INIT_LOGIT_SCALE = {"clip": math.log(1 / 0.07), "siglip": math.log(10)}
 RETRIEVAL_MONITORS = ("val/i2t_r1", "val/t2i_r1")  # what validation logs from ``RetrievalMetrics``
 ZERO_SHOT_MONITOR = "val/zero_shot_top1"  # what validation logs with ``head.zero_shot.data_root``
@@ -66,41 +77,111 @@ def contrastive_model_config(contrastive: dict[str, Any], pairs: int) -> dict[st
 
 
 def gather_rows(x: Tensor) -> tuple[Tensor, int]:
-    """(W·B, E) every rank's rows of (B, E) ``x`` in rank order, their gradients summed back to the rank that made
-    them, and the index of this rank's first row; without a process group, ``x`` and 0."""
+    """Every rank's rows of ``x`` (R, ...), R this rank's own and the rest of the shape the same on every rank, in
+    rank order, and the index of this rank's first row; without a process group, ``x`` and 0. The ranks may hold
+    different numbers of rows: each pads its own to the largest, all are gathered, and each part is cut back to its
+    rows. A float ``x`` that needs a gradient is gathered with one, each row's gradients summed back to the rank
+    that made it."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return x, 0
-    with warnings.catch_warnings():  # torch 2.14 deprecates it for a private module's; it still works on every backend
-        warnings.simplefilter("ignore", FutureWarning)
-        parts = dist_nn.all_gather(x.contiguous())
-    return torch.cat(parts), dist.get_rank() * x.shape[0]
+    world = dist.get_world_size()
+    rows = [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(world)]
+    dist.all_gather(rows, torch.tensor([len(x)], device=x.device))
+    rows = torch.cat(rows).tolist()  # (W,) every rank's R
+    padded = torch.cat([x, x.new_zeros(max(rows) - len(x), *x.shape[1:])])  # (max R, ...)
+    if x.requires_grad:
+        with warnings.catch_warnings():  # torch 2.14 deprecates it for a private module's; it works on every backend
+            warnings.simplefilter("ignore", FutureWarning)
+            parts = dist_nn.all_gather(padded)
+    else:
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded)
+    return torch.cat([part[:n] for part, n in zip(parts, rows)]), sum(rows[: dist.get_rank()])
 
 
-def clip_loss(image: Tensor, text: Tensor, logit_scale: Tensor) -> Tensor:
-    """CLIP's InfoNCE over this rank's (B, E) pairs: the mean of the image->text and text->image cross-entropies."""
-    all_image, first = gather_rows(image)
-    all_text, _ = gather_rows(text)
-    scale = logit_scale.clamp(max=MAX_LOGIT_SCALE).exp()
-    labels = torch.arange(first, first + len(image), device=image.device)  # (B,): each pair's column
-    per_image = scale * image @ all_text.T  # (B, W·B)
-    per_text = scale * text @ all_image.T  # (B, W·B)
-    return (F.cross_entropy(per_image, labels) + F.cross_entropy(per_text, labels)) / 2
+def positives(text_image: Tensor, text_ids: Tensor | None, images: int) -> Tensor:
+    """(I, N) True where text n is a positive of image i: one of i's own texts (``text_image`` (N,) the image of
+    each), or a text of the same token ids (``text_ids`` (N, T), rows compared whole; None: every text distinct)."""
+    if text_ids is None:
+        group = torch.arange(len(text_image), device=text_image.device)  # (N,)
+    else:
+        group = torch.unique(text_ids, dim=0, return_inverse=True)[1]  # (N,): one id per distinct text
+    has = torch.zeros(images, len(group), dtype=torch.bool, device=group.device)  # (I, groups)
+    has[text_image, group] = True
+    return has[:, group]  # (I, N)
 
 
-def siglip_loss(image: Tensor, text: Tensor, logit_scale: Tensor, logit_bias: Tensor) -> Tensor:
-    """SigLIP's sigmoid loss: each of this rank's B images against every text, a binary label each, summed over
-    the texts and averaged over the images."""
-    all_text, first = gather_rows(text)
-    logits = logit_scale.clamp(max=MAX_LOGIT_SCALE).exp() * image @ all_text.T + logit_bias  # (B, W·B)
-    positive = torch.arange(first, first + len(image), device=image.device)
-    labels = 2 * F.one_hot(positive, logits.shape[1]).to(logits.dtype) - 1  # (B, W·B): +1 its own text, -1 others
-    return -F.logsigmoid(labels * logits).sum() / len(image)
+def _pairs(
+    image: Tensor, text: Tensor, text_image: Tensor | None, text_ids: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, int, int]:
+    """Every rank's images and texts, the (I, N) positives over them all, and this rank's first image and text."""
+    own = torch.arange(len(image), device=image.device) if text_image is None else text_image
+    all_image, first_image = gather_rows(image)
+    all_text, first_text = gather_rows(text)
+    all_text_image, _ = gather_rows(own + first_image)  # (N,): each text's image among all ranks'
+    all_ids = None if text_ids is None else gather_rows(text_ids)[0]
+    return all_image, all_text, positives(all_text_image, all_ids, len(all_image)), first_image, first_text
 
 
-def contrastive_loss(loss: str, image: Tensor, text: Tensor, model: Any) -> Tensor:
-    """The ``loss`` (``clip`` or ``siglip``) of (B, E) embeddings in fp32 at least, with ``model``'s scale and bias."""
-    dtype = torch.promote_types(image.dtype, torch.float32)  # bf16 embeddings under autocast: fp32
-    image, text = image.to(dtype), text.to(dtype)
-    if loss == "siglip":
-        return siglip_loss(image, text, model.logit_scale, model.logit_bias)
-    return clip_loss(image, text, model.logit_scale)
+def clip_loss(
+    image: Tensor,
+    text: Tensor,
+    logit_scale: Tensor,
+    text_image: Tensor | None = None,
+    text_ids: Tensor | None = None,
+) -> Tensor:
+    """CLIP's InfoNCE with every positive, over this rank's (B, E) images and (N, E) texts (``text_image`` (N,)
+    the image of each, default text n of image n; ``text_ids`` (N, T) their tokens, equal rows positives of each
+    other's images): the mean of the image->text cross-entropy, its target spread evenly over the image's positive
+    texts, and the text->image one, over each text's positive images; this rank's share, as the module says."""
+    all_image, all_text, positive, first_image, first_text = _pairs(image, text, text_image, text_ids)
+    scale = logit_scale.exp()
+    mine = positive[first_image : first_image + len(image)]  # (B, N_all)
+    per_image = _soft_cross_entropy(scale * image @ all_text.T, mine)  # (B, N_all) logits
+    theirs = positive[:, first_text : first_text + len(text)].T  # (N, B_all)
+    per_text = _soft_cross_entropy(scale * text @ all_image.T, theirs)
+    world = _world_size()
+    return world * (per_image / len(all_image) + per_text / len(all_text)) / 2
+
+
+def _soft_cross_entropy(logits: Tensor, positive: Tensor) -> Tensor:
+    """The summed cross-entropies of (R, C) ``logits`` against targets spread evenly over each row's positives."""
+    target = positive / positive.sum(dim=1, keepdim=True)  # (R, C): every row has one positive at least
+    return -(target * logits.log_softmax(dim=1)).sum()
+
+
+def siglip_loss(
+    image: Tensor,
+    text: Tensor,
+    logit_scale: Tensor,
+    logit_bias: Tensor,
+    text_image: Tensor | None = None,
+    text_ids: Tensor | None = None,
+) -> Tensor:
+    """SigLIP's sigmoid loss: each of this rank's (B, E) images against every rank's texts, label +1 for each of
+    its positive texts (as ``clip_loss``) and -1 for the rest, summed over the texts and averaged over all ranks'
+    images; this rank's share, as the module says."""
+    _, all_text, positive, first_image, _ = _pairs(image, text, text_image, text_ids)
+    logits = logit_scale.exp() * image @ all_text.T + logit_bias  # (B, N_all)
+    labels = 2 * positive[first_image : first_image + len(image)].to(logits.dtype) - 1  # (B, N_all): +1 or -1
+    return -F.logsigmoid(labels * logits).sum() * _world_size() / len(positive)
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def contrastive_loss(
+    loss: str, image: Tensor, text: Tensor, model: Any, text_image: Tensor | None = None, text_ids: Tensor | None = None
+) -> Tensor:
+    """The ``loss`` (``clip`` or ``siglip``) of (B, E) image and (N, E) text embeddings (``text_image``,
+    ``text_ids`` as ``clip_loss``'s), with ``model``'s scale and bias, in fp32 at least with autocast off: under
+    autocast a cast up is undone by the next matmul, and bf16 logits would reach the softmax."""
+    dtype = torch.promote_types(image.dtype, torch.float32)
+    with torch.autocast(image.device.type, enabled=False):
+        image, text, scale = image.to(dtype), text.to(dtype), model.logit_scale.to(dtype)
+        if text_ids is not None:  # one width on every rank, padded as the batch is, so equal texts have equal rows
+            text_ids = F.pad(text_ids, (0, model.max_len - text_ids.shape[1]), value=model.decoder.pad_id)
+        if loss == "siglip":
+            return siglip_loss(image, text, scale, model.logit_bias.to(dtype), text_image, text_ids)
+        return clip_loss(image, text, scale, text_image, text_ids)

@@ -1,0 +1,191 @@
+"""The contrastive losses with every positive: against a loss written plainly from the logits, on one process and
+on 2 and 3 gloo processes with unequal batches (one process on the concatenation); in fp32 under autocast; the
+temperature clamped after the optimizer step."""
+
+import math
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from tests.training.test_coca import _batch, _system
+from vitattn.training.systems.contrastive import MAX_LOGIT_SCALE, contrastive_loss
+
+PAD = 0
+# Each image's texts as token ids (<bos> 1, <eos> 2, <pad> 0): image 0 has two references; the text of images 1, 4
+# and 7 is the same, so are those of 2 and 6 (6 on another rank with 2 processes), and 8's second equals 5's.
+TEXTS = [
+    [[1, 5, 6, 2], [1, 7, 2]],
+    [[1, 8, 2]],
+    [[1, 5, 9, 9, 2]],
+    [[1, 6, 2]],
+    [[1, 8, 2]],
+    [[1, 9, 5, 2]],
+    [[1, 5, 9, 9, 2]],
+    [[1, 8, 2]],
+    [[1, 7, 7, 2], [1, 9, 5, 2]],
+]
+E = 6  # embedding width
+
+
+def _data() -> dict[str, torch.Tensor]:
+    """Every image's features, every text's features, its image and its ids (padded to the longest), float64."""
+    generator = torch.Generator().manual_seed(0)
+    rows = [row for texts in TEXTS for row in texts]
+    width = max(map(len, rows))
+    return {
+        "image": torch.randn(len(TEXTS), 5, generator=generator, dtype=torch.float64),
+        "text": torch.randn(len(rows), 4, generator=generator, dtype=torch.float64),
+        "text_image": torch.tensor([i for i, texts in enumerate(TEXTS) for _ in texts]),
+        "text_ids": torch.tensor([row + [PAD] * (width - len(row)) for row in rows]),
+    }
+
+
+class _Towers(torch.nn.Module):
+    """Two linear maps to unit embeddings, a temperature and a bias: the parameters DDP would average."""
+
+    max_len = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.image_proj = torch.nn.Linear(5, E, bias=False, dtype=torch.float64)
+        self.text_proj = torch.nn.Linear(4, E, bias=False, dtype=torch.float64)
+        self.logit_scale = torch.nn.Parameter(torch.tensor([math.log(10.0)], dtype=torch.float64))
+        self.logit_bias = torch.nn.Parameter(torch.tensor([-2.0], dtype=torch.float64))
+        self.decoder = SimpleNamespace(pad_id=PAD)
+
+    def forward(self, data: dict, loss: str) -> torch.Tensor:
+        image = F.normalize(self.image_proj(data["image"]), dim=-1)
+        text = F.normalize(self.text_proj(data["text"]), dim=-1)
+        return contrastive_loss(loss, image, text, self, data["text_image"], data["text_ids"])
+
+    def embeddings(self, data: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.normalize(self.image_proj(data["image"]), dim=-1), F.normalize(self.text_proj(data["text"]), dim=-1)
+
+
+def _reference(loss: str, towers: _Towers, data: dict) -> torch.Tensor:
+    """The loss written from the logits: a text is a positive of image i when it is one of i's texts or reads as
+    one of them; CLIP's target spread evenly over the positives of each row, both ways; SigLIP's labels +-1."""
+    image, text = towers.embeddings(data)
+    words = [tuple(t for t in row.tolist() if t != PAD) for row in data["text_ids"]]
+    owner = data["text_image"].tolist()
+    own = [{words[k] for k in range(len(words)) if owner[k] == i} for i in range(len(image))]
+    positive = torch.tensor([[words[j] in own[i] for j in range(len(text))] for i in range(len(image))])
+    logits = towers.logit_scale.exp() * image @ text.T  # (images, texts)
+    if loss == "siglip":
+        labels = 2 * positive.double() - 1
+        return -F.logsigmoid(labels * (logits + towers.logit_bias)).sum() / len(image)
+    per_image = -(positive / positive.sum(1, keepdim=True) * logits.log_softmax(1)).sum(1).mean()
+    per_text = -(positive / positive.sum(0, keepdim=True) * logits.log_softmax(0)).sum(0).mean()
+    return (per_image + per_text) / 2
+
+
+def _loss_and_gradients(loss: str, data: dict, reference: bool = False) -> dict[str, torch.Tensor]:
+    towers = _Towers()
+    value = _reference(loss, towers, data) if reference else towers(data, loss)
+    value.backward()
+    grads = {name: p.grad for name, p in towers.named_parameters() if p.grad is not None}
+    return {"loss": value.detach(), **grads}
+
+
+def _share(data: dict, first: int, last: int) -> dict[str, torch.Tensor]:
+    """Images ``first`` to ``last`` and their texts, as a rank holds them: its own image indices, and its ids cut
+    to its longest text (the ranks' widths differ)."""
+    mine = (data["text_image"] >= first) & (data["text_image"] < last)
+    ids = data["text_ids"][mine]
+    return {
+        "image": data["image"][first:last],
+        "text": data["text"][mine],
+        "text_image": data["text_image"][mine] - first,
+        "text_ids": ids[:, : int((ids != PAD).sum(1).max())],
+    }
+
+
+def test_the_losses_are_the_hand_written_ones_with_every_reference_and_equal_texts_positive():
+    data = _data()
+    for loss in ("clip", "siglip"):
+        expected = _loss_and_gradients(loss, data, reference=True)
+        got = _loss_and_gradients(loss, data)
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=1e-10, msg=f"{loss} {key}")
+
+
+def _rank(rank: int, world: int, sizes: list[int], store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        first = sum(sizes[:rank])
+        data = _share(_data(), first, first + sizes[rank])
+        torch.save({loss: _loss_and_gradients(loss, data) for loss in ("clip", "siglip")}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sizes", [[5, 4], [4, 3, 2]])
+def test_ranks_with_unequal_batches_give_the_loss_and_gradients_of_one_process(sizes, tmp_path):
+    """Each rank's images (and their texts) of ``sizes``; the mean over ranks of each rank's loss and of its
+    parameters' gradients (DDP's and FSDP's average) is the hand-written loss of all of them together."""
+    assert sum(sizes) == len(TEXTS)
+    mp.spawn(_rank, args=(len(sizes), sizes, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=len(sizes))
+    ranks = [torch.load(tmp_path / f"out.{rank}", weights_only=True) for rank in range(len(sizes))]
+    for loss in ("clip", "siglip"):
+        expected = _loss_and_gradients(loss, _data(), reference=True)
+        for key, value in expected.items():
+            mean = sum(rank[loss][key] for rank in ranks) / len(ranks)
+            torch.testing.assert_close(mean, value, rtol=0, atol=1e-6, msg=f"{loss} {key}")
+        assert len({float(rank[loss]["loss"]) for rank in ranks}) == len(ranks)  # each rank's own rows
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+def test_the_loss_runs_in_fp32_with_autocast_off(loss):
+    """Under CPU autocast in bf16, the loss of bf16 embeddings is the fp32 loss of those embeddings to fp32's
+    precision (a bf16 matmul of the logits would be off by about 1e-2)."""
+    towers, data = _Towers(), _data()
+    image, text = (x.bfloat16() for x in towers.embeddings(data))  # what the towers give under autocast
+    model = SimpleNamespace(logit_scale=towers.logit_scale.float(), logit_bias=towers.logit_bias.float())
+    model.max_len, model.decoder = towers.max_len, towers.decoder
+    args = (model, data["text_image"], data["text_ids"])
+    with torch.no_grad():
+        expected = contrastive_loss(loss, image.float(), text.float(), *args)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = contrastive_loss(loss, image, text, *args)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_gradient_reaches_the_temperature_at_and_above_its_cap():
+    data = _data()
+    for log_scale in (torch.tensor(MAX_LOGIT_SCALE, dtype=torch.float32).item(), math.log(150.0)):
+        towers = _Towers()
+        towers.logit_scale.data.fill_(log_scale)
+        towers(data, "clip").backward()
+        assert towers.logit_scale.grad.abs() > 1e-4, log_scale
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_temperature_past_the_cap_comes_back_after_the_optimizer_step(accumulate):
+    """A scale set at log 1000 is clamped in place to log 100 (as float32 rounds it) by the step of a Trainer."""
+    system = _system("clip").float()
+    system.model.logit_scale.data.fill_(math.log(1000.0))
+    batches = [{k: v.float() if v.is_floating_point() else v for k, v in _batch().items()}] * accumulate
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        accumulate_grad_batches=accumulate,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(system, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    cap = torch.tensor(MAX_LOGIT_SCALE, dtype=torch.float32)
+    assert trainer.global_step == 1 and system.model.logit_scale.item() == cap.item()
