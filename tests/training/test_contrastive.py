@@ -189,3 +189,39 @@ def test_a_temperature_past_the_cap_comes_back_after_the_optimizer_step(accumula
     trainer.fit(system, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     cap = torch.tensor(MAX_LOGIT_SCALE, dtype=torch.float32)
     assert trainer.global_step == 1 and system.model.logit_scale.item() == cap.item()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_coca_trains_on_shards_on_two_processes_with_unequal_batches(tmp_path):
+    """Nine samples, two ranks, batch 4: rank 0 trains on five and rank 1 on four, so a step's batches differ."""
+    import csv
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import TINY
+    from vitattn.data.shards.writer import shapes_samples, write_shards
+
+    shards = write_shards(shapes_samples("train", 9, img_size=32), tmp_path / "shards", 3)
+    run = tmp_path / "run"
+    args = ["head=coca", "data=webdataset", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+    args += [*TINY, "data.batch_size=4", f"data.train_shards={shards[0].parent}", f"data.val_shards={shards[0]}"]
+    args += ["data.num_workers=0", "trainer.precision=32-true", "trainer.max_epochs=1", "trainer.log_every_n_steps=1"]
+    args += [
+        "trainer.num_sanity_val_steps=0",
+        "test=false",
+        "export_bundle=false",
+        "logger=csv",
+        f"hydra.run.dir={run}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "vitattn.cli.train", *args], capture_output=True, text=True, timeout=350, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(run / "csv" / "metrics.csv", newline="") as f:
+        losses = [
+            float(row["train/contrastive_loss"]) for row in csv.DictReader(f) if row.get("train/contrastive_loss")
+        ]
+    assert len(losses) == 2 and all(math.isfinite(loss) and loss > 0 for loss in losses)
