@@ -99,11 +99,11 @@ def test_bad_labels_and_templates_are_refused_in_one_line(kwargs, message, coca_
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
-def test_models_without_embeddings_are_refused_in_one_line(tmp_path):
+def test_scorers_and_models_without_embeddings_are_refused_in_one_line(tmp_path):
     caption = make_caption_bundle(tmp_path / "caption")
     classifier = make_classifier_bundle(tmp_path / "classifier")
     cases = [
-        (lambda: Classifier.load(caption, labels=["red"]), f"{caption} is a head=caption model without image and"),
+        (lambda: Classifier.load(caption, labels=["red"], scorer="both"), "scorer=both needs image and text"),
         (lambda: Captioner.load(caption).embed_texts("a red"), "this is a head=caption model without image and"),
         (lambda: Captioner.load(caption).embed_images(np.zeros((8, 8, 3), np.uint8)), "this is a head=caption"),
         (lambda: Classifier.load(classifier, labels=["red"]), f"{classifier} is a classification model with its"),
@@ -113,4 +113,4 @@ def test_models_without_embeddings_are_refused_in_one_line(tmp_path):
         with pytest.raises(ValueError) as error:
             call()
         assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)
-    assert "needs a head=coca model" in str(pytest.raises(ValueError, cases[0][0]).value)
+    assert "only a head=coca model has" in str(pytest.raises(ValueError, cases[0][0]).value)
