@@ -30,12 +30,12 @@ def serving_apis(api: CaptionAPI, bundle: LoadedModel) -> tuple[list[BundleAPI],
     with ``api``'s settings when it has embeddings; else the one line ``/embed`` answers 404 with, saying why."""
     keys = ("max_image_bytes", "num_threads", "precision", "max_batch_size", "batch_timeout")
     settings = {key: getattr(api, key) for key in keys}
-    apis = [api, ClassifyAPI(api.model_path, **settings)]
+    classify = ClassifyAPI(api.model_path, **settings)
     try:
         embedding_model(bundle, "POST /embed", f"model={api.model_path}")
     except ValueError as err:
-        return apis, str(err)
-    return [*apis, EmbedAPI(api.model_path, **settings)], None
+        return [api, classify], str(err)
+    return [api, EmbedAPI(api.model_path, **settings), classify], None
 
 
 def build_server(
