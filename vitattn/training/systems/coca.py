@@ -48,7 +48,9 @@ class CocaSystem(CaptionSystem):
         self.contrastive_weight, self.caption_weight = contrastive_weight, caption_weight
         self.retrieval_metrics = RetrievalMetrics()  # every rank's embeddings, ranked once
         self._terms: dict[str, Tensor] = {}  # the last ``_loss``'s two terms, logged by the step that asked for it
-        self._zero_shot = None  # (the folder's (path, class) samples, class names, templates, inference's transform)
+        self._zero_shot = (
+            None  # (the folder's (path, class) samples, class names, templates or None, inference's transform)
+        )
         if zero_shot and zero_shot.get("data_root") is not None:
             where = f"head.zero_shot.data_root={zero_shot['data_root']}"
             try:
@@ -60,7 +62,7 @@ class CocaSystem(CaptionSystem):
             self._zero_shot = (
                 folder.samples,
                 names,
-                templates_from(zero_shot.get("templates")),
+                None if zero_shot.get("templates") is None else templates_from(zero_shot["templates"]),
                 eval_transform(preprocess),
             )
 
@@ -128,7 +130,7 @@ class CocaSystem(CaptionSystem):
         """Top-1 and top-5 of the zero-shot folder read as ``vitattn-eval task=zero_shot`` reads it, each rank
         classifying every world_size-th image, the counts summed over the ranks (unreadable images left out)."""
         samples, names, templates, transform = self._zero_shot
-        classify = zero_shot_classifier(self.model, self.vocab, names, templates, "contrastive", self.device)
+        classify = zero_shot_classifier(self.model, self.vocab, names, templates, "auto", self.device)
         paths, labels = zip(*samples[self.global_rank :: self.trainer.world_size]) if samples else ((), ())
         counts = torch.zeros(3, device=self.device)  # top-1 hits, top-5 hits, images read
         for images, targets in file_batches(paths, labels, transform, batch_size, 0, []):
