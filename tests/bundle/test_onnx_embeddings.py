@@ -17,6 +17,7 @@ from vitattn.bundle.onnx_export import export_onnx
 from vitattn.bundle.onnx_folder import GRAPHS, ONNX_CONFIG_FILE, sha256
 from vitattn.cli.evaluate import main as eval_main
 from vitattn.inference.embeddings import embed_pixels, embed_texts, encode_texts
+from vitattn.inference.zero_shot import zero_shot_model
 
 INT8_MIN_COSINE = 0.999  # measured: 0.9999 per row on the inputs below; int8 moves each embedding a little
 
@@ -107,6 +108,26 @@ def test_zero_shot_and_similarity_from_an_onnx_folder_choose_as_pytorch(coca, pr
     assert similarity.argmax(-1).tolist() == eager_similarity.argmax(-1).tolist() == [3, 2, 1, 0]
 
 
+@pytest.mark.parametrize(("head", "scorer"), [("caption", "likelihood"), ("coca", "likelihood"), ("coca", "both")])
+def test_caption_likelihood_from_an_onnx_folder_equals_pytorch_within_1e4(coca, head, scorer, tmp_path):
+    if head == "coca":
+        bundle, folder = coca[:2]
+    else:
+        bundle = make_caption_bundle(tmp_path / "bundle")
+        folder = export_onnx(load_bundle(bundle), tmp_path / "onnx")
+    labels = ["red", "blue square", "green", "the", "purple"]  # words of both vocabularies but purple: <unk>
+    templates = ["a {}.", "the {} on the right", "{}"]  # of other lengths
+    logits = {}
+    for name, path in (("torch", bundle), ("onnx", folder)):
+        model = zero_shot_model(load_model(path), labels, templates, scorer)
+        model.model.max_rows = 40  # 16 images: 2 prompts a chunk, each image's 2 its rows over one encoding
+        pixels, _ = _pixels(Captioner.load(folder))
+        with torch.no_grad():
+            logits[name] = model.model(pixels)  # (16, 5)
+    assert logits["onnx"].shape == (16, 5) and logits["onnx"].std() > 0.1
+    torch.testing.assert_close(logits["onnx"], logits["torch"], rtol=0, atol=1e-4)
+
+
 def test_rerank_from_an_onnx_folder_chooses_pytorchs_captions(coca):
     bundle, onnx_dir, _, _ = coca
     pixels, _ = _pixels(Captioner.load(onnx_dir), per_colour=2)
@@ -128,8 +149,8 @@ def test_embeddings_of_a_caption_only_onnx_folder_are_refused_in_one_line(tmp_pa
         "this is a head=caption model (an ONNX folder of the captioner only) without image and text embeddings; "
         "embedding texts needs a head=coca model"
     )
-    with pytest.raises(ValueError, match="zero-shot classification needs a head=coca model"):
-        Classifier.load(folder, labels=["red", "blue"])
+    with pytest.raises(ValueError, match="scorer=contrastive needs image and text embeddings"):
+        Classifier.load(folder, labels=["red", "blue"], scorer="contrastive")
 
 
 def test_vitattn_eval_zero_shot_and_retrieval_on_an_onnx_folder_score_as_its_bundle(coca, tmp_path):

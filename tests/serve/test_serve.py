@@ -623,14 +623,38 @@ def test_embedding_routes_are_served_for_coca_and_answer_404_in_one_line_otherwi
     paths = {getattr(r, "path", None) for r in build_server(apis, accelerator="cpu").app.router.routes}
     assert {"/predict", "/embed", "/classify"} <= paths
     apis, refused = serving_apis(CaptionAPI(str(bundle_dir)), load_model(bundle_dir))
-    assert [a.api_path for a in apis] == ["/predict"]
+    assert [a.api_path for a in apis] == ["/predict", "/classify"]  # a head=caption model classifies by likelihood
     client = TestClient(build_server(apis, refused=refused, accelerator="cpu").app)
-    for path in ("/embed", "/classify"):
-        response = client.post(path, json={"text": "a cat"})
-        assert response.status_code == 404, path
-        detail = response.json()["detail"]
-        assert detail.startswith(f"model={bundle_dir} is a head=caption model without image and text embeddings")
-        assert "POST /embed and /classify needs a head=coca model" in detail and "\n" not in detail
+    response = client.post("/embed", json={"text": "a cat"})
+    assert response.status_code == 404
+    detail = response.json()["detail"]
+    assert detail.startswith(f"model={bundle_dir} is a head=caption model without image and text embeddings")
+    assert "POST /embed needs a head=coca model" in detail and "\n" not in detail
+
+
+def test_classify_on_a_caption_model_answers_as_the_python_api_by_likelihood(bundle_dir, colours):
+    import torch
+
+    from vitattn import Classifier
+    from vitattn.serve import ClassifyAPI
+
+    api = ClassifyAPI(str(bundle_dir), max_batch_size=4)
+    api.setup("cpu")
+    labels = ["red circle", "blue square", "green"]
+    answers = _answers(
+        api,
+        [
+            {"image": _b64(colours["red"]), "labels": labels, "templates": ["a {}", "the {} on the left"]},
+            {"image": _b64(colours["blue"]), "labels": labels, "scorer": "both"},
+            {"image": _b64(colours["blue"]), "labels": labels, "scorer": "best"},
+        ],
+    )
+    want = Classifier.load(bundle_dir, labels=labels, templates=["a {}", "the {} on the left"])
+    want = want.predict(colours["red"], top_k=10)
+    assert answers[0]["labels"] == want.labels
+    torch.testing.assert_close(answers[0]["probabilities"], want.probabilities, rtol=0, atol=1e-5)
+    assert "scorer=both needs image and text embeddings" in _detail(answers[1])
+    assert "'scorer' is 'best'; choose one of" in _detail(answers[2])
 
 
 @pytest.mark.slow

@@ -143,18 +143,35 @@ def test_eval_bad_zero_shot_and_retrieval_arguments_are_one_line_and_write_nothi
 def test_eval_zero_shot_or_retrieval_on_a_model_without_embeddings_is_one_line(tmp_path, capsys):
     caption, classifier = make_caption_bundle(tmp_path / "caption"), make_classifier_bundle(tmp_path / "classifier")
     root = _colour_folder(tmp_path / "data")
-    for model, task, message in (
-        (caption, "retrieval", f"model={caption} is a head=caption model without image and text embeddings"),
-        (caption, "zero_shot", f"model={caption} is a head=caption model without image and text embeddings"),
-        (classifier, "zero_shot", f"model={classifier} is a classification model, which has no text embeddings"),
-        (classifier, "retrieval", f"model={classifier} is a classification model, which has no text embeddings"),
+    zero_shot = ["task=zero_shot", f"data_root={root}"]
+    for model, args, message in (
+        (caption, ["task=retrieval"], f"model={caption} is a head=caption model without image and text embeddings"),
+        (caption, [*zero_shot, "zero_shot_scorer=both"], "scorer=both needs image and text embeddings"),
+        (classifier, zero_shot, "this is a classification model with its own classes"),
+        (classifier, ["task=retrieval"], f"model={classifier} is a classification model, which has no text"),
     ):
-        argv = [f"model={model}", f"task={task}", f"data_root={root}"] if task == "zero_shot" else [f"model={model}"]
-        argv = argv + [f"task={task}"] if task == "retrieval" else argv
-        assert eval_main([*argv, f"out={tmp_path / 'eval'}", "progress=false"]) == 2
+        assert eval_main([f"model={model}", *args, f"out={tmp_path / 'eval'}", "progress=false"]) == 2
         err = capsys.readouterr().err.strip()
-        assert err.startswith(f"error: {message}") and "needs a head=coca model" in err and "\n" not in err, err
-        assert not (tmp_path / "eval").exists()
+        assert err.startswith(f"error: {message}"), err
+        assert "\n" not in err and not (tmp_path / "eval").exists(), err
+
+
+def test_eval_zero_shot_on_a_caption_model_classifies_by_likelihood(coca_dir, tmp_path, capsys):
+    root, out = _colour_folder(tmp_path / "data"), tmp_path / "eval"
+    caption = make_caption_bundle(tmp_path / "caption")
+    for model, scorer, used in ((caption, "auto", "likelihood"), (coca_dir, "both", "both")):
+        argv = [f"model={model}", "task=zero_shot", f"data_root={root}", f"out={out}", "num_workers=0"]
+        assert eval_main([*argv, "progress=false", f"zero_shot_scorer={scorer}"]) == 0
+        summary = json.loads((out / "metrics.json").read_text())
+        assert summary["decoding"]["scorer"] == used and summary["metrics"]["num_images"] == 8
+    assert "zero_shot_scorer go with task=zero_shot" in _refused(coca_dir, "zero_shot_scorer=both", capsys)
+    bad = f"task=zero_shot data_root={root} zero_shot_scorer=best"
+    assert "zero_shot_scorer='best' is unknown" in _refused(coca_dir, bad, capsys)
+
+
+def _refused(model, args: str, capsys) -> str:
+    assert eval_main([f"model={model}", *args.split(), "progress=false"]) == 2
+    return capsys.readouterr().err
 
 
 def test_eval_retrieval_on_the_runs_own_caption_split(tmp_path):
