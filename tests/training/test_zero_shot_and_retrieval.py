@@ -149,6 +149,16 @@ def _colour_folder(root: Path, per_colour: int = 2) -> Path:
     return root
 
 
+def test_a_coca_system_with_a_zero_shot_folder_and_no_preprocess_reads_its_images_at_the_encoders_size(tmp_path):
+    from PIL import Image
+
+    from tests.training.test_self_critical import _scst_system
+
+    system = _scst_system("coca", 0.0, zero_shot={"data_root": str(_colour_folder(tmp_path))})
+    *_, transform = system._zero_shot
+    assert transform(Image.new("RGB", (50, 40))).shape == (3, 32, 32)
+
+
 def test_eval_zero_shot_on_an_image_folder_writes_the_classification_report(coca_dir, tmp_path, capsys):
     root = _colour_folder(tmp_path / "data")
     out = tmp_path / "eval"

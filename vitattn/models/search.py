@@ -21,6 +21,7 @@ __all__ = [
     "check_early_stopping",
     "greedy_search",
     "sample_token",
+    "sampling_logits",
     "sequence_log_prob",
 ]
 
@@ -356,19 +357,29 @@ def sample_token(
     logits: Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
 ) -> Tensor:
     """One token per row from temperature-scaled logits (B, V), after top-k and top-p filtering."""
+    probs = sampling_logits(logits, temperature, top_k, top_p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def sampling_logits(logits: Tensor, temperature: float, top_k: int, top_p: float, keep: Tensor | None = None) -> Tensor:
+    """The logits (..., V) of the policy ``sample_token`` draws from: divided by ``temperature``, then every token
+    outside the ``top_k`` and outside the smallest set whose mass reaches ``top_p`` at -inf; ``keep`` (..., V) bool:
+    tokens never dropped (SCST's scoring keeps the tokens it sampled)."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be positive")
     logits = logits / temperature
+    drop = torch.zeros_like(logits, dtype=torch.bool)
     if top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]  # (..., 1)
+        drop |= logits < kth
     if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest set whose mass reaches top_p
-        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        sorted_logits, order = logits.masked_fill(drop, float("-inf")).sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        beyond = probs.cumsum(-1) - probs > top_p  # keep the smallest set whose mass reaches top_p
+        drop |= beyond.scatter(-1, order, beyond)
+    if keep is not None:
+        drop &= ~keep
+    return logits.masked_fill(drop, float("-inf"))
 
 
 def _trim(tokens: Tensor, pad_id: int) -> Tensor:

@@ -13,6 +13,7 @@ from torch import Tensor
 from vitattn.data.tokenizer import tokenizer_from_labels
 from vitattn.metrics import CaptionMetrics, CiderD
 from vitattn.models import captioner_from_config
+from vitattn.models.caption import per_caption
 from vitattn.training.systems.base import VisionSystem
 from vitattn.training.systems.self_critical import ScstConfig, SelfCritical
 
@@ -93,18 +94,22 @@ class CaptionSystem(VisionSystem):
         return loss
 
     def _self_critical_loss(self, batch: dict[str, Any], size: int) -> Tensor:
-        loss = self._scst_loss(batch, size)
-        if self.scst.xe_weight:
-            loss = loss + self.scst.xe_weight * self._loss(batch, self.label_smoothing)
-        return loss
+        scst, caption = self._self_critical_terms(batch, size, self.model.encoder.forward_features(batch["images"]))
+        return scst if caption is None else scst + self.scst.xe_weight * caption
 
-    def _scst_loss(self, batch: dict[str, Any], size: int) -> Tensor:
-        """The self-critical term alone, its reward, baseline and ``eos_share`` logged."""
+    def _self_critical_terms(self, batch: dict[str, Any], size: int, features: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The SCST loss and, when ``xe_weight`` is not 0, the teacher-forced cross-entropy, both from the encoder's
+        (B, N, D) ``features`` of the batch's images: each image encoded once a step."""
+        memory = self.model.memory(features)  # (B, N, D)
         if self.self_critical is None:
             raise RuntimeError("scst is set but no reward was given: call use_reward(scorer) before training")
-        loss, logged = self.self_critical(self.model, batch["images"], batch["references"], None)
+        scst, logged = self.self_critical(self.model, batch["images"], batch["references"], None, memory)
         self.log_dict({f"train/{k}": v for k, v in logged.items()}, batch_size=size)
-        return loss
+        if not self.scst.xe_weight:
+            return scst, None
+        tokens = batch["tokens"]  # (N, T)
+        logits = self.model.decoder(tokens[:, :-1], per_caption(memory, batch.get("caption_image")))  # (N, T-1, V)
+        return scst, self._caption_loss(logits, tokens, self.label_smoothing)
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
         self.log(f"{stage}/loss", self._loss(batch), sync_dist=True, prog_bar=True, batch_size=len(batch["images"]))

@@ -56,7 +56,7 @@ class CocaSystem(CaptionSystem):
             except (FileNotFoundError, ValueError) as err:
                 raise ValueError(f"{where}: {err}") from None
             names = check_labels(folder.classes, f"{where}'s class folders")
-            preprocess = kwargs.get("preprocess") or default_preprocess(model_config["img_size"])
+            preprocess = kwargs.get("preprocess") or default_preprocess(model_config["encoder"]["img_size"])
             self._zero_shot = (
                 folder.samples,
                 names,
@@ -70,11 +70,21 @@ class CocaSystem(CaptionSystem):
         return self.caption_weight * caption + self.contrastive_weight * contrastive
 
     def _self_critical_loss(self, batch: dict[str, Any], size: int) -> Tensor:
-        """``contrastive_weight`` · contrastive + ``caption_weight`` · (SCST + ``xe_weight`` · cross-entropy): the
-        contrastive term keeps training the embeddings the first stage built."""
-        scst = self._scst_loss(batch, size)
-        caption, contrastive = self._pair_terms(batch, self.label_smoothing)
-        self._terms["scst_loss"] = scst.detach()
+        """``contrastive_weight`` · contrastive + ``caption_weight`` · (SCST + ``xe_weight`` · cross-entropy), each
+        image encoded once for all three: the contrastive term keeps training the embeddings the first stage built."""
+        tokens, caption_image, images = batch["tokens"], batch.get("caption_image"), batch["images"]
+        features = self.model.encoder.forward_features(images)  # (B, 1 + patches, D)
+        scst, caption = self._self_critical_terms(batch, size, features)
+        texts = tokens  # (B, T): one caption per image for the contrastive pairs
+        if caption_image is not None and len(caption_image) != len(images):
+            first = torch.searchsorted(caption_image, torch.arange(len(images), device=caption_image.device))
+            texts = tokens.index_select(0, first)
+        image, text = self.model.embed_features(features), self.model.embed_texts(texts)
+        contrastive = contrastive_loss(self.contrastive_loss, image, text, self.model)
+        self._terms = {"scst_loss": scst.detach(), "contrastive_loss": contrastive.detach()}
+        if caption is None:
+            return self.contrastive_weight * contrastive + self.caption_weight * scst
+        self._terms["caption_loss"] = caption.detach()
         return self.contrastive_weight * contrastive + self.caption_weight * (scst + self.scst.xe_weight * caption)
 
     def _pair_terms(self, batch: dict[str, Any], label_smoothing: float) -> tuple[Tensor, Tensor]:
