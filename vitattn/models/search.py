@@ -18,6 +18,7 @@ __all__ = [
     "DecodeStep",
     "SpecialIds",
     "beam_search",
+    "beams_of",
     "check_early_stopping",
     "greedy_search",
     "sample_token",
@@ -132,7 +133,7 @@ class CaptionSearch:
     def check_generate(
         self,
         max_new_tokens: int | None = None,
-        num_beams: int = 1,
+        num_beams: int | None = None,
         do_sample: bool = False,
         temperature: float = 1.0,
         early_stopping: bool | str = False,
@@ -156,6 +157,7 @@ class CaptionSearch:
             raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the decoder's max_len={self.max_len} - 1")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+        num_beams = beams_of(num_beams, rerank, do_sample)
         if num_beams < 1:
             raise ValueError(f"num_beams={num_beams} must be at least 1")
         if do_sample and num_beams > 1:
@@ -172,7 +174,8 @@ class CaptionSearch:
         if rerank > num_beams and not do_sample:
             raise ValueError(
                 f"rerank={rerank} chooses among the beam's best captions and needs num_beams >= {rerank} "
-                f"(num_beams={num_beams}), or do_sample=true to choose among {rerank} samples"
+                f"(num_beams={num_beams}; leave num_beams out for {rerank}), or do_sample=true to choose among "
+                f"{rerank} samples"
             )
         return max_new_tokens
 
@@ -181,7 +184,7 @@ class CaptionSearch:
         self,
         images: Tensor,
         max_new_tokens: int | None = None,
-        num_beams: int = 1,
+        num_beams: int | None = None,
         length_penalty: float = 1.0,
         early_stopping: bool | str = False,
         do_sample: bool = False,
@@ -200,7 +203,8 @@ class CaptionSearch:
         Args:
             images: (B, C, height, width).
             max_new_tokens: most tokens per caption, ``<eos>`` included; None: ``max_len - 1``.
-            num_beams, length_penalty, early_stopping: Hugging Face's beam search (``beam_search``); 1 beam: greedy.
+            num_beams, length_penalty, early_stopping: Hugging Face's beam search (``beam_search``); 1 beam: greedy;
+                None: ``rerank`` beams (1 without it, or when sampling).
             do_sample, temperature, top_k, top_p, generator: sampling instead (``top_k=0``, ``top_p=1`` keep all).
             use_cache: decode with the key/value cache; False recomputes every step.
             min_new_tokens, no_repeat_ngram_size, repetition_penalty: Hugging Face's (``Controls``).
@@ -211,6 +215,7 @@ class CaptionSearch:
         max_new_tokens = self.check_generate(
             max_new_tokens, num_beams, do_sample, temperature, early_stopping, *controls, rerank
         )
+        num_beams = beams_of(num_beams, rerank, do_sample)
         rows = rerank if do_sample else num_beams  # caption rows per image: its beams or its samples
         step, B, device = self.start_search(images, max_new_tokens, rows, use_cache)
         if num_beams > 1:
@@ -232,6 +237,13 @@ class CaptionSearch:
         if rerank == 1:
             return candidates
         return _trim(self.choose(images, candidates), self.special_ids.pad_id)
+
+
+def beams_of(num_beams: int | None, rerank: int = 1, do_sample: bool = False) -> int:
+    """``generate``'s beams: ``num_beams`` as given; not given, the ``rerank`` candidates' (1 when sampling)."""
+    if num_beams is not None:
+        return num_beams
+    return 1 if do_sample else max(rerank, 1)
 
 
 def sequence_log_prob(step: DecodeStep, generated: Tensor, ids: SpecialIds, controls: Controls = NO_CONTROLS) -> Tensor:
