@@ -83,15 +83,16 @@ def distinct(answers, at_least: int = 3) -> int:
     return count
 
 
-def teacher_forced_log_prob(model, images, generated):
+def teacher_forced_log_prob(model, images, generated, banned: bool = True):
     """(B,) total log-probability of an ``ImageCaptioner``'s generated captions (B, T') in one teacher-forced pass
     (``<bos>`` and the padding after ``<eos>`` excluded), the banned tokens masked before ``log_softmax`` as the
-    search masks them: an oracle for the search's step-by-step scores."""
+    search masks them (``banned``; False: the model's plain probabilities): an oracle for step-by-step scores."""
     import torch
 
     bos = generated.new_full((generated.shape[0], 1), model.decoder.bos_id)
     logits = model(images, torch.cat([bos, generated[:, :-1]], dim=1)).float()  # (B, T', V)
-    logits[..., model.special_ids.banned] = float("-inf")
+    if banned:
+        logits[..., model.special_ids.banned] = float("-inf")
     logp = logits.log_softmax(-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)  # (B, T')
     return logp.masked_fill(generated == model.decoder.pad_id, 0.0).sum(dim=1)
 

@@ -22,16 +22,19 @@ def colour_image(colour: str, rng: np.random.Generator, size: int = 32) -> Image
     return Image.fromarray(np.clip(np.array(COLOURS[colour]) + noise, 0, 255).astype(np.uint8))
 
 
-def train_colour_coca(folder: Path, steps: int = 300):
-    """Train a tiny ``CocaCaptioner`` (seed 0) for ``steps`` CLIP-loss steps, one fresh image per colour a step,
-    each with a caption from ``TRAIN_TEMPLATES``; write its bundle to ``folder`` and return the path."""
+def train_colour_coca(folder: Path, steps: int = 300, caption_weight: float = 0.0, head: str = "coca"):
+    """Train a tiny ``CocaCaptioner`` (seed 0) for ``steps`` steps, one fresh image per colour a step, each with a
+    caption from ``TRAIN_TEMPLATES``, on the CLIP loss plus ``caption_weight`` times the caption cross-entropy
+    (``head="caption"``: an ``ImageCaptioner`` on the cross-entropy alone); write its bundle to ``folder`` and
+    return the path."""
     import torch
+    import torch.nn.functional as F
 
     from vitattn.bundle import save_bundle
     from vitattn.data.preprocess import eval_transform
     from vitattn.data.tokenizer import Vocabulary
     from vitattn.inference.embeddings import encode_texts
-    from vitattn.models import CaptionDecoder, CocaCaptioner, VisionTransformer
+    from vitattn.models import CaptionDecoder, CocaCaptioner, ImageCaptioner, VisionTransformer
     from vitattn.training.systems.contrastive import clip_loss
 
     torch.manual_seed(0)
@@ -39,13 +42,22 @@ def train_colour_coca(folder: Path, steps: int = 300):
     vocab = Vocabulary(WORDS)
     encoder = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
     decoder = CaptionDecoder(len(vocab), embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0, max_len=8, drop_rate=0.0)
-    model = CocaCaptioner(encoder, decoder, embed_dim=16, text_depth=1, text_num_heads=2, text_mlp_ratio=2.0)
+    if head == "coca":
+        model = CocaCaptioner(encoder, decoder, embed_dim=16, text_depth=1, text_num_heads=2, text_mlp_ratio=2.0)
+    else:
+        model, caption_weight = ImageCaptioner(encoder, decoder), 1.0
     transform = eval_transform(CAPTION_PREPROCESS)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(steps):
         images = torch.stack([transform(colour_image(c, rng)) for c in COLOURS])  # (4, 3, 32, 32)
         tokens = encode_texts(vocab, [pick.choice(TRAIN_TEMPLATES).format(c) for c in COLOURS], decoder.max_len)
-        loss = clip_loss(model.embed_images(images), model.embed_texts(tokens), model.logit_scale)
+        loss = torch.zeros(())
+        if head == "coca":
+            loss = clip_loss(model.embed_images(images), model.embed_texts(tokens), model.logit_scale)
+        if caption_weight:
+            logits = model(images, tokens[:, :-1])  # (4, T - 1, V)
+            caption = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), ignore_index=vocab.pad_id)
+            loss = loss + caption_weight * caption
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -3,17 +3,19 @@ given as classes, the class embeddings are the renormalised mean over templates,
 line before anything runs."""
 
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from tests.helpers import distinct, make_caption_bundle, make_classifier_bundle
-from tests.helpers.coca import COLOURS, colour_image, train_colour_coca
+from tests.helpers import distinct, make_caption_bundle, make_classifier_bundle, teacher_forced_log_prob
+from tests.helpers.coca import COLOURS, WORDS, colour_image, train_colour_coca
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_model
-from vitattn.inference.zero_shot import DEFAULT_TEMPLATES, zero_shot_model
+from vitattn.data.tokenizer import Vocabulary
+from vitattn.inference.zero_shot import DEFAULT_TEMPLATES, spellable_templates, zero_shot_classifier, zero_shot_model
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +101,11 @@ def test_bad_labels_and_templates_are_refused_in_one_line(kwargs, message, coca_
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
-def test_models_without_embeddings_are_refused_in_one_line(tmp_path):
+def test_scorers_and_models_without_embeddings_are_refused_in_one_line(tmp_path):
     caption = make_caption_bundle(tmp_path / "caption")
     classifier = make_classifier_bundle(tmp_path / "classifier")
     cases = [
-        (lambda: Classifier.load(caption, labels=["red"]), f"{caption} is a head=caption model without image and"),
+        (lambda: Classifier.load(caption, labels=["red"], scorer="both"), "scorer=both needs image and text"),
         (lambda: Captioner.load(caption).embed_texts("a red"), "this is a head=caption model without image and"),
         (lambda: Captioner.load(caption).embed_images(np.zeros((8, 8, 3), np.uint8)), "this is a head=caption"),
         (lambda: Classifier.load(classifier, labels=["red"]), f"{classifier} is a classification model with its"),
@@ -113,4 +115,115 @@ def test_models_without_embeddings_are_refused_in_one_line(tmp_path):
         with pytest.raises(ValueError) as error:
             call()
         assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)
-    assert "needs a head=coca model" in str(pytest.raises(ValueError, cases[0][0]).value)
+    assert "only a head=coca model has" in str(pytest.raises(ValueError, cases[0][0]).value)
+
+
+@pytest.fixture(scope="module")
+def captioner_dir(tmp_path_factory) -> Path:
+    """A head=caption model trained on the colour captions: no embeddings, only its decoder to classify with."""
+    return train_colour_coca(tmp_path_factory.mktemp("caption") / "bundle", head="caption")
+
+
+@pytest.fixture(scope="module")
+def both_dir(tmp_path_factory) -> Path:
+    """A head=coca model trained on both losses, so both scorers have learned something."""
+    return train_colour_coca(tmp_path_factory.mktemp("both") / "bundle", caption_weight=1.0)
+
+
+def _pixels(bundle, images) -> torch.Tensor:
+    return torch.stack([bundle.transform(image) for image in images])
+
+
+@pytest.mark.parametrize("head", ["caption", "coca"])
+def test_likelihood_scores_equal_a_plain_teacher_forced_oracle(head, captioner_dir, both_dir):
+    bundle = load_model(captioner_dir if head == "caption" else both_dir)
+    model, vocab = bundle.model, bundle.vocab
+    labels, templates = ["red", "blue", "green", "yellow", "purple"], ["a {}.", "the {} square", "{}"]  # purple: <unk>
+    classifier = zero_shot_classifier(model, vocab, labels, templates, "likelihood")
+    classifier.max_rows = 7  # 3 images: 2 prompts a chunk, so 8 chunks, the last one short
+    pixels = _pixels(bundle, _images(per_colour=1)[0][:3])  # (3, 3, 32, 32)
+    with torch.no_grad():
+        got = classifier(pixels)  # (3, 5)
+        prompts = [[vocab.encode(t.replace("{}", label))[1:] for t in templates] for label in labels]
+        oracle = torch.empty(3, len(labels), len(templates))
+        for b in range(3):
+            for k, rows in enumerate(prompts):
+                for m, ids in enumerate(rows):
+                    tokens = torch.tensor([ids])
+                    oracle[b, k, m] = teacher_forced_log_prob(model, pixels[b : b + 1], tokens, banned=False)[0]
+    expected = oracle.logsumexp(-1) - math.log(len(templates))  # the mean probability of a class's prompts
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    if head == "caption":  # images red, green, blue: the trained captioner names each colour
+        assert got.argmax(1).tolist() == [labels.index(c) for c in list(COLOURS)[:3]]
+
+
+@pytest.mark.parametrize("scorer", ["likelihood", "both", "contrastive"])
+def test_each_image_is_encoded_once_per_batch_however_many_prompt_chunks(scorer, both_dir, monkeypatch):
+    bundle = load_model(both_dir)
+    model = bundle.model
+    classifier = zero_shot_classifier(model, bundle.vocab, list(COLOURS), ["a {}.", "the {} square"], scorer)
+    classifier.max_rows = 4  # 2 images: 2 prompts a chunk, 4 chunks
+    calls = []
+    encode = model.encoder.forward_features
+    monkeypatch.setattr(model.encoder, "forward_features", lambda x: calls.append(len(x)) or encode(x))
+    with torch.no_grad():
+        classifier(torch.randn(2, 3, 32, 32))
+    assert calls == [2]
+
+
+def test_both_is_the_sum_of_the_two_scorers_log_softmaxes(both_dir):
+    bundle = load_model(both_dir)
+    pixels = _pixels(bundle, _images(per_colour=1)[0])
+    scores = {}
+    with torch.no_grad():
+        for scorer in ("contrastive", "likelihood", "both"):
+            scores[scorer] = zero_shot_classifier(bundle.model, bundle.vocab, list(COLOURS), None, scorer)(pixels)
+    expected = scores["contrastive"].log_softmax(-1) + scores["likelihood"].log_softmax(-1)
+    torch.testing.assert_close(scores["both"], expected)
+
+
+def test_a_trained_captioner_classifies_by_name_through_the_python_api(captioner_dir):
+    images, truth = _images()
+    labels = ["blue", "yellow", "red", "green"]
+    classifier = Classifier.load(captioner_dir, labels=labels)
+    assert classifier.model.scorer == "likelihood"  # auto: the only scorer a head=caption model has
+    predicted = [p.labels[0] for p in classifier.predict(images, top_k=2)]
+    assert predicted == truth
+    with pytest.raises(ValueError, match="scorer=contrastive needs image and text embeddings"):
+        Classifier.load(captioner_dir, labels=labels, scorer="contrastive")
+
+
+def test_words_the_vocabulary_cannot_spell_are_named_in_one_warning(coca_dir, caplog):
+    bundle = load_model(coca_dir)
+    with caplog.at_level(logging.INFO, logger="vitattn.inference.zero_shot"):
+        zero_shot_classifier(bundle.model, bundle.vocab, ["red", "purple"], ["a {} thing", "the {} square"])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].endswith("become <unk>: purple, thing"), warnings
+    assert "2 classes, 2 distinct class prompts, 2 templates" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        zero_shot_classifier(bundle.model, bundle.vocab, ["red", "blue"], ["a {}."])
+    assert not caplog.records  # every word spelled: nothing said
+
+
+def test_classes_whose_prompts_encode_alike_are_refused_naming_them(coca_dir):
+    bundle = load_model(coca_dir)
+    labels = ["red", "purple", "blue", "orange", "dark red", "pale red", "cyan"]  # <unk>, <unk> red, <unk>
+    with pytest.raises(ValueError) as error:
+        zero_shot_classifier(bundle.model, bundle.vocab, labels, ["a {}."])
+    message = str(error.value)
+    assert message.startswith("zero-shot classes purple, orange, cyan; dark red, pale red encode to the same tokens")
+    assert "\n" not in message
+    with pytest.raises(ValueError, match="classes purple, orange encode to the same tokens"):
+        Classifier.load(coca_dir, labels=["purple", "orange"])
+
+
+def test_default_templates_fall_back_to_those_the_vocabulary_spells(tmp_path, caplog):
+    assert spellable_templates(Vocabulary(WORDS)) == list(DEFAULT_TEMPLATES)  # photo, picture, image: all spelled
+    assert spellable_templates(Vocabulary(["a", "red", "square"])) == ["a {}."]
+    assert spellable_templates(Vocabulary(["red", "square"])) == ["{}"]  # not even "a": the name alone
+    bundle = load_model(make_caption_bundle(tmp_path / "caption"))  # its words: a red blue green circle square ...
+    with caplog.at_level(logging.WARNING):
+        classifier = zero_shot_classifier(bundle.model, bundle.vocab, ["red circle", "blue square"])
+    assert classifier.templates == ["a {}."] and not caplog.records
+    assert Classifier.load(tmp_path / "caption", labels=["red", "blue"]).model.templates == ["a {}."]

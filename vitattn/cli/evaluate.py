@@ -6,8 +6,9 @@
                       [num_beams=N] [max_new_tokens=N] [length_penalty=X] [early_stopping=true|false|never]
                       [min_new_tokens=N] [no_repeat_ngram_size=N] [repetition_penalty=X] [rerank=N]
       classification: [data_root=DIR]
-      head=coca also: task=zero_shot data_root=DIR [labels=a,b,c|FILE] [templates='a photo of a {}.|a {}.'|FILE]
-                      task=retrieval [references=COCO_JSON [image_dir=DIR]]
+      caption models: task=zero_shot data_root=DIR [labels=a,b,c|FILE] [templates='a photo of a {}.|a {}.'|FILE]
+                      [zero_shot_scorer=auto|contrastive|likelihood|both] (contrastive and both: head=coca)
+      head=coca also: task=retrieval [references=COCO_JSON [image_dir=DIR]]
 
 Default: the run's split, the model's task. Exit status: 0 all scored, 1 some not, 2 a usage, data or model error."""
 
@@ -50,6 +51,7 @@ class EvalConfig(DecodingArgs):
     task: str | None = None  # caption, classification, zero_shot or retrieval; None: the model's own
     labels: Any = None  # zero_shot: a file of class names, one a line, or names separated by commas
     templates: Any = None  # zero_shot: a file of prompt templates, one a line, or templates separated by |
+    zero_shot_scorer: str = "auto"  # zero_shot: auto, contrastive, likelihood or both (``scorer`` is the captions')
 
 
 def parse_args(argv: list[str]) -> Any:
@@ -62,17 +64,23 @@ def parse_args(argv: list[str]) -> Any:
     if cfg.task is not None and cfg.task not in TASKS:
         raise UsageError(f"task={cfg.task!r} is unknown; choose {', '.join(TASKS)}")
     named = [k for k in ("labels", "templates") if cfg[k] is not None]
+    named += ["zero_shot_scorer"] if cfg.zero_shot_scorer != "auto" else []
     if named and cfg.task != "zero_shot":
         raise UsageError(f"{' and '.join(named)} go with task=zero_shot")
     if cfg.task == "zero_shot":
         if cfg.data_root is None:
             raise UsageError("task=zero_shot needs data_root=DIR (holding <split>/<class>/<image>)")
         # heavy: torch, which the zero-shot names need only as the model runs
+        from vitattn.inference.zero_shot import SCORERS as ZERO_SHOT_SCORERS
         from vitattn.inference.zero_shot import templates_from
 
+        if cfg.zero_shot_scorer not in ZERO_SHOT_SCORERS:
+            raise UsageError(
+                f"zero_shot_scorer={cfg.zero_shot_scorer!r} is unknown; choose {' or '.join(ZERO_SHOT_SCORERS)}"
+            )
         try:  # refused before a model loads
             cfg.labels = _labels(cfg.labels)
-            cfg.templates = templates_from(cfg.templates)
+            cfg.templates = None if cfg.templates is None else templates_from(cfg.templates)
         except (ValueError, FileNotFoundError) as err:
             raise UsageError(str(err)) from None
     return cfg
@@ -149,19 +157,20 @@ def _refuse(cfg: Any, keys: tuple[str, ...], why: str) -> None:
 
 
 def _embedding_task(cfg: Any, bundle: Any, task: str, loading: dict[str, Any]) -> Any:
-    """The report of ``task=zero_shot`` or ``task=retrieval``, on a ``head=coca`` model."""
+    """The report of ``task=zero_shot`` (a caption model) or ``task=retrieval`` (a ``head=coca`` model)."""
     from vitattn.inference.embeddings import embedding_model
     from vitattn.training.evaluation import evaluate_retrieval, evaluate_zero_shot
 
-    what = "task=zero_shot" if task == "zero_shot" else "task=retrieval"
-    embedding_model(bundle, what, f"model={cfg.model}")
     if task == "zero_shot":
-        _refuse(cfg, ("references", "image_dir", "predictions"), f"{what} classifies by name")
+        _refuse(cfg, ("references", "image_dir", "predictions"), "task=zero_shot classifies by name")
         loading = {k: v for k, v in loading.items() if k != "run_dir"}
         labels = None if cfg.labels is None else list(cfg.labels)
+        templates = None if cfg.templates is None else list(cfg.templates)
         return evaluate_zero_shot(
-            bundle, data_root=cfg.data_root, labels=labels, templates=list(cfg.templates), **loading
+            bundle, data_root=cfg.data_root, labels=labels, templates=templates, scorer=cfg.zero_shot_scorer, **loading
         )
+    what = "task=retrieval"
+    embedding_model(bundle, what, f"model={cfg.model}")
     _refuse(cfg, ("data_root", "predictions"), f"{what} embeds the split's images and captions")
     return evaluate_retrieval(bundle, references=cfg.references, image_dir=cfg.image_dir, **loading)
 

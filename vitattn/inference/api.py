@@ -191,10 +191,12 @@ class Classifier(_TaskModel):
         labels: Sequence[str] | None = None,
         labels_file: str | os.PathLike | None = None,
         templates: str | os.PathLike | Sequence[str] | None = None,
+        scorer: str = "auto",
     ) -> Classifier:
-        """The classifier at ``path``; with ``labels`` (or ``labels_file``, one name a line) a ``head=coca``
-        model's zero-shot classifier of those classes, named through ``templates`` (a list, a file of one a line,
-        or ``|``-separated; each with ``{}``; default ``DEFAULT_TEMPLATES``)."""
+        """The classifier at ``path``; with ``labels`` (or ``labels_file``, one name a line) a caption model's
+        zero-shot classifier of those classes, named through ``templates`` (a list, a file of one a line, or
+        ``|``-separated; each with ``{}``; default the ``DEFAULT_TEMPLATES`` its vocabulary spells), scored by
+        ``scorer`` (``auto``, ``contrastive``, ``likelihood``, ``both``: ``vitattn.inference.zero_shot``)."""
         if labels is not None and labels_file is not None:
             raise ValueError("give labels= or labels_file=, not both")
         if labels_file is not None:
@@ -202,16 +204,18 @@ class Classifier(_TaskModel):
         if labels is None:
             if templates is not None:
                 raise ValueError("templates= name classes for zero-shot classification; give labels= with them")
+            if scorer != "auto":
+                raise ValueError(f"scorer={scorer} scores classes for zero-shot classification; give labels= with it")
             return super().load(path, device, precision)
         names = check_labels(labels, "labels_file" if labels_file is not None else "labels")
-        prompts = templates_from(templates)  # refused before the model loads
+        prompts = None if templates is None else templates_from(templates)  # refused before the model loads
         bundle = load_model(path, device, precision)
         if bundle.task == "classification":
             raise ValueError(
                 f"{path} is a classification model with its own classes; labels= are for zero-shot classification "
-                "with a head=coca model"
+                "with a caption model"
             )
-        return cls(zero_shot_model(bundle, names, prompts, where=str(path)))
+        return cls(zero_shot_model(bundle, names, prompts, scorer, where=str(path)))
 
     def logits(self, images: ImageLike | Sequence[ImageLike], batch_size: int = 32) -> Tensor:
         """(B, num_classes) logits of one image or a list."""

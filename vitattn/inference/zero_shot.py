@@ -1,43 +1,82 @@
-"""Zero-shot classification by class name with a ``head=coca`` model: each class's embedding is the mean of its
-prompts' text embeddings ("a photo of a {}." with the name in place of ``{}``), renormalised, as open_clip's
-``build_zero_shot_classifier``; an image's logits are its scaled cosine similarities to them. The result is a
-classification ``LoadedModel``, so ``Classifier`` and the classification evaluation take it as they take a trained
-head (docs/captioning.md#zero-shot-classification-and-retrieval).
+"""Zero-shot classification by class name with any caption model (``head=caption`` or ``head=coca``, PyTorch or an
+ONNX folder). One entry point builds the classifier once: ``zero_shot_classifier(model, vocab, labels, templates,
+scorer)`` -> a ``ZeroShotClassifier`` whose ``forward(images)`` gives (B, K) class logits; training builds one per
+validation (the class data follow the weights as they are when it is built), ``zero_shot_model`` wraps one as the
+classification ``LoadedModel`` that ``Classifier`` and the classification evaluation take
+(docs/captioning.md#zero-shot-classification-and-retrieval).
 
-Dimension letters: B images, K classes, M templates, E embedding width; image sides are written out.
+Each class is named through M templates ("a photo of a {}." with the name in place of ``{}``): K * M prompts, each
+tokenised ``<bos> ... <eos>`` as ``encode_texts`` does. The ``scorer`` (``SCORERS``):
+
+- ``contrastive`` (``head=coca`` only): the image embedding's scaled cosine with each class embedding, the mean of
+  its prompts' text embeddings renormalised, as open_clip's ``build_zero_shot_classifier``.
+- ``likelihood``: caption likelihood. Each prompt is scored by the decoder's log-probability of its tokens after
+  ``<bos>`` given the image, ``<eos>`` included, through the runtime's own ``decode_step`` and key/value cache
+  (``token_log_probs``): the image encoded once per batch, an image's prompts its rows, ``max_rows`` rows at a
+  time. A prompt's score is its total log-probability (``LENGTH_NORM``: "total"; "mean" divides by its token
+  count; measured in docs/captioning.md); a class's, the log of the mean of its M prompts' probabilities
+  (``logsumexp`` over the templates minus log M: the probability of the class's caption when a template is
+  picked at random).
+- ``both`` (``head=coca``): the sum of the two scorers' log-softmaxes over the classes.
+- ``auto``: ``likelihood`` for a ``head=caption`` model, ``AUTO_COCA`` for a ``head=coca`` one (measured).
+
+What cannot be spelled is said (``check_prompts``): one warning names the words of the class names and templates
+that become ``<unk>``; classes whose prompts encode to the same tokens are refused in one line naming them; the log
+gives the number of distinct classes. Without ``templates`` the ``DEFAULT_TEMPLATES`` whose words are all in the
+vocabulary are used, and ``{}`` alone when none is (a word vocabulary built from captions without "photo").
+
+Dimension letters: B images, K classes, M templates, P prompts in a chunk, T prompt tokens, E embedding width;
+image sides are written out.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from vitattn.bundle import LoadedModel
+from vitattn.data.tokenizer import Tokenizer
 from vitattn.errors import brief
 from vitattn.fileio import read_text
-from vitattn.inference.embeddings import embed_texts, embedding_model
+from vitattn.inference.embeddings import encode_texts
 from vitattn.models import Embedder
+from vitattn.models.search import CaptionSearch, token_log_probs
+from vitattn.precision import precision_autocast
 
 __all__ = [
+    "AUTO_COCA",
     "DEFAULT_TEMPLATES",
+    "LENGTH_NORM",
+    "SCORERS",
     "ZeroShotClassifier",
     "check_labels",
-    "class_embeddings",
+    "check_prompts",
     "class_prompts",
     "read_lines",
+    "spellable_templates",
     "template_means",
     "templates_from",
+    "unspelled_words",
+    "zero_shot_classifier",
     "zero_shot_model",
 ]
 
+log = logging.getLogger(__name__)
+
 # A small general set (a few of CLIP's ImageNet prompts); a user's own beat them on their domain.
 DEFAULT_TEMPLATES = ("a photo of a {}.", "a picture of a {}.", "an image of a {}.", "a {}.")
+SCORERS = ("auto", "contrastive", "likelihood", "both")
+AUTO_COCA = "contrastive"  # what ``auto`` means for a head=coca model (docs/captioning.md: measured)
+LENGTH_NORM = "total"  # a likelihood prompt's score: its total log-probability, or "mean" per token (measured)
 
 
 def read_lines(path: str | os.PathLike, what: str) -> list[str]:
@@ -86,11 +125,6 @@ def templates_from(templates: str | os.PathLike | Sequence[str] | None) -> list[
     return found
 
 
-def class_embeddings(bundle: LoadedModel, labels: Sequence[str], templates: Sequence[str]) -> Tensor:
-    """(K, E) unit-length class embeddings of ``bundle``'s text tower (``class_prompts``, ``template_means``)."""
-    return template_means(embed_texts(bundle, class_prompts(labels, templates)), len(templates))
-
-
 def class_prompts(labels: Sequence[str], templates: Sequence[str]) -> list[str]:
     """The K * M prompts: each label in place of each template's ``{}``, label-major."""
     return [template.replace("{}", label) for label in labels for template in templates]
@@ -102,37 +136,192 @@ def template_means(texts: Tensor, num_templates: int) -> Tensor:
     return nn.functional.normalize(texts.view(-1, num_templates, texts.shape[-1]).mean(1), dim=-1)
 
 
-class ZeroShotClassifier(nn.Module):
-    """A ``head=coca`` model's (an ``Embedder``'s) image embedding against fixed class embeddings (K, E): (B, K)
-    logits, the cosine similarities times the model's learned scale (capped at 100, as in training)."""
+def unspelled_words(vocab: Tokenizer, texts: Sequence[str]) -> list[str]:
+    """The words (split at spaces, ``{}`` left out) of ``texts`` that ``vocab`` encodes with ``<unk>``, once each,
+    in order; none for a tokenizer without an unknown token (byte-level BPE spells everything)."""
+    if vocab.unk_id is None:
+        return []
+    words = dict.fromkeys(word for text in texts for word in text.replace("{}", " ").split())
+    return [word for word in words if vocab.unk_id in vocab.encode(word)]
 
-    def __init__(self, model: Embedder, classes: Tensor) -> None:
+
+def spellable_templates(vocab: Tokenizer) -> list[str]:
+    """The ``DEFAULT_TEMPLATES`` whose words ``vocab`` spells without ``<unk>`` (all of them for a byte-level BPE);
+    ``["{}"]`` when none is: the class name alone, in the training captions' own words."""
+    return [t for t in DEFAULT_TEMPLATES if not unspelled_words(vocab, [t])] or ["{}"]
+
+
+def check_prompts(vocab: Tokenizer, labels: Sequence[str], templates: Sequence[str], prompts: Tensor) -> None:
+    """Say what ``vocab`` cannot spell: one warning naming the words of ``labels`` and ``templates`` that become
+    ``<unk>``; a one-line ``ValueError`` naming the classes whose M prompts (``prompts``, (K * M, T)) encode to
+    the same tokens, which no scorer can tell apart; an info line with the number of distinct classes."""
+    unknown = unspelled_words(vocab, [*labels, *templates])
+    if unknown:
+        log.warning(
+            "zero-shot: %d word(s) of the class names and templates are not in the vocabulary and become <unk>: %s",
+            len(unknown),
+            ", ".join(unknown),
+        )
+    rows = prompts.view(len(labels), -1).tolist()  # (K, M * T): a class's prompts, as one row
+    same: dict[tuple[int, ...], list[str]] = {}
+    for label, row in zip(labels, rows):
+        same.setdefault(tuple(row), []).append(label)
+    clashes = [names for names in same.values() if len(names) > 1]
+    if clashes:
+        groups = "; ".join(", ".join(names) for names in clashes)
+        raise ValueError(
+            f"zero-shot classes {groups} encode to the same tokens (their words are not in the vocabulary), so no "
+            "scorer can tell them apart; rename them in the training captions' words or leave them out"
+        )
+    log.info("zero-shot: %d classes, %d distinct class prompts, %d templates", len(labels), len(same), len(templates))
+
+
+class ZeroShotClassifier(nn.Module):
+    """Class logits of a caption model (``CaptionSearch``: PyTorch or ONNX) by its ``scorer`` (module docstring).
+
+    Args:
+        model: the caption model; an ``Embedder`` (``head=coca``) for ``contrastive`` and ``both``.
+        prompts: (K * M, T) prompt ids, label-major, ``<bos> ... <eos>`` right-padded.
+        num_templates: M.
+        scorer: ``contrastive``, ``likelihood`` or ``both`` (resolved, not ``auto``).
+        classes: (K, E) unit-length class embeddings for ``contrastive`` and ``both``; else None.
+        max_rows: most decoder rows (images times prompts) per likelihood chunk.
+        length_norm: ``LENGTH_NORM``'s choices, "total" or "mean".
+    """
+
+    def __init__(
+        self,
+        model: CaptionSearch,
+        prompts: Tensor,
+        num_templates: int,
+        scorer: str,
+        classes: Tensor | None = None,
+        max_rows: int = 4096,
+        length_norm: str = LENGTH_NORM,
+    ) -> None:
         super().__init__()
-        self.model = model
-        self.register_buffer("classes", classes.to(model.logit_scale.device), persistent=False)
-        self.num_classes = len(classes)
+        if scorer not in SCORERS[1:]:
+            raise ValueError(f"scorer={scorer!r} is unknown; choose one of {list(SCORERS[1:])}")
+        if length_norm not in ("total", "mean"):
+            raise ValueError(f"length_norm={length_norm!r} is unknown; choose total or mean")
+        if (classes is None) != (scorer == "likelihood"):
+            raise ValueError(f"scorer={scorer} needs class embeddings exactly when it is contrastive or both")
+        self.model, self.scorer, self.max_rows, self.length_norm = model, scorer, max_rows, length_norm
+        self.num_templates = num_templates
+        self.num_classes = len(prompts) // num_templates
+        self.pad_id = model.special_ids.pad_id
+        self.register_buffer("prompts", prompts, persistent=False)  # (K * M, T)
+        self.register_buffer("lengths", (prompts[:, 1:] != self.pad_id).sum(1), persistent=False)  # (K * M,)
+        self.register_buffer("classes", classes, persistent=False)  # (K, E) or None
 
     def forward(self, images: Tensor) -> Tensor:
-        """(B, C, height, width) -> (B, K)."""
-        return self.logits(self.model, self.model.embed_images(images), self.classes.to(images.dtype))
+        """(B, C, height, width) -> (B, K) class logits; each image encoded once."""
+        if self.scorer == "contrastive":
+            return self.contrastive(self.model.embed_images(images))
+        if self.scorer == "likelihood":
+            return self.likelihood(self.model.encode(images), images.shape[0])
+        memory, embedded = self.model.encode_and_embed(images)
+        both = self.contrastive(embedded).log_softmax(-1) + self.likelihood(memory, images.shape[0]).log_softmax(-1)
+        return both  # (B, K)
+
+    def contrastive(self, embedded: Tensor) -> Tensor:
+        """(B, E) image embeddings -> (B, K) cosines with the class embeddings times the model's learned scale
+        (capped at 100, as in training)."""
+        scale = self.model.logit_scale.clamp(max=math.log(100.0)).exp().to(embedded.device)  # (1,)
+        return scale * embedded @ self.classes.to(embedded).T  # (B, K)
+
+    def likelihood(self, memory: Any, batch_size: int) -> Tensor:
+        """``encode``'s output for B images -> (B, K) fp32 class log-likelihoods (module docstring)."""
+        scores = self.prompt_log_probs(memory, batch_size)  # (B, K * M)
+        if self.length_norm == "mean":
+            scores = scores / self.lengths.to(scores)
+        per_class = scores.view(batch_size, self.num_classes, self.num_templates)  # (B, K, M)
+        return per_class.logsumexp(-1) - math.log(self.num_templates)  # (B, K)
+
+    def prompt_log_probs(self, memory: Any, batch_size: int) -> Tensor:
+        """(B, K * M) fp32 total log-probability of each prompt given each image, ``max_rows`` rows at a time."""
+        B, (KM, _) = batch_size, self.prompts.shape
+        P = max(1, self.max_rows // B)  # prompts per chunk
+        chunks = []
+        for start in range(0, KM, P):
+            tokens = self.prompts[start : start + P]  # (P, T)
+            tokens = tokens[:, : int((tokens != self.pad_id).sum(1).max())]  # (P, T'): this chunk's longest
+            rows = tokens.repeat(B, 1).to(self._device(memory))  # (B * P, T'): image b's P prompts consecutive
+            step = self.model.decode_step(memory, tokens.shape[1] - 1)
+            chunks.append(token_log_probs(step, rows, self.pad_id).sum(1).view(B, -1))  # (B, P)
+        return torch.cat(chunks, dim=1)  # (B, K * M)
 
     @staticmethod
-    def logits(model: Embedder, images: Tensor, classes: Tensor) -> Tensor:
-        """(B, E) image embeddings, (K, E) class embeddings -> (B, K) cosines times ``model``'s scale."""
-        scale = model.logit_scale.clamp(max=math.log(100.0)).exp().to(images.device)  # (1,)
-        return scale * images @ classes.T  # (B, K)
+    def _device(memory: Any) -> torch.device:
+        return memory.device if isinstance(memory, Tensor) else torch.device("cpu")  # ONNX: numpy arrays
+
+
+def zero_shot_classifier(
+    model: CaptionSearch,
+    vocab: Tokenizer,
+    labels: Sequence[str],
+    templates: str | os.PathLike | Sequence[str] | None = None,
+    scorer: str = "auto",
+    device: torch.device | str | None = None,
+) -> ZeroShotClassifier:
+    """The zero-shot classifier of ``model`` over the classes ``labels``, named through ``templates``
+    (``templates_from``; None: ``spellable_templates``), scored by ``scorer`` (``SCORERS``); the class
+    embeddings, if any, are computed here once, without gradients, in the caller's autocast. What ``vocab``
+    cannot spell is said (``check_prompts``); a bad ``scorer`` or one the model lacks: a one-line ``ValueError``.
+
+    ``device``: where the text tower runs (default: the model's parameters', the CPU for an ONNX folder).
+    Returns an ``nn.Module``: (B, C, height, width) images -> (B, K) logits; ``labels``, ``templates`` and
+    ``scorer`` as used on it.
+    """
+    names = check_labels(labels)
+    found = spellable_templates(vocab) if templates is None else templates_from(templates)
+    scorer = resolve_scorer(model, scorer)
+    prompts = encode_texts(vocab, class_prompts(names, found), model.max_len)  # (K * M, T)
+    check_prompts(vocab, names, found, prompts)
+    classes = None
+    if scorer != "likelihood":
+        if device is None:
+            device = next(model.parameters()).device if isinstance(model, nn.Module) else "cpu"
+        with torch.no_grad():
+            texts = model.embed_texts(prompts.to(device)).float()  # (K * M, E)
+        classes = template_means(texts, len(found))  # (K, E)
+    classifier = ZeroShotClassifier(model, prompts, len(found), scorer, classes)
+    classifier.labels, classifier.templates = names, found
+    return classifier
+
+
+def resolve_scorer(model: CaptionSearch, scorer: str) -> str:
+    """``scorer`` with ``auto`` resolved for ``model``; a one-line ``ValueError`` for an unknown one or
+    ``contrastive``/``both`` on a model without embeddings (``head=caption``)."""
+    if scorer not in SCORERS:
+        raise ValueError(f"scorer={scorer!r} is unknown; choose one of {list(SCORERS)}")
+    embeds = isinstance(model, Embedder)
+    if scorer == "auto":
+        return AUTO_COCA if embeds else "likelihood"
+    if scorer != "likelihood" and not embeds:
+        raise ValueError(
+            f"scorer={scorer} needs image and text embeddings, which only a head=coca model has; this head=caption "
+            "model classifies by scorer=likelihood (or auto)"
+        )
+    return scorer
 
 
 def zero_shot_model(
     bundle: LoadedModel,
     labels: Sequence[str],
     templates: str | os.PathLike | Sequence[str] | None = None,
+    scorer: str = "auto",
     where: str = "this",
 ) -> LoadedModel:
-    """``bundle`` (a ``head=coca`` model) as a classification model of the classes ``labels``, named through
-    ``templates`` (``templates_from``): what ``Classifier`` and ``evaluate_classification`` take."""
-    names = check_labels(labels)
-    prompts = templates_from(templates)
-    model = embedding_model(bundle, "zero-shot classification", where)
-    classifier = ZeroShotClassifier(model, class_embeddings(bundle, names, prompts)).eval()
-    return dataclasses.replace(bundle, model=classifier, task="classification", class_names=names, vocab=None)
+    """``bundle`` (a caption model, ``head=caption`` or ``head=coca``) as a classification model of the classes
+    ``labels`` (``zero_shot_classifier``, built in the bundle's precision): what ``Classifier`` and
+    ``evaluate_classification`` take; its ``model`` is the ``ZeroShotClassifier`` (templates and scorer used on it)."""
+    if bundle.task == "classification":
+        raise ValueError(
+            f"{where} is a classification model with its own classes; zero-shot classification needs a caption model"
+        )
+    with precision_autocast(bundle.precision, bundle.device):
+        classifier = zero_shot_classifier(bundle.model, bundle.vocab, labels, templates, scorer, bundle.device)
+    return dataclasses.replace(
+        bundle, model=classifier.eval(), task="classification", class_names=classifier.labels, vocab=None
+    )

@@ -92,6 +92,11 @@ class Embedder(CaptionSearch):
         """(N, T) token ids, ``<bos> ... <eos>`` right-padded -> (N, E) unit-length text embeddings."""
         raise NotImplementedError
 
+    def encode_and_embed(self, images: Tensor) -> tuple[Any, Tensor]:
+        """``encode`` and ``embed_images`` of (B, C, height, width) images; one encoder pass where the runtime
+        can share it (PyTorch's)."""
+        return self.encode(images), self.embed_images(images)
+
     def choose(self, images: Tensor, candidates: Tensor) -> Tensor:
         """(B, T') the caption of each image whose text embedding is nearest its image embedding (cosine), among
         (B * N, T') ``generate``'s candidates (an image's N consecutive; no ``<bos>``, ``<pad>`` after ``<eos>``),
@@ -170,6 +175,10 @@ class CocaCaptioner(Embedder, ImageCaptioner):
     def embed_texts(self, tokens: Tensor) -> Tensor:
         x = self.decoder.token_embed(tokens)  # (N, T, D): the decoder's embedding, shared
         return F.normalize(self.text_proj(self.text(x, tokens == self.decoder.pad_id)), dim=-1)
+
+    def encode_and_embed(self, images: Tensor) -> tuple[Tensor, Tensor]:
+        features = self.encoder.forward_features(images)  # (B, 1 + patches, D): once for both
+        return self.memory(features), self._image_embedding(features)
 
     def forward_coca(
         self, images: Tensor, tokens: Tensor, texts: Tensor, caption_image: Tensor | None = None

@@ -6,7 +6,7 @@ length counts ``<eos>``, not ``<bos>`` (Hugging Face's).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -24,6 +24,7 @@ __all__ = [
     "sample_token",
     "sampling_logits",
     "sequence_log_prob",
+    "token_log_probs",
 ]
 
 # ``generate``'s settings but sampling's (greedy or beam search; ``rerank``), as entry points and reports name them
@@ -116,8 +117,8 @@ def check_early_stopping(early_stopping: bool | str) -> bool | str:
 
 class CaptionSearch:
     """``generate`` and ``check_generate`` of a caption model, the same for every runtime: the runtime gives
-    ``max_len``, ``special_ids`` and ``start_search``; a model that embeds images and texts (``embeds`` True) also
-    ``choose`` (``coca.Embedder``'s), which ``rerank`` needs."""
+    ``max_len``, ``special_ids``, ``start_search``, ``encode`` and ``decode_step``; a model that embeds images and
+    texts (``embeds`` True) also ``choose`` (``coca.Embedder``'s), which ``rerank`` needs."""
 
     max_len: int
     special_ids: SpecialIds
@@ -128,6 +129,15 @@ class CaptionSearch:
     ) -> tuple[DecodeStep, int, torch.device | str]:
         """Encode (B, C, height, width) images once; the ``DecodeStep`` over them for B * K rows (an image's K
         beams consecutive), B and the device of the search's tokens."""
+        raise NotImplementedError
+
+    def encode(self, images: Tensor) -> Any:
+        """(B, C, height, width) -> the runtime's encoding of the images, what ``decode_step`` reads."""
+        raise NotImplementedError
+
+    def decode_step(self, memory: Any, max_new_tokens: int, use_cache: bool = True) -> DecodeStep:
+        """The ``DecodeStep`` over ``encode``'s output for B images; its rows may be R = B * P, an image's P
+        consecutive (its beams, or its prompts), with room for ``max_new_tokens`` positions."""
         raise NotImplementedError
 
     def check_generate(
@@ -258,6 +268,19 @@ def sequence_log_prob(step: DecodeStep, generated: Tensor, ids: SpecialIds, cont
         token = generated[:, i]
         total += logp.gather(1, token[:, None]).squeeze(1).masked_fill(token == ids.pad_id, 0.0)  # banned <pad>: -inf
     return total
+
+
+def token_log_probs(step: DecodeStep, tokens: Tensor, pad_id: int) -> Tensor:
+    """(R, T) rows ``<bos> ... <eos>``, right-padded -> (R, T - 1) fp32 log-probability of each token after
+    ``<bos>`` given the ones before it, as the model gives it (nothing banned: a prompt may hold ``<unk>``); 0 at
+    padding. Fed to a fresh ``step`` (``decode_step(memory, T - 1)``) one position at a time, so every runtime
+    scores through its own key/value cache: what caption-likelihood zero-shot classification sums."""
+    R, T = tokens.shape
+    columns = []
+    for i in range(T - 1):
+        logp = step(tokens[:, : i + 1]).float().log_softmax(-1)  # (R, V)
+        columns.append(logp.gather(1, tokens[:, i + 1, None]))  # (R, 1)
+    return torch.cat(columns, dim=1).masked_fill(tokens[:, 1:] == pad_id, 0.0)  # (R, T - 1)
 
 
 def _next_logits(step: DecodeStep, tokens: Tensor, ids: SpecialIds) -> Tensor:

@@ -1,6 +1,7 @@
-"""The routes of a ``head=coca`` model's embeddings: ``POST /embed`` (an image, or JSON ``text`` / ``texts``) and
-``POST /classify`` (an image and its candidate ``labels``, zero-shot, as ``Classifier.load(labels=...)``). Bad
-input answers HTTP 400 with one line without failing its batch (what may be sent: docs/serving.md).
+"""The routes beside captioning: ``POST /embed`` (an image, or JSON ``text`` / ``texts``) of a ``head=coca`` model,
+and ``POST /classify`` (an image, its candidate ``labels``, ``templates`` and ``scorer`` optional) of any caption
+model, zero-shot, as ``Classifier.load(labels=...)``. Bad input answers HTTP 400 with one line without failing its
+batch (what may be sent: docs/serving.md).
 
 Dimension letters: B images, N texts, K labels, E embedding width.
 """
@@ -15,7 +16,8 @@ from torch import Tensor
 
 from vitattn.errors import brief
 from vitattn.inference.embeddings import embed_pixels, embed_texts, embedding_model
-from vitattn.inference.zero_shot import ZeroShotClassifier, check_labels, class_embeddings, templates_from
+from vitattn.inference.zero_shot import SCORERS, check_labels, templates_from, zero_shot_classifier
+from vitattn.precision import precision_autocast
 from vitattn.serve.api import BundleAPI, ImageRequest
 
 __all__ = ["EMBEDDING_ROUTES", "ClassifyAPI", "ClassifyRequest", "EmbedAPI", "TextRequest"]
@@ -38,11 +40,13 @@ class TextRequest:
 
 @dataclass
 class ClassifyRequest:
-    """One decoded ``/classify`` request: its image (or the reason it has none), labels and templates."""
+    """One decoded ``/classify`` request: its image (or the reason it has none), labels, templates (None: the
+    spellable defaults) and scorer."""
 
     image: ImageRequest
     labels: list[str]
-    templates: list[str]
+    templates: list[str] | None
+    scorer: str
 
 
 class _EmbeddingAPI(BundleAPI):
@@ -103,10 +107,11 @@ class EmbedAPI(_EmbeddingAPI):
         return outputs if isinstance(x, list) else outputs[0]
 
 
-class ClassifyAPI(_EmbeddingAPI):
+class ClassifyAPI(BundleAPI):
     """``POST /classify``: an image and ``labels`` (a JSON list, or one form field of comma-separated names),
-    ``templates`` optional (a JSON list or ``|``-separated; each with ``{}``; default ``DEFAULT_TEMPLATES``) ->
-    ``{"labels", "probabilities"}``, every label, most probable first, as ``Classifier.load(labels=...)``."""
+    ``templates`` optional (a JSON list or ``|``-separated; each with ``{}``; default ``DEFAULT_TEMPLATES`` the
+    vocabulary spells), ``scorer`` optional (``SCORERS``; default ``auto``) -> ``{"labels", "probabilities"}``,
+    every label, most probable first, as ``Classifier.load(labels=...)``; any caption model."""
 
     def __init__(self, model: str, **settings: Any) -> None:
         super().__init__(model, **{"api_path": "/classify", **settings})
@@ -116,27 +121,35 @@ class ClassifyAPI(_EmbeddingAPI):
         try:
             labels = check_labels(_names(fields.get("labels"), ",", "labels"))
             templates = fields.get("templates")
-            templates = templates_from(None if templates is None else _names(templates, "|", "templates"))
+            templates = None if templates is None else templates_from(_names(templates, "|", "templates"))
+            scorer = fields.get("scorer", "auto")
+            if scorer not in SCORERS:
+                raise ValueError(f"'scorer' is {brief(scorer)}; choose one of {list(SCORERS)}")
         except ValueError as err:
             return ImageRequest(error=str(err))
         image = super().decode_request(request)
-        return image if image.error is not None else ClassifyRequest(image, labels, templates)
+        return image if image.error is not None else ClassifyRequest(image, labels, templates, scorer)
 
     def predict(self, x: list | ClassifyRequest | ImageRequest) -> list[dict[str, Any]] | dict[str, Any]:
-        """Embed the batch's images together, then score each against its own labels."""
+        """Score each good image against its own labels; a request the model cannot classify keeps its reason."""
         requests = x if isinstance(x, list) else [x]
-        images = [r.image if isinstance(r, ClassifyRequest) else r for r in requests]
-        outputs: list[dict[str, Any]] = [{"error": r.error} for r in images]
-        for i, row in enumerate(self._embed_images(images)):
-            if row is None:
-                continue
-            r = requests[i]
-            classes = class_embeddings(self.bundle, r.labels, r.templates)  # (K, E)
-            with torch.inference_mode():
-                logits = ZeroShotClassifier.logits(self.bundle.model, row[None], classes)[0]  # (K,)
-            probabilities, order = logits.softmax(-1).sort(descending=True)
-            outputs[i] = {"labels": [r.labels[k] for k in order.tolist()], "probabilities": probabilities.tolist()}
+        outputs: list[dict[str, Any]] = [{"error": getattr(r, "error", None)} for r in requests]
+        for i, r in enumerate(requests):
+            if isinstance(r, ClassifyRequest):
+                try:
+                    logits = self._logits(r)  # (K,)
+                except ValueError as err:  # classes that encode alike, a scorer this model lacks
+                    outputs[i] = {"error": str(err)}
+                    continue
+                probabilities, order = logits.softmax(-1).sort(descending=True)
+                outputs[i] = {"labels": [r.labels[k] for k in order.tolist()], "probabilities": probabilities.tolist()}
         return outputs if isinstance(x, list) else outputs[0]
+
+    def _logits(self, r: ClassifyRequest) -> Tensor:
+        bundle = self.bundle
+        with torch.inference_mode(), precision_autocast(bundle.precision, bundle.device):
+            classify = zero_shot_classifier(bundle.model, bundle.vocab, r.labels, r.templates, r.scorer, bundle.device)
+            return classify(r.image.image[None].to(bundle.device)).float().cpu()[0]  # (K,)
 
 
 def _names(value: Any, sep: str, what: str) -> list[Any]:

@@ -1,4 +1,4 @@
-"""The ``LitServer`` of a model's routes (``POST /predict``; ``/embed`` and ``/classify`` of a ``head=coca`` model),
+"""The ``LitServer`` of a model's routes (``POST /predict`` and ``/classify``; ``/embed`` of a ``head=coca`` model),
 with the page of ``index.html`` at ``GET /`` and ``RequestBodies``."""
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ INDEX_PAGE = "index.html"
 
 
 def serving_apis(api: CaptionAPI, bundle: LoadedModel) -> tuple[list[BundleAPI], str | None]:
-    """The routes of ``api``'s model, ``bundle`` (loaded once to look): ``/predict``, and ``/embed`` and ``/classify``
-    with ``api``'s settings when it has embeddings; else the one line those two answer 404 with, saying why."""
-    try:
-        embedding_model(bundle, "POST /embed and /classify", f"model={api.model_path}")
-    except ValueError as err:
-        return [api], str(err)
+    """The routes of ``api``'s model, ``bundle`` (loaded once to look): ``/predict`` and ``/classify``, and ``/embed``
+    with ``api``'s settings when it has embeddings; else the one line ``/embed`` answers 404 with, saying why."""
     keys = ("max_image_bytes", "num_threads", "precision", "max_batch_size", "batch_timeout")
     settings = {key: getattr(api, key) for key in keys}
-    return [api, EmbedAPI(api.model_path, **settings), ClassifyAPI(api.model_path, **settings)], None
+    classify = ClassifyAPI(api.model_path, **settings)
+    try:
+        embedding_model(bundle, "POST /embed", f"model={api.model_path}")
+    except ValueError as err:
+        return [api, classify], str(err)
+    return [api, EmbedAPI(api.model_path, **settings), classify], None
 
 
 def build_server(
@@ -49,8 +50,8 @@ def build_server(
 ) -> ls.LitServer:
     """A ``LitServer`` for ``apis`` (``serving_apis``'), each on its own route, on ``accelerator`` (``auto``,
     ``cpu``, ``cuda``) and ``devices`` GPUs, ``workers_per_device`` model copies of each route each; a request waits
-    ``timeout`` seconds before a 504. ``refused``: ``/embed`` and ``/classify``, when not served, answer 404 with
-    it. ``stop``'s 503 gate goes in front of it all."""
+    ``timeout`` seconds before a 504. ``refused``: ``/embed`` (and ``/classify``), when not served, answer 404
+    with it. ``stop``'s 503 gate goes in front of it all."""
     apis = [apis] if isinstance(apis, BundleAPI) else list(apis)
     server = ls.LitServer(
         apis, accelerator=accelerator, devices=devices, workers_per_device=workers_per_device, timeout=timeout

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from vitattn.bundle import LoadedModel
 from vitattn.data.images import check_split, image_folder_split, open_image_folder
 from vitattn.inference.captioning import file_batches
-from vitattn.inference.zero_shot import check_labels, templates_from, zero_shot_model
+from vitattn.inference.zero_shot import check_labels, zero_shot_model
 from vitattn.precision import precision_autocast
 from vitattn.run_dir import RunDir
 from vitattn.training.evaluation.report import EvalReport
@@ -86,22 +86,24 @@ def evaluate_zero_shot(
     data_root: str | os.PathLike,
     labels: Sequence[str] | None = None,
     templates: str | os.PathLike | Sequence[str] | None = None,
+    scorer: str = "auto",
     split: str = "val",
     batch_size: int = 32,
     num_workers: int = 0,
     progress: bool = False,
 ) -> EvalReport:
-    """``evaluate_classification`` of a ``head=coca`` model classifying by name (``zero_shot_model``) on ``split``
-    of ``data_root``: the classes are ``labels`` (each class folder must be one of them) or the folder names;
-    ``templates`` as ``templates_from`` reads them. The report's ``decoding`` lists the templates."""
+    """``evaluate_classification`` of a caption model classifying by name (``zero_shot_model``, by ``scorer``) on
+    ``split`` of ``data_root``: the classes are ``labels`` (each class folder must be one of them) or the folder
+    names; ``templates`` as ``templates_from`` reads them (None: the spellable defaults). The report's ``decoding``
+    gives the templates and the scorer used."""
     check_split(split)
-    prompts = templates_from(templates)
     names = check_labels(labels) if labels is not None else None
     if names is None:
         names = open_image_folder(image_folder_split(Path(data_root), split)).classes
-    model = zero_shot_model(bundle, names, prompts)
+    model = zero_shot_model(bundle, names, templates, scorer)
     report = evaluate_classification(
         model, split=split, data_root=data_root, batch_size=batch_size, num_workers=num_workers, progress=progress
     )
-    report.task, report.decoding = "zero_shot", {"templates": prompts}
+    classifier = model.model
+    report.task, report.decoding = "zero_shot", {"templates": classifier.templates, "scorer": classifier.scorer}
     return report

@@ -14,7 +14,7 @@ from vitattn.data.images import image_folder_split, open_image_folder
 from vitattn.data.preprocess import default_preprocess, eval_transform
 from vitattn.inference.captioning import file_batches
 from vitattn.inference.embeddings import encode_texts
-from vitattn.inference.zero_shot import ZeroShotClassifier, check_labels, class_prompts, template_means, templates_from
+from vitattn.inference.zero_shot import check_labels, templates_from, zero_shot_classifier
 from vitattn.metrics.metric import RetrievalMetrics
 from vitattn.training.systems.captioning import CaptionSystem
 from vitattn.training.systems.contrastive import check_contrastive, contrastive_loss
@@ -138,13 +138,11 @@ class CocaSystem(CaptionSystem):
         """Top-1 and top-5 of the zero-shot folder read as ``vitattn-eval task=zero_shot`` reads it, each rank
         classifying every world_size-th image, the counts summed over the ranks (unreadable images left out)."""
         samples, names, templates, transform = self._zero_shot
-        prompts = encode_texts(self.vocab, class_prompts(names, templates), self.model.max_len)  # (K * M, T)
-        classes = template_means(self.model.embed_texts(prompts.to(self.device)), len(templates))  # (K, E)
+        classify = zero_shot_classifier(self.model, self.vocab, names, templates, "contrastive", self.device)
         paths, labels = zip(*samples[self.global_rank :: self.trainer.world_size]) if samples else ((), ())
         counts = torch.zeros(3, device=self.device)  # top-1 hits, top-5 hits, images read
         for images, targets in file_batches(paths, labels, transform, batch_size, 0, []):
-            embedded = self.model.embed_images(images.to(self.device))
-            top = ZeroShotClassifier.logits(self.model, embedded, classes.to(embedded.dtype)).topk(min(5, len(names)))
+            top = classify(images.to(self.device)).topk(min(5, len(names)))
             hits = top.indices == targets.to(self.device)[:, None]  # (B, 5)
             counts += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(), torch.tensor(len(targets))]).to(counts)
         top1, top5, read = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
