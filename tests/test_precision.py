@@ -309,6 +309,17 @@ def test_training_precision_auto_follows_the_units_and_the_width(accelerator, wi
     assert resolve_train_precision(cfg) == "32-true"
 
 
+def test_training_precision_auto_on_a_gpu_trainer_without_a_gpu_says_no_gpu(fresh_detection, caplog):
+    from vitattn.training.build import resolve_train_precision
+
+    fresh_detection.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = compose_train([*TINY, "trainer.accelerator=gpu", "trainer.precision=auto"], "run")
+    with caplog.at_level(logging.INFO, logger="vitattn"):
+        assert resolve_train_precision(cfg) == "32-true"
+    lines = [r.getMessage() for r in caplog.records if "trainer.precision=auto" in r.getMessage()]
+    assert len(lines) == 1 and "no GPU" in lines[0] and "compute capability" not in lines[0], lines
+
+
 def test_training_precision_auto_trains_and_saves_what_it_chose(tmp_path, fresh_detection, caplog):
     """The run's trainer and its saved config carry the chosen precision, said in one log line."""
     import lightning.pytorch as pl

@@ -322,7 +322,7 @@ def test_rerank_is_off_at_one_and_the_beams_best_is_kept(coca_dir):
     "generate, message",
     [
         ({"num_beams": 2, "rerank": 3}, "rerank=3 chooses among the beam's best captions and needs num_beams >= 3"),
-        ({"rerank": 2}, "needs num_beams >= 2 (num_beams=1), or do_sample=true"),
+        ({"num_beams": 1, "rerank": 2}, "needs num_beams >= 2 (num_beams=1; leave num_beams out for 2), or do_"),
         ({"num_beams": 3, "rerank": 0}, "rerank=0 must be at least 1"),
     ],
 )
@@ -330,6 +330,29 @@ def test_rerank_refuses_settings_it_cannot_use_in_one_line(coca_dir, generate, m
     with pytest.raises(ValueError, match=re.escape(message)) as err:
         Captioner.load(coca_dir).caption(colour_image("red", np.random.default_rng(0)), **generate)
     assert "\n" not in str(err.value)
+
+
+def test_rerank_alone_takes_as_many_beams_over_the_bundles_stored_one(coca_dir, tmp_path, capsys):
+    from vitattn.cli.caption import main as caption_main
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(coca_dir, bundle)
+    config = json.loads((bundle / "config.json").read_text())
+    (bundle / "config.json").write_text(json.dumps({**config, "generate": {"num_beams": 1}}))
+    rng = np.random.default_rng(3)
+    paths = [tmp_path / f"{i}.png" for i in range(8)]
+    for path, colour in zip(paths, [c for c in COLOURS for _ in range(2)]):
+        colour_image(colour, rng).save(path)
+    (tmp_path / "list.txt").write_text("".join(f"{p}\n" for p in paths))
+    args = [f"model={bundle}", f"images={tmp_path / 'list.txt'}", "num_workers=0", "device=cpu", "progress=false"]
+    assert caption_main([*args, f"out={tmp_path / 'c.jsonl'}", "rerank=4"]) == 0
+    written = [json.loads(line)["caption"] for line in (tmp_path / "c.jsonl").read_text().splitlines()]
+    assert written == Captioner.load(coca_dir).caption(paths, num_beams=4, rerank=4)
+    assert Captioner.load(bundle).caption(paths, rerank=4) == written
+    capsys.readouterr()
+    assert caption_main([*args, f"out={tmp_path / 'd.jsonl'}", "rerank=4", "num_beams=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs num_beams >= 4 (num_beams=2; leave num_beams out for 4)" in err[0], err
 
 
 def test_rerank_on_a_model_without_embeddings_is_refused_in_one_line(caption_dir, photos):

@@ -301,12 +301,19 @@ def test_coca_trains_on_the_caption_data_paths_with_ema_and_bf16(data, extra, tm
 ZERO_SHOT_CLASSES = ("red circle", "blue square", "green triangle", "small red square", "large blue circle", "green")
 
 
-@pytest.fixture(scope="module")
-def zero_shot_run(tmp_path_factory):
-    """A head=coca run validated at its last step with zero-shot classification of a six-class folder."""
+@pytest.fixture(scope="module", params=["coca", "caption"])
+def zero_shot_run(request, tmp_path_factory):
+    """A head=coca (its scorer contrastive) or head=caption (caption likelihood) run validated at its last step
+    with zero-shot classification of a six-class folder."""
     root = tmp_path_factory.mktemp("zero_shot")
     folder = make_image_folder(root / "folder", classes=ZERO_SHOT_CLASSES, per_class=4, size=36)
-    overrides = ["head=coca", "trainer.precision=32-true", *TINY, *TINY_SHAPES, f"head.zero_shot.data_root={folder}"]
+    overrides = [
+        f"head={request.param}",
+        "trainer.precision=32-true",
+        *TINY,
+        *TINY_SHAPES,
+        f"head.zero_shot.data_root={folder}",
+    ]
     overrides += ["trainer.max_steps=3", "trainer.max_epochs=-1", "trainer.val_check_interval=3"]
     overrides += ["trainer.check_val_every_n_epoch=null", "trainer.num_sanity_val_steps=0", "test=false"]
     result = train(compose_train(overrides, root / "run"))
@@ -330,13 +337,18 @@ def test_zero_shot_ranks_count_each_image_once_and_sum_as_one_process(zero_shot_
     equal one process's over the whole folder."""
     from types import SimpleNamespace
 
+    from lightning.pytorch.plugins.precision import Precision
+
     system = zero_shot_run[2].system.eval()
     counts = {}
     for world in (1, 2, 3):
         for rank in range(world):
             key = (world, rank)
             strategy = SimpleNamespace(reduce=lambda t, reduce_op, key=key: counts.setdefault(key, t.clone()))
-            system._trainer = SimpleNamespace(world_size=world, global_rank=rank, strategy=strategy)
+            trainer = SimpleNamespace(
+                world_size=world, global_rank=rank, strategy=strategy, precision_plugin=Precision()
+            )
+            system._trainer = trainer
             system._zero_shot_accuracy()
     single = counts[(1, 0)]
     assert single[2] == 24 and single[1] >= single[0]

@@ -184,8 +184,26 @@ def test_a_caption_cut_by_the_length_limit_scores_below_the_whole_caption():
     assert reward[0] > reward[1]
 
 
-def test_the_pass_that_samples_and_the_pass_that_scores_give_the_same_log_probabilities(monkeypatch):
-    # a decoder with heavy dropout, in train mode: two passes under two dropout masks would differ
+def _policy_log_probs(logits: torch.Tensor, config: ScstConfig) -> torch.Tensor:
+    """(S, V) log-probabilities of the tempered, truncated policy, row by row: the top_k, then the fewest most
+    probable tokens whose mass reaches top_p, renormalised."""
+    out = torch.full_like(logits, float("-inf"))
+    for row, scores in enumerate(logits / config.temperature):
+        order = scores.argsort(descending=True)[: config.top_k or None]
+        probs = scores[order].softmax(-1)
+        kept = order[: int((probs.cumsum(-1) - probs < config.top_p).sum())]
+        out[row, kept] = scores[kept].log_softmax(-1)
+    return out
+
+
+@pytest.mark.parametrize(
+    "config",
+    [ScstConfig(samples=3), ScstConfig(samples=3, temperature=0.6, top_p=0.8), ScstConfig(samples=3, top_k=3)],
+    ids=["plain", "tempered_top_p", "top_k"],
+)
+def test_the_pass_that_samples_and_the_pass_that_scores_give_the_same_log_probabilities(config, monkeypatch):
+    # a decoder with heavy dropout, in train mode: two passes under two dropout masks would differ; the scoring
+    # pass gives the log-probabilities of the policy that drew, tempered and truncated
     torch.manual_seed(0)
     encoder = VisionTransformer(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2, num_classes=0)
     decoder = CaptionDecoder(7, embed_dim=16, depth=1, num_heads=2, max_len=6, drop_rate=0.5, memory_dim=16)
@@ -197,18 +215,18 @@ def test_the_pass_that_samples_and_the_pass_that_scores_give_the_same_log_probab
     next_logits, log_probs_of = search._next_logits, self_critical.sample_log_probs
     monkeypatch.setattr(search, "_next_logits", lambda *a: steps.append(next_logits(*a)) or steps[-1])
 
-    def scoring_pass(model, memory, sampled):
+    def scoring_pass(model, memory, sampled, config):
         scored["sampled"] = sampled
-        scored["log_probs"], scored["mask"] = log_probs_of(model, memory, sampled)
+        scored["log_probs"], scored["mask"] = log_probs_of(model, memory, sampled, config)
         return scored["log_probs"], scored["mask"]
 
     monkeypatch.setattr(self_critical, "sample_log_probs", scoring_pass)
     scorer = CiderD([["red circle"], ["blue square"]], eos_word=True)
-    objective = SelfCritical(ScstConfig(samples=3), scorer, lambda ids: ["red circle"] * len(ids))
+    objective = SelfCritical(config, scorer, lambda ids: ["red circle"] * len(ids))
     loss, _ = objective(model, torch.randn(2, 3, 16, 16), [["red circle"], ["blue square"]], None)
 
     sampled, mask = scored["sampled"], scored["mask"]
-    drawn = torch.stack([logits.float().log_softmax(-1) for logits in steps], dim=1)  # (B * K, T, V) as sampled
+    drawn = torch.stack([_policy_log_probs(logits.float(), config) for logits in steps], dim=1)  # (B * K, T, V)
     drawn = drawn.gather(-1, sampled[..., None]).squeeze(-1)  # (B * K, T)
     assert mask.sum() >= 12  # several tokens compared
     torch.testing.assert_close(scored["log_probs"][mask], drawn[mask], rtol=1e-5, atol=1e-6)
@@ -370,6 +388,41 @@ def test_scst_on_coca_from_a_captioner_keeps_the_weighted_contrastive_term(contr
         )
         assert all(math.isfinite(v) for v in (loss, scst, caption, contrastive)) and contrastive > 0
         assert loss == pytest.approx(contrastive_weight * contrastive + 2.0 * (scst + 0.5 * caption), abs=1e-5)
+
+
+def _scst_system(head: str, xe_weight: float, **kwargs):
+    """A tiny CaptionSystem or CocaSystem under ``scst`` with a CIDEr-D reward; ``kwargs`` the system's."""
+    from tests.training.test_coca import WORDS
+    from vitattn.training.systems import CaptionSystem, CocaSystem
+    from vitattn.training.systems.contrastive import contrastive_model_config
+
+    torch.manual_seed(0)
+    encoder = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
+    decoder = dict(vocab_size=len(WORDS) + 4, embed_dim=32, depth=1, num_heads=2, max_len=8)
+    config, scst = {"encoder": encoder, "decoder": decoder}, {"samples": 2, "xe_weight": xe_weight}
+    if head == "coca":
+        contrastive = {"loss": "clip", "embed_dim": 16, "text_depth": 1, "text_num_heads": 2, "text_mlp_ratio": 2.0}
+        config["contrastive"] = contrastive_model_config(contrastive, 2)
+    system = (CocaSystem if head == "coca" else CaptionSystem)(config, WORDS, scst=scst, **kwargs)
+    system.use_reward(CiderD([["a red circle"], ["the blue square"]], eos_word=True))
+    return system
+
+
+@pytest.mark.parametrize("xe_weight", [0.0, 0.5])
+@pytest.mark.parametrize("head", ["caption", "coca"])
+def test_an_scst_step_encodes_each_image_once_and_skips_the_cross_entropy_at_xe_weight_0(head, xe_weight, monkeypatch):
+    system = _scst_system(head, xe_weight)
+    encoded, cross_entropies = [], []
+    forward_features, caption_loss = system.model.encoder.forward_features, system._caption_loss
+    monkeypatch.setattr(system.model.encoder, "forward_features", lambda x: encoded.append(x) or forward_features(x))
+    monkeypatch.setattr(system, "_caption_loss", lambda *a: cross_entropies.append(a) or caption_loss(*a))
+    tokens = torch.tensor([[1, 4, 8, 7, 2, 0], [1, 6, 9, 10, 2, 0]])  # <bos> a red circle <eos> <pad>
+    batch = {"images": torch.randn(2, 3, 32, 32), "tokens": tokens, "references": [["a red circle"], ["the blue"]]}
+    loss = system._self_critical_loss(batch, 2)
+    loss.backward()
+    assert len(encoded) == 1  # sampling, scoring, the cross-entropy and the contrastive term share it
+    assert len(cross_entropies) == (xe_weight > 0)
+    assert system.model.encoder.patch_embed.proj.weight.grad.abs().sum() > 0
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,10 @@
 from class names, recall@k and median rank against a brute-force oracle, and bad input refused in one line with
 nothing written."""
 
+import itertools
 import json
 import statistics
+from math import comb
 from pathlib import Path
 
 import numpy as np
@@ -25,23 +27,38 @@ def coca_dir(tmp_path_factory) -> Path:
 
 
 def _oracle(similarity: torch.Tensor, text_image: list[int]) -> dict[str, float]:
-    """Recall@k and median rank by sorting each query's candidates, a tie in the match's favour: image -> its
-    best-placed own caption, text -> its image."""
+    """Recall@k and median rank averaged over every order of each query's candidates tied with its best match:
+    image -> its best-placed own caption, text -> its image."""
+
+    def spread(scores: list[float], own: set[int]) -> list[int]:  # the first match's rank in each tie order
+        best = max(scores[j] for j in own)
+        above = sum(score > best for score in scores)
+        tied = [j for j, score in enumerate(scores) if score == best]
+        return [above + 1 + min(o.index(j) for j in own if j in o) for o in itertools.permutations(tied)]
+
     B, N = similarity.shape
     s = similarity.tolist()
-    image_ranks = []
-    for i in range(B):
-        order = sorted(range(N), key=lambda j: (-s[i][j], text_image[j] != i))
-        image_ranks.append(1 + min(order.index(j) for j in range(N) if text_image[j] == i))
-    text_ranks = [
-        1 + sorted(range(B), key=lambda i: (-s[i][j], i != text_image[j])).index(text_image[j]) for j in range(N)
-    ]
+    image_ranks = [spread(s[i], {j for j in range(N) if text_image[j] == i}) for i in range(B)]
+    text_ranks = [spread([s[i][j] for i in range(B)], {text_image[j]}) for j in range(N)]
     expected = {}
     for way, ranks in (("i2t", image_ranks), ("t2i", text_ranks)):
         for k in (1, 5, 10):
-            expected[f"{way}_r{k}"] = sum(r <= k for r in ranks) / len(ranks)
-        expected[f"{way}_median_rank"] = float(statistics.median(ranks))
+            expected[f"{way}_r{k}"] = statistics.mean(statistics.mean(r <= k for r in rs) for rs in ranks)
+        expected[f"{way}_median_rank"] = float(statistics.median(statistics.mean(rs) for rs in ranks))
     return expected
+
+
+def _plain_sort(similarity: torch.Tensor, text_image: torch.Tensor) -> dict[str, float]:
+    """Recall@k from the rank ``1 + the candidates scoring strictly higher``: right where nothing ties."""
+    B, N = similarity.shape
+    best = similarity.masked_fill(text_image[None, :] != torch.arange(B)[:, None], float("-inf")).amax(dim=1)
+    image_ranks = 1 + (similarity > best[:, None]).sum(dim=1)
+    text_ranks = 1 + (similarity > similarity[text_image, torch.arange(N)][None, :]).sum(dim=0)
+    return {
+        f"{way}_r{k}": float((r <= k).double().mean())
+        for way, r in zip(("i2t", "t2i"), (image_ranks, text_ranks))
+        for k in (1, 5, 10)
+    }
 
 
 def test_retrieval_metrics_match_a_brute_force_oracle_with_several_captions_per_image():
@@ -51,6 +68,43 @@ def test_retrieval_metrics_match_a_brute_force_oracle_with_several_captions_per_
     metrics = retrieval_metrics(similarity, torch.tensor(text_image))
     assert metrics == pytest.approx(_oracle(similarity, text_image))
     assert 0 < metrics["i2t_r1"] < metrics["i2t_r10"] < 1 and 0 < metrics["t2i_r1"] < metrics["t2i_r10"] < 1
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_retrieval_metrics_without_ties_are_those_of_a_plain_sort(seed):
+    generator = torch.Generator().manual_seed(seed)
+    text_image = torch.randint(0, 9, (30,), generator=generator)
+    text_image[:9] = torch.arange(9)  # every image has a caption; some have several
+    similarity = torch.randn(9, 30, generator=generator)
+    metrics = retrieval_metrics(similarity, text_image)
+    assert {k: metrics[k] for k in _plain_sort(similarity, text_image)} == _plain_sort(similarity, text_image)
+
+
+def test_retrieval_metrics_of_all_equal_similarities_are_chance():
+    text_image = [0, 0, 0, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # 15 images, 18 texts: one, two, three
+    B, N = 15, len(text_image)
+    metrics = retrieval_metrics(torch.full((B, N), 0.3), torch.tensor(text_image))
+    own = [text_image.count(i) for i in range(B)]
+    for k in (1, 5, 10):  # an image misses when the k texts drawn hold none of its own
+        assert metrics[f"i2t_r{k}"] == pytest.approx(statistics.mean(1 - comb(N - m, k) / comb(N, k) for m in own))
+        assert metrics[f"t2i_r{k}"] == pytest.approx(k / B)
+    assert metrics["i2t_r1"] == pytest.approx(N / B / N)  # 1/N per own caption
+    assert metrics["i2t_median_rank"] == pytest.approx((N + 1) / 2)  # the one-caption images' (N + 1) / 2
+    assert metrics["t2i_median_rank"] == pytest.approx((B + 1) / 2)
+
+
+def test_retrieval_metrics_of_a_hand_built_tie():
+    similarity = torch.tensor([[0.9, 0.9, 0.9, 0.1], [0.2, 0.9, 0.9, 0.8]])
+    text_image = torch.tensor([0, 0, 1, 1])
+    metrics = retrieval_metrics(similarity, text_image)
+    # image 0: three texts tie at the top, two its own: one first with p 2/3, else second (expected rank 4/3);
+    # image 1: its text 2 ties with image 0's text 1: first with p 1/2 (expected rank 3/2)
+    assert metrics["i2t_r1"] == pytest.approx((2 / 3 + 1 / 2) / 2)
+    assert metrics["i2t_r5"] == 1.0
+    assert metrics["i2t_median_rank"] == pytest.approx((4 / 3 + 3 / 2) / 2)
+    # texts 1 and 2 score both images 0.9: their image is first with p 1/2; texts 0 and 3 find theirs first
+    assert metrics["t2i_r1"] == pytest.approx((1 + 1 / 2 + 1 / 2 + 1) / 4)
+    assert metrics == pytest.approx(_oracle(similarity, text_image.tolist()))
 
 
 def _colour_coco(root: Path) -> tuple[Path, Path, list[str]]:
@@ -93,6 +147,16 @@ def _colour_folder(root: Path, per_colour: int = 2) -> Path:
         for i in range(per_colour):
             colour_image(colour, rng).save(root / "val" / colour / f"{i}.png")
     return root
+
+
+def test_a_coca_system_with_a_zero_shot_folder_and_no_preprocess_reads_its_images_at_the_encoders_size(tmp_path):
+    from PIL import Image
+
+    from tests.training.test_self_critical import _scst_system
+
+    system = _scst_system("coca", 0.0, zero_shot={"data_root": str(_colour_folder(tmp_path))})
+    *_, transform = system._zero_shot
+    assert transform(Image.new("RGB", (50, 40))).shape == (3, 32, 32)
 
 
 def test_eval_zero_shot_on_an_image_folder_writes_the_classification_report(coca_dir, tmp_path, capsys):

@@ -47,7 +47,7 @@ from vitattn.models import (
     VisionTransformer,
     captioner_from_config,
 )
-from vitattn.models.search import SEARCH_KEYS, CaptionSearch
+from vitattn.models.search import SEARCH_KEYS, CaptionSearch, beams_of
 from vitattn.run_dir import VOCAB_FILE
 
 __all__ = [
@@ -110,17 +110,24 @@ class LoadedModel(ABC):
 
     def generate_settings(self, given: Mapping[str, Any] | None = None, written_out: bool = False) -> dict[str, Any]:
         """The ``generate`` keyword arguments of every entry point: the stored defaults (unknown ones dropped with a
-        warning), then the ``given`` ones that ``generate`` takes and that are not None. ``written_out`` adds the
+        warning), then the ``given`` ones that ``generate`` takes and that are not None (a given ``rerank=N``
+        without ``num_beams`` takes N beams, not a smaller stored count). ``written_out`` adds the
         search settings' own defaults (``max_new_tokens`` as the decoder's limit), as a report shows them."""
         parameters = inspect.signature(self.model.generate).parameters
         accepted = {k: p for k, p in parameters.items() if p.default is not inspect.Parameter.empty}
         settings = {k: v for k, v in self.generate.items() if k in accepted}
         if len(settings) < len(self.generate):
             log.warning("ignoring the model's unknown decoding settings %s", sorted(set(self.generate) - set(settings)))
-        settings.update({k: v for k, v in (given or {}).items() if k in accepted and v is not None})
+        given = {k: v for k, v in (given or {}).items() if k in accepted and v is not None}
+        if given.get("num_beams") is None and (settings.get("num_beams") or 1) < given.get("rerank", 1):
+            settings.pop("num_beams", None)  # a stored default gives way: a given rerank=N alone takes N beams
+        settings.update(given)
         if written_out:
             for key in SEARCH_KEYS:
                 settings.setdefault(key, accepted[key].default)
+            settings["num_beams"] = beams_of(
+                settings["num_beams"], settings["rerank"], settings.get("do_sample", False)
+            )
             if settings["max_new_tokens"] is None:
                 settings["max_new_tokens"] = self.model.check_generate(None)  # the decoder's max_len - 1
         return settings

@@ -170,7 +170,7 @@ class CocaCaptioner(Embedder, ImageCaptioner):
         return cls(encoder, decoder, **config["contrastive"])
 
     def embed_images(self, images: Tensor) -> Tensor:
-        return self._image_embedding(self.encoder.forward_features(images))
+        return self.embed_features(self.encoder.forward_features(images))
 
     def embed_texts(self, tokens: Tensor) -> Tensor:
         x = self.decoder.token_embed(tokens)  # (N, T, D): the decoder's embedding, shared
@@ -188,9 +188,10 @@ class CocaCaptioner(Embedder, ImageCaptioner):
         the text embeddings of ``texts`` (M, T). Under FSDP a forward method (``shard_layers`` registers it)."""
         features = self.encoder.forward_features(images)  # (B, 1 + patches, D)
         logits = self.decoder(tokens[:, :-1], per_caption(self.memory(features), caption_image))
-        return logits, self._image_embedding(features), self.embed_texts(texts)
+        return logits, self.embed_features(features), self.embed_texts(texts)
 
-    def _image_embedding(self, features: Tensor) -> Tensor:
+    def embed_features(self, features: Tensor) -> Tensor:
+        """(B, E) image embeddings from the encoder's (B, 1 + patches, D) ``forward_features``."""
         pooled = self.encoder.forward_head(features, pre_logits=True)  # (B, D): the encoder's own pool and norm
         return F.normalize(self.image_proj(pooled), dim=-1)
 

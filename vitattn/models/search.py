@@ -18,9 +18,11 @@ __all__ = [
     "DecodeStep",
     "SpecialIds",
     "beam_search",
+    "beams_of",
     "check_early_stopping",
     "greedy_search",
     "sample_token",
+    "sampling_logits",
     "sequence_log_prob",
     "token_log_probs",
 ]
@@ -141,7 +143,7 @@ class CaptionSearch:
     def check_generate(
         self,
         max_new_tokens: int | None = None,
-        num_beams: int = 1,
+        num_beams: int | None = None,
         do_sample: bool = False,
         temperature: float = 1.0,
         early_stopping: bool | str = False,
@@ -165,6 +167,7 @@ class CaptionSearch:
             raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the decoder's max_len={self.max_len} - 1")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+        num_beams = beams_of(num_beams, rerank, do_sample)
         if num_beams < 1:
             raise ValueError(f"num_beams={num_beams} must be at least 1")
         if do_sample and num_beams > 1:
@@ -181,7 +184,8 @@ class CaptionSearch:
         if rerank > num_beams and not do_sample:
             raise ValueError(
                 f"rerank={rerank} chooses among the beam's best captions and needs num_beams >= {rerank} "
-                f"(num_beams={num_beams}), or do_sample=true to choose among {rerank} samples"
+                f"(num_beams={num_beams}; leave num_beams out for {rerank}), or do_sample=true to choose among "
+                f"{rerank} samples"
             )
         return max_new_tokens
 
@@ -190,7 +194,7 @@ class CaptionSearch:
         self,
         images: Tensor,
         max_new_tokens: int | None = None,
-        num_beams: int = 1,
+        num_beams: int | None = None,
         length_penalty: float = 1.0,
         early_stopping: bool | str = False,
         do_sample: bool = False,
@@ -209,7 +213,8 @@ class CaptionSearch:
         Args:
             images: (B, C, height, width).
             max_new_tokens: most tokens per caption, ``<eos>`` included; None: ``max_len - 1``.
-            num_beams, length_penalty, early_stopping: Hugging Face's beam search (``beam_search``); 1 beam: greedy.
+            num_beams, length_penalty, early_stopping: Hugging Face's beam search (``beam_search``); 1 beam: greedy;
+                None: ``rerank`` beams (1 without it, or when sampling).
             do_sample, temperature, top_k, top_p, generator: sampling instead (``top_k=0``, ``top_p=1`` keep all).
             use_cache: decode with the key/value cache; False recomputes every step.
             min_new_tokens, no_repeat_ngram_size, repetition_penalty: Hugging Face's (``Controls``).
@@ -220,6 +225,7 @@ class CaptionSearch:
         max_new_tokens = self.check_generate(
             max_new_tokens, num_beams, do_sample, temperature, early_stopping, *controls, rerank
         )
+        num_beams = beams_of(num_beams, rerank, do_sample)
         rows = rerank if do_sample else num_beams  # caption rows per image: its beams or its samples
         step, B, device = self.start_search(images, max_new_tokens, rows, use_cache)
         if num_beams > 1:
@@ -241,6 +247,13 @@ class CaptionSearch:
         if rerank == 1:
             return candidates
         return _trim(self.choose(images, candidates), self.special_ids.pad_id)
+
+
+def beams_of(num_beams: int | None, rerank: int = 1, do_sample: bool = False) -> int:
+    """``generate``'s beams: ``num_beams`` as given; not given, the ``rerank`` candidates' (1 when sampling)."""
+    if num_beams is not None:
+        return num_beams
+    return 1 if do_sample else max(rerank, 1)
 
 
 def sequence_log_prob(step: DecodeStep, generated: Tensor, ids: SpecialIds, controls: Controls = NO_CONTROLS) -> Tensor:
@@ -379,19 +392,29 @@ def sample_token(
     logits: Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
 ) -> Tensor:
     """One token per row from temperature-scaled logits (B, V), after top-k and top-p filtering."""
+    probs = sampling_logits(logits, temperature, top_k, top_p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def sampling_logits(logits: Tensor, temperature: float, top_k: int, top_p: float, keep: Tensor | None = None) -> Tensor:
+    """The logits (..., V) of the policy ``sample_token`` draws from: divided by ``temperature``, then every token
+    outside the ``top_k`` and outside the smallest set whose mass reaches ``top_p`` at -inf; ``keep`` (..., V) bool:
+    tokens never dropped (SCST's scoring keeps the tokens it sampled)."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be positive")
     logits = logits / temperature
+    drop = torch.zeros_like(logits, dtype=torch.bool)
     if top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]  # (..., 1)
+        drop |= logits < kth
     if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest set whose mass reaches top_p
-        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        sorted_logits, order = logits.masked_fill(drop, float("-inf")).sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        beyond = probs.cumsum(-1) - probs > top_p  # keep the smallest set whose mass reaches top_p
+        drop |= beyond.scatter(-1, order, beyond)
+    if keep is not None:
+        drop &= ~keep
+    return logits.masked_fill(drop, float("-inf"))
 
 
 def _trim(tokens: Tensor, pad_id: int) -> Tensor:

@@ -305,7 +305,9 @@ def resolve_train_precision(cfg: DictConfig) -> str:
     if precision != "auto":
         return precision
     width = int(cfg.model.embed_dim)
-    if on_gpu(cfg) and cuda_bf16():
+    if on_gpu(cfg) and not torch.cuda.is_available():  # the run stops on it with its own line
+        chosen, why = "32-true", f"trainer.accelerator={cfg.trainer.accelerator} but this machine has no GPU"
+    elif on_gpu(cfg) and cuda_bf16():
         chosen, why = "bf16-mixed", "a GPU with bf16 units"
     elif on_gpu(cfg):
         chosen, why = "16-mixed", "a GPU of compute capability below 8.0, which has no bf16 units"

@@ -10,9 +10,14 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
+from vitattn.data.images import image_folder_split, open_image_folder
+from vitattn.data.preprocess import default_preprocess, eval_transform
 from vitattn.data.tokenizer import tokenizer_from_labels
+from vitattn.inference.captioning import file_batches
+from vitattn.inference.zero_shot import check_labels, resolve_scorer, templates_from, zero_shot_classifier
 from vitattn.metrics import CaptionMetrics, CiderD
 from vitattn.models import captioner_from_config
+from vitattn.models.caption import per_caption
 from vitattn.training.systems.base import VisionSystem
 from vitattn.training.systems.self_critical import ScstConfig, SelfCritical
 
@@ -30,6 +35,9 @@ class CaptionSystem(VisionSystem):
         num_samples: captions shown in the log (TensorBoard text) each validation.
         optim, nonfinite: ``VisionSystem``'s.
         scst: ``ScstConfig`` settings: train self-critically with the reward ``use_reward`` gives.
+        zero_shot: ``data_root``, ``split``, ``templates``, ``scorer`` (``vitattn.inference.zero_shot``'s): a folder
+            ``<split>/<class>/<image>`` classified by its class names at each validation, as ``vitattn-eval
+            task=zero_shot`` classifies it, in the run's precision; logged as ``val/zero_shot_top1`` and ``top5``.
     """
 
     task = "caption"
@@ -45,6 +53,7 @@ class CaptionSystem(VisionSystem):
         optim: dict[str, Any] | None = None,
         nonfinite: str = "raise",
         scst: dict[str, Any] | None = None,
+        zero_shot: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(optim, nonfinite)
         self.scst = ScstConfig(**scst) if scst is not None else None
@@ -62,6 +71,29 @@ class CaptionSystem(VisionSystem):
         self.num_samples = num_samples
         self.caption_metrics = CaptionMetrics(synthetic=True)  # every rank's captions, scored once
         self.last_samples: list[tuple[str, list[str]]] = []  # (caption, references) of the last evaluation
+        self._zero_shot = (
+            None
+            if not zero_shot or zero_shot.get("data_root") is None
+            else self._zero_shot_folder(
+                zero_shot, preprocess or default_preprocess(model_config["encoder"]["img_size"])
+            )
+        )
+
+    def _zero_shot_folder(self, zero_shot: dict[str, Any], preprocess: dict[str, Any]) -> tuple:
+        """(the folder's (path, class) samples, class names, templates or None, scorer, inference's transform)."""
+        where = f"head.zero_shot.data_root={zero_shot['data_root']}"
+        try:
+            folder = open_image_folder(image_folder_split(zero_shot["data_root"], zero_shot.get("split") or "val"))
+        except (FileNotFoundError, ValueError) as err:
+            raise ValueError(f"{where}: {err}") from None
+        names = check_labels(folder.classes, f"{where}'s class folders")
+        templates = zero_shot.get("templates")
+        try:
+            scorer = resolve_scorer(self.model, zero_shot.get("scorer") or "auto")
+        except ValueError as err:
+            raise ValueError(f"head.zero_shot.{err}") from None
+        templates = None if templates is None else templates_from(templates)  # None: the spellable defaults
+        return folder.samples, names, templates, scorer, eval_transform(preprocess)
 
     def forward(self, images: Tensor, tokens: Tensor) -> Tensor:
         return self.model(images, tokens)
@@ -93,18 +125,22 @@ class CaptionSystem(VisionSystem):
         return loss
 
     def _self_critical_loss(self, batch: dict[str, Any], size: int) -> Tensor:
-        loss = self._scst_loss(batch, size)
-        if self.scst.xe_weight:
-            loss = loss + self.scst.xe_weight * self._loss(batch, self.label_smoothing)
-        return loss
+        scst, caption = self._self_critical_terms(batch, size, self.model.encoder.forward_features(batch["images"]))
+        return scst if caption is None else scst + self.scst.xe_weight * caption
 
-    def _scst_loss(self, batch: dict[str, Any], size: int) -> Tensor:
-        """The self-critical term alone, its reward, baseline and ``eos_share`` logged."""
+    def _self_critical_terms(self, batch: dict[str, Any], size: int, features: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The SCST loss and, when ``xe_weight`` is not 0, the teacher-forced cross-entropy, both from the encoder's
+        (B, N, D) ``features`` of the batch's images: each image encoded once a step."""
+        memory = self.model.memory(features)  # (B, N, D)
         if self.self_critical is None:
             raise RuntimeError("scst is set but no reward was given: call use_reward(scorer) before training")
-        loss, logged = self.self_critical(self.model, batch["images"], batch["references"], None)
+        scst, logged = self.self_critical(self.model, batch["images"], batch["references"], None, memory)
         self.log_dict({f"train/{k}": v for k, v in logged.items()}, batch_size=size)
-        return loss
+        if not self.scst.xe_weight:
+            return scst, None
+        tokens = batch["tokens"]  # (N, T)
+        logits = self.model.decoder(tokens[:, :-1], per_caption(memory, batch.get("caption_image")))  # (N, T-1, V)
+        return scst, self._caption_loss(logits, tokens, self.label_smoothing)
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
         self.log(f"{stage}/loss", self._loss(batch), sync_dist=True, prog_bar=True, batch_size=len(batch["images"]))
@@ -112,17 +148,41 @@ class CaptionSystem(VisionSystem):
         self.caption_metrics.update(captions, batch["references"], batch["image_ids"].tolist())
 
     def _score(self, stage: str) -> None:
+        """The captions' scores and, at validation, the zero-shot accuracy."""
         metrics = {} if self.trainer.sanity_checking else self.caption_metrics.compute()  # every rank alike
         outputs = self.caption_metrics.corpus  # what was scored: one per image, sorted by id
         self.caption_metrics.reset()
         if not metrics:
             return
+        if stage == "val" and self._zero_shot is not None:
+            metrics.update(self._zero_shot_accuracy())
         # Every rank holds the whole split, so the values already agree: no reduction.
         self.log_dict({f"{stage}/{k}": float(v) for k, v in metrics.items()}, sync_dist=False, rank_zero_only=False)
         self.last_samples = [(caption, refs) for _, caption, refs in outputs][: self.num_samples]
         if isinstance(self.logger, TensorBoardLogger) and self.trainer.is_global_zero:
             text = "\n\n".join(f"**{c}**  \nreference: {r[0]}" for c, r in self.last_samples)
             self.logger.experiment.add_text(f"{stage}/samples", text, self.global_step)
+
+    @torch.no_grad()
+    def _zero_shot_accuracy(self, batch_size: int = 64) -> dict[str, Tensor]:
+        """Top-1 and top-5 of the zero-shot folder read as ``vitattn-eval task=zero_shot`` reads it, each rank
+        classifying every world_size-th image, the counts summed over the ranks (unreadable images left out). In
+        the validation steps' precision context: outside it, ``on_validation_epoch_end`` runs in fp32, which FSDP's
+        bf16 weights refuse and which is not the precision ``vitattn-eval`` classifies in."""
+        samples, names, templates, scorer, transform = self._zero_shot
+        paths, labels = zip(*samples[self.global_rank :: self.trainer.world_size]) if samples else ((), ())
+        counts = torch.zeros(3, device=self.device)  # top-1 hits, top-5 hits, images read
+        with self.trainer.precision_plugin.val_step_context():
+            classify = zero_shot_classifier(self.model, self.vocab, names, templates, scorer, self.device)
+            for images, targets in file_batches(paths, labels, transform, batch_size, 0, []):
+                top = classify(images.to(self.device)).topk(min(5, len(names)))  # (B, 5)
+                hits = top.indices == targets.to(self.device)[:, None]  # (B, 5)
+                counts += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(), torch.tensor(len(targets))]).to(counts)
+        top1, top5, read = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
+        return {
+            "zero_shot_top1": torch.tensor(top1 / max(read, 1)),
+            "zero_shot_top5": torch.tensor(top5 / max(read, 1)),
+        }
 
     def on_validation_epoch_end(self) -> None:
         self._score("val")

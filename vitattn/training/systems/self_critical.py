@@ -18,7 +18,7 @@ from torch.profiler import record_function
 
 from vitattn.metrics import CiderD
 from vitattn.models import ImageCaptioner
-from vitattn.models.search import greedy_search
+from vitattn.models.search import greedy_search, sampling_logits
 
 __all__ = ["BASELINES", "ScstConfig", "SelfCritical", "scst_loss"]
 
@@ -77,15 +77,22 @@ class SelfCritical:
         self.config, self.scorer, self.decode = config, scorer, decode
 
     def __call__(
-        self, model: ImageCaptioner, images: Tensor, references: list[list[str]], generator: torch.Generator | None
+        self,
+        model: ImageCaptioner,
+        images: Tensor,
+        references: list[list[str]],
+        generator: torch.Generator | None,
+        memory: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss of images (B, C, height, width) with their references, and ``reward``, ``baseline``,
-        ``eos_share`` (of the samples that end with ``<eos>``) as tensors on the images' device."""
+        ``eos_share`` (of the samples that end with ``<eos>``) as tensors on the images' device; ``memory``: the
+        images' (B, N, D) ``encode``, with gradients, when the caller has it (None: encoded here)."""
         cfg, K = self.config, self.config.samples
         ids = model.special_ids
         max_new = model.check_generate(cfg.max_new_tokens, 1, True, cfg.temperature)
-        with record_function("scst/encode"):
-            memory = model.encode(images)  # (B, N, D), with gradients
+        if memory is None:
+            with record_function("scst/encode"):
+                memory = model.encode(images)  # (B, N, D), with gradients
         B = memory.shape[0]
         with decoder_dropout_off(model):  # one policy: the pass that samples and the pass that scores agree
             with torch.no_grad(), record_function("scst/sample"):
@@ -102,7 +109,7 @@ class SelfCritical:
                     greedy = self._greedy_rewards(model, images, references, max_new)
                 baseline = torch.tensor(greedy, device=memory.device).repeat_interleave(K)
             with record_function("scst/log_probs"):
-                log_probs, mask = sample_log_probs(model, memory, sampled)
+                log_probs, mask = sample_log_probs(model, memory, sampled, cfg)
         loss = scst_loss(log_probs, mask, rewards - baseline)
         ended = (sampled == ids.eos_id).any(dim=1).float().mean()
         return loss, {"reward": rewards.mean(), "baseline": baseline.mean(), "eos_share": ended}
@@ -138,13 +145,19 @@ def decoder_dropout_off(model: ImageCaptioner) -> Iterator[None]:
         model.decoder.train(was_training)
 
 
-def sample_log_probs(model: ImageCaptioner, memory: Tensor, sampled: Tensor) -> tuple[Tensor, Tensor]:
-    """(B * K, T) log-probabilities, with gradients and the search's bans, of ``sampled`` (B * K, T: ids without
-    ``<bos>``, padded after ``<eos>``, K rows per image of ``memory`` (B, N, D)), and the mask of generated tokens."""
+def sample_log_probs(
+    model: ImageCaptioner, memory: Tensor, sampled: Tensor, config: ScstConfig = ScstConfig()
+) -> tuple[Tensor, Tensor]:
+    """(B * K, T) log-probabilities, with gradients, of ``sampled`` (B * K, T: ids without ``<bos>``, padded after
+    ``<eos>``, K rows per image of ``memory`` (B, N, D)) under the policy that drew them: the search's bans, then
+    ``config``'s temperature, top-k and top-p (``sampling_logits``, the sampled token kept should the scoring pass's
+    rounding move it out); and the mask of generated tokens."""
     ids = model.special_ids
     bos = sampled.new_full((sampled.shape[0], 1), ids.bos_id)
     logits = model.decoder(torch.cat([bos, sampled[:, :-1]], dim=1), memory).float()  # (B * K, T, V)
     logits = logits.index_fill(-1, torch.tensor(ids.banned, device=logits.device), float("-inf"))
+    drawn = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, sampled.unsqueeze(-1), True)  # (B * K, T, V)
+    logits = sampling_logits(logits, config.temperature, config.top_k, config.top_p, keep=drawn)
     log_probs = logits.log_softmax(-1).gather(-1, sampled.unsqueeze(-1)).squeeze(-1)  # (B * K, T)
     mask = sampled != ids.pad_id
     return log_probs.masked_fill(~mask, 0.0), mask
