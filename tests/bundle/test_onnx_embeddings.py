@@ -173,8 +173,9 @@ def test_vitattn_eval_zero_shot_and_retrieval_on_an_onnx_folder_score_as_its_bun
             common = [f"model={model}", f"task={task}", f"out={out}", "num_workers=0", "progress=false"]
             assert eval_main([*common, *args]) == 0
             metrics[name] = json.loads((out / "metrics.json").read_text())["metrics"]
-        key = "top1" if task == "zero_shot" else "i2t_r1"
-        assert metrics["onnx"] == pytest.approx(metrics["torch"]) and metrics["onnx"][key] == 1.0, (task, metrics)
+        # each colour's two images share one caption: the twin's equal text ties with the match, a hit half the time
+        key, expected = ("top1", 1.0) if task == "zero_shot" else ("i2t_r1", 0.5)
+        assert metrics["onnx"] == pytest.approx(metrics["torch"]) and metrics["onnx"][key] == expected, (task, metrics)
 
 
 def test_serving_embed_on_an_onnx_folder_answers_the_bundles_embeddings(coca, tmp_path):

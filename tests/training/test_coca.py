@@ -189,6 +189,7 @@ def test_a_text_embedding_ignores_the_padding():
         ("head.contrastive.loss=triplet", "head.contrastive.loss='triplet' is unknown; choose clip or siglip"),
         ("head.caption_weight=-1", "head.caption_weight=-1 must be a number of 0 or more"),
         ("head.contrastive_weight=0 head.caption_weight=0", "head.contrastive_weight=0 and head.caption_weight=0"),
+        ("head.contrastive_ramp_steps=-5", "head.contrastive_ramp_steps=-5 must be a whole number of steps, 0 or more"),
         ("head.contrastive.init_logit_bias=low", "head.contrastive.init_logit_bias='low' must be auto or a number"),
         (
             "head.monitor=val/i2t_r5",
@@ -375,8 +376,15 @@ def test_a_bad_zero_shot_folder_or_template_is_one_line_before_training(setting,
 
 
 @pytest.mark.slow
-def test_zero_shot_under_ddp_is_what_one_process_gives_for_the_same_weights(tmp_path):
-    """Two gloo processes, each classifying half of a 24-image folder: the logged accuracy is that of the whole."""
+@pytest.mark.parametrize(
+    ("strategy", "precision", "weights"), [("ddp", "32-true", torch.float32), ("fsdp", "bf16-mixed", torch.bfloat16)]
+)
+def test_zero_shot_on_two_ranks_is_what_vitattn_eval_gives_at_that_precision(strategy, precision, weights, tmp_path):
+    """Two gloo processes, each classifying half of a 24-image folder, under DDP in fp32 and under FSDP2 with
+    bf16-mixed (the validation's precision context: its bf16 weights meet bf16 inputs): the logged accuracy is that
+    of the whole folder as ``vitattn-eval task=zero_shot`` classifies it at the same precision on the same weights
+    (FSDP2's policy holds the weights in bf16, so the evaluated model's are cast to bf16 and run under autocast)."""
+    import dataclasses
     import os
     import subprocess
     import sys
@@ -385,9 +393,10 @@ def test_zero_shot_under_ddp_is_what_one_process_gives_for_the_same_weights(tmp_
 
     folder = make_image_folder(tmp_path / "folder", classes=ZERO_SHOT_CLASSES, per_class=4, size=36)
     run = tmp_path / "run"
-    args = ["head=coca", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
-    args += [*TINY, *TINY_SHAPES, f"head.zero_shot.data_root={folder}", "trainer.max_steps=3", "trainer.max_epochs=-1"]
-    args += ["trainer.val_check_interval=3", "trainer.check_val_every_n_epoch=null", "trainer.num_sanity_val_steps=0"]
+    args = ["head=coca", f"trainer={strategy}", "trainer.accelerator=cpu", "trainer.devices=2"]
+    args += [f"trainer.precision={precision}", *TINY, *TINY_SHAPES, f"head.zero_shot.data_root={folder}"]
+    args += ["trainer.max_steps=3", "trainer.max_epochs=-1", "trainer.val_check_interval=3"]
+    args += ["trainer.check_val_every_n_epoch=null", "trainer.num_sanity_val_steps=0"]
     args += ["test=false", "export_bundle=false", "logger=csv", f"hydra.run.dir={run}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
@@ -396,6 +405,10 @@ def test_zero_shot_under_ddp_is_what_one_process_gives_for_the_same_weights(tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(run / "csv" / "metrics.csv", newline="") as f:
         (row,) = [row for row in csv.DictReader(f) if row.get("val/zero_shot_top1")]
-    report = evaluate_zero_shot(load_checkpoint(run / "checkpoints" / "last.ckpt", "cpu"), data_root=folder)
+    bundle = load_checkpoint(run / "checkpoints" / "last.ckpt", "cpu")
+    precision = "fp32" if weights == torch.float32 else "bf16"
+    report = evaluate_zero_shot(
+        dataclasses.replace(bundle, model=bundle.model.to(weights), precision=precision), data_root=folder
+    )
     assert float(row["val/zero_shot_top1"]) == pytest.approx(report.metrics["top1"], abs=1e-6)
     assert float(row["val/zero_shot_top5"]) == pytest.approx(report.metrics["top5"], abs=1e-6)

@@ -191,6 +191,25 @@ def test_a_temperature_past_the_cap_comes_back_after_the_optimizer_step(accumula
     assert trainer.global_step == 1 and system.model.logit_scale.item() == cap.item()
 
 
+def test_the_contrastive_weight_ramps_from_zero_over_its_steps_at_training_only():
+    """Half the ramp: half the weight in the loss; at evaluation and past the ramp the full weight."""
+    system = _system("clip")
+    system.contrastive_weight, system.contrastive_ramp_steps = 3.0, 10
+    batch = _batch()
+    caption, contrastive = (term.detach().double() for term in system._pair_terms(batch, 0.0))
+    steps = {}
+    system.trainer = SimpleNamespace(global_step=0)  # global_step reads the trainer's
+    for step in (0, 5, 10, 40):
+        system.trainer.global_step = step
+        steps[step] = system._loss(batch).detach().double()
+    assert torch.allclose(steps[0], 2.0 * caption)
+    assert torch.allclose(steps[5], 2.0 * caption + 1.5 * contrastive)
+    assert torch.allclose(steps[10], 2.0 * caption + 3.0 * contrastive) and torch.allclose(steps[40], steps[10])
+    system.eval()
+    system.trainer.global_step = 0
+    assert torch.allclose(system._loss(batch).detach().double(), steps[10])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_coca_trains_on_shards_on_two_processes_with_unequal_batches(tmp_path):

@@ -219,21 +219,24 @@ class DecoderStep:
     recomputed from position 0; ``memory`` may hold one row per image for its K beams."""
 
     def __init__(self, decoder: CaptionDecoder, memory: Tensor, cache: list[LayerCache] | None) -> None:
-        # On a CPU the steps run in fp32 even under bf16 autocast (only the encoder in bf16): at one query
-        # position torch's bf16 CPU kernels are slower than fp32's (docs/benchmarks.md). A GPU steps in bf16.
-        self.fp32 = memory.device.type == "cpu"
-        self.decoder, self.cache = decoder, cache
-        self.memory = memory.float() if self.fp32 else memory
+        # On a CPU the steps run in the weights' dtype with autocast off, fp32 even under bf16 autocast (only the
+        # encoder in bf16): at one query position torch's bf16 CPU kernels are slower than fp32's
+        # (docs/benchmarks.md); bf16 where FSDP's mixed precision holds the weights in bf16. A GPU steps in bf16.
+        self.cpu = memory.device.type == "cpu"
+        self.decoder, self.cache, self.memory = decoder, cache, memory
 
     def __call__(self, tokens: Tensor) -> Tensor:
-        with torch.autocast("cpu", enabled=False) if self.fp32 else nullcontext():
+        dtype = self.decoder.head.weight.dtype  # read at each step: FSDP swaps the parameters as it gathers them
+        if self.cpu and self.memory.dtype != dtype:
+            self.memory = self.memory.to(dtype)
+        with torch.autocast("cpu", enabled=False) if self.cpu else nullcontext():
             if self.cache is None:
                 h = self.decoder.forward_features(tokens, self.memory)[:, -1:]  # (B, 1, D)
             else:
                 h = self.decoder.forward_features(tokens[:, -1:], self.memory, self.cache, start=tokens.shape[1] - 1)
         # The search's scores in fp32 even under bf16 autocast: in bf16 (3 significant digits) near-tied words swap.
         with torch.autocast(h.device.type, enabled=False):
-            return self.decoder.head(h.float())[:, -1]  # (B, V)
+            return self.decoder.head(h.to(dtype)).float()[:, -1]  # (B, V); fp32 but for bf16 weights
 
     def reorder(self, index: Tensor) -> None:
         for layer_cache in self.cache or ():

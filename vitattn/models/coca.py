@@ -178,7 +178,7 @@ class CocaCaptioner(Embedder, ImageCaptioner):
 
     def encode_and_embed(self, images: Tensor) -> tuple[Tensor, Tensor]:
         features = self.encoder.forward_features(images)  # (B, 1 + patches, D): once for both
-        return self.memory(features), self._image_embedding(features)
+        return self.memory(features), self.embed_features(features)
 
     def forward_coca(
         self, images: Tensor, tokens: Tensor, texts: Tensor, caption_image: Tensor | None = None

@@ -147,7 +147,9 @@ def _check_contrastive(cfg: DictConfig) -> None:
     """head=coca: its loss and weights; and no batch left out on one rank, whose negatives the others wait for."""
     head = cfg.head
     try:
-        check_contrastive(head.contrastive.loss, head.contrastive_weight, head.caption_weight)
+        check_contrastive(
+            head.contrastive.loss, head.contrastive_weight, head.caption_weight, head.contrastive_ramp_steps
+        )
     except ValueError as err:
         raise ConfigError(str(err)) from None
     monitors = ("val/cider_d", *RETRIEVAL_MONITORS, ZERO_SHOT_MONITOR)

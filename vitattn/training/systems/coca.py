@@ -13,7 +13,7 @@ from torch import Tensor
 from vitattn.inference.embeddings import encode_texts
 from vitattn.metrics.metric import RetrievalMetrics
 from vitattn.training.systems.captioning import CaptionSystem
-from vitattn.training.systems.contrastive import check_contrastive, contrastive_loss
+from vitattn.training.systems.contrastive import MAX_LOGIT_SCALE, check_contrastive, contrastive_loss
 
 __all__ = ["CocaSystem"]
 
@@ -21,9 +21,10 @@ __all__ = ["CocaSystem"]
 class CocaSystem(CaptionSystem):
     """Trains a ``CocaCaptioner`` (``model_config`` with its ``contrastive`` part) on ``caption_weight`` · caption
     + ``contrastive_weight`` · ``contrastive_loss`` (``clip`` or ``siglip``, every rank's negatives; open_clip's
-    weights: 2 and 1). Other arguments are ``CaptionSystem``'s (``zero_shot``: its ``scorer`` ``auto`` is
-    ``AUTO_COCA`` here, as open_clip's ``--imagenet-val`` classifies); under ``scst`` the SCST loss and its
-    cross-entropy term take the caption's weight."""
+    weights: 2 and 1), the contrastive weight ramped from 0 over the first ``contrastive_ramp_steps``. Other
+    arguments are ``CaptionSystem``'s (``zero_shot``: its ``scorer`` ``auto`` is ``AUTO_COCA`` here, as open_clip's
+    ``--imagenet-val`` classifies); under ``scst`` the SCST loss and its cross-entropy term take the caption's
+    weight."""
 
     def __init__(
         self,
@@ -32,53 +33,62 @@ class CocaSystem(CaptionSystem):
         contrastive_loss: str = "clip",
         contrastive_weight: float = 1.0,
         caption_weight: float = 2.0,
+        contrastive_ramp_steps: int = 0,
         **kwargs: Any,
     ) -> None:
-        check_contrastive(contrastive_loss, contrastive_weight, caption_weight)
+        check_contrastive(contrastive_loss, contrastive_weight, caption_weight, contrastive_ramp_steps)
         if "contrastive" not in model_config:
             raise ValueError("model_config has no 'contrastive' part: CocaSystem trains a CocaCaptioner")
         super().__init__(model_config, vocab, **kwargs)
         self.contrastive_loss = contrastive_loss
         self.contrastive_weight, self.caption_weight = contrastive_weight, caption_weight
+        self.contrastive_ramp_steps = contrastive_ramp_steps
         self.retrieval_metrics = RetrievalMetrics()  # every rank's embeddings, ranked once
         self._terms: dict[str, Tensor] = {}  # the last ``_loss``'s two terms, logged by the step that asked for it
 
     def _loss(self, batch: dict[str, Any], label_smoothing: float = 0.0) -> Tensor:
-        """The weighted sum; the contrastive pairs are each image and its first caption."""
+        """The weighted sum."""
         caption, contrastive = self._pair_terms(batch, label_smoothing)
-        return self.caption_weight * caption + self.contrastive_weight * contrastive
+        return self.caption_weight * caption + self._contrastive_weight() * contrastive
+
+    def _contrastive_weight(self) -> float:
+        """``contrastive_weight``, ramped linearly from 0 over the first ``contrastive_ramp_steps`` optimizer steps
+        at training (the caption term shapes the features first); the full weight at 0 steps and at evaluation."""
+        if not self.training or self.contrastive_ramp_steps == 0:
+            return self.contrastive_weight
+        return self.contrastive_weight * min(1.0, self.global_step / self.contrastive_ramp_steps)
 
     def _self_critical_loss(self, batch: dict[str, Any], size: int) -> Tensor:
         """``contrastive_weight`` · contrastive + ``caption_weight`` · (SCST + ``xe_weight`` · cross-entropy), each
         image encoded once for all three: the contrastive term keeps training the embeddings the first stage built."""
-        tokens, caption_image, images = batch["tokens"], batch.get("caption_image"), batch["images"]
-        features = self.model.encoder.forward_features(images)  # (B, 1 + patches, D)
+        tokens, caption_image = batch["tokens"], batch.get("caption_image")  # (N, T), (N,) or None
+        features = self.model.encoder.forward_features(batch["images"])  # (B, 1 + patches, D)
         scst, caption = self._self_critical_terms(batch, size, features)
-        texts = tokens  # (B, T): one caption per image for the contrastive pairs
-        if caption_image is not None and len(caption_image) != len(images):
-            first = torch.searchsorted(caption_image, torch.arange(len(images), device=caption_image.device))
-            texts = tokens.index_select(0, first)
-        image, text = self.model.embed_features(features), self.model.embed_texts(texts)
-        contrastive = contrastive_loss(self.contrastive_loss, image, text, self.model)
+        image, text = self.model.embed_features(features), self.model.embed_texts(tokens)
+        contrastive = contrastive_loss(self.contrastive_loss, image, text, self.model, caption_image, tokens)
         self._terms = {"scst_loss": scst.detach(), "contrastive_loss": contrastive.detach()}
+        weighted = self._contrastive_weight() * contrastive
         if caption is None:
-            return self.contrastive_weight * contrastive + self.caption_weight * scst
+            return weighted + self.caption_weight * scst
         self._terms["caption_loss"] = caption.detach()
-        return self.contrastive_weight * contrastive + self.caption_weight * (scst + self.scst.xe_weight * caption)
+        return weighted + self.caption_weight * (scst + self.scst.xe_weight * caption)
 
     def _pair_terms(self, batch: dict[str, Any], label_smoothing: float) -> tuple[Tensor, Tensor]:
-        """The caption cross-entropy and the contrastive loss, from one encoding of each image."""
-        tokens, caption_image = batch["tokens"], batch.get("caption_image")  # (N, T), (N,) or None
-        images = batch["images"]
-        texts = tokens  # (B, T): one caption per image for the contrastive pairs
-        if caption_image is not None and len(caption_image) != len(images):
-            first = torch.searchsorted(caption_image, torch.arange(len(images), device=caption_image.device))
-            texts = tokens.index_select(0, first)
-        logits, image, text = self.model.forward_coca(images, tokens, texts, caption_image)
+        """The caption cross-entropy and the contrastive loss, from one encoding of each image; the contrastive
+        texts are every caption of the batch, each a positive of its own image and of the images of its equals."""
+        tokens, caption_image = batch["tokens"], batch.get("caption_image")  # (N, T), (N,) or None: caption n, image n
+        logits, image, text = self.model.forward_coca(batch["images"], tokens, tokens, caption_image)
         caption = self._caption_loss(logits, tokens, label_smoothing)
-        contrastive = contrastive_loss(self.contrastive_loss, image, text, self.model)
+        contrastive = contrastive_loss(self.contrastive_loss, image, text, self.model, caption_image, tokens)
         self._terms = {"caption_loss": caption.detach(), "contrastive_loss": contrastive.detach()}
         return caption, contrastive
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's step (once per ``accumulate_grad_batches``), then the temperature clamped in place to
+        [0, log 100] as open_clip does: the loss has no cap, so its gradient reaches the scale at every value."""
+        super().optimizer_step(*args, **kwargs)
+        with torch.no_grad():
+            self.model.logit_scale.clamp_(0, MAX_LOGIT_SCALE)  # a DTensor under FSDP: each shard clamped
 
     def _log_terms(self, stage: str, size: int) -> None:
         terms, self._terms = self._terms, {}

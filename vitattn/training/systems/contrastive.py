@@ -51,8 +51,9 @@ RETRIEVAL_MONITORS = ("val/i2t_r1", "val/t2i_r1")  # what validation logs from `
 ZERO_SHOT_MONITOR = "val/zero_shot_top1"  # what validation logs with ``head.zero_shot.data_root``
 
 
-def check_contrastive(loss: str, contrastive_weight: float, caption_weight: float) -> None:
-    """Raise a one-line ``ValueError`` for an unknown loss or weights that are negative or both 0."""
+def check_contrastive(loss: str, contrastive_weight: float, caption_weight: float, ramp_steps: int = 0) -> None:
+    """Raise a one-line ``ValueError`` for an unknown loss, weights that are negative or both 0, or a ramp that is
+    not a whole number of steps."""
     if loss not in LOSSES:
         raise ValueError(f"head.contrastive.loss={loss!r} is unknown; choose clip or siglip")
     for key, weight in (("contrastive_weight", contrastive_weight), ("caption_weight", caption_weight)):
@@ -60,6 +61,8 @@ def check_contrastive(loss: str, contrastive_weight: float, caption_weight: floa
             raise ValueError(f"head.{key}={weight!r} must be a number of 0 or more")
     if contrastive_weight == caption_weight == 0:
         raise ValueError("head.contrastive_weight=0 and head.caption_weight=0 train nothing; set one above 0")
+    if isinstance(ramp_steps, bool) or not isinstance(ramp_steps, int) or ramp_steps < 0:
+        raise ValueError(f"head.contrastive_ramp_steps={ramp_steps!r} must be a whole number of steps, 0 or more")
 
 
 def contrastive_model_config(contrastive: dict[str, Any], pairs: int) -> dict[str, Any]:
