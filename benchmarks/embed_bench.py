@@ -3,6 +3,7 @@ eager fp32 and bf16 (autocast, ``precision=bf16``) and ONNX Runtime fp32 and int
 count; and each runtime's embeddings against eager fp32's.
 
     python -m benchmarks.embed_bench [--threads 1] [--repeats 3] [--images 64] [--out FILE.json]
+    python -m benchmarks.embed_bench --zero-shot 100 1000 [--threads 1] [--images 16]
 
 The model is ``head=coca``'s defaults over ``model=cpu``: a 64 px ViT of width 128, 4 layers, 8 px patches; a
 2-layer decoder and 2-layer text tower of width 128, 4 heads, ``max_len`` 24; embeddings of width 128. Work: one
@@ -10,6 +11,11 @@ batch of ``--images`` random images and one of as many texts (8 to 24 tokens), t
 ``vitattn.inference.embeddings`` (what zero-shot, retrieval and ``/embed`` call). Runtimes are timed in turn within
 each repeat; a row is the median over the repeats of the wall time and of this process's CPU time (steadier on a
 shared machine), and a ratio is eager fp32's over the runtime's (above 1: faster).
+
+``--zero-shot K ...``: instead, the zero-shot scorers' cost on the same model in eager fp32 (and on its ONNX
+folder), per scorer and class count K (class names of two words, the template ``{}``): the seconds to build the
+classifier (once: the class embeddings, the prompts' tokens) and the images per second of classifying a batch of
+``--images`` images with it built (``likelihood`` scores K prompts per image through the decoder).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from vitattn.bundle.onnx_export import export_onnx
 from vitattn.data.preprocess import default_preprocess
 from vitattn.data.tokenizer import Vocabulary
 from vitattn.inference.embeddings import embed_pixels, embed_texts
+from vitattn.inference.zero_shot import SCORERS, zero_shot_classifier
 from vitattn.models import CaptionDecoder, CocaCaptioner, vit_preset
 
 RUNTIMES = ("eager", "eager-bf16", "onnx-fp32", "onnx-int8")
@@ -47,14 +54,69 @@ def _coca() -> tuple[CocaCaptioner, Vocabulary]:
     return model.eval(), vocab
 
 
+def zero_shot_costs(loaded: dict, pixels: torch.Tensor, classes: list[int], repeats: int) -> list[dict]:
+    """Per runtime, scorer and class count: build seconds (median) and images per second (wall, median)."""
+    rows = []
+    for count in classes:
+        names = [f"{WORDS[i // len(WORDS)]} {WORDS[i % len(WORDS)]}" for i in range(count)]  # distinct pairs
+        for runtime, bundle in loaded.items():
+            for scorer in SCORERS[1:]:
+                build = [wall_and_cpu(zero_shot_classifier, bundle.model, bundle.vocab, names, ["{}"], scorer)]
+                classifier = zero_shot_classifier(bundle.model, bundle.vocab, names, ["{}"], scorer)
+                classifier(pixels)  # warm-up
+                build += [wall_and_cpu(zero_shot_classifier, bundle.model, bundle.vocab, names, ["{}"], scorer)]
+                times = [wall_and_cpu(classifier, pixels) for _ in range(repeats)]
+                wall = statistics.median(t[0] for t in times)
+                rows.append(
+                    dict(
+                        work="zero_shot",
+                        runtime=runtime,
+                        scorer=scorer,
+                        classes=count,
+                        build_seconds=statistics.median(b[0] for b in build),
+                        seconds=wall,
+                        per_second=len(pixels) / wall,
+                        cpu_per_second=len(pixels) / statistics.median(t[1] for t in times),
+                    )
+                )
+    return rows
+
+
+def zero_shot_main(args: argparse.Namespace) -> None:
+    model, vocab = _coca()
+    pixels = torch.randn(args.images, 3, IMG_SIZE, IMG_SIZE, generator=torch.Generator().manual_seed(0))
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle_dir = save_bundle(
+            Path(tmp) / "coca", model, task="caption", preprocess=default_preprocess(IMG_SIZE), vocab=vocab
+        )
+        loaded = {
+            "eager": load_model(bundle_dir, precision="fp32"),
+            "onnx-fp32": load_model(export_onnx(load_bundle(bundle_dir), Path(tmp) / "onnx")),
+        }
+        rows = zero_shot_costs(loaded, pixels, args.zero_shot, args.repeats)
+    print(f"threads={args.threads}, {args.images} images a batch, template '{{}}', median of {args.repeats}")
+    print("| classes | runtime | scorer | build s (once) | images/s (wall) | images/s (CPU) |")
+    print("|---:|---|---|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['classes']} | {r['runtime']} | {r['scorer']} | {r['build_seconds']:.3f} | {r['per_second']:,.1f} "
+            f"| {r['cpu_per_second']:,.1f} |"
+        )
+    if args.out is not None:
+        args.out.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--images", type=int, default=64, help="images (and texts) per batch")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--zero-shot", type=int, nargs="+", default=None, metavar="K", help="class counts")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)  # ONNX Runtime sessions take torch's thread count when loaded
+    if args.zero_shot:
+        return zero_shot_main(args)
     model, vocab = _coca()
     pick = random.Random(0)
     texts = [" ".join(pick.choices(WORDS, k=pick.randint(6, MAX_LEN - 2))) for _ in range(args.images)]

@@ -9,7 +9,6 @@
       caption models: task=zero_shot data_root=DIR [labels=a,b,c|FILE] [templates='a photo of a {}.|a {}.'|FILE]
                       [zero_shot_scorer=auto|contrastive|likelihood|both] (contrastive and both: head=coca)
       head=coca also: task=retrieval [references=COCO_JSON [image_dir=DIR]]
-
 Default: the run's split, the model's task. Exit status: 0 all scored, 1 some not, 2 a usage, data or model error."""
 
 from __future__ import annotations

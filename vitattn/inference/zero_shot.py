@@ -1,33 +1,15 @@
 """Zero-shot classification by class name with any caption model (``head=caption`` or ``head=coca``, PyTorch or an
-ONNX folder). One entry point builds the classifier once: ``zero_shot_classifier(model, vocab, labels, templates,
-scorer)`` -> a ``ZeroShotClassifier`` whose ``forward(images)`` gives (B, K) class logits; training builds one per
-validation (the class data follow the weights as they are when it is built), ``zero_shot_model`` wraps one as the
-classification ``LoadedModel`` that ``Classifier`` and the classification evaluation take
-(docs/captioning.md#zero-shot-classification-and-retrieval).
+ONNX folder). ``zero_shot_classifier(model, vocab, labels, templates, scorer)`` builds a ``ZeroShotClassifier``
+once, whose ``forward(images)`` gives (B, K) class logits; ``zero_shot_model`` wraps one as the classification
+``LoadedModel`` that ``Classifier`` and the classification evaluation take.
 
-Each class is named through M templates ("a photo of a {}." with the name in place of ``{}``): K * M prompts, each
-tokenised ``<bos> ... <eos>`` as ``encode_texts`` does. The ``scorer`` (``SCORERS``):
-
-- ``contrastive`` (``head=coca`` only): the image embedding's scaled cosine with each class embedding, the mean of
-  its prompts' text embeddings renormalised, as open_clip's ``build_zero_shot_classifier``.
-- ``likelihood``: caption likelihood. Each prompt is scored by the decoder's log-probability of its tokens after
-  ``<bos>`` given the image, ``<eos>`` included, through the runtime's own ``decode_step`` and key/value cache
-  (``token_log_probs``): the image encoded once per batch, an image's prompts its rows, ``max_rows`` rows at a
-  time. A prompt's score is its total log-probability (``LENGTH_NORM``: "total"; "mean" divides by its token
-  count; measured in docs/captioning.md); a class's, the log of the mean of its M prompts' probabilities
-  (``logsumexp`` over the templates minus log M: the probability of the class's caption when a template is
-  picked at random).
-- ``both`` (``head=coca``): the sum of the two scorers' log-softmaxes over the classes.
-- ``auto``: ``likelihood`` for a ``head=caption`` model, ``AUTO_COCA`` for a ``head=coca`` one (measured).
-
-What cannot be spelled is said (``check_prompts``): one warning names the words of the class names and templates
-that become ``<unk>``; classes whose prompts encode to the same tokens are refused in one line naming them; the log
-gives the number of distinct classes. Without ``templates`` the ``DEFAULT_TEMPLATES`` whose words are all in the
-vocabulary are used, and ``{}`` alone when none is (a word vocabulary built from captions without "photo").
-
-Dimension letters: B images, K classes, M templates, P prompts in a chunk, T prompt tokens, E embedding width;
-image sides are written out.
-"""
+Each class is named through M templates ("a photo of a {}."): K * M prompts, tokenised as ``encode_texts`` does.
+``SCORERS``: ``contrastive`` (``head=coca``: scaled cosine with the mean prompt embedding, as open_clip),
+``likelihood`` (the decoder's log-probability of each prompt given the image, ``LENGTH_NORM``, a class's the log
+of its prompts' mean probability), ``both`` (the sum of the two log-softmaxes) and ``auto`` (``AUTO_COCA`` for
+``head=coca``). Unspellable words are warned about, indistinct classes refused (``check_prompts``). Design and
+measurements: docs/captioning.md#zero-shot-classification-and-retrieval.
+Dimension letters: B images, K classes, M templates, P prompts in a chunk, T prompt tokens, E embedding width."""
 
 from __future__ import annotations
 

@@ -2,17 +2,10 @@
 reference of an image, and every equal text, as its positives.
 
 Each rank gathers all ranks' embeddings with gradients (open_clip's ``ClipLoss(local_loss=True,
-gather_with_grad=True)``), the ranks' batches of any sizes (``gather_rows``), and sums the loss of its own rows
-against all columns. A text is a positive of its own image and of every image one of whose texts has the same
-token ids (``positives``): CLIP's target is spread evenly over a row's positives, SigLIP labels each +1. The loss
-one process would take over the W ranks' rows together is a mean over all I images (and all N texts); each rank's
-share is W times its rows' sum over I (and N), so that the mean over ranks that DDP and FSDP take of the losses
-and of the gradients is that one process's, whatever each rank's batch size (a rank's own mean would not be: with
-batches of 4 and 3 it weighs a row of the second 4/3 as much). The logged per-rank value is this share.
-
-The loss runs in fp32 at least with autocast off. The temperature ``logit_scale`` is not capped here, so that its
-gradient flows at any value: the system clamps the parameter to [0, ``MAX_LOGIT_SCALE``] after each optimizer step,
-as open_clip does (docs/captioning.md#coca).
+gather_with_grad=True)``), the ranks' batches of any sizes (``gather_rows``), and takes its share of the loss one
+process would take over all ranks' rows, so that DDP's and FSDP's mean over ranks is that process's loss whatever
+each rank's batch size. The loss runs in fp32 at least with autocast off; ``logit_scale`` is not capped here (the
+system clamps it after each optimizer step). Design and measurements: docs/captioning.md#coca.
 
 Dimension letters: B this rank's images, N this rank's texts, I and N_all every rank's, W ranks, E embedding width,
 T token positions.
