@@ -54,6 +54,19 @@ def _coca() -> tuple[CocaCaptioner, Vocabulary]:
     return model.eval(), vocab
 
 
+def load_runtimes(model: CocaCaptioner, vocab: Vocabulary, tmp: Path, runtimes: tuple[str, ...]) -> dict:
+    """``model`` saved as a bundle under ``tmp`` and loaded in each of ``runtimes`` (``RUNTIMES``' names)."""
+    bundle_dir = save_bundle(tmp / "coca", model, task="caption", preprocess=default_preprocess(IMG_SIZE), vocab=vocab)
+    precision = {"eager": "fp32", "eager-bf16": "bf16"}
+    quantize = {"onnx-fp32": None, "onnx-int8": "int8"}
+    return {
+        r: load_model(bundle_dir, precision=precision[r])
+        if r in precision
+        else load_model(export_onnx(load_bundle(bundle_dir), tmp / r, quantize=quantize[r]))
+        for r in runtimes
+    }
+
+
 def zero_shot_costs(loaded: dict, pixels: torch.Tensor, classes: list[int], repeats: int) -> list[dict]:
     """Per runtime, scorer and class count: build seconds (median) and images per second (wall, median)."""
     rows = []
@@ -86,13 +99,7 @@ def zero_shot_main(args: argparse.Namespace) -> None:
     model, vocab = _coca()
     pixels = torch.randn(args.images, 3, IMG_SIZE, IMG_SIZE, generator=torch.Generator().manual_seed(0))
     with tempfile.TemporaryDirectory() as tmp:
-        bundle_dir = save_bundle(
-            Path(tmp) / "coca", model, task="caption", preprocess=default_preprocess(IMG_SIZE), vocab=vocab
-        )
-        loaded = {
-            "eager": load_model(bundle_dir, precision="fp32"),
-            "onnx-fp32": load_model(export_onnx(load_bundle(bundle_dir), Path(tmp) / "onnx")),
-        }
+        loaded = load_runtimes(model, vocab, Path(tmp), ("eager", "onnx-fp32"))
         rows = zero_shot_costs(loaded, pixels, args.zero_shot, args.repeats)
     print(f"threads={args.threads}, {args.images} images a batch, template '{{}}', median of {args.repeats}")
     print("| classes | runtime | scorer | build s (once) | images/s (wall) | images/s (CPU) |")
@@ -122,15 +129,7 @@ def main() -> None:
     texts = [" ".join(pick.choices(WORDS, k=pick.randint(6, MAX_LEN - 2))) for _ in range(args.images)]
     pixels = torch.randn(args.images, 3, IMG_SIZE, IMG_SIZE, generator=torch.Generator().manual_seed(0))
     with tempfile.TemporaryDirectory() as tmp:
-        bundle_dir = save_bundle(
-            Path(tmp) / "coca", model, task="caption", preprocess=default_preprocess(IMG_SIZE), vocab=vocab
-        )
-        loaded = {
-            "eager": load_model(bundle_dir, precision="fp32"),
-            "eager-bf16": load_model(bundle_dir, precision="bf16"),
-        }
-        for runtime, quantize in (("onnx-fp32", None), ("onnx-int8", "int8")):
-            loaded[runtime] = load_model(export_onnx(load_bundle(bundle_dir), Path(tmp) / runtime, quantize=quantize))
+        loaded = load_runtimes(model, vocab, Path(tmp), RUNTIMES)
         work = {"images": lambda b: embed_pixels(b, pixels), "texts": lambda b: embed_texts(b, texts)}
         rows = []
         for what, run in work.items():
