@@ -4,7 +4,7 @@ more trained shapes bundles (``vitattn-train head=caption`` or ``head=coca``).
 
     python -m benchmarks.zero_shot_scorers RUN/bundle [RUN/bundle ...] [--images 500] [--out DIR]
 
-Two tasks on the test split (seed 0, 64 px, as ``data=shapes`` makes it): the 18 classes of the left-most shape
+Two tasks on the test split (seed 0, 64 px, as ``data=shapes`` makes it): the 15 classes of the left-most shape
 (the classification layout, written under ``--out`` for ``vitattn-eval task=zero_shot data_root=DIR``), all images
 and the single-shape ones; and each of the first 100 test images among their canonical captions as classes (one
 to three shapes: 4 to 14 tokens), where a prompt's length varies and its normalisation matters.
