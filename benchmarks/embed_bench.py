@@ -39,6 +39,17 @@ from vitattn.inference.zero_shot import SCORERS, zero_shot_classifier
 from vitattn.models import CaptionDecoder, CocaCaptioner, vit_preset
 
 RUNTIMES = ("eager", "eager-bf16", "onnx-fp32", "onnx-int8")
+EMBED_TABLE = (
+    "| work | runtime | wall s | per s (wall) | vs eager | CPU s | vs eager (CPU) | max abs diff | min cosine |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    "| {work} | {runtime} | {seconds:.3f} | {per_second:,.0f} | {vs_eager:.2f}x | {cpu_seconds:.3f} "
+    "| {cpu_vs_eager:.2f}x | {max_abs_diff:.1e} | {min_cosine:.5f} |",
+)
+ZERO_SHOT_TABLE = (
+    "| classes | runtime | scorer | build s (once) | images/s (wall) | images/s (CPU) |",
+    "|---:|---|---|---:|---:|---:|",
+    "| {classes} | {runtime} | {scorer} | {build_seconds:.3f} | {per_second:,.1f} | {cpu_per_second:,.1f} |",
+)
 IMG_SIZE, WIDTH, HEADS, MAX_LEN, VOCAB = 64, 128, 4, 24, 1000
 
 
@@ -73,11 +84,11 @@ def zero_shot_costs(loaded: dict, pixels: torch.Tensor, classes: list[int], repe
     for count in classes:
         names = [f"{WORDS[i // len(WORDS)]} {WORDS[i % len(WORDS)]}" for i in range(count)]  # distinct pairs
         for runtime, bundle in loaded.items():
-            for scorer in SCORERS[1:]:
-                build = [wall_and_cpu(zero_shot_classifier, bundle.model, bundle.vocab, names, ["{}"], scorer)]
-                classifier = zero_shot_classifier(bundle.model, bundle.vocab, names, ["{}"], scorer)
+            for scorer in (s for s in SCORERS if s != "auto"):
+                args = (bundle.model, bundle.vocab, names, ["{}"], scorer)
+                classifier = zero_shot_classifier(*args)
                 classifier(pixels)  # warm-up
-                build += [wall_and_cpu(zero_shot_classifier, bundle.model, bundle.vocab, names, ["{}"], scorer)]
+                build = [wall_and_cpu(zero_shot_classifier, *args) for _ in range(repeats)]
                 times = [wall_and_cpu(classifier, pixels) for _ in range(repeats)]
                 wall = statistics.median(t[0] for t in times)
                 rows.append(
@@ -101,14 +112,15 @@ def zero_shot_main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         loaded = load_runtimes(model, vocab, Path(tmp), ("eager", "onnx-fp32"))
         rows = zero_shot_costs(loaded, pixels, args.zero_shot, args.repeats)
-    print(f"threads={args.threads}, {args.images} images a batch, template '{{}}', median of {args.repeats}")
-    print("| classes | runtime | scorer | build s (once) | images/s (wall) | images/s (CPU) |")
-    print("|---:|---|---|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['classes']} | {r['runtime']} | {r['scorer']} | {r['build_seconds']:.3f} | {r['per_second']:,.1f} "
-            f"| {r['cpu_per_second']:,.1f} |"
-        )
+    title = f"threads={args.threads}, {args.images} images a batch, template '{{}}', median of {args.repeats}"
+    report(args, title, ZERO_SHOT_TABLE, rows)
+
+
+def report(args: argparse.Namespace, title: str, table: tuple[str, str, str], rows: list[dict]) -> None:
+    """Print ``title`` and ``rows`` as a markdown table (its head, alignment row, and a row's ``str.format``
+    template); write ``rows`` to ``--out`` as JSON when given."""
+    head, align, row = table
+    print(title, head, align, *(row.format(**r) for r in rows), sep="\n")
     if args.out is not None:
         args.out.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1) + "\n")
 
@@ -155,16 +167,8 @@ def main() -> None:
                         min_cosine=cosine.min().item(),
                     )
                 )
-    print(f"threads={args.threads}, {args.images} {'/'.join(work)} a batch, median of {args.repeats}")
-    print("| work | runtime | wall s | per s (wall) | vs eager | CPU s | vs eager (CPU) | max abs diff | min cosine |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['work']} | {r['runtime']} | {r['seconds']:.3f} | {r['per_second']:,.0f} | {r['vs_eager']:.2f}x "
-            f"| {r['cpu_seconds']:.3f} | {r['cpu_vs_eager']:.2f}x | {r['max_abs_diff']:.1e} | {r['min_cosine']:.5f} |"
-        )
-    if args.out is not None:
-        args.out.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1) + "\n")
+    title = f"threads={args.threads}, {args.images} {'/'.join(work)} a batch, median of {args.repeats}"
+    report(args, title, EMBED_TABLE, rows)
 
 
 if __name__ == "__main__":
