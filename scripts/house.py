@@ -93,13 +93,15 @@ TINY = [
 
 
 def follow_config(output_dir: Path) -> list[str]:
-    """The vitattn modules entered, in order, by the calls that receive the config (or a node of it) during one
-    tiny captioning ``train(cfg)``; consecutive calls into the same module are one visit."""
+    """The vitattn modules entered, in order, by the calls that receive the config (or a node of it) or the plan
+    resolved from it during one tiny captioning ``train(cfg)``; consecutive calls into the same module are one
+    visit."""
     from hydra import compose, initialize_config_module
     from omegaconf import DictConfig
 
     with initialize_config_module("vitattn.conf", version_base="1.3"):
         cfg = compose("train", overrides=[*TINY, f"paths.output_dir={output_dir}"])
+    from vitattn.training.plan import Plan
     from vitattn.training.run import train
 
     visits: list[str] = []
@@ -112,7 +114,9 @@ def follow_config(output_dir: Path) -> list[str]:
             return
         code = frame.f_code
         names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-        if any(isinstance(frame.f_locals.get(n), DictConfig) for n in names) and (not visits or visits[-1] != module):
+        if any(isinstance(frame.f_locals.get(n), (DictConfig, Plan)) for n in names) and (
+            not visits or visits[-1] != module
+        ):
             visits.append(module)
 
     sys.setprofile(profile)

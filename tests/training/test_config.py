@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 from tests.helpers import TINY, TINY_SHAPES, compose_train, make_coco, make_image_folder
 from vitattn.errors import ConfigError
 from vitattn.training import train
-from vitattn.training.config import check_config, check_targets
+from vitattn.training.config import check_targets
+from vitattn.training.plan import resolve
 
 SHAPES = [*TINY, *TINY_SHAPES]
 CLS = ["head=classification", *SHAPES]
@@ -37,19 +38,7 @@ def data(tmp_path_factory):
 
 # (overrides, what the error must say); {name} is filled from the `data` fixture; shapes data unless data= is given.
 CONFIG_ERRORS = {
-    "encoder-heads": ("model.num_heads=3", r"^model\.num_heads=3 must divide model\.embed_dim=32"),
-    "decoder-heads": (
-        "head=caption head.decoder.num_heads=3",
-        r"^head\.decoder\.num_heads=3 must divide head\.decoder\.embed_dim=32",
-    ),
-    "patch": ("data.img_size=36", r"^data\.img_size=36 must be divisible by model\.patch_size=8"),
     "task": ("head.task=segment", r"^head\.task='segment' is unknown; choose head=caption or head=classification"),
-    "pool": ("model.global_pool=max", r"^model\.global_pool='max' is unknown"),
-    "activation": ("model.activation=swish", r"^model\.activation='swish' is unknown"),
-    "decoder-activation": (
-        "head=caption head.decoder.activation=swish",
-        r"^head\.decoder\.activation='swish' is unknown",
-    ),
     "augment-crop": (
         "data=imagefolder head=classification data.root={folder} data.augment.crop=zoom",
         r"^data\.augment\.crop='zoom' is unknown; use one of \['resized', 'pad'\]",
@@ -61,10 +50,6 @@ CONFIG_ERRORS = {
     "augment-scale": (
         "data=imagefolder head=classification data.root={folder} data.augment.scale=[0.9,0.2]",
         r"^data\.augment\.scale=\[0\.9, 0\.2\] must satisfy 0 < min <= max <= 1",
-    ),
-    "sincos-width": (
-        "model.embed_dim=34 model.num_heads=2",
-        r"^model\.pos_embed_init=sincos needs embed_dim divisible by 4, not 34",
     ),
     "caption-on-imagefolder": (
         "data=imagefolder head=caption data.root={folder}",
@@ -112,7 +97,7 @@ def test_check_config_names_key_and_fix(name, data, tmp_path):
     spec, message = CONFIG_ERRORS[name]
     cfg = compose_train(_overrides(spec, data), tmp_path)
     with pytest.raises(ConfigError, match=message) as err:
-        check_config(cfg)
+        resolve(cfg)
     assert "\n" not in str(err.value)
 
 
@@ -128,8 +113,25 @@ def test_check_targets_refuses_a_saved_config_pointing_outside(tmp_path):
         check_targets(cfg)
 
 
-# Checked by their owners, the constructors, when train() builds the data and the system: before any step too.
+# Checked by their owners, the constructors (the model's shape, data.bad_images, head.nonfinite), when train() builds
+# the data and the system: one line naming the config key, before any step and before the run folder is written.
 OWNER_ERRORS = {
+    "encoder-heads": ("model.num_heads=3", r"^model\.num_heads=3 must divide model\.embed_dim=32"),
+    "decoder-heads": (
+        "head=caption head.decoder.num_heads=3",
+        r"^head\.decoder\.num_heads=3 must divide head\.decoder\.embed_dim=32",
+    ),
+    "patch": ("data.img_size=36", r"^data\.img_size=36 must be divisible by model\.patch_size=8"),
+    "pool": ("model.global_pool=max", r"^model\.global_pool='max' is unknown"),
+    "activation": ("model.activation=swish", r"^model\.activation='swish' is unknown"),
+    "decoder-activation": (
+        "head=caption head.decoder.activation=swish",
+        r"^head\.decoder\.activation='swish' is unknown",
+    ),
+    "sincos-width": (
+        "model.embed_dim=34 model.num_heads=2",
+        r"^model\.pos_embed_init=sincos needs embed_dim divisible by 4, not 34",
+    ),
     "nonfinite": ("head.nonfinite=ignore", r"^head\.nonfinite='ignore' is unknown; choose raise or skip"),
     "bad-images": (
         "data=imagefolder head=classification data.root={folder} data.bad_images=ignore",

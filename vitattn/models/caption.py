@@ -158,10 +158,14 @@ class ImageCaptioner(nn.Module, CaptionSearch):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ImageCaptioner:
-        """Rebuild from ``config``, the ``config`` property of a saved model (a ``CocaCaptioner``'s too)."""
-        return cls(
-            VisionTransformer(**config["encoder"]), CaptionDecoder(**config["decoder"]), **config.get("contrastive", {})
-        )
+        """Rebuild from ``config``, the ``config`` property of a saved model (a ``CocaCaptioner``'s too). A part's
+        ``ValueError`` or ``TypeError`` starts with its name (``decoder: num_heads=3 must divide embed_dim=32``): the
+        parts share argument names."""
+        encoder = _part("encoder", VisionTransformer, config["encoder"])
+        decoder = _part("decoder", CaptionDecoder, config["decoder"])
+        if "contrastive" not in config:
+            return cls(encoder, decoder)
+        return _part("contrastive", lambda **kwargs: cls(encoder, decoder, **kwargs), config["contrastive"])
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute the encoder's and the decoder's layers in the backward pass (timm's switch), or stop."""
@@ -241,3 +245,10 @@ class DecoderStep:
     def reorder(self, index: Tensor) -> None:
         for layer_cache in self.cache or ():
             layer_cache.reorder(index)
+
+
+def _part(name: str, build: Any, kwargs: dict[str, Any]) -> Any:
+    try:
+        return build(**kwargs)
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"{name}: {err}") from err

@@ -163,12 +163,6 @@ class CocaCaptioner(Embedder, ImageCaptioner):
     def config(self) -> dict[str, Any]:
         return {**super().config, "contrastive": self.contrastive_config}
 
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> CocaCaptioner:
-        """Rebuild from ``config`` (the ``config`` property of a saved model)."""
-        encoder, decoder = VisionTransformer(**config["encoder"]), CaptionDecoder(**config["decoder"])
-        return cls(encoder, decoder, **config["contrastive"])
-
     def embed_images(self, images: Tensor) -> Tensor:
         return self.embed_features(self.encoder.forward_features(images))
 

@@ -1,21 +1,23 @@
-"""The run's DataModule and system, each built once from the resolved config, given what only the run knows:
-the tokenizer, the sizes only the data knows, the machine's cores, the ``finetune=scst`` reward. What rank 0
-computes once per run (the tokenizer, the reward's CIDEr-D statistics) is written into the run folder, where
-the other ranks and every restart read it."""
+"""The run's objects, each built once from its plan: DataModule, system, trainer. What they need that only the
+run knows comes in here: the sizes only the data knows, the machine's cores, the ``finetune=scst`` reward. What
+rank 0 computes once per run (the reward's CIDEr-D statistics) is written into the run folder, where the other
+ranks and every restart read it. Once the data is built, one warning line for each way the config fights it."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import hydra
+import lightning.pytorch as pl
 import torch
 from hydra.errors import InstantiationException
 from lightning.pytorch.utilities import rank_zero_only
@@ -23,92 +25,122 @@ from omegaconf import DictConfig, OmegaConf
 
 from vitattn.data.images import BadImageError
 from vitattn.data.tokenizer import (
-    Tokenizer,
-    load_tokenizer,
+    describe_tokenizer,
     tokenizer_file_name,
     tokenizer_from_labels,
     tokenizer_labels,
+    unknown_share,
 )
 from vitattn.errors import ConfigError, first_line
 from vitattn.fileio import atomic_write, read_json
 from vitattn.metrics import CiderD
-from vitattn.precision import cuda_bf16, native_bf16
 from vitattn.run_dir import VOCAB_FILE, RunDir
-from vitattn.training.config import data_name, qualify
-from vitattn.training.start import Encoder, WholeModel
+from vitattn.training.config import qualify
+from vitattn.training.loggers import check_loggers, logger_arguments
+from vitattn.training.plan import WAIT_SECONDS, Plan, wait_for_rank_zero
+from vitattn.training.start import log_preprocess
 from vitattn.training.systems import VisionSystem
 from vitattn.training.systems.contrastive import contrastive_model_config
 
 __all__ = [
-    "BF16_TRAIN_MIN_WIDTH",
-    "WAIT_SECONDS",
+    "MIN_TOKENS",
+    "UNK_WARN_SHARE",
+    "build",
     "build_datamodule",
     "build_system",
+    "check_fit",
+    "instantiate_group",
     "model_config_from",
-    "on_gpu",
     "plan_cores",
     "prepare_reward",
-    "processes_per_node",
     "read_statistics",
-    "resolve_train_precision",
-    "run_tokenizer",
     "set_matmul_precision",
     "setup_data",
-    "wait_for_rank_zero",
+    "should_compile",
     "write_statistics",
 ]
 
 log = logging.getLogger(__name__)
 
-WAIT_SECONDS = 3600.0  # how long a rank other than 0 waits for a file rank 0 writes (the tokenizer, the reward)
+
+def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer]:
+    """The run's DataModule (set up for fit), system and Trainer (with ``plugins``), in that order, and its config
+    and tokenizer written into the run folder: a bad split or a model the data cannot size stops the run in one
+    line before any step."""
+    cfg = plan.cfg
+    set_matmul_precision(plan)
+    datamodule = build_datamodule(plan)
+    log_preprocess(datamodule, plan.preprocess_from)
+    setup_data(cfg, datamodule, plan.ckpt_path)  # empty data, wrong vocabulary: one line, no step run
+    plan_cores(plan, datamodule)
+    if rank_zero_only.rank == 0:
+        check_fit(cfg, datamodule)  # a coarse patch grid, a vocabulary of <unk>, a schedule with no end
+    system = build_system(plan, datamodule)
+    if cfg.finetune.get("scst") is not None:
+        system.use_reward(prepare_reward(datamodule, plan.run_dir, plan.ckpt_path is not None))
+    if should_compile(plan):
+        system.model.compile()  # in place: parameter names (checkpoints, bundles) stay as they are
+    loggers = instantiate_group(cfg.get("logger"), logger_arguments(plan.run_dir, plan.log_from))
+    check_loggers(loggers)
+    trainer: pl.Trainer = hydra.utils.instantiate(
+        cfg.trainer,
+        callbacks=instantiate_group(cfg.get("callbacks")),
+        logger=loggers or False,
+        default_root_dir=str(plan.run_dir),
+        plugins=plugins,
+    )
+    _save_run_files(plan, datamodule)
+    return datamodule, system, trainer
 
 
-def run_tokenizer(cfg: DictConfig, run_dir: str | Path, resuming: bool, wait: float = WAIT_SECONDS) -> Tokenizer | None:
-    """The run's own ``vocab.json`` or ``tokenizer.json`` (``tokenizer=words`` or ``bpe``, built by rank 0) on a
-    restart and on the other ranks (``wait_for_rank_zero``); None where the DataModule builds or reads it itself."""
-    if cfg.head.task != "caption" or "tokenizer" not in cfg:
-        return None
-    kind = cfg.tokenizer.get("kind")
-    if kind not in ("words", "bpe") or cfg.data.get("vocab_path"):
-        return None  # file and vocab_path read their own path
-    run = RunDir(run_dir)
-    saved = run.tokenizer if kind == "bpe" else run.vocab
-    if rank_zero_only.rank != 0:
-        wait_for_rank_zero(saved, wait)
-    elif not resuming:
-        return None  # a first start builds it; a file from an earlier run in this folder is not this run's
-    if not saved.is_file():
-        return None
-    log.info("tokenizer=%s: reading this run's %s (built once per run)", kind, saved)
-    return load_tokenizer(saved)
+@rank_zero_only
+def _save_run_files(plan: Plan, datamodule: Any) -> None:
+    run = RunDir(plan.run_dir)
+    # A complete run trained further is no longer complete: the ranks Lightning starts during fit would
+    # otherwise read its old result.json beside the new config (the new length) and stop at once.
+    run.result.unlink(missing_ok=True)
+    run.save_config(plan.cfg)  # the config that runs
+    if getattr(datamodule, "vocab", None) is not None:
+        datamodule.vocab.save(run.path / tokenizer_file_name(datamodule.vocab))
 
 
-def wait_for_rank_zero(path: Path, wait: float = WAIT_SECONDS, read: Any = None) -> Any:
-    """Return once rank 0 has written ``path`` for every rank, with ``read(path)`` when given (None: not yet, an
-    older file rank 0 is replacing); ``TimeoutError`` after ``wait`` seconds."""
-    deadline = time.monotonic() + wait
-    if not path.is_file():
-        log.info("rank %d: waiting for rank 0 to write %s", rank_zero_only.rank, path)
-    while not path.is_file() or (found := read(path) if read else True) is None:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank 0 wrote no {path} in {wait:.0f} s; see rank 0's log for why")
-        time.sleep(1.0)
-    return found
+def instantiate_group(
+    group: DictConfig | None, extra: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+) -> list[Any]:
+    """Build each ``_target_`` entry of ``group``, in order, except one whose ``enabled`` (not passed on) is
+    false, null or 0; ``extra``, given an entry, returns keyword arguments that only the run knows."""
+    entries = OmegaConf.to_container(group, resolve=True) if group else {}
+    return [
+        hydra.utils.instantiate({k: v for k, v in node.items() if k != "enabled"}, **(extra(node) if extra else {}))
+        for node in entries.values()
+        if isinstance(node, dict) and "_target_" in node and node.get("enabled", True)
+    ]
 
 
-def build_datamodule(cfg: DictConfig, vocab: Tokenizer | None = None) -> Any:
-    """The DataModule ``cfg.data`` names, given the ``tokenizer`` group and ``vocab`` (a tokenizer to use as it is)
-    for captions; its constructor's refusals as one-line ``ConfigError``s naming the ``data.*`` key."""
-    extra: dict[str, Any] = {}
+def should_compile(plan: Plan) -> bool:
+    """``compile=auto`` compiles on GPUs only: on CPUs eager is as fast (see docs/benchmarks.md); and not under
+    ``trainer=fsdp``, whose sharded layers have not been tested compiled (``compile=true`` asks for it)."""
+    if str(plan.cfg.compile).lower() == "auto":
+        return plan.on_gpu and not plan.sharded
+    return bool(plan.cfg.compile)
+
+
+def build_datamodule(plan: Plan) -> Any:
+    """The DataModule ``data`` names, given the ``tokenizer`` group and the plan's tokenizer (used as it is) for
+    captions; its constructor's refusals as one-line ``ConfigError``s naming the ``data.*`` key."""
+    cfg, extra = plan.cfg, {}
     if cfg.head.task == "caption" and "tokenizer" in cfg:
         tokenizer = OmegaConf.to_container(cfg.tokenizer, resolve=True, throw_on_missing=False)
         extra["tokenizer"] = {k: v for k, v in tokenizer.items() if v != "???"}  # a missing path: the owner says so
-        extra["vocab"] = vocab
-    return _instantiate(cfg.data, "data", {k: f"data.{k}" for k in cfg.data}, **extra)
+        extra["vocab"] = plan.vocab
+    keys = {k: f"data.{k}" for k in cfg.data}
+    return _instantiate(cfg.data, "data", keys, _convert_="all", **extra)
 
 
-def build_system(cfg: DictConfig, datamodule: Any, start: WholeModel | Encoder | None = None) -> VisionSystem:
-    """The LightningModule ``cfg.head.system`` names, sized from the data, started from ``start``'s weights."""
+def build_system(plan: Plan, datamodule: Any) -> VisionSystem:
+    """The LightningModule ``head.system`` names, sized from the data, started from the plan's start weights; the
+    model's refusals as one line naming the config key (``model.num_heads=3 must divide model.embed_dim=32``)."""
+    cfg = plan.cfg
     caption = cfg.head.task == "caption"
     labels = {"vocab": tokenizer_labels(datamodule.vocab)} if caption else {"class_names": list(datamodule.class_names)}
     keys = {
@@ -119,13 +151,26 @@ def build_system(cfg: DictConfig, datamodule: Any, start: WholeModel | Encoder |
         cfg.head.system,
         "head.system",
         keys,
-        model_config=model_config_from(cfg, datamodule),
+        parts=_model_keys(cfg),
+        model_config=model_config_from(plan, datamodule),
         preprocess=dict(datamodule.preprocess),
         **labels,
     )
-    if start is not None:
-        start.load_into(system)
+    if plan.start is not None:
+        plan.start.load_into(system)
     return system
+
+
+def _model_keys(cfg: DictConfig) -> dict[str, dict[str, str]]:
+    """The config keys of each model part's keyword arguments: ``""`` a classifier's, else ``encoder``, ``decoder``
+    and ``contrastive`` (the parts' names as a captioner's errors start, ``decoder: num_heads=3 ...``)."""
+    encoder = {k: f"model.{k}" for k in cfg.model} | {"img_size": "data.img_size", "d_model": "model.embed_dim"}
+    if cfg.head.task != "caption":
+        return {"": encoder}
+    decoder = {k: f"head.decoder.{k}" for k in cfg.head.decoder} | {"d_model": "head.decoder.embed_dim"}
+    contrastive = {k: f"head.contrastive.{k}" for k in cfg.head.get("contrastive", {})}
+    contrastive |= {f"text_{k}": f"head.contrastive.text_{k}" for k in ("num_heads", "depth", "mlp_ratio")}
+    return {"encoder": encoder, "decoder": decoder, "contrastive": contrastive}
 
 
 def _config_key(node: DictConfig, key: str, default: str) -> str:
@@ -135,7 +180,12 @@ def _config_key(node: DictConfig, key: str, default: str) -> str:
     return interpolated[1] if interpolated else default
 
 
-def _instantiate(node: DictConfig, where: str, keys: dict[str, str], **kwargs: Any) -> Any:
+def _instantiate(
+    node: DictConfig, where: str, keys: dict[str, str], parts: dict[str, dict[str, str]] | None = None, **kwargs: Any
+) -> Any:
+    """``hydra.utils.instantiate``; a ``ValueError`` or ``TypeError`` of the constructor as a one-line
+    ``ConfigError`` with its keys named in full: ``keys``, or a model part's (``parts``) when the line starts with
+    that part's name."""
     try:
         return hydra.utils.instantiate(node, **kwargs)
     except InstantiationException as err:
@@ -143,13 +193,20 @@ def _instantiate(node: DictConfig, where: str, keys: dict[str, str], **kwargs: A
         if isinstance(cause, ConfigError):
             raise cause from None
         if isinstance(cause, (ValueError, TypeError)):
-            message = qualify(first_line(cause), keys)
-            raise ConfigError(message if message != first_line(cause) else f"{where}: {message}") from None
+            line = first_line(cause)
+            for part, names in (parts or {}).items():
+                if part and line.startswith(f"{part}: "):
+                    raise ConfigError(qualify(line.removeprefix(f"{part}: "), names)) from None
+                if not part and qualify(line, names) != line:
+                    raise ConfigError(qualify(line, names)) from None
+            message = qualify(line, keys)
+            raise ConfigError(message if message != line else f"{where}: {message}") from None
         raise
 
 
-def model_config_from(cfg: DictConfig, datamodule: Any) -> dict[str, Any]:
-    """Plain model keyword arguments from the config and the values only the data knows."""
+def model_config_from(plan: Plan, datamodule: Any) -> dict[str, Any]:
+    """Plain model keyword arguments from the plan and the values only the data knows."""
+    cfg = plan.cfg
     encoder = OmegaConf.to_container(cfg.model, resolve=True)
     encoder["img_size"] = datamodule.img_size
     if cfg.head.task == "classification":
@@ -167,7 +224,7 @@ def model_config_from(cfg: DictConfig, datamodule: Any) -> dict[str, Any]:
     )
     config = {"encoder": {**encoder, "num_classes": 0}, "decoder": decoder}
     if "contrastive" in cfg.head:  # head=coca
-        pairs = int(cfg.data.batch_size) * processes_per_node(cfg) * int(cfg.trainer.get("num_nodes", 1))
+        pairs = int(cfg.data.batch_size) * plan.processes * int(cfg.trainer.get("num_nodes", 1))
         config["contrastive"] = contrastive_model_config(
             OmegaConf.to_container(cfg.head.contrastive, resolve=True), pairs
         )
@@ -178,7 +235,7 @@ def setup_data(cfg: DictConfig, datamodule: Any, ckpt_path: str | None = None) -
     """``datamodule.setup("fit")``; an unreadable or empty split, and a vocabulary or class list other than the
     resumed checkpoint's (``ckpt_path``), as one-line ``ConfigError``s before any step."""
     data = cfg.data
-    where = f"data.root={data.root}" if "root" in data else f"data={data_name(data)}"
+    where = f"data.root={data.root}" if "root" in data else f"data={str(data._target_).rsplit('.', 1)[-1]}"
     try:
         datamodule.setup("fit")
     except BadImageError:
@@ -257,27 +314,16 @@ def _saved_tokenizer(ckpt_path: str, name: str) -> str:
     return f"data.vocab_path={saved}" if saved.is_file() else f"data.vocab_path=<the run's {name}>"
 
 
-# The width from which a bf16-mixed training step beats fp32 on a CPU with bf16 matrix units (docs/benchmarks.md).
-BF16_TRAIN_MIN_WIDTH = 192
-
-
-def on_gpu(cfg: DictConfig) -> bool:
-    """The run trains on GPUs: ``trainer.accelerator`` is gpu or cuda, or auto with CUDA available."""
-    return cfg.trainer.accelerator in ("gpu", "cuda") or (
-        cfg.trainer.accelerator == "auto" and torch.cuda.is_available()
-    )
-
-
-def plan_cores(cfg: DictConfig, datamodule: Any) -> tuple[int, int]:
+def plan_cores(plan: Plan, datamodule: Any) -> tuple[int, int]:
     """``(workers, threads)`` of this process's share of the node's cores: ``auto`` workers the DataModule's
     ``plan_workers``, ``auto`` threads what they leave on a CPU (torch's default on GPUs); a number set is kept."""
-    cores, processes = len(os.sched_getaffinity(0)), processes_per_node(cfg)
+    cores, processes = len(os.sched_getaffinity(0)), plan.processes
     share = max(1, cores // processes)
-    plan = getattr(datamodule, "plan_workers", None)
-    workers = plan(on_gpu(cfg), share) if plan is not None else int(getattr(datamodule, "num_workers", 0))
-    wanted = cfg.get("num_threads")
+    choose = getattr(datamodule, "plan_workers", None)
+    workers = choose(plan.on_gpu, share) if choose is not None else int(getattr(datamodule, "num_workers", 0))
+    wanted = plan.cfg.get("num_threads")
     if wanted == "auto":
-        wanted = torch.get_num_threads() if on_gpu(cfg) else max(1, share - workers)
+        wanted = torch.get_num_threads() if plan.on_gpu else max(1, share - workers)
     if wanted:
         torch.set_num_threads(int(wanted))
     threads = torch.get_num_threads()
@@ -285,47 +331,10 @@ def plan_cores(cfg: DictConfig, datamodule: Any) -> tuple[int, int]:
     return workers, threads
 
 
-def processes_per_node(cfg: DictConfig) -> int:
-    """The training processes on this machine: torchrun's ``LOCAL_WORLD_SIZE``, else ``trainer.devices`` (a count or
-    device ids); 1 for ``auto`` and ``-1``."""
-    if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
-        return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
-    devices = cfg.trainer.get("devices", 1)
-    if isinstance(devices, str):  # a count, or ids ("0,1"); "auto" and "-1" are one id each
-        devices = int(devices) if devices.strip().isdigit() else [d for d in devices.split(",") if d.strip()]
-    if isinstance(devices, int):
-        return max(1, devices)
-    return max(1, len(devices)) if isinstance(devices, Sequence) else 1
-
-
-def resolve_train_precision(cfg: DictConfig) -> str:
-    """``trainer.precision=auto`` made concrete in place, logged: ``bf16-mixed`` on GPUs with bf16 units (else
-    ``16-mixed``) and on CPUs with them from width ``BF16_TRAIN_MIN_WIDTH``; ``32-true`` elsewhere."""
-    precision = str(cfg.trainer.get("precision", "32-true"))
-    if precision != "auto":
-        return precision
-    width = int(cfg.model.embed_dim)
-    if on_gpu(cfg) and not torch.cuda.is_available():  # the run stops on it with its own line
-        chosen, why = "32-true", f"trainer.accelerator={cfg.trainer.accelerator} but this machine has no GPU"
-    elif on_gpu(cfg) and cuda_bf16():
-        chosen, why = "bf16-mixed", "a GPU with bf16 units"
-    elif on_gpu(cfg):
-        chosen, why = "16-mixed", "a GPU of compute capability below 8.0, which has no bf16 units"
-    elif width < BF16_TRAIN_MIN_WIDTH:
-        chosen, why = "32-true", f"model.embed_dim={width} is below {BF16_TRAIN_MIN_WIDTH}, where bf16 stops paying"
-    elif native_bf16():
-        chosen, why = "bf16-mixed", f"bf16 matrix units on this CPU and model.embed_dim={width}"
-    else:
-        chosen, why = "32-true", "this CPU has no bf16 matrix units"
-    cfg.trainer.precision = chosen
-    log.info("trainer.precision=auto: %s (%s)", chosen, why)
-    return chosen
-
-
-def set_matmul_precision(cfg: DictConfig) -> str:
+def set_matmul_precision(plan: Plan) -> str:
     """Set and return ``float32_matmul_precision`` (``auto``: ``high``, TF32, on GPUs; else torch's default)."""
-    wanted = str(cfg.get("float32_matmul_precision", "auto"))
-    if wanted == "auto" and not on_gpu(cfg):
+    wanted = str(plan.cfg.get("float32_matmul_precision", "auto"))
+    if wanted == "auto" and not plan.on_gpu:
         return torch.get_float32_matmul_precision()  # left as torch has it
     wanted = "high" if wanted == "auto" else wanted
     torch.set_float32_matmul_precision(wanted)
@@ -395,3 +404,87 @@ def read_statistics(path: Path) -> CiderD | None:
         )
     frequencies = Counter({tuple(gram.split(" ")): count for gram, count in saved["document_frequency"].items()})
     return CiderD.from_statistics(frequencies, saved["num_images"], n=saved["n"], eos_word=saved["eos_word"])
+
+
+MIN_TOKENS = 36  # a 6 x 6 patch grid
+UNK_WARN_SHARE = 0.05
+
+
+def _grid(cfg: DictConfig, img_size: int) -> str | None:
+    side = img_size // cfg.model.patch_size
+    if side * side >= MIN_TOKENS:
+        return None
+    better = next((p for p in (16, 14, 8, 7, 4, 2) if (img_size // p) ** 2 >= MIN_TOKENS and img_size % p == 0), None)
+    fix = f"; try model.patch_size={better}" if better else ""
+    return (
+        f"model.patch_size={cfg.model.patch_size} cuts {img_size} px images into a {side}x{side} grid "
+        f"({side * side} tokens, fewer than {MIN_TOKENS}): attention has little to work with{fix}"
+    )
+
+
+def _vocabulary(cfg: DictConfig, datamodule: Any) -> str | None:
+    vocab, train = getattr(datamodule, "vocab", None), getattr(datamodule, "train_dataset", None)
+    captions = getattr(datamodule, "train_captions", None) or getattr(getattr(train, "dataset", None), "captions", None)
+    kind = cfg.get("tokenizer", {}).get("kind", "words")
+    if vocab is None or (captions is None and vocab.unk_id is not None):
+        return None
+    share = unknown_share(vocab, captions or [])
+    if vocab.unk_id is None:
+        log.info(
+            "tokenizer=%s: no caption word is outside %s (it has no unknown token)", kind, describe_tokenizer(vocab)
+        )
+    else:
+        also = "; tokenizer=bpe has none" if kind != "bpe" else ""
+        log.info("%.1f %% of caption words are outside %s%s", 100 * share, describe_tokenizer(vocab), also)
+    if share <= UNK_WARN_SHARE:
+        return None
+    fix = (
+        f"tokenizer.path={cfg.tokenizer.path} lacks these words: choose another file"
+        if kind == "file"
+        else f"lower data.min_word_freq={cfg.data.min_word_freq}"
+        if "min_word_freq" in cfg.data
+        else "use a vocabulary built from these captions (data.vocab_path=null)"
+    )
+    fix += "; or tokenizer=bpe, which has no unknown token"
+    most = "most " if share > 0.5 else ""
+    return f"{most}training caption tokens become <unk> ({100 * share:.1f} %, over {100 * UNK_WARN_SHARE:.0f} %); {fix}"
+
+
+def _step_limit(trainer: DictConfig, steps_per_epoch: int) -> float:
+    """Optimizer steps at which ``max_steps`` or ``max_epochs`` ends training (the first of them), or inf."""
+    steps, epochs = trainer.get("max_steps") or 0, trainer.get("max_epochs") or 0
+    limits = [n for n in (steps, epochs * steps_per_epoch) if n > 0]  # -1 or null: no limit
+    return float(min(limits)) if limits else math.inf
+
+
+def _schedule(cfg: DictConfig, datamodule: Any) -> str | None:
+    trainer = cfg.trainer
+    if trainer.get("fast_dev_run"):
+        return None
+    batches = len(datamodule.train_dataloader())
+    if isinstance(trainer.get("limit_train_batches"), int):  # a float is a share of the epoch
+        batches = min(batches, trainer.limit_train_batches)
+    steps_per_epoch = max(1, math.ceil(batches / max(1, trainer.get("accumulate_grad_batches") or 1)))
+    limit = _step_limit(trainer, steps_per_epoch)
+    if not math.isfinite(limit) and not trainer.get("max_time"):
+        return (
+            "no trainer.max_steps, trainer.max_epochs or trainer.max_time: the learning-rate schedule has no end "
+            "and stays at its peak; set one of them"
+        )
+    warmup = cfg.optim.get("warmup_steps", "auto")  # auto fits any run: no advice needed
+    if warmup != "auto" and math.isfinite(limit) and warmup > limit // 10 and not trainer.get("max_time"):
+        return (
+            f"optim.warmup_steps={warmup} is more than a tenth of the {int(limit)}-step run: warmup is cut to "
+            f"{max(1, int(limit) // 10)} steps; lower optim.warmup_steps or train longer"
+        )
+    return None
+
+
+def check_fit(cfg: DictConfig, datamodule: Any) -> list[str]:
+    """Warn (one line each) where the config fights the data or the limits; returns the warnings."""
+    warnings = [
+        w for w in (_grid(cfg, datamodule.img_size), _vocabulary(cfg, datamodule), _schedule(cfg, datamodule)) if w
+    ]
+    for warning in warnings:
+        log.warning(warning)
+    return warnings

@@ -1,16 +1,15 @@
 """The training config: composed as ``vitattn-train`` composes it, its ``_target_`` nodes kept to an allow-list
-(a run folder's config is input), its groups built, and checked once resolved.
+(a run folder's config is input), and checked once resolved (``training.plan``).
 
-``check_config`` finds every user error before any data is read, as one ``ConfigError`` line naming the key and
-the fix. The model's shape is checked by building the models on the ``meta`` device, their messages given the
-config keys' full names; what a constructor checks (``tokenizer``, ``data.bad_images``) is checked there.
+``check_config`` finds every user error the config alone shows, before any data is read, as one ``ConfigError``
+line naming the key and the fix. What a constructor checks (the model's shape, ``tokenizer``, ``data.bad_images``)
+is checked there, once, when the run builds it (``training.build``).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from vitattn.data.preprocess import WEIGHTS_KEYS, Augment, check_preprocess, default_preprocess
 from vitattn.errors import ConfigError
-from vitattn.models import TASKS, CaptionDecoder, VisionTransformer
+from vitattn.models import TASKS
 from vitattn.run_dir import RunDir
 from vitattn.training.systems.contrastive import RETRIEVAL_MONITORS, ZERO_SHOT_MONITOR, check_contrastive
 
@@ -34,7 +33,6 @@ __all__ = [
     "compose_train",
     "data_name",
     "fully_sharded",
-    "instantiate_group",
     "qualify",
 ]
 
@@ -63,19 +61,6 @@ def check_targets(cfg: DictConfig) -> None:
                 walk(child, f"{path}.{key}" if path else str(key))
 
     walk(cfg, "")
-
-
-def instantiate_group(
-    group: DictConfig | None, extra: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-) -> list[Any]:
-    """Build each ``_target_`` entry of ``group``, in order, except one whose ``enabled`` (not passed on) is
-    false, null or 0; ``extra``, given an entry, returns keyword arguments that only the run knows."""
-    entries = OmegaConf.to_container(group, resolve=True) if group else {}
-    return [
-        hydra.utils.instantiate({k: v for k, v in node.items() if k != "enabled"}, **(extra(node) if extra else {}))
-        for node in entries.values()
-        if isinstance(node, dict) and "_target_" in node and node.get("enabled", True)
-    ]
 
 
 def data_name(data: DictConfig) -> str:
@@ -114,28 +99,10 @@ def qualify(message: str, keys: dict[str, str]) -> str:
     return re.sub(r"(?<![\w.])(\w+)(?==|\.\w)", lambda m: keys.get(m[1], m[1]), message)
 
 
-def _build_on_meta(build: Any, kwargs: dict[str, Any], keys: dict[str, str]) -> None:
-    try:
-        with torch.device("meta"):
-            build(**kwargs)
-    except (ValueError, TypeError) as err:
-        raise ConfigError(qualify(str(err).splitlines()[0], keys)) from err
-
-
-def _check_models(cfg: DictConfig) -> None:
-    encoder = OmegaConf.to_container(cfg.model, resolve=True)
-    keys = {k: f"model.{k}" for k in encoder} | {"img_size": "data.img_size", "d_model": "model.embed_dim"}
-    _build_on_meta(VisionTransformer, encoder, keys)
-    if cfg.head.task != "caption":
-        return
-    decoder = OmegaConf.to_container(cfg.head.decoder, resolve=True)
-    keys = {k: f"head.decoder.{k}" for k in decoder} | {"d_model": "head.decoder.embed_dim"}
-    _build_on_meta(CaptionDecoder, {**decoder, "vocab_size": 8, "memory_dim": encoder["embed_dim"]}, keys)
-    max_new = cfg.head.generate.get("max_new_tokens")
-    if max_new is not None and max_new + 1 > decoder["max_len"]:
-        raise ConfigError(
-            f"head.generate.max_new_tokens={max_new} must be below head.decoder.max_len={decoder['max_len']}"
-        )
+def _check_generate(cfg: DictConfig) -> None:
+    max_new, max_len = cfg.head.generate.get("max_new_tokens"), cfg.head.decoder.max_len
+    if max_new is not None and max_new + 1 > max_len:
+        raise ConfigError(f"head.generate.max_new_tokens={max_new} must be below head.decoder.max_len={max_len}")
     rerank = cfg.head.generate.get("rerank") or 1
     if rerank > 1 and "contrastive" not in cfg.head:
         raise ConfigError(
@@ -308,7 +275,8 @@ def check_config(cfg: DictConfig) -> None:
         else:
             what, fix = "class labels", "use head=caption, or data=shapes / data=imagefolder"
         raise ConfigError(f"data={data_name(cfg.data)} has no {what} for head={task}; {fix}")
-    _check_models(cfg)
+    if task == "caption":
+        _check_generate(cfg)
     if "contrastive" in cfg.head:
         _check_contrastive(cfg)
     _check_finetuning(cfg)

@@ -11,7 +11,7 @@ import inspect
 import logging
 import secrets
 import string
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,27 +21,27 @@ from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig
 
 from vitattn.errors import ConfigError, first_line
 from vitattn.fileio import atomic_open, atomic_write
 from vitattn.run_dir import RunDir
-from vitattn.training.config import instantiate_group
 
 __all__ = [
     "ResumableCSVLogger",
     "ResumableMLFlowLogger",
     "ResumableTensorBoardLogger",
     "ResumableWandbLogger",
-    "build_loggers",
+    "check_loggers",
+    "logger_arguments",
 ]
 
 log = logging.getLogger(__name__)
 
 
-def build_loggers(group: DictConfig | None, run_dir: str | Path, start_step: int | None) -> list[Logger]:
-    """The ``logger`` group's loggers, each ``Resumable*`` one continuing the logs of ``run_dir`` (where the MLflow
-    and W&B run ids are kept) from ``start_step``, the first step of a continued run; None for a new run."""
+def logger_arguments(run_dir: str | Path, start_step: int | None) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """What each ``Resumable*`` logger of the ``logger`` group takes besides its config, given an entry: the first
+    step of a continued run (``start_step``; None for a new run) and where ``run_dir`` keeps the MLflow and W&B
+    run ids."""
     run = RunDir(run_dir)
     run_id_files = {ResumableMLFlowLogger: run.mlflow_run_id, ResumableWandbLogger: run.wandb_run_id}
 
@@ -52,11 +52,14 @@ def build_loggers(group: DictConfig | None, run_dir: str | Path, start_step: int
         files = [str(path) for base, path in run_id_files.items() if issubclass(kind, base)]
         return {"start_step": start_step, **({"run_id_file": files[0]} if files else {})}
 
-    loggers = instantiate_group(group, continuation)
+    return continuation
+
+
+def check_loggers(loggers: list[Logger]) -> None:
+    """A continued MLflow run the store lacks: one line now, before other processes start."""
     for logger in loggers:
         if isinstance(logger, ResumableMLFlowLogger) and logger.continued:
-            _ = logger.experiment  # a saved run the store lacks: one line now, before other processes start
-    return loggers
+            _ = logger.experiment
 
 
 class _ContinuedFiles:

@@ -1,7 +1,7 @@
 """``finetune.init``: the weights a run starts from, a whole vitattn ``model`` or an ``encoder`` (``init_kind``).
 
 ``read_start`` reads them once; ``resolve`` writes what they fix into the run's config before it is checked,
-saved and built (``resolve_preprocess`` their preprocessing); ``load_into`` copies them into the built system.
+saved and built (``training.plan``); ``load_into`` copies them into the built system.
 The kinds and what each brings: docs/finetuning.md.
 """
 
@@ -22,7 +22,7 @@ from vitattn.bundle import Bundle, load_bundle
 from vitattn.bundle.folder import CONFIG_FILE, WEIGHTS_FILE, is_bundle_folder, is_bundle_weights
 from vitattn.bundle.hub import describe_folder, hub_folder, is_hub_name
 from vitattn.data import Vocabulary
-from vitattn.data.preprocess import WEIGHTS_KEYS, describe, from_timm
+from vitattn.data.preprocess import describe, from_timm
 from vitattn.data.tokenizer import Tokenizer
 from vitattn.errors import ConfigError, first_line
 from vitattn.models import VisionTransformer
@@ -39,7 +39,6 @@ from vitattn.models.timm_weights import (
     weights_config,
 )
 from vitattn.models.vit import PRESETS, preset_config
-from vitattn.training.run_data import preprocess_taken
 
 __all__ = [
     "Encoder",
@@ -47,7 +46,6 @@ __all__ = [
     "command_line_keys",
     "read_start",
     "log_preprocess",
-    "resolve_preprocess",
     "source_kind",
 ]
 
@@ -429,46 +427,6 @@ def _refuse_other_tokenizer(cfg: DictConfig, init: WholeModel, given: list[str])
         )
 
 
-def resolve_preprocess(cfg: DictConfig, start: WholeModel | Encoder | None) -> str:
-    """Write into ``cfg.data`` (in place) the preprocessing ``start`` was trained with, where the config sets no
-    ``data.*`` key and the data takes it (its ``weights_keys``).
-
-    Returns:
-        Where each part of the preprocessing comes from, for ``log_preprocess`` once the data is built.
-    """
-    config = [k for k in WEIGHTS_KEYS if cfg.data.get(k) is not None]
-    taken = preprocess_taken(cfg.data, start.preprocess if start is not None else None)
-    with open_dict(cfg):
-        for key, value in taken.items():
-            cfg.data[key] = list(value) if isinstance(value, (list, tuple)) else value
-    parts = []
-    if config:
-        parts.append((", ".join(f"data.{k}" for k in config), "from the config"))
-    if taken:
-        parts.append((", ".join(taken), f"the pretrained weights' own, from {start.preprocess_from}"))
-    rest = [k for k in WEIGHTS_KEYS if k not in config and k not in taken]
-    if rest:
-        parts.append((", ".join(rest), _data_default(start, rest)))
-    last = len(parts) - 1
-    why = "; ".join(f"{'the rest' if i == last else keys}: {source}" for i, (keys, source) in enumerate(parts))
-    return parts[0][1] if not last else why
-
-
 def log_preprocess(datamodule: Any, why: str) -> None:
-    """One line: the preprocessing the built data uses, and where each part comes from (``resolve_preprocess``)."""
+    """One line: the preprocessing the built data uses, and where each part comes from (the plan's)."""
     rank_zero_info(f"preprocessing: {describe(datamodule.preprocess)}: {why}")
-
-
-def _data_default(pretrained: WholeModel | Encoder | None, rest: list[str]) -> str:
-    if pretrained is None:
-        return "the data's own (no finetune.init)"
-    if pretrained.preprocess is not None:
-        return "the data's own"
-    stats = [k for k in ("mean", "std") if k in rest]
-    if not stats:
-        return f"the data's own: {pretrained.preprocess_from}"
-    fix = " ".join(f"data.{k}=[...]" for k in stats)
-    return (
-        f"the data's own, ImageNet's {' and '.join(stats)}: {pretrained.preprocess_from}; "
-        f"if its weights were trained with others, set {fix}"
-    )
