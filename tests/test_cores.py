@@ -7,7 +7,8 @@ import torch
 from hydra.utils import instantiate
 
 from tests.helpers import TINY, compose_train, make_coco, make_image_folder
-from vitattn.training.build import plan_cores, processes_per_node
+from vitattn.training.build import plan_cores
+from vitattn.training.plan import processes_per_node, resolve
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def _plan(overrides: list[str], tmp_path) -> tuple[int, int]:
 def _plan_composed(cfg) -> tuple[int, int]:
     datamodule = instantiate(cfg.data)
     datamodule.setup("fit")
-    return plan_cores(cfg, datamodule)
+    return plan_cores(resolve(cfg), datamodule)
 
 
 @pytest.mark.parametrize(
@@ -53,7 +54,8 @@ def test_cpu_workers_and_threads_of_all_processes_fit_the_cores(source, cache, s
     extra = [f"data.cache={cache}"] if cache else []  # the shapes are generated in memory
     for devices in (1, 2, 3):
         ddp = ["trainer=ddp", "trainer.accelerator=cpu", f"trainer.devices={devices}"] if devices > 1 else []
-        cfg = compose_train([*sources[source], *TINY, *extra, *ddp, "data.num_workers=auto", "num_threads=auto"])
+        overrides = [*sources[source], *TINY, *extra, *ddp, "data.num_workers=auto", "num_threads=auto"]
+        cfg = compose_train(overrides, tmp_path)
         for n in (1, 2, 3, 4, 8):
             cores(n)
             workers, threads = _plan_composed(cfg)
@@ -79,7 +81,7 @@ def test_a_users_workers_and_threads_are_kept(sources, cores, tmp_path):
     cfg = compose_train([*sources["imagefolder"], *TINY, "data.num_workers=3", "num_threads=4"], tmp_path)
     datamodule = instantiate(cfg.data)
     datamodule.setup("fit")
-    assert plan_cores(cfg, datamodule) == (3, 4)  # more than the cores, as asked
+    assert plan_cores(resolve(cfg), datamodule) == (3, 4)  # more than the cores, as asked
 
 
 @pytest.mark.parametrize(
@@ -87,11 +89,9 @@ def test_a_users_workers_and_threads_are_kept(sources, cores, tmp_path):
     [(1, None, 1), (4, None, 4), ("3", None, 3), ("0,1", None, 2), ([0, 2], None, 2), ("auto", None, 1), (-1, None, 1)]
     + [("auto", "4", 4), (2, "2", 2)],
 )
-def test_processes_per_node(devices, local_world_size, expected, monkeypatch, tmp_path):
+def test_processes_per_node(devices, local_world_size, expected, monkeypatch):
     if local_world_size is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
-    cfg = compose_train(["trainer=cpu"], tmp_path)
-    cfg.trainer.devices = devices
-    assert processes_per_node(cfg) == expected
+    assert processes_per_node(devices) == expected

@@ -295,7 +295,7 @@ def test_caption_eval_and_serve_load_in_the_precision_given(caption_run, tmp_pat
     ],
 )
 def test_training_precision_auto_follows_the_units_and_the_width(accelerator, width, units, expected, fresh_detection):
-    from vitattn.training.build import BF16_TRAIN_MIN_WIDTH, resolve_train_precision
+    from vitattn.training.plan import BF16_TRAIN_MIN_WIDTH, resolve
 
     fresh_detection.setenv(NATIVE_BF16_ENV, "1" if units else "0")
     if accelerator == "gpu":
@@ -304,18 +304,18 @@ def test_training_precision_auto_follows_the_units_and_the_width(accelerator, wi
         [*TINY, f"model.embed_dim={width}", f"trainer.accelerator={accelerator}", "trainer.precision=auto"], "run"
     )
     assert BF16_TRAIN_MIN_WIDTH == 192  # docs/benchmarks.md's crossover
-    assert resolve_train_precision(cfg) == expected and cfg.trainer.precision == expected
+    assert resolve(cfg).cfg.trainer.precision == expected and cfg.trainer.precision == "auto"  # cfg left as it is
     cfg.trainer.precision = "32-true"  # a value given is kept as it is
-    assert resolve_train_precision(cfg) == "32-true"
+    assert resolve(cfg).cfg.trainer.precision == "32-true"
 
 
 def test_training_precision_auto_on_a_gpu_trainer_without_a_gpu_says_no_gpu(fresh_detection, caplog):
-    from vitattn.training.build import resolve_train_precision
+    from vitattn.training.plan import resolve
 
     fresh_detection.setattr(torch.cuda, "is_available", lambda: False)
     cfg = compose_train([*TINY, "trainer.accelerator=gpu", "trainer.precision=auto"], "run")
     with caplog.at_level(logging.INFO, logger="vitattn"):
-        assert resolve_train_precision(cfg) == "32-true"
+        assert resolve(cfg).cfg.trainer.precision == "32-true"
     lines = [r.getMessage() for r in caplog.records if "trainer.precision=auto" in r.getMessage()]
     assert len(lines) == 1 and "no GPU" in lines[0] and "compute capability" not in lines[0], lines
 
@@ -335,7 +335,7 @@ def test_training_precision_auto_trains_and_saves_what_it_chose(tmp_path, fresh_
 
     fresh_detection.setattr(pl.Trainer, "fit", fit)
     run = [*TINY, "model.embed_dim=192", "model.depth=1", "model.num_heads=6", "head.decoder.depth=1"]
-    with caplog.at_level(logging.INFO, logger="vitattn.training.build"):
+    with caplog.at_level(logging.INFO, logger="vitattn.training.plan"):
         result = train(compose_train([*run, "trainer.precision=auto", "trainer.max_steps=2"], tmp_path))
     assert chosen == ["bf16-mixed"] and result.global_step == 2
     assert OmegaConf.load(tmp_path / "config.yaml").trainer.precision == "bf16-mixed"
@@ -353,13 +353,14 @@ def test_training_precision_auto_trains_and_saves_what_it_chose(tmp_path, fresh_
 )
 def test_float32_matmul_precision_is_set_as_the_config_says(overrides, gpu, expected, monkeypatch):
     from vitattn.training.build import set_matmul_precision
+    from vitattn.training.plan import resolve
 
     if gpu:
         _cuda(monkeypatch, (8, 0))
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        assert set_matmul_precision(compose_train([*TINY, *overrides], "run")) == expected
+        assert set_matmul_precision(resolve(compose_train([*TINY, *overrides], "run"))) == expected
         assert torch.get_float32_matmul_precision() == expected
     finally:
         torch.set_float32_matmul_precision(before)

@@ -243,7 +243,7 @@ def test_words_and_bpe_train_end_to_end_and_save_their_tokenizer(kind, bpe_run, 
         run, result = bpe_run
     else:
         run = tmp_path
-        with caplog.at_level(logging.INFO, logger="vitattn.training.advice"):
+        with caplog.at_level(logging.INFO, logger="vitattn.training.build"):
             result = train(compose_train([*FAST_RUN, f"tokenizer={kind}"], run))
         lines = [r.getMessage() for r in caplog.records if "caption words" in r.getMessage()]
         assert lines == [
@@ -267,14 +267,14 @@ def test_words_and_bpe_train_end_to_end_and_save_their_tokenizer(kind, bpe_run, 
 
 
 def test_the_bpe_run_says_it_has_no_unknown_words(tmp_path, caplog):
-    from vitattn.training.advice import check_fit
+    from vitattn.training.build import check_fit
     from vitattn.training.datamodules import ShapesDataModule
 
     cfg = compose_train([*FAST_RUN, "tokenizer=bpe"], tmp_path)
     dm = ShapesDataModule(task="caption", img_size=32, num_train=64, num_val=16, num_test=16, batch_size=8)
     dm.tokenizer_config = {"kind": "bpe", "vocab_size": "auto"}
     dm.setup("fit")
-    with caplog.at_level(logging.INFO, logger="vitattn.training.advice"):
+    with caplog.at_level(logging.INFO, logger="vitattn.training.build"):
         assert not [w for w in check_fit(cfg, dm) if "caption" in w]
     line = next(r.getMessage() for r in caplog.records if "caption word" in r.getMessage())
     assert line == (
@@ -286,15 +286,14 @@ def test_the_bpe_run_says_it_has_no_unknown_words(tmp_path, caplog):
 def test_a_restart_reads_the_runs_bpe_and_other_ranks_wait_for_it(bpe_run, monkeypatch):
     from lightning.pytorch.utilities import rank_zero_only
 
-    from vitattn.training.build import run_tokenizer
+    from vitattn.training.plan import run_tokenizer
 
     run, result = bpe_run
-    cfg = compose_train([*FAST_RUN, "tokenizer=bpe"], run)
-    assert run_tokenizer(cfg, run, resuming=False) is None  # a first start in a folder that holds one builds its own
-    assert run_tokenizer(cfg, run, resuming=True) == result.system.vocab  # read from the run, not trained again
+    assert run_tokenizer("bpe", run, resuming=False) is None  # a first start in a folder that holds one builds its own
+    assert run_tokenizer("bpe", run, resuming=True) == result.system.vocab  # read from the run, not trained again
     monkeypatch.setattr(rank_zero_only, "rank", 1)
     with pytest.raises(TimeoutError, match="rank 0 wrote no .*tokenizer.json in 0 s"):
-        run_tokenizer(cfg, run / "elsewhere", resuming=False, wait=0.0)
+        run_tokenizer("bpe", run / "elsewhere", resuming=False, wait=0.0)
 
 
 def test_resuming_with_another_tokenizer_is_one_line(bpe_run, tmp_path):

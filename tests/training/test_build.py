@@ -13,6 +13,7 @@ from vitattn.data.tokenizer import Vocabulary
 from vitattn.errors import ConfigError
 from vitattn.training import setup_data, train
 from vitattn.training.build import build_datamodule
+from vitattn.training.plan import resolve
 
 SHAPES = [*TINY, *TINY_SHAPES]
 CLS = ["head=classification", *SHAPES]
@@ -59,19 +60,19 @@ def test_vocabulary_differing_from_the_checkpoint_fails_before_any_step(how, tmp
     assert not (tmp_path / "out").exists()  # nothing written, no step run
     # the same vocabulary passes, and a checkpoint of the other head is refused
     matching = compose_train(["head=caption", *SHAPES, f"data.vocab_path={run / 'vocab.json'}", load], tmp_path / "out")
-    setup_data(matching, build_datamodule(matching), str(ckpt))
+    setup_data(matching, build_datamodule(resolve(matching)), str(ckpt))
     cls_cfg = compose_train([*CLS, load], tmp_path / "out")
     with pytest.raises(ConfigError, match=r"was trained with head=caption, not head=classification; use head=caption"):
-        setup_data(cls_cfg, build_datamodule(cls_cfg), str(ckpt))
+        setup_data(cls_cfg, build_datamodule(resolve(cls_cfg)), str(ckpt))
 
 
 def test_class_list_differing_from_the_checkpoint_fails_before_any_step(tmp_path):
     root = make_image_folder(tmp_path / "folder", classes=("bird", "cat"), per_class=2)
     ckpt = tmp_path / "trained.ckpt"
-    torch.save({"hyper_parameters": {"class_names": ["cat", "dog"]}}, ckpt)
+    torch.save({"global_step": 0, "hyper_parameters": {"class_names": ["cat", "dog"]}}, ckpt)
     cfg = compose_train(
         ["head=classification", "data=imagefolder", f"data.root={root}", f"ckpt_path={ckpt}"], tmp_path / "run"
     )
-    dm = build_datamodule(cfg)
+    dm = build_datamodule(resolve(cfg))
     with pytest.raises(ConfigError, match=r"classes \['bird', 'cat'\] differ from the checkpoint's \['cat', 'dog'\]"):
         setup_data(cfg, dm, str(ckpt))

@@ -35,6 +35,7 @@ from vitattn.training.datamodules import (
     ShapesDataModule,
     WebDatasetDataModule,
 )
+from vitattn.training.plan import resolve
 
 STATISTICS = [
     (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD),
@@ -215,7 +216,7 @@ def _train_losses(overrides: list[str], root: Path, float_loaders: bool) -> list
         else:
             inner.transform = T.Compose([*inner.transform.transforms[:-1], _to_tensor_then_normalize(mean, std)])
         datamodule.on_after_batch_transfer = lambda batch, dataloader_idx: batch
-    system = build_system(cfg, datamodule)
+    system = build_system(resolve(cfg), datamodule)
     losses = _Losses()
     quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     trainer = pl.Trainer(

@@ -306,9 +306,10 @@ def test_early_stopping_ends_a_run_that_stops_improving(tmp_path):
 def _warnings(overrides, tmp_path):
     from hydra.utils import instantiate
 
-    from vitattn.training.advice import check_fit
+    from vitattn.training.build import check_fit
+    from vitattn.training.plan import resolve
 
-    cfg = compose_train(overrides, tmp_path)
+    cfg = resolve(compose_train(overrides, tmp_path)).cfg
     datamodule = instantiate(cfg.data)
     datamodule.setup("fit")
     return check_fit(cfg, datamodule)
@@ -347,6 +348,7 @@ def test_auto_workers_and_threads_never_oversubscribe_the_cores(tmp_path, monkey
     from hydra.utils import instantiate
 
     from vitattn.training.build import plan_cores
+    from vitattn.training.plan import resolve
 
     folder = make_image_folder(tmp_path / "folder", per_class=2, size=20)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
@@ -357,11 +359,11 @@ def test_auto_workers_and_threads_never_oversubscribe_the_cores(tmp_path, monkey
             cfg = compose_train([*overrides, "data.num_workers=auto", "num_threads=auto"], tmp_path)
             datamodule = instantiate(cfg.data)
             datamodule.setup("fit")
-            assert plan_cores(cfg, datamodule) == (workers, 4 - workers)
+            assert plan_cores(resolve(cfg), datamodule) == (workers, 4 - workers)
         cfg = compose_train([*overrides, "data.num_workers=3", "num_threads=2"], tmp_path)
         datamodule = instantiate(cfg.data)
         datamodule.setup("fit")
-        assert plan_cores(cfg, datamodule) == (3, 2)  # the user's numbers are kept
+        assert plan_cores(resolve(cfg), datamodule) == (3, 2)  # the user's numbers are kept
     finally:
         torch.set_num_threads(before)
 

@@ -17,8 +17,9 @@ from tests.helpers import TINY, TINY_SHAPES, compose_train
 from vitattn.bundle import load_bundle, load_checkpoint
 from vitattn.errors import ConfigError
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
+from vitattn.training.build import should_compile
 from vitattn.training.config import check_config
-from vitattn.training.run import should_compile
+from vitattn.training.plan import resolve
 from vitattn.training.systems.sharding import gather_for_evaluation, shard_again, shard_layers, unsharded_copy
 
 # Two CPU processes, the tiny model on the shapes; a constant learning rate (a resumed run with another
@@ -180,5 +181,7 @@ def test_trainer_fsdp_refuses_the_ema_in_one_line_and_compiles_only_when_asked(t
     with pytest.raises(ConfigError, match="ema.decay=0.99 does not work with trainer=fsdp") as error:
         check_config(cfg)
     assert "\n" not in str(error.value)
-    assert not should_compile(compose_train(["trainer=fsdp"], tmp_path))  # a GPU trainer: auto compiles elsewhere
-    assert should_compile(compose_train(["trainer=fsdp", "compile=true"], tmp_path))
+    assert not should_compile(
+        resolve(compose_train(["trainer=fsdp"], tmp_path))
+    )  # a GPU trainer: auto compiles elsewhere
+    assert should_compile(resolve(compose_train(["trainer=fsdp", "compile=true"], tmp_path)))

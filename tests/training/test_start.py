@@ -21,7 +21,7 @@ from vitattn.models.coca import CONTRASTIVE_PARTS
 from vitattn.models.vit import preset_config
 from vitattn.training import build_system, train
 from vitattn.training.build import build_datamodule
-from vitattn.training.config import check_config
+from vitattn.training.plan import resolve
 from vitattn.training.start import read_start
 
 SHAPE = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
@@ -294,14 +294,11 @@ def test_train_from_timm_weights_then_caption_from_that_run(tmp_path):
     saved = json.loads((first.bundle_dir / "config.json").read_text())["model"]
     assert saved["norm_pre"] and "pretrained" not in saved
     overrides = [*fast, "head.decoder.depth=1", f"finetune.init={first.run_dir}", "finetune.init_kind=encoder"]
-    cfg = compose_train(overrides, tmp_path / "b")
-    start = read_start(cfg.finetune.init, cfg.finetune.init_kind)
-    start.resolve(cfg, [])
-    check_config(cfg)  # the resolved config: the one the run builds and saves
-    assert cfg.model.norm_pre  # set from the weights in the config itself
-    datamodule = build_datamodule(cfg)
+    plan = resolve(compose_train(overrides, tmp_path / "b"))
+    assert plan.cfg.model.norm_pre  # set from the weights in the config itself: the one the run builds and saves
+    datamodule = build_datamodule(plan)
     datamodule.setup("fit")
-    system = build_system(cfg, datamodule, start)
+    system = build_system(plan, datamodule)
     encoder = system.model.encoder
     assert encoder.config["norm_pre"] and "pretrained" not in system.hparams["model_config"]["encoder"]
     classifier = load_bundle(first.bundle_dir).model
@@ -364,13 +361,10 @@ def test_a_start_of_the_wrong_kind_is_one_line_before_any_step(overrides, messag
 
 
 def _start_system(bundle: Path, head: str, tmp_path: Path):
-    cfg = compose_train([f"head={head}", *TINY, f"finetune.init={bundle}"], tmp_path / head)
-    start = read_start(cfg.finetune.init, cfg.finetune.init_kind)
-    start.resolve(cfg, [])
-    check_config(cfg)
-    datamodule = build_datamodule(cfg, start.vocab)
+    plan = resolve(compose_train([f"head={head}", *TINY, f"finetune.init={bundle}"], tmp_path / head))
+    datamodule = build_datamodule(plan)
     datamodule.setup("fit")
-    return build_system(cfg, datamodule, start), start
+    return build_system(plan, datamodule), plan.start
 
 
 def test_init_crosses_caption_and_coca_loading_the_captioner_in_one_line(tmp_path, caplog):
@@ -407,12 +401,10 @@ def test_init_crosses_caption_and_coca_loading_the_captioner_in_one_line(tmp_pat
 def test_init_refuses_any_other_mismatch_in_one_line(tmp_path, monkeypatch):
     caption = make_caption_bundle(tmp_path / "caption")
     state = load_bundle(caption).model.state_dict()
-    cfg = compose_train(["head=coca", *TINY, f"finetune.init={caption}"], tmp_path / "run")
-    start = read_start(cfg.finetune.init, cfg.finetune.init_kind)
-    start.resolve(cfg, [])
-    monkeypatch.setattr(start.bundle.model, "state_dict", lambda: {**state, "extra.weight": torch.zeros(1)})
-    datamodule = build_datamodule(cfg, start.vocab)
+    plan = resolve(compose_train(["head=coca", *TINY, f"finetune.init={caption}"], tmp_path / "run"))
+    monkeypatch.setattr(plan.start.bundle.model, "state_dict", lambda: {**state, "extra.weight": torch.zeros(1)})
+    datamodule = build_datamodule(plan)
     datamodule.setup("fit")
     with pytest.raises(ConfigError, match=r"^finetune\.init=.*: its model and the run.s differ in extra; only") as err:
-        build_system(cfg, datamodule, start)
+        build_system(plan, datamodule)
     assert "\n" not in str(err.value)

@@ -27,8 +27,9 @@ from vitattn.run_dir import RunDir
 from vitattn.training import train
 from vitattn.training.build import build_datamodule
 from vitattn.training.config import check_config
+from vitattn.training.plan import resolve
 from vitattn.training.run_data import datamodule_from_run
-from vitattn.training.start import log_preprocess, read_start, resolve_preprocess
+from vitattn.training.start import log_preprocess
 
 # Each family's weights as the issue names them, and a small model of the same family and preprocessing that the
 # fast tests load from a file (NAME@FILE), with the model keys that fit it.
@@ -248,12 +249,12 @@ def test_the_named_weights_train_with_timms_preprocessing_and_features(family, t
 def _datamodule(overrides: list[str], tmp_path: Path, source=None):
     """The run's data built from its resolved config: the preprocessing of ``source`` (an encoder) written into
     ``data.*`` first, as ``train`` does. Returns it and the log lines of the resolution."""
-    cfg = compose_train([*TINY, *overrides], tmp_path / "run")
-    start = read_start(str(source), "encoder") if source is not None else None
-    why = resolve_preprocess(cfg, start)
-    check_config(cfg)  # the resolved config is the one checked
-    datamodule = build_datamodule(cfg)
-    lines = _logged(lambda: log_preprocess(datamodule, why))
+    start = [f"finetune.init={source}", "finetune.init_kind=encoder"] if source is not None else []
+    # the model sizes of the weights: TINY's for the tiny timm file, timm's vit_tiny for the named weights
+    tiny = [o for o in TINY if not o.startswith("model.")] + ["model=tiny"] if "vit_tiny" in str(source) else TINY
+    plan = resolve(compose_train([*tiny, *overrides, *start], tmp_path / "run"))
+    datamodule = build_datamodule(plan)
+    lines = _logged(lambda: log_preprocess(datamodule, plan.preprocess_from))
     return datamodule, [line for line in lines if line.startswith(LOG)]
 
 

@@ -28,8 +28,10 @@ from vitattn.data.shapes import CLASS_NAMES
 from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.models import VisionTransformer
 from vitattn.training import build_system, train
+from vitattn.training.build import build_datamodule, instantiate_group
 from vitattn.training.callbacks import EMA, FreezeEncoder, Preemption, TimeBudgetHorizon
-from vitattn.training.config import check_config, instantiate_group
+from vitattn.training.config import check_config
+from vitattn.training.plan import resolve
 
 GROUPS = {
     g: sorted(p.stem for p in (CONF_DIR / g).glob("*.yaml"))
@@ -151,11 +153,11 @@ def test_derived_values_are_interpolated_not_repeated(tmp_path):
     ],
 )
 def test_model_grad_checkpointing_switches_the_encoder_and_the_decoder(overrides, expected, tmp_path):
-    cfg = compose_train([*TINY, *TINY_SHAPES, *overrides], tmp_path)
-    check_config(cfg)
-    datamodule = hydra.utils.instantiate(cfg.data)
+    plan = resolve(compose_train([*TINY, *TINY_SHAPES, *overrides], tmp_path))
+    cfg = plan.cfg
+    datamodule = build_datamodule(plan)
     datamodule.setup("fit")
-    model = build_system(cfg, datamodule).model
+    model = build_system(plan, datamodule).model
     if cfg.head.task == "caption":
         assert (model.encoder.grad_checkpointing, model.decoder.grad_checkpointing) == expected
     else:
@@ -372,9 +374,10 @@ def test_ddp_training_exports_one_bundle_from_rank_zero_only(tmp_path):
     ],
 )
 def test_compile_auto_follows_the_accelerator(overrides, expected, tmp_path):
-    from vitattn.training.run import should_compile
+    from vitattn.training.build import should_compile
+    from vitattn.training.plan import resolve
 
-    assert should_compile(compose_train(overrides, tmp_path)) is expected
+    assert should_compile(resolve(compose_train(overrides, tmp_path))) is expected
 
 
 @pytest.mark.slow
@@ -454,7 +457,6 @@ def test_the_best_checkpoint_is_tested_and_exported(tmp_path, monkeypatch):
 
 def test_the_self_critical_recipe_is_the_first_stages_second_stage(datasets, tmp_path):
     from vitattn.errors import ConfigError
-    from vitattn.training.config import check_config
 
     given = [*datasets["karpathy"], "trainer.devices=1"]
     cfg = compose_train(["experiment=coco_karpathy_vit_b16_scst", *given], tmp_path)
@@ -469,7 +471,6 @@ def test_the_self_critical_recipe_is_the_first_stages_second_stage(datasets, tmp
 
 @pytest.mark.parametrize("recipe", ["coco_karpathy_vit_b16", "flickr8k_vit_s16"])
 def test_captioning_recipes_pass_validation(recipe, datasets, tmp_path):
-    from vitattn.training.config import check_config
     from vitattn.training.start import source_kind
 
     cfg = compose_train([f"experiment={recipe}", *datasets["karpathy"], "trainer.devices=1"], tmp_path)
@@ -510,8 +511,8 @@ QUIET_STEP += ["trainer.max_epochs=-1", "test=false", "export_bundle=false"]
 @pytest.mark.parametrize("head", ["caption", "classification"])
 def test_a_training_step_that_logs_nothing_reads_nothing_back_from_the_device(head, tmp_path, monkeypatch):
     profile = _ProfileStep(step=3)
-    build = vitattn.training.run.instantiate_group
-    monkeypatch.setattr(vitattn.training.run, "instantiate_group", lambda group, *a: [*build(group, *a), profile])
+    build = vitattn.training.build.instantiate_group
+    monkeypatch.setattr(vitattn.training.build, "instantiate_group", lambda group, *a: [*build(group, *a), profile])
     run = [f"head={head}", *TINY, *TINY_SHAPES, *QUIET_STEP]
     train(compose_train(run, tmp_path))
     reads = [event for event in profile.events if event.name in ("aten::item", "aten::_local_scalar_dense")]

@@ -68,6 +68,7 @@ def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer
     and tokenizer written into the run folder: a bad split or a model the data cannot size stops the run in one
     line before any step."""
     cfg = plan.cfg
+    _check_accelerator(cfg.trainer)
     set_matmul_precision(plan)
     datamodule = build_datamodule(plan)
     log_preprocess(datamodule, plan.preprocess_from)
@@ -102,6 +103,19 @@ def _save_run_files(plan: Plan, datamodule: Any) -> None:
     run.save_config(plan.cfg)  # the config that runs
     if getattr(datamodule, "vocab", None) is not None:
         datamodule.vocab.save(run.path / tokenizer_file_name(datamodule.vocab))
+
+
+def _check_accelerator(trainer: DictConfig) -> None:
+    """A GPU trainer on a machine without one: the CPU overrides, in one line (a check of this machine, not of
+    the config: ``check_config`` passes GPU recipes anywhere)."""
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        devices = trainer.get("devices", 1)
+        n = devices if isinstance(devices, int) and devices > 0 else "N"
+        raise ConfigError(
+            f"trainer.accelerator={accelerator} but this machine has no GPU; to train on its CPUs add "
+            f"trainer.accelerator=cpu trainer.devices={n} trainer.precision=32-true"
+        )
 
 
 def instantiate_group(

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import torch
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -26,7 +25,6 @@ from vitattn.training.systems.contrastive import RETRIEVAL_MONITORS, ZERO_SHOT_M
 
 __all__ = [
     "ALLOWED_TARGET_PREFIXES",
-    "check_accelerator",
     "check_config",
     "check_data_paths",
     "check_targets",
@@ -211,19 +209,6 @@ def _check_sharded(cfg: DictConfig) -> None:
             "finetune=scst does not work with trainer=fsdp: its sampling loop calls the sharded decoder step by "
             "step outside forward, where FSDP gathers no weights, and the ranks' samples end at different steps; "
             "train it with trainer=ddp"
-        )
-
-
-def check_accelerator(trainer: DictConfig) -> None:
-    """A GPU trainer on a machine without one: the CPU overrides, in one line (a check of this machine, not of
-    the config: ``check_config`` passes GPU recipes anywhere)."""
-    accelerator = str(trainer.get("accelerator", "auto"))
-    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-        devices = trainer.get("devices", 1)
-        n = devices if isinstance(devices, int) and devices > 0 else "N"
-        raise ConfigError(
-            f"trainer.accelerator={accelerator} but this machine has no GPU; to train on its CPUs add "
-            f"trainer.accelerator=cpu trainer.devices={n} trainer.precision=32-true"
         )
 
 

@@ -25,7 +25,7 @@ from vitattn.data.preprocess import WEIGHTS_KEYS
 from vitattn.data.tokenizer import Tokenizer, load_tokenizer
 from vitattn.precision import cuda_bf16, native_bf16
 from vitattn.run_dir import RunDir
-from vitattn.training.config import check_accelerator, check_config, fully_sharded
+from vitattn.training.config import check_config, fully_sharded
 from vitattn.training.run_data import preprocess_taken
 from vitattn.training.start import Encoder, WholeModel, command_line_keys, read_start
 
@@ -76,7 +76,6 @@ def resolve(cfg: DictConfig) -> Plan:
         _resolve_precision(cfg, gpu)
         preprocess_from = _resolve_preprocess(cfg, start)
     check_config(cfg)  # the resolved config: the one that runs and is saved
-    check_accelerator(cfg.trainer)
     sharded = fully_sharded(cfg.trainer)
     run_dir = Path(cfg.paths.output_dir)
     ckpt_path = _resume_checkpoint(cfg.ckpt_path, cfg.resume, run_dir)

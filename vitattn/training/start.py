@@ -8,12 +8,13 @@ The kinds and what each brings: docs/finetuning.md.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 from timm.data import resolve_model_data_config
 from torch import Tensor
@@ -48,6 +49,14 @@ __all__ = [
     "log_preprocess",
     "source_kind",
 ]
+
+log = logging.getLogger(__name__)
+
+
+@rank_zero_only
+def _info(line: str) -> None:
+    log.info(line)  # vitattn's logger, which reaches the root logger's handlers; Lightning's may not propagate
+
 
 # Model keys that are training choices, not what the weights are: the run's config keeps its own.
 TRAINING_KEYS = frozenset(
@@ -118,7 +127,7 @@ class WholeModel:
                 if _current(cfg, key) != value:
                     changed.append(f"{key} {_current(cfg, key)} -> {value}")
                     OmegaConf.update(cfg, key, value, merge=False)
-        rank_zero_info(
+        _info(
             f"finetune.init={self.source}: the model's sizes, tokenizer and preprocessing"
             + (f"; set from it: {', '.join(changed)}" if changed else "")
         )
@@ -148,7 +157,7 @@ class WholeModel:
         except RuntimeError as err:
             raise ConfigError(f"finetune.init={self.source}: {first_line(err)}") from None
         what = "every weight" if strict else "the captioner's weights"
-        rank_zero_info(
+        _info(
             f"finetune.init: started from {what} of the {self.bundle.task} model {self.source}"
             + (f"; new (the model has none): {', '.join(new)}" if new else "")
             + (f"; dropped (the run has none): {', '.join(dropped)}" if dropped else "")
@@ -222,7 +231,7 @@ class Encoder:
         parts = [f"pretrained encoder: loaded {len(self.state)} tensors of {self.what}"]
         if self.changes:
             parts.append(f"set from the weights: {', '.join(self.changes)}")
-        rank_zero_info("; ".join(parts + notes + self.notes))
+        _info("; ".join(parts + notes + self.notes))
 
     def _set(self, encoder: dict[str, Any], key: str, value: Any) -> None:
         self.changes.append(f"model.{key} {_plain(encoder[key])} -> {_plain(value)}")
@@ -429,4 +438,4 @@ def _refuse_other_tokenizer(cfg: DictConfig, init: WholeModel, given: list[str])
 
 def log_preprocess(datamodule: Any, why: str) -> None:
     """One line: the preprocessing the built data uses, and where each part comes from (the plan's)."""
-    rank_zero_info(f"preprocessing: {describe(datamodule.preprocess)}: {why}")
+    _info(f"preprocessing: {describe(datamodule.preprocess)}: {why}")
