@@ -37,7 +37,7 @@ from benchmarks import workloads
 from benchmarks.caption import build_captioners, given_memory
 from benchmarks.timing import paired_speedup, ratio_quartiles
 from benchmarks.workloads import forced_length
-from vitattn.models.search import DecodeStep, SpecialIds, beam_search
+from vitattn.models.generate import DecodeStep, SpecialIds, beam_search
 
 
 def previous_beam_search(

@@ -24,11 +24,12 @@ from vitattn.cli.args import UsageError
 from vitattn.cli.export import main as export_main
 from vitattn.data.shapes import ShapesDataset
 from vitattn.errors import ConfigError
+from vitattn.evaluation import evaluate_captions, evaluate_classification
 from vitattn.inference.api import to_pixels
-from vitattn.models.search import sequence_log_prob
+from vitattn.models.generate import sequence_log_prob
 from vitattn.precision import NATIVE_BF16_ENV, check_precision, native_bf16, resolve_precision
 from vitattn.training import train
-from vitattn.training.evaluation import evaluate_captions, evaluate_classification
+from vitattn.training.run_data import run_split
 
 CAPTIONS, LABELS = 1000, 4000  # test-split images compared
 SHAPES = ["data.num_val=16", "test=false", "trainer.max_epochs=-1", "trainer.check_val_every_n_epoch=50"]
@@ -187,8 +188,9 @@ def test_auto_with_the_units_runs_bf16(caption_run, classifier_run, monkeypatch)
 def test_bf16_keeps_97_percent_of_greedy_captions_and_cider_d_within_1_percent(caption_run):
     """vitattn-eval's captions of the run's test split (greedy), bf16 against fp32."""
     reports = {
-        p: evaluate_captions(load_model(caption_run, precision=p), split="test", run_dir=caption_run)
+        p: evaluate_captions(bundle, split="test", run_split=run_split(bundle, caption_run, "test"))
         for p in ("fp32", "bf16")
+        for bundle in [load_model(caption_run, precision=p)]
     }
     captions = {p: [c for _, c, _ in report.captions] for p, report in reports.items()}
     cider = {p: report.metrics["cider_d"] for p, report in reports.items()}
@@ -205,10 +207,11 @@ def test_bf16_keeps_97_percent_of_greedy_captions_and_cider_d_within_1_percent(c
 def test_bf16_classifier_top1_within_half_a_percent(classifier_run):
     """vitattn-eval's top-1 on the run's test split, bf16 against fp32."""
     top1 = {
-        p: evaluate_classification(
-            load_model(classifier_run, precision=p), split="test", run_dir=classifier_run
-        ).metrics["top1"]
+        p: evaluate_classification(bundle, split="test", run_split=run_split(bundle, classifier_run, "test")).metrics[
+            "top1"
+        ]
         for p in ("fp32", "bf16")
+        for bundle in [load_model(classifier_run, precision=p)]
     }
     print(f"bf16: top-1 {top1['bf16']:.4f} vs fp32 {top1['fp32']:.4f} on {LABELS} images")
     assert top1["fp32"] > 0.25  # a model worth comparing: 18 classes

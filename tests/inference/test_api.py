@@ -93,7 +93,7 @@ def test_caption_details_score_is_the_models_log_probability(caption_dir, photos
 
 
 def test_caption_details_score_is_what_the_search_ranked_under_its_controls(caption_dir, photos):
-    from vitattn.models.search import Controls, sequence_log_prob
+    from vitattn.models.generate import Controls, sequence_log_prob
 
     captioner = Captioner.load(caption_dir)
     controls = Controls(repetition_penalty=1.05)

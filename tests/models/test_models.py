@@ -9,8 +9,8 @@ from torch.utils.checkpoint import checkpoint
 from tests.helpers import teacher_forced_log_prob
 from vitattn.layers import DecoderLayer, EncoderLayer, record_attention
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer, vit_preset
-from vitattn.models.search import beam_search
-from vitattn.models.search import sample_token as _sample
+from vitattn.models.generate import beam_search
+from vitattn.models.generate import sample_token as _sample
 from vitattn.models.timm_weights import load_timm_weights
 from vitattn.models.vit import trunc_normal_
 

@@ -322,7 +322,7 @@ def zero_shot_run(request, tmp_path_factory):
 
 
 def test_zero_shot_at_validation_is_what_vitattn_eval_gives_for_those_weights(zero_shot_run):
-    from vitattn.training.evaluation import evaluate_zero_shot
+    from vitattn.evaluation import evaluate_zero_shot
 
     folder, run, result = zero_shot_run
     logged = {k: float(v) for k, v in result.system.trainer.callback_metrics.items()}
@@ -389,7 +389,7 @@ def test_zero_shot_on_two_ranks_is_what_vitattn_eval_gives_at_that_precision(str
     import subprocess
     import sys
 
-    from vitattn.training.evaluation import evaluate_zero_shot
+    from vitattn.evaluation import evaluate_zero_shot
 
     folder = make_image_folder(tmp_path / "folder", classes=ZERO_SHOT_CLASSES, per_class=4, size=36)
     run = tmp_path / "run"

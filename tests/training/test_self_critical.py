@@ -120,7 +120,7 @@ def test_one_self_critical_step_rewards_each_sample_against_its_own_images_refer
     loss, logged = objective(model, torch.randn(2, 3, 16, 16), references, None)
     torch.manual_seed(3)  # the same draw, by hand: sampled rows are K per image, consecutive
     memory = model.encode(torch.randn(2, 3, 16, 16))
-    from vitattn.models.search import greedy_search
+    from vitattn.models.generate import greedy_search
 
     sampled = greedy_search(
         model.decode_step(memory.detach(), 5),
@@ -208,12 +208,12 @@ def test_the_pass_that_samples_and_the_pass_that_scores_give_the_same_log_probab
     encoder = VisionTransformer(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2, num_classes=0)
     decoder = CaptionDecoder(7, embed_dim=16, depth=1, num_heads=2, max_len=6, drop_rate=0.5, memory_dim=16)
     model = ImageCaptioner(encoder, decoder).train()
-    import vitattn.models.search as search
+    import vitattn.models.generate as generation
     import vitattn.training.systems.self_critical as self_critical
 
     steps, scored = [], {}
-    next_logits, log_probs_of = search._next_logits, self_critical.sample_log_probs
-    monkeypatch.setattr(search, "_next_logits", lambda *a: steps.append(next_logits(*a)) or steps[-1])
+    next_logits, log_probs_of = generation._next_logits, self_critical.sample_log_probs
+    monkeypatch.setattr(generation, "_next_logits", lambda *a: steps.append(next_logits(*a)) or steps[-1])
 
     def scoring_pass(model, memory, sampled, config):
         scored["sampled"] = sampled

@@ -47,7 +47,7 @@ from vitattn.models import (
     VisionTransformer,
     captioner_from_config,
 )
-from vitattn.models.search import SEARCH_KEYS, CaptionSearch, beams_of
+from vitattn.models.generate import SEARCH_KEYS, CaptionSearch, beams_of
 from vitattn.run_dir import VOCAB_FILE
 
 __all__ = [

@@ -30,7 +30,7 @@ from vitattn.bundle.folder import LoadedModel, check_decoding, check_tokenizer, 
 from vitattn.data.preprocess import check_preprocess
 from vitattn.errors import MissingDependencyError, brief, first_line
 from vitattn.models import Embedder
-from vitattn.models.search import CaptionSearch, SpecialIds
+from vitattn.models.generate import CaptionSearch, SpecialIds
 
 __all__ = [
     "DECODER_KEYS",

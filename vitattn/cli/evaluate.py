@@ -99,8 +99,8 @@ def run(cfg: Any) -> int:
     """Evaluate as ``cfg`` says; returns the exit status (0 every image scored, 1 some were not)."""
     from vitattn.bundle import load_model
     from vitattn.bundle.hub import is_hub_name
-    from vitattn.models.search import SEARCH_KEYS
-    from vitattn.training.evaluation import evaluate_captions, evaluate_classification, format_report, write_report
+    from vitattn.evaluation import evaluate_captions, evaluate_classification, format_report, write_report
+    from vitattn.models.generate import SEARCH_KEYS
 
     given = [k for k in SEARCH_KEYS if cfg[k] is not None]
     if cfg.predictions is not None and given:
@@ -112,12 +112,10 @@ def run(cfg: Any) -> int:
     # a bundle, run, checkpoint or ONNX folder
     bundle = load_model(cfg.model, device=resolve_device(cfg.device), precision=cfg.precision)
     run = RunDir.find(cfg.model)
-    loading = dict(
-        split=cfg.split, run_dir=run, batch_size=cfg.batch_size, num_workers=cfg.num_workers, progress=cfg.progress
-    )
     task = cfg.task or bundle.task
+    loading = dict(split=cfg.split, batch_size=cfg.batch_size, num_workers=cfg.num_workers, progress=cfg.progress)
     if task in ("zero_shot", "retrieval"):
-        report = _embedding_task(cfg, bundle, task, loading)
+        report = _embedding_task(cfg, bundle, run, task, loading)
     elif task != bundle.task:
         raise UsageError(f"task={task} but model={cfg.model} is a {bundle.task} model")
     elif task == "caption":
@@ -133,11 +131,13 @@ def run(cfg: Any) -> int:
             predictions=cfg.predictions,
             generate=generate,
             scorer=cfg.scorer,
+            run_split=_run_split(cfg, bundle, run, cfg.references, image_dir=cfg.image_dir),
             **loading,
         )
     else:
         _refuse(cfg, ("references", "image_dir", "predictions"), f"model={cfg.model} is a {bundle.task} model")
-        report = evaluate_classification(bundle, data_root=cfg.data_root, **loading)
+        run_split = _run_split(cfg, bundle, run, cfg.data_root)
+        report = evaluate_classification(bundle, data_root=cfg.data_root, run_split=run_split, **loading)
     out = Path(cfg.out) if cfg.out is not None else (run.path if run else Path.cwd()) / f"eval-{cfg.split}"
     files = write_report(report, out, model=cfg.model if is_hub_name(cfg.model) else str(Path(cfg.model).resolve()))
     print(format_report(report))
@@ -145,9 +145,19 @@ def run(cfg: Any) -> int:
     return 0 if report.complete else 1
 
 
+def _run_split(cfg: Any, bundle: Any, run: RunDir | None, given: str | None, **moved: Any) -> Any:
+    """The run's own split (training rebuilds its data) when the model is in a run and no data is ``given``."""
+    if run is None or given is not None:
+        return None
+    # heavy: the run's own data is its DataModule, rebuilt by Hydra (Lightning); a user's files need neither
+    from vitattn.training.run_data import run_split
+
+    return run_split(bundle, run, cfg.split, batch_size=cfg.batch_size, num_workers=cfg.num_workers, **moved)
+
+
 def _refuse(cfg: Any, keys: tuple[str, ...], why: str) -> None:
     """A ``UsageError`` when any of ``keys``, a decoding setting or ``scorer`` is given: they apply to captions."""
-    from vitattn.models.search import SEARCH_KEYS
+    from vitattn.models.generate import SEARCH_KEYS
 
     given = [k for k in (*keys, *SEARCH_KEYS) if cfg[k] is not None]
     given += ["scorer"] if cfg.scorer != "builtin" else []
@@ -155,14 +165,13 @@ def _refuse(cfg: Any, keys: tuple[str, ...], why: str) -> None:
         raise UsageError(f"{', '.join(given)} apply to caption models; {why}")
 
 
-def _embedding_task(cfg: Any, bundle: Any, task: str, loading: dict[str, Any]) -> Any:
+def _embedding_task(cfg: Any, bundle: Any, run: RunDir | None, task: str, loading: dict[str, Any]) -> Any:
     """The report of ``task=zero_shot`` (a caption model) or ``task=retrieval`` (a ``head=coca`` model)."""
+    from vitattn.evaluation import evaluate_retrieval, evaluate_zero_shot
     from vitattn.inference.embeddings import embedding_model
-    from vitattn.training.evaluation import evaluate_retrieval, evaluate_zero_shot
 
     if task == "zero_shot":
         _refuse(cfg, ("references", "image_dir", "predictions"), "task=zero_shot classifies by name")
-        loading = {k: v for k, v in loading.items() if k != "run_dir"}
         labels = None if cfg.labels is None else list(cfg.labels)
         templates = None if cfg.templates is None else list(cfg.templates)
         return evaluate_zero_shot(
@@ -171,7 +180,10 @@ def _embedding_task(cfg: Any, bundle: Any, task: str, loading: dict[str, Any]) -
     what = "task=retrieval"
     embedding_model(bundle, what, f"model={cfg.model}")
     _refuse(cfg, ("data_root", "predictions"), f"{what} embeds the split's images and captions")
-    return evaluate_retrieval(bundle, references=cfg.references, image_dir=cfg.image_dir, **loading)
+    run_split = _run_split(cfg, bundle, run, cfg.references, image_dir=cfg.image_dir)
+    return evaluate_retrieval(
+        bundle, references=cfg.references, image_dir=cfg.image_dir, run_split=run_split, **loading
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

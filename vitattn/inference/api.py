@@ -30,7 +30,7 @@ from vitattn.inference.attention_maps import attention_from_tokens, check_figure
 from vitattn.inference.captioning import generate_tokens
 from vitattn.inference.embeddings import embed_pixels, embed_texts
 from vitattn.inference.zero_shot import check_labels, read_lines, templates_from, zero_shot_model
-from vitattn.models.search import Controls, sequence_log_prob
+from vitattn.models.generate import Controls, sequence_log_prob
 from vitattn.precision import precision_autocast
 
 __all__ = ["AttentionMaps", "Caption", "Captioner", "Classifier", "ImageLike", "Prediction", "load_model", "to_pixels"]

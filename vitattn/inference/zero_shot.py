@@ -31,7 +31,7 @@ from vitattn.errors import brief
 from vitattn.fileio import read_text
 from vitattn.inference.embeddings import encode_texts
 from vitattn.models import Embedder
-from vitattn.models.search import CaptionSearch, token_log_probs
+from vitattn.models.generate import CaptionSearch, token_log_probs
 from vitattn.precision import precision_autocast
 
 __all__ = [

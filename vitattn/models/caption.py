@@ -1,4 +1,4 @@
-"""Caption decoder and the image captioner, whose ``generate`` is ``vitattn.models.search``'s.
+"""Caption decoder and the image captioner, whose ``generate`` is ``vitattn.models.generate``'s.
 
 Dimension letters: B batch, K beams, N image tokens, D width, T caption positions, V vocabulary.
 """
@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vitattn.layers import DecoderLayer, LayerCache, check_heads
-from vitattn.models.search import CaptionSearch, SpecialIds
+from vitattn.models.generate import CaptionSearch, SpecialIds
 from vitattn.models.vit import VisionTransformer, init_linears_, layer_groups, trunc_normal_
 
 __all__ = ["CaptionDecoder", "DecoderStep", "ImageCaptioner", "per_caption"]

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from vitattn.layers import EncoderLayer, check_heads
 from vitattn.models.caption import CaptionDecoder, ImageCaptioner, per_caption
-from vitattn.models.search import CaptionSearch
+from vitattn.models.generate import CaptionSearch
 from vitattn.models.vit import VisionTransformer, trunc_normal_
 
 __all__ = ["CONTRASTIVE_PARTS", "CocaCaptioner", "Embedder", "TextEncoder", "captioner_from_config"]

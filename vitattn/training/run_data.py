@@ -1,19 +1,24 @@
-"""A training run's own data, rebuilt resolved from its saved config for evaluation."""
+"""A training run's own data, rebuilt resolved from its saved config (Hydra) into the split that evaluation
+(``vitattn.evaluation``) scores."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig
 
+from vitattn.bundle import LoadedModel
+from vitattn.data.images import EvalSplit
 from vitattn.data.preprocess import weights_preprocess
 from vitattn.data.tokenizer import Tokenizer
+from vitattn.evaluation.splits import model_labels
 from vitattn.run_dir import RunDir
 from vitattn.training.config import check_targets
 
-__all__ = ["datamodule_from_run", "read_once"]
+__all__ = ["datamodule_from_run", "preprocess_taken", "read_once", "run_split"]
 
 
 def read_once(data: DictConfig) -> dict[str, Any]:
@@ -62,3 +67,46 @@ def preprocess_taken(data: DictConfig, preprocess: Mapping[str, Any] | None) -> 
     theirs = weights_preprocess(preprocess)
     keys = getattr(hydra.utils.get_class(data._target_), "weights_keys", ())
     return {k: theirs[k] for k in keys if k in theirs and data.get(k) is None}
+
+
+def run_split(
+    bundle: LoadedModel,
+    run: RunDir | str | os.PathLike,
+    split: str,
+    *,
+    batch_size: int = 32,
+    num_workers: int = 0,
+    image_dir: str | os.PathLike | None = None,
+) -> EvalSplit:
+    """The run's own ``split`` as ``bundle`` sees it (its DataModule's ``evaluation_split``, rebuilt with the
+    model's tokenizer and preprocessing; the classes mapped to the model's by name), for ``vitattn.evaluation``.
+    ``image_dir``: where the run's images are now, when they have moved."""
+    run = run if isinstance(run, RunDir) else RunDir(run)
+    moved = {"image_dir": image_dir} if image_dir is not None else {}
+    try:
+        datamodule = datamodule_from_run(
+            run,
+            vocab=bundle.vocab,
+            preprocess=bundle.preprocess,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            **moved,
+        )
+    except KeyError:
+        raise ValueError(
+            f"image_dir={image_dir} goes with references=COCO_JSON; the run's data has no image files"
+        ) from None
+    evaluation = datamodule.evaluation_split(split)
+    theirs = getattr(datamodule, "class_names", None)
+    if bundle.class_names is not None and theirs is not None and evaluation.files:
+        evaluation.ids = model_labels(evaluation.ids, theirs, bundle.class_names, evaluation.source)
+    elif bundle.class_names is not None and theirs is not None and list(theirs) != list(bundle.class_names):
+        raise ValueError(f"the model's classes {bundle.class_names[:5]}... are not the run's data's {theirs[:5]}...")
+    if evaluation.loader is not None:  # images made by the data, not files read with the model's transform
+        if int(bundle.preprocess["img_size"]) != int(datamodule.img_size):
+            raise ValueError(
+                f"the run's data (data.img_size={datamodule.img_size}) renders {datamodule.img_size} px images "
+                f"but the model takes {bundle.preprocess['img_size']} px"
+            )
+        evaluation.source = f"{evaluation.source} of {run.config.resolve()}"
+    return evaluation

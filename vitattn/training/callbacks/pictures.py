@@ -15,9 +15,9 @@ from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, W
 from PIL import Image
 from torchmetrics.classification import MulticlassConfusionMatrix
 
+from vitattn.evaluation.report import confusion_figure
 from vitattn.inference.attention_maps import attention_figures, figure_png
 from vitattn.inference.captioning import generate_tokens
-from vitattn.training.evaluation.report import confusion_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

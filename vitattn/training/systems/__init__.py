@@ -1,7 +1,7 @@
 """LightningModules: loss, metrics, optimizer and logging around the plain models."""
 
 from vitattn.training.systems.base import NonFiniteLossError, VisionSystem
-from vitattn.training.systems.captioning import CaptionSystem
+from vitattn.training.systems.caption import CaptionSystem
 from vitattn.training.systems.classification import ClassificationSystem
 from vitattn.training.systems.coca import CocaSystem
 

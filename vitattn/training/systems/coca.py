@@ -12,7 +12,7 @@ from torch import Tensor
 
 from vitattn.inference.embeddings import encode_texts
 from vitattn.metrics.metric import RetrievalMetrics
-from vitattn.training.systems.captioning import CaptionSystem
+from vitattn.training.systems.caption import CaptionSystem
 from vitattn.training.systems.contrastive import MAX_LOGIT_SCALE, check_contrastive, contrastive_loss
 
 __all__ = ["CocaSystem"]

@@ -18,7 +18,7 @@ from torch.profiler import record_function
 
 from vitattn.metrics import CiderD
 from vitattn.models import ImageCaptioner
-from vitattn.models.search import greedy_search, sampling_logits
+from vitattn.models.generate import greedy_search, sampling_logits
 
 __all__ = ["BASELINES", "ScstConfig", "SelfCritical", "scst_loss"]
 

@@ -1,4 +1,4 @@
-"""The shared caption search (``vitattn.models.search``) against its oracles (exhaustive search, a
+"""The shared caption search (``vitattn.models.generate``) against its oracles (exhaustive search, a
 Hugging Face-style beam search written out image by image, ``transformers``' own ``generate``), and the
 tokens it never generates.
 
@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from vitattn.models.search import (
+from vitattn.models.generate import (
     Controls,
     SpecialIds,
     beam_search,

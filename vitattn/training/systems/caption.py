@@ -13,6 +13,7 @@ from torch import Tensor
 from vitattn.data.images import image_folder_split, open_image_folder
 from vitattn.data.preprocess import default_preprocess, eval_transform
 from vitattn.data.tokenizer import tokenizer_from_labels
+from vitattn.evaluation.classification import topk_hits
 from vitattn.inference.captioning import file_batches
 from vitattn.inference.zero_shot import check_labels, resolve_scorer, templates_from, zero_shot_classifier
 from vitattn.metrics import CaptionMetrics, CiderD
@@ -175,9 +176,7 @@ class CaptionSystem(VisionSystem):
         with self.trainer.precision_plugin.val_step_context():
             classify = zero_shot_classifier(self.model, self.vocab, names, templates, scorer, self.device)
             for images, targets in file_batches(paths, labels, transform, batch_size, 0, []):
-                top = classify(images.to(self.device)).topk(min(5, len(names)))  # (B, 5)
-                hits = top.indices == targets.to(self.device)[:, None]  # (B, 5)
-                counts += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(), torch.tensor(len(targets))]).to(counts)
+                counts += topk_hits(classify(images.to(self.device)), targets).to(counts)  # as vitattn-eval counts
         top1, top5, read = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
         return {
             "zero_shot_top1": torch.tensor(top1 / max(read, 1)),

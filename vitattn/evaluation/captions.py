@@ -22,6 +22,8 @@ from vitattn.bundle import LoadedModel
 from vitattn.data.images import EvalSplit, check_split
 from vitattn.data.tokenizer import describe_tokenizer, unknown_share
 from vitattn.errors import brief
+from vitattn.evaluation.report import EvalReport
+from vitattn.evaluation.splits import caption_split
 from vitattn.fileio import parse_json, read_text
 from vitattn.inference import InputImage, caption_images, generate_tokens
 from vitattn.inference.captioning import file_batches
@@ -29,9 +31,6 @@ from vitattn.inference.embeddings import embed_pixels, embed_texts, embedding_mo
 from vitattn.metrics import SCORERS, first_per_image, score_captions
 from vitattn.metrics.retrieval import retrieval_metrics
 from vitattn.metrics.toolkit import check_toolkit, toolkit_scores
-from vitattn.run_dir import RunDir
-from vitattn.training.evaluation.report import EvalReport
-from vitattn.training.evaluation.splits import caption_split
 
 __all__ = ["evaluate_captions", "evaluate_retrieval", "read_predictions"]
 
@@ -125,7 +124,7 @@ def evaluate_captions(
     bundle: LoadedModel,
     *,
     split: str = "val",
-    run_dir: RunDir | str | os.PathLike | None = None,
+    run_split: EvalSplit | None = None,
     references: str | os.PathLike | None = None,
     image_dir: str | os.PathLike | None = None,
     predictions: str | os.PathLike | None = None,
@@ -136,9 +135,10 @@ def evaluate_captions(
     scorer: str = "builtin",
 ) -> EvalReport:
     """Caption a split (or read ``predictions``, ``read_predictions``' files) and score the captions against its
-    references: ``references`` (a COCO caption file, its images in ``image_dir``, default its folder), else the
-    ``split`` of the run's data. ``generate``: the decoding settings; ``scorer``: ``builtin`` (BLEU-1..4, ROUGE-L,
-    CIDEr-D) or ``coco``, the COCO toolkit's too (``report.coco``). In the report, ``num_failed`` counts images
+    references: ``references`` (a COCO caption file, its images in ``image_dir``, default its folder), else
+    ``run_split``, the training run's own ``split`` (``vitattn.training.run_data.run_split``). ``generate``: the
+    decoding settings; ``scorer``: ``builtin`` (BLEU-1..4, ROUGE-L, CIDEr-D) or ``coco``, the COCO toolkit's too
+    (``report.coco``). In the report, ``num_failed`` counts images
     unread or with an error record, ``num_missing`` those without a prediction.
     """
     check_split(split)
@@ -148,7 +148,7 @@ def evaluate_captions(
         check_toolkit()  # before any caption is made
     if bundle.task != "caption":
         raise ValueError(f"this is a {bundle.task} model; caption metrics need a caption model")
-    data = caption_split(bundle, split, run_dir, references, image_dir, batch_size, num_workers)
+    data = caption_split(run_split, references, image_dir)
     refs, decoding = data.references, {}
     if predictions is not None:
         captions, failed = read_predictions(predictions)
@@ -196,7 +196,7 @@ def evaluate_retrieval(
     bundle: LoadedModel,
     *,
     split: str = "val",
-    run_dir: RunDir | str | os.PathLike | None = None,
+    run_split: EvalSplit | None = None,
     references: str | os.PathLike | None = None,
     image_dir: str | os.PathLike | None = None,
     batch_size: int = 32,
@@ -204,12 +204,12 @@ def evaluate_retrieval(
     progress: bool = False,
 ) -> EvalReport:
     """Image->text and text->image retrieval on a caption split (``references``, a COCO caption file with its
-    images in ``image_dir``, else the run's own ``split``), every caption of every image in the gallery. Unreadable
-    images, and their captions, are left out and counted in ``num_failed``; captions cut to the decoder's length
-    are counted in ``num_texts_cut``."""
+    images in ``image_dir``, else ``run_split``, the run's own), every caption of every image in the gallery.
+    Unreadable images, and their captions, are left out and counted in ``num_failed``; captions cut to the
+    decoder's length are counted in ``num_texts_cut``."""
     check_split(split)
     model = embedding_model(bundle, "retrieval")
-    data = caption_split(bundle, split, run_dir, references, image_dir, batch_size, num_workers)
+    data = caption_split(run_split, references, image_dir)
     failed: list[str] = []
     if data.loader is not None:
         batches = ((b["images"], b["references"]) for b in data.loader)

@@ -427,7 +427,7 @@ def test_every_declared_console_script_is_in_the_venv(script):
 
 
 def test_more_than_20_classes_print_the_20_weakest_and_write_every_row(tmp_path):
-    from vitattn.training.evaluation import EvalReport, format_report, write_report
+    from vitattn.evaluation import EvalReport, format_report, write_report
 
     generator = torch.Generator().manual_seed(0)
     confusion = torch.randint(0, 6, (25, 25), generator=generator)  # rows true, columns predicted; not symmetric

@@ -11,42 +11,51 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from vitattn.bundle import LoadedModel
-from vitattn.data.images import check_split, image_folder_split, open_image_folder
+from vitattn.data.images import EvalSplit, check_split, image_folder_split, open_image_folder
+from vitattn.evaluation.report import EvalReport
+from vitattn.evaluation.splits import labelled_split
 from vitattn.inference.captioning import file_batches
 from vitattn.inference.zero_shot import check_labels, zero_shot_model
 from vitattn.precision import precision_autocast
-from vitattn.run_dir import RunDir
-from vitattn.training.evaluation.report import EvalReport
-from vitattn.training.evaluation.splits import labelled_split
 
-__all__ = ["evaluate_classification", "evaluate_zero_shot"]
+__all__ = ["evaluate_classification", "evaluate_zero_shot", "topk_hits"]
+
+
+def topk_hits(logits: Tensor, targets: Tensor, k: int = 5) -> Tensor:
+    """``(top-1 hits, top-k hits, images)`` of (B, K) ``logits`` against (B,) ``targets``: the counts that top-1
+    and top-5 accuracy divide, to be summed over batches (and ranks, as training's validation sums them)."""
+    top = logits.topk(min(k, logits.shape[-1])).indices  # (B, k)
+    hits = top == targets.to(top.device)[:, None]  # (B, k)
+    return torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(), torch.tensor(len(targets), device=top.device)])
 
 
 def evaluate_classification(
     bundle: LoadedModel,
     *,
     split: str = "val",
-    run_dir: RunDir | str | os.PathLike | None = None,
+    run_split: EvalSplit | None = None,
     data_root: str | os.PathLike | None = None,
     batch_size: int = 32,
     num_workers: int = 0,
     progress: bool = False,
 ) -> EvalReport:
     """Top-1 / top-5 accuracy and the confusion matrix of a classifier on ``split`` of ``data_root``
-    (``<split>/<class>/<image>``, class folders matched to the model's classes by name) or of the run's data.
+    (``<split>/<class>/<image>``, class folders matched to the model's classes by name), else ``run_split``, the
+    run's own (``vitattn.training.run_data.run_split``).
     Unreadable files are left out and counted in ``num_failed``.
     """
     # heavy: torchmetrics is slow to import (docs/benchmarks.md), and only classification evaluation needs it
-    from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
+    from torchmetrics.classification import MulticlassConfusionMatrix
 
     check_split(split)
     if bundle.task != "classification":
         raise ValueError(f"this is a {bundle.task} model; accuracy needs a classification model")
     failed: list[str] = []
-    data = labelled_split(bundle, split, run_dir, data_root, batch_size, num_workers)
+    data = labelled_split(bundle, split, run_split, data_root)
     source = data.source
     if data.loader is not None:
         batches, total = data.loader, len(data.loader.dataset)
@@ -54,11 +63,9 @@ def evaluate_classification(
         batches = file_batches(data.files, data.ids, bundle.transform, batch_size, num_workers, failed)
         total = len(data.files)
     k = len(bundle.class_names)
-    top1 = MulticlassAccuracy(k, top_k=1, average="micro")
-    top5 = MulticlassAccuracy(k, top_k=min(5, k), average="micro")
+    counts = torch.zeros(3, dtype=torch.long)  # top-1 hits, top-5 hits, images
     confusion = MulticlassConfusionMatrix(k)
     device = bundle.device
-    num_images = 0
     with (
         torch.inference_mode(),
         precision_autocast(bundle.precision, device),
@@ -66,13 +73,13 @@ def evaluate_classification(
     ):
         for images, targets in batches:
             logits = bundle.model(images.to(device)).float().cpu()  # (B, K)
-            for metric in (top1, top5, confusion):
-                metric.update(logits, targets)
-            num_images += len(targets)
+            counts += topk_hits(logits, targets)
+            confusion.update(logits, targets)
             bar.update(len(targets))
+    top1, top5, num_images = counts.tolist()
     if num_images == 0:
         raise ValueError(f"no image of {source} could be read")
-    metrics: dict[str, float] = {"top1": float(top1.compute()), "top5": float(top5.compute()), "num_images": num_images}
+    metrics: dict[str, float] = {"top1": top1 / num_images, "top5": top5 / num_images, "num_images": num_images}
     if failed:
         metrics["num_failed"] = len(failed)
     return EvalReport(
