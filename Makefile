@@ -43,11 +43,11 @@ bench: $(STAMP)
 
 # vitattn-train against a plain timm loop on two Debian-packaged datasets (docs/learning.md)
 learning-bench: $(STAMP)
-	$(PY) -m benchmarks.learning_bench $(ARGS)
+	$(PY) -m benchmarks learning $(ARGS)
 
 # captions on the shapes: encoder from scratch, pretrained by classification, and frozen (docs/transfer.md)
 transfer-bench: $(STAMP)
-	$(PY) -m benchmarks.transfer_bench $(ARGS)
+	$(PY) -m benchmarks transfer $(ARGS)
 
 clean:
 	rm -rf runs multirun bench_results .pytest_cache

@@ -14,9 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks import workloads
-from benchmarks.env import Env
 from benchmarks.report import compare
-from benchmarks.timing import per_second
+from benchmarks.timing import Env, per_second
 from benchmarks.workloads import forced_length
 
 

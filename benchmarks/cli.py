@@ -1,12 +1,18 @@
-"""Speed of vitattn against timm and Hugging Face, on the same machine, in the same process.
+"""One command line for every benchmark: ``python -m benchmarks SECTION [options]``, as timm's ``benchmark.py``.
 
-    python -m benchmarks                 # full run (3 min on a quiet core, < 10 min shared), docs/benchmarks.md
-    python -m benchmarks --quick         # a short version (about a minute)
-    python -m benchmarks --no-compile --sections encoder caption
-    python -m benchmarks --device cuda   # bf16 autocast on a GPU: UNTESTED (no GPU where this was written)
+    python -m benchmarks [--quick] ...                 # section speed (the default): vitattn against timm and HF
+    python -m benchmarks speed --no-compile --sections encoder caption --threads 2 --out /tmp/b.json
+    python -m benchmarks matmul --threads 2            # this machine's fp32 matmul rate
+    python -m benchmarks train --model cpu --img-size 64 --precision bf16   # flagged step against plain
+    python -m benchmarks infer --channels-last --compile
+    python -m benchmarks learning --quick              # vitattn-train against a plain timm loop (docs/learning.md)
+    python -m benchmarks SECTION --help
 
-Writes a table to stdout, ``--out`` (default ``bench_results/bench.json``) and ``scaling.png`` beside it.
-A section that raises becomes an ``error`` row, and the other sections still run.
+``SECTIONS`` is the registry: a section adds its options to its own sub-command and runs from the parsed
+arguments. The timed sections share ``benchmarks.timing`` (interleaved rounds, paired ratios) and
+``benchmarks.report`` (rows, the table, the JSON). The speed section writes a table to stdout, ``--out``
+(default ``bench_results/bench.json``) and ``scaling.png`` beside it; a part that raises becomes an ``error``
+row, and the other parts still run.
 """
 
 from __future__ import annotations
@@ -15,46 +21,30 @@ import argparse
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import learning_bench, learning_data, load_serve, metric_parity, steps, transfer_bench
 from benchmarks.caption import bench_caption
 from benchmarks.compile import bench_compile
-from benchmarks.data import bench_data
 from benchmarks.e2e import bench_end_to_end
 from benchmarks.encoder import bench_encoder
-from benchmarks.env import Env
 from benchmarks.machine import loadavg, machine_info, matmul_gflops
-from benchmarks.processes import bench_processes
-from benchmarks.report import (
-    SCHEMA,
-    TARGETS,
-    error_message,
-    format_table,
-    pending_row,
-    status_counts,
-    write_json,
-)
+from benchmarks.report import SCHEMA, TARGETS, error_message, format_table, pending_row, status_counts, write_json
 from benchmarks.scaling import bench_scaling
+from benchmarks.timing import Env
 
-SECTIONS = ("encoder", "compile", "caption", "scaling", "e2e", "data", "processes")
+SPEED_SECTIONS = ("encoder", "compile", "caption", "scaling", "e2e")
 # Where each section's details go: under the JSON's ``details``; ``scaling`` has a top-level key of its own.
-DETAILS_KEY = {
-    "encoder": "encoder",
-    "compile": "compile",
-    "caption": "caption",
-    "e2e": "end_to_end",
-    "data": "data",
-    "processes": "processes",
-}
+DETAILS_KEY = {"encoder": "encoder", "compile": "compile", "caption": "caption", "e2e": "end_to_end"}
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line (``argv``; None: ``sys.argv[1:]``)."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+def add_speed_arguments(p: argparse.ArgumentParser) -> None:
+    """The speed run's options."""
     p.add_argument("--quick", action="store_true", help="fewer repeats and sizes (about two minutes)")
     p.add_argument(
         "--out", type=Path, default=Path("bench_results/bench.json"), help="JSON results; scaling.png goes beside it"
@@ -76,22 +66,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--compile", action=argparse.BooleanOptionalAction, default=True, help="benchmark torch.compile (default on)"
     )
     p.add_argument("--compile-timeout", type=float, default=300.0, help="seconds allowed for each compilation")
-    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    return p.parse_args(argv)
+    p.add_argument("--sections", nargs="+", choices=SPEED_SECTIONS, default=list(SPEED_SECTIONS))
 
 
 def run_section(section: str, env: Env, args: argparse.Namespace, matmul_n: int) -> tuple[list[dict], dict[str, Any]]:
-    """Run one section.
-
-    Args:
-        section: one of ``SECTIONS``.
-        env: the run's device and timing knobs.
-        args: the command line.
-        matmul_n: side of the reference matmul of the run.
-
-    Returns:
-        ``(rows, details)``: the section's rows, and what goes under ``DETAILS_KEY[section]``.
-    """
+    """One part of the speed run (``SPEED_SECTIONS``): its rows, and what goes under ``DETAILS_KEY[section]``."""
     if section == "encoder":
         return bench_encoder(env, matmul_n)
     if section == "compile":
@@ -100,23 +79,15 @@ def run_section(section: str, env: Env, args: argparse.Namespace, matmul_n: int)
         return bench_caption(env)
     if section == "scaling":
         return bench_scaling(env, args.out.parent / "scaling.png")
-    if section == "data":
-        return bench_data(env, n_images=128 if args.quick else 512)
-    if section == "processes":
-        return bench_processes(env, n_images=400 if args.quick else 2000)
     return bench_end_to_end(env, n_images=64 if args.quick else 256)
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run the chosen sections, print their tables, write the JSON (and the plot).
-
-    Args:
-        argv: the arguments (None: ``sys.argv[1:]``).
+def run_speed(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the speed run's chosen sections, print their tables, write the JSON (and the plot).
 
     Returns:
         The result written to ``--out`` (schema ``SCHEMA``).
     """
-    args = parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
     threads = args.threads
@@ -140,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows: list[dict] = []
     details: dict[str, Any] = {}
     scaling: dict[str, Any] = {}
-    sections = [s for s in SECTIONS if s in args.sections and (s != "compile" or args.compile)]
+    sections = [s for s in SPEED_SECTIONS if s in args.sections and (s != "compile" or args.compile)]
     for section in sections:
         t0 = time.perf_counter()
         try:
@@ -161,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result = dict(
         schema=SCHEMA,
         created=time.strftime("%Y-%m-%d %H:%M:%S"),
-        argv=list(argv if argv is not None else sys.argv[1:]),
+        argv=args.argv,
         quick=args.quick,
         device=args.device,
         machine=info,
@@ -179,3 +150,79 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(status_counts(rows))
     print(f"wrote {args.out}" + (f" and {scaling['plot']}" if scaling else ""))
     return result
+
+
+def add_matmul_arguments(p: argparse.ArgumentParser) -> None:
+    """The matmul rate's options."""
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
+    p.add_argument("--size", type=int, default=2048, help="side n of the (n, n) matrices (default 2048)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs; the median counts (default 5)")
+
+
+def run_matmul(args: argparse.Namespace) -> str:
+    """Measure and print the fp32 matmul rate; returns the printed line."""
+    if args.threads is not None:
+        if args.threads < 1:
+            args.error(f"--threads={args.threads} must be at least 1")
+        torch.set_num_threads(args.threads)
+    if args.size < 1 or args.repeats < 1:
+        args.error(f"--size={args.size} and --repeats={args.repeats} must be at least 1")
+    rate = matmul_gflops(args.size, repeats=args.repeats)
+    line = (
+        f"matmul rate: {rate['gflops']:.1f} GFLOP/s (fp32 torch.mm {args.size}x{args.size}, "
+        f"{torch.get_num_threads()} torch threads, median of {args.repeats})"
+    )
+    print(line, flush=True)
+    return line
+
+
+def add_load_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """``key=value`` settings, parsed as vitattn's console scripts parse theirs (``load_serve.LoadConfig``)."""
+    p.add_argument("settings", nargs=argparse.REMAINDER, help="model=PATH [requests=1000] [clients=16] ...")
+
+
+@dataclass(frozen=True)
+class Section:
+    """One registry entry: its help line, what it adds to its sub-command's options, and what runs it."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], Any]
+
+
+SECTIONS: dict[str, Section] = {
+    "speed": Section(
+        "Speed of vitattn against timm and Hugging Face (docs/benchmarks.md)", add_speed_arguments, run_speed
+    ),
+    "matmul": Section("this machine's fp32 matmul rate (GFLOP/s)", add_matmul_arguments, run_matmul),
+    "train": Section("a training step, flagged against plain", steps.add_arguments, lambda a: steps.run(a, True)),
+    "infer": Section("a forward pass, flagged against plain", steps.add_arguments, lambda a: steps.run(a, False)),
+    "learning": Section("vitattn-train against a plain timm loop", learning_bench.add_arguments, learning_bench.run),
+    "learning-data": Section("the learning datasets, from Debian", learning_data.add_arguments, learning_data.run),
+    "transfer": Section("captions on a pretrained encoder", transfer_bench.add_arguments, transfer_bench.run),
+    "metric-parity": Section("built-in metrics vs the COCO toolkit", metric_parity.add_arguments, metric_parity.run),
+    "load-serve": Section(
+        "load test of vitattn-serve on localhost", add_load_serve_arguments, lambda a: load_serve.main(a.settings)
+    ),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    """The one parser: a sub-command per section of ``SECTIONS``."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="section", required=True, metavar="SECTION")
+    for name, section in SECTIONS.items():
+        sp = sub.add_parser(name, help=section.help, description=section.help)
+        section.add_arguments(sp)
+        sp.set_defaults(error=sp.error)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    """Parse ``argv`` (None: ``sys.argv[1:]``; no section named: ``speed``) and run its section."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in SECTIONS and argv[0] not in ("-h", "--help")):
+        argv = ["speed", *argv]
+    args = parser().parse_args(argv)
+    args.argv = argv[1:]
+    return SECTIONS[args.section].run(args)

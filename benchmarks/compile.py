@@ -10,9 +10,8 @@ from typing import Any
 import torch
 
 from benchmarks import workloads
-from benchmarks.env import Env
 from benchmarks.report import compare, error_message, pending_row
-from benchmarks.timing import per_second, time_limit
+from benchmarks.timing import Env, per_second, time_limit
 
 
 def bench_compile(env: Env, timeout_s: float, names: Sequence[str] | None = None) -> tuple[list[dict], dict[str, Any]]:

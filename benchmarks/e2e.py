@@ -12,9 +12,8 @@ import torch
 from PIL import Image
 
 from benchmarks import workloads
-from benchmarks.env import Env
 from benchmarks.report import compare
-from benchmarks.timing import per_second
+from benchmarks.timing import Env, per_second
 from benchmarks.workloads import forced_length
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.data import Vocabulary

@@ -9,11 +9,10 @@ from typing import Any
 import torch
 
 from benchmarks import workloads
-from benchmarks.env import Env
 from benchmarks.flops import vit_flops
 from benchmarks.machine import matmul_fn
 from benchmarks.report import compare, row
-from benchmarks.timing import paired_speedup, per_second
+from benchmarks.timing import Env, paired_speedup, per_second
 
 
 def bench_encoder(env: Env, matmul_n: int, names: Sequence[str] | None = None) -> tuple[list[dict], dict[str, Any]]:

@@ -1,11 +1,11 @@
 """Learning benchmark: ``vitattn-train`` against a plain timm loop, same data, model size, steps, batch, threads.
 
-    python -m benchmarks.learning_bench                     # both datasets, both tasks (see docs/learning.md)
-    python -m benchmarks.learning_bench --quick             # a smoke run: 40 steps a side
-    python -m benchmarks.learning_bench --steps 1000 --threads 2 --datasets emoji --tasks caption
-    python -m benchmarks.learning_bench --update-doc        # also rewrite the table in docs/learning.md
-    python -m benchmarks.learning_bench --train-seeds 0     # one training seed (default 0 1 2: means and ranges)
-    python -m benchmarks.learning_bench --vitattn-args data.augment=false head.label_smoothing=0.0
+    python -m benchmarks learning                     # both datasets, both tasks (see docs/learning.md)
+    python -m benchmarks learning --quick             # a smoke run: 40 steps a side
+    python -m benchmarks learning --steps 1000 --threads 2 --datasets emoji --tasks caption
+    python -m benchmarks learning --update-doc        # also rewrite the table in docs/learning.md
+    python -m benchmarks learning --train-seeds 0     # one training seed (default 0 1 2: means and ranges)
+    python -m benchmarks learning --vitattn-args data.augment=false head.label_smoothing=0.0
 
 For each dataset (``benchmarks/learning_data.py``: Debian packages, prepared into ``bench_data/``) and
 task, ``vitattn-train`` runs as a subprocess with vitattn's own training defaults, only the model
@@ -104,9 +104,6 @@ class Side:
     command: str
 
 
-# ------------------------------------------------------------------------------ vitattn
-
-
 def vitattn_overrides(task: str, data: learning_data.PreparedDataset, cfg: BenchConfig, run_dir: Path) -> list[str]:
     """``vitattn-train`` overrides for ``task`` on ``data``: size, batch, steps and threads set, the rest vitattn's."""
     if task == "classification":
@@ -178,9 +175,6 @@ def _last_row_with(path: Path, key: str) -> dict[str, str]:
     if not rows:
         raise RuntimeError(f"{path} has no {key}: the vitattn run logged no final evaluation")
     return rows[-1]
-
-
-# ------------------------------------------------------------------------------ the plain timm loop
 
 
 def _images(paths: Sequence[Path], img_size: int) -> Tensor:
@@ -338,9 +332,6 @@ def plain_caption(data: learning_data.PreparedDataset, cfg: BenchConfig, save_to
     return Side(metrics, steps, seconds, cpu, _plain_description(cfg, what))
 
 
-# ------------------------------------------------------------------------------ rows and the table
-
-
 def bench_row(data: learning_data.PreparedDataset, task: str, cfg: BenchConfig, out_dir: Path) -> list[dict[str, Any]]:
     """Run both sides of ``task`` on ``data``; one table row per metric."""
     torch.set_num_threads(cfg.threads)
@@ -469,7 +460,7 @@ def commands_block(rows: Sequence[dict[str, Any]], argvs: Sequence[Sequence[str]
     """
     lines = [
         "```bash",
-        *("python -m benchmarks.learning_bench " + " ".join(shlex.quote(a) for a in argv) for argv in argvs),
+        *("python -m benchmarks learning " + " ".join(shlex.quote(a) for a in argv) for argv in argvs),
     ]
     seen = set()
     for r in rows:
@@ -481,11 +472,7 @@ def commands_block(rows: Sequence[dict[str, Any]], argvs: Sequence[Sequence[str]
     return "\n".join([*lines, "```"])
 
 
-# ------------------------------------------------------------------------------ command line
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per side (default 500, quick 40)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads on both sides (default 1)")
     p.add_argument("--quick", action="store_true", help="40 steps a side: checks that everything runs")
@@ -513,7 +500,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--doc-from", type=Path, nargs="+", default=None, help="only rewrite the doc's table from saved JSON files"
     )
-    return p.parse_args(argv)
 
 
 def config_from(args: argparse.Namespace) -> BenchConfig:
@@ -532,9 +518,8 @@ def train_seeds(args: argparse.Namespace) -> list[int]:
     return [args.seed] if args.quick else [0, 1, 2]
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    argv = args.argv
     if args.doc_from is not None:
         saved = [json.loads(path.read_text()) for path in args.doc_from]
         rows = combine_seeds([run for result in saved for run in result.get("runs", result["rows"])])
@@ -579,11 +564,3 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         update_doc(table, commands_block(rows, [argv]))
         print(f"table written into {DOC}")
     return result
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except (learning_data.DataError, RuntimeError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)

@@ -1,7 +1,7 @@
 """Small public datasets for ``benchmarks/learning_bench.py``, prepared from Debian packages without root.
 
-    python -m benchmarks.learning_data                        # both datasets at 32 px into bench_data/
-    python -m benchmarks.learning_data --datasets emoji --img-size 48
+    python -m benchmarks learning-data                        # both datasets at 32 px into bench_data/
+    python -m benchmarks learning-data --datasets emoji --img-size 48
 
 Packages are fetched with ``apt-get download`` and unpacked with ``dpkg-deb -x`` into
 ``CACHE/debs`` and ``CACHE/root`` (no root needed, nothing installed). Each dataset is written as
@@ -31,7 +31,6 @@ import random
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -97,9 +96,6 @@ class PreparedDataset:
         return cls(info["name"], root, info["classes"], info["num_train"], info["num_val"], info)
 
 
-# ----------------------------------------------------------------------------- Debian packages
-
-
 def fetch_packages(packages: Sequence[str], cache: Path) -> Path:
     """Download ``packages`` (``apt-get download``) and unpack them (``dpkg-deb -x``) under ``cache``.
 
@@ -159,9 +155,6 @@ def package_version(cache: Path, package: str) -> str:
     return deb.name.split("_")[1] if deb else "?"
 
 
-# ----------------------------------------------------------------------------- images
-
-
 def square_on_white(image: Image.Image, size: int) -> Image.Image:
     """Crop an image to its visible pixels, pad it to a centred square, flatten it on white, resize.
 
@@ -211,9 +204,6 @@ def svg_renderer(cache: Path) -> Callable[[Path], Image.Image] | None:
             return _open_rgba(out)
 
     return render
-
-
-# ----------------------------------------------------------------------------- the datasets
 
 
 def tuxpaint_descriptions(text: str) -> tuple[str, ...]:
@@ -317,9 +307,6 @@ def _draw_emoji(font: ImageFont.FreeTypeFont, text: str) -> Image.Image:
 
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "x"
-
-
-# ----------------------------------------------------------------------------- writing
 
 
 def split_items(items: Sequence[Item], val_fraction: float, seed: int) -> dict[str, list[Item]]:
@@ -435,22 +422,14 @@ def prepare(name: str, img_size: int = 32, seed: int = 0, cache: Path = DEFAULT_
     return write_dataset(out, name, items, img_size, seed, VAL_FRACTION, info)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--datasets", nargs="+", choices=sorted(DATASETS), default=sorted(DATASETS))
     p.add_argument("--img-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="download and output folder (bench_data/)")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> None:
     for name in args.datasets:
-        try:
-            ds = prepare(name, args.img_size, args.seed, args.cache)
-        except DataError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 1
+        ds = prepare(name, args.img_size, args.seed, args.cache)
         print(f"{name}: {ds.root} ({len(ds.classes)} classes, {ds.num_train} train, {ds.num_val} val)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -41,8 +41,7 @@ import numpy as np
 from omegaconf import MISSING
 from PIL import Image
 
-from benchmarks.machine import loadavg, machine_info
-from benchmarks.procfs import tree_rss_kib
+from benchmarks.machine import loadavg, machine_info, status_kib
 from vitattn.cli.args import UsageError, parse_key_values, run_main
 from vitattn.data import read_image
 from vitattn.data.images import BadImageError
@@ -52,6 +51,18 @@ __all__ = ["LoadConfig", "main"]
 
 MAX_IMAGE_BYTES = 1_000_000  # the server's byte limit during the test: the "too large" image is just over it
 RSS_GROWTH_LIMIT = 0.10  # last quarter's median RSS over the first quarter's
+
+
+def tree_rss_kib(root: int) -> int:
+    """The summed ``VmRSS`` of ``root`` and its live descendants, in KiB (pages shared by forks counted per process)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        children.setdefault(status_kib("PPid", entry), []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return sum(status_kib("VmRSS", pid) for pid in tree)
 
 
 @dataclass

@@ -60,6 +60,15 @@ def loadavg() -> tuple[float, float, float] | None:
     return os.getloadavg() if hasattr(os, "getloadavg") else None
 
 
+def status_kib(field: str, pid: int | str = "self") -> int:
+    """A KiB field of ``/proc/PID/status`` (``VmRSS``, ``VmHWM``; ``PPid`` as is); 0 when the process is gone."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) for line in lines if line.startswith(f"{field}:")), 0)
+
+
 def matmul_fn(n: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Callable[[], Tensor]:
     """One ``torch.mm`` of two (n, n) matrices (2n³ FLOPs), the reference for the achieved rate."""
     a = torch.randn(n, n, device=device, dtype=dtype)

@@ -1,7 +1,7 @@
 """The built-in caption metrics against the COCO caption toolkit itself (docs/captioning.md#metric-parity).
 
-    python -m benchmarks.metric_parity                  # 5,000 images x 5 references, seed 0
-    python -m benchmarks.metric_parity --images 500 --seed 3
+    python -m benchmarks metric-parity                  # 5,000 images x 5 references, seed 0
+    python -m benchmarks metric-parity --images 500 --seed 3
 
 Needs ``pip install -e '.[coco]'`` and Java. Builds a caption corpus from word lists and templates
 that exercise the PTB tokenizer (clitics, hyphens, abbreviations with periods, ``& $ % #``, quotes,
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -23,7 +22,7 @@ from vitattn.metrics import compute_caption_metrics
 from vitattn.metrics.tokenize import coco_tokenize_file
 from vitattn.metrics.toolkit import toolkit_scores, toolkit_tokenize
 
-__all__ = ["compare", "main", "parity_corpus"]
+__all__ = ["add_arguments", "compare", "parity_corpus", "run"]
 
 
 def _split(text: str) -> list[str]:
@@ -183,16 +182,13 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.metric_parity", description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--images", type=int, default=5000, help="images in the corpus, 5 references each")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     result = compare(*parity_corpus(args.images, args.seed))
     print(report(result))
     print("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in result["seconds"].items()))
     return result
-
-
-if __name__ == "__main__":
-    main()

@@ -11,9 +11,8 @@ import torch
 from torch import nn
 
 from benchmarks import workloads
-from benchmarks.env import Env
 from benchmarks.report import plot_scaling, row
-from benchmarks.timing import paired_speedup
+from benchmarks.timing import Env, paired_speedup
 
 
 def bench_scaling(env: Env, out_png: Path) -> tuple[list[dict], dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Interleaved timing rounds, their medians and quartiles, one call's wall and CPU time, and a time limit.
+"""Interleaved timing rounds, their medians and quartiles, a time limit, and the knobs every timed section shares.
 
 Every comparison runs both sides in the same process, interleaved in rounds (A B, B A, A B, ...)
 after a warm-up; each side's figure is its median over the rounds, and the ratio is the median of
@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import FrameType
 from typing import Any, NoReturn
+
+import torch
 
 
 def interleaved(
@@ -69,17 +71,6 @@ def interleaved(
     return samples
 
 
-def wall_and_cpu(fn: Callable[..., Any], *args: Any) -> tuple[float, float]:
-    """(wall seconds, this process's CPU seconds) of one call of ``fn(*args)`` in inference mode: CPU time is the
-    steadier measure on a shared machine at one thread."""
-    import torch
-
-    wall, cpu = time.perf_counter(), time.process_time()
-    with torch.inference_mode():
-        fn(*args)
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
 def _no_sync() -> None:
     """Nothing to wait for (a CPU)."""
 
@@ -122,3 +113,43 @@ def time_limit(seconds: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+class Env:
+    """Device, precision and timing knobs shared by every section.
+
+    Args:
+        device: ``cpu`` or ``cuda``.
+        quick: fewer repeats, shorter samples and fewer sizes.
+        repeats: timed samples per side (default 7, quick 3).
+        min_time: shortest timed sample in seconds (default 0.2, quick 0.05).
+    """
+
+    def __init__(self, device: str, quick: bool, repeats: int | None = None, min_time: float | None = None) -> None:
+        self.device = device
+        self.cuda = device.startswith("cuda")
+        self.quick = quick
+        self.repeats = repeats or (3 if quick else 7)
+        self.min_time = min_time if min_time is not None else (0.05 if quick else 0.2)
+        self.sync = torch.cuda.synchronize if self.cuda else None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast on CUDA (UNTESTED on a GPU here); fp32 on CPU (bf16 matmul is slow without AMX)."""
+        if self.cuda:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def time(
+        self, fns: Mapping[str, Callable[[], Any]], repeats: int | None = None, warmup: int = 1
+    ) -> dict[str, list[float]]:
+        """``interleaved`` with this run's repeats, shortest sample and device sync.
+
+        Args:
+            fns: name -> zero-argument function.
+            repeats: samples per function (default: ``self.repeats``).
+            warmup: untimed calls per function first.
+
+        Returns:
+            name -> samples, seconds per call, in round order.
+        """
+        return interleaved(fns, repeats or self.repeats, warmup, self.min_time, self.sync)

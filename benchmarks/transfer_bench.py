@@ -1,9 +1,9 @@
 """Transfer benchmark: caption the built-in shapes on an encoder pretrained by classification, or from scratch.
 
-    python -m benchmarks.transfer_bench --seeds 0 1 --jobs 6 --update-doc   # the figures in docs/transfer.md
-    python -m benchmarks.transfer_bench --quick                              # a smoke run: 20 steps a run
-    python -m benchmarks.transfer_bench --pretrain-steps 1000 --steps 300 --vitattn-args optim.lr=1e-3
-    python -m benchmarks.transfer_bench --doc-from bench_results/transfer.json  # only rewrite the doc's table
+    python -m benchmarks transfer --seeds 0 1 --jobs 6 --update-doc   # the figures in docs/transfer.md
+    python -m benchmarks transfer --quick                              # a smoke run: 20 steps a run
+    python -m benchmarks transfer --pretrain-steps 1000 --steps 300 --vitattn-args optim.lr=1e-3
+    python -m benchmarks transfer --doc-from bench_results/transfer.json  # only rewrite the doc's table
 
 For each seed, four ``vitattn-train`` runs, each a subprocess with ``num_threads=1`` and vitattn's
 training defaults (model=cpu: 64 px, 8 px patches, width 128, 4 layers, a 2-layer decoder):
@@ -251,7 +251,7 @@ def tables(result: dict[str, Any]) -> str:
 
 def commands_block(result: dict[str, Any], argv: Sequence[str]) -> str:
     """The bench's own command and each run's of the first seed (paths relative to the repo), as a code block."""
-    lines = ["```bash", "python -m benchmarks.transfer_bench " + " ".join(shlex.quote(a) for a in argv)]
+    lines = ["```bash", "python -m benchmarks transfer " + " ".join(shlex.quote(a) for a in argv)]
     first = result["pretrain"][0]["seed"]
     for r in [result["pretrain"][0], *(r for r in result["rows"] if r["seed"] == first)]:
         lines += [f"# {ARM_NAMES.get(r.get('arm'), 'pretrain')}", r["command"].replace(f"{REPO}{os.sep}", "")]
@@ -267,8 +267,7 @@ def update_doc(text: str, path: Path = DOC) -> None:
     path.write_text(f"{before}{DOC_START}\n{text}\n{DOC_END}{rest.split(DOC_END, 1)[1]}", encoding="utf-8")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pretrain-steps", type=int, default=None, help="classification steps (default 500, quick 20)")
     p.add_argument("--steps", type=int, default=None, help="steps of each caption run (default 300, quick 20)")
     p.add_argument("--quick", action="store_true", help="20 steps a run: checks that everything runs")
@@ -280,7 +279,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "bench_results" / "transfer.json")
     p.add_argument("--update-doc", action="store_true", help="rewrite the table in docs/transfer.md")
     p.add_argument("--doc-from", type=Path, default=None, help="only rewrite the doc's table from a saved JSON")
-    return p.parse_args(argv)
 
 
 def config_from(args: argparse.Namespace) -> BenchConfig:
@@ -304,9 +302,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
     return cfg
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    argv = args.argv
     if args.doc_from is not None:
         saved = json.loads(args.doc_from.read_text())
         update_doc(f"{tables(saved)}\n\n{commands_block(saved, saved['argv'])}")
@@ -330,11 +327,3 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         update_doc(f"{tables(result)}\n\n{commands_block(result, argv)}")
         print(f"table written into {DOC}")
     return result
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except (RuntimeError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import Tensor, nn
 
-from benchmarks.env import Env
+from benchmarks.timing import Env
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 from vitattn.models.timm_weights import load_timm_weights
 

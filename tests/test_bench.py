@@ -4,7 +4,6 @@ import ast
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks import cli, timing, workloads
+from benchmarks import cli, steps, timing, workloads
 from benchmarks.caption import given_memory
 from benchmarks.flops import counted_flops, vit_flops
 from benchmarks.machine import matmul_gflops
@@ -122,16 +121,6 @@ def test_forced_length_and_given_memory_generate_exactly_n_tokens(num_beams):
     torch.testing.assert_close(given, free)
 
 
-def test_beam_search_bench_times_now_before_and_hugging_face(tiny_bench):
-    pytest.importorskip("transformers")
-    from benchmarks.beam_search import bench
-
-    decode, search = bench(batch=2, beams=2, tokens=3, repeats=1)
-    assert (decode["row"], search["row"]) == ("decode only", "search only")
-    assert set(decode["ms_per_batch"]) == {"now", "before", "hf"} and set(search["ms_per_batch"]) == {"now", "before"}
-    assert all(v > 0 for r in (decode, search) for v in (*r["ms_per_batch"].values(), r["before_over_now"]))
-
-
 @pytest.mark.slow
 def test_main_writes_the_json_schema_and_plot(tiny_bench, tmp_path):
     sections = ["encoder", "scaling", "e2e"]  # caption (Hugging Face): test_main_times_captions_against_hugging_face
@@ -195,21 +184,18 @@ def test_script_runs_without_transformers_imported():
     # `transformers` is the optional `bench` extra: no module of the bench may import it on import, and
     # `python -m benchmarks` still runs without it.
     code = WITHOUT_TRANSFORMERS + (
-        "import runpy; sys.argv = ['benchmarks', '--help'];"
+        "import runpy; sys.argv = ['benchmarks', 'speed', '--help'];"
         "runpy.run_module('benchmarks', run_name='__main__', alter_sys=True)"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert (
-        "--sections {encoder,compile,caption,scaling,e2e,data,processes}" in proc.stdout
-        and "--no-compile" in proc.stdout
-    )
+    assert "--sections {encoder,compile,caption,scaling,e2e}" in proc.stdout and "--no-compile" in proc.stdout
     assert proc.stdout.split("\n\n")[1].startswith("Speed of vitattn against timm and Hugging Face")
 
 
 def test_python_m_benchmarks_matmul_prints_the_fp32_rate_at_the_threads_asked(capsys):
-    from benchmarks.__main__ import main
+    from benchmarks.cli import main
 
     threads = torch.get_num_threads()
     try:
@@ -224,20 +210,6 @@ def test_python_m_benchmarks_matmul_prints_the_fp32_rate_at_the_threads_asked(ca
     with pytest.raises(SystemExit, match="^2$"):
         main(["matmul", "--threads", "0"])
     assert "--threads=0 must be at least 1" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_processes_section_times_one_and_two_caption_processes(tmp_path):
-    from benchmarks.env import Env
-    from benchmarks.processes import bench_processes
-
-    rows, details = bench_processes(Env("cpu", quick=True), n_images=300, workdir=tmp_path)
-    (only,) = rows
-    assert only["name"] == "caption files: 2 processes x 1 thread vs 1 (300 images)" and only["kind"] == "processes"
-    runs = details["runs"]
-    assert set(runs) == {1, 2} and "devices=2" in runs[2]["command"] and "devices=1" in runs[1]["command"]
-    assert all(r["images_per_s"] > 0 and 0 < r["startup_s"] < r["total_s"] and r["cores"] > 0 for r in runs.values())
-    assert only["ratio"] == pytest.approx(runs[2]["images_per_s"] / runs[1]["images_per_s"])
 
 
 def test_benchmarks_use_vitattn_as_a_user_would():
@@ -261,43 +233,35 @@ def test_benchmarks_use_vitattn_as_a_user_would():
 
 
 @pytest.mark.slow
-def test_first_caption_times_the_import_and_each_caption_command():
-    from benchmarks.first_caption import first_caption, format_rows
-
-    result = first_caption(repeats=2, n_images=1)
-    wall = result["wall_s"]
-    assert set(wall) == {"import", *result["rows"]} and all(len(v) == 2 and min(v) > 0 for v in wall.values())
-    assert "vitattn-caption" in result["commands"]["caption"] and "images=" in result["commands"]["caption"]
-    for name, measured in result["rows"].items():
-        ratios = [c / i for c, i in zip(wall[name], wall["import"])]
-        assert measured["ratio"] == pytest.approx(statistics.median(wall[name]) / statistics.median(wall["import"]))
-        assert measured["ratio_range"] == [min(ratios), max(ratios)]
-    assert len(format_rows(result)) == len(result["rows"])
-
-
-@pytest.mark.slow
-def test_grad_checkpointing_bench_sees_the_smaller_step_peak_of_its_fresh_processes():
+def test_train_memory_sees_the_smaller_step_peak_of_grad_checkpointing_in_fresh_processes():
     """Four processes at a small size: checkpointing's step peak is under 0.6x (0.36x measured); a process
     that reused the memory of its first step (glibc's dynamic mmap threshold) would show about 1x."""
-    from benchmarks.grad_checkpointing import main, report
-
-    shape = ["--model", "cpu", "--img-size", "64", "--batch-size", "16", "--steps", "1"]
-    result = main([*shape, "--repeats", "2"])
+    shape = ["--model", "cpu", "--img-size", "64", "--batch-size", "16", "--steps", "1", "--repeats", "2"]
+    result = cli.main(["train", *shape, "--memory", "--grad-checkpointing"])
     runs = result["runs"]
-    assert [len(runs[s]) for s in ("off", "on")] == [2, 2]
-    for off, on in zip(runs["off"], runs["on"]):
+    assert [len(runs[s]) for s in ("flagged", "plain")] == [2, 2]
+    for on, off in zip(runs["flagged"], runs["plain"]):
         assert 0 < on["step_peak_mib"] < 0.6 * off["step_peak_mib"] < off["process_peak_mib"]
-    assert "on / off, step peak" in report(result)
+    step_peak = result["rows"][0]
+    assert step_peak["name"].startswith("step_peak_mib") and step_peak["ratio"] < 0.6
+    assert "--grad-checkpointing" in step_peak["note"] and "on / off" not in step_peak["note"]
 
 
-def test_channels_last_bench_times_both_layouts_and_reads_the_convolution(monkeypatch):
-    from benchmarks.channels_last import convolution_share, measure_channels_last
+@pytest.mark.parametrize("section", ["train", "infer"])
+@pytest.mark.parametrize("flags", [["--channels-last"], ["--precision", "bf16"], ["--grad-checkpointing"]])
+def test_train_and_infer_time_the_flagged_model_against_the_plain_one(section, flags):
+    argv = [section, "--model", "cpu", "--img-size", "32", "--batch-size", "2", "--repeats", "2", *flags]
+    result = cli.main(argv)
+    ((r,),) = [result["rows"]]
+    assert r["ours"] > 0 and r["ref"] > 0 and r["ratio"] > 0 and r["unit"] == "img/s" and r["ref_name"] == "plain"
+    assert flags[0] in r["note"] and result["flags"] in r["note"] and result["argv"] == argv[1:]
+    assert [len(v) for v in result["seconds"].values()] == [2, 2]
 
-    tiny = dict(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0)
-    monkeypatch.setattr(workloads, "ENCODERS", {"tiny": tiny})
-    monkeypatch.setattr(workloads, "ENCODER_BATCH", {"tiny": 2})
-    rows = measure_channels_last(["tiny"], "cpu", repeats=2)
-    assert [(r["model"], r["pass"]) for r in rows] == [("tiny b2", "forward"), ("tiny b2", "train step")]
-    assert all(r["nchw img/s"] > 0 and r["nhwc img/s"] > 0 and r["speed-up"] > 0 for r in rows)
-    milliseconds, share = convolution_share("tiny", torch.channels_last)
-    assert milliseconds > 0 and 0 < share < 1
+
+def test_train_flags_change_the_flagged_model_only():
+    args = cli.parser().parse_args(["train", "--model", "cpu", "--img-size", "32", "--channels-last"])
+    for flagged in (True, False):
+        model, images, _ = steps._build(args, flagged)
+        layout = torch.channels_last if flagged else torch.contiguous_format
+        assert images.is_contiguous(memory_format=layout)
+        assert model.patch_embed.proj.weight.is_contiguous(memory_format=layout)

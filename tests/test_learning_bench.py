@@ -1,4 +1,4 @@
-"""benchmarks/learning_data.py and benchmarks/learning_bench.py on tiny synthetic data written in the bench's format."""
+"""The learning and learning-data sections (learning_bench.py, learning_data.py) on tiny data in their format."""
 
 import json
 import math
@@ -8,7 +8,7 @@ import pytest
 from PIL import Image, ImageDraw
 from torchvision.datasets import ImageFolder
 
-from benchmarks import learning_bench, learning_data
+from benchmarks import cli, learning_bench, learning_data
 from tests.helpers import compose_train
 from vitattn.data import load_coco_captions
 
@@ -166,7 +166,7 @@ def test_table_and_doc_markers(tmp_path):
     learning_bench.update_doc(table, learning_bench.commands_block([row], [["--quick"]]), doc)
     text = doc.read_text()
     assert "old" not in text and text.startswith("intro\n") and text.endswith("after\n")
-    assert table in text and "vitattn-train x=1" in text and "python -m benchmarks.learning_bench --quick" in text
+    assert table in text and "vitattn-train x=1" in text and "python -m benchmarks learning --quick" in text
 
 
 def _run(seed, vitattn, plain, dataset="d", metric="acc"):
@@ -210,7 +210,9 @@ def test_caption_note_gives_the_seeds_mean_share_of_distinct_captions():
 
 
 def test_three_training_seeds_unless_quick_or_given():
-    args = learning_bench.parse_args
+    def args(argv):
+        return cli.parser().parse_args(["learning", *argv])
+
     assert learning_bench.train_seeds(args([])) == [0, 1, 2]
     assert learning_bench.train_seeds(args(["--quick", "--seed", "4"])) == [4]
     assert learning_bench.train_seeds(args(["--train-seeds", "5", "6"])) == [5, 6]
@@ -224,13 +226,10 @@ def test_doc_from_saved_runs_rewrites_only_the_table(tmp_path, monkeypatch):
     doc = tmp_path / "doc.md"
     doc.write_text(f"{learning_bench.DOC_START}\n{learning_bench.DOC_END}\n")
     monkeypatch.setattr(learning_bench, "DOC", doc)
-    learning_bench.main(["--doc-from", str(first), str(second)])
+    cli.main(["learning", "--doc-from", str(first), str(second)])
     text = doc.read_text()
     assert "| d | classification | val accuracy | 60.0 % (50.0–70.0) | 75.0 % (75.0–75.0) | MISS | 9 | 2 | 2 |" in text
-    assert (
-        "python -m benchmarks.learning_bench --steps 9" in text
-        and "python -m benchmarks.learning_bench --train-seeds 1" in text
-    )
+    assert "python -m benchmarks learning --steps 9" in text and "python -m benchmarks learning --train-seeds 1" in text
     assert "vitattn-train seed=0" in text
 
 
@@ -259,34 +258,3 @@ def test_bench_runs_both_sides_for_the_same_steps(tiny_data, tmp_path):
     assert len(saved) == tiny_data.num_val and all(set(s) == {"image_id", "caption", "references"} for s in saved)
     table = learning_bench.format_table(rows)
     assert table.count("\n") == 1 + len(rows)
-
-
-# ------------------------------------------------------------------------------ variants bench
-
-
-def test_variants_bench_starts_each_variant_from_its_datasets_and_seeds_base_run(tmp_path, monkeypatch):
-    from benchmarks import variants_bench
-
-    calls = []
-
-    def fake_run(task, data, cfg, run_dir):
-        calls.append((run_dir.name, cfg.seed, cfg.steps, list(cfg.vitattn_args)))
-        score = {"xe": 1.0, "scst": 2.0, "init": 0.5}[run_dir.name.split("-")[2]] + cfg.seed
-        return learning_bench.Side({"cider_d": score, "bleu4": 0.1, "exact_match": 0.25}, cfg.steps, 1.0, 1.0, "x")
-
-    monkeypatch.setattr(variants_bench, "run_vitattn", fake_run)
-    monkeypatch.setattr(variants_bench.learning_data, "prepare", lambda name, *a: name)
-    variants = variants_bench.parse_variants([["xe"], ["scst", "finetune=scst"]])
-    cfg = learning_bench.BenchConfig(steps=7)
-    runs = variants_bench.run_all(variants, ["emoji"], "caption", [0, 1], cfg, tmp_path, 1, tmp_path, 0, init_steps=9)
-    bases = [c for c in calls if "-init-" in c[0]]
-    assert [(c[1], c[2]) for c in bases] == [(0, 9), (1, 9)] and all("export_bundle=true" in c[3] for c in bases)
-    for name, seed, steps, args in calls:
-        if "-init-" not in name:
-            assert steps == 7 and f"finetune.init={tmp_path / f'emoji-caption-init-seed{seed}'}" in args
-            assert ("finetune=scst" in args) == ("-scst-" in name)
-    table = variants_bench.format_table([r for r in runs if r["variant"] != "init"], "caption")
-    assert "| emoji | xe | 1.500 (1.000–2.000) | 0.100 (0.100–0.100) | 25.0 % (25.0–25.0) | 2 | 7 | 1 |" in table
-    assert "| emoji | scst | 2.500 (2.000–3.000) |" in table
-    with pytest.raises(ValueError, match="--variant xe is given twice"):
-        variants_bench.parse_variants([["xe"], ["xe", "optim.lr=1e-4"]])

@@ -6,7 +6,7 @@ from subprocess import CompletedProcess
 import pytest
 from safetensors.torch import load_file
 
-from benchmarks import transfer_bench
+from benchmarks import cli, transfer_bench
 
 TINY = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "data.img_size=32", "data.num_val=16"]
 LR = 2e-3  # conf/train.yaml's optim.lr, which the bench keeps
@@ -31,7 +31,7 @@ def test_bench_captions_three_ways_and_transfers_the_classifiers_encoder(tmp_pat
     out = tmp_path / "transfer.json"
     argv = ["--pretrain-steps", "4", "--steps", str(steps), "--batch-size", "8", "--jobs", "2", "--out", str(out)]
     tiny = ["--vitattn-args", *TINY, f"optim.lr={LR}"]
-    result = transfer_bench.main([*argv, *tiny])
+    result = cli.main(["transfer", *argv, *tiny])
     rows = result["rows"]
     assert [r["arm"] for r in rows] == ["scratch", "pretrained", "frozen"]
     assert all(r["steps"] == steps for r in rows)
@@ -63,14 +63,14 @@ def test_bench_captions_three_ways_and_transfers_the_classifiers_encoder(tmp_pat
         raise AssertionError("a finished run was run again")
 
     monkeypatch.setattr(transfer_bench.subprocess, "run", no_run)
-    again = transfer_bench.main([*argv, *tiny])  # the same overrides: every run is kept
+    again = cli.main(["transfer", *argv, *tiny])  # the same overrides: every run is kept
     assert [r["metrics"] for r in again["rows"]] == [r["metrics"] for r in rows]
 
     launched = []  # another classifier in the same folder: it and every caption run on it run again
     monkeypatch.setattr(
         transfer_bench.subprocess, "run", lambda cmd, **kw: launched.append(cmd) or CompletedProcess(cmd, 0)
     )
-    transfer_bench.main([*argv, "--pretrain-steps", "5", *tiny])
+    cli.main(["transfer", *argv, "--pretrain-steps", "5", *tiny])
     heads = [next(a for a in cmd if a.startswith("head=")) for cmd in launched]
     assert heads == ["head=classification", "head=caption", "head=caption", "head=caption"]
 
@@ -110,6 +110,6 @@ def test_doc_update_replaces_only_between_the_markers(tmp_path):
 @pytest.mark.parametrize("option", ["--steps", "--pretrain-steps", "--batch-size", "--threads"])
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_counts_below_one_are_refused(option, value):
-    args = transfer_bench.parse_args([option, value])
+    args = cli.parser().parse_args(["transfer", option, value])
     with pytest.raises(ValueError, match=f"^{option} {value} must be at least 1$"):
         transfer_bench.config_from(args)
