@@ -1,5 +1,5 @@
 """Captioning many files: a killed ``vitattn-caption`` resumes with each image once, memory does not
-grow with the number of images, and the helpers of benchmarks/load_caption.py measure what they say."""
+grow with the number of images, and the helpers of benchmarks/processes.py measure what they say."""
 
 import json
 import os
@@ -16,22 +16,22 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from benchmarks import load_caption
 from tests.helpers import console_script
+from tests.helpers.processes import RecordCounter, process_tree, rss_kib, scan_processes, write_images
 from vitattn.bundle import load_bundle
 from vitattn.inference import caption_files, list_inputs
 
 
 def _live(pids) -> list[int]:
     """The ``pids`` still running (a killed child that nobody has reaped yet is a zombie: not running)."""
-    running = load_caption.scan_processes()
+    running = scan_processes()
     return [p for p in pids if p in running]
 
 
 @pytest.mark.slow
 def test_killed_caption_run_resumes_with_each_image_once(bundle_dir, tmp_path):
     script = console_script("vitattn-caption")
-    folder = load_caption.write_images(tmp_path / "imgs", 300, img_size=48)
+    folder = write_images(tmp_path / "imgs", 300, img_size=48)
     # A FIFO listed last: its reader blocks until killed, so however fast this machine captions,
     # the first run cannot finish before the kill.
     stall = folder / "zzz_stall.jpg"
@@ -47,14 +47,14 @@ def test_killed_caption_run_resumes_with_each_image_once(bundle_dir, tmp_path):
         "device=cpu",
         "progress=false",
     ]
-    count = load_caption.RecordCounter(out)  # the records of the finished chunks (64 images each)
+    count = RecordCounter(out)  # the records of the finished chunks (64 images each)
     with open(tmp_path / "first.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.monotonic() + 180
             while proc.poll() is None and count() < 8 and time.monotonic() < deadline:
                 time.sleep(0.005)
-            tree = load_caption.process_tree(proc.pid)  # the CLI and its DataLoader workers
+            tree = process_tree(proc.pid)  # the CLI and its DataLoader workers
             os.killpg(proc.pid, signal.SIGKILL)  # its own process group: the workers die with it
         finally:
             if proc.poll() is None:
@@ -127,24 +127,9 @@ def test_caption_files_memory_does_not_grow_with_the_number_of_images(bundle_dir
     assert per_image < 700, f"peak Python memory grows by {per_image:.0f} bytes per image"
 
 
-def test_load_caption_summary_of_samples():
-    # [t_s, tree_kib, main_kib, processes, lines, other_cpu_s]: 100 images, 20 per second after a
-    # 2 s start; the workers (processes 3) are gone once the last record is written
-    samples = [[0.0, 1024, 1024, 1, 0, 0.0], [2.0, 3072, 2048, 3, 20, 0.0]]
-    samples += [[2.0 + k, 3072 + 1024 * (k == 2), 2048, 3, 20 + 20 * k, 0.5 * k] for k in range(1, 4)]
-    samples += [[6.0, 2048, 2048, 1, 100, 2.0], [6.3, 5120, 5120, 1, 100, 2.0], [6.5, 0, 0, 0, 100, 2.0]]
-    row = load_caption.summarise(samples, 100, 6.5)
-    assert row["captioned"] == 100 and row["startup_s"] == 2.0 and row["total_s"] == 6.5
-    assert row["peak_rss_tree_mib"] == 4.0 and row["peak_rss_main_mib"] == 2.0 and row["max_processes"] == 3
-    assert row["peak_rss_exit_mib"] == 5.0  # after the last record: shutdown, reported apart
-    assert row["rss_tree_mib_at"] == {"20%": 3.0, "40%": 3.0, "60%": 4.0, "80%": 3.0, "100%": 2.0}
-    assert row["images_per_s_by_fifth"] == [None, 20.0, 20.0, 20.0, 20.0]  # the first fifth is one batch: untimed
-    assert row["other_cpu_cores_by_fifth"] == [None, 0.5, 0.5, 0.5, 0.5]
-
-
-def test_load_caption_counts_the_records_of_finished_chunks(tmp_path):
+def test_record_counter_counts_the_records_of_finished_chunks(tmp_path):
     out = tmp_path / "out.jsonl"
-    count = load_caption.RecordCounter(out)
+    count = RecordCounter(out)
     assert count() == 0  # nothing written yet
     (tmp_path / "out.jsonl.parts").mkdir()
     (tmp_path / "out.jsonl.parts" / "000000-a.jsonl").write_bytes(b'{"a": 1}\n{"b": 2}\n')
@@ -157,17 +142,17 @@ def test_load_caption_counts_the_records_of_finished_chunks(tmp_path):
     assert count() == 3
 
 
-def test_load_caption_finds_the_process_tree():
+def test_process_tree_finds_a_child_and_its_child():
     grandchild = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(60)'])"
     child = subprocess.Popen([sys.executable, "-c", grandchild], start_new_session=True)
     try:
         deadline = time.monotonic() + 20
-        while len(load_caption.process_tree(child.pid)) < 2 and time.monotonic() < deadline:
+        while len(process_tree(child.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        tree = load_caption.process_tree(child.pid)
+        tree = process_tree(child.pid)
         assert tree[0] == child.pid and len(tree) == 2
-        assert all(load_caption.rss_kib(p) > 0 for p in tree)
-        assert os.getpid() in load_caption.process_tree(os.getppid())
+        assert all(rss_kib(p) > 0 for p in tree)
+        assert os.getpid() in process_tree(os.getppid())
     finally:
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()

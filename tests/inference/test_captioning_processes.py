@@ -16,8 +16,8 @@ import pytest
 from PIL import Image
 
 import vitattn.inference.captioning as captioning
-from benchmarks import load_caption
 from tests.helpers import console_script, write_bad_images
+from tests.helpers.processes import process_tree, scan_processes, write_images
 from vitattn.bundle import load_bundle
 from vitattn.inference import caption_files, list_inputs
 from vitattn.inference.captioning import Processes
@@ -92,7 +92,7 @@ def _in_threads(model, inputs, out, monkeypatch, stop_rank: int | None = None, *
 
 @pytest.mark.parametrize("fmt", ["jsonl", "coco", "csv"])
 def test_ranks_caption_disjoint_shares_of_the_images_and_rank_0_merges_them(bundle_dir, tmp_path, monkeypatch, fmt):
-    folder = load_caption.write_images(tmp_path / "imgs", 9, img_size=48)
+    folder = write_images(tmp_path / "imgs", 9, img_size=48)
     (folder / "img_00004b.png").write_bytes(b"broken")  # an error record among them
     monkeypatch.setattr(captioning, "CHUNK_BATCHES", 1)
     inputs, out = list_inputs(folder), tmp_path / f"captions.{fmt}"
@@ -116,7 +116,7 @@ def test_ranks_caption_disjoint_shares_of_the_images_and_rank_0_merges_them(bund
 
 
 def test_single_process_run_resumes_the_chunks_of_a_multi_process_run(bundle_dir, tmp_path, monkeypatch):
-    folder = load_caption.write_images(tmp_path / "imgs", 8, img_size=48)
+    folder = write_images(tmp_path / "imgs", 8, img_size=48)
     monkeypatch.setattr(captioning, "CHUNK_BATCHES", 1)  # chunks of 2 images at batch_size=2
     inputs, out, model = list_inputs(folder), tmp_path / "captions.csv", load_bundle(bundle_dir)
     captioned, _, errors = _in_threads(model, inputs, out, monkeypatch, stop_rank=1, format="csv", batch_size=2)
@@ -129,7 +129,7 @@ def test_single_process_run_resumes_the_chunks_of_a_multi_process_run(bundle_dir
 
 
 def test_an_existing_jsonl_output_keeps_its_records(bundle_dir, tmp_path):
-    folder = load_caption.write_images(tmp_path / "imgs", 4, img_size=48)
+    folder = write_images(tmp_path / "imgs", 4, img_size=48)
     inputs, out = list_inputs(folder), tmp_path / "captions.jsonl"
     kept = {"image": inputs[2].path, "image_id": 2, "caption": "from an earlier run"}
     again = {**kept, "caption": "recorded twice: the first wins"}
@@ -145,7 +145,7 @@ def test_an_existing_jsonl_output_keeps_its_records(bundle_dir, tmp_path):
 def _ranks(root: int) -> dict[int, int]:
     """``LOCAL_RANK`` -> pid: ``root`` is rank 0, the ranks Lightning starts are its children."""
     found = {0: root}
-    for pid, (ppid, _) in load_caption.scan_processes().items():
+    for pid, (ppid, _) in scan_processes().items():
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if ppid == root else []
         except OSError:
@@ -175,7 +175,7 @@ def _wait_for_chunks(proc: subprocess.Popen, parts: Path, n: int, log: Path) -> 
 
 def _kill(proc: subprocess.Popen, pid: int) -> None:
     """SIGKILL ``pid`` (one rank, or rank 0 and its group); wait until the whole job is gone."""
-    tree = load_caption.process_tree(proc.pid)
+    tree = process_tree(proc.pid)
     os.kill(pid, signal.SIGKILL)
     if pid == proc.pid:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -186,14 +186,14 @@ def _kill(proc: subprocess.Popen, pid: int) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     deadline = time.monotonic() + 30
-    while [p for p in tree if p in load_caption.scan_processes()] and time.monotonic() < deadline:
+    while [p for p in tree if p in scan_processes()] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in tree if p in load_caption.scan_processes()], "processes of the killed run still alive"
+    assert not [p for p in tree if p in scan_processes()], "processes of the killed run still alive"
 
 
 @pytest.mark.slow
 def test_two_process_run_killed_and_resumed_captions_each_image_once(bundle_dir, tmp_path):
-    folder = load_caption.write_images(tmp_path / "imgs", 60, img_size=48)
+    folder = write_images(tmp_path / "imgs", 60, img_size=48)
     bad = write_bad_images(folder)
     # A FIFO listed last: its reader blocks until killed, so no run can finish while it is there.
     stall = folder / "zzz_stall.jpg"

@@ -384,7 +384,7 @@ class ImageDataModule(pl.LightningDataModule):
         in_use = self.trainer is not None and self.trainer.train_dataloader is not None
         if in_use and self._train_loader is not None:  # strategies that restore after setup: the loader is built
             self._train_loader.load_state_dict(state)
-        else:  # for the loader the trainer builds next (not one built before fit, as training.advice does)
+        else:  # for the loader the trainer builds next (not one built before fit, as training.build.check_fit does)
             self._train_loader_state = state
 
     def train_dataloader(self) -> DataLoader:
