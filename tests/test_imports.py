@@ -19,7 +19,7 @@ from tests.helpers import make_caption_bundle, make_classifier_bundle, make_coco
 # the test session (conftest imports torch, helpers import Hydra) hides an import.
 TRAINING_ONLY = ("lightning", "pytorch_lightning", "hydra", "matplotlib", "torchmetrics")
 # What captioning must not import either: timm imports wandb where it is installed (timm.utils.summary), a large
-# part of a first caption's time (benchmarks/first_caption.py: 1.13x the torch import without, ~1.4x with).
+# part of a first caption's time (docs/benchmarks.md#a-first-caption: 1.13x the torch import without, ~1.4x with).
 NOT_CAPTIONING = (*TRAINING_ONLY, "timm", "wandb")
 CAPTIONING = ("Captioner.caption", "vitattn-caption")
 
