@@ -12,7 +12,7 @@ from PIL import Image
 from vitattn.bundle import Bundle, bundle_from_system, load_bundle, save_bundle
 from vitattn.data.preprocess import eval_transform
 from vitattn.data.tokenizer import Vocabulary
-from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
+from vitattn.models import CaptionDecoder, CocaCaptioner, ImageCaptioner, VisionTransformer
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
 WORDS = "a red blue green circle square on the left right".split()
@@ -143,6 +143,35 @@ def test_bundle_round_trip_classification(tmp_path):
     assert bundle.task == "classification" and bundle.class_names == ["cat", "dog", "owl"] and bundle.vocab is None
     x = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(bundle.model(x), model(x))
+
+
+def _ties(model: torch.nn.Module) -> list[list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return sorted(names.values())
+
+
+@pytest.mark.parametrize("head", ["caption", "coca", "classification"])
+def test_a_loaded_bundle_holds_every_tensor_of_the_saved_model(tmp_path, head):
+    """The loader builds the model once, without values, then fills it from the weights: every parameter and
+    buffer is the saved one (a buffer left out of the state dict would stay unfilled), ties kept."""
+    vocab = Vocabulary(WORDS)
+    if head == "classification":
+        model, labels = VisionTransformer(**TINY, num_classes=3).eval(), dict(class_names=["cat", "dog", "owl"])
+    else:
+        model, labels = tiny_captioner(vocab), dict(vocab=vocab)
+        if head == "coca":
+            model = CocaCaptioner(model.encoder, model.decoder, embed_dim=16, text_depth=1, text_num_heads=2).eval()
+    task = "classification" if head == "classification" else "caption"
+    loaded = load_bundle(save_bundle(tmp_path / "b", model, task=task, preprocess=PREPROCESS, **labels)).model
+    assert type(loaded) is type(model) and not loaded.training
+    expected = model.state_dict()
+    assert dict(loaded.named_buffers()).keys() <= expected.keys()
+    assert loaded.state_dict().keys() == expected.keys()
+    for name, tensor in loaded.state_dict().items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+    assert _ties(loaded) == _ties(model)
 
 
 def test_load_bundle_from_run_folders_and_checkpoints(tmp_path, captioner_and_vocab):

@@ -198,8 +198,8 @@ def _captioner(norm_first: bool = True, vocab: int = 13) -> ImageCaptioner:
 
 
 def test_models_built_on_the_meta_device_skip_their_init_and_keep_the_shapes(monkeypatch):
-    """A copy without values (``bundle.arguments.build_model`` checks a config against its weights with
-    one) runs none of the initialisers, which are slow on meta tensors; built for real, they run."""
+    """A copy without values (``bundle.folder.build_model`` builds one, checks it against the weights, then fills
+    it) runs none of the initialisers, which are slow on meta tensors; built for real, they run."""
     real_vit = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)
     real_decoder = CaptionDecoder(vocab_size=20, embed_dim=32, depth=1, num_heads=2, max_len=8)
     called = []

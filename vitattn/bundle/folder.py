@@ -238,28 +238,42 @@ def _misfit(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> str:
 
 
 def build_model(task: str, model_config: Any, where: Path, shapes: Mapping[str, Sequence[int]]) -> nn.Module:
-    """The ``task`` model of ``model_config``, built once a copy on the meta device has shown that its tensors have
-    the ``shapes`` of the weights: a config that does not fit is refused before any memory is taken."""
+    """The ``task`` model of ``model_config`` on the CPU, its tensors not yet filled: load the weights of these
+    ``shapes`` into it. It is built once, on the meta device, and takes memory only once its tensors have been
+    shown to have the ``shapes`` of the weights: a config that does not fit is refused first."""
     if not isinstance(model_config, Mapping):
         raise ValueError(f"{where}: the model config must be a mapping, got {type(model_config).__name__}")
     _check_config(task, model_config, where)
     num_weights = sum(math.prod(shape) for shape in shapes.values())
-    for key, value in _integers(model_config):
+    for key, value in _integers(model_config):  # a constructor may size a CPU list by one (depth), even on meta
         if value > num_weights:
             raise ValueError(f"{where}: model {key}={value} does not fit weights of {num_weights} numbers")
     try:  # tied weights are registered (and counted) twice, but saved once
         with torch.device("meta"), _at_most_tensors(2 * len(shapes) + 8):
-            skeleton = _construct(task, model_config)
+            model = _construct(task, model_config)
     except _TooManyTensors:
         raise ValueError(
             f"{where}: the model config has far more tensors than the {len(shapes)} of its weights"
         ) from None
     except Exception as err:  # noqa: BLE001 - a config can make a constructor fail in any way
         raise ValueError(f"{where}: cannot build the {task} model from its config: {first_line(err)}") from None
-    problem = _misfit(skeleton, {name: tuple(shape) for name, shape in shapes.items()})
+    problem = _misfit(model, {name: tuple(shape) for name, shape in shapes.items()})
     if problem:
         raise ValueError(f"{where}: the weights do not fit the model config: {problem}")
-    return _construct(task, model_config)
+    return _materialise(model)
+
+
+def _materialise(model: nn.Module) -> nn.Module:
+    """``model`` (on the meta device, every tensor in its state dict) on the CPU, uninitialised, ties kept."""
+    tied: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(parameter), []).append(name)
+    model.to_empty(device="cpu")  # gives each module a parameter of its own: tie them again
+    for first, *others in tied.values():
+        for name in others:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, model.get_parameter(first))
+    return model
 
 
 def save_bundle(
