@@ -209,7 +209,6 @@ def test_cli_sampling_with_a_seed_is_reproducible(bundle_dir, tmp_path):
         (["model=m", "images=i", "out=o", "beams=3"], "unknown key 'beams'; did you mean 'num_beams'?"),
         (["model=m", "images=i"], "missing out=..."),
         (["model=m", "images=i", "out=o", "batch_size=many"], "batch_size="),
-        (["model=m", "images=i", "out=o", "format=xml"], "format='xml' is unknown"),
         (["model=m", "images=i", "out=o", "--fast"], "is not key=value"),
         (["model=nowhere", "images=i", "out=o"], "model not found: nowhere"),
     ],
@@ -218,6 +217,15 @@ def test_cli_usage_errors_are_one_line(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and message in err[-1]
+
+
+def test_cli_refuses_an_unknown_format_in_one_line_and_writes_nothing(bundle_dir, tmp_path, capsys):
+    """``caption_files`` owns ``format``: the command line reaches it and says its line."""
+    Image.new("RGB", (40, 40), (255, 0, 0)).save(tmp_path / "red.png")
+    out = tmp_path / "captions.xml"
+    assert main([f"model={bundle_dir}", f"images={tmp_path / 'red.png'}", f"out={out}", "format=xml"]) == 2
+    assert capsys.readouterr().err == "error: format='xml' is unknown; choose one of ['jsonl', 'coco', 'csv']\n"
+    assert sorted(os.listdir(tmp_path)) == ["red.png"]
 
 
 @pytest.mark.slow

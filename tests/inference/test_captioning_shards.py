@@ -132,7 +132,6 @@ def test_two_processes_killed_mid_run_then_rerun_caption_every_key_once(bundle_d
         (["model=m", "out=o"], "error: missing images=... (image files) or shards=... (WebDataset tars)"),
         (["model=", "out=o", "images=i"], "error: missing model=...; see vitattn-caption --help"),  # not "." read
         (["model=m", "out=o", "images=i", "shards=s"], "error: images=... and shards=... are both given"),
-        (["model=m", "out=o", "shards=s", "format=coco"], "error: format='coco' is unknown for shards"),
     ],
 )
 def test_vitattn_caption_takes_images_or_shards(argv, message, capsys):
@@ -140,6 +139,17 @@ def test_vitattn_caption_takes_images_or_shards(argv, message, capsys):
 
     assert main(argv) == 2
     assert capsys.readouterr().err.startswith(message)
+
+
+def test_vitattn_caption_refuses_a_file_format_for_shards_and_writes_nothing(bundle_dir, tmp_path, capsys):
+    """``caption_shards`` owns ``format``: the command line reaches it and says its line."""
+    from vitattn.cli.caption import main
+
+    _shards(tmp_path / "in", 3, 2)
+    argv = [f"model={bundle_dir}", f"shards={tmp_path / 'in'}", f"out={tmp_path / 'out'}", "format=coco"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == "error: format='coco' is unknown for shards; choose one of ['jsonl', 'parquet']\n"
+    assert not (tmp_path / "out").exists()
 
 
 class _RanksOneAfterAnother:

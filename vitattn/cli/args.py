@@ -16,7 +16,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from vitattn.cli.errors import USER_ERRORS, quiet_upstream, report_user_error
 from vitattn.errors import brief, first_line
-from vitattn.precision import check_precision
 
 __all__ = ["DecodingArgs", "UsageError", "parse_key_values", "resolve_device", "run_main"]
 
@@ -72,11 +71,6 @@ def parse_key_values(argv: Sequence[str], schema: type, prog: str) -> Any:
         raise UsageError(f"missing {', '.join(f'{k}=...' for k in missing)}; see {prog} --help")
     if "device" in cfg and cfg.device not in ("auto", "cpu", "cuda") and not str(cfg.device).startswith("cuda:"):
         raise UsageError(f"device={cfg.device!r} is unknown; choose auto, cpu, cuda or cuda:N")
-    if "precision" in cfg:
-        try:
-            check_precision(cfg.precision)
-        except ValueError as err:
-            raise UsageError(str(err)) from None
     for key, least in _COUNTS.items():
         if isinstance(cfg.get(key), int) and cfg[key] < least:  # serve's devices may be auto
             raise UsageError(f"{key}={cfg[key]} must be at least {least}")

@@ -63,8 +63,6 @@ def parse_args(argv: list[str]) -> Any:
         raise UsageError("missing images=... (image files) or shards=... (WebDataset tars); see vitattn-caption --help")
     if cfg.images is not None and cfg.shards is not None:
         raise UsageError("images=... and shards=... are both given; caption image files or shards, not both")
-    if cfg.shards is None and cfg.format not in ("jsonl", "coco", "csv"):
-        raise UsageError(f"format={cfg.format!r} is unknown; choose jsonl, coco or csv")
     return cfg
 
 
@@ -74,12 +72,10 @@ def run(cfg: Any) -> int:
 
     from vitattn.bundle import load_model, runtime_of
     from vitattn.bundle.hub import resolve_model_path
-    from vitattn.inference.captioning import SHARD_FORMATS, launch_processes
+    from vitattn.inference.captioning import launch_processes
 
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
-    if cfg.shards is not None and cfg.format not in SHARD_FORMATS:
-        raise UsageError(f"format={cfg.format!r} is unknown for shards; choose {' or '.join(SHARD_FORMATS)}")
     model_path = resolve_model_path(cfg.model)  # a hf-hub: name fetched once, for runtime_of and load_model
     accelerator = cfg.accelerator or {"auto": "auto", "cpu": "cpu", "cuda": "gpu"}.get(cfg.device, cfg.device)
     processes = launch_processes(
