@@ -5,14 +5,13 @@
 #      training step vs timm under bf16 autocast, with MFU against the bf16 matmul rate measured
 #      in the same run, cached decoding vs recompute,
 #   3. two training steps of the caption head with trainer=gpu (bf16-mixed, compile=auto),
-#   4. vitattn-caption on 2,000 files with every GPU of the machine (devices=N, DDP) vs one,
 #   5. a ViT-B/16 classifier's bf16-mixed training throughput on one GPU (224 px, batch 64), with gradient
 #      checkpointing off and on: the run's steps/s and its model FLOPs utilisation against the bf16 matmul
 #      rate of step 2,
 #   6. captioning images/s from shards (3,000 shapes images in 6 shards) on one GPU,
-#   7. channels_last against NCHW (forward and training step, bf16 autocast) and the copy of a pinned
-#      (256, 3, 224, 224) batch as uint8 (normalised on the device) against float32; the device's
-#      normalisation is bit for bit the CPU's (tests/training/test_device_input.py on CUDA).
+#   7. channels_last against NCHW (forward and training step, bf16 autocast: `python -m benchmarks infer|train
+#      --channels-last`); the device's normalisation is bit for bit the CPU's (tests/training/test_device_input.py
+#      on CUDA).
 #   8. the GPU defaults: trainer.precision=auto and precision=auto against the device's compute capability,
 #      float32_matmul_precision=auto (TF32), and FSDP2 under bf16-mixed gathering weights in bf16
 #      (tests/test_precision.py and tests/training/test_sharding.py's one-process tests, on CUDA).
@@ -27,8 +26,6 @@ python -m benchmarks --device cuda --threads 8 --sections encoder caption --out 
   2>&1 | tee "$out/bench_gpu.txt"
 python -m vitattn.cli.train trainer=gpu trainer.max_steps=20 test=false export_bundle=false \
   logger=csv paths.runs_dir="$out/runs" trainer.enable_progress_bar=false 2>&1 | tail -20 | tee -a "$out/gpu.txt"
-python -m benchmarks --device cuda --sections processes --out "$out/bench_processes_gpu.json" \
-  2>&1 | tail -8 | tee "$out/bench_processes_gpu.txt"
 for ckpt in false true; do
   python -m vitattn.cli.train head=classification model=base data.img_size=224 data.batch_size=64 \
     data.num_train=8192 data.num_val=64 data.num_test=64 trainer=gpu trainer.devices=1 trainer.max_steps=60 \
@@ -53,16 +50,20 @@ python -m vitattn.cli.caption model="$model" shards="$out/shards" out="$out/shar
 end=$(date +%s.%N)
 python -c "print(f'captions from shards on one GPU: {3000 / ($end - $start):.0f} images/s (3,000 images, start-up included)')" \
   | tee -a "$out/gpu.txt"
-python -m benchmarks.channels_last --device cuda --repeats 5 2>&1 | tee "$out/channels_last_gpu.txt"
+for section in infer train; do
+  python -m benchmarks $section --channels-last --precision bf16 --model base --img-size 224 --batch-size 64 \
+    --device cuda --threads 8 --repeats 5 2>&1 | tee -a "$out/channels_last_gpu.txt"
+done
 python -m pytest -q -x tests/training/test_device_input.py -k "normalize or eval_transform or cuda" 2>&1 | tail -2 | tee -a "$out/gpu.txt"
 python - <<'PY' | tee -a "$out/gpu.txt"
 import torch
 from vitattn.precision import cuda_bf16, resolve_precision
-from vitattn.training.build import resolve_train_precision, set_matmul_precision
+from vitattn.training.build import set_matmul_precision
 from vitattn.training.config import compose_train
-cfg = compose_train(["trainer=gpu", "trainer.precision=auto"])
+from vitattn.training.plan import resolve
+plan = resolve(compose_train(["trainer=gpu", "trainer.precision=auto", "paths.output_dir=gpu_check_run"]))
 print(f"compute capability {torch.cuda.get_device_capability()}: cuda_bf16={cuda_bf16()}, "
-      f"precision=auto -> {resolve_precision('auto', 'cuda')}, trainer.precision=auto -> {resolve_train_precision(cfg)}, "
-      f"float32_matmul_precision=auto -> {set_matmul_precision(cfg)}")
+      f"precision=auto -> {resolve_precision('auto', 'cuda')}, trainer.precision=auto -> {plan.cfg.trainer.precision}, "
+      f"float32_matmul_precision=auto -> {set_matmul_precision(plan)}")
 PY
 python -m pytest -q -x tests/training/test_sharding.py -k "gathered_in_bf16 or shard_layers_makes" 2>&1 | tail -2 | tee -a "$out/gpu.txt"

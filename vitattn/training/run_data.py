@@ -12,13 +12,13 @@ from omegaconf import DictConfig
 
 from vitattn.bundle import LoadedModel
 from vitattn.data.images import EvalSplit
-from vitattn.data.preprocess import weights_preprocess
 from vitattn.data.tokenizer import Tokenizer
 from vitattn.evaluation.splits import model_labels
 from vitattn.run_dir import RunDir
 from vitattn.training.config import check_targets
+from vitattn.training.plan import preprocess_taken
 
-__all__ = ["datamodule_from_run", "preprocess_taken", "read_once", "run_split"]
+__all__ = ["datamodule_from_run", "read_once", "run_split"]
 
 
 def read_once(data: DictConfig) -> dict[str, Any]:
@@ -57,16 +57,6 @@ def datamodule_from_run(
         raise ValueError(f"the data of {run.config} cannot be rebuilt: {' '.join(str(err).split())[:200]}") from None
     datamodule.setup("validate")
     return datamodule
-
-
-def preprocess_taken(data: DictConfig, preprocess: Mapping[str, Any] | None) -> dict[str, Any]:
-    """What of a model's ``preprocess`` the data takes: the data class's ``weights_keys`` that ``data`` leaves
-    null (a ``data.*`` key the config sets wins over the weights')."""
-    if preprocess is None:
-        return {}
-    theirs = weights_preprocess(preprocess)
-    keys = getattr(hydra.utils.get_class(data._target_), "weights_keys", ())
-    return {k: theirs[k] for k in keys if k in theirs and data.get(k) is None}
 
 
 def run_split(
