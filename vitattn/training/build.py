@@ -9,7 +9,6 @@ import json
 import logging
 import math
 import os
-import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -157,14 +156,10 @@ def build_system(plan: Plan, datamodule: Any) -> VisionSystem:
     cfg = plan.cfg
     caption = cfg.head.task == "caption"
     labels = {"vocab": tokenizer_labels(datamodule.vocab)} if caption else {"class_names": list(datamodule.class_names)}
-    keys = {
-        k: _config_key(cfg.head.system, k, f"head.{k}" if k in cfg.head else f"head.system.{k}")
-        for k in cfg.head.system
-    }
     system = _instantiate(
         cfg.head.system,
         "head.system",
-        keys,
+        plan.system_keys,
         parts=_model_keys(cfg),
         model_config=model_config_from(plan, datamodule),
         preprocess=dict(datamodule.preprocess),
@@ -185,13 +180,6 @@ def _model_keys(cfg: DictConfig) -> dict[str, dict[str, str]]:
     contrastive = {k: f"head.contrastive.{k}" for k in cfg.head.get("contrastive", {})}
     contrastive |= {f"text_{k}": f"head.contrastive.text_{k}" for k in ("num_heads", "depth", "mlp_ratio")}
     return {"encoder": encoder, "decoder": decoder, "contrastive": contrastive}
-
-
-def _config_key(node: DictConfig, key: str, default: str) -> str:
-    """The config key a node's ``key`` takes its value from (``scst: ${finetune.scst}``: ``finetune.scst``)."""
-    value = node._get_node(key)._value()
-    interpolated = OmegaConf.is_interpolation(node, key) and re.fullmatch(r"\$\{([\w.]+)\}", str(value))
-    return interpolated[1] if interpolated else default
 
 
 def _instantiate(

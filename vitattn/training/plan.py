@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ class Plan:
     on_gpu: bool  # trainer.accelerator is gpu or cuda, or auto with CUDA available
     sharded: bool  # trainer=fsdp
     processes: int  # the training processes on this machine
+    system_keys: dict[str, str]  # head.system's arguments -> the config key each comes from, for error lines
 
 
 def resolve(cfg: DictConfig) -> Plan:
@@ -85,7 +87,11 @@ def resolve(cfg: DictConfig) -> Plan:
     else:
         kind = cfg.tokenizer.get("kind") if "tokenizer" in cfg and cfg.head.task == "caption" else None
         vocab = run_tokenizer(None if cfg.data.get("vocab_path") else kind, run_dir, ckpt_path is not None)
-    OmegaConf.resolve(cfg)
+    system_keys = {
+        k: _config_key(cfg.head.system, k, f"head.{k}" if k in cfg.head else f"head.system.{k}")
+        for k in cfg.head.system
+    }
+    OmegaConf.resolve(cfg)  # what is built and saved: Hydra's instantiate cannot resolve a read-only config
     OmegaConf.set_readonly(cfg, True)
     first_step = _checkpoint_step(ckpt_path) if ckpt_path else 0
     log_from = first_step if ckpt_path or cfg.resume == "auto" else None
@@ -101,6 +107,7 @@ def resolve(cfg: DictConfig) -> Plan:
         gpu,
         sharded,
         processes_per_node(cfg.trainer.get("devices", 1)),
+        system_keys,
     )
 
 
@@ -119,6 +126,13 @@ def processes_per_node(devices: Any) -> int:
     if isinstance(devices, int):
         return max(1, devices)
     return max(1, len(devices)) if isinstance(devices, Sequence) else 1
+
+
+def _config_key(node: DictConfig, key: str, default: str) -> str:
+    """The config key a node's ``key`` takes its value from (``scst: ${finetune.scst}``: ``finetune.scst``)."""
+    value = node._get_node(key)._value()
+    interpolated = OmegaConf.is_interpolation(node, key) and re.fullmatch(r"\$\{([\w.]+)\}", str(value))
+    return interpolated[1] if interpolated else default
 
 
 def _resolve_precision(cfg: DictConfig, gpu: bool) -> None:
