@@ -512,7 +512,11 @@ QUIET_STEP += ["trainer.max_epochs=-1", "test=false", "export_bundle=false"]
 def test_a_training_step_that_logs_nothing_reads_nothing_back_from_the_device(head, tmp_path, monkeypatch):
     profile = _ProfileStep(step=3)
     build = vitattn.training.build.instantiate_group
-    monkeypatch.setattr(vitattn.training.build, "instantiate_group", lambda group, *a: [*build(group, *a), profile])
+
+    def with_profile(group, *extra):  # the callbacks group, not the loggers' (which comes with their arguments)
+        return [*build(group, *extra), *([] if extra else [profile])]
+
+    monkeypatch.setattr(vitattn.training.build, "instantiate_group", with_profile)
     run = [f"head={head}", *TINY, *TINY_SHAPES, *QUIET_STEP]
     train(compose_train(run, tmp_path))
     reads = [event for event in profile.events if event.name in ("aten::item", "aten::_local_scalar_dense")]
