@@ -28,7 +28,7 @@ from vitattn.inference.api import to_pixels
 from vitattn.models.generate import sequence_log_prob
 from vitattn.precision import NATIVE_BF16_ENV, check_precision, native_bf16, resolve_precision
 from vitattn.training import train
-from vitattn.training.run_data import run_split
+from vitattn.training.run_split import run_split
 
 CAPTIONS, LABELS = 1000, 4000  # test-split images compared
 SHAPES = ["data.num_val=16", "test=false", "trainer.max_epochs=-1", "trainer.check_val_every_n_epoch=50"]

@@ -29,7 +29,7 @@ from vitattn.run_dir import RunDir
 from vitattn.training import train
 from vitattn.training.callbacks import SkippedImages
 from vitattn.training.datamodules import CocoCaptionDataModule, ImageFolderDataModule, KarpathyDataModule
-from vitattn.training.run_data import datamodule_from_run
+from vitattn.training.run_split import datamodule_from_run
 
 REASONS = {
     "corrupt": r"unreadable image: .+",

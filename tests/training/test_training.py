@@ -471,7 +471,7 @@ def test_the_self_critical_recipe_is_the_first_stages_second_stage(datasets, tmp
 
 @pytest.mark.parametrize("recipe", ["coco_karpathy_vit_b16", "flickr8k_vit_s16"])
 def test_captioning_recipes_pass_validation(recipe, datasets, tmp_path):
-    from vitattn.training.start import source_kind
+    from vitattn.training.init_weights import source_kind
 
     cfg = compose_train([f"experiment={recipe}", *datasets["karpathy"], "trainer.devices=1"], tmp_path)
     check_config(cfg)

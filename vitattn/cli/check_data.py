@@ -51,7 +51,7 @@ def run(args: tuple[DictConfig, int]) -> int:
     from vitattn.data.bad_images import find_bad_images
     from vitattn.training.build import setup_data
     from vitattn.training.config import check_data_paths, check_targets, data_name
-    from vitattn.training.run_data import read_once
+    from vitattn.training.run_split import read_once
 
     cfg, threads = args
     check_targets(cfg.data)

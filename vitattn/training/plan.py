@@ -28,7 +28,7 @@ from vitattn.data.tokenizer import Tokenizer, load_tokenizer
 from vitattn.precision import cuda_bf16, native_bf16
 from vitattn.run_dir import RunDir
 from vitattn.training.config import check_config, fully_sharded
-from vitattn.training.start import Encoder, WholeModel, command_line_keys, read_start
+from vitattn.training.init_weights import EncoderWeights, ModelWeights, command_line_keys, read_start
 
 __all__ = [
     "BF16_TRAIN_MIN_WIDTH",
@@ -55,7 +55,7 @@ class Plan:
 
     cfg: DictConfig  # read-only, interpolations resolved: what is built and saved
     run_dir: Path
-    start: WholeModel | Encoder | None  # the finetune.init weights, read once
+    start: ModelWeights | EncoderWeights | None  # the finetune.init weights, read once
     vocab: Tokenizer | None  # a tokenizer taken whole: the start model's, or this run's own on a restart
     ckpt_path: str | None  # the checkpoint fit continues from
     first_step: int  # that checkpoint's step; 0 for a fresh start
@@ -157,7 +157,7 @@ def _resolve_precision(cfg: DictConfig, gpu: bool) -> None:
     log.info("trainer.precision=auto: %s (%s)", chosen, why)
 
 
-def _resolve_preprocess(cfg: DictConfig, start: WholeModel | Encoder | None) -> str:
+def _resolve_preprocess(cfg: DictConfig, start: ModelWeights | EncoderWeights | None) -> str:
     """Write into ``cfg.data`` the preprocessing ``start`` was trained with, where the config sets no ``data.*`` key
     and the data takes it (its ``weights_keys``); returns where each part comes from."""
     config = [k for k in WEIGHTS_KEYS if cfg.data.get(k) is not None]
@@ -187,7 +187,7 @@ def preprocess_taken(data: DictConfig, preprocess: Mapping[str, Any] | None) -> 
     return {k: theirs[k] for k in keys if k in theirs and data.get(k) is None}
 
 
-def _data_default(start: WholeModel | Encoder | None, rest: list[str]) -> str:
+def _data_default(start: ModelWeights | EncoderWeights | None, rest: list[str]) -> str:
     if start is None:
         return "the data's own (no finetune.init)"
     if start.preprocess is not None:

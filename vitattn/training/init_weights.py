@@ -42,8 +42,8 @@ from vitattn.models.timm_weights import (
 from vitattn.models.vit import PRESETS, preset_config
 
 __all__ = [
-    "Encoder",
-    "WholeModel",
+    "EncoderWeights",
+    "ModelWeights",
     "command_line_keys",
     "read_start",
     "log_preprocess",
@@ -84,7 +84,7 @@ _TIMM_HUB_FILES = (WEIGHTS_FILE, "pytorch_model.bin")
 
 
 @dataclass
-class WholeModel:
+class ModelWeights:
     """``finetune.init_kind=model``: a whole trained vitattn model, loaded on the CPU (``bundle``)."""
 
     source: str
@@ -170,7 +170,7 @@ def _parts(keys: Any) -> list[str]:
 
 
 @dataclass
-class Encoder:
+class EncoderWeights:
     """``finetune.init_kind=encoder``: encoder weights and the ``VisionTransformer`` keyword arguments they fix."""
 
     source: str  # the finetune.init value
@@ -262,7 +262,7 @@ def _plain(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (bool, type(None))) else str(value)
 
 
-def read_start(source: str, kind: str = "model") -> WholeModel | Encoder:
+def read_start(source: str, kind: str = "model") -> ModelWeights | EncoderWeights:
     """The weights ``finetune.init=source`` names, of ``kind`` (``finetune.init_kind``), read once.
 
     Raises:
@@ -287,7 +287,7 @@ def read_start(source: str, kind: str = "model") -> WholeModel | Encoder:
         raise ConfigError(f"finetune.init={source}: {message}") from None
 
 
-def _read_model(source: str) -> WholeModel:
+def _read_model(source: str) -> ModelWeights:
     path = Path(source).expanduser()
     if is_hub_name(source):
         path = source  # load_bundle fetches it
@@ -302,7 +302,7 @@ def _read_model(source: str) -> WholeModel:
         raise ConfigError(f"finetune.init={source}: {first_line(err)}") from None
     if bundle.runtime != "torch":
         raise ConfigError(f"finetune.init={source} is an ONNX folder; give the run folder or bundle it came from")
-    return WholeModel(source, bundle)
+    return ModelWeights(source, bundle)
 
 
 def command_line_keys() -> list[str]:
@@ -368,18 +368,18 @@ def _hub_kind(name: str) -> tuple[str, Path, None]:
     )
 
 
-def _read_vitattn(source: str, path: Path) -> Encoder:
+def _read_vitattn(source: str, path: Path) -> EncoderWeights:
     bundle = load_bundle(path.parent if is_bundle_weights(path) else path)
     encoder = bundle.model.encoder if bundle.task == "caption" else bundle.model
     state = {k: v.detach() for k, v in encoder.state_dict().items()}
     known = {**weights_config(state), **{k: encoder.config[k] for k in _VITATTN_KEYS}}
     what = f"the vitattn {bundle.task} model {path}"
-    return Encoder(source, what, state, known, preprocess=dict(bundle.preprocess), preprocess_from=what)
+    return EncoderWeights(source, what, state, known, preprocess=dict(bundle.preprocess), preprocess_from=what)
 
 
-def _read_timm_file(source: str, path: Path) -> Encoder:
+def _read_timm_file(source: str, path: Path) -> EncoderWeights:
     state, known = read_timm_file(path)
-    weights = Encoder(source, f"timm file {path}", state, {**weights_config(state), **known})
+    weights = EncoderWeights(source, f"timm file {path}", state, {**weights_config(state), **known})
     found = timm_file_data_config(path)
     if found is None:
         weights.preprocess_from = f"{path} is a bare weights file whose family cannot be known"
@@ -390,7 +390,7 @@ def _read_timm_file(source: str, path: Path) -> Encoder:
     return weights
 
 
-def _read_timm_name(source: str, name: str, file: Path | None) -> Encoder:
+def _read_timm_name(source: str, name: str, file: Path | None) -> EncoderWeights:
     model = pretrained_timm_model(name, file)
     state = convert_timm_state_dict(model.state_dict())
     known = {**weights_config(state), **timm_model_config(model)}
@@ -400,7 +400,7 @@ def _read_timm_name(source: str, name: str, file: Path | None) -> Encoder:
     tagged = f"{cfg['architecture']}.{cfg['tag']}" if cfg.get("architecture") and cfg.get("tag") else name
     preprocess = from_timm(resolve_model_data_config(model))
     origin = f"timm's pretrained config of {tagged}"
-    return Encoder(source, what, state, known, notes, preprocess=preprocess, preprocess_from=origin)
+    return EncoderWeights(source, what, state, known, notes, preprocess=preprocess, preprocess_from=origin)
 
 
 def _config_values(cfg: DictConfig, model: dict[str, Any]) -> dict[str, Any]:
@@ -425,7 +425,7 @@ def _given(key: str, given: list[str]) -> bool:
     return key in given or (key.startswith("model.") and "model" in given)
 
 
-def _refuse_other_tokenizer(cfg: DictConfig, init: WholeModel, given: list[str]) -> None:
+def _refuse_other_tokenizer(cfg: DictConfig, init: ModelWeights, given: list[str]) -> None:
     theirs = init.bundle.vocab
     asked = [k for k in given if k == "tokenizer" or k.startswith("tokenizer.") or k == "data.vocab_path"]
     ours = cfg.tokenizer.kind if "tokenizer" in cfg else "words"
