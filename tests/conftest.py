@@ -15,7 +15,7 @@ os.environ["VITATTN_NATIVE_BF16"] = "0"
 
 from tests.helpers import CAPTION_TEST_IMAGES, LABEL_TEST_IMAGES, SHAPES_RUN, OnnxFolders
 
-pytest_plugins = ["tests.helpers.skip_policy"]
+pytest_plugins = ["tests.helpers.skip_policy", "pytester"]
 
 # pytest-timeout: `timeout` in pyproject.toml bounds each test (a hang in an in-process train() fails that
 # test instead of hanging CI); a `slow` test without its own timeout mark gets this many seconds instead.
