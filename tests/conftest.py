@@ -111,7 +111,7 @@ def _export_onnx_folders(run, *, int8: bool = True) -> OnnxFolders:
 def shapes_caption_run(tmp_path_factory) -> Path:
     """A tiny captioner (``head=caption``, TINY) trained 300 steps on 256 shapes images (lr 3e-3, 10 warmup
     steps; test split 1,000 images, ``test=false``). What it has learned (measured): CIDEr-D 3.2 and 158 distinct
-    greedy captions on its 1,000 test images, 76 on the 200 first (seed 0). About 25 s; its ONNX
+    greedy captions on its 1,000 test images, 76 on the 200 first (seed 0). About 6 s; its ONNX
     folders: ``shapes_caption_onnx``."""
     overrides = ["head=caption", *SHAPES_RUN, f"data.num_test={CAPTION_TEST_IMAGES}", "trainer.max_steps=300"]
     extra = ["trainer.check_val_every_n_epoch=50", "optim.lr=3e-3", "optim.warmup_steps=10"]
@@ -123,7 +123,7 @@ def shapes_caption_run(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def shapes_caption_onnx(shapes_caption_run) -> OnnxFolders:
     """``shapes_caption_run``'s fp32 and int8 ONNX folders, written by vitattn-export inside the run (``onnx``,
-    ``onnx-int8``), and the products the int8 export kept in fp32. About 10 s."""
+    ``onnx-int8``), and the products the int8 export kept in fp32. About 2 s."""
     folders = _export_onnx_folders(shapes_caption_run)
     with _left_as_made(folders.fp32, folders.int8):
         yield folders
@@ -133,7 +133,7 @@ def shapes_caption_onnx(shapes_caption_run) -> OnnxFolders:
 def shapes_classifier_run(tmp_path_factory) -> Path:
     """A tiny classifier (TINY with 4 px patches) trained 600 steps on 2,048 shapes images (lr 1e-3, 10 warmup
     steps; test split 4,000 images, ``test=false``): top-1 0.34 on the 18 classes of the left-most shape (a
-    model that has learned, its predictions spread over the classes). About 30 s; its ONNX folders:
+    model that has learned, its predictions spread over the classes). About 9 s; its ONNX folders:
     ``shapes_classifier_onnx``."""
     overrides = ["head=classification", *SHAPES_RUN, "data.num_train=2048", f"data.num_test={LABEL_TEST_IMAGES}"]
     extra = ["model.patch_size=4", "trainer.max_steps=600", "trainer.check_val_every_n_epoch=50"]
@@ -169,7 +169,7 @@ def colour_coca(tmp_path_factory) -> Path:
     """The bundle of ``tests.helpers.coca.train_colour_coca``'s ``head=coca`` model: 300 steps of the CLIP loss
     alone on one noisy flat square per colour (red, green, blue, yellow) a step, captions from
     ``TRAIN_TEMPLATES``. Zero-shot names each colour's images (every one of them), retrieval ranks the
-    colour's captions first; its caption decoder is untrained. About 5 s."""
+    colour's captions first; its caption decoder is untrained. About 2 s."""
     yield from _shared(_colour_coca(tmp_path_factory, "colour_coca"))
 
 
