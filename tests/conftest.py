@@ -2,6 +2,7 @@ import os
 import socket
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ os.environ.setdefault("HYDRA_FULL_ERROR", "1")
 # then mean the same on every machine; tests/test_precision.py lifts it where bf16 is what is tested.
 os.environ["VITATTN_NATIVE_BF16"] = "0"
 
-pytest_plugins = ["tests.helpers.skip_policy"]
+from tests.helpers import CAPTION_TEST_IMAGES, LABEL_TEST_IMAGES, SHAPES_RUN, OnnxFolders
+
+pytest_plugins = ["tests.helpers.skip_policy", "pytester"]
 
 # pytest-timeout: `timeout` in pyproject.toml bounds each test (a hang in an in-process train() fails that
 # test instead of hanging CI); a `slow` test without its own timeout mark gets this many seconds instead.
@@ -52,6 +55,153 @@ def _seed_and_threads():
     with _one_torch_thread():
         torch.manual_seed(0)
         yield
+
+
+# ---- Trained models shared by the test process (session scope: once per pytest-xdist worker, built on first use).
+# Tests read them and never write into them: a test that changes or resumes one copies it to tmp_path first.
+
+
+def _contents(folder: Path, leave_out=()) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``folder`` (but those under the ``leave_out`` subfolders)."""
+    import hashlib
+
+    return {
+        str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(folder.rglob("*"))
+        if f.is_file() and f.relative_to(folder).parts[0] not in leave_out
+    }
+
+
+@contextmanager
+def _left_as_made(*folders: Path, leave_out=()):
+    """Fail the session's teardown if a test wrote into, or deleted from, one of the shared ``folders``."""
+    before = [_contents(f, leave_out) for f in folders]
+    yield
+    for folder, files in zip(folders, before):
+        assert _contents(folder, leave_out) == files, f"a test changed the shared {folder}: copy it to tmp_path first"
+
+
+def _train_run(folder, overrides):
+    from tests.helpers import TINY, compose_train
+    from vitattn.training import train
+
+    with _one_torch_thread():
+        torch.manual_seed(0)
+        train(compose_train([*TINY, *overrides], folder))
+    return folder
+
+
+def _export_onnx_folders(run, *, int8: bool = True) -> OnnxFolders:
+    """``vitattn-export format=onnx`` (and ``quantize=int8``) into ``run/onnx`` (``run/onnx-int8``): inside the run,
+    so that ``vitattn-eval split=test`` on a folder scores the run's split; with the products each export kept
+    in fp32 (``record_kept_fp32``)."""
+    from tests.helpers import record_kept_fp32
+    from vitattn.cli.export import main as export_main
+
+    folders, kept = {}, {}
+    for name, extra in [("onnx", []), *([("onnx-int8", ["quantize=int8"])] if int8 else [])]:
+        with pytest.MonkeyPatch.context() as monkeypatch, _one_torch_thread():
+            kept[name] = record_kept_fp32(monkeypatch)
+            assert export_main([f"model={run}", f"out={run / name}", "format=onnx", *extra]) == 0
+        folders[name] = run / name
+    return OnnxFolders(folders["onnx"], folders.get("onnx-int8"), kept.get("onnx-int8", {}))
+
+
+@pytest.fixture(scope="session")
+def shapes_caption_run(tmp_path_factory) -> Path:
+    """A tiny captioner (``head=caption``, TINY) trained 300 steps on 256 shapes images (lr 3e-3, 10 warmup
+    steps; test split 1,000 images, ``test=false``). What it has learned (measured): CIDEr-D 3.2 and 158 distinct
+    greedy captions on its 1,000 test images, 76 on the 200 first (seed 0). About 6 s; its ONNX
+    folders: ``shapes_caption_onnx``."""
+    overrides = ["head=caption", *SHAPES_RUN, f"data.num_test={CAPTION_TEST_IMAGES}", "trainer.max_steps=300"]
+    extra = ["trainer.check_val_every_n_epoch=50", "optim.lr=3e-3", "optim.warmup_steps=10"]
+    run = _train_run(tmp_path_factory.mktemp("shapes_caption_run"), [*overrides, *extra])
+    with _left_as_made(run, leave_out=("onnx", "onnx-int8")):
+        yield run
+
+
+@pytest.fixture(scope="session")
+def shapes_caption_onnx(shapes_caption_run) -> OnnxFolders:
+    """``shapes_caption_run``'s fp32 and int8 ONNX folders, written by vitattn-export inside the run (``onnx``,
+    ``onnx-int8``), and the products the int8 export kept in fp32. About 2 s."""
+    folders = _export_onnx_folders(shapes_caption_run)
+    with _left_as_made(folders.fp32, folders.int8):
+        yield folders
+
+
+@pytest.fixture(scope="session")
+def shapes_classifier_run(tmp_path_factory) -> Path:
+    """A tiny classifier (TINY with 4 px patches) trained 600 steps on 2,048 shapes images (lr 1e-3, 10 warmup
+    steps; test split 4,000 images, ``test=false``): top-1 0.34 on the 18 classes of the left-most shape (a
+    model that has learned, its predictions spread over the classes). About 9 s; its ONNX folders:
+    ``shapes_classifier_onnx``."""
+    overrides = ["head=classification", *SHAPES_RUN, "data.num_train=2048", f"data.num_test={LABEL_TEST_IMAGES}"]
+    extra = ["model.patch_size=4", "trainer.max_steps=600", "trainer.check_val_every_n_epoch=50"]
+    run = _train_run(
+        tmp_path_factory.mktemp("shapes_classifier_run"), [*overrides, *extra, "optim.lr=1e-3", "optim.warmup_steps=10"]
+    )
+    with _left_as_made(run, leave_out=("onnx", "onnx-int8")):
+        yield run
+
+
+@pytest.fixture(scope="session")
+def shapes_classifier_onnx(shapes_classifier_run) -> OnnxFolders:
+    """``shapes_classifier_run``'s fp32 and int8 ONNX folders inside the run, and the products int8 kept in fp32."""
+    folders = _export_onnx_folders(shapes_classifier_run)
+    with _left_as_made(folders.fp32, folders.int8):
+        yield folders
+
+
+def _colour_coca(tmp_path_factory, name: str, **kwargs) -> Path:
+    from tests.helpers.coca import train_colour_coca
+
+    with _one_torch_thread():
+        return train_colour_coca(tmp_path_factory.mktemp(name) / "bundle", **kwargs)
+
+
+def _shared(folder: Path):
+    with _left_as_made(folder):
+        yield folder
+
+
+@pytest.fixture(scope="session")
+def colour_coca(tmp_path_factory) -> Path:
+    """The bundle of ``tests.helpers.coca.train_colour_coca``'s ``head=coca`` model: 300 steps of the CLIP loss
+    alone on one noisy flat square per colour (red, green, blue, yellow) a step, captions from
+    ``TRAIN_TEMPLATES``. Zero-shot names each colour's images (every one of them), retrieval ranks the
+    colour's captions first; its caption decoder is untrained. About 2 s."""
+    yield from _shared(_colour_coca(tmp_path_factory, "colour_coca"))
+
+
+@pytest.fixture(scope="session")
+def colour_coca_onnx(colour_coca, tmp_path_factory) -> OnnxFolders:
+    """``colour_coca``'s fp32 and int8 ONNX folders (``export_onnx``, with the embedding graphs and scale), and the
+    products the int8 export kept in fp32."""
+    from tests.helpers import record_kept_fp32
+    from vitattn.bundle import load_bundle
+    from vitattn.bundle.onnx_export import export_onnx
+
+    root = tmp_path_factory.mktemp("colour_coca_onnx")
+    with pytest.MonkeyPatch.context() as monkeypatch, _one_torch_thread():
+        kept = record_kept_fp32(monkeypatch)
+        int8 = export_onnx(load_bundle(colour_coca), root / "onnx-int8", quantize="int8")
+        fp32 = export_onnx(load_bundle(colour_coca), root / "onnx")
+    with _left_as_made(fp32, int8):
+        yield OnnxFolders(fp32, int8, kept)
+
+
+@pytest.fixture(scope="session")
+def colour_captioner(tmp_path_factory) -> Path:
+    """``train_colour_coca(head="caption")``: an ``ImageCaptioner`` trained 300 steps on the caption cross-entropy
+    alone (same images and captions as ``colour_coca``): it names the colour of a square by likelihood."""
+    yield from _shared(_colour_coca(tmp_path_factory, "colour_captioner", head="caption"))
+
+
+@pytest.fixture(scope="session")
+def colour_coca_both(tmp_path_factory) -> Path:
+    """``train_colour_coca(caption_weight=1.0)``: a ``head=coca`` model trained 300 steps on the CLIP loss plus the
+    caption cross-entropy: both its embeddings and its caption decoder have learned the colours."""
+    yield from _shared(_colour_coca(tmp_path_factory, "colour_coca_both", caption_weight=1.0))
 
 
 @pytest.fixture

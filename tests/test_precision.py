@@ -14,7 +14,7 @@ import vitattn.inference.api
 import vitattn.precision
 import vitattn.serve
 import vitattn.serve.api
-from tests.helpers import TINY, compose_train, make_caption_bundle
+from tests.helpers import CAPTION_TEST_IMAGES, LABEL_TEST_IMAGES, TINY, compose_train, make_caption_bundle
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_model
 from vitattn.cli import caption as caption_cli
@@ -30,28 +30,7 @@ from vitattn.precision import NATIVE_BF16_ENV, check_precision, native_bf16, res
 from vitattn.training import train
 from vitattn.training.run_split import run_split
 
-CAPTIONS, LABELS = 1000, 4000  # test-split images compared
-SHAPES = ["data.num_val=16", "test=false", "trainer.max_epochs=-1", "trainer.check_val_every_n_epoch=50"]
-
-
-@pytest.fixture(scope="module")
-def caption_run(tmp_path_factory):
-    """A tiny captioner trained for 300 steps on the shapes: CIDEr-D 3.2 and 158 distinct greedy captions on the
-    1,000 test images."""
-    run = tmp_path_factory.mktemp("caption_run")
-    overrides = ["head=caption", *TINY, *SHAPES, "data.num_train=256", f"data.num_test={CAPTIONS}"]
-    train(compose_train([*overrides, "trainer.max_steps=300", "optim.lr=3e-3", "optim.warmup_steps=10"], run))
-    return run
-
-
-@pytest.fixture(scope="module")
-def classifier_run(tmp_path_factory):
-    """A tiny classifier (4 px patches) trained for 600 steps: top-1 0.34 on the 18 classes of the left-most shape."""
-    run = tmp_path_factory.mktemp("classifier_run")
-    overrides = ["head=classification", *TINY, *SHAPES, "data.num_train=2048", f"data.num_test={LABELS}"]
-    extra = ["model.patch_size=4", "trainer.max_steps=600", "optim.lr=1e-3", "optim.warmup_steps=10"]
-    train(compose_train([*overrides, *extra], run))
-    return run
+CAPTIONS, LABELS = CAPTION_TEST_IMAGES, LABEL_TEST_IMAGES  # test-split images compared
 
 
 @pytest.fixture
@@ -143,12 +122,12 @@ def test_auto_is_bf16_on_cuda_and_on_cpus_with_the_units_only(monkeypatch, found
         assert resolve_precision("bf16", device) == "bf16"
 
 
-def test_auto_without_the_units_is_exactly_fp32(caption_run, classifier_run, monkeypatch):
+def test_auto_without_the_units_is_exactly_fp32(shapes_caption_run, shapes_classifier_run, monkeypatch):
     """Captions, their scores and the classifier's logits are the plain fp32 model's, bit for bit: a laptop loses
     nothing."""
     _units(monkeypatch, False)
     images = _images(32)
-    captioner = Captioner.load(caption_run)
+    captioner = Captioner.load(shapes_caption_run)
     assert captioner.precision == "fp32"
     got = captioner.caption(images, details=True)
     pixels, model = captioner.pixels(images), captioner.model
@@ -159,37 +138,37 @@ def test_auto_without_the_units_is_exactly_fp32(caption_run, classifier_run, mon
     pad = captioner.vocab.pad_id
     assert [c.tokens for c in got] == [[t for t in row if t != pad] for row in tokens.tolist()]
     assert [c.score for c in got] == scores.tolist()
-    classifier = Classifier.load(classifier_run)
+    classifier = Classifier.load(shapes_classifier_run)
     assert classifier.precision == "fp32"
     with torch.inference_mode():
         expected = classifier.model(to_pixels(images, classifier.transform))
     assert torch.equal(classifier.logits(images), expected)
 
 
-def test_auto_with_the_units_runs_bf16(caption_run, classifier_run, monkeypatch):
+def test_auto_with_the_units_runs_bf16(shapes_caption_run, shapes_classifier_run, monkeypatch):
     """What a CPU with the units gets from auto (forced on here: autocast runs on any CPU, only slower)."""
     _units(monkeypatch, True)
     images = _images(32)
-    auto, bf16 = Captioner.load(caption_run), Captioner.load(caption_run, precision="bf16")
+    auto, bf16 = Captioner.load(shapes_caption_run), Captioner.load(shapes_caption_run, precision="bf16")
     assert auto.precision == bf16.precision == "bf16"
     got, expected = auto.caption(images, details=True), bf16.caption(images, details=True)
     assert [(c.tokens, c.score) for c in got] == [(c.tokens, c.score) for c in expected]
-    fp32_scores = [c.score for c in Captioner.load(caption_run, precision="fp32").caption(images, details=True)]
+    fp32_scores = [c.score for c in Captioner.load(shapes_caption_run, precision="fp32").caption(images, details=True)]
     assert [c.score for c in got] != fp32_scores  # the model did run in bf16
-    auto = Classifier.load(classifier_run)
+    auto = Classifier.load(shapes_classifier_run)
     assert auto.precision == "bf16"
     logits = auto.logits(images)
-    assert torch.equal(logits, Classifier.load(classifier_run, precision="bf16").logits(images))
-    assert not torch.equal(logits, Classifier.load(classifier_run, precision="fp32").logits(images))
+    assert torch.equal(logits, Classifier.load(shapes_classifier_run, precision="bf16").logits(images))
+    assert not torch.equal(logits, Classifier.load(shapes_classifier_run, precision="fp32").logits(images))
 
 
 @pytest.mark.cpu_bf16
-def test_bf16_keeps_97_percent_of_greedy_captions_and_cider_d_within_1_percent(caption_run):
+def test_bf16_keeps_97_percent_of_greedy_captions_and_cider_d_within_1_percent(shapes_caption_run):
     """vitattn-eval's captions of the run's test split (greedy), bf16 against fp32."""
     reports = {
-        p: evaluate_captions(bundle, split="test", run_split=run_split(bundle, caption_run, "test"))
+        p: evaluate_captions(bundle, split="test", run_split=run_split(bundle, shapes_caption_run, "test"))
         for p in ("fp32", "bf16")
-        for bundle in [load_model(caption_run, precision=p)]
+        for bundle in [load_model(shapes_caption_run, precision=p)]
     }
     captions = {p: [c for _, c, _ in report.captions] for p, report in reports.items()}
     cider = {p: report.metrics["cider_d"] for p, report in reports.items()}
@@ -203,14 +182,14 @@ def test_bf16_keeps_97_percent_of_greedy_captions_and_cider_d_within_1_percent(c
 
 
 @pytest.mark.cpu_bf16
-def test_bf16_classifier_top1_within_half_a_percent(classifier_run):
+def test_bf16_classifier_top1_within_half_a_percent(shapes_classifier_run):
     """vitattn-eval's top-1 on the run's test split, bf16 against fp32."""
     top1 = {
-        p: evaluate_classification(bundle, split="test", run_split=run_split(bundle, classifier_run, "test")).metrics[
-            "top1"
-        ]
+        p: evaluate_classification(
+            bundle, split="test", run_split=run_split(bundle, shapes_classifier_run, "test")
+        ).metrics["top1"]
         for p in ("fp32", "bf16")
-        for bundle in [load_model(classifier_run, precision=p)]
+        for bundle in [load_model(shapes_classifier_run, precision=p)]
     }
     print(f"bf16: top-1 {top1['bf16']:.4f} vs fp32 {top1['fp32']:.4f} on {LABELS} images")
     assert top1["fp32"] > 0.25  # a model worth comparing: 18 classes
@@ -250,7 +229,7 @@ def test_an_onnx_folder_runs_in_its_exported_precision_and_refuses_bf16_in_one_l
     assert capsys.readouterr().err == f"error: {message}\n"
 
 
-def test_caption_eval_and_serve_load_in_the_precision_given(caption_run, tmp_path, monkeypatch):
+def test_caption_eval_and_serve_load_in_the_precision_given(shapes_caption_run, tmp_path, monkeypatch):
     folder = tmp_path / "images"
     folder.mkdir()
     for i, image in enumerate(_images(6)):
@@ -265,11 +244,11 @@ def test_caption_eval_and_serve_load_in_the_precision_given(caption_run, tmp_pat
     for module in (vitattn.bundle, vitattn.inference.api, vitattn.serve.api):
         monkeypatch.setattr(module, "load_model", spy)
     out = tmp_path / "captions.jsonl"
-    common = [f"model={caption_run}", "num_workers=0", "progress=false", "precision=bf16"]
+    common = [f"model={shapes_caption_run}", "num_workers=0", "progress=false", "precision=bf16"]
     assert caption_cli.main([*common, f"images={folder}", f"out={out}"]) == 0
     captions = {Path(r["image"]).name: r["caption"] for r in map(json.loads, out.read_text().splitlines())}
     files = sorted(folder.iterdir())
-    assert [captions[f.name] for f in files] == Captioner(load(caption_run, precision="bf16")).caption(files)
+    assert [captions[f.name] for f in files] == Captioner(load(shapes_caption_run, precision="bf16")).caption(files)
     assert evaluate_cli.main([*common, "split=test", f"out={tmp_path / 'eval'}"]) == 0
 
     class Served(Exception):
@@ -282,7 +261,7 @@ def test_caption_eval_and_serve_load_in_the_precision_given(caption_run, tmp_pat
 
     monkeypatch.setattr(vitattn.serve, "build_server", no_server)
     with pytest.raises(Served):
-        serve_cli.run(serve_cli.parse_args([f"model={caption_run}", "precision=bf16"]))
+        serve_cli.run(serve_cli.parse_args([f"model={shapes_caption_run}", "precision=bf16"]))
     assert loaded == ["bf16"] * 4  # caption, eval, serve before it starts the server, the server's worker
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import check_int8_graphs, distinct, make_caption_bundle, record_kept_fp32
-from tests.helpers.coca import COLOURS, colour_image, train_colour_coca
+from tests.helpers import check_int8_graphs, distinct, make_caption_bundle
+from tests.helpers.coca import COLOURS, colour_image
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle, load_model
 from vitattn.bundle.onnx_export import export_onnx
@@ -22,16 +22,11 @@ from vitattn.inference.zero_shot import zero_shot_model
 INT8_MIN_COSINE = 0.999  # measured: 0.9999 per row on the inputs below; int8 moves each embedding a little
 
 
-@pytest.fixture(scope="module")
-def coca(tmp_path_factory):
-    """A tiny head=coca model trained to pair colour images with captions naming the colour, and its fp32 and int8
-    ONNX folders (with the products the int8 export kept in fp32)."""
-    root = tmp_path_factory.mktemp("coca")
-    bundle = train_colour_coca(root / "bundle")
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        kept = record_kept_fp32(monkeypatch)
-        int8 = export_onnx(load_bundle(bundle), root / "onnx-int8", quantize="int8")
-    return bundle, export_onnx(load_bundle(bundle), root / "onnx"), int8, kept
+@pytest.fixture
+def coca(colour_coca, colour_coca_onnx):
+    """The colour coca bundle (conftest's ``colour_coca``), its fp32 and int8 ONNX folders and the products the
+    int8 export kept in fp32."""
+    return colour_coca, colour_coca_onnx.fp32, colour_coca_onnx.int8, colour_coca_onnx.kept_fp32
 
 
 def _pixels(captioner: Captioner, per_colour: int = 3) -> tuple[torch.Tensor, list[str]]:

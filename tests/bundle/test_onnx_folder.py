@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY, check_int8_graphs, compose_train, console_script, record_kept_fp32
+from tests.helpers import CAPTION_TEST_IMAGES, LABEL_TEST_IMAGES, check_int8_graphs, console_script
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle
 from vitattn.bundle.onnx_folder import ONNX_CONFIG_FILE, ONNX_VERSION
@@ -23,46 +23,24 @@ from vitattn.data.shards import expand_shards, read_shard
 from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.errors import MissingDependencyError
 from vitattn.metrics import compute_caption_metrics
-from vitattn.training import train
 
-pytestmark = pytest.mark.slow  # every test here needs the module's two trained runs (about a minute)
+pytestmark = pytest.mark.slow  # every test here needs a shared trained run (tests/conftest.py; about a minute)
 
 pytest.importorskip("onnxruntime", reason="the onnx extra: pip install -e '.[onnx]'")
 
 SPLIT = 200  # test-split images compared
-SHAPES = ["data.num_train=256", "data.num_val=16", f"data.num_test={SPLIT}", "test=false", "trainer.max_epochs=-1"]
 
 
-KEPT_FP32 = {}  # export folder -> graph name -> the products the export kept in fp32 (none for fp32 folders)
+@pytest.fixture
+def caption_run(shapes_caption_run, shapes_caption_onnx):
+    """The shared captioner (tests/conftest.py: 300 steps on the shapes, 158 distinct greedy captions on its 1,000
+    test images) and its fp32 and int8 ONNX folders, written by vitattn-export inside the run."""
+    return shapes_caption_run, shapes_caption_onnx.fp32, shapes_caption_onnx.int8
 
 
-def _export(model, out, *extra):
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        KEPT_FP32[out] = record_kept_fp32(monkeypatch)
-        assert export_main([f"model={model}", f"out={out}", "format=onnx", *extra]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def caption_run(tmp_path_factory):
-    """A tiny captioner trained for 150 steps (26 distinct greedy captions on the 200 test images), and its
-    fp32 and int8 ONNX folders written by vitattn-export."""
-    run = tmp_path_factory.mktemp("caption_run")
-    overrides = ["head=caption", *TINY, *SHAPES, "trainer.max_steps=150", "trainer.check_val_every_n_epoch=50"]
-    train(compose_train([*overrides, "optim.lr=3e-3", "optim.warmup_steps=10"], run))
-    return run, _export(run, run / "onnx"), _export(run, run / "onnx-int8", "quantize=int8")
-
-
-@pytest.fixture(scope="module")
-def classifier_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("classifier_run")
-    train(compose_train(["head=classification", *TINY, *SHAPES, "trainer.max_steps=32"], run))
-    return run, _export(run, run / "onnx")
-
-
-def _split(task: str) -> tuple[torch.Tensor, list]:
-    """The 200 test images (B, 3, 32, 32) and their references (captions) or labels."""
-    data = ShapesDataset("test", SPLIT, img_size=32, seed=0, task=task, transform=normalize())
+def _split(task: str, size: int = SPLIT) -> tuple[torch.Tensor, list]:
+    """The first ``size`` test images of the shared runs (B, 3, 32, 32) and their references (captions) or labels."""
+    data = ShapesDataset("test", size, img_size=32, seed=0, task=task, transform=normalize())
     images = torch.stack([data[i]["image"] if task == "caption" else data[i][0] for i in range(len(data))])
     if task == "caption":
         return images, [data.references(i) for i in range(len(data))]
@@ -120,13 +98,17 @@ def test_onnx_fp32_step_logits_within_1e4_of_pytorch(caption_run, test_split):
     assert (got - expected).abs().max().item() <= 1e-4
 
 
-def test_onnx_int8_keeps_95_percent_of_greedy_captions_and_cider_within_2_percent(caption_run, test_split):
+def test_onnx_int8_keeps_95_percent_of_greedy_captions_and_cider_within_2_percent(
+    caption_run, shapes_caption_onnx, test_split
+):
     _, onnx_dir, int8_dir = caption_run
     images, references = test_split
     fp32 = Captioner.load(onnx_dir)
     int8 = Captioner.load(int8_dir)
     assert int8.bundle.config["precision"] == "int8"
-    check_int8_graphs(int8_dir, KEPT_FP32[int8_dir])  # the graphs, not the label: quantized, the kept products float
+    check_int8_graphs(
+        int8_dir, shapes_caption_onnx.kept_fp32
+    )  # the graphs, not the label: quantized, the kept products float
     fp32_captions = fp32.vocab.decode_batch(_tokens(fp32, images))
     int8_captions = int8.vocab.decode_batch(_tokens(int8, images))
     equal = sum(a == b for a, b in zip(fp32_captions, int8_captions)) / SPLIT
@@ -138,19 +120,20 @@ def test_onnx_int8_keeps_95_percent_of_greedy_captions_and_cider_within_2_percen
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
-def test_onnx_classifier_top1_equals_pytorch(classifier_run, tmp_path, precision):
-    run, onnx_dir = classifier_run
+def test_onnx_classifier_top1_equals_pytorch(shapes_classifier_run, shapes_classifier_onnx, tmp_path, precision):
+    run, onnx_dir = shapes_classifier_run, shapes_classifier_onnx.fp32
     if precision == "int8":
-        onnx_dir = _export(run, run / "onnx-int8", "quantize=int8")  # in the run: vitattn-eval takes its split
-        check_int8_graphs(onnx_dir, KEPT_FP32[onnx_dir])
-    images, _ = _split("classification")
+        onnx_dir = shapes_classifier_onnx.int8  # in the run: vitattn-eval takes its split
+        check_int8_graphs(onnx_dir, shapes_classifier_onnx.kept_fp32)
+    images, labels = _split("classification", LABEL_TEST_IMAGES)  # the run's whole test split
     model = load_bundle(run).model
     onnx_classifier = Classifier.load(onnx_dir)
     with torch.inference_mode():
         expected = model(images)
         got = onnx_classifier.model(images)
     agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
-    print(f"classifier {precision}: top-1 equal on {agree:.1%} of {SPLIT} images")
+    print(f"classifier {precision}: top-1 equal on {agree:.1%} of {len(images)} images")
+    assert len(set(expected.argmax(-1).tolist())) >= 10  # a model whose answers differ between images
     if precision == "fp32":
         assert agree == 1.0
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
@@ -158,11 +141,11 @@ def test_onnx_classifier_top1_equals_pytorch(classifier_run, tmp_path, precision
         assert agree >= 0.95
     # vitattn-eval on the folder (inside the run: its test split, one batch as above) scores what the model predicts
     out = tmp_path / "eval"
-    args = [f"model={onnx_dir}", "split=test", f"out={out}", "num_workers=0", "progress=false", f"batch_size={SPLIT}"]
-    assert eval_main(args) == 0
+    args = [f"model={onnx_dir}", "split=test", f"out={out}", "num_workers=0", "progress=false"]
+    assert eval_main([*args, f"batch_size={len(images)}"]) == 0
     scored = json.loads((out / "metrics.json").read_text())["metrics"]
-    top1 = (got.argmax(-1) == torch.tensor(_split("classification")[1])).float().mean()
-    assert scored["num_images"] == SPLIT and scored["top1"] == pytest.approx(float(top1), abs=1e-6)
+    top1 = (got.argmax(-1) == torch.tensor(labels)).float().mean()
+    assert scored["num_images"] == LABEL_TEST_IMAGES and scored["top1"] == pytest.approx(float(top1), abs=1e-6)
 
 
 def test_vitattn_caption_on_an_onnx_folder_writes_the_bundles_captions(caption_run, tmp_path):
@@ -192,7 +175,7 @@ def test_vitattn_eval_on_an_onnx_folder_scores_as_its_run(caption_run, tmp_path)
         out = tmp_path / name
         assert eval_main([f"model={model}", "split=test", f"out={out}", "num_workers=0", "progress=false"]) == 0
         metrics[name] = json.loads((out / "metrics.json").read_text())["metrics"]
-    assert metrics["onnx"] == metrics["torch"] and metrics["onnx"]["num_images"] == SPLIT
+    assert metrics["onnx"] == metrics["torch"] and metrics["onnx"]["num_images"] == CAPTION_TEST_IMAGES
 
 
 def test_serving_an_onnx_folder_answers_the_bundles_captions(caption_run):
@@ -349,8 +332,8 @@ def test_every_entry_point_runs_an_int8_onnx_folder(caption_run, tmp_path):
     assert eval_main(args) == 0
     lines = (out / "captions.jsonl").read_text().splitlines()
     scored = {r["image_id"]: r["caption"] for r in map(json.loads, lines)}
-    pixels, _ = _split("caption")
-    assert [scored[i] for i in range(SPLIT)] == [captioner.caption_pixels(x[None])[0][0] for x in pixels]
+    pixels, _ = _split("caption", CAPTION_TEST_IMAGES)  # the run's whole test split
+    assert [scored[i] for i in range(CAPTION_TEST_IMAGES)] == [captioner.caption_pixels(x[None])[0][0] for x in pixels]
 
     api = CaptionAPI(str(int8_dir))  # vitattn-serve's worker, one request a batch
     api.setup("cpu")

@@ -8,6 +8,7 @@ import struct
 import sys
 import zlib
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import vitattn.conf
@@ -32,6 +33,19 @@ TINY = [
     "num_threads=null",  # keep the one thread tests/conftest.py pins (auto would take every core)
 ]
 TINY_SHAPES = ["data.num_train=64", "data.num_val=16", "data.num_test=16"]
+# The shared shapes runs (tests/conftest.py: shapes_caption_run, shapes_classifier_run): 256 training images, no
+# test stage; their test splits (what vitattn-eval split=test scores) are this many images.
+SHAPES_RUN = ["data.num_train=256", "data.num_val=16", "test=false", "trainer.max_epochs=-1"]
+CAPTION_TEST_IMAGES, LABEL_TEST_IMAGES = 1000, 4000
+
+
+class OnnxFolders(NamedTuple):
+    """A model's ONNX folders (``fp32``; ``int8`` or None) and, graph name -> products, what the int8 export kept
+    in fp32 (``record_kept_fp32``; for ``check_int8_graphs``)."""
+
+    fp32: Path
+    int8: Path | None
+    kept_fp32: dict
 
 
 def metrics_with_weights(system, weights: dict, datamodule, stage: str) -> dict[str, float]:

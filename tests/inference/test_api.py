@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from tests.helpers import distinct, make_caption_bundle, make_classifier_bundle, teacher_forced_log_prob
-from tests.helpers.coca import COLOURS, colour_image, train_colour_coca
+from tests.helpers.coca import COLOURS, colour_image
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle
 from vitattn.data.images import BadImageError, read_image
@@ -26,11 +26,6 @@ def caption_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def classifier_dir(tmp_path_factory) -> Path:
     return make_classifier_bundle(tmp_path_factory.mktemp("api") / "classifier")
-
-
-@pytest.fixture(scope="module")
-def coca_dir(tmp_path_factory) -> Path:
-    return train_colour_coca(tmp_path_factory.mktemp("api") / "coca")
 
 
 @pytest.fixture(scope="module")
@@ -292,11 +287,11 @@ def _rerank_seen(captioner: Captioner, images: list, **generate) -> tuple[list[s
     [{"num_beams": 5, "rerank": 5}, {"num_beams": 6, "rerank": 3}, {"do_sample": True, "rerank": 6}],
     ids=["beam-5-of-5", "beam-3-of-6", "sample-6"],
 )
-def test_rerank_keeps_the_candidate_whose_text_embedding_is_nearest_the_image(coca_dir, generate):
+def test_rerank_keeps_the_candidate_whose_text_embedding_is_nearest_the_image(colour_coca, generate):
     """The oracle embeds every candidate through the public API (texts, not token ids) and takes the argmax."""
     rng = np.random.default_rng(7)
     images = [colour_image(c, rng) for c in COLOURS for _ in range(3)]
-    captioner = Captioner.load(coca_dir)
+    captioner = Captioner.load(colour_coca)
     if generate.get("do_sample"):
         generate = {**generate, "generator": torch.Generator().manual_seed(0)}
     captions, candidates = _rerank_seen(captioner, images, batch_size=5, **generate)
@@ -312,8 +307,8 @@ def test_rerank_keeps_the_candidate_whose_text_embedding_is_nearest_the_image(co
     distinct(captions, at_least=2)
 
 
-def test_rerank_is_off_at_one_and_the_beams_best_is_kept(coca_dir):
-    captioner = Captioner.load(coca_dir)
+def test_rerank_is_off_at_one_and_the_beams_best_is_kept(colour_coca):
+    captioner = Captioner.load(colour_coca)
     images = [colour_image(c, np.random.default_rng(1)) for c in COLOURS]
     assert captioner.caption(images, num_beams=4, rerank=1) == captioner.caption(images, num_beams=4)
 
@@ -326,17 +321,17 @@ def test_rerank_is_off_at_one_and_the_beams_best_is_kept(coca_dir):
         ({"num_beams": 3, "rerank": 0}, "rerank=0 must be at least 1"),
     ],
 )
-def test_rerank_refuses_settings_it_cannot_use_in_one_line(coca_dir, generate, message):
+def test_rerank_refuses_settings_it_cannot_use_in_one_line(colour_coca, generate, message):
     with pytest.raises(ValueError, match=re.escape(message)) as err:
-        Captioner.load(coca_dir).caption(colour_image("red", np.random.default_rng(0)), **generate)
+        Captioner.load(colour_coca).caption(colour_image("red", np.random.default_rng(0)), **generate)
     assert "\n" not in str(err.value)
 
 
-def test_rerank_alone_takes_as_many_beams_over_the_bundles_stored_one(coca_dir, tmp_path, capsys):
+def test_rerank_alone_takes_as_many_beams_over_the_bundles_stored_one(colour_coca, tmp_path, capsys):
     from vitattn.cli.caption import main as caption_main
 
     bundle = tmp_path / "bundle"
-    shutil.copytree(coca_dir, bundle)
+    shutil.copytree(colour_coca, bundle)
     config = json.loads((bundle / "config.json").read_text())
     (bundle / "config.json").write_text(json.dumps({**config, "generate": {"num_beams": 1}}))
     rng = np.random.default_rng(3)
@@ -347,7 +342,7 @@ def test_rerank_alone_takes_as_many_beams_over_the_bundles_stored_one(coca_dir, 
     args = [f"model={bundle}", f"images={tmp_path / 'list.txt'}", "num_workers=0", "device=cpu", "progress=false"]
     assert caption_main([*args, f"out={tmp_path / 'c.jsonl'}", "rerank=4"]) == 0
     written = [json.loads(line)["caption"] for line in (tmp_path / "c.jsonl").read_text().splitlines()]
-    assert written == Captioner.load(coca_dir).caption(paths, num_beams=4, rerank=4)
+    assert written == Captioner.load(colour_coca).caption(paths, num_beams=4, rerank=4)
     assert Captioner.load(bundle).caption(paths, rerank=4) == written
     capsys.readouterr()
     assert caption_main([*args, f"out={tmp_path / 'd.jsonl'}", "rerank=4", "num_beams=2"]) == 2
@@ -363,7 +358,7 @@ def test_rerank_on_a_model_without_embeddings_is_refused_in_one_line(caption_dir
     assert "head=coca" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_vitattn_caption_rerank_writes_the_captions_the_api_chooses(coca_dir, caption_dir, tmp_path, capsys):
+def test_vitattn_caption_rerank_writes_the_captions_the_api_chooses(colour_coca, caption_dir, tmp_path, capsys):
     from vitattn.cli.caption import main as caption_main
 
     rng = np.random.default_rng(3)
@@ -373,11 +368,11 @@ def test_vitattn_caption_rerank_writes_the_captions_the_api_chooses(coca_dir, ca
         colour_image(colour, rng).save(paths[-1])
     (tmp_path / "list.txt").write_text("".join(f"{p}\n" for p in paths))
     args = [f"images={tmp_path / 'list.txt'}", "num_beams=5", "rerank=4", "device=cpu", "progress=false"]
-    assert caption_main([f"model={coca_dir}", f"out={tmp_path / 'c.jsonl'}", "num_workers=0", *args]) == 0
+    assert caption_main([f"model={colour_coca}", f"out={tmp_path / 'c.jsonl'}", "num_workers=0", *args]) == 0
     written = [json.loads(line)["caption"] for line in (tmp_path / "c.jsonl").read_text().splitlines()]
-    chosen = Captioner.load(coca_dir).caption(paths, num_beams=5, rerank=4)
+    chosen = Captioner.load(colour_coca).caption(paths, num_beams=5, rerank=4)
     assert written == chosen
-    assert chosen != Captioner.load(coca_dir).caption(paths, num_beams=5)  # reranking changed some captions
+    assert chosen != Captioner.load(colour_coca).caption(paths, num_beams=5)  # reranking changed some captions
     capsys.readouterr()
     assert caption_main([f"model={caption_dir}", f"out={tmp_path / 'd.jsonl'}", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()

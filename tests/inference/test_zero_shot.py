@@ -4,23 +4,17 @@ line before anything runs."""
 
 import logging
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from tests.helpers import distinct, make_caption_bundle, make_classifier_bundle, teacher_forced_log_prob
-from tests.helpers.coca import COLOURS, WORDS, colour_image, train_colour_coca
+from tests.helpers.coca import COLOURS, WORDS, colour_image
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_model
 from vitattn.data.tokenizer import Vocabulary
 from vitattn.inference.zero_shot import DEFAULT_TEMPLATES, spellable_templates, zero_shot_classifier, zero_shot_model
-
-
-@pytest.fixture(scope="module")
-def coca_dir(tmp_path_factory) -> Path:
-    return train_colour_coca(tmp_path_factory.mktemp("coca") / "bundle")
 
 
 def _images(seed: int = 5, per_colour: int = 2) -> tuple[list, list[str]]:
@@ -29,19 +23,19 @@ def _images(seed: int = 5, per_colour: int = 2) -> tuple[list, list[str]]:
     return [colour_image(c, rng) for c in names], names
 
 
-def test_zero_shot_on_a_trained_coca_model_names_the_colour_of_each_image(coca_dir, tmp_path):
+def test_zero_shot_on_a_trained_coca_model_names_the_colour_of_each_image(colour_coca, tmp_path):
     images, truth = _images()
     labels = ["blue", "yellow", "red", "green"]  # another order than training saw: classes are names, not indices
-    predicted = [p.labels[0] for p in Classifier.load(coca_dir, labels=labels).predict(images, top_k=2)]
+    predicted = [p.labels[0] for p in Classifier.load(colour_coca, labels=labels).predict(images, top_k=2)]
     distinct(predicted, at_least=4)
     assert predicted == truth
     (tmp_path / "labels.txt").write_text("\n".join(labels) + "\n\n")
-    from_file = Classifier.load(coca_dir, labels_file=tmp_path / "labels.txt", templates=["a {}."])
+    from_file = Classifier.load(colour_coca, labels_file=tmp_path / "labels.txt", templates=["a {}."])
     assert [p.labels[0] for p in from_file.predict(images, top_k=1)] == truth
 
 
-def test_class_embeddings_are_the_renormalised_mean_of_the_template_embeddings(coca_dir):
-    bundle = load_model(coca_dir)
+def test_class_embeddings_are_the_renormalised_mean_of_the_template_embeddings(colour_coca):
+    bundle = load_model(colour_coca)
     labels, templates = ["red", "blue", "green"], ["a photo of a {}.", "the {} square", "{}"]
     classifier = zero_shot_model(bundle, labels, templates).model
     model, vocab = bundle.model, bundle.vocab
@@ -59,8 +53,8 @@ def test_class_embeddings_are_the_renormalised_mean_of_the_template_embeddings(c
     assert len(DEFAULT_TEMPLATES) > 1 and all("{}" in t for t in DEFAULT_TEMPLATES)
 
 
-def test_captioner_embeddings_are_unit_length_and_similarity_is_their_product(coca_dir):
-    captioner, (images, truth) = Captioner.load(coca_dir), _images(per_colour=1)
+def test_captioner_embeddings_are_unit_length_and_similarity_is_their_product(colour_coca):
+    captioner, (images, truth) = Captioner.load(colour_coca), _images(per_colour=1)
     texts = [f"a photo of a {c}." for c in truth]
     image, text = captioner.embed_images(images), captioner.embed_texts(texts)
     assert image.shape == (4, 16) and text.shape == (4, 16)
@@ -72,8 +66,8 @@ def test_captioner_embeddings_are_unit_length_and_similarity_is_their_product(co
     assert isinstance(captioner.caption(images[0]), str)  # it still captions
 
 
-def test_a_text_longer_than_max_len_is_cut_with_a_count_in_a_warning(coca_dir, caplog):
-    captioner = Captioner.load(coca_dir)  # max_len 8: <bos>, six words, <eos>
+def test_a_text_longer_than_max_len_is_cut_with_a_count_in_a_warning(colour_coca, caplog):
+    captioner = Captioner.load(colour_coca)  # max_len 8: <bos>, six words, <eos>
     long, cut = "a photo of a red square a photo of a red", "a photo of a red square"
     with caplog.at_level(logging.WARNING):
         embedded = captioner.embed_texts([long, "a red.", long])
@@ -95,9 +89,9 @@ def test_a_text_longer_than_max_len_is_cut_with_a_count_in_a_warning(coca_dir, c
         ({"labels": ["red"], "labels_file": "x.txt"}, "give labels= or labels_file=, not both"),
     ],
 )
-def test_bad_labels_and_templates_are_refused_in_one_line(kwargs, message, coca_dir):
+def test_bad_labels_and_templates_are_refused_in_one_line(kwargs, message, colour_coca):
     with pytest.raises(ValueError) as error:
-        Classifier.load(coca_dir, **kwargs)
+        Classifier.load(colour_coca, **kwargs)
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
@@ -118,25 +112,13 @@ def test_scorers_and_models_without_embeddings_are_refused_in_one_line(tmp_path)
     assert "only a head=coca model has" in str(pytest.raises(ValueError, cases[0][0]).value)
 
 
-@pytest.fixture(scope="module")
-def captioner_dir(tmp_path_factory) -> Path:
-    """A head=caption model trained on the colour captions: no embeddings, only its decoder to classify with."""
-    return train_colour_coca(tmp_path_factory.mktemp("caption") / "bundle", head="caption")
-
-
-@pytest.fixture(scope="module")
-def both_dir(tmp_path_factory) -> Path:
-    """A head=coca model trained on both losses, so both scorers have learned something."""
-    return train_colour_coca(tmp_path_factory.mktemp("both") / "bundle", caption_weight=1.0)
-
-
 def _pixels(bundle, images) -> torch.Tensor:
     return torch.stack([bundle.transform(image) for image in images])
 
 
 @pytest.mark.parametrize("head", ["caption", "coca"])
-def test_likelihood_scores_equal_a_plain_teacher_forced_oracle(head, captioner_dir, both_dir):
-    bundle = load_model(captioner_dir if head == "caption" else both_dir)
+def test_likelihood_scores_equal_a_plain_teacher_forced_oracle(head, colour_captioner, colour_coca_both):
+    bundle = load_model(colour_captioner if head == "caption" else colour_coca_both)
     model, vocab = bundle.model, bundle.vocab
     labels, templates = ["red", "blue", "green", "yellow", "purple"], ["a {}.", "the {} square", "{}"]  # purple: <unk>
     classifier = zero_shot_classifier(model, vocab, labels, templates, "likelihood")
@@ -158,8 +140,8 @@ def test_likelihood_scores_equal_a_plain_teacher_forced_oracle(head, captioner_d
 
 
 @pytest.mark.parametrize("scorer", ["likelihood", "both", "contrastive"])
-def test_each_image_is_encoded_once_per_batch_however_many_prompt_chunks(scorer, both_dir, monkeypatch):
-    bundle = load_model(both_dir)
+def test_each_image_is_encoded_once_per_batch_however_many_prompt_chunks(scorer, colour_coca_both, monkeypatch):
+    bundle = load_model(colour_coca_both)
     model = bundle.model
     classifier = zero_shot_classifier(model, bundle.vocab, list(COLOURS), ["a {}.", "the {} square"], scorer)
     classifier.max_rows = 4  # 2 images: 2 prompts a chunk, 4 chunks
@@ -171,8 +153,8 @@ def test_each_image_is_encoded_once_per_batch_however_many_prompt_chunks(scorer,
     assert calls == [2]
 
 
-def test_both_is_the_sum_of_the_two_scorers_log_softmaxes(both_dir):
-    bundle = load_model(both_dir)
+def test_both_is_the_sum_of_the_two_scorers_log_softmaxes(colour_coca_both):
+    bundle = load_model(colour_coca_both)
     pixels = _pixels(bundle, _images(per_colour=1)[0])
     scores = {}
     with torch.no_grad():
@@ -182,19 +164,19 @@ def test_both_is_the_sum_of_the_two_scorers_log_softmaxes(both_dir):
     torch.testing.assert_close(scores["both"], expected)
 
 
-def test_a_trained_captioner_classifies_by_name_through_the_python_api(captioner_dir):
+def test_a_trained_captioner_classifies_by_name_through_the_python_api(colour_captioner):
     images, truth = _images()
     labels = ["blue", "yellow", "red", "green"]
-    classifier = Classifier.load(captioner_dir, labels=labels)
+    classifier = Classifier.load(colour_captioner, labels=labels)
     assert classifier.model.scorer == "likelihood"  # auto: the only scorer a head=caption model has
     predicted = [p.labels[0] for p in classifier.predict(images, top_k=2)]
     assert predicted == truth
     with pytest.raises(ValueError, match="scorer=contrastive needs image and text embeddings"):
-        Classifier.load(captioner_dir, labels=labels, scorer="contrastive")
+        Classifier.load(colour_captioner, labels=labels, scorer="contrastive")
 
 
-def test_words_the_vocabulary_cannot_spell_are_named_in_one_warning(coca_dir, caplog):
-    bundle = load_model(coca_dir)
+def test_words_the_vocabulary_cannot_spell_are_named_in_one_warning(colour_coca, caplog):
+    bundle = load_model(colour_coca)
     with caplog.at_level(logging.INFO, logger="vitattn.inference.zero_shot"):
         zero_shot_classifier(bundle.model, bundle.vocab, ["red", "purple"], ["a {} thing", "the {} square"])
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -206,8 +188,8 @@ def test_words_the_vocabulary_cannot_spell_are_named_in_one_warning(coca_dir, ca
     assert not caplog.records  # every word spelled: nothing said
 
 
-def test_classes_whose_prompts_encode_alike_are_refused_naming_them(coca_dir):
-    bundle = load_model(coca_dir)
+def test_classes_whose_prompts_encode_alike_are_refused_naming_them(colour_coca):
+    bundle = load_model(colour_coca)
     labels = ["red", "purple", "blue", "orange", "dark red", "pale red", "cyan"]  # <unk>, <unk> red, <unk>
     with pytest.raises(ValueError) as error:
         zero_shot_classifier(bundle.model, bundle.vocab, labels, ["a {}."])
@@ -215,7 +197,7 @@ def test_classes_whose_prompts_encode_alike_are_refused_naming_them(coca_dir):
     assert message.startswith("zero-shot classes purple, orange, cyan; dark red, pale red encode to the same tokens")
     assert "\n" not in message
     with pytest.raises(ValueError, match="classes purple, orange encode to the same tokens"):
-        Classifier.load(coca_dir, labels=["purple", "orange"])
+        Classifier.load(colour_coca, labels=["purple", "orange"])
 
 
 def test_default_templates_fall_back_to_those_the_vocabulary_spells(tmp_path, caplog):

@@ -466,13 +466,6 @@ def test_load_script_passes_its_checks_on_a_small_run(bundle_dir, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def coca_dir(tmp_path_factory) -> Path:
-    from tests.helpers.coca import train_colour_coca
-
-    return train_colour_coca(tmp_path_factory.mktemp("coca") / "bundle")
-
-
-@pytest.fixture(scope="module")
 def colours(tmp_path_factory) -> dict[str, Path]:
     """One noisy square of each colour the coca model was trained on, as a PNG file."""
     import numpy as np
@@ -503,13 +496,13 @@ def _detail(response) -> str:
     return detail
 
 
-def test_embed_gives_the_python_apis_unit_embeddings_of_images_and_texts(coca_dir, colours):
+def test_embed_gives_the_python_apis_unit_embeddings_of_images_and_texts(colour_coca, colours):
     import torch
 
     from vitattn import Captioner
     from vitattn.serve import EmbedAPI
 
-    api = EmbedAPI(str(coca_dir), max_batch_size=8)
+    api = EmbedAPI(str(colour_coca), max_batch_size=8)
     api.setup("cpu")
     texts = ["a red square", "the blue square", "a photo of a green."]
     answers = _answers(
@@ -522,7 +515,7 @@ def test_embed_gives_the_python_apis_unit_embeddings_of_images_and_texts(coca_di
             {"file": _form(colours["yellow"])["image"]},
         ],
     )
-    captioner = Captioner.load(coca_dir)
+    captioner = Captioner.load(colour_coca)
     want_images = captioner.embed_images([colours[c] for c in ("red", "blue", "yellow")])  # (3, E)
     want_texts = captioner.embed_texts(texts)  # (3, E)
     got_images = torch.tensor([answers[i]["embedding"] for i in (0, 2, 4)])
@@ -545,23 +538,23 @@ def test_embed_gives_the_python_apis_unit_embeddings_of_images_and_texts(coca_di
         ({"image": "@@"}, "'image' is not valid base64"),
     ],
 )
-def test_embed_refuses_bad_requests_in_one_line_without_failing_the_batch(coca_dir, colours, request_, message):
+def test_embed_refuses_bad_requests_in_one_line_without_failing_the_batch(colour_coca, colours, request_, message):
     from vitattn.serve import EmbedAPI
 
-    api = EmbedAPI(str(coca_dir), max_batch_size=4)
+    api = EmbedAPI(str(colour_coca), max_batch_size=4)
     api.setup("cpu")
     bad, good = _answers(api, [request_, {"text": "a red square"}])
     assert message in _detail(bad)
     assert len(good["embedding"]) == 16
 
 
-def test_classify_gives_zero_shot_probabilities_most_probable_first(coca_dir, colours):
+def test_classify_gives_zero_shot_probabilities_most_probable_first(colour_coca, colours):
     import torch
 
     from vitattn import Classifier
     from vitattn.serve import ClassifyAPI
 
-    api = ClassifyAPI(str(coca_dir), max_batch_size=8)
+    api = ClassifyAPI(str(colour_coca), max_batch_size=8)
     api.setup("cpu")
     four, two, templates = ["blue", "yellow", "red", "green"], ["green", "red"], ["a {}.", "the {} square"]
     answers = _answers(
@@ -574,7 +567,7 @@ def test_classify_gives_zero_shot_probabilities_most_probable_first(coca_dir, co
     )
     cases = [("red", four, None), ("green", two, templates), ("yellow", four, templates)]
     for answer, (colour, labels, prompts) in zip(answers, cases):
-        want = Classifier.load(coca_dir, labels=labels, templates=prompts).predict(colours[colour], top_k=10)
+        want = Classifier.load(colour_coca, labels=labels, templates=prompts).predict(colours[colour], top_k=10)
         assert answer["labels"] == want.labels and answer["labels"][0] == colour
         torch.testing.assert_close(answer["probabilities"], want.probabilities, rtol=0, atol=1e-5)
         assert answer["probabilities"] == sorted(answer["probabilities"], reverse=True)
@@ -598,10 +591,10 @@ def test_classify_gives_zero_shot_probabilities_most_probable_first(coca_dir, co
         ({"labels": ["red"], "image": None}, "the request has no 'image' field"),
     ],
 )
-def test_classify_refuses_bad_labels_templates_and_images_in_one_line(coca_dir, colours, fields, message):
+def test_classify_refuses_bad_labels_templates_and_images_in_one_line(colour_coca, colours, fields, message):
     from vitattn.serve import ClassifyAPI
 
-    api = ClassifyAPI(str(coca_dir), max_batch_size=4)
+    api = ClassifyAPI(str(colour_coca), max_batch_size=4)
     api.setup("cpu")
     request_ = {"image": _b64(colours["red"]), **fields}
     if request_["image"] is None:
@@ -611,13 +604,13 @@ def test_classify_refuses_bad_labels_templates_and_images_in_one_line(coca_dir, 
     assert good["labels"][0] == "blue"
 
 
-def test_embedding_routes_are_served_for_coca_and_answer_404_in_one_line_otherwise(coca_dir, bundle_dir):
+def test_embedding_routes_are_served_for_coca_and_answer_404_in_one_line_otherwise(colour_coca, bundle_dir):
     from starlette.testclient import TestClient
 
     from vitattn.bundle import load_model
     from vitattn.serve import build_server, serving_apis
 
-    apis, refused = serving_apis(CaptionAPI(str(coca_dir), max_batch_size=3), load_model(coca_dir))
+    apis, refused = serving_apis(CaptionAPI(str(colour_coca), max_batch_size=3), load_model(colour_coca))
     assert [a.api_path for a in apis] == ["/predict", "/embed", "/classify"] and refused is None
     assert [a.max_batch_size for a in apis] == [3, 3, 3]
     paths = {getattr(r, "path", None) for r in build_server(apis, accelerator="cpu").app.router.routes}
@@ -658,10 +651,10 @@ def test_classify_on_a_caption_model_answers_as_the_python_api_by_likelihood(bun
 
 
 @pytest.mark.slow
-def test_a_coca_server_embeds_and_classifies_over_http(coca_dir, colours, server):
+def test_a_coca_server_embeds_and_classifies_over_http(colour_coca, colours, server):
     from vitattn import Captioner, Classifier
 
-    proc, url = _start_server(coca_dir, "max_batch_size=4")
+    proc, url = _start_server(colour_coca, "max_batch_size=4")
     try:
         red = colours["red"].read_bytes()
         image = httpx.post(f"{url}/embed", files={"image": ("red.png", red)}, timeout=120)
@@ -675,11 +668,11 @@ def test_a_coca_server_embeds_and_classifies_over_http(coca_dir, colours, server
         caption = httpx.post(f"{url}/predict", files={"image": ("red.png", red)}, timeout=120)
     finally:
         _end_group(proc)
-    captioner = Captioner.load(coca_dir)
+    captioner = Captioner.load(colour_coca)
     assert image.json()["embedding"] == pytest.approx(captioner.embed_images(colours["red"])[0].tolist(), abs=1e-5)
     want = captioner.embed_texts(["a red square", "a blue square"]).tolist()
     assert [row == pytest.approx(w, abs=1e-5) for row, w in zip(texts.json()["embeddings"], want)] == [True, True]
-    expected = Classifier.load(coca_dir, labels=labels).predict(colours["red"], top_k=3)
+    expected = Classifier.load(colour_coca, labels=labels).predict(colours["red"], top_k=3)
     for response in (form, raw):
         assert response.status_code == 200 and response.json()["labels"] == expected.labels == [
             "red",

@@ -13,17 +13,12 @@ import pytest
 import torch
 
 from tests.helpers import TINY, TINY_SHAPES, compose_train, make_caption_bundle, make_classifier_bundle
-from tests.helpers.coca import COLOURS, colour_image, train_colour_coca
+from tests.helpers.coca import COLOURS, colour_image
 from vitattn import Captioner
 from vitattn.cli.evaluate import main as eval_main
 from vitattn.data.shapes import ShapesDataset
 from vitattn.metrics.retrieval import retrieval_metrics
 from vitattn.training import train
-
-
-@pytest.fixture(scope="module")
-def coca_dir(tmp_path_factory) -> Path:
-    return train_colour_coca(tmp_path_factory.mktemp("coca") / "bundle")
 
 
 def _oracle(similarity: torch.Tensor, text_image: list[int]) -> dict[str, float]:
@@ -124,15 +119,15 @@ def _colour_coco(root: Path) -> tuple[Path, Path, list[str]]:
     return path, root / "images", names
 
 
-def test_eval_retrieval_on_a_coco_file_matches_the_oracle_of_the_apis_similarity(coca_dir, tmp_path, capsys):
+def test_eval_retrieval_on_a_coco_file_matches_the_oracle_of_the_apis_similarity(colour_coca, tmp_path, capsys):
     references, image_dir, files = _colour_coco(tmp_path / "coco")
     out = tmp_path / "eval"
-    argv = [f"model={coca_dir}", "task=retrieval", f"references={references}", f"image_dir={image_dir}"]
+    argv = [f"model={colour_coca}", "task=retrieval", f"references={references}", f"image_dir={image_dir}"]
     assert eval_main([*argv, f"out={out}", "num_workers=0", "progress=false", "batch_size=3"]) == 0
     metrics = json.loads((out / "metrics.json").read_text())["metrics"]
     annotations = json.loads(references.read_text())["annotations"]
     texts, text_image = [a["caption"] for a in annotations], [a["image_id"] - 1 for a in annotations]
-    similarity = Captioner.load(coca_dir).similarity([str(image_dir / f) for f in files], texts)
+    similarity = Captioner.load(colour_coca).similarity([str(image_dir / f) for f in files], texts)
     expected = _oracle(similarity, text_image)
     assert {k: metrics[k] for k in expected} == pytest.approx(expected)
     assert metrics["num_images"] == 8 and metrics["num_texts"] == len(texts)
@@ -159,10 +154,10 @@ def test_a_coca_system_with_a_zero_shot_folder_and_no_preprocess_reads_its_image
     assert transform(Image.new("RGB", (50, 40))).shape == (3, 32, 32)
 
 
-def test_eval_zero_shot_on_an_image_folder_writes_the_classification_report(coca_dir, tmp_path, capsys):
+def test_eval_zero_shot_on_an_image_folder_writes_the_classification_report(colour_coca, tmp_path, capsys):
     root = _colour_folder(tmp_path / "data")
     out = tmp_path / "eval"
-    argv = [f"model={coca_dir}", "task=zero_shot", f"data_root={root}", f"out={out}", "num_workers=0"]
+    argv = [f"model={colour_coca}", "task=zero_shot", f"data_root={root}", f"out={out}", "num_workers=0"]
     assert eval_main([*argv, "progress=false", "templates=a photo of a {}.|the {} square"]) == 0
     summary = json.loads((out / "metrics.json").read_text())
     assert summary["task"] == "zero_shot" and summary["decoding"]["templates"] == ["a photo of a {}.", "the {} square"]
@@ -194,13 +189,13 @@ def test_eval_zero_shot_on_an_image_folder_writes_the_classification_report(coca
     ],
 )
 def test_eval_bad_zero_shot_and_retrieval_arguments_are_one_line_and_write_nothing(
-    args, message, coca_dir, tmp_path, capsys
+    args, message, colour_coca, tmp_path, capsys
 ):
     root = _colour_folder(tmp_path / "data")
     argv = [a.replace("=D", f"={root}") for a in args.split()]
-    assert eval_main([f"model={coca_dir}", *argv, f"out={tmp_path / 'eval'}", "progress=false"]) == 2
+    assert eval_main([f"model={colour_coca}", *argv, f"out={tmp_path / 'eval'}", "progress=false"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: {message.replace('model=M', f'model={coca_dir}')}") and "\n" not in err, err
+    assert err.startswith(f"error: {message.replace('model=M', f'model={colour_coca}')}") and "\n" not in err, err
     assert not (tmp_path / "eval").exists()
 
 
@@ -220,17 +215,17 @@ def test_eval_zero_shot_or_retrieval_on_a_model_without_embeddings_is_one_line(t
         assert "\n" not in err and not (tmp_path / "eval").exists(), err
 
 
-def test_eval_zero_shot_on_a_caption_model_classifies_by_likelihood(coca_dir, tmp_path, capsys):
+def test_eval_zero_shot_on_a_caption_model_classifies_by_likelihood(colour_coca, tmp_path, capsys):
     root, out = _colour_folder(tmp_path / "data"), tmp_path / "eval"
     caption = make_caption_bundle(tmp_path / "caption")
-    for model, scorer, used in ((caption, "auto", "likelihood"), (coca_dir, "both", "both")):
+    for model, scorer, used in ((caption, "auto", "likelihood"), (colour_coca, "both", "both")):
         argv = [f"model={model}", "task=zero_shot", f"data_root={root}", f"out={out}", "num_workers=0"]
         assert eval_main([*argv, "progress=false", f"zero_shot_scorer={scorer}"]) == 0
         summary = json.loads((out / "metrics.json").read_text())
         assert summary["decoding"]["scorer"] == used and summary["metrics"]["num_images"] == 8
-    assert "zero_shot_scorer go with task=zero_shot" in _refused(coca_dir, "zero_shot_scorer=both", capsys)
+    assert "zero_shot_scorer go with task=zero_shot" in _refused(colour_coca, "zero_shot_scorer=both", capsys)
     bad = f"task=zero_shot data_root={root} zero_shot_scorer=best"
-    assert "zero_shot_scorer='best' is unknown" in _refused(coca_dir, bad, capsys)
+    assert "zero_shot_scorer='best' is unknown" in _refused(colour_coca, bad, capsys)
 
 
 def _refused(model, args: str, capsys) -> str:
