@@ -346,6 +346,50 @@ def stop_mid_run(command: list[str], log: Path, ready, stop: str, env: dict, wai
             proc.wait(timeout=60)
 
 
+def sample_keys(folder: Path, suffix: str = "txt") -> list[tuple[int, int, list[str]]]:
+    """Every rank's ``(rank, step, keys)`` lines (``SampleKeys``) in the files ``keys.rank*.<suffix>``."""
+    return [
+        (int(f.name.split(".")[1][4:]), int(step), keys)
+        for f in sorted(folder.glob(f"keys.rank*.{suffix}"))
+        for step, *keys in (line.split() for line in f.read_text().splitlines())
+    ]
+
+
+def stop_twice_then_finish(
+    command: list[str], logs: Path, keys: Path, *, first: int, every: int, steps: int, batch: int, env: dict
+) -> list[list[str]]:
+    """One DDP epoch (two ranks, ``steps`` steps of ``batch`` samples a rank, a step checkpoint every ``every``
+    steps, ``resume=auto``, ``SampleKeys`` writing to ``keys``) stopped twice and resumed each time: SIGTERM to
+    rank 0 after ``first`` steps (a preemption: status 75); the resumed run killed by ``kill -9`` (every process of
+    the run at once) once it has trained past a step checkpoint of its own; resumed again to the end.
+
+    Each stop leaves a checkpoint between the last one and the end; the samples it holds are the keys of its
+    steps, ``2 * batch`` a step from the previous checkpoint on (so the resumed run continued from there, not from
+    the start). Returns the samples each of the three runs trained that count: those held by the first and the
+    second checkpoint (past the first), then all that the last run trained."""
+    import subprocess
+
+    import torch
+
+    last = Path(command[-1].split("=", 1)[1]) / "checkpoints" / "last.ckpt"  # hydra.run.dir=..., last
+    assert command[-1].startswith("hydra.run.dir=") and "resume=auto" in command
+    trained, saved = [], 0
+    for stop, lines in (("sigterm", 2 * first), ("kill-9", 2 * (every + 1))):  # kill-9: a checkpoint, then a step
+        stop_mid_run(command, logs / f"{stop}.log", lambda n=lines: len(sample_keys(keys)) >= n, stop, env)
+        step = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
+        assert saved < step < steps, f"{stop}: checkpoint at step {step}, the previous at {saved}, {steps} steps"
+        held = [k for _, s, ks in sample_keys(keys) if s <= step for k in ks]  # what the checkpoint holds
+        assert len(held) == 2 * batch * (step - saved), f"{stop}: {len(held)} samples to step {step} from {saved}"
+        trained.append(held)
+        saved = step
+        for f in keys.glob("keys.rank*.txt"):
+            f.rename(f.with_suffix(f".{stop}"))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trained.append([k for _, _, ks in sample_keys(keys) for k in ks])
+    return trained
+
+
 def png_header(path: Path, width: int, height: int) -> None:
     """A PNG that declares ``width x height`` 1-bit pixels and holds none: a decompression bomb's header."""
 

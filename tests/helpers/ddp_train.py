@@ -1,10 +1,10 @@
 """``vitattn-train`` that records every bundle export: which rank wrote a bundle, and where.
 
-    VITATTN_EXPORT_LOG=FILE python tests/helpers/ddp_train.py OVERRIDES...
+    VITATTN_EXPORT_LOG=FILE python -m tests.helpers.ddp_train OVERRIDES...
 
-With ``trainer=ddp`` Lightning starts this file again once per extra rank, so every rank runs the
-recording ``bundle_from_system``; each call appends ``<global rank> <bundle folder>`` to FILE. Used
-by tests/training/test_training.py.
+Started as a module, as ``python -m vitattn.cli.train`` is; with ``trainer=ddp`` Lightning starts this module again
+once per extra rank (``python -m`` again), so every rank runs the recording ``bundle_from_system``; each call
+appends ``<global rank> <bundle folder>`` to FILE. Used by tests/training/test_training.py.
 """
 
 from __future__ import annotations

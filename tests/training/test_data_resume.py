@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, DistributedSampler, RandomSampler
 
-from tests.helpers import TINY, compose_train, make_coco, make_image_folder, stop_mid_run
+from tests.helpers import TINY, compose_train, make_coco, make_image_folder, sample_keys, stop_twice_then_finish
 from vitattn.training import train
 from vitattn.training.datamodules.base import EpochSampler, ResumableLoader
 from vitattn.training.datamodules.shapes import ShapesDataModule
@@ -108,15 +108,6 @@ def _overrides(name: str, size: int, root: Path) -> tuple[list[str], list[str]]:
     return [*TINY, *data, *run, "+callbacks.sample_keys._target_=vitattn.training.callbacks.SampleKeys"], keys
 
 
-def _keys(folder: Path, suffix: str = "txt") -> list[tuple[int, int, list[str]]]:
-    """Every rank's ``(rank, step, keys)`` lines (SampleKeys) in the files ending ``suffix``."""
-    return [
-        (int(f.name.split(".")[1][4:]), int(step), keys)
-        for f in sorted(folder.glob(f"keys.rank*.{suffix}"))
-        for step, *keys in (line.split() for line in f.read_text().splitlines())
-    ]
-
-
 # The fast run keeps coco without workers; the rest run with the slow tests (as do the DDP ones).
 @pytest.mark.parametrize(
     "name",
@@ -132,7 +123,7 @@ def test_a_preempted_epoch_in_one_process_trains_what_an_uninterrupted_one_does(
     overrides, expected = _overrides(name, 24, tmp_path / "data")
     overrides.append(f"data.num_workers={workers}")
     train(compose_train([*overrides, f"+callbacks.sample_keys.folder={tmp_path / 'whole'}"], tmp_path / "whole_run"))
-    whole = [k for _, _, ks in _keys(tmp_path / "whole") for k in ks]
+    whole = [k for _, _, ks in sample_keys(tmp_path / "whole") for k in ks]
     assert sorted(whole) == sorted(expected)  # the keys name each training sample once
 
     run, resumed = tmp_path / "run", [*overrides, f"+callbacks.sample_keys.folder={tmp_path / 'keys'}", "resume=auto"]
@@ -148,7 +139,7 @@ def test_a_preempted_epoch_in_one_process_trains_what_an_uninterrupted_one_does(
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "at step 3" in json.loads(proc.stdout.strip().splitlines()[-1])["preempted"]
     train(compose_train(resumed, run))
-    steps = _keys(tmp_path / "keys")
+    steps = sample_keys(tmp_path / "keys")
     assert [s for _, s, _ in steps] == list(range(1, 7))  # steps 1..3, then 4..6 in the resumed run
     assert [k for _, _, ks in steps for k in ks] == whole  # the same samples, in the same order
 
@@ -157,32 +148,21 @@ DDP_CPU = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "train
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", ["sigterm", "kill-9"])
 @pytest.mark.parametrize("name", ["coco", "imagefolder", "shapes"])
-def test_a_stopped_ddp_epoch_resumes_with_every_sample_once(name, stop, tmp_path):
-    overrides, expected = _overrides(name, 48, tmp_path / "data")
+def test_a_ddp_epoch_stopped_by_sigterm_then_by_kill_9_resumes_with_every_sample_once(name, tmp_path):
+    overrides, expected = _overrides(name, 96, tmp_path / "data")
     overrides.append(f"+callbacks.sample_keys.folder={tmp_path / 'keys'}")
     command = [
         *[sys.executable, "-m", "vitattn.cli.train", *DDP_CPU, "trainer.benchmark=false", *overrides],
         *["data.num_workers=1", "callbacks.step_checkpoint.every_n_train_steps=2", "resume=auto"],
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
-    keys, last = tmp_path / "keys", tmp_path / "run" / "checkpoints" / "last.ckpt"
-    steps = len(expected) // (2 * 4)  # 6: two ranks of 4 samples a step, every sample once (no padding)
-    stop_mid_run(command, tmp_path / "first.log", lambda: len(_keys(keys)) >= 2 * 3, stop, ENV)
-    saved = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
-    assert 0 < saved < steps
-    before = [k for _, step, ks in _keys(keys) if step <= saved for k in ks]  # what the checkpoint holds
-    assert len(before) == 2 * 4 * saved
-    for f in keys.glob("*"):
-        f.rename(f.with_suffix(".first"))
-
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    after = [k for _, _, ks in _keys(keys) for k in ks]
-    repeated = [k for k, n in Counter(before + after).items() if n > 1]
+    steps = len(expected) // (2 * 4)  # 12: two ranks of 4 samples a step, every sample once (no padding)
+    runs = stop_twice_then_finish(command, tmp_path, tmp_path / "keys", first=3, every=2, steps=steps, batch=4, env=ENV)
+    trained = [k for run in runs for k in run]
+    repeated = [k for k, n in Counter(trained).items() if n > 1]
     assert not repeated, f"{len(repeated)} samples trained twice: {repeated[:5]}"
-    assert sorted(before + after) == sorted(expected)  # none skipped
+    assert sorted(trained) == sorted(expected)  # none skipped
 
 
 def test_in_a_process_group_the_loader_workers_start_from_a_fork_server(tmp_path):

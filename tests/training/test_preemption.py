@@ -266,52 +266,10 @@ DDP_CPU = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [[], DDP_CPU], ids=["one-process", "ddp-two-processes"])
-def test_sigterm_to_vitattn_train_then_resume_auto_repeats_no_step_and_keeps_every_log(processes, tmp_path):
-    run_dir, runs = tmp_path / "run", tmp_path / "runs"
-    command = [
-        str(console_script("vitattn-train")),
-        *processes,
-        *RUN,
-        "trainer.max_steps=40",
-        "callbacks.step_checkpoint.every_n_train_steps=40",
-        *LOGGERS,
-        f"paths.runs_dir={runs}",
-        f"hydra.run.dir={run_dir}",
-    ]
-    with open(tmp_path / "first.log", "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
-        deadline = time.monotonic() + 300
-        while proc.poll() is None and time.monotonic() < deadline and len(_train_steps(run_dir)) < 6:
-            time.sleep(0.05)
-        assert proc.poll() is None and len(_train_steps(run_dir)) >= 6, (tmp_path / "first.log").read_text()[-3000:]
-        proc.send_signal(signal.SIGTERM)  # mid-run: steps logged, no checkpoint yet
-        _, stderr = proc.communicate(timeout=300)  # until every process has closed stderr: rank 1 ends too
-    assert proc.returncode == 75, stderr[-3000:]
-    assert "Traceback" not in stderr
-    lines = [line for line in stderr.splitlines() if "preempted" in line]
-    saved = _step(run_dir / "checkpoints" / "last.ckpt")
-    assert lines == [
-        f"preempted by SIGTERM at step {saved}; checkpoint {run_dir / 'checkpoints' / 'last.ckpt'}; "
-        f"continue with resume={run_dir}"
-    ]
-    before = _train_steps(run_dir)
-    assert before == list(range(saved)) and 6 <= saved < 40  # every step logged is in the checkpoint
-
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resume=auto: continuing from {run_dir / 'checkpoints' / 'last.ckpt'} (step {saved})" in proc.stdout
-    _assert_each_step_once(run_dir, runs, 40)  # what was logged before the signal kept, each step once
-    assert _step(run_dir / "checkpoints" / "last.ckpt") == 40
-    speed = re.search(r"^speed: +([0-9.]+) steps/s \(training with its validations\)$", proc.stdout, re.MULTILINE)
-    assert speed and float(speed.group(1)) > 0, proc.stdout[-2000:]  # the summary's rate, of this start's steps
-    print(f"SIGTERM after {len(before)} steps, resumed at step {saved}; logged:", _logged(run_dir, runs))
-
-    _assert_complete_run_left_alone(command, run_dir, runs, tmp_path)  # the same command once more: nothing to do
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("processes", [[], DDP_CPU], ids=["one-process", "ddp-two-processes"])
-def test_kill_9_then_resume_auto_keeps_each_logged_step_once(processes, tmp_path):
+def test_sigterm_then_kill_9_each_resumed_by_resume_auto_repeat_no_step_and_keep_every_log(processes, tmp_path):
+    """One run stopped twice: SIGTERM (a preemption: its checkpoint, status 75), resumed; then the resumed run
+    killed by ``kill -9`` past a step checkpoint of its own (steps logged that no checkpoint holds), resumed again
+    to the end; then the same command once more finds the run complete."""
     run_dir, runs = tmp_path / "run", tmp_path / "runs"
     command = [
         str(console_script("vitattn-train")),
@@ -325,29 +283,54 @@ def test_kill_9_then_resume_auto_keeps_each_logged_step_once(processes, tmp_path
     ]
     last = run_dir / "checkpoints" / "last.ckpt"
     with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline and len(_train_steps(run_dir)) < 6:
+            time.sleep(0.05)
+        assert proc.poll() is None and len(_train_steps(run_dir)) >= 6, (tmp_path / "first.log").read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)  # mid-run: steps logged past the step checkpoint (step 5)
+        _, stderr = proc.communicate(timeout=300)  # until every process has closed stderr: rank 1 ends too
+    assert proc.returncode == 75, stderr[-3000:]
+    assert "Traceback" not in stderr
+    lines = [line for line in stderr.splitlines() if "preempted" in line]
+    saved = _step(last)
+    assert lines == [f"preempted by SIGTERM at step {saved}; checkpoint {last}; continue with resume={run_dir}"]
+    before = _train_steps(run_dir)
+    assert before == list(range(saved)) and 6 <= saved < 40  # every step logged is in the preemption's checkpoint
+
+    with open(tmp_path / "resumed.log", "w") as log:
         # its own process group: kill -9 takes every process of the run, as a lost machine would
         proc = subprocess.Popen(command, stdout=log, stderr=log, env=ENV, cwd=tmp_path, start_new_session=True)
         deadline = time.monotonic() + 300
         while proc.poll() is None and time.monotonic() < deadline:
-            if last.is_file() and len(_train_steps(run_dir)) >= _step(last) + 2:  # steps logged past the checkpoint
+            # a step checkpoint of this run's, and steps logged past it
+            if _step(last) > saved and len(_train_steps(run_dir)) >= _step(last) + 2:
                 os.killpg(proc.pid, signal.SIGSTOP)  # frozen, so a checkpoint cannot land between look and kill
                 if len(_train_steps(run_dir)) >= _step(last) + 2:
                     break
                 os.killpg(proc.pid, signal.SIGCONT)
             time.sleep(0.05)
-        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        assert proc.poll() is None, (tmp_path / "resumed.log").read_text()[-3000:]
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
-    saved = _step(last)
+    assert f"resume=auto: continuing from {last} (step {saved})" in (tmp_path / "resumed.log").read_text()
+    killed_at = _step(last)
+    assert saved < killed_at < 40
     killed = _logged(run_dir, runs)
     for name, steps in killed.items():  # each logger holds steps that the resumed run logs again
-        assert max(steps["train"]) >= saved, (name, saved, steps)
+        assert max(steps["train"]) >= killed_at, (name, killed_at, steps)
 
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resume=auto: continuing from {last} (step {saved})" in proc.stdout
-    _assert_each_step_once(run_dir, runs, 40)  # those steps once, from the resumed run; the steps before it kept
-    print(f"kill -9 after {len(killed['csv']['train'])} steps, resumed at {saved}; logged:", _logged(run_dir, runs))
+    assert f"resume=auto: continuing from {last} (step {killed_at})" in proc.stdout
+    _assert_each_step_once(run_dir, runs, 40)  # the steps of both stops once each; what was logged before kept
+    assert _step(last) == 40
+    speed = re.search(r"^speed: +([0-9.]+) steps/s \(training with its validations\)$", proc.stdout, re.MULTILINE)
+    assert speed and float(speed.group(1)) > 0, proc.stdout[-2000:]  # the summary's rate, of this start's steps
+    print(f"SIGTERM after {len(before)} steps, resumed at {saved}; kill -9 after {len(killed['csv']['train'])} steps")
+    print(f"resumed at {killed_at}; logged:", _logged(run_dir, runs))
+
+    _assert_complete_run_left_alone(command, run_dir, runs, tmp_path)  # the same command once more: nothing to do
 
 
 def _workers(launcher: int) -> dict[int, int]:

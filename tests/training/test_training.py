@@ -311,21 +311,40 @@ DDP_CPU = [
 ]
 
 
-def _run_ddp(launch: list[str], overrides: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **env}
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """One two-process run through ``vitattn-train``'s ``main`` started as a module, as ``python -m vitattn.cli.train``
+    is (tests/helpers/ddp_train.py: the same ``main``, recording each rank's bundle export), of a captioner on an
+    encoder that normalises after pooling (timm's avg pool: ``fc_norm``, not ``norm``, follows the layers; DDP's
+    reducer fails the second step on a parameter without a gradient), logging to TensorBoard, exporting its bundle.
+    Its output, run directory and export record."""
+    tmp_path = tmp_path_factory.mktemp("ddp")
+    runs, exports = tmp_path / "runs", tmp_path / "exports.log"
+    overrides = ["model.global_pool=avg", "model.norm_pre=true", "logger=tensorboard", f"paths.runs_dir={runs}"]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+        "VITATTN_EXPORT_LOG": str(exports),
+    }
+    launch = [sys.executable, "-m", "tests.helpers.ddp_train"]
     proc = subprocess.run(
-        [*launch, *DDP_CPU, *overrides], capture_output=True, text=True, timeout=300, env=env, cwd=cwd
+        [*launch, *DDP_CPU, *overrides, "test=false"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    run_dirs = [p for p in (runs / "caption").iterdir() if p.is_dir()]
+    return proc, run_dirs, exports
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_through_the_cli(tmp_path):
-    runs = tmp_path / "runs"
-    launch = [sys.executable, "-m", "vitattn.cli.train"]
-    proc = _run_ddp(launch, ["logger=tensorboard", f"paths.runs_dir={runs}", "export_bundle=false"], tmp_path)
-    run_dirs = [p for p in (runs / "caption").iterdir() if p.is_dir()]
+def test_ddp_two_processes_through_the_cli(ddp_run):
+    proc, run_dirs, _ = ddp_run
     assert len(run_dirs) == 1, run_dirs  # one run directory, not one per process
     run = run_dirs[0]
     writers = {p.name.split(".")[-2] for p in (run / "tensorboard").glob("events.out.tfevents.*")}
@@ -336,23 +355,16 @@ def test_ddp_two_processes_through_the_cli(tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_trains_a_captioner_on_an_encoder_that_normalises_after_pooling(tmp_path):
-    # timm's avg pool: fc_norm, not norm, follows the layers; a caption step must use it (DDP's reducer
-    # fails the second step on a parameter without a gradient)
-    runs = tmp_path / "runs"
-    overrides = ["model.global_pool=avg", "model.norm_pre=true", f"paths.runs_dir={runs}", "export_bundle=false"]
-    _run_ddp([sys.executable, "-m", "vitattn.cli.train", *overrides, "test=false"], [], tmp_path)
-    (run,) = (runs / "caption").iterdir()
+def test_ddp_trains_a_captioner_on_an_encoder_that_normalises_after_pooling(ddp_run):
+    _, (run,), _ = ddp_run
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 3 and "model.encoder.fc_norm.weight" in ckpt["state_dict"]
+    assert "model.encoder.norm.weight" not in ckpt["state_dict"]  # the pooled tokens' norm is fc_norm
 
 
 @pytest.mark.slow
-def test_ddp_training_exports_one_bundle_from_rank_zero_only(tmp_path):
-    runs, exports = tmp_path / "runs", tmp_path / "exports.log"
-    launch = [sys.executable, str(Path(__file__).parents[1] / "helpers" / "ddp_train.py")]  # records each rank's export
-    proc = _run_ddp(launch, [f"paths.runs_dir={runs}", "test=false"], tmp_path, VITATTN_EXPORT_LOG=str(exports))
-    (run,) = (runs / "caption").iterdir()
+def test_ddp_training_exports_one_bundle_from_rank_zero_only(ddp_run):
+    proc, (run,), exports = ddp_run
     assert exports.read_text().splitlines() == [f"0 {run / 'bundle'}"]  # written once, by rank 0
     assert proc.stdout.count("model bundle:") == 1
     assert sorted(p.name for p in run.iterdir() if "bundle" in p.name) == ["bundle"]  # no temporary bundle folders
@@ -360,6 +372,9 @@ def test_ddp_training_exports_one_bundle_from_rank_zero_only(tmp_path):
     bundle = load_bundle(run / "bundle")
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert bundle.task == "caption" and ckpt["global_step"] == 3
+    assert isinstance(
+        bundle.model.encoder.fc_norm, torch.nn.LayerNorm
+    )  # the bundle rebuilds the encoder that pools, then normalises
     for key, value in bundle.model.state_dict().items():  # the trained weights, as rank 0 held them
         assert torch.equal(value, ckpt["state_dict"][f"model.{key}"]), key
 
