@@ -156,11 +156,13 @@ def build_system(plan: Plan, datamodule: Any) -> VisionSystem:
     cfg = plan.cfg
     caption = cfg.head.task == "caption"
     labels = {"vocab": tokenizer_labels(datamodule.vocab)} if caption else {"class_names": list(datamodule.class_names)}
+    parts = _model_keys(cfg)  # a classifier's model is the system's own: its keys are the system's
+    keys = plan.system_keys if caption else plan.system_keys | parts.pop("encoder")
     system = _instantiate(
         cfg.head.system,
         "head.system",
-        plan.system_keys,
-        parts=_model_keys(cfg),
+        keys,
+        parts=parts,
         model_config=model_config_from(plan, datamodule),
         preprocess=dict(datamodule.preprocess),
         **labels,
@@ -171,11 +173,11 @@ def build_system(plan: Plan, datamodule: Any) -> VisionSystem:
 
 
 def _model_keys(cfg: DictConfig) -> dict[str, dict[str, str]]:
-    """The config keys of each model part's keyword arguments: ``""`` a classifier's, else ``encoder``, ``decoder``
-    and ``contrastive`` (the parts' names as a captioner's errors start, ``decoder: num_heads=3 ...``)."""
+    """The config keys of each model part's keyword arguments, by the part's name as a captioner's errors start
+    (``decoder: num_heads=3 ...``): ``encoder``, and for captioners ``decoder`` and ``contrastive``."""
     encoder = {k: f"model.{k}" for k in cfg.model} | {"img_size": "data.img_size", "d_model": "model.embed_dim"}
     if cfg.head.task != "caption":
-        return {"": encoder}
+        return {"encoder": encoder}
     decoder = {k: f"head.decoder.{k}" for k in cfg.head.decoder} | {"d_model": "head.decoder.embed_dim"}
     contrastive = {k: f"head.contrastive.{k}" for k in cfg.head.get("contrastive", {})}
     contrastive |= {f"text_{k}": f"head.contrastive.text_{k}" for k in ("num_heads", "depth", "mlp_ratio")}
@@ -196,11 +198,9 @@ def _instantiate(
             raise cause from None
         if isinstance(cause, (ValueError, TypeError)):
             line = first_line(cause)
-            for part, names in (parts or {}).items():
-                if part and line.startswith(f"{part}: "):
-                    raise ConfigError(qualify(line.removeprefix(f"{part}: "), names)) from None
-                if not part and qualify(line, names) != line:
-                    raise ConfigError(qualify(line, names)) from None
+            part, _, rest = line.partition(": ")
+            if rest and part in (parts or {}):
+                raise ConfigError(qualify(rest, parts[part])) from None
             message = qualify(line, keys)
             raise ConfigError(message if message != line else f"{where}: {message}") from None
         raise

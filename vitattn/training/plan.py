@@ -59,12 +59,17 @@ class Plan:
     vocab: Tokenizer | None  # a tokenizer taken whole: the start model's, or this run's own on a restart
     ckpt_path: str | None  # the checkpoint fit continues from
     first_step: int  # that checkpoint's step; 0 for a fresh start
-    log_from: int | None  # the step the loggers continue from (a resume, or resume=auto); None: a new run
     preprocess_from: str  # where each part of the preprocessing comes from, for the log line
     on_gpu: bool  # trainer.accelerator is gpu or cuda, or auto with CUDA available
     sharded: bool  # trainer=fsdp
     processes: int  # the training processes on this machine
     system_keys: dict[str, str]  # head.system's arguments -> the config key each comes from, for error lines
+
+    @property
+    def log_from(self) -> int | None:
+        """The step the loggers continue from: a resumed run, or a resume=auto start, continues the folder's logs;
+        None: a new run."""
+        return self.first_step if self.ckpt_path or self.cfg.resume == "auto" else None
 
 
 def resolve(cfg: DictConfig) -> Plan:
@@ -94,7 +99,6 @@ def resolve(cfg: DictConfig) -> Plan:
     OmegaConf.resolve(cfg)  # what is built and saved: Hydra's instantiate cannot resolve a read-only config
     OmegaConf.set_readonly(cfg, True)
     first_step = _checkpoint_step(ckpt_path) if ckpt_path else 0
-    log_from = first_step if ckpt_path or cfg.resume == "auto" else None
     return Plan(
         cfg,
         run_dir,
@@ -102,7 +106,6 @@ def resolve(cfg: DictConfig) -> Plan:
         vocab,
         ckpt_path,
         first_step,
-        log_from,
         preprocess_from,
         gpu,
         sharded,
