@@ -86,7 +86,7 @@ def resolve(cfg: DictConfig) -> Plan:
     check_config(cfg)  # the resolved config: the one that runs and is saved
     sharded = fully_sharded(cfg.trainer)
     run_dir = Path(cfg.paths.output_dir)
-    ckpt_path = _resume_checkpoint(cfg.ckpt_path, cfg.resume, run_dir)
+    ckpt_path, first_step = _resume_checkpoint(cfg.ckpt_path, cfg.resume, run_dir)
     if start is not None:
         vocab = start.vocab
     else:
@@ -98,7 +98,6 @@ def resolve(cfg: DictConfig) -> Plan:
     }
     OmegaConf.resolve(cfg)  # what is built and saved: Hydra's instantiate cannot resolve a read-only config
     OmegaConf.set_readonly(cfg, True)
-    first_step = _checkpoint_step(ckpt_path) if ckpt_path else 0
     return Plan(
         cfg,
         run_dir,
@@ -205,21 +204,25 @@ def _data_default(start: ModelWeights | EncoderWeights | None, rest: list[str]) 
     )
 
 
-def _resume_checkpoint(ckpt_path: str | None, resume: str | None, run_dir: Path) -> str | None:
+def _resume_checkpoint(ckpt_path: str | None, resume: str | None, run_dir: Path) -> tuple[str | None, int]:
+    """The checkpoint fit continues from, and its step (read before the run starts: it rewrites last.ckpt)."""
     if ckpt_path:
-        return str(ckpt_path)
+        return str(ckpt_path), _checkpoint_step(str(ckpt_path))
     if resume == "auto":  # the run folder's own checkpoint when it has one: a fresh start otherwise
         last = RunDir(run_dir).last_checkpoint
-        found = f"continuing from {last} (step {_checkpoint_step(str(last))})" if last.is_file() else None
-        log.info("resume=auto: %s", found or f"no {last}, starting afresh")
-        return str(last) if last.is_file() else None
+        if not last.is_file():
+            log.info("resume=auto: no %s, starting afresh", last)
+            return None, 0
+        step = _checkpoint_step(str(last))
+        log.info("resume=auto: continuing from %s (step %d)", last, step)
+        return str(last), step
     if resume:
-        return str(RunDir(resume).last_checkpoint)
-    return None
+        last = RunDir(resume).last_checkpoint
+        return str(last), _checkpoint_step(str(last))
+    return None, 0
 
 
 def _checkpoint_step(ckpt_path: str) -> int:
-    # read before the run starts: it rewrites last.ckpt
     return int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
 
 
