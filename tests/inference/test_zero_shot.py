@@ -146,8 +146,8 @@ def test_each_image_is_encoded_once_per_batch_however_many_prompt_chunks(scorer,
     classifier = zero_shot_classifier(model, bundle.vocab, list(COLOURS), ["a {}.", "the {} square"], scorer)
     classifier.max_rows = 4  # 2 images: 2 prompts a chunk, 4 chunks
     calls = []
-    encode = model.encoder.forward_features
-    monkeypatch.setattr(model.encoder, "forward_features", lambda x: calls.append(len(x)) or encode(x))
+    encode = model.encoder.forward_tokens
+    monkeypatch.setattr(model.encoder, "forward_tokens", lambda x: calls.append(len(x)) or encode(x))
     with torch.no_grad():
         classifier(torch.randn(2, 3, 32, 32))
     assert calls == [2]

@@ -335,7 +335,7 @@ def test_a_caption_step_reads_normalised_tokens_and_trains_every_parameter(encod
     vit = VisionTransformer(**TINY, **encoder)
     model = ImageCaptioner(vit, CaptionDecoder(11, embed_dim=32, depth=1, num_heads=2, max_len=6, memory_dim=32))
     images, tokens = torch.randn(3, 3, 32, 32) * 5 + 2, torch.randint(4, 11, (3, 5))
-    memory = model.encode(images)
+    memory = model.encode(images).tokens
     if encoder.get("norm_first", True):  # a LayerNorm's output: every token of mean 0 and variance 1
         torch.testing.assert_close(memory.mean(-1), torch.zeros(3, 17), atol=1e-4, rtol=0)
         torch.testing.assert_close(memory.var(-1, unbiased=False), torch.ones(3, 17), atol=1e-2, rtol=0)

@@ -413,8 +413,8 @@ def _scst_system(head: str, xe_weight: float, **kwargs):
 def test_an_scst_step_encodes_each_image_once_and_skips_the_cross_entropy_at_xe_weight_0(head, xe_weight, monkeypatch):
     system = _scst_system(head, xe_weight)
     encoded, cross_entropies = [], []
-    forward_features, caption_loss = system.model.encoder.forward_features, system._caption_loss
-    monkeypatch.setattr(system.model.encoder, "forward_features", lambda x: encoded.append(x) or forward_features(x))
+    forward_tokens, caption_loss = system.model.encoder.forward_tokens, system._caption_loss
+    monkeypatch.setattr(system.model.encoder, "forward_tokens", lambda x: encoded.append(x) or forward_tokens(x))
     monkeypatch.setattr(system, "_caption_loss", lambda *a: cross_entropies.append(a) or caption_loss(*a))
     tokens = torch.tensor([[1, 4, 8, 7, 2, 0], [1, 6, 9, 10, 2, 0]])  # <bos> a red circle <eos> <pad>
     batch = {"images": torch.randn(2, 3, 32, 32), "tokens": tokens, "references": [["a red circle"], ["the blue"]]}

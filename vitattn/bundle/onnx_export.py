@@ -143,7 +143,7 @@ class EncoderGraph(nn.Module):
         self.model = model
 
     def forward(self, images: Tensor) -> tuple[Tensor, ...]:
-        memory = self.model.encode(images)  # (B, N, D)
+        memory = self.model.encode(images).tokens  # (B, N, D)
         heads = []
         for layer in self.model.decoder.layers:
             k, v = layer.mha2.project_kv(memory, memory)  # (B, H, N, d) each

@@ -25,7 +25,8 @@ from torch import Tensor
 
 from vitattn.data.preprocess import denormalize
 from vitattn.fileio import atomic_write
-from vitattn.layers import record_attention
+from vitattn.layers import TokenState, record_attention
+from vitattn.layers.merge import spread
 from vitattn.models import ImageCaptioner
 
 if TYPE_CHECKING:
@@ -43,17 +44,26 @@ __all__ = [
 ]
 
 
-def attention_rollout(attentions: Sequence[Tensor], num_prefix_tokens: int = 1) -> Tensor:
+def attention_rollout(
+    attentions: Sequence[Tensor], num_prefix_tokens: int = 1, trace: Sequence[TokenState] = ()
+) -> Tensor:
     """(B, N - num_prefix_tokens) attention rollout (Abnar & Zuidema, 2020) of the class token over the patches,
     summing to 1, from each encoder layer's (B, H, N, N) weights, first to last: heads averaged, the identity
-    added for the residual path, rows renormalised, the layers multiplied through.
+    added for the residual path, rows renormalised, the layers multiplied through. With merged tokens,
+    ``trace`` (``VisionTransformer.forward_tokens``'): after each layer a merged token's row is the size-weighted
+    mean of its parts' rows, as the token is of theirs, so the rollout stays over the N input tokens.
     """
     rollout = None
-    for weights in attentions:
-        a = weights.float().mean(dim=1)  # (B, N, N)
+    for i, weights in enumerate(attentions):
+        a = weights.float().mean(dim=1)  # (B, N_i, N_i)
         a = a + torch.eye(a.shape[-1], device=a.device, dtype=a.dtype)
         a = a / a.sum(dim=-1, keepdim=True)
-        rollout = a if rollout is None else a @ rollout  # (B, N, N)
+        rollout = a if rollout is None else a @ rollout  # (B, N_i, N)
+        if trace:
+            before, after = trace[i], trace[i + 1]  # sources (B, N_i, N), (B, N_i+1, N)
+            # part k of merged token j holds size_i[k] of its size_i+1[j] input tokens
+            merged = after.source.float() @ before.source.float().transpose(1, 2) / after.size.float().unsqueeze(-1)
+            rollout = merged @ rollout  # (B, N_i+1, N)
     if rollout is None:
         raise ValueError("attention_rollout needs the weights of at least one layer")
     cls = rollout[:, 0, num_prefix_tokens:]  # (B, N - prefix)
@@ -79,11 +89,15 @@ def attention_from_tokens(
     prefix = enc.num_prefix_tokens
     bos = tokens.new_full((B, 1), dec.bos_id)
     inputs = torch.cat([bos, tokens[:, :-1]], dim=1)  # (B, T') position t produces word t
+    trace: list[TokenState] = []  # with merged tokens: which patches each holds, layer by layer
     with record_attention(model) as maps:
-        model(images, inputs)
-    cross = maps[f"decoder.layers.{layer}.mha2"][0].float().mean(dim=1)[..., prefix:]  # (B, T', gh*gw)
+        memory = model.memory(*enc.forward_tokens(images, trace))
+        dec(inputs, memory.tokens, memory_size=memory.size)
+    cross = maps[f"decoder.layers.{layer}.mha2"][0].float().mean(dim=1)  # (B, T', N'): over the merged tokens
+    cross = spread(cross, trace[-1])[..., prefix:] if trace else cross[..., prefix:]  # (B, T', gh*gw)
     cross = cross / cross.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(cross.dtype).tiny)
-    rollout = attention_rollout([maps[f"encoder.blocks.{i}.mha"][0] for i in range(len(enc.blocks))], prefix)
+    weights = [maps[f"encoder.blocks.{i}.mha"][0] for i in range(len(enc.blocks))]
+    rollout = attention_rollout(weights, prefix, trace)
     return cross.view(B, T, gh, gw), rollout.view(B, gh, gw)
 
 

@@ -31,6 +31,7 @@ from vitattn.errors import brief
 from vitattn.fileio import read_text
 from vitattn.inference.embeddings import encode_texts
 from vitattn.models import Embedder
+from vitattn.models.caption import Memory
 from vitattn.models.generate import CaptionSearch, token_log_probs
 from vitattn.precision import precision_autocast
 
@@ -235,7 +236,7 @@ class ZeroShotClassifier(nn.Module):
 
     @staticmethod
     def _device(memory: Any) -> torch.device:
-        return memory.device if isinstance(memory, Tensor) else torch.device("cpu")  # ONNX: numpy arrays
+        return memory.tokens.device if isinstance(memory, Memory) else torch.device("cpu")  # ONNX: numpy arrays
 
 
 def zero_shot_classifier(

@@ -7,6 +7,7 @@ from vitattn.layers.attention import (
     record_attention,
     scaled_dot_product_attention,
 )
+from vitattn.layers.merge import UNMERGED, TokenState, merge_schedule
 from vitattn.layers.transformer import (
     DecoderLayer,
     EncoderLayer,
@@ -15,12 +16,15 @@ from vitattn.layers.transformer import (
 )
 
 __all__ = [
+    "UNMERGED",
     "DecoderLayer",
     "EncoderLayer",
     "LayerCache",
     "MultiHeadAttention",
+    "TokenState",
     "causal_mask",
     "check_heads",
+    "merge_schedule",
     "point_wise_feed_forward_network",
     "record_attention",
     "scaled_dot_product_attention",

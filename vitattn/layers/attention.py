@@ -24,6 +24,11 @@ def _additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return mask.to(dtype) * -big
 
 
+def _log_size(size: Tensor, dtype: torch.dtype) -> Tensor:
+    """(B, Lk) merged-token sizes -> (B, 1, 1, Lk) log sizes to add to (B, H, Lq, Lk) logits."""
+    return size.to(dtype).log()[:, None, None, :]
+
+
 def _fp32_scores(q: Tensor, k: Tensor) -> Tensor:
     """q kᵀ (..., Lq, Lk) in fp32 whatever q's dtype or autocast, as the fused kernels keep their scores: the
     mask's -1e9 and the softmax then stay fp32 too (in bf16, 3 significant digits, the weights would not)."""
@@ -45,18 +50,21 @@ def causal_mask(lq: int, lk: int, device: torch.device | None = None) -> Tensor:
 
 
 def scaled_dot_product_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0, size: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """The document's softmax(q kᵀ / √d + mask · -1e9) v, scores and softmax in fp32 for any dtype.
 
     q (..., Lq, d), k (..., Lk, d), v (..., Lk, dv), mask broadcastable to (..., Lq, Lk); returns the output
-    (..., Lq, dv) and the fp32 weights (..., Lq, Lk). ``dropout_p`` is not in the document (0 keeps it exact).
+    (..., Lq, dv) and the fp32 weights (..., Lq, Lk). ``dropout_p`` is not in the document (0 keeps it exact);
+    nor is ``size`` (B, Lk), the tokens each merged key holds: ToMe's proportional attention adds log size.
     """
     matmul_qk = _fp32_scores(q, k)  # (..., Lq, Lk)
     dk = k.shape[-1]
     scaled_attention_logits = matmul_qk / math.sqrt(dk)
     if mask is not None:
         scaled_attention_logits = scaled_attention_logits + _additive_mask(mask, torch.float32)
+    if size is not None:
+        scaled_attention_logits = scaled_attention_logits + _log_size(size, torch.float32)
     attention_weights = scaled_attention_logits.softmax(dim=-1)  # (..., Lq, Lk)
     if dropout_p > 0.0:
         attention_weights = F.dropout(attention_weights, p=dropout_p)
@@ -136,9 +144,11 @@ class MultiHeadAttention(nn.Module):
         mask: Tensor | None = None,
         need_weights: bool = False,
         is_causal: bool = False,
+        size: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Attention of (B, H, Lq, d) heads over (B, H, Lk, d) ones, concatenated and ``dense``: (B, Lq, D)
-        and the (B, H, Lq, Lk) weights when ``need_weights`` (else None); ``is_causal`` adds the look-ahead mask."""
+        and the (B, H, Lq, Lk) weights when ``need_weights`` (else None); ``is_causal`` adds the look-ahead mask;
+        ``size`` (B, Lk): merged keys' sizes, their log added to the logits (proportional attention)."""
         B, _, Lq, _ = q.shape
         Lk = k.shape[2]
         dropout_p = self.attn_drop if self.training else 0.0
@@ -146,17 +156,20 @@ class MultiHeadAttention(nn.Module):
         # A plain square causal mask goes to the fused kernel as `is_causal` (flash attention takes
         # no explicit mask); any other look-ahead is built as a mask.
         # bool(): under the ONNX exporter's tracing, sizes are tensors (the comparisons are fixed by the traced shapes)
-        fused_causal = is_causal and not explicit and mask is None and bool(Lq == Lk)
+        fused_causal = is_causal and not explicit and mask is None and size is None and bool(Lq == Lk)
         if is_causal and Lq > 1 and not fused_causal:
             look_ahead = causal_mask(Lq, Lk, q.device).to(torch.bool)
             mask = look_ahead if mask is None else (mask.to(torch.bool) | look_ahead)
         if explicit:
-            out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p)
+            out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p, size)
             if self._record is not None:
                 self._record.append(weights.detach())
         else:
             # in q's dtype, as the kernels take it; they add it to fp32 scores (-1e9 is -998244352 in bf16)
             attn_mask = None if mask is None else _additive_mask(mask, q.dtype)
+            if size is not None:
+                log_size = _log_size(size, q.dtype)
+                attn_mask = log_size if attn_mask is None else attn_mask + log_size
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=fused_causal and bool(Lq > 1)
             )

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from torchvision.ops import StochasticDepth
 
 from vitattn.layers.attention import MultiHeadAttention
+from vitattn.layers.merge import TokenState, bipartite_soft_matching
 
 __all__ = [
     "ACTIVATIONS",
@@ -88,6 +89,23 @@ class EncoderLayer(nn.Module):
         ffn_output = self.ffn(out1)
         return self.layernorm2(out1 + self.drop_path2(self.dropout2(ffn_output)))
 
+    def forward_merging(self, x: Tensor, r: int, state: TokenState) -> tuple[Tensor, TokenState]:
+        """``forward`` with token merging (ToMe, ``vitattn.layers.merge``): (B, N, D) tokens of ``state``'s sizes
+        -> (B, N - r, D) and the merged state. The attention is proportional (log size added to the logits); then
+        the ``r`` most similar token pairs, matched by their keys, are merged before the feed-forward network."""
+        h = self.layernorm1(x) if self.norm_first else x
+        q, k, v = self.mha.project_qkv(h)  # (B, H, N, d) each
+        attn_output, _ = self.mha.attend(q, k, v, size=state.size)
+        if self.norm_first:
+            x = x + self.drop_path1(self.dropout1(attn_output))
+        else:
+            x = self.layernorm1(x + self.drop_path1(self.dropout1(attn_output)))  # the document's out1
+        if r > 0:  # merged here: between the attention and the feed-forward network
+            x, state = bipartite_soft_matching(k.mean(dim=1), r).merge_tokens(x, state)  # keys: mean over heads
+        if self.norm_first:
+            return x + self.drop_path2(self.dropout2(self.ffn(self.layernorm2(x)))), state
+        return self.layernorm2(x + self.drop_path2(self.dropout2(self.ffn(x)))), state
+
 
 class LayerCache:
     """One decoder layer's cached heads: self-attention keys/values grown t positions a call (in buffers
@@ -101,6 +119,7 @@ class LayerCache:
         self._v: Tensor | None = None
         self.cross_k: Tensor | None = None  # (B / K, H, N, d): one row per image, shared by its K beams
         self.cross_v: Tensor | None = None
+        self.cross_size: Tensor | None = None  # (B / K, N) merged image tokens' sizes (None: not merged)
         self.qkv_params: tuple[Tensor, Tensor | None] | None = None  # (3D, D) weight, (3D,) bias
 
     @property
@@ -173,9 +192,11 @@ class DecoderLayer(nn.Module):
             k, v = cache.append(k, v)  # (B, H, T, d)
         return self.mha1.attend(q, k, v, is_causal=True)[0]
 
-    def _cross_attention(self, h: Tensor, memory: Tensor, cache: LayerCache | None) -> Tensor:
+    def _cross_attention(
+        self, h: Tensor, memory: Tensor, cache: LayerCache | None, memory_size: Tensor | None
+    ) -> Tensor:
         if cache is not None and cache.cross_k is not None:
-            k, v = cache.cross_k, cache.cross_v  # (B / K, H, N, d)
+            k, v, memory_size = cache.cross_k, cache.cross_v, cache.cross_size  # (B / K, H, N, d), (B / K, N)
         else:
             if h.shape[0] % memory.shape[0]:
                 raise ValueError(f"memory batch {memory.shape[0]} must divide the caption batch {h.shape[0]}")
@@ -184,28 +205,32 @@ class DecoderLayer(nn.Module):
                 # Copied once into their own (B / K, H, N, d) blocks: every later step reads them, and CPU
                 # attention is slower over the interleaved k/v views of the fused projection (docs/benchmarks.md).
                 cache.cross_k, cache.cross_v = k.contiguous(), v.contiguous()
-                k, v = cache.cross_k, cache.cross_v
+                k, v, cache.cross_size = cache.cross_k, cache.cross_v, memory_size
         q = self.mha2.project_q(h)  # (B, H, t, d)
         B, H, t, d = q.shape
         images = k.shape[0]
+        # merged image tokens (ToMe): proportional attention, as over the tokens each one holds
         if B == images:
-            return self.mha2.attend(q, k, v)[0]
+            return self.mha2.attend(q, k, v, size=memory_size)[0]
         # K beams per image: the image's K rows of queries attend together over its one copy of the keys
         # and values, (B / K, H, K * t, d): one product per image and head reads them once, not K times.
         # No mask in cross-attention, so each query's result is the same as attending alone.
         q = q.reshape(images, -1, H, t, d).transpose(1, 2).reshape(images, H, -1, d)  # (B / K, H, K * t, d)
-        out = self.mha2.attend(q, k, v)[0]  # (B / K, K * t, D), rows ordered (beam, position)
+        out = self.mha2.attend(q, k, v, size=memory_size)[0]  # (B / K, K * t, D), rows ordered (beam, position)
         return out.reshape(B, t, -1)  # (B, t, D)
 
-    def forward(self, x: Tensor, memory: Tensor, cache: LayerCache | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, memory: Tensor, cache: LayerCache | None = None, memory_size: Tensor | None = None
+    ) -> Tensor:
         """(B, t, D) new caption positions (all T without ``cache``) over (B, N, D) image tokens -> (B, t, D).
 
-        ``memory`` may be (B / K, N, D), one row per K beams of an image; ``cache`` is extended in place.
+        ``memory`` may be (B / K, N, D), one row per K beams of an image; ``cache`` is extended in place;
+        ``memory_size`` (B or B / K, N): the sizes of merged image tokens (``TokenState.size``), None: unmerged.
         """
         if self.norm_first:
             x = x + self.dropout1(self._self_attention(self.layernorm1(x), cache))
-            x = x + self.dropout2(self._cross_attention(self.layernorm2(x), memory, cache))
+            x = x + self.dropout2(self._cross_attention(self.layernorm2(x), memory, cache, memory_size))
             return x + self.dropout3(self.ffn(self.layernorm3(x)))
         out1 = self.layernorm1(x + self.dropout1(self._self_attention(x, cache)))
-        out2 = self.layernorm2(out1 + self.dropout2(self._cross_attention(out1, memory, cache)))
+        out2 = self.layernorm2(out1 + self.dropout2(self._cross_attention(out1, memory, cache, memory_size)))
         return self.layernorm3(out2 + self.dropout3(self.ffn(out2)))

@@ -7,17 +7,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from vitattn.layers import DecoderLayer, LayerCache, check_heads
+from vitattn.layers import UNMERGED, DecoderLayer, LayerCache, TokenState, check_heads
 from vitattn.models.generate import CaptionSearch, SpecialIds
 from vitattn.models.vit import VisionTransformer, init_linears_, layer_groups, trunc_normal_
 
-__all__ = ["CaptionDecoder", "DecoderStep", "ImageCaptioner", "per_caption"]
+__all__ = ["CaptionDecoder", "DecoderStep", "ImageCaptioner", "Memory", "per_caption"]
+
+
+class Memory(NamedTuple):
+    """What the decoder reads of B images: (B, N, D) ``tokens`` and, when the encoder merged tokens (ToMe), their
+    sizes (B, N), which the cross-attention weighs them by (None: unmerged)."""
+
+    tokens: Tensor
+    size: Tensor | None = None
+
+    def detach(self) -> Memory:
+        return Memory(self.tokens.detach(), None if self.size is None else self.size.detach())
 
 
 class CaptionDecoder(nn.Module):
@@ -119,7 +130,12 @@ class CaptionDecoder(nn.Module):
         return [LayerCache(capacity or self.max_len) for _ in self.layers]
 
     def forward_features(
-        self, tokens: Tensor, memory: Tensor, cache: list[LayerCache] | None = None, start: int = 0
+        self,
+        tokens: Tensor,
+        memory: Tensor,
+        cache: list[LayerCache] | None = None,
+        start: int = 0,
+        memory_size: Tensor | None = None,
     ) -> Tensor:
         """(B, t) tokens -> (B, t, D) hidden states after the final norm (``forward``'s arguments)."""
         B, t = tokens.shape
@@ -131,17 +147,26 @@ class CaptionDecoder(nn.Module):
         recompute = cache is None and self.grad_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             if recompute:
-                x = checkpoint(layer, x, memory, use_reentrant=False)  # keeps x; the backward runs the layer again
+                # keeps x; the backward runs the layer again
+                x = checkpoint(layer, x, memory, None, memory_size, use_reentrant=False)
             else:
-                x = layer(x, memory, None if cache is None else cache[i])
+                x = layer(x, memory, None if cache is None else cache[i], memory_size)
         return self.norm(x)
 
-    def forward(self, tokens: Tensor, memory: Tensor, cache: list[LayerCache] | None = None, start: int = 0) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        memory: Tensor,
+        cache: list[LayerCache] | None = None,
+        start: int = 0,
+        memory_size: Tensor | None = None,
+    ) -> Tensor:
         """(B, t, V) logits of (B, t) tokens at positions ``start ..`` over (B, N, D) image tokens.
 
-        ``memory`` may be (B / K, N, D), one row per K beams; ``cache`` (``new_cache()``) is extended in place.
+        ``memory`` may be (B / K, N, D), one row per K beams; ``cache`` (``new_cache()``) is extended in place;
+        ``memory_size`` (B or B / K, N): merged image tokens' sizes (``Memory.size``).
         """
-        return self.head(self.forward_features(tokens, memory, cache, start))  # (B, t, V)
+        return self.head(self.forward_features(tokens, memory, cache, start, memory_size))  # (B, t, V)
 
 
 class ImageCaptioner(nn.Module, CaptionSearch):
@@ -176,26 +201,27 @@ class ImageCaptioner(nn.Module, CaptionSearch):
         """The encoder's layers for timm's layer-wise lr decay; the decoder matches none, so it is the top layer."""
         return layer_groups("encoder.")
 
-    def encode(self, images: Tensor) -> Tensor:
-        """(B, C, height, width) -> (B, N, D) image tokens in the decoder's width, normalised: an encoder whose
-        norm comes after pooling (``fc_norm``, timm's ``avg`` pool) has it applied to every token."""
-        return self.memory(self.encoder.forward_features(images))
+    def encode(self, images: Tensor) -> Memory:
+        """(B, C, height, width) -> the ``Memory`` of (B, N, D) image tokens in the decoder's width, normalised: an
+        encoder whose norm comes after pooling (``fc_norm``, timm's ``avg`` pool) has it applied to every token."""
+        return self.memory(*self.encoder.forward_tokens(images))
 
-    def memory(self, features: Tensor) -> Tensor:
-        """``encode`` from the encoder's (B, N, D) ``forward_features``."""
-        return self.decoder.memory_proj(self.encoder.fc_norm(features))
+    def memory(self, features: Tensor, state: TokenState = UNMERGED) -> Memory:
+        """``encode`` from the encoder's (B, N, D) ``forward_tokens``."""
+        return Memory(self.decoder.memory_proj(self.encoder.fc_norm(features)), state.size)
 
     def forward(self, images: Tensor, tokens: Tensor, caption_image: Tensor | None = None) -> Tensor:
         """Teacher forcing: (B, C, height, width), (N, T) -> (N, T, V) next-token logits; caption ``n`` reads
         image ``caption_image[n]`` (N,), encoded once however many captions it has (default: caption n, image n)."""
-        return self.decoder(tokens, per_caption(self.encode(images), caption_image))
+        memory = per_caption(self.encode(images), caption_image)
+        return self.decoder(tokens, memory.tokens, memory_size=memory.size)
 
     def start_search(
         self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
     ) -> tuple[DecoderStep, int, torch.device]:
         """``CaptionSearch.start_search``: the decoder's step over the (B, N, D) image tokens."""
         memory = self.encode(images)  # (B, N, D)
-        return self.decode_step(memory, max_new_tokens, use_cache), memory.shape[0], memory.device
+        return self.decode_step(memory, max_new_tokens, use_cache), memory.tokens.shape[0], memory.tokens.device
 
     @property
     def max_len(self) -> int:
@@ -206,15 +232,16 @@ class ImageCaptioner(nn.Module, CaptionSearch):
         dec = self.decoder
         return SpecialIds(dec.pad_id, dec.bos_id, dec.eos_id, dec.unk_id, dec.other_special_ids)
 
-    def decode_step(self, memory: Tensor, max_new_tokens: int, use_cache: bool = True) -> DecoderStep:
-        """The PyTorch ``DecodeStep`` over (B, N, D) image tokens ``memory``."""
+    def decode_step(self, memory: Memory, max_new_tokens: int, use_cache: bool = True) -> DecoderStep:
+        """The PyTorch ``DecodeStep`` over the image tokens ``memory`` (``encode``'s)."""
         return DecoderStep(self.decoder, memory, self.decoder.new_cache(max_new_tokens) if use_cache else None)
 
 
-def per_caption(memory: Tensor, caption_image: Tensor | None) -> Tensor:
-    """(B, N, D) image tokens -> one row per caption: caption ``n`` reads image ``caption_image[n]`` (None: image n)."""
-    if caption_image is not None and len(caption_image) != len(memory):
-        memory = memory.index_select(0, caption_image)
+def per_caption(memory: Memory, caption_image: Tensor | None) -> Memory:
+    """B images' ``Memory`` -> one row per caption: caption ``n`` reads image ``caption_image[n]`` (None: image n)."""
+    if caption_image is not None and len(caption_image) != len(memory.tokens):
+        size = None if memory.size is None else memory.size.index_select(0, caption_image)
+        memory = Memory(memory.tokens.index_select(0, caption_image), size)
     return memory
 
 
@@ -222,12 +249,13 @@ class DecoderStep:
     """``CaptionDecoder`` as a search's ``DecodeStep``: the last position's logits, with the key/value cache or
     recomputed from position 0; ``memory`` may hold one row per image for its K beams."""
 
-    def __init__(self, decoder: CaptionDecoder, memory: Tensor, cache: list[LayerCache] | None) -> None:
+    def __init__(self, decoder: CaptionDecoder, memory: Memory, cache: list[LayerCache] | None) -> None:
         # On a CPU the steps run in the weights' dtype with autocast off, fp32 even under bf16 autocast (only the
         # encoder in bf16): at one query position torch's bf16 CPU kernels are slower than fp32's
         # (docs/benchmarks.md); bf16 where FSDP's mixed precision holds the weights in bf16. A GPU steps in bf16.
-        self.cpu = memory.device.type == "cpu"
-        self.decoder, self.cache, self.memory = decoder, cache, memory
+        self.cpu = memory.tokens.device.type == "cpu"
+        self.decoder, self.cache = decoder, cache
+        self.memory, self.memory_size = memory
 
     def __call__(self, tokens: Tensor) -> Tensor:
         dtype = self.decoder.head.weight.dtype  # read at each step: FSDP swaps the parameters as it gathers them
@@ -235,9 +263,10 @@ class DecoderStep:
             self.memory = self.memory.to(dtype)
         with torch.autocast("cpu", enabled=False) if self.cpu else nullcontext():
             if self.cache is None:
-                h = self.decoder.forward_features(tokens, self.memory)[:, -1:]  # (B, 1, D)
+                h = self.decoder.forward_features(tokens, self.memory, memory_size=self.memory_size)[:, -1:]
             else:
-                h = self.decoder.forward_features(tokens[:, -1:], self.memory, self.cache, start=tokens.shape[1] - 1)
+                start = tokens.shape[1] - 1
+                h = self.decoder.forward_features(tokens[:, -1:], self.memory, self.cache, start, self.memory_size)
         # The search's scores in fp32 even under bf16 autocast: in bf16 (3 significant digits) near-tied words swap.
         with torch.autocast(h.device.type, enabled=False):
             return self.decoder.head(h.to(dtype)).float()[:, -1]  # (B, V); fp32 but for bf16 weights

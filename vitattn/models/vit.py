@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from vitattn.layers import EncoderLayer, check_heads
+from vitattn.layers import EncoderLayer, TokenState, check_heads, merge_schedule
 
 __all__ = ["PRESETS", "VisionTransformer", "layer_groups", "preset_config", "vit_preset"]
 
@@ -95,6 +95,8 @@ class VisionTransformer(nn.Module):
         fused_attn: fused attention kernels when weights are not asked for.
         pos_embed_init: ``trunc_normal`` (timm's) or ``sincos`` (MAE's fixed 2-D embedding, learned from there).
         grad_checkpointing: recompute each layer in the backward pass (``set_grad_checkpointing``).
+        merge_tokens: tokens each layer merges (ToMe, ``set_merge_tokens``): an int, or a list with one per layer;
+            0 (off) runs the document's layers unchanged.
     """
 
     def __init__(
@@ -121,6 +123,7 @@ class VisionTransformer(nn.Module):
         fused_attn: bool = True,
         pos_embed_init: str = "trunc_normal",
         grad_checkpointing: bool = False,
+        merge_tokens: int | list[int] = 0,
     ) -> None:
         config = dict(locals())
         del config["self"], config["__class__"]
@@ -176,6 +179,7 @@ class VisionTransformer(nn.Module):
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self.set_grad_checkpointing(grad_checkpointing)
+        self.set_merge_tokens(merge_tokens)
         self._init_weights(pos_embed_init)
 
     def _init_weights(self, pos_embed_init: str) -> None:
@@ -199,6 +203,19 @@ class VisionTransformer(nn.Module):
         """Recompute each layer in the backward pass while training (timm's switch): less memory, one more forward."""
         self.grad_checkpointing = self.config["grad_checkpointing"] = enable
 
+    def set_merge_tokens(self, merge_tokens: int | list[int]) -> None:
+        """Merge ``merge_tokens`` tokens in each layer (ToMe; a list: one count per layer; 0: off), whatever the
+        weights were trained with; ``merge_schedule`` is then what each layer merges. A count larger than a layer
+        allows is refused in one line that names the largest."""
+        tokens = self.patch_embed.num_patches + self.num_prefix_tokens
+        self.merge_schedule = merge_schedule(merge_tokens, tokens, len(self.blocks))
+        self.config["merge_tokens"] = merge_tokens if isinstance(merge_tokens, int) else list(self.merge_schedule)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens out of ``forward_features``: the patches and class token less every merged one."""
+        return self.patch_embed.num_patches + self.num_prefix_tokens - sum(self.merge_schedule)
+
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         """Parameter layers for timm's layer-wise lr decay (``coarse`` is accepted as timm's ViT does, unused)."""
         return layer_groups()
@@ -214,32 +231,61 @@ class VisionTransformer(nn.Module):
             )
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def forward_features(self, x: Tensor) -> Tensor:
-        """(B, C, height, width) images -> (B, N, D) tokens, class token first."""
+    def forward_tokens(self, x: Tensor, trace: list[TokenState] | None = None) -> tuple[Tensor, TokenState]:
+        """(B, C, height, width) images -> (B, N, D) tokens, class token first, and their ``TokenState``: the
+        sizes of merged tokens (None without merging). ``trace``, a list, receives each layer's input state and
+        then the last, with ``source``: which patch tokens each token holds (attention maps)."""
         x = self.patch_embed(x)  # (B, N-1, D)
         cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, D)
         x = self.norm_pre(self.pos_drop(torch.cat([cls, x], dim=1) + self.pos_embed))  # (B, N, D)
-        if self.grad_checkpointing and self.training and torch.is_grad_enabled():
-            for block in self.blocks:
-                x = checkpoint(block, x, use_reentrant=False)  # keeps only x; the backward runs the block again
-        else:
-            x = self.blocks(x)
-        return self.norm(x)
+        recompute = self.grad_checkpointing and self.training and torch.is_grad_enabled()
+        if not any(self.merge_schedule):
+            if recompute:
+                for block in self.blocks:
+                    x = checkpoint(block, x, use_reentrant=False)  # keeps only x; the backward runs the block again
+            else:
+                x = self.blocks(x)
+            return self.norm(x), TokenState()
+        state = TokenState()
+        if trace is not None:
+            eye = torch.eye(x.shape[1], device=x.device, dtype=x.dtype)
+            state = TokenState(x.new_ones(x.shape[:2]), eye.expand(x.shape[0], -1, -1))
+        for block, r in zip(self.blocks, self.merge_schedule):
+            if trace is not None:
+                trace.append(state)
+            if recompute:
+                x, state = checkpoint(block.forward_merging, x, r, state, use_reentrant=False)
+            else:
+                x, state = block.forward_merging(x, r, state)
+        if trace is not None:
+            trace.append(state)
+        return self.norm(x), state
 
-    def pool(self, x: Tensor) -> Tensor:
-        """(B, N, D) -> (B, D): the class token, or the mean of the patch tokens."""
+    def forward_features(self, x: Tensor) -> Tensor:
+        """(B, C, height, width) images -> (B, N, D) tokens, class token first (fewer with ``merge_tokens``)."""
+        return self.forward_tokens(x)[0]
+
+    def pool(self, x: Tensor, size: Tensor | None = None) -> Tensor:
+        """(B, N, D) -> (B, D): the class token, or the mean of the patch tokens (weighted by the merged tokens'
+        ``size`` (B, N): the mean of the patches they hold)."""
         if self.global_pool in ("mean", "avg"):
-            return x[:, self.num_prefix_tokens :].mean(dim=1)
+            patches = x[:, self.num_prefix_tokens :]
+            if size is None:
+                return patches.mean(dim=1)
+            weight = size[:, self.num_prefix_tokens :].unsqueeze(-1).to(x.dtype)  # (B, N - 1, 1)
+            return (patches * weight).sum(dim=1) / weight.sum(dim=1)
         return x[:, 0]
 
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """(B, N, D) -> (B, num_classes) logits, or the pooled (B, D) feature with ``pre_logits``."""
-        x = self.head_drop(self.fc_norm(self.pool(x)))
+    def forward_head(self, x: Tensor, pre_logits: bool = False, size: Tensor | None = None) -> Tensor:
+        """(B, N, D) -> (B, num_classes) logits, or the pooled (B, D) feature with ``pre_logits``; ``size`` as
+        ``pool``'s."""
+        x = self.head_drop(self.fc_norm(self.pool(x, size)))
         return x if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:
         """(B, C, height, width) -> (B, num_classes) logits, or (B, D) features when ``num_classes=0``."""
-        return self.forward_head(self.forward_features(x))
+        x, state = self.forward_tokens(x)
+        return self.forward_head(x, size=state.size)
 
 
 def vit_preset(name: str, **overrides: Any) -> VisionTransformer:

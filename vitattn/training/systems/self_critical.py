@@ -18,6 +18,7 @@ from torch.profiler import record_function
 
 from vitattn.metrics import CiderD
 from vitattn.models import ImageCaptioner
+from vitattn.models.caption import Memory
 from vitattn.models.generate import greedy_search, sampling_logits
 
 __all__ = ["BASELINES", "ScstConfig", "SelfCritical", "scst_loss"]
@@ -82,7 +83,7 @@ class SelfCritical:
         images: Tensor,
         references: list[list[str]],
         generator: torch.Generator | None,
-        memory: Tensor | None = None,
+        memory: Memory | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss of images (B, C, height, width) with their references, and ``reward``, ``baseline``,
         ``eos_share`` (of the samples that end with ``<eos>``) as tensors on the images' device; ``memory``: the
@@ -93,21 +94,21 @@ class SelfCritical:
         if memory is None:
             with record_function("scst/encode"):
                 memory = model.encode(images)  # (B, N, D), with gradients
-        B = memory.shape[0]
+        B, device = memory.tokens.shape[0], memory.tokens.device
         with decoder_dropout_off(model):  # one policy: the pass that samples and the pass that scores agree
             with torch.no_grad(), record_function("scst/sample"):
                 step = model.decode_step(memory.detach(), max_new)  # B * K rows over B images' tokens
                 sample = dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, generator=generator)
-                sampled = greedy_search(step, B * K, max_new, ids, memory.device, sample)  # (B * K, T)
+                sampled = greedy_search(step, B * K, max_new, ids, device, sample)  # (B * K, T)
             with record_function("scst/reward"):
                 image_refs = [refs for refs in references for _ in range(K)]
-                rewards = torch.tensor(self._rewards(model, sampled, image_refs), device=memory.device)
+                rewards = torch.tensor(self._rewards(model, sampled, image_refs), device=device)
             if cfg.baseline == "mean":
                 baseline = mean_of_others(rewards, K)
             else:
                 with record_function("scst/greedy_baseline"):
                     greedy = self._greedy_rewards(model, images, references, max_new)
-                baseline = torch.tensor(greedy, device=memory.device).repeat_interleave(K)
+                baseline = torch.tensor(greedy, device=device).repeat_interleave(K)
             with record_function("scst/log_probs"):
                 log_probs, mask = sample_log_probs(model, memory, sampled, cfg)
         loss = scst_loss(log_probs, mask, rewards - baseline)
@@ -146,7 +147,7 @@ def decoder_dropout_off(model: ImageCaptioner) -> Iterator[None]:
 
 
 def sample_log_probs(
-    model: ImageCaptioner, memory: Tensor, sampled: Tensor, config: ScstConfig = ScstConfig()
+    model: ImageCaptioner, memory: Memory, sampled: Tensor, config: ScstConfig = ScstConfig()
 ) -> tuple[Tensor, Tensor]:
     """(B * K, T) log-probabilities, with gradients, of ``sampled`` (B * K, T: ids without ``<bos>``, padded after
     ``<eos>``, K rows per image of ``memory`` (B, N, D)) under the policy that drew them: the search's bans, then
@@ -154,7 +155,8 @@ def sample_log_probs(
     rounding move it out); and the mask of generated tokens."""
     ids = model.special_ids
     bos = sampled.new_full((sampled.shape[0], 1), ids.bos_id)
-    logits = model.decoder(torch.cat([bos, sampled[:, :-1]], dim=1), memory).float()  # (B * K, T, V)
+    inputs = torch.cat([bos, sampled[:, :-1]], dim=1)
+    logits = model.decoder(inputs, memory.tokens, memory_size=memory.size).float()  # (B * K, T, V)
     logits = logits.index_fill(-1, torch.tensor(ids.banned, device=logits.device), float("-inf"))
     drawn = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, sampled.unsqueeze(-1), True)  # (B * K, T, V)
     logits = sampling_logits(logits, config.temperature, config.top_k, config.top_p, keep=drawn)

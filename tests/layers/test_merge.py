@@ -1,0 +1,143 @@
+"""Token merging (ToMe) in the document's layers: the matching, size-weighted merges, proportional attention, and
+the exact case: merging tokens that are identical changes nothing, in the encoder, the caption decoder's
+cross-attention, the pooled features and the attention maps."""
+
+import pytest
+import torch
+
+from vitattn.inference.attention_maps import attention_from_tokens, attention_rollout
+from vitattn.layers import EncoderLayer, MultiHeadAttention, TokenState, merge_schedule
+from vitattn.layers.merge import bipartite_soft_matching, spread
+from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
+
+TINY = dict(img_size=32, patch_size=4, embed_dim=32, depth=3, num_heads=2, mlp_ratio=2.0)
+
+
+def test_matching_merges_the_most_similar_pairs_never_the_class_token_and_weights_by_size():
+    # 7 tokens: A = 0 (class), 2, 4, 6; B = 1, 3, 5. Token 4 is 3's twin, 6 nearly 5's, 2 unlike all.
+    metric = torch.tensor([[[1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 1, 0], [1, 1, 0.01], [0, 1, 1], [0, 1, 0.9]]])
+    metric[0, 0] = metric[0, 3]  # the class token is 3's twin too, and still never merged
+    match = bipartite_soft_matching(metric.float(), 2)
+    assert match.kept.tolist() == [[0, 1]]  # A positions 0 (class) and 1 (token 2), in order
+    assert match.src.tolist() == [[2, 3]] and match.dst.tolist() == [[1, 2]]  # 4 -> 3, 6 -> 5
+    x = torch.arange(7.0).view(1, 7, 1) * 10  # token i's value 10 i
+    size = torch.tensor([[1.0, 1, 1, 3, 1, 1, 1]])  # token 3 already holds 3 tokens
+    merged, state = match.merge_tokens(x, TokenState(size))
+    assert state.size.tolist() == [[1, 1, 1, 4, 2]]  # class, 2, then B: 1, 3 (+4), 5 (+6)
+    assert merged[0, :, 0].tolist() == pytest.approx([0, 20, 10, (3 * 30 + 40) / 4, 55])
+
+
+def test_proportional_attention_is_attention_over_each_tokens_copies():
+    """A key of size s weighs as s copies of it, on the document's explicit path and the fused one."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8)
+    size = torch.tensor([[1.0, 3, 1, 2], [2, 1, 1, 1]])
+    copies = [torch.cat([t[b].repeat_interleave(size[b].long(), dim=1)[None]]) for b in range(2) for t in (k, v)]
+    mha = MultiHeadAttention(16, 2).eval()
+    for explicit in (True, False):
+        got = mha.attend(q, k, v, need_weights=explicit, size=size)[0]
+        for b in range(2):
+            expected = mha.attend(q[b : b + 1], copies[2 * b], copies[2 * b + 1])[0]
+            torch.testing.assert_close(got[b : b + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_merging_path_at_r_0_is_the_document_layer_bit_for_bit():
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 16)
+    for norm_first in (False, True):
+        layer = EncoderLayer(16, 2, 32, norm_first=norm_first).eval()
+        assert torch.equal(layer.forward_merging(x, 0, TokenState())[0], layer(x))
+
+
+def test_merge_tokens_0_is_the_unmerged_encoder_bit_for_bit():
+    torch.manual_seed(0)
+    images = torch.randn(2, 3, 32, 32)
+    off = VisionTransformer(**TINY, num_classes=4, global_pool="mean").eval()
+    merged = VisionTransformer(**TINY, num_classes=4, global_pool="mean", merge_tokens=5).eval()
+    merged.load_state_dict(off.state_dict())
+    expected = off.norm(
+        off.blocks(torch.cat([off.cls_token.expand(2, -1, -1), off.patch_embed(images)], 1) + off.pos_embed)
+    )
+    assert torch.equal(off.forward_features(images), expected)
+    assert merged.forward_features(images).shape == (2, 65 - 15, 32)
+    merged.set_merge_tokens(0)
+    assert torch.equal(merged(images), off(images)) and merged.config["merge_tokens"] == 0
+
+
+def test_a_schedule_too_large_for_the_tokens_is_refused_naming_the_largest():
+    assert merge_schedule(16, 197, 12) == [16] * 11 + [10]  # ToMe's constant R: the last layer merges what it can
+    with pytest.raises(ValueError, match=r"^merge_tokens=99 is too large for 197 tokens: at most 98$"):
+        merge_schedule(99, 197, 12)
+    with pytest.raises(ValueError, match=r"merge_tokens\[1\]=40 is out of range .* 0 to 39$"):
+        merge_schedule([20, 40, 0], 99, 3)
+    with pytest.raises(ValueError, match="has 2 entries; the encoder has 3 layers"):
+        merge_schedule([1, 1], 99, 3)
+    with pytest.raises(ValueError, match="at most 32"):
+        VisionTransformer(**TINY, merge_tokens=33)
+
+
+def _twin_captioner(merge_tokens: int) -> ImageCaptioner:
+    torch.manual_seed(0)
+    encoder = VisionTransformer(**TINY, global_pool="mean", merge_tokens=merge_tokens)
+    with torch.no_grad():
+        encoder.pos_embed.zero_()  # no positions: patches of one colour are identical tokens throughout
+    decoder = CaptionDecoder(13, embed_dim=24, depth=2, num_heads=2, max_len=8, memory_dim=32)
+    return ImageCaptioner(encoder, decoder).eval()
+
+
+def _twin_images() -> torch.Tensor:
+    """Two images of 8 x 8 patches in two colours each: every token has identical twins."""
+    images = torch.zeros(2, 3, 32, 32)
+    images[0, 0, :16], images[0, 1, 16:] = 1.0, -1.0
+    images[1, 2, :, :12], images[1, 0, :, 12:] = 2.0, 0.5
+    return images
+
+
+def test_merging_identical_tokens_changes_neither_logits_pooled_features_nor_attention_maps():
+    """The exact case: with proportional attention a merged token is its parts, in the encoder and in the
+    decoder's cross-attention; maps spread back over the patches equal the unmerged model's (remove the log
+    size from either attention, or the spreading, and this fails)."""
+    plain, merged = _twin_captioner(0), _twin_captioner(6)
+    merged.load_state_dict(plain.state_dict())
+    images, tokens = _twin_images(), torch.randint(4, 13, (2, 5))
+    memory = merged.encode(images)
+    assert memory.tokens.shape[1] == 65 - 18 and memory.size.sum(1).tolist() == [65, 65]
+    torch.testing.assert_close(merged(images, tokens), plain(images, tokens), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(merged.encoder(images), plain.encoder(images), atol=1e-4, rtol=1e-4)
+    maps = zip(attention_from_tokens(merged, images, tokens), attention_from_tokens(plain, images, tokens))
+    for got, expected in maps:  # per-word cross-attention, rollout
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    cached = merged.generate(images, max_new_tokens=6, num_beams=3)
+    torch.testing.assert_close(cached, plain.generate(images, max_new_tokens=6, num_beams=3))
+    torch.testing.assert_close(merged.generate(images, max_new_tokens=6, num_beams=3, use_cache=False), cached)
+
+
+def test_merged_tokens_hold_every_patch_once_and_the_class_token_stays_first():
+    model = _twin_captioner(0).encoder
+    model.set_merge_tokens([10, 8, 6])
+    with torch.no_grad():
+        model.pos_embed.normal_()  # distinct tokens: real matching
+    trace: list[TokenState] = []
+    x, state = model.forward_tokens(torch.randn(3, 3, 32, 32), trace)
+    assert [t.source.shape[1] for t in trace] == [65, 55, 47, 41] and x.shape[1] == 41
+    assert torch.equal(state.source.sum(1), torch.ones(3, 65))  # a partition of the input tokens
+    assert torch.equal(state.source.sum(2), state.size)
+    assert state.source[:, 0, 0].tolist() == [1, 1, 1] and state.size[:, 0].tolist() == [1, 1, 1]
+
+
+def test_spread_and_rollout_follow_a_hand_built_merge():
+    """Class token, patches p1..p3; layer 0 merges p2 into p3 (token m of size 2), layer 1 merges nothing."""
+    source0 = torch.eye(4)[None]
+    source1 = torch.tensor([[[1.0, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 1]]])
+    size1 = torch.tensor([[1.0, 1, 2]])
+    trace = [TokenState(torch.ones(1, 4), source0), TokenState(size1, source1), TokenState(size1, source1)]
+    # cross-attention of one word over (class, p1, m): m's 0.6 shared by p2 and p3
+    assert spread(torch.tensor([[[0.1, 0.3, 0.6]]]), trace[-1])[0, 0].tolist() == pytest.approx([0.1, 0.3, 0.3, 0.3])
+    w0 = torch.softmax(torch.randn(1, 1, 4, 4), -1)
+    w1 = torch.softmax(torch.randn(1, 1, 3, 3), -1)
+    a0 = (w0[0, 0] + torch.eye(4)) / 2
+    a1 = (w1[0, 0] + torch.eye(3)) / 2
+    rows = torch.stack([a0[0], a0[1], (a0[2] + a0[3]) / 2])  # m's row: the mean of its parts' rows
+    cls = (a1 @ rows)[0, 1:]
+    expected = cls / cls.sum()
+    torch.testing.assert_close(attention_rollout([w0, w1], 1, trace)[0], expected)
