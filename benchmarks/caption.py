@@ -19,13 +19,16 @@ from benchmarks.timing import Env, per_second
 from benchmarks.workloads import forced_length
 
 
-def build_captioners(device: str, max_len: int | None = None) -> tuple[nn.Module, nn.Module]:
+def build_captioners(
+    device: str, max_len: int | None = None, encoder: str = "vit_192d6_32px"
+) -> tuple[nn.Module, nn.Module]:
     """Our ``ImageCaptioner`` and a Hugging Face ``VisionEncoderDecoderModel`` (ViT + GPT-2 with
     cross-attention) of matching sizes, both randomly initialised from configs (nothing downloaded).
 
     Args:
         device: where both models go.
         max_len: the decoder's longest sequence (default ``CAPTION_DECODER["max_len"]``).
+        encoder: the encoder's size, a key of ``workloads.ENCODERS``.
 
     Returns:
         ``(ours, hf)``, both in eval mode.
@@ -38,10 +41,10 @@ def build_captioners(device: str, max_len: int | None = None) -> tuple[nn.Module
         ViTConfig,
     )
 
-    enc, dec = workloads.ENCODERS["vit_192d6_32px"], dict(workloads.CAPTION_DECODER)
+    enc, dec = workloads.ENCODERS[encoder], dict(workloads.CAPTION_DECODER)
     if max_len is not None:
         dec["max_len"] = max_len
-    ours = workloads.build_ours(device, max_len)
+    ours = workloads.build_ours(device, max_len, encoder)
     vit = ViTConfig(
         image_size=enc["img_size"],
         patch_size=enc["patch_size"],

@@ -6,6 +6,7 @@
     python -m benchmarks train --model cpu --img-size 64 --precision bf16   # flagged step against plain
     python -m benchmarks infer --channels-last --compile
     python -m benchmarks learning --quick              # vitattn-train against a plain timm loop (docs/learning.md)
+    python -m benchmarks merge --threads 2             # token merging: encoder, captions, training step
     python -m benchmarks SECTION --help
 
 ``SECTIONS`` is the registry: a section adds its options to its own sub-command and runs from the parsed
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import learning_bench, learning_data, load_serve, metric_parity, steps, transfer_bench
+from benchmarks import learning_bench, learning_data, load_serve, merge, metric_parity, steps, transfer_bench
 from benchmarks.caption import bench_caption
 from benchmarks.compile import bench_compile
 from benchmarks.e2e import bench_end_to_end
@@ -197,6 +198,10 @@ SECTIONS: dict[str, Section] = {
     "matmul": Section("this machine's fp32 matmul rate (GFLOP/s)", add_matmul_arguments, run_matmul),
     "train": Section("a training step, flagged against plain", steps.add_arguments, lambda a: steps.run(a, True)),
     "infer": Section("a forward pass, flagged against plain", steps.add_arguments, lambda a: steps.run(a, False)),
+    "merge": Section("token merging (ToMe) against unmerged, timm and HF", merge.add_arguments, merge.run),
+    "merge-quality": Section(
+        "captions trained and scored with token merging", merge.add_quality_arguments, merge.run_quality
+    ),
     "learning": Section("vitattn-train against a plain timm loop", learning_bench.add_arguments, learning_bench.run),
     "learning-data": Section("the learning datasets, from Debian", learning_data.add_arguments, learning_data.run),
     "transfer": Section("captions on a pretrained encoder", transfer_bench.add_arguments, transfer_bench.run),

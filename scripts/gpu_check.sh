@@ -14,7 +14,9 @@
 #      on CUDA).
 #   8. the GPU defaults: trainer.precision=auto and precision=auto against the device's compute capability,
 #      float32_matmul_precision=auto (TF32), and FSDP2 under bf16-mixed gathering weights in bf16
-#      (tests/test_precision.py and tests/training/test_sharding.py's one-process tests, on CUDA).
+#      (tests/test_precision.py and tests/training/test_sharding.py's one-process tests, on CUDA),
+#   9. token merging (ToMe): ViT-S/16 and ViT-B/16 forward at R in {4, 8, 13, 16} against unmerged and timm,
+#      ViT-S/16 captions (beam 3, cache) and training step merged against unmerged (`python -m benchmarks merge`).
 # Results go to ${OUT:-bench_results}/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +26,7 @@ python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
 python -m pytest -q -m "not slow" -x tests/layers/test_layers.py tests/models/test_models.py 2>&1 | tail -3 | tee -a "$out/gpu.txt"
 python -m benchmarks --device cuda --threads 8 --sections encoder caption --out "$out/bench_gpu.json" \
   2>&1 | tee "$out/bench_gpu.txt"
+python -m benchmarks merge --device cuda --threads 8 --out "$out/merge_gpu.json" 2>&1 | tail -20 | tee "$out/merge_gpu.txt"
 python -m vitattn.cli.train trainer=gpu trainer.max_steps=20 test=false export_bundle=false \
   logger=csv paths.runs_dir="$out/runs" trainer.enable_progress_bar=false 2>&1 | tail -20 | tee -a "$out/gpu.txt"
 for ckpt in false true; do

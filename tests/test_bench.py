@@ -166,6 +166,34 @@ def test_main_times_captions_against_hugging_face(tiny_bench, tmp_path):
     assert all(seconds and min(seconds) > 0 for seconds in beam["seconds"].values()), beam
 
 
+@pytest.mark.slow
+def test_merge_section_times_each_r_against_unmerged_and_timm_and_captions_against_both(tiny_bench, tmp_path):
+    """``python -m benchmarks merge``: every R's forward row against timm (the target row at R=16 on ViT-S/16) and
+    against ours unmerged, in one run; captions and the training step at the largest R."""
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[dev]'")
+    from benchmarks import merge
+
+    small = dict(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)  # 65 tokens
+    workloads.ENCODERS["vit_s16_224"] = small
+    out = tmp_path / "merge.json"
+    cli.main(["merge", "--quick", "--repeats", "1", "--sizes", "vit_s16_224", "--merge", "4", "16", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    names = [r["name"] for r in saved["rows"]]
+    assert names == [
+        f"forward vit_s16_224 b{merge.CPU_BATCH['vit_s16_224']} R={r} vs {ref}"
+        for r in (4, 16)
+        for ref in ("timm", "unmerged")
+    ] + [f"captions vit_s16_224 beam 3 b8 R=16 vs {ref}" for ref in ("unmerged", "HF")] + [
+        f"train step vit_s16_224 b8 R=16 vs {ref}" for ref in ("unmerged", "timm")
+    ]
+    kinds = {r["name"]: r["kind"] for r in saved["rows"]}
+    assert kinds["forward vit_s16_224 b8 R=16 vs timm"] == "merge_forward"
+    assert kinds["captions vit_s16_224 beam 3 b8 R=16 vs unmerged"] == "merge_captions"
+    encoder = saved["details"]["encoder vit_s16_224"]
+    assert encoder["tokens_out"] == {"4": 65 - 8, "16": 65 - 2 * 16}  # what each merged copy really ran
+    assert set(encoder["seconds"]) == {"timm", "ours", "R=4", "R=16"}
+
+
 # A Python in which transformers is not installed, though it is (it comes with .[dev]): `import transformers`
 # raises (a None entry in sys.modules) and its metadata is not found (torchmetrics, imported by Lightning, asks
 # importlib.metadata whether transformers is installed before importing it).
