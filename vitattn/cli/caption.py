@@ -2,16 +2,13 @@
 
     vitattn-caption model=PATH images=INPUT out=FILE [image_dir=DIR] [format=jsonl|coco|csv]
     vitattn-caption model=PATH shards='DIR/{00000..00999}.tar' out=OUTDIR [format=jsonl|parquet]
-        [batch_size=32] [num_workers=2] [num_beams=N] [max_new_tokens=N] [length_penalty=X]
+        [batch_size=32] [num_workers=2] [num_beams=N] [max_new_tokens=N] [length_penalty=X] [merge_tokens=R|[R,...]]
         [early_stopping=true|false|never] [do_sample=true temperature=X top_k=N top_p=X] [seed=N] [min_new_tokens=N]
         [no_repeat_ngram_size=N] [repetition_penalty=X] [rerank=N] [device=auto|cpu|cuda] [precision=auto|fp32|bf16]
-        [merge_tokens=R|[R1,...,RL]] [attention_maps=DIR] [progress=true] [num_threads=N]
-        [devices=N num_nodes=M accelerator=auto|cpu|gpu]
+        [attention_maps=DIR] [progress=true] [num_threads=N] [devices=N num_nodes=M accelerator=auto|cpu|gpu]
 
-merge_tokens: the tokens each encoder layer merges (ToMe; 0: off; a list: one per layer), whatever the model was
-trained with; default the model's own (an ONNX folder runs the one it was exported with).
 The same command again resumes a killed run. Exit status: 0 all captioned, 1 some could not be read, 2 a
-usage or model error. More: docs/captioning.md.
+usage or model error. merge_tokens: tokens merged in each encoder layer (ToMe). More: docs/captioning.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``vitattn-eval``: score a trained model on a split; print a table and write ``metrics.json``.
 
     vitattn-eval model=PATH [split=val|test] [out=DIR] [batch_size=32] [num_workers=2] [device=auto|cpu|cuda]
-        [precision=auto|fp32|bf16] [merge_tokens=R|[R1,...,RL]] [progress=true]
+        [precision=auto|fp32|bf16] [progress=true] [merge_tokens=R|[R,...]] (ToMe: tokens merged in each encoder layer)
       captions:       [references=COCO_JSON [image_dir=DIR]] [predictions=FILE] [scorer=builtin|coco]
                       [num_beams=N] [max_new_tokens=N] [length_penalty=X] [early_stopping=true|false|never]
                       [min_new_tokens=N] [no_repeat_ngram_size=N] [repetition_penalty=X] [rerank=N]
@@ -9,9 +9,7 @@
       caption models: task=zero_shot data_root=DIR [labels=a,b,c|FILE] [templates='a photo of a {}.|a {}.'|FILE]
                       [zero_shot_scorer=auto|contrastive|likelihood|both] (contrastive and both: head=coca)
       head=coca also: task=retrieval [references=COCO_JSON [image_dir=DIR]]
-merge_tokens: the tokens each encoder layer merges (ToMe; 0: off; a list: one per layer), whatever the model was
-trained with; default the model's own. Default: the run's split, the model's task. Exit status: 0 all scored, 1
-some not, 2 a usage, data or model error."""
+Default: the run's split, the model's task. Exit status: 0 all scored, 1 some not, 2 a usage, data or model error."""
 
 from __future__ import annotations
 

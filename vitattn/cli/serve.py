@@ -4,12 +4,11 @@
         [devices=auto|N] [workers_per_device=1] [max_batch_size=8] [batch_timeout=0.05] [timeout=60]
         [max_image_bytes=20000000] [num_beams=N] [max_new_tokens=N] [length_penalty=X]
         [early_stopping=true|false|never] [min_new_tokens=N] [no_repeat_ngram_size=N] [repetition_penalty=X] [rerank=N]
-        [num_threads=N] [precision=auto|fp32|bf16] [merge_tokens=R|[R1,...,RL]]
+        [num_threads=N] [precision=auto|fp32|bf16] [merge_tokens=R|[R,...]] (ToMe: tokens merged in each encoder layer)
 
 ``POST /predict`` an image -> {"caption", "tokens"}; a head=coca model also ``POST /embed`` an image or {"text"} /
 {"texts"} -> embeddings and ``POST /classify`` an image and labels -> probabilities (404 on other models); ``GET
-/health``; ``GET /``, a page. merge_tokens: the tokens each encoder layer merges (ToMe; 0: off; a list: one per
-layer), default the model's own. SIGTERM or SIGINT drains the requests in flight, then it exits. docs/serving.md."""
+/health``; ``GET /``, a page. SIGTERM or SIGINT drains the requests in flight, then it exits. docs/serving.md."""
 
 from __future__ import annotations
 
