@@ -237,9 +237,9 @@ def test_caption_eval_and_serve_load_in_the_precision_given(shapes_caption_run, 
     loaded = []
     load = vitattn.bundle.load_model
 
-    def spy(path, device="cpu", precision="auto"):
+    def spy(path, device="cpu", precision="auto", merge_tokens=None):
         loaded.append(precision)
-        return load(path, device, precision)
+        return load(path, device, precision, merge_tokens)
 
     for module in (vitattn.bundle, vitattn.inference.api, vitattn.serve.api):
         monkeypatch.setattr(module, "load_model", spy)

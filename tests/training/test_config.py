@@ -132,6 +132,18 @@ OWNER_ERRORS = {
         "model.embed_dim=34 model.num_heads=2",
         r"^model\.pos_embed_init=sincos needs embed_dim divisible by 4, not 34",
     ),
+    "merge-too-large": (
+        "head=classification model.merge_tokens=9",
+        r"^model\.merge_tokens=9 is too large for 17 tokens: at most 8$",
+    ),
+    "merge-layer": (
+        "head=caption model.merge_tokens=[4,9]",
+        r"^model\.merge_tokens\[1\]=9 is out of range for the 13 tokens layer 1 receives: 0 to 6$",
+    ),
+    "merge-layers": (
+        "head=coca model.merge_tokens=[4]",
+        r"^model\.merge_tokens=\[4\] has 1 entries; the encoder has 2 layers$",
+    ),
     "nonfinite": ("head.nonfinite=ignore", r"^head\.nonfinite='ignore' is unknown; choose raise or skip"),
     "bad-images": (
         "data=imagefolder head=classification data.root={folder} data.bad_images=ignore",

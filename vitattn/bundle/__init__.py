@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -15,7 +17,10 @@ from vitattn.bundle.folder import (
     CONFIG_FILE,
     Bundle,
     LoadedModel,
+    encoder_of,
     load_bundle_folder,
+    merge_setting,
+    recorded_merge_tokens,
     save_bundle,
 )
 from vitattn.bundle.hub import resolve_model_path
@@ -35,6 +40,8 @@ __all__ = [
     "runtime_of",
     "save_bundle",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def load_bundle(path: str | os.PathLike, device: str | torch.device = "cpu") -> Bundle:
@@ -69,11 +76,18 @@ def runtime_of(path: str | os.PathLike) -> str:
     return "onnx" if is_onnx_folder(resolve_model_path(path)) else "torch"
 
 
-def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", precision: str = "auto") -> LoadedModel:
+def load_model(
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    precision: str = "auto",
+    merge_tokens: int | Sequence[int] | None = None,
+) -> LoadedModel:
     """The model at ``path`` (a bundle folder, run folder or ``.ckpt`` on PyTorch; an ONNX folder on ONNX Runtime,
     on the CPU; either as ``hf-hub:ORG/NAME[@REVISION]``), ready on ``device``: the one loader of the API and every
     entry point. ``precision`` (``auto``, ``fp32``, ``bf16``) is resolved for ``device``; an ONNX folder runs in the
-    one it was exported in."""
+    one it was exported in. ``merge_tokens`` (ToMe: an int, or one count per encoder layer; 0: off) runs the encoder
+    with that merge whatever it was trained with (None: the one its config records, which stays as it is); an ONNX
+    folder runs the one it was exported with."""
     check_precision(precision)
     path = resolve_model_path(path)
     if runtime_of(path) == "onnx":
@@ -83,7 +97,18 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", prec
                 f"precision={precision} but {path} is an ONNX folder, which runs in the {model.precision} it was "
                 f"exported in; use precision=auto, or load the bundle or run folder for {precision}"
             )
+        wanted, exported = merge_setting(merge_tokens), merge_setting(model.merge_tokens)
+        if merge_tokens is not None and wanted != exported:
+            raise ValueError(
+                f"merge_tokens={wanted} but {path} is an ONNX folder, whose graphs merge the merge_tokens={exported} "
+                f"they were exported with; export it again with vitattn-export model=RUN format=onnx "
+                f"merge_tokens={wanted}, or load the bundle or run folder"
+            )
         return model
     model = load_bundle(path, device)
     model.precision = resolve_precision(precision, model.device)
+    if merge_tokens is not None:
+        encoder_of(model.model).set_merge_tokens(merge_tokens)
+        trained = merge_setting(recorded_merge_tokens(model.config))
+        log.info("%s: running with merge_tokens=%s (trained with %s)", path, merge_setting(merge_tokens), trained)
     return model

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from vitattn.bundle.folder import Bundle
+from vitattn.bundle.folder import Bundle, merge_setting, recorded_merge_tokens
 from vitattn.bundle.hub import HUB_PREFIX, is_hub_name
 from vitattn.data.preprocess import describe
 from vitattn.models.timm_weights import timm_pretrained_cfg
@@ -133,6 +133,9 @@ def model_card(
     encoder = config.get("encoder", config)
     parameters = sum(p.numel() for p in model.model.parameters())
     sizes = [f"- parameters: {parameters:,}", f"- encoder: ViT, {_sizes(encoder, _ENCODER_KEYS)}"]
+    trained = recorded_merge_tokens(model.config)
+    if trained:
+        sizes.append(f"- token merging (ToMe): trained with merge_tokens={merge_setting(trained)}")
     if "decoder" in config:
         sizes.append(f"- decoder: {_sizes(config['decoder'], _DECODER_KEYS)}")
     if model.class_names is not None:

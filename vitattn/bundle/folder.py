@@ -63,12 +63,15 @@ __all__ = [
     "check_arguments",
     "check_decoding",
     "check_tokenizer",
+    "encoder_of",
     "img_size",
     "is_bundle_folder",
     "is_bundle_weights",
     "load_bundle_folder",
+    "merge_setting",
     "read_config",
     "read_labels",
+    "recorded_merge_tokens",
     "save_bundle",
 ]
 
@@ -84,8 +87,9 @@ class LoadedModel(ABC):
     """A model ready for inference, whichever ``runtime`` runs it (``Bundle``: ``torch``; ``OnnxModel``: ``onnx``).
 
     ``model`` is a ``CaptionSearch`` (task ``caption``) or a classifier ((B, C, height, width) -> (B, K) logits);
-    ``config`` is the folder's description; ``generate`` the stored decoding defaults; ``precision`` ``fp32`` or
-    ``bf16`` (PyTorch, as ``load_model`` resolves ``auto``) or an ONNX folder's ``fp32`` or ``int8``.
+    ``config`` is the folder's description (what the model was trained, or exported, with); ``generate`` the stored
+    decoding defaults; ``precision`` ``fp32`` or ``bf16`` (PyTorch, as ``load_model`` resolves ``auto``) or an ONNX
+    folder's ``fp32`` or ``int8``.
     """
 
     runtime: ClassVar[str]
@@ -102,6 +106,12 @@ class LoadedModel(ABC):
     @abstractmethod
     def device(self) -> torch.device:
         """Where the model's inputs go."""
+
+    @property
+    def merge_tokens(self) -> int | list[int]:
+        """The tokens each encoder layer merges (ToMe) as the model runs: what ``config`` records (an ONNX folder's
+        graphs merge what they were exported with)."""
+        return recorded_merge_tokens(self.config)
 
     @property
     def transform(self) -> Callable[[Image.Image], Tensor]:
@@ -144,6 +154,12 @@ class Bundle(LoadedModel):
     def device(self) -> torch.device:
         """The device of the model's weights."""
         return next(self.model.parameters()).device
+
+    @property
+    def merge_tokens(self) -> int | list[int]:
+        """The tokens each encoder layer merges (ToMe) as the model runs: the encoder's own setting, which
+        ``load_model``'s ``merge_tokens`` may have changed from the one ``config`` records."""
+        return encoder_of(self.model).config["merge_tokens"]
 
 
 class _TooManyTensors(Exception):
@@ -191,9 +207,12 @@ def check_arguments(function: Callable, arguments: Any, where: str, unknown_ok: 
             or (isinstance(value, int) and not isinstance(value, bool) and (int in allowed or float in allowed))
             or (isinstance(value, float) and float in allowed and math.isfinite(value))
             or (isinstance(value, str) and str in allowed)
+            or (isinstance(value, list) and list[int] in allowed and all(type(v) is int for v in value))
         )
         if not ok:
-            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            names = " or ".join(
+                "null" if t is type(None) else "a list of int" if t == list[int] else t.__name__ for t in allowed
+            )
             raise ValueError(f"{where} has {key}={brief(value)}; it must be {names}")
 
 
@@ -467,8 +486,26 @@ def check_tokenizer(vocab: Tokenizer, vocab_size: int, ids: tuple[int | None, ..
 
 def img_size(model: nn.Module) -> int:
     """The image side that ``model`` (an ``ImageCaptioner`` or a ``VisionTransformer``) takes."""
-    encoder = model.encoder if isinstance(model, ImageCaptioner) else model
-    return int(encoder.config["img_size"])
+    return int(encoder_of(model).config["img_size"])
+
+
+def encoder_of(model: nn.Module) -> VisionTransformer:
+    """The ``VisionTransformer`` that encodes ``model``'s images: ``model`` itself (a classifier), else the first
+    in it (a captioner's encoder, also inside a zero-shot classifier)."""
+    return next(m for m in model.modules() if isinstance(m, VisionTransformer))
+
+
+def recorded_merge_tokens(config: Mapping[str, Any]) -> int | list[int]:
+    """The ``merge_tokens`` (ToMe) that a bundle's ``config.json`` or an ONNX folder's ``onnx.json`` records for its
+    encoder: what it was trained (or exported) with; 0 for a folder that records none."""
+    model = config.get("model", {})
+    return model.get("encoder", model).get("merge_tokens", 0)
+
+
+def merge_setting(merge_tokens: int | Sequence[int] | None) -> str:
+    """``merge_tokens`` as a command line writes it (``8``, ``[8,8,4,4]``): one spelling of each setting."""
+    plain = merge_tokens if merge_tokens is None or isinstance(merge_tokens, int) else [int(r) for r in merge_tokens]
+    return json.dumps(plain, separators=(",", ":"))
 
 
 def finish_bundle(bundle: Bundle, device: str | torch.device, where: str | os.PathLike) -> Bundle:

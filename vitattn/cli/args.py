@@ -71,10 +71,26 @@ def parse_key_values(argv: Sequence[str], schema: type, prog: str) -> Any:
         raise UsageError(f"missing {', '.join(f'{k}=...' for k in missing)}; see {prog} --help")
     if "device" in cfg and cfg.device not in ("auto", "cpu", "cuda") and not str(cfg.device).startswith("cuda:"):
         raise UsageError(f"device={cfg.device!r} is unknown; choose auto, cpu, cuda or cuda:N")
+    if cfg.get("merge_tokens") is not None:
+        cfg.merge_tokens = _merge_tokens(str(cfg.merge_tokens))
     for key, least in _COUNTS.items():
         if isinstance(cfg.get(key), int) and cfg[key] < least:  # serve's devices may be auto
             raise UsageError(f"{key}={cfg[key]} must be at least {least}")
     return cfg
+
+
+def _merge_tokens(value: str) -> int | list[int]:
+    """``merge_tokens=8`` or ``merge_tokens=[8,8,4,4]`` (one count per encoder layer); how many a model can merge
+    is the model's to check, as it loads."""
+    text = value.replace(" ", "")
+    if re.fullmatch(r"\d+", text):
+        return int(text)
+    if re.fullmatch(r"\[\d+(,\d+)*\]", text):
+        return [int(r) for r in text[1:-1].split(",")]
+    raise UsageError(
+        f"merge_tokens={brief(value)} must be the tokens each encoder layer merges (ToMe), a whole number (0: off) "
+        "or one per layer as [8,8,4,4]"
+    )
 
 
 def _literal(value: str | None) -> str | None:

@@ -2,13 +2,13 @@
 
     vitattn-caption model=PATH images=INPUT out=FILE [image_dir=DIR] [format=jsonl|coco|csv]
     vitattn-caption model=PATH shards='DIR/{00000..00999}.tar' out=OUTDIR [format=jsonl|parquet]
-        [batch_size=32] [num_workers=2] [num_beams=N] [max_new_tokens=N] [length_penalty=X]
+        [batch_size=32] [num_workers=2] [num_beams=N] [max_new_tokens=N] [length_penalty=X] [merge_tokens=R|[R,...]]
         [early_stopping=true|false|never] [do_sample=true temperature=X top_k=N top_p=X] [seed=N] [min_new_tokens=N]
         [no_repeat_ngram_size=N] [repetition_penalty=X] [rerank=N] [device=auto|cpu|cuda] [precision=auto|fp32|bf16]
         [attention_maps=DIR] [progress=true] [num_threads=N] [devices=N num_nodes=M accelerator=auto|cpu|gpu]
 
 The same command again resumes a killed run. Exit status: 0 all captioned, 1 some could not be read, 2 a
-usage or model error. More: docs/captioning.md.
+usage or model error. merge_tokens: tokens merged in each encoder layer (ToMe). More: docs/captioning.md.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class CaptionConfig(DecodingArgs):
     seed: int | None = None
     device: str = "auto"
     precision: str = "auto"  # auto, fp32 or bf16 (vitattn.precision)
+    merge_tokens: Any = None  # ToMe: an int, or a list of one per encoder layer; None: the model's own
     num_threads: int | None = None  # torch CPU threads; 1 is steadier on a shared machine
     attention_maps: str | None = None
     progress: bool = True
@@ -88,7 +89,7 @@ def run(cfg: Any) -> int:
     if not processes.is_zero:
         log.setLevel(logging.WARNING)
     try:
-        model = load_model(model_path, device=processes.device, precision=cfg.precision)
+        model = load_model(model_path, device=processes.device, precision=cfg.precision, merge_tokens=cfg.merge_tokens)
         if model.task != "caption":
             raise UsageError(f"model={cfg.model} is a {model.task} model; vitattn-caption needs a caption model")
         options = dict(

@@ -1,7 +1,7 @@
 """``vitattn-eval``: score a trained model on a split; print a table and write ``metrics.json``.
 
     vitattn-eval model=PATH [split=val|test] [out=DIR] [batch_size=32] [num_workers=2] [device=auto|cpu|cuda]
-        [precision=auto|fp32|bf16] [progress=true]
+        [precision=auto|fp32|bf16] [progress=true] [merge_tokens=R|[R,...]] (ToMe: tokens merged in each encoder layer)
       captions:       [references=COCO_JSON [image_dir=DIR]] [predictions=FILE] [scorer=builtin|coco]
                       [num_beams=N] [max_new_tokens=N] [length_penalty=X] [early_stopping=true|false|never]
                       [min_new_tokens=N] [no_repeat_ngram_size=N] [repetition_penalty=X] [rerank=N]
@@ -45,6 +45,7 @@ class EvalConfig(DecodingArgs):
     out: str | None = None
     device: str = "auto"
     precision: str = "auto"  # auto, fp32 or bf16 (vitattn.precision)
+    merge_tokens: Any = None  # ToMe: an int, or a list of one per encoder layer; None: the model's own
     progress: bool = True
     scorer: str = "builtin"
     task: str | None = None  # caption, classification, zero_shot or retrieval; None: the model's own
@@ -102,7 +103,7 @@ def run(cfg: Any) -> int:
     from vitattn.evaluation import evaluate_captions, evaluate_classification, format_report, write_report
     from vitattn.models.generate import SEARCH_KEYS
 
-    given = [k for k in SEARCH_KEYS if cfg[k] is not None]
+    given = [k for k in (*SEARCH_KEYS, "merge_tokens") if cfg[k] is not None]
     if cfg.predictions is not None and given:
         raise UsageError(
             f"{', '.join(given)} set how captions are generated; predictions= scores captions already made"
@@ -110,7 +111,9 @@ def run(cfg: Any) -> int:
     if cfg.scorer == "coco":
         check_toolkit()  # pycocoevalcap and Java, before a model loads and captions are made
     # a bundle, run, checkpoint or ONNX folder
-    bundle = load_model(cfg.model, device=resolve_device(cfg.device), precision=cfg.precision)
+    bundle = load_model(
+        cfg.model, device=resolve_device(cfg.device), precision=cfg.precision, merge_tokens=cfg.merge_tokens
+    )
     run = RunDir.find(cfg.model)
     task = cfg.task or bundle.task
     loading = dict(split=cfg.split, batch_size=cfg.batch_size, num_workers=cfg.num_workers, progress=cfg.progress)

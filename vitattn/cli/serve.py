@@ -4,7 +4,7 @@
         [devices=auto|N] [workers_per_device=1] [max_batch_size=8] [batch_timeout=0.05] [timeout=60]
         [max_image_bytes=20000000] [num_beams=N] [max_new_tokens=N] [length_penalty=X]
         [early_stopping=true|false|never] [min_new_tokens=N] [no_repeat_ngram_size=N] [repetition_penalty=X] [rerank=N]
-        [num_threads=N] [precision=auto|fp32|bf16]
+        [num_threads=N] [precision=auto|fp32|bf16] [merge_tokens=R|[R,...]] (ToMe: tokens merged in each encoder layer)
 
 ``POST /predict`` an image -> {"caption", "tokens"}; a head=coca model also ``POST /embed`` an image or {"text"} /
 {"texts"} -> embeddings and ``POST /classify`` an image and labels -> probabilities (404 on other models); ``GET
@@ -44,6 +44,7 @@ class ServeConfig(DecodingArgs):
     timeout: float = 60.0
     num_threads: int | None = None
     precision: str = "auto"  # auto, fp32 or bf16 (vitattn.precision)
+    merge_tokens: Any = None  # ToMe: an int, or a list of one per encoder layer; None: the model's own
 
 
 def parse_args(argv: list[str]) -> Any:
@@ -67,7 +68,7 @@ def run(cfg: Any) -> int:
     from vitattn.bundle import load_model
     from vitattn.serve import CaptionAPI, GracefulStop, build_server, serving_apis
 
-    bundle = load_model(cfg.model, device="cpu", precision=cfg.precision)
+    bundle = load_model(cfg.model, device="cpu", precision=cfg.precision, merge_tokens=cfg.merge_tokens)
     if bundle.task != "caption":
         raise UsageError(f"model={cfg.model} is a {bundle.task} model; vitattn-serve needs a caption model")
     generate = bundle.generate_settings(cfg)
@@ -77,6 +78,7 @@ def run(cfg: Any) -> int:
         max_image_bytes=cfg.max_image_bytes,
         num_threads=cfg.num_threads,
         precision=cfg.precision,
+        merge_tokens=cfg.merge_tokens,
         max_batch_size=cfg.max_batch_size,
         batch_timeout=cfg.batch_timeout,
     )

@@ -189,7 +189,10 @@ def evaluate_captions(
             len(items),
         )
     read = str(Path(predictions).resolve()) if predictions is not None else None
-    return EvalReport("caption", split, data.source, metrics, decoding, read, captions=items, coco=coco)
+    merged = bundle.merge_tokens if predictions is None else None
+    return EvalReport(
+        "caption", split, data.source, metrics, decoding, read, captions=items, coco=coco, merge_tokens=merged
+    )
 
 
 def evaluate_retrieval(
@@ -236,4 +239,4 @@ def evaluate_retrieval(
         metrics["num_texts_cut"] = cut
     if failed:
         metrics["num_failed"] = len(failed)
-    return EvalReport("retrieval", split, data.source, metrics)
+    return EvalReport("retrieval", split, data.source, metrics, merge_tokens=bundle.merge_tokens)

@@ -83,7 +83,13 @@ def evaluate_classification(
     if failed:
         metrics["num_failed"] = len(failed)
     return EvalReport(
-        "classification", split, source, metrics, confusion=confusion.compute(), class_names=list(bundle.class_names)
+        "classification",
+        split,
+        source,
+        metrics,
+        confusion=confusion.compute(),
+        class_names=list(bundle.class_names),
+        merge_tokens=bundle.merge_tokens,
     )
 
 

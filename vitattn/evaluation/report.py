@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch import Tensor
 
+from vitattn.bundle.folder import merge_setting
 from vitattn.fileio import atomic_write
 from vitattn.inference.attention_maps import figure_png
 from vitattn.metrics.retrieval import RECALL
@@ -51,8 +52,9 @@ class EvalReport:
     ``generate`` settings, or zero-shot's templates), and the scores: ``metrics`` (BLEU, ROUGE-L, CIDEr-D,
     ``distinct``, ``exact_match``, ``unknown_words``, or ``top1``, ``top5``, or retrieval's recalls and median ranks;
     ``num_images``, ``num_failed``, ``num_missing``), ``captions`` (``(image_id, caption, references)`` sorted
-    by id), ``confusion`` ((K, K), rows true, columns predicted) with ``class_names``, and ``coco``, the COCO
-    toolkit's own numbers (``scorer="coco"``).
+    by id), ``confusion`` ((K, K), rows true, columns predicted) with ``class_names``, ``coco``, the COCO
+    toolkit's own numbers (``scorer="coco"``), and ``merge_tokens``, the tokens each encoder layer merged (ToMe)
+    as the model ran (None: no model ran, ``predictions`` were read).
     """
 
     task: str
@@ -65,6 +67,7 @@ class EvalReport:
     confusion: Tensor | None = None
     class_names: list[str] | None = None
     coco: dict[str, float] = field(default_factory=dict)
+    merge_tokens: int | list[int] | None = None
 
     @property
     def complete(self) -> bool:
@@ -145,6 +148,7 @@ def write_report(report: EvalReport, out_dir: str | os.PathLike, *, model: str) 
         "data": report.data,
         "predictions": report.predictions,
         "decoding": report.decoding,
+        "merge_tokens": report.merge_tokens,
         "metrics": _plain(report.metrics),
     }
     if report.coco:
@@ -177,6 +181,8 @@ def format_report(report: EvalReport) -> str:
         lines.append(f"predictions: {report.predictions}")
     if report.decoding:
         lines.append("decoding: " + " ".join(f"{k}={v}" for k, v in report.decoding.items()))
+    if report.merge_tokens:
+        lines.append(f"token merging (ToMe): merge_tokens={merge_setting(report.merge_tokens)}")
     metrics, coco = _plain(report.metrics), _plain(report.coco)
     keys = list(metrics)
     if coco:  # the toolkit's column beside ours; its METEOR, which has no built-in, after BLEU-4

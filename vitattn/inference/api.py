@@ -91,9 +91,17 @@ class _TaskModel:
         self.vocab, self.class_names = bundle.vocab, bundle.class_names
 
     @classmethod
-    def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu", precision: str = "auto") -> Any:
-        """The model at ``path``, as ``load_model`` loads it (``precision``: ``auto``, ``fp32`` or ``bf16``)."""
-        return cls(load_model(path, device, precision), where=str(path))
+    def load(
+        cls,
+        path: str | os.PathLike,
+        device: str | torch.device = "cpu",
+        precision: str = "auto",
+        *,
+        merge_tokens: int | Sequence[int] | None = None,
+    ) -> Any:
+        """The model at ``path``, as ``load_model`` loads it (``precision``: ``auto``, ``fp32`` or ``bf16``;
+        ``merge_tokens``: ToMe's tokens merged per encoder layer, None: as the model was trained)."""
+        return cls(load_model(path, device, precision, merge_tokens), where=str(path))
 
 
 class Captioner(_TaskModel):
@@ -192,11 +200,13 @@ class Classifier(_TaskModel):
         labels_file: str | os.PathLike | None = None,
         templates: str | os.PathLike | Sequence[str] | None = None,
         scorer: str = "auto",
+        merge_tokens: int | Sequence[int] | None = None,
     ) -> Classifier:
         """The classifier at ``path``; with ``labels`` (or ``labels_file``, one name a line) a caption model's
         zero-shot classifier of those classes, named through ``templates`` (a list, a file of one a line, or
         ``|``-separated; each with ``{}``; default the ``DEFAULT_TEMPLATES`` its vocabulary spells), scored by
-        ``scorer`` (``auto``, ``contrastive``, ``likelihood``, ``both``: ``vitattn.inference.zero_shot``)."""
+        ``scorer`` (``auto``, ``contrastive``, ``likelihood``, ``both``: ``vitattn.inference.zero_shot``).
+        ``merge_tokens``: as ``load_model`` takes it."""
         if labels is not None and labels_file is not None:
             raise ValueError("give labels= or labels_file=, not both")
         if labels_file is not None:
@@ -206,10 +216,10 @@ class Classifier(_TaskModel):
                 raise ValueError("templates= name classes for zero-shot classification; give labels= with them")
             if scorer != "auto":
                 raise ValueError(f"scorer={scorer} scores classes for zero-shot classification; give labels= with it")
-            return super().load(path, device, precision)
+            return super().load(path, device, precision, merge_tokens=merge_tokens)
         names = check_labels(labels, "labels_file" if labels_file is not None else "labels")
         prompts = None if templates is None else templates_from(templates)  # refused before the model loads
-        bundle = load_model(path, device, precision)
+        bundle = load_model(path, device, precision, merge_tokens)
         if bundle.task == "classification":
             raise ValueError(
                 f"{path} is a classification model with its own classes; labels= are for zero-shot classification "

@@ -100,7 +100,7 @@ def merge_schedule(merge_tokens: int | Sequence[int], tokens: int, depth: int) -
         return schedule
     schedule = [int(r) for r in merge_tokens]
     if len(schedule) != depth:
-        raise ValueError(f"merge_tokens has {len(schedule)} entries; the encoder has {depth} layers")
+        raise ValueError(f"merge_tokens={schedule} has {len(schedule)} entries; the encoder has {depth} layers")
     for layer, r in enumerate(schedule):
         if not 0 <= r <= most_merged(tokens):
             raise ValueError(

@@ -11,6 +11,7 @@ import base64
 import binascii
 import io
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,10 +90,10 @@ def decode_image_request(request: Any, transform: Any, max_image_bytes: int) -> 
 
 
 class BundleAPI(ls.LitAPI):
-    """What the routes of one model share: the ``model`` path (as ``load_model`` takes it, in ``precision``) loaded
-    on one device in each inference worker, batches of decoded requests from LitServe (``max_batch_size``,
-    ``batch_timeout`` seconds), images over ``max_image_bytes`` refused unread, torch's ``num_threads``, and a
-    request's ``{"error"}`` answered 400 with its one line."""
+    """What the routes of one model share: the ``model`` path (as ``load_model`` takes it, in ``precision`` and with
+    ``merge_tokens``) loaded on one device in each inference worker, batches of decoded requests from LitServe
+    (``max_batch_size``, ``batch_timeout`` seconds), images over ``max_image_bytes`` refused unread, torch's
+    ``num_threads``, and a request's ``{"error"}`` answered 400 with its one line."""
 
     def __init__(
         self,
@@ -100,6 +101,7 @@ class BundleAPI(ls.LitAPI):
         max_image_bytes: int = 20_000_000,
         num_threads: int | None = None,
         precision: str = "auto",
+        merge_tokens: int | Sequence[int] | None = None,
         max_batch_size: int = 8,
         batch_timeout: float = 0.05,
         api_path: str = "/predict",
@@ -109,12 +111,13 @@ class BundleAPI(ls.LitAPI):
         self.max_image_bytes = max_image_bytes
         self.num_threads = num_threads
         self.precision = precision
+        self.merge_tokens = merge_tokens
 
     def setup(self, device: str) -> None:
         leave_interrupts_to_parent()  # this runs in the inference worker: Ctrl+C is the parent's to handle
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
-        self.bundle = load_model(self.model_path, device=device, precision=self.precision)
+        self.bundle = load_model(self.model_path, device, self.precision, self.merge_tokens)
         if self.bundle.task != "caption":
             raise ValueError(f"model={self.model_path} is a {self.bundle.task} model; serving needs a caption model")
         self.transform = self.bundle.transform

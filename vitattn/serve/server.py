@@ -28,7 +28,7 @@ INDEX_PAGE = "index.html"
 def serving_apis(api: CaptionAPI, bundle: LoadedModel) -> tuple[list[BundleAPI], str | None]:
     """The routes of ``api``'s model, ``bundle`` (loaded once to look): ``/predict`` and ``/classify``, and ``/embed``
     with ``api``'s settings when it has embeddings; else the one line ``/embed`` answers 404 with, saying why."""
-    keys = ("max_image_bytes", "num_threads", "precision", "max_batch_size", "batch_timeout")
+    keys = ("max_image_bytes", "num_threads", "precision", "merge_tokens", "max_batch_size", "batch_timeout")
     settings = {key: getattr(api, key) for key in keys}
     classify = ClassifyAPI(api.model_path, **settings)
     try:

@@ -93,8 +93,9 @@ def _check_sizes(cfg: DictConfig) -> None:
 
 
 def qualify(message: str, keys: dict[str, str]) -> str:
-    """``num_heads=3 must divide embed_dim=32`` -> ``model.num_heads=3 must divide model.embed_dim=32``."""
-    return re.sub(r"(?<![\w.])(\w+)(?==|\.\w)", lambda m: keys.get(m[1], m[1]), message)
+    """``num_heads=3 must divide embed_dim=32`` -> ``model.num_heads=3 must divide model.embed_dim=32``; a list's
+    entry too: ``merge_tokens[1]=9`` -> ``model.merge_tokens[1]=9``."""
+    return re.sub(r"(?<![\w.])(\w+)(?==|\.\w|\[\d+\]=)", lambda m: keys.get(m[1], m[1]), message)
 
 
 def _check_generate(cfg: DictConfig) -> None:

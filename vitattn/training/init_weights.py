@@ -69,6 +69,7 @@ TRAINING_KEYS = frozenset(
         "pos_embed_init",
         "init",
         "grad_checkpointing",
+        "merge_tokens",  # the weights run at any merge (ToMe); what this run trains with is its own
     }
 )
 
