@@ -221,7 +221,7 @@ def _train(folder: Path, seed: int, r: int, args: argparse.Namespace) -> float:
         *args.train_args,
         f"seed={seed}",
         f"model.merge_tokens={r}",
-        f"trainer.threads={args.threads}",
+        f"num_threads={args.threads}",
         f"hydra.run.dir={folder}",
     ]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
