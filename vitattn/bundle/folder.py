@@ -191,6 +191,7 @@ def check_arguments(function: Callable, arguments: Any, where: str, unknown_ok: 
             or (isinstance(value, int) and not isinstance(value, bool) and (int in allowed or float in allowed))
             or (isinstance(value, float) and float in allowed and math.isfinite(value))
             or (isinstance(value, str) and str in allowed)
+            or (isinstance(value, list) and list[int] in allowed and all(type(v) is int for v in value))
         )
         if not ok:
             names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
