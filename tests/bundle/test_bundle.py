@@ -88,6 +88,19 @@ def test_a_bundle_whose_special_ids_are_not_a_list_of_ids_is_one_line(value, mes
         load_bundle(directory)
 
 
+def test_a_bundle_of_a_per_layer_merge_schedule_round_trips(tmp_path, captioner_and_vocab):
+    """``merge_tokens`` of type ``int | list[int]``: a list is one of its types (ToMe, a count per layer)."""
+    model, vocab = captioner_and_vocab
+    model.encoder.set_merge_tokens([4, 2])
+    save_bundle(tmp_path / "b", model, task="caption", preprocess=PREPROCESS, vocab=vocab)
+    assert load_bundle(tmp_path / "b").model.encoder.merge_schedule == [4, 2]
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    config["model"]["encoder"]["merge_tokens"] = [4, "2"]
+    (tmp_path / "b" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape("merge_tokens=[4, '2']; it must be int or list")):
+        load_bundle(tmp_path / "b")
+
+
 def test_untied_output_layer_round_trips_and_old_configs_stay_tied(tmp_path):
     vocab = Vocabulary.build(WORDS, min_freq=1)
     untied = CaptionDecoder(len(vocab), embed_dim=32, depth=1, num_heads=2, max_len=8, tie_embeddings=False)

@@ -293,16 +293,19 @@ def record_kept_fp32(monkeypatch) -> dict[str, list[str]]:
 def check_int8_graphs(folder: Path, kept: dict[str, list[str]]) -> dict[str, dict[str, int]]:
     """Assert that the graphs of int8 ONNX folder ``folder`` are quantized, whatever its ``onnx.json`` says:
     activations quantized at run time (``DynamicQuantizeLinear``), the products with weights integer
-    (``MatMulInteger``; the image encoder's attention ``QAttention``, no fp32 ``Attention`` left), and the float
-    ``MatMul``s exactly the products the export keeps in fp32 (``kept``, ``record_kept_fp32``), each with
-    float inputs. Returns each graph's operator counts."""
+    (``MatMulInteger``; the image encoder's attention ``QAttention`` unless it merges tokens, no fp32 ``Attention``
+    left), and the float ``MatMul``s exactly the products the export keeps in fp32 (``kept``, ``record_kept_fp32``),
+    each with float inputs. Returns each graph's operator counts."""
     from collections import Counter
 
     import onnx
 
     from vitattn.bundle.onnx_folder import ONNX_CONFIG_FILE
 
-    graphs = json.loads((folder / ONNX_CONFIG_FILE).read_text())["graphs"]
+    config = json.loads((folder / ONNX_CONFIG_FILE).read_text())
+    graphs, model = config["graphs"], config["model"]
+    merge_tokens = model.get("encoder", model).get("merge_tokens", 0)  # a captioner's encoder, or the classifier
+    merging = any(merge_tokens) if isinstance(merge_tokens, list) else merge_tokens > 0
     counts = {}
     for name, entry in graphs.items():
         graph = onnx.shape_inference.infer_shapes(onnx.load(folder / entry["file"])).graph
@@ -311,7 +314,8 @@ def check_int8_graphs(folder: Path, kept: dict[str, list[str]]) -> dict[str, dic
         ops = Counter(node.op_type for node in graph.node)
         counts[name] = dict(ops)
         assert ops["DynamicQuantizeLinear"] and ops["MatMulInteger"], f"{name}: not quantized, operators {dict(ops)}"
-        explicit = name in ("decoder_step", "text_embed")  # attention on the explicit path: masked or cached
+        # attention on the explicit path: masked, cached, or over merged tokens (``for_export``)
+        explicit = name in ("decoder_step", "text_embed") or merging
         assert not ops["Attention"] and (ops["QAttention"] or explicit), f"{name}: {dict(ops)}"
         assert name in kept, f"the export listed no products to keep in fp32 for {name}"
         float_products = {node.name: node for node in graph.node if node.op_type == "MatMul"}

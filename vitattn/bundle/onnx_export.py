@@ -1,11 +1,12 @@
 """A ``Bundle`` written as an ONNX folder (``onnx_folder``), optionally int8-quantized.
 
 Dimension letters: B images (B * K caption rows when decoding K beams), L decoder layers, H heads,
-d head width, P past caption positions, N image tokens, D width, V vocabulary, E embedding width.
+d head width, P past caption positions, N image tokens (N' after merging), D width, V vocabulary, E embedding width.
 
 PyTorch's TorchScript-based exporter (``dynamo=False``) traces the modules the PyTorch runtime runs. The
 encoder's self-attention is written as ONNX Runtime's contrib ``Attention`` op, and int8 folders take GELU's
-tanh form as ``FastGelu``; why, and the int8 choices: docs/captioning.md ("ONNX Runtime").
+tanh form as ``FastGelu``; why, and the int8 choices: docs/captioning.md ("ONNX Runtime"). An encoder that merges
+tokens (ToMe, ``merge_tokens``) is traced with its schedule: each layer's token count is fixed in the graph.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import json
 import logging
 import os
 import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -22,9 +25,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.onnx import symbolic_helper
 
 from vitattn.bundle.folder import Bundle, plain_json
 from vitattn.bundle.onnx_folder import (
+    CROSS_SIZE,
     ONNX_CONFIG_FILE,
     ONNX_FORMAT,
     ONNX_VERSION,
@@ -39,7 +44,7 @@ from vitattn.bundle.onnx_folder import (
 from vitattn.data.tokenizer import tokenizer_file_name
 from vitattn.fileio import atomic_folder
 from vitattn.layers import EncoderLayer, LayerCache, MultiHeadAttention
-from vitattn.models import CaptionDecoder, CocaCaptioner, ImageCaptioner
+from vitattn.models import CaptionDecoder, CocaCaptioner, ImageCaptioner, VisionTransformer
 
 __all__ = [
     "OPSET",
@@ -47,7 +52,6 @@ __all__ = [
     "EmbeddingGraph",
     "EncoderGraph",
     "FastGelu",
-    "contrib_opsets",
     "export_onnx",
     "for_export",
     "kept_fp32",
@@ -114,12 +118,20 @@ class FastGelu(nn.Module):
 def for_export(model: nn.Module, approximate_gelu: bool = False, contrib_attention: bool = True) -> nn.Module:
     """A copy of ``model`` whose attention exports as ONNX Runtime runs it fastest: each ``EncoderLayer``'s
     self-attention as its ``Attention`` op, every other on the explicit path; ``approximate_gelu``: ``nn.GELU`` as
-    ``FastGelu``; ``contrib_attention=False``: every attention explicit (the text tower's, which masks padding)."""
+    ``FastGelu``; ``contrib_attention=False``: every attention explicit (the text tower's, which masks padding).
+
+    The layers of an encoder that merges tokens stay explicit: ToMe's matching reads their keys and proportional
+    attention adds log size to the logits (``forward_merging``). Measured (ViT-S/16 at 224, ``merge_tokens=16``,
+    8 images, 2 threads): the op with the log sizes as its ``attention_bias`` (and the keys' mean projected apart)
+    ran as fast in fp32 (545 ms against 535) but slower in int8 (315 ms against 248): ``QAttention`` has no bias
+    input, so that op stays fp32 (quantized, the bias would be dropped)."""
     model = copy.deepcopy(model)
+    encoders = [m for m in model.modules() if isinstance(m, VisionTransformer)]
+    merging = {block for encoder in encoders if any(encoder.merge_schedule) for block in encoder.blocks}
     for module in list(model.modules()):
         if isinstance(module, MultiHeadAttention):
             module.fused_attn = False
-        if isinstance(module, EncoderLayer) and contrib_attention:
+        if isinstance(module, EncoderLayer) and contrib_attention and module not in merging:
             module.mha = _ContribSelfAttention(module.mha)
         for name, child in module.named_children():
             if approximate_gelu and isinstance(child, nn.GELU):
@@ -127,38 +139,35 @@ def for_export(model: nn.Module, approximate_gelu: bool = False, contrib_attenti
     return model
 
 
-def contrib_opsets(module: nn.Module) -> dict[str, int]:
-    """``torch.onnx.export``'s ``custom_opsets``: the contrib domain if ``for_export`` put a contrib op in ``module``
-    (the exporter warns about a domain the graph does not use)."""
-    contrib = (_ContribSelfAttention, FastGelu)
-    return {"com.microsoft": 1} if any(isinstance(m, contrib) for m in module.modules()) else {}
-
-
 class EncoderGraph(nn.Module):
     """Images -> each decoder layer's cross-attention keys (B, H, d, N), transposed once per image (ONNX Runtime
-    reads a transposed operand more slowly at every step), and values (B, H, N, d)."""
+    reads a transposed operand more slowly at every step), and values (B, H, N, d); then, when the encoder merges
+    tokens, their sizes (B, N') (``CROSS_SIZE``), N' its ``num_tokens``."""
 
     def __init__(self, model: ImageCaptioner) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, images: Tensor) -> tuple[Tensor, ...]:
-        memory = self.model.encode(images).tokens  # (B, N, D)
+        memory = self.model.encode(images)  # (B, N, D) tokens, (B, N) sizes or None
         heads = []
         for layer in self.model.decoder.layers:
-            k, v = layer.mha2.project_kv(memory, memory)  # (B, H, N, d) each
+            k, v = layer.mha2.project_kv(memory.tokens, memory.tokens)  # (B, H, N, d) each
             heads += [k.transpose(2, 3).contiguous(), v.contiguous()]  # (B, H, d, N), (B, H, N, d)
-        return tuple(heads)
+        return tuple(heads) if memory.size is None else (*heads, memory.size)
 
 
 class _PastCache(LayerCache):
     """A ``LayerCache`` whose past keys/values are given and whose new ones are kept as ``present``."""
 
-    def __init__(self, past_k: Tensor, past_v: Tensor, cross_kt: Tensor, cross_v: Tensor) -> None:
+    def __init__(
+        self, past_k: Tensor, past_v: Tensor, cross_kt: Tensor, cross_v: Tensor, cross_size: Tensor | None
+    ) -> None:
         super().__init__()
         self.past = (past_k, past_v)
         # (B / K, H, d, N) -> (B / K, H, N, d); the attention's q @ kᵀ transposes back: ONNX Runtime drops the pair
         self.cross_k, self.cross_v = cross_kt.transpose(2, 3), cross_v
+        self.cross_size = cross_size  # (B / K, N) merged image tokens' sizes, or None
         self.present: tuple[Tensor, Tensor] = self.past
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -169,8 +178,8 @@ class _PastCache(LayerCache):
 class DecoderStepGraph(nn.Module):
     """One token (B, 1), the past self-attention keys/values (B, H, P, d) and the cross ones of each
     layer, once per image (keys (B / K, H, d, N), values (B / K, H, N, d); the K beams of an image are
-    consecutive rows) -> the next token's logits (B, V) and the keys/values with the token added
-    (B, H, P+1, d)."""
+    consecutive rows), then, for an encoder that merges tokens, their sizes (B / K, N) -> the next token's
+    logits (B, V) and the keys/values with the token added (B, H, P+1, d)."""
 
     def __init__(self, decoder: CaptionDecoder) -> None:
         super().__init__()
@@ -178,8 +187,9 @@ class DecoderStepGraph(nn.Module):
 
     def forward(self, tokens: Tensor, *heads: Tensor) -> tuple[Tensor, ...]:
         L = len(self.decoder.layers)
-        past, cross = heads[: 2 * L], heads[2 * L :]
-        caches = [_PastCache(past[2 * i], past[2 * i + 1], cross[2 * i], cross[2 * i + 1]) for i in range(L)]
+        past, cross = heads[: 2 * L], heads[2 * L : 4 * L]
+        size = heads[4 * L] if len(heads) > 4 * L else None  # (B / K, N): merged tokens' sizes
+        caches = [_PastCache(past[2 * i], past[2 * i + 1], cross[2 * i], cross[2 * i + 1], size) for i in range(L)]
         start = past[0].shape[2]  # P: traced as the input's size, so the position follows the past length
         logits = self.decoder(tokens, None, caches, start=start)[:, -1]  # (B, V)
         return (logits, *(t for c in caches for t in c.present))
@@ -197,9 +207,16 @@ class EmbeddingGraph(nn.Module):
         return self.model.embed_images(x) if self.what == "images" else self.model.embed_texts(x)
 
 
-def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | None = None) -> Path:
+def export_onnx(
+    bundle: Bundle,
+    directory: str | os.PathLike,
+    quantize: str | None = None,
+    merge_tokens: int | Sequence[int] | None = None,
+) -> Path:
     """Write ``bundle`` as an ONNX folder at ``directory``, atomically (an earlier one there replaced), in fp32 or,
-    with ``quantize="int8"``, ONNX Runtime's dynamic int8 quantization. Returns the folder."""
+    with ``quantize="int8"``, ONNX Runtime's dynamic int8 quantization. ``merge_tokens``: the tokens each encoder
+    layer merges (ToMe: an int, or one count per layer; ``set_merge_tokens``), set on the exported copy and recorded
+    in ``onnx.json``'s ``model``; None keeps the model's. Returns the folder."""
     precision = quantize or "fp32"
     if precision not in PRECISIONS:
         raise ValueError(f"quantize={quantize!r} is unknown; choose quantize=int8 or leave it out for fp32")
@@ -208,7 +225,7 @@ def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | No
         raise FileExistsError(
             f"{directory} exists and is not a vitattn ONNX folder; choose another folder or remove it"
         )
-    model = bundle.model.to("cpu").eval()
+    model = _with_merge_tokens(bundle.model.to("cpu").eval(), merge_tokens)
     size = bundle.preprocess["img_size"]
     images = torch.rand(2, 3, size, size)
     config: dict[str, Any] = {
@@ -247,26 +264,37 @@ def export_onnx(bundle: Bundle, directory: str | os.PathLike, quantize: str | No
     return directory
 
 
+def _with_merge_tokens(model: nn.Module, merge_tokens: int | Sequence[int] | None) -> nn.Module:
+    """``model``, or a copy of it whose encoder merges ``merge_tokens`` (a one-line ``ValueError`` if too many)."""
+    if merge_tokens is None:
+        return model
+    model = copy.deepcopy(model)
+    encoder = model.encoder if isinstance(model, ImageCaptioner) else model
+    encoder.set_merge_tokens(merge_tokens if isinstance(merge_tokens, int) else list(merge_tokens))
+    return model
+
+
 def _export_captioner(model: ImageCaptioner, images: Tensor, folder: Path, precision: str) -> dict[str, Any]:
     """Write ``encoder.onnx`` and ``decoder_step.onnx``; returns the ``decoder`` sizes for ``onnx.json``."""
     approximate_gelu = precision == "int8"
     dec = model.decoder
     L = len(dec.layers)
-    cross = EncoderGraph(model)(images)  # 2L x (B, H, N, d)
+    cross = EncoderGraph(model)(images)  # 2L x (B, H, N, d), and (B, N) sizes when merging
+    cross_names = kv_names("cross", L) + ([CROSS_SIZE] if len(cross) > 2 * L else [])
     encoder = EncoderGraph(for_export(model, approximate_gelu))
-    _export(encoder, (images,), folder / graph_file("encoder"), ["images"], kv_names("cross", L), {})
+    _export(encoder, (images,), folder / graph_file("encoder"), ["images"], cross_names, {})
     B, H, _, d = cross[1].shape
     # traced with 2 rows per image (beams) and a past of 3 positions: any beam count and length run alike
     past = [torch.randn(2 * B, H, 3, d) for _ in range(2 * L)]
     tokens = torch.full((2 * B, 1), dec.bos_id, dtype=torch.long)
     past_axes = {name: {0: "batch", 2: "past"} for name in kv_names("past", L)}
     present_axes = {name: {0: "batch", 2: "past_plus_one"} for name in kv_names("present", L)}
-    cross_axes = {name: {0: "images"} for name in kv_names("cross", L)}
+    cross_axes = {name: {0: "images"} for name in cross_names}
     _export(
         DecoderStepGraph(for_export(dec, approximate_gelu)),
         (tokens, *past, *cross),
         folder / graph_file("decoder_step"),
-        ["tokens", *kv_names("past", L), *kv_names("cross", L)],
+        ["tokens", *kv_names("past", L), *cross_names],
         ["logits", *kv_names("present", L)],
         {"tokens": {0: "batch"}, "logits": {0: "batch"}, **past_axes, **present_axes, **cross_axes},
     )
@@ -299,7 +327,7 @@ def _export(
     axes: dict[str, dict[int, str]],
 ) -> None:
     axes = {**{name: {0: "batch"} for name in inputs + outputs}, **axes}
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings(), _stable_argsort_as_topk():
         # the traced shape checks (caption length within max_len, causal mask for one query) hold for every step
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         # the text tower's positions are sliced to the traced length: ONNX Runtime slices them, nothing to fold
@@ -307,6 +335,7 @@ def _export(
         # the TorchScript-based exporter is chosen (dynamo=False): it traces the modules the PyTorch runtime runs
         warnings.filterwarnings("ignore", "You are using the legacy TorchScript-based ONNX export", DeprecationWarning)
         warnings.filterwarnings("ignore", "The feature will be removed", DeprecationWarning)
+        # no custom_opsets: the exporter declares the contrib domain (version 1) in a graph that uses a contrib op
         torch.onnx.export(
             module.eval(),
             args,
@@ -315,9 +344,27 @@ def _export(
             output_names=outputs,
             dynamic_axes=axes,
             opset_version=OPSET,
-            custom_opsets=contrib_opsets(module),
             dynamo=False,
         )
+
+
+@contextmanager
+def _stable_argsort_as_topk() -> Iterator[None]:
+    """The exporter's ``argsort`` refuses ``stable=True`` (ToMe's matching sorts stably, ``bipartite_soft_matching``):
+    while it runs, ``argsort`` is ONNX's ``TopK`` over the whole axis, which breaks ties by the lower index, as a
+    stable sort does."""
+    torch.onnx.register_custom_op_symbolic("aten::argsort", _argsort, OPSET)
+    try:
+        yield
+    finally:
+        torch.onnx.unregister_custom_op_symbolic("aten::argsort", OPSET)
+
+
+def _argsort(g, x, *args):  # noqa: ANN001, ANN002, ANN202 - the exporter's graph values
+    # args: (dim, descending) of argsort, (stable, dim, descending) of argsort.stable
+    dim, descending = (symbolic_helper._get_const(a, "i", name) for a, name in zip(args[-2:], ("dim", "descending")))
+    length = g.op("Gather", g.op("Shape", x), g.op("Constant", value_t=torch.tensor([dim])))  # the whole axis
+    return g.op("TopK", x, length, axis_i=dim, largest_i=descending, outputs=2)[1]  # (values, indices): indices
 
 
 def _quantize(folder: Path, graphs: tuple[str, ...]) -> None:

@@ -2,7 +2,7 @@
 ``LoadedModel`` that runs it on ONNX Runtime (on the CPU).
 
 Dimension letters: B images, K beams, L decoder layers, H heads, d head width, P past positions,
-N image tokens, V vocabulary.
+N image tokens (fewer when the encoder merges them), V vocabulary.
 
 A caption folder holds ``encoder.onnx``, ``decoder_step.onnx`` and the tokenizer, a ``head=coca`` one also
 ``image_embed.onnx`` and ``text_embed.onnx``; a classifier, ``classifier.onnx``. Each graph's SHA-256 is checked
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -33,11 +33,13 @@ from vitattn.models import Embedder
 from vitattn.models.generate import CaptionSearch, SpecialIds
 
 __all__ = [
+    "CROSS_SIZE",
     "DECODER_KEYS",
     "OnnxCaptioner",
     "OnnxClassifier",
     "OnnxCocaCaptioner",
     "OnnxDecoderStep",
+    "OnnxMemory",
     "OnnxModel",
     "GRAPHS",
     "ONNX_CONFIG_FILE",
@@ -67,6 +69,8 @@ GRAPHS = {
     "coca": ("encoder", "decoder_step", "image_embed", "text_embed"),
     "classification": ("classifier",),
 }
+# ``encoder.onnx``'s output and ``decoder_step.onnx``'s input when the encoder merges tokens (ToMe): their sizes
+CROSS_SIZE = "cross_size"
 DECODER_KEYS = ("depth", "num_heads", "head_dim", "max_len", "vocab_size", "pad_id", "bos_id", "eos_id")
 
 _REEXPORT = "export it again with this vitattn: vitattn-export model=RUN format=onnx out=DIR"
@@ -169,15 +173,26 @@ def _numpy(x: Tensor) -> np.ndarray:
     return x.detach().cpu().float().contiguous().numpy()
 
 
+class OnnxMemory(NamedTuple):
+    """What ``decoder_step.onnx`` reads of B images, as ``encoder.onnx`` gives it: each decoder layer's cross-attention
+    keys (B, H, d, N) and values (B, H, N, d), and, when the encoder merges tokens, their sizes (B, N), which the
+    cross-attention weighs them by (None: unmerged), as ``Memory`` holds them for the PyTorch runtime."""
+
+    cross: list[np.ndarray]
+    size: np.ndarray | None = None
+
+
 class OnnxDecoderStep:
     """``decoder_step.onnx`` as a ``DecodeStep``, fed the past keys/values it returned last and ``encoder.onnx``'s
-    ``cross`` ones, a row per image; the first call's tokens say how many caption rows (K per image) there are."""
+    ``memory``, a row per image; the first call's tokens say how many caption rows (K per image) there are."""
 
-    def __init__(self, session: Any, cross: Sequence[np.ndarray]) -> None:
+    def __init__(self, session: Any, memory: OnnxMemory) -> None:
         self.session = session
-        depth = len(cross) // 2
-        _, self.num_heads, _, self.head_dim = cross[1].shape
-        self.feed = dict(zip(kv_names("cross", depth), cross))
+        depth = len(memory.cross) // 2
+        _, self.num_heads, _, self.head_dim = memory.cross[1].shape
+        self.feed = dict(zip(kv_names("cross", depth), memory.cross))
+        if memory.size is not None:
+            self.feed[CROSS_SIZE] = memory.size  # (B, N)
         self.past_names = kv_names("past", depth)
         self.past: list[np.ndarray] | None = None  # (B * K, H, P, d) each, from the first call
 
@@ -201,25 +216,28 @@ class OnnxCaptioner(CaptionSearch):
 
     def __init__(self, sessions: Sequence[Any], config: Mapping[str, Any], other_ids: tuple[int, ...] = ()) -> None:
         self.encoder_session, self.step_session = sessions[:2]
+        # the graphs of an encoder that merges tokens pass their sizes along (folders without merging: no such output)
+        self.merged = CROSS_SIZE in (output.name for output in self.encoder_session.get_outputs())
         decoder = config["decoder"]
         self.max_len = decoder["max_len"]
         self.vocab_size = decoder["vocab_size"]
         ids = (decoder["pad_id"], decoder["bos_id"], decoder["eos_id"], decoder["unk_id"])
         self.special_ids = SpecialIds(*ids, other_ids)  # the tokenizer's other special tokens: never generated
 
-    def encode(self, images: Tensor) -> list[np.ndarray]:
-        """(B, C, height, width) -> each decoder layer's cross-attention keys (B, H, d, N) and values (B, H, N, d)."""
-        return self.encoder_session.run(None, {"images": _numpy(images)})
+    def encode(self, images: Tensor) -> OnnxMemory:
+        """(B, C, height, width) -> the ``OnnxMemory`` of the images: cross-attention keys and values, token sizes."""
+        outputs = self.encoder_session.run(None, {"images": _numpy(images)})
+        return OnnxMemory(outputs[:-1], outputs[-1]) if self.merged else OnnxMemory(outputs)
 
-    def decode_step(self, cross: Sequence[np.ndarray], max_new_tokens: int, use_cache: bool = True) -> OnnxDecoderStep:
+    def decode_step(self, memory: OnnxMemory, max_new_tokens: int, use_cache: bool = True) -> OnnxDecoderStep:
         """The ``DecodeStep`` over ``encode``'s output (it always caches: ``use_cache`` is PyTorch's)."""
-        return OnnxDecoderStep(self.step_session, cross)
+        return OnnxDecoderStep(self.step_session, memory)
 
     def start_search(
         self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
     ) -> tuple[OnnxDecoderStep, int, str]:
-        cross = self.encode(images)
-        return self.decode_step(cross, max_new_tokens), cross[0].shape[0], "cpu"
+        memory = self.encode(images)
+        return self.decode_step(memory, max_new_tokens), memory.cross[0].shape[0], "cpu"
 
 
 class OnnxCocaCaptioner(Embedder, OnnxCaptioner):
