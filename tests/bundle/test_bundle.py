@@ -97,7 +97,7 @@ def test_a_bundle_of_a_per_layer_merge_schedule_round_trips(tmp_path, captioner_
     config = json.loads((tmp_path / "b" / "config.json").read_text())
     config["model"]["encoder"]["merge_tokens"] = [4, "2"]
     (tmp_path / "b" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=re.escape("merge_tokens=[4, '2']; it must be int or list")):
+    with pytest.raises(ValueError, match=re.escape("merge_tokens=[4, '2']; it must be int or a list of int")):
         load_bundle(tmp_path / "b")
 
 

@@ -205,7 +205,7 @@ def test_a_merged_classifier_folder_gives_pytorchs_logits(tmp_path):
 def test_vitattn_export_merge_tokens_sets_the_exported_copy_and_records_it(tmp_path, capsys):
     bundle = make_caption_bundle(tmp_path / "bundle")
     common = [f"model={bundle}", "format=onnx"]
-    assert export_main([*common, f"out={tmp_path / 'onnx'}", "merge_tokens=3,2"]) == 0
+    assert export_main([*common, f"out={tmp_path / 'onnx'}", "merge_tokens=[3,2]"]) == 0
     assert capsys.readouterr().out.startswith("caption ONNX folder (fp32, merge_tokens=[3, 2]) of ")
     config = json.loads((tmp_path / "onnx" / ONNX_CONFIG_FILE).read_text())
     assert config["model"]["encoder"]["merge_tokens"] == [3, 2]
@@ -213,7 +213,7 @@ def test_vitattn_export_merge_tokens_sets_the_exported_copy_and_records_it(tmp_p
     assert load_bundle(bundle).model.config["encoder"]["merge_tokens"] == 0  # the bundle is left as it was
     for args, message in [
         ([*common, "merge_tokens=9"], "error: merge_tokens=9 is too large for 17 tokens: at most 8"),
-        ([*common, "merge_tokens=a"], "error: merge_tokens=a is not a count; give merge_tokens=R "),
+        ([*common, "merge_tokens=a"], "error: merge_tokens='a' must be the tokens each encoder layer merges"),
         ([f"model={bundle}", "merge_tokens=3"], "error: merge_tokens=3 needs format=onnx (or format=hub hub_format"),
     ]:
         assert export_main([*args, f"out={tmp_path / 'refused'}"]) == 2

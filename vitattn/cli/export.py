@@ -1,7 +1,7 @@
 """``vitattn-export``: write a model as a bundle (safetensors, config.json, tokenizer), an ONNX or a Hub folder.
 
     vitattn-export model=PATH out=DIR [which=best|last] [device=cpu] [format=bundle|onnx|hub] [quantize=int8]
-        [merge_tokens=R|R1,R2,...] [hub_format=bundle|onnx] [license=ID] [datasets=NAME,NAME] [push_to_hub=ORG/NAME]
+        [merge_tokens=R|[R1,R2,...]] [hub_format=bundle|onnx] [license=ID] [datasets=NAME,NAME] [push_to_hub=ORG/NAME]
 
 ``model``: a run folder (``which``: its best or last checkpoint; else its bundle), a ``.ckpt`` (never unpickled), a
 bundle or ``hf-hub:ORG/NAME``. ``format=onnx`` (the ``onnx`` extra) is what ONNX Runtime runs; ``quantize=int8``
@@ -36,7 +36,7 @@ class ExportConfig:
     device: str = "cpu"
     format: str = "bundle"
     quantize: str | None = None
-    merge_tokens: Any = None  # R, or R1,R2,... one per encoder layer: an int or a list once parsed
+    merge_tokens: Any = None  # R, or [R1,R2,...] one per encoder layer: an int or a list once parsed
     hub_format: str = "bundle"
     license: str | None = None
     datasets: str | None = None  # comma-separated
@@ -64,7 +64,6 @@ def parse_args(argv: list[str]) -> Any:
     if cfg.merge_tokens is not None:
         if _onnx_format(cfg) is None:
             raise UsageError(f"merge_tokens={cfg.merge_tokens} needs format=onnx (or format=hub hub_format=onnx)")
-        cfg.merge_tokens = _merge_tokens(cfg.merge_tokens)
     if cfg.push_to_hub is not None:
         from vitattn.bundle.hub import HUB_PREFIX, parse_hub_name
 
@@ -73,18 +72,6 @@ def parse_args(argv: list[str]) -> Any:
         except ValueError as err:
             raise UsageError(f"push_to_hub={cfg.push_to_hub}: {err}") from None
     return cfg
-
-
-def _merge_tokens(value: str) -> int | list[int]:
-    """``merge_tokens=R`` -> R; ``merge_tokens=R1,R2,...`` (or ``[R1,R2,...]``) -> one count per encoder layer."""
-    try:
-        counts = [int(count) for count in value.strip("[] ").split(",")]
-    except ValueError:
-        raise UsageError(
-            f"merge_tokens={value} is not a count; give merge_tokens=R (the tokens each encoder layer merges) or one "
-            "count per layer, merge_tokens=8,8,4"
-        ) from None
-    return counts if "," in value or "[" in value else counts[0]
 
 
 def _onnx_format(cfg: Any) -> str | None:
