@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +197,12 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
                 note=f"{spread}; exact match {100 * exact:.1f} %",
             )
         )
+    speed = _encoder_speed(args.runs / f"seed{args.seeds[0]}_r0", sorted({0, *args.merge, args.train_merge}))
+    rows += [
+        row(f"encoder forward b64 R={r}", rate, speed[0], "img/s", rate / speed[0], None, "R=0")
+        for r, rate in speed.items()
+        if r
+    ]
     result = dict(
         argv=args.argv,
         machine=machine_info(args.threads),
@@ -228,6 +235,19 @@ def _train(folder: Path, seed: int, r: int, args: argparse.Namespace) -> float:
     seconds = time.perf_counter() - started
     done.write_text(json.dumps({"seconds": seconds, "command": command}))
     return seconds
+
+
+def _encoder_speed(folder: Path, merges: list[int], batch: int = 64) -> dict[int, float]:
+    """Images/s of the trained encoder in ``folder`` merging each R of ``merges``, timed in interleaved rounds."""
+    from vitattn.bundle import load_model
+
+    encoder = load_model(folder, precision="fp32").model.encoder
+    size = encoder.config["img_size"]
+    images = torch.randn(batch, 3, size, size)
+    fns = {r: partial(merged(encoder, r).forward_features, images) for r in merges}
+    with torch.inference_mode():
+        seconds = Env("cpu", False).time(fns)
+    return per_second(seconds, batch)
 
 
 def _score(folder: Path, r: int) -> dict[str, float]:
