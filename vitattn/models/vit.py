@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from vitattn.layers import EncoderLayer, TokenState, check_heads, merge_schedule
+from vitattn.layers import UNMERGED, EncoderLayer, TokenState, check_heads, merge_schedule
 
 __all__ = ["PRESETS", "VisionTransformer", "layer_groups", "preset_config", "vit_preset"]
 
@@ -245,8 +245,8 @@ class VisionTransformer(nn.Module):
                     x = checkpoint(block, x, use_reentrant=False)  # keeps only x; the backward runs the block again
             else:
                 x = self.blocks(x)
-            return self.norm(x), TokenState()
-        state = TokenState()
+            return self.norm(x), UNMERGED
+        state = UNMERGED
         if trace is not None:
             eye = torch.eye(x.shape[1], device=x.device, dtype=x.dtype)
             state = TokenState(x.new_ones(x.shape[:2]), eye.expand(x.shape[0], -1, -1))
