@@ -6,9 +6,11 @@
         [early_stopping=true|false|never] [do_sample=true temperature=X top_k=N top_p=X] [seed=N] [min_new_tokens=N]
         [no_repeat_ngram_size=N] [repetition_penalty=X] [rerank=N] [device=auto|cpu|cuda] [precision=auto|fp32|bf16]
         [attention_maps=DIR] [progress=true] [num_threads=N] [devices=N num_nodes=M accelerator=auto|cpu|gpu]
+        [num_return_sequences=K [include_greedy=true] [score=MODEL [score_by=auto|contrastive|likelihood]]]
 
 The same command again resumes a killed run. Exit status: 0 all captioned, 1 some could not be read, 2 a
-usage or model error. merge_tokens: tokens merged in each encoder layer (ToMe). More: docs/captioning.md.
+usage or model error. merge_tokens: tokens merged in each encoder layer (ToMe). num_return_sequences=K: K scored
+candidates per image (samples, or the beam's K best) in each record and a manifest. More: docs/captioning.md.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ class CaptionConfig(DecodingArgs):
     merge_tokens: Any = None  # ToMe: an int, or a list of one per encoder layer; None: the model's own
     num_threads: int | None = None  # torch CPU threads; 1 is steadier on a shared machine
     attention_maps: str | None = None
+    num_return_sequences: int | None = None  # K candidates per image in each record's ``candidates``
+    include_greedy: bool = False  # the model's greedy caption among them, first
+    score: str | None = None  # a caption model (any path load_model takes) that scores every candidate
+    score_by: str = "auto"  # contrastive (head=coca) or likelihood (any captioner); auto: contrastive if it can
     progress: bool = True
     devices: int = 1  # processes per machine; more than 1 (or num_nodes > 1) starts them with Lightning Fabric
     num_nodes: int = 1
@@ -64,6 +70,8 @@ def parse_args(argv: list[str]) -> Any:
         raise UsageError("missing images=... (image files) or shards=... (WebDataset tars); see vitattn-caption --help")
     if cfg.images is not None and cfg.shards is not None:
         raise UsageError("images=... and shards=... are both given; caption image files or shards, not both")
+    if cfg.num_return_sequences is None and (cfg.include_greedy or cfg.score is not None):
+        raise UsageError("include_greedy= and score= are for candidates; add num_return_sequences=K")
     return cfg
 
 
@@ -93,6 +101,7 @@ def run(cfg: Any) -> int:
         if model.task != "caption":
             raise UsageError(f"model={cfg.model} is a {model.task} model; vitattn-caption needs a caption model")
         options = dict(
+            candidates=_candidate_options(cfg, model, processes.device),
             processes=processes,
             format=cfg.format,
             batch_size=cfg.batch_size,
@@ -111,6 +120,25 @@ def run(cfg: Any) -> int:
     return status
 
 
+def _candidate_options(cfg: Any, model: Any, device: Any) -> Any:
+    """``num_return_sequences``' ``CandidateOptions``, its filter loaded (the captioner itself when ``score`` names
+    it); None without it."""
+    if cfg.num_return_sequences is None:
+        return None
+    from vitattn.bundle import load_model
+    from vitattn.inference.candidates import CandidateFilter, CandidateOptions
+
+    scorer = None
+    if cfg.score is not None:
+        same = cfg.score == cfg.model
+        bundle = model if same else load_model(cfg.score, device=device, precision=cfg.precision)
+        scorer = CandidateFilter(bundle, cfg.score, cfg.score_by)
+    settings = {"precision": model.precision, "merge_tokens": model.merge_tokens}
+    return CandidateOptions(
+        cfg.num_return_sequences, cfg.include_greedy, cfg.seed or 0, scorer, cfg.model, settings=settings
+    )
+
+
 def _caption_files(cfg: Any, model: Any, options: dict[str, Any]) -> int:
     from vitattn.inference import caption_files, list_inputs
 
@@ -120,7 +148,23 @@ def _caption_files(cfg: Any, model: Any, options: dict[str, Any]) -> int:
     summary = caption_files(model, inputs, cfg.out, attention_maps=cfg.attention_maps, **options)
     if processes.is_zero:
         print(f"captioned {summary.captioned} images, {summary.failed} failed -> {summary.out}", flush=True)
+        _say_candidates(summary)
     return 1 if summary.failed else 0
+
+
+def _say_candidates(summary: Any) -> None:
+    """The candidates' line: their count, the null scores and where the manifest is."""
+    if summary.manifest is not None:
+        from vitattn.inference.captioning import manifest_path
+
+        counts, scorer = summary.manifest["counts"], summary.manifest["filter"]
+        scored = "" if scorer is None else f", scored by {scorer['model']} ({scorer['score']}): "
+        nulls = "" if scorer is None else f"{counts['null_scores']} null (words the filter cannot spell)"
+        print(
+            f"{counts['candidates']} distinct candidates of {counts['captioned']} images{scored}{nulls} -> "
+            f"{manifest_path(summary.out)}",
+            flush=True,
+        )
 
 
 def _caption_shards(cfg: Any, model: Any, options: dict[str, Any]) -> int:
@@ -139,6 +183,7 @@ def _caption_shards(cfg: Any, model: Any, options: dict[str, Any]) -> int:
             f"before), {summary.failed} failed -> {cfg.out}",
             flush=True,
         )
+        _say_candidates(summary)
     return 1 if summary.failed else 0
 
 

@@ -27,6 +27,7 @@ from vitattn.data.images import read_image, upright_rgb
 from vitattn.data.preprocess import denormalize
 from vitattn.errors import brief
 from vitattn.inference.attention_maps import attention_from_tokens, check_figures_runtime
+from vitattn.inference.candidates import CandidateOptions, candidate_lists
 from vitattn.inference.captioning import generate_tokens
 from vitattn.inference.embeddings import embed_pixels, embed_texts
 from vitattn.inference.zero_shot import check_labels, read_lines, templates_from, zero_shot_model
@@ -121,12 +122,27 @@ class Captioner(_TaskModel):
         *,
         batch_size: int = 32,
         details: bool = False,
+        num_return_sequences: int | None = None,
+        include_greedy: bool = False,
+        seed: int = 0,
         **generate: Any,
-    ) -> str | list[str] | Caption | list[Caption]:
+    ) -> Any:
         """Caption one image (an ``ImageLike``) or a list of them, ``batch_size`` per ``generate`` call, ``**generate``
-        over the model's defaults: a string for one image, a list for a list; ``details``: ``Caption``s instead."""
+        over the model's defaults: a string for one image, a list for a list; ``details``: ``Caption``s instead.
+        ``num_return_sequences=K``: a list of each image's candidates instead of its caption (``vitattn-caption``'s:
+        K samples with ``do_sample``, seeded by ``seed`` and the image's path or place in the call, or the beam's K
+        best; ``include_greedy`` adds the greedy caption first; identical ones once); ``details``: their records,
+        ``{"text", "logprob", "length", "count"}``."""
         batches, single = _batches(images, batch_size)
-        results: list[str | Caption] = []
+        results: list[Any] = []
+        if num_return_sequences is not None:
+            options = CandidateOptions(num_return_sequences, include_greedy, seed)
+            settings = self.bundle.generate_settings(generate)
+            for start, batch in zip(range(0, sum(map(len, batches)), batch_size), batches):
+                keys = [str(x) if isinstance(x, (str, os.PathLike)) else str(start + i) for i, x in enumerate(batch)]
+                lists = candidate_lists(self.bundle, self.pixels(batch), keys, options, settings)
+                results += lists if details else [[c["text"] for c in cs] for cs in lists]
+            return results[0] if single else results
         for batch in batches:
             pixels = self.pixels(batch)  # (b, C, height, width)
             texts, tokens = self.caption_pixels(pixels, **generate)  # (b, T')

@@ -35,6 +35,7 @@ from vitattn.data.shards import ShardError, read_shard, shard_sizes
 from vitattn.data.shards.stream import image_member, sample_caption
 from vitattn.fileio import atomic_open
 from vitattn.inference.attention_maps import check_figures_runtime, figure_paths, write_figures
+from vitattn.inference.candidates import CandidateOptions, candidate_lists, write_manifest
 from vitattn.inference.file_list import InputImage, InputList
 from vitattn.precision import precision_autocast
 
@@ -55,6 +56,7 @@ __all__ = [
     "generate_tokens",
     "file_batches",
     "launch_processes",
+    "manifest_path",
     "read_pixels",
     "shard_output",
     "unfinished_shards",
@@ -90,6 +92,7 @@ class CaptionSummary:
     out: Path
     units: int = 0
     units_before: int = 0
+    manifest: dict[str, Any] | None = None  # candidates: what ``write_manifest`` wrote
 
 
 @dataclass
@@ -176,7 +179,9 @@ class _Unit:
 
 class _UnitBatches(IterableDataset):
     """Batches of some units' samples, ``([(unit, row)], (b, C, height, width) pixels or None, rows decoded)``;
-    a row None closes its unit. Each DataLoader worker takes whole units."""
+    a row None closes its unit. Each DataLoader worker takes whole units, and a batch never holds two units' samples:
+    a unit's captions depend on the unit alone, whichever process or worker takes it. ``transform`` may give a
+    tuple of inputs (the captioner's and a filter's), each stacked."""
 
     def __init__(self, units: Sequence[tuple[int, _Unit]], inputs: InputList | None, transform: Any, size: int):
         self.units, self.inputs, self.transform, self.size = list(units), inputs, transform, size
@@ -195,8 +200,8 @@ class _UnitBatches(IterableDataset):
                     pixels, row = None, {**row, "error": pixels}
                 items.append((k, pixels, row))
             items.append((k, None, None))  # the unit's end goes with its last sample: finished with that batch
-        if items:
             yield _collate(items)
+            items = []
 
     def _files(self, positions: Sequence[int]) -> Iterator[tuple[torch.Tensor | str, dict[str, Any]]]:
         for i in positions:
@@ -215,11 +220,24 @@ class _UnitBatches(IterableDataset):
             yield str(err), {}
 
 
-def _collate(items: list[tuple[int, torch.Tensor | None, dict | None]]) -> tuple[list, torch.Tensor | None, list[int]]:
-    """In the worker: one stacked tensor to send to the main process, not one per image."""
+def _collate(items: list[tuple[int, Any, dict | None]]) -> tuple[list, Any, list[int]]:
+    """In the worker: one stacked tensor (or tuple of them) to send to the main process, not one per image."""
     decoded = [i for i, (_, pixels, _) in enumerate(items) if pixels is not None]
-    images = torch.stack([items[i][1] for i in decoded]) if decoded else None
+    images = None
+    if decoded:
+        inputs = [items[i][1] for i in decoded]
+        images = tuple(map(torch.stack, zip(*inputs))) if isinstance(inputs[0], tuple) else torch.stack(inputs)
     return [(k, row) for k, _, row in items], images, decoded
+
+
+class _BothInputs:
+    """The captioner's and the filter's inputs of one image, each by its own preprocessing."""
+
+    def __init__(self, *transforms: Callable[[Any], Tensor]) -> None:
+        self.transforms = transforms
+
+    def __call__(self, image: Any) -> tuple[Tensor, ...]:
+        return tuple(t(image) for t in self.transforms)
 
 
 def _caption_units(
@@ -232,10 +250,11 @@ def _caption_units(
     num_workers: int = 2,
     progress: bool = True,
     figures: Mapping[str, Path] | None = None,
+    candidates: CandidateOptions | None = None,
     **generate: Any,
 ) -> None:
     """Caption ``units`` ((index, unit) pairs); ``finish(index, rows)`` gets each unit's rows once all are captioned.
-    ``figures``: image path -> where its attention figure goes."""
+    ``figures``: image path -> where its attention figure goes; ``candidates``: each row's ``candidates`` too."""
     if model.task != "caption":
         raise ValueError(f"this model is a {model.task} model; captioning needs a caption model")
     if batch_size < 1:
@@ -243,8 +262,11 @@ def _caption_units(
     if num_workers < 0:
         raise ValueError(f"num_workers={num_workers} must be non-negative")
     device = model.device
+    scorer = None if candidates is None else candidates.filter
+    own = scorer is None or scorer.bundle.preprocess == model.preprocess  # the filter sees what the captioner sees
+    transform = model.transform if own else _BothInputs(model.transform, scorer.transform)
     loader = DataLoader(
-        _UnitBatches(units, inputs, model.transform, batch_size),
+        _UnitBatches(units, inputs, transform, batch_size),
         batch_size=None,
         num_workers=min(num_workers, len(units)),
         pin_memory=device.type == "cuda",
@@ -253,7 +275,16 @@ def _caption_units(
     total = sum(unit.size for _, unit in units)
     with tqdm(total=total, unit="img", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
         for items, images, decoded in loader:
-            if images is not None:
+            if images is not None and candidates is not None:
+                images, filter_images = (
+                    images if isinstance(images, (tuple, list)) else (images, None)
+                )  # a tuple: a list
+                found = [items[i][1] for i in decoded]
+                keys = [row["key"] if "key" in row else row["image"] for row in found]
+                lists = candidate_lists(model, images.to(device), keys, candidates, generate, filter_images)
+                for row, listed in zip(found, lists):
+                    row["caption"], row["candidates"] = listed[0]["text"], listed
+            elif images is not None:
                 images = images.to(device, non_blocking=True)
                 tokens = generate_tokens(model.model, images, model.precision, **generate)  # (b, T')
                 for i, caption in zip(decoded, model.vocab.decode_batch(tokens)):
@@ -329,15 +360,18 @@ def caption_files(
     progress: bool = True,
     attention_maps: str | os.PathLike | None = None,
     seed: int | None = None,
+    candidates: CandidateOptions | None = None,
     **generate: Any,
 ) -> CaptionSummary:
     """Caption image files into ``out``, resuming what a run of the same command left; every rank of ``processes``
     (default: this process alone) calls it alike and gets the same summary. ``format``: ``jsonl`` (a line
     ``{"image", "image_id", "caption"}`` or ``"error"``), ``coco`` (``[{"image_id", "caption"}]``) or ``csv``.
-    ``attention_maps``: a folder for each image's figure; ``seed + rank`` seeds sampling."""
+    ``attention_maps``: a folder for each image's figure; ``seed + rank`` seeds sampling. ``candidates``: each
+    record's ``candidates`` too (jsonl only; sampled by seed and path) and ``OUT.manifest.json`` beside ``out``."""
     processes = processes or Processes(device=model.device)
     if format not in FILE_FORMATS:
         raise ValueError(f"format={format!r} is unknown; choose one of {list(FILE_FORMATS)}")
+    _check_candidates(candidates, format, attention_maps)
     out = Path(out)
     if out.is_dir():
         raise ValueError(f"out={out} is a folder; give a file path")
@@ -366,7 +400,7 @@ def caption_files(
                 len(inputs),
                 len(inputs) - skipped,
             )
-        if seed is not None:
+        if seed is not None and candidates is None:
             generate["generator"] = processes.generator(seed)
         mine = [todo[i] for i in assign_units([units[k].size for k in todo], processes.world_size)[processes.rank]]
         figures = figure_paths(inputs, Path(attention_maps)) if attention_maps is not None else None
@@ -379,6 +413,7 @@ def caption_files(
             num_workers=num_workers,
             progress=progress and processes.is_zero,
             figures=figures,
+            candidates=candidates,
             **generate,
         )
         processes.barrier("caption-chunks-written")
@@ -386,8 +421,28 @@ def caption_files(
         if processes.is_zero:
             counts = _merge(inputs, out, format, recorded, units)
             shutil.rmtree(parts, ignore_errors=True)
-        captioned, failed = processes.broadcast(counts)
-    return CaptionSummary(captioned, failed, skipped, out, len(todo), len(units) - len(todo))
+            if candidates is not None:
+                counts = (*counts, write_manifest(manifest_path(out), [out], candidates.describe(generate)))
+        captioned, failed, *manifest = processes.broadcast(counts)
+    return CaptionSummary(captioned, failed, skipped, out, len(todo), len(units) - len(todo), *manifest)
+
+
+def manifest_path(out: str | os.PathLike) -> Path:
+    """Where the candidates' manifest goes: ``OUTDIR/manifest.json`` for shards, ``OUT.manifest.json`` for a file."""
+    out = Path(out)
+    return out / "manifest.json" if out.is_dir() else out.with_name(out.name + ".manifest.json")
+
+
+def _check_candidates(candidates: CandidateOptions | None, format: str, attention_maps: Any = None) -> None:
+    if candidates is None:
+        return
+    if format not in SHARD_FORMATS:
+        raise ValueError(
+            f"format={format} holds one caption per image; num_return_sequences={candidates.num_return_sequences} "
+            "candidates are written as format=jsonl (or parquet, for shards)"
+        )
+    if attention_maps is not None:
+        raise ValueError("attention_maps= draws one caption per image; drop it with num_return_sequences=K")
 
 
 def _lock(parts: Path, out: Path) -> IO[bytes]:
@@ -498,14 +553,17 @@ def caption_shards(
     num_workers: int = 2,
     progress: bool = True,
     seed: int | None = None,
+    candidates: CandidateOptions | None = None,
     **generate: Any,
 ) -> CaptionSummary:
     """Caption the unfinished shards of ``urls``, one output per shard in ``out_dir`` (``jsonl`` or ``parquet``): a
     row per sample, ``key`` and ``caption`` (or ``error``), its ``url`` and original caption (``.txt``) if it has
-    them. Called as ``caption_files``; counts are this run's."""
+    them. Called as ``caption_files`` (``candidates`` sampled by seed and sample key, ``OUTDIR/manifest.json``
+    counting every shard); counts are this run's."""
     processes = processes or Processes(device=model.device)
     if format not in SHARD_FORMATS:
         raise ValueError(f"format={format!r} is unknown for shards; choose one of {list(SHARD_FORMATS)}")
+    _check_candidates(candidates, format)
     if format == "parquet":
         import pyarrow  # noqa: F401 - optional: only parquet output needs it; fail before any work
     out_dir = Path(out_dir)
@@ -520,7 +578,7 @@ def caption_shards(
             len(urls) - len(todo),
             processes.world_size,
         )
-    if seed is not None:
+    if seed is not None and candidates is None:
         generate["generator"] = processes.generator(seed)
     mine = [todo[i] for i in assign_units([units[k].size for k in todo], processes.world_size)[processes.rank]]
     counts = [0, 0, 0]  # shards, captioned, failed
@@ -538,10 +596,15 @@ def caption_shards(
         batch_size=batch_size,
         num_workers=num_workers,
         progress=progress and processes.is_zero,
+        candidates=candidates,
         **generate,
     )
-    shards, captioned, failed = processes.sum(counts)
-    return CaptionSummary(captioned, failed, 0, out_dir, shards, len(units) - len(todo))
+    shards, captioned, failed = processes.sum(counts)  # every rank has written its shards
+    manifest = None
+    if candidates is not None and processes.is_zero:
+        outputs = [unit.output for unit in units]
+        manifest = write_manifest(manifest_path(out_dir), outputs, candidates.describe(generate))
+    return CaptionSummary(captioned, failed, 0, out_dir, shards, len(units) - len(todo), processes.broadcast(manifest))
 
 
 def unfinished_shards(urls: Sequence[str], out_dir: str | os.PathLike, format: str = "jsonl") -> list[int]:

@@ -6,6 +6,8 @@ length counts ``<eos>``, not ``<bos>`` (Hugging Face's).
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -14,6 +16,7 @@ from torch import Tensor
 __all__ = [
     "SEARCH_KEYS",
     "CaptionSearch",
+    "Candidates",
     "Controls",
     "DecodeStep",
     "SpecialIds",
@@ -21,6 +24,7 @@ __all__ = [
     "beams_of",
     "check_early_stopping",
     "greedy_search",
+    "key_uniforms",
     "sample_token",
     "sampling_logits",
     "sequence_log_prob",
@@ -102,6 +106,29 @@ class SpecialIds(NamedTuple):
     def banned(self) -> list[int]:
         """Every special id but ``<eos>``: never generated."""
         return [self.pad_id, self.bos_id, *([] if self.unk_id is None else [self.unk_id]), *self.other_ids]
+
+
+class Candidates(NamedTuple):
+    """``CaptionSearch.candidates`` of B images, R rows each: ``tokens`` (B, R, T') (no ``<bos>``, ``<pad>`` after
+    ``<eos>``), ``log_prob`` (B, R) the sum of each token's log-probability under the plain model (no temperature,
+    top-k, top-p, controls or bans), ``length`` (B, R) its tokens, ``<eos>`` included; with the greedy caption,
+    row 0 of every image is it."""
+
+    tokens: Tensor
+    log_prob: Tensor
+    length: Tensor
+    greedy: bool = False
+
+
+def key_uniforms(seed: int, keys: Sequence[str], rows: int, steps: int) -> Tensor:
+    """(B, rows, steps) uniforms in [0, 1), image b's drawn from a generator seeded by (``seed``, ``keys[b]``)
+    alone: what sampling draws each token with, so an image's candidates never depend on its batch or process."""
+    out = torch.empty(len(keys), rows, steps)
+    for b, key in enumerate(keys):
+        digest = hashlib.blake2b(f"{seed}\0{key}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+        out[b] = torch.rand(rows, steps, generator=generator)
+    return out
 
 
 def check_early_stopping(early_stopping: bool | str) -> bool | str:
@@ -248,6 +275,83 @@ class CaptionSearch:
             return candidates
         return _trim(self.choose(images, candidates), self.special_ids.pad_id)
 
+    @torch.no_grad()
+    def candidates(
+        self,
+        images: Tensor,
+        num_return_sequences: int,
+        keys: Sequence[str] | None = None,
+        seed: int = 0,
+        include_greedy: bool = False,
+        max_new_tokens: int | None = None,
+        num_beams: int | None = None,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        use_cache: bool = True,
+        min_new_tokens: int = 0,
+        no_repeat_ngram_size: int = 0,
+        repetition_penalty: float = 1.0,
+        rerank: int = 1,
+    ) -> Candidates:
+        """K = ``num_return_sequences`` captions of each image, all from one encoding whose cross-attention keys
+        its K rows share: K samples (``do_sample``; image b's drawn with ``key_uniforms(seed, keys)``, so they
+        depend on (seed, key) alone; default keys: positions) or the beam's K best (``num_beams >= K``; default K).
+        ``include_greedy``: the greedy caption too, as row 0. Other settings are ``generate``'s; ``rerank``, which
+        keeps one caption of N, is refused."""
+        K = num_return_sequences
+        if rerank != 1:
+            raise ValueError(
+                f"num_return_sequences={K} keeps every candidate and rerank={rerank} keeps one of them; choose one"
+            )
+        if K < 1:
+            raise ValueError(f"num_return_sequences={K} must be at least 1")
+        if not do_sample:
+            num_beams = K if num_beams is None else num_beams
+            if num_beams < K:
+                raise ValueError(
+                    f"num_return_sequences={K} takes the beam's {K} best captions and needs num_beams >= {K} "
+                    f"(num_beams={num_beams}), or do_sample=true for {K} samples"
+                )
+        controls = Controls(min_new_tokens, no_repeat_ngram_size, repetition_penalty)
+        T = self.check_generate(max_new_tokens, num_beams, do_sample, temperature, early_stopping, *controls)
+        B, ids, device = images.shape[0], self.special_ids, images.device
+        memory = self.encode(images)  # once, whatever K
+        if do_sample:
+            rows = K + include_greedy  # an image's rows consecutive, its greedy one first
+            uniform = key_uniforms(seed, keys or [str(b) for b in range(B)], K, T)  # (B, K, T'): the same K samples
+            uniform = torch.cat([uniform.new_zeros(B, rows - K, T), uniform], dim=1).to(device)  # (B, rows, T')
+            greedy = (torch.arange(rows, device=device) < int(include_greedy)).repeat(B)  # (B * rows,)
+            sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, uniform=uniform.view(B * rows, T))
+            step = self.decode_step(memory, T, use_cache)
+            tokens, log_prob = greedy_search(step, B * rows, T, ids, device, sample, controls, greedy, log_probs=True)
+        else:
+            step = self.decode_step(memory, T, use_cache)
+            beams = beam_search(
+                step, B, T, num_beams, ids, length_penalty, early_stopping, device, controls, num_return_sequences=K
+            )  # (B * K, T')
+            rows = K + include_greedy
+            found = [beams.view(B, K, -1)]
+            if include_greedy:
+                found.insert(
+                    0, greedy_search(self.decode_step(memory, T, use_cache), B, T, ids, device, None, controls)
+                )
+            width = max(t.shape[-1] for t in found)
+            padded = [_pad_to(t.reshape(B, -1, t.shape[-1]), width, ids.pad_id) for t in found]
+            tokens = torch.cat(padded, dim=1).reshape(B * rows, width)  # (B * rows, T')
+            framed = torch.cat([tokens.new_full((B * rows, 1), ids.bos_id), tokens], dim=1)
+            log_prob = token_log_probs(self.decode_step(memory, width, use_cache), framed, ids.pad_id).sum(1)
+        length = (tokens != ids.pad_id).sum(1)
+        return Candidates(tokens.view(B, rows, -1), log_prob.view(B, rows), length.view(B, rows), include_greedy)
+
+
+def _pad_to(tokens: Tensor, width: int, pad_id: int) -> Tensor:
+    """(..., t) tokens right-padded with ``pad_id`` to (..., width)."""
+    return torch.nn.functional.pad(tokens, (0, width - tokens.shape[-1]), value=pad_id)
+
 
 def beams_of(num_beams: int | None, rerank: int = 1, do_sample: bool = False) -> int:
     """``generate``'s beams: ``num_beams`` as given; not given, the ``rerank`` candidates' (1 when sampling)."""
@@ -285,7 +389,11 @@ def token_log_probs(step: DecodeStep, tokens: Tensor, pad_id: int) -> Tensor:
 
 def _next_logits(step: DecodeStep, tokens: Tensor, ids: SpecialIds) -> Tensor:
     """(B, V) fp32 logits of the next token, ``ids.banned`` (every special but ``<eos>``) never generated."""
-    logits = step(tokens).float()  # a no-op (no copy) when already fp32
+    return _ban(step(tokens).float(), ids)  # a no-op (no copy) when already fp32
+
+
+def _ban(logits: Tensor, ids: SpecialIds) -> Tensor:
+    """``logits`` (B, V) with ``ids.banned`` at -inf, in place."""
     for banned in ids.banned:  # scalar indices: no index tensor is built (and copied to the GPU) per step
         logits[:, banned] = float("-inf")
     return logits
@@ -299,23 +407,43 @@ def greedy_search(
     device: torch.device | str = "cpu",
     sample: dict | None = None,
     controls: Controls = NO_CONTROLS,
-) -> Tensor:
-    """(B, T') the most likely token at each step, or one sampled with ``sample``'s settings; the ``controls``
-    change the banned logits first (Hugging Face's processors, then its temperature, top-k and top-p)."""
+    greedy_rows: Tensor | None = None,
+    log_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """(B, T') the most likely token at each step, or one sampled with ``sample``'s settings (``sample_token``'s;
+    its ``uniform``, if any, (B, T'): step i draws with column i); the ``controls`` change the banned logits first
+    (Hugging Face's processors, then its temperature, top-k and top-p). ``greedy_rows`` (B,) bool: rows that take
+    the most likely token even when sampling. ``log_probs``: also (B,) each row's total log-probability under the
+    plain model (the step's logits, nothing banned or controlled), ``<eos>`` included."""
     B = batch_size
     # every column allocated once; step i reads columns 0..i and writes column i + 1
     tokens = torch.full((B, max_new_tokens + 1), ids.pad_id, dtype=torch.long, device=device)  # (B, 1 + T')
     tokens[:, 0] = ids.bos_id
     finished = torch.zeros(B, dtype=torch.bool, device=device)
+    total = torch.zeros(B, device=device)
+    uniform = None if sample is None else sample.get("uniform")
     for i in range(max_new_tokens):
-        logits = controls(_next_logits(step, tokens[:, : i + 1], ids), tokens[:, : i + 1], ids.eos_id)  # (B, V)
-        nxt = logits.argmax(-1) if sample is None else sample_token(logits, **sample)  # (B,)
+        if log_probs:
+            raw = step(tokens[:, : i + 1]).float()  # (B, V)
+            plain = raw.log_softmax(-1)  # before the bans change ``raw`` in place
+            logits = controls(_ban(raw, ids), tokens[:, : i + 1], ids.eos_id)
+        else:
+            logits = controls(_next_logits(step, tokens[:, : i + 1], ids), tokens[:, : i + 1], ids.eos_id)  # (B, V)
+        if sample is None:
+            nxt = logits.argmax(-1)  # (B,)
+        else:
+            nxt = sample_token(logits, **{**sample, "uniform": None if uniform is None else uniform[:, i]})
+            if greedy_rows is not None:
+                nxt = torch.where(greedy_rows, logits.argmax(-1), nxt)
         nxt.masked_fill_(finished, ids.pad_id)
+        if log_probs:
+            total += plain.gather(1, nxt[:, None]).squeeze(1).masked_fill(finished, 0.0)
         tokens[:, i + 1] = nxt
         finished |= nxt == ids.eos_id
         if bool(finished.all()):
-            return tokens[:, 1 : i + 2]
-    return tokens[:, 1:]
+            tokens = tokens[:, : i + 2]
+            break
+    return (tokens[:, 1:], total) if log_probs else tokens[:, 1:]
 
 
 def beam_search(
@@ -389,11 +517,21 @@ def _closed(
 
 
 def sample_token(
-    logits: Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+    logits: Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None = None,
+    uniform: Tensor | None = None,
 ) -> Tensor:
-    """One token per row from temperature-scaled logits (B, V), after top-k and top-p filtering."""
+    """One token per row from temperature-scaled logits (B, V), after top-k and top-p filtering; ``uniform`` (B,)
+    in [0, 1): each row's draw given (inverse transform of its distribution), instead of ``generator``'s."""
     probs = sampling_logits(logits, temperature, top_k, top_p).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    if uniform is None:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    cdf = probs.cumsum(-1)  # (B, V)
+    drawn = torch.searchsorted(cdf, (uniform.to(cdf) * cdf[:, -1])[:, None], right=True)  # (B, 1): first cdf > u
+    return drawn.squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def sampling_logits(logits: Tensor, temperature: float, top_k: int, top_p: float, keep: Tensor | None = None) -> Tensor:
