@@ -7,6 +7,7 @@
     python -m benchmarks infer --channels-last --compile
     python -m benchmarks learning --quick              # vitattn-train against a plain timm loop (docs/learning.md)
     python -m benchmarks merge --threads 2             # token merging: encoder, captions, training step
+    python -m benchmarks candidates --threads 2        # K caption candidates per image against greedy
     python -m benchmarks SECTION --help
 
 ``SECTIONS`` is the registry: a section adds its options to its own sub-command and runs from the parsed
@@ -29,7 +30,16 @@ from typing import Any
 
 import torch
 
-from benchmarks import learning_bench, learning_data, load_serve, merge, metric_parity, steps, transfer_bench
+from benchmarks import (
+    candidates,
+    learning_bench,
+    learning_data,
+    load_serve,
+    merge,
+    metric_parity,
+    steps,
+    transfer_bench,
+)
 from benchmarks.caption import bench_caption
 from benchmarks.compile import bench_compile
 from benchmarks.e2e import bench_end_to_end
@@ -201,6 +211,9 @@ SECTIONS: dict[str, Section] = {
     "merge": Section("token merging (ToMe) against unmerged, timm and HF", merge.add_arguments, merge.run),
     "merge-quality": Section(
         "captions trained and scored with token merging", merge.add_quality_arguments, merge.run_quality
+    ),
+    "candidates": Section(
+        "K caption candidates per image against greedy captions", candidates.add_arguments, candidates.run
     ),
     "learning": Section("vitattn-train against a plain timm loop", learning_bench.add_arguments, learning_bench.run),
     "learning-data": Section("the learning datasets, from Debian", learning_data.add_arguments, learning_data.run),

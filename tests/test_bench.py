@@ -4,6 +4,7 @@ import ast
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -192,6 +193,29 @@ def test_merge_section_times_each_r_against_unmerged_and_timm_and_captions_again
     encoder = saved["details"]["encoder vit_s16_224"]
     assert encoder["tokens_out"] == {"4": 65 - 8, "16": 65 - 2 * 16}  # what each merged copy really ran
     assert set(encoder["seconds"]) == {"timm", "ours", "R=4", "R=16"}
+
+
+def test_candidates_section_times_k_candidates_against_greedy_with_the_encoder_decode_split(tiny_bench, tmp_path):
+    """``python -m benchmarks candidates``: one row per size, the bound greedy + K x decode x 1.1 over K
+    candidates' time, from the encoder, greedy and candidate samples of the same rounds."""
+    from benchmarks import candidates
+
+    small = dict(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0)
+    sizes = {"model_cpu": (small, 2), "vit_s16_224": (small, 3)}
+    out = tmp_path / "candidates.json"
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(candidates, "SIZES", sizes)
+        cli.main(["candidates", "--quick", "--repeats", "1", "-k", "3", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert [r["kind"] for r in saved["rows"]] == ["candidates", "candidates"]
+    for name, B in (("model_cpu", 2), ("vit_s16_224", 3)):
+        d = saved["details"][name]
+        assert (d["k"], d["images"], set(d["seconds"])) == (3, B, {"encoder", "greedy", "K=3"})
+        seconds = {k: statistics.median(v) for k, v in d["seconds"].items()}
+        assert d["greedy_decode_s"] == pytest.approx(seconds["greedy"] - seconds["encoder"])
+        assert d["bound_s"] == pytest.approx(seconds["greedy"] + 3 * d["greedy_decode_s"] * candidates.SLACK)
+        row = next(r for r in saved["rows"] if name in r["name"])
+        assert row["ratio"] == pytest.approx(d["bound_s"] / seconds["K=3"])
 
 
 # A Python in which transformers is not installed, though it is (it comes with .[dev]): `import transformers`
