@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from tests.helpers import (
     CAPTION_PREPROCESS,
@@ -109,6 +110,25 @@ def test_merged_onnx_fp32_captions_equal_pytorchs(coca, generate):
     distinct(expected, at_least=6)
     print(f"merged fp32 ONNX: {_equal(got, expected):.1%} of {len(got)} captions equal PyTorch's")
     assert _equal(got, expected) >= EQUAL_CAPTIONS
+
+
+@pytest.mark.parametrize("settings", [dict(do_sample=True, top_p=0.9), dict(num_beams=4)], ids=["sampled", "beam4"])
+def test_merged_onnx_fp32_candidates_equal_pytorchs(coca, settings):
+    """K candidates and the greedy caption from one encoding on ONNX Runtime too: its step reads each image's one
+    row of cross-attention keys and sizes for the image's K + 1 rows; the plain log-probabilities agree."""
+    _, model, folders = coca
+    pixels, _ = _pixels()
+    keys = [f"k{i}" for i in range(len(pixels))]
+    with torch.no_grad():
+        expected = model.candidates(pixels, 3, keys, include_greedy=True, **settings)
+        got = Captioner.load(folders.fp32).model.candidates(pixels, 3, keys, include_greedy=True, **settings)
+    width = max(expected.tokens.shape[-1], got.tokens.shape[-1])
+    pad = model.decoder.pad_id
+    a, b = (nn.functional.pad(c.tokens, (0, width - c.tokens.shape[-1]), value=pad) for c in (expected, got))
+    same = (a == b).all(-1).all(-1)  # (B,) every row of the image equal
+    print(f"merged fp32 ONNX candidates: {same.float().mean():.1%} of {len(same)} images equal PyTorch's")
+    assert same.float().mean() >= EQUAL_CAPTIONS
+    torch.testing.assert_close(got.log_prob[same], expected.log_prob[same], rtol=0, atol=2e-3)
 
 
 def test_merged_onnx_fp32_step_logits_within_1e4_of_pytorch(coca):

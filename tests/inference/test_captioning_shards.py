@@ -16,9 +16,10 @@ import torch
 
 from vitattn.bundle import load_bundle
 from vitattn.data.shards import expand_shards, read_shard
+from vitattn.data.shards.stream import image_member
 from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.inference import caption_shards
-from vitattn.inference.captioning import Processes, assign_units, shard_output
+from vitattn.inference.captioning import Processes, assign_units, read_pixels, shard_output
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
@@ -97,6 +98,36 @@ def test_vitattn_caption_shards_writes_parquet(bundle_dir, tmp_path):
     tables = [pq.read_table(tmp_path / "out" / f"{i:05d}.parquet").to_pylist() for i in range(2)]
     assert [len(t) for t in tables] == [4, 3]
     assert [r["key"] for r in tables[1]] == [s["__key__"] for s in read_shard(urls[1])]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_shard_candidates_go_in_side_files_by_sample_key_with_a_manifest_of_every_shard(bundle_dir, tmp_path, fmt):
+    from vitattn.inference.candidates import CandidateFilter, CandidateOptions, read_records
+
+    urls = _shards(tmp_path / "in", 9, 4)
+    bundle, out = load_bundle(bundle_dir), tmp_path / "out"
+    options = CandidateOptions(3, include_greedy=True, seed=2, filter=CandidateFilter(bundle, "self"))
+    sample = dict(do_sample=True, top_p=0.9)
+    summary = caption_shards(bundle, urls, out, format=fmt, num_workers=0, progress=False, candidates=options, **sample)
+    files = sorted(p.name for p in out.iterdir())
+    assert files == sorted([*(f"{i:05d}.{fmt}" for i in range(3)), "manifest.json"])  # beside, nothing copied
+    rows = list(read_records(sorted(out.glob(f"*.{fmt}"))))
+    assert [r["key"] for r in rows] == [s["__key__"] for url in urls for s in read_shard(url)]
+    samples = [s for url in urls for s in read_shard(url)]
+    pixels = torch.stack([read_pixels(io.BytesIO(s[image_member(s)]), bundle.transform) for s in samples])
+    expected = bundle.model.candidates(pixels, 3, [r["key"] for r in rows], 2, True, **sample)
+    for b, row in enumerate(rows):  # each sample's candidates fixed by its key, whichever shard and batch
+        assert row["candidates"][0]["text"] == row["caption"] == bundle.vocab.decode(expected.tokens[b, 0])
+        assert {c["text"] for c in row["candidates"]} == set(bundle.vocab.decode_batch(expected.tokens[b]))
+        assert all(isinstance(c["score"], float) for c in row["candidates"])
+    counts = json.loads((out / "manifest.json").read_text())["counts"]
+    assert (counts["images"], counts["drawn"], counts["null_scores"]) == (9, 9 * 4, 0)
+    assert summary.manifest["counts"] == counts
+    (out / "00001.jsonl").unlink(missing_ok=True)  # a rerun captions what is missing; the manifest counts all
+    (out / "00001.parquet").unlink(missing_ok=True)
+    again = caption_shards(bundle, urls, out, format=fmt, num_workers=0, progress=False, candidates=options, **sample)
+    assert (again.units, again.manifest["counts"]) == (1, counts)
+    assert list(read_records(sorted(out.glob(f"*.{fmt}")))) == rows
 
 
 @pytest.mark.slow
