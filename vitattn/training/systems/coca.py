@@ -62,9 +62,9 @@ class CocaSystem(CaptionSystem):
         """``contrastive_weight`` · contrastive + ``caption_weight`` · (SCST + ``xe_weight`` · cross-entropy), each
         image encoded once for all three: the contrastive term keeps training the embeddings the first stage built."""
         tokens, caption_image = batch["tokens"], batch.get("caption_image")  # (N, T), (N,) or None
-        features = self.model.encoder.forward_features(batch["images"])  # (B, 1 + patches, D)
-        scst, caption = self._self_critical_terms(batch, size, features)
-        image, text = self.model.embed_features(features), self.model.embed_texts(tokens)
+        features, state = self.model.encoder.forward_tokens(batch["images"])  # (B, N, D), merged tokens' sizes
+        scst, caption = self._self_critical_terms(batch, size, features, state)
+        image, text = self.model.embed_features(features, state), self.model.embed_texts(tokens)
         contrastive = contrastive_loss(self.contrastive_loss, image, text, self.model, caption_image, tokens)
         self._terms = {"scst_loss": scst.detach(), "contrastive_loss": contrastive.detach()}
         weighted = self._contrastive_weight() * contrastive
