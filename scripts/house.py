@@ -12,6 +12,7 @@ module that imports a name from its own package (``from vitattn.data.shards impo
 
 from __future__ import annotations
 
+import argparse
 import ast
 import sys
 from pathlib import Path
@@ -128,9 +129,12 @@ def follow_config(output_dir: Path) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    trace = "--trace" in argv
-    argv = [a for a in argv if a != "--trace"]
-    package = Path(argv[0] if argv else Path(__file__).resolve().parents[1] / "vitattn").resolve()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default = Path(__file__).resolve().parents[1] / "vitattn"
+    parser.add_argument("package", nargs="?", type=Path, default=default, help="default: vitattn/ of this checkout")
+    parser.add_argument("--trace", action="store_true", help="also follow the config through one tiny train(cfg)")
+    args = parser.parse_args(argv)
+    package, trace = args.package.resolve(), args.trace
     files = sorted(p for p in package.rglob("*.py") if "__pycache__" not in p.parts)
     lines = sum(len(p.read_text().splitlines()) for p in files)
     docs = sum(docstring_lines(p.read_text()) for p in files)

@@ -253,7 +253,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_terminal_summary(terminalreporter):
     """The number of generated cases per fuzzed target, when tests/data/test_fuzz.py ran."""
-    fuzz = sys.modules.get("tests.test_fuzz")
+    fuzz = sys.modules.get("tests.data.test_fuzz")
     if fuzz is None or not fuzz.CASES:
         return
     terminalreporter.section("fuzzed cases per target (refused / accepted)")

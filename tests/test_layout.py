@@ -4,6 +4,8 @@ and why in at most 12 lines (design notes go to docs/)."""
 
 import ast
 import re
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -75,3 +77,10 @@ def test_every_module_docstring_is_at_most_12_lines():
             if first.end_lineno - first.lineno + 1 > MODULE_DOCSTRING_LINES:
                 long[str(path.relative_to(Path(vitattn.__file__).parent))] = first.end_lineno - first.lineno + 1
     assert long == {}
+
+
+def test_the_house_script_prints_its_usage():
+    house = Path(__file__).resolve().parents[1] / "scripts" / "house.py"
+    done = subprocess.run([sys.executable, str(house), "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("usage: house.py"), done.stderr
+    assert "--trace" in done.stdout

@@ -20,9 +20,11 @@ import io
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
@@ -191,6 +193,15 @@ def _refused(target: str, err: BaseException, *names: Any) -> None:
 
 def _accepted(target: str) -> None:
     CASES[target, "accepted"] += 1
+
+
+def test_the_terminal_summary_prints_the_cases_of_each_target(monkeypatch):
+    from tests.conftest import pytest_terminal_summary
+
+    monkeypatch.setattr(sys.modules[__name__], "CASES", Counter({("coco", "refused"): 2, ("coco", "accepted"): 3}))
+    lines = []
+    pytest_terminal_summary(SimpleNamespace(section=lines.append, write_line=lines.append))
+    assert lines == ["fuzzed cases per target (refused / accepted)", f"{'coco':<42}      5  (2 refused, 3 accepted)"]
 
 
 # --- COCO and Karpathy caption files ----------------------------------------------------------------

@@ -9,12 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import distinct, make_caption_bundle, make_classifier_bundle, teacher_forced_log_prob
+from tests.helpers import (
+    CAPTION_PREPROCESS,
+    distinct,
+    make_caption_bundle,
+    make_classifier_bundle,
+    teacher_forced_log_prob,
+)
 from tests.helpers.coca import COLOURS, WORDS, colour_image
 from vitattn import Captioner, Classifier
-from vitattn.bundle import load_model
+from vitattn.bundle import load_model, save_bundle
 from vitattn.data.tokenizer import Vocabulary
 from vitattn.inference.zero_shot import DEFAULT_TEMPLATES, spellable_templates, zero_shot_classifier, zero_shot_model
+from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 
 
 def _images(seed: int = 5, per_colour: int = 2) -> tuple[list, list[str]]:
@@ -200,10 +207,29 @@ def test_classes_whose_prompts_encode_alike_are_refused_naming_them(colour_coca)
         Classifier.load(colour_coca, labels=["purple", "orange"])
 
 
+def test_one_letter_class_names_get_the_templates_whose_prompts_spell_them(tmp_path, caplog):
+    # The toolkit's tokenizer keeps "a." whole (an abbreviation): in "a {}." class "letter a" ends in <unk>, and
+    # every one-letter class would encode alike; templates are judged by their prompts, as the model reads them.
+    vocab = Vocabulary([*WORDS, "letter", "b"])
+    torch.manual_seed(0)
+    encoder = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)
+    model = ImageCaptioner(encoder, CaptionDecoder(len(vocab), embed_dim=32, depth=1, num_heads=2, max_len=12))
+    bundle = save_bundle(tmp_path / "letters", model.eval(), task="caption", preprocess=CAPTION_PREPROCESS, vocab=vocab)
+    labels = ["letter a", "letter b"]
+    with caplog.at_level(logging.WARNING):
+        assert Classifier.load(bundle, labels=labels).model.templates == ["{}"]
+    assert not caplog.records
+    with pytest.raises(ValueError) as error:
+        Classifier.load(bundle, labels=labels, templates=["a {}."])
+    message = str(error.value)
+    assert message.startswith("zero-shot classes letter a, letter b encode to the same tokens ('a letter a.' spells")
+    assert "spells 'a.' as <unk>" in message and "\n" not in message
+
+
 def test_default_templates_fall_back_to_those_the_vocabulary_spells(tmp_path, caplog):
-    assert spellable_templates(Vocabulary(WORDS)) == list(DEFAULT_TEMPLATES)  # photo, picture, image: all spelled
-    assert spellable_templates(Vocabulary(["a", "red", "square"])) == ["a {}."]
-    assert spellable_templates(Vocabulary(["red", "square"])) == ["{}"]  # not even "a": the name alone
+    assert spellable_templates(Vocabulary(WORDS), ["red"]) == list(DEFAULT_TEMPLATES)  # photo, picture, image
+    assert spellable_templates(Vocabulary(["a", "red", "square"]), ["red", "purple"]) == ["a {}."]  # purple: its own
+    assert spellable_templates(Vocabulary(["red", "square"]), ["red"]) == ["{}"]  # not even "a": the name alone
     bundle = load_model(make_caption_bundle(tmp_path / "caption"))  # its words: a red blue green circle square ...
     with caplog.at_level(logging.WARNING):
         classifier = zero_shot_classifier(bundle.model, bundle.vocab, ["red circle", "blue square"])

@@ -41,6 +41,22 @@ def test_proportional_attention_is_attention_over_each_tokens_copies():
             torch.testing.assert_close(got[b : b + 1], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_the_fused_path_adds_the_explicit_paths_log_size_rounded_once(monkeypatch):
+    """In bf16 the fused kernel takes its bias in q's dtype: the fp32 log of the explicit path (and ONNX), rounded
+    once, not the log of a size first rounded to bf16 (above 256 not every count is a bf16 number)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(4, 2, length, 8, dtype=torch.bfloat16) for length in (3, 256, 256))
+    size = torch.arange(1.0, 1025).view(4, 256)  # (B, Lk)
+    biases, kernel = [], torch.nn.functional.scaled_dot_product_attention
+    spy = lambda *a, attn_mask, **kw: biases.append(attn_mask) or kernel(*a, attn_mask=attn_mask, **kw)  # noqa: E731
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    mha = MultiHeadAttention(16, 2).bfloat16().eval()
+    fused = mha.attend(q, k, v, size=size)[0]
+    torch.testing.assert_close(biases[0], size.log().bfloat16()[:, None, None, :], rtol=0, atol=0)
+    explicit = mha.attend(q, k, v, need_weights=True, size=size)[0]
+    torch.testing.assert_close(fused.float(), explicit.float(), rtol=0, atol=1e-2)
+
+
 def test_the_merging_path_at_r_0_is_the_document_layer_bit_for_bit():
     torch.manual_seed(0)
     x = torch.randn(2, 9, 16)

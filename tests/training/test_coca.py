@@ -3,10 +3,12 @@ against one process on both batches, the captioning path against the plain capti
 
 import csv
 import math
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -120,6 +122,13 @@ def _rank(rank: int, store: str, out: str) -> None:
             for mode in ("ddp", "fsdp"):
                 batch = {k: v[rows] for k, v in _batch().items()}
                 results[loss, mode] = _loss_and_gradients(_system(loss), batch, mode)
+            system, unequal = _system(loss), slice(0, 3) if rank == 0 else slice(3, 2 * B)  # 3 and 5 pairs
+            with mock.patch.object(dist_nn, "all_gather", wraps=dist_nn.all_gather) as with_grad:
+                system._loss({k: v[unequal] for k, v in _batch().items()})
+            results[loss, "unequal"] = {
+                "contrastive": system._terms["contrastive_loss"],
+                "with_grad": with_grad.call_count,
+            }
         torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -140,14 +149,27 @@ def two_ranks(tmp_path_factory):
 def test_two_ranks_give_the_loss_and_gradients_of_one_process_on_both_batches(loss, mode, two_ranks):
     expected = _loss_and_gradients(_system(loss), _batch(), "one")
     ranks = [results[loss, mode] for results in two_ranks]
-    for key in ("loss", "contrastive"):  # the mean over the ranks of each rank's mean over its rows
-        torch.testing.assert_close((ranks[0][key] + ranks[1][key]) / 2, expected[key], rtol=0, atol=1e-6)
+    # the mean over the ranks of each rank's share; the contrastive term logged, that mean on every rank
+    torch.testing.assert_close((ranks[0]["loss"] + ranks[1]["loss"]) / 2, expected["loss"], rtol=0, atol=1e-6)
+    for rank in ranks:
+        torch.testing.assert_close(rank["contrastive"], expected["contrastive"], rtol=0, atol=1e-6)
     for rank in ranks:  # DDP's and FSDP's mean of the ranks' gradients, on every rank
         assert rank["grads"].keys() == expected["grads"].keys()
         for name, grad in expected["grads"].items():
             torch.testing.assert_close(rank["grads"][name], grad, rtol=0, atol=1e-6, msg=name)
-    assert ranks[0]["contrastive"] != ranks[1]["contrastive"]  # each rank's loss is over its own rows
+    assert ranks[0]["loss"] != ranks[1]["loss"]  # each rank's loss is over its own rows
     assert expected["grads"]["logit_scale"].abs() > 1e-3 and expected["grads"]["text.cls_token"].abs().sum() > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+def test_unequal_batches_log_one_process_loss_and_gather_with_gradients_only_what_the_loss_uses(loss, two_ranks):
+    # 3 pairs on rank 0, 5 on rank 1: each rank's share weighs its rows, the logged term is the whole batch's
+    expected = _loss_and_gradients(_system(loss), _batch(), "one")["contrastive"]
+    for results in two_ranks:
+        torch.testing.assert_close(results[loss, "unequal"]["contrastive"], expected, rtol=0, atol=1e-6)
+        assert results[loss, "unequal"]["with_grad"] == {"clip": 2, "siglip": 1}[loss]  # siglip: the texts alone
 
 
 def _captioner_and_coca() -> tuple[ImageCaptioner, CocaCaptioner]:

@@ -34,6 +34,7 @@ from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 from vitattn.run_dir import RunDir
 from vitattn.training import train
 from vitattn.training.build import prepare_reward, read_statistics
+from vitattn.training.systems import coca as coca_system
 from vitattn.training.systems.self_critical import ScstConfig, SelfCritical, mean_of_others, sample_log_probs, scst_loss
 
 # A captioner on the built-in shapes that logs every step; SCST and cross-entropy second stages start from it.
@@ -390,14 +391,15 @@ def test_scst_on_coca_from_a_captioner_keeps_the_weighted_contrastive_term(contr
         assert loss == pytest.approx(contrastive_weight * contrastive + 2.0 * (scst + 0.5 * caption), abs=1e-5)
 
 
-def _scst_system(head: str, xe_weight: float, **kwargs):
-    """A tiny CaptionSystem or CocaSystem under ``scst`` with a CIDEr-D reward; ``kwargs`` the system's."""
+def _scst_system(head: str, xe_weight: float, encoder: dict | None = None, **kwargs):
+    """A tiny CaptionSystem or CocaSystem under ``scst`` with a CIDEr-D reward; ``encoder`` overrides the encoder's
+    settings, ``kwargs`` the system's."""
     from tests.training.test_coca import WORDS
     from vitattn.training.systems import CaptionSystem, CocaSystem
     from vitattn.training.systems.contrastive import contrastive_model_config
 
     torch.manual_seed(0)
-    encoder = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
+    encoder = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, **(encoder or {}))
     decoder = dict(vocab_size=len(WORDS) + 4, embed_dim=32, depth=1, num_heads=2, max_len=8)
     config, scst = {"encoder": encoder, "decoder": decoder}, {"samples": 2, "xe_weight": xe_weight}
     if head == "coca":
@@ -423,6 +425,28 @@ def test_an_scst_step_encodes_each_image_once_and_skips_the_cross_entropy_at_xe_
     assert len(encoded) == 1  # sampling, scoring, the cross-entropy and the contrastive term share it
     assert len(cross_entropies) == (xe_weight > 0)
     assert system.model.encoder.patch_embed.proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("head", ["caption", "coca"])
+def test_an_scst_step_on_merged_tokens_decodes_and_embeds_with_their_sizes(head, monkeypatch):
+    # Merged tokens and a mean pool: without the sizes, cross-attention loses proportional attention and the
+    # image embedding becomes the unweighted mean of the merged tokens.
+    system = _scst_system(head, 0.5, encoder={"merge_tokens": 4, "global_pool": "avg"})
+    memories, embedded = [], []
+    self_critical = system.self_critical
+    monkeypatch.setattr(system, "self_critical", lambda *a: memories.append(a[4]) or self_critical(*a))
+    if head == "coca":
+        loss = coca_system.contrastive_loss
+        monkeypatch.setattr(coca_system, "contrastive_loss", lambda *a: embedded.append(a[1]) or loss(*a))
+    images = torch.randn(2, 3, 32, 32)
+    tokens = torch.tensor([[1, 4, 8, 7, 2, 0], [1, 6, 9, 10, 2, 0]])
+    system._self_critical_loss({"images": images, "tokens": tokens, "references": [["a red circle"], ["the"]]}, 2)
+    expected = system.model.encode(images)
+    assert expected.size is not None  # the tokens were merged
+    torch.testing.assert_close(memories[0].size, expected.size)
+    torch.testing.assert_close(memories[0].tokens, expected.tokens)
+    if head == "coca":
+        torch.testing.assert_close(embedded[0], system.model.embed_images(images))
 
 
 @pytest.fixture(scope="module")

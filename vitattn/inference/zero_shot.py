@@ -120,25 +120,42 @@ def template_means(texts: Tensor, num_templates: int) -> Tensor:
 
 
 def unspelled_words(vocab: Tokenizer, texts: Sequence[str]) -> list[str]:
-    """The words (split at spaces, ``{}`` left out) of ``texts`` that ``vocab`` encodes with ``<unk>``, once each,
-    in order; none for a tokenizer without an unknown token (byte-level BPE spells everything)."""
+    """The words (split at spaces, ``{}`` left out; a final period kept only where the word is known without it,
+    as "a." that the toolkit's tokenizer keeps whole) of ``texts`` that ``vocab`` encodes with ``<unk>``, once
+    each, in order; none for a tokenizer without an unknown token (byte-level BPE spells everything)."""
     if vocab.unk_id is None:
         return []
-    words = dict.fromkeys(word for text in texts for word in text.replace("{}", " ").split())
-    return [word for word in words if vocab.unk_id in vocab.encode(word)]
+    found = []
+    for word in dict.fromkeys(word for text in texts for word in text.replace("{}", " ").split()):
+        if _unknowns(vocab, word):
+            bare = word.removesuffix(".")
+            found.append(bare if bare and _unknowns(vocab, bare) else word)
+    return list(dict.fromkeys(found))
 
 
-def spellable_templates(vocab: Tokenizer) -> list[str]:
-    """The ``DEFAULT_TEMPLATES`` whose words ``vocab`` spells without ``<unk>`` (all of them for a byte-level BPE);
-    ``["{}"]`` when none is: the class name alone, in the training captions' own words."""
-    return [t for t in DEFAULT_TEMPLATES if not unspelled_words(vocab, [t])] or ["{}"]
+def _unknowns(vocab: Tokenizer, text: str) -> int:
+    return vocab.encode(text).count(vocab.unk_id)
+
+
+def spellable_templates(vocab: Tokenizer, labels: Sequence[str]) -> list[str]:
+    """The ``DEFAULT_TEMPLATES`` whose prompts, each of ``labels`` in place, ``vocab`` encodes with no ``<unk>``
+    beyond the class name's own (all of them for a byte-level BPE): whole prompts, as the tokenizer reads them
+    ("a {}." makes "letter a." end in "a.", one word); ``["{}"]`` when none is: the class name alone."""
+    own = [_unknowns(vocab, label) for label in labels]
+    return [
+        template
+        for template in DEFAULT_TEMPLATES
+        if all(_unknowns(vocab, prompt) <= n for prompt, n in zip(class_prompts(labels, [template]), own))
+    ] or ["{}"]
 
 
 def check_prompts(vocab: Tokenizer, labels: Sequence[str], templates: Sequence[str], prompts: Tensor) -> None:
-    """Say what ``vocab`` cannot spell: one warning naming the words of ``labels`` and ``templates`` that become
-    ``<unk>``; a one-line ``ValueError`` naming the classes whose M prompts (``prompts``, (K * M, T)) encode to
-    the same tokens, which no scorer can tell apart; an info line with the number of distinct classes."""
-    unknown = unspelled_words(vocab, [*labels, *templates])
+    """Say what ``vocab`` cannot spell: one warning naming the words of ``labels``, ``templates`` and the prompts
+    made of them that become ``<unk>``; a one-line ``ValueError`` naming the classes whose M prompts (``prompts``,
+    (K * M, T)) encode to the same tokens, which no scorer can tell apart, and a prompt of each with its words that
+    become ``<unk>``; an info line with the number of distinct classes."""
+    texts = class_prompts(labels, templates)  # (K * M,), label-major as ``prompts``
+    unknown = unspelled_words(vocab, [*labels, *templates, *texts])
     if unknown:
         log.warning(
             "zero-shot: %d word(s) of the class names and templates are not in the vocabulary and become <unk>: %s",
@@ -152,11 +169,25 @@ def check_prompts(vocab: Tokenizer, labels: Sequence[str], templates: Sequence[s
     clashes = [names for names in same.values() if len(names) > 1]
     if clashes:
         groups = "; ".join(", ".join(names) for names in clashes)
+        examples = "; ".join(
+            _unspelled_prompt(vocab, texts, labels.index(names[0]), len(templates)) for names in clashes
+        )
         raise ValueError(
-            f"zero-shot classes {groups} encode to the same tokens (their words are not in the vocabulary), so no "
-            "scorer can tell them apart; rename them in the training captions' words or leave them out"
+            f"zero-shot classes {groups} encode to the same tokens ({examples}), so no scorer can tell them apart; "
+            "rename them in the training captions' words, give templates that spell them, or leave them out"
         )
     log.info("zero-shot: %d classes, %d distinct class prompts, %d templates", len(labels), len(same), len(templates))
+
+
+def _unspelled_prompt(vocab: Tokenizer, texts: Sequence[str], label: int, num_templates: int) -> str:
+    """The first of class ``label``'s prompts with words ``vocab`` cannot spell, and those words; else its first
+    prompt as ``vocab`` reads it."""
+    prompts = texts[label * num_templates : (label + 1) * num_templates]
+    prompt = next((p for p in prompts if unspelled_words(vocab, [p])), prompts[0])
+    words = unspelled_words(vocab, [prompt])
+    if words:
+        return f"{prompt!r} spells {', '.join(map(repr, words))} as <unk>"
+    return f"{prompt!r} reads {' '.join(vocab.tokens(vocab.encode(prompt)[1:]))!r}"
 
 
 class ZeroShotClassifier(nn.Module):
@@ -257,7 +288,7 @@ def zero_shot_classifier(
     ``scorer`` as used on it.
     """
     names = check_labels(labels)
-    found = spellable_templates(vocab) if templates is None else templates_from(templates)
+    found = spellable_templates(vocab, names) if templates is None else templates_from(templates)
     scorer = resolve_scorer(model, scorer)
     prompts = encode_texts(vocab, class_prompts(names, found), model.max_len)  # (K * M, T)
     check_prompts(vocab, names, found, prompts)

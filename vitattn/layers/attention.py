@@ -24,9 +24,9 @@ def _additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return mask.to(dtype) * -big
 
 
-def _log_size(size: Tensor, dtype: torch.dtype) -> Tensor:
-    """(B, Lk) merged-token sizes -> (B, 1, 1, Lk) log sizes to add to (B, H, Lq, Lk) logits."""
-    return size.to(dtype).log()[:, None, None, :]
+def _log_size(size: Tensor) -> Tensor:
+    """(B, Lk) merged-token sizes -> (B, 1, 1, Lk) fp32 log sizes to add to (B, H, Lq, Lk) logits."""
+    return size.float().log()[:, None, None, :]
 
 
 def _fp32_scores(q: Tensor, k: Tensor) -> Tensor:
@@ -64,7 +64,7 @@ def scaled_dot_product_attention(
     if mask is not None:
         scaled_attention_logits = scaled_attention_logits + _additive_mask(mask, torch.float32)
     if size is not None:
-        scaled_attention_logits = scaled_attention_logits + _log_size(size, torch.float32)
+        scaled_attention_logits = scaled_attention_logits + _log_size(size)
     attention_weights = scaled_attention_logits.softmax(dim=-1)  # (..., Lq, Lk)
     if dropout_p > 0.0:
         attention_weights = F.dropout(attention_weights, p=dropout_p)
@@ -167,8 +167,8 @@ class MultiHeadAttention(nn.Module):
         else:
             # in q's dtype, as the kernels take it; they add it to fp32 scores (-1e9 is -998244352 in bf16)
             attn_mask = None if mask is None else _additive_mask(mask, q.dtype)
-            if size is not None:
-                log_size = _log_size(size, q.dtype)
+            if size is not None:  # the log in fp32, as the explicit path and ONNX take it, rounded once
+                log_size = _log_size(size).to(q.dtype)
                 attn_mask = log_size if attn_mask is None else attn_mask + log_size
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=fused_causal and bool(Lq > 1)

@@ -13,7 +13,12 @@ from torch import Tensor
 from vitattn.inference.embeddings import encode_texts
 from vitattn.metrics.metric import RetrievalMetrics
 from vitattn.training.systems.caption import CaptionSystem
-from vitattn.training.systems.contrastive import MAX_LOGIT_SCALE, check_contrastive, contrastive_loss
+from vitattn.training.systems.contrastive import (
+    MAX_LOGIT_SCALE,
+    check_contrastive,
+    contrastive_loss,
+    loss_over_ranks,
+)
 
 __all__ = ["CocaSystem"]
 
@@ -62,11 +67,11 @@ class CocaSystem(CaptionSystem):
         """``contrastive_weight`` · contrastive + ``caption_weight`` · (SCST + ``xe_weight`` · cross-entropy), each
         image encoded once for all three: the contrastive term keeps training the embeddings the first stage built."""
         tokens, caption_image = batch["tokens"], batch.get("caption_image")  # (N, T), (N,) or None
-        features = self.model.encoder.forward_features(batch["images"])  # (B, 1 + patches, D)
-        scst, caption = self._self_critical_terms(batch, size, features)
-        image, text = self.model.embed_features(features), self.model.embed_texts(tokens)
+        features, state = self.model.encoder.forward_tokens(batch["images"])  # (B, N, D), merged tokens' sizes
+        scst, caption = self._self_critical_terms(batch, size, features, state)
+        image, text = self.model.embed_features(features, state), self.model.embed_texts(tokens)
         contrastive = contrastive_loss(self.contrastive_loss, image, text, self.model, caption_image, tokens)
-        self._terms = {"scst_loss": scst.detach(), "contrastive_loss": contrastive.detach()}
+        self._terms = {"scst_loss": scst.detach(), "contrastive_loss": loss_over_ranks(contrastive)}
         weighted = self._contrastive_weight() * contrastive
         if caption is None:
             return weighted + self.caption_weight * scst
@@ -80,7 +85,7 @@ class CocaSystem(CaptionSystem):
         logits, image, text = self.model.forward_coca(batch["images"], tokens, tokens, caption_image)
         caption = self._caption_loss(logits, tokens, label_smoothing)
         contrastive = contrastive_loss(self.contrastive_loss, image, text, self.model, caption_image, tokens)
-        self._terms = {"caption_loss": caption.detach(), "contrastive_loss": contrastive.detach()}
+        self._terms = {"caption_loss": caption.detach(), "contrastive_loss": loss_over_ranks(contrastive)}
         return caption, contrastive
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:

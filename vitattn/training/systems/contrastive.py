@@ -1,11 +1,11 @@
 """Contrastive losses between image and text embeddings, with every rank's embeddings as negatives and every
 reference of an image, and every equal text, as its positives.
 
-Each rank gathers all ranks' embeddings with gradients (open_clip's ``ClipLoss(local_loss=True,
-gather_with_grad=True)``), the ranks' batches of any sizes (``gather_rows``), and takes its share of the loss one
-process would take over all ranks' rows, so that DDP's and FSDP's mean over ranks is that process's loss whatever
-each rank's batch size. The loss runs in fp32 at least with autocast off; ``logit_scale`` is not capped here (the
-system clamps it after each optimizer step). Design and measurements: docs/captioning.md#coca.
+Each rank gathers the ranks' embeddings it uses with gradients (open_clip's ``ClipLoss(local_loss=True,
+gather_with_grad=True)``; SigLIP's: the texts), batches of any sizes (``gather_rows``), and takes its share of the
+loss one process would take over all ranks' rows, so that DDP's and FSDP's mean over ranks is that loss whatever
+each rank's batch size (``loss_over_ranks``: what is logged). The loss runs in fp32 at least with autocast off;
+``logit_scale`` is not capped here (the system clamps it after each step). Design: docs/captioning.md#coca.
 
 Dimension letters: B this rank's images, N this rank's texts, I and N_all every rank's, W ranks, E embedding width,
 T token positions.
@@ -33,7 +33,9 @@ __all__ = [
     "contrastive_loss",
     "contrastive_model_config",
     "gather_rows",
+    "loss_over_ranks",
     "positives",
+    "rank_rows",
     "siglip_loss",
 ]
 
@@ -72,25 +74,31 @@ def contrastive_model_config(contrastive: dict[str, Any], pairs: int) -> dict[st
     return {**sizes, "init_logit_scale": INIT_LOGIT_SCALE[loss], "init_logit_bias": bias}
 
 
-def gather_rows(x: Tensor) -> tuple[Tensor, int]:
+def rank_rows(x: Tensor) -> list[int]:
+    """Every rank's number of rows of ``x`` (R, ...), in rank order; ``[R]`` without a process group."""
+    if _world_size() == 1:
+        return [len(x)]
+    rows = [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(_world_size())]
+    dist.all_gather(rows, torch.tensor([len(x)], device=x.device))
+    return torch.cat(rows).tolist()
+
+
+def gather_rows(x: Tensor, rows: list[int] | None = None) -> tuple[Tensor, int]:
     """Every rank's rows of ``x`` (R, ...), R this rank's own and the rest of the shape the same on every rank, in
     rank order, and the index of this rank's first row; without a process group, ``x`` and 0. The ranks may hold
-    different numbers of rows: each pads its own to the largest, all are gathered, and each part is cut back to its
-    rows. A float ``x`` that needs a gradient is gathered with one, each row's gradients summed back to the rank
-    that made it."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    different numbers of rows (``rows``, ``rank_rows``' if known): each pads its own to the largest, all are
+    gathered, and each part is cut back to its rows. A float ``x`` that needs a gradient is gathered with one, each
+    row's gradients summed back to the rank that made it."""
+    rows = rank_rows(x) if rows is None else rows  # (W,) every rank's R
+    if len(rows) == 1:
         return x, 0
-    world = dist.get_world_size()
-    rows = [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(world)]
-    dist.all_gather(rows, torch.tensor([len(x)], device=x.device))
-    rows = torch.cat(rows).tolist()  # (W,) every rank's R
     padded = torch.cat([x, x.new_zeros(max(rows) - len(x), *x.shape[1:])])  # (max R, ...)
     if x.requires_grad:
         with warnings.catch_warnings():  # torch 2.14 deprecates it for a private module's; it works on every backend
             warnings.simplefilter("ignore", FutureWarning)
             parts = dist_nn.all_gather(padded)
     else:
-        parts = [torch.empty_like(padded) for _ in range(world)]
+        parts = [torch.empty_like(padded) for _ in rows]
         dist.all_gather(parts, padded)
     return torch.cat([part[:n] for part, n in zip(parts, rows)]), sum(rows[: dist.get_rank()])
 
@@ -109,14 +117,16 @@ def positives(text_image: Tensor, text_ids: Tensor | None, images: int) -> Tenso
 
 def _pairs(
     image: Tensor, text: Tensor, text_image: Tensor | None, text_ids: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor, int, int]:
-    """Every rank's images and texts, the (I, N) positives over them all, and this rank's first image and text."""
+) -> tuple[list[int], Tensor, Tensor, int, int]:
+    """Every rank's number of images, every rank's texts, the (I, N) positives over them all, and this rank's
+    first image and text; the images themselves are gathered only by the loss that uses them (``clip_loss``)."""
+    image_rows = rank_rows(image)
+    first_image = sum(image_rows[: dist.get_rank()]) if len(image_rows) > 1 else 0
     own = torch.arange(len(image), device=image.device) if text_image is None else text_image
-    all_image, first_image = gather_rows(image)
     all_text, first_text = gather_rows(text)
     all_text_image, _ = gather_rows(own + first_image)  # (N,): each text's image among all ranks'
     all_ids = None if text_ids is None else gather_rows(text_ids)[0]
-    return all_image, all_text, positives(all_text_image, all_ids, len(all_image)), first_image, first_text
+    return image_rows, all_text, positives(all_text_image, all_ids, sum(image_rows)), first_image, first_text
 
 
 def clip_loss(
@@ -130,7 +140,8 @@ def clip_loss(
     the image of each, default text n of image n; ``text_ids`` (N, T) their tokens, equal rows positives of each
     other's images): the mean of the image->text cross-entropy, its target spread evenly over the image's positive
     texts, and the text->image one, over each text's positive images; this rank's share, as the module says."""
-    all_image, all_text, positive, first_image, first_text = _pairs(image, text, text_image, text_ids)
+    image_rows, all_text, positive, first_image, first_text = _pairs(image, text, text_image, text_ids)
+    all_image, _ = gather_rows(image, image_rows)
     scale = logit_scale.exp()
     mine = positive[first_image : first_image + len(image)]  # (B, N_all)
     per_image = _soft_cross_entropy(scale * image @ all_text.T, mine)  # (B, N_all) logits
@@ -165,6 +176,17 @@ def siglip_loss(
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def loss_over_ranks(share: Tensor) -> Tensor:
+    """The loss one process takes over every rank's rows, from this rank's ``share`` (detached): the mean of the
+    ranks' shares, as DDP's gradient is; ``share`` itself without a process group. What to log."""
+    share = share.detach()
+    if _world_size() == 1:
+        return share
+    total = share.clone()
+    dist.all_reduce(total)
+    return total / _world_size()
 
 
 def contrastive_loss(
