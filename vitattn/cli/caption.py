@@ -8,9 +8,8 @@
         [attention_maps=DIR] [progress=true] [num_threads=N] [devices=N num_nodes=M accelerator=auto|cpu|gpu]
         [num_return_sequences=K [include_greedy=true] [score=MODEL [score_by=auto|contrastive|likelihood]]]
 
-The same command again resumes a killed run. Exit status: 0 all captioned, 1 some unreadable, 2 a usage or
-model error. merge_tokens: ToMe. num_return_sequences=K: K scored candidates per image. docs/captioning.md.
-"""
+The same command resumes a killed run. Exit 0: all captioned, 1: some unreadable, 2: a usage or model error.
+merge_tokens: ToMe. num_return_sequences=K: K scored candidates per image. More: docs/captioning.md."""
 
 from __future__ import annotations
 
