@@ -68,6 +68,14 @@ def _training(cfg: Any | None, result: Mapping[str, Any] | None, datasets: Seque
     if result is not None:
         lines.append(f"- steps: {result['global_step']}; weights: {result['weights']}")
     lines.append(f"- optimiser: lr {cfg.optim.lr}, weight decay {cfg.optim.weight_decay}")
+    boot = OmegaConf.select(cfg, "bootstrap", default=None)
+    if boot is not None and (boot.get("teacher") or boot.get("candidates")):
+        source = f"teacher {boot.teacher}" if boot.get("teacher") else f"the side files {boot.candidates}"
+        keep = ", ".join(f"{k} {v}" for k, v in boot.keep.items() if v is not None) or "all"
+        lines.append(
+            f"- also trained on images without captions, labelled by {source} (filter {boot.filter}, "
+            f"{boot.samples} candidates per image, keep {keep}; lineage: the run's bootstrap/lineage.json)"
+        )
     return lines
 
 

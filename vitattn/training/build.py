@@ -34,6 +34,7 @@ from vitattn.errors import ConfigError, first_line
 from vitattn.fileio import atomic_write, read_json
 from vitattn.metrics import CiderD
 from vitattn.run_dir import VOCAB_FILE, RunDir
+from vitattn.training.bootstrap import BootstrapSettings, prepare_pool
 from vitattn.training.config import qualify
 from vitattn.training.init_weights import log_preprocess
 from vitattn.training.loggers import check_loggers, logger_arguments
@@ -71,7 +72,15 @@ def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer
     set_matmul_precision(plan)
     datamodule = build_datamodule(plan)
     log_preprocess(datamodule, plan.preprocess_from)
+    bootstrap = BootstrapSettings.from_config(cfg.get("bootstrap"))
+    if bootstrap is not None and cfg.head.task == "caption":  # before setup: the vocabulary spells the pool too
+        datamodule.pool = prepare_pool(bootstrap, "caption", plan.run_dir, _pool_run(cfg))
     setup_data(cfg, datamodule, plan.ckpt_path)  # empty data, wrong vocabulary: one line, no step run
+    if bootstrap is not None:
+        if cfg.head.task == "classification":
+            run = {**_pool_run(cfg), "class_names": list(datamodule.class_names)}
+            datamodule.pool = prepare_pool(bootstrap, "classification", plan.run_dir, run)
+        log.info("bootstrap: %s", datamodule.use_pool(bootstrap))
     plan_cores(plan, datamodule)
     if rank_zero_only.rank == 0:
         check_fit(cfg, datamodule)  # a coarse patch grid, a vocabulary of <unk>, a schedule with no end
@@ -91,6 +100,18 @@ def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer
     )
     _save_run_files(plan, datamodule)
     return datamodule, system, trainer
+
+
+def _pool_run(cfg: DictConfig) -> dict[str, Any]:
+    """What labelling the pool takes of the run: its seed, processes and progress bar."""
+    devices = cfg.trainer.get("devices", 1)
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    return {
+        "seed": int(cfg.seed),
+        "devices": devices if isinstance(devices, int) and devices > 0 else 1,
+        "accelerator": {"cuda": "gpu"}.get(accelerator, accelerator),
+        "progress": bool(cfg.trainer.get("enable_progress_bar", True)),
+    }
 
 
 @rank_zero_only

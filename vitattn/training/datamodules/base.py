@@ -3,6 +3,7 @@ device, the cache, the evaluation split, the tokenizer. The design: docs/trainin
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections import Counter
@@ -44,6 +45,7 @@ from vitattn.data.tokenizer import (
     train_bpe,
 )
 from vitattn.errors import ConfigError, first_line
+from vitattn.training.bootstrap import BootstrapSettings, MixedTraining, Pool, PoolCaptions, PoolLabels, image_digests
 
 __all__ = [
     "EpochSampler",
@@ -53,6 +55,8 @@ __all__ = [
     "rank_and_world",
     "worker_context",
 ]
+
+log = logging.getLogger(__name__)
 
 
 class EpochSampler(DistributedSampler):
@@ -238,6 +242,7 @@ class ImageDataModule(pl.LightningDataModule):
         # the loaders' uint8 images normalised (on any device): with eval_transform, inference's transform bit for bit
         self.normalize = Normalize(self.preprocess["mean"], self.preprocess["std"])
         self.last_keys: list[str] = []  # the keys of the samples of the batch last given to a training step
+        self.pool: Pool | None = None  # images without labels, labelled by a teacher (``use_pool``)
         self._train_loader: ResumableLoader | None = None
         self._train_loader_state: dict[str, Any] | None = None  # a checkpoint's, for the training loader to come
 
@@ -300,7 +305,7 @@ class ImageDataModule(pl.LightningDataModule):
         None when nothing is readable (Lightning then skips the batch)."""
         loader = self._train_loader
         if loader is not None and self.trainer is not None and self.trainer.training:
-            self.last_keys = [self.sample_key(i) for i in loader.last_indices]
+            self.last_keys = [self._training_key(i) for i in loader.last_indices]
         if not isinstance(batch, PartialBatch):
             return batch
         stage = self.trainer.state.stage if self.trainer is not None else None
@@ -342,6 +347,44 @@ class ImageDataModule(pl.LightningDataModule):
     def sample_key(self, index: int) -> str:
         """What names training sample ``index`` in ``last_keys`` (an image id or path; here the index)."""
         return str(index)
+
+    def _training_key(self, index: int) -> str:
+        """``sample_key`` of a human-labelled sample, ``pool:NAME`` of a pool image's."""
+        if not isinstance(self.train_dataset, MixedTraining):
+            return self.sample_key(index)
+        part, i = self.train_dataset.part(index)
+        return self.sample_key(i) if part == "human" else f"pool:{self.pool.name(i)}"
+
+    def use_pool(self, settings: BootstrapSettings) -> dict[str, int]:
+        """After ``setup``: the kept ``pool`` mixed into the training split (``MixedTraining``), each human-labelled
+        sample ``settings.human_repeat`` times; pool images whose pixels (as the model takes them) equal a
+        validation or test image's, or a human-labelled one's (unaugmented training data only), are left out and
+        counted. Returns the counts."""
+        pool, evaluate = self.pool, self.eval_transform()
+        digests = [image_digests([evaluate(pool.read(i))]).pop() for i in range(len(pool))]
+        held_out = image_digests(_images(self.val_dataset)) | image_digests(_images(self.test_dataset))
+        augmented = getattr(getattr(self, "augment", None), "enabled", False)
+        human = set() if augmented else image_digests(_images(self.train_dataset))
+        leaked = {i for i, d in enumerate(digests) if d in held_out}
+        labelled = {i for i, d in enumerate(digests) if d in human and i not in leaked}
+        counts = {"pool_identical_to_val_or_test": len(leaked), "pool_identical_to_labelled": len(labelled)}
+        if leaked or labelled:
+            log.warning(
+                "bootstrap: %d pool images equal validation or test images and %d equal human-labelled ones; "
+                "left out of training",
+                len(leaked),
+                len(labelled),
+            )
+            pool.keep_only(leaked | labelled)
+        if not len(pool):
+            raise ConfigError("bootstrap: every kept pool image is a validation, test or labelled image")
+        transform = evaluate if settings.randaugment is None else _randaugment(settings.randaugment, evaluate)
+        if pool.captions is not None:
+            part: Dataset = TokenizedCaptions(PoolCaptions(pool, transform), self.vocab, self.max_caption_len, 1)
+        else:
+            part = PoolLabels(pool, transform)
+        self.train_dataset = MixedTraining(self.train_dataset, settings.human_repeat, part)
+        return {**counts, "pool_images": len(pool), "human_samples_per_epoch": self.train_dataset.human_size}
 
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
         """Evaluation loaders in order; the training loader (``shuffle``) a ``ResumableLoader``."""
@@ -407,9 +450,26 @@ class ImageDataModule(pl.LightningDataModule):
         if kind == "file":
             return SubwordTokenizer.from_file(config["path"], add_specials=True)
         self.train_captions = captions()
+        if self.pool is not None and self.pool.captions is not None:  # the student spells what it is taught
+            self.train_captions += [caption for kept in self.pool.captions for caption in kept]
         if kind == "bpe":
             return train_bpe(self.train_captions, config.get("vocab_size", "auto"))
         return Vocabulary.build(self.train_captions, min_freq=self.min_word_freq)
+
+
+def _images(dataset: Dataset | None) -> Iterator[torch.Tensor]:
+    """The (3, height, width) uint8 images of a split, read in order (a caption item's ``image``, a pair's first)."""
+    for i in range(len(dataset) if dataset is not None else 0):
+        item = dataset[i]
+        yield item["image"] if isinstance(item, Mapping) else item[0]
+
+
+def _randaugment(config: str, then: Callable[[Any], torch.Tensor]) -> Callable[[Any], torch.Tensor]:
+    """timm's RandAugment (``rand-m9-mstd0.5``...) of a PIL image, then ``then``: the pool's named noise."""
+    from timm.data.auto_augment import rand_augment_transform
+    from torchvision.transforms import Compose
+
+    return Compose([rand_augment_transform(config, {"img_mean": (124, 116, 104)}), then])
 
 
 def worker_context(workers: int) -> Any:
