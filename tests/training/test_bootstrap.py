@@ -169,3 +169,78 @@ def test_a_second_round_reuses_side_files_and_records_the_teacher_s_lineage(shap
     assert lineage["teacher"] == str(shapes_caption_run)
     third = OmegaConf.to_container(cfg.bootstrap)
     assert third["candidates"] == str(first)
+
+
+def test_a_pool_of_shards_is_read_by_sample_key(shapes_caption_run, tmp_path):
+    from vitattn.data.shards.writer import shapes_samples, write_shards
+    from vitattn.training.plan import resolve
+
+    write_shards(shapes_samples("train", 6, img_size=32, seed=9), tmp_path / "shards", 4)
+    images = str(tmp_path / "shards" / "{00000..00001}.tar")
+    cfg = _student(tmp_path / "s", f"bootstrap.teacher={shapes_caption_run}", f"bootstrap.images='{images}'")
+    datamodule, _, _ = build(resolve(cfg), [])
+    assert sorted((tmp_path / "s" / "bootstrap" / "candidates").iterdir()) == sorted(
+        tmp_path / "s" / "bootstrap" / "candidates" / n for n in ("00000.jsonl", "00001.jsonl", "manifest.json")
+    )
+    pool = datamodule.pool
+    assert len(pool) == 6 and all(isinstance(source, tuple) for source in pool.sources)
+    item = datamodule.train_dataset[(256, 0)]
+    assert item["image"].shape == (3, 32, 32) and item["image_id"] == -1
+
+
+def test_the_model_card_says_what_the_run_learned_from(tmp_path):
+    from vitattn.bundle.card import _training
+
+    cfg = compose_train([*TINY, "bootstrap.teacher=runs/teacher", "bootstrap.images=pool/"], tmp_path)
+    (line,) = [x for x in _training(cfg, None, ["shapes"]) if "without captions" in x]
+    assert "teacher runs/teacher" in line and "filter teacher" in line and "5 candidates" in line and "top_k 2" in line
+    plain = compose_train([*TINY], tmp_path)
+    assert not [x for x in _training(plain, None, ["shapes"]) if "without captions" in x]
+
+
+@pytest.mark.slow
+def test_a_run_killed_while_captioning_resumes_and_captions_each_pool_image_once(shapes_caption_run, tmp_path):
+    """kill -9 of the training process mid-captioning: its captioner dies with it; the same command resumes
+    the finished chunks and captions the others once."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers import console_script
+    from tests.helpers.processes import process_tree, scan_processes
+
+    folder = tmp_path / "pool"
+    folder.mkdir()
+    scenes = ShapesDataset("train", 300, 32, 0, "caption")
+    for i in range(260, 280):
+        _save(scenes[i]["image"], folder / f"scene{i}.png")
+    stall = folder / "zzz_stall.png"
+    os.mkfifo(stall)  # read last: its reader blocks, so the first run cannot finish
+    run = tmp_path / "student"
+    cmd = [str(console_script("vitattn-train")), *TINY, "head=caption", *SHAPES_RUN, *SHORT]
+    cmd += [f"bootstrap.teacher={shapes_caption_run}", f"bootstrap.images={folder}", "bootstrap.batch_size=2"]
+    cmd += [f"hydra.run.dir={run}", "num_threads=1", "trainer.enable_progress_bar=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    parts = run / "bootstrap" / "candidates.jsonl.parts"
+    with open(tmp_path / "first.log", "wb") as log:
+        first = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 300
+    while not list(parts.glob("*.jsonl")) and time.monotonic() < deadline and first.poll() is None:
+        time.sleep(0.05)
+    assert first.poll() is None and list(parts.glob("*.jsonl")), (tmp_path / "first.log").read_text()[-3000:]
+    tree = process_tree(first.pid)
+    assert len(tree) >= 2  # the training process and its captioner
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    deadline = time.monotonic() + 30
+    while [p for p in tree if p in scan_processes()] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in tree if p in scan_processes()], "the captioner outlived the killed run"
+    stall.unlink()
+    _save(scenes[280]["image"], stall)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "16 of 21 images are already captioned" in again.stderr
+    records = [json.loads(line) for line in (run / "bootstrap" / "candidates.jsonl").read_text().splitlines()]
+    assert sorted(r["image"] for r in records) == sorted(str(p) for p in folder.iterdir())  # each once

@@ -103,12 +103,14 @@ def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer
 
 
 def _pool_run(cfg: DictConfig) -> dict[str, Any]:
-    """What labelling the pool takes of the run: its seed, processes and progress bar."""
+    """What labelling the pool takes of the run: its seed, processes (a GPU each; on CPUs one process, whose
+    threads take every core) and progress bar."""
     devices = cfg.trainer.get("devices", 1)
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    gpus = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     return {
         "seed": int(cfg.seed),
-        "devices": devices if isinstance(devices, int) and devices > 0 else 1,
+        "devices": devices if gpus and isinstance(devices, int) and devices > 0 else 1,
         "accelerator": {"cuda": "gpu"}.get(accelerator, accelerator),
         "progress": bool(cfg.trainer.get("enable_progress_bar", True)),
     }

@@ -384,7 +384,14 @@ class ImageDataModule(pl.LightningDataModule):
         else:
             part = PoolLabels(pool, transform)
         self.train_dataset = MixedTraining(self.train_dataset, settings.human_repeat, part)
-        return {**counts, "pool_images": len(pool), "human_samples_per_epoch": self.train_dataset.human_size}
+        counts |= {"pool_images": len(pool), "human_samples_per_epoch": self.train_dataset.human_size}
+        if pool.captions is not None and self.vocab.unk_id is not None:  # what the student cannot spell
+            ids = [i for kept in pool.captions for c in kept for i in self.vocab.encode(c)[1:-1]]
+            counts |= {
+                "vocab_size": len(self.vocab),
+                "kept_unknown_share": round(ids.count(self.vocab.unk_id) / max(1, len(ids)), 4),
+            }
+        return counts
 
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
         """Evaluation loaders in order; the training loader (``shuffle``) a ``ResumableLoader``."""
