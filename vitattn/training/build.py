@@ -39,7 +39,7 @@ from vitattn.training.init_weights import log_preprocess
 from vitattn.training.loggers import check_loggers, logger_arguments
 from vitattn.training.plan import WAIT_SECONDS, Plan, wait_for_rank_zero
 from vitattn.training.systems import VisionSystem
-from vitattn.training.systems.contrastive import contrastive_model_config
+from vitattn.training.systems.coca import contrastive_model_config
 
 __all__ = [
     "MIN_TOKENS",

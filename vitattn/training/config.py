@@ -21,7 +21,8 @@ from vitattn.data.preprocess import WEIGHTS_KEYS, Augment, check_preprocess, def
 from vitattn.errors import ConfigError
 from vitattn.models import TASKS
 from vitattn.run_dir import RunDir
-from vitattn.training.systems.contrastive import RETRIEVAL_MONITORS, ZERO_SHOT_MONITOR, check_contrastive
+from vitattn.training.systems.caption import ZERO_SHOT_MONITOR
+from vitattn.training.systems.coca import RETRIEVAL_MONITORS, check_contrastive
 
 __all__ = [
     "ALLOWED_TARGET_PREFIXES",
