@@ -103,7 +103,7 @@ def follow_config(output_dir: Path) -> list[str]:
     with initialize_config_module("vitattn.conf", version_base="1.3"):
         cfg = compose("train", overrides=[*TINY, f"paths.output_dir={output_dir}"])
     from vitattn.training.plan import Plan
-    from vitattn.training.run import train
+    from vitattn.training.recipe import train
 
     visits: list[str] = []
 

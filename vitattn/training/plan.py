@@ -28,7 +28,7 @@ from vitattn.data.tokenizer import Tokenizer, load_tokenizer
 from vitattn.precision import cuda_bf16, native_bf16
 from vitattn.run_dir import RunDir
 from vitattn.training.config import check_config, fully_sharded
-from vitattn.training.init_weights import EncoderWeights, ModelWeights, command_line_keys, read_start
+from vitattn.training.start_weights import EncoderWeights, ModelWeights, command_line_keys, read_start
 
 __all__ = [
     "BF16_TRAIN_MIN_WIDTH",

@@ -27,9 +27,9 @@ from vitattn.run_dir import RunDir
 from vitattn.training import train
 from vitattn.training.build import build_datamodule
 from vitattn.training.config import check_config
-from vitattn.training.init_weights import log_preprocess
 from vitattn.training.plan import resolve
 from vitattn.training.run_split import datamodule_from_run
+from vitattn.training.start_weights import log_preprocess
 
 # Each family's weights as the issue names them, and a small model of the same family and preprocessing that the
 # fast tests load from a file (NAME@FILE), with the model keys that fit it.
