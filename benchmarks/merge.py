@@ -253,9 +253,9 @@ def _encoder_speed(folder: Path, merges: list[int], batch: int = 64) -> dict[int
 def _score(folder: Path, r: int) -> dict[str, float]:
     """The test split's caption metrics of the run in ``folder``, its encoder merging ``r`` tokens per layer."""
     from vitattn.bundle import load_model
+    from vitattn.cli.run_split import run_split
     from vitattn.evaluation import evaluate_captions
     from vitattn.run_dir import RunDir
-    from vitattn.training.run_split import run_split
 
     bundle = load_model(folder, precision="fp32", merge_tokens=r)
     split = run_split(bundle, RunDir.find(folder), "test", batch_size=64, num_workers=0)
