@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from benchmarks import workloads
-from benchmarks.caption import build_captioners, caption_fns
+from benchmarks.caption_bench import build_captioners, caption_fns
 from benchmarks.machine import machine_info
 from benchmarks.report import compare, format_table, row, write_json
 from benchmarks.timing import Env, per_second
