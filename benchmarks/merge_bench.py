@@ -32,7 +32,7 @@ from benchmarks import workloads
 from benchmarks.caption_bench import build_captioners, caption_fns
 from benchmarks.machine import machine_info
 from benchmarks.report import compare, format_table, row, write_json
-from benchmarks.timing import Env, per_second
+from benchmarks.timing import Env, per_second, stopwatch
 
 SIZES = ("vit_s16_224", "vit_b16_224")
 CPU_BATCH = {"vit_s16_224": 8, "vit_b16_224": 4}  # images per call on a CPU (a GPU: ``ENCODER_BATCH``)
@@ -222,7 +222,6 @@ def _train(folder: Path, seed: int, r: int, args: argparse.Namespace) -> float:
     done = folder / "bench_seconds.json"
     if done.exists():
         return json.loads(done.read_text())["seconds"]
-    started = time.perf_counter()
     command = [
         str(Path(sys.executable).with_name("vitattn-train")),
         *args.train_args,
@@ -231,10 +230,10 @@ def _train(folder: Path, seed: int, r: int, args: argparse.Namespace) -> float:
         f"num_threads={args.threads}",
         f"hydra.run.dir={folder}",
     ]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    seconds = time.perf_counter() - started
-    done.write_text(json.dumps({"seconds": seconds, "command": command}))
-    return seconds
+    with stopwatch() as took:
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    done.write_text(json.dumps({"seconds": took.seconds, "command": command}))
+    return took.seconds
 
 
 def _encoder_speed(folder: Path, merges: list[int], batch: int = 64) -> dict[int, float]:
