@@ -35,12 +35,12 @@ from benchmarks import (
     learning_bench,
     learning_data,
     load_serve,
-    merge,
+    merge_bench,
     metric_parity,
     steps,
     transfer_bench,
 )
-from benchmarks.caption import bench_caption
+from benchmarks.caption_bench import bench_caption
 from benchmarks.compile import bench_compile
 from benchmarks.e2e import bench_end_to_end
 from benchmarks.encoder import bench_encoder
@@ -208,9 +208,9 @@ SECTIONS: dict[str, Section] = {
     "matmul": Section("this machine's fp32 matmul rate (GFLOP/s)", add_matmul_arguments, run_matmul),
     "train": Section("a training step, flagged against plain", steps.add_arguments, lambda a: steps.run(a, True)),
     "infer": Section("a forward pass, flagged against plain", steps.add_arguments, lambda a: steps.run(a, False)),
-    "merge": Section("token merging (ToMe) against unmerged, timm and HF", merge.add_arguments, merge.run),
+    "merge": Section("token merging (ToMe) against unmerged, timm and HF", merge_bench.add_arguments, merge_bench.run),
     "merge-quality": Section(
-        "captions trained and scored with token merging", merge.add_quality_arguments, merge.run_quality
+        "captions trained and scored with token merging", merge_bench.add_quality_arguments, merge_bench.run_quality
     ),
     "candidates": Section(
         "K caption candidates per image against greedy captions", candidates.add_arguments, candidates.run

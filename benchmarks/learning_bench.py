@@ -27,11 +27,9 @@ import json
 import math
 import os
 import platform
-import resource
 import shlex
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -48,6 +46,8 @@ from torchvision.datasets import ImageFolder
 from torchvision.transforms.functional import pil_to_tensor
 
 from benchmarks import learning_data
+from benchmarks.report import markdown_table, update_doc
+from benchmarks.timing import children_cpu, stopwatch
 from vitattn.data import Vocabulary, load_coco_captions, read_image
 from vitattn.metrics import compute_caption_metrics, distinct_share, exact_match
 
@@ -149,24 +149,17 @@ def run_vitattn(task: str, data: learning_data.PreparedDataset, cfg: BenchConfig
     log = run_dir / "vitattn.log"
     threads = str(cfg.threads)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "HYDRA_FULL_ERROR": "1"}
-    start, cpu = time.perf_counter(), _children_cpu()
-    with open(log, "w") as f:
+    with open(log, "w") as f, stopwatch(children_cpu) as took:
         done = subprocess.run(
             [sys.executable, "-m", "vitattn.cli.train", *overrides], stdout=f, stderr=subprocess.STDOUT, env=env
         )
-    seconds, cpu = time.perf_counter() - start, _children_cpu() - cpu
     command = "vitattn-train " + " ".join(shlex.quote(o) for o in overrides)
     if done.returncode != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-1:]
         raise RuntimeError(f"vitattn-train failed (exit {done.returncode}, log {log}): {' '.join(tail)}")
     row = _last_row_with(run_dir / "csv" / "metrics.csv", f"test/{METRICS[task][0]}")
     metrics = {k.split("/", 1)[1]: float(v) for k, v in row.items() if k.startswith("test/") and v != ""}
-    return Side(metrics, int(row["step"]), seconds, cpu, command)
-
-
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    return Side(metrics, int(row["step"]), took.seconds, took.cpu, command)
 
 
 def _last_row_with(path: Path, key: str) -> dict[str, str]:
@@ -239,19 +232,18 @@ def _plain_description(cfg: BenchConfig, what: str) -> str:
 
 def plain_classification(data: learning_data.PreparedDataset, cfg: BenchConfig) -> Side:
     """Train and score the plain timm classifier on ``data``'s ImageFolder tree."""
-    start, cpu = time.perf_counter(), time.process_time()
-    torch.manual_seed(cfg.seed)
-    train, val = (ImageFolder(data.root / split) for split in ("train", "val"))
-    x_train = _images([Path(p) for p, _ in train.samples], cfg.img_size)
-    y_train = torch.tensor(train.targets)
-    model = timm_vit(cfg, len(train.classes))
-    steps = train_plain(model, lambda idx: F.cross_entropy(model(x_train[idx]), y_train[idx]), len(y_train), cfg)
-    x_val, y_val = _images([Path(p) for p, _ in val.samples], cfg.img_size), torch.tensor(val.targets)
-    with torch.no_grad():
-        pred = torch.cat([model(x).argmax(-1) for x in x_val.split(256)])
-    acc = (pred == y_val).float().mean().item()
-    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return Side({"acc": acc}, steps, seconds, cpu, _plain_description(cfg, "a"))
+    with stopwatch() as took:
+        torch.manual_seed(cfg.seed)
+        train, val = (ImageFolder(data.root / split) for split in ("train", "val"))
+        x_train = _images([Path(p) for p, _ in train.samples], cfg.img_size)
+        y_train = torch.tensor(train.targets)
+        model = timm_vit(cfg, len(train.classes))
+        steps = train_plain(model, lambda idx: F.cross_entropy(model(x_train[idx]), y_train[idx]), len(y_train), cfg)
+        x_val, y_val = _images([Path(p) for p, _ in val.samples], cfg.img_size), torch.tensor(val.targets)
+        with torch.no_grad():
+            pred = torch.cat([model(x).argmax(-1) for x in x_val.split(256)])
+        acc = (pred == y_val).float().mean().item()
+    return Side({"acc": acc}, steps, took.seconds, took.cpu, _plain_description(cfg, "a"))
 
 
 class PlainCaptioner(nn.Module):
@@ -299,29 +291,30 @@ def plain_caption(data: learning_data.PreparedDataset, cfg: BenchConfig, save_to
 
     ``save_to``: a JSON file for the val captions with their references.
     """
-    start, cpu = time.perf_counter(), time.process_time()
-    torch.manual_seed(cfg.seed)
-    train, val = load_coco_captions(data.train_annotations), load_coco_captions(data.val_annotations)
-    vocab = Vocabulary.build([c for image in train for c in image.captions], min_freq=1)
-    x_train = _images([data.root / image.file_name for image in train], cfg.img_size)
-    refs = [[torch.tensor(vocab.encode(c, cfg.max_caption_len)) for c in image.captions] for image in train]
-    model = PlainCaptioner(cfg, len(vocab), vocab.pad_id)
-    pick = torch.Generator().manual_seed(cfg.seed + 1)
+    with stopwatch() as took:
+        torch.manual_seed(cfg.seed)
+        train, val = load_coco_captions(data.train_annotations), load_coco_captions(data.val_annotations)
+        vocab = Vocabulary.build([c for image in train for c in image.captions], min_freq=1)
+        x_train = _images([data.root / image.file_name for image in train], cfg.img_size)
+        refs = [[torch.tensor(vocab.encode(c, cfg.max_caption_len)) for c in image.captions] for image in train]
+        model = PlainCaptioner(cfg, len(vocab), vocab.pad_id)
+        pick = torch.Generator().manual_seed(cfg.seed + 1)
 
-    def loss_of(idx: Tensor) -> Tensor:
-        chosen = [refs[i][torch.randint(len(refs[i]), (), generator=pick).item()] for i in idx.tolist()]
-        tokens = pad_sequence(chosen, batch_first=True, padding_value=vocab.pad_id)  # (B, T)
-        logits = model(x_train[idx], tokens[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), ignore_index=vocab.pad_id)
+        def loss_of(idx: Tensor) -> Tensor:
+            chosen = [refs[i][torch.randint(len(refs[i]), (), generator=pick).item()] for i in idx.tolist()]
+            tokens = pad_sequence(chosen, batch_first=True, padding_value=vocab.pad_id)  # (B, T)
+            logits = model(x_train[idx], tokens[:, :-1])
+            return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), ignore_index=vocab.pad_id)
 
-    steps = train_plain(model, loss_of, len(train), cfg)
-    x_val = _images([data.root / image.file_name for image in val], cfg.img_size)
-    captions = [c for x in x_val.split(128) for c in vocab.decode_batch(model.generate(x, vocab, cfg.max_caption_len))]
-    references = [list(image.captions) for image in val]
-    metrics = compute_caption_metrics(captions, references)
-    metrics["exact_match"] = exact_match(captions, references)
-    metrics["distinct"] = distinct_share(captions)
-    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        steps = train_plain(model, loss_of, len(train), cfg)
+        x_val = _images([data.root / image.file_name for image in val], cfg.img_size)
+        captions = [
+            c for x in x_val.split(128) for c in vocab.decode_batch(model.generate(x, vocab, cfg.max_caption_len))
+        ]
+        references = [list(image.captions) for image in val]
+        metrics = compute_caption_metrics(captions, references)
+        metrics["exact_match"] = exact_match(captions, references)
+        metrics["distinct"] = distinct_share(captions)
     if save_to is not None:
         records = [
             {"image_id": im.image_id, "caption": c, "references": list(im.captions)}
@@ -329,7 +322,7 @@ def plain_caption(data: learning_data.PreparedDataset, cfg: BenchConfig, save_to
         ]
         save_to.write_text(json.dumps(records, ensure_ascii=False, indent=0) + "\n")
     what = f"a {cfg.decoder_depth}-layer nn.TransformerDecoder captioner (greedy, all training words) on a"
-    return Side(metrics, steps, seconds, cpu, _plain_description(cfg, what))
+    return Side(metrics, steps, took.seconds, took.cpu, _plain_description(cfg, what))
 
 
 def bench_row(data: learning_data.PreparedDataset, task: str, cfg: BenchConfig, out_dir: Path) -> list[dict[str, Any]]:
@@ -413,19 +406,16 @@ def combine_seeds(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """A Markdown table of the rows (``combine_seeds``'s: with several seeds, each cell is the mean and its range)."""
-    head = (
-        "| dataset | task | metric | vitattn | plain timm | target | steps | seeds | threads | vitattn s | plain s "
-        "| note |"
-    )
-    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    header = ["dataset", "task", "metric", "vitattn", "plain timm", "target", "steps", "seeds", "threads"]
+    lines = []
     for r in rows:
         seeds = r.get("seeds") or [r.get("seed")]
         lines.append(
-            f"| {r['dataset']} | {r['task']} | {METRIC_NAMES[r['metric']]} | {_cell(r, 'vitattn')} | "
-            f"{_cell(r, 'plain')} | {r['status']} | {r['steps']} | {len(seeds)} | {r['threads']} | "
-            f"{r['vitattn_seconds']:.0f} | {r['plain_seconds']:.0f} | {r.get('note', '')} |"
+            [r["dataset"], r["task"], METRIC_NAMES[r["metric"]], _cell(r, "vitattn"), _cell(r, "plain")]
+            + [r["status"], r["steps"], len(seeds), r["threads"], f"{r['vitattn_seconds']:.0f}"]
+            + [f"{r['plain_seconds']:.0f}", r.get("note", "")]
         )
-    return "\n".join(lines)
+    return markdown_table([*header, "vitattn s", "plain s", "note"], lines)
 
 
 def _cell(row: dict[str, Any], side: str) -> str:
@@ -440,17 +430,6 @@ def _cell(row: dict[str, Any], side: str) -> str:
 
 def _fmt(value: float, metric: str) -> str:
     return f"{100 * value:.1f} %" if metric in ("acc", "exact_match") else f"{value:.3f}"
-
-
-def update_doc(table: str, commands: str, path: Path | None = None) -> None:
-    """Replace the text between the table markers of ``path`` (``docs/learning.md``) with ``table`` and the commands."""
-    path = path or DOC
-    text = path.read_text(encoding="utf-8")
-    if DOC_START not in text or DOC_END not in text:
-        raise ValueError(f"{path} has no {DOC_START} ... {DOC_END} markers to put the table between")
-    before, rest = text.split(DOC_START, 1)
-    after = rest.split(DOC_END, 1)[1]
-    path.write_text(f"{before}{DOC_START}\n{table}\n\n{commands}\n{DOC_END}{after}", encoding="utf-8")
 
 
 def commands_block(rows: Sequence[dict[str, Any]], argvs: Sequence[Sequence[str]]) -> str:
@@ -523,7 +502,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.doc_from is not None:
         saved = [json.loads(path.read_text()) for path in args.doc_from]
         rows = combine_seeds([run for result in saved for run in result.get("runs", result["rows"])])
-        update_doc(format_table(rows), commands_block(rows, [result["argv"] for result in saved]))
+        commands = commands_block(rows, [result["argv"] for result in saved])
+        update_doc(DOC, DOC_START, DOC_END, f"{format_table(rows)}\n\n{commands}")
         print(f"table of {', '.join(map(str, args.doc_from))} written into {DOC}")
         return {"rows": rows}
     cfg = config_from(args)
@@ -561,6 +541,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nwritten to {args.out}")
     if args.update_doc:
-        update_doc(table, commands_block(rows, [argv]))
+        update_doc(DOC, DOC_START, DOC_END, f"{table}\n\n{commands_block(rows, [argv])}")
         print(f"table written into {DOC}")
     return result

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 from collections.abc import Sequence
 from typing import Any
 
+from benchmarks.report import markdown_table
+from benchmarks.timing import stopwatch
 from vitattn.metrics import compute_caption_metrics
 from vitattn.metrics.tokenize import coco_tokenize_file
 from vitattn.metrics.toolkit import toolkit_scores, toolkit_tokenize
@@ -141,19 +142,16 @@ def compare(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> 
         the seconds each took.
     """
     captions = [*predictions, *(r for refs in references for r in refs)]
-    start = time.perf_counter()
-    ours = [*coco_tokenize_file(predictions), *coco_tokenize_file([r for refs in references for r in refs])]
-    ours_s = time.perf_counter() - start
-    start = time.perf_counter()
-    theirs = [*toolkit_tokenize(predictions), *toolkit_tokenize([r for refs in references for r in refs])]
-    java_s = time.perf_counter() - start
+    with stopwatch() as ours_s:
+        ours = [*coco_tokenize_file(predictions), *coco_tokenize_file([r for refs in references for r in refs])]
+    with stopwatch() as java_s:
+        theirs = [*toolkit_tokenize(predictions), *toolkit_tokenize([r for refs in references for r in refs])]
     mismatches = [(c, o, t) for c, o, t in zip(captions, ours, theirs) if o != t]
-    start = time.perf_counter()
-    builtin = compute_caption_metrics(predictions, references)
-    builtin_s = time.perf_counter() - start
-    start = time.perf_counter()
-    toolkit = toolkit_scores(predictions, references, meteor=False)
-    toolkit_s = time.perf_counter() - start
+    with stopwatch() as builtin_s:
+        builtin = compute_caption_metrics(predictions, references)
+    with stopwatch() as toolkit_s:
+        toolkit = toolkit_scores(predictions, references, meteor=False)
+    took = {"tokenize": ours_s, "java_tokenize": java_s, "builtin": builtin_s, "toolkit": toolkit_s}
     return {
         "captions": len(captions),
         "token_mismatches": len(mismatches),
@@ -161,7 +159,7 @@ def compare(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> 
         "builtin": builtin,
         "toolkit": toolkit,
         "max_abs_diff": max(abs(builtin[k] - toolkit[k]) for k in toolkit),
-        "seconds": {"tokenize": ours_s, "java_tokenize": java_s, "builtin": builtin_s, "toolkit": toolkit_s},
+        "seconds": {k: v.seconds for k, v in took.items()},
     }
 
 
@@ -171,12 +169,12 @@ def report(result: dict[str, Any]) -> str:
         f"{result['captions']:,} captions; tokenised otherwise than the toolkit's Java PTB tokenizer: "
         f"{result['token_mismatches']}",
         "",
-        "| metric | built-in | COCO toolkit | difference |",
-        "|---|---|---|---|",
     ]
-    for key, theirs in result["toolkit"].items():
-        ours = result["builtin"][key]
-        lines.append(f"| {key} | {ours:.10f} | {theirs:.10f} | {ours - theirs:.1e} |")
+    metrics = [
+        [key, f"{result['builtin'][key]:.10f}", f"{theirs:.10f}", f"{result['builtin'][key] - theirs:.1e}"]
+        for key, theirs in result["toolkit"].items()
+    ]
+    lines.append(markdown_table(["metric", "built-in", "COCO toolkit", "difference"], metrics))
     for caption, ours, theirs in result["examples"]:
         lines.append(f"\n{caption!r}\n  built-in {ours}\n  toolkit  {theirs}")
     return "\n".join(lines)

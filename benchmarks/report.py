@@ -137,6 +137,27 @@ def error_message(err: BaseException) -> str:
     return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
 
 
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> str:
+    """A Markdown table of ``header`` and ``rows`` of cells, the columns ``right`` right-aligned: every bench's
+    table."""
+    rule = "|" + "".join("---:|" if i in right else "---|" for i in range(len(header)))
+    return "\n".join([_line(header), rule, *map(_line, rows)])
+
+
+def _line(cells: Sequence[Any]) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def update_doc(path: Path, start: str, end: str, text: str) -> None:
+    """Replace what lies between the ``start`` and ``end`` markers of the document ``path`` with ``text``; a
+    ``ValueError`` naming the markers when it has not both."""
+    doc = path.read_text(encoding="utf-8")
+    if start not in doc or end not in doc:
+        raise ValueError(f"{path} has no {start} ... {end} markers to put the table between")
+    before, rest = doc.split(start, 1)
+    path.write_text(f"{before}{start}\n{text}\n{end}{rest.split(end, 1)[1]}", encoding="utf-8")
+
+
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The rows as a Markdown table."""
 
@@ -145,7 +166,7 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
             return "-"
         return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.1f}"
 
-    lines = ["| row | ours | reference | ratio | target | status | note |", "|---|---:|---:|---:|---:|---|---|"]
+    lines = []
     for r in rows:
         unit = f" {r['unit']}" if r["unit"] else ""
         ref = f"{num(r['ref'])}{unit} ({r['ref_name']})" if r["ref"] is not None else (r["ref_name"] or "-")
@@ -158,8 +179,9 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
         else:
             target = f">= {100 * r['target']:.0f} %" if r["percent"] else f">= {r['target']:.2f}x"
         ours = f"{num(r['ours'])}{unit}" if r["ours"] is not None else "-"
-        lines.append(f"| {r['name']} | {ours} | {ref} | {ratio} | {target} | {r['status']} | {r['note']} |")
-    return "\n".join(lines)
+        lines.append([r["name"], ours, ref, ratio, target, r["status"], r["note"]])
+    header = ["row", "ours", "reference", "ratio", "target", "status", "note"]
+    return markdown_table(header, lines, right=(1, 2, 3, 4))
 
 
 def status_counts(rows: Sequence[Mapping[str, Any]]) -> str:

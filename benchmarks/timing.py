@@ -1,4 +1,5 @@
-"""Interleaved timing rounds, their medians and quartiles, a time limit, and the knobs every timed section shares.
+"""Interleaved timing rounds, their medians and quartiles, a time limit, and the knobs every timed section shares;
+``stopwatch`` for a whole run reported as its duration (a training subprocess), which nothing is compared with.
 
 Every comparison runs both sides in the same process, interleaved in rounds (A B, B A, A B, ...)
 after a warm-up; each side's figure is its median over the rounds, and the ratio is the median of
@@ -9,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import resource
 import signal
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, NoReturn
 
@@ -69,6 +72,31 @@ def interleaved(
             sync()
             samples[name].append((time.perf_counter() - t0) / inner[name])
     return samples
+
+
+@dataclass
+class Took:
+    """What ``stopwatch`` measured: wall-clock and CPU seconds."""
+
+    seconds: float = 0.0
+    cpu: float = 0.0
+
+
+@contextlib.contextmanager
+def stopwatch(cpu: Callable[[], float] = time.process_time) -> Iterator[Took]:
+    """Time the block once, by the wall clock and by ``cpu`` (``children_cpu`` for a subprocess): a whole run
+    reported as its duration. Two sides compared are ``interleaved``'s."""
+    took, start, cpu_start = Took(), time.perf_counter(), cpu()
+    try:
+        yield took
+    finally:
+        took.seconds, took.cpu = time.perf_counter() - start, cpu() - cpu_start
+
+
+def children_cpu() -> float:
+    """CPU seconds, user and system, of the finished child processes."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _no_sync() -> None:

@@ -34,13 +34,14 @@ import shlex
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report import markdown_table, update_doc
+from benchmarks.timing import stopwatch
 from vitattn.run_dir import RunDir
 
 SCHEMA = "vitattn-transfer-bench/1"
@@ -132,12 +133,11 @@ def run_train(args: list[str], run_dir: Path, threads: int, keep: bool = True) -
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "HYDRA_FULL_ERROR": "1"}
-        start = time.perf_counter()
-        with open(run_dir / "stdout.log", "w") as f:
+        with open(run_dir / "stdout.log", "w") as f, stopwatch() as took:
             done = subprocess.run(
                 [sys.executable, "-m", "vitattn.cli.train", *args], stdout=f, stderr=subprocess.STDOUT, env=env
             )
-        seconds = time.perf_counter() - start
+        seconds = took.seconds
         if done.returncode != 0:
             tail = (run_dir / "stdout.log").read_text(errors="replace").strip().splitlines()[-1:]
             raise RuntimeError(
@@ -210,21 +210,21 @@ def _row(run: Run) -> dict[str, Any]:
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """A Markdown table: one row per seed and arm, then (several seeds) the mean and range of each arm."""
-    head = "| caption encoder | seed | val BLEU-4 | val CIDEr-D | val exact match | val loss | steps | seconds |"
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    header = ["caption encoder", "seed", "val BLEU-4", "val CIDEr-D", "val exact match", "val loss", "steps", "seconds"]
+    lines = []
     for r in rows:
         m = r["metrics"]
         lines.append(
-            f"| {ARM_NAMES[r['arm']]} | {r['seed']} | {m['bleu4']:.3f} | {m['cider_d']:.3f} | "
-            f"{100 * m['exact_match']:.1f} % | {m['loss']:.3f} | {r['steps']} | {r['seconds']:.0f} |"
+            [ARM_NAMES[r["arm"]], r["seed"], f"{m['bleu4']:.3f}", f"{m['cider_d']:.3f}"]
+            + [f"{100 * m['exact_match']:.1f} %", f"{m['loss']:.3f}", r["steps"], f"{r['seconds']:.0f}"]
         )
     seeds = sorted({r["seed"] for r in rows})
     if len(seeds) > 1:
         for arm in ARMS:
             values = {m: [r["metrics"][m] for r in rows if r["arm"] == arm] for m in TABLE_METRICS}
             cells = [_spread(values[m], scale=100 if m == "exact_match" else 1) for m in TABLE_METRICS]
-            lines.append(f"| **{ARM_NAMES[arm]}** | mean (min-max) | {' | '.join(cells)} | | |")
-    return "\n".join(lines)
+            lines.append([f"**{ARM_NAMES[arm]}**", "mean (min-max)", *cells, "", ""])
+    return markdown_table(header, lines)
 
 
 def _spread(values: list[float], scale: float) -> str:
@@ -235,13 +235,11 @@ def _spread(values: list[float], scale: float) -> str:
 
 def pretrain_table(rows: Sequence[dict[str, Any]]) -> str:
     """The classifiers the caption encoders came from: val accuracy, steps, seconds."""
-    lines = ["| classifier | seed | val accuracy | steps | seconds |", "|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| head=classification | {r['seed']} | {100 * r['metrics']['acc']:.1f} % | {r['steps']} | "
-            f"{r['seconds']:.0f} |"
-        )
-    return "\n".join(lines)
+    lines = [
+        ["head=classification", r["seed"], f"{100 * r['metrics']['acc']:.1f} %", r["steps"], f"{r['seconds']:.0f}"]
+        for r in rows
+    ]
+    return markdown_table(["classifier", "seed", "val accuracy", "steps", "seconds"], lines)
 
 
 def tables(result: dict[str, Any]) -> str:
@@ -256,15 +254,6 @@ def commands_block(result: dict[str, Any], argv: Sequence[str]) -> str:
     for r in [result["pretrain"][0], *(r for r in result["rows"] if r["seed"] == first)]:
         lines += [f"# {ARM_NAMES.get(r.get('arm'), 'pretrain')}", r["command"].replace(f"{REPO}{os.sep}", "")]
     return "\n".join([*lines, "```"])
-
-
-def update_doc(text: str, path: Path = DOC) -> None:
-    """Replace what lies between the transfer-bench markers of ``path`` with ``text``."""
-    doc = path.read_text(encoding="utf-8")
-    if DOC_START not in doc or DOC_END not in doc:
-        raise ValueError(f"{path} has no {DOC_START} ... {DOC_END} markers to put the table between")
-    before, rest = doc.split(DOC_START, 1)
-    path.write_text(f"{before}{DOC_START}\n{text}\n{DOC_END}{rest.split(DOC_END, 1)[1]}", encoding="utf-8")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -306,7 +295,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     argv = args.argv
     if args.doc_from is not None:
         saved = json.loads(args.doc_from.read_text())
-        update_doc(f"{tables(saved)}\n\n{commands_block(saved, saved['argv'])}")
+        update_doc(DOC, DOC_START, DOC_END, f"{tables(saved)}\n\n{commands_block(saved, saved['argv'])}")
         print(f"table of {args.doc_from} written into {DOC}")
         return saved
     cfg = config_from(args)
@@ -324,6 +313,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nwritten to {args.out}")
     if args.update_doc:
-        update_doc(f"{tables(result)}\n\n{commands_block(result, argv)}")
+        update_doc(DOC, DOC_START, DOC_END, f"{tables(result)}\n\n{commands_block(result, argv)}")
         print(f"table written into {DOC}")
     return result

@@ -81,7 +81,7 @@ def own_package_imports(package: Path, files: list[Path]) -> list[str]:
 
 # the image-text head and what came with it (zero-shot, retrieval, embeddings, the Hub), counted apart
 IMAGE_TEXT = [
-    "models/coca.py", "training/systems/coca.py", "training/systems/contrastive.py", "inference/embeddings.py",
+    "models/coca.py", "training/systems/coca.py", "losses.py", "inference/embeddings.py",
     "inference/zero_shot.py", "serve/embeddings.py", "bundle/hub.py", "bundle/card.py", "metrics/metric.py",
     "metrics/retrieval.py",
 ]  # fmt: skip
@@ -103,7 +103,7 @@ def follow_config(output_dir: Path) -> list[str]:
     with initialize_config_module("vitattn.conf", version_base="1.3"):
         cfg = compose("train", overrides=[*TINY, f"paths.output_dir={output_dir}"])
     from vitattn.training.plan import Plan
-    from vitattn.training.run import train
+    from vitattn.training.recipe import train
 
     visits: list[str] = []
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks import cli, steps, timing, workloads
-from benchmarks.caption import given_memory
+from benchmarks.caption_bench import given_memory
 from benchmarks.flops import counted_flops, vit_flops
 from benchmarks.machine import matmul_gflops
 from benchmarks.report import SCHEMA, STATUSES, TARGETS, compare, format_table, pending_row, row, status
@@ -172,7 +172,7 @@ def test_merge_section_times_each_r_against_unmerged_and_timm_and_captions_again
     """``python -m benchmarks merge``: every R's forward row against timm (the target row at R=16 on ViT-S/16) and
     against ours unmerged, in one run; captions and the training step at the largest R."""
     pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[dev]'")
-    from benchmarks import merge
+    from benchmarks import merge_bench
 
     small = dict(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)  # 65 tokens
     workloads.ENCODERS["vit_s16_224"] = small
@@ -181,7 +181,7 @@ def test_merge_section_times_each_r_against_unmerged_and_timm_and_captions_again
     saved = json.loads(out.read_text())
     names = [r["name"] for r in saved["rows"]]
     assert names == [
-        f"forward vit_s16_224 b{merge.CPU_BATCH['vit_s16_224']} R={r} vs {ref}"
+        f"forward vit_s16_224 b{merge_bench.CPU_BATCH['vit_s16_224']} R={r} vs {ref}"
         for r in (4, 16)
         for ref in ("timm", "unmerged")
     ] + [f"captions vit_s16_224 beam 3 b8 R=16 vs {ref}" for ref in ("unmerged", "HF")] + [

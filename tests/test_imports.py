@@ -6,6 +6,7 @@ that importing vitattn changes nothing global."""
 from __future__ import annotations
 
 import json
+import pkgutil
 import subprocess
 import sys
 from pathlib import Path
@@ -98,6 +99,17 @@ def inference_files(tmp_path_factory) -> dict[str, Path]:
 def test_inference_path_imports_no_training_package(case, inference_files):
     forbidden = NOT_CAPTIONING if case in CAPTIONING else TRAINING_ONLY
     assert _modules_after(_INFERENCE_CASES[case], forbidden, **inference_files) == []
+
+
+def test_vitattn_eval_imports_nothing_of_training():
+    """Its own modules, the run's split included; what the run's data config names is Hydra's to import."""
+    import vitattn.training
+
+    training = (
+        "vitattn.training",
+        *(m.name for m in pkgutil.walk_packages(vitattn.training.__path__, "vitattn.training.")),
+    )
+    assert _modules_after("import vitattn.cli.evaluate, vitattn.cli.run_split\n", training) == []
 
 
 def test_attention_maps_import_matplotlib_when_asked(inference_files):

@@ -9,6 +9,7 @@ from PIL import Image, ImageDraw
 from torchvision.datasets import ImageFolder
 
 from benchmarks import cli, learning_bench, learning_data
+from benchmarks.report import update_doc
 from tests.helpers import compose_train
 from vitattn.data import load_coco_captions
 
@@ -163,7 +164,8 @@ def test_table_and_doc_markers(tmp_path):
     assert "| d | caption | CIDEr-D | 0.500 | 0.250 | PASS | 9 | 1 | 1 | 3 | 2 |  |" in table
     doc = tmp_path / "doc.md"
     doc.write_text(f"intro\n{learning_bench.DOC_START}\nold\n{learning_bench.DOC_END}\nafter\n")
-    learning_bench.update_doc(table, learning_bench.commands_block([row], [["--quick"]]), doc)
+    commands = learning_bench.commands_block([row], [["--quick"]])
+    update_doc(doc, learning_bench.DOC_START, learning_bench.DOC_END, f"{table}\n\n{commands}")
     text = doc.read_text()
     assert "old" not in text and text.startswith("intro\n") and text.endswith("after\n")
     assert table in text and "vitattn-train x=1" in text and "python -m benchmarks learning --quick" in text

@@ -21,6 +21,7 @@ from vitattn.cli import caption as caption_cli
 from vitattn.cli import evaluate as evaluate_cli
 from vitattn.cli import serve as serve_cli
 from vitattn.cli.export import main as export_main
+from vitattn.cli.run_split import run_split
 from vitattn.data.shapes import ShapesDataset
 from vitattn.errors import ConfigError
 from vitattn.evaluation import evaluate_captions, evaluate_classification
@@ -28,7 +29,6 @@ from vitattn.inference.api import to_pixels
 from vitattn.models.generate import sequence_log_prob
 from vitattn.precision import NATIVE_BF16_ENV, check_precision, native_bf16, resolve_precision
 from vitattn.training import train
-from vitattn.training.run_split import run_split
 
 CAPTIONS, LABELS = CAPTION_TEST_IMAGES, LABEL_TEST_IMAGES  # test-split images compared
 

@@ -9,14 +9,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
+from vitattn.errors import ConfigError
 from vitattn.fileio import atomic_write, read_json
 
-__all__ = ["TOKENIZER_FILE", "VOCAB_FILE", "RunDir"]
+__all__ = ["ALLOWED_TARGET_PREFIXES", "TOKENIZER_FILE", "VOCAB_FILE", "RunDir", "check_targets"]
 
 VOCAB_FILE = "vocab.json"  # the caption vocabulary, in a run folder and in a bundle or ONNX folder
 TOKENIZER_FILE = "tokenizer.json"  # a subword tokenizer (Hugging Face tokenizers), where vocab.json would be
+# What a config's ``_target_`` may name: a run folder's config is input, instantiated by training and evaluation.
+ALLOWED_TARGET_PREFIXES = ("vitattn.", "torch.", "torchvision.", "timm.", "lightning.", "pytorch_lightning.")
 
 
 @dataclass(frozen=True)
@@ -97,3 +100,18 @@ class RunDir:
         """Write the resolved config (and create the folder)."""
         self.path.mkdir(parents=True, exist_ok=True)
         atomic_write(self.config, OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def check_targets(cfg: DictConfig) -> None:
+    """Refuse a ``_target_`` outside vitattn, torch, torchvision, timm and lightning."""
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, DictConfig):
+            target = node.get("_target_") if "_target_" in node else None
+            if target is not None and not str(target).startswith(ALLOWED_TARGET_PREFIXES):
+                allowed = ", ".join(p.rstrip(".") for p in ALLOWED_TARGET_PREFIXES)
+                raise ConfigError(f"{path}._target_={target} is not allowed; targets must be in {allowed}")
+            for key, child in node.items_ex(resolve=False):  # a child unresolved: a `???` elsewhere is no error here
+                walk(child, f"{path}.{key}" if path else str(key))
+
+    walk(cfg, "")

@@ -20,6 +20,7 @@ from torch._utils import ExceptionWrapper
 
 from tests.helpers import TINY, compose_train, make_coco, make_image_folder, make_karpathy
 from vitattn.cli.check_data import main as check_data
+from vitattn.cli.run_split import datamodule_from_run
 from vitattn.cli.train import _report
 from vitattn.data import load_karpathy
 from vitattn.data.bad_images import PartialBatch, SkippedImage, collate_skipping
@@ -29,7 +30,6 @@ from vitattn.run_dir import RunDir
 from vitattn.training import train
 from vitattn.training.callbacks import SkippedImages
 from vitattn.training.datamodules import CocoCaptionDataModule, ImageFolderDataModule, KarpathyDataModule
-from vitattn.training.run_split import datamodule_from_run
 
 REASONS = {
     "corrupt": r"unreadable image: .+",

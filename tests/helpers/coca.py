@@ -34,8 +34,8 @@ def train_colour_coca(folder: Path, steps: int = 300, caption_weight: float = 0.
     from vitattn.data.preprocess import eval_transform
     from vitattn.data.tokenizer import Vocabulary
     from vitattn.inference.embeddings import encode_texts
+    from vitattn.losses import ClipLoss
     from vitattn.models import CaptionDecoder, CocaCaptioner, ImageCaptioner, VisionTransformer
-    from vitattn.training.systems.contrastive import clip_loss
 
     torch.manual_seed(0)
     rng, pick = np.random.default_rng(0), random.Random(0)
@@ -53,7 +53,7 @@ def train_colour_coca(folder: Path, steps: int = 300, caption_weight: float = 0.
         tokens = encode_texts(vocab, [pick.choice(TRAIN_TEMPLATES).format(c) for c in COLOURS], decoder.max_len)
         loss = torch.zeros(())
         if head == "coca":
-            loss = clip_loss(model.embed_images(images), model.embed_texts(tokens), model.logit_scale)
+            loss = ClipLoss()(model.embed_images(images), model.embed_texts(tokens), model.logit_scale)
         if caption_weight:
             logits = model(images, tokens[:, :-1])  # (4, T - 1, V)
             caption = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), ignore_index=vocab.pad_id)

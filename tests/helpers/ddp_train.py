@@ -13,10 +13,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-import vitattn.training.run
+import vitattn.training.recipe
 from vitattn.cli.train import main
 
-_bundle_from_system = vitattn.training.run.bundle_from_system  # what train() calls to export the bundle
+_bundle_from_system = vitattn.training.recipe.bundle_from_system  # what train() calls to export the bundle
 
 
 def recording_bundle_from_system(system: Any, directory: str | os.PathLike) -> Path:
@@ -26,5 +26,5 @@ def recording_bundle_from_system(system: Any, directory: str | os.PathLike) -> P
 
 
 if __name__ == "__main__":
-    vitattn.training.run.bundle_from_system = recording_bundle_from_system
+    vitattn.training.recipe.bundle_from_system = recording_bundle_from_system
     main()

@@ -19,13 +19,14 @@ from vitattn.bundle import load_bundle, load_checkpoint
 from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.data.tokenizer import Vocabulary
 from vitattn.errors import ConfigError
+from vitattn.losses import ClipLoss, SigLipLoss
 from vitattn.metrics.metric import RetrievalMetrics
 from vitattn.models import CaptionDecoder, CocaCaptioner, ImageCaptioner, VisionTransformer
 from vitattn.run_dir import RunDir
 from vitattn.training import train
 from vitattn.training.config import check_config
 from vitattn.training.systems import CocaSystem
-from vitattn.training.systems.contrastive import clip_loss, contrastive_model_config, siglip_loss
+from vitattn.training.systems.coca import contrastive_model_config
 from vitattn.training.systems.sharding import shard_layers
 
 WORDS = "a red blue green circle square on the".split()
@@ -41,7 +42,7 @@ def test_clip_loss_is_the_mean_of_both_cross_entropies_at_any_scale():
     for scale in (1 / 0.07, 300.0):  # no cap in the loss: the system clamps the parameter after each step
         logits = scale * image @ text.T  # (images, texts)
         reference = -(logits.log_softmax(1).diagonal().mean() + logits.log_softmax(0).diagonal().mean()) / 2
-        torch.testing.assert_close(clip_loss(image, text, torch.tensor(math.log(scale))), reference)
+        torch.testing.assert_close(ClipLoss()(image, text, torch.tensor(math.log(scale))), reference)
 
 
 def test_siglip_loss_sums_a_binary_loss_per_pair_over_the_texts_and_averages_over_the_images():
@@ -49,7 +50,7 @@ def test_siglip_loss_sums_a_binary_loss_per_pair_over_the_texts_and_averages_ove
     logits = 10.0 * image @ text.T + bias
     same = torch.eye(5, dtype=torch.bool)
     reference = -(torch.sigmoid(logits)[same].log().sum() + torch.sigmoid(-logits)[~same].log().sum()) / 5
-    torch.testing.assert_close(siglip_loss(image, text, torch.tensor(math.log(10.0)), bias), reference)
+    torch.testing.assert_close(SigLipLoss()(image, text, torch.tensor(math.log(10.0)), bias), reference)
 
 
 def test_siglip_auto_bias_starts_random_embeddings_at_the_loss_minimum():
@@ -60,7 +61,7 @@ def test_siglip_auto_bias_starts_random_embeddings_at_the_loss_minimum():
     for init, slope in (("auto", 0.0), (-10.0, -1.0)):  # d loss / d bias = n sigmoid(bias) - 1
         bias = torch.tensor(contrastive_model_config({**head, "init_logit_bias": init}, n)["init_logit_bias"])
         bias.requires_grad_()
-        siglip_loss(image, text, torch.tensor(0.0), bias).backward()
+        SigLipLoss()(image, text, torch.tensor(0.0), bias).backward()
         torch.testing.assert_close(bias.grad, torch.tensor(slope), atol=1e-3, rtol=0)
 
 

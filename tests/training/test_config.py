@@ -8,8 +8,8 @@ from omegaconf import OmegaConf
 
 from tests.helpers import TINY, TINY_SHAPES, compose_train, make_coco, make_image_folder
 from vitattn.errors import ConfigError
+from vitattn.run_dir import check_targets
 from vitattn.training import train
-from vitattn.training.config import check_targets
 from vitattn.training.plan import resolve
 
 SHAPES = [*TINY, *TINY_SHAPES]

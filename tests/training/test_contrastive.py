@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from tests.training.test_coca import _batch, _system
-from vitattn.training.systems.contrastive import MAX_LOGIT_SCALE, contrastive_loss
+from vitattn.losses import CONTRASTIVE_LOSSES, MAX_LOGIT_SCALE
 
 PAD = 0
 # Each image's texts as token ids (<bos> 1, <eos> 2, <pad> 0): image 0 has two references; the text of images 1, 4
@@ -45,6 +45,14 @@ def _data() -> dict[str, torch.Tensor]:
     }
 
 
+def _contrastive(loss: str, image, text, model, text_image, text_ids) -> torch.Tensor:
+    """The ``loss`` module's value with ``model``'s temperature and, for SigLIP, its bias; the ids padded to the
+    model's length, as ``CocaSystem`` pads them (the ranks' widths differ)."""
+    text_ids = F.pad(text_ids, (0, model.max_len - text_ids.shape[1]), value=model.decoder.pad_id)
+    bias = model.logit_bias if loss == "siglip" else None
+    return CONTRASTIVE_LOSSES[loss]()(image, text, model.logit_scale, bias, text_image, text_ids)
+
+
 class _Towers(torch.nn.Module):
     """Two linear maps to unit embeddings, a temperature and a bias: the parameters DDP would average."""
 
@@ -62,7 +70,7 @@ class _Towers(torch.nn.Module):
     def forward(self, data: dict, loss: str) -> torch.Tensor:
         image = F.normalize(self.image_proj(data["image"]), dim=-1)
         text = F.normalize(self.text_proj(data["text"]), dim=-1)
-        return contrastive_loss(loss, image, text, self, data["text_image"], data["text_ids"])
+        return _contrastive(loss, image, text, self, data["text_image"], data["text_ids"])
 
     def embeddings(self, data: dict) -> tuple[torch.Tensor, torch.Tensor]:
         return F.normalize(self.image_proj(data["image"]), dim=-1), F.normalize(self.text_proj(data["text"]), dim=-1)
@@ -154,9 +162,9 @@ def test_the_loss_runs_in_fp32_with_autocast_off(loss):
     model.max_len, model.decoder = towers.max_len, towers.decoder
     args = (model, data["text_image"], data["text_ids"])
     with torch.no_grad():
-        expected = contrastive_loss(loss, image.float(), text.float(), *args)
+        expected = _contrastive(loss, image.float(), text.float(), *args)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            got = contrastive_loss(loss, image, text, *args)
+            got = _contrastive(loss, image, text, *args)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 

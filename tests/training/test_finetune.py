@@ -5,7 +5,7 @@ import torch
 from lightning.pytorch import Callback
 from timm.optim import param_groups_weight_decay
 
-import vitattn.training.config as targets
+import vitattn.run_dir as targets
 from tests.helpers import TINY, TINY_SHAPES, compose_train
 from vitattn.cli.train import _resume_argv
 from vitattn.errors import ConfigError

@@ -14,7 +14,7 @@ from vitattn.bundle import load_model
 from vitattn.bundle.folder import encoder_of
 from vitattn.models import VisionTransformer
 from vitattn.training import train
-from vitattn.training.init_weights import read_start
+from vitattn.training.start_weights import read_start
 
 FAST = [*TINY, *TINY_SHAPES, "trainer.fast_dev_run=true"]
 TOKENS = 17  # TINY's 4 x 4 patches and the class token

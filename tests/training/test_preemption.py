@@ -182,12 +182,12 @@ def test_a_complete_run_resumed_is_left_as_it_is(tmp_path, caplog):
     run = [*RUN, "trainer.max_steps=2", "export_bundle=true"]  # resume=auto
     first = train(compose_train(run, tmp_path))
     files = _files(tmp_path)
-    with caplog.at_level(logging.INFO, logger="vitattn.training.run"):
+    with caplog.at_level(logging.INFO, logger="vitattn.training.recipe"):
         again = train(compose_train(run, tmp_path))
     assert again.already_complete and again.system is None  # nothing built, nothing trained
     assert (again.global_step, again.metrics, again.weights) == (2, first.metrics, first.weights)
     assert again.bundle_dir == first.bundle_dir == tmp_path / "bundle"
-    assert [r.getMessage() for r in caplog.records if r.name == "vitattn.training.run"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "vitattn.training.recipe"] == [
         f"run complete: {tmp_path} (step 2); bundle {tmp_path / 'bundle'}; nothing to train"
     ]
     assert _files(tmp_path) == files  # nothing deleted, nothing written

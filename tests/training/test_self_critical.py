@@ -34,7 +34,6 @@ from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 from vitattn.run_dir import RunDir
 from vitattn.training import train
 from vitattn.training.build import prepare_reward, read_statistics
-from vitattn.training.systems import coca as coca_system
 from vitattn.training.systems.self_critical import ScstConfig, SelfCritical, mean_of_others, sample_log_probs, scst_loss
 
 # A captioner on the built-in shapes that logs every step; SCST and cross-entropy second stages start from it.
@@ -396,7 +395,7 @@ def _scst_system(head: str, xe_weight: float, encoder: dict | None = None, **kwa
     settings, ``kwargs`` the system's."""
     from tests.training.test_coca import WORDS
     from vitattn.training.systems import CaptionSystem, CocaSystem
-    from vitattn.training.systems.contrastive import contrastive_model_config
+    from vitattn.training.systems.coca import contrastive_model_config
 
     torch.manual_seed(0)
     encoder = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, **(encoder or {}))
@@ -415,9 +414,9 @@ def _scst_system(head: str, xe_weight: float, encoder: dict | None = None, **kwa
 def test_an_scst_step_encodes_each_image_once_and_skips_the_cross_entropy_at_xe_weight_0(head, xe_weight, monkeypatch):
     system = _scst_system(head, xe_weight)
     encoded, cross_entropies = [], []
-    forward_tokens, caption_loss = system.model.encoder.forward_tokens, system._caption_loss
+    forward_tokens, caption_loss = system.model.encoder.forward_tokens, system.caption_loss.forward
     monkeypatch.setattr(system.model.encoder, "forward_tokens", lambda x: encoded.append(x) or forward_tokens(x))
-    monkeypatch.setattr(system, "_caption_loss", lambda *a: cross_entropies.append(a) or caption_loss(*a))
+    monkeypatch.setattr(system.caption_loss, "forward", lambda *a: cross_entropies.append(a) or caption_loss(*a))
     tokens = torch.tensor([[1, 4, 8, 7, 2, 0], [1, 6, 9, 10, 2, 0]])  # <bos> a red circle <eos> <pad>
     batch = {"images": torch.randn(2, 3, 32, 32), "tokens": tokens, "references": [["a red circle"], ["the blue"]]}
     loss = system._self_critical_loss(batch, 2)
@@ -436,8 +435,8 @@ def test_an_scst_step_on_merged_tokens_decodes_and_embeds_with_their_sizes(head,
     self_critical = system.self_critical
     monkeypatch.setattr(system, "self_critical", lambda *a: memories.append(a[4]) or self_critical(*a))
     if head == "coca":
-        loss = coca_system.contrastive_loss
-        monkeypatch.setattr(coca_system, "contrastive_loss", lambda *a: embedded.append(a[1]) or loss(*a))
+        loss = system.contrastive_loss.forward
+        monkeypatch.setattr(system.contrastive_loss, "forward", lambda *a: embedded.append(a[0]) or loss(*a))
     images = torch.randn(2, 3, 32, 32)
     tokens = torch.tensor([[1, 4, 8, 7, 2, 0], [1, 6, 9, 10, 2, 0]])
     system._self_critical_loss({"images": images, "tokens": tokens, "references": [["a red circle"], ["the"]]}, 2)

@@ -12,7 +12,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from omegaconf import OmegaConf
 
-import vitattn.training.run
+import vitattn.training.recipe
 from tests.helpers import (
     CONF_DIR,
     TINY,
@@ -486,7 +486,7 @@ def test_the_self_critical_recipe_is_the_first_stages_second_stage(datasets, tmp
 
 @pytest.mark.parametrize("recipe", ["coco_karpathy_vit_b16", "flickr8k_vit_s16"])
 def test_captioning_recipes_pass_validation(recipe, datasets, tmp_path):
-    from vitattn.training.init_weights import source_kind
+    from vitattn.training.start_weights import source_kind
 
     cfg = compose_train([f"experiment={recipe}", *datasets["karpathy"], "trainer.devices=1"], tmp_path)
     check_config(cfg)

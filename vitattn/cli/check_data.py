@@ -48,10 +48,11 @@ def parse_args(argv: list[str]) -> tuple[DictConfig, int]:
 
 def run(args: tuple[DictConfig, int]) -> int:
     """Check the images of the composed config's data; returns the exit status (1 when some are bad)."""
+    from vitattn.cli.run_split import read_once
     from vitattn.data.bad_images import find_bad_images
+    from vitattn.run_dir import check_targets
     from vitattn.training.build import setup_data
-    from vitattn.training.config import check_data_paths, check_targets, data_name
-    from vitattn.training.run_split import read_once
+    from vitattn.training.config import check_data_paths, data_name
 
     cfg, threads = args
     check_targets(cfg.data)

@@ -153,7 +153,7 @@ def _run_split(cfg: Any, bundle: Any, run: RunDir | None, given: str | None, **m
     if run is None or given is not None:
         return None
     # heavy: the run's own data is its DataModule, rebuilt by Hydra (Lightning); a user's files need neither
-    from vitattn.training.run_split import run_split
+    from vitattn.cli.run_split import run_split
 
     return run_split(bundle, run, cfg.split, batch_size=cfg.batch_size, num_workers=cfg.num_workers, **moved)
 

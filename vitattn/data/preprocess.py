@@ -4,6 +4,7 @@ normalisation on the device (``Normalize``) and training augmentation (``Augment
 
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 import re
@@ -36,6 +37,7 @@ __all__ = [
     "Normalize",
     "normalize",
     "PREPROCESS_KEYS",
+    "preprocess_taken",
     "WEIGHTS_KEYS",
     "weights_preprocess",
 ]
@@ -95,6 +97,17 @@ def weights_preprocess(preprocess: Mapping[str, Any]) -> dict[str, Any]:
     """The ``WEIGHTS_KEYS`` of a model's ``preprocess``: what a run that starts from that model takes (a missing
     ``crop_mode`` is ``center``, as timm's transform reads it)."""
     return {"crop_mode": "center", **{k: preprocess[k] for k in WEIGHTS_KEYS if preprocess.get(k) is not None}}
+
+
+def preprocess_taken(data: Mapping[str, Any], preprocess: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What of a model's ``preprocess`` a data config takes: the ``weights_keys`` of the DataModule its
+    ``_target_`` names that ``data`` leaves null (a ``data.*`` key the config sets wins over the weights')."""
+    if preprocess is None:
+        return {}
+    theirs = weights_preprocess(preprocess)
+    module, _, name = str(data["_target_"]).rpartition(".")
+    keys = getattr(getattr(importlib.import_module(module), name), "weights_keys", ())
+    return {k: theirs[k] for k in keys if k in theirs and data.get(k) is None}
 
 
 def describe(preprocess: Mapping[str, Any]) -> str:

@@ -136,7 +136,7 @@ def evaluate_captions(
 ) -> EvalReport:
     """Caption a split (or read ``predictions``, ``read_predictions``' files) and score the captions against its
     references: ``references`` (a COCO caption file, its images in ``image_dir``, default its folder), else
-    ``run_split``, the training run's own ``split`` (``vitattn.training.run_split.run_split``). ``generate``: the
+    ``run_split``, the training run's own ``split`` (``vitattn.cli.run_split.run_split``). ``generate``: the
     decoding settings; ``scorer``: ``builtin`` (BLEU-1..4, ROUGE-L, CIDEr-D) or ``coco``, the COCO toolkit's too
     (``report.coco``). In the report, ``num_failed`` counts images
     unread or with an error record, ``num_missing`` those without a prediction.

@@ -45,7 +45,7 @@ def evaluate_classification(
 ) -> EvalReport:
     """Top-1 / top-5 accuracy and the confusion matrix of a classifier on ``split`` of ``data_root``
     (``<split>/<class>/<image>``, class folders matched to the model's classes by name), else ``run_split``, the
-    run's own (``vitattn.training.run_split.run_split``).
+    run's own (``vitattn.cli.run_split.run_split``).
     Unreadable files are left out and counted in ``num_failed``.
     """
     # heavy: torchmetrics is slow to import (docs/benchmarks.md), and only classification evaluation needs it

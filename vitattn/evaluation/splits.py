@@ -1,5 +1,5 @@
 """Which images to score, and against what: a user's COCO caption file or ImageFolder tree, or the training
-run's own split, given (``vitattn.training.run_split.run_split`` rebuilds it: image files with ids, or ready batches).
+run's own split, given (``vitattn.cli.run_split.run_split`` rebuilds it: image files with ids, or ready batches).
 """
 
 from __future__ import annotations

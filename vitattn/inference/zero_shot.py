@@ -30,6 +30,7 @@ from vitattn.data.tokenizer import Tokenizer
 from vitattn.errors import brief
 from vitattn.fileio import read_text
 from vitattn.inference.embeddings import encode_texts
+from vitattn.losses import MAX_LOGIT_SCALE
 from vitattn.models import Embedder
 from vitattn.models.caption import Memory
 from vitattn.models.generate import CaptionSearch, token_log_probs
@@ -240,8 +241,8 @@ class ZeroShotClassifier(nn.Module):
 
     def contrastive(self, embedded: Tensor) -> Tensor:
         """(B, E) image embeddings -> (B, K) cosines with the class embeddings times the model's learned scale
-        (capped at 100, as in training)."""
-        scale = self.model.logit_scale.clamp(max=math.log(100.0)).exp().to(embedded.device)  # (1,)
+        (capped at ``MAX_LOGIT_SCALE``, as in training)."""
+        scale = self.model.logit_scale.clamp(max=MAX_LOGIT_SCALE).exp().to(embedded.device)  # (1,)
         return scale * embedded @ self.classes.to(embedded).T  # (B, K)
 
     def likelihood(self, memory: Any, batch_size: int) -> Tensor:

@@ -8,12 +8,12 @@ from importlib import import_module
 __all__ = ["AtomicCheckpointIO", "TrainResult", "build_system", "model_config_from", "setup_data", "train"]
 
 _OWNERS = {
-    "AtomicCheckpointIO": "vitattn.training.run",
-    "TrainResult": "vitattn.training.run",
+    "AtomicCheckpointIO": "vitattn.training.recipe",
+    "TrainResult": "vitattn.training.recipe",
     "build_system": "vitattn.training.build",
     "model_config_from": "vitattn.training.build",
     "setup_data": "vitattn.training.build",
-    "train": "vitattn.training.run",
+    "train": "vitattn.training.recipe",
 }
 
 

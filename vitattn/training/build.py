@@ -36,11 +36,11 @@ from vitattn.metrics import CiderD
 from vitattn.run_dir import VOCAB_FILE, RunDir
 from vitattn.training.bootstrap import BootstrapSettings, prepare_pool
 from vitattn.training.config import qualify
-from vitattn.training.init_weights import log_preprocess
 from vitattn.training.loggers import check_loggers, logger_arguments
 from vitattn.training.plan import WAIT_SECONDS, Plan, wait_for_rank_zero
+from vitattn.training.start_weights import log_preprocess
 from vitattn.training.systems import VisionSystem
-from vitattn.training.systems.contrastive import contrastive_model_config
+from vitattn.training.systems.coca import contrastive_model_config
 
 __all__ = [
     "MIN_TOKENS",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 import hydra
 from hydra import compose, initialize_config_module
@@ -20,14 +19,13 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from vitattn.data.preprocess import WEIGHTS_KEYS, Augment, check_preprocess, default_preprocess
 from vitattn.errors import ConfigError
 from vitattn.models import TASKS
-from vitattn.run_dir import RunDir
-from vitattn.training.systems.contrastive import RETRIEVAL_MONITORS, ZERO_SHOT_MONITOR, check_contrastive
+from vitattn.run_dir import RunDir, check_targets
+from vitattn.training.systems.caption import ZERO_SHOT_MONITOR
+from vitattn.training.systems.coca import RETRIEVAL_MONITORS, check_contrastive
 
 __all__ = [
-    "ALLOWED_TARGET_PREFIXES",
     "check_config",
     "check_data_paths",
-    "check_targets",
     "compose_train",
     "data_name",
     "fully_sharded",
@@ -37,28 +35,11 @@ __all__ = [
 _DIR_KEYS = ("root", "image_dir")
 _FILE_KEYS = ("train_annotations", "val_annotations", "test_annotations", "vocab_path", "dataset_json")
 
-ALLOWED_TARGET_PREFIXES = ("vitattn.", "torch.", "torchvision.", "timm.", "lightning.", "pytorch_lightning.")
-
 
 def compose_train(overrides: list[str]) -> DictConfig:
     """``conf/train.yaml`` composed with Hydra ``overrides``, without a run directory (``paths.output_dir``)."""
     with initialize_config_module("vitattn.conf", version_base="1.3"):
         return compose("train", overrides=list(overrides))
-
-
-def check_targets(cfg: DictConfig) -> None:
-    """Refuse a ``_target_`` outside vitattn, torch, torchvision, timm and lightning."""
-
-    def walk(node: Any, path: str) -> None:
-        if isinstance(node, DictConfig):
-            target = node.get("_target_") if "_target_" in node else None
-            if target is not None and not str(target).startswith(ALLOWED_TARGET_PREFIXES):
-                allowed = ", ".join(p.rstrip(".") for p in ALLOWED_TARGET_PREFIXES)
-                raise ConfigError(f"{path}._target_={target} is not allowed; targets must be in {allowed}")
-            for key, child in node.items_ex(resolve=False):  # a child unresolved: a `???` elsewhere is no error here
-                walk(child, f"{path}.{key}" if path else str(key))
-
-    walk(cfg, "")
 
 
 def data_name(data: DictConfig) -> str:

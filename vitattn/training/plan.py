@@ -13,29 +13,27 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from vitattn.data.preprocess import WEIGHTS_KEYS, weights_preprocess
+from vitattn.data.preprocess import WEIGHTS_KEYS, preprocess_taken
 from vitattn.data.tokenizer import Tokenizer, load_tokenizer
 from vitattn.precision import cuda_bf16, native_bf16
 from vitattn.run_dir import RunDir
 from vitattn.training.config import check_config, fully_sharded
-from vitattn.training.init_weights import EncoderWeights, ModelWeights, command_line_keys, read_start
+from vitattn.training.start_weights import EncoderWeights, ModelWeights, command_line_keys, read_start
 
 __all__ = [
     "BF16_TRAIN_MIN_WIDTH",
     "WAIT_SECONDS",
     "Plan",
     "on_gpu",
-    "preprocess_taken",
     "processes_per_node",
     "resolve",
     "run_tokenizer",
@@ -177,16 +175,6 @@ def _resolve_preprocess(cfg: DictConfig, start: ModelWeights | EncoderWeights | 
     last = len(parts) - 1
     why = "; ".join(f"{'the rest' if i == last else keys}: {source}" for i, (keys, source) in enumerate(parts))
     return parts[0][1] if not last else why
-
-
-def preprocess_taken(data: DictConfig, preprocess: Mapping[str, Any] | None) -> dict[str, Any]:
-    """What of a model's ``preprocess`` the data takes: the data class's ``weights_keys`` that ``data`` leaves
-    null (a ``data.*`` key the config sets wins over the weights')."""
-    if preprocess is None:
-        return {}
-    theirs = weights_preprocess(preprocess)
-    keys = getattr(hydra.utils.get_class(data._target_), "weights_keys", ())
-    return {k: theirs[k] for k in keys if k in theirs and data.get(k) is None}
 
 
 def _data_default(start: ModelWeights | EncoderWeights | None, rest: list[str]) -> str:

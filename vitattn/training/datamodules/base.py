@@ -189,7 +189,7 @@ class ImageDataModule(pl.LightningDataModule):
     tasks: tuple[str, ...] = ()
     reads_files = False  # images come from files (which may be unreadable), not from a generator
     crop = {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bicubic"}  # whole image, squashed
-    weights_keys = WEIGHTS_KEYS  # the data.* keys a run takes from its start weights (training.init_weights)
+    weights_keys = WEIGHTS_KEYS  # the data.* keys a run takes from its start weights (training.start_weights)
 
     def __init__(
         self,

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
@@ -17,13 +16,16 @@ from vitattn.evaluation.classification import topk_hits
 from vitattn.inference.captioning import file_batches
 from vitattn.inference.zero_shot import check_labels, resolve_scorer, templates_from, zero_shot_classifier
 from vitattn.layers import UNMERGED, TokenState
+from vitattn.losses import CaptionLoss
 from vitattn.metrics import CaptionMetrics, CiderD
 from vitattn.models import captioner_from_config
 from vitattn.models.caption import per_caption
 from vitattn.training.systems.base import VisionSystem
 from vitattn.training.systems.self_critical import ScstConfig, SelfCritical
 
-__all__ = ["CaptionSystem"]
+__all__ = ["ZERO_SHOT_MONITOR", "CaptionSystem"]
+
+ZERO_SHOT_MONITOR = "val/zero_shot_top1"  # what validation logs with ``zero_shot``
 
 
 class CaptionSystem(VisionSystem):
@@ -68,6 +70,7 @@ class CaptionSystem(VisionSystem):
         self.model = captioner_from_config(model_config)  # a CocaCaptioner for CocaSystem
         tokens = torch.zeros(1, self.model.decoder.max_len - 1, dtype=torch.long)  # (1, T): a full-length caption
         self.example_input_array = (self.example_images(self.model.encoder), tokens)  # summary: FLOPs per caption
+        self.caption_loss = CaptionLoss(self.vocab.pad_id)
         self.label_smoothing = label_smoothing
         self.generate_kwargs = dict(generate or {})
         self.num_samples = num_samples
@@ -103,16 +106,7 @@ class CaptionSystem(VisionSystem):
     def _loss(self, batch: dict[str, Any], label_smoothing: float = 0.0) -> Tensor:
         tokens = batch["tokens"]  # (N, T): bos ... eos pad, N >= B with several captions per image
         logits = self.model(batch["images"], tokens[:, :-1], batch.get("caption_image"))  # (N, T-1, V)
-        return self._caption_loss(logits, tokens, label_smoothing)
-
-    def _caption_loss(self, logits: Tensor, tokens: Tensor, label_smoothing: float) -> Tensor:
-        """Cross-entropy of (N, T-1, V) next-token logits against ``tokens[:, 1:]``, the padding ignored."""
-        return F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(),
-            tokens[:, 1:].reshape(-1),
-            ignore_index=self.vocab.pad_id,
-            label_smoothing=label_smoothing,
-        )
+        return self.caption_loss(logits, tokens, label_smoothing)
 
     def use_reward(self, scorer: CiderD) -> None:
         """Train self-critically with ``scorer`` as the reward (needs ``scst`` settings)."""
@@ -145,7 +139,7 @@ class CaptionSystem(VisionSystem):
         tokens = batch["tokens"]  # (N, T)
         memory = per_caption(memory, batch.get("caption_image"))
         logits = self.model.decoder(tokens[:, :-1], memory.tokens, memory_size=memory.size)  # (N, T-1, V)
-        return scst, self._caption_loss(logits, tokens, self.label_smoothing)
+        return scst, self.caption_loss(logits, tokens, self.label_smoothing)
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
         self.log(f"{stage}/loss", self._loss(batch), sync_dist=True, prog_bar=True, batch_size=len(batch["images"]))

@@ -5,22 +5,49 @@ classification by its class names (docs/captioning.md#coca)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from vitattn.inference.embeddings import encode_texts
+from vitattn.losses import CONTRASTIVE_LOSSES, INIT_LOGIT_SCALE, MAX_LOGIT_SCALE, loss_over_ranks
 from vitattn.metrics.metric import RetrievalMetrics
 from vitattn.training.systems.caption import CaptionSystem
-from vitattn.training.systems.contrastive import (
-    MAX_LOGIT_SCALE,
-    check_contrastive,
-    contrastive_loss,
-    loss_over_ranks,
-)
 
-__all__ = ["CocaSystem"]
+__all__ = ["RETRIEVAL_MONITORS", "CocaSystem", "check_contrastive", "contrastive_model_config"]
+
+RETRIEVAL_MONITORS = ("val/i2t_r1", "val/t2i_r1")  # what validation logs from ``RetrievalMetrics``
+
+
+def check_contrastive(loss: str, contrastive_weight: float, caption_weight: float, ramp_steps: int = 0) -> None:
+    """Raise a one-line ``ValueError`` for an unknown loss, weights that are negative or both 0, or a ramp that is
+    not a whole number of steps."""
+    if loss not in CONTRASTIVE_LOSSES:
+        raise ValueError(f"head.contrastive.loss={loss!r} is unknown; choose clip or siglip")
+    for key, weight in (("contrastive_weight", contrastive_weight), ("caption_weight", caption_weight)):
+        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"head.{key}={weight!r} must be a number of 0 or more")
+    if contrastive_weight == caption_weight == 0:
+        raise ValueError("head.contrastive_weight=0 and head.caption_weight=0 train nothing; set one above 0")
+    if isinstance(ramp_steps, bool) or not isinstance(ramp_steps, int) or ramp_steps < 0:
+        raise ValueError(f"head.contrastive_ramp_steps={ramp_steps!r} must be a whole number of steps, 0 or more")
+
+
+def contrastive_model_config(contrastive: dict[str, Any], pairs: int) -> dict[str, Any]:
+    """``CocaCaptioner``'s keyword arguments from ``head.contrastive``: its sizes, and the logit scale and bias its
+    loss starts from. SigLIP's bias ``auto``: -log(pairs - 1), ``pairs`` the images of a step on all ranks, where
+    random embeddings (cosine 0) are at the loss's minimum (open_clip issue #650; open_clip's -10 suits 22,000)."""
+    loss = contrastive["loss"]
+    sizes = {k: contrastive[k] for k in ("embed_dim", "text_depth", "text_num_heads", "text_mlp_ratio")}
+    bias = contrastive.get("init_logit_bias", "auto")
+    if loss != "siglip":
+        bias = None
+    elif bias == "auto":
+        bias = -math.log(max(pairs - 1, 1))
+    return {**sizes, "init_logit_scale": INIT_LOGIT_SCALE[loss], "init_logit_bias": bias}
 
 
 class CocaSystem(CaptionSystem):
@@ -45,7 +72,7 @@ class CocaSystem(CaptionSystem):
         if "contrastive" not in model_config:
             raise ValueError("model_config has no 'contrastive' part: CocaSystem trains a CocaCaptioner")
         super().__init__(model_config, vocab, **kwargs)
-        self.contrastive_loss = contrastive_loss
+        self.contrastive_loss = CONTRASTIVE_LOSSES[contrastive_loss]()
         self.contrastive_weight, self.caption_weight = contrastive_weight, caption_weight
         self.contrastive_ramp_steps = contrastive_ramp_steps
         self.retrieval_metrics = RetrievalMetrics()  # every rank's embeddings, ranked once
@@ -70,7 +97,7 @@ class CocaSystem(CaptionSystem):
         features, state = self.model.encoder.forward_tokens(batch["images"])  # (B, N, D), merged tokens' sizes
         scst, caption = self._self_critical_terms(batch, size, features, state)
         image, text = self.model.embed_features(features, state), self.model.embed_texts(tokens)
-        contrastive = contrastive_loss(self.contrastive_loss, image, text, self.model, caption_image, tokens)
+        contrastive = self._contrastive(image, text, caption_image, tokens)
         self._terms = {"scst_loss": scst.detach(), "contrastive_loss": loss_over_ranks(contrastive)}
         weighted = self._contrastive_weight() * contrastive
         if caption is None:
@@ -83,14 +110,22 @@ class CocaSystem(CaptionSystem):
         texts are every caption of the batch, each a positive of its own image and of the images of its equals."""
         tokens, caption_image = batch["tokens"], batch.get("caption_image")  # (N, T), (N,) or None: caption n, image n
         logits, image, text = self.model.forward_coca(batch["images"], tokens, tokens, caption_image)
-        caption = self._caption_loss(logits, tokens, label_smoothing)
-        contrastive = contrastive_loss(self.contrastive_loss, image, text, self.model, caption_image, tokens)
+        caption = self.caption_loss(logits, tokens, label_smoothing)
+        contrastive = self._contrastive(image, text, caption_image, tokens)
         self._terms = {"caption_loss": caption.detach(), "contrastive_loss": loss_over_ranks(contrastive)}
         return caption, contrastive
 
+    def _contrastive(self, image: Tensor, text: Tensor, caption_image: Tensor | None, tokens: Tensor) -> Tensor:
+        """The contrastive loss of (B, E) images and (N, E) texts, the (N, T) tokens padded to the model's length:
+        one width on every rank, padded as the batch is, so that equal texts have equal rows."""
+        tokens = F.pad(tokens, (0, self.model.max_len - tokens.shape[1]), value=self.model.decoder.pad_id)
+        model = self.model
+        return self.contrastive_loss(image, text, model.logit_scale, model.logit_bias, caption_image, tokens)
+
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         """Lightning's step (once per ``accumulate_grad_batches``), then the temperature clamped in place to
-        [0, log 100] as open_clip does: the loss has no cap, so its gradient reaches the scale at every value."""
+        [0, ``MAX_LOGIT_SCALE``] as open_clip does: the loss has no cap, so its gradient reaches the scale at every
+        value."""
         super().optimizer_step(*args, **kwargs)
         with torch.no_grad():
             self.model.logit_scale.clamp_(0, MAX_LOGIT_SCALE)  # a DTensor under FSDP: each shard clamped

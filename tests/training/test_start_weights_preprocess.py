@@ -20,6 +20,7 @@ from torchvision import transforms as T
 
 from tests.helpers import TINY, TINY_SHAPES, compose_train
 from vitattn.bundle import load_bundle, save_bundle
+from vitattn.cli.run_split import datamodule_from_run
 from vitattn.data.preprocess import Normalize, eval_transform, from_timm
 from vitattn.errors import ConfigError
 from vitattn.models import VisionTransformer
@@ -27,9 +28,8 @@ from vitattn.run_dir import RunDir
 from vitattn.training import train
 from vitattn.training.build import build_datamodule
 from vitattn.training.config import check_config
-from vitattn.training.init_weights import log_preprocess
 from vitattn.training.plan import resolve
-from vitattn.training.run_split import datamodule_from_run
+from vitattn.training.start_weights import log_preprocess
 
 # Each family's weights as the issue names them, and a small model of the same family and preprocessing that the
 # fast tests load from a file (NAME@FILE), with the model keys that fit it.

@@ -21,8 +21,8 @@ from vitattn.models.coca import CONTRASTIVE_PARTS
 from vitattn.models.vit import preset_config
 from vitattn.training import build_system, train
 from vitattn.training.build import build_datamodule
-from vitattn.training.init_weights import read_start
 from vitattn.training.plan import resolve
+from vitattn.training.start_weights import read_start
 
 SHAPE = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
 # The timm ViT families, each at the tiny shape: what their weights show, and what a file cannot show.

@@ -1,5 +1,5 @@
 """A training run's own data, rebuilt resolved from its saved config (Hydra) into the split that evaluation
-(``vitattn.evaluation``) scores."""
+(``vitattn.evaluation``) scores: what ``vitattn-eval`` and ``vitattn-check-data`` read, without importing training."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ from omegaconf import DictConfig
 
 from vitattn.bundle import LoadedModel
 from vitattn.data.images import EvalSplit
+from vitattn.data.preprocess import preprocess_taken
 from vitattn.data.tokenizer import Tokenizer
 from vitattn.evaluation.splits import model_labels
-from vitattn.run_dir import RunDir
-from vitattn.training.config import check_targets
-from vitattn.training.plan import preprocess_taken
+from vitattn.run_dir import RunDir, check_targets
 
 __all__ = ["datamodule_from_run", "read_once", "run_split"]
 

@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from benchmarks import workloads
-from benchmarks.caption import build_captioners, caption_fns
+from benchmarks.caption_bench import build_captioners, caption_fns
 from benchmarks.machine import machine_info
 from benchmarks.report import compare, format_table, row, write_json
-from benchmarks.timing import Env, per_second
+from benchmarks.timing import Env, per_second, stopwatch
 
 SIZES = ("vit_s16_224", "vit_b16_224")
 CPU_BATCH = {"vit_s16_224": 8, "vit_b16_224": 4}  # images per call on a CPU (a GPU: ``ENCODER_BATCH``)
@@ -222,7 +222,6 @@ def _train(folder: Path, seed: int, r: int, args: argparse.Namespace) -> float:
     done = folder / "bench_seconds.json"
     if done.exists():
         return json.loads(done.read_text())["seconds"]
-    started = time.perf_counter()
     command = [
         str(Path(sys.executable).with_name("vitattn-train")),
         *args.train_args,
@@ -231,10 +230,10 @@ def _train(folder: Path, seed: int, r: int, args: argparse.Namespace) -> float:
         f"num_threads={args.threads}",
         f"hydra.run.dir={folder}",
     ]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    seconds = time.perf_counter() - started
-    done.write_text(json.dumps({"seconds": seconds, "command": command}))
-    return seconds
+    with stopwatch() as took:
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    done.write_text(json.dumps({"seconds": took.seconds, "command": command}))
+    return took.seconds
 
 
 def _encoder_speed(folder: Path, merges: list[int], batch: int = 64) -> dict[int, float]:
@@ -253,9 +252,9 @@ def _encoder_speed(folder: Path, merges: list[int], batch: int = 64) -> dict[int
 def _score(folder: Path, r: int) -> dict[str, float]:
     """The test split's caption metrics of the run in ``folder``, its encoder merging ``r`` tokens per layer."""
     from vitattn.bundle import load_model
+    from vitattn.cli.run_split import run_split
     from vitattn.evaluation import evaluate_captions
     from vitattn.run_dir import RunDir
-    from vitattn.training.run_split import run_split
 
     bundle = load_model(folder, precision="fp32", merge_tokens=r)
     split = run_split(bundle, RunDir.find(folder), "test", batch_size=64, num_workers=0)
