@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks import (
+    bootstrap_bench,
     candidates,
     learning_bench,
     learning_data,
@@ -214,6 +215,11 @@ SECTIONS: dict[str, Section] = {
     ),
     "candidates": Section(
         "K caption candidates per image against greedy captions", candidates.add_arguments, candidates.run
+    ),
+    "bootstrap": Section(
+        "learning from images without captions: teacher, student, oracle",
+        bootstrap_bench.add_arguments,
+        bootstrap_bench.run,
     ),
     "learning": Section("vitattn-train against a plain timm loop", learning_bench.add_arguments, learning_bench.run),
     "learning-data": Section("the learning datasets, from Debian", learning_data.add_arguments, learning_data.run),

@@ -1,0 +1,158 @@
+"""Section ``bootstrap``: learning from images without captions on the learning bench's data (docs/bootstrap.md).
+
+    python -m benchmarks bootstrap --datasets tuxpaint emoji --tasks caption classification --seeds 0 1 2
+    python -m benchmarks bootstrap --arms teacher student oracle student_beam student_nofilter student_k1
+
+A low-label split per seed: ``--share`` (10 %) of the training images keep their captions or labels, at least one
+per class, chosen by the seed; the rest is the pool, without them. Paired per dataset and seed: the ``teacher``
+(the split's labelled share only), the ``student`` (the same config plus the teacher's kept candidates of the
+pool, ``bootstrap.*`` at its defaults) and the ``oracle`` (the same config on every label); the ablations
+change one ``bootstrap`` setting of the student. Gap closed = (student - teacher) / (oracle - teacher).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from benchmarks import learning_bench, learning_data
+from benchmarks.report import markdown_table, write_json
+
+# The student's ablations: one bootstrap setting each, against the student's defaults.
+ARMS = {
+    "teacher": [],
+    "student": [],
+    "oracle": [],
+    "student_beam": ["bootstrap.do_sample=false"],
+    "student_nofilter": ["bootstrap.filter=none"],
+    "student_k1": ["bootstrap.samples=1", "bootstrap.keep.top_k=1"],
+    "student_noise": ["bootstrap.randaugment=rand-m6-mstd0.5"],
+}
+REPO = Path(__file__).resolve().parents[1]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--datasets", nargs="+", choices=sorted(learning_data.DATASETS), default=["tuxpaint", "emoji"])
+    p.add_argument("--tasks", nargs="+", choices=["caption", "classification"], default=["caption", "classification"])
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=["teacher", "student", "oracle"])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="each chooses the labelled share")
+    p.add_argument("--share", type=float, default=0.1, help="the training images that keep their labels")
+    p.add_argument("--steps", type=int, default=500, help="optimizer steps of every run")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--img-size", type=int, default=32)
+    p.add_argument("--cache", type=Path, default=learning_data.DEFAULT_CACHE)
+    p.add_argument("--out", type=Path, default=REPO / "bench_results" / "bootstrap.json")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rows, runs = [], []
+    for name in args.datasets:
+        data = learning_data.prepare(name, args.img_size, 0, args.cache)
+        for task in args.tasks:
+            scores: dict[str, dict[int, float]] = defaultdict(dict)
+            for seed in args.seeds:
+                folder = args.out.parent / "bootstrap" / f"{name}-{task}-seed{seed}"
+                low, pool = _low_label_split(data, task, seed, args.share, folder)
+                teacher_dir = folder / "teacher"
+                for arm in args.arms:
+                    extra = _arm_overrides(arm, teacher_dir, pool)
+                    source = data if arm == "oracle" else low
+                    result = _train(task, source, args, seed, folder / arm, extra, export=arm == "teacher")
+                    scores[arm][seed] = result["score"]
+                    runs.append({"dataset": name, "task": task, "seed": seed, "arm": arm, **result})
+                    print(f"{name} {task} seed {seed} {arm}: {result['score']:.4f} ({result['seconds']:.0f} s)")
+            rows.append(_row(name, task, scores))
+    table = markdown_table(
+        ["dataset", "task", "metric", *args.arms, "student - teacher", "gap closed", "seeds"],
+        [[r[k] for k in ("dataset", "task", "metric", *args.arms, "gain", "closed", "seeds")] for r in rows],
+    )
+    result = dict(argv=args.argv, rows=rows, runs=runs, created=time.strftime("%Y-%m-%d %H:%M:%S"))
+    write_json(result, args.out)
+    print(f"\n{table}\nwrote {args.out}")
+    return result
+
+
+def _low_label_split(data: Any, task: str, seed: int, share: float, folder: Path) -> tuple[Any, Path]:
+    """The seed's labelled share (at least one image per class) as the data a run reads, and the pool: a file
+    list of the other training images."""
+    folder.mkdir(parents=True, exist_ok=True)
+    by_class = defaultdict(list)
+    for path in sorted((data.root / "train").glob("*/*")):
+        by_class[path.parent.name].append(path)
+    rng = random.Random(seed)
+    kept = set()
+    for paths in by_class.values():
+        kept.update(rng.sample(paths, max(1, round(share * len(paths)))))
+    pool = folder / "pool.txt"
+    pool.write_text("".join(f"{p}\n" for paths in by_class.values() for p in paths if p not in kept))
+    if task == "classification":
+        root = folder / "low"
+        for path in kept:
+            link = root / "train" / path.parent.name / path.name
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not link.exists():
+                link.symlink_to(path)
+        if not (root / "val").exists():
+            (root / "val").symlink_to(data.root / "val")
+        return SimpleNamespace(root=root), pool
+    coco = json.loads(data.train_annotations.read_text())
+    names = {p.relative_to(data.root).as_posix() for p in kept}
+    images = [im for im in coco["images"] if im["file_name"] in names]
+    ids = {im["id"] for im in images}
+    low = {**coco, "images": images, "annotations": [a for a in coco["annotations"] if a["image_id"] in ids]}
+    (folder / "captions_low.json").write_text(json.dumps(low))
+    return SimpleNamespace(
+        root=data.root, train_annotations=folder / "captions_low.json", val_annotations=data.val_annotations
+    ), pool
+
+
+def _arm_overrides(arm: str, teacher: Path, pool: Path) -> list[str]:
+    if not arm.startswith("student"):
+        return []
+    return [f"bootstrap.teacher={teacher}", f"bootstrap.images={pool}", *ARMS[arm]]
+
+
+def _train(
+    task: str, data: Any, args: argparse.Namespace, seed: int, run_dir: Path, extra: list[str], export: bool
+) -> dict[str, Any]:
+    """One ``vitattn-train`` run of the learning bench's config; its val score (CIDEr-D or accuracy)."""
+    cfg = learning_bench.BenchConfig(steps=args.steps, threads=args.threads, img_size=args.img_size, seed=seed)
+    cfg.vitattn_args = [*extra, *(["export_bundle=true"] if export else [])]
+    side = learning_bench.run_vitattn(task, data, cfg, run_dir)
+    metric = "cider_d" if task == "caption" else "acc"
+    return {"score": side.metrics[metric], "metric": metric, "seconds": side.seconds, "command": side.command}
+
+
+def _row(name: str, task: str, scores: dict[str, dict[int, float]]) -> dict[str, Any]:
+    """Means over the seeds with their ranges; the paired student - teacher and the gap closed."""
+
+    def cell(arm: str) -> str:
+        values = list(scores[arm].values())
+        return f"{statistics.mean(values):.3f} ({min(values):.3f}–{max(values):.3f})" if values else "–"
+
+    row = {"dataset": name, "task": task, "metric": "CIDEr-D" if task == "caption" else "accuracy"}
+    row |= {arm: cell(arm) for arm in scores}
+    seeds = sorted(scores.get("teacher", {}))
+    row["seeds"] = len(seeds)
+    row["gain"] = row["closed"] = "–"
+    if seeds and "student" in scores:
+        gains = [scores["student"][s] - scores["teacher"][s] for s in seeds]
+        row["gain"] = f"{statistics.mean(gains):+.3f} ({min(gains):+.3f}–{max(gains):+.3f})"
+        if "oracle" in scores:
+            closed = [
+                g / (scores["oracle"][s] - scores["teacher"][s])
+                for g, s in zip(gains, seeds)
+                if scores["oracle"][s] != scores["teacher"][s]
+            ]
+            if closed:
+                row["closed"] = (
+                    f"{100 * statistics.mean(closed):.0f} % ({100 * min(closed):.0f}–{100 * max(closed):.0f})"
+                )
+    return row
