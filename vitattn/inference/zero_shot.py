@@ -30,8 +30,8 @@ from vitattn.data.tokenizer import Tokenizer
 from vitattn.errors import brief
 from vitattn.fileio import read_text
 from vitattn.inference.embeddings import encode_texts
+from vitattn.layers import Memory
 from vitattn.models import Embedder
-from vitattn.models.caption import Memory
 from vitattn.models.generate import CaptionSearch, token_log_probs
 from vitattn.precision import precision_autocast
 
