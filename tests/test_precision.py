@@ -206,7 +206,7 @@ def test_on_a_cpu_the_encoder_runs_in_bf16_and_each_decoding_step_in_fp32(tmp_pa
         memory = model.encode(images)  # (B, N, D)
         logits = model.decode_step(memory, 4)(tokens)  # (B, V)
     with torch.inference_mode():
-        expected = model.decoder(tokens, memory.tokens.float())[:, -1]  # fp32, no autocast
+        expected = model.decoder(tokens, memory._replace(tokens=memory.tokens.float()))[:, -1]  # fp32, no autocast
     assert logits.dtype == torch.float32
     assert torch.equal(logits, expected)
 

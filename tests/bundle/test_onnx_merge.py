@@ -95,9 +95,9 @@ def test_the_encoder_graph_has_each_layers_merged_token_count_and_hands_their_si
         N = model.encoder.num_tokens
         assert [m.shape for m in memory.cross[:2]] == [(batch, 2, 16, N), (batch, 2, N, 16)]
         with torch.no_grad():
-            expected = model.encode(noise[:batch]).size  # (B, N)
-        torch.testing.assert_close(torch.from_numpy(memory.size), expected, rtol=0, atol=0)
-        assert memory.size.sum(1).tolist() == [17.0] * batch
+            expected = model.encode(noise[:batch]).sizes  # (B, N)
+        torch.testing.assert_close(torch.from_numpy(memory.sizes), expected, rtol=0, atol=0)
+        assert memory.sizes.sum(1).tolist() == [17.0] * batch
 
 
 @pytest.mark.parametrize("generate", [{}, {"num_beams": 3}], ids=["greedy", "beam3"])
@@ -229,7 +229,7 @@ def test_vitattn_export_merge_tokens_sets_the_exported_copy_and_records_it(tmp_p
     assert capsys.readouterr().out.startswith("caption ONNX folder (fp32, merge_tokens=[3, 2]) of ")
     config = json.loads((tmp_path / "onnx" / ONNX_CONFIG_FILE).read_text())
     assert config["model"]["encoder"]["merge_tokens"] == [3, 2]
-    assert Captioner.load(tmp_path / "onnx").model.encode(torch.randn(2, 3, 32, 32)).size.shape == (2, 17 - 5)
+    assert Captioner.load(tmp_path / "onnx").model.encode(torch.randn(2, 3, 32, 32)).sizes.shape == (2, 17 - 5)
     assert load_bundle(bundle).model.config["encoder"]["merge_tokens"] == 0  # the bundle is left as it was
     for args, message in [
         ([*common, "merge_tokens=9"], "error: merge_tokens=9 is too large for 17 tokens: at most 8"),
@@ -255,7 +255,7 @@ def test_merge_tokens_0_exports_an_unmerged_folder_as_before(tmp_path):
     assert [o.name for o in encoder.output] == kv_names("cross", L)
     assert [i.name for i in step.input] == ["tokens", *kv_names("past", L), *kv_names("cross", L)]
     assert "Attention" in {n.op_type for n in encoder.node}
-    assert Captioner.load(folder).model.encode(torch.randn(2, 3, 32, 32)).size is None
+    assert Captioner.load(folder).model.encode(torch.randn(2, 3, 32, 32)).sizes is None
     assert [o.name for o in onnx.load(merged / "encoder.onnx").graph.output][-1] == CROSS_SIZE
 
 

@@ -11,6 +11,7 @@ from vitattn.layers import (
     DecoderLayer,
     EncoderLayer,
     LayerCache,
+    Memory,
     MultiHeadAttention,
     point_wise_feed_forward_network,
     record_attention,
@@ -227,7 +228,7 @@ def test_record_attention_records_without_changing_outputs():
 @pytest.mark.parametrize("capacity", [None, 3, L])  # grown per call; preallocated, then grown; preallocated
 def test_decoder_layer_cached_steps_equal_full_pass(norm_first, capacity):
     layer = DecoderLayer(D, H, 64, norm_first=norm_first).eval()
-    x, memory = torch.randn(B, L, D), torch.randn(B, 9, D)
+    x, memory = torch.randn(B, L, D), Memory(torch.randn(B, 9, D))
     full = layer(x, memory)
     cache = LayerCache(capacity)
     steps = [layer(x[:, t : t + 1], memory, cache) for t in range(L)]
@@ -243,15 +244,15 @@ def test_decoder_layer_memory_once_per_image_equals_memory_per_beam(cached):
 
     def run(mem: torch.Tensor) -> torch.Tensor:
         if not cached:
-            return layer(x, mem)
+            return layer(x, Memory(mem))
         cache = LayerCache(L)
-        out = torch.cat([layer(x[:, t : t + 1], mem, cache) for t in range(L)], dim=1)
+        out = torch.cat([layer(x[:, t : t + 1], Memory(mem), cache) for t in range(L)], dim=1)
         assert cache.cross_k.shape == (mem.shape[0], H, 9, D // H)  # one copy per image, not one per beam
         return out
 
     torch.testing.assert_close(run(memory), run(memory.repeat_interleave(K, dim=0)), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="memory batch 4 must divide the caption batch 6"):
-        layer(x, torch.randn(4, 9, D))
+        layer(x, Memory(torch.randn(4, 9, D)))
 
 
 def test_layer_cache_appends_in_place_and_reorders_rows():
@@ -277,8 +278,8 @@ def test_decoder_layer_is_causal_and_reads_memory():
     x, memory = torch.randn(B, L, D), torch.randn(B, 9, D)
     y = x.clone()
     y[:, 3:] = torch.randn(B, L - 3, D)
-    torch.testing.assert_close(layer(x, memory)[:, :3], layer(y, memory)[:, :3])
-    assert not torch.allclose(layer(x, memory), layer(x, memory + 1.0))
+    torch.testing.assert_close(layer(x, Memory(memory))[:, :3], layer(y, Memory(memory))[:, :3])
+    assert not torch.allclose(layer(x, Memory(memory)), layer(x, Memory(memory + 1.0)))
 
 
 def test_multi_head_attention_fused_causal_equals_explicit_causal():
@@ -344,7 +345,7 @@ def test_explicit_path_does_not_call_torch_sdpa(how):
 def test_vit_and_decoder_layers_take_the_path_they_are_built_with():
     from vitattn.models import VisionTransformer
 
-    x, memory = torch.randn(B, 3, 32, 32), torch.randn(B, 9, D)
+    x, memory = torch.randn(B, 3, 32, 32), Memory(torch.randn(B, 9, D))
     for fused_attn in (True, False):
         vit = VisionTransformer(img_size=32, patch_size=8, embed_dim=D, depth=2, num_heads=H, fused_attn=fused_attn)
         decoder = DecoderLayer(D, H, 64, fused_attn=fused_attn).eval()

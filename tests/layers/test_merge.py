@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vitattn.inference.attention_maps import attention_from_tokens, attention_rollout
-from vitattn.layers import EncoderLayer, MultiHeadAttention, TokenState, merge_schedule
+from vitattn.layers import EncoderLayer, Memory, MultiHeadAttention, merge_schedule
 from vitattn.layers.merge import bipartite_soft_matching, spread
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 
@@ -22,8 +22,8 @@ def test_matching_merges_the_most_similar_pairs_never_the_class_token_and_weight
     assert match.src.tolist() == [[2, 3]] and match.dst.tolist() == [[1, 2]]  # 4 -> 3, 6 -> 5
     x = torch.arange(7.0).view(1, 7, 1) * 10  # token i's value 10 i
     size = torch.tensor([[1.0, 1, 1, 3, 1, 1, 1]])  # token 3 already holds 3 tokens
-    merged, state = match.merge_tokens(x, TokenState(size))
-    assert state.size.tolist() == [[1, 1, 1, 4, 2]]  # class, 2, then B: 1, 3 (+4), 5 (+6)
+    merged, sizes, _ = match.merge_tokens(Memory(x, size))
+    assert sizes.tolist() == [[1, 1, 1, 4, 2]]  # class, 2, then B: 1, 3 (+4), 5 (+6)
     assert merged[0, :, 0].tolist() == pytest.approx([0, 20, 10, (3 * 30 + 40) / 4, 55])
 
 
@@ -62,7 +62,8 @@ def test_the_merging_path_at_r_0_is_the_document_layer_bit_for_bit():
     x = torch.randn(2, 9, 16)
     for norm_first in (False, True):
         layer = EncoderLayer(16, 2, 32, norm_first=norm_first).eval()
-        assert torch.equal(layer.forward_merging(x, 0, TokenState())[0], layer(x))
+        assert torch.equal(layer(Memory(x), r=0).tokens, layer(x))
+        assert torch.equal(layer(Memory(x, torch.ones(2, 9)), r=0).tokens, layer(x))  # proportional, unit sizes
 
 
 def test_merge_tokens_0_is_the_unmerged_encoder_bit_for_bit():
@@ -117,7 +118,7 @@ def test_merging_identical_tokens_changes_neither_logits_pooled_features_nor_att
     merged.load_state_dict(plain.state_dict())
     images, tokens = _twin_images(), torch.randint(4, 13, (2, 5))
     memory = merged.encode(images)
-    assert memory.tokens.shape[1] == 65 - 18 and memory.size.sum(1).tolist() == [65, 65]
+    assert memory.tokens.shape[1] == 65 - 18 and memory.sizes.sum(1).tolist() == [65, 65]
     torch.testing.assert_close(merged(images, tokens), plain(images, tokens), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(merged.encoder(images), plain.encoder(images), atol=1e-4, rtol=1e-4)
     maps = zip(attention_from_tokens(merged, images, tokens), attention_from_tokens(plain, images, tokens))
@@ -133,12 +134,12 @@ def test_merged_tokens_hold_every_patch_once_and_the_class_token_stays_first():
     model.set_merge_tokens([10, 8, 6])
     with torch.no_grad():
         model.pos_embed.normal_()  # distinct tokens: real matching
-    trace: list[TokenState] = []
-    x, state = model.forward_tokens(torch.randn(3, 3, 32, 32), trace)
-    assert [t.source.shape[1] for t in trace] == [65, 55, 47, 41] and x.shape[1] == 41
-    assert torch.equal(state.source.sum(1), torch.ones(3, 65))  # a partition of the input tokens
-    assert torch.equal(state.source.sum(2), state.size)
-    assert state.source[:, 0, 0].tolist() == [1, 1, 1] and state.size[:, 0].tolist() == [1, 1, 1]
+    trace: list[Memory] = []
+    x, sizes, sources = model.forward_tokens(torch.randn(3, 3, 32, 32), trace)
+    assert [t.sources.shape[1] for t in trace] == [65, 55, 47, 41] and x.shape[1] == 41
+    assert torch.equal(sources.sum(1), torch.ones(3, 65))  # a partition of the input tokens
+    assert torch.equal(sources.sum(2), sizes)
+    assert sources[:, 0, 0].tolist() == [1, 1, 1] and sizes[:, 0].tolist() == [1, 1, 1]
 
 
 def test_spread_and_rollout_follow_a_hand_built_merge():
@@ -146,7 +147,9 @@ def test_spread_and_rollout_follow_a_hand_built_merge():
     source0 = torch.eye(4)[None]
     source1 = torch.tensor([[[1.0, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 1]]])
     size1 = torch.tensor([[1.0, 1, 2]])
-    trace = [TokenState(torch.ones(1, 4), source0), TokenState(size1, source1), TokenState(size1, source1)]
+    tokens0, tokens1 = torch.zeros(1, 4, 2), torch.zeros(1, 3, 2)  # not read: the rollout follows sizes and sources
+    merged = Memory(tokens1, size1, source1)
+    trace = [Memory(tokens0, torch.ones(1, 4), source0), merged, merged]
     # cross-attention of one word over (class, p1, m): m's 0.6 shared by p2 and p3
     assert spread(torch.tensor([[[0.1, 0.3, 0.6]]]), trace[-1])[0, 0].tolist() == pytest.approx([0.1, 0.3, 0.3, 0.3])
     w0 = torch.softmax(torch.randn(1, 1, 4, 4), -1)

@@ -7,7 +7,7 @@ from timm.layers import resample_abs_pos_embed
 from torch.utils.checkpoint import checkpoint
 
 from tests.helpers import teacher_forced_log_prob
-from vitattn.layers import DecoderLayer, EncoderLayer, record_attention
+from vitattn.layers import DecoderLayer, EncoderLayer, Memory, record_attention
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer, vit_preset
 from vitattn.models.generate import beam_search
 from vitattn.models.generate import sample_token as _sample
@@ -488,7 +488,7 @@ def test_grad_checkpointing_never_checkpoints_the_cached_decoding(monkeypatch):
     in the backward pass would append its keys and values again) and gives the full pass's logits."""
     checkpointed = _count_checkpoints(monkeypatch)
     decoder = CaptionDecoder(13, embed_dim=24, depth=2, num_heads=2, max_len=16, drop_rate=0.0, grad_checkpointing=True)
-    memory, tokens = torch.randn(3, 5, 24), torch.randint(3, 13, (3, 6))
+    memory, tokens = Memory(torch.randn(3, 5, 24)), torch.randint(3, 13, (3, 6))
     cache = decoder.train().new_cache()
     cached = torch.cat([decoder(tokens[:, i : i + 1], memory, cache, start=i) for i in range(6)], dim=1)  # (B, 6, V)
     assert checkpointed == [] and [c.length for c in cache] == [6, 6]

@@ -441,8 +441,8 @@ def test_an_scst_step_on_merged_tokens_decodes_and_embeds_with_their_sizes(head,
     tokens = torch.tensor([[1, 4, 8, 7, 2, 0], [1, 6, 9, 10, 2, 0]])
     system._self_critical_loss({"images": images, "tokens": tokens, "references": [["a red circle"], ["the"]]}, 2)
     expected = system.model.encode(images)
-    assert expected.size is not None  # the tokens were merged
-    torch.testing.assert_close(memories[0].size, expected.size)
+    assert expected.sizes is not None  # the tokens were merged
+    torch.testing.assert_close(memories[0].sizes, expected.sizes)
     torch.testing.assert_close(memories[0].tokens, expected.tokens)
     if head == "coca":
         torch.testing.assert_close(embedded[0], system.model.embed_images(images))

@@ -63,8 +63,8 @@ def _encoder(source, **overrides) -> VisionTransformer:
 def _assert_same_features(ours: VisionTransformer, ref: torch.nn.Module, img_size: int = 32) -> None:
     x = torch.randn(2, 3, img_size, img_size)
     with torch.no_grad():
-        feats, ref_feats = ours.forward_features(x), ref.forward_features(x)
-        torch.testing.assert_close(feats, ref_feats, atol=1e-5, rtol=1e-5)
+        feats, ref_feats = ours.forward_tokens(x), ref.forward_features(x)
+        torch.testing.assert_close(feats.tokens, ref_feats, atol=1e-5, rtol=1e-5)
         pooled = ours.forward_head(feats, pre_logits=True)
         torch.testing.assert_close(pooled, ref.forward_head(ref_feats, pre_logits=True), atol=1e-5, rtol=1e-5)
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.onnx import symbolic_helper
 
-from vitattn.bundle.folder import Bundle, plain_json
+from vitattn.bundle.folder import Bundle, encoder_of, plain_json
 from vitattn.bundle.onnx_folder import (
     CROSS_SIZE,
     ONNX_CONFIG_FILE,
@@ -121,10 +121,10 @@ def for_export(model: nn.Module, approximate_gelu: bool = False, contrib_attenti
     ``FastGelu``; ``contrib_attention=False``: every attention explicit (the text tower's, which masks padding).
 
     The layers of an encoder that merges tokens stay explicit: ToMe's matching reads their keys and proportional
-    attention adds log size to the logits (``forward_merging``). Measured (ViT-S/16 at 224, ``merge_tokens=16``,
-    8 images, 2 threads): the op with the log sizes as its ``attention_bias`` (and the keys' mean projected apart)
-    ran as fast in fp32 (545 ms against 535) but slower in int8 (315 ms against 248): ``QAttention`` has no bias
-    input, so that op stays fp32 (quantized, the bias would be dropped)."""
+    attention adds log size to the logits (``EncoderLayer.forward`` over a ``Memory``). Measured (ViT-S/16 at 224,
+    ``merge_tokens=16``, 8 images, 2 threads): the op with the log sizes as its ``attention_bias`` (and the keys'
+    mean projected apart) ran as fast in fp32 (545 ms against 535) but slower in int8 (315 ms against 248):
+    ``QAttention`` has no bias input, so that op stays fp32 (quantized, the bias would be dropped)."""
     model = copy.deepcopy(model)
     encoders = [m for m in model.modules() if isinstance(m, VisionTransformer)]
     merging = {block for encoder in encoders if any(encoder.merge_schedule) for block in encoder.blocks}
@@ -154,20 +154,18 @@ class EncoderGraph(nn.Module):
         for layer in self.model.decoder.layers:
             k, v = layer.mha2.project_kv(memory.tokens, memory.tokens)  # (B, H, N, d) each
             heads += [k.transpose(2, 3).contiguous(), v.contiguous()]  # (B, H, d, N), (B, H, N, d)
-        return tuple(heads) if memory.size is None else (*heads, memory.size)
+        return tuple(heads) if memory.sizes is None else (*heads, memory.sizes)
 
 
 class _PastCache(LayerCache):
     """A ``LayerCache`` whose past keys/values are given and whose new ones are kept as ``present``."""
 
-    def __init__(
-        self, past_k: Tensor, past_v: Tensor, cross_kt: Tensor, cross_v: Tensor, cross_size: Tensor | None
-    ) -> None:
+    def __init__(self, past_k: Tensor, past_v: Tensor, cross_kt: Tensor, cross_v: Tensor, sizes: Tensor | None) -> None:
         super().__init__()
         self.past = (past_k, past_v)
         # (B / K, H, d, N) -> (B / K, H, N, d); the attention's q @ kᵀ transposes back: ONNX Runtime drops the pair
         self.cross_k, self.cross_v = cross_kt.transpose(2, 3), cross_v
-        self.cross_size = cross_size  # (B / K, N) merged image tokens' sizes, or None
+        self.cross_sizes = sizes  # (B / K, N) merged image tokens' sizes, or None
         self.present: tuple[Tensor, Tensor] = self.past
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -188,9 +186,10 @@ class DecoderStepGraph(nn.Module):
     def forward(self, tokens: Tensor, *heads: Tensor) -> tuple[Tensor, ...]:
         L = len(self.decoder.layers)
         past, cross = heads[: 2 * L], heads[2 * L : 4 * L]
-        size = heads[4 * L] if len(heads) > 4 * L else None  # (B / K, N): merged tokens' sizes
-        caches = [_PastCache(past[2 * i], past[2 * i + 1], cross[2 * i], cross[2 * i + 1], size) for i in range(L)]
+        sizes = heads[4 * L] if len(heads) > 4 * L else None  # (B / K, N): merged tokens' sizes
+        caches = [_PastCache(past[2 * i], past[2 * i + 1], cross[2 * i], cross[2 * i + 1], sizes) for i in range(L)]
         start = past[0].shape[2]  # P: traced as the input's size, so the position follows the past length
+        # no memory: the caches hold what the cross-attention reads of it (keys, values, sizes)
         logits = self.decoder(tokens, None, caches, start=start)[:, -1]  # (B, V)
         return (logits, *(t for c in caches for t in c.present))
 
@@ -269,8 +268,7 @@ def _with_merge_tokens(model: nn.Module, merge_tokens: int | Sequence[int] | Non
     if merge_tokens is None:
         return model
     model = copy.deepcopy(model)
-    encoder = model.encoder if isinstance(model, ImageCaptioner) else model
-    encoder.set_merge_tokens(merge_tokens if isinstance(merge_tokens, int) else list(merge_tokens))
+    encoder_of(model).set_merge_tokens(merge_tokens if isinstance(merge_tokens, int) else list(merge_tokens))
     return model
 
 

@@ -179,7 +179,7 @@ class OnnxMemory(NamedTuple):
     cross-attention weighs them by (None: unmerged), as ``Memory`` holds them for the PyTorch runtime."""
 
     cross: list[np.ndarray]
-    size: np.ndarray | None = None
+    sizes: np.ndarray | None = None
 
 
 class OnnxDecoderStep:
@@ -191,8 +191,8 @@ class OnnxDecoderStep:
         depth = len(memory.cross) // 2
         _, self.num_heads, _, self.head_dim = memory.cross[1].shape
         self.feed = dict(zip(kv_names("cross", depth), memory.cross))
-        if memory.size is not None:
-            self.feed[CROSS_SIZE] = memory.size  # (B, N)
+        if memory.sizes is not None:
+            self.feed[CROSS_SIZE] = memory.sizes  # (B, N)
         self.past_names = kv_names("past", depth)
         self.past: list[np.ndarray] | None = None  # (B * K, H, P, d) each, from the first call
 

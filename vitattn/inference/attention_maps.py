@@ -25,7 +25,7 @@ from torch import Tensor
 
 from vitattn.data.preprocess import denormalize
 from vitattn.fileio import atomic_write
-from vitattn.layers import TokenState, record_attention
+from vitattn.layers import Memory, record_attention
 from vitattn.layers.merge import spread
 from vitattn.models import ImageCaptioner
 
@@ -44,9 +44,7 @@ __all__ = [
 ]
 
 
-def attention_rollout(
-    attentions: Sequence[Tensor], num_prefix_tokens: int = 1, trace: Sequence[TokenState] = ()
-) -> Tensor:
+def attention_rollout(attentions: Sequence[Tensor], num_prefix_tokens: int = 1, trace: Sequence[Memory] = ()) -> Tensor:
     """(B, N - num_prefix_tokens) attention rollout (Abnar & Zuidema, 2020) of the class token over the patches,
     summing to 1, from each encoder layer's (B, H, N, N) weights, first to last: heads averaged, the identity
     added for the residual path, rows renormalised, the layers multiplied through. With merged tokens,
@@ -62,7 +60,7 @@ def attention_rollout(
         if trace:
             before, after = trace[i], trace[i + 1]  # sources (B, N_i, N), (B, N_i+1, N)
             # part k of merged token j holds size_i[k] of its size_i+1[j] input tokens
-            merged = after.source.float() @ before.source.float().transpose(1, 2) / after.size.float().unsqueeze(-1)
+            merged = after.sources.float() @ before.sources.float().transpose(1, 2) / after.sizes.float().unsqueeze(-1)
             rollout = merged @ rollout  # (B, N_i+1, N)
     if rollout is None:
         raise ValueError("attention_rollout needs the weights of at least one layer")
@@ -89,12 +87,12 @@ def attention_from_tokens(
     prefix = enc.num_prefix_tokens
     bos = tokens.new_full((B, 1), dec.bos_id)
     inputs = torch.cat([bos, tokens[:, :-1]], dim=1)  # (B, T') position t produces word t
-    trace: list[TokenState] = []  # with merged tokens: which patches each holds, layer by layer
+    trace: list[Memory] = []  # with merged tokens: which patches each holds, layer by layer
     with record_attention(model) as maps:
-        memory = model.memory(*enc.forward_tokens(images, trace))
-        dec(inputs, memory.tokens, memory_size=memory.size)
+        memory = model.memory(enc.forward_tokens(images, trace))  # with merged tokens, their sources
+        dec(inputs, memory)
     cross = maps[f"decoder.layers.{layer}.mha2"][0].float().mean(dim=1)  # (B, T', N'): over the merged tokens
-    cross = spread(cross, trace[-1])[..., prefix:] if trace else cross[..., prefix:]  # (B, T', gh*gw)
+    cross = spread(cross, memory)[..., prefix:]  # (B, T', gh*gw)
     cross = cross / cross.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(cross.dtype).tiny)
     weights = [maps[f"encoder.blocks.{i}.mha"][0] for i in range(len(enc.blocks))]
     rollout = attention_rollout(weights, prefix, trace)

@@ -30,9 +30,9 @@ from vitattn.data.tokenizer import Tokenizer
 from vitattn.errors import brief
 from vitattn.fileio import read_text
 from vitattn.inference.embeddings import encode_texts
+from vitattn.layers import Memory
 from vitattn.losses import MAX_LOGIT_SCALE
 from vitattn.models import Embedder
-from vitattn.models.caption import Memory
 from vitattn.models.generate import CaptionSearch, token_log_probs
 from vitattn.precision import precision_autocast
 

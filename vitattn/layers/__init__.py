@@ -7,7 +7,7 @@ from vitattn.layers.attention import (
     record_attention,
     scaled_dot_product_attention,
 )
-from vitattn.layers.merge import UNMERGED, TokenState, merge_schedule
+from vitattn.layers.merge import Memory, merge_schedule
 from vitattn.layers.transformer import (
     DecoderLayer,
     EncoderLayer,
@@ -16,12 +16,11 @@ from vitattn.layers.transformer import (
 )
 
 __all__ = [
-    "UNMERGED",
     "DecoderLayer",
     "EncoderLayer",
     "LayerCache",
+    "Memory",
     "MultiHeadAttention",
-    "TokenState",
     "causal_mask",
     "check_heads",
     "merge_schedule",

@@ -1,10 +1,11 @@
 """Token merging (ToMe: Bolya et al., "Token Merging: Your ViT but Faster", ICLR 2023) for the encoder layers.
 
 Dimension letters: B batch, N tokens (class token first), C channels, N0 the tokens before any merge.
-Inside a layer, after its attention, the ``r`` most similar pairs of tokens are merged: bipartite soft matching
-on the attention keys (mean over heads), the class token never merged, each merged token the size-weighted mean
-of what it holds. A token's size is the number of input tokens it holds; attention adds ``log size`` to the
-logits (proportional attention), so a token of size s weighs as its s copies would. docs/captioning.md.
+Tokens travel as a ``Memory``, with their sizes and, when tracked, their sources. Inside a layer, after its
+attention, the ``r`` most similar pairs of tokens are merged: bipartite soft matching on the attention keys (mean
+over heads), the class token never merged, each merged token the size-weighted mean of what it holds. A token's
+size is the number of input tokens it holds; attention adds ``log size`` to the logits (proportional attention), so
+a token of size s weighs as its s copies would. docs/captioning.md.
 """
 
 from __future__ import annotations
@@ -16,18 +17,24 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["UNMERGED", "Matching", "TokenState", "bipartite_soft_matching", "merge_schedule", "most_merged", "spread"]
+__all__ = ["Matching", "Memory", "bipartite_soft_matching", "merge_schedule", "most_merged", "spread"]
 
 
-class TokenState(NamedTuple):
-    """What merging carries from layer to layer besides the tokens: ``size`` (B, N) input tokens each holds
-    (None: all 1, nothing merged yet) and ``source`` (B, N, N0) which input tokens each holds, when tracked."""
+class Memory(NamedTuple):
+    """Tokens and what merging carries beside them, from layer to layer and on to the decoder, the pooling and the
+    attention maps: ``tokens`` (B, N, C); ``sizes`` (B, N) the input tokens each holds (None: all 1, nothing
+    merged); ``sources`` (B, N, N0) which input tokens each holds, when tracked (attention maps)."""
 
-    size: Tensor | None = None
-    source: Tensor | None = None
+    tokens: Tensor
+    sizes: Tensor | None = None
+    sources: Tensor | None = None
 
+    def detach(self) -> Memory:
+        return Memory(*(None if t is None else t.detach() for t in self))
 
-UNMERGED = TokenState()  # the state of tokens no layer has merged
+    def index_select(self, index: Tensor) -> Memory:
+        """The rows ``index`` (M,) of each part: (M, N, C) tokens, (M, N) sizes, (M, N, N0) sources."""
+        return Memory(*(None if t is None else t.index_select(0, index) for t in self))
 
 
 class Matching(NamedTuple):
@@ -49,15 +56,16 @@ class Matching(NamedTuple):
         b = b.scatter_add(1, self.dst.unsqueeze(-1).expand(-1, -1, C), src)
         return torch.cat([kept, b], dim=1)
 
-    def merge_tokens(self, x: Tensor, state: TokenState) -> tuple[Tensor, TokenState]:
-        """(B, N, C) tokens -> (B, N - r, C), each merged token the size-weighted mean of its parts, and the
-        merged ``state``."""
-        size = state.size if state.size is not None else x.new_ones(x.shape[:2])  # (B, N)
+    def merge_tokens(self, memory: Memory) -> Memory:
+        """The ``Memory`` of (B, N, C) tokens -> that of (B, N - r, C), each merged token the size-weighted mean of
+        its parts, with their sizes and sources."""
+        x = memory.tokens
+        size = memory.sizes if memory.sizes is not None else x.new_ones(x.shape[:2])  # (B, N)
         summed = self.merge(torch.cat([x * size.unsqueeze(-1).to(x.dtype), size.unsqueeze(-1).to(x.dtype)], -1))
         new_size = summed[..., -1]  # (B, N - r): whole numbers, exact in any float dtype up to 256
         x = summed[..., :-1] / new_size.unsqueeze(-1)
-        source = None if state.source is None else self.merge(state.source)
-        return x, TokenState(new_size.to(size.dtype), source)
+        sources = None if memory.sources is None else self.merge(memory.sources)
+        return Memory(x, new_size.to(size.dtype), sources)
 
 
 def bipartite_soft_matching(metric: Tensor, r: int) -> Matching:
@@ -111,11 +119,12 @@ def merge_schedule(merge_tokens: int | Sequence[int], tokens: int, depth: int) -
     return schedule
 
 
-def spread(weights: Tensor, state: TokenState) -> Tensor:
-    """(B, ..., N) weights over merged tokens -> (B, ..., N0) over the input tokens: each merged token's weight
-    shared equally among the tokens it holds (``state.source``), as attention over their copies would share it."""
-    if state.source is None:
+def spread(weights: Tensor, memory: Memory) -> Tensor:
+    """(B, ..., N) weights over ``memory``'s merged tokens -> (B, ..., N0) over the input tokens: each merged token's
+    weight shared equally among the tokens it holds (``memory.sources``), as attention over their copies would share
+    it; unchanged without sources (nothing merged)."""
+    if memory.sources is None:
         return weights
     B, N = weights.shape[0], weights.shape[-1]
-    share = weights.reshape(B, -1, N) / state.size.unsqueeze(1).to(weights.dtype)  # (B, M, N)
-    return (share @ state.source.to(weights.dtype)).reshape(*weights.shape[:-1], -1)  # (B, ..., N0)
+    share = weights.reshape(B, -1, N) / memory.sizes.unsqueeze(1).to(weights.dtype)  # (B, M, N)
+    return (share @ memory.sources.to(weights.dtype)).reshape(*weights.shape[:-1], -1)  # (B, ..., N0)

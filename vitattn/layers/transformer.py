@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torchvision.ops import StochasticDepth
 
 from vitattn.layers.attention import MultiHeadAttention
-from vitattn.layers.merge import TokenState, bipartite_soft_matching
+from vitattn.layers.merge import Memory, bipartite_soft_matching
 
 __all__ = [
     "ACTIVATIONS",
@@ -78,33 +78,34 @@ class EncoderLayer(nn.Module):
         self.drop_path1 = StochasticDepth(drop_path, "row") if drop_path > 0 else nn.Identity()
         self.drop_path2 = StochasticDepth(drop_path, "row") if drop_path > 0 else nn.Identity()
 
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        """(B, L, D) -> (B, L, D); ``mask`` as in ``MultiHeadAttention`` (1 = masked out)."""
-        if self.norm_first:
-            h = self.layernorm1(x)
-            x = x + self.drop_path1(self.dropout1(self.mha(h, h, h, mask)[0]))
-            return x + self.drop_path2(self.dropout2(self.ffn(self.layernorm2(x))))
-        attn_output, _ = self.mha(x, x, x, mask)
-        out1 = self.layernorm1(x + self.drop_path1(self.dropout1(attn_output)))
-        ffn_output = self.ffn(out1)
-        return self.layernorm2(out1 + self.drop_path2(self.dropout2(ffn_output)))
+    def forward(self, x: Tensor | Memory, mask: Tensor | None = None, r: int = 0) -> Tensor | Memory:
+        """(B, L, D) -> (B, L, D); ``mask`` as in ``MultiHeadAttention`` (1 = masked out).
 
-    def forward_merging(self, x: Tensor, r: int, state: TokenState) -> tuple[Tensor, TokenState]:
-        """``forward`` with token merging (ToMe, ``vitattn.layers.merge``): (B, N, D) tokens of ``state``'s sizes
-        -> (B, N - r, D) and the merged state. The attention is proportional (log size added to the logits); then
-        the ``r`` most similar token pairs, matched by their keys, are merged before the feed-forward network."""
+        Given the ``Memory`` of merged tokens (ToMe, ``vitattn.layers.merge``), returns the ``Memory`` of
+        (B, N - r, D): the attention is proportional (log size added to the logits), then the ``r`` most similar
+        token pairs, matched by their keys, are merged before the feed-forward network.
+        """
+        given_memory = isinstance(x, Memory)
+        memory = x if given_memory else Memory(x)
+        x = memory.tokens
         h = self.layernorm1(x) if self.norm_first else x
-        q, k, v = self.mha.project_qkv(h)  # (B, H, N, d) each
-        attn_output, _ = self.mha.attend(q, k, v, size=state.size)
+        if r == 0 and memory.sizes is None:  # the document's attention, no bias: the fused kernel as without ToMe
+            attn_output, k = self.mha(h, h, h, mask)[0], None
+        else:
+            q, k, v = self.mha.project_qkv(h)  # (B, H, N, d) each
+            attn_output, _ = self.mha.attend(q, k, v, mask, size=memory.sizes)
         if self.norm_first:
             x = x + self.drop_path1(self.dropout1(attn_output))
         else:
             x = self.layernorm1(x + self.drop_path1(self.dropout1(attn_output)))  # the document's out1
-        if r > 0:  # merged here: between the attention and the feed-forward network
-            x, state = bipartite_soft_matching(k.mean(dim=1), r).merge_tokens(x, state)  # keys: mean over heads
+        if r > 0:  # merged here: between the attention and the feed-forward network; keys: mean over heads
+            memory = bipartite_soft_matching(k.mean(dim=1), r).merge_tokens(memory._replace(tokens=x))
+            x = memory.tokens
         if self.norm_first:
-            return x + self.drop_path2(self.dropout2(self.ffn(self.layernorm2(x)))), state
-        return self.layernorm2(x + self.drop_path2(self.dropout2(self.ffn(x)))), state
+            x = x + self.drop_path2(self.dropout2(self.ffn(self.layernorm2(x))))
+        else:
+            x = self.layernorm2(x + self.drop_path2(self.dropout2(self.ffn(x))))
+        return memory._replace(tokens=x) if given_memory else x
 
 
 class LayerCache:
@@ -119,7 +120,7 @@ class LayerCache:
         self._v: Tensor | None = None
         self.cross_k: Tensor | None = None  # (B / K, H, N, d): one row per image, shared by its K beams
         self.cross_v: Tensor | None = None
-        self.cross_size: Tensor | None = None  # (B / K, N) merged image tokens' sizes (None: not merged)
+        self.cross_sizes: Tensor | None = None  # (B / K, N) merged image tokens' sizes (None: not merged)
         self.qkv_params: tuple[Tensor, Tensor | None] | None = None  # (3D, D) weight, (3D,) bias
 
     @property
@@ -192,45 +193,43 @@ class DecoderLayer(nn.Module):
             k, v = cache.append(k, v)  # (B, H, T, d)
         return self.mha1.attend(q, k, v, is_causal=True)[0]
 
-    def _cross_attention(
-        self, h: Tensor, memory: Tensor, cache: LayerCache | None, memory_size: Tensor | None
-    ) -> Tensor:
+    def _cross_attention(self, h: Tensor, memory: Memory, cache: LayerCache | None) -> Tensor:
         if cache is not None and cache.cross_k is not None:
-            k, v, memory_size = cache.cross_k, cache.cross_v, cache.cross_size  # (B / K, H, N, d), (B / K, N)
+            k, v, sizes = cache.cross_k, cache.cross_v, cache.cross_sizes  # (B / K, H, N, d), (B / K, N)
         else:
-            if h.shape[0] % memory.shape[0]:
-                raise ValueError(f"memory batch {memory.shape[0]} must divide the caption batch {h.shape[0]}")
-            k, v = self.mha2.project_kv(memory, memory)  # (B / K, H, N, d): once per image
+            tokens, sizes = memory.tokens, memory.sizes  # (B / K, N, D), (B / K, N) or None
+            if h.shape[0] % tokens.shape[0]:
+                raise ValueError(f"memory batch {tokens.shape[0]} must divide the caption batch {h.shape[0]}")
+            k, v = self.mha2.project_kv(tokens, tokens)  # (B / K, H, N, d): once per image
             if cache is not None:
                 # Copied once into their own (B / K, H, N, d) blocks: every later step reads them, and CPU
                 # attention is slower over the interleaved k/v views of the fused projection (docs/benchmarks.md).
                 cache.cross_k, cache.cross_v = k.contiguous(), v.contiguous()
-                k, v, cache.cross_size = cache.cross_k, cache.cross_v, memory_size
+                k, v, cache.cross_sizes = cache.cross_k, cache.cross_v, sizes
         q = self.mha2.project_q(h)  # (B, H, t, d)
         B, H, t, d = q.shape
         images = k.shape[0]
         # merged image tokens (ToMe): proportional attention, as over the tokens each one holds
         if B == images:
-            return self.mha2.attend(q, k, v, size=memory_size)[0]
+            return self.mha2.attend(q, k, v, size=sizes)[0]
         # K beams per image: the image's K rows of queries attend together over its one copy of the keys
         # and values, (B / K, H, K * t, d): one product per image and head reads them once, not K times.
         # No mask in cross-attention, so each query's result is the same as attending alone.
         q = q.reshape(images, -1, H, t, d).transpose(1, 2).reshape(images, H, -1, d)  # (B / K, H, K * t, d)
-        out = self.mha2.attend(q, k, v, size=memory_size)[0]  # (B / K, K * t, D), rows ordered (beam, position)
+        out = self.mha2.attend(q, k, v, size=sizes)[0]  # (B / K, K * t, D), rows ordered (beam, position)
         return out.reshape(B, t, -1)  # (B, t, D)
 
-    def forward(
-        self, x: Tensor, memory: Tensor, cache: LayerCache | None = None, memory_size: Tensor | None = None
-    ) -> Tensor:
-        """(B, t, D) new caption positions (all T without ``cache``) over (B, N, D) image tokens -> (B, t, D).
+    def forward(self, x: Tensor, memory: Memory, cache: LayerCache | None = None) -> Tensor:
+        """(B, t, D) new caption positions (all T without ``cache``) over the ``Memory`` of (B, N, D) image tokens
+        -> (B, t, D); merged tokens (ToMe) weigh by their sizes.
 
-        ``memory`` may be (B / K, N, D), one row per K beams of an image; ``cache`` is extended in place;
-        ``memory_size`` (B or B / K, N): the sizes of merged image tokens (``TokenState.size``), None: unmerged.
+        ``memory`` may hold (B / K, N, D), one row per K beams of an image; ``cache`` is extended in place, and once
+        it holds the cross-attention's keys, values and sizes, ``memory`` is not read.
         """
         if self.norm_first:
             x = x + self.dropout1(self._self_attention(self.layernorm1(x), cache))
-            x = x + self.dropout2(self._cross_attention(self.layernorm2(x), memory, cache, memory_size))
+            x = x + self.dropout2(self._cross_attention(self.layernorm2(x), memory, cache))
             return x + self.dropout3(self.ffn(self.layernorm3(x)))
         out1 = self.layernorm1(x + self.dropout1(self._self_attention(x, cache)))
-        out2 = self.layernorm2(out1 + self.dropout2(self._cross_attention(out1, memory, cache, memory_size)))
+        out2 = self.layernorm2(out1 + self.dropout2(self._cross_attention(out1, memory, cache)))
         return self.layernorm3(out2 + self.dropout3(self.ffn(out2)))

@@ -7,28 +7,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from vitattn.layers import UNMERGED, DecoderLayer, LayerCache, TokenState, check_heads
+from vitattn.layers import DecoderLayer, LayerCache, Memory, check_heads
 from vitattn.models.generate import CaptionSearch, SpecialIds
 from vitattn.models.vit import VisionTransformer, init_linears_, layer_groups, trunc_normal_
 
-__all__ = ["CaptionDecoder", "DecoderStep", "ImageCaptioner", "Memory", "per_caption"]
-
-
-class Memory(NamedTuple):
-    """What the decoder reads of B images: (B, N, D) ``tokens`` and, when the encoder merged tokens (ToMe), their
-    sizes (B, N), which the cross-attention weighs them by (None: unmerged)."""
-
-    tokens: Tensor
-    size: Tensor | None = None
-
-    def detach(self) -> Memory:
-        return Memory(self.tokens.detach(), None if self.size is None else self.size.detach())
+__all__ = ["CaptionDecoder", "DecoderStep", "ImageCaptioner", "per_caption"]
 
 
 class CaptionDecoder(nn.Module):
@@ -130,12 +119,7 @@ class CaptionDecoder(nn.Module):
         return [LayerCache(capacity or self.max_len) for _ in self.layers]
 
     def forward_features(
-        self,
-        tokens: Tensor,
-        memory: Tensor,
-        cache: list[LayerCache] | None = None,
-        start: int = 0,
-        memory_size: Tensor | None = None,
+        self, tokens: Tensor, memory: Memory, cache: list[LayerCache] | None = None, start: int = 0
     ) -> Tensor:
         """(B, t) tokens -> (B, t, D) hidden states after the final norm (``forward``'s arguments)."""
         B, t = tokens.shape
@@ -148,25 +132,18 @@ class CaptionDecoder(nn.Module):
         for i, layer in enumerate(self.layers):
             if recompute:
                 # keeps x; the backward runs the layer again
-                x = checkpoint(layer, x, memory, None, memory_size, use_reentrant=False)
+                x = checkpoint(layer, x, memory, None, use_reentrant=False)
             else:
-                x = layer(x, memory, None if cache is None else cache[i], memory_size)
+                x = layer(x, memory, None if cache is None else cache[i])
         return self.norm(x)
 
-    def forward(
-        self,
-        tokens: Tensor,
-        memory: Tensor,
-        cache: list[LayerCache] | None = None,
-        start: int = 0,
-        memory_size: Tensor | None = None,
-    ) -> Tensor:
-        """(B, t, V) logits of (B, t) tokens at positions ``start ..`` over (B, N, D) image tokens.
+    def forward(self, tokens: Tensor, memory: Memory, cache: list[LayerCache] | None = None, start: int = 0) -> Tensor:
+        """(B, t, V) logits of (B, t) tokens at positions ``start ..`` over the ``Memory`` of (B, N, D) image tokens
+        (``ImageCaptioner.encode``'s: with merging, their sizes).
 
-        ``memory`` may be (B / K, N, D), one row per K beams; ``cache`` (``new_cache()``) is extended in place;
-        ``memory_size`` (B or B / K, N): merged image tokens' sizes (``Memory.size``).
+        ``memory`` may hold (B / K, N, D), one row per K beams; ``cache`` (``new_cache()``) is extended in place.
         """
-        return self.head(self.forward_features(tokens, memory, cache, start, memory_size))  # (B, t, V)
+        return self.head(self.forward_features(tokens, memory, cache, start))  # (B, t, V)
 
 
 class ImageCaptioner(nn.Module, CaptionSearch):
@@ -204,17 +181,17 @@ class ImageCaptioner(nn.Module, CaptionSearch):
     def encode(self, images: Tensor) -> Memory:
         """(B, C, height, width) -> the ``Memory`` of (B, N, D) image tokens in the decoder's width, normalised: an
         encoder whose norm comes after pooling (``fc_norm``, timm's ``avg`` pool) has it applied to every token."""
-        return self.memory(*self.encoder.forward_tokens(images))
+        return self.memory(self.encoder.forward_tokens(images))
 
-    def memory(self, features: Tensor, state: TokenState = UNMERGED) -> Memory:
-        """``encode`` from the encoder's (B, N, D) ``forward_tokens``."""
-        return Memory(self.decoder.memory_proj(self.encoder.fc_norm(features)), state.size)
+    def memory(self, encoded: Memory) -> Memory:
+        """``encode`` from the encoder's ``forward_tokens``: its tokens normalised and projected, sizes kept."""
+        return encoded._replace(tokens=self.decoder.memory_proj(self.encoder.fc_norm(encoded.tokens)))
 
     def forward(self, images: Tensor, tokens: Tensor, caption_image: Tensor | None = None) -> Tensor:
         """Teacher forcing: (B, C, height, width), (N, T) -> (N, T, V) next-token logits; caption ``n`` reads
         image ``caption_image[n]`` (N,), encoded once however many captions it has (default: caption n, image n)."""
         memory = per_caption(self.encode(images), caption_image)
-        return self.decoder(tokens, memory.tokens, memory_size=memory.size)
+        return self.decoder(tokens, memory)
 
     def start_search(
         self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
@@ -240,8 +217,7 @@ class ImageCaptioner(nn.Module, CaptionSearch):
 def per_caption(memory: Memory, caption_image: Tensor | None) -> Memory:
     """B images' ``Memory`` -> one row per caption: caption ``n`` reads image ``caption_image[n]`` (None: image n)."""
     if caption_image is not None and len(caption_image) != len(memory.tokens):
-        size = None if memory.size is None else memory.size.index_select(0, caption_image)
-        memory = Memory(memory.tokens.index_select(0, caption_image), size)
+        memory = memory.index_select(caption_image)
     return memory
 
 
@@ -255,18 +231,18 @@ class DecoderStep:
         # (docs/benchmarks.md); bf16 where FSDP's mixed precision holds the weights in bf16. A GPU steps in bf16.
         self.cpu = memory.tokens.device.type == "cpu"
         self.decoder, self.cache = decoder, cache
-        self.memory, self.memory_size = memory
+        self.memory = memory
 
     def __call__(self, tokens: Tensor) -> Tensor:
         dtype = self.decoder.head.weight.dtype  # read at each step: FSDP swaps the parameters as it gathers them
-        if self.cpu and self.memory.dtype != dtype:
-            self.memory = self.memory.to(dtype)
+        if self.cpu and self.memory.tokens.dtype != dtype:
+            self.memory = self.memory._replace(tokens=self.memory.tokens.to(dtype))
         with torch.autocast("cpu", enabled=False) if self.cpu else nullcontext():
             if self.cache is None:
-                h = self.decoder.forward_features(tokens, self.memory, memory_size=self.memory_size)[:, -1:]
+                h = self.decoder.forward_features(tokens, self.memory)[:, -1:]
             else:
                 start = tokens.shape[1] - 1
-                h = self.decoder.forward_features(tokens[:, -1:], self.memory, self.cache, start, self.memory_size)
+                h = self.decoder.forward_features(tokens[:, -1:], self.memory, self.cache, start)
         # The search's scores in fp32 even under bf16 autocast: in bf16 (3 significant digits) near-tied words swap.
         with torch.autocast(h.device.type, enabled=False):
             return self.decoder.head(h.to(dtype)).float()[:, -1]  # (B, V); fp32 but for bf16 weights

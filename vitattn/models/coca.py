@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vitattn.layers import UNMERGED, EncoderLayer, TokenState, check_heads
-from vitattn.models.caption import CaptionDecoder, ImageCaptioner, Memory, per_caption
+from vitattn.layers import EncoderLayer, Memory, check_heads
+from vitattn.models.caption import CaptionDecoder, ImageCaptioner, per_caption
 from vitattn.models.generate import CaptionSearch
 from vitattn.models.vit import VisionTransformer, trunc_normal_
 
@@ -164,15 +164,15 @@ class CocaCaptioner(Embedder, ImageCaptioner):
         return {**super().config, "contrastive": self.contrastive_config}
 
     def embed_images(self, images: Tensor) -> Tensor:
-        return self.embed_features(*self.encoder.forward_tokens(images))
+        return self.embed_features(self.encoder.forward_tokens(images))
 
     def embed_texts(self, tokens: Tensor) -> Tensor:
         x = self.decoder.token_embed(tokens)  # (N, T, D): the decoder's embedding, shared
         return F.normalize(self.text_proj(self.text(x, tokens == self.decoder.pad_id)), dim=-1)
 
     def encode_and_embed(self, images: Tensor) -> tuple[Memory, Tensor]:
-        features, state = self.encoder.forward_tokens(images)  # (B, N, D): once for both
-        return self.memory(features, state), self.embed_features(features, state)
+        encoded = self.encoder.forward_tokens(images)  # (B, N, D): once for both
+        return self.memory(encoded), self.embed_features(encoded)
 
     def forward_coca(
         self, images: Tensor, tokens: Tensor, texts: Tensor, caption_image: Tensor | None = None
@@ -180,15 +180,14 @@ class CocaCaptioner(Embedder, ImageCaptioner):
         """Training's pass, one encoding of each image: the (N, T - 1, V) teacher-forced logits of captions
         ``tokens`` (N, T) (caption n of image ``caption_image[n]``, as ``forward``), the (B, E) image embeddings and
         the text embeddings of ``texts`` (M, T). Under FSDP a forward method (``shard_layers`` registers it)."""
-        features, state = self.encoder.forward_tokens(images)  # (B, N, D)
-        memory = per_caption(self.memory(features, state), caption_image)
-        logits = self.decoder(tokens[:, :-1], memory.tokens, memory_size=memory.size)
-        return logits, self.embed_features(features, state), self.embed_texts(texts)
+        encoded = self.encoder.forward_tokens(images)  # (B, N, D)
+        logits = self.decoder(tokens[:, :-1], per_caption(self.memory(encoded), caption_image))
+        return logits, self.embed_features(encoded), self.embed_texts(texts)
 
-    def embed_features(self, features: Tensor, state: TokenState = UNMERGED) -> Tensor:
-        """(B, E) image embeddings from the encoder's (B, N, D) ``forward_tokens``."""
-        # (B, D): the encoder's own pool and norm
-        pooled = self.encoder.forward_head(features, pre_logits=True, size=state.size)
+    def embed_features(self, encoded: Memory) -> Tensor:
+        """(B, E) image embeddings from the encoder's ``forward_tokens``: its own pool (merged tokens weighted by
+        their sizes) and norm, projected."""
+        pooled = self.encoder.forward_head(encoded, pre_logits=True)  # (B, D)
         return F.normalize(self.image_proj(pooled), dim=-1)
 
 

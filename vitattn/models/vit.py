@@ -1,7 +1,8 @@
 """Vision transformer encoder built from the document's ``EncoderLayer``.
 
 Dimension letters: B batch, C channels, N tokens (patches + class token), D width, P patch side.
-Stages as in timm: ``forward_features`` (B, N, D) -> ``pool`` (B, D) -> ``forward_head`` (B, classes).
+Stages as in timm: ``forward_tokens`` (the ``Memory`` of (B, N, D) tokens: with merging, their sizes) -> ``pool``
+(B, D) -> ``forward_head`` (B, classes); ``forward_features`` is timm's (B, N, D), the tokens alone.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from omegaconf import OmegaConf
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from vitattn.layers import UNMERGED, EncoderLayer, TokenState, check_heads, merge_schedule
+from vitattn.layers import EncoderLayer, Memory, check_heads, merge_schedule
 
 __all__ = ["PRESETS", "VisionTransformer", "layer_groups", "preset_config", "vit_preset"]
 
@@ -231,61 +232,56 @@ class VisionTransformer(nn.Module):
             )
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def forward_tokens(self, x: Tensor, trace: list[TokenState] | None = None) -> tuple[Tensor, TokenState]:
-        """(B, C, height, width) images -> (B, N, D) tokens, class token first, and their ``TokenState``: the
-        sizes of merged tokens (None without merging). ``trace``, a list, receives each layer's input state and
-        then the last, with ``source``: which patch tokens each token holds (attention maps)."""
+    def forward_tokens(self, x: Tensor, trace: list[Memory] | None = None) -> Memory:
+        """(B, C, height, width) images -> the ``Memory`` of their (B, N, D) tokens, class token first: with merging
+        (ToMe), the merged tokens' sizes. ``trace``, a list, receives with merging each layer's input ``Memory`` and
+        then the last, with ``sources``: which patch tokens each token holds (attention maps)."""
         x = self.patch_embed(x)  # (B, N-1, D)
         cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, D)
         x = self.norm_pre(self.pos_drop(torch.cat([cls, x], dim=1) + self.pos_embed))  # (B, N, D)
-        recompute = self.grad_checkpointing and self.training and torch.is_grad_enabled()
-        if not any(self.merge_schedule):
-            if recompute:
-                for block in self.blocks:
-                    x = checkpoint(block, x, use_reentrant=False)  # keeps only x; the backward runs the block again
-            else:
-                x = self.blocks(x)
-            return self.norm(x), UNMERGED
-        state = UNMERGED
-        if trace is not None:
+        memory = Memory(x)
+        tracing = trace is not None and any(self.merge_schedule)
+        if tracing:
             eye = torch.eye(x.shape[1], device=x.device, dtype=x.dtype)
-            state = TokenState(x.new_ones(x.shape[:2]), eye.expand(x.shape[0], -1, -1))
+            memory = Memory(x, x.new_ones(x.shape[:2]), eye.expand(x.shape[0], -1, -1))  # (B, N), (B, N, N)
+        recompute = self.grad_checkpointing and self.training and torch.is_grad_enabled()
         for block, r in zip(self.blocks, self.merge_schedule):
-            if trace is not None:
-                trace.append(state)
+            if tracing:
+                trace.append(memory)
             if recompute:
-                x, state = checkpoint(block.forward_merging, x, r, state, use_reentrant=False)
+                # keeps only the layer's input; the backward runs the layer again
+                memory = checkpoint(block, memory, None, r, use_reentrant=False)
             else:
-                x, state = block.forward_merging(x, r, state)
-        if trace is not None:
-            trace.append(state)
-        return self.norm(x), state
+                memory = block(memory, None, r)
+        if tracing:
+            trace.append(memory)
+        return memory._replace(tokens=self.norm(memory.tokens))
 
     def forward_features(self, x: Tensor) -> Tensor:
         """(B, C, height, width) images -> (B, N, D) tokens, class token first (fewer with ``merge_tokens``)."""
-        return self.forward_tokens(x)[0]
+        return self.forward_tokens(x).tokens
 
-    def pool(self, x: Tensor, size: Tensor | None = None) -> Tensor:
-        """(B, N, D) -> (B, D): the class token, or the mean of the patch tokens (weighted by the merged tokens'
-        ``size`` (B, N): the mean of the patches they hold)."""
+    def pool(self, x: Memory) -> Tensor:
+        """The ``Memory`` of (B, N, D) tokens -> (B, D): the class token, or the mean of the patch tokens (merged
+        tokens weighted by their sizes: the mean of the patches they hold)."""
+        tokens = x.tokens
         if self.global_pool in ("mean", "avg"):
-            patches = x[:, self.num_prefix_tokens :]
-            if size is None:
+            patches = tokens[:, self.num_prefix_tokens :]
+            if x.sizes is None:
                 return patches.mean(dim=1)
-            weight = size[:, self.num_prefix_tokens :].unsqueeze(-1).to(x.dtype)  # (B, N - 1, 1)
+            weight = x.sizes[:, self.num_prefix_tokens :].unsqueeze(-1).to(tokens.dtype)  # (B, N - 1, 1)
             return (patches * weight).sum(dim=1) / weight.sum(dim=1)
-        return x[:, 0]
+        return tokens[:, 0]
 
-    def forward_head(self, x: Tensor, pre_logits: bool = False, size: Tensor | None = None) -> Tensor:
-        """(B, N, D) -> (B, num_classes) logits, or the pooled (B, D) feature with ``pre_logits``; ``size`` as
-        ``pool``'s."""
-        x = self.head_drop(self.fc_norm(self.pool(x, size)))
+    def forward_head(self, x: Memory, pre_logits: bool = False) -> Tensor:
+        """The ``Memory`` of (B, N, D) tokens -> (B, num_classes) logits, or the pooled (B, D) feature with
+        ``pre_logits``."""
+        x = self.head_drop(self.fc_norm(self.pool(x)))
         return x if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:
         """(B, C, height, width) -> (B, num_classes) logits, or (B, D) features when ``num_classes=0``."""
-        x, state = self.forward_tokens(x)
-        return self.forward_head(x, size=state.size)
+        return self.forward_head(self.forward_tokens(x))
 
 
 def vit_preset(name: str, **overrides: Any) -> VisionTransformer:

@@ -15,7 +15,7 @@ from vitattn.data.tokenizer import tokenizer_from_labels
 from vitattn.evaluation.classification import topk_hits
 from vitattn.inference.captioning import file_batches
 from vitattn.inference.zero_shot import check_labels, resolve_scorer, templates_from, zero_shot_classifier
-from vitattn.layers import UNMERGED, TokenState
+from vitattn.layers import Memory
 from vitattn.losses import CaptionLoss
 from vitattn.metrics import CaptionMetrics, CiderD
 from vitattn.models import captioner_from_config
@@ -121,15 +121,13 @@ class CaptionSystem(VisionSystem):
         return loss
 
     def _self_critical_loss(self, batch: dict[str, Any], size: int) -> Tensor:
-        scst, caption = self._self_critical_terms(batch, size, *self.model.encoder.forward_tokens(batch["images"]))
+        scst, caption = self._self_critical_terms(batch, size, self.model.encoder.forward_tokens(batch["images"]))
         return scst if caption is None else scst + self.scst.xe_weight * caption
 
-    def _self_critical_terms(
-        self, batch: dict[str, Any], size: int, features: Tensor, state: TokenState = UNMERGED
-    ) -> tuple[Tensor, Tensor | None]:
+    def _self_critical_terms(self, batch: dict[str, Any], size: int, encoded: Memory) -> tuple[Tensor, Tensor | None]:
         """The SCST loss and, when ``xe_weight`` is not 0, the teacher-forced cross-entropy, both from the encoder's
-        (B, N, D) ``features`` of the batch's images (``forward_tokens``): each image encoded once a step."""
-        memory = self.model.memory(features, state)
+        ``Memory`` of the batch's images (``forward_tokens``): each image encoded once a step."""
+        memory = self.model.memory(encoded)
         if self.self_critical is None:
             raise RuntimeError("scst is set but no reward was given: call use_reward(scorer) before training")
         scst, logged = self.self_critical(self.model, batch["images"], batch["references"], None, memory)
@@ -137,8 +135,7 @@ class CaptionSystem(VisionSystem):
         if not self.scst.xe_weight:
             return scst, None
         tokens = batch["tokens"]  # (N, T)
-        memory = per_caption(memory, batch.get("caption_image"))
-        logits = self.model.decoder(tokens[:, :-1], memory.tokens, memory_size=memory.size)  # (N, T-1, V)
+        logits = self.model.decoder(tokens[:, :-1], per_caption(memory, batch.get("caption_image")))  # (N, T-1, V)
         return scst, self.caption_loss(logits, tokens, self.label_smoothing)
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> None:

@@ -94,9 +94,9 @@ class CocaSystem(CaptionSystem):
         """``contrastive_weight`` · contrastive + ``caption_weight`` · (SCST + ``xe_weight`` · cross-entropy), each
         image encoded once for all three: the contrastive term keeps training the embeddings the first stage built."""
         tokens, caption_image = batch["tokens"], batch.get("caption_image")  # (N, T), (N,) or None
-        features, state = self.model.encoder.forward_tokens(batch["images"])  # (B, N, D), merged tokens' sizes
-        scst, caption = self._self_critical_terms(batch, size, features, state)
-        image, text = self.model.embed_features(features, state), self.model.embed_texts(tokens)
+        encoded = self.model.encoder.forward_tokens(batch["images"])  # (B, N, D), merged tokens' sizes
+        scst, caption = self._self_critical_terms(batch, size, encoded)
+        image, text = self.model.embed_features(encoded), self.model.embed_texts(tokens)
         contrastive = self._contrastive(image, text, caption_image, tokens)
         self._terms = {"scst_loss": scst.detach(), "contrastive_loss": loss_over_ranks(contrastive)}
         weighted = self._contrastive_weight() * contrastive

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+from vitattn.layers import Memory
 from vitattn.metrics import CiderD
 from vitattn.models import ImageCaptioner
-from vitattn.models.caption import Memory
 from vitattn.models.generate import greedy_search, sampling_logits
 
 __all__ = ["BASELINES", "ScstConfig", "SelfCritical", "scst_loss"]
@@ -156,7 +156,7 @@ def sample_log_probs(
     ids = model.special_ids
     bos = sampled.new_full((sampled.shape[0], 1), ids.bos_id)
     inputs = torch.cat([bos, sampled[:, :-1]], dim=1)
-    logits = model.decoder(inputs, memory.tokens, memory_size=memory.size).float()  # (B * K, T, V)
+    logits = model.decoder(inputs, memory).float()  # (B * K, T, V)
     logits = logits.index_fill(-1, torch.tensor(ids.banned, device=logits.device), float("-inf"))
     drawn = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, sampled.unsqueeze(-1), True)  # (B * K, T, V)
     logits = sampling_logits(logits, config.temperature, config.top_k, config.top_p, keep=drawn)
