@@ -2,12 +2,10 @@
 contrastive losses between image and text embeddings (``ClipLoss``, ``SigLipLoss``), with every rank's embeddings
 as negatives and every reference of an image, and every equal text, as its positives.
 
-Each rank gathers the ranks' embeddings it uses with gradients (open_clip's ``ClipLoss(local_loss=True,
-gather_with_grad=True)``; SigLIP's: the texts), batches of any sizes (``gather_rows``), and takes its share of the
-loss one process would take over all ranks' rows, so that DDP's and FSDP's mean over ranks is that loss whatever
-each rank's batch size (``loss_over_ranks``: what is logged). The loss runs in fp32 at least with autocast off;
-``logit_scale`` is not capped here (training clamps it to ``MAX_LOGIT_SCALE`` after each step, and inference caps it
-there). Design: docs/captioning.md#coca.
+Each rank gathers with gradients the ranks' embeddings it uses (SigLIP's: the texts), batches of any sizes
+(``gather_rows``), and takes its share of the loss one process would take over all ranks' rows, so that DDP's and
+FSDP's mean over ranks is that loss (``loss_over_ranks``: what is logged). The loss runs in fp32 at least with
+autocast off; ``logit_scale`` is clamped to ``MAX_LOGIT_SCALE`` by training and inference. Design: docs/captioning.md.
 
 Dimension letters: B this rank's images, N this rank's texts, I and N_all every rank's, W ranks, E embedding width,
 T token positions, V vocabulary.

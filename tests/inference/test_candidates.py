@@ -147,10 +147,12 @@ def test_filter_scores_equal_a_hand_computation(bundle_dir, images, tmp_path):
     contrastive = CandidateFilter(coca, "coca")
     assert contrastive.kind == "contrastive"
     got = contrastive.score(pixels[:2], texts)
-    image = coca.model.embed_images(pixels[:2])
+    with torch.no_grad():
+        image = coca.model.embed_images(pixels[:2])
     for b, row in enumerate(texts):
         for text, score in zip(row, got[b]):
-            text_embedding = coca.model.embed_texts(torch.tensor([coca.vocab.encode(text)]))
+            with torch.no_grad():
+                text_embedding = coca.model.embed_texts(torch.tensor([coca.vocab.encode(text)]))
             assert score == pytest.approx(float(image[b] @ text_embedding[0]), abs=1e-5)
     with pytest.raises(ValueError, match="score_by=contrastive.*head=coca"):
         CandidateFilter(bundle, "self", "contrastive")

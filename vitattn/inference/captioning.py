@@ -427,10 +427,12 @@ def caption_files(
     return CaptionSummary(captioned, failed, skipped, out, len(todo), len(units) - len(todo), *manifest)
 
 
-def manifest_path(out: str | os.PathLike) -> Path:
-    """Where the candidates' manifest goes: ``OUTDIR/manifest.json`` for shards, ``OUT.manifest.json`` for a file."""
+def manifest_path(out: str | os.PathLike, shards: bool | None = None) -> Path:
+    """Where the candidates' manifest goes: ``OUTDIR/manifest.json`` for shards, ``OUT.manifest.json`` for a file
+    (``shards`` None: an existing folder is shards' output)."""
     out = Path(out)
-    return out / "manifest.json" if out.is_dir() else out.with_name(out.name + ".manifest.json")
+    shards = out.is_dir() if shards is None else shards
+    return out / "manifest.json" if shards else out.with_name(out.name + ".manifest.json")
 
 
 def _check_candidates(candidates: CandidateOptions | None, format: str, attention_maps: Any = None) -> None:
