@@ -73,7 +73,7 @@ def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer
     set_matmul_precision(plan)
     datamodule = build_datamodule(plan)
     log_preprocess(datamodule, plan.preprocess_from)
-    bootstrap = BootstrapSettings.from_config(cfg.get("bootstrap"))
+    bootstrap = BootstrapSettings.from_config(OmegaConf.to_container(cfg.bootstrap) if cfg.get("bootstrap") else None)
     if bootstrap is not None and cfg.head.task == "caption":  # before setup: the vocabulary spells the pool too
         datamodule.pool = prepare_pool(bootstrap, "caption", plan.run_dir, _pool_run(plan))
     setup_data(cfg, datamodule, plan.resume, plan.tokenizer_kind)  # empty data, wrong vocabulary: one line, no step run

@@ -141,16 +141,16 @@ def _check_self_critical(cfg: DictConfig) -> None:
         )
 
 
-def fully_sharded(trainer: DictConfig) -> bool:
-    """``trainer=fsdp``: the strategy is Lightning's ``ModelParallelStrategy`` (``FullyShardedStrategy``)."""
-    strategy = trainer.get("strategy")
-    target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else ""
-    return target.endswith(("FullyShardedStrategy", "ModelParallelStrategy"))
+def fully_sharded(strategy: str) -> bool:
+    """``trainer=fsdp``: ``strategy``, the class a configured ``trainer.strategy`` names, is Lightning's
+    ``ModelParallelStrategy`` (``FullyShardedStrategy``)."""
+    return strategy.endswith(("FullyShardedStrategy", "ModelParallelStrategy"))
 
 
 def _check_sharded(cfg: DictConfig) -> None:
     """``trainer=fsdp`` with the EMA or self-critical training: refused in one line, with the reason."""
-    if not fully_sharded(cfg.trainer):
+    strategy = cfg.trainer.get("strategy")
+    if not isinstance(strategy, DictConfig) or not fully_sharded(str(strategy.get("_target_", ""))):
         return
     if cfg.get("ema", {}).get("decay"):
         raise ConfigError(
@@ -189,7 +189,7 @@ def _check_preprocess(data: DictConfig) -> None:
 
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config)."""
-    check_targets(cfg)
+    check_targets(OmegaConf.to_container(cfg))  # plain values: the library reads no config object
     task = cfg.head.task
     if task not in TASKS:
         raise ConfigError(f"head.task={task!r} is unknown; choose head=caption or head=classification")

@@ -173,6 +173,7 @@ def _trainer_plan(trainer: DictConfig) -> TrainerPlan:
     devices = trainer.get("devices", 1)
     devices = list(devices) if isinstance(devices, ListConfig) else devices
     strategy = trainer.get("strategy", "auto")
+    strategy = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else str(strategy)
     no_gpu = ""
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():  # check_config passes GPU recipes anywhere
         n = devices if isinstance(devices, int) and devices > 0 else "N"
@@ -184,10 +185,10 @@ def _trainer_plan(trainer: DictConfig) -> TrainerPlan:
         accelerator=accelerator,
         devices=devices,
         num_nodes=int(trainer.get("num_nodes", 1)),
-        strategy=str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else str(strategy),
+        strategy=strategy,
         on_gpu=accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()),
         no_gpu=no_gpu,
-        sharded=fully_sharded(trainer),
+        sharded=fully_sharded(strategy),
         processes=processes_per_node(devices),
         fast_dev_run=bool(trainer.get("fast_dev_run", False)),
         progress_bar=bool(trainer.get("enable_progress_bar", True)),
@@ -241,7 +242,7 @@ def _resolve_preprocess(cfg: DictConfig, start: ModelWeights | EncoderWeights | 
     """Write into ``cfg.data`` the preprocessing ``start`` was trained with, where the config sets no ``data.*`` key
     and the data takes it (its ``weights_keys``); returns where each part comes from."""
     config = [k for k in WEIGHTS_KEYS if cfg.data.get(k) is not None]
-    taken = preprocess_taken(cfg.data, start.preprocess if start is not None else None)
+    taken = preprocess_taken(OmegaConf.to_container(cfg.data), start.preprocess if start is not None else None)
     for key, value in taken.items():
         cfg.data[key] = list(value) if isinstance(value, (list, tuple)) else value
     parts = []
