@@ -1,7 +1,7 @@
 """The size of the package: files, lines, docstring lines, and the imports between its modules.
 
     python scripts/house.py [PACKAGE_DIR]           # default: vitattn/ of this checkout
-    python scripts/house.py --trace [PACKAGE_DIR]   # also follow the config through one tiny train(cfg)
+    python scripts/house.py --trace [PACKAGE_DIR]   # also follow the config and its plan through one tiny train(cfg)
 
 Docstring lines are the lines of module, class and function docstrings. An import arrow is one module
 importing another of the package (top level or inside a function, as grimp counts them); a circle is a
@@ -94,16 +94,19 @@ TINY = [
 
 
 def follow_config(output_dir: Path) -> list[str]:
-    """The vitattn modules entered, in order, by the calls that receive the config (or a node of it) or the plan
-    resolved from it during one tiny captioning ``train(cfg)``; consecutive calls into the same module are one
-    visit."""
+    """The vitattn modules entered, in order, by the calls that receive the config (or a node of it), the plan
+    resolved from it or one of the plan's typed parts (trainer, precision, resume, start weights) during one tiny
+    captioning ``train(cfg)``; consecutive calls into the same module are one visit."""
     from hydra import compose, initialize_config_module
     from omegaconf import DictConfig
 
     with initialize_config_module("vitattn.conf", version_base="1.3"):
         cfg = compose("train", overrides=[*TINY, f"paths.output_dir={output_dir}"])
-    from vitattn.training.plan import Plan
+    from vitattn.training.plan import Plan, Precision, Resume, TrainerPlan
     from vitattn.training.recipe import train
+    from vitattn.training.start_weights import EncoderWeights, ModelWeights
+
+    followed = (DictConfig, Plan, TrainerPlan, Precision, Resume, ModelWeights, EncoderWeights)
 
     visits: list[str] = []
 
@@ -115,9 +118,7 @@ def follow_config(output_dir: Path) -> list[str]:
             return
         code = frame.f_code
         names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-        if any(isinstance(frame.f_locals.get(n), (DictConfig, Plan)) for n in names) and (
-            not visits or visits[-1] != module
-        ):
+        if any(isinstance(frame.f_locals.get(n), followed) for n in names) and (not visits or visits[-1] != module):
             visits.append(module)
 
     sys.setprofile(profile)
@@ -132,7 +133,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default = Path(__file__).resolve().parents[1] / "vitattn"
     parser.add_argument("package", nargs="?", type=Path, default=default, help="default: vitattn/ of this checkout")
-    parser.add_argument("--trace", action="store_true", help="also follow the config through one tiny train(cfg)")
+    parser.add_argument(
+        "--trace", action="store_true", help="also follow the config and its plan through one tiny train(cfg)"
+    )
     args = parser.parse_args(argv)
     package, trace = args.package.resolve(), args.trace
     files = sorted(p for p in package.rglob("*.py") if "__pycache__" not in p.parts)
@@ -160,7 +163,8 @@ def main(argv: list[str]) -> int:
             visits = follow_config(Path(tmp) / "run")
         returns = len(visits) - len(set(visits))
         config = sum(v.endswith(".config") for v in visits)
-        print(f"the config through train(): {len(set(visits))} modules, {len(visits)} visits, {returns} returns")
+        modules = len(set(visits))
+        print(f"the config and its plan through train(): {modules} modules, {len(visits)} visits, {returns} returns")
         print(f"  to a module already left; the config module entered {config} times")
         print("  " + " > ".join(v.removeprefix("vitattn.") for v in visits))
     return 0

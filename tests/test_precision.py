@@ -348,7 +348,7 @@ def test_float32_matmul_precision_is_set_as_the_config_says(overrides, gpu, expe
 
 
 def test_an_unknown_float32_matmul_precision_is_one_line():
-    from vitattn.training.config import check_config
+    from vitattn.training.plan import resolve
 
     with pytest.raises(ConfigError, match="^float32_matmul_precision='tf32' is unknown; choose one of auto, highest"):
-        check_config(compose_train([*TINY, "float32_matmul_precision=tf32"], "run"))
+        resolve(compose_train([*TINY, "float32_matmul_precision=tf32"], "run"))

@@ -102,16 +102,19 @@ class RunDir:
         atomic_write(self.config, OmegaConf.to_yaml(cfg, resolve=True))
 
 
-def check_targets(cfg: DictConfig) -> None:
-    """Refuse a ``_target_`` outside vitattn, torch, torchvision, timm and lightning."""
+def check_targets(cfg: DictConfig | Mapping[str, Any]) -> None:
+    """Refuse a ``_target_`` outside vitattn, torch, torchvision, timm and lightning (a config, or its plain values)."""
 
     def walk(node: Any, path: str) -> None:
-        if isinstance(node, DictConfig):
-            target = node.get("_target_") if "_target_" in node else None
-            if target is not None and not str(target).startswith(ALLOWED_TARGET_PREFIXES):
-                allowed = ", ".join(p.rstrip(".") for p in ALLOWED_TARGET_PREFIXES)
-                raise ConfigError(f"{path}._target_={target} is not allowed; targets must be in {allowed}")
-            for key, child in node.items_ex(resolve=False):  # a child unresolved: a `???` elsewhere is no error here
-                walk(child, f"{path}.{key}" if path else str(key))
+        if not isinstance(node, DictConfig | Mapping):
+            return
+        target = node.get("_target_") if "_target_" in node else None
+        if target is not None and not str(target).startswith(ALLOWED_TARGET_PREFIXES):
+            allowed = ", ".join(p.rstrip(".") for p in ALLOWED_TARGET_PREFIXES)
+            raise ConfigError(f"{path}._target_={target} is not allowed; targets must be in {allowed}")
+        # a child unresolved: a `???` elsewhere is no error here
+        children = node.items_ex(resolve=False) if isinstance(node, DictConfig) else node.items()
+        for key, child in children:
+            walk(child, f"{path}.{key}" if path else str(key))
 
     walk(cfg, "")

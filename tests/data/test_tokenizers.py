@@ -269,13 +269,14 @@ def test_words_and_bpe_train_end_to_end_and_save_their_tokenizer(kind, bpe_run, 
 def test_the_bpe_run_says_it_has_no_unknown_words(tmp_path, caplog):
     from vitattn.training.build import check_fit
     from vitattn.training.datamodules import ShapesDataModule
+    from vitattn.training.plan import resolve
 
     cfg = compose_train([*FAST_RUN, "tokenizer=bpe"], tmp_path)
     dm = ShapesDataModule(task="caption", img_size=32, num_train=64, num_val=16, num_test=16, batch_size=8)
     dm.tokenizer_config = {"kind": "bpe", "vocab_size": "auto"}
     dm.setup("fit")
     with caplog.at_level(logging.INFO, logger="vitattn.training.build"):
-        assert not [w for w in check_fit(cfg, dm) if "caption" in w]
+        assert not [w for w in check_fit(resolve(cfg), dm) if "caption" in w]
     line = next(r.getMessage() for r in caplog.records if "caption word" in r.getMessage())
     assert line == (
         f"tokenizer=bpe: no caption word is outside the {len(dm.vocab):,}-token subword tokenizer "

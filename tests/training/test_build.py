@@ -60,10 +60,12 @@ def test_vocabulary_differing_from_the_checkpoint_fails_before_any_step(how, tmp
     assert not (tmp_path / "out").exists()  # nothing written, no step run
     # the same vocabulary passes, and a checkpoint of the other head is refused
     matching = compose_train(["head=caption", *SHAPES, f"data.vocab_path={run / 'vocab.json'}", load], tmp_path / "out")
-    setup_data(matching, build_datamodule(resolve(matching)), str(ckpt))
+    plan = resolve(matching)
+    setup_data(matching, build_datamodule(plan), plan.resume, plan.tokenizer_kind)
     cls_cfg = compose_train([*CLS, load], tmp_path / "out")
+    plan = resolve(cls_cfg)
     with pytest.raises(ConfigError, match=r"was trained with head=caption, not head=classification; use head=caption"):
-        setup_data(cls_cfg, build_datamodule(resolve(cls_cfg)), str(ckpt))
+        setup_data(cls_cfg, build_datamodule(plan), plan.resume, plan.tokenizer_kind)
 
 
 def test_class_list_differing_from_the_checkpoint_fails_before_any_step(tmp_path):
@@ -73,6 +75,7 @@ def test_class_list_differing_from_the_checkpoint_fails_before_any_step(tmp_path
     cfg = compose_train(
         ["head=classification", "data=imagefolder", f"data.root={root}", f"ckpt_path={ckpt}"], tmp_path / "run"
     )
-    dm = build_datamodule(resolve(cfg))
+    plan = resolve(cfg)
+    dm = build_datamodule(plan)
     with pytest.raises(ConfigError, match=r"classes \['bird', 'cat'\] differ from the checkpoint's \['cat', 'dog'\]"):
-        setup_data(cfg, dm, str(ckpt))
+        setup_data(cfg, dm, plan.resume)

@@ -12,7 +12,7 @@ from vitattn.errors import ConfigError
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 from vitattn.run_dir import RunDir
 from vitattn.training import train
-from vitattn.training.config import check_config
+from vitattn.training.plan import resolve
 from vitattn.training.systems.base import (
     add_param_groups,
     build_optimizer,
@@ -134,7 +134,7 @@ def test_groups_added_while_running_follow_the_schedule():
 def test_bad_fine_tuning_values_are_one_config_error(override, message, tmp_path):
     cfg = compose_train([*TINY, *TINY_SHAPES, *override.split()], tmp_path)
     with pytest.raises(ConfigError, match=message):
-        check_config(cfg)
+        resolve(cfg)  # the plan refuses what needs the trainer's processes
 
 
 def test_resume_replays_the_saved_overrides_before_the_command_lines(tmp_path):

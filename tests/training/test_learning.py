@@ -309,10 +309,10 @@ def _warnings(overrides, tmp_path):
     from vitattn.training.build import check_fit
     from vitattn.training.plan import resolve
 
-    cfg = resolve(compose_train(overrides, tmp_path)).cfg
-    datamodule = instantiate(cfg.data)
+    plan = resolve(compose_train(overrides, tmp_path))
+    datamodule = instantiate(plan.cfg.data)
     datamodule.setup("fit")
-    return check_fit(cfg, datamodule)
+    return check_fit(plan, datamodule)
 
 
 def test_startup_warns_when_the_config_fights_the_data(tmp_path, caplog):

@@ -21,13 +21,12 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset
 
 from vitattn.bundle import load_model
@@ -89,11 +88,12 @@ class BootstrapSettings:
     batch_size: int = 32
 
     @classmethod
-    def from_config(cls, node: DictConfig | None) -> BootstrapSettings | None:
-        """The settings, or None when the run bootstraps from nothing (no ``teacher`` and no ``candidates``)."""
+    def from_config(cls, node: Mapping[str, Any] | None) -> BootstrapSettings | None:
+        """The settings of the ``bootstrap`` node (plain values), or None when the run bootstraps from nothing (no
+        ``teacher`` and no ``candidates``)."""
         if node is None or (node.get("teacher") is None and node.get("candidates") is None):
             return None
-        values = OmegaConf.to_container(node, resolve=True)
+        values = dict(node)
         values["keep"] = Keep(**(values.get("keep") or {}))
         settings = cls(**values)
         if settings.samples < 1:

@@ -37,7 +37,7 @@ from vitattn.run_dir import VOCAB_FILE, RunDir
 from vitattn.training.bootstrap import BootstrapSettings, prepare_pool
 from vitattn.training.config import qualify
 from vitattn.training.loggers import check_loggers, logger_arguments
-from vitattn.training.plan import WAIT_SECONDS, Plan, wait_for_rank_zero
+from vitattn.training.plan import WAIT_SECONDS, Plan, Resume, wait_for_rank_zero
 from vitattn.training.start_weights import log_preprocess
 from vitattn.training.systems import VisionSystem
 from vitattn.training.systems.coca import contrastive_model_config
@@ -68,28 +68,29 @@ def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer
     and tokenizer written into the run folder: a bad split or a model the data cannot size stops the run in one
     line before any step."""
     cfg = plan.cfg
-    _check_accelerator(cfg.trainer)
+    if plan.trainer.no_gpu:
+        raise ConfigError(plan.trainer.no_gpu)
     set_matmul_precision(plan)
     datamodule = build_datamodule(plan)
     log_preprocess(datamodule, plan.preprocess_from)
-    bootstrap = BootstrapSettings.from_config(cfg.get("bootstrap"))
+    bootstrap = BootstrapSettings.from_config(OmegaConf.to_container(cfg.bootstrap) if cfg.get("bootstrap") else None)
     if bootstrap is not None and cfg.head.task == "caption":  # before setup: the vocabulary spells the pool too
-        datamodule.pool = prepare_pool(bootstrap, "caption", plan.run_dir, _pool_run(cfg))
-    setup_data(cfg, datamodule, plan.ckpt_path)  # empty data, wrong vocabulary: one line, no step run
+        datamodule.pool = prepare_pool(bootstrap, "caption", plan.run_dir, _pool_run(plan))
+    setup_data(cfg, datamodule, plan.resume, plan.tokenizer_kind)  # empty data, wrong vocabulary: one line, no step run
     if bootstrap is not None:
         if cfg.head.task == "classification":
-            run = {**_pool_run(cfg), "class_names": list(datamodule.class_names)}
+            run = {**_pool_run(plan), "class_names": list(datamodule.class_names)}
             datamodule.pool = prepare_pool(bootstrap, "classification", plan.run_dir, run)
         log.info("bootstrap: %s", datamodule.use_pool(bootstrap))
     plan_cores(plan, datamodule)
     if rank_zero_only.rank == 0:
-        check_fit(cfg, datamodule)  # a coarse patch grid, a vocabulary of <unk>, a schedule with no end
+        check_fit(plan, datamodule)  # a coarse patch grid, a vocabulary of <unk>, a schedule with no end
     system = build_system(plan, datamodule)
     if cfg.finetune.get("scst") is not None:
-        system.use_reward(prepare_reward(datamodule, plan.run_dir, plan.ckpt_path is not None))
+        system.use_reward(prepare_reward(datamodule, plan.run_dir, plan.resume.ckpt_path is not None))
     if should_compile(plan):
         system.model.compile()  # in place: parameter names (checkpoints, bundles) stay as they are
-    loggers = instantiate_group(cfg.get("logger"), logger_arguments(plan.run_dir, plan.log_from))
+    loggers = instantiate_group(cfg.get("logger"), logger_arguments(plan.run_dir, plan.resume.log_from))
     check_loggers(loggers)
     trainer: pl.Trainer = hydra.utils.instantiate(
         cfg.trainer,
@@ -102,17 +103,15 @@ def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer
     return datamodule, system, trainer
 
 
-def _pool_run(cfg: DictConfig) -> dict[str, Any]:
+def _pool_run(plan: Plan) -> dict[str, Any]:
     """What labelling the pool takes of the run: its seed, processes (a GPU each; on CPUs one process, whose
     threads take every core) and progress bar."""
-    devices = cfg.trainer.get("devices", 1)
-    accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    gpus = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    trainer, devices = plan.trainer, plan.trainer.devices
     return {
-        "seed": int(cfg.seed),
-        "devices": devices if gpus and isinstance(devices, int) and devices > 0 else 1,
-        "accelerator": {"cuda": "gpu"}.get(accelerator, accelerator),
-        "progress": bool(cfg.trainer.get("enable_progress_bar", True)),
+        "seed": int(plan.cfg.seed),
+        "devices": devices if trainer.on_gpu and isinstance(devices, int) and devices > 0 else 1,
+        "accelerator": {"cuda": "gpu"}.get(trainer.accelerator, trainer.accelerator),
+        "progress": trainer.progress_bar,
     }
 
 
@@ -125,19 +124,6 @@ def _save_run_files(plan: Plan, datamodule: Any) -> None:
     run.save_config(plan.cfg)  # the config that runs
     if getattr(datamodule, "vocab", None) is not None:
         datamodule.vocab.save(run.path / tokenizer_file_name(datamodule.vocab))
-
-
-def _check_accelerator(trainer: DictConfig) -> None:
-    """A GPU trainer on a machine without one: the CPU overrides, in one line (a check of this machine, not of
-    the config: ``check_config`` passes GPU recipes anywhere)."""
-    accelerator = str(trainer.get("accelerator", "auto"))
-    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-        devices = trainer.get("devices", 1)
-        n = devices if isinstance(devices, int) and devices > 0 else "N"
-        raise ConfigError(
-            f"trainer.accelerator={accelerator} but this machine has no GPU; to train on its CPUs add "
-            f"trainer.accelerator=cpu trainer.devices={n} trainer.precision=32-true"
-        )
 
 
 def instantiate_group(
@@ -157,7 +143,7 @@ def should_compile(plan: Plan) -> bool:
     """``compile=auto`` compiles on GPUs only: on CPUs eager is as fast (see docs/benchmarks.md); and not under
     ``trainer=fsdp``, whose sharded layers have not been tested compiled (``compile=true`` asks for it)."""
     if str(plan.cfg.compile).lower() == "auto":
-        return plan.on_gpu and not plan.sharded
+        return plan.trainer.on_gpu and not plan.trainer.sharded
     return bool(plan.cfg.compile)
 
 
@@ -249,16 +235,18 @@ def model_config_from(plan: Plan, datamodule: Any) -> dict[str, Any]:
     )
     config = {"encoder": {**encoder, "num_classes": 0}, "decoder": decoder}
     if "contrastive" in cfg.head:  # head=coca
-        pairs = int(cfg.data.batch_size) * plan.processes * int(cfg.trainer.get("num_nodes", 1))
+        pairs = int(cfg.data.batch_size) * plan.trainer.processes * plan.trainer.num_nodes
         config["contrastive"] = contrastive_model_config(
             OmegaConf.to_container(cfg.head.contrastive, resolve=True), pairs
         )
     return config
 
 
-def setup_data(cfg: DictConfig, datamodule: Any, ckpt_path: str | None = None) -> None:
+def setup_data(
+    cfg: DictConfig, datamodule: Any, resume: Resume | None = None, tokenizer_kind: str | None = None
+) -> None:
     """``datamodule.setup("fit")``; an unreadable or empty split, and a vocabulary or class list other than the
-    resumed checkpoint's (``ckpt_path``), as one-line ``ConfigError``s before any step."""
+    resumed checkpoint's (``resume``, read by the plan), as one-line ``ConfigError``s before any step."""
     data = cfg.data
     where = f"data.root={data.root}" if "root" in data else f"data={str(data._target_).rsplit('.', 1)[-1]}"
     try:
@@ -272,18 +260,12 @@ def setup_data(cfg: DictConfig, datamodule: Any, ckpt_path: str | None = None) -
         dataset = getattr(datamodule, f"{split}_dataset", None)
         if dataset is not None and len(dataset) == 0:
             raise ConfigError(f"{where}: the {split} split has no samples; point the data at a non-empty {split} split")
-    if ckpt_path:
-        _check_checkpoint_matches(cfg, datamodule, ckpt_path)
+    if resume is not None and resume.ckpt_path:
+        _check_checkpoint_matches(cfg, datamodule, resume, tokenizer_kind)
 
 
-def _check_checkpoint_matches(cfg: DictConfig, datamodule: Any, ckpt_path: str) -> None:
-    key = "resume" if cfg.get("resume") and not cfg.get("ckpt_path") else "ckpt_path"
-    try:  # mmap: the weights stay on disk, only the hyperparameters are read
-        hparams = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters", {})
-    except Exception as err:  # noqa: BLE001 - a truncated or foreign file; say which
-        raise ConfigError(
-            f"{key}: checkpoint {ckpt_path} cannot be read ({first_line(err)}); use another checkpoint"
-        ) from err
+def _check_checkpoint_matches(cfg: DictConfig, datamodule: Any, resume: Resume, tokenizer_kind: str | None) -> None:
+    key, ckpt_path, hparams = resume.key, resume.ckpt_path, resume.hparams
     task = cfg.head.task
     trained = "caption" if "vocab" in hparams else "classification" if "class_names" in hparams else None
     if trained is not None and trained != task:
@@ -292,7 +274,7 @@ def _check_checkpoint_matches(cfg: DictConfig, datamodule: Any, ckpt_path: str) 
         )
     caption = trained == "caption"
     if caption and (isinstance(hparams["vocab"], str) or isinstance(tokenizer_labels(datamodule.vocab), str)):
-        _check_subword_matches(cfg, datamodule.vocab, hparams["vocab"], ckpt_path)
+        _check_subword_matches(cfg, datamodule.vocab, hparams["vocab"], ckpt_path, tokenizer_kind)
     elif caption:
         words, theirs = list(datamodule.vocab.words), list(hparams["vocab"])
         if words != theirs:
@@ -316,7 +298,7 @@ def _check_checkpoint_matches(cfg: DictConfig, datamodule: Any, ckpt_path: str) 
             )
 
 
-def _check_subword_matches(cfg: DictConfig, ours: Any, labels: Any, ckpt_path: str) -> None:
+def _check_subword_matches(cfg: DictConfig, ours: Any, labels: Any, ckpt_path: str, kind: str | None) -> None:
     """The run's tokenizer is the checkpoint's (one of them a subword tokenizer): else one line with the fix."""
     try:
         theirs = tokenizer_from_labels(labels, f"checkpoint {ckpt_path}")
@@ -324,7 +306,6 @@ def _check_subword_matches(cfg: DictConfig, ours: Any, labels: Any, ckpt_path: s
         raise ConfigError(f"{first_line(err)}; use another checkpoint") from None
     if type(ours) is type(theirs) and ours == theirs:
         return
-    kind = cfg.get("tokenizer", {}).get("kind", "words")
     source = f"data.vocab_path={cfg.data.vocab_path}" if cfg.data.get("vocab_path") else f"tokenizer={kind}"
     raise ConfigError(
         f"{source}: the tokenizer ({type(ours).__name__}, {len(ours)} tokens) differs from the checkpoint's "
@@ -342,13 +323,13 @@ def _saved_tokenizer(ckpt_path: str, name: str) -> str:
 def plan_cores(plan: Plan, datamodule: Any) -> tuple[int, int]:
     """``(workers, threads)`` of this process's share of the node's cores: ``auto`` workers the DataModule's
     ``plan_workers``, ``auto`` threads what they leave on a CPU (torch's default on GPUs); a number set is kept."""
-    cores, processes = len(os.sched_getaffinity(0)), plan.processes
+    cores, processes, gpu = len(os.sched_getaffinity(0)), plan.trainer.processes, plan.trainer.on_gpu
     share = max(1, cores // processes)
     choose = getattr(datamodule, "plan_workers", None)
-    workers = choose(plan.on_gpu, share) if choose is not None else int(getattr(datamodule, "num_workers", 0))
+    workers = choose(gpu, share) if choose is not None else int(getattr(datamodule, "num_workers", 0))
     wanted = plan.cfg.get("num_threads")
     if wanted == "auto":
-        wanted = torch.get_num_threads() if plan.on_gpu else max(1, share - workers)
+        wanted = torch.get_num_threads() if gpu else max(1, share - workers)
     if wanted:
         torch.set_num_threads(int(wanted))
     threads = torch.get_num_threads()
@@ -358,8 +339,8 @@ def plan_cores(plan: Plan, datamodule: Any) -> tuple[int, int]:
 
 def set_matmul_precision(plan: Plan) -> str:
     """Set and return ``float32_matmul_precision`` (``auto``: ``high``, TF32, on GPUs; else torch's default)."""
-    wanted = str(plan.cfg.get("float32_matmul_precision", "auto"))
-    if wanted == "auto" and not plan.on_gpu:
+    wanted = plan.precision.matmul
+    if wanted == "auto" and not plan.trainer.on_gpu:
         return torch.get_float32_matmul_precision()  # left as torch has it
     wanted = "high" if wanted == "auto" else wanted
     torch.set_float32_matmul_precision(wanted)
@@ -447,10 +428,9 @@ def _grid(cfg: DictConfig, img_size: int) -> str | None:
     )
 
 
-def _vocabulary(cfg: DictConfig, datamodule: Any) -> str | None:
+def _vocabulary(cfg: DictConfig, datamodule: Any, kind: str | None) -> str | None:
     vocab, train = getattr(datamodule, "vocab", None), getattr(datamodule, "train_dataset", None)
     captions = getattr(datamodule, "train_captions", None) or getattr(getattr(train, "dataset", None), "captions", None)
-    kind = cfg.get("tokenizer", {}).get("kind", "words")
     if vocab is None or (captions is None and vocab.unk_id is not None):
         return None
     share = unknown_share(vocab, captions or [])
@@ -482,9 +462,9 @@ def _step_limit(trainer: DictConfig, steps_per_epoch: int) -> float:
     return float(min(limits)) if limits else math.inf
 
 
-def _schedule(cfg: DictConfig, datamodule: Any) -> str | None:
+def _schedule(cfg: DictConfig, datamodule: Any, fast_dev_run: bool) -> str | None:
     trainer = cfg.trainer
-    if trainer.get("fast_dev_run"):
+    if fast_dev_run:
         return None
     batches = len(datamodule.train_dataloader())
     if isinstance(trainer.get("limit_train_batches"), int):  # a float is a share of the epoch
@@ -505,11 +485,11 @@ def _schedule(cfg: DictConfig, datamodule: Any) -> str | None:
     return None
 
 
-def check_fit(cfg: DictConfig, datamodule: Any) -> list[str]:
-    """Warn (one line each) where the config fights the data or the limits; returns the warnings."""
-    warnings = [
-        w for w in (_grid(cfg, datamodule.img_size), _vocabulary(cfg, datamodule), _schedule(cfg, datamodule)) if w
-    ]
+def check_fit(plan: Plan, datamodule: Any) -> list[str]:
+    """Warn (one line each) where the plan fights the data or the limits; returns the warnings."""
+    cfg = plan.cfg
+    grid, vocabulary = _grid(cfg, datamodule.img_size), _vocabulary(cfg, datamodule, plan.tokenizer_kind)
+    warnings = [w for w in (grid, vocabulary, _schedule(cfg, datamodule, plan.trainer.fast_dev_run)) if w]
     for warning in warnings:
         log.warning(warning)
     return warnings

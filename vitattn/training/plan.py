@@ -1,8 +1,10 @@
 """The run's plan: the composed config with everything the run derives resolved into it, checked once, frozen.
 
-``resolve(cfg)`` fits the config to the start weights (``finetune.init``), makes ``trainer.precision`` and the
-preprocessing concrete, checks the result once (``check_config``), then finds the checkpoint a resume continues
-and the tokenizer a restart reads. Data, system and trainer are built from the plan alone, and ``plan.cfg`` is the
+``resolve(cfg)`` fits the config to the start weights (``finetune.init``), makes the preprocessing concrete, checks
+the result once (``check_config``), then reads the run-level keys into typed parts, their defaults applied here
+once: the trainer (its accelerator decided against this machine), the precision, the checkpoint a resume continues
+(read once), the weights to test and the tokenizer a restart reads. Data, system and trainer are built from the
+plan alone; ``data`` and ``head`` stay configs for the constructors that own their defaults, and ``plan.cfg`` is the
 config saved into the run folder: the one that ran (docs/development.md#plan-then-build).
 """
 
@@ -14,16 +16,17 @@ import os
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from vitattn.data.preprocess import WEIGHTS_KEYS, preprocess_taken
 from vitattn.data.tokenizer import Tokenizer, load_tokenizer
+from vitattn.errors import ConfigError, first_line
 from vitattn.precision import cuda_bf16, native_bf16
 from vitattn.run_dir import RunDir
 from vitattn.training.config import check_config, fully_sharded
@@ -32,8 +35,11 @@ from vitattn.training.start_weights import EncoderWeights, ModelWeights, command
 __all__ = [
     "BF16_TRAIN_MIN_WIDTH",
     "WAIT_SECONDS",
+    "MATMUL_PRECISIONS",
     "Plan",
-    "on_gpu",
+    "Precision",
+    "Resume",
+    "TrainerPlan",
     "processes_per_node",
     "resolve",
     "run_tokenizer",
@@ -47,73 +53,146 @@ BF16_TRAIN_MIN_WIDTH = 192
 WAIT_SECONDS = 3600.0  # how long a rank other than 0 waits for a file rank 0 writes (the tokenizer, the reward)
 
 
+MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
+
+
+@dataclass(frozen=True)
+class TrainerPlan:
+    """The ``trainer`` keys the run reads itself, defaults applied; ``pl.Trainer`` takes the node as configured."""
+
+    accelerator: str = "auto"
+    devices: int | str | list[int] = 1  # a count, device ids, or auto
+    num_nodes: int = 1
+    strategy: str = "auto"  # the strategy's name, or its class for a configured one (trainer=fsdp)
+    on_gpu: bool = False  # accelerator gpu or cuda, or auto with CUDA available
+    no_gpu: str = ""  # a GPU trainer on a machine without one: the line the run stops with when it builds
+    sharded: bool = False  # trainer=fsdp
+    processes: int = 1  # the training processes on this machine
+    fast_dev_run: bool = False
+    progress_bar: bool = True
+
+    @property
+    def distributed(self) -> bool:
+        """More than one training process, or a strategy that starts them."""
+        devices = self.devices
+        many = len(devices) > 1 if isinstance(devices, list) else isinstance(devices, int) and devices > 1
+        starts = self.sharded or any(s in self.strategy for s in ("ddp", "fsdp", "deepspeed"))
+        return many or self.num_nodes > 1 or starts
+
+
+@dataclass(frozen=True)
+class Precision:
+    """``trainer.precision`` (``auto`` made concrete by the plan) and ``float32_matmul_precision``."""
+
+    trainer: str = "32-true"
+    matmul: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.trainer in ("bf16-true", "16-true"):
+            raise ConfigError(
+                f"trainer.precision={self.trainer} keeps the weights and AdamW's state in 16 bits, where an update "
+                "smaller than 1/256 of a weight rounds to nothing (most of them, at fine-tuning learning rates); use "
+                "trainer.precision=bf16-mixed: 16-bit matrix products, 32-bit weights"
+            )
+        if self.matmul not in MATMUL_PRECISIONS:
+            raise ConfigError(
+                f"float32_matmul_precision={self.matmul!r} is unknown; choose one of {', '.join(MATMUL_PRECISIONS)}"
+            )
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The checkpoint fit continues from, read once before the run starts (it rewrites last.ckpt)."""
+
+    ckpt_path: str | None = None
+    key: str = "ckpt_path"  # the config key that names it, for error lines: resume or ckpt_path
+    first_step: int = 0  # its step; 0 for a fresh start
+    hparams: dict[str, Any] = field(default_factory=dict)  # its hyperparameters: the vocabulary or class names
+    log_from: int | None = None  # the step the loggers continue from (a resume, or resume=auto); None: a new run
+
+
 @dataclass(frozen=True)
 class Plan:
-    """What a run builds from: its resolved, read-only config and what the config alone cannot hold."""
+    """What a run builds from: its resolved, read-only config and its typed run-level parts."""
 
     cfg: DictConfig  # read-only, interpolations resolved: what is built and saved
     run_dir: Path
+    trainer: TrainerPlan
+    precision: Precision
+    resume: Resume
     start: ModelWeights | EncoderWeights | None  # the finetune.init weights, read once
     vocab: Tokenizer | None  # a tokenizer taken whole: the start model's, or this run's own on a restart
-    ckpt_path: str | None  # the checkpoint fit continues from
-    first_step: int  # that checkpoint's step; 0 for a fresh start
+    tokenizer_kind: str | None  # tokenizer=words, bpe or file; None for classification
+    weights: str  # which weights are tested and exported: best or last
     preprocess_from: str  # where each part of the preprocessing comes from, for the log line
-    on_gpu: bool  # trainer.accelerator is gpu or cuda, or auto with CUDA available
-    sharded: bool  # trainer=fsdp
-    processes: int  # the training processes on this machine
     system_keys: dict[str, str]  # head.system's arguments -> the config key each comes from, for error lines
-
-    @property
-    def log_from(self) -> int | None:
-        """The step the loggers continue from: a resumed run, or a resume=auto start, continues the folder's logs;
-        None: a new run."""
-        return self.first_step if self.ckpt_path or self.cfg.resume == "auto" else None
 
 
 def resolve(cfg: DictConfig) -> Plan:
     """The plan of ``cfg`` (the composed ``conf/train.yaml``, left as it is): every user error as one
     ``ConfigError`` line before any data is read."""
     cfg = copy.deepcopy(cfg)
-    gpu = on_gpu(cfg.trainer)
     start = read_start(cfg.finetune.init, cfg.finetune.get("init_kind", "model")) if cfg.finetune.get("init") else None
     with open_dict(cfg):
         if start is not None:
             start.resolve(cfg, command_line_keys())
-        _resolve_precision(cfg, gpu)
         preprocess_from = _resolve_preprocess(cfg, start)
     check_config(cfg)  # the resolved config: the one that runs and is saved
-    sharded = fully_sharded(cfg.trainer)
+    trainer = _trainer_plan(cfg.trainer)
+    weights = str(cfg.get("weights", "best"))
+    if weights not in ("best", "last"):
+        raise ConfigError(f"weights={weights!r} is unknown; choose weights=best or weights=last")
+    epochs = cfg.finetune.get("freeze_encoder_epochs") or 0
+    if epochs and trainer.distributed:  # DDP syncs only the parameters that train when it wraps the model (#20340)
+        raise ConfigError(
+            f"finetune.freeze_encoder_epochs={epochs} does not work with several processes (trainer.strategy="
+            f"{trainer.strategy}, trainer.devices={trainer.devices}): train on one device or set "
+            "finetune.freeze_encoder_epochs=0"
+        )
+    with open_dict(cfg):
+        precision = Precision(_resolve_precision(cfg, trainer), str(cfg.get("float32_matmul_precision", "auto")))
     run_dir = Path(cfg.paths.output_dir)
-    ckpt_path, first_step = _resume_checkpoint(cfg.ckpt_path, cfg.resume, run_dir)
+    resume = _resume(cfg.ckpt_path, cfg.resume, run_dir)
+    kind = cfg.tokenizer.get("kind", "words") if "tokenizer" in cfg and cfg.head.task == "caption" else None
     if start is not None:
         vocab = start.vocab
     else:
-        kind = cfg.tokenizer.get("kind") if "tokenizer" in cfg and cfg.head.task == "caption" else None
-        vocab = run_tokenizer(None if cfg.data.get("vocab_path") else kind, run_dir, ckpt_path is not None)
+        vocab = run_tokenizer(None if cfg.data.get("vocab_path") else kind, run_dir, resume.ckpt_path is not None)
     system_keys = {
         k: _config_key(cfg.head.system, k, f"head.{k}" if k in cfg.head else f"head.system.{k}")
         for k in cfg.head.system
     }
     OmegaConf.resolve(cfg)  # what is built and saved: Hydra's instantiate cannot resolve a read-only config
     OmegaConf.set_readonly(cfg, True)
-    return Plan(
-        cfg,
-        run_dir,
-        start,
-        vocab,
-        ckpt_path,
-        first_step,
-        preprocess_from,
-        gpu,
-        sharded,
-        processes_per_node(cfg.trainer.get("devices", 1)),
-        system_keys,
+    return Plan(cfg, run_dir, trainer, precision, resume, start, vocab, kind, weights, preprocess_from, system_keys)
+
+
+def _trainer_plan(trainer: DictConfig) -> TrainerPlan:
+    """The ``trainer`` keys with their defaults, read once; the accelerator decided against this machine."""
+    accelerator = str(trainer.get("accelerator", "auto"))
+    devices = trainer.get("devices", 1)
+    devices = list(devices) if isinstance(devices, ListConfig) else devices
+    strategy = trainer.get("strategy", "auto")
+    strategy = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else str(strategy)
+    no_gpu = ""
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():  # check_config passes GPU recipes anywhere
+        n = devices if isinstance(devices, int) and devices > 0 else "N"
+        no_gpu = (
+            f"trainer.accelerator={accelerator} but this machine has no GPU; to train on its CPUs add "
+            f"trainer.accelerator=cpu trainer.devices={n} trainer.precision=32-true"
+        )
+    return TrainerPlan(
+        accelerator=accelerator,
+        devices=devices,
+        num_nodes=int(trainer.get("num_nodes", 1)),
+        strategy=strategy,
+        on_gpu=accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()),
+        no_gpu=no_gpu,
+        sharded=fully_sharded(strategy),
+        processes=processes_per_node(devices),
+        fast_dev_run=bool(trainer.get("fast_dev_run", False)),
+        progress_bar=bool(trainer.get("enable_progress_bar", True)),
     )
-
-
-def on_gpu(trainer: DictConfig) -> bool:
-    """The run trains on GPUs: ``trainer.accelerator`` is gpu or cuda, or auto with CUDA available."""
-    return trainer.accelerator in ("gpu", "cuda") or (trainer.accelerator == "auto" and torch.cuda.is_available())
 
 
 def processes_per_node(devices: Any) -> int:
@@ -135,17 +214,18 @@ def _config_key(node: DictConfig, key: str, default: str) -> str:
     return interpolated[1] if interpolated else default
 
 
-def _resolve_precision(cfg: DictConfig, gpu: bool) -> None:
-    """``trainer.precision=auto`` made concrete, logged: ``bf16-mixed`` on GPUs with bf16 units (else ``16-mixed``)
-    and on CPUs with them from width ``BF16_TRAIN_MIN_WIDTH``; ``32-true`` elsewhere."""
-    if str(cfg.trainer.get("precision", "32-true")) != "auto":
-        return
+def _resolve_precision(cfg: DictConfig, trainer: TrainerPlan) -> str:
+    """``trainer.precision=auto`` made concrete in ``cfg``, logged and returned: ``bf16-mixed`` on GPUs with bf16
+    units (else ``16-mixed``) and on CPUs with them from width ``BF16_TRAIN_MIN_WIDTH``; ``32-true`` elsewhere."""
+    configured = str(cfg.trainer.get("precision", "32-true"))
+    if configured != "auto":
+        return configured
     width = int(cfg.model.embed_dim)
-    if gpu and not torch.cuda.is_available():  # the run stops on it with its own line
-        chosen, why = "32-true", f"trainer.accelerator={cfg.trainer.accelerator} but this machine has no GPU"
-    elif gpu and cuda_bf16():
+    if trainer.no_gpu:  # the run stops on it with its own line
+        chosen, why = "32-true", f"trainer.accelerator={trainer.accelerator} but this machine has no GPU"
+    elif trainer.on_gpu and cuda_bf16():
         chosen, why = "bf16-mixed", "a GPU with bf16 units"
-    elif gpu:
+    elif trainer.on_gpu:
         chosen, why = "16-mixed", "a GPU of compute capability below 8.0, which has no bf16 units"
     elif width < BF16_TRAIN_MIN_WIDTH:
         chosen, why = "32-true", f"model.embed_dim={width} is below {BF16_TRAIN_MIN_WIDTH}, where bf16 stops paying"
@@ -155,13 +235,14 @@ def _resolve_precision(cfg: DictConfig, gpu: bool) -> None:
         chosen, why = "32-true", "this CPU has no bf16 matrix units"
     cfg.trainer.precision = chosen
     log.info("trainer.precision=auto: %s (%s)", chosen, why)
+    return chosen
 
 
 def _resolve_preprocess(cfg: DictConfig, start: ModelWeights | EncoderWeights | None) -> str:
     """Write into ``cfg.data`` the preprocessing ``start`` was trained with, where the config sets no ``data.*`` key
     and the data takes it (its ``weights_keys``); returns where each part comes from."""
     config = [k for k in WEIGHTS_KEYS if cfg.data.get(k) is not None]
-    taken = preprocess_taken(cfg.data, start.preprocess if start is not None else None)
+    taken = preprocess_taken(OmegaConf.to_container(cfg.data), start.preprocess if start is not None else None)
     for key, value in taken.items():
         cfg.data[key] = list(value) if isinstance(value, (list, tuple)) else value
     parts = []
@@ -192,26 +273,32 @@ def _data_default(start: ModelWeights | EncoderWeights | None, rest: list[str]) 
     )
 
 
-def _resume_checkpoint(ckpt_path: str | None, resume: str | None, run_dir: Path) -> tuple[str | None, int]:
-    """The checkpoint fit continues from, and its step (read before the run starts: it rewrites last.ckpt)."""
+def _resume(ckpt_path: str | None, resume: str | None, run_dir: Path) -> Resume:
+    """The checkpoint fit continues from, read once: a file that cannot be read stops the run in one line."""
     if ckpt_path:
-        return str(ckpt_path), _checkpoint_step(str(ckpt_path))
+        return _read_checkpoint(str(ckpt_path), "ckpt_path")
     if resume == "auto":  # the run folder's own checkpoint when it has one: a fresh start otherwise
         last = RunDir(run_dir).last_checkpoint
         if not last.is_file():
             log.info("resume=auto: no %s, starting afresh", last)
-            return None, 0
-        step = _checkpoint_step(str(last))
-        log.info("resume=auto: continuing from %s (step %d)", last, step)
-        return str(last), step
+            return Resume(log_from=0)  # the folder's logs continue
+        found = _read_checkpoint(str(last), "resume")
+        log.info("resume=auto: continuing from %s (step %d)", last, found.first_step)
+        return found
     if resume:
-        last = RunDir(resume).last_checkpoint
-        return str(last), _checkpoint_step(str(last))
-    return None, 0
+        return _read_checkpoint(str(RunDir(resume).last_checkpoint), "resume")
+    return Resume()
 
 
-def _checkpoint_step(ckpt_path: str) -> int:
-    return int(torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+def _read_checkpoint(ckpt_path: str, key: str) -> Resume:
+    try:  # mmap: the weights stay on disk, only the step and the hyperparameters are read
+        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+        step = int(checkpoint["global_step"])
+    except Exception as err:  # noqa: BLE001 - a truncated or foreign file; say which
+        raise ConfigError(
+            f"{key}: checkpoint {ckpt_path} cannot be read ({first_line(err)}); use another checkpoint"
+        ) from err
+    return Resume(ckpt_path, key, step, dict(checkpoint.get("hyper_parameters", {})), log_from=step)
 
 
 def run_tokenizer(kind: str | None, run_dir: Path, resuming: bool, wait: float = WAIT_SECONDS) -> Any:

@@ -68,7 +68,7 @@ def train(cfg: DictConfig) -> TrainResult:
     datamodule, system, trainer = build(plan, plugins=[AtomicCheckpointIO()])
     started = time.monotonic()
     try:
-        trainer.fit(system, datamodule=datamodule, ckpt_path=plan.ckpt_path)
+        trainer.fit(system, datamodule=datamodule, ckpt_path=plan.resume.ckpt_path)
     except SIGTERMException:  # Lightning's stop after a signal: a SystemExit with status 0
         raise _preempted(trainer) from None
     seconds = time.monotonic() - started
@@ -76,9 +76,9 @@ def train(cfg: DictConfig) -> TrainResult:
         system.model = unsharded_copy(system.model)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    fast_dev_run = bool(cfg.trainer.get("fast_dev_run"))
+    fast_dev_run = plan.trainer.fast_dev_run
     # test and export the best model, not the last
-    best = not fast_dev_run and cfg.get("weights", "best") == "best"
+    best = not fast_dev_run and plan.weights == "best"
     source = load_best_weights(trainer, system, cfg.head.monitor if best else None)
     if cfg.test and not fast_dev_run:
         metrics.update(_test(trainer, system, datamodule))
@@ -89,7 +89,7 @@ def train(cfg: DictConfig) -> TrainResult:
         global_step=trainer.global_step,
         system=system,
         weights=source,
-        steps_per_second=(trainer.global_step - plan.first_step) / seconds if seconds > 0 else 0.0,
+        steps_per_second=(trainer.global_step - plan.resume.first_step) / seconds if seconds > 0 else 0.0,
         skipped_images=gather_skipped(datamodule.skipped_images) if cfg.data.get("bad_images") == "skip" else {},
     )
     if cfg.export_bundle and trainer.is_global_zero:
