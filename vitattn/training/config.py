@@ -16,7 +16,7 @@ import hydra
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, OmegaConf
 
-from vitattn.data.preprocess import WEIGHTS_KEYS, Augment, check_preprocess, default_preprocess
+from vitattn.data.preprocess import Augment
 from vitattn.errors import ConfigError
 from vitattn.models import TASKS
 from vitattn.run_dir import RunDir, check_targets
@@ -169,18 +169,6 @@ def _check_augment(data: DictConfig) -> None:
         raise ConfigError(str(err)) from None
 
 
-def _check_preprocess(data: DictConfig) -> None:
-    given = {
-        k: OmegaConf.to_object(data[k]) if OmegaConf.is_config(data[k]) else data[k]
-        for k in WEIGHTS_KEYS
-        if data.get(k) is not None
-    }
-    try:
-        check_preprocess({**default_preprocess(int(data.get("img_size", 224))), **given}, "data")
-    except ValueError as err:
-        raise ConfigError(str(err).replace("data: ", "data.", 1)) from None
-
-
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config)."""
     check_targets(OmegaConf.to_container(cfg))  # plain values: the library reads no config object
@@ -189,7 +177,6 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"head.task={task!r} is unknown; choose head=caption or head=classification")
     if cfg.data.get("augment") is not None:
         _check_augment(cfg.data)
-    _check_preprocess(cfg.data)
     warmup = cfg.optim.get("warmup_steps", "auto")
     if warmup != "auto" and (not isinstance(warmup, int) or warmup < 0):
         raise ConfigError(f"optim.warmup_steps={warmup!r} must be a whole number of steps, or auto")
