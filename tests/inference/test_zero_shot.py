@@ -107,6 +107,7 @@ def test_scorers_and_models_without_embeddings_are_refused_in_one_line(tmp_path)
     classifier = make_classifier_bundle(tmp_path / "classifier")
     cases = [
         (lambda: Classifier.load(caption, labels=["red"], scorer="both"), "scorer=both needs image and text"),
+        (lambda: Classifier.load(caption, labels=["red"], scorer="best"), "scorer='best' is unknown; choose one of"),
         (lambda: Captioner.load(caption).embed_texts("a red"), "this is a head=caption model without image and"),
         (lambda: Captioner.load(caption).embed_images(np.zeros((8, 8, 3), np.uint8)), "this is a head=caption"),
         (lambda: Classifier.load(classifier, labels=["red"]), f"{classifier} is a classification model with its"),

@@ -39,17 +39,9 @@ def data(tmp_path_factory):
 # (overrides, what the error must say); {name} is filled from the `data` fixture; shapes data unless data= is given.
 CONFIG_ERRORS = {
     "task": ("head.task=segment", r"^head\.task='segment' is unknown; choose head=caption or head=classification"),
-    "augment-crop": (
-        "data=imagefolder head=classification data.root={folder} data.augment.crop=zoom",
-        r"^data\.augment\.crop='zoom' is unknown; use one of \['resized', 'pad'\]",
-    ),
     "warmup": (
         "optim.warmup_steps=soon",
         r"^optim\.warmup_steps='soon' must be a whole number of steps, or auto",
-    ),
-    "augment-scale": (
-        "data=imagefolder head=classification data.root={folder} data.augment.scale=[0.9,0.2]",
-        r"^data\.augment\.scale=\[0\.9, 0\.2\] must satisfy 0 < min <= max <= 1",
     ),
     "caption-on-imagefolder": (
         "data=imagefolder head=caption data.root={folder}",
@@ -113,8 +105,9 @@ def test_check_targets_refuses_a_saved_config_pointing_outside(tmp_path):
         check_targets(cfg)
 
 
-# Checked by their owners, the constructors (the model's shape, data.bad_images, head.nonfinite), when train() builds
-# the data and the system: one line naming the config key, before any step and before the run folder is written.
+# Checked by their owners, the constructors (the model's shape, data.augment, data.bad_images, head.nonfinite), when
+# train() builds the data and the system: one line naming the config key, before any step and before the run folder
+# is written.
 OWNER_ERRORS = {
     "encoder-heads": ("model.num_heads=3", r"^model\.num_heads=3 must divide model\.embed_dim=32"),
     "decoder-heads": (
@@ -145,6 +138,14 @@ OWNER_ERRORS = {
         r"^model\.merge_tokens=\[4\] has 1 entries; the encoder has 2 layers$",
     ),
     "nonfinite": ("head.nonfinite=ignore", r"^head\.nonfinite='ignore' is unknown; choose raise or skip"),
+    "augment-crop": (
+        "data=imagefolder head=classification data.root={folder} data.augment.crop=zoom",
+        r"^data\.augment\.crop='zoom' is unknown; use one of \['resized', 'pad'\]",
+    ),
+    "augment-scale": (
+        "data=imagefolder head=classification data.root={folder} data.augment.scale=[0.9,0.2]",
+        r"^data\.augment\.scale=\[0\.9, 0\.2\] must satisfy 0 < min <= max <= 1",
+    ),
     "bad-images": (
         "data=imagefolder head=classification data.root={folder} data.bad_images=ignore",
         r"^data\.bad_images='ignore' is unknown; choose raise or skip",

@@ -27,7 +27,6 @@ from vitattn.models import VisionTransformer
 from vitattn.run_dir import RunDir
 from vitattn.training import train
 from vitattn.training.build import build_datamodule
-from vitattn.training.config import check_config
 from vitattn.training.plan import resolve
 from vitattn.training.start_weights import log_preprocess
 
@@ -380,7 +379,10 @@ def test_the_run_data_that_evaluation_rebuilds_takes_the_models_preprocessing(tm
         ("data.interpolation=cubic", r"^data\.interpolation='cubic' is unknown; try bicubic$"),
     ],
 )
-def test_a_bad_data_preprocessing_key_is_one_line(override, message, tmp_path):
-    cfg = compose_train([*TINY, "head=classification", "data=imagefolder", f"data.root={tmp_path}", override])
+def test_a_bad_data_preprocessing_key_is_one_line_from_the_datamodule_before_any_data_is_read(
+    override, message, tmp_path
+):
+    overrides = [*TINY, "head=classification", "data=imagefolder", f"data.root={tmp_path}", override]
+    plan = resolve(compose_train(overrides, tmp_path / "run"))  # an empty root: reading it would fail otherwise
     with pytest.raises(ConfigError, match=message):
-        check_config(cfg)
+        build_datamodule(plan)

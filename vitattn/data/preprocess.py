@@ -286,6 +286,10 @@ class Augment:
     def __post_init__(self) -> None:
         if self.crop not in CROPS:
             raise ValueError(f"data.augment.crop={self.crop!r} is unknown; use one of {list(CROPS)}")
+        if self.scale not in ("auto", "auto_caption", None):
+            low, high = (float(x) for x in self.scale)
+            if not 0.0 < low <= high <= 1.0:
+                raise ValueError(f"data.augment.scale={list(self.scale)} must satisfy 0 < min <= max <= 1")
 
     @classmethod
     def from_config(cls, value: Any, **defaults: Any) -> Augment:
@@ -306,9 +310,7 @@ class Augment:
         """The crop scale range for ``img_size``."""
         if self.scale in ("auto", "auto_caption") or self.scale is None:
             return (auto_min_scale(img_size, captions=self.scale == "auto_caption"), 1.0)
-        low, high = (float(x) for x in self.scale)
-        if not 0.0 < low <= high <= 1.0:
-            raise ValueError(f"data.augment.scale={list(self.scale)} must satisfy 0 < min <= max <= 1")
+        low, high = (float(x) for x in self.scale)  # checked when made
         return (low, high)
 
 

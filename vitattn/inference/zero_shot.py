@@ -198,7 +198,7 @@ class ZeroShotClassifier(nn.Module):
         model: the caption model; an ``Embedder`` (``head=coca``) for ``contrastive`` and ``both``.
         prompts: (K * M, T) prompt ids, label-major, ``<bos> ... <eos>`` right-padded.
         num_templates: M.
-        scorer: ``contrastive``, ``likelihood`` or ``both`` (resolved, not ``auto``).
+        scorer: ``contrastive``, ``likelihood`` or ``both``: ``resolve_scorer``'s, never ``auto``.
         classes: (K, E) unit-length class embeddings for ``contrastive`` and ``both``; else None.
         max_rows: most decoder rows (images times prompts) per likelihood chunk.
         length_norm: ``LENGTH_NORM``'s choices, "total" or "mean".
@@ -215,12 +215,10 @@ class ZeroShotClassifier(nn.Module):
         length_norm: str = LENGTH_NORM,
     ) -> None:
         super().__init__()
-        if scorer not in SCORERS[1:]:
-            raise ValueError(f"scorer={scorer!r} is unknown; choose one of {list(SCORERS[1:])}")
+        assert scorer in SCORERS[1:], f"scorer={scorer!r}: resolve_scorer's, never auto"
+        assert (classes is None) == (scorer == "likelihood"), "class embeddings exactly for contrastive and both"
         if length_norm not in ("total", "mean"):
             raise ValueError(f"length_norm={length_norm!r} is unknown; choose total or mean")
-        if (classes is None) != (scorer == "likelihood"):
-            raise ValueError(f"scorer={scorer} needs class embeddings exactly when it is contrastive or both")
         self.model, self.scorer, self.max_rows, self.length_norm = model, scorer, max_rows, length_norm
         self.num_templates = num_templates
         self.num_classes = len(prompts) // num_templates

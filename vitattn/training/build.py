@@ -198,7 +198,7 @@ def _instantiate(
 ) -> Any:
     """``hydra.utils.instantiate``; a ``ValueError`` or ``TypeError`` of the constructor as a one-line
     ``ConfigError`` with its keys named in full: ``keys``, or a model part's (``parts``) when the line starts with
-    that part's name."""
+    that part's name; a line that names its config key already (``head.contrastive.loss=...``) as it is."""
     try:
         return hydra.utils.instantiate(node, **kwargs)
     except InstantiationException as err:
@@ -210,8 +210,10 @@ def _instantiate(
             part, _, rest = line.partition(": ")
             if rest and part in (parts or {}):
                 raise ConfigError(qualify(rest, parts[part])) from None
+            line = rest if rest and part == where else line  # the owner's ``data: std=...``: its keys in full
             message = qualify(line, keys)
-            raise ConfigError(message if message != line else f"{where}: {message}") from None
+            named = message != line or line.startswith(f"{where.split('.')[0]}.")  # ``data.augment.crop=...``
+            raise ConfigError(message if named else f"{where}: {message}") from None
         raise
 
 

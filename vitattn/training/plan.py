@@ -129,8 +129,8 @@ class Plan:
 
 
 def resolve(cfg: DictConfig) -> Plan:
-    """The plan of ``cfg`` (the composed ``conf/train.yaml``, left as it is): every user error as one
-    ``ConfigError`` line before any data is read."""
+    """The plan of ``cfg`` (the composed ``conf/train.yaml``, left as it is): every user error in the keys no
+    constructor sees as one ``ConfigError`` line before any data is read (the constructors' own: at ``build``)."""
     cfg = copy.deepcopy(cfg)
     start = read_start(cfg.finetune.init, cfg.finetune.get("init_kind", "model")) if cfg.finetune.get("init") else None
     with open_dict(cfg):

@@ -17,23 +17,9 @@ from vitattn.losses import CONTRASTIVE_LOSSES, INIT_LOGIT_SCALE, MAX_LOGIT_SCALE
 from vitattn.metrics.metric import RetrievalMetrics
 from vitattn.training.systems.caption import CaptionSystem
 
-__all__ = ["RETRIEVAL_MONITORS", "CocaSystem", "check_contrastive", "contrastive_model_config"]
+__all__ = ["RETRIEVAL_MONITORS", "CocaSystem", "contrastive_model_config"]
 
 RETRIEVAL_MONITORS = ("val/i2t_r1", "val/t2i_r1")  # what validation logs from ``RetrievalMetrics``
-
-
-def check_contrastive(loss: str, contrastive_weight: float, caption_weight: float, ramp_steps: int = 0) -> None:
-    """Raise a one-line ``ValueError`` for an unknown loss, weights that are negative or both 0, or a ramp that is
-    not a whole number of steps."""
-    if loss not in CONTRASTIVE_LOSSES:
-        raise ValueError(f"head.contrastive.loss={loss!r} is unknown; choose clip or siglip")
-    for key, weight in (("contrastive_weight", contrastive_weight), ("caption_weight", caption_weight)):
-        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
-            raise ValueError(f"head.{key}={weight!r} must be a number of 0 or more")
-    if contrastive_weight == caption_weight == 0:
-        raise ValueError("head.contrastive_weight=0 and head.caption_weight=0 train nothing; set one above 0")
-    if isinstance(ramp_steps, bool) or not isinstance(ramp_steps, int) or ramp_steps < 0:
-        raise ValueError(f"head.contrastive_ramp_steps={ramp_steps!r} must be a whole number of steps, 0 or more")
 
 
 def contrastive_model_config(contrastive: dict[str, Any], pairs: int) -> dict[str, Any]:
@@ -47,7 +33,8 @@ def contrastive_model_config(contrastive: dict[str, Any], pairs: int) -> dict[st
         bias = None
     elif bias == "auto":
         bias = -math.log(max(pairs - 1, 1))
-    return {**sizes, "init_logit_scale": INIT_LOGIT_SCALE[loss], "init_logit_bias": bias}
+    scale = INIT_LOGIT_SCALE.get(loss)  # None for an unknown loss, which ``CocaSystem`` refuses before any model
+    return {**sizes, "init_logit_scale": scale, "init_logit_bias": bias}
 
 
 class CocaSystem(CaptionSystem):
@@ -68,7 +55,16 @@ class CocaSystem(CaptionSystem):
         contrastive_ramp_steps: int = 0,
         **kwargs: Any,
     ) -> None:
-        check_contrastive(contrastive_loss, contrastive_weight, caption_weight, contrastive_ramp_steps)
+        if contrastive_loss not in CONTRASTIVE_LOSSES:
+            raise ValueError(f"head.contrastive.loss={contrastive_loss!r} is unknown; choose clip or siglip")
+        for key, weight in (("contrastive_weight", contrastive_weight), ("caption_weight", caption_weight)):
+            if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
+                raise ValueError(f"head.{key}={weight!r} must be a number of 0 or more")
+        if contrastive_weight == caption_weight == 0:
+            raise ValueError("head.contrastive_weight=0 and head.caption_weight=0 train nothing; set one above 0")
+        ramp = contrastive_ramp_steps
+        if isinstance(ramp, bool) or not isinstance(ramp, int) or ramp < 0:
+            raise ValueError(f"head.contrastive_ramp_steps={ramp!r} must be a whole number of steps, 0 or more")
         if "contrastive" not in model_config:
             raise ValueError("model_config has no 'contrastive' part: CocaSystem trains a CocaCaptioner")
         super().__init__(model_config, vocab, **kwargs)
