@@ -34,6 +34,8 @@ ARMS = {
     "student_nofilter": ["bootstrap.filter=none"],
     "student_k1": ["bootstrap.samples=1", "bootstrap.keep.top_k=1"],
     "student_noise": ["bootstrap.randaugment=rand-m6-mstd0.5"],
+    # each labelled sample as often per epoch as the pool's images are, together (the pool is 9x the 10 % share)
+    "student_repeat": ["bootstrap.human_repeat=9"],
 }
 REPO = Path(__file__).resolve().parents[1]
 

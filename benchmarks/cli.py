@@ -48,7 +48,7 @@ from benchmarks.encoder import bench_encoder
 from benchmarks.machine import loadavg, machine_info, matmul_gflops
 from benchmarks.report import SCHEMA, TARGETS, error_message, format_table, pending_row, status_counts, write_json
 from benchmarks.scaling import bench_scaling
-from benchmarks.timing import Env
+from benchmarks.timing import Env, stopwatch
 
 SPEED_SECTIONS = ("encoder", "compile", "caption", "scaling", "e2e")
 # Where each section's details go: under the JSON's ``details``; ``scaling`` has a top-level key of its own.
@@ -112,33 +112,33 @@ def run_speed(args: argparse.Namespace) -> dict[str, Any]:
         f" | {'quick' if args.quick else 'full'} | load {info['loadavg_start']}",
         flush=True,
     )
-    started = time.perf_counter()
-    mm = matmul_gflops(
-        1024 if args.quick else 2048,
-        repeats=env.repeats,
-        device=args.device,
-        dtype=torch.bfloat16 if env.cuda else torch.float32,
-    )
-    print(f"matmul rate: {mm['gflops']:.1f} GFLOP/s ({mm['n']}x{mm['n']} torch.mm)", flush=True)
-    rows: list[dict] = []
-    details: dict[str, Any] = {}
-    scaling: dict[str, Any] = {}
-    sections = [s for s in SPEED_SECTIONS if s in args.sections and (s != "compile" or args.compile)]
-    for section in sections:
-        t0 = time.perf_counter()
-        try:
-            new, found = run_section(section, env, args, mm["n"])
-        except Exception as err:  # noqa: BLE001 - one broken section must not lose the others
-            msg = error_message(err)
-            new = [pending_row(section, None, msg, state="error")]
-            details[section] = dict(error=msg, traceback=traceback.format_exc(limit=5))
-        else:
-            if section == "scaling":
-                scaling = found
-            else:
-                details[DETAILS_KEY[section]] = found
-        rows += new
-        print(f"\n[{section}: {time.perf_counter() - t0:.0f} s]\n{format_table(new)}", flush=True)
+    with stopwatch() as took_all:
+        mm = matmul_gflops(
+            1024 if args.quick else 2048,
+            repeats=env.repeats,
+            device=args.device,
+            dtype=torch.bfloat16 if env.cuda else torch.float32,
+        )
+        print(f"matmul rate: {mm['gflops']:.1f} GFLOP/s ({mm['n']}x{mm['n']} torch.mm)", flush=True)
+        rows: list[dict] = []
+        details: dict[str, Any] = {}
+        scaling: dict[str, Any] = {}
+        sections = [s for s in SPEED_SECTIONS if s in args.sections and (s != "compile" or args.compile)]
+        for section in sections:
+            with stopwatch() as took:
+                try:
+                    new, found = run_section(section, env, args, mm["n"])
+                except Exception as err:  # noqa: BLE001 - one broken section must not lose the others
+                    msg = error_message(err)
+                    new = [pending_row(section, None, msg, state="error")]
+                    details[section] = dict(error=msg, traceback=traceback.format_exc(limit=5))
+                else:
+                    if section == "scaling":
+                        scaling = found
+                    else:
+                        details[DETAILS_KEY[section]] = found
+            rows += new
+            print(f"\n[{section}: {took.seconds:.0f} s]\n{format_table(new)}", flush=True)
     if not args.compile:
         rows.append(pending_row("compiled forward", "compiled", "skipped (--no-compile)", state="info"))
     result = dict(
@@ -153,7 +153,7 @@ def run_speed(args: argparse.Namespace) -> dict[str, Any]:
         rows=rows,
         details=details,
         scaling=scaling,
-        total_seconds=time.perf_counter() - started,
+        total_seconds=took_all.seconds,
     )
     result["machine"]["loadavg_end"] = loadavg()
     write_json(result, args.out)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -11,7 +10,7 @@ import torch
 
 from benchmarks import workloads
 from benchmarks.report import compare, error_message, pending_row
-from benchmarks.timing import Env, per_second, time_limit
+from benchmarks.timing import Env, per_second, stopwatch, time_limit
 
 
 def bench_compile(env: Env, timeout_s: float, names: Sequence[str] | None = None) -> tuple[list[dict], dict[str, Any]]:
@@ -39,9 +38,8 @@ def bench_compile(env: Env, timeout_s: float, names: Sequence[str] | None = None
         # Freezing folds the weights into the graph as constants (inductor's CPU inference mode).
         with inductor_config.patch(freezing=not env.cuda):
             compiled = torch.compile(ours)
-            t0 = time.perf_counter()
             try:
-                with time_limit(timeout_s):
+                with time_limit(timeout_s), stopwatch() as took:
                     workloads.forward_fn(compiled, images, env)()
                     if env.sync:
                         env.sync()
@@ -50,7 +48,7 @@ def bench_compile(env: Env, timeout_s: float, names: Sequence[str] | None = None
                 details[name] = dict(error=msg, traceback=traceback.format_exc(limit=3))
                 rows.append(pending_row(tag, "compiled", f"compile failed: {msg}", state="error"))
                 continue
-            compile_s = time.perf_counter() - t0
+            compile_s = took.seconds
             t = env.time(
                 {
                     "ours_compiled": workloads.forward_fn(compiled, images, env),

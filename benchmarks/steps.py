@@ -27,7 +27,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from torch import nn
 
 from benchmarks.machine import status_kib
 from benchmarks.report import compare, format_table, row, write_json
-from benchmarks.timing import Env
+from benchmarks.timing import Env, stopwatch
 from vitattn.models import vit_preset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,9 +130,9 @@ def measure_memory(args: argparse.Namespace, flagged: bool) -> dict[str, float]:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux 4.0+)
     seconds = []
     for _ in range(args.steps):
-        start = time.perf_counter()
-        step()
-        seconds.append(time.perf_counter() - start)
+        with stopwatch() as took:
+            step()
+        seconds.append(took.seconds)
     peak = status_kib("VmHWM")
     return dict(
         step_peak_mib=(peak - before) / 1024,
