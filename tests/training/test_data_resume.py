@@ -90,8 +90,9 @@ def test_a_loader_state_of_other_data_is_refused_in_one_line():
     assert "\n" not in str(err.value)
 
 
-def _overrides(name: str, size: int, root: Path) -> tuple[list[str], list[str]]:
-    """Overrides for a tiny one-epoch ``name`` run of ``size`` training samples (4 a batch) and their keys."""
+def _overrides(name: str, size: int, root: Path, teacher: Path | None = None) -> tuple[list[str], list[str]]:
+    """Overrides for a tiny one-epoch ``name`` run of ``size`` training samples (4 a batch) and their keys;
+    ``coco-bootstrap``: 16 human-captioned images and a pool of 8 that ``teacher`` captions."""
     if name == "shapes":
         data = ["head=classification", "data=shapes", f"data.num_train={size}", "data.num_val=8", "data.num_test=8"]
         keys = [str(i) for i in range(size)]
@@ -101,9 +102,18 @@ def _overrides(name: str, size: int, root: Path) -> tuple[list[str], list[str]]:
         data = ["head=classification", "data=imagefolder", f"data.root={root / 'tree'}"]
     else:
         files = make_coco(root / "coco", num_train=size, num_val=4, size=32)
-        keys = [image["file_name"] for image in json.loads(files["train_annotations"].read_text())["images"]]
+        coco = json.loads(files["train_annotations"].read_text())
+        keys = [image["file_name"] for image in coco["images"]]
         head = "head=coca" if name == "coco-coca" else "head=caption"
         data = [head, "trainer.precision=32-true", "data=coco", *[f"data.{k}={v}" for k, v in files.items()]]
+        if name == "coco-bootstrap":
+            human, pool = coco["images"][:16], [str(files["image_dir"] / k) for k in keys[16:]]
+            ids = {image["id"] for image in human}
+            annotations = [a for a in coco["annotations"] if a["image_id"] in ids]
+            files["train_annotations"].write_text(json.dumps({"images": human, "annotations": annotations}))
+            (root / "pool.txt").write_text("".join(f"{p}\n" for p in pool))
+            data += [f"bootstrap.teacher={teacher}", f"bootstrap.images={root / 'pool.txt'}", "bootstrap.keep.top_k=5"]
+            keys = [*keys[:16], *(f"pool:{p}" for p in pool)]
     run = ["data.batch_size=4", "trainer.max_epochs=1", "test=false", "export_bundle=false"]
     return [*TINY, *data, *run, "+callbacks.sample_keys._target_=vitattn.training.callbacks.SampleKeys"], keys
 
@@ -114,13 +124,15 @@ def _overrides(name: str, size: int, root: Path) -> tuple[list[str], list[str]]:
     [
         "coco",
         "coco-coca",
+        "coco-bootstrap",
         pytest.param("imagefolder", marks=pytest.mark.slow),
         pytest.param("shapes", marks=pytest.mark.slow),
     ],
 )
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
-def test_a_preempted_epoch_in_one_process_trains_what_an_uninterrupted_one_does(name, workers, tmp_path):
-    overrides, expected = _overrides(name, 24, tmp_path / "data")
+def test_a_preempted_epoch_in_one_process_trains_what_an_uninterrupted_one_does(name, workers, tmp_path, request):
+    teacher = request.getfixturevalue("shapes_caption_run") if name == "coco-bootstrap" else None
+    overrides, expected = _overrides(name, 24, tmp_path / "data", teacher)
     overrides.append(f"data.num_workers={workers}")
     train(compose_train([*overrides, f"+callbacks.sample_keys.folder={tmp_path / 'whole'}"], tmp_path / "whole_run"))
     whole = [k for _, _, ks in sample_keys(tmp_path / "whole") for k in ks]
