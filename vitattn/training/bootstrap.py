@@ -212,7 +212,7 @@ def prepare_pool(settings: BootstrapSettings, task: str, run_dir: Path, run: dic
         side = _given_side_files(Path(settings.candidates), task)
     else:
         side = folder / ("labels.jsonl" if task == "classification" else _candidates_name(settings))
-        manifest = side if task == "classification" else manifest_path(side, shards=side.suffix != ".jsonl")
+        manifest = side if task == "classification" else _manifest(side)
         if not manifest.exists():
             if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))) == 0:
                 _label_pool(settings, task, side, run)
@@ -237,6 +237,11 @@ def _candidates_name(settings: BootstrapSettings) -> str:
     return "candidates" if settings.shards else "candidates.jsonl"
 
 
+def _manifest(side: Path) -> Path:
+    """The manifest of candidate side files: a shards' folder's, or a jsonl file's."""
+    return manifest_path(side, shards=side.suffix != ".jsonl")
+
+
 def _given_side_files(path: Path, task: str) -> Path:
     """``bootstrap.candidates=``: side files as ``vitattn-caption`` or a run wrote them (a run folder: its own)."""
     if (path / BOOTSTRAP_DIR).is_dir():
@@ -244,7 +249,7 @@ def _given_side_files(path: Path, task: str) -> Path:
         if task == "classification":
             found = [path / BOOTSTRAP_DIR / "labels.jsonl"]
         path = found[0] if found else path / BOOTSTRAP_DIR / "candidates.jsonl"
-    marker = path if task == "classification" else manifest_path(path, shards=path.suffix != ".jsonl")
+    marker = path if task == "classification" else _manifest(path)
     if not marker.exists():
         raise ConfigError(f"bootstrap.candidates={path}: no side files there ({marker.name} is missing)")
     return path
@@ -450,7 +455,7 @@ def _lineage(settings: BootstrapSettings, side: Path, task: str) -> dict[str, An
         "randaugment": settings.randaugment,
     }
     if task == "caption":
-        manifest = manifest_path(side, shards=side.suffix != ".jsonl")
+        manifest = _manifest(side)
         if manifest.exists():
             made = json.loads(manifest.read_text(encoding="utf-8"))
             record["teacher"] = record["teacher"] or made.get("captioner")
