@@ -42,7 +42,7 @@ def _fake_checkpoint(path: Path, **hparams) -> Path:
 
 
 @pytest.mark.parametrize("how", ["resume", "ckpt_path"])
-def test_vocabulary_differing_from_the_checkpoint_fails_before_any_step(how, tmp_path):
+def test_vocabulary_differing_from_the_checkpoint_fails_before_any_step(how, tmp_path, monkeypatch):
     run = tmp_path / "run"
     trained = Vocabulary(["a", "red", "circle"])
     ckpt = _fake_checkpoint(run / "checkpoints" / "last.ckpt", vocab=trained.itos[4:], model_config={})
@@ -55,8 +55,12 @@ def test_vocabulary_differing_from_the_checkpoint_fails_before_any_step(how, tmp
         r"^data\.vocab_path: .*other\.json \(3 words\) differs .*'blue' vs 'red'.*"
         rf"data\.vocab_path={re.escape(str(run / 'vocab.json'))}$"
     )
+    reads, torch_load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda f, *a, **k: reads.append(str(f)) or torch_load(f, *a, **k))
     with pytest.raises(ConfigError, match=pattern):
         train(cfg)
+    assert reads.count(str(ckpt)) == 1  # the plan reads the checkpoint once; the checks take what it read
+    monkeypatch.setattr(torch, "load", torch_load)
     assert not (tmp_path / "out").exists()  # nothing written, no step run
     # the same vocabulary passes, and a checkpoint of the other head is refused
     matching = compose_train(["head=caption", *SHAPES, f"data.vocab_path={run / 'vocab.json'}", load], tmp_path / "out")
