@@ -106,10 +106,10 @@ def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer
 def _pool_run(plan: Plan) -> dict[str, Any]:
     """What labelling the pool takes of the run: its seed, processes (a GPU each; on CPUs one process, whose
     threads take every core) and progress bar."""
-    trainer, devices = plan.trainer, plan.trainer.devices
+    trainer = plan.trainer
     return {
         "seed": int(plan.cfg.seed),
-        "devices": devices if trainer.on_gpu and isinstance(devices, int) and devices > 0 else 1,
+        "devices": trainer.processes if trainer.on_gpu else 1,
         "accelerator": {"cuda": "gpu"}.get(trainer.accelerator, trainer.accelerator),
         "progress": trainer.progress_bar,
     }

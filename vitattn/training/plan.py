@@ -67,17 +67,16 @@ class TrainerPlan:
     on_gpu: bool = False  # accelerator gpu or cuda, or auto with CUDA available
     no_gpu: str = ""  # a GPU trainer on a machine without one: the line the run stops with when it builds
     sharded: bool = False  # trainer=fsdp
-    processes: int = 1  # the training processes on this machine
+    processes: int = 1  # the training processes on this machine: ``processes_per_node``, the one parse of devices
     fast_dev_run: bool = False
     progress_bar: bool = True
 
     @property
     def distributed(self) -> bool:
-        """More than one training process, or a strategy that starts them."""
-        devices = self.devices
-        many = len(devices) > 1 if isinstance(devices, list) else isinstance(devices, int) and devices > 1
+        """More than one training process (``processes``, on any spelling of devices: Hydra composes ``'0,1'`` and
+        ``${oc.env:...}`` as strings), more than one node, or a strategy that starts them."""
         starts = self.sharded or any(s in self.strategy for s in ("ddp", "fsdp", "deepspeed"))
-        return many or self.num_nodes > 1 or starts
+        return self.processes > 1 or self.num_nodes > 1 or starts
 
 
 @dataclass(frozen=True)
@@ -174,33 +173,36 @@ def _trainer_plan(trainer: DictConfig) -> TrainerPlan:
     devices = list(devices) if isinstance(devices, ListConfig) else devices
     strategy = trainer.get("strategy", "auto")
     strategy = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else str(strategy)
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    processes = processes_per_node(devices, on_gpu)
     no_gpu = ""
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():  # check_config passes GPU recipes anywhere
-        n = devices if isinstance(devices, int) and devices > 0 else "N"
         no_gpu = (
             f"trainer.accelerator={accelerator} but this machine has no GPU; to train on its CPUs add "
-            f"trainer.accelerator=cpu trainer.devices={n} trainer.precision=32-true"
+            f"trainer.accelerator=cpu trainer.devices={processes} trainer.precision=32-true"
         )
     return TrainerPlan(
         accelerator=accelerator,
         devices=devices,
         num_nodes=int(trainer.get("num_nodes", 1)),
         strategy=strategy,
-        on_gpu=accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()),
+        on_gpu=on_gpu,
         no_gpu=no_gpu,
         sharded=fully_sharded(strategy),
-        processes=processes_per_node(devices),
+        processes=processes,
         fast_dev_run=bool(trainer.get("fast_dev_run", False)),
         progress_bar=bool(trainer.get("enable_progress_bar", True)),
     )
 
 
-def processes_per_node(devices: Any) -> int:
+def processes_per_node(devices: Any, on_gpu: bool = False) -> int:
     """The training processes on this machine: torchrun's ``LOCAL_WORLD_SIZE``, else ``trainer.devices`` (a count or
-    device ids); 1 for ``auto`` and ``-1``."""
+    device ids, as an int, a list or a string); ``auto`` and ``-1``: every GPU ``on_gpu`` (Lightning's), else 1."""
     if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
         return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
-    if isinstance(devices, str):  # a count, or ids ("0,1"); "auto" and "-1" are one id each
+    if str(devices).strip() in ("auto", "-1"):
+        return max(1, torch.cuda.device_count()) if on_gpu else 1
+    if isinstance(devices, str):  # a count, or ids ("0,1")
         devices = int(devices) if devices.strip().isdigit() else [d for d in devices.split(",") if d.strip()]
     if isinstance(devices, int):
         return max(1, devices)
