@@ -1,14 +1,18 @@
 """Token merging (ToMe) in the document's layers: the matching, size-weighted merges, proportional attention, and
 the exact case: merging tokens that are identical changes nothing, in the encoder, the caption decoder's
-cross-attention, the pooled features and the attention maps."""
+cross-attention, the pooled features and the attention maps. By the definition, in PyTorch alone: a memory with
+sizes is its tokens repeated ``size`` times, unmerged, in the encoder layer, the decoder's cross-attention and its
+cache; gradient checkpointing merges as without it."""
 
 import pytest
 import torch
 
 from vitattn.inference.attention_maps import attention_from_tokens, attention_rollout
-from vitattn.layers import EncoderLayer, Memory, MultiHeadAttention, merge_schedule
+from vitattn.layers import DecoderLayer, EncoderLayer, Memory, MultiHeadAttention, merge_schedule
 from vitattn.layers.merge import bipartite_soft_matching, spread
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
+from vitattn.models.caption import DecoderStep
+from vitattn.models.generate import token_log_probs
 
 TINY = dict(img_size=32, patch_size=4, embed_dim=32, depth=3, num_heads=2, mlp_ratio=2.0)
 
@@ -160,3 +164,91 @@ def test_spread_and_rollout_follow_a_hand_built_merge():
     cls = (a1 @ rows)[0, 1:]
     expected = cls / cls.sum()
     torch.testing.assert_close(attention_rollout([w0, w1], 1, trace)[0], expected)
+
+
+SIZES = torch.tensor([[1.0, 3, 1, 2, 4], [2, 1, 5, 1, 1]])  # (B, N): each row holds 11 and 10 input tokens
+
+
+def _repeated(tokens: torch.Tensor, b: int) -> torch.Tensor:
+    """Row ``b`` of (B, N, D) ``tokens`` unmerged: each token ``SIZES[b, n]`` times, (1, sizes, D)."""
+    return tokens[b].repeat_interleave(SIZES[b].long(), dim=0)[None]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_an_encoder_layer_over_sized_tokens_is_the_layer_over_their_copies(norm_first, fused):
+    torch.manual_seed(0)
+    layer = EncoderLayer(16, 2, 32, norm_first=norm_first, fused_attn=fused).eval()
+    x = torch.randn(2, 5, 16)
+    got = layer(Memory(x, SIZES), r=0)
+    first = SIZES.long().cumsum(1) - SIZES.long()  # (B, N): each token's first copy
+    for b in range(2):
+        copies = layer(_repeated(x, b))  # (1, sizes, D): every copy of a token gives the same output
+        torch.testing.assert_close(got.tokens[b], copies[0, first[b]], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.sizes, SIZES)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_a_decoder_layers_cross_attention_over_sized_tokens_is_over_their_copies(norm_first, fused):
+    """One caption per image, and three per image reading the image's one row of memory (the beams' path)."""
+    torch.manual_seed(0)
+    layer = DecoderLayer(16, 2, 32, norm_first=norm_first, fused_attn=fused).eval()
+    memory, x = torch.randn(2, 5, 16), torch.randn(6, 4, 16)
+    for captions in (x[:2], x):  # (B, T, D), B = 2 images x K captions each, K = 1 and 3
+        K = len(captions) // 2
+        got = layer(captions, Memory(memory, SIZES))
+        for b in range(2):
+            rows = slice(b * K, (b + 1) * K)
+            expected = layer(captions[rows], Memory(_repeated(memory, b)))
+            torch.testing.assert_close(got[rows], expected, atol=1e-5, rtol=1e-5)
+
+
+def _step_log_probs(decoder: CaptionDecoder, memory: Memory, tokens: torch.Tensor, cache: bool) -> torch.Tensor:
+    """(R, T - 1) log-probabilities of each caption token, one decoding step at a time (a fresh cache or none)."""
+    return token_log_probs(
+        DecoderStep(decoder, memory, decoder.new_cache(tokens.shape[1]) if cache else None), tokens, 0
+    )
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_cached_decoding_over_sized_tokens_gives_the_step_log_probabilities_over_their_copies(K):
+    """Every step's log-probabilities, not only the tokens a search would pick: a cache that kept no sizes after
+    its first step, or a cross-attention without them, changes them. K captions per image read its one row."""
+    torch.manual_seed(0)
+    decoder = CaptionDecoder(13, embed_dim=16, depth=2, num_heads=2, max_len=8, drop_rate=0.0).eval()
+    memory = torch.randn(2, 5, 16)
+    tokens = torch.cat([torch.ones(2 * K, 1, dtype=torch.long), torch.randint(4, 13, (2 * K, 6))], 1)  # <bos> ...
+    with torch.no_grad():
+        got = _step_log_probs(decoder, Memory(memory, SIZES), tokens, cache=True)  # (2K, 6)
+        for b in range(2):
+            rows = slice(b * K, (b + 1) * K)
+            expected = _step_log_probs(decoder, Memory(_repeated(memory, b)), tokens[rows], cache=False)
+            torch.testing.assert_close(got[rows], expected, atol=1e-5, rtol=1e-5)
+        unsized = _step_log_probs(decoder, Memory(memory), tokens, cache=True)
+    assert (got - unsized).abs().max() > 1e-2  # the sizes matter here
+
+
+def test_grad_checkpointing_merges_as_without_it_outputs_and_gradients():
+    """A captioner whose encoder merges tokens, in training mode: with checkpointing, each recomputed layer
+    merges the same tokens and the decoder reads their sizes, so logits and every gradient are the same."""
+    torch.manual_seed(0)
+    encoder = VisionTransformer(**TINY, global_pool="mean", merge_tokens=8)
+    plain = ImageCaptioner(encoder, CaptionDecoder(13, embed_dim=24, depth=2, num_heads=2, max_len=8, memory_dim=32))
+    checkpointed = ImageCaptioner.from_config(plain.config)
+    checkpointed.load_state_dict(plain.state_dict())
+    checkpointed.set_grad_checkpointing()
+    images, tokens = torch.randn(2, 3, 32, 32), torch.randint(4, 13, (2, 6))
+    grads = []
+    for model in (plain.train(), checkpointed.train()):
+        for module in model.modules():  # no dropout: the two passes must agree without replaying random masks
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        logits = model(images, tokens)
+        logits.square().mean().backward()
+        grads.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (expected, expected_grads), (got, got_grads) = grads
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    assert got_grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
