@@ -246,6 +246,7 @@ class ImageDataModule(pl.LightningDataModule):
         self.normalize = Normalize(self.preprocess["mean"], self.preprocess["std"])
         self.last_keys: list[str] = []  # the keys of the samples of the batch last given to a training step
         self.pool: Pool | None = None  # images without labels, labelled by a teacher (``use_pool``)
+        self._augmenter: Callable[..., Any] | None = None  # what builds the training transform (``transforms``)
         self._train_loader: ResumableLoader | None = None
         self._train_loader_state: dict[str, Any] | None = None  # a checkpoint's, for the training loader to come
 
@@ -266,7 +267,7 @@ class ImageDataModule(pl.LightningDataModule):
         data's ``augment.auto_augment`` (captions: only where no kept caption names a colour, ``CaptionAugment``);
         where the data is not augmented (the shapes; ``augment.enabled=false``), RandAugment then the evaluation
         transform."""
-        augment, build = getattr(self, "augment", None), getattr(self, "_augmenter", None)
+        augment, build = getattr(self, "augment", None), self._augmenter
         if augment is None or not augment.enabled or build is None:
             evaluate = self.eval_transform()
             return evaluate if randaugment is None else _randaugment(randaugment, evaluate)
