@@ -3,20 +3,30 @@ when the data is read, the student trains on its own data and the kept pool; val
 references; leaked images are left out and counted; a resumed run never captions again; lineage is recorded."""
 
 import json
+import random
+import shutil
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
 from PIL import Image
+from torchvision.transforms.functional import pil_to_tensor
 
 import vitattn.training.bootstrap as bootstrap
-from tests.helpers import SHAPES_RUN, TINY, compose_train
+from tests.helpers import SHAPES_RUN, TINY, TINY_SHAPES, compose_train, make_image_folder
+from vitattn.data.images import read_image
 from vitattn.data.shapes import ShapesDataset
+from vitattn.data.tokenizer import TokenizedCaptions, Vocabulary
 from vitattn.errors import ConfigError
 from vitattn.training import train
-from vitattn.training.bootstrap import BootstrapSettings, Keep, MixedTraining
+from vitattn.training.bootstrap import BootstrapSettings, Keep, MixedTraining, Pool
 from vitattn.training.build import build
+from vitattn.training.datamodules import ImageFolderDataModule
+from vitattn.training.plan import resolve
 
 SHORT = ["data.num_test=16", "trainer.max_steps=4", "trainer.check_val_every_n_epoch=50", "export_bundle=false"]
 
@@ -86,30 +96,147 @@ def test_a_student_trains_on_its_data_and_the_kept_pool_and_validates_on_human_r
 def test_keep_policies_keep_what_they_say():
     ranked = [[(0.9, "a"), (0.2, "b"), (0.5, "c")], [(None, "d"), (0.1, "e")], [(0.6, "f")]]
     keep = bootstrap._keep_candidates
-    assert keep(ranked, Keep()) == [["a", "c", "b"], ["e"], ["f"]]  # best first; a null score never kept
+    assert keep(ranked, Keep(top_k=None)) == [["a", "c", "b"], ["e"], ["f"]]  # best first; a null score never kept
+    assert keep(ranked, Keep()) == [["a", "c"], ["e"], ["f"]]  # BLIP-2's top 2 by default
     assert keep(ranked, Keep(top_k=1)) == [["a"], ["e"], ["f"]]
-    assert keep(ranked, Keep(min_score=0.5)) == [["a", "c"], [], ["f"]]
+    assert keep(ranked, Keep(top_k=None, min_score=0.5)) == [["a", "c"], [], ["f"]]
     # the 50th percentile of the five scores (0.1 0.2 0.5 0.6 0.9) is 0.5
-    assert keep(ranked, Keep(percentile=50)) == [["a", "c"], [], ["f"]]
+    assert keep(ranked, Keep(top_k=None, percentile=50)) == [["a", "c"], [], ["f"]]
     assert keep(ranked, Keep(top_k=1, percentile=60)) == [["a"], [], ["f"]]
 
 
-def test_class_pseudo_labels_keep_a_confidence_floor_or_each_class_s_top_share(tmp_path):
-    probabilities = [[0.9, 0.1], [0.6, 0.4], [0.55, 0.45], [0.3, 0.7], [0.2, 0.8], [0.45, 0.55]]
-    side = tmp_path / "labels.jsonl"
+def _labels(folder: Path, probabilities: list[list[float]]) -> Path:
+    side = folder / "labels.jsonl"
     side.write_text(
         "".join(json.dumps({"image": f"i{n}", "probabilities": p}) + "\n" for n, p in enumerate(probabilities))
     )
+    return side
+
+
+def test_class_pseudo_labels_keep_a_confidence_floor_and_top_k_never_bounds_a_class(tmp_path):
+    side = _labels(tmp_path, [[0.9, 0.1], [0.6, 0.4], [0.55, 0.45], [0.3, 0.7], [0.2, 0.8], [0.45, 0.55]])
 
     def kept(**keep):
         pool = bootstrap._read_labels(BootstrapSettings(keep=Keep(**keep)), side, 2)
         return sorted(zip(pool.sources, pool.labels))
 
-    assert kept() == [("i0", 0), ("i1", 0), ("i2", 0), ("i3", 1), ("i4", 1), ("i5", 1)]
+    every = [("i0", 0), ("i1", 0), ("i2", 0), ("i3", 1), ("i4", 1), ("i5", 1)]
+    assert kept() == every and kept(top_k=1) == every and kept(top_k=None) == every  # one hard label an image
     assert kept(min_score=0.65) == [("i0", 0), ("i3", 1), ("i4", 1)]
-    # each class's top half (its confidences' 50th percentile and up): balanced however the teacher leans
-    assert kept(percentile=50) == [("i0", 0), ("i1", 0), ("i3", 1), ("i4", 1)]
-    assert kept(top_k=1) == [("i0", 0), ("i4", 1)]
+    assert kept(percentile=50) == [("i0", 0), ("i1", 0), ("i3", 1), ("i4", 1)]  # 3 in all: 2 a class (rounded)
+
+
+def test_percentile_keeps_the_same_count_of_every_class_however_the_teacher_leans(tmp_path):
+    # the teacher calls six images class 0 and two class 1
+    probabilities = [[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.65, 0.35], [0.6, 0.4], [0.55, 0.45], [0.3, 0.7], [0.4, 0.6]]
+    side = _labels(tmp_path, probabilities)
+
+    def kept(percentile):
+        pool = bootstrap._read_labels(BootstrapSettings(keep=Keep(percentile=percentile)), side, 2)
+        return Counter(zip(pool.sources, pool.labels))
+
+    # 50: half of the 8 images, 2 of each class, its most confident
+    assert kept(50) == Counter({("i0", 0): 1, ("i1", 0): 1, ("i6", 1): 1, ("i7", 1): 1})
+    # 25: 6 in all, 3 of each class; class 1 has two, so its most confident comes twice (noisy student's balance)
+    assert kept(25) == Counter({("i0", 0): 1, ("i1", 0): 1, ("i2", 0): 1, ("i6", 1): 2, ("i7", 1): 1})
+
+
+def test_the_config_restates_the_code_s_bootstrap_defaults_and_keeps_every_class_label(tmp_path):
+    cfg = compose_train([*TINY, "bootstrap.teacher=runs/teacher", "bootstrap.images=pool/"], tmp_path)
+    settings = BootstrapSettings.from_config(OmegaConf.to_container(cfg.bootstrap))
+    assert settings == BootstrapSettings(teacher="runs/teacher", images="pool/")  # one default: the code's
+    side = _labels(tmp_path, [[0.9, 0.1], [0.6, 0.4], [0.55, 0.45], [0.3, 0.7], [0.2, 0.8], [0.45, 0.55]])
+    assert len(bootstrap._read_labels(settings, side, 2)) == 6  # the default keeps every pseudo-label
+
+
+def test_bootstrap_filter_is_checked_where_the_settings_are_made(tmp_path):
+    node = {"teacher": "runs/teacher", "images": "pool/"}
+    with pytest.raises(ConfigError, match="^bootstrap.filter=tecaher is not teacher, none, or a caption model"):
+        BootstrapSettings.from_config({**node, "filter": "tecaher"})
+    for good in ("teacher", "none", str(tmp_path), "hf-hub:org/filter"):
+        assert BootstrapSettings.from_config({**node, "filter": good}).filter == good
+    assert not hasattr(bootstrap, "FILTERS")
+
+
+class _Captions(torch.utils.data.Dataset):
+    """50 images of five references each."""
+
+    def __len__(self) -> int:
+        return 50
+
+    def __getitem__(self, i: int) -> dict:
+        references = [f"image {word}" for word in ("one", "two", "three", "four", "five")]
+        return {"image": torch.zeros(3, 4, 4), "caption": references[0], "references": references, "image_id": i}
+
+
+def test_each_human_repeat_draws_its_own_reference_and_the_same_one_again_on_a_resume():
+    human = _Captions()
+    vocab = Vocabulary.build(human[0]["references"])
+    mixed = MixedTraining(TokenizedCaptions(human, vocab, 8, 1), 4, [])
+    for seed in (3, 7):
+        drawn = [[vocab.decode(mixed[(r * 50 + i, seed)]["tokens"][0]) for r in range(4)] for i in range(50)]
+        alike = sum(len(set(d)) == 1 for d in drawn)
+        assert alike <= 3, f"{alike} of 50 images drew one reference for all 4 repeats (independent draws: 0.4)"
+        assert all(mixed[(r * 50 + 9, seed)]["tokens"][0].tolist() == vocab.encode(drawn[9][r]) for r in range(4))
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("head", ["caption", "classification"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_the_teacher_labels_the_pool_in_the_run_s_precision(head, precision, pool, tmp_path, monkeypatch):
+    monkeypatch.setenv("VITATTN_NATIVE_BF16", "1")  # a CPU with bf16 units, where precision=auto is bf16
+    seen = []
+
+    def teacher(path, **kwargs):
+        seen.append(kwargs.get("precision"))
+        if head == "classification":
+            raise _Stop
+        return SimpleNamespace(task="caption")
+
+    def caption(command, **kwargs):
+        seen.append(next((a for a in command if a.startswith("precision=")), None))
+        raise _Stop
+
+    monkeypatch.setattr(bootstrap, "load_model", teacher)
+    monkeypatch.setattr(bootstrap.subprocess, "run", caption)
+    cfg = compose_train(
+        [*TINY, f"head={head}", *TINY_SHAPES, *SHORT, f"trainer.precision={precision}"]
+        + [f"bootstrap.teacher={tmp_path}", f"bootstrap.images={pool}"],
+        tmp_path / "s",
+    )
+    with pytest.raises(_Stop):
+        build(resolve(cfg), [])
+    wanted = "fp32" if precision == "32-true" else "bf16"
+    assert seen == ([wanted] if head == "classification" else [wanted, f"precision={wanted}"])
+
+
+def test_only_global_rank_zero_labels_the_pool(pool, tmp_path, monkeypatch):
+    from lightning.pytorch.utilities import rank_zero_only
+
+    monkeypatch.setattr(rank_zero_only, "rank", 0)  # the plan sets it: restored after
+    for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    # the first process of the second node, before fit: Lightning's launcher has set only NODE_RANK there
+    with monkeypatch.context() as m:
+        m.setenv("NODE_RANK", "1")
+        m.setattr(bootstrap, "_label_pool", lambda *a: pytest.fail("a process of node 1 labelled the pool"))
+        m.setattr(bootstrap, "_wait_for", lambda path: (_ for _ in ()).throw(_Stop()))
+        overrides = [*TINY, "head=classification", *TINY_SHAPES, *SHORT, f"bootstrap.teacher={tmp_path}"]
+        cfg = compose_train([*overrides, f"bootstrap.images={pool}"], tmp_path / "s")
+        with pytest.raises(_Stop):  # it waits for rank 0's side files
+            build(resolve(cfg), [])
+    from vitattn.training.plan import global_rank
+
+    cases = [({}, 0), ({"RANK": "3", "NODE_RANK": "1"}, 3), ({"NODE_RANK": "1"}, 2), ({"LOCAL_RANK": "1"}, 1)]
+    cases += [({"GROUP_RANK": "1", "LOCAL_RANK": "1"}, 3), ({"SLURM_PROCID": "5"}, 5)]
+    for env, rank in cases:  # Lightning's DDP: node rank x processes per node + local rank
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            assert global_rank(2) == rank, env
 
 
 def test_a_classifier_student_learns_from_a_classifier_teacher_and_refuses_a_captioner(
@@ -244,3 +371,61 @@ def test_a_run_killed_while_captioning_resumes_and_captions_each_pool_image_once
     assert "16 of 21 images are already captioned" in again.stderr
     records = [json.loads(line) for line in (run / "bootstrap" / "candidates.jsonl").read_text().splitlines()]
     assert sorted(r["image"] for r in records) == sorted(str(p) for p in folder.iterdir())  # each once
+
+
+def test_the_student_s_vocabulary_is_the_human_one_and_pool_words_outside_it_are_never_targets(pool, tmp_path, caplog):
+    human = ShapesDataset("train", 64, 32, 0, "caption").captions
+    side = tmp_path / "candidates.jsonl"
+    records = [
+        {
+            "image": str(pool / "scene288.png"),
+            "candidates": [{"text": "a zebra", "score": -0.1}, {"text": human[1], "score": -0.5}],
+        },
+        {"image": str(pool / "scene289.png"), "candidates": [{"text": "zebra crossing", "score": -0.2}]},
+        {"image": str(pool / "scene290.png"), "candidates": [{"text": human[2], "score": -0.3}]},
+    ]
+    side.write_text("".join(json.dumps(r) + "\n" for r in records))
+    side.with_name(side.name + ".manifest.json").write_text("{}")
+    run = [*TINY, "head=caption", *TINY_SHAPES, *SHORT]
+    plain, _, _ = build(resolve(compose_train(run, tmp_path / "plain")), [])
+    datamodule, _, _ = build(resolve(compose_train([*run, f"bootstrap.candidates={side}"], tmp_path / "s")), [])
+    assert datamodule.vocab == plain.vocab  # the human captions' vocabulary, as without a pool
+    assert datamodule.pool.sources == [str(pool / "scene288.png"), str(pool / "scene290.png")]
+    assert datamodule.pool.captions == [[human[1]], [human[2]]]  # "a zebra" dropped; scene289 kept nothing
+    kept = json.loads((tmp_path / "s" / "bootstrap" / "lineage.json").read_text())["kept"]
+    assert (kept["kept_captions_outside_vocabulary"], kept["pool_images_left_without_caption"]) == (2, 1)
+    assert "2 kept pool captions hold a word outside the vocabulary of the human captions" in caplog.text
+
+
+def test_pool_images_take_the_training_transform_with_randaugment_added_and_the_leak_rule_holds(tmp_path):
+    root = make_image_folder(tmp_path / "tree", per_class=2, size=32)
+    folder = tmp_path / "pool"
+    folder.mkdir()
+    rng = np.random.default_rng(5)
+    for name in ("a", "b"):
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(folder / f"{name}.png")
+    shutil.copy(root / "train" / "cat" / "0.png", folder / "c_labelled.png")  # a labelled image again
+    augment = {"scale": [1.0, 1.0], "ratio": [1.0, 1.0], "hflip": 1.0}  # the crop keeps all 32 px; always flipped
+
+    def mixed(randaugment):
+        datamodule = ImageFolderDataModule(root, augment=augment, img_size=32, batch_size=2, cache="none")
+        datamodule.setup()
+        datamodule.pool = Pool([str(p) for p in sorted(folder.iterdir())], labels=[0, 1, 0])
+        counts = datamodule.use_pool(BootstrapSettings(teacher="t", images="p", randaugment=randaugment))
+        return datamodule, counts
+
+    def flipped(path):
+        return pil_to_tensor(read_image(path)).flip(-1)  # (3, 32, 32) uint8, mirrored
+
+    datamodule, counts = mixed("rand-m9-n0")  # a RandAugment of no operation: the crop and the flip alone
+    assert counts["pool_identical_to_labelled"] == 1  # compared through the evaluation transform, augmented or not
+    data, sources = datamodule.train_dataset, datamodule.pool.sources
+    assert sources == [str(folder / "a.png"), str(folder / "b.png")]
+    for i in range(2):
+        assert torch.equal(data[data.human_size + i][0], flipped(sources[i]))  # the training transform's flip
+    datamodule, _ = mixed("rand-m9-n2-mstd0")
+    data = datamodule.train_dataset
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    changed = [not torch.equal(data[data.human_size + i % 2][0], flipped(sources[i % 2])) for i in range(16)]
+    assert any(changed)  # RandAugment's operations, on top of the flip
+    assert all(torch.equal(data[i][0], flipped(datamodule.train_files()[i])) for i in range(4))  # humans: none

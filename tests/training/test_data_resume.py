@@ -13,6 +13,8 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler, RandomSampler
 
 from tests.helpers import TINY, compose_train, make_coco, make_image_folder, sample_keys, stop_twice_then_finish
+from vitattn.data.tokenizer import load_tokenizer
+from vitattn.run_dir import RunDir
 from vitattn.training import train
 from vitattn.training.datamodules.base import EpochSampler, ResumableLoader
 from vitattn.training.datamodules.shapes import ShapesDataModule
@@ -110,9 +112,13 @@ def _overrides(name: str, size: int, root: Path, teacher: Path | None = None) ->
             human, pool = coco["images"][:16], [str(files["image_dir"] / k) for k in keys[16:]]
             ids = {image["id"] for image in human}
             annotations = [a for a in coco["annotations"] if a["image_id"] in ids]
+            # a human caption of the teacher's words: the student's vocabulary (the human captions') spells its pool's
+            words = " ".join(load_tokenizer(RunDir(teacher).vocab).words)
+            annotations.append({"id": 10_000, "image_id": human[0]["id"], "caption": words})
             files["train_annotations"].write_text(json.dumps({"images": human, "annotations": annotations}))
             (root / "pool.txt").write_text("".join(f"{p}\n" for p in pool))
             data += [f"bootstrap.teacher={teacher}", f"bootstrap.images={root / 'pool.txt'}", "bootstrap.keep.top_k=5"]
+            data.append("data.min_word_freq=1")
             keys = [*keys[:16], *(f"pool:{p}" for p in pool)]
     run = ["data.batch_size=4", "trainer.max_epochs=1", "test=false", "export_bundle=false"]
     return [*TINY, *data, *run, "+callbacks.sample_keys._target_=vitattn.training.callbacks.SampleKeys"], keys

@@ -3,6 +3,7 @@
 import csv
 import json
 import math
+import random
 from pathlib import Path
 
 import numpy as np
@@ -150,6 +151,17 @@ def test_caption_augment_never_flips_or_recolours_what_captions_state():
     assert not torch.equal(flipped, plain)
     no_colour_change = augment(image, ["a blue square"])  # colour named: flipped, never jittered
     torch.testing.assert_close(no_colour_change, plain.flip(-1))
+
+
+def test_caption_augment_adds_its_auto_augment_only_where_no_caption_names_a_colour():
+    preprocess = default_preprocess(16)
+    augment = Augment(scale=(1.0, 1.0), ratio=(1, 1), hflip=0.0, auto_augment="rand-m9-n3-mstd0")
+    transform = CaptionAugment(16, augment, preprocess)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8))
+    plain = torch.from_numpy(np.array(image)).permute(2, 0, 1)  # (3, 16, 16): the whole image, no operation
+    random.seed(0), np.random.seed(0)
+    assert any(not torch.equal(transform(image, ["a square"]), plain) for _ in range(8))  # RandAugment applied
+    assert all(torch.equal(transform(image, ["a red square"]), plain) for _ in range(8))  # a colour named: never
 
 
 def _folder_module(root, **kwargs):

@@ -354,7 +354,8 @@ def classification_train_transform(
 
 class CaptionAugment:
     """``transform(image, captions)`` -> (3, height, width) uint8: the crop, a flip only when no caption says
-    left or right, colour jitter only when none names a colour."""
+    left or right, colour jitter and the ``auto_augment`` (whose operations change colours) only when none names a
+    colour."""
 
     reads_captions = True
 
@@ -363,6 +364,8 @@ class CaptionAugment:
         self.crop = T.Compose(_geometry(img_size, augment, preprocess["interpolation"]))
         self.flip = T.RandomHorizontalFlip(1.0) if augment.hflip > 0 else None
         self.jitter = T.ColorJitter(*(3 * [augment.color_jitter])) if augment.color_jitter > 0 else None
+        auto = augment.auto_augment
+        self.auto = _auto_augment(auto, img_size, preprocess["mean"]) if auto else None
         self.finish = T.PILToTensor()
 
     def __call__(self, image: Image.Image, captions: Sequence[str]) -> torch.Tensor:
@@ -372,4 +375,6 @@ class CaptionAugment:
             image = self.flip(image)
         if self.jitter is not None and not words & COLOURS:
             image = self.jitter(image)
+        if self.auto is not None and not words & COLOURS:
+            image = self.auto(image)
         return self.finish(image)

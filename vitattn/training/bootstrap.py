@@ -15,7 +15,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -29,10 +28,12 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from vitattn.bundle import load_model
+from vitattn.bundle import load_model, runtime_of
+from vitattn.bundle.hub import is_hub_name
 from vitattn.data.images import read_image
 from vitattn.data.shards import expand_shards, read_shard
 from vitattn.data.shards.stream import image_member
+from vitattn.data.tokenizer import Tokenizer
 from vitattn.errors import ConfigError
 from vitattn.fileio import atomic_open
 from vitattn.inference import list_inputs
@@ -45,17 +46,18 @@ log = logging.getLogger(__name__)
 
 BOOTSTRAP_DIR = "bootstrap"  # in the run folder: the side files, their manifest, the lineage
 LINEAGE_FILE = "lineage.json"
-FILTERS = ("teacher", "none")  # or a model path
 
 
 @dataclass(frozen=True)
 class Keep:
-    """Which candidates (or pseudo-labels) a pool image keeps, applied when they are read: those scoring at least
-    ``min_score`` and at least the ``percentile``-th percentile of every score (for classes: of the scores of the
-    image's predicted class, so that each class keeps the same share), then the ``top_k`` best (classes: per
-    class). A candidate's score is its filter's, else the plain model's mean token log-probability."""
+    """Which candidates (or pseudo-labels) a pool image keeps, applied when they are read. Captions: those scoring at
+    least ``min_score`` and at least the ``percentile``-th percentile of every score, then the image's ``top_k``
+    best (BLIP-2 keeps 2). A candidate's score is its filter's, else the plain model's mean token log-probability.
+    Classes: an image's one hard pseudo-label (its teacher's most probable class; ``top_k`` per image never bounds
+    it) if its confidence is at least ``min_score``; ``percentile``: the same count for every class, (100 -
+    percentile) % of the pool split evenly, each class's most confident (noisy student's balance)."""
 
-    top_k: int | None = None
+    top_k: int | None = 2
     min_score: float | None = None
     percentile: float | None = None
 
@@ -96,6 +98,12 @@ class BootstrapSettings:
         values = dict(node)
         values["keep"] = Keep(**(values.get("keep") or {}))
         settings = cls(**values)
+        known = settings.filter in ("teacher", "none") or is_hub_name(settings.filter) or Path(settings.filter).exists()
+        if not known:
+            raise ConfigError(
+                f"bootstrap.filter={settings.filter} is not teacher, none, or a caption model (a run, bundle or ONNX "
+                "folder; hf-hub:NAME): no such path"
+            )
         if settings.samples < 1:
             raise ConfigError(f"bootstrap.samples={settings.samples} must be at least 1")
         if not isinstance(settings.human_repeat, int) or settings.human_repeat < 0:
@@ -152,7 +160,11 @@ class PoolCaptions(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         captions = self.pool.captions[index]
-        image = self.transform(self.pool.read(index))
+        image = self.pool.read(index)
+        if getattr(self.transform, "reads_captions", False):  # CaptionAugment: what no kept caption contradicts
+            image = self.transform(image, captions)
+        else:
+            image = self.transform(image)
         return {"image": image, "caption": captions[0], "references": captions, "image_id": -1 - index}
 
 
@@ -172,7 +184,8 @@ class PoolLabels(Dataset):
 class MixedTraining(Dataset):
     """One training stream: the human-labelled ``human`` dataset ``repeat`` times, then ``pool``; an index (or an
     ``(index, epoch seed)`` pair from ``EpochSampler(draws=True)``) goes to its part, so a resumed epoch reads what
-    the interrupted one would have."""
+    the interrupted one would have. Each repeat of a human sample draws its own references (a seed of its own
+    from the epoch's seed and the repeat)."""
 
     draws = True
 
@@ -186,8 +199,10 @@ class MixedTraining(Dataset):
     def __getitem__(self, index: int | tuple[int, int]) -> Any:
         index, seed = index if isinstance(index, tuple) else (index, 0)
         if index < self.human_size:
-            i = index % len(self.human)
-            return self.human[(i, seed)] if getattr(self.human, "draws", False) else self.human[i]
+            repeat, i = divmod(index, len(self.human))
+            if getattr(self.human, "draws", False):
+                return self.human[(i, seed * self.repeat + repeat)]  # each repeat its own draw
+            return self.human[i]
         i = index - self.human_size
         return self.pool[(i, seed)] if getattr(self.pool, "draws", False) else self.pool[i]
 
@@ -203,10 +218,13 @@ class MixedTraining(Dataset):
         return "pool", index - self.human_size
 
 
-def prepare_pool(settings: BootstrapSettings, task: str, run_dir: Path, run: dict[str, Any]) -> Pool:
+def prepare_pool(
+    settings: BootstrapSettings, task: str, run_dir: Path, run: dict[str, Any], vocab: Tokenizer | None = None
+) -> Pool:
     """The kept pool of a run: its side files written first where there are none (rank 0; the other ranks wait
-    for them), then read with the keep policy. ``run``: ``seed``, ``devices``, ``accelerator``, ``progress``,
-    ``class_names`` (a classification student's)."""
+    for them), then read with the keep policy; a caption student keeps only the candidates its ``vocab`` (the human
+    captions') spells. ``run``: ``seed``, ``devices``, ``accelerator``, ``progress``, ``rank`` (the plan's global
+    rank), ``precision`` (the teacher's: the run's), ``class_names`` (a classification student's)."""
     folder = run_dir / BOOTSTRAP_DIR
     if settings.candidates is not None:
         side = _given_side_files(Path(settings.candidates), task)
@@ -214,18 +232,18 @@ def prepare_pool(settings: BootstrapSettings, task: str, run_dir: Path, run: dic
         side = folder / ("labels.jsonl" if task == "classification" else _candidates_name(settings))
         manifest = side if task == "classification" else _manifest(side)
         if not manifest.exists():
-            if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))) == 0:
+            if run.get("rank", 0) == 0:
                 _label_pool(settings, task, side, run)
             else:
                 _wait_for(manifest)
-    pool = _read_pool(settings, task, side, run.get("class_names"))
+    pool = _read_pool(settings, task, side, run.get("class_names"), vocab)
     if not len(pool):
         raise ConfigError(
             f"bootstrap: no pool image kept a {'label' if task == 'classification' else 'candidate'} under "
             f"bootstrap.keep={settings.keep}; loosen bootstrap.keep.min_score / percentile"
         )
     pool.lineage = _lineage(settings, side, task)
-    if int(os.environ.get("RANK", 0)) == 0:
+    if run.get("rank", 0) == 0:
         folder.mkdir(parents=True, exist_ok=True)
         with atomic_open(folder / LINEAGE_FILE, "w", encoding="utf-8") as f:
             json.dump({**pool.lineage, "kept": pool.counts}, f, indent=2)
@@ -266,7 +284,7 @@ def _wait_for(path: Path, timeout: float = 7 * 24 * 3600) -> None:
 
 def _label_pool(settings: BootstrapSettings, task: str, side: Path, run: dict[str, Any]) -> None:
     """Write the side files: the teacher's kind is checked against the student's task in one line first."""
-    teacher = load_model(settings.teacher)
+    teacher = load_model(settings.teacher, precision=_teacher_precision(settings, run))
     if teacher.task != task:
         raise ConfigError(
             f"bootstrap.teacher={settings.teacher} is a {teacher.task} model; a head={task} student learns from a "
@@ -326,6 +344,7 @@ def _caption_pool(settings: BootstrapSettings, side: Path, run: dict[str, Any]) 
         command.append(f"score={settings.teacher if settings.filter == 'teacher' else settings.filter}")
     command += [f"progress={str(run.get('progress', True)).lower()}", f"devices={run.get('devices', 1)}"]
     command += [f"accelerator={run.get('accelerator', 'cpu')}", "num_workers=0"]
+    command.append(f"precision={_teacher_precision(settings, run)}")
     side.parent.mkdir(parents=True, exist_ok=True)
     log.info(
         "bootstrap: %s writes %d candidates per pool image: %s",
@@ -338,6 +357,12 @@ def _caption_pool(settings: BootstrapSettings, side: Path, run: dict[str, Any]) 
         raise ConfigError(f"bootstrap: captioning the pool failed (exit {done.returncode}); see the lines above")
 
 
+def _teacher_precision(settings: BootstrapSettings, run: dict[str, Any]) -> str:
+    """The precision the teacher labels in: the run's (``fp32`` or ``bf16``), not ``auto``, whose bf16 on CPUs with
+    bf16 units would make the candidates depend on the machine; an ONNX folder's own (``auto``)."""
+    return "auto" if runtime_of(settings.teacher) == "onnx" else run.get("precision", "fp32")
+
+
 def _die_with_parent() -> None:
     """In the child: SIGKILL when the training process dies (Linux), so a killed run leaves no captioner running."""
     try:
@@ -346,7 +371,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _read_pool(settings: BootstrapSettings, task: str, side: Path, class_names: Sequence[str] | None) -> Pool:
+def _read_pool(
+    settings: BootstrapSettings, task: str, side: Path, class_names: Sequence[str] | None, vocab: Tokenizer | None
+) -> Pool:
     if task == "classification":
         return _read_labels(settings, side, len(class_names or []))
     files = sorted(side.glob("*.jsonl")) + sorted(side.glob("*.parquet")) if side.is_dir() else [side]
@@ -354,12 +381,27 @@ def _read_pool(settings: BootstrapSettings, task: str, side: Path, class_names: 
     shards = _shard_images(settings, side) if side.is_dir() else None
     ranked = [[(_score(c), c["text"]) for c in r["candidates"]] for r in records]
     kept = _keep_candidates(ranked, settings.keep)
+    unknown = {"kept_captions_outside_vocabulary": 0, "pool_images_left_without_caption": 0}
+    if vocab is not None and vocab.unk_id is not None:  # never an <unk> target: drop what the vocabulary cannot spell
+        spelt = [[t for t in texts if vocab.unk_id not in vocab.encode(t)[1:-1]] for texts in kept]
+        unknown["kept_captions_outside_vocabulary"] = sum(map(len, kept)) - sum(map(len, spelt))
+        unknown["pool_images_left_without_caption"] = sum(1 for a, b in zip(kept, spelt) if a and not b)
+        kept = spelt
     sources, captions = [], []
     for record, texts in zip(records, kept):
         if texts:
             sources.append(record["image"] if shards is None else (record["key"], shards[record["key"]]))
             captions.append(texts)
     counts = {"pool_images": len(records), "kept_images": len(sources), "kept_captions": sum(map(len, captions))}
+    counts |= unknown
+    if unknown["kept_captions_outside_vocabulary"]:
+        log.warning(
+            "bootstrap: %d kept pool captions hold a word outside the vocabulary of the human captions (%d tokens): "
+            "left out, never trained as <unk>; %d pool images kept no other",
+            unknown["kept_captions_outside_vocabulary"],
+            len(vocab),
+            unknown["pool_images_left_without_caption"],
+        )
     log.info(
         "bootstrap: %d of %d pool images keep %d captions (keep %s)",
         counts["kept_images"],
@@ -400,31 +442,35 @@ def _read_labels(settings: BootstrapSettings, side: Path, num_classes: int) -> P
     records = [r for r in read_records([side]) if "probabilities" in r]
     if records and len(records[0]["probabilities"]) != num_classes:
         raise ConfigError(f"bootstrap: {side} holds {len(records[0]['probabilities'])} classes, the data {num_classes}")
-    predicted = [(max(range(num_classes), key=r["probabilities"].__getitem__), r) for r in records]
-    by_class: dict[int, list[float]] = defaultdict(list)
-    for label, record in predicted:
-        by_class[label].append(record["probabilities"][label])
-    keep, floors = settings.keep, {}
-    if keep.percentile is not None:
-        for label, values in by_class.items():
-            floors[label] = float(torch.quantile(torch.tensor(values, dtype=torch.float64), keep.percentile / 100))
-    chosen: dict[int, list[tuple[float, str]]] = defaultdict(list)
-    for label, record in predicted:
+    keep = settings.keep
+    chosen: dict[int, list[tuple[float, str]]] = defaultdict(list)  # hard labels: each image's most probable class
+    for record in records:
+        label = max(range(num_classes), key=record["probabilities"].__getitem__)
         confidence = record["probabilities"][label]
-        if keep.min_score is not None and confidence < keep.min_score:
-            continue
-        if label in floors and confidence < floors[label]:
-            continue
-        chosen[label].append((confidence, record["image"]))
-    sources, labels = [], []
+        if keep.min_score is None or confidence >= keep.min_score:
+            chosen[label].append((confidence, record["image"]))
+    per_class = None  # percentile: (100 - percentile) % of the pool, the same count for every class
+    if keep.percentile is not None and num_classes:
+        per_class = max(1, round((100 - keep.percentile) / 100 * len(records) / num_classes))
+    sources, labels, repeated = [], [], 0
     for label in sorted(chosen):
-        best = sorted(chosen[label], key=lambda cp: -cp[0])[: keep.top_k]  # top_k: per class
+        best = sorted(chosen[label], key=lambda cp: (-cp[0], cp[1]))  # most confident first
+        if per_class is not None:  # a class predicted less often repeats its own, best first (noisy student)
+            repeated += max(0, per_class - len(best))
+            best = [best[i % len(best)] for i in range(per_class)]
         for _, path in sorted(best, key=lambda cp: cp[1]):
             sources.append(path)
             labels.append(label)
-    counts = {"pool_images": len(records), "kept_images": len(sources)}
+    counts = {"pool_images": len(records), "kept_images": len(set(sources)), "kept_samples": len(sources)}
+    counts |= {"repeated_to_balance": repeated, "per_class": per_class or 0}
     counts |= {f"kept_class_{label}": n for label, n in sorted(Counter(labels).items())}
-    log.info("bootstrap: %d of %d pool images keep a pseudo-label (keep %s)", len(sources), len(records), keep)
+    log.info(
+        "bootstrap: %d of %d pool images keep a pseudo-label, %d samples an epoch (keep %s)",
+        counts["kept_images"],
+        len(records),
+        len(sources),
+        keep,
+    )
     return Pool(sources, labels=labels, counts=counts)
 
 

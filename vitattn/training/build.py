@@ -74,13 +74,10 @@ def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer
     datamodule = build_datamodule(plan)
     log_preprocess(datamodule, plan.preprocess_from)
     bootstrap = BootstrapSettings.from_config(OmegaConf.to_container(cfg.bootstrap) if cfg.get("bootstrap") else None)
-    if bootstrap is not None and cfg.head.task == "caption":  # before setup: the vocabulary spells the pool too
-        datamodule.pool = prepare_pool(bootstrap, "caption", plan.run_dir, _pool_run(plan))
     setup_data(cfg, datamodule, plan.resume, plan.tokenizer_kind)  # empty data, wrong vocabulary: one line, no step run
-    if bootstrap is not None:
-        if cfg.head.task == "classification":
-            run = {**_pool_run(plan), "class_names": list(datamodule.class_names)}
-            datamodule.pool = prepare_pool(bootstrap, "classification", plan.run_dir, run)
+    if bootstrap is not None:  # after setup: the pool keeps what the human captions' vocabulary spells
+        run = {**_pool_run(plan), "class_names": list(getattr(datamodule, "class_names", None) or [])}
+        datamodule.pool = prepare_pool(bootstrap, cfg.head.task, plan.run_dir, run, datamodule.vocab)
         log.info("bootstrap: %s", datamodule.use_pool(bootstrap))
     plan_cores(plan, datamodule)
     if rank_zero_only.rank == 0:
@@ -105,9 +102,12 @@ def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer
 
 def _pool_run(plan: Plan) -> dict[str, Any]:
     """What labelling the pool takes of the run: its seed, processes (a GPU each; on CPUs one process, whose
-    threads take every core) and progress bar."""
+    threads take every core), progress bar, this process's global rank and the run's precision (bf16 where the
+    run trains in it, else fp32)."""
     trainer = plan.trainer
     return {
+        "rank": trainer.rank,
+        "precision": "bf16" if plan.precision.trainer.startswith("bf16") else "fp32",
         "seed": int(plan.cfg.seed),
         "devices": trainer.processes if trainer.on_gpu else 1,
         "accelerator": {"cuda": "gpu"}.get(trainer.accelerator, trainer.accelerator),

@@ -40,6 +40,7 @@ __all__ = [
     "Precision",
     "Resume",
     "TrainerPlan",
+    "global_rank",
     "processes_per_node",
     "resolve",
     "run_tokenizer",
@@ -68,6 +69,7 @@ class TrainerPlan:
     no_gpu: str = ""  # a GPU trainer on a machine without one: the line the run stops with when it builds
     sharded: bool = False  # trainer=fsdp
     processes: int = 1  # the training processes on this machine: ``processes_per_node``, the one parse of devices
+    rank: int = 0  # this process's rank among all of the run's processes (global_rank)
     fast_dev_run: bool = False
     progress_bar: bool = True
 
@@ -138,6 +140,7 @@ def resolve(cfg: DictConfig) -> Plan:
         preprocess_from = _resolve_preprocess(cfg, start)
     check_config(cfg)  # the resolved config: the one that runs and is saved
     trainer = _trainer_plan(cfg.trainer)
+    rank_zero_only.rank = trainer.rank  # Lightning's rank-zero helpers answer as the Trainer will, before it exists
     weights = str(cfg.get("weights", "best"))
     if weights not in ("best", "last"):
         raise ConfigError(f"weights={weights!r} is unknown; choose weights=best or weights=last")
@@ -190,6 +193,7 @@ def _trainer_plan(trainer: DictConfig) -> TrainerPlan:
         no_gpu=no_gpu,
         sharded=fully_sharded(strategy),
         processes=processes,
+        rank=global_rank(processes),
         fast_dev_run=bool(trainer.get("fast_dev_run", False)),
         progress_bar=bool(trainer.get("enable_progress_bar", True)),
     )
@@ -207,6 +211,21 @@ def processes_per_node(devices: Any, on_gpu: bool = False) -> int:
     if isinstance(devices, int):
         return max(1, devices)
     return max(1, len(devices)) if isinstance(devices, Sequence) else 1
+
+
+def global_rank(processes: int) -> int:
+    """This process's rank among all of the run's processes (0: the one that writes what every rank reads), before
+    a Trainer exists, as Lightning's will be: ``RANK`` where the launcher sets it (torchrun); else, in the processes
+    Lightning's own launcher starts or is (it sets only ``LOCAL_RANK`` and ``NODE_RANK``, and the first process of a
+    node has neither before fit), ``NODE_RANK`` (or ``GROUP_RANK``) x ``processes`` + ``LOCAL_RANK``; else SLURM's
+    ``SLURM_PROCID``; else 0. Every "am I rank 0?" of a run asks the plan's answer (``TrainerPlan.rank``)."""
+    env = os.environ
+    if "RANK" in env:
+        return int(env["RANK"])
+    node = env.get("NODE_RANK", env.get("GROUP_RANK"))
+    if "LOCAL_RANK" in env or node is not None:
+        return int(node or 0) * processes + int(env.get("LOCAL_RANK", 0))
+    return int(env.get("SLURM_PROCID", 0))
 
 
 def _config_key(node: DictConfig, key: str, default: str) -> str:

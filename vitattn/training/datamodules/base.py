@@ -3,6 +3,7 @@ device, the cache, the evaluation split, the tokenizer. The design: docs/trainin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -14,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
 from vitattn.data.bad_images import (
@@ -24,7 +26,7 @@ from vitattn.data.bad_images import (
     collate_skipping,
     find_bad_images,
 )
-from vitattn.data.images import EvalSplit, ImageCache, check_split, should_cache
+from vitattn.data.images import EvalSplit, ImageCache, check_split, read_image, should_cache
 from vitattn.data.preprocess import (
     WEIGHTS_KEYS,
     Normalize,
@@ -153,12 +155,13 @@ class ResumableLoader(DataLoader):
 
 
 def rank_and_world(trainer: Any) -> tuple[int, int]:
-    """This process's rank and the number of ranks: the trainer's, else torch.distributed's, else the environment's."""
+    """This process's rank and the number of ranks: the trainer's, else torch.distributed's, else the plan's rank
+    (``training.plan.global_rank``, which the plan gives Lightning's ``rank_zero_only``) and ``WORLD_SIZE``."""
     if trainer is not None:
         return trainer.global_rank, trainer.world_size
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return rank_zero_only.rank, int(os.environ.get("WORLD_SIZE", 1))
 
 
 class EvaluationBatches:
@@ -243,6 +246,7 @@ class ImageDataModule(pl.LightningDataModule):
         self.normalize = Normalize(self.preprocess["mean"], self.preprocess["std"])
         self.last_keys: list[str] = []  # the keys of the samples of the batch last given to a training step
         self.pool: Pool | None = None  # images without labels, labelled by a teacher (``use_pool``)
+        self._augmenter: Callable[..., Any] | None = None  # what builds the training transform (``transforms``)
         self._train_loader: ResumableLoader | None = None
         self._train_loader_state: dict[str, Any] | None = None  # a checkpoint's, for the training loader to come
 
@@ -254,7 +258,22 @@ class ImageDataModule(pl.LightningDataModule):
         """``(training, evaluation)`` transforms: ``train(img_size, self.augment, preprocess)`` unless augmentation is
         off (then the evaluation one), and ``eval_transform``."""
         evaluate = self.eval_transform()
+        self._augmenter = train  # the pool's training transform is built by it too (``pool_transform``)
         return (train(self.img_size, self.augment, self.preprocess) if self.augment.enabled else evaluate), evaluate
+
+    def pool_transform(self, randaugment: str | None) -> Callable[..., torch.Tensor]:
+        """The transform of pool images: the human training images' own with timm's RandAugment ``randaugment``
+        (``bootstrap.randaugment``, noisy student's input noise) added after its crop and flip, in place of the
+        data's ``augment.auto_augment`` (captions: only where no kept caption names a colour, ``CaptionAugment``);
+        where the data is not augmented (the shapes; ``augment.enabled=false``), RandAugment then the evaluation
+        transform."""
+        augment, build = getattr(self, "augment", None), self._augmenter
+        if augment is None or not augment.enabled or build is None:
+            evaluate = self.eval_transform()
+            return evaluate if randaugment is None else _randaugment(randaugment, evaluate)
+        if randaugment is not None:
+            augment = dataclasses.replace(augment, auto_augment=randaugment)
+        return build(self.img_size, augment, self.preprocess)
 
     def normalize_batch(self, batch: Any) -> Any:
         """A loader's batch with its uint8 images (``images`` of a dict, else the first item) through ``normalize``."""
@@ -357,14 +376,13 @@ class ImageDataModule(pl.LightningDataModule):
 
     def use_pool(self, settings: BootstrapSettings) -> dict[str, int]:
         """After ``setup``: the kept ``pool`` mixed into the training split (``MixedTraining``), each human-labelled
-        sample ``settings.human_repeat`` times; pool images whose pixels (as the model takes them) equal a
-        validation or test image's, or a human-labelled one's (unaugmented training data only), are left out and
-        counted. Returns the counts."""
+        sample ``settings.human_repeat`` times, each pool image through ``pool_transform``; pool images whose
+        pixels through the evaluation transform equal a validation or test image's, or a human-labelled one's, are
+        left out and counted. Returns the counts."""
         pool, evaluate = self.pool, self.eval_transform()
         digests = [image_digests([evaluate(pool.read(i))]).pop() for i in range(len(pool))]
         held_out = image_digests(_images(self.val_dataset)) | image_digests(_images(self.test_dataset))
-        augmented = getattr(getattr(self, "augment", None), "enabled", False)
-        human = set() if augmented else image_digests(_images(self.train_dataset))
+        human = image_digests(self._labelled_images())
         leaked = {i for i, d in enumerate(digests) if d in held_out}
         labelled = {i for i, d in enumerate(digests) if d in human and i not in leaked}
         counts = {"pool_identical_to_val_or_test": len(leaked), "pool_identical_to_labelled": len(labelled)}
@@ -378,20 +396,26 @@ class ImageDataModule(pl.LightningDataModule):
             pool.keep_only(leaked | labelled)
         if not len(pool):
             raise ConfigError("bootstrap: every kept pool image is a validation, test or labelled image")
-        transform = evaluate if settings.randaugment is None else _randaugment(settings.randaugment, evaluate)
+        transform = self.pool_transform(settings.randaugment)
         if pool.captions is not None:
             part: Dataset = TokenizedCaptions(PoolCaptions(pool, transform), self.vocab, self.max_caption_len, 1)
         else:
             part = PoolLabels(pool, transform)
         self.train_dataset = MixedTraining(self.train_dataset, settings.human_repeat, part)
         counts |= {"pool_images": len(pool), "human_samples_per_epoch": self.train_dataset.human_size}
-        if pool.captions is not None and self.vocab.unk_id is not None:  # what the student cannot spell
-            ids = [i for kept in pool.captions for c in kept for i in self.vocab.encode(c)[1:-1]]
-            counts |= {
-                "vocab_size": len(self.vocab),
-                "kept_unknown_share": round(ids.count(self.vocab.unk_id) / max(1, len(ids)), 4),
-            }
         return counts
+
+    def train_files(self) -> list[str]:
+        """The image files of the training split, in order (after ``setup``); none for generated images."""
+        return []
+
+    def _labelled_images(self) -> Iterator[torch.Tensor]:
+        """The human-labelled training images through the evaluation transform, augmented data or not: what the
+        leak rule compares pool images with."""
+        if not self.reads_files:  # generated images, never augmented: the items themselves
+            return _images(self.train_dataset)
+        evaluate = self.eval_transform()
+        return (evaluate(read_image(path)) for path in self.train_files())
 
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
         """Evaluation loaders in order; the training loader (``shuffle``) a ``ResumableLoader``."""
@@ -456,9 +480,7 @@ class ImageDataModule(pl.LightningDataModule):
         kind = config.get("kind", "words")
         if kind == "file":
             return SubwordTokenizer.from_file(config["path"], add_specials=True)
-        self.train_captions = captions()
-        if self.pool is not None and self.pool.captions is not None:  # the student spells what it is taught
-            self.train_captions += [caption for kept in self.pool.captions for caption in kept]
+        self.train_captions = captions()  # the human captions only: a pool's never moves the threshold
         if kind == "bpe":
             return train_bpe(self.train_captions, config.get("vocab_size", "auto"))
         return Vocabulary.build(self.train_captions, min_freq=self.min_word_freq)

@@ -64,6 +64,10 @@ class CaptionFilesDataModule(ImageDataModule):
         splits = dict.fromkeys(d.dataset for d in (self.train_dataset, self.val_dataset, self.test_dataset))
         return [str(d.image_dir / im.file_name) for d in splits for im in d.images]
 
+    def train_files(self) -> list[str]:
+        images = self.train_dataset.dataset  # TokenizedCaptions -> CocoCaptionDataset
+        return [str(images.image_dir / im.file_name) for im in images.images]
+
     def sample_key(self, index: int) -> str:
         """Training image ``index``'s file name (relative to ``image_dir``)."""
         return self.train_dataset.dataset.images[index].file_name

@@ -55,6 +55,9 @@ class ImageFolderDataModule(ImageDataModule):
         folders = dict.fromkeys((self.train_dataset, self.val_dataset, self.test_dataset))  # test may be val
         return [path for folder in folders if folder is not None for path, _ in folder.samples]
 
+    def train_files(self) -> list[str]:
+        return [path for path, _ in self.train_dataset.samples]
+
     def sample_key(self, index: int) -> str:
         """Training image ``index``'s path relative to ``root/train``."""
         path, _ = self.train_dataset.samples[index]
