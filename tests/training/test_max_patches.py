@@ -14,6 +14,7 @@ from vitattn.errors import ConfigError
 from vitattn.models.vit import Patches
 from vitattn.training import train
 from vitattn.training.datamodules import ImageFolderDataModule
+from vitattn.training.systems import ClassificationSystem
 
 SIZES = [(64, 16), (16, 48), (40, 40), (50, 20)]  # (width, height): wide, tall, square, wide
 
@@ -55,7 +56,8 @@ def test_a_batch_holds_each_image_at_its_own_grid_normalised_as_its_image(folder
 
 
 def test_unset_the_batches_are_square_images(folder):
-    images, labels = _datamodule(folder, patch_size=8).ready_batch(next(iter(_datamodule(folder).val_dataloader())))
+    data = _datamodule(folder, patch_size=8)
+    images, labels = data.ready_batch(next(iter(data.val_dataloader())))
     assert images.shape == (8, 3, 32, 32) and labels.shape == (8,)
 
 
@@ -69,3 +71,12 @@ def test_fast_dev_run_trains_a_classifier_on_images_at_their_own_aspect(folder, 
     extra = ["data.max_patches=6", "data.augment.enabled=false", "trainer.fast_dev_run=true"]
     result = train(compose_train([*overrides, *TINY, *extra], tmp_path))
     assert result.global_step == 1 and torch.isfinite(torch.tensor(result.metrics["val/loss"]))
+
+
+def test_mixup_of_patches_is_refused_in_one_line(folder):
+    model = dict(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=2)
+    system = ClassificationSystem(model, ["cat", "dog"], mixup=0.8)
+    data = _datamodule(folder, max_patches=6, patch_size=8)
+    batch = data.ready_batch(next(iter(data.val_dataloader())))
+    with pytest.raises(ValueError, match=r"^head\.mixup and head\.cutmix mix square images: set them 0 with data\.max"):
+        system._training_loss(batch)
