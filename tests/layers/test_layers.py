@@ -166,6 +166,20 @@ def test_encoder_layer_matches_document(masked):
     torch.testing.assert_close(layer(x, mask), torch.from_numpy(ref), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_encoder_layer_masks_a_memorys_padding_as_the_documents_mask(fused):
+    layer = EncoderLayer(D, H, 64, rate=0.1, fused_attn=fused).eval()
+    _randomize_norms(layer)
+    x = torch.randn(B, L, D)
+    valid = torch.ones(B, L, dtype=torch.bool)
+    valid[1, -3:] = False  # the second row's last three tokens are padding
+    mask = (~valid)[:, None, None, :].float().numpy()  # the document's mask: 1 where a key is masked out
+    ref = seed.encoder_layer(x.numpy(), mask, D, H, _encoder_seed_weights(layer))
+    out = layer(Memory(x, valid=valid))
+    assert torch.equal(out.valid, valid)
+    torch.testing.assert_close(out.tokens, torch.from_numpy(ref), atol=1e-5, rtol=1e-5)
+
+
 def test_encoder_layer_dropout_only_in_training():
     layer = EncoderLayer(D, H, 64, rate=0.5)
     x = torch.randn(B, L, D)

@@ -26,7 +26,7 @@ def test_matching_merges_the_most_similar_pairs_never_the_class_token_and_weight
     assert match.src.tolist() == [[2, 3]] and match.dst.tolist() == [[1, 2]]  # 4 -> 3, 6 -> 5
     x = torch.arange(7.0).view(1, 7, 1) * 10  # token i's value 10 i
     size = torch.tensor([[1.0, 1, 1, 3, 1, 1, 1]])  # token 3 already holds 3 tokens
-    merged, sizes, _ = match.merge_tokens(Memory(x, size))
+    merged, sizes, _, _ = match.merge_tokens(Memory(x, size))
     assert sizes.tolist() == [[1, 1, 1, 4, 2]]  # class, 2, then B: 1, 3 (+4), 5 (+6)
     assert merged[0, :, 0].tolist() == pytest.approx([0, 20, 10, (3 * 30 + 40) / 4, 55])
 
@@ -139,7 +139,7 @@ def test_merged_tokens_hold_every_patch_once_and_the_class_token_stays_first():
     with torch.no_grad():
         model.pos_embed.normal_()  # distinct tokens: real matching
     trace: list[Memory] = []
-    x, sizes, sources = model.forward_tokens(torch.randn(3, 3, 32, 32), trace)
+    x, sizes, sources, _ = model.forward_tokens(torch.randn(3, 3, 32, 32), trace)
     assert [t.sources.shape[1] for t in trace] == [65, 55, 47, 41] and x.shape[1] == 41
     assert torch.equal(sources.sum(1), torch.ones(3, 65))  # a partition of the input tokens
     assert torch.equal(sources.sum(2), sizes)

@@ -1,6 +1,8 @@
 """How an image becomes the model's input: evaluation (``eval_transform``, timm's, written without timm),
 normalisation on the device (``Normalize``) and training augmentation (``Augment``; docs/data.md). A
-``preprocess`` mapping (checkpoints, bundles) holds timm's ``create_transform`` arguments (``PREPROCESS_KEYS``)."""
+``preprocess`` mapping (checkpoints, bundles) holds timm's ``create_transform`` arguments (``PREPROCESS_KEYS``).
+Images at their own aspect ratio (``data.max_patches``, docs/training.md): ``resize_to_patches``, ``patchify``,
+``pad_patches``."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from fractions import Fraction
 from functools import partial
 from typing import Any
 
@@ -20,12 +23,14 @@ from torchvision import transforms as T
 from torchvision.transforms import functional as TF
 
 from vitattn.errors import brief
+from vitattn.models.vit import Patches
 
 __all__ = [
     "Augment",
     "auto_min_scale",
     "CAPTION_CROP_SCALE",
     "CaptionAugment",
+    "check_max_patches",
     "check_preprocess",
     "classification_train_transform",
     "CROP_MODES",
@@ -36,8 +41,12 @@ __all__ = [
     "from_timm",
     "Normalize",
     "normalize",
+    "pad_patches",
+    "patch_grid",
+    "patchify",
     "PREPROCESS_KEYS",
     "preprocess_taken",
+    "resize_to_patches",
     "WEIGHTS_KEYS",
     "weights_preprocess",
 ]
@@ -378,3 +387,69 @@ class CaptionAugment:
         if self.auto is not None and not words & COLOURS:
             image = self.auto(image)
         return self.finish(image)
+
+
+def check_max_patches(max_patches: Any, img_size: int, patch_size: int) -> int:
+    """``max_patches`` as an int, refused in one line when not a whole number or below one row of the square
+    grid (``img_size // patch_size`` patches), where an image would keep too few patches to see anything."""
+    row = img_size // patch_size
+    if isinstance(max_patches, bool) or not isinstance(max_patches, numbers.Integral) or max_patches < row:
+        raise ValueError(
+            f"data.max_patches={brief(max_patches)} is below one row of patches: at least {row} "
+            f"(data.img_size={img_size} / patch_size={patch_size}), or leave it unset for square images"
+        )
+    return int(max_patches)
+
+
+def patch_grid(height: int, width: int, max_patches: int) -> tuple[int, int]:
+    """The (rows, columns) grid of the largest scale of a ``height`` x ``width`` image whose grid, each side
+    rounded up to whole patches and at least one, holds at most ``max_patches`` (timm's ``get_image_size_for_seq``,
+    solved exactly where timm bisects). The grid's largest aspect is ``max_patches``:1, one patch on the short side.
+
+    The grid changes only at scales where a side fills a whole number k of patches: each such scale is a candidate,
+    k patches on that side and the other rounded up; the largest scale whose grid fits wins."""
+    best, best_scale = (1, 1), Fraction(0)
+    for side, other, first in ((height, width, True), (width, height, False)):
+        for k in range(1, max_patches + 1):
+            rest = max(1, -(-other * k // side))  # the other side at scale k / side, rounded up
+            if k * rest > max_patches:  # larger k only grows both sides
+                break
+            if Fraction(k, side) > best_scale:
+                best_scale, best = Fraction(k, side), ((k, rest) if first else (rest, k))
+    return best
+
+
+def resize_to_patches(
+    image: Image.Image, patch_size: int, max_patches: int, interpolation: str = "bicubic"
+) -> Image.Image:
+    """A PIL image (``read_image``'s: EXIF orientation applied) resized, its aspect ratio kept, to the largest
+    size whose ``patch_size`` grid holds at most ``max_patches`` patches (``patch_grid``), each side a whole
+    number of patches."""
+    rows, cols = patch_grid(image.height, image.width, max_patches)
+    return TF.resize(image, [rows * patch_size, cols * patch_size], T.InterpolationMode(interpolation))
+
+
+def patchify(image: torch.Tensor, patch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(C, height, width), each side a multiple of ``patch_size`` (P) -> its (N, P*P*C) patches, row by row, each
+    in (row, column, channel) order as timm's ``patchify_image``, and their (N, 2) (row, column) coordinates."""
+    C, height, width = image.shape
+    rows, cols = height // patch_size, width // patch_size
+    assert rows * patch_size == height and cols * patch_size == width, (height, width, patch_size)
+    patches = image.reshape(C, rows, patch_size, cols, patch_size).permute(1, 3, 2, 4, 0)  # (rows, cols, P, P, C)
+    coord = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), dim=-1)
+    return patches.reshape(rows * cols, -1), coord.reshape(-1, 2)  # (N, P*P*C), (N, 2)
+
+
+def pad_patches(images: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Patches:
+    """``patchify``'s (patches, coordinates) of B images -> one ``Patches``, each padded to the longest with zero
+    patches at coordinate (0, 0), ``valid`` False there."""
+    longest = max(len(patches) for patches, _ in images)
+    first = images[0][0]
+    patches = first.new_zeros(len(images), longest, first.shape[-1])  # (B, N, P*P*C)
+    coord = torch.zeros(len(images), longest, 2, dtype=torch.long)  # (B, N, 2)
+    valid = torch.zeros(len(images), longest, dtype=torch.bool)  # (B, N)
+    for row, (image_patches, image_coord) in enumerate(images):
+        patches[row, : len(image_patches)] = image_patches
+        coord[row, : len(image_coord)] = image_coord
+        valid[row, : len(image_patches)] = True
+    return Patches(patches, coord, valid)

@@ -4,6 +4,7 @@ from vitattn.layers.attention import (
     MultiHeadAttention,
     causal_mask,
     check_heads,
+    padding_mask,
     record_attention,
     scaled_dot_product_attention,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "causal_mask",
     "check_heads",
     "merge_schedule",
+    "padding_mask",
     "point_wise_feed_forward_network",
     "record_attention",
     "scaled_dot_product_attention",

@@ -15,7 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "record_attention", "causal_mask", "check_heads"]
+__all__ = [
+    "scaled_dot_product_attention",
+    "MultiHeadAttention",
+    "record_attention",
+    "causal_mask",
+    "check_heads",
+    "padding_mask",
+]
 
 
 def _additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -47,6 +54,15 @@ def check_heads(num_heads: int, width: int, width_name: str = "embed_dim") -> No
 def causal_mask(lq: int, lk: int, device: torch.device | None = None) -> Tensor:
     """(Lq, Lk) look-ahead mask (1 = masked out) for ``lq`` new queries at the end of ``lk`` keys."""
     return torch.ones(lq, lk, device=device).triu(diagonal=lk - lq + 1)
+
+
+def padding_mask(valid: Tensor | None, mask: Tensor | None = None) -> Tensor | None:
+    """(B, Lk) key validity (False: padding) -> the document's (B, 1, 1, Lk) mask, True where a key is padding, so
+    that no query attends to it; joined with ``mask`` (True or 1 = masked out) when given. None without either."""
+    if valid is None:
+        return mask
+    padded = ~valid[:, None, None, :]  # (B, 1, 1, Lk)
+    return padded if mask is None else (mask.to(torch.bool) | padded)
 
 
 def scaled_dot_product_attention(

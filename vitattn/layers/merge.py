@@ -21,19 +21,22 @@ __all__ = ["Matching", "Memory", "bipartite_soft_matching", "merge_schedule", "m
 
 
 class Memory(NamedTuple):
-    """Tokens and what merging carries beside them, from layer to layer and on to the decoder, the pooling and the
+    """Tokens and what rides beside them, from layer to layer and on to the decoder, the pooling and the
     attention maps: ``tokens`` (B, N, C); ``sizes`` (B, N) the input tokens each holds (None: all 1, nothing
-    merged); ``sources`` (B, N, N0) which input tokens each holds, when tracked (attention maps)."""
+    merged); ``sources`` (B, N, N0) which input tokens each holds, when tracked (attention maps); ``valid`` (B, N)
+    bool, False where a row is padding (images of fewer patches than the batch's longest; None: none padded):
+    padded tokens are never attended to, pooled or merged."""
 
     tokens: Tensor
     sizes: Tensor | None = None
     sources: Tensor | None = None
+    valid: Tensor | None = None
 
     def detach(self) -> Memory:
         return Memory(*(None if t is None else t.detach() for t in self))
 
     def index_select(self, index: Tensor) -> Memory:
-        """The rows ``index`` (M,) of each part: (M, N, C) tokens, (M, N) sizes, (M, N, N0) sources."""
+        """The rows ``index`` (M,) of each part: (M, N, C) tokens, (M, N) sizes, (M, N, N0) sources, (M, N) valid."""
         return Memory(*(None if t is None else t.index_select(0, index) for t in self))
 
 
@@ -58,7 +61,12 @@ class Matching(NamedTuple):
 
     def merge_tokens(self, memory: Memory) -> Memory:
         """The ``Memory`` of (B, N, C) tokens -> that of (B, N - r, C), each merged token the size-weighted mean of
-        its parts, with their sizes and sources."""
+        its parts, with their sizes and sources. Padded tokens (``memory.valid``) are refused: merged as any other,
+        they would be averaged into real ones."""
+        if memory.valid is not None:
+            raise ValueError(
+                "token merging (model.merge_tokens) takes no padded patches (data.max_patches): set one of them off"
+            )
         x = memory.tokens
         size = memory.sizes if memory.sizes is not None else x.new_ones(x.shape[:2])  # (B, N)
         summed = self.merge(torch.cat([x * size.unsqueeze(-1).to(x.dtype), size.unsqueeze(-1).to(x.dtype)], -1))

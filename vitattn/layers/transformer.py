@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torchvision.ops import StochasticDepth
 
-from vitattn.layers.attention import MultiHeadAttention
+from vitattn.layers.attention import MultiHeadAttention, padding_mask
 from vitattn.layers.merge import Memory, bipartite_soft_matching
 
 __all__ = [
@@ -83,11 +83,13 @@ class EncoderLayer(nn.Module):
 
         Given the ``Memory`` of merged tokens (ToMe, ``vitattn.layers.merge``), returns the ``Memory`` of
         (B, N - r, D): the attention is proportional (log size added to the logits), then the ``r`` most similar
-        token pairs, matched by their keys, are merged before the feed-forward network.
+        token pairs, matched by their keys, are merged before the feed-forward network. Its padded tokens
+        (``memory.valid`` False) are masked as keys, the document's ``mask * -1e9``.
         """
         given_memory = isinstance(x, Memory)
         memory = x if given_memory else Memory(x)
         x = memory.tokens
+        mask = padding_mask(memory.valid, mask)  # (B, 1, 1, N) with padding, or as given
         h = self.layernorm1(x) if self.norm_first else x
         if r == 0 and memory.sizes is None:  # the document's attention, no bias: the fused kernel as without ToMe
             attn_output, k = self.mha(h, h, h, mask)[0], None
@@ -121,6 +123,7 @@ class LayerCache:
         self.cross_k: Tensor | None = None  # (B / K, H, N, d): one row per image, shared by its K beams
         self.cross_v: Tensor | None = None
         self.cross_sizes: Tensor | None = None  # (B / K, N) merged image tokens' sizes (None: not merged)
+        self.cross_valid: Tensor | None = None  # (B / K, N) image tokens that are not padding (None: none padded)
         self.qkv_params: tuple[Tensor, Tensor | None] | None = None  # (3D, D) weight, (3D,) bias
 
     @property
@@ -195,9 +198,9 @@ class DecoderLayer(nn.Module):
 
     def _cross_attention(self, h: Tensor, memory: Memory, cache: LayerCache | None) -> Tensor:
         if cache is not None and cache.cross_k is not None:
-            k, v, sizes = cache.cross_k, cache.cross_v, cache.cross_sizes  # (B / K, H, N, d), (B / K, N)
+            k, v, sizes, valid = cache.cross_k, cache.cross_v, cache.cross_sizes, cache.cross_valid  # (B / K, N)
         else:
-            tokens, sizes = memory.tokens, memory.sizes  # (B / K, N, D), (B / K, N) or None
+            tokens, sizes, valid = memory.tokens, memory.sizes, memory.valid  # (B / K, N, D), (B / K, N) or None
             if h.shape[0] % tokens.shape[0]:
                 raise ValueError(f"memory batch {tokens.shape[0]} must divide the caption batch {h.shape[0]}")
             k, v = self.mha2.project_kv(tokens, tokens)  # (B / K, H, N, d): once per image
@@ -205,26 +208,27 @@ class DecoderLayer(nn.Module):
                 # Copied once into their own (B / K, H, N, d) blocks: every later step reads them, and CPU
                 # attention is slower over the interleaved k/v views of the fused projection (docs/benchmarks.md).
                 cache.cross_k, cache.cross_v = k.contiguous(), v.contiguous()
-                k, v, cache.cross_sizes = cache.cross_k, cache.cross_v, sizes
+                k, v, cache.cross_sizes, cache.cross_valid = cache.cross_k, cache.cross_v, sizes, valid
         q = self.mha2.project_q(h)  # (B, H, t, d)
         B, H, t, d = q.shape
         images = k.shape[0]
+        mask = padding_mask(valid)  # (B / K, 1, 1, N): padded image tokens, or None
         # merged image tokens (ToMe): proportional attention, as over the tokens each one holds
         if B == images:
-            return self.mha2.attend(q, k, v, size=sizes)[0]
+            return self.mha2.attend(q, k, v, mask, size=sizes)[0]
         # K beams per image: the image's K rows of queries attend together over its one copy of the keys
         # and values, (B / K, H, K * t, d): one product per image and head reads them once, not K times.
-        # No mask in cross-attention, so each query's result is the same as attending alone.
+        # The mask is per image and key only, so each query's result is the same as attending alone.
         q = q.reshape(images, -1, H, t, d).transpose(1, 2).reshape(images, H, -1, d)  # (B / K, H, K * t, d)
-        out = self.mha2.attend(q, k, v, size=sizes)[0]  # (B / K, K * t, D), rows ordered (beam, position)
+        out = self.mha2.attend(q, k, v, mask, size=sizes)[0]  # (B / K, K * t, D), rows ordered (beam, position)
         return out.reshape(B, t, -1)  # (B, t, D)
 
     def forward(self, x: Tensor, memory: Memory, cache: LayerCache | None = None) -> Tensor:
         """(B, t, D) new caption positions (all T without ``cache``) over the ``Memory`` of (B, N, D) image tokens
-        -> (B, t, D); merged tokens (ToMe) weigh by their sizes.
+        -> (B, t, D); merged tokens (ToMe) weigh by their sizes, padded ones (``memory.valid``) are masked out.
 
         ``memory`` may hold (B / K, N, D), one row per K beams of an image; ``cache`` is extended in place, and once
-        it holds the cross-attention's keys, values and sizes, ``memory`` is not read.
+        it holds the cross-attention's keys, values, sizes and validity, ``memory`` is not read.
         """
         if self.norm_first:
             x = x + self.dropout1(self._self_attention(self.layernorm1(x), cache))

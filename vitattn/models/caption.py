@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vitattn.layers import DecoderLayer, LayerCache, Memory, check_heads
 from vitattn.models.generate import CaptionSearch, SpecialIds
-from vitattn.models.vit import VisionTransformer, init_linears_, layer_groups, trunc_normal_
+from vitattn.models.vit import Patches, VisionTransformer, init_linears_, layer_groups, trunc_normal_
 
 __all__ = ["CaptionDecoder", "DecoderStep", "ImageCaptioner", "per_caption"]
 
@@ -178,23 +178,25 @@ class ImageCaptioner(nn.Module, CaptionSearch):
         """The encoder's layers for timm's layer-wise lr decay; the decoder matches none, so it is the top layer."""
         return layer_groups("encoder.")
 
-    def encode(self, images: Tensor) -> Memory:
-        """(B, C, height, width) -> the ``Memory`` of (B, N, D) image tokens in the decoder's width, normalised: an
-        encoder whose norm comes after pooling (``fc_norm``, timm's ``avg`` pool) has it applied to every token."""
+    def encode(self, images: Tensor | Patches) -> Memory:
+        """(B, C, height, width) or ``Patches`` -> the ``Memory`` of (B, N, D) image tokens in the decoder's width,
+        normalised: an encoder whose norm comes after pooling (``fc_norm``, timm's ``avg`` pool) has it applied to
+        every token; padding (``Patches``) marked in its ``valid``, which the decoder's cross-attention masks."""
         return self.memory(self.encoder.forward_tokens(images))
 
     def memory(self, encoded: Memory) -> Memory:
-        """``encode`` from the encoder's ``forward_tokens``: its tokens normalised and projected, sizes kept."""
+        """``encode`` from the encoder's ``forward_tokens``: its tokens normalised and projected, sizes and validity
+        kept."""
         return encoded._replace(tokens=self.decoder.memory_proj(self.encoder.fc_norm(encoded.tokens)))
 
-    def forward(self, images: Tensor, tokens: Tensor, caption_image: Tensor | None = None) -> Tensor:
+    def forward(self, images: Tensor | Patches, tokens: Tensor, caption_image: Tensor | None = None) -> Tensor:
         """Teacher forcing: (B, C, height, width), (N, T) -> (N, T, V) next-token logits; caption ``n`` reads
         image ``caption_image[n]`` (N,), encoded once however many captions it has (default: caption n, image n)."""
         memory = per_caption(self.encode(images), caption_image)
         return self.decoder(tokens, memory)
 
     def start_search(
-        self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
+        self, images: Tensor | Patches, max_new_tokens: int, num_beams: int, use_cache: bool
     ) -> tuple[DecoderStep, int, torch.device]:
         """``CaptionSearch.start_search``: the decoder's step over the (B, N, D) image tokens."""
         memory = self.encode(images)  # (B, N, D)

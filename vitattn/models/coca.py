@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from vitattn.layers import EncoderLayer, Memory, check_heads
 from vitattn.models.caption import CaptionDecoder, ImageCaptioner, per_caption
 from vitattn.models.generate import CaptionSearch
-from vitattn.models.vit import VisionTransformer, trunc_normal_
+from vitattn.models.vit import Patches, VisionTransformer, trunc_normal_
 
 __all__ = ["CONTRASTIVE_PARTS", "CocaCaptioner", "Embedder", "TextEncoder", "captioner_from_config"]
 
@@ -84,7 +84,7 @@ class Embedder(CaptionSearch):
     embed_dim: int
     logit_scale: Tensor
 
-    def embed_images(self, images: Tensor) -> Tensor:
+    def embed_images(self, images: Tensor | Patches) -> Tensor:
         """(B, C, height, width) -> (B, E) unit-length image embeddings."""
         raise NotImplementedError
 
@@ -163,14 +163,14 @@ class CocaCaptioner(Embedder, ImageCaptioner):
     def config(self) -> dict[str, Any]:
         return {**super().config, "contrastive": self.contrastive_config}
 
-    def embed_images(self, images: Tensor) -> Tensor:
+    def embed_images(self, images: Tensor | Patches) -> Tensor:
         return self.embed_features(self.encoder.forward_tokens(images))
 
     def embed_texts(self, tokens: Tensor) -> Tensor:
         x = self.decoder.token_embed(tokens)  # (N, T, D): the decoder's embedding, shared
         return F.normalize(self.text_proj(self.text(x, tokens == self.decoder.pad_id)), dim=-1)
 
-    def encode_and_embed(self, images: Tensor) -> tuple[Memory, Tensor]:
+    def encode_and_embed(self, images: Tensor | Patches) -> tuple[Memory, Tensor]:
         encoded = self.encoder.forward_tokens(images)  # (B, N, D): once for both
         return self.memory(encoded), self.embed_features(encoded)
 

@@ -238,7 +238,7 @@ class CaptionSearch:
         """(B, T') token ids of the images' captions, without ``<bos>``, ending in ``<eos>``, ``<pad>`` after.
 
         Args:
-            images: (B, C, height, width).
+            images: (B, C, height, width), or ``Patches`` (images at their own grids, padded).
             max_new_tokens: most tokens per caption, ``<eos>`` included; None: ``max_len - 1``.
             num_beams, length_penalty, early_stopping: Hugging Face's beam search (``beam_search``); 1 beam: greedy;
                 None: ``rerank`` beams (1 without it, or when sampling).

@@ -2,7 +2,9 @@
 
 Dimension letters: B batch, C channels, N tokens (patches + class token), D width, P patch side.
 Stages as in timm: ``forward_tokens`` (the ``Memory`` of (B, N, D) tokens: with merging, their sizes) -> ``pool``
-(B, D) -> ``forward_head`` (B, classes); ``forward_features`` is timm's (B, N, D), the tokens alone.
+(B, D) -> ``forward_head`` (B, classes); ``forward_features`` is timm's (B, N, D), the tokens alone. Each stage
+takes square images (B, C, height, width) or, as timm's NaFlex ViT, ``Patches``: images cut at their own grids and
+padded to one length, whose padding the layers, the pool and the decoder mask out (docs/training.md).
 """
 
 from __future__ import annotations
@@ -10,16 +12,17 @@ from __future__ import annotations
 import math
 import re
 from importlib.resources import files
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vitattn.layers import EncoderLayer, Memory, check_heads, merge_schedule
 
-__all__ = ["PRESETS", "VisionTransformer", "layer_groups", "preset_config", "vit_preset"]
+__all__ = ["PRESETS", "Patches", "VisionTransformer", "layer_groups", "preset_config", "vit_preset"]
 
 POOLS = ("cls", "mean", "avg")
 POS_EMBED_INITS = ("trunc_normal", "sincos")
@@ -65,6 +68,17 @@ def init_linears_(module: nn.Module) -> None:
                 nn.init.zeros_(m.bias)
 
 
+class Patches(NamedTuple):
+    """Images cut into P x P patches at each one's own grid, padded to the batch's longest (timm NaFlex's
+    ``patches``, ``patch_coord``, ``patch_valid``): ``patches`` (B, N, P*P*C), each patch's pixels in (row, column,
+    channel) order as timm's ``patchify_image``; ``coord`` (B, N, 2) long, its (row, column) in its image's grid;
+    ``valid`` (B, N) bool, False for padding. An image's grid is its valid patches' largest coordinates + 1."""
+
+    patches: Tensor
+    coord: Tensor
+    valid: Tensor
+
+
 class PatchEmbed(nn.Module):
     """timm's ``PatchEmbed`` as the ViT uses it (its parameter names): (B, C, height, width) -> (B, N, D)."""
 
@@ -80,6 +94,12 @@ class PatchEmbed(nn.Module):
             tuple(x.shape[-2:]) == self.img_size, f"images must be {self.img_size}, not {tuple(x.shape[-2:])}"
         )
         return self.proj(x).flatten(2).transpose(1, 2)  # (B, D, h, w) -> (B, N, D)
+
+    def forward_patches(self, patches: Tensor) -> Tensor:
+        """(B, N, P*P*C) patches in (row, column, channel) order -> (B, N, D): the convolution as the one matmul
+        it is over each patch."""
+        weight = self.proj.weight.permute(0, 2, 3, 1).flatten(1)  # (D, C, P, P) -> (D, P*P*C)
+        return F.linear(patches, weight, self.proj.bias)
 
 
 class VisionTransformer(nn.Module):
@@ -232,18 +252,53 @@ class VisionTransformer(nn.Module):
             )
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def forward_tokens(self, x: Tensor, trace: list[Memory] | None = None) -> Memory:
-        """(B, C, height, width) images -> the ``Memory`` of their (B, N, D) tokens, class token first: with merging
-        (ToMe), the merged tokens' sizes. ``trace``, a list, receives with merging each layer's input ``Memory`` and
-        then the last, with ``sources``: which patch tokens each token holds (attention maps)."""
+    def patch_positions(self, coord: Tensor, valid: Tensor) -> Tensor:
+        """(B, N, D) learned positions of patches at (B, N, 2) ``coord`` (``Patches``'): the position table,
+        sized by ``img_size``, resampled to each image's grid as weights of another image size are (bicubic,
+        antialiased; a grid of the table's size takes it as it is), once per distinct grid, at every forward."""
+        grid = self.patch_embed.grid_size
+        table = self.pos_embed[:, self.num_prefix_tokens :]  # (1, G*G, D)
+        grids = ((coord * valid.unsqueeze(-1)).amax(dim=1) + 1).tolist()  # (B, 2): each image's rows, columns
+        pos = table.new_zeros(*coord.shape[:2], table.shape[-1])  # (B, N, D): padding keeps 0, masked anyway
+        rows_of: dict[tuple[int, int], list[int]] = {}
+        for row, (h, w) in enumerate(grids):
+            rows_of.setdefault((h, w), []).append(row)
+        for (h, w), rows in rows_of.items():
+            if (h, w) == grid:
+                resized = table[0]
+            else:
+                from timm.layers import resample_abs_pos_embed  # timm: only for grids other than the table's
+
+                resized = resample_abs_pos_embed(table, [h, w], list(grid), num_prefix_tokens=0)[0]  # (h*w, D)
+            index = torch.tensor(rows, device=coord.device)
+            at = coord[index, :, 0] * w + coord[index, :, 1]  # (b, N): flat grid index of each patch
+            pos[index] = resized[at.clamp(0, h * w - 1)]  # padding's coordinates may lie off the grid
+        return pos
+
+    def embed(self, x: Tensor | Patches) -> Memory:
+        """(B, C, height, width) images or ``Patches`` -> the ``Memory`` of their (B, N, D) embedded tokens, class
+        token first, with positions: ``valid`` (the class token valid) for ``Patches``, None for images."""
+        if isinstance(x, Patches):
+            patches = self.patch_embed.forward_patches(x.patches) + self.patch_positions(x.coord, x.valid)
+            cls = (self.cls_token + self.pos_embed[:, : self.num_prefix_tokens]).expand(patches.shape[0], -1, -1)
+            tokens = torch.cat([cls, patches], dim=1)  # (B, N, D)
+            valid = torch.cat([x.valid.new_ones(x.valid.shape[0], self.num_prefix_tokens), x.valid], dim=1)
+            return Memory(self.norm_pre(self.pos_drop(tokens)), valid=valid)
         x = self.patch_embed(x)  # (B, N-1, D)
         cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, D)
-        x = self.norm_pre(self.pos_drop(torch.cat([cls, x], dim=1) + self.pos_embed))  # (B, N, D)
-        memory = Memory(x)
+        return Memory(self.norm_pre(self.pos_drop(torch.cat([cls, x], dim=1) + self.pos_embed)))  # (B, N, D)
+
+    def forward_tokens(self, x: Tensor | Patches, trace: list[Memory] | None = None) -> Memory:
+        """(B, C, height, width) images or ``Patches`` -> the ``Memory`` of their (B, N, D) tokens, class token
+        first: with merging (ToMe), the merged tokens' sizes; with ``Patches``, which are padding (``valid``).
+        ``trace``, a list, receives with merging each layer's input ``Memory`` and then the last, with ``sources``:
+        which patch tokens each token holds (attention maps)."""
+        memory = self.embed(x)
+        x = memory.tokens
         tracing = trace is not None and any(self.merge_schedule)
         if tracing:
             eye = torch.eye(x.shape[1], device=x.device, dtype=x.dtype)
-            memory = Memory(x, x.new_ones(x.shape[:2]), eye.expand(x.shape[0], -1, -1))  # (B, N), (B, N, N)
+            memory = memory._replace(sizes=x.new_ones(x.shape[:2]), sources=eye.expand(x.shape[0], -1, -1))
         recompute = self.grad_checkpointing and self.training and torch.is_grad_enabled()
         for block, r in zip(self.blocks, self.merge_schedule):
             if tracing:
@@ -257,19 +312,23 @@ class VisionTransformer(nn.Module):
             trace.append(memory)
         return memory._replace(tokens=self.norm(memory.tokens))
 
-    def forward_features(self, x: Tensor) -> Tensor:
-        """(B, C, height, width) images -> (B, N, D) tokens, class token first (fewer with ``merge_tokens``)."""
+    def forward_features(self, x: Tensor | Patches) -> Tensor:
+        """(B, C, height, width) images or ``Patches`` -> (B, N, D) tokens, class token first (fewer with
+        ``merge_tokens``; padding included with ``Patches``)."""
         return self.forward_tokens(x).tokens
 
     def pool(self, x: Memory) -> Tensor:
         """The ``Memory`` of (B, N, D) tokens -> (B, D): the class token, or the mean of the patch tokens (merged
-        tokens weighted by their sizes: the mean of the patches they hold)."""
+        tokens weighted by their sizes: the mean of the patches they hold; padding weighted 0)."""
         tokens = x.tokens
         if self.global_pool in ("mean", "avg"):
             patches = tokens[:, self.num_prefix_tokens :]
-            if x.sizes is None:
+            if x.sizes is None and x.valid is None:
                 return patches.mean(dim=1)
-            weight = x.sizes[:, self.num_prefix_tokens :].unsqueeze(-1).to(tokens.dtype)  # (B, N - 1, 1)
+            weight = patches.new_ones(patches.shape[:2]) if x.sizes is None else x.sizes[:, self.num_prefix_tokens :]
+            if x.valid is not None:
+                weight = weight * x.valid[:, self.num_prefix_tokens :]
+            weight = weight.unsqueeze(-1).to(tokens.dtype)  # (B, N - 1, 1)
             return (patches * weight).sum(dim=1) / weight.sum(dim=1)
         return tokens[:, 0]
 
@@ -279,8 +338,9 @@ class VisionTransformer(nn.Module):
         x = self.head_drop(self.fc_norm(self.pool(x)))
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """(B, C, height, width) -> (B, num_classes) logits, or (B, D) features when ``num_classes=0``."""
+    def forward(self, x: Tensor | Patches) -> Tensor:
+        """(B, C, height, width) or ``Patches`` -> (B, num_classes) logits, or (B, D) features when
+        ``num_classes=0``."""
         return self.forward_head(self.forward_tokens(x))
 
 

@@ -11,6 +11,7 @@ from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
 
 from vitattn.models import VisionTransformer
+from vitattn.models.vit import Patches
 from vitattn.training.systems.base import VisionSystem
 
 __all__ = ["ClassificationSystem"]
@@ -56,6 +57,8 @@ class ClassificationSystem(VisionSystem):
 
     def _training_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         images, labels = batch
+        if self.mixup is not None and isinstance(images, Patches):
+            raise ValueError("head.mixup and head.cutmix mix square images: set them 0 with data.max_patches")
         if self.mixup is not None and len(images) % 2 == 0:  # timm mixes pairs: an odd last batch stays plain
             mixed, soft = self.mixup(images, labels)  # (B, C, height, width), (B, K)
             logits = self.model(mixed)

@@ -1,0 +1,82 @@
+"""``data.max_patches`` in the ImageFolder DataModule (head=classification): batches of ``Patches`` at each image's
+own grid, normalised as its image would be, and a fast_dev_run through ``train``; unset, today's square batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.helpers import TINY, compose_train
+from vitattn.data.preprocess import patch_grid
+from vitattn.errors import ConfigError
+from vitattn.models.vit import Patches
+from vitattn.training import train
+from vitattn.training.datamodules import ImageFolderDataModule
+from vitattn.training.systems import ClassificationSystem
+
+SIZES = [(64, 16), (16, 48), (40, 40), (50, 20)]  # (width, height): wide, tall, square, wide
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("aspect")
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for name in ("cat", "dog"):
+            (root / split / name).mkdir(parents=True)
+            for i, (w, h) in enumerate(SIZES):
+                pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(root / split / name / f"{i}.png")
+    return root
+
+
+def _datamodule(folder, cache="none", **kwargs):
+    data = ImageFolderDataModule(folder, augment=False, img_size=32, batch_size=8, cache=cache, **kwargs)
+    data.setup("fit")
+    return data
+
+
+@pytest.mark.parametrize("cache", ["none", "ram"])
+def test_a_batch_holds_each_image_at_its_own_grid_normalised_as_its_image(folder, cache):
+    data = _datamodule(folder, cache, max_patches=6, patch_size=8)
+    assert (data.cache is not None) == (cache == "ram")  # the cache keeps each image's aspect ratio
+    batch = data.ready_batch(next(iter(data.val_dataloader())))
+    assert isinstance(batch[0], Patches)
+    grids = [patch_grid(h, w, 6) for w, h in SIZES] * 2  # cat's images, then dog's
+    assert batch[0].valid.sum(1).tolist() == [rows * cols for rows, cols in grids]
+    # the first image (64 x 16, a 1 x 4 grid: 32 x 8 pixels) normalised as a square run normalises images
+    assert data.preprocess["interpolation"] == "bilinear"  # timm's evaluation default, as square runs resize
+    image = Image.open(data.val_dataset.samples[0][0]).resize((32, 8), Image.BILINEAR)
+    image = torch.from_numpy(np.array(image))  # (8, 32, 3)
+    pixels = data.normalize(image.permute(2, 0, 1))  # (3, 8, 32)
+    expected = pixels.reshape(3, 1, 8, 4, 8).permute(1, 3, 2, 4, 0).reshape(4, -1)  # (4 patches, 8*8*3)
+    torch.testing.assert_close(batch[0].patches[0, :4], expected)
+
+
+def test_unset_the_batches_are_square_images(folder):
+    data = _datamodule(folder, patch_size=8)
+    images, labels = data.ready_batch(next(iter(data.val_dataloader())))
+    assert images.shape == (8, 3, 32, 32) and labels.shape == (8,)
+
+
+def test_augmentation_with_max_patches_is_refused_in_one_line(folder):
+    with pytest.raises(ConfigError, match=r"^data\.max_patches=6 takes no augmentation yet.*augment\.enabled=false$"):
+        ImageFolderDataModule(folder, img_size=32, max_patches=6, patch_size=8)
+
+
+def test_fast_dev_run_trains_a_classifier_on_images_at_their_own_aspect(folder, tmp_path):
+    overrides = ["head=classification", "data=imagefolder", f"data.root={folder}", "data.num_workers=0"]
+    extra = ["data.max_patches=6", "data.augment.enabled=false", "trainer.fast_dev_run=true"]
+    result = train(compose_train([*overrides, *TINY, *extra], tmp_path))
+    assert result.global_step == 1 and torch.isfinite(torch.tensor(result.metrics["val/loss"]))
+
+
+def test_mixup_of_patches_is_refused_in_one_line(folder):
+    model = dict(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=2)
+    system = ClassificationSystem(model, ["cat", "dog"], mixup=0.8)
+    data = _datamodule(folder, max_patches=6, patch_size=8)
+    batch = data.ready_batch(next(iter(data.val_dataloader())))
+    with pytest.raises(ValueError, match=r"^head\.mixup and head\.cutmix mix square images: set them 0 with data\.max"):
+        system._training_loss(batch)
