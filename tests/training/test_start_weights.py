@@ -408,3 +408,29 @@ def test_init_refuses_any_other_mismatch_in_one_line(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^finetune\.init=.*: its model and the run.s differ in extra; only") as err:
         build_system(plan, datamodule)
     assert "\n" not in str(err.value)
+
+
+def test_resolve_refuses_the_sizes_its_overrides_give_and_reads_no_hydra_global(tmp_path):
+    """The keys ``finetune.init``'s model contradicts are refused when the command line's overrides, passed to
+    ``resolve`` (and ``train``), give them, as ``vitattn-train`` does; a Hydra run's global overrides are not read."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.hydra_config import HydraConfig
+
+    bundle = make_caption_bundle(tmp_path / "bundle")  # embed_dim 32
+    given = ["model.embed_dim=64", "data.img_size=64"]
+    cfg = compose_train([*TINY, *TINY_SHAPES, f"finetune.init={bundle}", *given], tmp_path / "run")
+    with initialize_config_module("vitattn.conf", version_base="1.3"):
+        hydra_cfg = compose("train", overrides=given, return_hydra_config=True)
+    assert list(hydra_cfg.hydra.overrides.task) == given  # what command_line_keys() used to read
+    HydraConfig.instance().set_config(hydra_cfg)
+    try:
+        plan = resolve(cfg)  # a Python caller that passes none: the model's sizes, the global left unread
+    finally:
+        HydraConfig.instance().cfg = None
+    assert (plan.cfg.model.embed_dim, plan.cfg.data.img_size) == (32, 32)
+    message = "its model has data.img_size=32 model.embed_dim=32, not data.img_size=64 model.embed_dim=64 as given"
+    with pytest.raises(ConfigError, match=message):
+        resolve(cfg, given)
+    with pytest.raises(ConfigError, match=message):
+        train(cfg, overrides=["+" + given[0], given[1]])  # keys as Hydra spells them
+    assert not (tmp_path / "run").exists()
