@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from huggingface_hub import ModelCard
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, put_in_hub_cache
+from tests.helpers.bundles import put_in_hub_cache
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from vitattn import Captioner
 from vitattn.cli.export import main as export_main
 from vitattn.training import train

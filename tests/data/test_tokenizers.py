@@ -9,7 +9,7 @@ import unicodedata
 import pytest
 import torch
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from vitattn.data.tokenizer import (
     SubwordTokenizer,
     Tokenizer,

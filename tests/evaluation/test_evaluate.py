@@ -12,7 +12,9 @@ from omegaconf import OmegaConf
 from PIL import Image
 from safetensors.torch import load_file
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, console_script, make_coco, make_image_folder
+from tests.helpers.datasets import make_coco
+from tests.helpers.images import make_image_folder
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train, console_script
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.cli.caption import main as caption_main
 from vitattn.cli.evaluate import main as eval_main

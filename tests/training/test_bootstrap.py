@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 import vitattn.training.bootstrap as bootstrap
-from tests.helpers import SHAPES_RUN, TINY, compose_train
+from tests.helpers.runs import SHAPES_RUN, TINY, compose_train
 from vitattn.data.shapes import ShapesDataset
 from vitattn.errors import ConfigError
 from vitattn.training import train
@@ -207,8 +207,8 @@ def test_a_run_killed_while_captioning_resumes_and_captions_each_pool_image_once
     import subprocess
     import time
 
-    from tests.helpers import console_script
     from tests.helpers.processes import process_tree, scan_processes
+    from tests.helpers.runs import console_script
 
     folder = tmp_path / "pool"
     folder.mkdir()

@@ -14,7 +14,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, make_coco, make_image_folder, make_karpathy
+from tests.helpers.datasets import make_coco, make_karpathy
+from tests.helpers.images import make_image_folder
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from vitattn.bundle import load_bundle, load_checkpoint
 from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.data.tokenizer import Vocabulary

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train
 from tests.helpers.ddp_validate import validate
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from vitattn.training import train
 
 SCRIPT = Path(__file__).parents[1] / "helpers" / "ddp_validate.py"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, console_script
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train, console_script
 from vitattn.run_dir import RunDir
 from vitattn.training import train
 

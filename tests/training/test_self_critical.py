@@ -14,16 +14,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from tests.helpers import (
-    TINY,
-    TINY_SHAPES,
-    compose_train,
-    console_script,
-    make_caption_bundle,
-    make_classifier_bundle,
-    make_coco,
-    make_karpathy,
-)
+from tests.helpers.bundles import make_caption_bundle, make_classifier_bundle
+from tests.helpers.datasets import make_coco, make_karpathy
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train, console_script
 from tests.training.test_preemption import DDP_CPU, ENV
 from vitattn.cli.export import main as export_main
 from vitattn.data.shards.writer import shapes_samples, write_shards

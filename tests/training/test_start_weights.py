@@ -12,7 +12,8 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, make_caption_bundle, put_in_hub_cache
+from tests.helpers.bundles import make_caption_bundle, put_in_hub_cache
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.data.preprocess import default_preprocess
 from vitattn.errors import ConfigError
