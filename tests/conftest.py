@@ -15,7 +15,8 @@ os.environ.setdefault("HYDRA_FULL_ERROR", "1")
 os.environ["VITATTN_NATIVE_BF16"] = "0"
 
 from tests.helpers.onnx import OnnxFolders
-from tests.helpers.runs import CAPTION_TEST_IMAGES, LABEL_TEST_IMAGES, SHAPES_RUN
+from tests.helpers.runs import CAPTION_TEST_IMAGES, LABEL_TEST_IMAGES, SHAPES_RUN, TINY_SHAPES, ZERO_SHOT_CLASSES
+from vitattn.run_dir import RunDir
 
 pytest_plugins = ["tests.helpers.skip_policy", "pytester"]
 
@@ -234,6 +235,80 @@ def shapes_classifier_onnx(shapes_classifier_run, tmp_path_factory, worker_id) -
     folders = _onnx_folders(shapes_classifier_run, kept / "kept.json")
     with _left_as_made(folders.fp32, folders.int8):
         yield folders
+
+
+# The small runs: TINY on the shapes' small splits (TINY_SHAPES: 16 validation and 16 test images), for tests that
+# score a whole split by hand or start from a run; validated once, at the last step (the best weights are the last).
+SMALL_CAPTION_RUN = [
+    "head=caption", *TINY_SHAPES, "head.decoder.depth=1", "trainer.max_steps=40", "trainer.max_epochs=-1",
+    "trainer.check_val_every_n_epoch=5", "optim.lr=3e-3", "optim.warmup_steps=5", "trainer.precision=32-true",
+    "callbacks.step_checkpoint.every_n_train_steps=8",
+]  # fmt: skip
+SMALL_COCA_RUN = [
+    "head=coca", *TINY_SHAPES, "trainer.precision=32-true", "trainer.max_steps=3", "trainer.max_epochs=-1",
+    "trainer.val_check_interval=3", "trainer.check_val_every_n_epoch=null", "trainer.num_sanity_val_steps=0",
+    "test=false",
+]  # fmt: skip
+SMALL_CLASSIFIER_RUN = ["head=classification", *TINY_SHAPES, "trainer.max_steps=8", "test=false"]
+BPE_CAPTION_RUN = [
+    "head=caption", *TINY_SHAPES, "tokenizer=bpe", "trainer.max_steps=40", "trainer.max_epochs=-1",
+    "trainer.check_val_every_n_epoch=5", "optim.lr=3e-3", "optim.warmup_steps=5", "test=false",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def small_caption_run(tmp_path_factory, worker_id) -> Path:
+    """A tiny captioner (``head=caption``, TINY, a 1-layer decoder) trained 40 steps on 64 shapes images (lr 3e-3,
+    5 warmup steps), validated at its last step and tested on 16 images each (``result.json``: its ``val/`` and
+    ``test/`` metrics; ``head.zero_shot``: the six classes of ``ZERO_SHOT_CLASSES`` by caption likelihood), a step
+    checkpoint every 8 steps, its bundle the last weights. About 3 s."""
+    folder = _zero_shot_folder(tmp_path_factory, worker_id)
+    overrides = [*SMALL_CAPTION_RUN, f"head.zero_shot.data_root={folder}"]
+    yield from _small_run(tmp_path_factory, worker_id, "small_caption_run", overrides)
+
+
+@pytest.fixture(scope="session")
+def small_coca_run(tmp_path_factory, worker_id) -> Path:
+    """A tiny ``head=coca`` run (TINY) trained 3 steps and validated at its last, with zero-shot classification of
+    the six classes of ``ZERO_SHOT_CLASSES`` (its scorer contrastive); no test. About 2 s."""
+    folder = _zero_shot_folder(tmp_path_factory, worker_id)
+    overrides = [*SMALL_COCA_RUN, f"head.zero_shot.data_root={folder}"]
+    yield from _small_run(tmp_path_factory, worker_id, "small_coca_run", overrides)
+
+
+def _zero_shot_folder(tmp_path_factory, worker_id: str) -> Path:
+    """Four 36 px images of each of ``ZERO_SHOT_CLASSES`` in ``val/`` (and ``train/``), made once per test run."""
+    from tests.helpers.images import make_image_folder
+
+    def build(folder: Path) -> None:
+        make_image_folder(folder, classes=ZERO_SHOT_CLASSES, per_class=4, size=36)
+
+    return _built_once(tmp_path_factory, worker_id, "zero_shot_folder", build)
+
+
+@pytest.fixture(scope="session")
+def small_classifier_run(tmp_path_factory, worker_id) -> Path:
+    """A tiny classifier (TINY) trained 8 steps on 64 shapes images (one epoch, validated at its end; no test),
+    its bundle the last weights. About 1 s."""
+    yield from _small_run(tmp_path_factory, worker_id, "small_classifier_run", SMALL_CLASSIFIER_RUN)
+
+
+@pytest.fixture(scope="session")
+def bpe_caption_run(tmp_path_factory, worker_id) -> Path:
+    """A tiny captioner with ``tokenizer=bpe`` (TINY) trained 40 steps on 64 shapes images (lr 3e-3, 5 warmup
+    steps), validated at its last step (no test), its bundle the last weights: its ``tokenizer.json`` in the run
+    and the bundle. About 4 s."""
+    yield from _small_run(tmp_path_factory, worker_id, "bpe_caption_run", BPE_CAPTION_RUN)
+
+
+def _small_run(tmp_path_factory, worker_id: str, name: str, overrides: list[str]):
+    def build(folder: Path) -> None:
+        _train_run(folder, overrides)
+        assert RunDir(folder).load_result()["metrics"], f"{name} logged no metrics"
+
+    run = _built_once(tmp_path_factory, worker_id, name, build)
+    with _left_as_made(run):
+        yield run
 
 
 def _colour_model(tmp_path_factory, worker_id: str, name: str, **kwargs):

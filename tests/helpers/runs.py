@@ -38,6 +38,8 @@ SHAPES_RUN = ["data.num_train=256", "data.num_val=16", "test=false", "trainer.ma
 
 
 CAPTION_TEST_IMAGES, LABEL_TEST_IMAGES = 1000, 4000
+# The six-class folder the small caption and coca runs classify zero-shot at each validation (tests/conftest.py).
+ZERO_SHOT_CLASSES = ("red circle", "blue square", "green triangle", "small red square", "large blue circle", "green")
 
 
 def metrics_with_weights(system, weights: dict, datamodule, stage: str) -> dict[str, float]:

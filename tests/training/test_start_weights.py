@@ -335,11 +335,9 @@ def test_a_hub_bundle_starts_a_run_by_its_name_offline(tmp_path, hub_cache, hub_
     assert cfg.data.max_caption_len == 8 and not no_network  # the bundle's sizes (24 composed); no connection
 
 
-def test_init_refuses_a_classifier_for_a_captioner(tmp_path):
-    classifier = tmp_path / "classifier"
-    train(compose_train(["head=classification", *TINY, *TINY_SHAPES, "trainer.max_steps=1", "test=false"], classifier))
+def test_init_refuses_a_classifier_for_a_captioner(small_classifier_run, tmp_path):
     with pytest.raises(ConfigError, match=r"is a classification model, not a caption model \(head=caption\)"):
-        train(compose_train([*TINY, f"finetune.init={classifier}"], tmp_path / "run"))
+        train(compose_train([*TINY, f"finetune.init={small_classifier_run}"], tmp_path / "run"))
 
 
 @pytest.mark.parametrize(
