@@ -2,12 +2,26 @@
 
     python scripts/house.py [PACKAGE_DIR]           # default: vitattn/ of this checkout
     python scripts/house.py --trace [PACKAGE_DIR]   # also follow the config and its plan through one tiny train(cfg)
+    python scripts/house.py --counts [-v] [PACKAGE_DIR]  # also count raw config reads, task strings, config imports
 
 Docstring lines are the lines of module, class and function docstrings. An import arrow is one module
 importing another of the package (top level or inside a function, as grimp counts them); a circle is a
 set of two or more modules that reach each other through such arrows (a strongly connected component), or a
 module that imports a name from its own package (``from vitattn.data.shards import reading`` inside
 ``vitattn.data.shards.stream``), whose ``__init__`` imports the module back.
+
+``--counts`` (by module; ``-v``: each hit with its line), from the syntax tree alone:
+
+- A raw config read, counted outside training/plan.py and training/config.py: ``E.key``, ``E.get(...)``,
+  ``E[...]`` or ``"key" in E`` where ``E`` is a config expression: a name of a function whose parameter annotation
+  names ``DictConfig`` (``cfg: DictConfig``, ``DictConfig | None``), any ``X.cfg`` (``plan.cfg``), or a name assigned
+  from either or from a read (``cfg = plan.cfg``, ``data = cfg.data``) in that function. A chain is one read:
+  ``cfg.head.task``, ``cfg.trainer.get("devices", 1)``, ``plan.cfg.head["task"]`` count 1 each. A nested function
+  starts with its own parameters only; a value passed on as a plain argument (``f(cfg.model.depth)``) is one read.
+- A task comparison, counted under training/: ``==``, ``!=``, ``in`` or ``not in`` with a task's name ("caption",
+  "classification", "coca") or a collection of them on one side (``task == "caption"``, ``trained in (...)``).
+- ``"contrastive" in X`` (and ``not in``), package-wide: head=coca told apart by a key.
+- omegaconf and hydra imports: the modules that import either (at the top or inside a function), with what.
 """
 
 from __future__ import annotations
@@ -129,10 +143,180 @@ def follow_config(output_dir: Path) -> list[str]:
     return visits
 
 
+# The --counts section: how the package reads its config (see the module docstring for the rules).
+CONFIG_OWNERS = ("training/plan.py", "training/config.py")
+TASK_NAMES = {"caption", "classification", "coca"}
+
+
+def _mentions_dictconfig(annotation: ast.expr | None) -> bool:
+    if annotation is None:
+        return False
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        return "DictConfig" in annotation.value
+    return any(isinstance(n, ast.Name | ast.Attribute) and _name(n) == "DictConfig" for n in ast.walk(annotation))
+
+
+def _name(node: ast.expr) -> str:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+
+
+class _ConfigReads(ast.NodeVisitor):
+    """The raw reads of one module: each outermost ``E.key``, ``E.get(...)`` or ``E[...]`` on a config expression
+    ``E`` (a config-typed name of the function it is in, or ``X.cfg``), one read per chain."""
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[int, str]] = []
+        self.scopes: list[set[str]] = [set()]
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs, node.args.vararg, node.args.kwarg]
+        typed = {a.arg for a in args if a is not None and _mentions_dictconfig(a.annotation)}
+        self.scopes.append(set(typed))
+        for statement in node.body:
+            self.visit(statement)
+        self.scopes.pop()
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def _is_config(self, node: ast.expr) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id in self.scopes[-1]
+        return isinstance(node, ast.Attribute) and node.attr == "cfg"  # plan.cfg, self.cfg
+
+    def _read_base(self, node: ast.expr) -> bool:
+        """``node`` is a read: a key, ``.get(...)`` or ``[...]`` of a config expression or of another read."""
+        if isinstance(node, ast.Call):
+            return isinstance(node.func, ast.Attribute) and node.func.attr == "get" and self._chain(node.func.value)
+        if isinstance(node, ast.Attribute | ast.Subscript):
+            return self._chain(node.value)
+        return False
+
+    def _chain(self, node: ast.expr) -> bool:
+        return self._is_config(node) or self._read_base(node)
+
+    def _note(self, node: ast.expr) -> bool:
+        if self._read_base(node):
+            self.reads.append((node.lineno, ast.unparse(node)))
+            for child in ast.iter_child_nodes(node):  # arguments of .get(...) and subscripts may read too
+                if not self._chain(child):
+                    self.visit(child)
+            return True
+        return False
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if not self._note(node):
+            self.generic_visit(node)
+
+    visit_Subscript = visit_Attribute
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if not self._note(node):
+            self.generic_visit(node)
+
+    def visit_Assign(self, node: ast.Assign | ast.AnnAssign) -> None:
+        value = node.value
+        if value is not None:
+            self.visit(value)
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        typed = value is not None and (self._is_config(value) or self._read_base(value))
+        typed = typed or (isinstance(node, ast.AnnAssign) and _mentions_dictconfig(node.annotation))
+        for target in targets:
+            if isinstance(target, ast.Name):
+                (self.scopes[-1].add if typed else self.scopes[-1].discard)(target.id)
+            else:
+                self.visit(target)
+
+    visit_AnnAssign = visit_Assign
+
+    def visit_Compare(self, node: ast.Compare) -> None:
+        for op, right in zip(node.ops, node.comparators):
+            if isinstance(op, ast.In | ast.NotIn) and self._is_config(right):  # "tokenizer" in cfg
+                self.reads.append((node.lineno, ast.unparse(node)))
+        self.generic_visit(node)
+
+
+def config_reads(source: str) -> list[tuple[int, str]]:
+    visitor = _ConfigReads()
+    visitor.visit(ast.parse(source))
+    return visitor.reads
+
+
+def _strings(node: ast.expr) -> set[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return set().union(*(_strings(e) for e in node.elts)) if node.elts else set()
+    return set()
+
+
+def task_comparisons(source: str) -> list[tuple[int, str]]:
+    """``==``, ``!=``, ``in``, ``not in`` with a task's name (or a collection of them) on one side."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            equality = all(isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn) for op in node.ops)
+            if equality and any(_strings(o) and _strings(o) <= TASK_NAMES for o in operands):
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def contrastive_tests(source: str) -> list[tuple[int, str]]:
+    """``"contrastive" in X`` and ``not in``: head=coca told apart by a key of its config."""
+    return [
+        (node.lineno, ast.unparse(node))
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Compare)
+        and isinstance(node.left, ast.Constant)
+        and node.left.value == "contrastive"
+        and isinstance(node.ops[0], ast.In | ast.NotIn)
+    ]
+
+
+def config_imports(source: str) -> list[str]:
+    """The omegaconf and hydra modules imported (at the top or inside a function), in order, each once."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+        for module in modules:
+            if module.split(".")[0] in ("omegaconf", "hydra") and module not in names:
+                names.append(module)
+    return sorted(names)
+
+
+def print_counts(package: Path, files: list[Path], verbose: bool) -> None:
+    def rows(title: str, found: dict[str, list[tuple[int, str]]]) -> None:
+        total = sum(len(v) for v in found.values())
+        print(f"{title}: {total}")
+        for module, hits in sorted(found.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+            if hits:
+                print(f"  {len(hits):4d}  {module}")
+                for line, text in sorted(hits) if verbose else ():
+                    print(f"          {line}: {text}")
+
+    relative = {p: p.relative_to(package).as_posix() for p in files}
+    sources = {relative[p]: p.read_text() for p in files}
+    outside = {m: config_reads(s) for m, s in sources.items() if m not in CONFIG_OWNERS}
+    rows("raw config reads outside training/plan.py and training/config.py", outside)
+    training = {m: task_comparisons(s) for m, s in sources.items() if m.startswith("training/")}
+    rows("task comparisons under training/", training)
+    rows('"contrastive" in X', {m: contrastive_tests(s) for m, s in sources.items()})
+    imports = {m: config_imports(s) for m, s in sources.items()}
+    importers = {m: names for m, names in imports.items() if names}
+    under = [m for m in importers if m.startswith("training/")]
+    print(f"modules importing omegaconf or hydra: {len(importers)} ({len(under)} under training/)")
+    for module, names in sorted(importers.items()):
+        print(f"  {module:<40} {', '.join(names)}")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default = Path(__file__).resolve().parents[1] / "vitattn"
     parser.add_argument("package", nargs="?", type=Path, default=default, help="default: vitattn/ of this checkout")
+    parser.add_argument("--counts", action="store_true", help="also count how the package reads its config")
+    parser.add_argument("-v", "--verbose", action="store_true", help="with --counts: each read, line by line")
     parser.add_argument(
         "--trace", action="store_true", help="also follow the config and its plan through one tiny train(cfg)"
     )
@@ -156,6 +340,8 @@ def main(argv: list[str]) -> int:
         print("  circle: " + " <-> ".join(sorted(component)))
     for line in own:
         print("  circle: " + line)
+    if args.counts:
+        print_counts(package, files, args.verbose)
     if trace:
         import tempfile
 

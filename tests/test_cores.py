@@ -6,7 +6,9 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from tests.helpers import TINY, compose_train, make_coco, make_image_folder
+from tests.helpers.datasets import make_coco
+from tests.helpers.images import make_image_folder
+from tests.helpers.runs import TINY, compose_train
 from vitattn.training.build import plan_cores
 from vitattn.training.plan import processes_per_node, resolve
 

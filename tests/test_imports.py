@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import make_caption_bundle, make_classifier_bundle, make_coco
+from tests.helpers.bundles import make_caption_bundle, make_classifier_bundle
+from tests.helpers.datasets import make_coco
 
 # What the inference path must not import: the training stack (Lightning, Hydra) and what only training,
 # figures or classification metrics use. Each case runs in a fresh interpreter, so that nothing imported by

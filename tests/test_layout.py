@@ -84,3 +84,35 @@ def test_the_house_script_prints_its_usage():
     done = subprocess.run([sys.executable, str(house), "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.startswith("usage: house.py"), done.stderr
     assert "--trace" in done.stdout
+
+
+def test_the_house_counts_follow_their_rules():
+    """``house.py --counts``: each form of its docstring's rules counted once per chain, and nothing else."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("house", Path(__file__).resolve().parents[1] / "scripts" / "house.py")
+    house = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(house)
+    source = """
+def build(plan, cfg: "DictConfig", other):
+    a = cfg.head.task == "caption"          # 1 read, 1 task comparison
+    b = cfg.trainer.get("devices", 1)       # 1
+    c = plan.cfg["seed"]                    # 1
+    data = cfg.data                         # 1, and data is a config now
+    d = data.img_size if "root" in data else other.x   # 2; other is no config
+    e = "contrastive" in cfg.head           # 1 read, 1 contrastive test
+    f = kind in ("caption", "classification") or kind == "words"  # 1 task comparison
+    from omegaconf import OmegaConf
+    import hydra.utils
+"""
+    reads = [text for _, text in house.config_reads(source)]
+    assert sorted(reads) == sorted(
+        ["cfg.head.task", "cfg.trainer.get('devices', 1)", "plan.cfg['seed']", "cfg.data", "data.img_size"]
+        + ["'root' in data", "cfg.head"]
+    )
+    assert [t for _, t in house.task_comparisons(source)] == [
+        "cfg.head.task == 'caption'",
+        "kind in ('caption', 'classification')",
+    ]
+    assert [t for _, t in house.contrastive_tests(source)] == ["'contrastive' in cfg.head"]
+    assert house.config_imports(source) == ["hydra.utils", "omegaconf"]

@@ -10,7 +10,7 @@ from torchvision.datasets import ImageFolder
 
 from benchmarks import cli, learning_bench, learning_data
 from benchmarks.report import update_doc
-from tests.helpers import compose_train
+from tests.helpers.runs import compose_train
 from vitattn.data import load_coco_captions
 
 COLOURS = {"red": (220, 40, 40), "blue": (40, 80, 220), "green": (40, 170, 60)}

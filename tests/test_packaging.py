@@ -19,7 +19,7 @@ import vitattn.conf
 from omegaconf import OmegaConf
 
 import vitattn
-from tests.helpers import TINY, TINY_SHAPES
+from tests.helpers.runs import TINY, TINY_SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = Path(vitattn.conf.__file__).parent

@@ -14,7 +14,8 @@ import vitattn.inference.api
 import vitattn.precision
 import vitattn.serve
 import vitattn.serve.api
-from tests.helpers import CAPTION_TEST_IMAGES, LABEL_TEST_IMAGES, TINY, compose_train, make_caption_bundle
+from tests.helpers.bundles import make_caption_bundle
+from tests.helpers.runs import CAPTION_TEST_IMAGES, LABEL_TEST_IMAGES, TINY, compose_train
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_model
 from vitattn.cli import caption as caption_cli

@@ -83,9 +83,15 @@ class RunDir:
             raise ValueError(f"{self.result} is not a run result (keys {', '.join(fields)}): move it away to run again")
         return result
 
-    def completion(self, length: Mapping[str, Any] | None = None) -> str | None:
-        """The line saying the run is complete and where its bundle is; None while it is not, or when ``length``
-        (``max_steps`` / ``max_epochs`` asked for now) differs from the run's: a longer run trains further."""
+    def completion(
+        self, resume: str | None, ckpt_path: str | None = None, length: Mapping[str, Any] | None = None
+    ) -> str | None:
+        """Is this run complete? The line saying so and where its bundle is, when ``resume`` continues this folder
+        (``auto``, or its path) from its own checkpoint (no ``ckpt_path``); None when it does not, while the run is
+        not complete, or when ``length`` (``max_steps`` / ``max_epochs`` asked for now) differs from the run's: a
+        longer run trains further. ``vitattn-train`` asks before Hydra writes into the folder, ``train(cfg)`` too."""
+        if not resume or ckpt_path or (resume != "auto" and Path(resume).resolve() != self.path.resolve()):
+            return None
         result = self.load_result()
         if result is None:
             return None

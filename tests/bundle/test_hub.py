@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tests.helpers import make_caption_bundle, make_classifier_bundle, put_in_hub_cache
+from tests.helpers.bundles import make_caption_bundle, make_classifier_bundle, put_in_hub_cache
 from vitattn import Captioner, Classifier
 from vitattn.bundle.hub import parse_hub_name
 
@@ -72,7 +72,7 @@ def test_vitattn_caption_takes_a_hub_name_offline(tmp_path, hub_cache, hub_offli
 
     from PIL import Image
 
-    from tests.helpers import console_script
+    from tests.helpers.runs import console_script
 
     local = make_caption_bundle(tmp_path / "bundle")
     put_in_hub_cache(hub_cache, "org/tiny", local)
@@ -93,7 +93,7 @@ def test_vitattn_caption_takes_a_hub_name_offline(tmp_path, hub_cache, hub_offli
 def test_vitattn_eval_takes_a_hub_name_offline(tmp_path, hub_cache, hub_offline, no_network):
     import json
 
-    from tests.helpers import make_coco
+    from tests.helpers.datasets import make_coco
     from vitattn.cli.evaluate import main as eval_main
 
     local = make_caption_bundle(tmp_path / "bundle")

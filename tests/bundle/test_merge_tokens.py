@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers import make_caption_bundle, make_classifier_bundle
+from tests.helpers.bundles import make_caption_bundle, make_classifier_bundle
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle, load_model
 from vitattn.bundle.card import model_card

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import check_int8_graphs, distinct, make_caption_bundle
+from tests.helpers.bundles import distinct, make_caption_bundle
 from tests.helpers.coca import COLOURS, colour_image
+from tests.helpers.onnx import check_int8_graphs
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle, load_model
 from vitattn.bundle.onnx_export import export_onnx

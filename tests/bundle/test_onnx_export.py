@@ -5,7 +5,8 @@ writes (an export without its quantization call passed the accuracy tests of tes
 import pytest
 import torch
 
-from tests.helpers import check_int8_graphs, make_caption_bundle, make_classifier_bundle, record_kept_fp32
+from tests.helpers.bundles import make_caption_bundle, make_classifier_bundle
+from tests.helpers.onnx import check_int8_graphs, record_kept_fp32
 from vitattn import Classifier
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.bundle.onnx_export import FastGelu, export_onnx, for_export

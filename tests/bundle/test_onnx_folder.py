@@ -10,14 +10,14 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import CAPTION_TEST_IMAGES, LABEL_TEST_IMAGES, check_int8_graphs, console_script
+from tests.helpers.onnx import check_int8_graphs
+from tests.helpers.runs import CAPTION_TEST_IMAGES, LABEL_TEST_IMAGES, console_script, shapes_split
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle
 from vitattn.bundle.onnx_folder import ONNX_CONFIG_FILE, ONNX_VERSION
 from vitattn.cli.caption import main as caption_main
 from vitattn.cli.evaluate import main as eval_main
 from vitattn.cli.export import main as export_main
-from vitattn.data.preprocess import normalize
 from vitattn.data.shapes import ShapesDataset
 from vitattn.data.shards import expand_shards, read_shard
 from vitattn.data.shards.writer import shapes_samples, write_shards
@@ -38,18 +38,9 @@ def caption_run(shapes_caption_run, shapes_caption_onnx):
     return shapes_caption_run, shapes_caption_onnx.fp32, shapes_caption_onnx.int8
 
 
-def _split(task: str, size: int = SPLIT) -> tuple[torch.Tensor, list]:
-    """The first ``size`` test images of the shared runs (B, 3, 32, 32) and their references (captions) or labels."""
-    data = ShapesDataset("test", size, img_size=32, seed=0, task=task, transform=normalize())
-    images = torch.stack([data[i]["image"] if task == "caption" else data[i][0] for i in range(len(data))])
-    if task == "caption":
-        return images, [data.references(i) for i in range(len(data))]
-    return images, [data.label(i) for i in range(len(data))]
-
-
 @pytest.fixture(scope="module")
 def test_split():
-    return _split("caption")
+    return shapes_split("caption", SPLIT)
 
 
 def _tokens(captioner: Captioner, images: torch.Tensor, **generate) -> list[list[int]]:
@@ -125,7 +116,7 @@ def test_onnx_classifier_top1_equals_pytorch(shapes_classifier_run, shapes_class
     if precision == "int8":
         onnx_dir = shapes_classifier_onnx.int8  # in the run: vitattn-eval takes its split
         check_int8_graphs(onnx_dir, shapes_classifier_onnx.kept_fp32)
-    images, labels = _split("classification", LABEL_TEST_IMAGES)  # the run's whole test split
+    images, labels = shapes_split("classification", LABEL_TEST_IMAGES)  # the run's whole test split
     model = load_bundle(run).model
     onnx_classifier = Classifier.load(onnx_dir)
     with torch.inference_mode():
@@ -183,7 +174,7 @@ def test_serving_an_onnx_folder_answers_the_bundles_captions(caption_run):
     from vitattn.serve.api import CaptionAPI, ImageRequest
 
     run, onnx_dir, _ = caption_run
-    images, _ = _split("caption")
+    images, _ = shapes_split("caption", SPLIT)
     answers = {}
     for name, model in (("torch", run), ("onnx", onnx_dir)):
         api = CaptionAPI(str(model))
@@ -332,7 +323,7 @@ def test_every_entry_point_runs_an_int8_onnx_folder(caption_run, tmp_path):
     assert eval_main(args) == 0
     lines = (out / "captions.jsonl").read_text().splitlines()
     scored = {r["image_id"]: r["caption"] for r in map(json.loads, lines)}
-    pixels, _ = _split("caption", CAPTION_TEST_IMAGES)  # the run's whole test split
+    pixels, _ = shapes_split("caption", CAPTION_TEST_IMAGES)  # the run's whole test split
     assert [scored[i] for i in range(CAPTION_TEST_IMAGES)] == [captioner.caption_pixels(x[None])[0][0] for x in pixels]
 
     api = CaptionAPI(str(int8_dir))  # vitattn-serve's worker, one request a batch

@@ -12,15 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import (
-    CAPTION_PREPROCESS,
-    OnnxFolders,
-    check_int8_graphs,
-    distinct,
-    make_caption_bundle,
-    record_kept_fp32,
-)
+from tests.helpers.bundles import CAPTION_PREPROCESS, distinct, make_caption_bundle
 from tests.helpers.coca import COLOURS, colour_image
+from tests.helpers.onnx import OnnxFolders, check_int8_graphs, record_kept_fp32
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle, load_model, save_bundle
 from vitattn.bundle.onnx_export import export_onnx

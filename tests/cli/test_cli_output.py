@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers import console_script
+from tests.helpers.runs import console_script
 
 # "[2026-12-01 04:29:16,616][lightning.fabric.utilities.seed][INFO] - " (Hydra's) or "INFO: " (Lightning's own)
 LOG_PREFIX = re.compile(r"^(\[[^]]*\]\[[^]]*\]\[[A-Z]+\] - |[A-Z]+: )")

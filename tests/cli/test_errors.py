@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY, TINY_SHAPES
+from tests.helpers.runs import TINY, TINY_SHAPES
 from tests.training.test_config import _overrides, error_data
 from vitattn.cli.errors import user_errors
 from vitattn.errors import ConfigError, NonFiniteLossError

@@ -7,20 +7,17 @@ import numpy as np
 import pytest
 from huggingface_hub import ModelCard
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, put_in_hub_cache
+from tests.helpers.bundles import put_in_hub_cache
 from vitattn import Captioner
 from vitattn.cli.export import main as export_main
-from vitattn.training import train
 
 IMAGES = [np.full((32, 32, 3), v, np.uint8) for v in (0, 90, 180, 255)]
 
 
-@pytest.fixture(scope="module")
-def caption_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("run")
-    overrides = ["head=caption", *TINY, *TINY_SHAPES, "head.decoder.depth=1", "trainer.max_steps=4"]
-    train(compose_train([*overrides, "trainer.max_epochs=-1"], run))
-    return run
+@pytest.fixture
+def caption_run(small_caption_run):
+    """The shared small captioner (tests/conftest.py), validated and tested: its ``result.json`` holds metrics."""
+    return small_caption_run
 
 
 def test_a_hub_folder_round_trips_and_its_card_has_the_runs_numbers(caption_run, tmp_path, hub_cache, no_network):

@@ -18,7 +18,9 @@ import pytest
 from PIL import Image
 from torch._utils import ExceptionWrapper
 
-from tests.helpers import TINY, compose_train, make_coco, make_image_folder, make_karpathy
+from tests.helpers.datasets import make_coco, make_karpathy
+from tests.helpers.images import make_image_folder
+from tests.helpers.runs import TINY, compose_train
 from vitattn.cli.check_data import main as check_data
 from vitattn.cli.run_split import datamodule_from_run
 from vitattn.cli.train import _report

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import write_good_images
+from tests.helpers.images import write_good_images
 from vitattn.data import eval_transform, read_image
 from vitattn.data.images import check_split
 from vitattn.inference.captioning import read_pixels

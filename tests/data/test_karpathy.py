@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from tests.helpers import KARPATHY_SIZES, KARPATHY_WORDS, TINY, compose_train, make_karpathy
+from tests.helpers.datasets import KARPATHY_SIZES, KARPATHY_WORDS, make_karpathy
+from tests.helpers.runs import TINY, compose_train
 from vitattn.cli.evaluate import main as eval_main
 from vitattn.data import Vocabulary, load_karpathy
 from vitattn.errors import ConfigError

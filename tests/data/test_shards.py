@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import TINY, compose_train, make_image_folder
+from tests.helpers.images import make_image_folder
+from tests.helpers.runs import TINY, compose_train
 from vitattn.data.bad_images import PartialBatch
 from vitattn.data.images import BadImageError
 from vitattn.data.shards import ShardError, expand_shards, read_shard, shard_sizes

@@ -9,7 +9,8 @@ import unicodedata
 import pytest
 import torch
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
+from vitattn.bundle.checkpoint import load_checkpoint
 from vitattn.data.tokenizer import (
     SubwordTokenizer,
     Tokenizer,
@@ -23,6 +24,7 @@ from vitattn.data.tokenizer import (
 )
 from vitattn.errors import ConfigError
 from vitattn.metrics.tokenize import coco_tokenize
+from vitattn.run_dir import RunDir
 from vitattn.training import train
 
 WORDS = "a dog cat man woman sits on the grass near red blue café naïve Zoë jalapeño über straße".split()
@@ -228,11 +230,10 @@ def test_a_tokenizer_json_that_does_not_load_is_one_line(tmp_path):
 FAST_RUN = ["head=caption", *TINY, *TINY_SHAPES, "head.decoder.depth=1", "trainer.fast_dev_run=true"]
 
 
-@pytest.fixture(scope="module")
-def bpe_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("bpe_run")
-    result = train(compose_train([*FAST_RUN, "tokenizer=bpe"], run))
-    return run, result
+@pytest.fixture
+def bpe_run(bpe_caption_run):
+    """The shared bpe captioner (tests/conftest.py: 40 steps) and its steps and final metrics (``result.json``)."""
+    return bpe_caption_run, RunDir(bpe_caption_run).load_result()
 
 
 @pytest.mark.parametrize("kind", ["words", "bpe"])
@@ -241,6 +242,8 @@ def test_words_and_bpe_train_end_to_end_and_save_their_tokenizer(kind, bpe_run, 
 
     if kind == "bpe":
         run, result = bpe_run
+        model = load_checkpoint(run / "checkpoints" / "last.ckpt", "cpu")  # the trained model, as saved
+        steps, metrics = result["global_step"], result["metrics"]
     else:
         run = tmp_path
         with caplog.at_level(logging.INFO, logger="vitattn.training.build"):
@@ -249,16 +252,17 @@ def test_words_and_bpe_train_end_to_end_and_save_their_tokenizer(kind, bpe_run, 
         assert lines == [
             "0.0 % of caption words are outside the 15-word vocabulary (min_word_freq=1); tokenizer=bpe has none"
         ]
+        steps, metrics, model = result.global_step, result.metrics, result.system
     name = "tokenizer.json" if kind == "bpe" else "vocab.json"
     other = "vocab.json" if kind == "bpe" else "tokenizer.json"
-    assert result.global_step == 1 and torch.isfinite(torch.tensor(result.metrics["val/loss"]))
+    assert steps == (40 if kind == "bpe" else 1) and torch.isfinite(torch.tensor(metrics["val/loss"]))
     assert (run / name).is_file() and not (run / other).exists()
     assert (run / "bundle" / name).is_file() and json.loads((run / "bundle" / "config.json").read_text())[
         "vocab_file"
     ] == name
     saved = load_tokenizer(run / name)
-    assert saved == result.system.vocab == load_bundle(run / "bundle").vocab
-    assert len(saved) == result.system.model.decoder.vocab_size
+    assert saved == model.vocab == load_bundle(run / "bundle").vocab  # the trained system's, or its checkpoint's
+    assert len(saved) == model.model.decoder.vocab_size
     if kind == "bpe":
         assert isinstance(saved, SubwordTokenizer) and saved.unk_id is None
         assert (
@@ -291,7 +295,8 @@ def test_a_restart_reads_the_runs_bpe_and_other_ranks_wait_for_it(bpe_run, monke
 
     run, result = bpe_run
     assert run_tokenizer("bpe", run, resuming=False) is None  # a first start in a folder that holds one builds its own
-    assert run_tokenizer("bpe", run, resuming=True) == result.system.vocab  # read from the run, not trained again
+    trained = load_checkpoint(run / "checkpoints" / "last.ckpt", "cpu").vocab
+    assert run_tokenizer("bpe", run, resuming=True) == trained  # read from the run, not trained again
     monkeypatch.setattr(rank_zero_only, "rank", 1)
     with pytest.raises(TimeoutError, match="rank 0 wrote no .*tokenizer.json in 0 s"):
         run_tokenizer("bpe", run / "elsewhere", resuming=False, wait=0.0)
@@ -299,14 +304,7 @@ def test_a_restart_reads_the_runs_bpe_and_other_ranks_wait_for_it(bpe_run, monke
 
 def test_resuming_with_another_tokenizer_is_one_line(bpe_run, tmp_path):
     run, _ = bpe_run
-    ckpt = next((run / "checkpoints").glob("*.ckpt"), None)
-    if ckpt is None:  # fast_dev_run writes no checkpoint: save the system's own
-        from lightning.pytorch import Trainer
-
-        trainer = Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
-        trainer.strategy.connect(bpe_run[1].system)
-        ckpt = tmp_path / "bpe.ckpt"
-        trainer.save_checkpoint(ckpt)
+    ckpt = run / "checkpoints" / "last.ckpt"
     cfg = compose_train([*FAST_RUN, "tokenizer=words", f"ckpt_path={ckpt}"], tmp_path / "words")
     with pytest.raises(ConfigError) as err:
         train(cfg)
@@ -333,9 +331,9 @@ def test_a_bundle_whose_tokenizer_disagrees_with_the_model_is_one_line(bpe_run, 
 
 
 @pytest.mark.slow
-def test_the_bpe_runs_bundle_and_onnx_folder_caption_as_the_run(tmp_path):
-    """A bpe captioner trained a little: the run (its checkpoint), its bundle and its ONNX folder give the
-    same captions, each decoded by the tokenizer it loaded from its own folder."""
+def test_the_bpe_runs_bundle_and_onnx_folder_caption_as_the_run(bpe_caption_run, tmp_path):
+    """A bpe captioner trained a little (the shared run): the run (its checkpoint), its bundle and its ONNX folder
+    give the same captions, each decoded by the tokenizer it loaded from its own folder."""
     pytest.importorskip("onnxruntime")
     from vitattn import Captioner
     from vitattn.bundle import load_bundle
@@ -343,18 +341,16 @@ def test_the_bpe_runs_bundle_and_onnx_folder_caption_as_the_run(tmp_path):
     from vitattn.data.preprocess import normalize
     from vitattn.data.shapes import ShapesDataset
 
-    run = tmp_path / "run"
-    overrides = ["head=caption", *TINY, *TINY_SHAPES, "tokenizer=bpe", "trainer.max_steps=40", "test=false"]
-    result = train(compose_train([*overrides, "trainer.max_epochs=-1", "optim.lr=3e-3", "optim.warmup_steps=5"], run))
+    run = bpe_caption_run
     onnx_dir = export_onnx(load_bundle(run / "bundle"), tmp_path / "onnx")
     assert (onnx_dir / "tokenizer.json").is_file() and load_tokenizer(onnx_dir / "tokenizer.json") == load_tokenizer(
         run / "tokenizer.json"
     )
     data = ShapesDataset("test", 16, img_size=32, seed=0, task="caption", transform=normalize())
     images = torch.stack([data[i]["image"] for i in range(len(data))])
-    system = result.system.eval()
+    trained = load_checkpoint(run / "checkpoints" / "last.ckpt", "cpu")  # the last weights, the run's checkpoint
     with torch.inference_mode():
-        expected = system.vocab.decode_batch(system.model.generate(images))
+        expected = trained.vocab.decode_batch(trained.model.generate(images))
     assert any(expected)
     for source in (run, run / "bundle", onnx_dir):
         captioner = Captioner.load(source)

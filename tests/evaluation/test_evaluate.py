@@ -12,7 +12,9 @@ from omegaconf import OmegaConf
 from PIL import Image
 from safetensors.torch import load_file
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, console_script, make_coco, make_image_folder
+from tests.helpers.datasets import make_coco
+from tests.helpers.images import make_image_folder
+from tests.helpers.runs import console_script
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.cli.caption import main as caption_main
 from vitattn.cli.evaluate import main as eval_main
@@ -23,41 +25,23 @@ from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
 from vitattn.inference import InputImage, caption_images
 from vitattn.metrics import compute_caption_metrics, exact_match
 from vitattn.metrics.toolkit import TOOLKIT_METRICS
-from vitattn.training import train
+from vitattn.run_dir import RunDir
 
 CAPTION_KEYS = {"bleu1", "bleu2", "bleu3", "bleu4", "rouge_l", "cider_d", "distinct", "unknown_words", "num_images"}
 FAST = ["num_workers=0", "progress=false"]
 
 
-@pytest.fixture(scope="module")
-def caption_run(tmp_path_factory):
-    """A tiny captioner trained for 40 steps on the shapes (16 val, 16 test images); its final
-    validation metrics ride along."""
-    run = tmp_path_factory.mktemp("caption_run")
-    cfg = compose_train(
-        [
-            "head=caption",
-            *TINY,
-            *TINY_SHAPES,
-            "head.decoder.depth=1",
-            "trainer.max_steps=40",
-            "trainer.max_epochs=-1",
-            "trainer.check_val_every_n_epoch=5",
-            "optim.lr=3e-3",
-            "optim.warmup_steps=5",
-            "test=false",
-        ],
-        run,
-    )
-    result = train(cfg)
-    return run, result.metrics
+@pytest.fixture
+def caption_run(small_caption_run):
+    """The shared small captioner (tests/conftest.py: 40 steps, 16 validation and test images) and its final
+    validation metrics, logged at its last step."""
+    return small_caption_run, RunDir(small_caption_run).load_result()["metrics"]
 
 
-@pytest.fixture(scope="module")
-def classifier_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("classifier_run")
-    train(compose_train(["head=classification", *TINY, *TINY_SHAPES, "trainer.max_steps=8", "test=false"], run))
-    return run
+@pytest.fixture
+def classifier_run(small_classifier_run):
+    """The shared small classifier (tests/conftest.py: 8 steps, 16 test images)."""
+    return small_classifier_run
 
 
 def _metrics(out: Path) -> dict:
@@ -79,6 +63,8 @@ def _generated(run: Path, split: str, **generate) -> tuple[list[str], list[list[
 )
 def test_eval_captions_on_the_run_split_match_the_oracle(caption_run, split, decoding, tmp_path, capsys):
     run, _ = caption_run
+    if split == "test":  # written into the run folder: a copy of the shared run
+        run = Path(shutil.copytree(run, tmp_path / "run"))
     args = [f"model={run}", f"split={split}", *FAST, *(f"{k}={v}" for k, v in decoding.items())]
     if split == "val":
         args.append(f"out={tmp_path}")

@@ -16,7 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
-from tests.helpers import compose_train
+from tests.helpers.runs import compose_train
 from vitattn.errors import Preempted
 from vitattn.training import train
 from vitattn.training.systems import CaptionSystem, ClassificationSystem

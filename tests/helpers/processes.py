@@ -1,5 +1,5 @@
-"""Processes as /proc shows them, and image folders for captioning runs: what the tests whose subject is a
-process (a killed ``vitattn-caption`` and its DataLoader workers) inspect."""
+"""Processes as /proc shows them, image folders for captioning runs, and trainings stopped mid-run (SIGTERM,
+kill -9) and resumed: what the tests whose subject is a process inspect."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from pathlib import Path
 
 from vitattn.data.shapes import generate_scene, render_scene
 
-__all__ = ["RecordCounter", "process_tree", "rss_kib", "scan_processes", "write_images"]
+__all__ = [
+    "RecordCounter", "process_tree", "rss_kib", "sample_keys", "scan_processes", "stop_mid_run",
+    "stop_twice_then_finish", "write_images",
+]  # fmt: skip
 
 
 def scan_processes() -> dict[int, tuple[int, int]]:
@@ -75,3 +78,70 @@ class RecordCounter:
             pass
         merged = self.out.read_bytes().count(b"\n") if self.out.is_file() else 0
         return max(sum(self.seen.values()), merged)
+
+
+def stop_mid_run(command: list[str], log: Path, ready, stop: str, env: dict, wait: float = 400) -> None:
+    """Start ``command`` (a training, in its own process group, output to ``log``), wait until ``ready()``, then
+    stop it: ``sigterm`` to its first process (a preemption: exit status 75 expected) or ``kill-9`` to the whole
+    group at once (ranks and loader workers)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + wait
+        while proc.poll() is None and time.monotonic() < deadline and not ready():
+            time.sleep(0.02)
+        assert proc.poll() is None and ready(), log.read_text()[-3000:]
+        if stop == "sigterm":
+            proc.send_signal(signal.SIGTERM)  # rank 0: every rank stops after the same step, with a checkpoint
+            assert proc.wait(timeout=300) == 75, log.read_text()[-3000:]
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+
+
+def sample_keys(folder: Path, suffix: str = "txt") -> list[tuple[int, int, list[str]]]:
+    """Every rank's ``(rank, step, keys)`` lines (``SampleKeys``) in the files ``keys.rank*.<suffix>``."""
+    return [
+        (int(f.name.split(".")[1][4:]), int(step), keys)
+        for f in sorted(folder.glob(f"keys.rank*.{suffix}"))
+        for step, *keys in (line.split() for line in f.read_text().splitlines())
+    ]
+
+
+def stop_twice_then_finish(
+    command: list[str], logs: Path, keys: Path, *, first: int, every: int, steps: int, batch: int, env: dict
+) -> list[list[str]]:
+    """One DDP epoch (two ranks, ``steps`` steps of ``batch`` samples a rank, a step checkpoint every ``every``
+    steps, ``resume=auto``, ``SampleKeys`` writing to ``keys``) stopped twice and resumed each time: SIGTERM to
+    rank 0 after ``first`` steps (a preemption: status 75); the resumed run killed by ``kill -9`` (every process of
+    the run at once) once it has trained past a step checkpoint of its own; resumed again to the end.
+
+    Each stop leaves a checkpoint between the last one and the end; the samples it holds are the keys of its
+    steps, ``2 * batch`` a step from the previous checkpoint on (so the resumed run continued from there, not from
+    the start). Returns the samples each of the three runs trained that count: those held by the first and the
+    second checkpoint (past the first), then all that the last run trained."""
+    import subprocess
+
+    import torch
+
+    last = Path(command[-1].split("=", 1)[1]) / "checkpoints" / "last.ckpt"  # hydra.run.dir=..., last
+    assert command[-1].startswith("hydra.run.dir=") and "resume=auto" in command
+    trained, saved = [], 0
+    for stop, lines in (("sigterm", 2 * first), ("kill-9", 2 * (every + 1))):  # kill-9: a checkpoint, then a step
+        stop_mid_run(command, logs / f"{stop}.log", lambda n=lines: len(sample_keys(keys)) >= n, stop, env)
+        step = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
+        assert saved < step < steps, f"{stop}: checkpoint at step {step}, the previous at {saved}, {steps} steps"
+        held = [k for _, s, ks in sample_keys(keys) if s <= step for k in ks]  # what the checkpoint holds
+        assert len(held) == 2 * batch * (step - saved), f"{stop}: {len(held)} samples to step {step} from {saved}"
+        trained.append(held)
+        saved = step
+        for f in keys.glob("keys.rank*.txt"):
+            f.rename(f.with_suffix(f".{stop}"))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trained.append([k for _, _, ks in sample_keys(keys) for k in ks])
+    return trained

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import make_caption_bundle
+from tests.helpers.bundles import make_caption_bundle
 
 
 @pytest.fixture(scope="module")

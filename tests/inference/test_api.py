@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import distinct, make_caption_bundle, make_classifier_bundle, teacher_forced_log_prob
+from tests.helpers.bundles import distinct, make_caption_bundle, make_classifier_bundle, teacher_forced_log_prob
 from tests.helpers.coca import COLOURS, colour_image
 from vitattn import Captioner, Classifier
 from vitattn.bundle import load_bundle

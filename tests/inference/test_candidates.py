@@ -11,8 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import CAPTION_PREPROCESS, CAPTION_WORDS, console_script, teacher_forced_log_prob
+from tests.helpers.bundles import CAPTION_PREPROCESS, CAPTION_WORDS, teacher_forced_log_prob
 from tests.helpers.processes import write_images
+from tests.helpers.runs import console_script
 from tests.inference.test_captioning_processes import _kill, _start, _wait_for_chunks
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.data.tokenizer import Vocabulary

@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 import vitattn.inference.captioning as captioning
-from tests.helpers import console_script, png_header, write_bad_images, write_good_images
+from tests.helpers.images import png_header, write_bad_images, write_good_images
+from tests.helpers.runs import console_script
 from vitattn.bundle import load_bundle
 from vitattn.cli.caption import main
 from vitattn.data.images import BadImageError, read_image

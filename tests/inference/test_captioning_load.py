@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.helpers import console_script
 from tests.helpers.processes import RecordCounter, process_tree, rss_kib, scan_processes, write_images
+from tests.helpers.runs import console_script
 from vitattn.bundle import load_bundle
 from vitattn.inference import caption_files, list_inputs
 

@@ -16,8 +16,9 @@ import pytest
 from PIL import Image
 
 import vitattn.inference.captioning as captioning
-from tests.helpers import console_script, write_bad_images
+from tests.helpers.images import write_bad_images
 from tests.helpers.processes import process_tree, scan_processes, write_images
+from tests.helpers.runs import console_script
 from vitattn.bundle import load_bundle
 from vitattn.inference import caption_files, list_inputs
 from vitattn.inference.captioning import Processes

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tests.helpers import write_good_images
+from tests.helpers.images import write_good_images
 from vitattn.inference import InputList, list_inputs
 
 

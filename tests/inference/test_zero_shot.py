@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import (
+from tests.helpers.bundles import (
     CAPTION_PREPROCESS,
     distinct,
     make_caption_bundle,

@@ -399,7 +399,7 @@ def test_no_caption_holds_unk_even_when_the_decoder_prefers_it():
 
 def _unk_loving_bundle(folder):
     """A tiny random captioner whose output layer favours ``<unk>`` by far, saved as a bundle."""
-    from tests.helpers import CAPTION_PREPROCESS, CAPTION_WORDS
+    from tests.helpers.bundles import CAPTION_PREPROCESS, CAPTION_WORDS
     from vitattn.bundle import save_bundle
     from vitattn.data.tokenizer import Vocabulary
     from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer

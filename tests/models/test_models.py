@@ -6,7 +6,7 @@ import torch
 from timm.layers import resample_abs_pos_embed
 from torch.utils.checkpoint import checkpoint
 
-from tests.helpers import teacher_forced_log_prob
+from tests.helpers.bundles import teacher_forced_log_prob
 from vitattn.layers import DecoderLayer, EncoderLayer, Memory, record_attention
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer, vit_preset
 from vitattn.models.generate import beam_search

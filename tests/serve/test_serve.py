@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tests.helpers import distinct, make_caption_bundle, put_in_hub_cache, write_bad_images, write_good_images
+from tests.helpers.bundles import distinct, make_caption_bundle, put_in_hub_cache
+from tests.helpers.images import write_bad_images, write_good_images
 from vitattn.cli.serve import main, parse_args
 from vitattn.inference import caption_images
 

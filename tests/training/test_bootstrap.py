@@ -17,7 +17,8 @@ from PIL import Image
 from torchvision.transforms.functional import pil_to_tensor
 
 import vitattn.training.bootstrap as bootstrap
-from tests.helpers import SHAPES_RUN, TINY, TINY_SHAPES, compose_train, make_image_folder
+from tests.helpers.images import make_image_folder
+from tests.helpers.runs import SHAPES_RUN, TINY, TINY_SHAPES, compose_train
 from vitattn.data.images import read_image
 from vitattn.data.shapes import ShapesDataset
 from vitattn.data.tokenizer import TokenizedCaptions, Vocabulary
@@ -334,8 +335,8 @@ def test_a_run_killed_while_captioning_resumes_and_captions_each_pool_image_once
     import subprocess
     import time
 
-    from tests.helpers import console_script
     from tests.helpers.processes import process_tree, scan_processes
+    from tests.helpers.runs import console_script
 
     folder = tmp_path / "pool"
     folder.mkdir()

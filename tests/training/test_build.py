@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, make_image_folder
+from tests.helpers.images import make_image_folder
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from tests.training.test_config import error_data
 from vitattn.data.tokenizer import Vocabulary
 from vitattn.errors import ConfigError

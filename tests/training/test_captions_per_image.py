@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers import make_karpathy
+from tests.helpers.datasets import make_karpathy
 from vitattn.data.shapes import ShapesDataset
 from vitattn.data.shards.epoch_split import PositionSet
 from vitattn.data.shards.writer import shapes_samples, write_shards

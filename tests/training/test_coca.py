@@ -3,6 +3,7 @@ against one process on both batches, the captioning path against the plain capti
 
 import csv
 import math
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -14,7 +15,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, make_coco, make_image_folder, make_karpathy
+from tests.helpers.datasets import make_coco, make_karpathy
+from tests.helpers.images import make_image_folder
+from tests.helpers.runs import TINY, TINY_SHAPES, ZERO_SHOT_CLASSES, compose_train
 from vitattn.bundle import load_bundle, load_checkpoint
 from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.data.tokenizer import Vocabulary
@@ -25,7 +28,7 @@ from vitattn.models import CaptionDecoder, CocaCaptioner, ImageCaptioner, Vision
 from vitattn.run_dir import RunDir
 from vitattn.training import train
 from vitattn.training.config import check_config
-from vitattn.training.systems import CocaSystem
+from vitattn.training.systems import CaptionSystem, CocaSystem
 from vitattn.training.systems.coca import contrastive_model_config
 from vitattn.training.systems.sharding import shard_layers
 
@@ -335,33 +338,23 @@ def test_coca_trains_on_the_caption_data_paths_with_ema_and_bf16(data, extra, tm
         assert terms[0] == pytest.approx(terms[1] + 2.0 * terms[2], rel=1e-3)
 
 
-ZERO_SHOT_CLASSES = ("red circle", "blue square", "green triangle", "small red square", "large blue circle", "green")
-
-
-@pytest.fixture(scope="module", params=["coca", "caption"])
-def zero_shot_run(request, tmp_path_factory):
+@pytest.fixture(params=["coca", "caption"])
+def zero_shot_run(request):
     """A head=coca (its scorer contrastive) or head=caption (caption likelihood) run validated at its last step
-    with zero-shot classification of a six-class folder."""
-    root = tmp_path_factory.mktemp("zero_shot")
-    folder = make_image_folder(root / "folder", classes=ZERO_SHOT_CLASSES, per_class=4, size=36)
-    overrides = [
-        f"head={request.param}",
-        "trainer.precision=32-true",
-        *TINY,
-        *TINY_SHAPES,
-        f"head.zero_shot.data_root={folder}",
-    ]
-    overrides += ["trainer.max_steps=3", "trainer.max_epochs=-1", "trainer.val_check_interval=3"]
-    overrides += ["trainer.check_val_every_n_epoch=null", "trainer.num_sanity_val_steps=0", "test=false"]
-    result = train(compose_train(overrides, root / "run"))
-    return folder, root / "run", result
+    with zero-shot classification of a six-class folder (the shared small runs of tests/conftest.py): the folder,
+    the run, its logged metrics and its system as the last checkpoint holds it."""
+    run = request.getfixturevalue(f"small_{request.param}_run")
+    folder = Path(RunDir(run).load_config().head.zero_shot.data_root)
+    system = (CocaSystem if request.param == "coca" else CaptionSystem).load_from_checkpoint(
+        run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False
+    )
+    return folder, run, RunDir(run).load_result()["metrics"], system
 
 
 def test_zero_shot_at_validation_is_what_vitattn_eval_gives_for_those_weights(zero_shot_run):
     from vitattn.evaluation import evaluate_zero_shot
 
-    folder, run, result = zero_shot_run
-    logged = {k: float(v) for k, v in result.system.trainer.callback_metrics.items()}
+    folder, run, logged, _ = zero_shot_run
     report = evaluate_zero_shot(load_checkpoint(run / "checkpoints" / "last.ckpt", "cpu"), data_root=folder)
     assert report.metrics["num_images"] == 24 and report.class_names == sorted(ZERO_SHOT_CLASSES)
     assert logged["val/zero_shot_top1"] == pytest.approx(report.metrics["top1"], abs=1e-6)
@@ -376,7 +369,7 @@ def test_zero_shot_ranks_count_each_image_once_and_sum_as_one_process(zero_shot_
 
     from lightning.pytorch.plugins.precision import Precision
 
-    system = zero_shot_run[2].system.eval()
+    system = zero_shot_run[3].eval()
     counts = {}
     for world in (1, 2, 3):
         for rank in range(world):

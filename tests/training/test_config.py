@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, make_coco, make_image_folder
+from tests.helpers.datasets import make_coco
+from tests.helpers.images import make_image_folder
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from vitattn.errors import ConfigError
 from vitattn.run_dir import check_targets
 from vitattn.training import train

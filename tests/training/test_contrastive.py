@@ -229,7 +229,7 @@ def test_coca_trains_on_shards_on_two_processes_with_unequal_batches(tmp_path):
     import subprocess
     import sys
 
-    from tests.helpers import TINY
+    from tests.helpers.runs import TINY
     from vitattn.data.shards.writer import shapes_samples, write_shards
 
     shards = write_shards(shapes_samples("train", 9, img_size=32), tmp_path / "shards", 3)

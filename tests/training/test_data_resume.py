@@ -12,7 +12,10 @@ import pytest
 import torch
 from torch.utils.data import Dataset, DistributedSampler, RandomSampler
 
-from tests.helpers import TINY, compose_train, make_coco, make_image_folder, sample_keys, stop_twice_then_finish
+from tests.helpers.datasets import make_coco
+from tests.helpers.images import make_image_folder
+from tests.helpers.processes import sample_keys, stop_twice_then_finish
+from tests.helpers.runs import TINY, compose_train
 from vitattn.data.tokenizer import load_tokenizer
 from vitattn.run_dir import RunDir
 from vitattn.training import train

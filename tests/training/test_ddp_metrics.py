@@ -7,51 +7,32 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train
 from tests.helpers.ddp_validate import validate
-from vitattn.training import train
+from vitattn.run_dir import RunDir
 
 SCRIPT = Path(__file__).parents[1] / "helpers" / "ddp_validate.py"
 NUM_VAL = 15  # odd: the DistributedSampler pads rank 1 with a repeat of image 0
 CAPTION_METRICS = ("bleu1", "bleu2", "bleu3", "bleu4", "rouge_l", "cider_d", "exact_match", "distinct", "num_images")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny captioner trained for a few steps; its last checkpoint and the data it validates on."""
-    run = tmp_path_factory.mktemp("run")
-    cfg = compose_train(
-        [
-            "head=caption",
-            *TINY,
-            *TINY_SHAPES,
-            f"data.num_val={NUM_VAL}",
-            "head.decoder.depth=1",
-            "trainer.max_steps=24",
-            "trainer.max_epochs=-1",
-            "trainer.check_val_every_n_epoch=1000",
-            "callbacks.step_checkpoint.every_n_train_steps=8",
-            "optim.lr=3e-3",
-            "optim.warmup_steps=5",
-            "test=false",
-            "export_bundle=false",
-        ],
-        run,
-    )
-    train(cfg)
+@pytest.fixture
+def checkpoint(small_caption_run):
+    """The shared small captioner's last checkpoint (tests/conftest.py) and the data it validates on here: its own
+    vocabulary and shapes, ``NUM_VAL`` images."""
+    saved = RunDir(small_caption_run).load_config().data
     data = dict(
         task="caption",
         img_size=32,
         num_train=0,
         num_val=NUM_VAL,
         num_test=16,
-        seed=cfg.data.seed,
+        seed=saved.seed,
         batch_size=8,
         num_workers=0,
-        max_caption_len=cfg.data.max_caption_len,
-        vocab_path=str(run / "vocab.json"),
+        max_caption_len=saved.max_caption_len,
+        vocab_path=str(small_caption_run / "vocab.json"),
     )
-    return run / "checkpoints" / "last.ckpt", data
+    return small_caption_run / "checkpoints" / "last.ckpt", data
 
 
 def _run_ddp(ckpt: Path, data: dict, out: Path, timeout: int = 300) -> None:

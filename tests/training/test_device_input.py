@@ -15,7 +15,9 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, OPENAI_CLIP_M
 from torchvision import transforms as T
 from torchvision.transforms.functional import pil_to_tensor
 
-from tests.helpers import TINY, compose_train, make_coco, make_image_folder, make_karpathy
+from tests.helpers.datasets import make_coco, make_karpathy
+from tests.helpers.images import make_image_folder
+from tests.helpers.runs import TINY, compose_train
 from vitattn.data import eval_transform
 from vitattn.data.preprocess import (
     CROP_MODES,
@@ -261,7 +263,7 @@ def test_training_losses_are_those_of_the_float_loaders(name, tmp_path):
 def test_the_model_summary_sends_its_example_input_through_the_batch_hooks_unchanged(tmp_path):
     """The default run prints Lightning's model summary, whose forward pass of the system's float example input
     goes through the DataModule's batch hooks: it is no loader batch and passes as it is."""
-    from tests.helpers import TINY_SHAPES
+    from tests.helpers.runs import TINY_SHAPES
     from vitattn.training import train
 
     run = [*TINY, *TINY_SHAPES, "trainer.enable_model_summary=true", "trainer.max_steps=1", "test=false"]

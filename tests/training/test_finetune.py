@@ -6,7 +6,7 @@ from lightning.pytorch import Callback
 from timm.optim import param_groups_weight_decay
 
 import vitattn.run_dir as targets
-from tests.helpers import TINY, TINY_SHAPES, compose_train
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from vitattn.cli.train import _resume_argv
 from vitattn.errors import ConfigError
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer

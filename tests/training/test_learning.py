@@ -11,7 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, make_image_folder, metrics_with_weights
+from tests.helpers.images import make_image_folder
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train, metrics_with_weights
 from vitattn.data.images import should_cache
 from vitattn.data.preprocess import (
     Augment,
@@ -343,7 +344,7 @@ def test_startup_warns_when_the_config_fights_the_data(tmp_path, caplog):
 
 
 def test_startup_warns_when_most_caption_words_become_unk(tmp_path):
-    from tests.helpers import make_coco
+    from tests.helpers.datasets import make_coco
 
     coco = make_coco(tmp_path / "coco")
     data = ["data=coco", *[f"data.{k}={v}" for k, v in coco.items()], "data.img_size=32", "data.batch_size=4"]

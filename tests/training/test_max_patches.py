@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY, compose_train
+from tests.helpers.runs import TINY, compose_train
 from vitattn.data.preprocess import patch_grid
 from vitattn.errors import ConfigError
 from vitattn.models.vit import Patches

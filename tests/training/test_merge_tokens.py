@@ -9,7 +9,8 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, make_caption_bundle
+from tests.helpers.bundles import make_caption_bundle
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from vitattn.bundle import load_model
 from vitattn.bundle.folder import encoder_of
 from vitattn.models import VisionTransformer

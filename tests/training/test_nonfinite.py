@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from vitattn.training import train
 from vitattn.training.systems import ClassificationSystem
 from vitattn.training.systems.base import NonFiniteLossError

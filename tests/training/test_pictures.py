@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from vitattn.training import train
 
 # 64 training images in batches of 8: a validation at steps 8 and 16.

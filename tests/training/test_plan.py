@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from vitattn.errors import ConfigError
 from vitattn.training.build import _pool_run
 from vitattn.training.plan import Plan, _trainer_plan, resolve

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, console_script
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train, console_script
 from vitattn.run_dir import RunDir
 from vitattn.training import train
 
@@ -194,6 +194,23 @@ def test_a_complete_run_resumed_is_left_as_it_is(tmp_path, caplog):
     longer = train(compose_train([*run, "trainer.max_steps=4"], tmp_path))  # more steps: the run trains further
     assert not longer.already_complete and longer.global_step == 4
     assert _train_steps(tmp_path) == list(range(4))  # the logs continue: each step once
+
+
+def test_a_run_is_complete_when_resume_continues_its_folder_from_its_own_checkpoint(tmp_path, monkeypatch):
+    """``RunDir.completion``, the one answer ``vitattn-train`` (from its command line) and ``train(cfg)`` ask for."""
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    (tmp_path / "other").mkdir()
+    assert run.completion("auto") is None  # no result yet
+    run.save_result(40, "last", {"val/loss": 1.5}, bundle=False)
+    run.save_config({"trainer": {"max_steps": 40, "max_epochs": -1}})
+    line = f"run complete: {run.path} (step 40); no bundle (export_bundle=false); nothing to train"
+    monkeypatch.chdir(tmp_path)
+    assert run.completion("auto") == run.completion("run") == run.completion(str(run.path)) == line
+    assert run.completion("auto", length={"max_steps": "40"}) == line
+    for resume, ckpt_path, length in [(None, None, None), ("other", None, None), ("auto", "x.ckpt", None)]:
+        assert run.completion(resume, ckpt_path, length) is None
+    assert run.completion("auto", length={"max_steps": 80}) is None  # a longer run trains further
 
 
 @pytest.mark.parametrize("resume", ["auto", "RUN"])

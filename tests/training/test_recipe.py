@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import TINY, TINY_SHAPES, console_script
+from tests.helpers.runs import TINY, TINY_SHAPES, console_script
 from vitattn.training import AtomicCheckpointIO
 
 CLS = ["head=classification", *TINY, *TINY_SHAPES]

@@ -14,16 +14,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from tests.helpers import (
-    TINY,
-    TINY_SHAPES,
-    compose_train,
-    console_script,
-    make_caption_bundle,
-    make_classifier_bundle,
-    make_coco,
-    make_karpathy,
-)
+from tests.helpers.bundles import make_caption_bundle, make_classifier_bundle
+from tests.helpers.datasets import make_coco, make_karpathy
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train, console_script
 from tests.training.test_preemption import DDP_CPU, ENV
 from vitattn.cli.export import main as export_main
 from vitattn.data.shards.writer import shapes_samples, write_shards
@@ -296,12 +289,11 @@ def test_data_without_references_is_refused_in_one_line(tmp_path):
 # ------------------------------------------------------------------------------------------------- runs
 
 
-@pytest.fixture(scope="module")
-def base_run(tmp_path_factory):
-    """A captioner trained with cross-entropy for 30 steps: the checkpoint both second stages start from."""
-    run_dir = tmp_path_factory.mktemp("base") / "run"
-    train(compose_train([*BASE, "trainer.max_steps=30", "data.num_train=128"], run_dir))
-    return run_dir
+@pytest.fixture
+def base_run(small_caption_run):
+    """A captioner trained with cross-entropy (the shared small run of tests/conftest.py: 40 steps): the run both
+    second stages start from."""
+    return small_caption_run
 
 
 def _bundle_weights(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from vitattn.bundle import load_bundle, load_checkpoint
 from vitattn.errors import ConfigError
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import stop_twice_then_finish
+from tests.helpers.processes import stop_twice_then_finish
 from vitattn.data.shapes import CLASS_NAMES
 from vitattn.data.shards import expand_shards, read_shard
 from vitattn.data.shards.writer import shapes_samples, write_shards

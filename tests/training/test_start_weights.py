@@ -12,7 +12,8 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, make_caption_bundle, put_in_hub_cache
+from tests.helpers.bundles import make_caption_bundle, put_in_hub_cache
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.data.preprocess import default_preprocess
 from vitattn.errors import ConfigError
@@ -334,11 +335,9 @@ def test_a_hub_bundle_starts_a_run_by_its_name_offline(tmp_path, hub_cache, hub_
     assert cfg.data.max_caption_len == 8 and not no_network  # the bundle's sizes (24 composed); no connection
 
 
-def test_init_refuses_a_classifier_for_a_captioner(tmp_path):
-    classifier = tmp_path / "classifier"
-    train(compose_train(["head=classification", *TINY, *TINY_SHAPES, "trainer.max_steps=1", "test=false"], classifier))
+def test_init_refuses_a_classifier_for_a_captioner(small_classifier_run, tmp_path):
     with pytest.raises(ConfigError, match=r"is a classification model, not a caption model \(head=caption\)"):
-        train(compose_train([*TINY, f"finetune.init={classifier}"], tmp_path / "run"))
+        train(compose_train([*TINY, f"finetune.init={small_classifier_run}"], tmp_path / "run"))
 
 
 @pytest.mark.parametrize(
@@ -408,3 +407,29 @@ def test_init_refuses_any_other_mismatch_in_one_line(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^finetune\.init=.*: its model and the run.s differ in extra; only") as err:
         build_system(plan, datamodule)
     assert "\n" not in str(err.value)
+
+
+def test_resolve_refuses_the_sizes_its_overrides_give_and_reads_no_hydra_global(tmp_path):
+    """The keys ``finetune.init``'s model contradicts are refused when the command line's overrides, passed to
+    ``resolve`` (and ``train``), give them, as ``vitattn-train`` does; a Hydra run's global overrides are not read."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.hydra_config import HydraConfig
+
+    bundle = make_caption_bundle(tmp_path / "bundle")  # embed_dim 32
+    given = ["model.embed_dim=64", "data.img_size=64"]
+    cfg = compose_train([*TINY, *TINY_SHAPES, f"finetune.init={bundle}", *given], tmp_path / "run")
+    with initialize_config_module("vitattn.conf", version_base="1.3"):
+        hydra_cfg = compose("train", overrides=given, return_hydra_config=True)
+    assert list(hydra_cfg.hydra.overrides.task) == given  # what command_line_keys() used to read
+    HydraConfig.instance().set_config(hydra_cfg)
+    try:
+        plan = resolve(cfg)  # a Python caller that passes none: the model's sizes, the global left unread
+    finally:
+        HydraConfig.instance().cfg = None
+    assert (plan.cfg.model.embed_dim, plan.cfg.data.img_size) == (32, 32)
+    message = "its model has data.img_size=32 model.embed_dim=32, not data.img_size=64 model.embed_dim=64 as given"
+    with pytest.raises(ConfigError, match=message):
+        resolve(cfg, given)
+    with pytest.raises(ConfigError, match=message):
+        train(cfg, overrides=["+" + given[0], given[1]])  # keys as Hydra spells them
+    assert not (tmp_path / "run").exists()

@@ -18,7 +18,7 @@ from timm.data import create_transform, resolve_model_data_config
 from timm.models import get_pretrained_cfg
 from torchvision import transforms as T
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.cli.run_split import datamodule_from_run
 from vitattn.data.preprocess import Normalize, eval_transform, from_timm

@@ -20,7 +20,7 @@ from optuna.trial import TrialState
 from hydra_plugins.vitattn_optuna_sweeper.search_space import search_space
 from hydra_plugins.vitattn_optuna_sweeper.storage import open_storage
 from hydra_plugins.vitattn_optuna_sweeper.sweeper import OptunaSweeper
-from tests.helpers import TINY, TINY_SHAPES
+from tests.helpers.runs import TINY, TINY_SHAPES
 from vitattn.cli.train import optimized_value
 from vitattn.run_dir import RunDir
 

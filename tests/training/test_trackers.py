@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from vitattn.training import train
 
 pytestmark = pytest.mark.slow

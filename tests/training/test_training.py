@@ -13,16 +13,9 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from omegaconf import OmegaConf
 
 import vitattn.training.recipe
-from tests.helpers import (
-    CONF_DIR,
-    TINY,
-    TINY_SHAPES,
-    compose_train,
-    make_coco,
-    make_image_folder,
-    make_karpathy,
-    metrics_with_weights,
-)
+from tests.helpers.datasets import make_coco, make_karpathy
+from tests.helpers.images import make_image_folder
+from tests.helpers.runs import CONF_DIR, TINY, TINY_SHAPES, compose_train, metrics_with_weights
 from vitattn.bundle import load_bundle
 from vitattn.data.shapes import CLASS_NAMES
 from vitattn.data.shards.writer import shapes_samples, write_shards

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import TINY, TINY_SHAPES, compose_train, make_caption_bundle, make_classifier_bundle
+from tests.helpers.bundles import make_caption_bundle, make_classifier_bundle
 from tests.helpers.coca import COLOURS, colour_image
+from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from vitattn import Captioner
 from vitattn.cli.evaluate import main as eval_main
 from vitattn.data.shapes import ShapesDataset

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from vitattn.cli.errors import quiet_upstream, report_user_error, user_errors
@@ -55,7 +55,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     quiet_upstream()  # after Hydra has configured logging
     with user_errors(cfg.get("debug", False)):
         try:
-            result = train(cfg)
+            result = train(cfg, overrides=list(HydraConfig.get().overrides.task))
         except Preempted as stop:
             if rank_zero_only.rank == 0:
                 print(f"{stop}; continue with resume={stop.checkpoint.parents[1]}", file=sys.stderr, flush=True)
@@ -81,25 +81,24 @@ def _report(result: TrainResult) -> None:
     print("\n".join(lines), flush=True)
 
 
-def _complete_run(argv: list[str]) -> str | None:
-    """The line that says the run ``argv`` resumes is complete, read before Hydra writes into its folder (its
-    ``.hydra/`` files and log); None when ``argv`` resumes no run or the run is not complete."""
+def _completion(argv: list[str]) -> str | None:
+    """``RunDir.completion`` of the run ``argv`` resumes, asked before Hydra writes into its folder (its ``.hydra/``
+    files and log); None for a multirun and a folder Hydra interpolates (``train()`` asks once it is composed)."""
     if {"-m", "--multirun"} & set(argv):
         return None
     values = dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith(("+", "~", "-")))
-    resume, run_dir = values.get("resume"), values.get("hydra.run.dir")
-    if not resume or not run_dir or "${" in run_dir or values.get("ckpt_path", "null") != "null":
-        return None  # not resuming, an interpolated folder (train() checks it), or an explicit checkpoint
-    if resume != "auto" and Path(resume).resolve() != Path(run_dir).resolve():
+    run_dir = values.get("hydra.run.dir")
+    if not run_dir or "${" in run_dir:
         return None
+    ckpt_path = values.get("ckpt_path", "null")
     length = {key.split(".", 1)[1]: values[key] for key in ("trainer.max_steps", "trainer.max_epochs") if key in values}
-    return RunDir(run_dir).completion(length)
+    return RunDir(run_dir).completion(values.get("resume"), None if ckpt_path == "null" else ckpt_path, length)
 
 
 def main() -> None:
     sys.argv = [sys.argv[0], *_resume_argv(sys.argv[1:])]
     try:
-        complete = _complete_run(sys.argv[1:])
+        complete = _completion(sys.argv[1:])
     except ValueError as err:  # ConfigError included
         sys.exit(report_user_error(err))
     if complete is not None:  # nothing to train, and nothing in the run folder rewritten

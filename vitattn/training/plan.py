@@ -30,7 +30,7 @@ from vitattn.errors import ConfigError, first_line
 from vitattn.precision import cuda_bf16, native_bf16
 from vitattn.run_dir import RunDir
 from vitattn.training.config import check_config, fully_sharded
-from vitattn.training.start_weights import EncoderWeights, ModelWeights, command_line_keys, read_start
+from vitattn.training.start_weights import EncoderWeights, ModelWeights, read_start
 
 __all__ = [
     "BF16_TRAIN_MIN_WIDTH",
@@ -129,14 +129,25 @@ class Plan:
     system_keys: dict[str, str]  # head.system's arguments -> the config key each comes from, for error lines
 
 
-def resolve(cfg: DictConfig) -> Plan:
+def resolve(cfg: DictConfig, overrides: Sequence[str] = ()) -> Plan:
     """The plan of ``cfg`` (the composed ``conf/train.yaml``, left as it is): every user error in the keys no
-    constructor sees as one ``ConfigError`` line before any data is read (the constructors' own: at ``build``)."""
+    constructor sees as one ``ConfigError`` line before any data is read (the constructors' own: at ``build``).
+
+    Args:
+        overrides: the command line's ``key=value`` overrides (``vitattn-train`` passes Hydra's; a Python caller
+            those it composed ``cfg`` with): a size or tokenizer that ``finetune.init``'s model contradicts is
+            refused when given here, and set from the model otherwise.
+
+    Besides these it reads: ``finetune.init``'s weights (a file, folder or the Hub); the checkpoint ``resume`` or
+    ``ckpt_path`` continues (read once); the machine (CUDA, a CPU's bf16 units: the accelerator and precision); the
+    environment (``LOCAL_WORLD_SIZE``: the processes; ``VITATTN_NATIVE_BF16``); rank 0's files (the run's
+    tokenizer, which the other ranks wait for). Nothing else: no Hydra global.
+    """
     cfg = copy.deepcopy(cfg)
     start = read_start(cfg.finetune.init, cfg.finetune.get("init_kind", "model")) if cfg.finetune.get("init") else None
     with open_dict(cfg):
         if start is not None:
-            start.resolve(cfg, command_line_keys())
+            start.resolve(cfg, [o.split("=", 1)[0].lstrip("+~") for o in overrides])
         preprocess_from = _resolve_preprocess(cfg, start)
     check_config(cfg)  # the resolved config: the one that runs and is saved
     trainer = _trainer_plan(cfg.trainer)

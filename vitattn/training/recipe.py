@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,19 +52,21 @@ class TrainResult:
     already_complete: bool = False  # resume found the run complete: nothing trained, tested or written
 
 
-def train(cfg: DictConfig) -> TrainResult:
+def train(cfg: DictConfig, overrides: Sequence[str] = ()) -> TrainResult:
     """Train, test and export as ``cfg`` (the composed ``conf/train.yaml``) says, into ``cfg.paths.output_dir``;
-    a run ``resume`` finds complete returns its saved result, with ``already_complete``.
+    a run ``resume`` finds complete returns its saved result, with ``already_complete``. ``overrides``: the
+    command line's (``vitattn-train`` passes its own), which ``resolve`` reads: called with the same, ``train``
+    refuses what ``vitattn-train`` refuses.
 
     Raises:
         Preempted: SIGTERM or SIGUSR1 stopped training after a whole step (``resume`` continues from
             ``checkpoints/last.ckpt``), or SIGTERM stopped the test after training (it runs again on resume).
     """
-    complete = _complete_run(cfg)
+    complete = _saved_result(cfg)
     if complete is not None:
         return complete
     pl.seed_everything(cfg.seed, workers=True)
-    plan = resolve(cfg)
+    plan = resolve(cfg, overrides)
     cfg = plan.cfg
     datamodule, system, trainer = build(plan, plugins=[AtomicCheckpointIO()])
     started = time.monotonic()
@@ -100,13 +103,12 @@ def train(cfg: DictConfig) -> TrainResult:
     return result
 
 
-def _complete_run(cfg: DictConfig) -> TrainResult | None:
-    """The saved result when ``cfg`` resumes the run in its folder and that run is complete; None otherwise."""
+def _saved_result(cfg: DictConfig) -> TrainResult | None:
+    """The saved result when the run ``cfg`` resumes is complete (``RunDir.completion``); None otherwise."""
     run_dir = Path(cfg.paths.output_dir)
-    resumes_here = cfg.resume == "auto" or (cfg.resume and Path(cfg.resume).resolve() == run_dir.resolve())
     run = RunDir(run_dir)
     length = {key: cfg.trainer.get(key) for key in ("max_steps", "max_epochs")}
-    line = run.completion(length) if resumes_here and not cfg.ckpt_path else None
+    line = run.completion(cfg.resume, cfg.ckpt_path, length)
     if line is None:
         return None
     saved = run.load_result()

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 from timm.data import resolve_model_data_config
@@ -44,7 +43,6 @@ from vitattn.models.vit import PRESETS, preset_config
 __all__ = [
     "EncoderWeights",
     "ModelWeights",
-    "command_line_keys",
     "read_start",
     "log_preprocess",
     "source_kind",
@@ -100,7 +98,7 @@ class ModelWeights:
         """Write the model's sizes, image size and caption length into ``cfg`` (in place) and log them.
 
         Args:
-            given: the keys the command line set (``command_line_keys``); one that the model contradicts is refused.
+            given: the keys the command line set (``resolve``'s overrides); one that the model contradicts is refused.
 
         Raises:
             ConfigError: a model of the other task; a tokenizer other than the model's; a size given that differs.
@@ -304,14 +302,6 @@ def _read_model(source: str) -> ModelWeights:
     if bundle.runtime != "torch":
         raise ConfigError(f"finetune.init={source} is an ONNX folder; give the run folder or bundle it came from")
     return ModelWeights(source, bundle)
-
-
-def command_line_keys() -> list[str]:
-    """The keys (and groups) the command line set: the Hydra overrides of a ``vitattn-train`` run; none when
-    the config was composed another way."""
-    if not HydraConfig.initialized():
-        return []
-    return [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
 
 
 def source_kind(source: str) -> tuple[str, Path | str, Path | None]:
