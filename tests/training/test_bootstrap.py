@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 from torchvision.transforms.functional import pil_to_tensor
 
-import vitattn.training.bootstrap as bootstrap
+import vitattn.training.bootstrap.side_files as side_files
 from tests.helpers import SHAPES_RUN, TINY, TINY_SHAPES, compose_train, make_image_folder
 from vitattn.data.images import read_image
 from vitattn.data.shapes import ShapesDataset
@@ -56,8 +56,8 @@ def test_a_student_trains_on_its_data_and_the_kept_pool_and_validates_on_human_r
     shapes_caption_run, pool, tmp_path, monkeypatch
 ):
     captioned = []
-    real = bootstrap._caption_pool
-    monkeypatch.setattr(bootstrap, "_caption_pool", lambda *a: captioned.append(1) or real(*a))
+    real = side_files.caption_in_child
+    monkeypatch.setattr(side_files, "caption_in_child", lambda *a: captioned.append(1) or real(*a))
     cfg = _student(tmp_path / "student", f"bootstrap.teacher={shapes_caption_run}", f"bootstrap.images={pool}")
     from vitattn.training.plan import resolve
 
@@ -88,14 +88,17 @@ def test_a_student_trains_on_its_data_and_the_kept_pool_and_validates_on_human_r
     assert lineage["kept"]["kept_images"] == 14
 
     # the same run folder again (a resume): nothing captioned, the teacher not even loaded
-    monkeypatch.setattr(bootstrap, "load_model", lambda *a, **k: pytest.fail("the teacher was loaded again"))
+    monkeypatch.setattr(side_files, "load_model", lambda *a, **k: pytest.fail("the teacher was loaded again"))
     again, _, _ = build(resolve(cfg), [])
     assert captioned == [1] and len(again.train_dataset.pool) == 12
 
 
 def test_keep_policies_keep_what_they_say():
     ranked = [[(0.9, "a"), (0.2, "b"), (0.5, "c")], [(None, "d"), (0.1, "e")], [(0.6, "f")]]
-    keep = bootstrap._keep_candidates
+
+    def keep(ranked, policy):
+        return policy.captions(ranked)
+
     assert keep(ranked, Keep(top_k=None)) == [["a", "c", "b"], ["e"], ["f"]]  # best first; a null score never kept
     assert keep(ranked, Keep()) == [["a", "c"], ["e"], ["f"]]  # BLIP-2's top 2 by default
     assert keep(ranked, Keep(top_k=1)) == [["a"], ["e"], ["f"]]
@@ -117,7 +120,7 @@ def test_class_pseudo_labels_keep_a_confidence_floor_and_top_k_never_bounds_a_cl
     side = _labels(tmp_path, [[0.9, 0.1], [0.6, 0.4], [0.55, 0.45], [0.3, 0.7], [0.2, 0.8], [0.45, 0.55]])
 
     def kept(**keep):
-        pool = bootstrap._read_labels(BootstrapSettings(keep=Keep(**keep)), side, 2)
+        pool = side_files.read_labels(BootstrapSettings(keep=Keep(**keep)), side, 2)
         return sorted(zip(pool.sources, pool.labels))
 
     every = [("i0", 0), ("i1", 0), ("i2", 0), ("i3", 1), ("i4", 1), ("i5", 1)]
@@ -132,7 +135,7 @@ def test_percentile_keeps_the_same_count_of_every_class_however_the_teacher_lean
     side = _labels(tmp_path, probabilities)
 
     def kept(percentile):
-        pool = bootstrap._read_labels(BootstrapSettings(keep=Keep(percentile=percentile)), side, 2)
+        pool = side_files.read_labels(BootstrapSettings(keep=Keep(percentile=percentile)), side, 2)
         return Counter(zip(pool.sources, pool.labels))
 
     # 50: half of the 8 images, 2 of each class, its most confident
@@ -146,7 +149,7 @@ def test_the_config_restates_the_code_s_bootstrap_defaults_and_keeps_every_class
     settings = BootstrapSettings.from_config(OmegaConf.to_container(cfg.bootstrap))
     assert settings == BootstrapSettings(teacher="runs/teacher", images="pool/")  # one default: the code's
     side = _labels(tmp_path, [[0.9, 0.1], [0.6, 0.4], [0.55, 0.45], [0.3, 0.7], [0.2, 0.8], [0.45, 0.55]])
-    assert len(bootstrap._read_labels(settings, side, 2)) == 6  # the default keeps every pseudo-label
+    assert len(side_files.read_labels(settings, side, 2)) == 6  # the default keeps every pseudo-label
 
 
 def test_bootstrap_filter_is_checked_where_the_settings_are_made(tmp_path):
@@ -155,7 +158,9 @@ def test_bootstrap_filter_is_checked_where_the_settings_are_made(tmp_path):
         BootstrapSettings.from_config({**node, "filter": "tecaher"})
     for good in ("teacher", "none", str(tmp_path), "hf-hub:org/filter"):
         assert BootstrapSettings.from_config({**node, "filter": good}).filter == good
-    assert not hasattr(bootstrap, "FILTERS")
+    import vitattn.training.bootstrap as bootstrap
+
+    assert not hasattr(bootstrap, "FILTERS") and not hasattr(bootstrap.settings, "FILTERS")
 
 
 class _Captions(torch.utils.data.Dataset):
@@ -196,12 +201,12 @@ def test_the_teacher_labels_the_pool_in_the_run_s_precision(head, precision, poo
             raise _Stop
         return SimpleNamespace(task="caption")
 
-    def caption(command, **kwargs):
-        seen.append(next((a for a in command if a.startswith("precision=")), None))
+    def caption(job):
+        seen.append(f"precision={job.precision}")
         raise _Stop
 
-    monkeypatch.setattr(bootstrap, "load_model", teacher)
-    monkeypatch.setattr(bootstrap.subprocess, "run", caption)
+    monkeypatch.setattr(side_files, "load_model", teacher)
+    monkeypatch.setattr(side_files, "caption_in_child", caption)
     cfg = compose_train(
         [*TINY, f"head={head}", *TINY_SHAPES, *SHORT, f"trainer.precision={precision}"]
         + [f"bootstrap.teacher={tmp_path}", f"bootstrap.images={pool}"],
@@ -222,8 +227,8 @@ def test_only_global_rank_zero_labels_the_pool(pool, tmp_path, monkeypatch):
     # the first process of the second node, before fit: Lightning's launcher has set only NODE_RANK there
     with monkeypatch.context() as m:
         m.setenv("NODE_RANK", "1")
-        m.setattr(bootstrap, "_label_pool", lambda *a: pytest.fail("a process of node 1 labelled the pool"))
-        m.setattr(bootstrap, "_wait_for", lambda path: (_ for _ in ()).throw(_Stop()))
+        m.setattr(side_files, "label_pool", lambda *a: pytest.fail("a process of node 1 labelled the pool"))
+        m.setattr(side_files, "wait_for", lambda path: (_ for _ in ()).throw(_Stop()))
         overrides = [*TINY, "head=classification", *TINY_SHAPES, *SHORT, f"bootstrap.teacher={tmp_path}"]
         cfg = compose_train([*overrides, f"bootstrap.images={pool}"], tmp_path / "s")
         with pytest.raises(_Stop):  # it waits for rank 0's side files
