@@ -23,7 +23,7 @@ from vitattn.data.shapes import ShapesDataset
 from vitattn.data.tokenizer import TokenizedCaptions, Vocabulary
 from vitattn.errors import ConfigError
 from vitattn.training import train
-from vitattn.training.bootstrap import BootstrapSettings, Keep, MixedTraining, Pool
+from vitattn.training.bootstrap import BootstrapSettings, Keep, MixedTraining, Pool, PoolLabels
 from vitattn.training.build import build
 from vitattn.training.datamodules import ImageFolderDataModule
 from vitattn.training.plan import resolve
@@ -434,3 +434,134 @@ def test_pool_images_take_the_training_transform_with_randaugment_added_and_the_
     changed = [not torch.equal(data[data.human_size + i % 2][0], flipped(sources[i % 2])) for i in range(16)]
     assert any(changed)  # RandAugment's operations, on top of the flip
     assert all(torch.equal(data[i][0], flipped(datamodule.train_files()[i])) for i in range(4))  # humans: none
+
+
+def test_soft_class_labels_learn_the_teacher_s_stored_probabilities_by_a_soft_cross_entropy():
+    from vitattn.training.systems.classification import ClassificationSystem
+
+    torch.manual_seed(0)
+    config = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3)
+    system = ClassificationSystem(config, ["a", "b", "c"])
+    system.log = lambda *a, **k: None  # no trainer: the loss alone
+    images = torch.randn(2, 3, 32, 32)
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]])
+    logits = system.model(images)
+    by_hand = -(probs * torch.log_softmax(logits, -1)).sum(-1).mean()  # noisy student's soft target
+    torch.testing.assert_close(system._training_loss((images, probs)), by_hand)
+    hard = -torch.log_softmax(logits, -1)[[0, 1], [0, 2]].mean()  # the argmax as a hard label: not the same loss
+    assert not torch.allclose(by_hand, hard)
+    torch.testing.assert_close(system._training_loss((images, torch.tensor([0, 2]))), hard)
+
+
+def test_soft_pool_targets_are_the_stored_probabilities_of_the_kept_images_and_humans_one_hot(tmp_path):
+    rows = [[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.3, 0.7]]  # class 0 three times, class 1 once
+    side = _labels(tmp_path, rows)
+    pool = side_files.read_labels(BootstrapSettings(soft=True, keep=Keep(percentile=50)), side, 2)
+    # a balanced count of 1 per class (50 % of 4 images, 2 classes), each class's most confident, its own row
+    assert sorted(zip(pool.sources, pool.labels, pool.targets)) == [("i0", 0, rows[0]), ("i3", 1, rows[3])]
+    assert side_files.read_labels(BootstrapSettings(keep=Keep(percentile=50)), side, 2).targets is None  # hard
+    for n in range(2):
+        _save(torch.full((3, 8, 8), 60 * n, dtype=torch.uint8), tmp_path / f"p{n}.png")
+    kept = Pool([str(tmp_path / "p0.png"), str(tmp_path / "p1.png")], labels=[0, 1], targets=[rows[1], rows[3]])
+    human = [(torch.zeros(3, 8, 8, dtype=torch.uint8), 1)]
+    mixed = MixedTraining(human, 1, PoolLabels(kept, pil_to_tensor), 2)
+    batch = torch.utils.data.default_collate([mixed[0], mixed[1], mixed[2]])  # one kind of target: it collates
+    torch.testing.assert_close(batch[1], torch.tensor([[0.0, 1.0], rows[1], rows[3]]))
+
+
+def test_a_soft_run_is_refused_where_it_cannot_hold(tmp_path):
+    with pytest.raises(ConfigError, match="^bootstrap.soft=true: soft targets are the teacher's class probabilities"):
+        side_files.prepare_pool(BootstrapSettings(candidates=str(tmp_path), soft=True), "caption", tmp_path, {})
+    cfg = _student(
+        tmp_path / "s", "bootstrap.candidates=c", "bootstrap.soft=true", "head.mixup=0.8", head="classification"
+    )
+    with pytest.raises(ConfigError, match="^bootstrap.soft=true takes no head.mixup / head.cutmix"):
+        build(resolve(cfg), [])
+    with pytest.raises(ConfigError, match="^bootstrap.labelled_images=copy must be drop or keep"):
+        BootstrapSettings.from_config({"candidates": "c.jsonl", "labelled_images": "copy"})
+
+
+def test_a_filter_trained_apart_judges_the_teacher_s_class_labels(tmp_path):
+    # the teacher calls both images class 0; the filter doubts the first
+    side = tmp_path / "labels.jsonl"
+    records = [
+        {"image": "i0", "probabilities": [0.9, 0.1], "filter_probabilities": [0.4, 0.6]},
+        {"image": "i1", "probabilities": [0.6, 0.4], "filter_probabilities": [0.95, 0.05]},
+    ]
+    side.write_text("".join(json.dumps(r) + "\n" for r in records))
+    pool = side_files.read_labels(BootstrapSettings(keep=Keep(min_score=0.5)), side, 2)
+    assert (pool.sources, pool.labels) == (["i1"], [0])  # the filter's confidence, not the teacher's 0.9
+
+
+def test_a_classification_teacher_writes_its_filter_s_probabilities_beside_its_own(tmp_path, monkeypatch):
+    from torchvision.transforms.functional import to_tensor
+
+    for n in range(3):
+        _save(torch.full((3, 8, 8), 50 * n, dtype=torch.uint8), tmp_path / f"p{n}.png")
+
+    def model(bias):  # logits from the image's mean: each image its own probabilities
+        return lambda images: images.mean((1, 2, 3))[:, None] * torch.tensor([1.0, -1.0]) + torch.tensor(bias)
+
+    def fake(path, **kwargs):
+        bias = [0.0, 0.0] if path == "teacher" else [2.0, 0.0]
+        return SimpleNamespace(
+            task="classification", class_names=["a", "b"], model=model(bias), device="cpu", transform=to_tensor
+        )
+
+    monkeypatch.setattr(side_files, "load_model", fake)
+    settings = BootstrapSettings(teacher="teacher", images=str(tmp_path), filter="filter")
+    side = tmp_path / "out" / "labels.jsonl"
+    side_files.label_pool(settings, "classification", side, {"class_names": ["a", "b"]})
+    for record in map(json.loads, side.read_text().splitlines()):
+        m = to_tensor(read_image(record["image"])).mean()
+        teacher, judged = torch.softmax(torch.stack([m, -m]), 0), torch.softmax(torch.stack([m + 2, -m]), 0)
+        torch.testing.assert_close(torch.tensor(record["probabilities"]), teacher, atol=1e-6, rtol=0)
+        torch.testing.assert_close(torch.tensor(record["filter_probabilities"]), judged, atol=1e-6, rtol=0)
+    monkeypatch.setattr(
+        side_files,
+        "load_model",
+        lambda path, **k: SimpleNamespace(task="caption", class_names=None) if path == "filter" else fake(path),
+    )
+    with pytest.raises(ConfigError, match="^bootstrap.filter=filter: a classification student's filter is a classi"):
+        side_files.label_pool(settings, "classification", tmp_path / "again.jsonl", {"class_names": ["a", "b"]})
+
+
+def test_labelled_images_keep_trains_on_the_teacher_s_labels_of_labelled_images_never_on_val_images(tmp_path):
+    root = make_image_folder(tmp_path / "tree", per_class=2, size=32)
+    folder = tmp_path / "pool"
+    folder.mkdir()
+    shutil.copy(root / "train" / "cat" / "0.png", folder / "labelled.png")
+    shutil.copy(root / "val" / "dog" / "1.png", folder / "val.png")
+
+    def mixed(labelled_images, soft=None):
+        datamodule = ImageFolderDataModule(root, img_size=32, batch_size=2, cache="none")
+        datamodule.setup()
+        datamodule.pool = Pool([str(folder / "labelled.png"), str(folder / "val.png")], labels=[1, 0], targets=soft)
+        settings = BootstrapSettings(teacher="t", images="p", labelled_images=labelled_images)
+        return datamodule, datamodule.use_pool(settings)
+
+    datamodule, counts = mixed("keep")  # distillation: the labelled image's teacher label trained on too
+    assert counts["pool_identical_to_labelled"] == 1 and counts["pool_identical_to_val_or_test"] == 1
+    assert datamodule.pool.sources == [str(folder / "labelled.png")] and datamodule.pool.labels == [1]
+    assert len(datamodule.train_dataset) == 4 + 1
+    data, _ = mixed("keep", soft=[[0.2, 0.8], [0.9, 0.1]])
+    data = data.train_dataset  # soft: the pool's stored probabilities, the human labels one-hot
+    assert data[4][1].tolist() == pytest.approx([0.2, 0.8]) and data[0][1].tolist() == [1.0, 0.0]  # 0: a cat
+    with pytest.raises(ConfigError, match="every kept pool image is a validation, test or labelled image"):
+        mixed("drop")
+
+
+def test_the_student_is_its_own_run_and_takes_its_own_noise(pool, tmp_path):
+    from vitattn.layers.transformer import DecoderLayer, EncoderLayer
+
+    side = tmp_path / "candidates.jsonl"
+    human = ShapesDataset("train", 64, 32, 0, "caption").captions
+    side.write_text(json.dumps({"image": str(pool / "scene288.png"), "candidates": [{"text": human[1], "score": 0}]}))
+    side.with_name(side.name + ".manifest.json").write_text("{}")
+    noise = ["model.drop_path_rate=0.3", "model.drop_rate=0.2", "head.decoder.drop_rate=0.4"]
+    run = [*TINY, "head=caption", *TINY_SHAPES, *SHORT, f"bootstrap.candidates={side}", *noise]
+    _, system, _ = build(resolve(compose_train(run, tmp_path / "s")), [])
+    encoder = [m for m in system.model.encoder.modules() if isinstance(m, EncoderLayer)]
+    decoder = [m for m in system.model.decoder.modules() if isinstance(m, DecoderLayer)]
+    assert encoder[-1].drop_path2.p == pytest.approx(0.3)  # timm's rise over the layers, to the rate at the last
+    assert encoder[-1].dropout1.p == pytest.approx(0.2) and decoder[0].dropout3.p == pytest.approx(0.4)

@@ -21,13 +21,15 @@ def lineage(settings: BootstrapSettings, side: Path, task: str) -> dict[str, Any
     """What the run learned from: its teacher, filter and settings, and the teacher's own lineage (rounds)."""
     record: dict[str, Any] = {
         "teacher": settings.teacher,
-        "filter": None if task == "classification" else settings.filter,
+        "filter": None if task == "classification" and settings.filter in ("teacher", "none") else settings.filter,
         "side_files": str(side),
         "samples": settings.samples,
         "sampling": {"do_sample": settings.do_sample, "top_p": settings.top_p, "num_beams": settings.num_beams},
         "keep": vars(settings.keep),
         "human_repeat": settings.human_repeat,
         "randaugment": settings.randaugment,
+        "soft": settings.soft,
+        "labelled_images": settings.labelled_images,
     }
     if task == "caption":
         manifest = candidates_manifest(side)

@@ -16,6 +16,8 @@ from vitattn.data.images import read_image
 
 __all__ = ["MixedTraining", "Pool", "PoolCaptions", "PoolLabels", "image_digests"]
 
+_OWN = ("human", "pool", "repeat", "human_size", "num_classes")  # MixedTraining's own attributes
+
 
 @dataclass
 class Pool:
@@ -24,6 +26,7 @@ class Pool:
     sources: list[Any]  # a path, or (key, image bytes)
     captions: list[list[str]] | None = None  # each image's kept captions (caption teacher)
     labels: list[int] | None = None  # each image's kept class (classification teacher)
+    targets: list[list[float]] | None = None  # each image's teacher probabilities (bootstrap.soft)
     counts: dict[str, int] = field(default_factory=dict)
     lineage: dict[str, Any] = field(default_factory=dict)
 
@@ -46,6 +49,8 @@ class Pool:
             self.captions = [self.captions[i] for i in keep]
         if self.labels is not None:
             self.labels = [self.labels[i] for i in keep]
+        if self.targets is not None:
+            self.targets = [self.targets[i] for i in keep]
 
 
 class PoolCaptions(Dataset):
@@ -69,7 +74,8 @@ class PoolCaptions(Dataset):
 
 
 class PoolLabels(Dataset):
-    """The kept pool as a classification dataset: ``(image, label)``, the image (3, height, width) uint8."""
+    """The kept pool as a classification dataset: ``(image, label)``, the image (3, height, width) uint8; the label
+    the teacher's probabilities (classes,) float where the pool holds them (``bootstrap.soft``)."""
 
     def __init__(self, pool: Pool, transform: Callable[[Any], torch.Tensor]) -> None:
         self.pool, self.transform = pool, transform
@@ -77,20 +83,24 @@ class PoolLabels(Dataset):
     def __len__(self) -> int:
         return len(self.pool)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return self.transform(self.pool.read(index)), self.pool.labels[index]
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int | torch.Tensor]:
+        image = self.transform(self.pool.read(index))
+        if self.pool.targets is not None:
+            return image, torch.tensor(self.pool.targets[index], dtype=torch.float32)
+        return image, self.pool.labels[index]
 
 
 class MixedTraining(Dataset):
     """One training stream: the human-labelled ``human`` dataset ``repeat`` times, then ``pool``; an index (or an
     ``(index, epoch seed)`` pair from ``EpochSampler(draws=True)``) goes to its part, so a resumed epoch reads what
     the interrupted one would have. Each repeat of a human sample draws its own references (a seed of its own
-    from the epoch's seed and the repeat)."""
+    from the epoch's seed and the repeat). ``num_classes``: a soft pool's; a human ``(image, label)`` then comes
+    as ``(image, one-hot (num_classes,) float)``, so a batch collates one kind of target."""
 
     draws = True
 
-    def __init__(self, human: Dataset, repeat: int, pool: Dataset) -> None:
-        self.human, self.repeat, self.pool = human, repeat, pool
+    def __init__(self, human: Dataset, repeat: int, pool: Dataset, num_classes: int | None = None) -> None:
+        self.human, self.repeat, self.pool, self.num_classes = human, repeat, pool, num_classes
         self.human_size = len(human) * repeat
 
     def __len__(self) -> int:
@@ -102,12 +112,15 @@ class MixedTraining(Dataset):
             repeat, i = divmod(index, len(self.human))
             if getattr(self.human, "draws", False):
                 return self.human[(i, seed * self.repeat + repeat)]  # each repeat its own draw
+            if self.num_classes is not None:
+                image, label = self.human[i]
+                return image, torch.nn.functional.one_hot(torch.tensor(label), self.num_classes).float()
             return self.human[i]
         i = index - self.human_size
         return self.pool[(i, seed)] if getattr(self.pool, "draws", False) else self.pool[i]
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("human", "pool", "repeat", "human_size"):  # not set yet (unpickling in a loader worker)
+        if name in _OWN:  # not set yet (unpickling in a loader worker)
             raise AttributeError(name)
         return getattr(self.human, name)  # the DataModule's own readers of its training split (``samples``, ...)
 

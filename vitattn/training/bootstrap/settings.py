@@ -20,7 +20,10 @@ class BootstrapSettings:
     folder, a file list or WebDataset shards), or another run's side files (``candidates``) are read; ``filter``
     scores the candidates (a model path, ``teacher`` or ``none``); ``samples`` candidates per image (``do_sample``
     with ``top_p``, or the beam's best); ``keep``; ``human_repeat``: how many times each human-labelled sample
-    appears per epoch; ``randaugment``: timm's RandAugment of the pool images (the student's named noise)."""
+    appears per epoch; ``randaugment``: timm's RandAugment of the pool images (the student's named noise);
+    ``soft``: classes learnt from the teacher's stored probabilities (noisy student's soft targets);
+    ``labelled_images``: pool images equal to human-labelled training ones ``drop`` out, or ``keep`` their teacher
+    labels beside their human ones (distillation; validation and test images never enter)."""
 
     teacher: str | None = None
     images: str | None = None
@@ -33,6 +36,8 @@ class BootstrapSettings:
     keep: Keep = field(default_factory=Keep)
     human_repeat: int = 1
     randaugment: str | None = None
+    soft: bool = False
+    labelled_images: str = "drop"
     batch_size: int = 32
 
     @classmethod
@@ -54,6 +59,8 @@ class BootstrapSettings:
             raise ConfigError(f"bootstrap.samples={settings.samples} must be at least 1")
         if not isinstance(settings.human_repeat, int) or settings.human_repeat < 0:
             raise ConfigError(f"bootstrap.human_repeat={settings.human_repeat} must be a whole number, 0 or more")
+        if settings.labelled_images not in ("drop", "keep"):
+            raise ConfigError(f"bootstrap.labelled_images={settings.labelled_images} must be drop or keep")
         if settings.teacher is not None and settings.images is None:
             raise ConfigError("bootstrap.teacher=... labels the images of bootstrap.images=POOL; give the pool")
         return settings

@@ -42,6 +42,10 @@ def prepare_pool(
     captions') spells. ``run``: ``seed``, ``devices``, ``accelerator``, ``progress``, ``rank`` (the plan's global
     rank), ``precision`` (the teacher's: the run's), ``class_names`` (a classification student's)."""
     folder = run_dir / BOOTSTRAP_DIR
+    if settings.soft and task != "classification":
+        raise ConfigError(
+            "bootstrap.soft=true: soft targets are the teacher's class probabilities; head=classification"
+        )
     if settings.candidates is not None:
         side = _given_side_files(Path(settings.candidates), task)
     else:
@@ -104,8 +108,15 @@ def label_pool(settings: BootstrapSettings, task: str, side: Path, run: dict[str
                 f"bootstrap.teacher={settings.teacher} has the classes {teacher.class_names}, the data "
                 f"{run['class_names']}: a teacher labels the student's classes"
             )
-        _write_labels(teacher, settings, side)
-        del teacher
+        apart = settings.filter not in ("teacher", "none")
+        scorer = load_model(settings.filter, precision=teacher_precision(settings, run)) if apart else None
+        if scorer is not None and (scorer.task != task or list(scorer.class_names) != list(run["class_names"])):
+            raise ConfigError(
+                f"bootstrap.filter={settings.filter}: a classification student's filter is a classifier of its "
+                f"classes {run['class_names']}"
+            )
+        _write_labels(teacher, settings, side, scorer)
+        del teacher, scorer
         gc.collect()
         return
     del teacher
@@ -142,8 +153,9 @@ def teacher_precision(settings: BootstrapSettings, run: dict[str, Any]) -> str:
     return "auto" if runtime_of(settings.teacher) == "onnx" else run.get("precision", "fp32")
 
 
-def _write_labels(teacher: Any, settings: BootstrapSettings, out: Path) -> None:
-    """Each pool image's class probabilities from the teacher classifier, one jsonl record a line, atomically."""
+def _write_labels(teacher: Any, settings: BootstrapSettings, out: Path, scorer: Any = None) -> None:
+    """Each pool image's class probabilities from the teacher classifier (and a filter classifier trained apart,
+    ``filter_probabilities``), one jsonl record a line, atomically."""
     if settings.shards:
         raise ConfigError("bootstrap.images: a classification teacher labels an image folder or list, not shards")
     paths = list_inputs(settings.images).paths
@@ -154,8 +166,12 @@ def _write_labels(teacher: Any, settings: BootstrapSettings, out: Path) -> None:
             paths, list(range(len(paths))), teacher.transform, settings.batch_size, 0, failed
         ):
             probs = teacher.model(images.to(teacher.device)).float().softmax(-1).cpu()  # (B, classes)
-            for i, p in zip(ids.tolist(), probs):
-                records.append({"image": paths[i], "probabilities": [round(float(x), 6) for x in p]})
+            judged = probs if scorer is None else scorer.model(images.to(scorer.device)).float().softmax(-1).cpu()
+            for i, p, q in zip(ids.tolist(), probs, judged):
+                record = {"image": paths[i], "probabilities": [round(float(x), 6) for x in p]}
+                if scorer is not None:
+                    record["filter_probabilities"] = [round(float(x), 6) for x in q]
+                records.append(record)
     records += [{"image": path, "error": "unreadable"} for path in failed]
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_open(out, "w", encoding="utf-8") as f:
@@ -217,14 +233,18 @@ def _score(candidate: dict[str, Any]) -> float | None:
 
 
 def read_labels(settings: BootstrapSettings, side: Path, num_classes: int) -> Pool:
-    """The kept pool of a class side file: each image's most probable class, kept by ``settings.keep``."""
+    """The kept pool of a class side file: each image's most probable class (its probabilities too with
+    ``settings.soft``), kept by ``settings.keep`` on its confidence: the teacher's probability of that class, or the
+    filter's where a filter trained apart judged it (``filter_probabilities``)."""
     records = sorted((r for r in read_records([side]) if "probabilities" in r), key=lambda r: r["image"])
     if records and len(records[0]["probabilities"]) != num_classes:
         raise ConfigError(f"bootstrap: {side} holds {len(records[0]['probabilities'])} classes, the data {num_classes}")
     labels = [max(range(num_classes), key=r["probabilities"].__getitem__) for r in records]
-    confidences = [r["probabilities"][label] for r, label in zip(records, labels)]
+    judged = [r.get("filter_probabilities", r["probabilities"]) for r in records]
+    confidences = [p[label] for p, label in zip(judged, labels)]
     kept = settings.keep.classes(labels, confidences, num_classes)
     sources, kept_labels = [records[i]["image"] for i in kept], [labels[i] for i in kept]
+    targets = [records[i]["probabilities"] for i in kept] if settings.soft else None
     per_class = settings.keep.per_class(len(records), num_classes)
     counts = {"pool_images": len(records), "kept_images": len(set(sources)), "kept_samples": len(sources)}
     counts |= {"repeated_to_balance": len(kept) - len(set(kept)), "per_class": per_class or 0}
@@ -236,7 +256,7 @@ def read_labels(settings: BootstrapSettings, side: Path, num_classes: int) -> Po
         len(sources),
         settings.keep,
     )
-    return Pool(sources, labels=kept_labels, counts=counts)
+    return Pool(sources, labels=kept_labels, targets=targets, counts=counts)
 
 
 def _shard_images(settings: BootstrapSettings, folder: Path) -> dict[str, bytes]:
