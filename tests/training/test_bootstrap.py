@@ -2,6 +2,7 @@
 when the data is read, the student trains on its own data and the kept pool; validation keeps the human
 references; leaked images are left out and counted; a resumed run never captions again; lineage is recorded."""
 
+import dataclasses
 import json
 import random
 import shutil
@@ -565,3 +566,22 @@ def test_the_student_is_its_own_run_and_takes_its_own_noise(pool, tmp_path):
     decoder = [m for m in system.model.decoder.modules() if isinstance(m, DecoderLayer)]
     assert encoder[-1].drop_path2.p == pytest.approx(0.3)  # timm's rise over the layers, to the rate at the last
     assert encoder[-1].dropout1.p == pytest.approx(0.2) and decoder[0].dropout3.p == pytest.approx(0.4)
+
+
+def test_the_captioning_child_loads_its_teacher_and_filter_in_the_job_s_precision(monkeypatch, tmp_path):
+    from vitattn.training.bootstrap import child
+
+    loaded = []
+
+    def load(path, **kwargs):
+        loaded.append((path, kwargs["precision"]))
+        if path == "filter":
+            raise _Stop
+        return SimpleNamespace(precision=kwargs["precision"], merge_tokens=None)
+
+    monkeypatch.setattr(child, "load_model", load)
+    job = child.CaptionJob(teacher="teacher", images=str(tmp_path), out=str(tmp_path / "c.jsonl"), precision="bf16")
+    with pytest.raises(_Stop):
+        child.run_job(dataclasses.replace(job, score="filter"))
+    assert loaded == [("teacher", "bf16"), ("filter", "bf16")]
+    assert child.CaptionJob(**json.loads(job.to_json())) == job  # what the child process reads back
