@@ -8,11 +8,17 @@ per class, chosen by the seed; the rest is the pool, without them. Paired per da
 (the split's labelled share only), the ``student`` (the same config plus the teacher's kept candidates of the
 pool, ``bootstrap.*`` at its defaults) and the ``oracle`` (the same config on every label); the ablations
 change one ``bootstrap`` setting of the student. Gap closed = (student - teacher) / (oracle - teacher).
+
+Arms that train a model of their own first: ``filter`` (a run on the labelled share only, its own seed: the
+filter trained apart that ``student_filter`` scores the teacher's candidates or labels with) and ``teacher_4x`` (4x
+the student's parameters, width doubled, on every label: the teacher of ``distill``, which labels every training
+image, the labelled ones kept too, ``bootstrap.labelled_images=keep``). List them before the arms that read them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -36,7 +42,13 @@ ARMS = {
     "student_noise": ["bootstrap.randaugment=rand-m6-mstd0.5"],
     # each labelled sample as often per epoch as the pool's images are, together (the pool is 9x the 10 % share)
     "student_repeat": ["bootstrap.human_repeat=9"],
+    "student_soft": ["bootstrap.soft=true"],  # classes: the teacher's probabilities as targets (noisy student)
+    "filter": [],  # the labelled share only, seed + 1000: a filter trained apart from the teacher
+    "student_filter": [],  # bootstrap.filter=the filter run
+    "teacher_4x": [],  # every label, embed_dim doubled: 4x the student's parameters
+    "distill": ["bootstrap.labelled_images=keep"],  # teacher_4x labels every training image
 }
+FILTER_SEED = 1000  # the filter's seed offset: trained apart, not the teacher again
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -62,11 +74,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for seed in args.seeds:
                 folder = args.out.parent / "bootstrap" / f"{name}-{task}-seed{seed}"
                 low, pool = _low_label_split(data, task, seed, args.share, folder)
-                teacher_dir = folder / "teacher"
                 for arm in args.arms:
-                    extra = _arm_overrides(arm, teacher_dir, pool)
-                    source = data if arm == "oracle" else low
-                    result = _train(task, source, args, seed, folder / arm, extra, export=arm == "teacher")
+                    extra = _arm_overrides(arm, folder, pool, data)
+                    source = data if arm in ("oracle", "teacher_4x") else low
+                    run_seed = seed + FILTER_SEED if arm == "filter" else seed
+                    wide = {"embed_dim": 2 * learning_bench.BenchConfig.embed_dim} if arm == "teacher_4x" else {}
+                    export = arm in ("teacher", "filter", "teacher_4x")
+                    result = _train(task, source, args, run_seed, folder / arm, extra, export, wide)
                     scores[arm][seed] = result["score"]
                     runs.append({"dataset": name, "task": task, "seed": seed, "arm": arm, **result})
                     print(f"{name} {task} seed {seed} {arm}: {result['score']:.4f} ({result['seconds']:.0f} s)")
@@ -115,17 +129,32 @@ def _low_label_split(data: Any, task: str, seed: int, share: float, folder: Path
     ), pool
 
 
-def _arm_overrides(arm: str, teacher: Path, pool: Path) -> list[str]:
+def _arm_overrides(arm: str, folder: Path, pool: Path, data: Any) -> list[str]:
+    """A student arm's ``bootstrap`` keys: its teacher, its pool (distill: every training image) and its setting."""
+    if arm == "distill":
+        every = folder / "every_image.txt"
+        every.write_text("".join(f"{p}\n" for p in sorted((data.root / "train").glob("*/*"))))
+        return [f"bootstrap.teacher={folder / 'teacher_4x'}", f"bootstrap.images={every}", *ARMS[arm]]
     if not arm.startswith("student"):
         return []
-    return [f"bootstrap.teacher={teacher}", f"bootstrap.images={pool}", *ARMS[arm]]
+    scorer = [f"bootstrap.filter={folder / 'filter'}"] if arm == "student_filter" else []
+    return [f"bootstrap.teacher={folder / 'teacher'}", f"bootstrap.images={pool}", *scorer, *ARMS[arm]]
 
 
 def _train(
-    task: str, data: Any, args: argparse.Namespace, seed: int, run_dir: Path, extra: list[str], export: bool
+    task: str,
+    data: Any,
+    args: argparse.Namespace,
+    seed: int,
+    run_dir: Path,
+    extra: list[str],
+    export: bool,
+    size: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """One ``vitattn-train`` run of the learning bench's config; its val score (CIDEr-D or accuracy)."""
+    """One ``vitattn-train`` run of the learning bench's config (``size``: other model sizes); its val score
+    (CIDEr-D or accuracy)."""
     cfg = learning_bench.BenchConfig(steps=args.steps, threads=args.threads, img_size=args.img_size, seed=seed)
+    cfg = dataclasses.replace(cfg, **(size or {}))
     cfg.vitattn_args = [*extra, *(["export_bundle=true"] if export else [])]
     side = learning_bench.run_vitattn(task, data, cfg, run_dir)
     metric = "cider_d" if task == "caption" else "acc"

@@ -2,6 +2,7 @@
 when the data is read, the student trains on its own data and the kept pool; validation keeps the human
 references; leaked images are left out and counted; a resumed run never captions again; lineage is recorded."""
 
+import dataclasses
 import json
 import random
 import shutil
@@ -16,7 +17,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 from torchvision.transforms.functional import pil_to_tensor
 
-import vitattn.training.bootstrap as bootstrap
+import vitattn.training.bootstrap.side_files as side_files
 from tests.helpers.images import make_image_folder
 from tests.helpers.runs import SHAPES_RUN, TINY, TINY_SHAPES, compose_train
 from vitattn.data.images import read_image
@@ -24,7 +25,7 @@ from vitattn.data.shapes import ShapesDataset
 from vitattn.data.tokenizer import TokenizedCaptions, Vocabulary
 from vitattn.errors import ConfigError
 from vitattn.training import train
-from vitattn.training.bootstrap import BootstrapSettings, Keep, MixedTraining, Pool
+from vitattn.training.bootstrap import BootstrapSettings, Keep, MixedTraining, Pool, PoolLabels
 from vitattn.training.build import build
 from vitattn.training.datamodules import ImageFolderDataModule
 from vitattn.training.plan import resolve
@@ -57,8 +58,8 @@ def test_a_student_trains_on_its_data_and_the_kept_pool_and_validates_on_human_r
     shapes_caption_run, pool, tmp_path, monkeypatch
 ):
     captioned = []
-    real = bootstrap._caption_pool
-    monkeypatch.setattr(bootstrap, "_caption_pool", lambda *a: captioned.append(1) or real(*a))
+    real = side_files.caption_in_child
+    monkeypatch.setattr(side_files, "caption_in_child", lambda *a: captioned.append(1) or real(*a))
     cfg = _student(tmp_path / "student", f"bootstrap.teacher={shapes_caption_run}", f"bootstrap.images={pool}")
     from vitattn.training.plan import resolve
 
@@ -89,14 +90,17 @@ def test_a_student_trains_on_its_data_and_the_kept_pool_and_validates_on_human_r
     assert lineage["kept"]["kept_images"] == 14
 
     # the same run folder again (a resume): nothing captioned, the teacher not even loaded
-    monkeypatch.setattr(bootstrap, "load_model", lambda *a, **k: pytest.fail("the teacher was loaded again"))
+    monkeypatch.setattr(side_files, "load_model", lambda *a, **k: pytest.fail("the teacher was loaded again"))
     again, _, _ = build(resolve(cfg), [])
     assert captioned == [1] and len(again.train_dataset.pool) == 12
 
 
 def test_keep_policies_keep_what_they_say():
     ranked = [[(0.9, "a"), (0.2, "b"), (0.5, "c")], [(None, "d"), (0.1, "e")], [(0.6, "f")]]
-    keep = bootstrap._keep_candidates
+
+    def keep(ranked, policy):
+        return policy.captions(ranked)
+
     assert keep(ranked, Keep(top_k=None)) == [["a", "c", "b"], ["e"], ["f"]]  # best first; a null score never kept
     assert keep(ranked, Keep()) == [["a", "c"], ["e"], ["f"]]  # BLIP-2's top 2 by default
     assert keep(ranked, Keep(top_k=1)) == [["a"], ["e"], ["f"]]
@@ -118,7 +122,7 @@ def test_class_pseudo_labels_keep_a_confidence_floor_and_top_k_never_bounds_a_cl
     side = _labels(tmp_path, [[0.9, 0.1], [0.6, 0.4], [0.55, 0.45], [0.3, 0.7], [0.2, 0.8], [0.45, 0.55]])
 
     def kept(**keep):
-        pool = bootstrap._read_labels(BootstrapSettings(keep=Keep(**keep)), side, 2)
+        pool = side_files.read_labels(BootstrapSettings(keep=Keep(**keep)), side, 2)
         return sorted(zip(pool.sources, pool.labels))
 
     every = [("i0", 0), ("i1", 0), ("i2", 0), ("i3", 1), ("i4", 1), ("i5", 1)]
@@ -133,7 +137,7 @@ def test_percentile_keeps_the_same_count_of_every_class_however_the_teacher_lean
     side = _labels(tmp_path, probabilities)
 
     def kept(percentile):
-        pool = bootstrap._read_labels(BootstrapSettings(keep=Keep(percentile=percentile)), side, 2)
+        pool = side_files.read_labels(BootstrapSettings(keep=Keep(percentile=percentile)), side, 2)
         return Counter(zip(pool.sources, pool.labels))
 
     # 50: half of the 8 images, 2 of each class, its most confident
@@ -147,7 +151,7 @@ def test_the_config_restates_the_code_s_bootstrap_defaults_and_keeps_every_class
     settings = BootstrapSettings.from_config(OmegaConf.to_container(cfg.bootstrap))
     assert settings == BootstrapSettings(teacher="runs/teacher", images="pool/")  # one default: the code's
     side = _labels(tmp_path, [[0.9, 0.1], [0.6, 0.4], [0.55, 0.45], [0.3, 0.7], [0.2, 0.8], [0.45, 0.55]])
-    assert len(bootstrap._read_labels(settings, side, 2)) == 6  # the default keeps every pseudo-label
+    assert len(side_files.read_labels(settings, side, 2)) == 6  # the default keeps every pseudo-label
 
 
 def test_bootstrap_filter_is_checked_where_the_settings_are_made(tmp_path):
@@ -156,7 +160,9 @@ def test_bootstrap_filter_is_checked_where_the_settings_are_made(tmp_path):
         BootstrapSettings.from_config({**node, "filter": "tecaher"})
     for good in ("teacher", "none", str(tmp_path), "hf-hub:org/filter"):
         assert BootstrapSettings.from_config({**node, "filter": good}).filter == good
-    assert not hasattr(bootstrap, "FILTERS")
+    import vitattn.training.bootstrap as bootstrap
+
+    assert not hasattr(bootstrap, "FILTERS") and not hasattr(bootstrap.settings, "FILTERS")
 
 
 class _Captions(torch.utils.data.Dataset):
@@ -197,12 +203,12 @@ def test_the_teacher_labels_the_pool_in_the_run_s_precision(head, precision, poo
             raise _Stop
         return SimpleNamespace(task="caption")
 
-    def caption(command, **kwargs):
-        seen.append(next((a for a in command if a.startswith("precision=")), None))
+    def caption(job):
+        seen.append(f"precision={job.precision}")
         raise _Stop
 
-    monkeypatch.setattr(bootstrap, "load_model", teacher)
-    monkeypatch.setattr(bootstrap.subprocess, "run", caption)
+    monkeypatch.setattr(side_files, "load_model", teacher)
+    monkeypatch.setattr(side_files, "caption_in_child", caption)
     cfg = compose_train(
         [*TINY, f"head={head}", *TINY_SHAPES, *SHORT, f"trainer.precision={precision}"]
         + [f"bootstrap.teacher={tmp_path}", f"bootstrap.images={pool}"],
@@ -223,8 +229,8 @@ def test_only_global_rank_zero_labels_the_pool(pool, tmp_path, monkeypatch):
     # the first process of the second node, before fit: Lightning's launcher has set only NODE_RANK there
     with monkeypatch.context() as m:
         m.setenv("NODE_RANK", "1")
-        m.setattr(bootstrap, "_label_pool", lambda *a: pytest.fail("a process of node 1 labelled the pool"))
-        m.setattr(bootstrap, "_wait_for", lambda path: (_ for _ in ()).throw(_Stop()))
+        m.setattr(side_files, "label_pool", lambda *a: pytest.fail("a process of node 1 labelled the pool"))
+        m.setattr(side_files, "wait_for", lambda path: (_ for _ in ()).throw(_Stop()))
         overrides = [*TINY, "head=classification", *TINY_SHAPES, *SHORT, f"bootstrap.teacher={tmp_path}"]
         cfg = compose_train([*overrides, f"bootstrap.images={pool}"], tmp_path / "s")
         with pytest.raises(_Stop):  # it waits for rank 0's side files
@@ -430,3 +436,153 @@ def test_pool_images_take_the_training_transform_with_randaugment_added_and_the_
     changed = [not torch.equal(data[data.human_size + i % 2][0], flipped(sources[i % 2])) for i in range(16)]
     assert any(changed)  # RandAugment's operations, on top of the flip
     assert all(torch.equal(data[i][0], flipped(datamodule.train_files()[i])) for i in range(4))  # humans: none
+
+
+def test_soft_class_labels_learn_the_teacher_s_stored_probabilities_by_a_soft_cross_entropy():
+    from vitattn.training.systems.classification import ClassificationSystem
+
+    torch.manual_seed(0)
+    config = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3)
+    system = ClassificationSystem(config, ["a", "b", "c"])
+    system.log = lambda *a, **k: None  # no trainer: the loss alone
+    images = torch.randn(2, 3, 32, 32)
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]])
+    logits = system.model(images)
+    by_hand = -(probs * torch.log_softmax(logits, -1)).sum(-1).mean()  # noisy student's soft target
+    torch.testing.assert_close(system._training_loss((images, probs)), by_hand)
+    hard = -torch.log_softmax(logits, -1)[[0, 1], [0, 2]].mean()  # the argmax as a hard label: not the same loss
+    assert not torch.allclose(by_hand, hard)
+    torch.testing.assert_close(system._training_loss((images, torch.tensor([0, 2]))), hard)
+
+
+def test_soft_pool_targets_are_the_stored_probabilities_of_the_kept_images_and_humans_one_hot(tmp_path):
+    rows = [[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.3, 0.7]]  # class 0 three times, class 1 once
+    side = _labels(tmp_path, rows)
+    pool = side_files.read_labels(BootstrapSettings(soft=True, keep=Keep(percentile=50)), side, 2)
+    # a balanced count of 1 per class (50 % of 4 images, 2 classes), each class's most confident, its own row
+    assert sorted(zip(pool.sources, pool.labels, pool.targets)) == [("i0", 0, rows[0]), ("i3", 1, rows[3])]
+    assert side_files.read_labels(BootstrapSettings(keep=Keep(percentile=50)), side, 2).targets is None  # hard
+    for n in range(2):
+        _save(torch.full((3, 8, 8), 60 * n, dtype=torch.uint8), tmp_path / f"p{n}.png")
+    kept = Pool([str(tmp_path / "p0.png"), str(tmp_path / "p1.png")], labels=[0, 1], targets=[rows[1], rows[3]])
+    human = [(torch.zeros(3, 8, 8, dtype=torch.uint8), 1)]
+    mixed = MixedTraining(human, 1, PoolLabels(kept, pil_to_tensor), 2)
+    batch = torch.utils.data.default_collate([mixed[0], mixed[1], mixed[2]])  # one kind of target: it collates
+    torch.testing.assert_close(batch[1], torch.tensor([[0.0, 1.0], rows[1], rows[3]]))
+
+
+def test_a_soft_run_is_refused_where_it_cannot_hold(tmp_path):
+    with pytest.raises(ConfigError, match="^bootstrap.soft=true: soft targets are the teacher's class probabilities"):
+        side_files.prepare_pool(BootstrapSettings(candidates=str(tmp_path), soft=True), "caption", tmp_path, {})
+    cfg = _student(
+        tmp_path / "s", "bootstrap.candidates=c", "bootstrap.soft=true", "head.mixup=0.8", head="classification"
+    )
+    with pytest.raises(ConfigError, match="^bootstrap.soft=true takes no head.mixup / head.cutmix"):
+        build(resolve(cfg), [])
+    with pytest.raises(ConfigError, match="^bootstrap.labelled_images=copy must be drop or keep"):
+        BootstrapSettings.from_config({"candidates": "c.jsonl", "labelled_images": "copy"})
+
+
+def test_a_filter_trained_apart_judges_the_teacher_s_class_labels(tmp_path):
+    # the teacher calls both images class 0; the filter doubts the first
+    side = tmp_path / "labels.jsonl"
+    records = [
+        {"image": "i0", "probabilities": [0.9, 0.1], "filter_probabilities": [0.4, 0.6]},
+        {"image": "i1", "probabilities": [0.6, 0.4], "filter_probabilities": [0.95, 0.05]},
+    ]
+    side.write_text("".join(json.dumps(r) + "\n" for r in records))
+    pool = side_files.read_labels(BootstrapSettings(keep=Keep(min_score=0.5)), side, 2)
+    assert (pool.sources, pool.labels) == (["i1"], [0])  # the filter's confidence, not the teacher's 0.9
+
+
+def test_a_classification_teacher_writes_its_filter_s_probabilities_beside_its_own(tmp_path, monkeypatch):
+    from torchvision.transforms.functional import to_tensor
+
+    for n in range(3):
+        _save(torch.full((3, 8, 8), 50 * n, dtype=torch.uint8), tmp_path / f"p{n}.png")
+
+    def model(bias):  # logits from the image's mean: each image its own probabilities
+        return lambda images: images.mean((1, 2, 3))[:, None] * torch.tensor([1.0, -1.0]) + torch.tensor(bias)
+
+    def fake(path, **kwargs):
+        bias = [0.0, 0.0] if path == "teacher" else [2.0, 0.0]
+        return SimpleNamespace(
+            task="classification", class_names=["a", "b"], model=model(bias), device="cpu", transform=to_tensor
+        )
+
+    monkeypatch.setattr(side_files, "load_model", fake)
+    settings = BootstrapSettings(teacher="teacher", images=str(tmp_path), filter="filter")
+    side = tmp_path / "out" / "labels.jsonl"
+    side_files.label_pool(settings, "classification", side, {"class_names": ["a", "b"]})
+    for record in map(json.loads, side.read_text().splitlines()):
+        m = to_tensor(read_image(record["image"])).mean()
+        teacher, judged = torch.softmax(torch.stack([m, -m]), 0), torch.softmax(torch.stack([m + 2, -m]), 0)
+        torch.testing.assert_close(torch.tensor(record["probabilities"]), teacher, atol=1e-6, rtol=0)
+        torch.testing.assert_close(torch.tensor(record["filter_probabilities"]), judged, atol=1e-6, rtol=0)
+    monkeypatch.setattr(
+        side_files,
+        "load_model",
+        lambda path, **k: SimpleNamespace(task="caption", class_names=None) if path == "filter" else fake(path),
+    )
+    with pytest.raises(ConfigError, match="^bootstrap.filter=filter: a classification student's filter is a classi"):
+        side_files.label_pool(settings, "classification", tmp_path / "again.jsonl", {"class_names": ["a", "b"]})
+
+
+def test_labelled_images_keep_trains_on_the_teacher_s_labels_of_labelled_images_never_on_val_images(tmp_path):
+    root = make_image_folder(tmp_path / "tree", per_class=2, size=32)
+    folder = tmp_path / "pool"
+    folder.mkdir()
+    shutil.copy(root / "train" / "cat" / "0.png", folder / "labelled.png")
+    shutil.copy(root / "val" / "dog" / "1.png", folder / "val.png")
+
+    def mixed(labelled_images, soft=None):
+        datamodule = ImageFolderDataModule(root, img_size=32, batch_size=2, cache="none")
+        datamodule.setup()
+        datamodule.pool = Pool([str(folder / "labelled.png"), str(folder / "val.png")], labels=[1, 0], targets=soft)
+        settings = BootstrapSettings(teacher="t", images="p", labelled_images=labelled_images)
+        return datamodule, datamodule.use_pool(settings)
+
+    datamodule, counts = mixed("keep")  # distillation: the labelled image's teacher label trained on too
+    assert counts["pool_identical_to_labelled"] == 1 and counts["pool_identical_to_val_or_test"] == 1
+    assert datamodule.pool.sources == [str(folder / "labelled.png")] and datamodule.pool.labels == [1]
+    assert len(datamodule.train_dataset) == 4 + 1
+    data, _ = mixed("keep", soft=[[0.2, 0.8], [0.9, 0.1]])
+    data = data.train_dataset  # soft: the pool's stored probabilities, the human labels one-hot
+    assert data[4][1].tolist() == pytest.approx([0.2, 0.8]) and data[0][1].tolist() == [1.0, 0.0]  # 0: a cat
+    with pytest.raises(ConfigError, match="every kept pool image is a validation, test or labelled image"):
+        mixed("drop")
+
+
+def test_the_student_is_its_own_run_and_takes_its_own_noise(pool, tmp_path):
+    from vitattn.layers.transformer import DecoderLayer, EncoderLayer
+
+    side = tmp_path / "candidates.jsonl"
+    human = ShapesDataset("train", 64, 32, 0, "caption").captions
+    side.write_text(json.dumps({"image": str(pool / "scene288.png"), "candidates": [{"text": human[1], "score": 0}]}))
+    side.with_name(side.name + ".manifest.json").write_text("{}")
+    noise = ["model.drop_path_rate=0.3", "model.drop_rate=0.2", "head.decoder.drop_rate=0.4"]
+    run = [*TINY, "head=caption", *TINY_SHAPES, *SHORT, f"bootstrap.candidates={side}", *noise]
+    _, system, _ = build(resolve(compose_train(run, tmp_path / "s")), [])
+    encoder = [m for m in system.model.encoder.modules() if isinstance(m, EncoderLayer)]
+    decoder = [m for m in system.model.decoder.modules() if isinstance(m, DecoderLayer)]
+    assert encoder[-1].drop_path2.p == pytest.approx(0.3)  # timm's rise over the layers, to the rate at the last
+    assert encoder[-1].dropout1.p == pytest.approx(0.2) and decoder[0].dropout3.p == pytest.approx(0.4)
+
+
+def test_the_captioning_child_loads_its_teacher_and_filter_in_the_job_s_precision(monkeypatch, tmp_path):
+    from vitattn.training.bootstrap import child
+
+    loaded = []
+
+    def load(path, **kwargs):
+        loaded.append((path, kwargs["precision"]))
+        if path == "filter":
+            raise _Stop
+        return SimpleNamespace(precision=kwargs["precision"], merge_tokens=None)
+
+    monkeypatch.setattr(child, "load_model", load)
+    job = child.CaptionJob(teacher="teacher", images=str(tmp_path), out=str(tmp_path / "c.jsonl"), precision="bf16")
+    with pytest.raises(_Stop):
+        child.run_job(dataclasses.replace(job, score="filter"))
+    assert loaded == [("teacher", "bf16"), ("filter", "bf16")]
+    assert child.CaptionJob(**json.loads(job.to_json())) == job  # what the child process reads back

@@ -75,6 +75,8 @@ def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer
     log_preprocess(datamodule, plan.preprocess_from)
     bootstrap = BootstrapSettings.from_config(OmegaConf.to_container(cfg.bootstrap) if cfg.get("bootstrap") else None)
     setup_data(cfg, datamodule, plan.resume, plan.tokenizer_kind)  # empty data, wrong vocabulary: one line, no step run
+    if bootstrap is not None and bootstrap.soft and (cfg.head.get("mixup") or cfg.head.get("cutmix")):
+        raise ConfigError("bootstrap.soft=true takes no head.mixup / head.cutmix: timm's Mixup mixes class indices")
     if bootstrap is not None:  # after setup: the pool keeps what the human captions' vocabulary spells
         run = {**_pool_run(plan), "class_names": list(getattr(datamodule, "class_names", None) or [])}
         datamodule.pool = prepare_pool(bootstrap, cfg.head.task, plan.run_dir, run, datamodule.vocab)

@@ -377,8 +377,9 @@ class ImageDataModule(pl.LightningDataModule):
     def use_pool(self, settings: BootstrapSettings) -> dict[str, int]:
         """After ``setup``: the kept ``pool`` mixed into the training split (``MixedTraining``), each human-labelled
         sample ``settings.human_repeat`` times, each pool image through ``pool_transform``; pool images whose
-        pixels through the evaluation transform equal a validation or test image's, or a human-labelled one's, are
-        left out and counted. Returns the counts."""
+        pixels through the evaluation transform equal a validation or test image's are left out and counted, and so
+        are those equal to a human-labelled one's unless ``settings.labelled_images`` is ``keep`` (distillation:
+        counted, kept). Returns the counts."""
         pool, evaluate = self.pool, self.eval_transform()
         digests = [image_digests([evaluate(pool.read(i))]).pop() for i in range(len(pool))]
         held_out = image_digests(_images(self.val_dataset)) | image_digests(_images(self.test_dataset))
@@ -386,6 +387,8 @@ class ImageDataModule(pl.LightningDataModule):
         leaked = {i for i, d in enumerate(digests) if d in held_out}
         labelled = {i for i, d in enumerate(digests) if d in human and i not in leaked}
         counts = {"pool_identical_to_val_or_test": len(leaked), "pool_identical_to_labelled": len(labelled)}
+        if settings.labelled_images == "keep":  # the teacher's labels of the labelled images trained on too
+            labelled = set()
         if leaked or labelled:
             log.warning(
                 "bootstrap: %d pool images equal validation or test images and %d equal human-labelled ones; "
@@ -401,7 +404,8 @@ class ImageDataModule(pl.LightningDataModule):
             part: Dataset = TokenizedCaptions(PoolCaptions(pool, transform), self.vocab, self.max_caption_len, 1)
         else:
             part = PoolLabels(pool, transform)
-        self.train_dataset = MixedTraining(self.train_dataset, settings.human_repeat, part)
+        soft = None if pool.targets is None else len(pool.targets[0])  # a batch of one kind: every target soft
+        self.train_dataset = MixedTraining(self.train_dataset, settings.human_repeat, part, soft)
         counts |= {"pool_images": len(pool), "human_samples_per_epoch": self.train_dataset.human_size}
         return counts
 

@@ -20,7 +20,9 @@ __all__ = ["ClassificationSystem"]
 class ClassificationSystem(VisionSystem):
     """Trains a ``VisionTransformer(**model_config)`` (``num_classes`` included) on ``class_names`` in label
     order; ``preprocess`` is kept for inference. ``mixup``, ``cutmix``: timm's ``Mixup`` alphas (0 = off), the loss
-    then on the mixed, label-smoothed soft targets; ``optim``, ``nonfinite``: ``VisionSystem``'s."""
+    then on the mixed, label-smoothed soft targets; ``optim``, ``nonfinite``: ``VisionSystem``'s. A training batch's
+    labels are class indices (B,) or class probabilities (B, K) (``bootstrap.soft``: a teacher's, learnt by the
+    soft cross-entropy -sum_k p_k log softmax(logits)_k)."""
 
     task = "classification"
 
@@ -59,7 +61,11 @@ class ClassificationSystem(VisionSystem):
         images, labels = batch
         if self.mixup is not None and isinstance(images, Patches):
             raise ValueError("head.mixup and head.cutmix mix square images: set them 0 with data.max_patches")
-        if self.mixup is not None and len(images) % 2 == 0:  # timm mixes pairs: an odd last batch stays plain
+        if labels.is_floating_point():  # (B, K) probabilities: a soft pool's (mixup refused with them at build)
+            logits = self.model(images)
+            loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
+            labels = labels.argmax(-1)
+        elif self.mixup is not None and len(images) % 2 == 0:  # timm mixes pairs: an odd last batch stays plain
             mixed, soft = self.mixup(images, labels)  # (B, C, height, width), (B, K)
             logits = self.model(mixed)
             loss = torch.sum(-soft * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
