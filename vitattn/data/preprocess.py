@@ -29,6 +29,7 @@ __all__ = [
     "check_preprocess",
     "classification_train_transform",
     "CROP_MODES",
+    "Cutout",
     "default_preprocess",
     "denormalize",
     "describe",
@@ -38,6 +39,7 @@ __all__ = [
     "normalize",
     "PREPROCESS_KEYS",
     "preprocess_taken",
+    "strong_view",
     "WEIGHTS_KEYS",
     "weights_preprocess",
 ]
@@ -350,6 +352,34 @@ def classification_train_transform(
     if augment.auto_augment:
         steps.append(_auto_augment(augment.auto_augment, img_size, preprocess["mean"]))
     return T.Compose([*steps, T.PILToTensor()])  # uint8: batches are normalised on the device
+
+
+class Cutout:
+    """FixMatch's Cutout of a (3, height, width) uint8 image: a square of side up to ``max_share`` of the image's,
+    centred anywhere (clipped at the edges), filled with ``fill`` (the mean colour, 0-255)."""
+
+    def __init__(self, fill: Sequence[int], max_share: float = 0.5) -> None:
+        self.fill, self.max_share = torch.tensor(list(fill), dtype=torch.uint8), max_share
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        _, height, width = image.shape
+        side = float(torch.rand(())) * self.max_share * min(height, width)
+        y, x = float(torch.rand(())) * height, float(torch.rand(())) * width
+        top, left = max(0, round(y - side / 2)), max(0, round(x - side / 2))
+        bottom, right = min(height, round(y + side / 2)), min(width, round(x + side / 2))
+        image = image.clone()
+        image[:, top:bottom, left:right] = self.fill[:, None, None]
+        return image
+
+
+def strong_view(
+    weak: T.Compose, randaugment: str, img_size: int, mean: Sequence[float]
+) -> Callable[[Image.Image], torch.Tensor]:
+    """FixMatch's strong view: the weak view's transform ``weak`` (PIL -> uint8, its last step the conversion to a
+    tensor) with timm's RandAugment ``randaugment`` after its crop, then ``Cutout``."""
+    augment = _auto_augment(randaugment, img_size, mean)
+    fill = [round(255 * x) for x in mean]
+    return T.Compose([*weak.transforms[:-1], augment, weak.transforms[-1], Cutout(fill)])
 
 
 class CaptionAugment:

@@ -1,16 +1,26 @@
-"""Image classification: cross-entropy (optional label smoothing), top-1 / top-5 accuracy."""
+"""Image classification: cross-entropy (optional label smoothing), top-1 / top-5 accuracy; with ``semi=``, the
+unlabelled images' pseudo-labels learned in the same step (``vitattn.training.semi``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from timm.data import Mixup
-from torch import Tensor
+from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from vitattn.models import VisionTransformer
+from vitattn.training.semi import (
+    FixedThreshold,
+    FreeMatchThreshold,
+    SemiSettings,
+    TeacherEma,
+    labelling,
+    unlabelled_loss,
+)
 from vitattn.training.systems.base import VisionSystem
 
 __all__ = ["ClassificationSystem"]
@@ -50,11 +60,69 @@ class ClassificationSystem(VisionSystem):
         self.val_top5 = MulticlassAccuracy(n, top_k=min(5, n), average="micro")
         self.test_acc = MulticlassAccuracy(n, average="micro")
         self.test_top5 = MulticlassAccuracy(n, top_k=min(5, n), average="micro")
+        self.semi: SemiSettings | None = None
+        self.teacher: TeacherEma | None = None  # semi.ema_decay > 0: the EMA copy that labels
+        self.last_pseudo: dict[str, Tensor] = {}  # the last step's pseudo-labels, for ``PseudoLabelLog``
+
+    def use_semi(self, settings: SemiSettings) -> None:
+        """Learn the unlabelled batch of each step too: its threshold (a FreeMatch one is a buffer, checkpointed)
+        and, for ``settings.ema_decay`` > 0, the EMA teacher (from the weights the system holds now)."""
+        self.semi = settings
+        if settings.method == "freematch":
+            self.semi_threshold: nn.Module = FreeMatchThreshold(len(self.hparams.class_names), settings.momentum)
+        else:
+            self.semi_threshold = FixedThreshold(settings.threshold)
+        self.teacher = TeacherEma(self.model, settings.ema_decay) if settings.teacher_is_ema else None
 
     def forward(self, images: Tensor) -> Tensor:
         return self.model(images)
 
-    def _training_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+    def _training_loss(self, batch: tuple[Tensor, Tensor] | Mapping[str, Any]) -> Tensor:
+        if not isinstance(batch, Mapping):
+            loss = self._supervised(batch)
+        else:  # semi=: the labelled batch, and the weak and strong views of the unlabelled one
+            loss = self._supervised(batch["labelled"])
+            if self.global_step >= self.semi.start_step:
+                loss = loss + self.semi.weight * self._unlabelled(batch["weak"], batch["strong"])
+        self.log("train/loss", loss, prog_bar=self.loss_on_progress_bar)
+        return loss
+
+    def _unlabelled(self, weak: Tensor, strong: Tensor) -> Tensor:
+        """FixMatch's loss of the unlabelled views (U, C, height, width): the teacher labels ``weak`` (eval mode,
+        no gradient), the model learns the labels that pass the threshold on ``strong``."""
+        teacher = self.model if self.teacher is None else self.teacher.module
+        with labelling(teacher):
+            probs = teacher(weak).float().softmax(dim=-1)  # (U, K)
+        adaptive = isinstance(self.semi_threshold, FreeMatchThreshold)
+        everyone = self.all_gather(probs).flatten(0, 1) if adaptive and self._gather is not None else None
+        mask = self.semi_threshold(probs, everyone)  # (U,)
+        loss = unlabelled_loss(self.model(strong), probs, mask, self.semi.soft)
+        confidence, labels = probs.max(dim=-1)
+        self.last_pseudo = {"labels": labels, "confidence": confidence, "mask": mask}
+        self.log("train/semi_loss", loss)
+        self.log("train/semi_mask", mask.float().mean())  # the share above the threshold (USB's util_ratio)
+        return loss
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        if self.teacher is not None:
+            self.teacher.update(self.model)
+
+    def on_fit_start(self) -> None:
+        if self.teacher is not None:
+            self.teacher.to(self.device)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self.teacher is not None:  # beside the state dict: never averaged by ``ema`` nor exported
+            checkpoint["semi_teacher"] = self.teacher.module.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        if self.teacher is not None and "semi_teacher" in checkpoint:
+            self.teacher.module.load_state_dict(checkpoint["semi_teacher"])
+
+    def _supervised(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         images, labels = batch
         if self.mixup is not None and len(images) % 2 == 0:  # timm mixes pairs: an odd last batch stays plain
             mixed, soft = self.mixup(images, labels)  # (B, C, height, width), (B, K)
@@ -64,7 +132,6 @@ class ClassificationSystem(VisionSystem):
             logits = self.model(images)
             loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
         self.train_acc(logits, labels)
-        self.log("train/loss", loss, prog_bar=self.loss_on_progress_bar)
         self.log("train/acc", self.train_acc, on_step=True, on_epoch=False)
         return loss
 
