@@ -89,14 +89,14 @@ def test_the_ema_teacher_labels_and_updates_as_said():
 
 def test_freematch_thresholds_follow_the_confidences_and_survive_a_checkpoint():
     hook = FreeMatchThreshold(3, momentum=0.9)
-    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3]])
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3], [0.35, 0.33, 0.32]])
     mask = hook(probs)
-    time_p = 0.9 / 3 + 0.1 * 0.65  # by hand: EMA of the mean largest probability, from 1/K
+    time_p = 0.9 / 3 + 0.1 * (0.7 + 0.6 + 0.35) / 3  # by hand: EMA of the mean largest probability, from 1/K
     p_model = 0.9 / 3 + 0.1 * probs.mean(0)
     torch.testing.assert_close(hook.time_p, torch.tensor(time_p))
     torch.testing.assert_close(hook.p_model, p_model)
-    expected = [0.7 >= time_p * p_model[0] / p_model.max(), 0.6 >= time_p * p_model[1] / p_model.max()]
-    assert mask.tolist() == [bool(x) for x in expected]
+    expected = [bool(p >= time_p * p_model[c] / p_model.max()) for p, c in [(0.7, 0), (0.6, 1), (0.35, 0)]]
+    assert mask.tolist() == expected == [True, True, False]  # 0.35 passes 1/3, the level before this batch
     system = _system("freematch", momentum=0.9)
     system.semi_threshold(probs)
     resumed = _system("freematch", momentum=0.9)
@@ -134,6 +134,18 @@ def folders(tmp_path_factory):
     make_image_folder(root / "tree", per_class=4, size=16)  # 8 labelled: 2 steps a rank an epoch on 2 ranks
     make_image_folder(root / "pool", classes=("x",), per_class=7, size=16)  # 7 unlabelled: 2 steps a rank a pass
     return root
+
+
+def test_the_unlabelled_views_come_normalised_beside_the_labelled_batch(folders, monkeypatch):
+    datamodule = _datamodule(folders, 0, 1, monkeypatch)
+    batch = next(iter(datamodule.train_dataloader()))
+    assert batch["weak"].shape == batch["strong"].shape == (2, 3, 16, 16) and batch["weak"].dtype == torch.uint8
+    assert not torch.equal(batch["weak"], batch["strong"])
+    ready = datamodule.ready_batch(batch)
+    mean, std = (torch.tensor(datamodule.preprocess[k]).view(3, 1, 1) for k in ("mean", "std"))
+    for view in ("weak", "strong"):
+        torch.testing.assert_close(ready[view], (batch[view] / 255 - mean) / std)
+    torch.testing.assert_close(ready["labelled"][0], (batch["labelled"][0] / 255 - mean) / std)
 
 
 @pytest.mark.parametrize("stop", [1, 2, 3])
