@@ -9,8 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from tests.helpers import TINY, compose_train, make_image_folder
+from tests.helpers import TINY, compose_train, make_coco, make_image_folder
+from vitattn.data.preprocess import CAPTION_SAFE_OPS, Augment, Cutout, caption_weak_transform, strong_view
+from vitattn.data.tokenizer import Vocabulary, tokenizer_labels
 from vitattn.errors import ConfigError
+from vitattn.models.generate import sequence_log_prob
 from vitattn.training import train
 from vitattn.training.build import semi_settings
 from vitattn.training.config import check_config
@@ -21,7 +24,7 @@ from vitattn.training.semi import (
     SemiSettings,
     unlabelled_loss,
 )
-from vitattn.training.systems import ClassificationSystem
+from vitattn.training.systems import CaptionSystem, ClassificationSystem
 
 CONFIG = {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 2, "num_classes": 3}
 
@@ -85,6 +88,12 @@ def test_the_ema_teacher_labels_and_updates_as_said():
     now = system.model.state_dict()
     for key, value in teacher.state_dict().items():
         torch.testing.assert_close(value, 0.9 * before[key] + 0.1 * now[key])
+    checkpoint = {}
+    system.on_save_checkpoint(checkpoint)
+    resumed = _system(threshold=0.0, ema_decay=0.9)  # its teacher: a copy of the same initial weights
+    resumed.on_load_checkpoint(checkpoint)
+    for key, value in resumed.teacher.module.state_dict().items():
+        torch.testing.assert_close(value, teacher.state_dict()[key])  # a resumed run continues the teacher
 
 
 def test_freematch_thresholds_follow_the_confidences_and_survive_a_checkpoint():
@@ -190,6 +199,17 @@ def test_a_semi_run_trains_logs_its_pseudo_labels_and_checkpoints_its_teacher(fo
     assert not any("teacher" in k for k in checkpoint["state_dict"])
 
 
+def test_a_caption_semi_run_logs_each_pool_image_s_caption(folders, tmp_path):
+    files = make_coco(tmp_path / "coco", num_train=8, num_val=4, size=32)
+    overrides = [*TINY, "head=caption", "trainer.precision=32-true", "data=coco", "data.batch_size=4"]
+    overrides += [f"data.{k}={v}" for k, v in files.items()]
+    overrides += ["semi=fixmatch", f"semi.images={folders / 'pool' / 'train'}", "semi.ratio=1", "semi.ema_decay=0.5"]
+    result = train(compose_train([*overrides, "trainer.max_epochs=1", "test=false", "export_bundle=false"], tmp_path))
+    lines = [json.loads(x) for x in (tmp_path / "semi" / "pseudo_labels.rank0.jsonl").read_text().splitlines()]
+    assert result.global_step == 2 and all(isinstance(x["label"], str) for x in lines)
+    assert len(lines) == len({x["key"] for x in lines}) == 7  # one pass of the 7: a batch of 4, then 3
+
+
 @pytest.mark.parametrize(
     "overrides, line",
     [
@@ -208,8 +228,8 @@ def test_the_semi_keys_are_refused_in_one_line_naming_the_key(overrides, line):
 @pytest.mark.parametrize(
     "overrides, line",
     [
-        (["head=caption"], "head=caption is not supported yet"),
-        (["head=coca"], "head=coca is not supported"),
+        (["head=caption", "semi=freematch"], "^semi=freematch adapts a threshold per class; head=caption has no"),
+        (["head=coca"], "^semi=fixmatch with head=coca is not supported"),
         (["head=caption", "finetune=scst", "finetune.init=x"], "does not combine with finetune=scst"),
         (["head=classification", "bootstrap.teacher=t", "bootstrap.images=p"], "two sources of pseudo-labels"),
         (["head=classification", "data=webdataset", "data.train_shards=a.tar"], "data=webdataset"),
@@ -229,3 +249,75 @@ def test_the_model_card_says_what_a_semi_run_learned_from(tmp_path):
     cfg = compose_train([*TINY, "head=classification", "semi=fixmatch", "semi.images=pool/"], tmp_path)
     (line,) = [x for x in _training(cfg, None, ["shapes"]) if "without labels" in x]
     assert "pool/" in line and "the model itself" in line and "threshold 0.95" in line and "7 per labelled" in line
+
+
+def _captioner(**settings) -> CaptionSystem:
+    torch.manual_seed(0)
+    vocab = Vocabulary.build(["a red square", "a blue circle left of a green triangle", "two small squares"])
+    encoder = {**CONFIG, "num_classes": 0, "drop_rate": 0.5, "drop_path_rate": 0.5}
+    ids = dict(pad_id=vocab.pad_id, bos_id=vocab.bos_id, eos_id=vocab.eos_id, unk_id=vocab.unk_id)
+    decoder = {"vocab_size": len(vocab), "embed_dim": 32, "num_heads": 2, "max_len": 8, "memory_dim": 32, **ids}
+    system = CaptionSystem({"encoder": encoder, "decoder": {**decoder, "drop_rate": 0.5}}, tokenizer_labels(vocab))
+    system.log = lambda *a, **k: None  # no trainer attached
+    system.use_semi(SemiSettings(method="fixmatch", images="pool/", **settings))
+    return system
+
+
+def test_a_caption_pseudo_label_is_the_greedy_caption_its_confidence_the_mean_token_probability():
+    system = _captioner(threshold=0.0)
+    model, calls = system.model, []
+    model.decoder.register_forward_hook(lambda m, a, out: calls.append((m.training, torch.is_grad_enabled())))
+    weak, strong = torch.randn(3, 3, 32, 32, requires_grad=True), torch.randn(3, 3, 32, 32, requires_grad=True)
+    model.train()
+    loss = system._unlabelled(weak, strong)
+    assert all(c == (False, False) for c in calls[:-1]) and calls[-1] == (True, True)  # labelled, then learned
+    assert all(m.training for m in model.modules())
+    pseudo = system.last_pseudo
+    model.eval()
+    with torch.no_grad():
+        greedy = model.generate(weak)
+        # oracle: each prefix's log-probability decoded step by step with the cache, as the search scores tokens
+        prefixes = [
+            sequence_log_prob(model.start_search(weak, i, 1, True)[0], greedy[:, :i], model.special_ids)
+            for i in range(1, greedy.shape[1] + 1)
+        ]  # T' x (B,)
+    assert torch.equal(pseudo["tokens"], greedy)
+    real = greedy != model.special_ids.pad_id
+    per_token = torch.stack([prefixes[0], *[b - a for a, b in zip(prefixes, prefixes[1:])]], dim=1).exp() * real
+    torch.testing.assert_close(pseudo["confidence"], per_token.sum(1) / real.sum(1))
+    model.train()
+    loss.backward()
+    assert strong.grad is not None and strong.grad.abs().sum() > 0 and weak.grad is None
+
+
+def test_a_caption_pseudo_label_is_kept_above_the_threshold_and_learned_on_the_strong_view():
+    system = _captioner(threshold=0.0)
+    system.model.eval()  # no dropout: the same logits twice
+    weak, strong = torch.randn(4, 3, 32, 32), torch.randn(4, 3, 32, 32)
+    system._unlabelled(weak, strong)
+    confidence = system.last_pseudo["confidence"]
+    threshold = float(confidence.median())
+    system.semi_threshold.threshold = threshold
+    loss = system._unlabelled(weak, strong)
+    mask, generated = system.last_pseudo["mask"], system.last_pseudo["tokens"]
+    assert mask.tolist() == (confidence >= threshold).tolist() and 0 < mask.sum() < 4
+    ids = system.model.special_ids
+    tokens = torch.cat([torch.full((4, 1), ids.bos_id), generated], dim=1)
+    logits = system.model(strong, tokens[:, :-1]).log_softmax(-1)
+    by_hand = []
+    for row, caption, kept in zip(logits, generated, mask):
+        n = int((caption != ids.pad_id).sum())
+        by_hand.append(-row[torch.arange(n), caption[:n]].mean() * kept)
+    torch.testing.assert_close(loss, torch.stack(by_hand).mean())
+
+
+def test_a_caption_s_views_neither_flip_nor_change_colours():
+    augment = Augment(hflip=1.0, color_jitter=0.4)
+    weak = caption_weak_transform(32, augment, {"interpolation": "bicubic"})
+    strong = strong_view(weak, "rand-m10-n2-mstd101-inc1", 32, (0.5, 0.5, 0.5), captions=True)
+    names = {type(t).__name__ for t in strong.transforms}
+    assert not names & {"RandomHorizontalFlip", "ColorJitter", "Cutout"}
+    (randaugment,) = [t for t in strong.transforms if type(t).__name__ == "RandAugment"]
+    assert {op.name for op in randaugment.ops} == set(CAPTION_SAFE_OPS)
+    classes = strong_view(weak, "rand-m10-n2-mstd101-inc1", 32, (0.5, 0.5, 0.5))
+    assert isinstance(classes.transforms[-1], Cutout)  # FixMatch's Cutout for classes

@@ -25,7 +25,9 @@ __all__ = [
     "Augment",
     "auto_min_scale",
     "CAPTION_CROP_SCALE",
+    "CAPTION_SAFE_OPS",
     "CaptionAugment",
+    "caption_weak_transform",
     "check_preprocess",
     "classification_train_transform",
     "CROP_MODES",
@@ -316,12 +318,14 @@ class Augment:
         return (low, high)
 
 
-def _auto_augment(name: str, img_size: int, mean: Sequence[float]) -> Callable[[Image.Image], Image.Image]:
+def _auto_augment(
+    name: str, img_size: int, mean: Sequence[float], ops: Sequence[str] | None = None
+) -> Callable[[Image.Image], Image.Image]:
     from timm.data.auto_augment import augment_and_mix_transform, rand_augment_transform  # training only
 
     hparams = {"translate_const": int(img_size * 0.45), "img_mean": tuple(round(255 * x) for x in mean)}
     if name.startswith("rand"):
-        return rand_augment_transform(name, hparams)
+        return rand_augment_transform(name, hparams, transforms=list(ops) if ops else None)
     if name.startswith("augmix"):
         return augment_and_mix_transform(name, hparams)
     if name in ("trivialaugment", "trivial"):
@@ -372,14 +376,30 @@ class Cutout:
         return image
 
 
+# RandAugment's operations that keep an unknown caption true (the rules ``CaptionAugment`` applies): geometry that
+# keeps left left (rotation and shear up to 30 degrees, translation) and sharpness; no colour operation, no flip.
+CAPTION_SAFE_OPS = ("Rotate", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel", "Sharpness")
+
+
 def strong_view(
-    weak: T.Compose, randaugment: str, img_size: int, mean: Sequence[float]
+    weak: T.Compose, randaugment: str, img_size: int, mean: Sequence[float], captions: bool = False
 ) -> Callable[[Image.Image], torch.Tensor]:
     """FixMatch's strong view: the weak view's transform ``weak`` (PIL -> uint8, its last step the conversion to a
-    tensor) with timm's RandAugment ``randaugment`` after its crop, then ``Cutout``."""
-    augment = _auto_augment(randaugment, img_size, mean)
+    tensor) with timm's RandAugment ``randaugment`` after its crop, then ``Cutout``. ``captions``: RandAugment of
+    ``CAPTION_SAFE_OPS`` only and no Cutout (which can erase what the caption names)."""
+    augment = _auto_augment(randaugment, img_size, mean, CAPTION_SAFE_OPS if captions else None)
+    if captions:
+        return T.Compose([*weak.transforms[:-1], augment, weak.transforms[-1]])
     fill = [round(255 * x) for x in mean]
     return T.Compose([*weak.transforms[:-1], augment, weak.transforms[-1], Cutout(fill)])
+
+
+def caption_weak_transform(
+    img_size: int, augment: Augment, preprocess: Mapping[str, Any]
+) -> Callable[[Image.Image], torch.Tensor]:
+    """The weak view of an image without a caption: ``CaptionAugment``'s crop alone (a flip or a colour change could
+    contradict the caption it will get), PIL -> (3, img_size, img_size) uint8."""
+    return T.Compose([*_geometry(img_size, augment, preprocess["interpolation"]), T.PILToTensor()])
 
 
 class CaptionAugment:

@@ -95,7 +95,8 @@ def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer
     callbacks = instantiate_group(cfg.get("callbacks"))
     if semi is not None:
         system.use_semi(semi)
-        callbacks.append(PseudoLabels(RunDir(plan.run_dir).semi, datamodule.class_names))
+        classes = datamodule.class_names if cfg.head.task == "classification" else None
+        callbacks.append(PseudoLabels(RunDir(plan.run_dir).semi, classes))
     if cfg.finetune.get("scst") is not None:
         system.use_reward(prepare_reward(datamodule, plan.run_dir, plan.resume.ckpt_path is not None))
     if should_compile(plan):

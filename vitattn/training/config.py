@@ -142,13 +142,15 @@ def _check_semi(cfg: DictConfig) -> None:
     if method == "none":
         return
     if "contrastive" in cfg.head:
-        raise ConfigError(f"semi={method} learns classes online; head=coca is not supported: use head=classification")
+        raise ConfigError(
+            f"semi={method} with head=coca is not supported (whether pseudo-captioned images should enter the "
+            "contrastive term is untested): use head=caption or head=classification"
+        )
     if cfg.finetune.get("scst") is not None:
         raise ConfigError(f"semi={method} does not combine with finetune=scst: train one of them per run")
-    if cfg.head.task != "classification":
+    if method == "freematch" and cfg.head.task != "classification":
         raise ConfigError(
-            f"semi={method} learns classes online; head={cfg.head.task} is not supported yet: use head=classification, "
-            "or for captions bootstrap.teacher=RUN bootstrap.images=POOL (docs/bootstrap.md)"
+            f"semi=freematch adapts a threshold per class; head={cfg.head.task} has no classes: use semi=fixmatch"
         )
     if cfg.get("bootstrap") and (cfg.bootstrap.get("teacher") or cfg.bootstrap.get("candidates")):
         raise ConfigError(

@@ -33,8 +33,10 @@ __all__ = [
     "SemiSettings",
     "TeacherEma",
     "WeakStrong",
+    "caption_token_probs",
     "labelling",
     "read_unlabelled",
+    "unlabelled_caption_loss",
     "unlabelled_loss",
 ]
 
@@ -164,7 +166,7 @@ class FixedThreshold(nn.Module):
         self.threshold = threshold
 
     def forward(self, probs: Tensor, everyone: Tensor | None = None) -> Tensor:
-        """(B,) bool mask of ``probs`` (B, K); ``everyone``: every rank's probabilities (unused here)."""
+        """(B,) bool mask of ``probs`` (B, K; a caption's confidence: (B, 1)); ``everyone``: unused here."""
         return probs.max(dim=-1).values >= self.threshold
 
 
@@ -207,3 +209,22 @@ def unlabelled_loss(strong_logits: Tensor, probs: Tensor, mask: Tensor, soft: bo
     else:
         losses = F.cross_entropy(logits, probs.argmax(dim=-1), reduction="none")  # (B,)
     return (losses * mask.float()).mean()
+
+
+def caption_token_probs(logits: Tensor, generated: Tensor, ids: Any) -> Tensor:
+    """(U, T') probability of each generated token (``<eos>`` included; 0 at padding) under the teacher-forced
+    ``logits`` (U, T', V) over ``<bos>`` + ``generated`` (U, T'), the search's banned tokens masked (``ids``: the
+    model's ``SpecialIds``) as greedy decoding masks them: the probabilities the greedy search drew them with."""
+    banned = torch.tensor(ids.banned, device=logits.device)
+    probs = logits.float().index_fill(-1, banned, float("-inf")).softmax(dim=-1)  # (U, T', V)
+    chosen = probs.gather(-1, generated.unsqueeze(-1)).squeeze(-1)  # (U, T')
+    return chosen.masked_fill(generated == ids.pad_id, 0.0)
+
+
+def unlabelled_caption_loss(strong_logits: Tensor, generated: Tensor, mask: Tensor, pad_id: int) -> Tensor:
+    """The mean over all U unlabelled images of mask * each pseudo-caption's mean token cross-entropy, teacher-forced
+    on the strong view: ``strong_logits`` (U, T', V) over ``<bos>`` + ``generated`` (U, T', padded after ``<eos>``)."""
+    losses = F.cross_entropy(strong_logits.float().transpose(1, 2), generated, reduction="none")  # (U, T')
+    real = (generated != pad_id).float()
+    per_caption = (losses * real).sum(dim=1) / real.sum(dim=1).clamp(min=1)  # (U,)
+    return (per_caption * mask.float()).mean()

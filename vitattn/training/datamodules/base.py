@@ -28,6 +28,7 @@ from vitattn.data.images import EvalSplit, ImageCache, check_split, should_cache
 from vitattn.data.preprocess import (
     WEIGHTS_KEYS,
     Normalize,
+    caption_weak_transform,
     check_preprocess,
     classification_train_transform,
     default_preprocess,
@@ -461,12 +462,13 @@ class ImageDataModule(pl.LightningDataModule):
 
     def use_unlabelled(self, settings: SemiSettings) -> dict[str, int]:
         """After ``setup``: the images without labels of ``settings.images`` (``semi=``), each as a weak view (the
-        training transform; the evaluation one where the data has no augmentation) and a strong view (the weak one
-        with RandAugment and Cutout), ``settings.ratio`` of them per labelled image in a step. Returns the counts."""
-        weak = self.eval_transform()
+        training transform, for captions its crop alone; the evaluation one where the data has no augmentation) and
+        a strong view (``strong_view``), ``settings.ratio`` of them per labelled image in a step. Returns the counts."""
+        weak, captions = self.eval_transform(), self.vocab is not None
         if getattr(getattr(self, "augment", None), "enabled", False):
-            weak = classification_train_transform(self.img_size, self.augment, self.preprocess)
-        strong = strong_view(weak, settings.strong, self.img_size, self.preprocess["mean"])
+            training = caption_weak_transform if captions else classification_train_transform
+            weak = training(self.img_size, self.augment, self.preprocess)
+        strong = strong_view(weak, settings.strong, self.img_size, self.preprocess["mean"], captions)
         self.unlabelled = WeakStrong(read_unlabelled(settings.images), weak, strong)
         if not len(self.unlabelled):
             raise ConfigError(f"semi.images={settings.images} holds no image")

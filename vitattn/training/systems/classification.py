@@ -9,18 +9,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from timm.data import Mixup
-from torch import Tensor, nn
+from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
 
 from vitattn.models import VisionTransformer
-from vitattn.training.semi import (
-    FixedThreshold,
-    FreeMatchThreshold,
-    SemiSettings,
-    TeacherEma,
-    labelling,
-    unlabelled_loss,
-)
+from vitattn.training.semi import FreeMatchThreshold, SemiSettings, labelling, unlabelled_loss
 from vitattn.training.systems.base import VisionSystem
 
 __all__ = ["ClassificationSystem"]
@@ -60,19 +53,12 @@ class ClassificationSystem(VisionSystem):
         self.val_top5 = MulticlassAccuracy(n, top_k=min(5, n), average="micro")
         self.test_acc = MulticlassAccuracy(n, average="micro")
         self.test_top5 = MulticlassAccuracy(n, top_k=min(5, n), average="micro")
-        self.semi: SemiSettings | None = None
-        self.teacher: TeacherEma | None = None  # semi.ema_decay > 0: the EMA copy that labels
-        self.last_pseudo: dict[str, Tensor] = {}  # the last step's pseudo-labels, for ``PseudoLabelLog``
 
     def use_semi(self, settings: SemiSettings) -> None:
-        """Learn the unlabelled batch of each step too: its threshold (a FreeMatch one is a buffer, checkpointed)
-        and, for ``settings.ema_decay`` > 0, the EMA teacher (from the weights the system holds now)."""
-        self.semi = settings
+        """``VisionSystem.use_semi``; ``semi=freematch``: its adaptive threshold (buffers, checkpointed)."""
+        super().use_semi(settings)
         if settings.method == "freematch":
-            self.semi_threshold: nn.Module = FreeMatchThreshold(len(self.hparams.class_names), settings.momentum)
-        else:
-            self.semi_threshold = FixedThreshold(settings.threshold)
-        self.teacher = TeacherEma(self.model, settings.ema_decay) if settings.teacher_is_ema else None
+            self.semi_threshold = FreeMatchThreshold(len(self.hparams.class_names), settings.momentum)
 
     def forward(self, images: Tensor) -> Tensor:
         return self.model(images)
@@ -90,7 +76,7 @@ class ClassificationSystem(VisionSystem):
     def _unlabelled(self, weak: Tensor, strong: Tensor) -> Tensor:
         """FixMatch's loss of the unlabelled views (U, C, height, width): the teacher labels ``weak`` (eval mode,
         no gradient), the model learns the labels that pass the threshold on ``strong``."""
-        teacher = self.model if self.teacher is None else self.teacher.module
+        teacher = self.labeller
         with labelling(teacher):
             probs = teacher(weak).float().softmax(dim=-1)  # (U, K)
         adaptive = isinstance(self.semi_threshold, FreeMatchThreshold)
@@ -102,25 +88,6 @@ class ClassificationSystem(VisionSystem):
         self.log("train/semi_loss", loss)
         self.log("train/semi_mask", mask.float().mean())  # the share above the threshold (USB's util_ratio)
         return loss
-
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
-        super().optimizer_step(*args, **kwargs)
-        if self.teacher is not None:
-            self.teacher.update(self.model)
-
-    def on_fit_start(self) -> None:
-        if self.teacher is not None:
-            self.teacher.to(self.device)
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
-        if self.teacher is not None:  # beside the state dict: never averaged by ``ema`` nor exported
-            checkpoint["semi_teacher"] = self.teacher.module.state_dict()
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
-        if self.teacher is not None and "semi_teacher" in checkpoint:
-            self.teacher.module.load_state_dict(checkpoint["semi_teacher"])
 
     def _supervised(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         images, labels = batch
