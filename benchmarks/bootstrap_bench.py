@@ -2,12 +2,14 @@
 
     python -m benchmarks bootstrap --datasets tuxpaint emoji --tasks caption classification --seeds 0 1 2
     python -m benchmarks bootstrap --arms teacher student oracle student_beam student_nofilter student_k1
+    python -m benchmarks bootstrap --tasks classification --arms teacher semi oracle semi_weight0 semi_freematch
 
 A low-label split per seed: ``--share`` (10 %) of the training images keep their captions or labels, at least one
 per class, chosen by the seed; the rest is the pool, without them. Paired per dataset and seed: the ``teacher``
 (the split's labelled share only), the ``student`` (the same config plus the teacher's kept candidates of the
 pool, ``bootstrap.*`` at its defaults) and the ``oracle`` (the same config on every label); the ablations
-change one ``bootstrap`` setting of the student. Gap closed = (student - teacher) / (oracle - teacher).
+change one ``bootstrap`` setting of the student; the ``semi`` arms learn the pool online on the teacher's data
+(``semi=``; no teacher run). Gap closed = (student - teacher) / (oracle - teacher).
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ ARMS = {
     "student_noise": ["bootstrap.randaugment=rand-m6-mstd0.5"],
     # each labelled sample as often per epoch as the pool's images are, together (the pool is 9x the 10 % share)
     "student_repeat": ["bootstrap.human_repeat=9"],
+    # online pseudo-labels of the same pool (docs/bootstrap.md#online-pseudo-labels), on the labelled share's data
+    "semi": ["semi=fixmatch"],
+    "semi_weight0": ["semi=fixmatch", "semi.weight=0"],  # the same pipeline, no unlabelled loss
+    "semi_ema": ["semi=fixmatch", "semi.ema_decay=0.999"],
+    "semi_freematch": ["semi=freematch"],
 }
 REPO = Path(__file__).resolve().parents[1]
 
@@ -116,6 +123,8 @@ def _low_label_split(data: Any, task: str, seed: int, share: float, folder: Path
 
 
 def _arm_overrides(arm: str, teacher: Path, pool: Path) -> list[str]:
+    if arm.startswith("semi"):
+        return [f"semi.images={pool}", *ARMS[arm]]
     if not arm.startswith("student"):
         return []
     return [f"bootstrap.teacher={teacher}", f"bootstrap.images={pool}", *ARMS[arm]]
