@@ -175,6 +175,26 @@ def test_both_streams_resume_exactly_mid_epoch(folders, monkeypatch, stop):
     assert seen + rest[: 7 - stop] == whole
 
 
+def test_a_run_resumed_mid_epoch_trains_the_samples_of_an_uninterrupted_one(folders, tmp_path):
+    """Through a checkpoint: 1 step, then resumed to 3 (mid-epoch and mid-pass) against 3 straight."""
+    base = [*TINY, "head=classification", "data=imagefolder", f"data.root={folders / 'tree'}", "data.batch_size=2"]
+    base += ["semi=fixmatch", f"semi.images={folders / 'pool' / 'train'}", "semi.ratio=1", "test=false"]
+    base += ["export_bundle=false", "+callbacks.sample_keys._target_=vitattn.training.callbacks.SampleKeys"]
+
+    def run(name: str, steps: int, *extra: str) -> tuple[list[str], list[tuple[int, str]]]:
+        folder = tmp_path / name
+        overrides = [*base, f"+callbacks.sample_keys.folder={folder}", f"trainer.max_steps={steps}", *extra]
+        train(compose_train(overrides, folder))
+        lines = [json.loads(x) for x in (folder / "semi" / "pseudo_labels.rank0.jsonl").read_text().splitlines()]
+        return (folder / "keys.rank0.txt").read_text().splitlines(), [(x["step"], x["key"]) for x in lines]
+
+    whole = run("whole", 3)
+    run("part", 1)
+    part = run("part", 3, f"ckpt_path={tmp_path / 'part' / 'checkpoints' / 'last.ckpt'}")
+    assert [len(x) for x in whole] == [3, 6]  # 3 labelled batches, 2 unlabelled images each
+    assert part == whole  # the same labelled keys a step, the same unlabelled images at the same steps
+
+
 def test_the_unlabelled_stream_covers_every_image_once_a_pass_across_ranks(folders, monkeypatch):
     shares = []
     for rank in range(2):
