@@ -219,6 +219,21 @@ def test_a_semi_run_trains_logs_its_pseudo_labels_and_checkpoints_its_teacher(fo
     assert not any("teacher" in k for k in checkpoint["state_dict"])
 
 
+def test_shapes_learn_from_a_pool_of_shards_read_by_sample_key(tmp_path):
+    """``semi.images`` of shards (each sample's image, named by its key) beside data=shapes (the weak view: the
+    evaluation transform, since shapes are not augmented)."""
+    from vitattn.data.shards.writer import shapes_samples, write_shards
+
+    write_shards(shapes_samples("train", 6, img_size=32, seed=9), tmp_path / "shards", 4)
+    images = str(tmp_path / "shards" / "{00000..00001}.tar")
+    overrides = [*TINY, "head=classification", "data.num_train=8", "data.num_val=4", "semi=fixmatch"]
+    overrides += [f"semi.images='{images}'", "semi.ratio=1", "data.batch_size=4", "trainer.max_steps=2"]
+    train(compose_train([*overrides, "test=false", "export_bundle=false"], tmp_path / "run"))
+    lines = (tmp_path / "run" / "semi" / "pseudo_labels.rank0.jsonl").read_text().splitlines()
+    keys = {json.loads(x)["key"] for x in lines}
+    assert len(lines) == 6 and len(keys) == 6 and all("/" not in k for k in keys)  # one pass: 4, then 2
+
+
 def test_a_caption_semi_run_logs_each_pool_image_s_caption(folders, tmp_path):
     files = make_coco(tmp_path / "coco", num_train=8, num_val=4, size=32)
     overrides = [*TINY, "head=caption", "trainer.precision=32-true", "data=coco", "data.batch_size=4"]
