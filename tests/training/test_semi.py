@@ -119,6 +119,7 @@ def test_freematch_thresholds_follow_the_confidences_and_survive_a_checkpoint():
 def _datamodule(root, rank: int, ranks: int, monkeypatch) -> ImageFolderDataModule:
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", str(ranks))
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # the run's seed (a train() before sets it)
     datamodule = ImageFolderDataModule(root / "tree", img_size=16, batch_size=2, cache="none")
     datamodule.setup("fit")
     datamodule.use_unlabelled(SemiSettings(method="fixmatch", images=str(root / "pool" / "train"), ratio=1))
@@ -243,6 +244,14 @@ def test_a_caption_semi_run_logs_each_pool_image_s_caption(folders, tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "semi" / "pseudo_labels.rank0.jsonl").read_text().splitlines()]
     assert result.global_step == 2 and all(isinstance(x["label"], str) for x in lines)
     assert len(lines) == len({x["key"] for x in lines}) == 7  # one pass of the 7: a batch of 4, then 3
+
+
+def test_a_missing_pool_is_refused_in_one_line(folders, tmp_path):
+    overrides = [*TINY, "head=classification", "data=imagefolder", f"data.root={folders / 'tree'}"]
+    overrides += ["semi=fixmatch", f"semi.images={tmp_path / 'missing'}"]
+    with pytest.raises(ConfigError, match=f"^semi.images={tmp_path / 'missing'}: no such folder") as err:
+        train(compose_train([*overrides, "test=false", "export_bundle=false"], tmp_path / "run"))
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(

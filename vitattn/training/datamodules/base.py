@@ -469,7 +469,12 @@ class ImageDataModule(pl.LightningDataModule):
             training = caption_weak_transform if captions else classification_train_transform
             weak = training(self.img_size, self.augment, self.preprocess)
         strong = strong_view(weak, settings.strong, self.img_size, self.preprocess["mean"], captions)
-        self.unlabelled = WeakStrong(read_unlabelled(settings.images), weak, strong)
+        try:
+            self.unlabelled = WeakStrong(read_unlabelled(settings.images), weak, strong)
+        except (OSError, ValueError) as err:  # the file readers name it ``images=...``; the shard readers not
+            line = first_line(err)
+            line = f"semi.{line}" if line.startswith("images=") else f"semi.images={settings.images}: {line}"
+            raise ConfigError(line) from None
         if not len(self.unlabelled):
             raise ConfigError(f"semi.images={settings.images} holds no image")
         self.unlabelled_batch_size = settings.ratio * self.batch_size
