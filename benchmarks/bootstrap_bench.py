@@ -2,12 +2,14 @@
 
     python -m benchmarks bootstrap --datasets tuxpaint emoji --tasks caption classification --seeds 0 1 2
     python -m benchmarks bootstrap --arms teacher student oracle student_beam student_nofilter student_k1
+    python -m benchmarks bootstrap --tasks classification --arms teacher semi oracle semi_weight0 semi_freematch
 
 A low-label split per seed: ``--share`` (10 %) of the training images keep their captions or labels, at least one
 per class, chosen by the seed; the rest is the pool, without them. Paired per dataset and seed: the ``teacher``
 (the split's labelled share only), the ``student`` (the same config plus the teacher's kept candidates of the
 pool, ``bootstrap.*`` at its defaults) and the ``oracle`` (the same config on every label); the ablations
-change one ``bootstrap`` setting of the student. Gap closed = (student - teacher) / (oracle - teacher).
+change one ``bootstrap`` setting of the student; the ``semi`` arms learn the pool online on the teacher's data
+(``semi=``; no teacher run). Gap closed = (student - teacher) / (oracle - teacher).
 
 Arms that train a model of their own first: ``filter`` (a run on the labelled share only, its own seed: the
 filter trained apart that ``student_filter`` scores the teacher's candidates or labels with) and ``teacher_4x`` (4x
@@ -47,6 +49,11 @@ ARMS = {
     "student_filter": [],  # bootstrap.filter=the filter run
     "teacher_4x": [],  # every label, embed_dim doubled: 4x the student's parameters
     "distill": ["bootstrap.labelled_images=keep"],  # teacher_4x labels every training image
+    # online pseudo-labels of the same pool (docs/bootstrap.md#online-pseudo-labels), on the labelled share's data
+    "semi": ["semi=fixmatch"],
+    "semi_weight0": ["semi=fixmatch", "semi.weight=0"],  # the same pipeline, no unlabelled loss
+    "semi_ema": ["semi=fixmatch", "semi.ema_decay=0.999"],
+    "semi_freematch": ["semi=freematch"],
 }
 FILTER_SEED = 1000  # the filter's seed offset: trained apart, not the teacher again
 REPO = Path(__file__).resolve().parents[1]
@@ -135,6 +142,8 @@ def _arm_overrides(arm: str, folder: Path, pool: Path, data: Any) -> list[str]:
         every = folder / "every_image.txt"
         every.write_text("".join(f"{p}\n" for p in sorted((data.root / "train").glob("*/*"))))
         return [f"bootstrap.teacher={folder / 'teacher_4x'}", f"bootstrap.images={every}", *ARMS[arm]]
+    if arm.startswith("semi"):
+        return [f"semi.images={pool}", *ARMS[arm]]
     if not arm.startswith("student"):
         return []
     scorer = [f"bootstrap.filter={folder / 'filter'}"] if arm == "student_filter" else []

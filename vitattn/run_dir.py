@@ -45,6 +45,7 @@ class RunDir:
             cider_statistics=path / "cider_statistics.json",  # CIDEr-D's training document frequencies (scst)
             mlflow_run_id=path / "mlflow_run_id.txt",  # the MLflow run a resumed run logs to again
             wandb_run_id=path / "wandb_run_id.txt",  # the Weights & Biases run a resumed run continues
+            semi=path / "semi",  # semi=: each step's pseudo-labels, pseudo_labels.rank<R>.jsonl
         )
         for name, value in paths.items():
             object.__setattr__(self, name, value)

@@ -76,6 +76,15 @@ def _training(cfg: Any | None, result: Mapping[str, Any] | None, datasets: Seque
             f"- also trained on images without captions, labelled by {source} (filter {boot.filter}, "
             f"{boot.samples} candidates per image, keep {keep}; lineage: the run's bootstrap/lineage.json)"
         )
+    semi = OmegaConf.select(cfg, "semi", default=None)
+    if semi is not None and semi.get("method", "none") != "none":
+        teacher = f"an EMA copy of the model (decay {semi.ema_decay})" if semi.ema_decay else "the model itself"
+        threshold = "FreeMatch's adaptive threshold" if semi.method == "freematch" else f"threshold {semi.threshold}"
+        lines.append(
+            f"- also learned from the images without labels of {semi.images}, pseudo-labelled online by {teacher} "
+            f"(semi={semi.method}: {semi.ratio} per labelled image a step, {threshold}, weight {semi.weight}, "
+            f"strong view {semi.strong}; pseudo-labels: the run's semi/ folder)"
+        )
     return lines
 
 

@@ -29,11 +29,14 @@ __all__ = [
     "Augment",
     "auto_min_scale",
     "CAPTION_CROP_SCALE",
+    "CAPTION_SAFE_OPS",
     "CaptionAugment",
     "check_max_patches",
+    "caption_weak_transform",
     "check_preprocess",
     "classification_train_transform",
     "CROP_MODES",
+    "Cutout",
     "default_preprocess",
     "denormalize",
     "describe",
@@ -47,6 +50,7 @@ __all__ = [
     "PREPROCESS_KEYS",
     "preprocess_taken",
     "resize_to_patches",
+    "strong_view",
     "WEIGHTS_KEYS",
     "weights_preprocess",
 ]
@@ -323,12 +327,14 @@ class Augment:
         return (low, high)
 
 
-def _auto_augment(name: str, img_size: int, mean: Sequence[float]) -> Callable[[Image.Image], Image.Image]:
+def _auto_augment(
+    name: str, img_size: int, mean: Sequence[float], ops: Sequence[str] | None = None
+) -> Callable[[Image.Image], Image.Image]:
     from timm.data.auto_augment import augment_and_mix_transform, rand_augment_transform  # training only
 
     hparams = {"translate_const": int(img_size * 0.45), "img_mean": tuple(round(255 * x) for x in mean)}
     if name.startswith("rand"):
-        return rand_augment_transform(name, hparams)
+        return rand_augment_transform(name, hparams, transforms=list(ops) if ops else None)
     if name.startswith("augmix"):
         return augment_and_mix_transform(name, hparams)
     if name in ("trivialaugment", "trivial"):
@@ -359,6 +365,50 @@ def classification_train_transform(
     if augment.auto_augment:
         steps.append(_auto_augment(augment.auto_augment, img_size, preprocess["mean"]))
     return T.Compose([*steps, T.PILToTensor()])  # uint8: batches are normalised on the device
+
+
+class Cutout:
+    """FixMatch's Cutout of a (3, height, width) uint8 image: a square of side up to ``max_share`` of the image's,
+    centred anywhere (clipped at the edges), filled with ``fill`` (the mean colour, 0-255)."""
+
+    def __init__(self, fill: Sequence[int], max_share: float = 0.5) -> None:
+        self.fill, self.max_share = torch.tensor(list(fill), dtype=torch.uint8), max_share
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        _, height, width = image.shape
+        side = float(torch.rand(())) * self.max_share * min(height, width)
+        y, x = float(torch.rand(())) * height, float(torch.rand(())) * width
+        top, left = max(0, round(y - side / 2)), max(0, round(x - side / 2))
+        bottom, right = min(height, round(y + side / 2)), min(width, round(x + side / 2))
+        image = image.clone()
+        image[:, top:bottom, left:right] = self.fill[:, None, None]
+        return image
+
+
+# RandAugment's operations that keep an unknown caption true (the rules ``CaptionAugment`` applies): geometry that
+# keeps left left (rotation and shear up to 30 degrees, translation) and sharpness; no colour operation, no flip.
+CAPTION_SAFE_OPS = ("Rotate", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel", "Sharpness")
+
+
+def strong_view(
+    weak: T.Compose, randaugment: str, img_size: int, mean: Sequence[float], captions: bool = False
+) -> Callable[[Image.Image], torch.Tensor]:
+    """FixMatch's strong view: the weak view's transform ``weak`` (PIL -> uint8, its last step the conversion to a
+    tensor) with timm's RandAugment ``randaugment`` after its crop, then ``Cutout``. ``captions``: RandAugment of
+    ``CAPTION_SAFE_OPS`` only and no Cutout (which can erase what the caption names)."""
+    augment = _auto_augment(randaugment, img_size, mean, CAPTION_SAFE_OPS if captions else None)
+    if captions:
+        return T.Compose([*weak.transforms[:-1], augment, weak.transforms[-1]])
+    fill = [round(255 * x) for x in mean]
+    return T.Compose([*weak.transforms[:-1], augment, weak.transforms[-1], Cutout(fill)])
+
+
+def caption_weak_transform(
+    img_size: int, augment: Augment, preprocess: Mapping[str, Any]
+) -> Callable[[Image.Image], torch.Tensor]:
+    """The weak view of an image without a caption: ``CaptionAugment``'s crop alone (a flip or a colour change could
+    contradict the caption it will get), PIL -> (3, img_size, img_size) uint8."""
+    return T.Compose([*_geometry(img_size, augment, preprocess["interpolation"]), T.PILToTensor()])
 
 
 class CaptionAugment:

@@ -35,9 +35,11 @@ from vitattn.fileio import atomic_write, read_json
 from vitattn.metrics import CiderD
 from vitattn.run_dir import VOCAB_FILE, RunDir
 from vitattn.training.bootstrap import BootstrapSettings, prepare_pool
+from vitattn.training.callbacks import PseudoLabels
 from vitattn.training.config import qualify
 from vitattn.training.loggers import check_loggers, logger_arguments
 from vitattn.training.plan import WAIT_SECONDS, Plan, Resume, wait_for_rank_zero
+from vitattn.training.semi import SemiSettings
 from vitattn.training.start_weights import log_preprocess
 from vitattn.training.systems import VisionSystem
 from vitattn.training.systems.coca import contrastive_model_config
@@ -53,6 +55,7 @@ __all__ = [
     "model_config_from",
     "plan_cores",
     "prepare_reward",
+    "semi_settings",
     "read_statistics",
     "set_matmul_precision",
     "setup_data",
@@ -71,6 +74,7 @@ def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer
     if plan.trainer.no_gpu:
         raise ConfigError(plan.trainer.no_gpu)
     set_matmul_precision(plan)
+    semi = semi_settings(cfg)
     datamodule = build_datamodule(plan)
     log_preprocess(datamodule, plan.preprocess_from)
     bootstrap = BootstrapSettings.from_config(OmegaConf.to_container(cfg.bootstrap) if cfg.get("bootstrap") else None)
@@ -81,10 +85,17 @@ def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer
         run = {**_pool_run(plan), "class_names": list(getattr(datamodule, "class_names", None) or [])}
         datamodule.pool = prepare_pool(bootstrap, cfg.head.task, plan.run_dir, run, datamodule.vocab)
         log.info("bootstrap: %s", datamodule.use_pool(bootstrap))
+    if semi is not None:
+        log.info("semi=%s: %s", semi.method, datamodule.use_unlabelled(semi))
     plan_cores(plan, datamodule)
     if rank_zero_only.rank == 0:
         check_fit(plan, datamodule)  # a coarse patch grid, a vocabulary of <unk>, a schedule with no end
     system = build_system(plan, datamodule)
+    callbacks = instantiate_group(cfg.get("callbacks"))
+    if semi is not None:
+        system.use_semi(semi)
+        classes = datamodule.class_names if cfg.head.task == "classification" else None
+        callbacks.append(PseudoLabels(RunDir(plan.run_dir).semi, classes))
     if cfg.finetune.get("scst") is not None:
         system.use_reward(prepare_reward(datamodule, plan.run_dir, plan.resume.ckpt_path is not None))
     if should_compile(plan):
@@ -93,13 +104,22 @@ def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer
     check_loggers(loggers)
     trainer: pl.Trainer = hydra.utils.instantiate(
         cfg.trainer,
-        callbacks=instantiate_group(cfg.get("callbacks")),
+        callbacks=callbacks,
         logger=loggers or False,
         default_root_dir=str(plan.run_dir),
         plugins=plugins,
     )
     _save_run_files(plan, datamodule)
     return datamodule, system, trainer
+
+
+def semi_settings(cfg: DictConfig) -> SemiSettings | None:
+    """The ``semi`` group's settings (None: ``semi=none``); their refusal as one line naming the ``semi.*`` key."""
+    node = OmegaConf.to_container(cfg.semi, resolve=True) if cfg.get("semi") is not None else None
+    try:
+        return SemiSettings.from_config(node)
+    except ValueError as err:
+        raise ConfigError(qualify(first_line(err), {k: f"semi.{k}" for k in node or {}})) from None
 
 
 def _pool_run(plan: Plan) -> dict[str, Any]:

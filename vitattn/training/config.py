@@ -135,6 +135,34 @@ def _check_self_critical(cfg: DictConfig) -> None:
         )
 
 
+def _check_semi(cfg: DictConfig) -> None:
+    """``semi=``: what online pseudo-labels do not combine with, refused in one line each (its own keys:
+    ``SemiSettings``')."""
+    method = (cfg.get("semi") or {}).get("method", "none")
+    if method == "none":
+        return
+    if "contrastive" in cfg.head:
+        raise ConfigError(
+            f"semi={method} with head=coca is not supported (whether pseudo-captioned images should enter the "
+            "contrastive term is untested): use head=caption or head=classification"
+        )
+    if cfg.finetune.get("scst") is not None:
+        raise ConfigError(f"semi={method} does not combine with finetune=scst: train one of them per run")
+    if method == "freematch" and cfg.head.task != "classification":
+        raise ConfigError(
+            f"semi=freematch adapts a threshold per class; head={cfg.head.task} has no classes: use semi=fixmatch"
+        )
+    if cfg.get("bootstrap") and (cfg.bootstrap.get("teacher") or cfg.bootstrap.get("candidates")):
+        raise ConfigError(
+            f"semi={method} and bootstrap.teacher / bootstrap.candidates are two sources of pseudo-labels: use one"
+        )
+    if data_name(cfg.data) == "WebDatasetDataModule":
+        raise ConfigError(
+            f"semi={method} pairs each labelled batch with the unlabelled stream of a resumable sampler, which "
+            "data=webdataset's shard streams have not: use data=imagefolder (shards are fine as semi.images)"
+        )
+
+
 def fully_sharded(strategy: str) -> bool:
     """``trainer=fsdp``: ``strategy``, the class a configured ``trainer.strategy`` names, is Lightning's
     ``ModelParallelStrategy`` (``FullyShardedStrategy``)."""
@@ -151,6 +179,12 @@ def _check_sharded(cfg: DictConfig) -> None:
             f"ema.decay={cfg.ema.decay} does not work with trainer=fsdp: Lightning's WeightAveraging keeps a whole "
             "copy of the model on every process and averages it with the sharded weights; set ema.decay=null, "
             "or train with trainer=ddp"
+        )
+    method = (cfg.get("semi") or {}).get("method", "none")
+    if method != "none":
+        raise ConfigError(
+            f"semi={method} does not work with trainer=fsdp: its labelling pass calls the sharded model in eval mode "
+            "outside the step's forward, untested under FSDP; train it with trainer=ddp"
         )
     if cfg.finetune.get("scst") is not None:
         raise ConfigError(
@@ -188,6 +222,7 @@ def check_config(cfg: DictConfig) -> None:
         _check_contrastive(cfg)
     _check_finetuning(cfg)
     _check_self_critical(cfg)
+    _check_semi(cfg)
     _check_sharded(cfg)
     if cfg.get("resume") and cfg.resume != "auto" and not RunDir(cfg.resume).last_checkpoint.is_file():
         run = RunDir(cfg.resume)

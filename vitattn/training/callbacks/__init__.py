@@ -1,6 +1,6 @@
 """Lightning callbacks of a training run."""
 
-from vitattn.training.callbacks.batches import SampleKeys, SkippedImages
+from vitattn.training.callbacks.batches import PseudoLabels, SampleKeys, SkippedImages
 from vitattn.training.callbacks.ema import EMA
 from vitattn.training.callbacks.pictures import ValidationPictures
 from vitattn.training.callbacks.preemption import Preemption
@@ -10,6 +10,7 @@ __all__ = [
     "EMA",
     "FreezeEncoder",
     "Preemption",
+    "PseudoLabels",
     "SampleKeys",
     "SkippedImages",
     "TimeBudgetHorizon",

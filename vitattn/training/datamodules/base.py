@@ -30,9 +30,12 @@ from vitattn.data.images import EvalSplit, ImageCache, check_split, read_image, 
 from vitattn.data.preprocess import (
     WEIGHTS_KEYS,
     Normalize,
+    caption_weak_transform,
     check_preprocess,
+    classification_train_transform,
     default_preprocess,
     eval_transform,
+    strong_view,
 )
 from vitattn.data.tokenizer import (
     KINDS,
@@ -48,12 +51,15 @@ from vitattn.data.tokenizer import (
 )
 from vitattn.errors import ConfigError, first_line
 from vitattn.training.bootstrap import BootstrapSettings, MixedTraining, Pool, PoolCaptions, PoolLabels, image_digests
+from vitattn.training.semi import SemiSettings, WeakStrong, read_unlabelled
 
 __all__ = [
     "EpochSampler",
     "EvaluationBatches",
     "ImageDataModule",
     "ResumableLoader",
+    "SemiLoader",
+    "UnlabelledStream",
     "rank_and_world",
     "worker_context",
 ]
@@ -154,6 +160,53 @@ class ResumableLoader(DataLoader):
         sampler.resume(int(state_dict["epoch_seed"]), int(state_dict["batches"]) * self.batch_size)
 
 
+class UnlabelledStream:
+    """Endless batches of a ``ResumableLoader`` over images without labels: pass after pass, each a fresh order (under
+    DDP pass ``p`` seeded ``seed + p``, each rank its share, padded as ``DistributedSampler`` pads); its state is the
+    loader's (the pass, its order's seed, the samples handed out, in batches), so a resumed run continues the pass."""
+
+    def __init__(self, loader: ResumableLoader) -> None:
+        self.loader = loader
+        self._batches: Iterator[Any] | None = None
+
+    def __next__(self) -> Any:
+        if self._batches is None:
+            self._batches = self._passes()
+        return next(self._batches)
+
+    def _passes(self) -> Iterator[Any]:
+        while True:
+            yield from self.loader
+            self.loader.sampler.set_epoch(self.loader.sampler.epoch + 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue the pass ``state_dict`` describes; after a finished pass, start the next one."""
+        if state_dict and state_dict.get("epoch_seed") is not None and int(state_dict["batches"]) >= len(self.loader):
+            self.loader.sampler.set_epoch(int(state_dict["epoch"]) + 1)
+            return
+        self.loader.load_state_dict(state_dict)
+
+
+class SemiLoader:
+    """The training batches of ``semi=``: each labelled batch of ``labelled`` (one pass of it is an epoch, a fresh
+    order each) as ``{"labelled": batch, "weak": ..., "strong": ...}`` with the ``unlabelled`` stream's next batch.
+    ``sampler`` is the labelled one, which Lightning gives each epoch's number."""
+
+    def __init__(self, labelled: ResumableLoader, unlabelled: UnlabelledStream) -> None:
+        self.labelled, self.unlabelled = labelled, unlabelled
+        self.sampler = labelled.sampler
+
+    def __len__(self) -> int:
+        return len(self.labelled)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.labelled:
+            yield {"labelled": batch, **next(self.unlabelled)}
+
+
 def rank_and_world(trainer: Any) -> tuple[int, int]:
     """This process's rank and the number of ranks: the trainer's, else torch.distributed's, else the plan's rank
     (``training.plan.global_rank``, which the plan gives Lightning's ``rank_zero_only``) and ``WORLD_SIZE``."""
@@ -247,6 +300,11 @@ class ImageDataModule(pl.LightningDataModule):
         self.last_keys: list[str] = []  # the keys of the samples of the batch last given to a training step
         self.pool: Pool | None = None  # images without labels, labelled by a teacher (``use_pool``)
         self._augmenter: Callable[..., Any] | None = None  # what builds the training transform (``transforms``)
+        self.unlabelled: WeakStrong | None = None  # images without labels, labelled online (``use_unlabelled``)
+        self.unlabelled_batch_size = 0
+        self.last_unlabelled_keys: list[str] = []  # the names of the unlabelled images of the last training batch
+        self._unlabelled_stream: UnlabelledStream | None = None
+        self._unlabelled_state: dict[str, Any] | None = None  # a checkpoint's, for the stream to come
         self._train_loader: ResumableLoader | None = None
         self._train_loader_state: dict[str, Any] | None = None  # a checkpoint's, for the training loader to come
 
@@ -289,6 +347,9 @@ class ImageDataModule(pl.LightningDataModule):
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """``normalize_batch`` on the device; what holds no uint8 images (the system's example input, which Lightning's
         model summary sends through the same hooks) passes as it is."""
+        if isinstance(batch, Mapping) and "labelled" in batch:  # semi=: both views normalised too
+            views = {k: self.normalize(batch[k]) for k in ("weak", "strong")}
+            return {"labelled": self.normalize_batch(batch["labelled"]), **views}
         if isinstance(batch, torch.Tensor) or (
             isinstance(batch, (tuple, list)) and batch and getattr(batch[0], "dtype", None) != torch.uint8
         ):
@@ -325,6 +386,12 @@ class ImageDataModule(pl.LightningDataModule):
         loader = self._train_loader
         if loader is not None and self.trainer is not None and self.trainer.training:
             self.last_keys = [self._training_key(i) for i in loader.last_indices]
+            if self._unlabelled_stream is not None:
+                unlabelled = self._unlabelled_stream.loader.last_indices
+                self.last_unlabelled_keys = [self.unlabelled.pool.name(i) for i in unlabelled]
+        if isinstance(batch, Mapping) and "labelled" in batch:
+            labelled = self.on_before_batch_transfer(batch["labelled"], dataloader_idx)
+            return None if labelled is None else {**batch, "labelled": labelled}
         if not isinstance(batch, PartialBatch):
             return batch
         stage = self.trainer.state.stage if self.trainer is not None else None
@@ -421,6 +488,26 @@ class ImageDataModule(pl.LightningDataModule):
         evaluate = self.eval_transform()
         return (evaluate(read_image(path)) for path in self.train_files())
 
+    def use_unlabelled(self, settings: SemiSettings) -> dict[str, int]:
+        """After ``setup``: the images without labels of ``settings.images`` (``semi=``), each as a weak view (the
+        training transform, for captions its crop alone; the evaluation one where the data has no augmentation) and
+        a strong view (``strong_view``), ``settings.ratio`` of them per labelled image in a step. Returns the counts."""
+        weak, captions = self.eval_transform(), self.vocab is not None
+        if getattr(getattr(self, "augment", None), "enabled", False):
+            training = caption_weak_transform if captions else classification_train_transform
+            weak = training(self.img_size, self.augment, self.preprocess)
+        strong = strong_view(weak, settings.strong, self.img_size, self.preprocess["mean"], captions)
+        try:
+            self.unlabelled = WeakStrong(read_unlabelled(settings.images), weak, strong)
+        except (OSError, ValueError) as err:  # the file readers name it ``images=...``; the shard readers not
+            line = first_line(err)
+            line = f"semi.{line}" if line.startswith("images=") else f"semi.images={settings.images}: {line}"
+            raise ConfigError(line) from None
+        if not len(self.unlabelled):
+            raise ConfigError(f"semi.images={settings.images} holds no image")
+        self.unlabelled_batch_size = settings.ratio * self.batch_size
+        return {"unlabelled_images": len(self.unlabelled), "unlabelled_per_step": self.unlabelled_batch_size}
+
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
         """Evaluation loaders in order; the training loader (``shuffle``) a ``ResumableLoader``."""
         if dataset is None:
@@ -443,27 +530,40 @@ class ImageDataModule(pl.LightningDataModule):
         if not shuffle:
             return DataLoader(dataset, **settings)
         rank, world = rank_and_world(self.trainer)
-        sampler = EpochSampler(len(dataset), world, rank, int(os.environ.get("PL_GLOBAL_SEED", 0)), draws)
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        sampler = EpochSampler(len(dataset), world, rank, seed, draws)
         self._train_loader = ResumableLoader(dataset, sampler=sampler, **settings)
         if self._train_loader_state is not None:
             self._train_loader.load_state_dict(self._train_loader_state)
             self._train_loader_state = None
-        return self._train_loader
+        if self.unlabelled is None:
+            return self._train_loader
+        sampler = EpochSampler(len(self.unlabelled), world, rank, seed + 1)  # another order than the labelled one
+        settings = {**settings, "batch_size": self.unlabelled_batch_size, "collate_fn": None}
+        self._unlabelled_stream = UnlabelledStream(ResumableLoader(self.unlabelled, sampler=sampler, **settings))
+        if self._unlabelled_state is not None:
+            self._unlabelled_stream.load_state_dict(self._unlabelled_state)
+            self._unlabelled_state = None
+        return SemiLoader(self._train_loader, self._unlabelled_stream)
 
     def state_dict(self) -> dict[str, Any]:
         """The training loader's state, in every checkpoint; Lightning's own copy comes back too late (after
         ``configure_optimizers`` has built and started the loader), a DataModule's before."""
-        return {} if self._train_loader is None else {"train_loader": self._train_loader.state_dict()}
+        state = {} if self._train_loader is None else {"train_loader": self._train_loader.state_dict()}
+        if self._unlabelled_stream is not None:  # semi=: the images without labels, a stream of its own
+            state["unlabelled_loader"] = self._unlabelled_stream.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = state_dict.get("train_loader")
-        if not state:
-            return
+        state, unlabelled = state_dict.get("train_loader"), state_dict.get("unlabelled_loader")
         in_use = self.trainer is not None and self.trainer.train_dataloader is not None
-        if in_use and self._train_loader is not None:  # strategies that restore after setup: the loader is built
-            self._train_loader.load_state_dict(state)
-        else:  # for the loader the trainer builds next (not one built before fit, as training.build.check_fit does)
-            self._train_loader_state = state
+        if in_use and self._train_loader is not None:  # strategies that restore after setup: the loaders are built
+            if state:
+                self._train_loader.load_state_dict(state)
+            if unlabelled and self._unlabelled_stream is not None:
+                self._unlabelled_stream.load_state_dict(unlabelled)
+        else:  # for the loaders the trainer builds next (not ones built before fit, as training.build.check_fit does)
+            self._train_loader_state, self._unlabelled_state = state or None, unlabelled or None
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_dataset, shuffle=True)

@@ -20,6 +20,7 @@ from torch.optim import AdamW
 from torch.optim.lr_scheduler import LambdaLR
 
 from vitattn.errors import NonFiniteLossError
+from vitattn.training.semi import FixedThreshold, SemiSettings, TeacherEma
 from vitattn.training.systems.sharding import gather_for_evaluation, is_sharded, shard_again, shard_layers
 
 __all__ = [
@@ -193,6 +194,29 @@ class VisionSystem(pl.LightningModule):
         self.nonfinite = nonfinite
         self.skipped_batches = 0
         self._nonfinite_notes = NonFiniteNotes()
+        self.semi: SemiSettings | None = None  # semi=: online pseudo-labels (``use_semi``)
+        self.teacher: TeacherEma | None = None  # semi.ema_decay > 0: the EMA copy that labels
+        self.last_pseudo: dict[str, Tensor] = {}  # the last step's pseudo-labels, for the ``PseudoLabels`` callback
+
+    def use_semi(self, settings: SemiSettings) -> None:
+        """Learn each step's unlabelled batch too (``_unlabelled``): its threshold and, for ``settings.ema_decay``
+        > 0, the EMA teacher, copied from the weights the system holds now."""
+        self.semi = settings
+        self.semi_threshold: torch.nn.Module = FixedThreshold(settings.threshold)
+        self.teacher = TeacherEma(self.model, settings.ema_decay) if settings.teacher_is_ema else None
+
+    @property
+    def labeller(self) -> torch.nn.Module:
+        """What labels the unlabelled images: the model itself, or its EMA teacher."""
+        return self.model if self.teacher is None else self.teacher.module
+
+    def on_fit_start(self) -> None:
+        if self.teacher is not None:
+            self.teacher.to(self.device)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.teacher is not None and "semi_teacher" in checkpoint:
+            self.teacher.module.load_state_dict(checkpoint["semi_teacher"])
 
     @staticmethod
     def example_images(vit: torch.nn.Module) -> Tensor:
@@ -225,6 +249,8 @@ class VisionSystem(pl.LightningModule):
             elif self.trainer.log_every_n_steps and (self.global_step + 1) % self.trainer.log_every_n_steps == 0:
                 self.check_finite()  # the step Lightning logs: its values are read back to the host anyway
             optimizer.step(closure=lambda: loss)
+            if self.teacher is not None:
+                self.teacher.update(self.model)
         except Exception as error:
             if self.nonfinite != "raise" or isinstance(error, NonFiniteLossError):
                 raise
@@ -270,6 +296,8 @@ class VisionSystem(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.nonfinite == "raise":
             self.check_finite()  # before the checkpoint is written: the last good one stays the last
+        if self.teacher is not None:  # beside the state dict: never averaged by the ``ema`` callback nor exported
+            checkpoint["semi_teacher"] = self.teacher.module.state_dict()
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:
         if batch is None:  # no image of the batch could be read (data.bad_images=skip)

@@ -20,6 +20,7 @@ from vitattn.losses import CaptionLoss
 from vitattn.metrics import CaptionMetrics, CiderD
 from vitattn.models import captioner_from_config
 from vitattn.models.caption import per_caption
+from vitattn.training.semi import caption_token_probs, labelling, unlabelled_caption_loss
 from vitattn.training.systems.base import VisionSystem
 from vitattn.training.systems.self_critical import ScstConfig, SelfCritical
 
@@ -115,9 +116,34 @@ class CaptionSystem(VisionSystem):
         self.self_critical = SelfCritical(self.scst, scorer, self.vocab.decode_batch)
 
     def _training_loss(self, batch: dict[str, Any]) -> Tensor:
-        size = len(batch["images"])
-        loss = self._loss(batch, self.label_smoothing) if self.scst is None else self._self_critical_loss(batch, size)
+        if "labelled" in batch:  # semi=: the labelled batch, and the weak and strong views of the unlabelled one
+            size = len(batch["labelled"]["images"])
+            loss = self._loss(batch["labelled"], self.label_smoothing)
+            if self.global_step >= self.semi.start_step:
+                loss = loss + self.semi.weight * self._unlabelled(batch["weak"], batch["strong"])
+        else:
+            size = len(batch["images"])
+            scst = self.scst is not None
+            loss = self._self_critical_loss(batch, size) if scst else self._loss(batch, self.label_smoothing)
         self.log("train/loss", loss, prog_bar=self.loss_on_progress_bar, batch_size=size)
+        return loss
+
+    def _unlabelled(self, weak: Tensor, strong: Tensor) -> Tensor:
+        """FixMatch for captions: the teacher captions ``weak`` (U, C, height, width) greedily with the key/value cache
+        (eval mode, no gradient); a caption whose mean token probability passes the threshold is learned, teacher
+        forced, on ``strong``."""
+        teacher, ids = self.labeller, self.model.special_ids
+        with labelling(teacher):
+            generated = teacher.generate(weak)  # (U, T'): no <bos>, <eos> then <pad>
+            tokens = torch.cat([generated.new_full((len(generated), 1), ids.bos_id), generated], dim=1)  # (U, 1 + T')
+            probs = caption_token_probs(teacher(weak, tokens[:, :-1]), generated, ids)  # (U, T')
+        real = (generated != ids.pad_id).sum(dim=1).clamp(min=1)  # (U,)
+        confidence = probs.sum(dim=1) / real  # the mean token probability
+        mask = self.semi_threshold(confidence[:, None])  # (U,)
+        loss = unlabelled_caption_loss(self.model(strong, tokens[:, :-1]), generated, mask, ids.pad_id)
+        self.last_pseudo = {"tokens": generated, "confidence": confidence, "mask": mask}
+        self.log("train/semi_loss", loss, batch_size=len(weak))
+        self.log("train/semi_mask", mask.float().mean(), batch_size=len(weak))  # the share above the threshold
         return loss
 
     def _self_critical_loss(self, batch: dict[str, Any], size: int) -> Tensor:

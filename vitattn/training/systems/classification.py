@@ -1,7 +1,9 @@
-"""Image classification: cross-entropy (optional label smoothing), top-1 / top-5 accuracy."""
+"""Image classification: cross-entropy (optional label smoothing), top-1 / top-5 accuracy; with ``semi=``, the
+unlabelled images' pseudo-labels learned in the same step (``vitattn.training.semi``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -12,6 +14,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vitattn.models import VisionTransformer
 from vitattn.models.vit import Patches
+from vitattn.training.semi import FreeMatchThreshold, SemiSettings, labelling, unlabelled_loss
 from vitattn.training.systems.base import VisionSystem
 
 __all__ = ["ClassificationSystem"]
@@ -54,10 +57,42 @@ class ClassificationSystem(VisionSystem):
         self.test_acc = MulticlassAccuracy(n, average="micro")
         self.test_top5 = MulticlassAccuracy(n, top_k=min(5, n), average="micro")
 
+    def use_semi(self, settings: SemiSettings) -> None:
+        """``VisionSystem.use_semi``; ``semi=freematch``: its adaptive threshold (buffers, checkpointed)."""
+        super().use_semi(settings)
+        if settings.method == "freematch":
+            self.semi_threshold = FreeMatchThreshold(len(self.hparams.class_names), settings.momentum)
+
     def forward(self, images: Tensor) -> Tensor:
         return self.model(images)
 
-    def _training_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+    def _training_loss(self, batch: tuple[Tensor, Tensor] | Mapping[str, Any]) -> Tensor:
+        if not isinstance(batch, Mapping):
+            loss = self._supervised(batch)
+        else:  # semi=: the labelled batch, and the weak and strong views of the unlabelled one
+            loss = self._supervised(batch["labelled"])
+            if self.global_step >= self.semi.start_step:
+                loss = loss + self.semi.weight * self._unlabelled(batch["weak"], batch["strong"])
+        self.log("train/loss", loss, prog_bar=self.loss_on_progress_bar)
+        return loss
+
+    def _unlabelled(self, weak: Tensor, strong: Tensor) -> Tensor:
+        """FixMatch's loss of the unlabelled views (U, C, height, width): the teacher labels ``weak`` (eval mode,
+        no gradient), the model learns the labels that pass the threshold on ``strong``."""
+        teacher = self.labeller
+        with labelling(teacher):
+            probs = teacher(weak).float().softmax(dim=-1)  # (U, K)
+        adaptive = isinstance(self.semi_threshold, FreeMatchThreshold)
+        everyone = self.all_gather(probs).flatten(0, 1) if adaptive and self._gather is not None else None
+        mask = self.semi_threshold(probs, everyone)  # (U,)
+        loss = unlabelled_loss(self.model(strong), probs, mask, self.semi.soft)
+        confidence, labels = probs.max(dim=-1)
+        self.last_pseudo = {"labels": labels, "confidence": confidence, "mask": mask}
+        self.log("train/semi_loss", loss)
+        self.log("train/semi_mask", mask.float().mean())  # the share above the threshold (USB's util_ratio)
+        return loss
+
+    def _supervised(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         images, labels = batch
         if self.mixup is not None and isinstance(images, Patches):
             raise ValueError("head.mixup and head.cutmix mix square images: set them 0 with data.max_patches")
@@ -73,7 +108,6 @@ class ClassificationSystem(VisionSystem):
             logits = self.model(images)
             loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
         self.train_acc(logits, labels)
-        self.log("train/loss", loss, prog_bar=self.loss_on_progress_bar)
         self.log("train/acc", self.train_acc, on_step=True, on_epoch=False)
         return loss
 
