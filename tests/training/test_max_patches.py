@@ -10,7 +10,6 @@ from PIL import Image
 
 from tests.helpers import TINY, compose_train
 from vitattn.data.preprocess import patch_grid
-from vitattn.errors import ConfigError
 from vitattn.models.vit import Patches
 from vitattn.training import train
 from vitattn.training.datamodules import ImageFolderDataModule
@@ -61,14 +60,34 @@ def test_unset_the_batches_are_square_images(folder):
     assert images.shape == (8, 3, 32, 32) and labels.shape == (8,)
 
 
-def test_augmentation_with_max_patches_is_refused_in_one_line(folder):
-    with pytest.raises(ConfigError, match=r"^data\.max_patches=6 takes no augmentation yet.*augment\.enabled=false$"):
-        ImageFolderDataModule(folder, img_size=32, max_patches=6, patch_size=8)
+def test_augmented_training_images_keep_their_aspect_within_the_budget(folder):
+    data = ImageFolderDataModule(folder, img_size=32, batch_size=8, cache="none", max_patches=6, patch_size=8)
+    data.setup("fit")
+    for index, (width, height) in enumerate(SIZES):
+        for _ in range(10):
+            (patches, coord), _ = data.train_dataset[index]
+            rows, cols = (coord.max(0).values + 1).tolist()
+            assert len(patches) == rows * cols <= 6
+            # the crop's aspect is the image's times 3/4 to 4/3 (data.augment.ratio): wide stays wide, tall tall
+            if width > 2 * height:
+                assert cols > rows
+            if height > 2 * width:
+                assert rows > cols
+    batch = data.ready_batch(next(iter(data.train_dataloader())))
+    assert isinstance(batch[0], Patches) and batch[0].patches.dtype == torch.float32
+
+
+def test_a_crop_that_keeps_no_aspect_is_refused_in_one_line(folder):
+    data = ImageFolderDataModule(folder, augment={"crop": "pad"}, img_size=32, max_patches=6, patch_size=8)
+    with pytest.raises(
+        ValueError, match=r"^data\.augment\.crop=pad keeps no aspect ratio: use crop=resized with data\.max_patches$"
+    ):
+        data.setup("fit")
 
 
 def test_fast_dev_run_trains_a_classifier_on_images_at_their_own_aspect(folder, tmp_path):
     overrides = ["head=classification", "data=imagefolder", f"data.root={folder}", "data.num_workers=0"]
-    extra = ["data.max_patches=6", "data.augment.enabled=false", "trainer.fast_dev_run=true"]
+    extra = ["data.max_patches=6", "trainer.fast_dev_run=true"]  # augmented: the crop keeps the aspect
     result = train(compose_train([*overrides, *TINY, *extra], tmp_path))
     assert result.global_step == 1 and torch.isfinite(torch.tensor(result.metrics["val/loss"]))
 

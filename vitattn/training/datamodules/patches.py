@@ -1,0 +1,75 @@
+"""Images at their own aspect ratio (``data.max_patches``, docs/training.md#images-at-their-own-aspect-ratio) for
+any DataModule: each image resized to its patch budget and cut into patches, batches of ``Patches`` normalised
+patch by patch on the device, the training transform given the budget."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+import torch
+from torchvision import transforms as T
+
+from vitattn.data.preprocess import Budget, check_max_patches, patchify, resize_to_patches
+from vitattn.models.vit import Patches
+
+__all__ = ["PatchBatches"]
+
+
+class PatchBatches:
+    """Mixed into an ``ImageDataModule`` (before it): with ``use_budget(max_patches, patch_size)`` its transforms
+    give ``patchify``'s (patches, coordinates), its collate pads them into ``Patches`` (``pad_patches``) and its
+    batches are normalised as their images would be; without, the DataModule is as it was."""
+
+    budget: Budget | None = None
+
+    def use_budget(self, max_patches: int | None, patch_size: int) -> None:
+        """At most ``max_patches`` patches per image (``check_max_patches``); None: square images."""
+        if max_patches is not None:
+            self.budget = Budget(check_max_patches(max_patches, self.img_size, patch_size), patch_size)
+
+    def eval_transform(self) -> Callable[[Any], Any]:
+        """With a budget: image -> its (N, P*P*3) uint8 patches and (N, 2) coordinates, resized first (the image
+        cache keeps what that step gives: the aspect ratio); else the DataModule's."""
+        if self.budget is None:
+            return super().eval_transform()
+        resize = partial(
+            resize_to_patches,
+            patch_size=self.budget.patch_size,
+            max_patches=self.budget.max_patches,
+            interpolation=self.preprocess["interpolation"],
+        )
+        return T.Compose([resize, _to_uint8, partial(patchify, patch_size=self.budget.patch_size)])
+
+    def transforms(self, train: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[[Any], Any]]:
+        """The DataModule's, the training transform built with the budget (``Budget``)."""
+        return super().transforms(train if self.budget is None else partial(train, budget=self.budget))
+
+    def normalize_batch(self, batch: Any) -> Any:
+        """The DataModule's, and ``Patches`` (a dict's ``images``, else the first item) normalised patch by patch."""
+        images = None if batch is None else batch["images"] if isinstance(batch, Mapping) else batch[0]
+        if not isinstance(images, Patches):
+            return super().normalize_batch(batch)
+        P = self.budget.patch_size
+        B, N, _ = images.patches.shape
+        pixels = images.patches.view(B, N, P, P, 3).permute(0, 1, 4, 2, 3)  # (B, N, 3, P, P)
+        normalized = images._replace(patches=self.normalize(pixels).permute(0, 1, 3, 4, 2).reshape(B, N, -1))
+        return {**batch, "images": normalized} if isinstance(batch, Mapping) else [normalized, *batch[1:]]
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        images = (
+            batch.get("images")
+            if isinstance(batch, Mapping)
+            else batch[0]
+            if isinstance(batch, (tuple, list))
+            else None
+        )
+        if isinstance(images, Patches) and images.patches.dtype == torch.uint8:
+            return self.normalize_batch(batch)
+        return super().on_after_batch_transfer(batch, dataloader_idx)
+
+
+def _to_uint8(image: Any) -> torch.Tensor:
+    """A PIL image as (3, height, width) uint8; a tensor (generated images) as it is."""
+    return image if isinstance(image, torch.Tensor) else T.functional.pil_to_tensor(image)
