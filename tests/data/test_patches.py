@@ -7,13 +7,20 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 from timm.data.naflex_transforms import RandomResizedCropToSequence, get_image_size_for_seq, patchify_image
+from torchvision import transforms as T
+from torchvision.transforms import functional as TF
 
+from tests.helpers import CAPTION_PREPROCESS
 from vitattn.data.images import read_image
 from vitattn.data.preprocess import (
+    Augment,
+    Budget,
+    CaptionAugment,
     RandomResizedCropToPatches,
     check_max_patches,
     pad_patches,
@@ -85,3 +92,21 @@ def test_the_crop_to_the_budget_is_timms_random_resized_crop_to_sequence(hw, sca
         got = ours(image)
         assert got.shape == expected.shape and got.shape[1] * got.shape[2] <= 12 * P * P, seed
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("caption", "flipped"),
+    [("a red square left of a blue square", False), ("a red square and a blue square", True)],
+)
+def test_caption_augmentation_to_the_budget_keeps_the_caption_rules(caption, flipped):
+    pixels = np.zeros((16, 48, 3), dtype=np.uint8)
+    pixels[:, :24, 0], pixels[:, 24:, 2] = 255, 255  # red left half, blue right half
+    image = Image.fromarray(pixels)
+    augment = Augment(scale=(1.0, 1.0), ratio=(1.0, 1.0), hflip=1.0, color_jitter=0.5)
+    transform = CaptionAugment(32, augment, CAPTION_PREPROCESS, Budget(max_patches=6, patch_size=P))
+    # the whole image (scale 1, ratio 1) at its 1 x 3 grid; a flip only without left / right, no jitter (colours)
+    resized = TF.resize(image, [P, 3 * P], T.InterpolationMode.BICUBIC, antialias=True)
+    expected = patchify(TF.pil_to_tensor(TF.hflip(resized) if flipped else resized), P)
+    for _ in range(5):
+        patches, coord = transform(image, [caption])
+        assert torch.equal(patches, expected[0]) and torch.equal(coord, expected[1])

@@ -3,16 +3,19 @@ own grid, normalised as its image would be, and a fast_dev_run through ``train``
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY, compose_train
+from tests.helpers import TINY, TINY_SHAPES, compose_train
 from vitattn.data.preprocess import patch_grid
+from vitattn.data.shapes import ShapesDataset
 from vitattn.models.vit import Patches
 from vitattn.training import train
-from vitattn.training.datamodules import ImageFolderDataModule
+from vitattn.training.datamodules import ImageFolderDataModule, ShapesDataModule
 from vitattn.training.systems import ClassificationSystem
 
 SIZES = [(64, 16), (16, 48), (40, 40), (50, 20)]  # (width, height): wide, tall, square, wide
@@ -99,3 +102,58 @@ def test_mixup_of_patches_is_refused_in_one_line(folder):
     batch = data.ready_batch(next(iter(data.val_dataloader())))
     with pytest.raises(ValueError, match=r"^head\.mixup and head\.cutmix mix square images: set them 0 with data\.max"):
         system._training_loss(batch)
+
+
+@pytest.fixture(scope="module")
+def coco(tmp_path_factory):
+    """A COCO caption set of wide, tall and square images."""
+    root = tmp_path_factory.mktemp("coco_aspect")
+    (root / "images").mkdir()
+    rng = np.random.default_rng(1)
+    files = {}
+    for split, first in (("train", 1), ("val", 20)):
+        images, annotations = [], []
+        for i, (w, h) in enumerate(SIZES):
+            name = f"{split}{i}.png"
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "images" / name)
+            images.append({"id": first + i, "file_name": name})
+            annotations.append({"id": first + i, "image_id": first + i, "caption": f"a red shape on the left {i}"})
+        (root / f"{split}.json").write_text(json.dumps({"images": images, "annotations": annotations}))
+        files[f"data.{split}_annotations"] = root / f"{split}.json"
+    return [f"data.image_dir={root / 'images'}", *(f"{k}={v}" for k, v in files.items())]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        ["head=caption", "data=shapes", *TINY_SHAPES, "data.max_patches=9"],
+        ["head=coca", "data=shapes", *TINY_SHAPES, "data.max_patches=9"],
+        ["head=classification", "data=shapes", *TINY_SHAPES, "data.max_patches=9"],
+        ["head=caption", "data=coco", "data.max_patches=6", "data.augment.hflip=0.5", "data.augment.color_jitter=0.2"],
+    ],
+    ids=["shapes-caption", "shapes-coca", "shapes-classification", "coco-caption-augmented"],
+)
+def test_fast_dev_run_trains_captions_at_their_own_aspect(data, coco, tmp_path):
+    extra = coco if "data=coco" in data else []
+    result = train(compose_train([*data, *extra, *TINY, "data.num_workers=0", "trainer.fast_dev_run=true"], tmp_path))
+    assert result.global_step == 1 and torch.isfinite(torch.tensor(result.metrics["val/loss"]))
+
+
+def test_unset_the_shapes_caption_batch_is_the_square_drawing_and_set_its_patches():
+    """Unset: the square batch as before (the drawings, normalised by hand); set to the table's 4 x 4 grid: the same
+    pixels as patches, none padded."""
+    square = ShapesDataModule(img_size=32, num_train=8, num_val=4, num_test=4, batch_size=4)
+    patched = ShapesDataModule(
+        img_size=32, num_train=8, num_val=4, num_test=4, batch_size=4, max_patches=16, patch_size=8
+    )
+    for data in (square, patched):
+        data.setup("fit")
+    drawings = torch.stack([ShapesDataset("val", 4, 32, 0).image(i) for i in range(4)]).float() / 255  # (4, 3, 32, 32)
+    mean, std = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+    expected = (drawings - mean) / std
+    images = square.ready_batch(next(iter(square.val_dataloader())))["images"]
+    torch.testing.assert_close(images, expected, rtol=0, atol=1e-6)
+    patches = patched.ready_batch(next(iter(patched.val_dataloader())))["images"]
+    assert isinstance(patches, Patches) and patches.valid.all() and patches.patches.shape == (4, 16, 8 * 8 * 3)
+    as_patches = expected.reshape(4, 3, 4, 8, 4, 8).permute(0, 2, 4, 3, 5, 1).reshape(4, 16, -1)  # (B, N, P*P*3)
+    torch.testing.assert_close(patches.patches, as_patches, rtol=0, atol=1e-6)

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
+from vitattn.data.preprocess import pad_patches
 from vitattn.errors import brief, first_line
 from vitattn.fileio import atomic_write, read_json
 from vitattn.metrics.tokenize import coco_tokenize
@@ -451,12 +452,14 @@ class TokenizedCaptions(Dataset):
 
 
 def collate_captions(items: list[dict[str, Any]], pad_id: int = PAD_ID) -> dict[str, Any]:
-    """``images`` (B, 3, height, width); ``tokens`` (N, T) right-padded with ``pad_id``, every caption of every item
-    (one per item, or a tuple of several); ``caption_image`` (N,) the image of each; ``image_ids`` (B,);
+    """``images`` (B, 3, height, width), or ``Patches`` padded to the longest where items hold ``patchify``'s
+    (patches, coordinates) (``data.max_patches``); ``tokens`` (N, T) right-padded with ``pad_id``, every caption of
+    every item (one per item, or a tuple of several); ``caption_image`` (N,) the image of each; ``image_ids`` (B,);
     ``references``."""
     rows = [tokens if isinstance(tokens, tuple) else (tokens,) for tokens in (item["tokens"] for item in items)]
+    images = [item["image"] for item in items]
     return {
-        "images": torch.stack([item["image"] for item in items]),  # (B, 3, height, width)
+        "images": pad_patches(images) if isinstance(images[0], tuple) else torch.stack(images),  # (B, 3, h, w)
         "tokens": pad_sequence([t for r in rows for t in r], batch_first=True, padding_value=pad_id),  # (N, T)
         "caption_image": torch.tensor([i for i, r in enumerate(rows) for _ in r], dtype=torch.long),  # (N,)
         "image_ids": torch.tensor([item["image_id"] for item in items], dtype=torch.long),  # (B,)

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from vitattn.data.images import EvalSplit, image_folder_split, open_image_folder
-from vitattn.data.preprocess import Augment, classification_train_transform, pad_patches
+from vitattn.data.preprocess import Augment, classification_train_transform
 from vitattn.training.datamodules.base import ImageDataModule
-from vitattn.training.datamodules.patches import PatchBatches
+from vitattn.training.datamodules.patches import PatchBatches, collate_patches
 
 __all__ = ["ImageFolderDataModule"]
 
@@ -44,7 +42,7 @@ class ImageFolderDataModule(PatchBatches, ImageDataModule):
         self.augment = Augment.from_config(augment)
         self.use_budget(max_patches, patch_size)
         if self.budget is not None:
-            self.collate_fn = _collate_patches
+            self.collate_fn = collate_patches
         self.class_names: list[str] | None = None
         self.num_classes: int | None = None
 
@@ -82,8 +80,3 @@ class ImageFolderDataModule(PatchBatches, ImageDataModule):
         folder = self.val_dataset if split == "val" else self.test_dataset
         files, labels = [path for path, _ in folder.samples], [label for _, label in folder.samples]
         return EvalSplit(str(Path(folder.root).resolve()), files=files, ids=labels)
-
-
-def _collate_patches(items: Sequence[tuple[tuple[torch.Tensor, torch.Tensor], int]]) -> list[Any]:
-    """(patches, coordinates) and label of B images -> [``Patches`` padded to the longest, (B,) labels]."""
-    return [pad_patches([image for image, _ in items]), torch.tensor([label for _, label in items])]

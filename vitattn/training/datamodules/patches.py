@@ -4,17 +4,17 @@ patch by patch on the device, the training transform given the budget."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
 import torch
 from torchvision import transforms as T
 
-from vitattn.data.preprocess import Budget, check_max_patches, patchify, resize_to_patches
+from vitattn.data.preprocess import Budget, check_max_patches, pad_patches, patchify, resize_to_patches
 from vitattn.models.vit import Patches
 
-__all__ = ["PatchBatches"]
+__all__ = ["PatchBatches", "collate_patches"]
 
 
 class PatchBatches:
@@ -73,3 +73,8 @@ class PatchBatches:
 def _to_uint8(image: Any) -> torch.Tensor:
     """A PIL image as (3, height, width) uint8; a tensor (generated images) as it is."""
     return image if isinstance(image, torch.Tensor) else T.functional.pil_to_tensor(image)
+
+
+def collate_patches(items: Sequence[tuple[tuple[torch.Tensor, torch.Tensor], int]]) -> list[Any]:
+    """(patches, coordinates) and label of B images -> [``Patches`` padded to the longest, (B,) labels]."""
+    return [pad_patches([image for image, _ in items]), torch.tensor([label for _, label in items])]

@@ -115,7 +115,7 @@ class CaptionSystem(VisionSystem):
         self.self_critical = SelfCritical(self.scst, scorer, self.vocab.decode_batch)
 
     def _training_loss(self, batch: dict[str, Any]) -> Tensor:
-        size = len(batch["images"])
+        size = len(batch["image_ids"])
         loss = self._loss(batch, self.label_smoothing) if self.scst is None else self._self_critical_loss(batch, size)
         self.log("train/loss", loss, prog_bar=self.loss_on_progress_bar, batch_size=size)
         return loss
@@ -139,7 +139,7 @@ class CaptionSystem(VisionSystem):
         return scst, self.caption_loss(logits, tokens, self.label_smoothing)
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
-        self.log(f"{stage}/loss", self._loss(batch), sync_dist=True, prog_bar=True, batch_size=len(batch["images"]))
+        self.log(f"{stage}/loss", self._loss(batch), sync_dist=True, prog_bar=True, batch_size=len(batch["image_ids"]))
         captions = self.vocab.decode_batch(self.model.generate(batch["images"], **self.generate_kwargs))
         self.caption_metrics.update(captions, batch["references"], batch["image_ids"].tolist())
 
