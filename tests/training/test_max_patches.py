@@ -4,6 +4,7 @@ own grid, normalised as its image would be, and a fast_dev_run through ``train``
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -13,8 +14,10 @@ from PIL import Image
 from tests.helpers import TINY, TINY_SHAPES, compose_train
 from vitattn.data.preprocess import patch_grid
 from vitattn.data.shapes import ShapesDataset
+from vitattn.errors import ConfigError
 from vitattn.models.vit import Patches
 from vitattn.training import train
+from vitattn.training.config import check_config
 from vitattn.training.datamodules import ImageFolderDataModule, ShapesDataModule
 from vitattn.training.systems import ClassificationSystem
 
@@ -157,3 +160,22 @@ def test_unset_the_shapes_caption_batch_is_the_square_drawing_and_set_its_patche
     assert isinstance(patches, Patches) and patches.valid.all() and patches.patches.shape == (4, 16, 8 * 8 * 3)
     as_patches = expected.reshape(4, 3, 4, 8, 4, 8).permute(0, 2, 4, 3, 5, 1).reshape(4, 16, -1)  # (B, N, P*P*3)
     torch.testing.assert_close(patches.patches, as_patches, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("merge", ["2", "[0,2]"])
+def test_merging_with_max_patches_is_refused_in_one_line_before_any_data_is_read(merge, tmp_path):
+    missing = tmp_path / "no_such_folder"  # a data path that is not there: the refusal comes before it is looked at
+    cfg = compose_train(
+        ["head=classification", "data=imagefolder", f"data.root={missing}", *TINY, "data.max_patches=6"], tmp_path
+    )
+    cfg.model.merge_tokens = eval(merge)  # noqa: S307 -- an int or a list, as a command line gives it
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg)
+    assert re.fullmatch(
+        r"model\.merge_tokens=\S+ merges padded patches into real ones \(data\.max_patches=6\): set model\.merge_tokens"
+        r"=0, or leave data\.max_patches unset",
+        str(err.value),
+    )
+    cfg.model.merge_tokens = 0 if merge == "2" else [0, 0]
+    with pytest.raises(ConfigError, match=r"^data\.root="):  # unmerged: the next check, the missing folder
+        check_config(cfg)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import hydra
 from hydra import compose, initialize_config_module
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from vitattn.errors import ConfigError
 from vitattn.models import TASKS
@@ -160,6 +160,18 @@ def _check_sharded(cfg: DictConfig) -> None:
         )
 
 
+def _check_patches(cfg: DictConfig) -> None:
+    """``data.max_patches`` with token merging: refused before anything is built (``TokenMerge`` refuses padding)."""
+    max_patches, merge = cfg.data.get("max_patches"), cfg.model.get("merge_tokens") or 0
+    per_layer = OmegaConf.to_container(merge) if isinstance(merge, ListConfig) else [merge]
+    if max_patches is not None and any(per_layer):
+        spelled = f"[{','.join(map(str, per_layer))}]" if isinstance(merge, ListConfig) else merge  # as typed
+        raise ConfigError(
+            f"model.merge_tokens={spelled} merges padded patches into real ones (data.max_patches={max_patches}): "
+            "set model.merge_tokens=0, or leave data.max_patches unset"
+        )
+
+
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config)."""
     check_targets(OmegaConf.to_container(cfg))  # plain values: the library reads no config object
@@ -189,6 +201,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_finetuning(cfg)
     _check_self_critical(cfg)
     _check_sharded(cfg)
+    _check_patches(cfg)
     if cfg.get("resume") and cfg.resume != "auto" and not RunDir(cfg.resume).last_checkpoint.is_file():
         run = RunDir(cfg.resume)
         raise ConfigError(f"resume={cfg.resume} has no {run.last_checkpoint.relative_to(run.path)} to continue from")
