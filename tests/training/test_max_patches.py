@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from tests.helpers import TINY, TINY_SHAPES, compose_train
+from vitattn.bundle import load_model
 from vitattn.data.preprocess import patch_grid
 from vitattn.data.shapes import ShapesDataset
 from vitattn.errors import ConfigError
@@ -140,6 +141,9 @@ def test_fast_dev_run_trains_captions_at_their_own_aspect(data, coco, tmp_path):
     extra = coco if "data=coco" in data else []
     result = train(compose_train([*data, *extra, *TINY, "data.num_workers=0", "trainer.fast_dev_run=true"], tmp_path))
     assert result.global_step == 1 and torch.isfinite(torch.tensor(result.metrics["val/loss"]))
+    bundle = load_model(result.bundle_dir)  # the budget recorded: inference cuts images as training did
+    budget = int(next(a for a in data if a.startswith("data.max_patches=")).split("=")[1])
+    assert bundle.preprocess["max_patches"] == budget and bundle.preprocess["patch_size"] == 8
 
 
 def test_unset_the_shapes_caption_batch_is_the_square_drawing_and_set_its_patches():

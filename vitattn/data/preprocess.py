@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from fractions import Fraction
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from vitattn.models.vit import Patches
 __all__ = [
     "Augment",
     "auto_min_scale",
+    "batch_images",
     "Budget",
     "CAPTION_CROP_SCALE",
     "CaptionAugment",
@@ -41,6 +42,7 @@ __all__ = [
     "describe",
     "eval_transform",
     "from_timm",
+    "ImagePatches",
     "Normalize",
     "normalize",
     "pad_patches",
@@ -124,9 +126,16 @@ def preprocess_taken(data: Mapping[str, Any], preprocess: Mapping[str, Any] | No
 
 def describe(preprocess: Mapping[str, Any]) -> str:
     """How the run log names a preprocessing, in the ``data.*`` keys that set it:
-    ``mean (0.5, 0.5, 0.5) std (0.5, 0.5, 0.5) [Inception 0.5], bicubic, crop_mode center crop_pct 0.9, 224 px``."""
+    ``mean (0.5, 0.5, 0.5) std (0.5, 0.5, 0.5) [Inception 0.5], bicubic, crop_mode center crop_pct 0.9, 224 px``;
+    with ``max_patches``, that budget in place of the crop."""
     mean, std = tuple(preprocess["mean"]), tuple(preprocess["std"])
     name = next((f" [{n}]" for pair, n in _STATISTICS.items() if np.allclose(pair, (mean, std), rtol=0, atol=1e-6)), "")
+    if preprocess.get("max_patches") is not None:  # no crop: the image's own aspect, resized to its grid
+        return (
+            f"mean {_numbers(mean)} std {_numbers(std)}{name}, {preprocess['interpolation']}, each image at its own "
+            f"aspect ratio, max_patches {preprocess['max_patches']} of {preprocess['patch_size']} px "
+            f"(positions of {preprocess['img_size']} px)"
+        )
     return (
         f"mean {_numbers(mean)} std {_numbers(std)}{name}, {preprocess['interpolation']}, "
         f"crop_mode {preprocess.get('crop_mode') or 'center'} crop_pct {float(preprocess['crop_pct']):g}, "
@@ -140,10 +149,19 @@ def _numbers(values: Sequence[float]) -> str:
 
 def eval_transform(preprocess: Mapping[str, Any], normalize: bool = True) -> Callable[[Image.Image], torch.Tensor]:
     """timm's evaluation transform of ``preprocess``, PIL image -> (3, img_size, img_size): resize, crop, to
-    tensor, normalise; ``normalize=False`` stops at uint8, which ``Normalize`` then finishes bit for bit."""
+    tensor, normalise; ``normalize=False`` stops at uint8, which ``Normalize`` then finishes bit for bit. With
+    ``max_patches`` (and ``patch_size``): the image at its own aspect ratio as ``ImagePatches`` (``batch_images``)."""
     p = check_preprocess(preprocess, "preprocess")
     size, mode = p["img_size"], T.InterpolationMode(p["interpolation"])
     scale = math.floor(size / p["crop_pct"])
+    if p.get("max_patches") is not None:  # the image's own aspect: resized to its grid, then ``ImagePatches``
+        patch = p["patch_size"]
+        steps = [partial(resize_to_patches, patch_size=patch, max_patches=p["max_patches"], interpolation=mode.value)]
+        cut = partial(patchify, patch_size=patch)
+        if not normalize:
+            return T.Compose([*steps, partial(_to_tensor, scale=False), cut])
+        mean, std = torch.tensor(p["mean"]), torch.tensor(p["std"])
+        return T.Compose([*steps, partial(_to_tensor, scale=True), T.Normalize(mean, std), cut])
     if p.get("crop_mode") == "squash":
         steps = [T.Resize((scale, scale), interpolation=mode), T.CenterCrop(size)]
     elif p.get("crop_mode") == "border":
@@ -207,6 +225,12 @@ def check_preprocess(preprocess: Any, where: str = "preprocess") -> dict[str, An
                 f"{where}: crop_mode={brief(preprocess['crop_mode'])} is unknown; choose one of {list(CROP_MODES)}"
             )
         p["crop_mode"] = preprocess["crop_mode"]
+    if preprocess.get("max_patches") is not None:  # images at their own aspect ratio (data.max_patches)
+        patch = preprocess.get("patch_size")
+        if isinstance(patch, bool) or not isinstance(patch, numbers.Integral) or patch < 1:
+            raise ValueError(f"{where}: patch_size={brief(patch)} must be a positive integer with max_patches")
+        p["max_patches"] = check_max_patches(preprocess["max_patches"], p["img_size"], int(patch))
+        p["patch_size"] = int(patch)
     return p
 
 
@@ -505,7 +529,20 @@ def resize_to_patches(
     return TF.resize(image, [rows * patch_size, cols * patch_size], T.InterpolationMode(interpolation))
 
 
-def patchify(image: torch.Tensor, patch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+class ImagePatches(NamedTuple):
+    """One image as ``patchify`` cuts it: ``patches`` (N, P*P*C), ``coord`` (N, 2) (row, column)."""
+
+    patches: torch.Tensor
+    coord: torch.Tensor
+
+
+def batch_images(images: Sequence[torch.Tensor | ImagePatches]) -> torch.Tensor | Patches:
+    """The model inputs of B images (``eval_transform``'s) as one batch: square images stacked (B, C, height,
+    width), ``ImagePatches`` padded to the longest (``pad_patches``)."""
+    return pad_patches(images) if isinstance(images[0], ImagePatches) else torch.stack(list(images))
+
+
+def patchify(image: torch.Tensor, patch_size: int) -> ImagePatches:
     """(C, height, width), each side a multiple of ``patch_size`` (P) -> its (N, P*P*C) patches, row by row, each
     in (row, column, channel) order as timm's ``patchify_image``, and their (N, 2) (row, column) coordinates."""
     C, height, width = image.shape
@@ -513,7 +550,7 @@ def patchify(image: torch.Tensor, patch_size: int) -> tuple[torch.Tensor, torch.
     assert rows * patch_size == height and cols * patch_size == width, (height, width, patch_size)
     patches = image.reshape(C, rows, patch_size, cols, patch_size).permute(1, 3, 2, 4, 0)  # (rows, cols, P, P, C)
     coord = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), dim=-1)
-    return patches.reshape(rows * cols, -1), coord.reshape(-1, 2)  # (N, P*P*C), (N, 2)
+    return ImagePatches(patches.reshape(rows * cols, -1), coord.reshape(-1, 2))  # (N, P*P*C), (N, 2)
 
 
 def pad_patches(images: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Patches:

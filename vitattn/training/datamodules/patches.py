@@ -9,17 +9,16 @@ from functools import partial
 from typing import Any
 
 import torch
-from torchvision import transforms as T
 
-from vitattn.data.preprocess import Budget, check_max_patches, pad_patches, patchify, resize_to_patches
+from vitattn.data.preprocess import Budget, ImagePatches, batch_images, check_max_patches
 from vitattn.models.vit import Patches
 
 __all__ = ["PatchBatches", "collate_patches"]
 
 
 class PatchBatches:
-    """Mixed into an ``ImageDataModule`` (before it): with ``use_budget(max_patches, patch_size)`` its transforms
-    give ``patchify``'s (patches, coordinates), its collate pads them into ``Patches`` (``pad_patches``) and its
+    """Mixed into an ``ImageDataModule`` (before it): with ``use_budget(max_patches, patch_size)`` its ``preprocess``
+    and so its transforms give ``ImagePatches``, its collate pads them into ``Patches`` (``batch_images``) and its
     batches are normalised as their images would be; without, the DataModule is as it was."""
 
     budget: Budget | None = None
@@ -28,19 +27,8 @@ class PatchBatches:
         """At most ``max_patches`` patches per image (``check_max_patches``); None: square images."""
         if max_patches is not None:
             self.budget = Budget(check_max_patches(max_patches, self.img_size, patch_size), patch_size)
-
-    def eval_transform(self) -> Callable[[Any], Any]:
-        """With a budget: image -> its (N, P*P*3) uint8 patches and (N, 2) coordinates, resized first (the image
-        cache keeps what that step gives: the aspect ratio); else the DataModule's."""
-        if self.budget is None:
-            return super().eval_transform()
-        resize = partial(
-            resize_to_patches,
-            patch_size=self.budget.patch_size,
-            max_patches=self.budget.max_patches,
-            interpolation=self.preprocess["interpolation"],
-        )
-        return T.Compose([resize, _to_uint8, partial(patchify, patch_size=self.budget.patch_size)])
+            # the evaluation transform (the cache's resize its first step) and the bundle's: ``eval_transform``
+            self.preprocess.update(max_patches=self.budget.max_patches, patch_size=patch_size)
 
     def transforms(self, train: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[[Any], Any]]:
         """The DataModule's, the training transform built with the budget (``Budget``)."""
@@ -70,11 +58,6 @@ class PatchBatches:
         return super().on_after_batch_transfer(batch, dataloader_idx)
 
 
-def _to_uint8(image: Any) -> torch.Tensor:
-    """A PIL image as (3, height, width) uint8; a tensor (generated images) as it is."""
-    return image if isinstance(image, torch.Tensor) else T.functional.pil_to_tensor(image)
-
-
-def collate_patches(items: Sequence[tuple[tuple[torch.Tensor, torch.Tensor], int]]) -> list[Any]:
+def collate_patches(items: Sequence[tuple[ImagePatches, int]]) -> list[Any]:
     """(patches, coordinates) and label of B images -> [``Patches`` padded to the longest, (B,) labels]."""
-    return [pad_patches([image for image, _ in items]), torch.tensor([label for _, label in items])]
+    return [batch_images([image for image, _ in items]), torch.tensor([label for _, label in items])]
