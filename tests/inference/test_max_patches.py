@@ -16,6 +16,7 @@ from vitattn.bundle import BUNDLE_VERSION, load_model
 from vitattn.bundle.folder import BUNDLE_FORMAT, read_config
 from vitattn.bundle.onnx_export import export_onnx
 from vitattn.cli.caption import main as caption_main
+from vitattn.cli.evaluate import main as eval_main
 from vitattn.data.preprocess import describe, patch_grid
 from vitattn.inference.api import Captioner, Classifier
 from vitattn.models.vit import Patches
@@ -90,3 +91,18 @@ def test_the_card_and_the_run_log_name_the_budget_instead_of_a_crop(captioner):
         "mean (0.5, 0.5, 0.5) std (0.5, 0.5, 0.5) [Inception 0.5], bicubic, each image at its own aspect ratio, "
         "max_patches 12 of 8 px (positions of 32 px)"
     )
+
+
+def test_vitattn_eval_scores_a_folder_of_mixed_aspects_as_each_image_alone(images, tmp_path):
+    bundle = make_classifier_bundle(tmp_path / "classify", class_names=("cat", "dog"), preprocess=PATCHES)
+    files = sorted(images.glob("*.png"))
+    for k, path in enumerate(files):  # cat: the first half, dog: the second
+        (tmp_path / "data" / "val" / ("cat", "dog")[k * 2 // len(files)]).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / "val" / ("cat", "dog")[k * 2 // len(files)] / path.name).write_bytes(path.read_bytes())
+    args = [f"model={bundle}", f"data_root={tmp_path / 'data'}", "split=val", f"out={tmp_path / 'out'}"]
+    assert eval_main([*args, "num_workers=0", "progress=false", "batch_size=4"]) == 0
+    model = Classifier.load(bundle)
+    labels = [k * 2 // len(files) for k in range(len(files))]
+    hits = [int(model.logits([path]).argmax()) == label for path, label in zip(files, labels)]
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())["metrics"]
+    assert metrics["num_images"] == len(files) and metrics["top1"] == pytest.approx(sum(hits) / len(hits))
