@@ -106,3 +106,10 @@ def test_vitattn_eval_scores_a_folder_of_mixed_aspects_as_each_image_alone(image
     hits = [int(model.logits([path]).argmax()) == label for path, label in zip(files, labels)]
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())["metrics"]
     assert metrics["num_images"] == len(files) and metrics["top1"] == pytest.approx(sum(hits) / len(hits))
+
+
+def test_attention_maps_of_a_max_patches_model_are_refused_in_one_line(captioner, images, tmp_path):
+    with pytest.raises(ValueError, match=r"^attention maps of data\.max_patches models are not supported yet$"):
+        Captioner.load(captioner).attention_maps(images / "0.png")
+    args = [f"model={captioner}", f"images={images}", f"out={tmp_path / 'c.jsonl'}", f"attention_maps={tmp_path}"]
+    assert caption_main([*args, "num_workers=0", "progress=false"]) == 2
