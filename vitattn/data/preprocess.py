@@ -389,7 +389,7 @@ def _geometry(img_size: int, augment: Augment, interpolation: str, budget: Budge
 
 
 def _finish(budget: Budget | None) -> Callable[[Image.Image], Any]:
-    """PIL image -> (3, height, width) uint8, or with a ``budget`` its ``patchify``'d (patches, coordinates)."""
+    """PIL image -> (3, height, width) uint8, or with a ``budget`` its ``ImagePatches`` (``patchify``)."""
     if budget is None:
         return T.PILToTensor()
     return T.Compose([T.PILToTensor(), partial(patchify, patch_size=budget.patch_size)])
@@ -447,7 +447,7 @@ def classification_train_transform(
     """PIL image -> (3, img_size, img_size) uint8 tensor: crop, flip, jitter, auto-augment (``preprocess``'s
     interpolation; its mean and std normalise the batch on the device, ``vitattn.data.preprocess.Normalize``).
     With a ``budget``: the crop keeps the image's aspect (``RandomResizedCropToPatches``), and the image comes out as
-    ``patchify``'s (patches, coordinates)."""
+    ``ImagePatches``."""
     steps = _geometry(img_size, augment, preprocess["interpolation"], budget)
     if augment.hflip > 0:
         steps.append(T.RandomHorizontalFlip(augment.hflip))

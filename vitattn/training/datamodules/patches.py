@@ -36,7 +36,7 @@ class PatchBatches:
 
     def normalize_batch(self, batch: Any) -> Any:
         """The DataModule's, and ``Patches`` (a dict's ``images``, else the first item) normalised patch by patch."""
-        images = None if batch is None else batch["images"] if isinstance(batch, Mapping) else batch[0]
+        images = _images(batch)
         if not isinstance(images, Patches):
             return super().normalize_batch(batch)
         P = self.budget.patch_size
@@ -46,18 +46,20 @@ class PatchBatches:
         return {**batch, "images": normalized} if isinstance(batch, Mapping) else [normalized, *batch[1:]]
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        images = (
-            batch.get("images")
-            if isinstance(batch, Mapping)
-            else batch[0]
-            if isinstance(batch, (tuple, list))
-            else None
-        )
+        """uint8 ``Patches`` normalised on the device; anything else as the DataModule does."""
+        images = _images(batch)
         if isinstance(images, Patches) and images.patches.dtype == torch.uint8:
             return self.normalize_batch(batch)
         return super().on_after_batch_transfer(batch, dataloader_idx)
 
 
+def _images(batch: Any) -> Any:
+    """A batch's images: a dict's ``images``, a list's first item; None for anything else."""
+    if isinstance(batch, Mapping):
+        return batch.get("images")
+    return batch[0] if isinstance(batch, (tuple, list)) and batch else None
+
+
 def collate_patches(items: Sequence[tuple[ImagePatches, int]]) -> list[Any]:
-    """(patches, coordinates) and label of B images -> [``Patches`` padded to the longest, (B,) labels]."""
+    """``ImagePatches`` and label of B images -> [``Patches`` padded to the longest, (B,) labels]."""
     return [batch_images([image for image, _ in items]), torch.tensor([label for _, label in items])]

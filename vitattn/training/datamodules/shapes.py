@@ -66,7 +66,7 @@ class ShapesDataModule(PatchBatches, ImageDataModule):
             return  # Lightning calls setup once per stage
         # Evaluation (stage validate / test) with the model's vocabulary needs no training scenes.
         num_train = self.num_train if fit or (self.task == "caption" and self.vocab is None) else 0
-        transform = None if self.budget is None else self.eval_transform()  # drawn at img_size: nothing else to do
+        transform = None if self.budget is None else self.eval_transform()  # the drawing to its grid, as patches
         splits = tuple(
             ShapesDataset(split, size, self.img_size, self.seed, self.task, transform)
             for split, size in [("train", num_train), ("val", self.num_val), ("test", self.num_test)]
