@@ -113,3 +113,11 @@ def test_attention_maps_of_a_max_patches_model_are_refused_in_one_line(captioner
         Captioner.load(captioner).attention_maps(images / "0.png")
     args = [f"model={captioner}", f"images={images}", f"out={tmp_path / 'c.jsonl'}", f"attention_maps={tmp_path}"]
     assert caption_main([*args, "num_workers=0", "progress=false"]) == 2
+
+
+def test_a_mixed_batchs_candidates_are_each_images_alone(captioner, images):
+    model = Captioner.load(captioner)
+    paths = [images / f"{i}.png" for i in range(len(SIZES))]
+    together = model.caption(paths, num_return_sequences=2, num_beams=3)
+    assert together == [model.caption([path], num_return_sequences=2, num_beams=3)[0] for path in paths]
+    assert distinct([tuple(c) for c in together], at_least=3)
