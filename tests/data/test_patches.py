@@ -1,17 +1,33 @@
 """Images to a patch budget (``data.max_patches``): the grid against timm's ``get_image_size_for_seq``, the upright
-image resized to it, cut into patches as timm's ``patchify_image`` and padded to a batch."""
+image resized to it, cut into patches as timm's ``patchify_image`` and padded to a batch; the training crop to the
+budget against timm's ``RandomResizedCropToSequence``, draw for draw."""
 
 from __future__ import annotations
 
 import itertools
+import random
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
-from timm.data.naflex_transforms import get_image_size_for_seq, patchify_image
+from timm.data.naflex_transforms import RandomResizedCropToSequence, get_image_size_for_seq, patchify_image
+from torchvision import transforms as T
+from torchvision.transforms import functional as TF
 
+from tests.helpers.bundles import CAPTION_PREPROCESS
 from vitattn.data.images import read_image
-from vitattn.data.preprocess import check_max_patches, pad_patches, patch_grid, patchify, resize_to_patches
+from vitattn.data.preprocess import (
+    Augment,
+    Budget,
+    CaptionAugment,
+    RandomResizedCropToPatches,
+    check_max_patches,
+    pad_patches,
+    patch_grid,
+    patchify,
+    resize_to_patches,
+)
 
 P = 8
 HEIGHTS_WIDTHS = [*itertools.product(range(1, 100, 7), range(1, 100, 9)), (10, 1000), (1000, 10), (8, 4096)]
@@ -55,3 +71,42 @@ def test_a_budget_below_one_row_of_patches_is_refused_in_one_line(max_patches):
         check_max_patches(max_patches, img_size=32, patch_size=P)
     assert "\n" not in str(err.value)
     assert check_max_patches(4, img_size=32, patch_size=P) == 4
+
+
+CROP_CASES = [
+    ((48, 200), (0.08, 1.0), (0.75, 4 / 3)),
+    ((120, 30), (0.5, 1.0), (0.8, 1.25)),
+    ((40, 90), (0.9, 1.0), (2, 3)),
+]
+
+
+@pytest.mark.parametrize(("hw", "scale", "ratio"), CROP_CASES)
+def test_the_crop_to_the_budget_is_timms_random_resized_crop_to_sequence(hw, scale, ratio):
+    image = torch.randint(0, 256, (3, *hw), dtype=torch.uint8)
+    ours = RandomResizedCropToPatches(P, 12, scale, ratio, "bicubic")
+    timms = RandomResizedCropToSequence(P, 12, scale, ratio, "bicubic")
+    for seed in range(20):  # the third case's ratio excludes the image's own aspect: timm's fallback crop too
+        random.seed(seed)
+        expected = timms(image)
+        random.seed(seed)
+        got = ours(image)
+        assert got.shape == expected.shape and got.shape[1] * got.shape[2] <= 12 * P * P, seed
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("caption", "flipped"),
+    [("a red square left of a blue square", False), ("a red square and a blue square", True)],
+)
+def test_caption_augmentation_to_the_budget_keeps_the_caption_rules(caption, flipped):
+    pixels = np.zeros((16, 48, 3), dtype=np.uint8)
+    pixels[:, :24, 0], pixels[:, 24:, 2] = 255, 255  # red left half, blue right half
+    image = Image.fromarray(pixels)
+    augment = Augment(scale=(1.0, 1.0), ratio=(1.0, 1.0), hflip=1.0, color_jitter=0.5)
+    transform = CaptionAugment(32, augment, CAPTION_PREPROCESS, Budget(max_patches=6, patch_size=P))
+    # the whole image (scale 1, ratio 1) at its 1 x 3 grid; a flip only without left / right, no jitter (colours)
+    resized = TF.resize(image, [P, 3 * P], T.InterpolationMode.BICUBIC, antialias=True)
+    expected = patchify(TF.pil_to_tensor(TF.hflip(resized) if flipped else resized), P)
+    for _ in range(5):
+        patches, coord = transform(image, [caption])
+        assert torch.equal(patches, expected[0]) and torch.equal(coord, expected[1])

@@ -60,7 +60,7 @@ def teacher_forced_log_prob(model, images, generated, banned: bool = True):
     return logp.masked_fill(generated == model.decoder.pad_id, 0.0).sum(dim=1)
 
 
-def make_caption_bundle(folder: Path) -> Path:
+def make_caption_bundle(folder: Path, preprocess: dict | None = None) -> Path:
     """Write a bundle of a tiny random captioner (seed 0) whose captions are a few words, not empty, and
     depend on the image (``_follow_the_image``)."""
     import torch
@@ -77,10 +77,10 @@ def make_caption_bundle(folder: Path) -> Path:
     encoder = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
     model = ImageCaptioner(encoder, decoder).eval()
     _follow_the_image(model)
-    return save_bundle(folder, model, task="caption", preprocess=CAPTION_PREPROCESS, vocab=vocab)
+    return save_bundle(folder, model, task="caption", preprocess=preprocess or CAPTION_PREPROCESS, vocab=vocab)
 
 
-def make_classifier_bundle(folder: Path, class_names=("cat", "dog", "bird")) -> Path:
+def make_classifier_bundle(folder: Path, class_names=("cat", "dog", "bird"), preprocess: dict | None = None) -> Path:
     """Write a bundle of a tiny random classifier (seed 0): 32 px images, 8 px patches, width 32, 2 layers,
     whose labels depend on the image (``_follow_the_image``)."""
     import torch
@@ -94,7 +94,7 @@ def make_classifier_bundle(folder: Path, class_names=("cat", "dog", "bird")) -> 
     ).eval()
     _follow_the_image(model)
     return save_bundle(
-        folder, model, task="classification", preprocess=CAPTION_PREPROCESS, class_names=list(class_names)
+        folder, model, task="classification", preprocess=preprocess or CAPTION_PREPROCESS, class_names=list(class_names)
     )
 
 

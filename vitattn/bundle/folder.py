@@ -79,6 +79,9 @@ log = logging.getLogger(__name__)
 
 BUNDLE_FORMAT = "vitattn-bundle"
 BUNDLE_VERSION = 1
+# 2: images at their own aspect ratio (``preprocess`` holds ``max_patches``): an older vitattn, which would run them
+# as squares, refuses the folder; square bundles stay version 1, which every vitattn reads.
+PATCHES_VERSION = 2
 WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 
 
@@ -358,7 +361,7 @@ def bundle_config(
     labels = {"vocab_file": tokenizer_file_name(vocab)} if task == "caption" else {"class_names": list(class_names)}
     config = {
         "format": BUNDLE_FORMAT,
-        "version": BUNDLE_VERSION,
+        "version": BUNDLE_VERSION if preprocess.get("max_patches") is None else PATCHES_VERSION,
         "task": task,
         "model": plain_json(model_config, "model config"),
         "preprocess": check_preprocess(plain_json(preprocess, "preprocess"), "preprocess"),
@@ -395,7 +398,7 @@ def is_bundle_folder(directory: Path) -> bool:
 def load_bundle_folder(directory: Path, device: str | torch.device) -> Bundle:
     """The bundle in ``directory`` (it holds ``config.json``), on ``device``, in eval mode."""
     config_path = directory / CONFIG_FILE
-    config = read_config(config_path, "vitattn bundle config", BUNDLE_FORMAT, BUNDLE_VERSION)
+    config = read_config(config_path, "vitattn bundle config", BUNDLE_FORMAT, (BUNDLE_VERSION, PATCHES_VERSION))
     for key in ("model", "preprocess"):
         if key not in config:
             raise ValueError(f"{config_path} has no {key!r}")
@@ -415,16 +418,18 @@ def load_bundle_folder(directory: Path, device: str | torch.device) -> Bundle:
     )
 
 
-def read_config(path: Path, what: str, format: str, version: int, fix: str = "") -> dict[str, Any]:
-    """The JSON ``what`` at ``path``, of ``format`` and ``version`` and with a known task; ``fix`` (``"; ..."``)
-    ends the errors of another format or version."""
+def read_config(path: Path, what: str, format: str, version: int | tuple[int, ...], fix: str = "") -> dict[str, Any]:
+    """The JSON ``what`` at ``path``, of ``format`` and ``version`` (or one of several) and with a known task;
+    ``fix`` (``"; ..."``) ends the errors of another format or version."""
     config = read_json(path, what)
     if not isinstance(config, dict) or config.get("format") != format:
         raise ValueError(f"{path} is not a {what} (format must be {format!r}){fix}")
-    if config.get("version") != version:
+    versions = version if isinstance(version, tuple) else (version,)
+    if config.get("version") not in versions:
         written = f" (written by vitattn {brief(config['vitattn_version'])})" if "vitattn_version" in config else ""
+        readable = " or ".join(map(str, versions))
         raise ValueError(
-            f"{path} has version={brief(config.get('version'))}{written}; this vitattn reads version {version}{fix}"
+            f"{path} has version={brief(config.get('version'))}{written}; this vitattn reads version {readable}{fix}"
         )
     if config.get("task") not in TASKS:
         raise ValueError(f"{path} has task={brief(config.get('task'))}; expected one of {list(TASKS)}")
@@ -513,6 +518,9 @@ def finish_bundle(bundle: Bundle, device: str | torch.device, where: str | os.Pa
     model, size = bundle.model, bundle.preprocess["img_size"]
     if size != img_size(model):
         raise ValueError(f"{where}: preprocess img_size={size} but the model takes {img_size(model)} px images")
+    patch, own = bundle.preprocess.get("patch_size"), encoder_of(model).config["patch_size"]
+    if patch is not None and patch != own:
+        raise ValueError(f"{where}: preprocess patch_size={patch} but the model cuts {own} px patches")
     if bundle.vocab is not None:
         dec = model.decoder
         check_tokenizer(bundle.vocab, dec.vocab_size, (dec.pad_id, dec.bos_id, dec.eos_id, dec.unk_id), where)

@@ -217,6 +217,8 @@ def export_onnx(
     layer merges (ToMe: an int, or one count per layer; ``set_merge_tokens``), set on the exported copy and recorded
     in ``onnx.json``'s ``model``; None keeps the model's. Returns the folder."""
     precision = quantize or "fp32"
+    if bundle.preprocess.get("max_patches") is not None:  # its graphs take square images (B, 3, size, size)
+        raise ValueError("ONNX export of data.max_patches models is not supported yet")
     if precision not in PRECISIONS:
         raise ValueError(f"quantize={quantize!r} is unknown; choose quantize=int8 or leave it out for fp32")
     directory = Path(directory)

@@ -9,12 +9,13 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+import random
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from fractions import Fraction
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -28,6 +29,8 @@ from vitattn.models.vit import Patches
 __all__ = [
     "Augment",
     "auto_min_scale",
+    "batch_images",
+    "Budget",
     "CAPTION_CROP_SCALE",
     "CAPTION_SAFE_OPS",
     "CaptionAugment",
@@ -42,6 +45,7 @@ __all__ = [
     "describe",
     "eval_transform",
     "from_timm",
+    "ImagePatches",
     "Normalize",
     "normalize",
     "pad_patches",
@@ -49,6 +53,7 @@ __all__ = [
     "patchify",
     "PREPROCESS_KEYS",
     "preprocess_taken",
+    "RandomResizedCropToPatches",
     "resize_to_patches",
     "strong_view",
     "WEIGHTS_KEYS",
@@ -125,9 +130,16 @@ def preprocess_taken(data: Mapping[str, Any], preprocess: Mapping[str, Any] | No
 
 def describe(preprocess: Mapping[str, Any]) -> str:
     """How the run log names a preprocessing, in the ``data.*`` keys that set it:
-    ``mean (0.5, 0.5, 0.5) std (0.5, 0.5, 0.5) [Inception 0.5], bicubic, crop_mode center crop_pct 0.9, 224 px``."""
+    ``mean (0.5, 0.5, 0.5) std (0.5, 0.5, 0.5) [Inception 0.5], bicubic, crop_mode center crop_pct 0.9, 224 px``;
+    with ``max_patches``, that budget in place of the crop."""
     mean, std = tuple(preprocess["mean"]), tuple(preprocess["std"])
     name = next((f" [{n}]" for pair, n in _STATISTICS.items() if np.allclose(pair, (mean, std), rtol=0, atol=1e-6)), "")
+    if preprocess.get("max_patches") is not None:  # no crop: the image's own aspect, resized to its grid
+        return (
+            f"mean {_numbers(mean)} std {_numbers(std)}{name}, {preprocess['interpolation']}, each image at its own "
+            f"aspect ratio, max_patches {preprocess['max_patches']} of {preprocess['patch_size']} px "
+            f"(positions of {preprocess['img_size']} px)"
+        )
     return (
         f"mean {_numbers(mean)} std {_numbers(std)}{name}, {preprocess['interpolation']}, "
         f"crop_mode {preprocess.get('crop_mode') or 'center'} crop_pct {float(preprocess['crop_pct']):g}, "
@@ -141,10 +153,19 @@ def _numbers(values: Sequence[float]) -> str:
 
 def eval_transform(preprocess: Mapping[str, Any], normalize: bool = True) -> Callable[[Image.Image], torch.Tensor]:
     """timm's evaluation transform of ``preprocess``, PIL image -> (3, img_size, img_size): resize, crop, to
-    tensor, normalise; ``normalize=False`` stops at uint8, which ``Normalize`` then finishes bit for bit."""
+    tensor, normalise; ``normalize=False`` stops at uint8, which ``Normalize`` then finishes bit for bit. With
+    ``max_patches`` (and ``patch_size``): the image at its own aspect ratio as ``ImagePatches`` (``batch_images``)."""
     p = check_preprocess(preprocess, "preprocess")
     size, mode = p["img_size"], T.InterpolationMode(p["interpolation"])
     scale = math.floor(size / p["crop_pct"])
+    if p.get("max_patches") is not None:  # the image's own aspect: resized to its grid, then ``ImagePatches``
+        patch = p["patch_size"]
+        steps = [partial(resize_to_patches, patch_size=patch, max_patches=p["max_patches"], interpolation=mode.value)]
+        cut = partial(patchify, patch_size=patch)
+        if not normalize:
+            return T.Compose([*steps, partial(_to_tensor, scale=False), cut])
+        mean, std = torch.tensor(p["mean"]), torch.tensor(p["std"])
+        return T.Compose([*steps, partial(_to_tensor, scale=True), T.Normalize(mean, std), cut])
     if p.get("crop_mode") == "squash":
         steps = [T.Resize((scale, scale), interpolation=mode), T.CenterCrop(size)]
     elif p.get("crop_mode") == "border":
@@ -208,6 +229,12 @@ def check_preprocess(preprocess: Any, where: str = "preprocess") -> dict[str, An
                 f"{where}: crop_mode={brief(preprocess['crop_mode'])} is unknown; choose one of {list(CROP_MODES)}"
             )
         p["crop_mode"] = preprocess["crop_mode"]
+    if preprocess.get("max_patches") is not None:  # images at their own aspect ratio (data.max_patches)
+        patch = preprocess.get("patch_size")
+        if isinstance(patch, bool) or not isinstance(patch, numbers.Integral) or patch < 1:
+            raise ValueError(f"{where}: patch_size={brief(patch)} must be a positive integer with max_patches")
+        p["max_patches"] = check_max_patches(preprocess["max_patches"], p["img_size"], int(patch))
+        p["patch_size"] = int(patch)
     return p
 
 
@@ -344,7 +371,22 @@ def _auto_augment(
     )
 
 
-def _geometry(img_size: int, augment: Augment, interpolation: str) -> list[Callable]:
+@dataclass(frozen=True)
+class Budget:
+    """Images at their own aspect ratio (``data.max_patches``): at most ``max_patches`` patches of ``patch_size``."""
+
+    max_patches: int
+    patch_size: int
+
+
+def _geometry(img_size: int, augment: Augment, interpolation: str, budget: Budget | None = None) -> list[Callable]:
+    if budget is not None:
+        if augment.crop != "resized":
+            raise ValueError(
+                f"data.augment.crop={augment.crop} keeps no aspect ratio: use crop=resized with data.max_patches"
+            )
+        scale, ratio = augment.crop_scale(img_size), tuple(float(x) for x in augment.ratio)
+        return [RandomResizedCropToPatches(budget.patch_size, budget.max_patches, scale, ratio, interpolation)]
     if augment.crop == "pad":
         return [T.RandomCrop(img_size, padding=max(1, img_size // 8), padding_mode="reflect")]
     mode = T.InterpolationMode(interpolation)
@@ -352,19 +394,74 @@ def _geometry(img_size: int, augment: Augment, interpolation: str) -> list[Calla
     return [T.RandomResizedCrop(img_size, scale=augment.crop_scale(img_size), ratio=ratio, interpolation=mode)]
 
 
+def _finish(budget: Budget | None) -> Callable[[Image.Image], Any]:
+    """PIL image -> (3, height, width) uint8, or with a ``budget`` its ``ImagePatches`` (``patchify``)."""
+    if budget is None:
+        return T.PILToTensor()
+    return T.Compose([T.PILToTensor(), partial(patchify, patch_size=budget.patch_size)])
+
+
+class RandomResizedCropToPatches:
+    """timm's ``RandomResizedCropToSequence``: a crop of a random share ``scale`` of the image's area, its aspect the
+    image's times a log-uniform factor from ``ratio`` (a centre crop after 10 misses), resized to the largest size
+    whose grid holds at most ``max_patches`` (``patch_grid``: timm's bisection solved exactly). The image's own
+    aspect is what the crop varies around, so a wide image stays wide. Draws from Python's ``random``, as timm."""
+
+    def __init__(
+        self,
+        patch_size: int,
+        max_patches: int,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (0.8, 1.25),
+        interpolation: str = "bicubic",
+    ) -> None:
+        self.patch_size, self.max_patches = patch_size, max_patches
+        self.scale, self.ratio, self.interpolation = scale, ratio, T.InterpolationMode(interpolation)
+
+    def get_params(self, height: int, width: int) -> tuple[int, int, int, int]:
+        """The crop's (top, left, height, width), drawn as timm's ``get_params`` draws it."""
+        aspect, log_ratio = width / height, (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        for _ in range(10):
+            area = height * width * random.uniform(*self.scale)
+            crop_aspect = aspect * math.exp(random.uniform(*log_ratio))
+            crop_h, crop_w = round(math.sqrt(area / crop_aspect)), round(math.sqrt(area * crop_aspect))
+            if 0 < crop_w <= width and 0 < crop_h <= height:
+                return random.randint(0, height - crop_h), random.randint(0, width - crop_w), crop_h, crop_w
+        # timm's fallback: the largest centre crop whose aspect lies in the range
+        crop_h, crop_w = height, width
+        if self.ratio[0] > 1:
+            crop_h = min(round(width / (aspect * self.ratio[0])), height)
+        elif self.ratio[1] < 1:
+            crop_w = min(round(height * aspect * self.ratio[1]), width)
+        crop_h, crop_w = max(1, crop_h), max(1, crop_w)
+        return (height - crop_h) // 2, (width - crop_w) // 2, crop_h, crop_w
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        _, height, width = TF.get_dimensions(image)
+        top, left, crop_h, crop_w = self.get_params(height, width)
+        rows, cols = patch_grid(crop_h, crop_w, self.max_patches)
+        size = [rows * self.patch_size, cols * self.patch_size]
+        return TF.resized_crop(image, top, left, crop_h, crop_w, size, self.interpolation, antialias=True)
+
+    def __repr__(self) -> str:
+        return f"RandomResizedCropToPatches(patch_size={self.patch_size}, max_patches={self.max_patches}, ...)"
+
+
 def classification_train_transform(
-    img_size: int, augment: Augment, preprocess: Mapping[str, Any]
-) -> Callable[[Image.Image], torch.Tensor]:
+    img_size: int, augment: Augment, preprocess: Mapping[str, Any], budget: Budget | None = None
+) -> Callable[[Image.Image], Any]:
     """PIL image -> (3, img_size, img_size) uint8 tensor: crop, flip, jitter, auto-augment (``preprocess``'s
-    interpolation; its mean and std normalise the batch on the device, ``vitattn.data.preprocess.Normalize``)."""
-    steps = _geometry(img_size, augment, preprocess["interpolation"])
+    interpolation; its mean and std normalise the batch on the device, ``vitattn.data.preprocess.Normalize``).
+    With a ``budget``: the crop keeps the image's aspect (``RandomResizedCropToPatches``), and the image comes out as
+    ``ImagePatches``."""
+    steps = _geometry(img_size, augment, preprocess["interpolation"], budget)
     if augment.hflip > 0:
         steps.append(T.RandomHorizontalFlip(augment.hflip))
     if augment.color_jitter > 0:
         steps.append(T.ColorJitter(*(3 * [augment.color_jitter])))
     if augment.auto_augment:
         steps.append(_auto_augment(augment.auto_augment, img_size, preprocess["mean"]))
-    return T.Compose([*steps, T.PILToTensor()])  # uint8: batches are normalised on the device
+    return T.Compose([*steps, _finish(budget)])  # uint8: batches are normalised on the device
 
 
 class Cutout:
@@ -414,20 +511,22 @@ def caption_weak_transform(
 class CaptionAugment:
     """``transform(image, captions)`` -> (3, height, width) uint8: the crop, a flip only when no caption says
     left or right, colour jitter and the ``auto_augment`` (whose operations change colours) only when none names a
-    colour."""
+    colour. With a ``budget``, as ``classification_train_transform``'s: the crop keeps the aspect, patches come out."""
 
     reads_captions = True
 
-    def __init__(self, img_size: int, augment: Augment, preprocess: Mapping[str, Any]) -> None:
+    def __init__(
+        self, img_size: int, augment: Augment, preprocess: Mapping[str, Any], budget: Budget | None = None
+    ) -> None:
         self.augment = augment
-        self.crop = T.Compose(_geometry(img_size, augment, preprocess["interpolation"]))
+        self.crop = T.Compose(_geometry(img_size, augment, preprocess["interpolation"], budget))
         self.flip = T.RandomHorizontalFlip(1.0) if augment.hflip > 0 else None
         self.jitter = T.ColorJitter(*(3 * [augment.color_jitter])) if augment.color_jitter > 0 else None
         auto = augment.auto_augment
         self.auto = _auto_augment(auto, img_size, preprocess["mean"]) if auto else None
-        self.finish = T.PILToTensor()
+        self.finish = _finish(budget)
 
-    def __call__(self, image: Image.Image, captions: Sequence[str]) -> torch.Tensor:
+    def __call__(self, image: Image.Image, captions: Sequence[str]) -> Any:
         words = {w for caption in captions for w in _WORD.findall(caption.lower())}
         image = self.crop(image)
         if self.flip is not None and not words & LEFT_RIGHT and torch.rand(()) < self.augment.hflip:
@@ -474,12 +573,26 @@ def resize_to_patches(
 ) -> Image.Image:
     """A PIL image (``read_image``'s: EXIF orientation applied) resized, its aspect ratio kept, to the largest
     size whose ``patch_size`` grid holds at most ``max_patches`` patches (``patch_grid``), each side a whole
-    number of patches."""
-    rows, cols = patch_grid(image.height, image.width, max_patches)
+    number of patches; a (C, height, width) tensor (generated images) likewise."""
+    _, height, width = TF.get_dimensions(image)
+    rows, cols = patch_grid(height, width, max_patches)
     return TF.resize(image, [rows * patch_size, cols * patch_size], T.InterpolationMode(interpolation))
 
 
-def patchify(image: torch.Tensor, patch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+class ImagePatches(NamedTuple):
+    """One image as ``patchify`` cuts it: ``patches`` (N, P*P*C), ``coord`` (N, 2) (row, column)."""
+
+    patches: torch.Tensor
+    coord: torch.Tensor
+
+
+def batch_images(images: Sequence[torch.Tensor | ImagePatches]) -> torch.Tensor | Patches:
+    """The model inputs of B images (``eval_transform``'s) as one batch: square images stacked (B, C, height,
+    width), ``ImagePatches`` padded to the longest (``pad_patches``)."""
+    return pad_patches(images) if isinstance(images[0], ImagePatches) else torch.stack(list(images))
+
+
+def patchify(image: torch.Tensor, patch_size: int) -> ImagePatches:
     """(C, height, width), each side a multiple of ``patch_size`` (P) -> its (N, P*P*C) patches, row by row, each
     in (row, column, channel) order as timm's ``patchify_image``, and their (N, 2) (row, column) coordinates."""
     C, height, width = image.shape
@@ -487,7 +600,7 @@ def patchify(image: torch.Tensor, patch_size: int) -> tuple[torch.Tensor, torch.
     assert rows * patch_size == height and cols * patch_size == width, (height, width, patch_size)
     patches = image.reshape(C, rows, patch_size, cols, patch_size).permute(1, 3, 2, 4, 0)  # (rows, cols, P, P, C)
     coord = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), dim=-1)
-    return patches.reshape(rows * cols, -1), coord.reshape(-1, 2)  # (N, P*P*C), (N, 2)
+    return ImagePatches(patches.reshape(rows * cols, -1), coord.reshape(-1, 2))  # (N, P*P*C), (N, 2)
 
 
 def pad_patches(images: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Patches:

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
+from vitattn.data.preprocess import batch_images
 from vitattn.errors import brief, first_line
 from vitattn.fileio import atomic_write, read_json
 from vitattn.metrics.tokenize import coco_tokenize
@@ -451,12 +452,13 @@ class TokenizedCaptions(Dataset):
 
 
 def collate_captions(items: list[dict[str, Any]], pad_id: int = PAD_ID) -> dict[str, Any]:
-    """``images`` (B, 3, height, width); ``tokens`` (N, T) right-padded with ``pad_id``, every caption of every item
-    (one per item, or a tuple of several); ``caption_image`` (N,) the image of each; ``image_ids`` (B,);
-    ``references``."""
+    """``images`` (B, 3, height, width), or ``Patches`` where items hold ``ImagePatches`` (``batch_images``);
+    ``tokens`` (N, T) right-padded with ``pad_id``, every caption of every item (one per item, or a tuple of several);
+    ``caption_image`` (N,) the image of each; ``image_ids`` (B,); ``references``."""
     rows = [tokens if isinstance(tokens, tuple) else (tokens,) for tokens in (item["tokens"] for item in items)]
+    images = [item["image"] for item in items]
     return {
-        "images": torch.stack([item["image"] for item in items]),  # (B, 3, height, width)
+        "images": batch_images(images),  # (B, 3, height, width), or Patches
         "tokens": pad_sequence([t for r in rows for t in r], batch_first=True, padding_value=pad_id),  # (N, T)
         "caption_image": torch.tensor([i for i, r in enumerate(rows) for _ in r], dtype=torch.long),  # (N,)
         "image_ids": torch.tensor([item["image_id"] for item in items], dtype=torch.long),  # (B,)

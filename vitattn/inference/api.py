@@ -24,7 +24,7 @@ from torch import Tensor
 
 from vitattn.bundle import LoadedModel, load_model
 from vitattn.data.images import read_image, upright_rgb
-from vitattn.data.preprocess import denormalize
+from vitattn.data.preprocess import batch_images, denormalize
 from vitattn.errors import brief
 from vitattn.inference.attention_maps import attention_from_tokens, check_figures_runtime
 from vitattn.inference.candidates import CandidateOptions, candidate_lists
@@ -296,7 +296,7 @@ def to_pixels(
     images: Sequence[ImageLike], transform: Callable[[Image.Image], torch.Tensor], where: str = "images"
 ) -> torch.Tensor:
     """(B, C, height, width) model inputs of ``images`` through ``transform`` (a bundle's ``eval_transform``)."""
-    return torch.stack([transform(to_pil(x, f"{where}[{i}]")) for i, x in enumerate(images)])
+    return batch_images([transform(to_pil(x, f"{where}[{i}]")) for i, x in enumerate(images)])
 
 
 def _array_to_hwc(a: np.ndarray, where: str) -> np.ndarray:

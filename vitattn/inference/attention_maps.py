@@ -180,9 +180,12 @@ def attention_figures(
 
 
 def check_figures_runtime(model: Any) -> None:
-    """Refuse, in one line, to draw figures of a ``LoadedModel`` whose runtime has no attention weights (ONNX)."""
+    """Refuse, in one line, to draw figures of a ``LoadedModel`` whose runtime has no attention weights (ONNX), or
+    whose images are not squares (``max_patches``: the figures draw a square grid)."""
     if model.runtime != "torch":
         raise ValueError("attention maps need the PyTorch runtime; use the bundle or run folder, not the ONNX folder")
+    if model.preprocess.get("max_patches") is not None:
+        raise ValueError("attention maps of data.max_patches models are not supported yet")
 
 
 def figure_paths(inputs: Sequence[Any], folder: Path) -> dict[str, Path]:

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from vitattn.bundle import LoadedModel
 from vitattn.data.images import BadImageError, ImageSource, read_image
+from vitattn.data.preprocess import ImagePatches, batch_images
 from vitattn.data.shards import ShardError, read_shard, shard_sizes
 from vitattn.data.shards.stream import image_member, sample_caption
 from vitattn.fileio import atomic_open
@@ -226,7 +227,8 @@ def _collate(items: list[tuple[int, Any, dict | None]]) -> tuple[list, Any, list
     images = None
     if decoded:
         inputs = [items[i][1] for i in decoded]
-        images = tuple(map(torch.stack, zip(*inputs))) if isinstance(inputs[0], tuple) else torch.stack(inputs)
+        both = isinstance(inputs[0], tuple) and not isinstance(inputs[0], ImagePatches)  # _BothInputs' pairs
+        images = tuple(map(batch_images, zip(*inputs))) if both else batch_images(inputs)
     return [(k, row) for k, _, row in items], images, decoded
 
 

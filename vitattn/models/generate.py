@@ -318,7 +318,8 @@ class CaptionSearch:
                 )
         controls = Controls(min_new_tokens, no_repeat_ngram_size, repetition_penalty)
         T = self.check_generate(max_new_tokens, num_beams, do_sample, temperature, early_stopping, *controls)
-        B, ids, device = images.shape[0], self.special_ids, images.device
+        B = images.shape[0] if isinstance(images, Tensor) else images.valid.shape[0]  # square images, or ``Patches``
+        ids, device = self.special_ids, images.device
         memory = self.encode(images)  # once, whatever K
         if do_sample:
             rows = K + include_greedy  # an image's rows consecutive, its greedy one first

@@ -78,6 +78,14 @@ class Patches(NamedTuple):
     coord: Tensor
     valid: Tensor
 
+    @property
+    def device(self) -> torch.device:
+        return self.patches.device
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Patches:
+        """The three tensors on ``device``, as a batch of images moves."""
+        return Patches(*(t.to(device, non_blocking=non_blocking) for t in self))
+
 
 class PatchEmbed(nn.Module):
     """timm's ``PatchEmbed`` as the ViT uses it (its parameter names): (B, C, height, width) -> (B, N, D)."""

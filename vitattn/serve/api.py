@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from torch import Tensor
 
 from vitattn.bundle import load_model
+from vitattn.data.preprocess import batch_images
 from vitattn.inference.api import Captioner
 from vitattn.inference.attention_maps import attention_figures, figure_png
 from vitattn.inference.captioning import read_pixels
@@ -162,7 +163,7 @@ class CaptionAPI(BundleAPI):
 
     def _caption(self, requests: list[ImageRequest]) -> list[dict[str, Any]]:
         bundle = self.bundle
-        images = torch.stack([r.image for r in requests]).to(bundle.device)  # (B, C, height, width)
+        images = batch_images([r.image for r in requests]).to(bundle.device)  # (B, C, height, width) or Patches
         captions, tokens = self.captioner.caption_pixels(images, **self.generate_kwargs)  # tokens (B, T')
         results = [{"caption": c, "tokens": bundle.vocab.tokens(row)} for c, row in zip(captions, tokens.tolist())]
         wanted = [i for i, r in enumerate(requests) if r.attention]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import hydra
 from hydra import compose, initialize_config_module
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from vitattn.errors import ConfigError
 from vitattn.models import TASKS
@@ -194,6 +194,27 @@ def _check_sharded(cfg: DictConfig) -> None:
         )
 
 
+def _check_patches(cfg: DictConfig) -> None:
+    """``data.max_patches`` with token merging (``TokenMerge`` refuses padding) or with a pool of images without
+    labels (``semi=``, ``bootstrap.*``: their views are square): refused before anything is built."""
+    max_patches, merge = cfg.data.get("max_patches"), cfg.model.get("merge_tokens") or 0
+    per_layer = OmegaConf.to_container(merge) if isinstance(merge, ListConfig) else [merge]
+    if max_patches is not None and any(per_layer):
+        spelled = f"[{','.join(map(str, per_layer))}]" if isinstance(merge, ListConfig) else merge  # as typed
+        raise ConfigError(
+            f"model.merge_tokens={spelled} merges padded patches into real ones (data.max_patches={max_patches}): "
+            "set model.merge_tokens=0, or leave data.max_patches unset"
+        )
+    semi = (cfg.get("semi") or {}).get("method", "none")
+    pool = cfg.get("bootstrap") and (cfg.bootstrap.get("teacher") or cfg.bootstrap.get("candidates"))
+    if max_patches is not None and (semi != "none" or pool):
+        key = f"semi={semi}" if semi != "none" else "bootstrap.teacher / bootstrap.candidates"
+        raise ConfigError(
+            f"{key} reads its pool images square; data.max_patches={max_patches} batches images at their own aspect: "
+            "leave data.max_patches unset for a run with a pool"
+        )
+
+
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config)."""
     check_targets(OmegaConf.to_container(cfg))  # plain values: the library reads no config object
@@ -224,6 +245,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_self_critical(cfg)
     _check_semi(cfg)
     _check_sharded(cfg)
+    _check_patches(cfg)
     if cfg.get("resume") and cfg.resume != "auto" and not RunDir(cfg.resume).last_checkpoint.is_file():
         run = RunDir(cfg.resume)
         raise ConfigError(f"resume={cfg.resume} has no {run.last_checkpoint.relative_to(run.path)} to continue from")

@@ -11,17 +11,19 @@ from vitattn.data.coco import CocoCaptionDataset, CocoImage, load_coco_captions,
 from vitattn.data.images import EvalSplit
 from vitattn.data.preprocess import CAPTION_CROP_SCALE, Augment, CaptionAugment
 from vitattn.training.datamodules.base import ImageDataModule
+from vitattn.training.datamodules.patches import PatchBatches
 
 __all__ = ["CaptionFilesDataModule", "CocoCaptionDataModule", "KarpathyDataModule"]
 
 
-class CaptionFilesDataModule(ImageDataModule):
+class CaptionFilesDataModule(PatchBatches, ImageDataModule):
     """Image files under ``image_dir`` with their captions; subclasses say which images each split holds.
 
     Training items take ``captions_per_image`` of their image's captions (``draw_captions``: at random, ``all``
     every one), teacher-forced on one encoding of the image; val and test items take the first, and carry all of
     them as references. The arguments are the ``data.*`` keys of conf/data/coco.yaml and karpathy.yaml (``settings``:
-    ``ImageDataModule``'s).
+    ``ImageDataModule``'s). ``max_patches``: each image at its own aspect ratio, at most that many ``patch_size``
+    patches (``PatchBatches``); None: squares of ``img_size``.
     """
 
     tasks = ("caption",)
@@ -31,12 +33,15 @@ class CaptionFilesDataModule(ImageDataModule):
         self,
         image_dir: str | os.PathLike,
         augment: bool | Mapping[str, Any] = True,
+        max_patches: int | None = None,
+        patch_size: int = 16,
         **settings: Any,
     ) -> None:
         super().__init__(**{"num_workers": "auto", "cache": "auto", **settings})
         self.image_dir = image_dir
         # the mild crop always; flips and colour jitter only where asked and no caption contradicts them
         self.augment = Augment.from_config(augment, scale=CAPTION_CROP_SCALE, hflip=0.0)
+        self.use_budget(max_patches, patch_size)
 
     def split_images(self) -> tuple[list[CocoImage], list[CocoImage], list[CocoImage]]:
         """The (train, val, test) images; test may be the val list itself, which then is one dataset."""

@@ -3,31 +3,19 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
-from functools import partial
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-from torchvision import transforms as T
-
 from vitattn.data.images import EvalSplit, image_folder_split, open_image_folder
-from vitattn.data.preprocess import (
-    Augment,
-    check_max_patches,
-    classification_train_transform,
-    pad_patches,
-    patchify,
-    resize_to_patches,
-)
-from vitattn.errors import ConfigError
-from vitattn.models.vit import Patches
+from vitattn.data.preprocess import Augment, classification_train_transform
 from vitattn.training.datamodules.base import ImageDataModule
+from vitattn.training.datamodules.patches import PatchBatches, collate_patches
 
 __all__ = ["ImageFolderDataModule"]
 
 
-class ImageFolderDataModule(ImageDataModule):
+class ImageFolderDataModule(PatchBatches, ImageDataModule):
     """Classification from ``root/train``, ``root/val`` and (if present) ``root/test``, each laid out as
     ``<split>/<class>/<image>``; without ``root/test`` the test loader reuses ``root/val``.
 
@@ -52,45 +40,11 @@ class ImageFolderDataModule(ImageDataModule):
         super().__init__(**{"cache": "auto", **settings})
         self.root = Path(root)
         self.augment = Augment.from_config(augment)
-        self.max_patches, self.patch_size = max_patches, patch_size
-        if max_patches is not None:
-            check_max_patches(max_patches, self.img_size, patch_size)
-            if self.augment.enabled:
-                raise ConfigError(
-                    f"data.max_patches={max_patches} takes no augmentation yet (none keeps the aspect ratio): "
-                    "set data.augment.enabled=false"
-                )
-            self.collate_fn = _collate_patches
+        self.use_budget(max_patches, patch_size)
+        if self.budget is not None:
+            self.collate_fn = collate_patches
         self.class_names: list[str] | None = None
         self.num_classes: int | None = None
-
-    def eval_transform(self) -> Callable[[Any], Any]:
-        """With ``max_patches``: PIL image -> its (N, P*P*3) uint8 patches and (N, 2) coordinates, resized first
-        (the image cache keeps what that step gives: the aspect ratio); else ``ImageDataModule``'s."""
-        if self.max_patches is None:
-            return super().eval_transform()
-        resize = partial(
-            resize_to_patches,
-            patch_size=self.patch_size,
-            max_patches=self.max_patches,
-            interpolation=self.preprocess["interpolation"],
-        )
-        return T.Compose([resize, T.PILToTensor(), partial(patchify, patch_size=self.patch_size)])
-
-    def normalize_batch(self, batch: Any) -> Any:
-        """``ImageDataModule``'s, and a batch of ``Patches`` normalised patch by patch, as its images would be."""
-        if batch is None or not isinstance(batch[0], Patches):
-            return super().normalize_batch(batch)
-        patches = batch[0].patches  # (B, N, P*P*3) uint8, each patch (row, column, channel)
-        B, N, _ = patches.shape
-        pixels = patches.view(B, N, self.patch_size, self.patch_size, 3).permute(0, 1, 4, 2, 3)  # (B, N, 3, P, P)
-        normalized = self.normalize(pixels).permute(0, 1, 3, 4, 2).reshape(B, N, -1)  # (B, N, P*P*3)
-        return [batch[0]._replace(patches=normalized), *batch[1:]]
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], Patches):
-            return self.normalize_batch(batch)
-        return super().on_after_batch_transfer(batch, dataloader_idx)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:
@@ -126,8 +80,3 @@ class ImageFolderDataModule(ImageDataModule):
         folder = self.val_dataset if split == "val" else self.test_dataset
         files, labels = [path for path, _ in folder.samples], [label for _, label in folder.samples]
         return EvalSplit(str(Path(folder.root).resolve()), files=files, ids=labels)
-
-
-def _collate_patches(items: Sequence[tuple[tuple[torch.Tensor, torch.Tensor], int]]) -> list[Any]:
-    """(patches, coordinates) and label of B images -> [``Patches`` padded to the longest, (B,) labels]."""
-    return [pad_patches([image for image, _ in items]), torch.tensor([label for _, label in items])]

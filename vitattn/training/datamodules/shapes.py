@@ -10,17 +10,20 @@ from vitattn.data.images import EvalSplit
 from vitattn.data.shapes import CLASS_NAMES, ShapesDataset
 from vitattn.data.tokenizer import Tokenizer
 from vitattn.training.datamodules.base import ImageDataModule
+from vitattn.training.datamodules.patches import PatchBatches, collate_patches
 
 __all__ = ["ShapesDataModule"]
 
 
-class ShapesDataModule(ImageDataModule):
+class ShapesDataModule(PatchBatches, ImageDataModule):
     """The built-in shapes data (``vitattn.data.shapes``) for captioning or classification (label: the colour
     and shape of the left-most object); ``seed`` is the base seed of all three splits.
 
     Captions: the canonical one (``captions_per_image=1``), or that many of the valid ones (``draw_captions``).
     Images are not augmented: flips or crops would change which shape is left of which. Start weights give only
     their mean and std: the images are drawn at ``img_size``, so no resize or crop of theirs applies.
+    ``max_patches``: each square drawing resized to the largest square grid of at most that many ``patch_size``
+    patches, batches of ``Patches`` (``PatchBatches``; the shapes at other aspects are issue 69's variant).
     """
 
     tasks = ("caption", "classification")
@@ -43,6 +46,8 @@ class ShapesDataModule(ImageDataModule):
         std: Sequence[float] | None = None,
         tokenizer: Mapping[str, Any] | None = None,
         vocab: Tokenizer | None = None,
+        max_patches: int | None = None,
+        patch_size: int = 16,
     ) -> None:
         captions = dict(max_caption_len=max_caption_len, captions_per_image=captions_per_image, vocab_path=vocab_path)
         settings = dict(batch_size=batch_size, num_workers=num_workers, mean=mean, std=std, tokenizer=tokenizer)
@@ -51,6 +56,9 @@ class ShapesDataModule(ImageDataModule):
         self.num_train, self.num_val, self.num_test = num_train, num_val, num_test
         self.class_names = list(CLASS_NAMES)
         self.num_classes = len(CLASS_NAMES)
+        self.use_budget(max_patches, patch_size)
+        if self.budget is not None and task == "classification":
+            self.collate_fn = collate_patches
 
     def setup(self, stage: str | None = None) -> None:
         fit = stage in (None, "fit")
@@ -58,8 +66,9 @@ class ShapesDataModule(ImageDataModule):
             return  # Lightning calls setup once per stage
         # Evaluation (stage validate / test) with the model's vocabulary needs no training scenes.
         num_train = self.num_train if fit or (self.task == "caption" and self.vocab is None) else 0
+        transform = None if self.budget is None else self.eval_transform()  # the drawing to its grid, as patches
         splits = tuple(
-            ShapesDataset(split, size, self.img_size, self.seed, self.task)
+            ShapesDataset(split, size, self.img_size, self.seed, self.task, transform)
             for split, size in [("train", num_train), ("val", self.num_val), ("test", self.num_test)]
         )
         if self.task == "classification":

@@ -103,8 +103,13 @@ class WebDatasetDataModule(ImageDataModule):
         samples_per_epoch: int | None = None,
         count_cache: str | os.PathLike | None = None,
         cache: str = "none",
+        max_patches: int | None = None,
         **settings: Any,
     ) -> None:
+        if max_patches is not None:
+            raise ValueError(
+                f"data.max_patches={max_patches} is not supported with data=webdataset yet: leave it unset"
+            )
         if task not in self.tasks:
             raise ValueError(f"task={task!r} is unknown; choose one of {list(self.tasks)}")
         self.task = task  # before the base builds the preprocessing: ``crop`` is the task's

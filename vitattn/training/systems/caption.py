@@ -117,12 +117,12 @@ class CaptionSystem(VisionSystem):
 
     def _training_loss(self, batch: dict[str, Any]) -> Tensor:
         if "labelled" in batch:  # semi=: the labelled batch, and the weak and strong views of the unlabelled one
-            size = len(batch["labelled"]["images"])
+            size = len(batch["labelled"]["image_ids"])
             loss = self._loss(batch["labelled"], self.label_smoothing)
             if self.global_step >= self.semi.start_step:
                 loss = loss + self.semi.weight * self._unlabelled(batch["weak"], batch["strong"])
         else:
-            size = len(batch["images"])
+            size = len(batch["image_ids"])
             scst = self.scst is not None
             loss = self._self_critical_loss(batch, size) if scst else self._loss(batch, self.label_smoothing)
         self.log("train/loss", loss, prog_bar=self.loss_on_progress_bar, batch_size=size)
@@ -165,7 +165,7 @@ class CaptionSystem(VisionSystem):
         return scst, self.caption_loss(logits, tokens, self.label_smoothing)
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
-        self.log(f"{stage}/loss", self._loss(batch), sync_dist=True, prog_bar=True, batch_size=len(batch["images"]))
+        self.log(f"{stage}/loss", self._loss(batch), sync_dist=True, prog_bar=True, batch_size=len(batch["image_ids"]))
         captions = self.vocab.decode_batch(self.model.generate(batch["images"], **self.generate_kwargs))
         self.caption_metrics.update(captions, batch["references"], batch["image_ids"].tolist())
 

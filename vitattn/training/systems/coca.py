@@ -133,12 +133,12 @@ class CocaSystem(CaptionSystem):
 
     def _training_loss(self, batch: dict[str, Any]) -> Tensor:
         loss = super()._training_loss(batch)
-        self._log_terms("train", len(batch["images"]))
+        self._log_terms("train", len(batch["image_ids"]))
         return loss
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
         super()._evaluate(batch, stage)
-        self._log_terms(stage, len(batch["images"]))
+        self._log_terms(stage, len(batch["image_ids"]))
         references = batch["references"]
         texts = encode_texts(self.vocab, [t for refs in references for t in refs], self.model.decoder.max_len)
         text_image = torch.tensor([i for i, refs in enumerate(references) for _ in refs], device=self.device)
