@@ -1,0 +1,269 @@
+"""Mutation testing of the modules in scripts/mutation.toml: cosmic-ray's operators, applied in place on disk.
+
+``python scripts/mutation.py freeze`` writes the mutant list (docs/mutation/mutants.json); ``run --out FILE`` checks
+that the code still gives that list, then for each mutant writes it into the file, runs the module's tests in a
+pytest forked from this process (the third-party imports done once: ``warm``), and records killed, survived or
+timeout in FILE (JSON, written after every mutant; ``--resume`` skips those done). In place, not a copy (mutmut 3):
+a process a test starts imports the mutant too. ``table FILE [BEFORE]`` prints the per-module table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import atexit
+import importlib
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+from cosmic_ray.ast import ast_nodes, get_ast
+from cosmic_ray.mutating import mutate_code
+from cosmic_ray.plugins import get_operator
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "scripts" / "mutation.toml"
+MUTANTS = ROOT / "docs" / "mutation" / "mutants.json"
+PYTEST = ["-q", "-x", "-rf", "-p", "no:cacheprovider", "-n", "0", "-W", "ignore::DeprecationWarning"]
+_restore: dict[Path, str] = {}  # files mutated now, and their text: put back on any exit
+
+
+def _scopes(tree: ast.Module, functions: list[str]) -> list[tuple[int, int]]:
+    """The (first, last) lines of the named functions (qualified: ``Class.method``); the whole file for ``*``."""
+    if functions == ["*"]:
+        return [(1, 10**9)]
+    found: dict[str, tuple[int, int]] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                found[name] = (child.lineno, child.end_lineno)
+                visit(child, name + ".")
+
+    visit(tree, "")
+    missing = [f for f in functions if f not in found]
+    if missing:
+        raise SystemExit(f"mutation.toml: no function {', '.join(missing)} in the module")
+    return [found[f] for f in functions]
+
+
+def _annotations(tree: ast.Module) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The (start, end) positions of every annotation: never evaluated under ``from __future__ import annotations``."""
+    spans = []
+    for node in ast.walk(tree):
+        notes = []
+        if isinstance(node, ast.arg):
+            notes.append(node.annotation)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            notes.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            notes.append(node.annotation)
+        spans += [((n.lineno, n.col_offset), (n.end_lineno, n.end_col_offset)) for n in notes if n is not None]
+    return spans
+
+
+def enumerate_mutants(config: dict) -> list[dict]:
+    """Every mutant the frozen configuration gives on the code as it is, in a fixed order."""
+    mutants = []
+    for module in config["module"]:
+        source = (ROOT / module["path"]).read_text()
+        lines = source.splitlines()
+        tree = ast.parse(source)
+        scopes, notes = _scopes(tree, module["functions"]), _annotations(tree)
+        listed = {e["line"] for e in config["exclude"] if e["path"] == module["path"]}
+        for name in config["operators"]:
+            operator = get_operator(name)()
+            positions = [p for node in ast_nodes(get_ast(source)) for p in operator.mutation_positions(node)]
+            for occurrence, (start, _end) in enumerate(positions):
+                text = lines[start[0] - 1]
+                if not any(a <= start[0] <= b for a, b in scopes) or any(a <= start < b for a, b in notes):
+                    continue
+                if text.strip() in listed:
+                    continue
+                if "pragma: no mutate" in text:
+                    raise SystemExit(f"{module['path']}:{start[0]}: pragma: no mutate not listed in mutation.toml")
+                mutated = mutate_code(source, operator, occurrence).splitlines()[start[0] - 1]
+                mutants.append(
+                    {
+                        "id": f"{module['path']}:{name.removeprefix('core/')}:{occurrence}",
+                        "module": module["name"],
+                        "path": module["path"],
+                        "operator": name,
+                        "occurrence": occurrence,
+                        "line": start[0],
+                        "col": start[1],
+                        "before": text.strip(),
+                        "after": mutated.strip(),
+                    }
+                )
+    return mutants
+
+
+def _put_back(*_: object) -> None:
+    for path, text in _restore.items():
+        path.write_text(text)
+    _restore.clear()
+
+
+def _signal_exit(signum: int, _: object) -> None:
+    _put_back()
+    sys.exit(128 + signum)
+
+
+def _run_tests(args: list[str], log: Path, timeout: float) -> tuple[str, float, list[str]]:
+    """Fork, run pytest on ``args`` in the child (output to ``log``); killed, survived or timeout, the seconds, the
+    failed tests."""
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the child: its own process group, so that a timeout stops whatever its tests started
+        os.setsid()
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        try:
+            import pytest
+
+            code = pytest.main(PYTEST + args)
+        except BaseException:  # noqa: BLE001 - a mutant that breaks pytest itself is a failure of the tests
+            code = 3
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(code))
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() - start > timeout:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "timeout", time.monotonic() - start, []
+        time.sleep(0.2)
+    seconds = time.monotonic() - start
+    code = os.waitstatus_to_exitcode(status)
+    failed = [
+        line.split(" ", 1)[1].split(" - ")[0] for line in log.read_text().splitlines() if line.startswith("FAILED ")
+    ]
+    return ("survived" if code == 0 else "killed"), seconds, failed[:3] or [f"exit status {code}"]
+
+
+def _child_env() -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"  # a mutant's bytecode never cached
+    sys.dont_write_bytecode = True
+
+
+def run(config: dict, out: Path, resume: bool, only: list[str]) -> None:
+    frozen = json.loads(MUTANTS.read_text())
+    mutants = enumerate_mutants(config)
+    if [m["id"] for m in mutants] != [m["id"] for m in frozen] or mutants != frozen:
+        raise SystemExit(f"the code or scripts/mutation.toml no longer gives {MUTANTS.relative_to(ROOT)}'s mutants")
+    _child_env()
+    for name in config["warm"]:
+        importlib.import_module(name)
+    assert not any(m.split(".")[0] in ("vitattn", "tests") for m in sys.modules), "the harness imported vitattn"
+    results = json.loads(out.read_text()) if resume and out.is_file() else {"mutants": {}, "baseline": {}}
+    atexit.register(_put_back)
+    signal.signal(signal.SIGTERM, _signal_exit)
+    signal.signal(signal.SIGINT, _signal_exit)
+    log = Path(tempfile.gettempdir()) / f"mutation-{out.stem}.log"  # the last pytest's output
+    modules = {m["name"]: m for m in config["module"]}
+    for name, module in modules.items():
+        if only and name not in only:
+            continue
+        if name not in results["baseline"]:  # the tests must pass on the code as it is
+            verdict, seconds, failed = _run_tests(module["tests"], log, module["timeout"])
+            if verdict != "survived":
+                raise SystemExit(f"{name}: the tests fail without a mutant ({verdict}: {failed}); see {log}")
+            results["baseline"][name] = round(seconds, 1)
+            print(f"{name}: tests pass unmutated in {seconds:.1f} s", flush=True)
+        todo = [m for m in mutants if m["module"] == name and m["id"] not in results["mutants"]]
+        for i, mutant in enumerate(todo, 1):
+            path = ROOT / mutant["path"]
+            original = path.read_text()
+            operator = get_operator(mutant["operator"])()
+            _restore[path] = original
+            path.write_text(mutate_code(original, operator, mutant["occurrence"]))
+            try:
+                verdict, seconds, failed = _run_tests(module["tests"], log, module["timeout"])
+            finally:
+                _put_back()
+            results["mutants"][mutant["id"]] = {
+                "status": verdict,
+                "seconds": round(seconds, 1),
+                **({"killed_by": failed} if verdict == "killed" else {}),
+            }
+            print(f"{name} {i}/{len(todo)} {verdict:8} {seconds:5.1f} s {mutant['id']}: {mutant['after']}", flush=True)
+            results["summary"] = summary(mutants, results)
+            out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def summary(mutants: list[dict], results: dict) -> dict[str, dict[str, int]]:
+    """Per module: mutants, and those killed, survived, timed out and not yet run."""
+    table: dict[str, dict[str, int]] = {}
+    for mutant in mutants:
+        row = table.setdefault(mutant["module"], {"mutants": 0, "killed": 0, "survived": 0, "timeout": 0, "not run": 0})
+        row["mutants"] += 1
+        row[results["mutants"].get(mutant["id"], {}).get("status", "not run")] += 1
+    return table
+
+
+def table(result: Path, before: Path | None) -> str:
+    """The Markdown table of ``result`` (and ``before``'s kill rate beside it): the kill rate counts timeouts as
+    killed (a mutant that hangs the tests fails them) over the mutants run."""
+    mutants = json.loads(MUTANTS.read_text())
+    rows = summary(mutants, json.loads(result.read_text()))
+    old = summary(mutants, json.loads(before.read_text())) if before else None
+
+    def rate(row: dict[str, int]) -> str:
+        run = row["mutants"] - row["not run"]
+        return f"{(row['killed'] + row['timeout']) / run:.0%}" if run else "-"
+
+    total = {k: sum(r[k] for r in rows.values()) for k in next(iter(rows.values()))}
+    head = "| module | mutants | killed | survived | timeout | not run | kill rate |" + (" before |" if old else "")
+    lines = [head, "|" + "---|" * head.count(" |")]
+    for name, row in [*rows.items(), ("all", total)]:
+        cells = [row[k] for k in ("mutants", "killed", "survived", "timeout", "not run")]
+        extra = ""
+        if old:
+            extra = f" {rate(old[name] if name in old else {k: sum(r[k] for r in old.values()) for k in total})} |"
+        lines.append(f"| {name} | " + " | ".join(map(str, cells)) + f" | {rate(row)} |" + extra)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("freeze", help=f"write the mutant list to {MUTANTS.relative_to(ROOT)}")
+    run_parser = sub.add_parser("run", help="run every mutant of the frozen list")
+    run_parser.add_argument("--out", type=Path, required=True)
+    run_parser.add_argument("--resume", action="store_true", help="skip the mutants already in --out")
+    run_parser.add_argument("--module", action="append", default=[], help="only this module (repeatable)")
+    table_parser = sub.add_parser("table", help="the per-module table of a result file")
+    table_parser.add_argument("result", type=Path)
+    table_parser.add_argument("before", type=Path, nargs="?")
+    args = parser.parse_args()
+    config = tomllib.loads(CONFIG.read_text())
+    if args.command == "freeze":
+        mutants = enumerate_mutants(config)
+        MUTANTS.parent.mkdir(parents=True, exist_ok=True)
+        MUTANTS.write_text(json.dumps(mutants, indent=1) + "\n")
+        counts = {m["module"]: 0 for m in mutants}
+        for m in mutants:
+            counts[m["module"]] += 1
+        print(f"{len(mutants)} mutants: {counts}")
+    elif args.command == "run":
+        os.nice(10)
+        run(config, args.out, args.resume, args.module)
+        print(table(args.out, None))
+    else:
+        print(table(args.result, args.before))
+
+
+if __name__ == "__main__":
+    main()
