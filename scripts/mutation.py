@@ -236,6 +236,31 @@ def table(result: Path, before: Path | None) -> str:
     return "\n".join(lines)
 
 
+def survivors(before: Path, after: Path | None, notes: Path) -> str:
+    """One line per mutant that survived ``before``: where, the mutated line, its verdict from ``notes`` (the
+    committed list, by mutant id: "equivalent: why" or "needs a test: what it asserts") and, given ``after``,
+    the test that killed it there."""
+    mutants = {m["id"]: m for m in json.loads(MUTANTS.read_text())}
+    verdicts = {}
+    if notes.is_file():
+        for line in notes.read_text().splitlines():
+            if line.startswith("- `") and " -- " in line:
+                verdicts[line[3:].split("`", 1)[0]] = line.split(" -- ", 1)[1].split(" => after:")[0]
+    old = json.loads(before.read_text())["mutants"]
+    new = json.loads(after.read_text())["mutants"] if after else {}
+    lines = []
+    for key, mutant in mutants.items():
+        if old.get(key, {}).get("status") != "survived":
+            continue
+        line = f"- `{key}` line {mutant['line']}: `{mutant['after']}` -- {verdicts.get(key, 'TODO')}"
+        if after:
+            result = new.get(key, {"status": "not run"})
+            by = f" by {result['killed_by'][0]}" if "killed_by" in result else ""
+            line += f" => after: {result['status']}{by}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -247,6 +272,10 @@ def main() -> None:
     table_parser = sub.add_parser("table", help="the per-module table of a result file")
     table_parser.add_argument("result", type=Path)
     table_parser.add_argument("before", type=Path, nargs="?")
+    survivors_parser = sub.add_parser("survivors", help="the survivors of BEFORE, their verdicts, AFTER's result")
+    survivors_parser.add_argument("before", type=Path)
+    survivors_parser.add_argument("after", type=Path, nargs="?")
+    survivors_parser.add_argument("--notes", type=Path, default=MUTANTS.parent / "survivors.md")
     args = parser.parse_args()
     config = tomllib.loads(CONFIG.read_text())
     if args.command == "freeze":
@@ -261,8 +290,10 @@ def main() -> None:
         os.nice(10)
         run(config, args.out, args.resume, args.module)
         print(table(args.out, None))
-    else:
+    elif args.command == "table":
         print(table(args.result, args.before))
+    else:
+        print(survivors(args.before, args.after, args.notes))
 
 
 if __name__ == "__main__":
