@@ -31,6 +31,7 @@ CONFIG = ROOT / "scripts" / "mutation.toml"
 MUTANTS = ROOT / "docs" / "mutation" / "mutants.json"
 PYTEST = ["-q", "-x", "-rf", "-p", "no:cacheprovider", "-n", "0", "-W", "ignore::DeprecationWarning"]
 _restore: dict[Path, str] = {}  # files mutated now, and their text: put back on any exit
+_child = 0  # the pytest running now: its process group is stopped on any exit
 
 
 def _scopes(tree: ast.Module, functions: list[str]) -> list[tuple[int, int]]:
@@ -112,24 +113,56 @@ def _put_back(*_: object) -> None:
 
 
 def _signal_exit(signum: int, _: object) -> None:
+    if _child:
+        try:
+            os.killpg(_child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     _put_back()
     sys.exit(128 + signum)
 
 
-def _run_tests(args: list[str], log: Path, timeout: float) -> tuple[str, float, list[str]]:
+def _pytest(args: list[str], measure: tuple[Path, Path] | None) -> int:
+    """pytest on ``args`` in this process; with ``measure`` (the module, a data file), the lines of the module each
+    test runs, as coverage contexts named by the test's node id (context "": import time)."""
+    import pytest
+
+    if measure is None:
+        return pytest.main(PYTEST + args)
+    import coverage
+
+    cov = coverage.Coverage(data_file=str(measure[1]), include=[str(measure[0])])
+
+    class Contexts:
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> object:
+            cov.switch_context(item.nodeid)
+            yield
+            cov.switch_context("")
+
+    cov.start()
+    try:
+        return pytest.main(PYTEST + args, plugins=[Contexts()])
+    finally:
+        cov.stop()
+        cov.save()
+
+
+def _run_tests(
+    args: list[str], log: Path, timeout: float, measure: tuple[Path, Path] | None = None
+) -> tuple[str, float, list[str]]:
     """Fork, run pytest on ``args`` in the child (output to ``log``); killed, survived or timeout, the seconds, the
     failed tests."""
+    global _child
     start = time.monotonic()
-    pid = os.fork()
+    pid = _child = os.fork()
     if pid == 0:  # the child: its own process group, so that a timeout stops whatever its tests started
         os.setsid()
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         try:
-            import pytest
-
-            code = pytest.main(PYTEST + args)
+            code = _pytest(args, measure)
         except BaseException:  # noqa: BLE001 - a mutant that breaks pytest itself is a failure of the tests
             code = 3
         sys.stdout.flush()
@@ -142,9 +175,10 @@ def _run_tests(args: list[str], log: Path, timeout: float) -> tuple[str, float, 
         if time.monotonic() - start > timeout:
             os.killpg(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+            _child = 0
             return "timeout", time.monotonic() - start, []
         time.sleep(0.2)
-    seconds = time.monotonic() - start
+    seconds, _child = time.monotonic() - start, 0
     code = os.waitstatus_to_exitcode(status)
     failed = [
         line.split(" ", 1)[1].split(" - ")[0] for line in log.read_text().splitlines() if line.startswith("FAILED ")
@@ -176,31 +210,86 @@ def run(config: dict, out: Path, resume: bool, only: list[str]) -> None:
     for name, module in modules.items():
         if only and name not in only:
             continue
+        path = ROOT / module["path"]
+        by_coverage = module.get("select", "all") == "coverage"
         if name not in results["baseline"]:  # the tests must pass on the code as it is
-            verdict, seconds, failed = _run_tests(module["tests"], log, module["timeout"])
+            data = Path(tempfile.gettempdir()) / f"mutation-{out.stem}.coverage"
+            measure = (path, data) if by_coverage else None
+            verdict, seconds, failed = _run_tests(module["tests"], log, module["timeout"], measure)
             if verdict != "survived":
                 raise SystemExit(f"{name}: the tests fail without a mutant ({verdict}: {failed}); see {log}")
             results["baseline"][name] = round(seconds, 1)
+            if by_coverage:
+                results.setdefault("reach", {})[name] = _reach(data, path)
             print(f"{name}: tests pass unmutated in {seconds:.1f} s", flush=True)
+        statements = _statements(path)
         todo = [m for m in mutants if m["module"] == name and m["id"] not in results["mutants"]]
         for i, mutant in enumerate(todo, 1):
-            path = ROOT / mutant["path"]
-            original = path.read_text()
-            operator = get_operator(mutant["operator"])()
-            _restore[path] = original
-            path.write_text(mutate_code(original, operator, mutant["occurrence"]))
-            try:
-                verdict, seconds, failed = _run_tests(module["tests"], log, module["timeout"])
-            finally:
-                _put_back()
+            args = module["tests"]
+            if by_coverage:
+                args = _tests_reaching(results["reach"][name], statements(mutant["line"]), module["tests"])
+            if not args:  # no test runs the line: it survives whatever it is
+                verdict, seconds, failed = "survived", 0.0, []
+            else:
+                original = path.read_text()
+                operator = get_operator(mutant["operator"])()
+                _restore[path] = original
+                path.write_text(mutate_code(original, operator, mutant["occurrence"]))
+                try:
+                    verdict, seconds, failed = _run_tests(args, log, module["timeout"])
+                finally:
+                    _put_back()
             results["mutants"][mutant["id"]] = {
                 "status": verdict,
                 "seconds": round(seconds, 1),
                 **({"killed_by": failed} if verdict == "killed" else {}),
+                **({"reached": False} if not args else {}),
             }
             print(f"{name} {i}/{len(todo)} {verdict:8} {seconds:5.1f} s {mutant['id']}: {mutant['after']}", flush=True)
             results["summary"] = summary(mutants, results)
             out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def _reach(data_file: Path, path: Path) -> dict[str, list[str]]:
+    """Line -> the tests (node ids) that run it, from the baseline's coverage; "" for a line run at import."""
+    import coverage
+
+    data = coverage.CoverageData(basename=str(data_file))
+    data.read()
+    (measured,) = [f for f in data.measured_files() if Path(f).resolve() == path.resolve()]
+    return {str(line): sorted(tests) for line, tests in sorted(data.contexts_by_lineno(measured).items())}
+
+
+def _statements(path: Path) -> object:
+    """A function of a line: the lines of the innermost statement holding it (a compound statement's header only),
+    since coverage marks a statement by some of its lines."""
+    spans = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.stmt):
+            body = getattr(node, "body", None)
+            last = body[0].lineno - 1 if isinstance(body, list) and body and body[0].lineno > node.lineno else None
+            spans.append((node.lineno, last or node.end_lineno))
+
+    def lines(line: int) -> range:
+        a, b = min((s for s in spans if s[0] <= line <= s[1]), key=lambda s: s[1] - s[0], default=(line, line))
+        return range(a, b + 1)
+
+    return lines
+
+
+def _tests_reaching(reach: dict[str, list[str]], lines: range, tests: list[str]) -> list[str]:
+    """The pytest arguments that run only the tests reaching ``lines``: all of ``tests`` for a line run at import
+    (a default value, a constant), none for a line no test runs."""
+    found = {t for line in lines for t in reach.get(str(line), [])}
+    if "" in found:
+        return tests
+    files = [a for a in tests if a.endswith(".py")]
+    options = [a for a in tests if a not in files]
+    return (
+        [*sorted(found, key=lambda t: (files.index(t.split("::")[0]) if t.split("::")[0] in files else 0, t)), *options]
+        if found
+        else []
+    )
 
 
 def summary(mutants: list[dict], results: dict) -> dict[str, dict[str, int]]:
