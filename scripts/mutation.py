@@ -207,9 +207,8 @@ def run(config: dict, out: Path, resume: bool, only: list[str]) -> None:
     signal.signal(signal.SIGINT, _signal_exit)
     log = Path(tempfile.gettempdir()) / f"mutation-{out.stem}.log"  # the last pytest's output
     modules = {m["name"]: m for m in config["module"]}
-    for name, module in modules.items():
-        if only and name not in only:
-            continue
+    for name in only or list(modules):  # in the order given
+        module = modules[name]
         path = ROOT / module["path"]
         by_coverage = module.get("select", "all") == "coverage"
         if name not in results["baseline"]:  # the tests must pass on the code as it is
@@ -357,7 +356,7 @@ def main() -> None:
     run_parser = sub.add_parser("run", help="run every mutant of the frozen list")
     run_parser.add_argument("--out", type=Path, required=True)
     run_parser.add_argument("--resume", action="store_true", help="skip the mutants already in --out")
-    run_parser.add_argument("--module", action="append", default=[], help="only this module (repeatable)")
+    run_parser.add_argument("--module", action="append", default=[], help="only these modules, in this order")
     table_parser = sub.add_parser("table", help="the per-module table of a result file")
     table_parser.add_argument("result", type=Path)
     table_parser.add_argument("before", type=Path, nargs="?")
