@@ -223,10 +223,13 @@ def run(config: dict, out: Path, resume: bool, only: list[str]) -> None:
             print(f"{name}: tests pass unmutated in {seconds:.1f} s", flush=True)
         statements = _statements(path)
         todo = [m for m in mutants if m["module"] == name and m["id"] not in results["mutants"]]
+        if by_coverage:  # the mutants no test reaches first: they take no time
+            tests = {
+                m["id"]: _tests_reaching(results["reach"][name], statements(m["line"]), module["tests"]) for m in todo
+            }
+            todo.sort(key=lambda m: bool(tests[m["id"]]))
         for i, mutant in enumerate(todo, 1):
-            args = module["tests"]
-            if by_coverage:
-                args = _tests_reaching(results["reach"][name], statements(mutant["line"]), module["tests"])
+            args = tests[mutant["id"]] if by_coverage else module["tests"]
             if not args:  # no test runs the line: it survives whatever it is
                 verdict, seconds, failed = "survived", 0.0, []
             else:
