@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from enum import StrEnum
 from pathlib import Path
 
 import hydra
@@ -24,13 +25,33 @@ from vitattn.training.systems.caption import ZERO_SHOT_MONITOR
 from vitattn.training.systems.coca import RETRIEVAL_MONITORS
 
 __all__ = [
+    "Task",
     "check_config",
     "check_data_paths",
     "compose_train",
     "data_name",
     "fully_sharded",
+    "head_task",
     "qualify",
 ]
+
+
+class Task(StrEnum):
+    """What a run trains for (``head.task``): a caption or a class per image. A ``StrEnum``: it equals its name, so
+    the library, which takes the task as a string, takes it as it is."""
+
+    caption = "caption"
+    classification = "classification"
+
+
+def head_task(head: DictConfig) -> tuple[Task, bool]:
+    """The task of a ``head`` config and whether its captioner also learns image and text embeddings (head=coca:
+    a caption head with a ``contrastive`` part); the one place either is read from the config."""
+    task = head.task
+    if task not in TASKS:
+        raise ConfigError(f"head.task={task!r} is unknown; choose head=caption or head=classification")
+    return Task(task), head.get("contrastive") is not None
+
 
 _DIR_KEYS = ("root", "image_dir")
 _FILE_KEYS = ("train_annotations", "val_annotations", "test_annotations", "vocab_path", "dataset_json")
@@ -79,12 +100,12 @@ def qualify(message: str, keys: dict[str, str]) -> str:
     return re.sub(r"(?<![\w.])(\w+)(?==|\.\w|\[\d+\]=)", lambda m: keys.get(m[1], m[1]), message)
 
 
-def _check_generate(cfg: DictConfig) -> None:
+def _check_generate(cfg: DictConfig, contrastive: bool) -> None:
     max_new, max_len = cfg.head.generate.get("max_new_tokens"), cfg.head.decoder.max_len
     if max_new is not None and max_new + 1 > max_len:
         raise ConfigError(f"head.generate.max_new_tokens={max_new} must be below head.decoder.max_len={max_len}")
     rerank = cfg.head.generate.get("rerank") or 1
-    if rerank > 1 and "contrastive" not in cfg.head:
+    if rerank > 1 and not contrastive:
         raise ConfigError(
             f"head.generate.rerank={rerank} chooses captions by image and text embeddings; train head=coca for it"
         )
@@ -120,12 +141,12 @@ def _check_finetuning(cfg: DictConfig) -> None:
         raise ConfigError(f"finetune.freeze_encoder_epochs={epochs} must be a whole number of epochs, 0 for none")
 
 
-def _check_self_critical(cfg: DictConfig) -> None:
+def _check_self_critical(cfg: DictConfig, task: Task) -> None:
     if cfg.finetune.get("scst") is None:
         return
-    if cfg.head.task != "caption":
+    if task is not Task.caption:
         raise ConfigError(
-            f"finetune=scst trains captioners on a caption reward; head={cfg.head.task} has no captions: "
+            f"finetune=scst trains captioners on a caption reward; head={task} has no captions: "
             "use head=caption, or drop finetune=scst"
         )
     if not cfg.finetune.get("init"):
@@ -163,9 +184,7 @@ def _check_sharded(cfg: DictConfig) -> None:
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config)."""
     check_targets(OmegaConf.to_container(cfg))  # plain values: the library reads no config object
-    task = cfg.head.task
-    if task not in TASKS:
-        raise ConfigError(f"head.task={task!r} is unknown; choose head=caption or head=classification")
+    task, contrastive = head_task(cfg.head)
     warmup = cfg.optim.get("warmup_steps", "auto")
     if warmup != "auto" and (not isinstance(warmup, int) or warmup < 0):
         raise ConfigError(f"optim.warmup_steps={warmup!r} must be a whole number of steps, or auto")
@@ -177,17 +196,17 @@ def check_config(cfg: DictConfig) -> None:
             "choose data=shapes, data=imagefolder, data=coco or data=karpathy"
         ) from err
     if task not in supported:
-        if task == "caption":
+        if task is Task.caption:
             what, fix = "captions", "use head=classification, or data=shapes / data=coco / data=karpathy"
         else:
             what, fix = "class labels", "use head=caption, or data=shapes / data=imagefolder"
         raise ConfigError(f"data={data_name(cfg.data)} has no {what} for head={task}; {fix}")
-    if task == "caption":
-        _check_generate(cfg)
-    if "contrastive" in cfg.head:
+    if task is Task.caption:
+        _check_generate(cfg, contrastive)
+    if contrastive:
         _check_contrastive(cfg)
     _check_finetuning(cfg)
-    _check_self_critical(cfg)
+    _check_self_critical(cfg, task)
     _check_sharded(cfg)
     if cfg.get("resume") and cfg.resume != "auto" and not RunDir(cfg.resume).last_checkpoint.is_file():
         run = RunDir(cfg.resume)

@@ -29,16 +29,18 @@ from vitattn.data.tokenizer import Tokenizer, load_tokenizer
 from vitattn.errors import ConfigError, first_line
 from vitattn.precision import cuda_bf16, native_bf16
 from vitattn.run_dir import RunDir
-from vitattn.training.config import check_config, fully_sharded
+from vitattn.training.config import Task, check_config, fully_sharded, head_task
 from vitattn.training.start_weights import EncoderWeights, ModelWeights, read_start
 
 __all__ = [
     "BF16_TRAIN_MIN_WIDTH",
+    "Config",
     "WAIT_SECONDS",
     "MATMUL_PRECISIONS",
     "Plan",
     "Precision",
     "Resume",
+    "Task",
     "TrainerPlan",
     "global_rank",
     "processes_per_node",
@@ -55,6 +57,7 @@ WAIT_SECONDS = 3600.0  # how long a rank other than 0 waits for a file rank 0 wr
 
 
 MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
+Config = DictConfig  # the composed config ``train(cfg)`` takes: only the plan, the checks and build read it raw
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,8 @@ class Plan:
 
     cfg: DictConfig  # read-only, interpolations resolved: what is built and saved
     run_dir: Path
+    task: Task  # head.task: caption or classification
+    contrastive: bool  # head=coca: the caption head also learns image and text embeddings
     trainer: TrainerPlan
     precision: Precision
     resume: Resume
@@ -144,10 +149,14 @@ def resolve(cfg: DictConfig, overrides: Sequence[str] = ()) -> Plan:
     tokenizer, which the other ranks wait for). Nothing else: no Hydra global.
     """
     cfg = copy.deepcopy(cfg)
+    task, contrastive = head_task(cfg.head)
+    kind = str(cfg.tokenizer.kind) if "tokenizer" in cfg and task is Task.caption else None
     start = read_start(cfg.finetune.init, cfg.finetune.get("init_kind", "model")) if cfg.finetune.get("init") else None
     with open_dict(cfg):
         if start is not None:
-            start.resolve(cfg, [o.split("=", 1)[0].lstrip("+~") for o in overrides])
+            given = [o.split("=", 1)[0].lstrip("+~") for o in overrides]
+            for key, value in start.resolve(_start_values(cfg, kind), given, task).items():
+                OmegaConf.update(cfg, key, value, merge=False)
         preprocess_from = _resolve_preprocess(cfg, start)
     check_config(cfg)  # the resolved config: the one that runs and is saved
     trainer = _trainer_plan(cfg.trainer)
@@ -166,7 +175,6 @@ def resolve(cfg: DictConfig, overrides: Sequence[str] = ()) -> Plan:
         precision = Precision(_resolve_precision(cfg, trainer), str(cfg.get("float32_matmul_precision", "auto")))
     run_dir = Path(cfg.paths.output_dir)
     resume = _resume(cfg.ckpt_path, cfg.resume, run_dir)
-    kind = cfg.tokenizer.get("kind", "words") if "tokenizer" in cfg and cfg.head.task == "caption" else None
     if start is not None:
         vocab = start.vocab
     else:
@@ -177,7 +185,35 @@ def resolve(cfg: DictConfig, overrides: Sequence[str] = ()) -> Plan:
     }
     OmegaConf.resolve(cfg)  # what is built and saved: Hydra's instantiate cannot resolve a read-only config
     OmegaConf.set_readonly(cfg, True)
-    return Plan(cfg, run_dir, trainer, precision, resume, start, vocab, kind, weights, preprocess_from, system_keys)
+    return Plan(
+        cfg,
+        run_dir,
+        task,
+        contrastive,
+        trainer,
+        precision,
+        resume,
+        start,
+        vocab,
+        kind,
+        weights,
+        preprocess_from,
+        system_keys,
+    )
+
+
+def _start_values(cfg: DictConfig, tokenizer_kind: str | None) -> dict[str, Any]:
+    """The keys the start weights fit the config by, as plain values (``data.img_size``, ``model.*``,
+    ``head.decoder.*``, ``data.vocab_path``, ``tokenizer.kind``), in the config's order; a missing value left out."""
+    values: dict[str, Any] = {"tokenizer.kind": tokenizer_kind}
+    for group in ("data", "model", "head.decoder"):
+        node = OmegaConf.select(cfg, group)
+        for key in node if isinstance(node, DictConfig) else ():
+            if not OmegaConf.is_missing(node, key):
+                value = node[key]
+                plain = isinstance(value, DictConfig | ListConfig)
+                values[f"{group}.{key}"] = OmegaConf.to_container(value, resolve=True) if plain else value
+    return values
 
 
 def _trainer_plan(trainer: DictConfig) -> TrainerPlan:
