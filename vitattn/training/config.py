@@ -3,8 +3,8 @@
 
 ``check_config`` finds, before any data is read, every user error in the keys no constructor sees, as one
 ``ConfigError`` line naming the key and the fix. What a constructor checks (the model's shape, ``tokenizer``, the
-``data.*`` preprocessing, ``data.augment``, ``data.bad_images``, head=coca's loss and weights) is checked there, once,
-when the run builds it (``training.build`` names its config key).
+``data.*`` preprocessing, ``data.augment``, ``data.bad_images``, ``head.generate``, head=coca's loss and weights) is
+checked there, once, when the run builds it (``training.build`` names its config key).
 """
 
 from __future__ import annotations
@@ -100,17 +100,6 @@ def qualify(message: str, keys: dict[str, str]) -> str:
     return re.sub(r"(?<![\w.])(\w+)(?==|\.\w|\[\d+\]=)", lambda m: keys.get(m[1], m[1]), message)
 
 
-def _check_generate(cfg: DictConfig, contrastive: bool) -> None:
-    max_new, max_len = cfg.head.generate.get("max_new_tokens"), cfg.head.decoder.max_len
-    if max_new is not None and max_new + 1 > max_len:
-        raise ConfigError(f"head.generate.max_new_tokens={max_new} must be below head.decoder.max_len={max_len}")
-    rerank = cfg.head.generate.get("rerank") or 1
-    if rerank > 1 and not contrastive:
-        raise ConfigError(
-            f"head.generate.rerank={rerank} chooses captions by image and text embeddings; train head=coca for it"
-        )
-
-
 def _check_contrastive(cfg: DictConfig) -> None:
     """head=coca: the best checkpoint's monitor and the logit bias (its loss and weights: ``CocaSystem``'s)."""
     head = cfg.head
@@ -201,8 +190,6 @@ def check_config(cfg: DictConfig) -> None:
         else:
             what, fix = "class labels", "use head=caption, or data=shapes / data=imagefolder"
         raise ConfigError(f"data={data_name(cfg.data)} has no {what} for head={task}; {fix}")
-    if task is Task.caption:
-        _check_generate(cfg, contrastive)
     if contrastive:
         _check_contrastive(cfg)
     _check_finetuning(cfg)
