@@ -125,9 +125,6 @@ def _check_finetuning(cfg: DictConfig) -> None:
         raise ConfigError(f"optim.layer_decay={layer_decay} must be in (0, 1] (e.g. 0.75), or null for none")
     if head_lr is not None and not head_lr > 0:
         raise ConfigError(f"optim.head_lr={head_lr} must be positive, or null for optim.lr")
-    epochs = cfg.finetune.get("freeze_encoder_epochs") or 0
-    if not isinstance(epochs, int) or epochs < 0:
-        raise ConfigError(f"finetune.freeze_encoder_epochs={epochs} must be a whole number of epochs, 0 for none")
 
 
 def _check_self_critical(cfg: DictConfig, task: Task) -> None:

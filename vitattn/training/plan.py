@@ -164,7 +164,9 @@ def resolve(cfg: DictConfig, overrides: Sequence[str] = ()) -> Plan:
     weights = str(cfg.get("weights", "best"))
     if weights not in ("best", "last"):
         raise ConfigError(f"weights={weights!r} is unknown; choose weights=best or weights=last")
-    epochs = cfg.finetune.get("freeze_encoder_epochs") or 0
+    epochs = cfg.finetune.get("freeze_encoder_epochs") or 0  # null: none, as 0
+    if not isinstance(epochs, int) or epochs < 0:
+        raise ConfigError(f"finetune.freeze_encoder_epochs={epochs} must be a whole number of epochs, 0 for none")
     if epochs and trainer.distributed:  # DDP syncs only the parameters that train when it wraps the model (#20340)
         raise ConfigError(
             f"finetune.freeze_encoder_epochs={epochs} does not work with several processes (trainer.strategy="
