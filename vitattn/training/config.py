@@ -101,7 +101,7 @@ def qualify(message: str, keys: dict[str, str]) -> str:
 
 
 def _check_contrastive(cfg: DictConfig) -> None:
-    """head=coca: the best checkpoint's monitor and the logit bias (its loss and weights: ``CocaSystem``'s)."""
+    """head=coca: the best checkpoint's monitor (its loss, weights and logit bias: ``CocaSystem``'s)."""
     head = cfg.head
     monitors = ("val/cider_d", *RETRIEVAL_MONITORS, ZERO_SHOT_MONITOR)
     if head.monitor not in monitors or head.monitor_mode != "max":
@@ -114,9 +114,6 @@ def _check_contrastive(cfg: DictConfig) -> None:
             f"head.monitor={ZERO_SHOT_MONITOR} needs head.zero_shot.data_root=DIR, a folder <split>/<class>/<image> "
             "classified by its class names at each validation"
         )
-    bias = head.contrastive.get("init_logit_bias", "auto")
-    if bias != "auto" and (isinstance(bias, bool) or not isinstance(bias, (int, float))):
-        raise ConfigError(f"head.contrastive.init_logit_bias={bias!r} must be auto or a number (e.g. -10)")
 
 
 def _check_finetuning(cfg: DictConfig) -> None:
