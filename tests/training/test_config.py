@@ -68,6 +68,7 @@ CONFIG_ERRORS = {
     ),
     "empty-shapes": ("data.num_train=0", r"^data\.num_train=0 leaves that split empty; use 1 or more"),
     "resume-without-checkpoint": ("resume={folder}", r"^resume=.* has no checkpoints/last\.ckpt"),
+    "ckpt-path-missing": ("ckpt_path=/no/such.ckpt", r"^ckpt_path=/no/such\.ckpt does not exist$"),
     "untrusted-target": ("data._target_=os.system", r"^data\._target_=os\.system is not allowed"),
     "unknown-target": (
         "data._target_=vitattn.data.NoSuchData",

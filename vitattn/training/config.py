@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vitattn.errors import ConfigError
 from vitattn.models import TASKS
-from vitattn.run_dir import RunDir, check_targets
+from vitattn.run_dir import check_targets
 from vitattn.training.systems.caption import ZERO_SHOT_MONITOR
 from vitattn.training.systems.coca import RETRIEVAL_MONITORS
 
@@ -189,10 +189,5 @@ def check_config(cfg: DictConfig) -> None:
     _check_finetuning(cfg)
     _check_self_critical(cfg, task)
     _check_sharded(cfg)
-    if cfg.get("resume") and cfg.resume != "auto" and not RunDir(cfg.resume).last_checkpoint.is_file():
-        run = RunDir(cfg.resume)
-        raise ConfigError(f"resume={cfg.resume} has no {run.last_checkpoint.relative_to(run.path)} to continue from")
-    if cfg.get("ckpt_path") and not Path(cfg.ckpt_path).is_file():
-        raise ConfigError(f"ckpt_path={cfg.ckpt_path} does not exist")
     _check_sizes(cfg)
     check_data_paths(cfg.data)

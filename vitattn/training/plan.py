@@ -344,8 +344,11 @@ def _data_default(start: ModelWeights | EncoderWeights | None, rest: list[str]) 
 
 
 def _resume(ckpt_path: str | None, resume: str | None, run_dir: Path) -> Resume:
-    """The checkpoint fit continues from, read once: a file that cannot be read stops the run in one line."""
+    """The checkpoint fit continues from, read once: a file that is missing or cannot be read stops the run in one
+    line."""
     if ckpt_path:
+        if not Path(ckpt_path).is_file():
+            raise ConfigError(f"ckpt_path={ckpt_path} does not exist")
         return _read_checkpoint(str(ckpt_path), "ckpt_path")
     if resume == "auto":  # the run folder's own checkpoint when it has one: a fresh start otherwise
         last = RunDir(run_dir).last_checkpoint
@@ -356,7 +359,10 @@ def _resume(ckpt_path: str | None, resume: str | None, run_dir: Path) -> Resume:
         log.info("resume=auto: continuing from %s (step %d)", last, found.first_step)
         return found
     if resume:
-        return _read_checkpoint(str(RunDir(resume).last_checkpoint), "resume")
+        run = RunDir(resume)
+        if not run.last_checkpoint.is_file():
+            raise ConfigError(f"resume={resume} has no {run.last_checkpoint.relative_to(run.path)} to continue from")
+        return _read_checkpoint(str(run.last_checkpoint), "resume")
     return Resume()
 
 
