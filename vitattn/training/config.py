@@ -164,8 +164,9 @@ def _check_sharded(cfg: DictConfig) -> None:
         )
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config)."""
+def check_config(cfg: DictConfig) -> tuple[Task, bool]:
+    """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config); return its task and
+    whether its captioner is head=coca's (``head_task``)."""
     check_targets(OmegaConf.to_container(cfg))  # plain values: the library reads no config object
     task, contrastive = head_task(cfg.head)
     warmup = cfg.optim.get("warmup_steps", "auto")
@@ -191,3 +192,4 @@ def check_config(cfg: DictConfig) -> None:
     _check_sharded(cfg)
     _check_sizes(cfg)
     check_data_paths(cfg.data)
+    return task, contrastive

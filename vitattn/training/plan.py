@@ -29,7 +29,7 @@ from vitattn.data.tokenizer import Tokenizer, load_tokenizer
 from vitattn.errors import ConfigError, first_line
 from vitattn.precision import cuda_bf16, native_bf16
 from vitattn.run_dir import RunDir
-from vitattn.training.config import Task, check_config, fully_sharded, head_task
+from vitattn.training.config import Task, check_config, fully_sharded
 from vitattn.training.start_weights import EncoderWeights, ModelWeights, read_start
 
 __all__ = [
@@ -149,16 +149,16 @@ def resolve(cfg: DictConfig, overrides: Sequence[str] = ()) -> Plan:
     tokenizer, which the other ranks wait for). Nothing else: no Hydra global.
     """
     cfg = copy.deepcopy(cfg)
-    task, contrastive = head_task(cfg.head)
-    kind = str(cfg.tokenizer.kind) if "tokenizer" in cfg and task is Task.caption else None
+    configured_kind = str(cfg.tokenizer.kind) if "tokenizer" in cfg else None  # the tokenizer group's own default
     start = read_start(cfg.finetune.init, cfg.finetune.get("init_kind", "model")) if cfg.finetune.get("init") else None
     with open_dict(cfg):
         if start is not None:
             given = [o.split("=", 1)[0].lstrip("+~") for o in overrides]
-            for key, value in start.resolve(_start_values(cfg, kind), given, task).items():
+            for key, value in start.resolve(_start_values(cfg, configured_kind), given).items():
                 OmegaConf.update(cfg, key, value, merge=False)
         preprocess_from = _resolve_preprocess(cfg, start)
-    check_config(cfg)  # the resolved config: the one that runs and is saved
+    task, contrastive = check_config(cfg)  # the resolved config: the one that runs and is saved
+    kind = configured_kind if task is Task.caption else None
     trainer = _trainer_plan(cfg.trainer)
     rank_zero_only.rank = trainer.rank  # Lightning's rank-zero helpers answer as the Trainer will, before it exists
     weights = str(cfg.get("weights", "best"))
@@ -205,9 +205,9 @@ def resolve(cfg: DictConfig, overrides: Sequence[str] = ()) -> Plan:
 
 
 def _start_values(cfg: DictConfig, tokenizer_kind: str | None) -> dict[str, Any]:
-    """The keys the start weights fit the config by, as plain values (``data.img_size``, ``model.*``,
+    """The keys the start weights fit the config by, as plain values (``head.task``, ``data.img_size``, ``model.*``,
     ``head.decoder.*``, ``data.vocab_path``, ``tokenizer.kind``), in the config's order; a missing value left out."""
-    values: dict[str, Any] = {"tokenizer.kind": tokenizer_kind}
+    values: dict[str, Any] = {"head.task": str(cfg.head.task), "tokenizer.kind": tokenizer_kind}
     for group in ("data", "model", "head.decoder"):
         node = OmegaConf.select(cfg, group)
         for key in node if isinstance(node, DictConfig) else ():

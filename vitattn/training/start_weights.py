@@ -94,18 +94,17 @@ class ModelWeights:
         # the model's tokenizer: a captioner's run never builds one from its captions
         self.vocab: Tokenizer | None = self.bundle.vocab if self.bundle.task == "caption" else None
 
-    def resolve(self, values: dict[str, Any], given: list[str], task: str) -> dict[str, Any]:
+    def resolve(self, values: dict[str, Any], given: list[str]) -> dict[str, Any]:
         """The model's sizes, image size and caption length where the config ``values`` (the plan's plain keys, by
         their dotted names) differ: what the plan writes into the config; logged.
 
         Args:
             given: the keys the command line set (``resolve``'s overrides); one that the model contradicts is refused.
-            task: the run's task (``plan.task``).
 
         Raises:
             ConfigError: a model of the other task; a tokenizer other than the model's; a size given that differs.
         """
-        bundle = self.bundle
+        bundle, task = self.bundle, values["head.task"]
         if bundle.task != task:
             raise ConfigError(
                 f"finetune.init={self.source} is a {bundle.task} model, not a {task} model (head={task}); start from "
@@ -209,7 +208,7 @@ class EncoderWeights:
 
     vocab = None  # the run's own tokenizer
 
-    def resolve(self, values: dict[str, Any], given: list[str], task: str) -> dict[str, Any]:
+    def resolve(self, values: dict[str, Any], given: list[str]) -> dict[str, Any]:
         """The switches the weights show, as the ``model.*`` keys whose config ``values`` (the plan's plain keys)
         differ: what the plan writes into the config that is checked and saved."""
         model = {key.removeprefix("model."): v for key, v in values.items() if key.startswith("model.")}
