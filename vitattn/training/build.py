@@ -486,7 +486,7 @@ def _schedule(cfg: DictConfig, datamodule: Any, fast_dev_run: bool) -> str | Non
             "no trainer.max_steps, trainer.max_epochs or trainer.max_time: the learning-rate schedule has no end "
             "and stays at its peak; set one of them"
         )
-    warmup = cfg.optim.get("warmup_steps", "auto")  # auto fits any run: no advice needed
+    warmup = cfg.optim.warmup_steps  # auto (conf/train.yaml's default) fits any run: no advice needed
     if warmup != "auto" and math.isfinite(limit) and warmup > limit // 10 and not trainer.get("max_time"):
         return (
             f"optim.warmup_steps={warmup} is more than a tenth of the {int(limit)}-step run: warmup is cut to "

@@ -169,7 +169,7 @@ def check_config(cfg: DictConfig) -> tuple[Task, bool]:
     whether its captioner is head=coca's (``head_task``)."""
     check_targets(OmegaConf.to_container(cfg))  # plain values: the library reads no config object
     task, contrastive = head_task(cfg.head)
-    warmup = cfg.optim.get("warmup_steps", "auto")
+    warmup = cfg.optim.warmup_steps
     if warmup != "auto" and (not isinstance(warmup, int) or warmup < 0):
         raise ConfigError(f"optim.warmup_steps={warmup!r} must be a whole number of steps, or auto")
     try:
