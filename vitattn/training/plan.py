@@ -1,11 +1,12 @@
 """The run's plan: the composed config with everything the run derives resolved into it, checked once, frozen.
 
 ``resolve(cfg)`` fits the config to the start weights (``finetune.init``), makes the preprocessing concrete, checks
-the result once (``check_config``), then reads the run-level keys into typed parts, their defaults applied here
-once: the trainer (its accelerator decided against this machine), the precision, the checkpoint a resume continues
-(read once), the weights to test and the tokenizer a restart reads. Data, system and trainer are built from the
-plan alone; ``data`` and ``head`` stay configs for the constructors that own their defaults, and ``plan.cfg`` is the
-config saved into the run folder: the one that ran (docs/development.md#plan-then-build).
+the result once (``check_config``, which returns the task typed), then reads the run-level keys into typed parts,
+their defaults applied here once: the trainer (its accelerator decided against this machine), the precision, the
+checkpoint a resume continues (read once), the weights to test and the tokenizer a restart reads. Data, system and
+trainer are built from the plan alone; ``data`` and ``head`` stay configs for the constructors that own their
+defaults, and ``plan.cfg`` is the config saved into the run folder: the one that ran
+(docs/development.md#plan-then-build).
 """
 
 from __future__ import annotations
