@@ -151,11 +151,13 @@ def resolve(cfg: DictConfig, overrides: Sequence[str] = ()) -> Plan:
     """
     cfg = copy.deepcopy(cfg)
     configured_kind = str(cfg.tokenizer.kind) if "tokenizer" in cfg else None  # the tokenizer group's own default
-    start = read_start(cfg.finetune.init, cfg.finetune.get("init_kind", "model")) if cfg.finetune.get("init") else None
+    init = cfg.finetune.get("init")
+    values = _start_values(cfg, configured_kind) if init else {}
+    start = read_start(init, cfg.finetune.get("init_kind", "model")) if init else None
     with open_dict(cfg):
         if start is not None:
             given = [o.split("=", 1)[0].lstrip("+~") for o in overrides]
-            for key, value in start.resolve(_start_values(cfg, configured_kind), given).items():
+            for key, value in start.resolve(values, given).items():
                 OmegaConf.update(cfg, key, value, merge=False)
         preprocess_from = _resolve_preprocess(cfg, start)
     task, contrastive = check_config(cfg)  # the resolved config: the one that runs and is saved
