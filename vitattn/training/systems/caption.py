@@ -79,6 +79,11 @@ class CaptionSystem(VisionSystem):
             self.model.check_generate(**{k: v for k, v in self.generate_kwargs.items() if k in checked})
         except ValueError as err:
             raise ValueError(f"generate.{err}") from None
+        if self.scst is not None:  # the samples' length, by the same owner: refused before any step
+            try:
+                self.model.check_generate(self.scst.max_new_tokens, 1, True, self.scst.temperature)
+            except ValueError as err:
+                raise ValueError(f"scst.{err}") from None
         self.num_samples = num_samples
         self.caption_metrics = CaptionMetrics(synthetic=True)  # every rank's captions, scored once
         self.last_samples: list[tuple[str, list[str]]] = []  # (caption, references) of the last evaluation
