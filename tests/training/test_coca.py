@@ -216,6 +216,7 @@ def test_a_text_embedding_ignores_the_padding():
         ("head.caption_weight=-1", "head.caption_weight=-1 must be a number of 0 or more"),
         ("head.contrastive_weight=0 head.caption_weight=0", "head.contrastive_weight=0 and head.caption_weight=0"),
         ("head.contrastive_ramp_steps=-5", "head.contrastive_ramp_steps=-5 must be a whole number of steps, 0 or more"),
+        ("head.contrastive.init_logit_bias=low", "head.contrastive.init_logit_bias='low' must be auto or a number"),
     ],
 )
 def test_a_bad_coca_loss_setting_is_refused_by_the_system_in_one_line_before_any_step(override, message, tmp_path):
@@ -229,7 +230,6 @@ def test_a_bad_coca_loss_setting_is_refused_by_the_system_in_one_line_before_any
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("head.contrastive.init_logit_bias=low", "head.contrastive.init_logit_bias='low' must be auto or a number"),
         (
             "head.monitor=val/i2t_r5",
             "head.monitor=val/i2t_r5 head.monitor_mode=max: head=coca picks its best checkpoint by one of "

@@ -66,12 +66,9 @@ CONFIG_ERRORS = {
         "data=coco {coco} data.val_annotations={ann_dir}",
         r"^data\.val_annotations=.* is not a file",
     ),
-    "rerank-without-embeddings": (
-        "head=caption head.generate.num_beams=3 head.generate.rerank=3",
-        r"^head\.generate\.rerank=3 chooses captions by image and text embeddings; train head=coca for it$",
-    ),
     "empty-shapes": ("data.num_train=0", r"^data\.num_train=0 leaves that split empty; use 1 or more"),
     "resume-without-checkpoint": ("resume={folder}", r"^resume=.* has no checkpoints/last\.ckpt"),
+    "ckpt-path-missing": ("ckpt_path=/no/such.ckpt", r"^ckpt_path=/no/such\.ckpt does not exist$"),
     "untrusted-target": ("data._target_=os.system", r"^data\._target_=os\.system is not allowed"),
     "unknown-target": (
         "data._target_=vitattn.data.NoSuchData",
@@ -138,6 +135,14 @@ OWNER_ERRORS = {
     "merge-layers": (
         "head=coca model.merge_tokens=[4]",
         r"^model\.merge_tokens=\[4\] has 1 entries; the encoder has 2 layers$",
+    ),
+    "rerank-without-embeddings": (
+        "head=caption head.generate.num_beams=3 head.generate.rerank=3",
+        r"^head\.generate\.rerank=3 chooses among captions by image and text embeddings, which only a head=coca model",
+    ),
+    "generate-too-long": (
+        "head=caption data.max_caption_len=8 head.generate.max_new_tokens=8",
+        r"^head\.generate\.max_new_tokens=8 exceeds the decoder's max_len=8 - 1$",
     ),
     "nonfinite": ("head.nonfinite=ignore", r"^head\.nonfinite='ignore' is unknown; choose raise or skip"),
     "augment-crop": (

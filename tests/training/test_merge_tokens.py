@@ -15,6 +15,7 @@ from vitattn.bundle import load_model
 from vitattn.bundle.folder import encoder_of
 from vitattn.models import VisionTransformer
 from vitattn.training import train
+from vitattn.training.plan import resolve
 from vitattn.training.start_weights import read_start
 
 FAST = [*TINY, *TINY_SHAPES, "trainer.fast_dev_run=true"]
@@ -75,8 +76,8 @@ def test_a_start_model_leaves_merge_tokens_to_the_run(tmp_path):
     init = read_start(str(bundle))
     assert init.bundle.merge_tokens == 6
     cfg = compose_train([*TINY, f"finetune.init={bundle}", "model.merge_tokens=2"], tmp_path / "run")
-    init.resolve(cfg, ["model.merge_tokens"])
+    cfg = resolve(cfg, ["model.merge_tokens=2"]).cfg
     assert cfg.model.merge_tokens == 2
     cfg = compose_train([*TINY, f"finetune.init={bundle}"], tmp_path / "run")
-    init.resolve(cfg, [])
+    cfg = resolve(cfg).cfg
     assert cfg.model.merge_tokens == 0 and cfg.data.max_caption_len == 8  # the model's sizes still come from it

@@ -267,6 +267,10 @@ def test_reward_statistics_record_their_rule_and_an_older_file_is_computed_again
             ["finetune=scst", "finetune.init={captioner}", "finetune.scst.baseline=best"],
             "finetune.scst.baseline='best' is unknown",
         ),
+        (
+            ["finetune=scst", "finetune.init={captioner}", "finetune.scst.max_new_tokens=99"],
+            "finetune.scst.max_new_tokens=99 exceeds the decoder's max_len=8 - 1",
+        ),
     ],
 )
 def test_bad_self_critical_settings_are_one_line(overrides, message, tmp_path):

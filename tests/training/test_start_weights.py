@@ -317,7 +317,7 @@ def test_init_leaves_grad_checkpointing_to_the_run(tmp_path):
     init = read_start(str(bundle))
     assert init.bundle.model.encoder.grad_checkpointing  # read from the bundle
     cfg = compose_train([*TINY, f"finetune.init={bundle}"], tmp_path / "run")
-    init.resolve(cfg, ["model.grad_checkpointing"])
+    cfg = resolve(cfg, ["model.grad_checkpointing=false"]).cfg
     assert cfg.model.grad_checkpointing is False and cfg.head.decoder.grad_checkpointing is False
     assert cfg.data.max_caption_len == 8  # the model's sizes still come from it (24 composed)
 
@@ -331,7 +331,7 @@ def test_a_hub_bundle_starts_a_run_by_its_name_offline(tmp_path, hub_cache, hub_
     for key, value in init.bundle.model.state_dict().items():
         torch.testing.assert_close(value, local[key], rtol=0, atol=0)
     cfg = compose_train([*TINY, "finetune.init=hf-hub:org/tiny"], tmp_path / "run")
-    init.resolve(cfg, [])
+    cfg = resolve(cfg).cfg
     assert cfg.data.max_caption_len == 8 and not no_network  # the bundle's sizes (24 composed); no connection
 
 

@@ -36,7 +36,7 @@ from vitattn.metrics import CiderD
 from vitattn.run_dir import VOCAB_FILE, RunDir
 from vitattn.training.bootstrap import BootstrapSettings, prepare_pool
 from vitattn.training.callbacks import PseudoLabels
-from vitattn.training.config import qualify
+from vitattn.training.config import Task, head_task, qualify
 from vitattn.training.loggers import check_loggers, logger_arguments
 from vitattn.training.plan import WAIT_SECONDS, Plan, Resume, wait_for_rank_zero
 from vitattn.training.semi import SemiSettings
@@ -78,12 +78,13 @@ def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer
     datamodule = build_datamodule(plan)
     log_preprocess(datamodule, plan.preprocess_from)
     bootstrap = BootstrapSettings.from_config(OmegaConf.to_container(cfg.bootstrap) if cfg.get("bootstrap") else None)
-    setup_data(cfg, datamodule, plan.resume, plan.tokenizer_kind)  # empty data, wrong vocabulary: one line, no step run
+    # empty data, a vocabulary other than the checkpoint's: one line, no step run
+    setup_data(cfg, datamodule, plan.resume, plan.tokenizer_kind, plan.task)
     if bootstrap is not None and bootstrap.soft and (cfg.head.get("mixup") or cfg.head.get("cutmix")):
         raise ConfigError("bootstrap.soft=true takes no head.mixup / head.cutmix: timm's Mixup mixes class indices")
     if bootstrap is not None:  # after setup: the pool keeps what the human captions' vocabulary spells
         run = {**_pool_run(plan), "class_names": list(getattr(datamodule, "class_names", None) or [])}
-        datamodule.pool = prepare_pool(bootstrap, cfg.head.task, plan.run_dir, run, datamodule.vocab)
+        datamodule.pool = prepare_pool(bootstrap, plan.task, plan.run_dir, run, datamodule.vocab)
         log.info("bootstrap: %s", datamodule.use_pool(bootstrap))
     if semi is not None:
         log.info("semi=%s: %s", semi.method, datamodule.use_unlabelled(semi))
@@ -94,7 +95,7 @@ def build(plan: Plan, plugins: list[Any]) -> tuple[Any, VisionSystem, pl.Trainer
     callbacks = instantiate_group(cfg.get("callbacks"))
     if semi is not None:
         system.use_semi(semi)
-        classes = datamodule.class_names if cfg.head.task == "classification" else None
+        classes = datamodule.class_names if plan.task == Task.classification else None
         callbacks.append(PseudoLabels(RunDir(plan.run_dir).semi, classes))
     if cfg.finetune.get("scst") is not None:
         system.use_reward(prepare_reward(datamodule, plan.run_dir, plan.resume.ckpt_path is not None))
@@ -148,14 +149,15 @@ def _save_run_files(plan: Plan, datamodule: Any) -> None:
         datamodule.vocab.save(run.path / tokenizer_file_name(datamodule.vocab))
 
 
-def instantiate_group(
-    group: DictConfig | None, extra: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-) -> list[Any]:
+def instantiate_group(group: DictConfig | None, extra: Callable[[type], dict[str, Any]] | None = None) -> list[Any]:
     """Build each ``_target_`` entry of ``group``, in order, except one whose ``enabled`` (not passed on) is
-    false, null or 0; ``extra``, given an entry, returns keyword arguments that only the run knows."""
+    false, null or 0; ``extra``, given an entry's class, returns keyword arguments that only the run knows."""
     entries = OmegaConf.to_container(group, resolve=True) if group else {}
     return [
-        hydra.utils.instantiate({k: v for k, v in node.items() if k != "enabled"}, **(extra(node) if extra else {}))
+        hydra.utils.instantiate(
+            {k: v for k, v in node.items() if k != "enabled"},
+            **(extra(hydra.utils.get_class(node["_target_"])) if extra else {}),
+        )
         for node in entries.values()
         if isinstance(node, dict) and "_target_" in node and node.get("enabled", True)
     ]
@@ -173,7 +175,7 @@ def build_datamodule(plan: Plan) -> Any:
     """The DataModule ``data`` names, given the ``tokenizer`` group and the plan's tokenizer (used as it is) for
     captions; its constructor's refusals as one-line ``ConfigError``s naming the ``data.*`` key."""
     cfg, extra = plan.cfg, {}
-    if cfg.head.task == "caption" and "tokenizer" in cfg:
+    if plan.task is Task.caption and "tokenizer" in cfg:
         tokenizer = OmegaConf.to_container(cfg.tokenizer, resolve=True, throw_on_missing=False)
         extra["tokenizer"] = {k: v for k, v in tokenizer.items() if v != "???"}  # a missing path: the owner says so
         extra["vocab"] = plan.vocab
@@ -185,9 +187,9 @@ def build_system(plan: Plan, datamodule: Any) -> VisionSystem:
     """The LightningModule ``head.system`` names, sized from the data, started from the plan's start weights; the
     model's refusals as one line naming the config key (``model.num_heads=3 must divide model.embed_dim=32``)."""
     cfg = plan.cfg
-    caption = cfg.head.task == "caption"
+    caption = plan.task is Task.caption
     labels = {"vocab": tokenizer_labels(datamodule.vocab)} if caption else {"class_names": list(datamodule.class_names)}
-    parts = _model_keys(cfg)  # a classifier's model is the system's own: its keys are the system's
+    parts = _model_keys(cfg, plan.task)  # a classifier's model is the system's own: its keys are the system's
     keys = plan.system_keys if caption else plan.system_keys | parts.pop("encoder")
     system = _instantiate(
         cfg.head.system,
@@ -203,11 +205,11 @@ def build_system(plan: Plan, datamodule: Any) -> VisionSystem:
     return system
 
 
-def _model_keys(cfg: DictConfig) -> dict[str, dict[str, str]]:
+def _model_keys(cfg: DictConfig, task: Task) -> dict[str, dict[str, str]]:
     """The config keys of each model part's keyword arguments, by the part's name as a captioner's errors start
     (``decoder: num_heads=3 ...``): ``encoder``, and for captioners ``decoder`` and ``contrastive``."""
     encoder = {k: f"model.{k}" for k in cfg.model} | {"img_size": "data.img_size", "d_model": "model.embed_dim"}
-    if cfg.head.task != "caption":
+    if task is not Task.caption:
         return {"encoder": encoder}
     decoder = {k: f"head.decoder.{k}" for k in cfg.head.decoder} | {"d_model": "head.decoder.embed_dim"}
     contrastive = {k: f"head.contrastive.{k}" for k in cfg.head.get("contrastive", {})}
@@ -244,7 +246,7 @@ def model_config_from(plan: Plan, datamodule: Any) -> dict[str, Any]:
     cfg = plan.cfg
     encoder = OmegaConf.to_container(cfg.model, resolve=True)
     encoder["img_size"] = datamodule.img_size
-    if cfg.head.task == "classification":
+    if plan.task is Task.classification:
         return {**encoder, "num_classes": datamodule.num_classes}
     vocab = datamodule.vocab
     decoder = OmegaConf.to_container(cfg.head.decoder, resolve=True)
@@ -258,7 +260,7 @@ def model_config_from(plan: Plan, datamodule: Any) -> dict[str, Any]:
         other_special_ids=list(vocab.other_special_ids),
     )
     config = {"encoder": {**encoder, "num_classes": 0}, "decoder": decoder}
-    if "contrastive" in cfg.head:  # head=coca
+    if plan.contrastive:  # head=coca
         pairs = int(cfg.data.batch_size) * plan.trainer.processes * plan.trainer.num_nodes
         config["contrastive"] = contrastive_model_config(
             OmegaConf.to_container(cfg.head.contrastive, resolve=True), pairs
@@ -267,10 +269,15 @@ def model_config_from(plan: Plan, datamodule: Any) -> dict[str, Any]:
 
 
 def setup_data(
-    cfg: DictConfig, datamodule: Any, resume: Resume | None = None, tokenizer_kind: str | None = None
+    cfg: DictConfig,
+    datamodule: Any,
+    resume: Resume | None = None,
+    tokenizer_kind: str | None = None,
+    task: Task | None = None,
 ) -> None:
     """``datamodule.setup("fit")``; an unreadable or empty split, and a vocabulary or class list other than the
-    resumed checkpoint's (``resume``, read by the plan), as one-line ``ConfigError``s before any step."""
+    resumed checkpoint's (``resume``, read by the plan; ``task``: the plan's, else ``head.task``), as one-line
+    ``ConfigError``s before any step."""
     data = cfg.data
     where = f"data.root={data.root}" if "root" in data else f"data={str(data._target_).rsplit('.', 1)[-1]}"
     try:
@@ -285,18 +292,19 @@ def setup_data(
         if dataset is not None and len(dataset) == 0:
             raise ConfigError(f"{where}: the {split} split has no samples; point the data at a non-empty {split} split")
     if resume is not None and resume.ckpt_path:
-        _check_checkpoint_matches(cfg, datamodule, resume, tokenizer_kind)
+        _check_checkpoint_matches(cfg, datamodule, resume, tokenizer_kind, task or head_task(cfg.head)[0])
 
 
-def _check_checkpoint_matches(cfg: DictConfig, datamodule: Any, resume: Resume, tokenizer_kind: str | None) -> None:
+def _check_checkpoint_matches(
+    cfg: DictConfig, datamodule: Any, resume: Resume, tokenizer_kind: str | None, task: Task
+) -> None:
     key, ckpt_path, hparams = resume.key, resume.ckpt_path, resume.hparams
-    task = cfg.head.task
-    trained = "caption" if "vocab" in hparams else "classification" if "class_names" in hparams else None
-    if trained is not None and trained != task:
+    trained = Task.caption if "vocab" in hparams else Task.classification if "class_names" in hparams else None
+    if trained is not None and trained is not task:
         raise ConfigError(
             f"{key}: checkpoint {ckpt_path} was trained with head={trained}, not head={task}; use head={trained}"
         )
-    caption = trained == "caption"
+    caption = trained is Task.caption
     if caption and (isinstance(hparams["vocab"], str) or isinstance(tokenizer_labels(datamodule.vocab), str)):
         _check_subword_matches(cfg, datamodule.vocab, hparams["vocab"], ckpt_path, tokenizer_kind)
     elif caption:
@@ -314,7 +322,7 @@ def _check_checkpoint_matches(cfg: DictConfig, datamodule: Any, resume: Resume, 
                 f"first difference at word {i}: {differ}); use the vocabulary the model was trained with: "
                 f"{_saved_tokenizer(ckpt_path, VOCAB_FILE)}"
             )
-    elif trained == "classification":
+    elif trained is Task.classification:
         names, theirs = list(datamodule.class_names), list(hparams["class_names"])
         if names != theirs:
             raise ConfigError(
@@ -500,7 +508,7 @@ def _schedule(cfg: DictConfig, datamodule: Any, fast_dev_run: bool) -> str | Non
             "no trainer.max_steps, trainer.max_epochs or trainer.max_time: the learning-rate schedule has no end "
             "and stays at its peak; set one of them"
         )
-    warmup = cfg.optim.get("warmup_steps", "auto")  # auto fits any run: no advice needed
+    warmup = cfg.optim.warmup_steps  # auto (conf/train.yaml's default) fits any run: no advice needed
     if warmup != "auto" and math.isfinite(limit) and warmup > limit // 10 and not trainer.get("max_time"):
         return (
             f"optim.warmup_steps={warmup} is more than a tenth of the {int(limit)}-step run: warmup is cut to "

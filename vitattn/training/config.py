@@ -3,14 +3,15 @@
 
 ``check_config`` finds, before any data is read, every user error in the keys no constructor sees, as one
 ``ConfigError`` line naming the key and the fix. What a constructor checks (the model's shape, ``tokenizer``, the
-``data.*`` preprocessing, ``data.augment``, ``data.bad_images``, head=coca's loss and weights) is checked there, once,
-when the run builds it (``training.build`` names its config key).
+``data.*`` preprocessing, ``data.augment``, ``data.bad_images``, ``head.generate``, head=coca's loss and weights) is
+checked there, once, when the run builds it (``training.build`` names its config key).
 """
 
 from __future__ import annotations
 
 import os
 import re
+from enum import StrEnum
 from pathlib import Path
 
 import hydra
@@ -19,18 +20,38 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from vitattn.errors import ConfigError
 from vitattn.models import TASKS
-from vitattn.run_dir import RunDir, check_targets
+from vitattn.run_dir import check_targets
 from vitattn.training.systems.caption import ZERO_SHOT_MONITOR
 from vitattn.training.systems.coca import RETRIEVAL_MONITORS
 
 __all__ = [
+    "Task",
     "check_config",
     "check_data_paths",
     "compose_train",
     "data_name",
     "fully_sharded",
+    "head_task",
     "qualify",
 ]
+
+
+class Task(StrEnum):
+    """What a run trains for (``head.task``): a caption or a class per image. A ``StrEnum``: it equals its name, so
+    the library, which takes the task as a string, takes it as it is."""
+
+    caption = "caption"
+    classification = "classification"
+
+
+def head_task(head: DictConfig) -> tuple[Task, bool]:
+    """The task of a ``head`` config and whether its captioner also learns image and text embeddings (head=coca:
+    a caption head with a ``contrastive`` part); the one place either is read from the config."""
+    task = head.task
+    if task not in TASKS:
+        raise ConfigError(f"head.task={task!r} is unknown; choose head=caption or head=classification")
+    return Task(task), head.get("contrastive") is not None
+
 
 _DIR_KEYS = ("root", "image_dir")
 _FILE_KEYS = ("train_annotations", "val_annotations", "test_annotations", "vocab_path", "dataset_json")
@@ -79,19 +100,8 @@ def qualify(message: str, keys: dict[str, str]) -> str:
     return re.sub(r"(?<![\w.])(\w+)(?==|\.\w|\[\d+\]=)", lambda m: keys.get(m[1], m[1]), message)
 
 
-def _check_generate(cfg: DictConfig) -> None:
-    max_new, max_len = cfg.head.generate.get("max_new_tokens"), cfg.head.decoder.max_len
-    if max_new is not None and max_new + 1 > max_len:
-        raise ConfigError(f"head.generate.max_new_tokens={max_new} must be below head.decoder.max_len={max_len}")
-    rerank = cfg.head.generate.get("rerank") or 1
-    if rerank > 1 and "contrastive" not in cfg.head:
-        raise ConfigError(
-            f"head.generate.rerank={rerank} chooses captions by image and text embeddings; train head=coca for it"
-        )
-
-
 def _check_contrastive(cfg: DictConfig) -> None:
-    """head=coca: the best checkpoint's monitor and the logit bias (its loss and weights: ``CocaSystem``'s)."""
+    """head=coca: the best checkpoint's monitor (its loss, weights and logit bias: ``CocaSystem``'s)."""
     head = cfg.head
     monitors = ("val/cider_d", *RETRIEVAL_MONITORS, ZERO_SHOT_MONITOR)
     if head.monitor not in monitors or head.monitor_mode != "max":
@@ -104,9 +114,6 @@ def _check_contrastive(cfg: DictConfig) -> None:
             f"head.monitor={ZERO_SHOT_MONITOR} needs head.zero_shot.data_root=DIR, a folder <split>/<class>/<image> "
             "classified by its class names at each validation"
         )
-    bias = head.contrastive.get("init_logit_bias", "auto")
-    if bias != "auto" and (isinstance(bias, bool) or not isinstance(bias, (int, float))):
-        raise ConfigError(f"head.contrastive.init_logit_bias={bias!r} must be auto or a number (e.g. -10)")
 
 
 def _check_finetuning(cfg: DictConfig) -> None:
@@ -115,17 +122,14 @@ def _check_finetuning(cfg: DictConfig) -> None:
         raise ConfigError(f"optim.layer_decay={layer_decay} must be in (0, 1] (e.g. 0.75), or null for none")
     if head_lr is not None and not head_lr > 0:
         raise ConfigError(f"optim.head_lr={head_lr} must be positive, or null for optim.lr")
-    epochs = cfg.finetune.get("freeze_encoder_epochs") or 0
-    if not isinstance(epochs, int) or epochs < 0:
-        raise ConfigError(f"finetune.freeze_encoder_epochs={epochs} must be a whole number of epochs, 0 for none")
 
 
-def _check_self_critical(cfg: DictConfig) -> None:
+def _check_self_critical(cfg: DictConfig, task: Task) -> None:
     if cfg.finetune.get("scst") is None:
         return
-    if cfg.head.task != "caption":
+    if task is not Task.caption:
         raise ConfigError(
-            f"finetune=scst trains captioners on a caption reward; head={cfg.head.task} has no captions: "
+            f"finetune=scst trains captioners on a caption reward; head={task} has no captions: "
             "use head=caption, or drop finetune=scst"
         )
     if not cfg.finetune.get("init"):
@@ -135,23 +139,21 @@ def _check_self_critical(cfg: DictConfig) -> None:
         )
 
 
-def _check_semi(cfg: DictConfig) -> None:
+def _check_semi(cfg: DictConfig, task: Task, contrastive: bool) -> None:
     """``semi=``: what online pseudo-labels do not combine with, refused in one line each (its own keys:
     ``SemiSettings``')."""
     method = (cfg.get("semi") or {}).get("method", "none")
     if method == "none":
         return
-    if "contrastive" in cfg.head:
+    if contrastive:
         raise ConfigError(
             f"semi={method} with head=coca is not supported (whether pseudo-captioned images should enter the "
             "contrastive term is untested): use head=caption or head=classification"
         )
     if cfg.finetune.get("scst") is not None:
         raise ConfigError(f"semi={method} does not combine with finetune=scst: train one of them per run")
-    if method == "freematch" and cfg.head.task != "classification":
-        raise ConfigError(
-            f"semi=freematch adapts a threshold per class; head={cfg.head.task} has no classes: use semi=fixmatch"
-        )
+    if method == "freematch" and task != Task.classification:
+        raise ConfigError(f"semi=freematch adapts a threshold per class; head={task} has no classes: use semi=fixmatch")
     if cfg.get("bootstrap") and (cfg.bootstrap.get("teacher") or cfg.bootstrap.get("candidates")):
         raise ConfigError(
             f"semi={method} and bootstrap.teacher / bootstrap.candidates are two sources of pseudo-labels: use one"
@@ -215,13 +217,12 @@ def _check_patches(cfg: DictConfig) -> None:
         )
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config)."""
+def check_config(cfg: DictConfig) -> tuple[Task, bool]:
+    """Raise ``ConfigError`` for the first user error in ``cfg`` (the composed ``train`` config); return its task and
+    whether its captioner is head=coca's (``head_task``)."""
     check_targets(OmegaConf.to_container(cfg))  # plain values: the library reads no config object
-    task = cfg.head.task
-    if task not in TASKS:
-        raise ConfigError(f"head.task={task!r} is unknown; choose head=caption or head=classification")
-    warmup = cfg.optim.get("warmup_steps", "auto")
+    task, contrastive = head_task(cfg.head)
+    warmup = cfg.optim.warmup_steps
     if warmup != "auto" and (not isinstance(warmup, int) or warmup < 0):
         raise ConfigError(f"optim.warmup_steps={warmup!r} must be a whole number of steps, or auto")
     try:
@@ -232,24 +233,18 @@ def check_config(cfg: DictConfig) -> None:
             "choose data=shapes, data=imagefolder, data=coco or data=karpathy"
         ) from err
     if task not in supported:
-        if task == "caption":
+        if task is Task.caption:
             what, fix = "captions", "use head=classification, or data=shapes / data=coco / data=karpathy"
         else:
             what, fix = "class labels", "use head=caption, or data=shapes / data=imagefolder"
         raise ConfigError(f"data={data_name(cfg.data)} has no {what} for head={task}; {fix}")
-    if task == "caption":
-        _check_generate(cfg)
-    if "contrastive" in cfg.head:
+    if contrastive:
         _check_contrastive(cfg)
     _check_finetuning(cfg)
-    _check_self_critical(cfg)
-    _check_semi(cfg)
+    _check_self_critical(cfg, task)
+    _check_semi(cfg, task, contrastive)
     _check_sharded(cfg)
     _check_patches(cfg)
-    if cfg.get("resume") and cfg.resume != "auto" and not RunDir(cfg.resume).last_checkpoint.is_file():
-        run = RunDir(cfg.resume)
-        raise ConfigError(f"resume={cfg.resume} has no {run.last_checkpoint.relative_to(run.path)} to continue from")
-    if cfg.get("ckpt_path") and not Path(cfg.ckpt_path).is_file():
-        raise ConfigError(f"ckpt_path={cfg.ckpt_path} does not exist")
     _check_sizes(cfg)
     check_data_paths(cfg.data)
+    return task, contrastive

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import hydra
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
@@ -38,15 +37,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def logger_arguments(run_dir: str | Path, start_step: int | None) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """What each ``Resumable*`` logger of the ``logger`` group takes besides its config, given an entry: the first
+def logger_arguments(run_dir: str | Path, start_step: int | None) -> Callable[[type], dict[str, Any]]:
+    """What each ``Resumable*`` logger of the ``logger`` group takes besides its config, given its class: the first
     step of a continued run (``start_step``; None for a new run) and where ``run_dir`` keeps the MLflow and W&B
     run ids."""
     run = RunDir(run_dir)
     run_id_files = {ResumableMLFlowLogger: run.mlflow_run_id, ResumableWandbLogger: run.wandb_run_id}
 
-    def continuation(node: dict[str, Any]) -> dict[str, Any]:
-        kind = hydra.utils.get_class(node["_target_"])
+    def continuation(kind: type) -> dict[str, Any]:
         if not issubclass(kind, (_ContinuedFiles, *run_id_files)):
             return {}
         files = [str(path) for base, path in run_id_files.items() if issubclass(kind, base)]

@@ -1,11 +1,12 @@
 """The run's plan: the composed config with everything the run derives resolved into it, checked once, frozen.
 
 ``resolve(cfg)`` fits the config to the start weights (``finetune.init``), makes the preprocessing concrete, checks
-the result once (``check_config``), then reads the run-level keys into typed parts, their defaults applied here
-once: the trainer (its accelerator decided against this machine), the precision, the checkpoint a resume continues
-(read once), the weights to test and the tokenizer a restart reads. Data, system and trainer are built from the
-plan alone; ``data`` and ``head`` stay configs for the constructors that own their defaults, and ``plan.cfg`` is the
-config saved into the run folder: the one that ran (docs/development.md#plan-then-build).
+the result once (``check_config``, which returns the task typed), then reads the run-level keys into typed parts,
+their defaults applied here once: the trainer (its accelerator decided against this machine), the precision, the
+checkpoint a resume continues (read once), the weights to test and the tokenizer a restart reads. Data, system and
+trainer are built from the plan alone; ``data`` and ``head`` stay configs for the constructors that own their
+defaults, and ``plan.cfg`` is the config saved into the run folder: the one that ran
+(docs/development.md#plan-then-build).
 """
 
 from __future__ import annotations
@@ -29,16 +30,18 @@ from vitattn.data.tokenizer import Tokenizer, load_tokenizer
 from vitattn.errors import ConfigError, first_line
 from vitattn.precision import cuda_bf16, native_bf16
 from vitattn.run_dir import RunDir
-from vitattn.training.config import check_config, fully_sharded
+from vitattn.training.config import Task, check_config, fully_sharded
 from vitattn.training.start_weights import EncoderWeights, ModelWeights, read_start
 
 __all__ = [
     "BF16_TRAIN_MIN_WIDTH",
+    "Config",
     "WAIT_SECONDS",
     "MATMUL_PRECISIONS",
     "Plan",
     "Precision",
     "Resume",
+    "Task",
     "TrainerPlan",
     "global_rank",
     "processes_per_node",
@@ -55,6 +58,7 @@ WAIT_SECONDS = 3600.0  # how long a rank other than 0 waits for a file rank 0 wr
 
 
 MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
+Config = DictConfig  # the composed config ``train(cfg)`` takes: only the plan, the checks and build read it raw
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,8 @@ class Plan:
 
     cfg: DictConfig  # read-only, interpolations resolved: what is built and saved
     run_dir: Path
+    task: Task  # head.task: caption or classification
+    contrastive: bool  # head=coca: the caption head also learns image and text embeddings
     trainer: TrainerPlan
     precision: Precision
     resume: Resume
@@ -144,18 +150,26 @@ def resolve(cfg: DictConfig, overrides: Sequence[str] = ()) -> Plan:
     tokenizer, which the other ranks wait for). Nothing else: no Hydra global.
     """
     cfg = copy.deepcopy(cfg)
-    start = read_start(cfg.finetune.init, cfg.finetune.get("init_kind", "model")) if cfg.finetune.get("init") else None
+    configured_kind = str(cfg.tokenizer.kind) if "tokenizer" in cfg else None  # the tokenizer group's own default
+    init = cfg.finetune.get("init")
+    values = _start_values(cfg, configured_kind) if init else {}
+    start = read_start(init, cfg.finetune.get("init_kind", "model")) if init else None
     with open_dict(cfg):
         if start is not None:
-            start.resolve(cfg, [o.split("=", 1)[0].lstrip("+~") for o in overrides])
+            given = [o.split("=", 1)[0].lstrip("+~") for o in overrides]
+            for key, value in start.resolve(values, given).items():
+                OmegaConf.update(cfg, key, value, merge=False)
         preprocess_from = _resolve_preprocess(cfg, start)
-    check_config(cfg)  # the resolved config: the one that runs and is saved
+    task, contrastive = check_config(cfg)  # the resolved config: the one that runs and is saved
+    kind = configured_kind if task is Task.caption else None
     trainer = _trainer_plan(cfg.trainer)
     rank_zero_only.rank = trainer.rank  # Lightning's rank-zero helpers answer as the Trainer will, before it exists
     weights = str(cfg.get("weights", "best"))
     if weights not in ("best", "last"):
         raise ConfigError(f"weights={weights!r} is unknown; choose weights=best or weights=last")
-    epochs = cfg.finetune.get("freeze_encoder_epochs") or 0
+    epochs = cfg.finetune.get("freeze_encoder_epochs") or 0  # null: none, as 0
+    if not isinstance(epochs, int) or epochs < 0:
+        raise ConfigError(f"finetune.freeze_encoder_epochs={epochs} must be a whole number of epochs, 0 for none")
     if epochs and trainer.distributed:  # DDP syncs only the parameters that train when it wraps the model (#20340)
         raise ConfigError(
             f"finetune.freeze_encoder_epochs={epochs} does not work with several processes (trainer.strategy="
@@ -166,7 +180,6 @@ def resolve(cfg: DictConfig, overrides: Sequence[str] = ()) -> Plan:
         precision = Precision(_resolve_precision(cfg, trainer), str(cfg.get("float32_matmul_precision", "auto")))
     run_dir = Path(cfg.paths.output_dir)
     resume = _resume(cfg.ckpt_path, cfg.resume, run_dir)
-    kind = cfg.tokenizer.get("kind", "words") if "tokenizer" in cfg and cfg.head.task == "caption" else None
     if start is not None:
         vocab = start.vocab
     else:
@@ -177,7 +190,35 @@ def resolve(cfg: DictConfig, overrides: Sequence[str] = ()) -> Plan:
     }
     OmegaConf.resolve(cfg)  # what is built and saved: Hydra's instantiate cannot resolve a read-only config
     OmegaConf.set_readonly(cfg, True)
-    return Plan(cfg, run_dir, trainer, precision, resume, start, vocab, kind, weights, preprocess_from, system_keys)
+    return Plan(
+        cfg,
+        run_dir,
+        task,
+        contrastive,
+        trainer,
+        precision,
+        resume,
+        start,
+        vocab,
+        kind,
+        weights,
+        preprocess_from,
+        system_keys,
+    )
+
+
+def _start_values(cfg: DictConfig, tokenizer_kind: str | None) -> dict[str, Any]:
+    """The keys the start weights fit the config by, as plain values (``head.task``, ``data.img_size``, ``model.*``,
+    ``head.decoder.*``, ``data.vocab_path``, ``tokenizer.kind``), in the config's order; a missing value left out."""
+    values: dict[str, Any] = {"head.task": str(cfg.head.task), "tokenizer.kind": tokenizer_kind}
+    for group in ("data", "model", "head.decoder"):
+        node = OmegaConf.select(cfg, group)
+        for key in node if isinstance(node, DictConfig) else ():
+            if not OmegaConf.is_missing(node, key):
+                value = node[key]
+                plain = isinstance(value, DictConfig | ListConfig)
+                values[f"{group}.{key}"] = OmegaConf.to_container(value, resolve=True) if plain else value
+    return values
 
 
 def _trainer_plan(trainer: DictConfig) -> TrainerPlan:
@@ -306,8 +347,11 @@ def _data_default(start: ModelWeights | EncoderWeights | None, rest: list[str]) 
 
 
 def _resume(ckpt_path: str | None, resume: str | None, run_dir: Path) -> Resume:
-    """The checkpoint fit continues from, read once: a file that cannot be read stops the run in one line."""
+    """The checkpoint fit continues from, read once: a file that is missing or cannot be read stops the run in one
+    line."""
     if ckpt_path:
+        if not Path(ckpt_path).is_file():
+            raise ConfigError(f"ckpt_path={ckpt_path} does not exist")
         return _read_checkpoint(str(ckpt_path), "ckpt_path")
     if resume == "auto":  # the run folder's own checkpoint when it has one: a fresh start otherwise
         last = RunDir(run_dir).last_checkpoint
@@ -318,7 +362,10 @@ def _resume(ckpt_path: str | None, resume: str | None, run_dir: Path) -> Resume:
         log.info("resume=auto: continuing from %s (step %d)", last, found.first_step)
         return found
     if resume:
-        return _read_checkpoint(str(RunDir(resume).last_checkpoint), "resume")
+        run = RunDir(resume)
+        if not run.last_checkpoint.is_file():
+            raise ConfigError(f"resume={resume} has no {run.last_checkpoint.relative_to(run.path)} to continue from")
+        return _read_checkpoint(str(run.last_checkpoint), "resume")
     return Resume()
 
 

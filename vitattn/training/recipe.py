@@ -19,7 +19,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig
 
 from vitattn.bundle import bundle_from_system
 from vitattn.data.bad_images import gather_skipped
@@ -27,7 +26,7 @@ from vitattn.fileio import atomic_open
 from vitattn.run_dir import RunDir
 from vitattn.training.build import build
 from vitattn.training.callbacks import Preemption
-from vitattn.training.plan import resolve
+from vitattn.training.plan import Config, resolve
 from vitattn.training.systems import VisionSystem
 from vitattn.training.systems.sharding import is_sharded, unsharded_copy
 
@@ -52,7 +51,7 @@ class TrainResult:
     already_complete: bool = False  # resume found the run complete: nothing trained, tested or written
 
 
-def train(cfg: DictConfig, overrides: Sequence[str] = ()) -> TrainResult:
+def train(cfg: Config, overrides: Sequence[str] = ()) -> TrainResult:
     """Train, test and export as ``cfg`` (the composed ``conf/train.yaml``) says, into ``cfg.paths.output_dir``;
     a run ``resume`` finds complete returns its saved result, with ``already_complete``. ``overrides``: the
     command line's (``vitattn-train`` passes its own), which ``resolve`` reads: called with the same, ``train``
@@ -103,7 +102,7 @@ def train(cfg: DictConfig, overrides: Sequence[str] = ()) -> TrainResult:
     return result
 
 
-def _saved_result(cfg: DictConfig) -> TrainResult | None:
+def _saved_result(cfg: Config) -> TrainResult | None:
     """The saved result when the run ``cfg`` resumes is complete (``RunDir.completion``); None otherwise."""
     run_dir = Path(cfg.paths.output_dir)
     run = RunDir(run_dir)

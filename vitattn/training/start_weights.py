@@ -7,6 +7,7 @@ The kinds and what each brings: docs/finetuning.md.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from dataclasses import dataclass, field
@@ -14,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf, open_dict
 from timm.data import resolve_model_data_config
 from torch import Tensor
 
@@ -94,8 +94,9 @@ class ModelWeights:
         # the model's tokenizer: a captioner's run never builds one from its captions
         self.vocab: Tokenizer | None = self.bundle.vocab if self.bundle.task == "caption" else None
 
-    def resolve(self, cfg: DictConfig, given: list[str]) -> None:
-        """Write the model's sizes, image size and caption length into ``cfg`` (in place) and log them.
+    def resolve(self, values: dict[str, Any], given: list[str]) -> dict[str, Any]:
+        """The model's sizes, image size and caption length where the config ``values`` (the plan's plain keys, by
+        their dotted names) differ: what the plan writes into the config; logged.
 
         Args:
             given: the keys the command line set (``resolve``'s overrides); one that the model contradicts is refused.
@@ -103,33 +104,30 @@ class ModelWeights:
         Raises:
             ConfigError: a model of the other task; a tokenizer other than the model's; a size given that differs.
         """
-        bundle, task = self.bundle, cfg.head.task
+        bundle, task = self.bundle, values["head.task"]
         if bundle.task != task:
             raise ConfigError(
                 f"finetune.init={self.source} is a {bundle.task} model, not a {task} model (head={task}); start from "
                 f"a {task} model, or add finetune.init_kind=encoder to start only the encoder from it"
             )
-        if task == "caption":
-            _refuse_other_tokenizer(cfg, self, given)
-        wanted = _config_values(cfg, bundle.config["model"])
-        contradicted = [key for key, value in wanted.items() if _given(key, given) and _current(cfg, key) != value]
+        if bundle.task == "caption":
+            _refuse_other_tokenizer(values, self, given)
+        wanted = _config_values(values, bundle.config["model"], bundle.task)
+        current = {key: values.get(key) for key in wanted}
+        contradicted = [key for key, value in wanted.items() if _given(key, given) and current[key] != value]
         if contradicted:
             theirs = " ".join(f"{key}={wanted[key]}" for key in contradicted)
-            ours = " ".join(f"{key}={_current(cfg, key)}" for key in contradicted)
+            ours = " ".join(f"{key}={current[key]}" for key in contradicted)
             raise ConfigError(
                 f"finetune.init={self.source}: its model has {theirs}, not {ours} as given; the "
                 "model's sizes come from finetune.init, so drop them from the command line"
             )
-        changed = []
-        with open_dict(cfg):
-            for key, value in wanted.items():
-                if _current(cfg, key) != value:
-                    changed.append(f"{key} {_current(cfg, key)} -> {value}")
-                    OmegaConf.update(cfg, key, value, merge=False)
+        changed = {key: value for key, value in wanted.items() if current[key] != value}
         _info(
             f"finetune.init={self.source}: the model's sizes, tokenizer and preprocessing"
-            + (f"; set from it: {', '.join(changed)}" if changed else "")
+            + (f"; set from it: {', '.join(f'{k} {current[k]} -> {v}' for k, v in changed.items())}" if changed else "")
         )
+        return changed
 
     def load_into(self, system: Any) -> None:
         """Copy every weight of the model into ``system.model`` (built from the config ``resolve`` set). A classifier
@@ -210,14 +208,13 @@ class EncoderWeights:
 
     vocab = None  # the run's own tokenizer
 
-    def resolve(self, cfg: DictConfig, given: list[str]) -> None:
-        """Set the switches the weights show in ``cfg.model`` (in place): the config that is checked and saved."""
-        encoder = {**OmegaConf.to_container(cfg.model, resolve=True), "img_size": cfg.data.img_size}
+    def resolve(self, values: dict[str, Any], given: list[str]) -> dict[str, Any]:
+        """The switches the weights show, as the ``model.*`` keys whose config ``values`` (the plan's plain keys)
+        differ: what the plan writes into the config that is checked and saved."""
+        model = {key.removeprefix("model."): v for key, v in values.items() if key.startswith("model.")}
+        encoder = {**copy.deepcopy(model), "img_size": values["data.img_size"]}
         self.fit(encoder)
-        with open_dict(cfg):
-            for key in cfg.model:
-                if key != "img_size" and key in encoder and _current(cfg, f"model.{key}") != encoder[key]:
-                    cfg.model[key] = encoder[key]
+        return {f"model.{k}": encoder[k] for k in model if k != "img_size" and k in encoder and model[k] != encoder[k]}
 
     def load_into(self, target: Any) -> None:
         """Copy the weights into ``target``'s encoder (a system, or a ``VisionTransformer`` built from the fitted
@@ -394,21 +391,21 @@ def _read_timm_name(source: str, name: str, file: Path | None) -> EncoderWeights
     return EncoderWeights(source, what, state, known, notes, preprocess=preprocess, preprocess_from=origin)
 
 
-def _config_values(cfg: DictConfig, model: dict[str, Any]) -> dict[str, Any]:
-    """The config keys and values that build ``model`` (a saved model config) again."""
-    encoder, decoder = (model, None) if cfg.head.task == "classification" else (model["encoder"], model["decoder"])
+def _config_values(values: dict[str, Any], model: dict[str, Any], task: str) -> dict[str, Any]:
+    """The config keys and values that build ``model`` (a saved model config) again, of those in ``values``."""
+    encoder, decoder = (model, None) if task == "classification" else (model["encoder"], model["decoder"])
     skip = TRAINING_KEYS | {"img_size", "max_len"}  # the data's keys, below
-    values = {"data.img_size": encoder["img_size"]}
-    values |= {f"model.{k}": encoder[k] for k in cfg.model if k in encoder and k not in skip}
+    wanted = {"data.img_size": encoder["img_size"]}
+    wanted |= _values_of(values, "model.", encoder, skip)
     if decoder is not None:
-        values["data.max_caption_len"] = decoder["max_len"]
-        values |= {f"head.decoder.{k}": decoder[k] for k in cfg.head.decoder if k in decoder and k not in skip}
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+        wanted["data.max_caption_len"] = decoder["max_len"]
+        wanted |= _values_of(values, "head.decoder.", decoder, skip)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in wanted.items()}
 
 
-def _current(cfg: DictConfig, key: str) -> Any:
-    value = OmegaConf.select(cfg, key, throw_on_missing=True)
-    return list(value) if hasattr(value, "__len__") and not isinstance(value, str) else value
+def _values_of(values: dict[str, Any], prefix: str, part: dict[str, Any], skip: frozenset[str]) -> dict[str, Any]:
+    names = {key: key.removeprefix(prefix) for key in values if key.startswith(prefix)}
+    return {key: part[name] for key, name in names.items() if name in part and name not in skip}
 
 
 def _given(key: str, given: list[str]) -> bool:
@@ -416,11 +413,11 @@ def _given(key: str, given: list[str]) -> bool:
     return key in given or (key.startswith("model.") and "model" in given)
 
 
-def _refuse_other_tokenizer(cfg: DictConfig, init: ModelWeights, given: list[str]) -> None:
+def _refuse_other_tokenizer(values: dict[str, Any], init: ModelWeights, given: list[str]) -> None:
     theirs = init.bundle.vocab
     asked = [k for k in given if k == "tokenizer" or k.startswith("tokenizer.") or k == "data.vocab_path"]
-    ours = cfg.tokenizer.kind if "tokenizer" in cfg else "words"
-    if asked and (cfg.data.get("vocab_path") or (ours == "words") != isinstance(theirs, Vocabulary)):
+    ours = values["tokenizer.kind"] or "words"  # no tokenizer group: the data builds a word vocabulary
+    if asked and (values.get("data.vocab_path") or (ours == "words") != isinstance(theirs, Vocabulary)):
         raise ConfigError(
             f"finetune.init={init.source} brings its own tokenizer ({type(theirs).__name__}, {len(theirs)} tokens), "
             f"not the one {' '.join(asked)} asks for; drop {' '.join(asked)}"

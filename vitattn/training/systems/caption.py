@@ -3,6 +3,7 @@ scores the whole split gathered from every rank, so each rank logs the single-pr
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -74,6 +75,16 @@ class CaptionSystem(VisionSystem):
         self.caption_loss = CaptionLoss(self.vocab.pad_id)
         self.label_smoothing = label_smoothing
         self.generate_kwargs = dict(generate or {})
+        checked = inspect.signature(self.model.check_generate).parameters
+        try:  # the decoder owns what it can decode with: its length, beams, rerank (head=coca's embeddings)
+            self.model.check_generate(**{k: v for k, v in self.generate_kwargs.items() if k in checked})
+        except ValueError as err:
+            raise ValueError(f"generate.{err}") from None
+        if self.scst is not None:  # the samples' length, by the same owner: refused before any step
+            try:
+                self.model.check_generate(self.scst.max_new_tokens, 1, True, self.scst.temperature)
+            except ValueError as err:
+                raise ValueError(f"scst.{err}") from None
         self.num_samples = num_samples
         self.caption_metrics = CaptionMetrics(synthetic=True)  # every rank's captions, scored once
         self.last_samples: list[tuple[str, list[str]]] = []  # (caption, references) of the last evaluation

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vitattn.errors import ConfigError
 from vitattn.inference.embeddings import encode_texts
 from vitattn.losses import CONTRASTIVE_LOSSES, INIT_LOGIT_SCALE, MAX_LOGIT_SCALE, loss_over_ranks
 from vitattn.metrics.metric import RetrievalMetrics
@@ -29,6 +30,8 @@ def contrastive_model_config(contrastive: dict[str, Any], pairs: int) -> dict[st
     loss = contrastive["loss"]
     sizes = {k: contrastive[k] for k in ("embed_dim", "text_depth", "text_num_heads", "text_mlp_ratio")}
     bias = contrastive.get("init_logit_bias", "auto")
+    if bias != "auto" and (isinstance(bias, bool) or not isinstance(bias, (int, float))):
+        raise ConfigError(f"head.contrastive.init_logit_bias={bias!r} must be auto or a number (e.g. -10)")
     if loss != "siglip":
         bias = None
     elif bias == "auto":
