@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
+from vitattn.errors import NonFiniteLossError
 from vitattn.training import train
 from vitattn.training.systems import ClassificationSystem
-from vitattn.training.systems.base import NonFiniteLossError
 
 CLS = ["head=classification", *TINY, *TINY_SHAPES]
 QUIET = ["test=false", "export_bundle=false", "trainer.max_epochs=-1", "trainer.check_val_every_n_epoch=1000"]

@@ -1,6 +1,6 @@
 """LightningModules: loss, metrics, optimizer and logging around the plain models."""
 
-from vitattn.training.systems.base import NonFiniteLossError, VisionSystem
+from vitattn.training.systems.base import VisionSystem
 from vitattn.training.systems.caption import CaptionSystem
 from vitattn.training.systems.classification import ClassificationSystem
 from vitattn.training.systems.coca import CocaSystem
@@ -9,6 +9,5 @@ __all__ = [
     "CaptionSystem",
     "ClassificationSystem",
     "CocaSystem",
-    "NonFiniteLossError",
     "VisionSystem",
 ]

@@ -25,7 +25,6 @@ from vitattn.training.systems.sharding import gather_for_evaluation, is_sharded,
 
 __all__ = [
     "UNKNOWN_HORIZON",
-    "NonFiniteLossError",
     "NonFiniteNotes",
     "VisionSystem",
     "WarmupCosine",
