@@ -2,6 +2,7 @@
 # make test    lint (ruff, the import contract in pyproject.toml) and run the test suite
 # make learning-bench  vitattn against a plain timm loop on small real datasets (docs/learning.md)
 # make transfer-bench  captions on a classification-pretrained encoder against from scratch (docs/transfer.md)
+# make mutation  the mutation harness on the frozen mutant list (docs/mutation/; not part of make test)
 # Both create .venv and install the project into it when needed.
 VENV   ?= .venv
 PYTHON ?= python3
@@ -12,7 +13,7 @@ ARGS   ?=
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: install train lint test test-fast bench learning-bench transfer-bench clean
+.PHONY: install train lint test test-fast bench learning-bench transfer-bench mutation clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +49,13 @@ learning-bench: $(STAMP)
 # captions on the shapes: encoder from scratch, pretrained by classification, and frozen (docs/transfer.md)
 transfer-bench: $(STAMP)
 	$(PY) -m benchmarks transfer $(ARGS)
+
+# every mutant of docs/mutation/mutants.json against its module's tests (scripts/mutation.toml), one process, niced;
+# the results in docs/mutation/$(MUTATION_RUN).json (ARGS=--resume continues one), then the table against before
+MUTATION_RUN ?= after
+mutation: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) scripts/mutation.py run --out docs/mutation/$(MUTATION_RUN).json $(ARGS)
+	$(PY) scripts/mutation.py table docs/mutation/$(MUTATION_RUN).json docs/mutation/before.json
 
 clean:
 	rm -rf runs multirun bench_results .pytest_cache
