@@ -192,21 +192,37 @@ def _child_env() -> None:
     sys.dont_write_bytecode = True
 
 
-def run(config: dict, out: Path, resume: bool, only: list[str]) -> None:
-    frozen = json.loads(MUTANTS.read_text())
-    mutants = enumerate_mutants(config)
-    if [m["id"] for m in mutants] != [m["id"] for m in frozen] or mutants != frozen:
+def run(
+    config: dict, out: Path, resume: bool, only: list[str], survivors_of: Path | None = None, new_list: bool = False
+) -> None:
+    """Run the mutants of the modules ``only`` (all: empty) into ``out``; with ``survivors_of`` (an earlier run's
+    file), only those it did not kill: a killed mutant stays killed while no test is removed or weakened. The
+    modules' mutants must be the frozen list's; with ``new_list``, the code's own, kept in ``out`` (a fixed defect
+    changes a module's list: its run is then reported apart, not against the frozen one)."""
+    names = only or [m["name"] for m in config["module"]]
+    mutants = [m for m in enumerate_mutants(config) if m["module"] in names]
+    if new_list:  # a module whose code changed: its own list, kept in ``out``, compared with no earlier run
+        results = json.loads(out.read_text()) if resume and out.is_file() else {"mutants": {}, "baseline": {}}
+        if results.setdefault("list", mutants) != mutants:
+            raise SystemExit(f"the code no longer gives {out}'s own mutant list")
+    elif mutants != [m for m in json.loads(MUTANTS.read_text()) if m["module"] in names]:
         raise SystemExit(f"the code or scripts/mutation.toml no longer gives {MUTANTS.relative_to(ROOT)}'s mutants")
+    else:
+        results = json.loads(out.read_text()) if resume and out.is_file() else {"mutants": {}, "baseline": {}}
     _child_env()
     for name in config["warm"]:
         importlib.import_module(name)
     assert not any(m.split(".")[0] in ("vitattn", "tests") for m in sys.modules), "the harness imported vitattn"
-    results = json.loads(out.read_text()) if resume and out.is_file() else {"mutants": {}, "baseline": {}}
     atexit.register(_put_back)
     signal.signal(signal.SIGTERM, _signal_exit)
     signal.signal(signal.SIGINT, _signal_exit)
     log = Path(tempfile.gettempdir()) / f"mutation-{out.stem}.log"  # the last pytest's output
     modules = {m["name"]: m for m in config["module"]}
+    listed = results.get("list") or json.loads(MUTANTS.read_text())
+    if survivors_of:  # its killed mutants are carried over as killed, marked with the file they come from
+        old = json.loads(survivors_of.read_text())["mutants"]
+        for key in [m["id"] for m in mutants if old.get(m["id"], {}).get("status") in ("killed", "timeout")]:
+            results["mutants"].setdefault(key, {**old[key], "carried_from": survivors_of.name})
     for name in only or list(modules):  # in the order given
         module = modules[name]
         path = ROOT / module["path"]
@@ -248,7 +264,7 @@ def run(config: dict, out: Path, resume: bool, only: list[str]) -> None:
                 **({"reached": False} if not args else {}),
             }
             print(f"{name} {i}/{len(todo)} {verdict:8} {seconds:5.1f} s {mutant['id']}: {mutant['after']}", flush=True)
-            results["summary"] = summary(mutants, results)
+            results["summary"] = summary(listed, results)
             out.write_text(json.dumps(results, indent=1) + "\n")
 
 
@@ -307,8 +323,8 @@ def summary(mutants: list[dict], results: dict) -> dict[str, dict[str, int]]:
 def table(result: Path, before: Path | None) -> str:
     """The Markdown table of ``result`` (and ``before``'s kill rate beside it): the kill rate counts timeouts as
     killed (a mutant that hangs the tests fails them) over the mutants run."""
-    mutants = json.loads(MUTANTS.read_text())
-    rows = summary(mutants, json.loads(result.read_text()))
+    mutants, data = json.loads(MUTANTS.read_text()), json.loads(result.read_text())
+    rows = summary(data.get("list", mutants), data)
     old = summary(mutants, json.loads(before.read_text())) if before else None
 
     def rate(row: dict[str, int]) -> str:
@@ -360,6 +376,12 @@ def main() -> None:
     run_parser.add_argument("--out", type=Path, required=True)
     run_parser.add_argument("--resume", action="store_true", help="skip the mutants already in --out")
     run_parser.add_argument("--module", action="append", default=[], help="only these modules, in this order")
+    run_parser.add_argument(
+        "--new-list", action="store_true", help="the modules' mutants as the code gives them now, kept in --out"
+    )
+    run_parser.add_argument(
+        "--only-survivors", type=Path, metavar="BEFORE", help="only the mutants BEFORE (a result file) did not kill"
+    )
     table_parser = sub.add_parser("table", help="the per-module table of a result file")
     table_parser.add_argument("result", type=Path)
     table_parser.add_argument("before", type=Path, nargs="?")
@@ -379,7 +401,7 @@ def main() -> None:
         print(f"{len(mutants)} mutants: {counts}")
     elif args.command == "run":
         os.nice(10)
-        run(config, args.out, args.resume, args.module)
+        run(config, args.out, args.resume, args.module, args.only_survivors, args.new_list)
         print(table(args.out, None))
     elif args.command == "table":
         print(table(args.result, args.before))
