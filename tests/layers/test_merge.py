@@ -70,6 +70,17 @@ def test_the_merging_path_at_r_0_is_the_document_layer_bit_for_bit():
         assert torch.equal(layer(Memory(x, torch.ones(2, 9)), r=0).tokens, layer(x))  # proportional, unit sizes
 
 
+@pytest.mark.parametrize("sizes", [False, True])
+def test_a_layer_merging_one_pair_leaves_one_token_fewer_holding_them_all(sizes):
+    """r = 1 (a schedule's first layer, unmerged, or a later one) merges exactly one pair: 9 tokens in, 8 out,
+    sizes summing to the 9 inputs, one of them 2."""
+    torch.manual_seed(0)
+    layer = EncoderLayer(16, 2, 32).eval()
+    out = layer(Memory(torch.randn(2, 9, 16), torch.ones(2, 9) if sizes else None), r=1)
+    assert out.tokens.shape == (2, 8, 16)
+    assert sorted(out.sizes[0].tolist()) == [1.0] * 7 + [2.0] and out.sizes.sum().item() == 18
+
+
 def test_merge_tokens_0_is_the_unmerged_encoder_bit_for_bit():
     torch.manual_seed(0)
     images = torch.randn(2, 3, 32, 32)
