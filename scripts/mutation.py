@@ -343,28 +343,61 @@ def table(result: Path, before: Path | None) -> str:
     return "\n".join(lines)
 
 
-def survivors(before: Path, after: Path | None, notes: Path) -> str:
+def _by_text(mutants: list[dict]) -> dict[tuple, dict]:
+    """Mutants keyed by what they do, not where: operator, the line before and after, and which of the equal ones
+    (in file order), so that a list made after an edit elsewhere in the file matches the frozen one."""
+    seen: dict[tuple, int] = {}
+    keyed = {}
+    for m in mutants:
+        key = (m["path"], m["operator"], m["before"], m["after"])
+        seen[key] = seen.get(key, -1) + 1
+        keyed[(*key, seen[key])] = m
+    return keyed
+
+
+def survivors(before: Path, after: list[Path], notes: Path) -> str:
     """One line per mutant that survived ``before``: where, the mutated line, its verdict from ``notes`` (the
-    committed list, by mutant id: "equivalent: why" or "needs a test: what it asserts") and, given ``after``,
-    the test that killed it there."""
-    mutants = {m["id"]: m for m in json.loads(MUTANTS.read_text())}
+    committed list, by mutant id: "equivalent: why" or "needs a test: what it asserts") and, given ``after``
+    (result files; one with its own list, ``--new-list``, matched by ``_by_text``), its result there; then the
+    survivors of a new list that the frozen one lacks."""
+    frozen = json.loads(MUTANTS.read_text())
+    mutants = {m["id"]: m for m in frozen}
     verdicts = {}
     if notes.is_file():
         for line in notes.read_text().splitlines():
             if line.startswith("- `") and " -- " in line:
                 verdicts[line[3:].split("`", 1)[0]] = line.split(" -- ", 1)[1].split(" => after:")[0]
     old = json.loads(before.read_text())["mutants"]
-    new = json.loads(after.read_text())["mutants"] if after else {}
+    new: dict[str, dict] = {}
+    changed: set[str] = set()  # the modules run on a list of their own
+    extra: list[tuple[dict, dict]] = []  # a new list's survivors the frozen list lacks
+    for path in after:
+        result = json.loads(path.read_text())
+        if "list" not in result:
+            new.update(result["mutants"])
+            continue
+        changed |= {m["module"] for m in result["list"]}
+        keyed = _by_text([m for m in frozen if m["module"] in changed])
+        for key, m in _by_text(result["list"]).items():
+            status = result["mutants"].get(m["id"], {"status": "not run"})
+            if key in keyed:
+                new[keyed[key]["id"]] = {**status, "now": m["id"]}
+            elif status["status"] == "survived":
+                extra.append((m, status))
     lines = []
     for key, mutant in mutants.items():
         if old.get(key, {}).get("status") != "survived":
             continue
         line = f"- `{key}` line {mutant['line']}: `{mutant['after']}` -- {verdicts.get(key, 'TODO')}"
         if after:
-            result = new.get(key, {"status": "not run"})
+            gone = {"status": "gone (the code changed)"} if mutant["module"] in changed else {"status": "not run"}
+            result = new.get(key, gone)
             by = f" by {result['killed_by'][0]}" if "killed_by" in result else ""
-            line += f" => after: {result['status']}{by}"
+            now = f" (now `{result['now']}`)" if result.get("now", key) != key else ""
+            line += f" => after: {result['status']}{by}{now}"
         lines.append(line)
+    for m, _ in extra:
+        lines.append(f"- `{m['id']}` (new) line {m['line']}: `{m['after']}` -- {verdicts.get(m['id'], 'TODO')}")
     return "\n".join(lines)
 
 
@@ -387,7 +420,7 @@ def main() -> None:
     table_parser.add_argument("before", type=Path, nargs="?")
     survivors_parser = sub.add_parser("survivors", help="the survivors of BEFORE, their verdicts, AFTER's result")
     survivors_parser.add_argument("before", type=Path)
-    survivors_parser.add_argument("after", type=Path, nargs="?")
+    survivors_parser.add_argument("after", type=Path, nargs="*")
     survivors_parser.add_argument("--notes", type=Path, default=MUTANTS.parent / "survivors.md")
     args = parser.parse_args()
     config = tomllib.loads(CONFIG.read_text())
