@@ -359,7 +359,7 @@ def survivors(before: Path, after: list[Path], notes: Path) -> str:
     """One line per mutant that survived ``before``: where, the mutated line, its verdict from ``notes`` (the
     committed list, by mutant id: "equivalent: why" or "needs a test: what it asserts") and, given ``after``
     (result files; one with its own list, ``--new-list``, matched by ``_by_text``), its result there; then the
-    survivors of a new list that the frozen one lacks."""
+    survivors of a new list that the frozen one lacks or that before did not run."""
     frozen = json.loads(MUTANTS.read_text())
     mutants = {m["id"]: m for m in frozen}
     verdicts = {}
@@ -370,7 +370,7 @@ def survivors(before: Path, after: list[Path], notes: Path) -> str:
     old = json.loads(before.read_text())["mutants"]
     new: dict[str, dict] = {}
     changed: set[str] = set()  # the modules run on a list of their own
-    extra: list[tuple[dict, dict]] = []  # a new list's survivors the frozen list lacks
+    extra: list[tuple[dict, str]] = []  # a new list's survivors: not in the frozen list, or not run before
     for path in after:
         result = json.loads(path.read_text())
         if "list" not in result:
@@ -380,10 +380,11 @@ def survivors(before: Path, after: list[Path], notes: Path) -> str:
         keyed = _by_text([m for m in frozen if m["module"] in changed])
         for key, m in _by_text(result["list"]).items():
             status = result["mutants"].get(m["id"], {"status": "not run"})
-            if key in keyed:
-                new[keyed[key]["id"]] = {**status, "now": m["id"]}
-            elif status["status"] == "survived":
-                extra.append((m, status))
+            was = keyed[key]["id"] if key in keyed else None
+            if was:
+                new[was] = {**status, "now": m["id"]}
+            if status["status"] == "survived" and old.get(was, {}).get("status") != "survived":
+                extra.append((m, "not run before" if was else "new"))
     lines = []
     for key, mutant in mutants.items():
         if old.get(key, {}).get("status") != "survived":
@@ -396,8 +397,8 @@ def survivors(before: Path, after: list[Path], notes: Path) -> str:
             now = f" (now `{result['now']}`)" if result.get("now", key) != key else ""
             line += f" => after: {result['status']}{by}{now}"
         lines.append(line)
-    for m, _ in extra:
-        lines.append(f"- `{m['id']}` (new) line {m['line']}: `{m['after']}` -- {verdicts.get(m['id'], 'TODO')}")
+    for m, why in extra:
+        lines.append(f"- `{m['id']}` ({why}) line {m['line']}: `{m['after']}` -- {verdicts.get(m['id'], 'TODO')}")
     return "\n".join(lines)
 
 
