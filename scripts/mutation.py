@@ -192,21 +192,37 @@ def _child_env() -> None:
     sys.dont_write_bytecode = True
 
 
-def run(config: dict, out: Path, resume: bool, only: list[str]) -> None:
-    frozen = json.loads(MUTANTS.read_text())
-    mutants = enumerate_mutants(config)
-    if [m["id"] for m in mutants] != [m["id"] for m in frozen] or mutants != frozen:
+def run(
+    config: dict, out: Path, resume: bool, only: list[str], survivors_of: Path | None = None, new_list: bool = False
+) -> None:
+    """Run the mutants of the modules ``only`` (all: empty) into ``out``; with ``survivors_of`` (an earlier run's
+    file), only those it did not kill: a killed mutant stays killed while no test is removed or weakened. The
+    modules' mutants must be the frozen list's; with ``new_list``, the code's own, kept in ``out`` (a fixed defect
+    changes a module's list: its run is then reported apart, not against the frozen one)."""
+    names = only or [m["name"] for m in config["module"]]
+    mutants = [m for m in enumerate_mutants(config) if m["module"] in names]
+    if new_list:  # a module whose code changed: its own list, kept in ``out``, compared with no earlier run
+        results = json.loads(out.read_text()) if resume and out.is_file() else {"mutants": {}, "baseline": {}}
+        if results.setdefault("list", mutants) != mutants:
+            raise SystemExit(f"the code no longer gives {out}'s own mutant list")
+    elif mutants != [m for m in json.loads(MUTANTS.read_text()) if m["module"] in names]:
         raise SystemExit(f"the code or scripts/mutation.toml no longer gives {MUTANTS.relative_to(ROOT)}'s mutants")
+    else:
+        results = json.loads(out.read_text()) if resume and out.is_file() else {"mutants": {}, "baseline": {}}
     _child_env()
     for name in config["warm"]:
         importlib.import_module(name)
     assert not any(m.split(".")[0] in ("vitattn", "tests") for m in sys.modules), "the harness imported vitattn"
-    results = json.loads(out.read_text()) if resume and out.is_file() else {"mutants": {}, "baseline": {}}
     atexit.register(_put_back)
     signal.signal(signal.SIGTERM, _signal_exit)
     signal.signal(signal.SIGINT, _signal_exit)
     log = Path(tempfile.gettempdir()) / f"mutation-{out.stem}.log"  # the last pytest's output
     modules = {m["name"]: m for m in config["module"]}
+    listed = results.get("list") or json.loads(MUTANTS.read_text())
+    if survivors_of:  # its killed mutants are carried over as killed, marked with the file they come from
+        old = json.loads(survivors_of.read_text())["mutants"]
+        for key in [m["id"] for m in mutants if old.get(m["id"], {}).get("status") in ("killed", "timeout")]:
+            results["mutants"].setdefault(key, {**old[key], "carried_from": survivors_of.name})
     for name in only or list(modules):  # in the order given
         module = modules[name]
         path = ROOT / module["path"]
@@ -248,7 +264,7 @@ def run(config: dict, out: Path, resume: bool, only: list[str]) -> None:
                 **({"reached": False} if not args else {}),
             }
             print(f"{name} {i}/{len(todo)} {verdict:8} {seconds:5.1f} s {mutant['id']}: {mutant['after']}", flush=True)
-            results["summary"] = summary(mutants, results)
+            results["summary"] = summary(listed, results)
             out.write_text(json.dumps(results, indent=1) + "\n")
 
 
@@ -307,8 +323,8 @@ def summary(mutants: list[dict], results: dict) -> dict[str, dict[str, int]]:
 def table(result: Path, before: Path | None) -> str:
     """The Markdown table of ``result`` (and ``before``'s kill rate beside it): the kill rate counts timeouts as
     killed (a mutant that hangs the tests fails them) over the mutants run."""
-    mutants = json.loads(MUTANTS.read_text())
-    rows = summary(mutants, json.loads(result.read_text()))
+    mutants, data = json.loads(MUTANTS.read_text()), json.loads(result.read_text())
+    rows = summary(data.get("list", mutants), data)
     old = summary(mutants, json.loads(before.read_text())) if before else None
 
     def rate(row: dict[str, int]) -> str:
@@ -327,28 +343,62 @@ def table(result: Path, before: Path | None) -> str:
     return "\n".join(lines)
 
 
-def survivors(before: Path, after: Path | None, notes: Path) -> str:
+def _by_text(mutants: list[dict]) -> dict[tuple, dict]:
+    """Mutants keyed by what they do, not where: operator, the line before and after, and which of the equal ones
+    (in file order), so that a list made after an edit elsewhere in the file matches the frozen one."""
+    seen: dict[tuple, int] = {}
+    keyed = {}
+    for m in mutants:
+        key = (m["path"], m["operator"], m["before"], m["after"])
+        seen[key] = seen.get(key, -1) + 1
+        keyed[(*key, seen[key])] = m
+    return keyed
+
+
+def survivors(before: Path, after: list[Path], notes: Path) -> str:
     """One line per mutant that survived ``before``: where, the mutated line, its verdict from ``notes`` (the
-    committed list, by mutant id: "equivalent: why" or "needs a test: what it asserts") and, given ``after``,
-    the test that killed it there."""
-    mutants = {m["id"]: m for m in json.loads(MUTANTS.read_text())}
+    committed list, by mutant id: "equivalent: why" or "needs a test: what it asserts") and, given ``after``
+    (result files; one with its own list, ``--new-list``, matched by ``_by_text``), its result there; then the
+    survivors of a new list that the frozen one lacks or that before did not run."""
+    frozen = json.loads(MUTANTS.read_text())
+    mutants = {m["id"]: m for m in frozen}
     verdicts = {}
     if notes.is_file():
         for line in notes.read_text().splitlines():
             if line.startswith("- `") and " -- " in line:
                 verdicts[line[3:].split("`", 1)[0]] = line.split(" -- ", 1)[1].split(" => after:")[0]
     old = json.loads(before.read_text())["mutants"]
-    new = json.loads(after.read_text())["mutants"] if after else {}
+    new: dict[str, dict] = {}
+    changed: set[str] = set()  # the modules run on a list of their own
+    extra: list[tuple[dict, str]] = []  # a new list's survivors: not in the frozen list, or not run before
+    for path in after:
+        result = json.loads(path.read_text())
+        if "list" not in result:
+            new.update(result["mutants"])
+            continue
+        changed |= {m["module"] for m in result["list"]}
+        keyed = _by_text([m for m in frozen if m["module"] in changed])
+        for key, m in _by_text(result["list"]).items():
+            status = result["mutants"].get(m["id"], {"status": "not run"})
+            was = keyed[key]["id"] if key in keyed else None
+            if was:
+                new[was] = {**status, "now": m["id"]}
+            if status["status"] == "survived" and old.get(was, {}).get("status") != "survived":
+                extra.append((m, "not run before" if was else "new"))
     lines = []
     for key, mutant in mutants.items():
         if old.get(key, {}).get("status") != "survived":
             continue
         line = f"- `{key}` line {mutant['line']}: `{mutant['after']}` -- {verdicts.get(key, 'TODO')}"
         if after:
-            result = new.get(key, {"status": "not run"})
+            gone = {"status": "gone (the code changed)"} if mutant["module"] in changed else {"status": "not run"}
+            result = new.get(key, gone)
             by = f" by {result['killed_by'][0]}" if "killed_by" in result else ""
-            line += f" => after: {result['status']}{by}"
+            now = f" (now `{result['now']}`)" if result.get("now", key) != key else ""
+            line += f" => after: {result['status']}{by}{now}"
         lines.append(line)
+    for m, why in extra:
+        lines.append(f"- `{m['id']}` ({why}) line {m['line']}: `{m['after']}` -- {verdicts.get(m['id'], 'TODO')}")
     return "\n".join(lines)
 
 
@@ -360,12 +410,18 @@ def main() -> None:
     run_parser.add_argument("--out", type=Path, required=True)
     run_parser.add_argument("--resume", action="store_true", help="skip the mutants already in --out")
     run_parser.add_argument("--module", action="append", default=[], help="only these modules, in this order")
+    run_parser.add_argument(
+        "--new-list", action="store_true", help="the modules' mutants as the code gives them now, kept in --out"
+    )
+    run_parser.add_argument(
+        "--only-survivors", type=Path, metavar="BEFORE", help="only the mutants BEFORE (a result file) did not kill"
+    )
     table_parser = sub.add_parser("table", help="the per-module table of a result file")
     table_parser.add_argument("result", type=Path)
     table_parser.add_argument("before", type=Path, nargs="?")
     survivors_parser = sub.add_parser("survivors", help="the survivors of BEFORE, their verdicts, AFTER's result")
     survivors_parser.add_argument("before", type=Path)
-    survivors_parser.add_argument("after", type=Path, nargs="?")
+    survivors_parser.add_argument("after", type=Path, nargs="*")
     survivors_parser.add_argument("--notes", type=Path, default=MUTANTS.parent / "survivors.md")
     args = parser.parse_args()
     config = tomllib.loads(CONFIG.read_text())
@@ -379,7 +435,7 @@ def main() -> None:
         print(f"{len(mutants)} mutants: {counts}")
     elif args.command == "run":
         os.nice(10)
-        run(config, args.out, args.resume, args.module)
+        run(config, args.out, args.resume, args.module, args.only_survivors, args.new_list)
         print(table(args.out, None))
     elif args.command == "table":
         print(table(args.result, args.before))

@@ -1,13 +1,14 @@
 """``CaptionLoss`` against the cross-entropy written out by hand: the next token of each position, the padding
 left out of the sum and the count, and label smoothing spread over all V classes (``<pad>`` included, as PyTorch
-spreads it). The contrastive losses have their own file (tests/training/test_contrastive.py)."""
+spreads it), none by default; the temperatures as the papers give them. The contrastive losses have their own file
+(tests/training/test_contrastive.py)."""
 
 import math
 
 import pytest
 import torch
 
-from vitattn.losses import CaptionLoss
+from vitattn.losses import INIT_LOGIT_SCALE, MAX_LOGIT_SCALE, CaptionLoss
 
 V = 7  # vocabulary
 
@@ -44,3 +45,13 @@ def test_the_caption_loss_is_the_hand_written_cross_entropy_without_padding(pad_
     assert got.item() == pytest.approx(_by_hand(logits.double(), tokens, pad_id, label_smoothing), rel=1e-6)
     assert got.dtype == torch.float32
     assert CaptionLoss(pad_id)(logits.bfloat16(), tokens, label_smoothing).dtype == torch.float32
+    if label_smoothing == 0.0:  # the default: no smoothing
+        assert CaptionLoss(pad_id)(logits, tokens).item() == pytest.approx(_by_hand(logits.double(), tokens, pad_id, 0))
+
+
+def test_the_temperatures_are_the_papers():
+    """CLIP's initial temperature 1 / 0.07 and its cap 100 (Radford et al. 2021), SigLIP's initial 10 (Zhai et al.
+    2023), written as numbers: the log temperatures are what the code keeps."""
+    assert math.exp(INIT_LOGIT_SCALE["clip"]) == pytest.approx(14.2857142857, rel=1e-9)
+    assert math.exp(INIT_LOGIT_SCALE["siglip"]) == pytest.approx(10.0, rel=1e-12)
+    assert math.exp(MAX_LOGIT_SCALE) == pytest.approx(100.0, rel=1e-12)

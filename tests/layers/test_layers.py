@@ -379,3 +379,71 @@ def test_tests_run_on_one_torch_thread(threads_in_a_module_fixture):
     # tests/conftest.py pins one thread, module fixtures (trained runs) included: exact float
     # comparisons then do not depend on the core count
     assert torch.get_num_threads() == 1 and threads_in_a_module_fixture == 1
+
+
+def _softmax_attention(q, k, v, masked=None, size=None) -> torch.Tensor:
+    """softmax(q kᵀ / √d) v in float64, ``masked`` (bool, True = left out) keys at -inf, log ``size`` (B, Lk) added:
+    (B, H, Lq, dv)."""
+    logits = q.double() @ k.double().transpose(-1, -2) / q.shape[-1] ** 0.5
+    if masked is not None:
+        logits = logits.masked_fill(masked, -torch.inf)
+    if size is not None:
+        logits = logits + size.double().log()[:, None, None, :]
+    return logits.softmax(-1) @ v.double()
+
+
+def _heads(lq: int, lk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(B, H, n, D // H, generator=generator) for n in (lq, lk, lk))
+
+
+def _dense(mha: MultiHeadAttention, heads: torch.Tensor) -> torch.Tensor:
+    return mha.dense(heads.float().transpose(1, 2).reshape(heads.shape[0], heads.shape[2], -1))
+
+
+@pytest.mark.parametrize("lq", [2, 3])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_a_causal_attention_with_a_mask_leaves_out_both(lq, need_weights):
+    """A padding mask and the look-ahead together leave out a key masked by either, on the fused and the explicit
+    path, for 2 queries as for more: against the softmax written out."""
+    q, k, v = _heads(lq, lq)
+    pad = torch.zeros(B, 1, 1, lq)
+    pad[0, ..., -1] = 1  # image 0's last key is padding
+    look_ahead = torch.ones(lq, lq, dtype=torch.bool).triu(1)
+    mha = MultiHeadAttention(D, H).eval()
+    with torch.no_grad():
+        got, _ = mha.attend(q, k, v, pad, need_weights=need_weights, is_causal=True)
+        expected = _dense(mha, _softmax_attention(q, k, v, pad.bool() | look_ahead))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_merged_sizes_and_a_mask_together_are_the_softmax_written_out(need_weights):
+    """Proportional attention (log size added) and a padding mask at once, fused and explicit."""
+    q, k, v = _heads(5, 4)
+    pad = torch.zeros(B, 1, 1, 4)
+    pad[1, ..., 0] = 1
+    size = torch.tensor([[1.0, 3, 1, 2], [2, 1, 4, 1]])
+    mha = MultiHeadAttention(D, H).eval()
+    with torch.no_grad():
+        got, _ = mha.attend(q, k, v, pad, need_weights=need_weights, size=size)
+        expected = _dense(mha, _softmax_attention(q, k, v, pad.bool(), size))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_dropout_drops_weights_in_training_only():
+    """``dropout_p`` 1 drops every weight, 0.5 zeroes some and doubles the rest; a module's ``attn_drop`` applies
+    in training only: in eval the output is the softmax written out."""
+    q, k, v = _heads(3, 3)
+    expected = (q.double() @ k.double().transpose(-1, -2) / (D // H) ** 0.5).softmax(-1)
+    out, weights = scaled_dot_product_attention(q, k, v, dropout_p=1.0)
+    assert not out.any() and not weights.any()
+    torch.manual_seed(0)
+    _, weights = scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    kept = weights != 0
+    assert 0 < kept.sum() < kept.numel()
+    torch.testing.assert_close(weights[kept].double(), 2 * expected[kept], rtol=1e-5, atol=1e-6)
+    mha = MultiHeadAttention(D, H, attn_drop=0.5).eval()
+    with torch.no_grad():
+        got, _ = mha.attend(q, k, v)
+        torch.testing.assert_close(got, _dense(mha, _softmax_attention(q, k, v)), rtol=1e-5, atol=1e-5)

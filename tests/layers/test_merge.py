@@ -9,7 +9,7 @@ import torch
 
 from vitattn.inference.attention_maps import attention_from_tokens, attention_rollout
 from vitattn.layers import DecoderLayer, EncoderLayer, Memory, MultiHeadAttention, merge_schedule
-from vitattn.layers.merge import bipartite_soft_matching, spread
+from vitattn.layers.merge import bipartite_soft_matching, most_merged, spread
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 from vitattn.models.caption import DecoderStep
 from vitattn.models.generate import token_log_probs
@@ -70,6 +70,17 @@ def test_the_merging_path_at_r_0_is_the_document_layer_bit_for_bit():
         assert torch.equal(layer(Memory(x, torch.ones(2, 9)), r=0).tokens, layer(x))  # proportional, unit sizes
 
 
+@pytest.mark.parametrize("sizes", [False, True])
+def test_a_layer_merging_one_pair_leaves_one_token_fewer_holding_them_all(sizes):
+    """r = 1 (a schedule's first layer, unmerged, or a later one) merges exactly one pair: 9 tokens in, 8 out,
+    sizes summing to the 9 inputs, one of them 2."""
+    torch.manual_seed(0)
+    layer = EncoderLayer(16, 2, 32).eval()
+    out = layer(Memory(torch.randn(2, 9, 16), torch.ones(2, 9) if sizes else None), r=1)
+    assert out.tokens.shape == (2, 8, 16)
+    assert sorted(out.sizes[0].tolist()) == [1.0] * 7 + [2.0] and out.sizes.sum().item() == 18
+
+
 def test_merge_tokens_0_is_the_unmerged_encoder_bit_for_bit():
     torch.manual_seed(0)
     images = torch.randn(2, 3, 32, 32)
@@ -95,6 +106,70 @@ def test_a_schedule_too_large_for_the_tokens_is_refused_naming_the_largest():
         merge_schedule([1, 1], 99, 3)
     with pytest.raises(ValueError, match="at most 32"):
         VisionTransformer(**TINY, merge_tokens=33)
+
+
+def test_the_schedule_bounds_are_inclusive_and_the_class_token_never_counts():
+    """A layer merges at most its A tokens (every even one) less the class token: 8 of 17 tokens, 24 of 50; both
+    bounds are allowed, one past either is refused in one line."""
+    for tokens in (17, 50, 197):
+        assert most_merged(tokens) == len(range(0, tokens, 2)) - 1
+    assert merge_schedule(8, 17, 3) == [8, 4, 2]  # capped deep in the stack: 17 -> 9 -> 5 tokens
+    assert merge_schedule(8, 17, 1) == [8] and merge_schedule(0, 17, 2) == [0, 0]
+    assert merge_schedule([0, 2], 17, 2) == [0, 2] and merge_schedule([8, 4], 17, 2) == [8, 4]
+    with pytest.raises(ValueError, match=r"^merge_tokens=25 is too large for 50 tokens: at most 24$"):
+        merge_schedule(25, 50, 1)
+    with pytest.raises(ValueError, match=r"^merge_tokens=-1 must be at least 0"):
+        merge_schedule(-1, 17, 2)
+    with pytest.raises(ValueError, match=r"^merge_tokens\[0\]=-1 is out of range"):
+        merge_schedule([-1, 0], 17, 2)
+    with pytest.raises(ValueError, match=r"^merge_tokens\[1\]=5 is out of range .* 0 to 4$"):
+        merge_schedule([8, 5], 17, 2)
+
+
+def test_matching_is_by_cosine_over_channels_whatever_the_norms():
+    """Each A token's match is its B token of the highest cosine (over the channels, not the raw product), and the
+    r A tokens of the highest such cosines merge, by a hand-written loop in float64 on keys of very unequal norms."""
+    generator = torch.Generator().manual_seed(0)
+    metric = torch.randn(2, 11, 4, generator=generator, dtype=torch.float64)
+    metric = metric * torch.randn(2, 11, 1, generator=generator, dtype=torch.float64).mul(2).exp()  # norms 1e-2..1e2
+    r = 3
+    match = bipartite_soft_matching(metric, r)
+
+    def cos(u: list[float], v: list[float]) -> float:
+        return sum(p * q for p, q in zip(u, v)) / (sum(p * p for p in u) * sum(q * q for q in v)) ** 0.5
+
+    for b, x in enumerate(metric.tolist()):
+        best = {i: max(range(5), key=lambda j: cos(x[2 * i], x[2 * j + 1])) for i in range(1, 6)}
+        score = {i: cos(x[2 * i], x[2 * best[i] + 1]) for i in best}
+        merged = sorted(best, key=score.get, reverse=True)[:r]
+        assert match.src[b].tolist() == merged
+        assert match.dst[b].tolist() == [best[i] for i in merged]
+        assert match.kept[b].tolist() == [0, *sorted(set(best) - set(merged))]
+
+
+def test_tied_tokens_merge_in_their_order():
+    """Identical patches tie every A token's best score: the first r A tokens (after the class token) merge, on a
+    stack of 65 tokens (33 A tokens: CPU's unstable sort reorders ties of 17 or more)."""
+    metric = torch.ones(1, 65, 8)
+    metric[0, 0] = -1  # the class token, unlike the rest
+    match = bipartite_soft_matching(metric, 20)
+    assert match.src.tolist() == [list(range(1, 21))]
+    assert match.kept.tolist() == [[0, *range(21, 33)]]
+
+
+def test_a_memory_detached_or_indexed_keeps_each_part_and_none():
+    """``detach`` keeps every part's values, without a gradient; ``index_select`` picks rows (beam search over a
+    merged memory) of tokens, sizes and sources alike; a part that is None stays None."""
+    tokens = torch.arange(24.0).view(3, 2, 4).requires_grad_()
+    sizes, sources = torch.tensor([[1.0, 2], [3, 1], [1, 1]]), torch.arange(18).view(3, 2, 3)
+    detached = Memory(tokens * 1, sizes).detach()
+    assert not detached.tokens.requires_grad and detached.sources is None
+    assert detached.tokens.tolist() == tokens.tolist() and detached.sizes.tolist() == sizes.tolist()
+    rows = [2, 0, 0]
+    picked = Memory(tokens.detach(), sizes, sources).index_select(torch.tensor(rows))
+    for got, part in zip(picked, (tokens, sizes, sources)):
+        assert got.tolist() == [part.tolist()[i] for i in rows]
+    assert Memory(tokens.detach()).index_select(torch.tensor(rows)).sizes is None
 
 
 def _twin_captioner(merge_tokens: int) -> ImageCaptioner:

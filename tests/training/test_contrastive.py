@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from tests.training.test_coca import _batch, _system
-from vitattn.losses import CONTRASTIVE_LOSSES, MAX_LOGIT_SCALE
+from vitattn.losses import CONTRASTIVE_LOSSES, MAX_LOGIT_SCALE, loss_over_ranks
 
 PAD = 0
 # Each image's texts as token ids (<bos> 1, <eos> 2, <pad> 0): image 0 has two references; the text of images 1, 4
@@ -130,7 +130,10 @@ def _rank(rank: int, world: int, sizes: list[int], store: str, out: str) -> None
     try:
         first = sum(sizes[:rank])
         data = _share(_data(), first, first + sizes[rank])
-        torch.save({loss: _loss_and_gradients(loss, data) for loss in ("clip", "siglip")}, f"{out}.{rank}")
+        results = {loss: _loss_and_gradients(loss, data) for loss in ("clip", "siglip")}
+        for result in results.values():
+            result["logged"] = loss_over_ranks(result["loss"])
+        torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -152,6 +155,8 @@ def test_ranks_with_unequal_batches_give_the_loss_and_gradients_of_one_process(s
             mean = sum(rank[loss][key] for rank in ranks) / len(ranks)
             torch.testing.assert_close(mean, value, rtol=0, atol=1e-6, msg=f"{loss} {key}")
         assert len({float(rank[loss]["loss"]) for rank in ranks}) == len(ranks)  # each rank's own rows
+        for rank in ranks:  # what every rank logs: the loss of one process
+            torch.testing.assert_close(rank[loss]["logged"], expected["loss"], rtol=0, atol=1e-6, msg=f"{loss} logged")
 
 
 @pytest.mark.parametrize("loss", ["clip", "siglip"])
@@ -169,6 +174,20 @@ def test_the_loss_runs_in_fp32_with_autocast_off(loss):
             got = _contrastive(loss, image, text, *args)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+def test_fp32_embeddings_under_bf16_autocast_give_the_hand_written_loss(loss):
+    """The loss of fp32 embeddings under the caller's bf16 autocast is the float64 hand-written one to fp32's
+    precision: the loss turns autocast off (bf16 logits would be off by about 1e-2)."""
+    towers, data = _Towers(), _data()
+    image, text = (x.float() for x in towers.embeddings(data))
+    model = SimpleNamespace(logit_scale=towers.logit_scale.float(), logit_bias=towers.logit_bias.float())
+    model.max_len, model.decoder = towers.max_len, towers.decoder
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _contrastive(loss, image, text, model, data["text_image"], data["text_ids"])
+    expected = _reference(loss, towers, data).detach()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_gradient_reaches_the_temperature_at_and_above_its_cap():
