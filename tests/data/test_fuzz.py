@@ -200,7 +200,7 @@ def test_the_terminal_summary_prints_the_cases_of_each_target(monkeypatch):
 
     monkeypatch.setattr(sys.modules[__name__], "CASES", Counter({("coco", "refused"): 2, ("coco", "accepted"): 3}))
     lines = []
-    pytest_terminal_summary(SimpleNamespace(section=lines.append, write_line=lines.append))
+    pytest_terminal_summary(SimpleNamespace(section=lines.append, write_line=lines.append, config=SimpleNamespace()))
     assert lines == ["fuzzed cases per target (refused / accepted)", f"{'coco':<42}      5  (2 refused, 3 accepted)"]
 
 

@@ -88,7 +88,7 @@ def _batch() -> dict[str, torch.Tensor]:
     words = torch.randint(4, 4 + len(WORDS), (2 * B, T - 2), generator=generator)
     tokens = torch.cat([torch.full((2 * B, 1), 1), words, torch.full((2 * B, 1), 2)], dim=1)  # (2B, T)
     images = torch.randn(2 * B, 3, 32, 32, generator=generator, dtype=torch.float64)
-    return {"images": images, "tokens": tokens}
+    return {"images": images, "tokens": tokens, "image_ids": torch.arange(2 * B)}  # as collate_captions gives it
 
 
 class _Loss(nn.Module):
