@@ -67,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--share", type=float, default=0.1, help="the training images that keep their labels")
     p.add_argument("--steps", type=int, default=500, help="optimizer steps of every run")
     p.add_argument("--threads", type=int, default=1)
+    # USB's ViT settings (config/usb_cv/fixmatch/*.yaml: uratio 1); FixMatch's 7 is for its WideResNets
+    p.add_argument("--mu", type=int, default=1, help="the semi arms' semi.ratio: unlabelled images per labelled one")
     p.add_argument("--img-size", type=int, default=32)
     p.add_argument("--cache", type=Path, default=learning_data.DEFAULT_CACHE)
     p.add_argument("--out", type=Path, default=REPO / "bench_results" / "bootstrap.json")
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 folder = args.out.parent / "bootstrap" / f"{name}-{task}-seed{seed}"
                 low, pool = _low_label_split(data, task, seed, args.share, folder)
                 for arm in args.arms:
-                    extra = _arm_overrides(arm, folder, pool, data)
+                    extra = _arm_overrides(arm, folder, pool, data, args.mu)
                     source = data if arm in ("oracle", "teacher_4x") else low
                     run_seed = seed + FILTER_SEED if arm == "filter" else seed
                     wide = {"embed_dim": 2 * learning_bench.BenchConfig.embed_dim} if arm == "teacher_4x" else {}
@@ -90,7 +92,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     result = _train(task, source, args, run_seed, folder / arm, extra, export, wide)
                     scores[arm][seed] = result["score"]
                     runs.append({"dataset": name, "task": task, "seed": seed, "arm": arm, **result})
-                    print(f"{name} {task} seed {seed} {arm}: {result['score']:.4f} ({result['seconds']:.0f} s)")
+                    print(
+                        f"{name} {task} seed {seed} {arm}: {result['score']:.4f} "
+                        f"({result['steps']} steps, {result['images_seen']} images, {result['seconds']:.0f} s)",
+                        flush=True,
+                    )
             rows.append(_row(name, task, scores))
     table = markdown_table(
         ["dataset", "task", "metric", *args.arms, "student - teacher", "gap closed", "seeds"],
@@ -136,14 +142,14 @@ def _low_label_split(data: Any, task: str, seed: int, share: float, folder: Path
     ), pool
 
 
-def _arm_overrides(arm: str, folder: Path, pool: Path, data: Any) -> list[str]:
+def _arm_overrides(arm: str, folder: Path, pool: Path, data: Any, mu: int) -> list[str]:
     """A student arm's ``bootstrap`` keys: its teacher, its pool (distill: every training image) and its setting."""
     if arm == "distill":
         every = folder / "every_image.txt"
         every.write_text("".join(f"{p}\n" for p in sorted((data.root / "train").glob("*/*"))))
         return [f"bootstrap.teacher={folder / 'teacher_4x'}", f"bootstrap.images={every}", *ARMS[arm]]
     if arm.startswith("semi"):
-        return [f"semi.images={pool}", *ARMS[arm]]
+        return [f"semi.images={pool}", f"semi.ratio={mu}", *ARMS[arm]]
     if not arm.startswith("student"):
         return []
     scorer = [f"bootstrap.filter={folder / 'filter'}"] if arm == "student_filter" else []
@@ -167,7 +173,16 @@ def _train(
     cfg.vitattn_args = [*extra, *(["export_bundle=true"] if export else [])]
     side = learning_bench.run_vitattn(task, data, cfg, run_dir)
     metric = "cider_d" if task == "caption" else "acc"
-    return {"score": side.metrics[metric], "metric": metric, "seconds": side.seconds, "command": side.command}
+    mu = next((int(o.split("=")[1]) for o in extra if o.startswith("semi.ratio=")), 0)
+    seen = side.steps * cfg.batch_size * (1 + mu)  # labelled images, plus mu unlabelled ones each
+    return {
+        "score": side.metrics[metric],
+        "metric": metric,
+        "steps": side.steps,
+        "images_seen": seen,
+        "seconds": side.seconds,
+        "command": side.command,
+    }
 
 
 def _row(name: str, task: str, scores: dict[str, dict[int, float]]) -> dict[str, Any]:
