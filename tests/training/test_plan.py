@@ -4,16 +4,32 @@ without CUDA; the expected values are written by hand. The processes that ``dist
 ``freeze_encoder_epochs`` refusal and the pool's captioning child see."""
 
 import copy
+import dataclasses
 import functools
+import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import DictConfig
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ReadonlyConfigError
 
 from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
+from vitattn.data.tokenizer import SubwordTokenizer, Vocabulary, train_bpe
 from vitattn.errors import ConfigError
+from vitattn.run_dir import RunDir
+from vitattn.training import plan as plan_module
 from vitattn.training.build import _pool_run
-from vitattn.training.plan import Plan, _trainer_plan, resolve
+from vitattn.training.plan import (
+    Plan,
+    TrainerPlan,
+    _trainer_plan,
+    processes_per_node,
+    resolve,
+    run_tokenizer,
+    wait_for_rank_zero,
+)
 
 NO_GPU = (
     "trainer.accelerator={} but this machine has no GPU; to train on its CPUs add trainer.accelerator=cpu "
@@ -73,9 +89,12 @@ def _config(accelerator: str, devices: str, tmp_path, **trainer) -> DictConfig:
     return cfg
 
 
-def _plan(accelerator: str, devices: str, tmp_path, freeze_encoder_epochs: int = 0, **trainer) -> Plan:
+def _plan(
+    accelerator: str, devices: str, tmp_path, freeze_encoder_epochs: int = 0, resume: str | None = None, **trainer
+) -> Plan:
     cfg = _config(accelerator, devices, tmp_path, **trainer)
     cfg.finetune.freeze_encoder_epochs = freeze_encoder_epochs
+    cfg.resume = resume
     return resolve(cfg)
 
 
@@ -121,3 +140,177 @@ def test_freezing_the_encoder_is_refused_on_two_processes_however_devices_is_spe
 def test_the_pools_captioning_child_gets_every_gpu_of_the_run(accelerator, devices, gpus, child, machine, tmp_path):
     machine(gpus)
     assert _pool_run(_plan(accelerator, devices, tmp_path))["devices"] == child  # on CPUs: one process, every core
+
+
+def test_the_trainer_keys_a_config_leaves_out_take_lightnings_defaults(machine):
+    machine(0)
+    trainer = _trainer_plan(OmegaConf.create({}))
+    assert trainer == TrainerPlan(
+        accelerator="auto",
+        devices=1,
+        num_nodes=1,
+        strategy="auto",
+        on_gpu=False,
+        no_gpu="",
+        sharded=False,
+        processes=1,
+        rank=0,
+        fast_dev_run=False,
+        progress_bar=True,  # Lightning's enable_progress_bar=None: shown
+    )
+    assert not trainer.distributed
+
+
+@pytest.mark.parametrize(("local_world_size", "processes"), [("1", 1), ("3", 3), ("0", 1)])
+def test_torchruns_local_world_size_is_the_process_count_whatever_devices_says(
+    local_world_size, processes, machine, monkeypatch
+):
+    machine(4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
+    assert processes_per_node(2, on_gpu=True) == processes == processes_per_node("auto", on_gpu=True)
+
+
+def test_devices_auto_counts_gpus_only_for_a_gpu_trainer_and_never_fewer_than_one_process(machine):
+    machine(4)
+    assert processes_per_node("auto") == 1  # the default: a CPU trainer
+    assert processes_per_node("auto", on_gpu=True) == 4
+    machine(0)
+    assert processes_per_node("auto", on_gpu=True) == processes_per_node(0) == processes_per_node([]) == 1
+
+
+def test_the_plan_and_its_parts_cannot_change_after_resolve(machine, tmp_path):
+    machine(0)
+    plan = _plan("cpu", "1", tmp_path)
+    for part, field in [(plan, "task"), (plan.trainer, "processes"), (plan.precision, "trainer")]:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(part, field, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.resume.first_step = 1
+    with pytest.raises(ReadonlyConfigError):
+        plan.cfg.data.batch_size = 1
+
+
+def test_the_systems_keys_name_the_config_key_each_value_comes_from(machine, tmp_path):
+    machine(0)
+    keys = _plan("cpu", "1", tmp_path).system_keys
+    assert keys["scst"] == "finetune.scst"  # scst: ${finetune.scst}
+    assert keys["label_smoothing"] == "head.label_smoothing"
+    assert keys["_target_"] == "head.system._target_"  # written in head.system itself
+
+
+def test_the_tokenizer_kind_is_the_caption_heads_and_none_for_classes(machine, tmp_path):
+    machine(0)
+    assert _plan("cpu", "1", tmp_path).tokenizer_kind == "words"
+    cfg = compose_train([*TINY, *TINY_SHAPES, "trainer=cpu", "head=classification"], tmp_path)
+    assert resolve(cfg).tokenizer_kind is None
+
+
+def _checkpoint(path, step: int, **extra) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"global_step": step, "hyper_parameters": {"lr": 0.5}, **extra}, path)
+
+
+def test_resume_auto_starts_afresh_in_an_empty_folder_and_continues_the_folders_checkpoint(machine, tmp_path):
+    machine(0)
+    fresh = _plan("cpu", "1", tmp_path, resume="auto").resume
+    assert (fresh.ckpt_path, fresh.first_step, fresh.log_from) == (None, 0, 0)  # the folder's logs continue
+    _checkpoint(tmp_path / "checkpoints" / "last.ckpt", 7)
+    found = _plan("cpu", "1", tmp_path, resume="auto").resume
+    assert (found.ckpt_path, found.key, found.first_step, found.log_from) == (
+        str(tmp_path / "checkpoints" / "last.ckpt"),
+        "resume",
+        7,
+        7,
+    )
+    assert found.hparams == {"lr": 0.5}
+    assert _plan("cpu", "1", tmp_path).resume.log_from is None  # no resume: a new run's logs
+
+
+class _Foreign:
+    """An object a checkpoint could carry that ``torch.load(weights_only=True)`` must not unpickle."""
+
+
+@pytest.mark.parametrize("content", ["truncated", "foreign"])
+def test_a_checkpoint_that_is_truncated_or_holds_foreign_objects_stops_the_run_in_one_line(content, machine, tmp_path):
+    machine(0)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    _checkpoint(last, 3, **({"extra": _Foreign()} if content == "foreign" else {}))
+    if content == "truncated":
+        last.write_bytes(last.read_bytes()[:100])
+    with pytest.raises(
+        ConfigError, match=rf"^resume: checkpoint {last} cannot be read \(.+\); use another checkpoint$"
+    ):
+        _plan("cpu", "1", tmp_path, resume="auto")
+
+
+def test_a_restart_reads_the_runs_own_tokenizer_and_a_first_start_builds_its_own(machine, tmp_path):
+    machine(0)
+    words = Vocabulary(["circle", "red"])
+    words.save(tmp_path / "vocab.json")
+    assert _plan("cpu", "1", tmp_path).vocab is None  # a file from an earlier run here is not this run's
+    _checkpoint(tmp_path / "checkpoints" / "last.ckpt", 2)
+    assert _plan("cpu", "1", tmp_path, resume="auto").vocab.words == ["circle", "red"]
+
+
+@pytest.mark.parametrize("kind", ["words", "bpe"])
+def test_run_tokenizer_reads_the_file_of_its_kind_and_only_that(kind, tmp_path, monkeypatch):
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    run = RunDir(tmp_path)
+    other = run.vocab if kind == "bpe" else run.tokenizer
+    (Vocabulary(["red"]).save if other == run.vocab else train_bpe(["a red circle"] * 4, 300).save)(other)
+    assert run_tokenizer(kind, tmp_path, resuming=True) is None  # only the other kind's file: none of its own
+    mine = run.tokenizer if kind == "bpe" else run.vocab
+    (train_bpe(["a blue square"] * 4, 300).save if kind == "bpe" else Vocabulary(["blue"]).save)(mine)
+    loaded = run_tokenizer(kind, tmp_path, resuming=True)
+    assert type(loaded) is (SubwordTokenizer if kind == "bpe" else Vocabulary)
+    assert loaded.decode(loaded.encode("blue")) == "blue"
+    assert run_tokenizer(kind, tmp_path, resuming=False) is None  # rank 0's first start builds its own
+    assert run_tokenizer("file", tmp_path, resuming=True) is None  # tokenizer=file: the DataModule reads it
+
+
+def test_another_rank_waits_for_rank_zeros_tokenizer_even_on_a_first_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    Vocabulary(["blue"]).save(tmp_path / "vocab.json")
+    assert run_tokenizer("words", tmp_path, resuming=False).words == ["blue"]
+    clock = _Clock(monkeypatch)
+    with pytest.raises(TimeoutError):
+        run_tokenizer("bpe", tmp_path, resuming=False, wait=3)
+    assert clock.now > 3
+
+
+class _Clock:
+    """``plan.time`` replaced by a clock that moves only when the code sleeps; ``on_sleep`` runs at each sleep."""
+
+    def __init__(self, monkeypatch, on_sleep=lambda now: None) -> None:
+        self.now, self.sleeps, self.on_sleep = 0.0, [], on_sleep
+        monkeypatch.setattr(plan_module, "time", SimpleNamespace(monotonic=lambda: self.now, sleep=self._sleep))
+
+    def _sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+        self.on_sleep(self.now)
+
+
+def test_waiting_for_rank_zero_gives_up_once_more_than_wait_seconds_passed_looking_once_a_second(
+    tmp_path, monkeypatch, caplog
+):
+    clock = _Clock(monkeypatch)
+    with caplog.at_level(logging.INFO, "vitattn.training.plan"):
+        with pytest.raises(TimeoutError, match=r"^rank 0 wrote no .*missing in 5 s; see rank 0's log for why$"):
+            wait_for_rank_zero(tmp_path / "missing", wait=5)
+    assert clock.sleeps == [1.0] * 6  # at 5 s it still waits: past 5 s it stops
+    assert "waiting for rank 0 to write" in caplog.text
+
+
+def test_waiting_for_rank_zero_returns_what_read_gives_once_the_file_is_there_and_not_before(
+    tmp_path, monkeypatch, caplog
+):
+    path = tmp_path / "reward.json"
+    reads = iter([None, "new"])  # None: rank 0 is still replacing an older file
+    clock = _Clock(monkeypatch, on_sleep=lambda now: now == 2 and path.write_text("x"))
+    with caplog.at_level(logging.INFO, "vitattn.training.plan"):
+        assert wait_for_rank_zero(path, wait=10, read=lambda p: next(reads)) == "new"
+    assert clock.sleeps == [1.0] * 3  # absent at 0 and 1 s, there but not ready at 2 s, read at 3 s
+    caplog.clear()
+    assert wait_for_rank_zero(path, wait=10) is True  # there already, no read: at once, without a word
+    assert clock.sleeps == [1.0] * 3 and not caplog.text

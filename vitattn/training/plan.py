@@ -63,19 +63,20 @@ Config = DictConfig  # the composed config ``train(cfg)`` takes: only the plan, 
 
 @dataclass(frozen=True)
 class TrainerPlan:
-    """The ``trainer`` keys the run reads itself, defaults applied; ``pl.Trainer`` takes the node as configured."""
+    """The ``trainer`` keys the run reads itself (``_trainer_plan`` applies their defaults); ``pl.Trainer`` takes
+    the node as configured."""
 
-    accelerator: str = "auto"
-    devices: int | str | list[int] = 1  # a count, device ids, or auto
-    num_nodes: int = 1
-    strategy: str = "auto"  # the strategy's name, or its class for a configured one (trainer=fsdp)
-    on_gpu: bool = False  # accelerator gpu or cuda, or auto with CUDA available
-    no_gpu: str = ""  # a GPU trainer on a machine without one: the line the run stops with when it builds
-    sharded: bool = False  # trainer=fsdp
-    processes: int = 1  # the training processes on this machine: ``processes_per_node``, the one parse of devices
-    rank: int = 0  # this process's rank among all of the run's processes (global_rank)
-    fast_dev_run: bool = False
-    progress_bar: bool = True
+    accelerator: str
+    devices: int | str | list[int]  # a count, device ids, or auto
+    num_nodes: int
+    strategy: str  # the strategy's name, or its class for a configured one (trainer=fsdp)
+    on_gpu: bool  # accelerator gpu or cuda, or auto with CUDA available
+    no_gpu: str  # a GPU trainer on a machine without one: the line the run stops with when it builds; "" otherwise
+    sharded: bool  # trainer=fsdp
+    processes: int  # the training processes on this machine: ``processes_per_node``, the one parse of devices
+    rank: int  # this process's rank among all of the run's processes (global_rank)
+    fast_dev_run: bool
+    progress_bar: bool
 
     @property
     def distributed(self) -> bool:
@@ -89,8 +90,8 @@ class TrainerPlan:
 class Precision:
     """``trainer.precision`` (``auto`` made concrete by the plan) and ``float32_matmul_precision``."""
 
-    trainer: str = "32-true"
-    matmul: str = "auto"
+    trainer: str
+    matmul: str
 
     def __post_init__(self) -> None:
         if self.trainer in ("bf16-true", "16-true"):
@@ -399,8 +400,8 @@ def run_tokenizer(kind: str | None, run_dir: Path, resuming: bool, wait: float =
 
 
 def wait_for_rank_zero(path: Path, wait: float = WAIT_SECONDS, read: Any = None) -> Any:
-    """Return once rank 0 has written ``path`` for every rank, with ``read(path)`` when given (None: not yet, an
-    older file rank 0 is replacing); ``TimeoutError`` after ``wait`` seconds."""
+    """Return once rank 0 has written ``path`` for every rank, looking once a second: ``read(path)`` when given (None:
+    not yet, an older file rank 0 is replacing), else True; ``TimeoutError`` once more than ``wait`` seconds passed."""
     deadline = time.monotonic() + wait
     if not path.is_file():
         log.info("rank %d: waiting for rank 0 to write %s", rank_zero_only.rank, path)
