@@ -70,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # USB's ViT settings (config/usb_cv/fixmatch/*.yaml: uratio 1); FixMatch's 7 is for its WideResNets
     p.add_argument("--mu", type=int, default=1, help="the semi arms' semi.ratio: unlabelled images per labelled one")
     p.add_argument("--img-size", type=int, default=32)
+    # FixMatch's recipe trains classes without label smoothing (the head's 0.1 caps every probability below its
+    # 0.95 threshold): every classification arm, so that the arms stay paired
+    p.add_argument("--class-smoothing", type=float, default=0.0, help="head.label_smoothing of the classes' arms")
     p.add_argument("--cache", type=Path, default=learning_data.DEFAULT_CACHE)
     p.add_argument("--out", type=Path, default=REPO / "bench_results" / "bootstrap.json")
 
@@ -170,7 +173,8 @@ def _train(
     (CIDEr-D or accuracy)."""
     cfg = learning_bench.BenchConfig(steps=args.steps, threads=args.threads, img_size=args.img_size, seed=seed)
     cfg = dataclasses.replace(cfg, **(size or {}))
-    cfg.vitattn_args = [*extra, *(["export_bundle=true"] if export else [])]
+    smoothing = [f"head.label_smoothing={args.class_smoothing}"] if task == "classification" else []
+    cfg.vitattn_args = [*smoothing, *extra, *(["export_bundle=true"] if export else [])]
     side = learning_bench.run_vitattn(task, data, cfg, run_dir)
     metric = "cider_d" if task == "caption" else "acc"
     mu = next((int(o.split("=")[1]) for o in extra if o.startswith("semi.ratio=")), 0)

@@ -183,7 +183,8 @@ def test_a_run_resumed_mid_epoch_trains_the_samples_of_an_uninterrupted_one(fold
     """Through a checkpoint: 1 step, then resumed to 3 (mid-epoch and mid-pass) against 3 straight."""
     base = [*TINY, "head=classification", "data=imagefolder", f"data.root={folders / 'tree'}", "data.batch_size=2"]
     base += ["semi=fixmatch", f"semi.images={folders / 'pool' / 'train'}", "semi.ratio=1", "test=false"]
-    base += ["export_bundle=false", "+callbacks.sample_keys._target_=vitattn.training.callbacks.SampleKeys"]
+    base += ["head.label_smoothing=0", "export_bundle=false"]
+    base += ["+callbacks.sample_keys._target_=vitattn.training.callbacks.SampleKeys"]
 
     def run(name: str, steps: int, *extra: str) -> tuple[list[str], list[tuple[int, str]]]:
         folder = tmp_path / name
@@ -231,6 +232,7 @@ def test_shapes_learn_from_a_pool_of_shards_read_by_sample_key(tmp_path):
     write_shards(shapes_samples("train", 6, img_size=32, seed=9), tmp_path / "shards", 4)
     images = str(tmp_path / "shards" / "{00000..00001}.tar")
     overrides = [*TINY, "head=classification", "data.num_train=8", "data.num_val=4", "semi=fixmatch"]
+    overrides += ["head.label_smoothing=0"]
     overrides += [f"semi.images='{images}'", "semi.ratio=1", "data.batch_size=4", "trainer.max_steps=2"]
     train(compose_train([*overrides, "test=false", "export_bundle=false"], tmp_path / "run"))
     lines = (tmp_path / "run" / "semi" / "pseudo_labels.rank0.jsonl").read_text().splitlines()
@@ -288,6 +290,22 @@ def test_what_semi_does_not_combine_with_is_refused_in_one_line(overrides, line)
     with pytest.raises(ConfigError, match=line) as err:
         check_config(cfg)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("smoothing", "threshold", "refused"), [(0.1, 0.95, True), (0.1, 0.9, False), (0.0, 0.95, False)]
+)
+def test_a_threshold_that_label_smoothing_puts_out_of_reach_is_refused_in_one_line(smoothing, threshold, refused):
+    """Four classes: a model trained towards the smoothed target gives a class at most 1 - 0.1 + 0.1/4 = 0.925."""
+    system = ClassificationSystem({**CONFIG, "num_classes": 4}, ["a", "b", "c", "d"], label_smoothing=smoothing)
+    settings = SemiSettings(method="fixmatch", images="pool/", threshold=threshold)
+    line = r"^semi\.threshold=0\.95 is never reached with head\.label_smoothing=0\.1 over 4 classes \(no class gets "
+    if refused:
+        with pytest.raises(ConfigError, match=line + r"more than 0\.925\); FixMatch trains without smoothing"):
+            system.use_semi(settings)
+    else:
+        system.use_semi(settings)
+        assert system.semi is settings
 
 
 def test_the_model_card_says_what_a_semi_run_learned_from(tmp_path):

@@ -12,6 +12,7 @@ from timm.data import Mixup
 from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
 
+from vitattn.errors import ConfigError
 from vitattn.models import VisionTransformer
 from vitattn.models.vit import Patches
 from vitattn.training.semi import FreeMatchThreshold, SemiSettings, labelling, unlabelled_loss
@@ -58,7 +59,17 @@ class ClassificationSystem(VisionSystem):
         self.test_top5 = MulticlassAccuracy(n, top_k=min(5, n), average="micro")
 
     def use_semi(self, settings: SemiSettings) -> None:
-        """``VisionSystem.use_semi``; ``semi=freematch``: its adaptive threshold (buffers, checkpointed)."""
+        """``VisionSystem.use_semi``; ``semi=freematch``: its adaptive threshold (buffers, checkpointed). A fixed
+        threshold that label smoothing puts out of reach is refused: a model trained towards the smoothed target
+        gives no class more than 1 - ε + ε/K, so no pseudo-label would ever pass."""
+        classes = len(self.hparams.class_names)
+        reach = 1 - self.label_smoothing + self.label_smoothing / classes
+        if settings.method == "fixmatch" and settings.threshold >= reach:
+            raise ConfigError(
+                f"semi.threshold={settings.threshold} is never reached with head.label_smoothing="
+                f"{self.label_smoothing} over {classes} classes (no class gets more than {reach:.3f}); FixMatch "
+                "trains without smoothing: add head.label_smoothing=0, or set semi.threshold below that"
+            )
         super().use_semi(settings)
         if settings.method == "freematch":
             self.semi_threshold = FreeMatchThreshold(len(self.hparams.class_names), settings.momentum)
