@@ -179,7 +179,7 @@ def _train(
     metric = "cider_d" if task == "caption" else "acc"
     mu = next((int(o.split("=")[1]) for o in extra if o.startswith("semi.ratio=")), 0)
     seen = side.steps * cfg.batch_size * (1 + mu)  # labelled images, plus mu unlabelled ones each
-    return {
+    result = {
         "score": side.metrics[metric],
         "metric": metric,
         "steps": side.steps,
@@ -187,6 +187,25 @@ def _train(
         "seconds": side.seconds,
         "command": side.command,
     }
+    return result | (pseudo_label_stats(run_dir) if task == "classification" and mu else {})
+
+
+def pseudo_label_stats(run_dir: Path) -> dict[str, float]:
+    """A ``semi`` run's pseudo-labels against the pool's true classes (each image's folder), from the run's
+    ``semi/pseudo_labels.rank*.jsonl``, never from a training key: the share kept, the accuracy of the kept ones
+    and of all, over the whole run and its last quarter of steps."""
+    records = [json.loads(x) for f in sorted((run_dir / "semi").glob("pseudo_labels.rank*.jsonl")) for x in open(f)]
+    if not records:
+        return {}
+    last = max(r["step"] for r in records)
+    stats = {}
+    for name, part in (("", records), ("_last_quarter", [r for r in records if r["step"] >= 0.75 * last])):
+        right = [r["label"] == Path(r["key"]).parent.name for r in part]
+        kept = [ok for ok, r in zip(right, part) if r["kept"]]
+        stats[f"pseudo_kept{name}"] = len(kept) / len(part)
+        stats[f"pseudo_kept_accuracy{name}"] = sum(kept) / len(kept) if kept else float("nan")
+        stats[f"pseudo_accuracy{name}"] = sum(right) / len(right)
+    return stats
 
 
 def _row(name: str, task: str, scores: dict[str, dict[int, float]]) -> dict[str, Any]:
