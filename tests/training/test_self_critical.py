@@ -22,12 +22,13 @@ from vitattn.cli.export import main as export_main
 from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.errors import ConfigError
 from vitattn.inference.api import Captioner
+from vitattn.losses import scst_loss
 from vitattn.metrics import CiderD, cider_d
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 from vitattn.run_dir import RunDir
 from vitattn.training import train
 from vitattn.training.build import prepare_reward, read_statistics
-from vitattn.training.systems.self_critical import ScstConfig, SelfCritical, mean_of_others, sample_log_probs, scst_loss
+from vitattn.training.systems.self_critical import ScstConfig, SelfCritical, mean_of_others, sample_log_probs
 
 # A captioner on the built-in shapes that logs every step; SCST and cross-entropy second stages start from it.
 BASE = [*TINY, *TINY_SHAPES, "trainer.max_epochs=-1", "trainer.log_every_n_steps=1", "export_bundle=true"]
@@ -40,41 +41,6 @@ def _toy_captioner(seed: int = 0, vocab_size: int = 7, unk_id: int | None = 3) -
         vocab_size, embed_dim=16, depth=1, num_heads=2, max_len=6, drop_rate=0.0, unk_id=unk_id, memory_dim=16
     )
     return ImageCaptioner(encoder, decoder)
-
-
-# ----------------------------------------------------------------------------------------------- the loss
-
-
-def test_the_loss_and_its_gradient_are_the_reference_reward_criterion_by_hand():
-    # One-step "decoder": each sample's log-probabilities are log softmax(theta_s) over V tokens; by hand,
-    # d loss / d theta_s = -(advantage_s / tokens) * (onehot(y_s) - softmax(theta_s)) at each generated token.
-    torch.manual_seed(0)
-    theta = torch.randn(3, 2, 5, requires_grad=True)  # (S, T, V)
-    tokens = torch.tensor([[1, 2], [4, 0], [2, 3]])  # the second sample is one token long (then padding)
-    mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
-    advantage = torch.tensor([0.5, -2.0, 1.5])
-    log_probs = theta.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
-    loss = scst_loss(log_probs, mask, advantage)
-    loss.backward()
-
-    p = theta.detach().softmax(-1)
-    expected = (
-        -sum(
-            float(advantage[s]) * math.log(float(p[s, t, tokens[s, t]]))
-            for s in range(3)
-            for t in range(2)
-            if mask[s, t]
-        )
-        / 5
-    )
-    assert loss.item() == pytest.approx(expected, rel=1e-6)
-    hand = torch.zeros_like(theta)
-    for s in range(3):
-        for t in range(2):
-            if mask[s, t]:
-                onehot = torch.nn.functional.one_hot(tokens[s, t], 5).float()
-                hand[s, t] = -(advantage[s] / 5) * (onehot - p[s, t])
-    torch.testing.assert_close(theta.grad, hand, rtol=1e-5, atol=1e-7)
 
 
 def test_the_mean_baseline_is_the_mean_of_the_images_other_samples():

@@ -17,11 +17,12 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from vitattn.layers import Memory
+from vitattn.losses import scst_loss
 from vitattn.metrics import CiderD
 from vitattn.models import ImageCaptioner
 from vitattn.models.generate import greedy_search, sampling_logits
 
-__all__ = ["BASELINES", "ScstConfig", "SelfCritical", "scst_loss"]
+__all__ = ["BASELINES", "ScstConfig", "SelfCritical"]
 
 BASELINES = ("mean", "greedy")
 
@@ -55,13 +56,6 @@ class ScstConfig:
                 f"scst.temperature={self.temperature} must be positive, scst.top_p={self.top_p} in (0, 1], "
                 f"scst.top_k={self.top_k} and scst.xe_weight={self.xe_weight} at least 0"
             )
-
-
-def scst_loss(log_probs: Tensor, mask: Tensor, advantage: Tensor) -> Tensor:
-    """``-sum(advantage * log p(token) * mask) / sum(mask)``, the reference ``RewardCriterion``, of (S, T)
-    ``log_probs`` and ``mask`` (1 for generated tokens, ``<eos>`` included) and (S,) ``advantage`` (no gradient)."""
-    mask = mask.to(log_probs.dtype)
-    return -(advantage.detach()[:, None] * log_probs * mask).sum() / mask.sum().clamp(min=1)
 
 
 def mean_of_others(rewards: Tensor, samples: int) -> Tensor:
