@@ -31,7 +31,8 @@ BASELINES = ("mean", "greedy")
 class ScstConfig:
     """``finetune.scst``: K ``samples`` per image, the ``baseline`` (``mean`` of the image's other samples'
     rewards, Luo 2020, or its ``greedy`` caption's), ``generate``'s sampling filters, the cross-entropy's weight,
-    the longest sample (None: the decoder's ``max_len - 1``)."""
+    the longest sample (None: the generation length, ``head.generate.max_new_tokens``, which ``CaptionSystem``
+    checks and puts in its place before ``SelfCritical`` samples)."""
 
     samples: int = 5
     baseline: str = "mean"
@@ -84,7 +85,8 @@ class SelfCritical:
         images' (B, N, D) ``encode``, with gradients, when the caller has it (None: encoded here)."""
         cfg, K = self.config, self.config.samples
         ids = model.special_ids
-        max_new = model.check_generate(cfg.max_new_tokens, 1, True, cfg.temperature)
+        max_new = cfg.max_new_tokens
+        assert max_new is not None, "CaptionSystem resolves scst.max_new_tokens to the generation length"
         if memory is None:
             with record_function("scst/encode"):
                 memory = model.encode(images)  # (B, N, D), with gradients
