@@ -1,14 +1,14 @@
-"""The training losses as modules, as open_clip's ``loss.py``: the caption cross-entropy (``CaptionLoss``), and the
-contrastive losses between image and text embeddings (``ClipLoss``, ``SigLipLoss``), with every rank's embeddings
-as negatives and every reference of an image, and every equal text, as its positives.
+"""The training losses, as open_clip's ``loss.py``: the cross-entropies of captions (``CaptionLoss``), of classes
+(``classification_loss``) and of soft targets (``soft_target_cross_entropy``: mixup, a teacher's probabilities), SCST's
+policy gradient (``scst_loss``), and the contrastive losses of image and text embeddings (``ClipLoss``,
+``SigLipLoss``): every rank's embeddings as negatives, every reference of an image and every equal text positives.
 
 Each rank gathers with gradients the ranks' embeddings it uses (SigLIP's: the texts), batches of any sizes
 (``gather_rows``), and takes its share of the loss one process would take over all ranks' rows, so that DDP's and
 FSDP's mean over ranks is that loss (``loss_over_ranks``: what is logged). The loss runs in fp32 at least with
 autocast off; ``logit_scale`` is clamped to ``MAX_LOGIT_SCALE`` by training and inference. Design: docs/captioning.md.
-
 Dimension letters: B this rank's images, N this rank's texts, I and N_all every rank's, W ranks, E embedding width,
-T token positions, V vocabulary.
+T token positions, V vocabulary, K classes, S sampled captions.
 """
 
 from __future__ import annotations
@@ -29,10 +29,13 @@ __all__ = [
     "CaptionLoss",
     "ClipLoss",
     "SigLipLoss",
+    "classification_loss",
     "gather_rows",
     "loss_over_ranks",
     "positives",
     "rank_rows",
+    "scst_loss",
+    "soft_target_cross_entropy",
 ]
 
 MAX_LOGIT_SCALE = math.log(100)  # CLIP's cap on the learned log temperature
@@ -55,6 +58,27 @@ class CaptionLoss(nn.Module):
             ignore_index=self.pad_id,
             label_smoothing=label_smoothing,
         )
+
+
+def classification_loss(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> Tensor:
+    """The mean cross-entropy in fp32 of (B, K) ``logits`` against ``labels``: class indices (B,), or class
+    probabilities (B, K) (``bootstrap.soft``: a teacher's), smoothed by ``label_smoothing`` over all K classes."""
+    return F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing)
+
+
+def soft_target_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """(B,) cross-entropies ``-sum_k targets_k log softmax(logits)_k`` in fp32 of (B, K) ``logits`` against the
+    distributions ``targets`` (B, K) taken as they are (timm's ``SoftTargetCrossEntropy``, not reduced): mixup's
+    mixed, already smoothed labels, and a teacher's soft pseudo-labels."""
+    return torch.sum(-targets * F.log_softmax(logits.float(), dim=-1), dim=-1)
+
+
+def scst_loss(log_probs: Tensor, mask: Tensor, advantage: Tensor) -> Tensor:
+    """``-sum(advantage * log p(token) * mask) / sum(mask)``, the reference ``RewardCriterion`` (Rennie et al. 2017),
+    of (S, T) ``log_probs`` and ``mask`` (1 for generated tokens, ``<eos>`` included) and (S,) ``advantage`` (no
+    gradient)."""
+    mask = mask.to(log_probs.dtype)
+    return -(advantage.detach()[:, None] * log_probs * mask).sum() / mask.sum().clamp(min=1)
 
 
 def rank_rows(x: Tensor) -> list[int]:

@@ -2,7 +2,6 @@
 when the data is read, the student trains on its own data and the kept pool; validation keeps the human
 references; leaked images are left out and counted; a resumed run never captions again; lineage is recorded."""
 
-import dataclasses
 import json
 import random
 import shutil
@@ -230,11 +229,13 @@ def test_only_global_rank_zero_labels_the_pool(pool, tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setenv("NODE_RANK", "1")
         m.setattr(side_files, "label_pool", lambda *a: pytest.fail("a process of node 1 labelled the pool"))
-        m.setattr(side_files, "wait_for", lambda path: (_ for _ in ()).throw(_Stop()))
+        waits = []
+        m.setattr(side_files, "wait_for_rank_zero", lambda *a: waits.append(a) or (_ for _ in ()).throw(_Stop()))
         overrides = [*TINY, "head=classification", *TINY_SHAPES, *SHORT, f"bootstrap.teacher={tmp_path}"]
         cfg = compose_train([*overrides, f"bootstrap.images={pool}"], tmp_path / "s")
-        with pytest.raises(_Stop):  # it waits for rank 0's side files
+        with pytest.raises(_Stop):  # it waits for rank 0's side files, as long as labelling the pool may take
             build(resolve(cfg), [])
+        assert waits == [(tmp_path / "s" / "bootstrap" / "labels.jsonl", 7 * 24 * 3600)]
     from vitattn.training.plan import global_rank
 
     cases = [({}, 0), ({"RANK": "3", "NODE_RANK": "1"}, 3), ({"NODE_RANK": "1"}, 2), ({"LOCAL_RANK": "1"}, 1)]
@@ -570,7 +571,8 @@ def test_the_student_is_its_own_run_and_takes_its_own_noise(pool, tmp_path):
 
 
 def test_the_captioning_child_loads_its_teacher_and_filter_in_the_job_s_precision(monkeypatch, tmp_path):
-    from vitattn.training.bootstrap import child
+    from vitattn.inference import jobs
+    from vitattn.inference.captioning import Processes
 
     loaded = []
 
@@ -578,11 +580,12 @@ def test_the_captioning_child_loads_its_teacher_and_filter_in_the_job_s_precisio
         loaded.append((path, kwargs["precision"]))
         if path == "filter":
             raise _Stop
-        return SimpleNamespace(precision=kwargs["precision"], merge_tokens=None)
+        return SimpleNamespace(task="caption", precision=kwargs["precision"], merge_tokens=None)
 
-    monkeypatch.setattr(child, "load_model", load)
-    job = child.CaptionJob(teacher="teacher", images=str(tmp_path), out=str(tmp_path / "c.jsonl"), precision="bf16")
+    monkeypatch.setattr(jobs, "load_model", load)
+    settings = BootstrapSettings(teacher="teacher", images=str(tmp_path), filter="filter")
+    job = side_files.caption_job(settings, tmp_path / "c.jsonl", {"precision": "bf16"})
     with pytest.raises(_Stop):
-        child.run_job(dataclasses.replace(job, score="filter"))
+        jobs.run_caption_job(job, Processes())
     assert loaded == [("teacher", "bf16"), ("filter", "bf16")]
-    assert child.CaptionJob(**json.loads(job.to_json())) == job  # what the child process reads back
+    assert jobs.CaptionJob.from_json(job.to_json()) == job  # what the child process reads back

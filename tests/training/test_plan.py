@@ -6,8 +6,6 @@ without CUDA; the expected values are written by hand. The processes that ``dist
 import copy
 import dataclasses
 import functools
-import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,10 +14,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ReadonlyConfigError
 
 from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
+from tests.training.test_rank_zero import _Clock
 from vitattn.data.tokenizer import SubwordTokenizer, Vocabulary, train_bpe
 from vitattn.errors import ConfigError
 from vitattn.run_dir import RunDir
-from vitattn.training import plan as plan_module
 from vitattn.training.build import _pool_run
 from vitattn.training.plan import (
     Plan,
@@ -28,7 +26,6 @@ from vitattn.training.plan import (
     processes_per_node,
     resolve,
     run_tokenizer,
-    wait_for_rank_zero,
 )
 
 NO_GPU = (
@@ -276,41 +273,3 @@ def test_another_rank_waits_for_rank_zeros_tokenizer_even_on_a_first_start(tmp_p
     with pytest.raises(TimeoutError):
         run_tokenizer("bpe", tmp_path, resuming=False, wait=3)
     assert clock.now > 3
-
-
-class _Clock:
-    """``plan.time`` replaced by a clock that moves only when the code sleeps; ``on_sleep`` runs at each sleep."""
-
-    def __init__(self, monkeypatch, on_sleep=lambda now: None) -> None:
-        self.now, self.sleeps, self.on_sleep = 0.0, [], on_sleep
-        monkeypatch.setattr(plan_module, "time", SimpleNamespace(monotonic=lambda: self.now, sleep=self._sleep))
-
-    def _sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
-        self.on_sleep(self.now)
-
-
-def test_waiting_for_rank_zero_gives_up_once_more_than_wait_seconds_passed_looking_once_a_second(
-    tmp_path, monkeypatch, caplog
-):
-    clock = _Clock(monkeypatch)
-    with caplog.at_level(logging.INFO, "vitattn.training.plan"):
-        with pytest.raises(TimeoutError, match=r"^rank 0 wrote no .*missing in 5 s; see rank 0's log for why$"):
-            wait_for_rank_zero(tmp_path / "missing", wait=5)
-    assert clock.sleeps == [1.0] * 6  # at 5 s it still waits: past 5 s it stops
-    assert "waiting for rank 0 to write" in caplog.text
-
-
-def test_waiting_for_rank_zero_returns_what_read_gives_once_the_file_is_there_and_not_before(
-    tmp_path, monkeypatch, caplog
-):
-    path = tmp_path / "reward.json"
-    reads = iter([None, "new"])  # None: rank 0 is still replacing an older file
-    clock = _Clock(monkeypatch, on_sleep=lambda now: now == 2 and path.write_text("x"))
-    with caplog.at_level(logging.INFO, "vitattn.training.plan"):
-        assert wait_for_rank_zero(path, wait=10, read=lambda p: next(reads)) == "new"
-    assert clock.sleeps == [1.0] * 3  # absent at 0 and 1 s, there but not ready at 2 s, read at 3 s
-    caplog.clear()
-    assert wait_for_rank_zero(path, wait=10) is True  # there already, no read: at once, without a word
-    assert clock.sleeps == [1.0] * 3 and not caplog.text

@@ -22,12 +22,13 @@ from vitattn.cli.export import main as export_main
 from vitattn.data.shards.writer import shapes_samples, write_shards
 from vitattn.errors import ConfigError
 from vitattn.inference.api import Captioner
+from vitattn.losses import scst_loss
 from vitattn.metrics import CiderD, cider_d
 from vitattn.models import CaptionDecoder, ImageCaptioner, VisionTransformer
 from vitattn.run_dir import RunDir
 from vitattn.training import train
 from vitattn.training.build import prepare_reward, read_statistics
-from vitattn.training.systems.self_critical import ScstConfig, SelfCritical, mean_of_others, sample_log_probs, scst_loss
+from vitattn.training.systems.self_critical import ScstConfig, SelfCritical, mean_of_others, sample_log_probs
 
 # A captioner on the built-in shapes that logs every step; SCST and cross-entropy second stages start from it.
 BASE = [*TINY, *TINY_SHAPES, "trainer.max_epochs=-1", "trainer.log_every_n_steps=1", "export_bundle=true"]
@@ -40,41 +41,6 @@ def _toy_captioner(seed: int = 0, vocab_size: int = 7, unk_id: int | None = 3) -
         vocab_size, embed_dim=16, depth=1, num_heads=2, max_len=6, drop_rate=0.0, unk_id=unk_id, memory_dim=16
     )
     return ImageCaptioner(encoder, decoder)
-
-
-# ----------------------------------------------------------------------------------------------- the loss
-
-
-def test_the_loss_and_its_gradient_are_the_reference_reward_criterion_by_hand():
-    # One-step "decoder": each sample's log-probabilities are log softmax(theta_s) over V tokens; by hand,
-    # d loss / d theta_s = -(advantage_s / tokens) * (onehot(y_s) - softmax(theta_s)) at each generated token.
-    torch.manual_seed(0)
-    theta = torch.randn(3, 2, 5, requires_grad=True)  # (S, T, V)
-    tokens = torch.tensor([[1, 2], [4, 0], [2, 3]])  # the second sample is one token long (then padding)
-    mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
-    advantage = torch.tensor([0.5, -2.0, 1.5])
-    log_probs = theta.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
-    loss = scst_loss(log_probs, mask, advantage)
-    loss.backward()
-
-    p = theta.detach().softmax(-1)
-    expected = (
-        -sum(
-            float(advantage[s]) * math.log(float(p[s, t, tokens[s, t]]))
-            for s in range(3)
-            for t in range(2)
-            if mask[s, t]
-        )
-        / 5
-    )
-    assert loss.item() == pytest.approx(expected, rel=1e-6)
-    hand = torch.zeros_like(theta)
-    for s in range(3):
-        for t in range(2):
-            if mask[s, t]:
-                onehot = torch.nn.functional.one_hot(tokens[s, t], 5).float()
-                hand[s, t] = -(advantage[s] / 5) * (onehot - p[s, t])
-    torch.testing.assert_close(theta.grad, hand, rtol=1e-5, atol=1e-7)
 
 
 def test_the_mean_baseline_is_the_mean_of_the_images_other_samples():
@@ -108,7 +74,7 @@ def test_one_self_critical_step_rewards_each_sample_against_its_own_images_refer
     decode = lambda ids: [" ".join(words[i] for i in row if i > 3) for row in ids.tolist()]  # noqa: E731
     references = [["red circle", "a red circle"], ["blue blue", "blue circle"]]
     scorer = CiderD([*references, ["circle"], ["red blue"]], eos_word=True)
-    objective = SelfCritical(ScstConfig(samples=4, baseline="mean"), scorer, decode)
+    objective = SelfCritical(ScstConfig(samples=4, baseline="mean", max_new_tokens=5), scorer, decode)
     torch.manual_seed(3)
     loss, logged = objective(model, torch.randn(2, 3, 16, 16), references, None)
     torch.manual_seed(3)  # the same draw, by hand: sampled rows are K per image, consecutive
@@ -191,7 +157,11 @@ def _policy_log_probs(logits: torch.Tensor, config: ScstConfig) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "config",
-    [ScstConfig(samples=3), ScstConfig(samples=3, temperature=0.6, top_p=0.8), ScstConfig(samples=3, top_k=3)],
+    [
+        ScstConfig(samples=3, max_new_tokens=5),
+        ScstConfig(samples=3, temperature=0.6, top_p=0.8, max_new_tokens=5),
+        ScstConfig(samples=3, top_k=3, max_new_tokens=5),
+    ],
     ids=["plain", "tempered_top_p", "top_k"],
 )
 def test_the_pass_that_samples_and_the_pass_that_scores_give_the_same_log_probabilities(config, monkeypatch):
@@ -386,9 +356,9 @@ def test_scst_on_coca_from_a_captioner_keeps_the_weighted_contrastive_term(contr
         assert loss == pytest.approx(contrastive_weight * contrastive + 2.0 * (scst + 0.5 * caption), abs=1e-5)
 
 
-def _scst_system(head: str, xe_weight: float, encoder: dict | None = None, **kwargs):
+def _scst_system(head: str, xe_weight: float, encoder: dict | None = None, scst: dict | None = None, **kwargs):
     """A tiny CaptionSystem or CocaSystem under ``scst`` with a CIDEr-D reward; ``encoder`` overrides the encoder's
-    settings, ``kwargs`` the system's."""
+    settings, ``scst`` the self-critical ones, ``kwargs`` the system's."""
     from tests.training.test_coca import WORDS
     from vitattn.training.systems import CaptionSystem, CocaSystem
     from vitattn.training.systems.coca import contrastive_model_config
@@ -396,7 +366,7 @@ def _scst_system(head: str, xe_weight: float, encoder: dict | None = None, **kwa
     torch.manual_seed(0)
     encoder = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, **(encoder or {}))
     decoder = dict(vocab_size=len(WORDS) + 4, embed_dim=32, depth=1, num_heads=2, max_len=8)
-    config, scst = {"encoder": encoder, "decoder": decoder}, {"samples": 2, "xe_weight": xe_weight}
+    config, scst = {"encoder": encoder, "decoder": decoder}, {"samples": 2, "xe_weight": xe_weight, **(scst or {})}
     if head == "coca":
         contrastive = {"loss": "clip", "embed_dim": 16, "text_depth": 1, "text_num_heads": 2, "text_mlp_ratio": 2.0}
         config["contrastive"] = contrastive_model_config(contrastive, 2)
@@ -420,6 +390,23 @@ def test_an_scst_step_encodes_each_image_once_and_skips_the_cross_entropy_at_xe_
     assert len(encoded) == 1  # sampling, scoring, the cross-entropy and the contrastive term share it
     assert len(cross_entropies) == (xe_weight > 0)
     assert system.model.encoder.patch_embed.proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("generate, own, length", [(None, None, 7), (3, None, 3), (3, 5, 5), (None, 4, 4)])
+def test_scst_samples_up_to_its_own_length_else_the_generation_length(generate, own, length, monkeypatch):
+    """finetune.scst.max_new_tokens; null: head.generate.max_new_tokens, the generation length; null too: the
+    decoder's max_len - 1 (8 - 1)."""
+    import vitattn.training.systems.self_critical as self_critical
+
+    system = _scst_system("caption", 0.0, scst={"max_new_tokens": own}, generate={"max_new_tokens": generate})
+    lengths, search = [], self_critical.greedy_search
+    monkeypatch.setattr(
+        self_critical, "greedy_search", lambda step, rows, n, *a: lengths.append(n) or search(step, rows, n, *a)
+    )
+    tokens = torch.tensor([[1, 4, 8, 7, 2, 0], [1, 6, 9, 10, 2, 0]])  # <bos> a red circle <eos> <pad>
+    batch = {"images": torch.randn(2, 3, 32, 32), "tokens": tokens, "references": [["a red circle"], ["the blue"]]}
+    system._self_critical_loss(batch, 2)
+    assert lengths == [length]  # the samples' one search (baseline mean: no greedy pass)
 
 
 @pytest.mark.parametrize("head", ["caption", "coca"])

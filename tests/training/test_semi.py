@@ -316,13 +316,14 @@ def test_the_model_card_says_what_a_semi_run_learned_from(tmp_path):
     assert "pool/" in line and "the model itself" in line and "threshold 0.95" in line and "7 per labelled" in line
 
 
-def _captioner(**settings) -> CaptionSystem:
+def _captioner(generate: dict | None = None, **settings) -> CaptionSystem:
     torch.manual_seed(0)
     vocab = Vocabulary.build(["a red square", "a blue circle left of a green triangle", "two small squares"])
     encoder = {**CONFIG, "num_classes": 0, "drop_rate": 0.5, "drop_path_rate": 0.5}
     ids = dict(pad_id=vocab.pad_id, bos_id=vocab.bos_id, eos_id=vocab.eos_id, unk_id=vocab.unk_id)
     decoder = {"vocab_size": len(vocab), "embed_dim": 32, "num_heads": 2, "max_len": 8, "memory_dim": 32, **ids}
-    system = CaptionSystem({"encoder": encoder, "decoder": {**decoder, "drop_rate": 0.5}}, tokenizer_labels(vocab))
+    config = {"encoder": encoder, "decoder": {**decoder, "drop_rate": 0.5}}
+    system = CaptionSystem(config, tokenizer_labels(vocab), generate=generate)
     system.log = lambda *a, **k: None  # no trainer attached
     system.use_semi(SemiSettings(method="fixmatch", images="pool/", **settings))
     return system
@@ -353,6 +354,19 @@ def test_a_caption_pseudo_label_is_the_greedy_caption_its_confidence_the_mean_to
     model.train()
     loss.backward()
     assert strong.grad is not None and strong.grad.abs().sum() > 0 and weak.grad is None
+
+
+def test_a_caption_pseudo_label_is_decoded_up_to_the_generation_length():
+    """head.generate.max_new_tokens bounds the pseudo-captions as it bounds validation's (null: max_len - 1)."""
+    system = _captioner(generate={"max_new_tokens": 2}, threshold=0.0)
+    system.model.eval()
+    weak = torch.randn(3, 3, 32, 32)
+    system._unlabelled(weak, torch.randn(3, 3, 32, 32))
+    with torch.no_grad():
+        greedy = system.model.generate(weak, max_new_tokens=2)  # (U, 2)
+        full = system.model.generate(weak)  # (U, up to 8 - 1)
+    assert torch.equal(system.last_pseudo["tokens"], greedy)
+    assert full.shape[1] > 2  # the bound cut something
 
 
 def test_a_caption_pseudo_label_is_kept_above_the_threshold_and_learned_on_the_strong_view():

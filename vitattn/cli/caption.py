@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,9 @@ from vitattn.cli.errors import USER_ERRORS
 __all__ = ["CaptionConfig", "UsageError", "main", "parse_args", "run"]
 
 log = logging.getLogger("vitattn")
+
+# The arguments that reach ``generate``: the search ones (DecodingArgs: SEARCH_KEYS) and sampling's.
+GENERATE_KEYS = (*(f.name for f in fields(DecodingArgs)), "do_sample", "temperature", "top_k", "top_p")
 
 
 @dataclass
@@ -70,6 +73,10 @@ def parse_args(argv: list[str]) -> Any:
         raise UsageError("images=... and shards=... are both given; caption image files or shards, not both")
     if cfg.num_return_sequences is None and (cfg.include_greedy or cfg.score is not None):
         raise UsageError("include_greedy= and score= are for candidates; add num_return_sequences=K")
+    if cfg.shards is not None and Path(cfg.out).is_file():
+        raise UsageError(f"out={cfg.out} is a file; with shards= it is the folder of one output per shard")
+    if cfg.shards is not None and cfg.attention_maps is not None:
+        raise UsageError("attention_maps= is for image files; drop it with shards=")
     return cfg
 
 
@@ -77,75 +84,56 @@ def run(cfg: Any) -> int:
     """Caption as ``cfg`` says; returns the exit status (0 all captioned, 1 some failed)."""
     import torch
 
-    from vitattn.bundle import load_model, runtime_of
     from vitattn.bundle.hub import resolve_model_path
-    from vitattn.inference.captioning import launch_processes
+    from vitattn.inference.jobs import CaptionJob, run_caption_job
 
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
-    model_path = resolve_model_path(cfg.model)  # a hf-hub: name fetched once, for runtime_of and load_model
-    accelerator = cfg.accelerator or {"auto": "auto", "cpu": "cpu", "cuda": "gpu"}.get(cfg.device, cfg.device)
-    processes = launch_processes(
+    job = CaptionJob(
+        model=str(resolve_model_path(cfg.model)),  # a hf-hub: name fetched once, for the processes and the model
+        name=cfg.model,
+        images=cfg.shards if cfg.shards is not None else cfg.images,
+        shards=cfg.shards is not None,
+        image_dir=cfg.image_dir,
+        out=cfg.out,
+        format=cfg.format,
+        batch_size=cfg.batch_size,
+        num_workers=cfg.num_workers,
+        progress=cfg.progress,
+        seed=cfg.seed,
+        precision=cfg.precision,
+        merge_tokens=cfg.merge_tokens,
+        generate={key: cfg[key] for key in GENERATE_KEYS},
+        samples=cfg.num_return_sequences,
+        include_greedy=cfg.include_greedy,
+        score=cfg.score,
+        score_by=cfg.score_by,
+        attention_maps=cfg.attention_maps,
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
-        accelerator=accelerator,
+        accelerator=cfg.accelerator or {"auto": "auto", "cpu": "cpu", "cuda": "gpu"}.get(cfg.device, cfg.device),
         device=resolve_device(cfg.device),
-        runtime=runtime_of(model_path),
     )
+    processes = job.launch()
     if not processes.is_zero:
         log.setLevel(logging.WARNING)
     try:
-        model = load_model(model_path, device=processes.device, precision=cfg.precision, merge_tokens=cfg.merge_tokens)
-        if model.task != "caption":
-            raise UsageError(f"model={cfg.model} is a {model.task} model; vitattn-caption needs a caption model")
-        options = dict(
-            candidates=_candidate_options(cfg, model, processes.device),
-            processes=processes,
-            format=cfg.format,
-            batch_size=cfg.batch_size,
-            num_workers=cfg.num_workers,
-            progress=cfg.progress,
-            seed=cfg.seed,
-            **model.generate_settings(cfg),
-        )
-        status = _caption_shards(cfg, model, options) if cfg.shards is not None else _caption_files(cfg, model, options)
+        summary = run_caption_job(job, processes)
     except USER_ERRORS:
         if processes.is_zero:
             raise
         return 2  # rank 0 says why, in one line
     finally:
         processes.close()
-    return status
-
-
-def _candidate_options(cfg: Any, model: Any, device: Any) -> Any:
-    """``num_return_sequences``' ``CandidateOptions``, its filter loaded (the captioner itself when ``score`` names
-    it); None without it."""
-    if cfg.num_return_sequences is None:
-        return None
-    from vitattn.bundle import load_model
-    from vitattn.inference.candidates import CandidateFilter, CandidateOptions
-
-    scorer = None
-    if cfg.score is not None:
-        same = cfg.score == cfg.model
-        bundle = model if same else load_model(cfg.score, device=device, precision=cfg.precision)
-        scorer = CandidateFilter(bundle, cfg.score, cfg.score_by)
-    settings = {"precision": model.precision, "merge_tokens": model.merge_tokens}
-    return CandidateOptions(
-        cfg.num_return_sequences, cfg.include_greedy, cfg.seed or 0, scorer, cfg.model, settings=settings
-    )
-
-
-def _caption_files(cfg: Any, model: Any, options: dict[str, Any]) -> int:
-    from vitattn.inference import caption_files, list_inputs
-
-    inputs = list_inputs(cfg.images, cfg.image_dir)
-    processes = options["processes"]
-    log.info("captioning %d images with %s on %d process(es)", len(inputs), cfg.model, processes.world_size)
-    summary = caption_files(model, inputs, cfg.out, attention_maps=cfg.attention_maps, **options)
     if processes.is_zero:
-        print(f"captioned {summary.captioned} images, {summary.failed} failed -> {summary.out}", flush=True)
+        if job.shards:
+            print(
+                f"captioned {summary.captioned} samples of {summary.units} shards ({summary.units_before} finished "
+                f"before), {summary.failed} failed -> {cfg.out}",
+                flush=True,
+            )
+        else:
+            print(f"captioned {summary.captioned} images, {summary.failed} failed -> {summary.out}", flush=True)
         _say_candidates(summary)
     return 1 if summary.failed else 0
 
@@ -163,26 +151,6 @@ def _say_candidates(summary: Any) -> None:
             f"{manifest_path(summary.out)}",
             flush=True,
         )
-
-
-def _caption_shards(cfg: Any, model: Any, options: dict[str, Any]) -> int:
-    from vitattn.data.shards import expand_shards
-    from vitattn.inference import caption_shards
-
-    urls = expand_shards(cfg.shards, "shards")
-    if Path(cfg.out).is_file():
-        raise UsageError(f"out={cfg.out} is a file; with shards= it is the folder of one output per shard")
-    if cfg.attention_maps is not None:
-        raise UsageError("attention_maps= is for image files; drop it with shards=")
-    summary = caption_shards(model, urls, cfg.out, **options)
-    if options["processes"].is_zero:
-        print(
-            f"captioned {summary.captioned} samples of {summary.units} shards ({summary.units_before} finished "
-            f"before), {summary.failed} failed -> {cfg.out}",
-            flush=True,
-        )
-        _say_candidates(summary)
-    return 1 if summary.failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

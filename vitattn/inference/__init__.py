@@ -1,5 +1,6 @@
 """Inference: the Python API (``api``), image files and shards captioned into resumable outputs
-(``captioning``), what to caption (``file_list``) and where the model looked (``attention_maps``).
+(``captioning``; a whole run as plain values, ``jobs``), what to caption (``file_list``) and where the model looked
+(``attention_maps``).
 """
 
 from vitattn.inference.attention_maps import attention_figure, attention_from_tokens, attention_rollout, figure_png

@@ -38,7 +38,8 @@ from vitattn.training.bootstrap import BootstrapSettings, prepare_pool
 from vitattn.training.callbacks import PseudoLabels
 from vitattn.training.config import Task, head_task, qualify
 from vitattn.training.loggers import check_loggers, logger_arguments
-from vitattn.training.plan import WAIT_SECONDS, Plan, Resume, wait_for_rank_zero
+from vitattn.training.plan import Plan, Resume
+from vitattn.training.rank_zero import WAIT_SECONDS, wait_for_rank_zero
 from vitattn.training.semi import SemiSettings
 from vitattn.training.start_weights import log_preprocess
 from vitattn.training.systems import VisionSystem

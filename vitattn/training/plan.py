@@ -15,7 +15,6 @@ import copy
 import logging
 import os
 import re
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +30,12 @@ from vitattn.errors import ConfigError, first_line
 from vitattn.precision import cuda_bf16, native_bf16
 from vitattn.run_dir import RunDir
 from vitattn.training.config import Task, check_config, fully_sharded
+from vitattn.training.rank_zero import WAIT_SECONDS, wait_for_rank_zero
 from vitattn.training.start_weights import EncoderWeights, ModelWeights, read_start
 
 __all__ = [
     "BF16_TRAIN_MIN_WIDTH",
     "Config",
-    "WAIT_SECONDS",
     "MATMUL_PRECISIONS",
     "Plan",
     "Precision",
@@ -47,14 +46,12 @@ __all__ = [
     "processes_per_node",
     "resolve",
     "run_tokenizer",
-    "wait_for_rank_zero",
 ]
 
 log = logging.getLogger(__name__)
 
 # The width from which a bf16-mixed training step beats fp32 on a CPU with bf16 matrix units (docs/benchmarks.md).
 BF16_TRAIN_MIN_WIDTH = 192
-WAIT_SECONDS = 3600.0  # how long a rank other than 0 waits for a file rank 0 writes (the tokenizer, the reward)
 
 
 MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
@@ -397,16 +394,3 @@ def run_tokenizer(kind: str | None, run_dir: Path, resuming: bool, wait: float =
         return None
     log.info("tokenizer=%s: reading this run's %s (built once per run)", kind, saved)
     return load_tokenizer(saved)
-
-
-def wait_for_rank_zero(path: Path, wait: float = WAIT_SECONDS, read: Any = None) -> Any:
-    """Return once rank 0 has written ``path`` for every rank, looking once a second: ``read(path)`` when given (None:
-    not yet, an older file rank 0 is replacing), else True; ``TimeoutError`` once more than ``wait`` seconds passed."""
-    deadline = time.monotonic() + wait
-    if not path.is_file():
-        log.info("rank %d: waiting for rank 0 to write %s", rank_zero_only.rank, path)
-    while not path.is_file() or (found := read(path) if read else True) is None:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank 0 wrote no {path} in {wait:.0f} s; see rank 0's log for why")
-        time.sleep(1.0)
-    return found

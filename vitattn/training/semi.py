@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 from vitattn.data.shards import expand_shards, read_shard
 from vitattn.data.shards.stream import image_member
 from vitattn.inference import list_inputs
+from vitattn.losses import soft_target_cross_entropy
 from vitattn.training.bootstrap import BootstrapSettings, Pool
 
 __all__ = [
@@ -205,7 +206,7 @@ def unlabelled_loss(strong_logits: Tensor, probs: Tensor, mask: Tensor, soft: bo
     the teacher's ``probs`` (B, K), or ``soft``: ``probs`` themselves. Masked images count in the mean as zeros."""
     logits = strong_logits.float()
     if soft:
-        losses = torch.sum(-probs * F.log_softmax(logits, dim=-1), dim=-1)  # (B,)
+        losses = soft_target_cross_entropy(logits, probs)  # (B,)
     else:
         losses = F.cross_entropy(logits, probs.argmax(dim=-1), reduction="none")  # (B,)
     return (losses * mask.float()).mean()

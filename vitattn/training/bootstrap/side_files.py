@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,14 +23,18 @@ from vitattn.fileio import atomic_open
 from vitattn.inference import list_inputs
 from vitattn.inference.candidates import read_records
 from vitattn.inference.captioning import file_batches, shard_output
-from vitattn.training.bootstrap.child import CaptionJob, caption_in_child
+from vitattn.inference.jobs import CaptionJob
+from vitattn.training.bootstrap.child import caption_in_child
 from vitattn.training.bootstrap.lineage import BOOTSTRAP_DIR, candidates_manifest, lineage, write_lineage
 from vitattn.training.bootstrap.pool import Pool
 from vitattn.training.bootstrap.settings import BootstrapSettings
+from vitattn.training.rank_zero import wait_for_rank_zero
 
 __all__ = ["prepare_pool", "read_labels"]
 
 log = logging.getLogger(__name__)
+
+POOL_WAIT_SECONDS = 7 * 24 * 3600.0  # the other ranks wait while rank 0's teacher labels the whole pool
 
 
 def prepare_pool(
@@ -55,7 +58,7 @@ def prepare_pool(
             if run.get("rank", 0) == 0:
                 label_pool(settings, task, side, run)
             else:
-                wait_for(manifest)
+                wait_for_rank_zero(manifest, POOL_WAIT_SECONDS)
     pool = _read_pool(settings, task, side, run.get("class_names"), vocab)
     if not len(pool):
         raise ConfigError(
@@ -83,15 +86,6 @@ def _given_side_files(path: Path, task: str) -> Path:
     if not marker.exists():
         raise ConfigError(f"bootstrap.candidates={path}: no side files there ({marker.name} is missing)")
     return path
-
-
-def wait_for(path: Path, timeout: float = 7 * 24 * 3600) -> None:
-    """Until rank 0 has written ``path`` (its process group, if any, ends this one if rank 0 dies)."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"bootstrap: rank 0 did not write {path}")
-        time.sleep(1.0)
 
 
 def label_pool(settings: BootstrapSettings, task: str, side: Path, run: dict[str, Any]) -> None:
@@ -128,21 +122,25 @@ def label_pool(settings: BootstrapSettings, task: str, side: Path, run: dict[str
 def caption_job(settings: BootstrapSettings, side: Path, run: dict[str, Any]) -> CaptionJob:
     """The captioning child's job: the settings' sampling and filter, on the run's processes, in its precision."""
     scorer = {"none": None, "teacher": settings.teacher}.get(settings.filter, settings.filter)
+    search: dict[str, Any] = {"do_sample": settings.do_sample}
+    search |= {"top_p": settings.top_p} if settings.do_sample else {"num_beams": settings.num_beams or settings.samples}
+    accelerator = run.get("accelerator", "cpu")
     return CaptionJob(
-        teacher=settings.teacher,
+        model=settings.teacher,
         images=settings.images,
         out=str(side),
         shards=settings.shards,
+        shards_key="bootstrap.images",
         samples=settings.samples,
         seed=run.get("seed", 0),
-        do_sample=settings.do_sample,
-        top_p=settings.top_p,
-        num_beams=settings.num_beams,
+        generate=search,
         score=scorer,
         batch_size=settings.batch_size,
+        num_workers=0,
         progress=run.get("progress", True),
         devices=run.get("devices", 1),
-        accelerator=run.get("accelerator", "cpu"),
+        accelerator=accelerator,
+        device="cuda" if accelerator == "gpu" else "cpu",
         precision=teacher_precision(settings, run),
     )
 

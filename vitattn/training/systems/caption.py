@@ -3,6 +3,7 @@ scores the whole split gathered from every rank, so each rank logs the single-pr
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -37,7 +38,10 @@ class CaptionSystem(VisionSystem):
         model_config: ``{"encoder": VisionTransformer kwargs, "decoder": CaptionDecoder kwargs}``.
         vocab: the tokenizer as ``tokenizer_labels`` keeps it (plain types: checkpoints load with weights_only).
         preprocess: evaluation preprocessing kept with the checkpoint for inference.
-        generate: ``ImageCaptioner.generate`` keyword arguments of validation and test.
+        generate: ``ImageCaptioner.generate`` keyword arguments of validation and test; its ``max_new_tokens``
+            (None: the decoder's ``max_len - 1``) is the generation length (``self.max_new_tokens``) of validation,
+            test, the bundle, ``semi=``'s pseudo-captions and, unless ``scst.max_new_tokens`` says otherwise, SCST's
+            samples.
         num_samples: captions shown in the log (TensorBoard text) each validation.
         optim, nonfinite: ``VisionSystem``'s.
         scst: ``ScstConfig`` settings: train self-critically with the reward ``use_reward`` gives.
@@ -77,14 +81,17 @@ class CaptionSystem(VisionSystem):
         self.generate_kwargs = dict(generate or {})
         checked = inspect.signature(self.model.check_generate).parameters
         try:  # the decoder owns what it can decode with: its length, beams, rerank (head=coca's embeddings)
-            self.model.check_generate(**{k: v for k, v in self.generate_kwargs.items() if k in checked})
+            given = {k: v for k, v in self.generate_kwargs.items() if k in checked}
+            self.max_new_tokens = self.model.check_generate(**given)  # the generation length (null: max_len - 1)
         except ValueError as err:
             raise ValueError(f"generate.{err}") from None
-        if self.scst is not None:  # the samples' length, by the same owner: refused before any step
+        if self.scst is not None:  # the samples' length (null: the generation length), refused before any step
+            length = self.max_new_tokens if self.scst.max_new_tokens is None else self.scst.max_new_tokens
             try:
-                self.model.check_generate(self.scst.max_new_tokens, 1, True, self.scst.temperature)
+                length = self.model.check_generate(length, 1, True, self.scst.temperature)
             except ValueError as err:
                 raise ValueError(f"scst.{err}") from None
+            self.scst = dataclasses.replace(self.scst, max_new_tokens=length)
         self.num_samples = num_samples
         self.caption_metrics = CaptionMetrics(synthetic=True)  # every rank's captions, scored once
         self.last_samples: list[tuple[str, list[str]]] = []  # (caption, references) of the last evaluation
@@ -145,7 +152,7 @@ class CaptionSystem(VisionSystem):
         forced, on ``strong``."""
         teacher, ids = self.labeller, self.model.special_ids
         with labelling(teacher):
-            generated = teacher.generate(weak)  # (U, T'): no <bos>, <eos> then <pad>
+            generated = teacher.generate(weak, max_new_tokens=self.max_new_tokens)  # (U, T'): no <bos>, <eos>, <pad>
             tokens = torch.cat([generated.new_full((len(generated), 1), ids.bos_id), generated], dim=1)  # (U, 1 + T')
             probs = caption_token_probs(teacher(weak, tokens[:, :-1]), generated, ids)  # (U, T')
         real = (generated != ids.pad_id).sum(dim=1).clamp(min=1)  # (U,)

@@ -6,13 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from timm.data import Mixup
 from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
 
 from vitattn.errors import ConfigError
+from vitattn.losses import classification_loss, soft_target_cross_entropy
 from vitattn.models import VisionTransformer
 from vitattn.models.vit import Patches
 from vitattn.training.semi import FreeMatchThreshold, SemiSettings, labelling, unlabelled_loss
@@ -107,18 +106,16 @@ class ClassificationSystem(VisionSystem):
         images, labels = batch
         if self.mixup is not None and isinstance(images, Patches):
             raise ValueError("head.mixup and head.cutmix mix square images: set them 0 with data.max_patches")
-        if labels.is_floating_point():  # (B, K) probabilities: a soft pool's (mixup refused with them at build)
-            logits = self.model(images)
-            loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
-            labels = labels.argmax(-1)
-        elif self.mixup is not None and len(images) % 2 == 0:  # timm mixes pairs: an odd last batch stays plain
+        soft_pool = labels.is_floating_point()  # (B, K) probabilities: a soft pool's (mixup refused with them at build)
+        # timm mixes pairs: an odd last batch stays plain
+        if self.mixup is not None and not soft_pool and len(images) % 2 == 0:
             mixed, soft = self.mixup(images, labels)  # (B, C, height, width), (B, K)
             logits = self.model(mixed)
-            loss = torch.sum(-soft * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
+            loss = soft_target_cross_entropy(logits, soft).mean()
         else:
             logits = self.model(images)
-            loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
-        self.train_acc(logits, labels)
+            loss = classification_loss(logits, labels, self.label_smoothing)
+        self.train_acc(logits, labels.argmax(-1) if soft_pool else labels)
         self.log("train/acc", self.train_acc, on_step=True, on_epoch=False)
         return loss
 
@@ -127,7 +124,7 @@ class ClassificationSystem(VisionSystem):
         images, labels = batch
         top1, top5 = getattr(self, f"{stage}_acc"), getattr(self, f"{stage}_top5")
         logits = self.model(images)
-        self.log(f"{stage}/loss", F.cross_entropy(logits, labels), sync_dist=True)
+        self.log(f"{stage}/loss", classification_loss(logits, labels), sync_dist=True)
         top1(logits, labels)
         top5(logits, labels)
         self.log(f"{stage}/acc", top1, prog_bar=True)

@@ -17,11 +17,12 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from vitattn.layers import Memory
+from vitattn.losses import scst_loss
 from vitattn.metrics import CiderD
 from vitattn.models import ImageCaptioner
 from vitattn.models.generate import greedy_search, sampling_logits
 
-__all__ = ["BASELINES", "ScstConfig", "SelfCritical", "scst_loss"]
+__all__ = ["BASELINES", "ScstConfig", "SelfCritical"]
 
 BASELINES = ("mean", "greedy")
 
@@ -30,7 +31,8 @@ BASELINES = ("mean", "greedy")
 class ScstConfig:
     """``finetune.scst``: K ``samples`` per image, the ``baseline`` (``mean`` of the image's other samples'
     rewards, Luo 2020, or its ``greedy`` caption's), ``generate``'s sampling filters, the cross-entropy's weight,
-    the longest sample (None: the decoder's ``max_len - 1``)."""
+    the longest sample (None: the generation length, ``head.generate.max_new_tokens``, which ``CaptionSystem``
+    checks and puts in its place before ``SelfCritical`` samples)."""
 
     samples: int = 5
     baseline: str = "mean"
@@ -55,13 +57,6 @@ class ScstConfig:
                 f"scst.temperature={self.temperature} must be positive, scst.top_p={self.top_p} in (0, 1], "
                 f"scst.top_k={self.top_k} and scst.xe_weight={self.xe_weight} at least 0"
             )
-
-
-def scst_loss(log_probs: Tensor, mask: Tensor, advantage: Tensor) -> Tensor:
-    """``-sum(advantage * log p(token) * mask) / sum(mask)``, the reference ``RewardCriterion``, of (S, T)
-    ``log_probs`` and ``mask`` (1 for generated tokens, ``<eos>`` included) and (S,) ``advantage`` (no gradient)."""
-    mask = mask.to(log_probs.dtype)
-    return -(advantage.detach()[:, None] * log_probs * mask).sum() / mask.sum().clamp(min=1)
 
 
 def mean_of_others(rewards: Tensor, samples: int) -> Tensor:
@@ -90,7 +85,8 @@ class SelfCritical:
         images' (B, N, D) ``encode``, with gradients, when the caller has it (None: encoded here)."""
         cfg, K = self.config, self.config.samples
         ids = model.special_ids
-        max_new = model.check_generate(cfg.max_new_tokens, 1, True, cfg.temperature)
+        max_new = cfg.max_new_tokens
+        assert max_new is not None, "CaptionSystem resolves scst.max_new_tokens to the generation length"
         if memory is None:
             with record_function("scst/encode"):
                 memory = model.encode(images)  # (B, N, D), with gradients
