@@ -2,6 +2,7 @@
 
     python scripts/house.py [PACKAGE_DIR]           # default: vitattn/ of this checkout
     python scripts/house.py --trace [PACKAGE_DIR]   # also follow the config and its plan through one tiny train(cfg)
+    python scripts/house.py --trace --trace-overrides finetune.init=RUN head=classification  # that run's trace
     python scripts/house.py --counts [-v] [PACKAGE_DIR]  # also count raw config reads, task strings, config imports
 
 Docstring lines are the lines of module, class and function docstrings. An import arrow is one module
@@ -107,17 +108,28 @@ TINY = [
 ]  # fmt: skip
 
 
-def follow_config(output_dir: Path) -> list[str]:
+def follow_config(output_dir: Path, overrides: list[str] = ()) -> list[str]:
     """The vitattn modules entered, in order, by the calls that receive the config (or a node of it), the plan
     resolved from it or one of the plan's typed parts (trainer, precision, resume, start weights) during one tiny
-    captioning ``train(cfg)``; consecutive calls into the same module are one visit."""
+    ``train(cfg)`` (captioning unless ``overrides`` say otherwise); consecutive calls into the same module are one
+    visit. An override whose value is ``RUN`` (``finetune.init=RUN``) names a tiny run of the other overrides,
+    trained first, untraced."""
     from hydra import compose, initialize_config_module
     from omegaconf import DictConfig
 
-    with initialize_config_module("vitattn.conf", version_base="1.3"):
-        cfg = compose("train", overrides=[*TINY, f"paths.output_dir={output_dir}"])
-    from vitattn.training.plan import Plan, Precision, Resume, TrainerPlan
+    def composed(folder: Path, extra: list[str]) -> DictConfig:
+        with initialize_config_module("vitattn.conf", version_base="1.3"):
+            return compose("train", overrides=[*TINY, *extra, f"paths.output_dir={folder}"])
+
     from vitattn.training.recipe import train
+
+    plain = [o for o in overrides if o.partition("=")[2] != "RUN"]
+    if len(plain) < len(overrides):
+        start = output_dir.parent / "start"
+        train(composed(start, plain))
+        overrides = [f"{o.partition('=')[0]}={start}" if o.partition("=")[2] == "RUN" else o for o in overrides]
+    cfg = composed(output_dir, list(overrides))
+    from vitattn.training.plan import Plan, Precision, Resume, TrainerPlan
     from vitattn.training.start_weights import EncoderWeights, ModelWeights
 
     followed = (DictConfig, Plan, TrainerPlan, Precision, Resume, ModelWeights, EncoderWeights)
@@ -320,6 +332,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--trace", action="store_true", help="also follow the config and its plan through one tiny train(cfg)"
     )
+    parser.add_argument(
+        "--trace-overrides",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --trace: overrides of the traced run (a value RUN: a tiny run of the others, trained first)",
+    )
     args = parser.parse_args(argv)
     package, trace = args.package.resolve(), args.trace
     files = sorted(p for p in package.rglob("*.py") if "__pycache__" not in p.parts)
@@ -346,7 +365,7 @@ def main(argv: list[str]) -> int:
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
-            visits = follow_config(Path(tmp) / "run")
+            visits = follow_config(Path(tmp) / "run", args.trace_overrides)
         returns = len(visits) - len(set(visits))
         config = sum(v.endswith(".config") for v in visits)
         modules = len(set(visits))

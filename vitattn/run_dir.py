@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +14,99 @@ from omegaconf import DictConfig, OmegaConf
 from vitattn.errors import ConfigError
 from vitattn.fileio import atomic_write, read_json
 
-__all__ = ["ALLOWED_TARGET_PREFIXES", "TOKENIZER_FILE", "VOCAB_FILE", "RunDir", "check_targets"]
+__all__ = [
+    "ALLOWED_TARGET_PREFIXES",
+    "TOKENIZER_FILE",
+    "VOCAB_FILE",
+    "BootstrapRecord",
+    "RunConfig",
+    "RunDir",
+    "SemiRecord",
+    "check_targets",
+]
 
 VOCAB_FILE = "vocab.json"  # the caption vocabulary, in a run folder and in a bundle or ONNX folder
 TOKENIZER_FILE = "tokenizer.json"  # a subword tokenizer (Hugging Face tokenizers), where vocab.json would be
 # What a config's ``_target_`` may name: a run folder's config is input, instantiated by training and evaluation.
 ALLOWED_TARGET_PREFIXES = ("vitattn.", "torch.", "torchvision.", "timm.", "lightning.", "pytorch_lightning.")
+
+
+@dataclass(frozen=True)
+class BootstrapRecord:
+    """``bootstrap.*`` of a run that also trained on images without labels, labelled once before it started."""
+
+    teacher: str | None  # the model that labelled them, or None: read from side files
+    candidates: str | None  # the side files written before
+    filter: str
+    samples: int  # candidates per image
+    keep: dict[str, Any]  # the keep policy's limits that are set (top_k, min_score, ...)
+
+
+@dataclass(frozen=True)
+class SemiRecord:
+    """``semi=`` of a run that also learned from images without labels, pseudo-labelled online each step."""
+
+    method: str  # fixmatch or freematch
+    images: str
+    ratio: Any  # unlabelled images per labelled one in a step
+    threshold: Any
+    weight: Any
+    ema_decay: Any  # 0: the model labels; else an EMA copy of it
+    strong: str  # the strong view's augmentation
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What a run folder's saved training config records for the library (the model card, the split evaluation
+    rebuilds, whether a run is complete), read by ``RunDir.saved``: the one reader of the training config's keys
+    outside training. Values as saved; a key an older run lacks reads None."""
+
+    data: Any  # the data group as saved (a DictConfig whose _target_ names the DataModule), or None
+    data_target: str  # data._target_, "" without one
+    images: dict[str, Any]  # data.num_train, num_val and num_test, those the data has
+    lr: Any  # optim.lr
+    weight_decay: Any  # optim.weight_decay
+    generate: dict[str, Any] | None  # head.generate: the decoding the run's test used (captioners)
+    init: str | None  # finetune.init: the weights it started from
+    length: dict[str, Any]  # trainer.max_steps and max_epochs
+    bootstrap: BootstrapRecord | None  # None: no teacher and no side files
+    semi: SemiRecord | None  # None: semi=none, or a run from before semi=
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> RunConfig:
+        """The record of a saved (resolved) training config ``cfg``."""
+
+        def at(key: str) -> Any:
+            value = OmegaConf.select(cfg, key, default=None)
+            return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+
+        data = OmegaConf.select(cfg, "data", default=None)
+        images = {k: data[k] for k in ("num_train", "num_val", "num_test") if k in data} if data is not None else {}
+        return cls(
+            data=data,
+            data_target=str(at("data._target_") or ""),
+            images=images,
+            lr=at("optim.lr"),
+            weight_decay=at("optim.weight_decay"),
+            generate=at("head.generate"),
+            init=at("finetune.init"),
+            length={k: at(f"trainer.{k}") for k in ("max_steps", "max_epochs")},
+            bootstrap=_bootstrap(at("bootstrap") or {}),
+            semi=_semi(at("semi") or {}),
+        )
+
+
+def _bootstrap(boot: dict[str, Any]) -> BootstrapRecord | None:
+    if not (boot.get("teacher") or boot.get("candidates")):
+        return None
+    values = {f.name: boot.get(f.name) for f in fields(BootstrapRecord)}
+    return BootstrapRecord(**values | {"keep": {k: v for k, v in (values["keep"] or {}).items() if v is not None}})
+
+
+def _semi(semi: dict[str, Any]) -> SemiRecord | None:
+    if semi.get("method") in (None, "none"):
+        return None
+    return SemiRecord(**{f.name: semi.get(f.name) for f in fields(SemiRecord)})
 
 
 @dataclass(frozen=True)
@@ -65,6 +152,10 @@ class RunDir:
         except Exception as err:  # noqa: BLE001 - YAML and OmegaConf raise their own types
             raise ValueError(f"{self.config} cannot be read: {' '.join(str(err).split())[:200]}") from None
 
+    def saved(self) -> RunConfig:
+        """What the saved training config records (``RunConfig``); a one-line ``ValueError`` when unreadable."""
+        return RunConfig.of(self.load_config())
+
     def saved_overrides(self) -> list[str]:
         """The overrides the run was started with (empty when Hydra wrote none)."""
         return [str(o) for o in OmegaConf.load(self.overrides)] if self.overrides.is_file() else []
@@ -97,8 +188,8 @@ class RunDir:
         if result is None:
             return None
         if length and self.config.is_file():
-            trainer = self.load_config().get("trainer") or {}
-            if any(str(value) != str(trainer.get(key)) for key, value in length.items()):
+            saved = self.saved().length
+            if any(str(value) != str(saved.get(key)) for key, value in length.items()):
                 return None
         bundle = f"bundle {self.bundle}" if result["bundle"] else "no bundle (export_bundle=false)"
         return f"run complete: {self.path} (step {result['global_step']}); {bundle}; nothing to train"

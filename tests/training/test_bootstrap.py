@@ -325,12 +325,13 @@ def test_a_pool_of_shards_is_read_by_sample_key(shapes_caption_run, tmp_path):
 
 def test_the_model_card_says_what_the_run_learned_from(tmp_path):
     from vitattn.bundle.card import _training
+    from vitattn.run_dir import RunConfig
 
     cfg = compose_train([*TINY, "bootstrap.teacher=runs/teacher", "bootstrap.images=pool/"], tmp_path)
-    (line,) = [x for x in _training(cfg, None, ["shapes"]) if "without captions" in x]
+    (line,) = [x for x in _training(RunConfig.of(cfg), None, ["shapes"]) if "without captions" in x]
     assert "teacher runs/teacher" in line and "filter teacher" in line and "5 candidates" in line and "top_k 2" in line
     plain = compose_train([*TINY], tmp_path)
-    assert not [x for x in _training(plain, None, ["shapes"]) if "without captions" in x]
+    assert not [x for x in _training(RunConfig.of(plain), None, ["shapes"]) if "without captions" in x]
 
 
 @pytest.mark.slow

@@ -310,9 +310,10 @@ def test_a_threshold_that_label_smoothing_puts_out_of_reach_is_refused_in_one_li
 
 def test_the_model_card_says_what_a_semi_run_learned_from(tmp_path):
     from vitattn.bundle.card import _training
+    from vitattn.run_dir import RunConfig
 
     cfg = compose_train([*TINY, "head=classification", "semi=fixmatch", "semi.images=pool/"], tmp_path)
-    (line,) = [x for x in _training(cfg, None, ["shapes"]) if "without labels" in x]
+    (line,) = [x for x in _training(RunConfig.of(cfg), None, ["shapes"]) if "without labels" in x]
     assert "pool/" in line and "the model itself" in line and "threshold 0.95" in line and "7 per labelled" in line
 
 

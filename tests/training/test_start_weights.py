@@ -21,7 +21,7 @@ from vitattn.models import VisionTransformer
 from vitattn.models.coca import CONTRASTIVE_PARTS
 from vitattn.models.vit import preset_config
 from vitattn.training import build_system, train
-from vitattn.training.build import build_datamodule
+from vitattn.training.build import build_datamodule, load_start
 from vitattn.training.plan import resolve
 from vitattn.training.start_weights import read_start
 
@@ -57,7 +57,7 @@ def _encoder(source, **overrides) -> VisionTransformer:
     config = _config(**overrides)
     weights.fit(config)
     model = VisionTransformer(**config)
-    weights.load_into(model)
+    load_start(model, weights)
     return model.eval()
 
 

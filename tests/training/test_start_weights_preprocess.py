@@ -18,6 +18,7 @@ from timm.data import create_transform, resolve_model_data_config
 from timm.models import get_pretrained_cfg
 from torchvision import transforms as T
 
+from tests.helpers.bundles import CAPTION_PREPROCESS, make_caption_bundle
 from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from vitattn.bundle import load_bundle, save_bundle
 from vitattn.cli.run_split import datamodule_from_run
@@ -386,3 +387,17 @@ def test_a_bad_data_preprocessing_key_is_one_line_from_the_datamodule_before_any
     plan = resolve(compose_train(overrides, tmp_path / "run"))  # an empty root: reading it would fail otherwise
     with pytest.raises(ConfigError, match=message):
         build_datamodule(plan)
+
+
+def test_a_whole_start_model_brings_the_preprocessing_the_data_takes(tmp_path):
+    """finetune.init=BUNDLE (a whole model): the mean and std the shapes data takes (its ``weights_keys``) come from
+    the bundle, written into the config that is checked and saved; a ``data.*`` key given wins."""
+    bundle = make_caption_bundle(tmp_path / "bundle", {**CAPTION_PREPROCESS, "mean": [0.25] * 3, "std": [0.75] * 3})
+    plan = resolve(compose_train([*TINY, f"finetune.init={bundle}"], tmp_path / "run"))
+    assert (list(plan.cfg.data.mean), list(plan.cfg.data.std)) == ([0.25] * 3, [0.75] * 3)
+    assert plan.preprocess_from == (
+        f"mean, std: the pretrained weights' own, from finetune.init={bundle}; the rest: the data's own"
+    )
+    plan = resolve(compose_train([*TINY, f"finetune.init={bundle}", "data.std=[0.1,0.2,0.3]"], tmp_path / "run"))
+    assert (list(plan.cfg.data.mean), list(plan.cfg.data.std)) == ([0.25] * 3, [0.1, 0.2, 0.3])
+    assert plan.preprocess_from.startswith("data.std: from the config; mean: the pretrained weights' own")

@@ -1,7 +1,7 @@
 """The model card (``README.md``) of a Hub folder: the Hub's metadata header (huggingface_hub's ``ModelCardData``)
-and a body written from the bundle and, when it came from one, its training run (``result.json``, ``config.yaml``):
-sizes, data and steps, the test metrics with the decoding settings that produced them, the preprocessing, and
-the commands that use it.
+and a body written from the bundle and, when it came from one, its training run (``result.json``, and what its
+``config.yaml`` records: ``RunDir.saved``): sizes, data and steps, the test metrics with the decoding settings that
+produced them, the preprocessing, and the commands that use it.
 """
 
 from __future__ import annotations
@@ -11,13 +11,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from vitattn.bundle.folder import Bundle, merge_setting, recorded_merge_tokens
 from vitattn.bundle.hub import HUB_PREFIX, is_hub_name
 from vitattn.data.preprocess import describe
 from vitattn.models.timm_weights import timm_pretrained_cfg
-from vitattn.run_dir import RunDir
+from vitattn.run_dir import RunConfig, RunDir
 
 __all__ = ["CARD_FILE", "METRICS_HEADING", "PIPELINE_TAGS", "model_card"]
 
@@ -28,21 +26,18 @@ _ENCODER_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "m
 _DECODER_KEYS = ("vocab_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "max_len")
 
 
-def _run_datasets(config: Any | None) -> list[str]:
-    """The data a run was trained on, as its training ``config`` names it: the data module's name
-    (``ShapesDataModule`` -> ``shapes``); none without a run."""
-    if config is None:
+def _run_datasets(run: RunConfig | None) -> list[str]:
+    """The data a run was trained on, as its data module's name (``ShapesDataModule`` -> ``shapes``); none without
+    a run."""
+    if run is None:
         return []
-    target = str(OmegaConf.select(config, "data._target_", default="") or "")
-    name = target.rsplit(".", 1)[-1].removesuffix("DataModule").lower()
+    name = run.data_target.rsplit(".", 1)[-1].removesuffix("DataModule").lower()
     return [name] if name else []
 
 
-def _run_license(config: Any | None) -> str | None:
+def _run_license(run: RunConfig | None) -> str | None:
     """The license timm gives the pretrained weights a run started from (``finetune.init=NAME``), or None."""
-    if config is None:
-        return None
-    init = OmegaConf.select(config, "finetune.init", default=None)
+    init = run.init if run is not None else None
     if not init or is_hub_name(init) or Path(str(init)).expanduser().exists():
         return None
     try:
@@ -59,25 +54,24 @@ def _settings(settings: Mapping[str, Any]) -> str:
     return " ".join(f"{k}={json.dumps(v)}" for k, v in settings.items())
 
 
-def _training(cfg: Any | None, result: Mapping[str, Any] | None, datasets: Sequence[str]) -> list[str]:
-    if cfg is None:
+def _training(run: RunConfig | None, result: Mapping[str, Any] | None, datasets: Sequence[str]) -> list[str]:
+    if run is None:
         return ["Not exported from a training run: no training record."]
-    data = OmegaConf.to_container(cfg.data, resolve=True)
-    counts = ", ".join(f"{k.removeprefix('num_')} {data[k]}" for k in ("num_train", "num_val", "num_test") if k in data)
+    counts = ", ".join(f"{k.removeprefix('num_')} {v}" for k, v in run.images.items())
     lines = [f"- data: {', '.join(datasets) or 'see config'}" + (f" ({counts} images)" if counts else "")]
     if result is not None:
         lines.append(f"- steps: {result['global_step']}; weights: {result['weights']}")
-    lines.append(f"- optimiser: lr {cfg.optim.lr}, weight decay {cfg.optim.weight_decay}")
-    boot = OmegaConf.select(cfg, "bootstrap", default=None)
-    if boot is not None and (boot.get("teacher") or boot.get("candidates")):
-        source = f"teacher {boot.teacher}" if boot.get("teacher") else f"the side files {boot.candidates}"
-        keep = ", ".join(f"{k} {v}" for k, v in boot.keep.items() if v is not None) or "all"
+    lines.append(f"- optimiser: lr {run.lr}, weight decay {run.weight_decay}")
+    boot = run.bootstrap
+    if boot is not None:
+        source = f"teacher {boot.teacher}" if boot.teacher else f"the side files {boot.candidates}"
+        keep = ", ".join(f"{k} {v}" for k, v in boot.keep.items()) or "all"
         lines.append(
             f"- also trained on images without captions, labelled by {source} (filter {boot.filter}, "
             f"{boot.samples} candidates per image, keep {keep}; lineage: the run's bootstrap/lineage.json)"
         )
-    semi = OmegaConf.select(cfg, "semi", default=None)
-    if semi is not None and semi.get("method", "none") != "none":
+    semi = run.semi
+    if semi is not None:
         teacher = f"an EMA copy of the model (decay {semi.ema_decay})" if semi.ema_decay else "the model itself"
         threshold = "FreeMatch's adaptive threshold" if semi.method == "freematch" else f"threshold {semi.threshold}"
         lines.append(
@@ -132,17 +126,17 @@ def model_card(
     ``license`` and ``datasets`` default to the run's (timm's license of its start weights; its data module)."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    cfg = run.load_config() if run is not None else None
+    saved = run.saved() if run is not None else None
     result = run.load_result() if run is not None else None
-    datasets = list(datasets) or _run_datasets(cfg)
+    datasets = list(datasets) or _run_datasets(saved)
     decoding = None
     if model.task == "caption":  # what the run's test was decoded with, else the bundle's defaults
-        decoding = OmegaConf.to_container(cfg.head.generate, resolve=True) if cfg is not None else dict(model.generate)
+        decoding = saved.generate if saved is not None else dict(model.generate)
     tags = ["vitattn", "vision-transformer", "image-captioning" if model.task == "caption" else "image-classification"]
     data = ModelCardData(
         library_name="vitattn",
         pipeline_tag=PIPELINE_TAGS[model.task],
-        license=license or _run_license(cfg),
+        license=license or _run_license(saved),
         datasets=datasets or None,
         tags=tags + (["onnx"] if onnx else []),
     )
@@ -169,7 +163,7 @@ def model_card(
         "",
         "## Training",
         "",
-        *_training(cfg, result, datasets),
+        *_training(saved, result, datasets),
         "",
         METRICS_HEADING,
         "",

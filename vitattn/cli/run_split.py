@@ -39,7 +39,7 @@ def datamodule_from_run(
     the model's ``vocab`` rather than one built from the training captions, its ``preprocess`` for the ``data.*``
     keys the saved config leaves null, and ``overrides`` of other data settings (``image_dir`` when the images
     have moved). ``ValueError``: no data section names a DataModule; ``KeyError``: an override the data lacks."""
-    data = run.load_config().get("data")
+    data = run.saved().data
     if data is None or "_target_" not in data:
         raise ValueError(f"{run.config} has no data config with a _target_; give the images and references directly")
     check_targets(data)

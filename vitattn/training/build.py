@@ -33,6 +33,9 @@ from vitattn.data.tokenizer import (
 from vitattn.errors import ConfigError, first_line
 from vitattn.fileio import atomic_write, read_json
 from vitattn.metrics import CiderD
+from vitattn.models import VisionTransformer
+from vitattn.models.coca import CONTRASTIVE_PARTS
+from vitattn.models.timm_weights import load_encoder_state
 from vitattn.run_dir import VOCAB_FILE, RunDir
 from vitattn.training.bootstrap import BootstrapSettings, prepare_pool
 from vitattn.training.callbacks import PseudoLabels
@@ -41,7 +44,7 @@ from vitattn.training.loggers import check_loggers, logger_arguments
 from vitattn.training.plan import Plan, Resume
 from vitattn.training.rank_zero import WAIT_SECONDS, wait_for_rank_zero
 from vitattn.training.semi import SemiSettings
-from vitattn.training.start_weights import log_preprocess
+from vitattn.training.start_weights import EncoderWeights, ModelWeights, log_preprocess
 from vitattn.training.systems import VisionSystem
 from vitattn.training.systems.coca import contrastive_model_config
 
@@ -53,6 +56,7 @@ __all__ = [
     "build_system",
     "check_fit",
     "instantiate_group",
+    "load_start",
     "model_config_from",
     "plan_cores",
     "prepare_reward",
@@ -202,8 +206,64 @@ def build_system(plan: Plan, datamodule: Any) -> VisionSystem:
         **labels,
     )
     if plan.start is not None:
-        plan.start.load_into(system)
+        load_start(system, plan.start)
     return system
+
+
+def load_start(target: Any, start: ModelWeights | EncoderWeights) -> None:
+    """Copy the plan's start weights into ``target``, built from the config they fitted, and log one line: a whole
+    model (``ModelWeights``) into a system's ``model``, an encoder's (``EncoderWeights``) into its encoder (of a
+    system, or a bare ``VisionTransformer``).
+
+    A classifier trains on its own classes, in its order. Between ``head=caption`` and ``head=coca`` the captioner's
+    weights load: the contrastive parts the model lacks start fresh, those it has and the run lacks are dropped,
+    each said in one line; any other mismatch is refused (``ConfigError``)."""
+    if isinstance(start, EncoderWeights):
+        encoder = target if isinstance(target, VisionTransformer) else getattr(target.model, "encoder", target.model)
+        try:
+            notes = load_encoder_state(encoder, start.state)
+        except ValueError as err:
+            raise ConfigError(f"finetune.init={start.source}: {first_line(err)}") from None
+        parts = [f"pretrained encoder: loaded {len(start.state)} tensors of {start.what}"]
+        if start.changes:
+            parts.append(f"set from the weights: {', '.join(start.changes)}")
+        _info("; ".join(parts + notes + start.notes))
+        return
+    bundle, classes = start.bundle, target.hparams.get("class_names")
+    if bundle.task == "classification" and list(classes) != list(bundle.class_names):
+        raise ConfigError(
+            f"finetune.init={start.source} classifies {list(bundle.class_names)}; the data's classes are "
+            f"{list(classes)}; train on the same classes"
+        )
+    ours, theirs = target.model.state_dict(), bundle.model.state_dict()
+    new, dropped = _parts(ours.keys() - theirs.keys()), _parts(theirs.keys() - ours.keys())
+    other = [part for part in new + dropped if part not in CONTRASTIVE_PARTS]
+    if other:
+        raise ConfigError(
+            f"finetune.init={start.source}: its model and the run's differ in {', '.join(other)}; only the "
+            f"contrastive parts ({', '.join(CONTRASTIVE_PARTS)}) may differ, between head=caption and head=coca"
+        )
+    strict = not (new or dropped)
+    try:
+        target.model.load_state_dict({k: v for k, v in theirs.items() if k in ours}, strict=strict)
+    except RuntimeError as err:
+        raise ConfigError(f"finetune.init={start.source}: {first_line(err)}") from None
+    what = "every weight" if strict else "the captioner's weights"
+    _info(
+        f"finetune.init: started from {what} of the {bundle.task} model {start.source}"
+        + (f"; new (the model has none): {', '.join(new)}" if new else "")
+        + (f"; dropped (the run has none): {', '.join(dropped)}" if dropped else "")
+    )
+
+
+def _parts(keys: Any) -> list[str]:
+    """The top-level modules and parameters that ``keys`` (state-dict keys) belong to, sorted."""
+    return sorted({key.split(".")[0] for key in keys})
+
+
+@rank_zero_only
+def _info(line: str) -> None:
+    log.info(line)
 
 
 def _model_keys(cfg: DictConfig, task: Task) -> dict[str, dict[str, str]]:

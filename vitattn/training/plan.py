@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from vitattn.data.preprocess import WEIGHTS_KEYS, preprocess_taken
+from vitattn.data.preprocess import WEIGHTS_KEYS
 from vitattn.data.tokenizer import Tokenizer, load_tokenizer
 from vitattn.errors import ConfigError, first_line
 from vitattn.precision import cuda_bf16, native_bf16
@@ -151,14 +151,15 @@ def resolve(cfg: DictConfig, overrides: Sequence[str] = ()) -> Plan:
     configured_kind = str(cfg.tokenizer.kind) if "tokenizer" in cfg else None  # the tokenizer group's own default
     init = cfg.finetune.get("init")
     values = _start_values(cfg, configured_kind) if init else {}
+    configured = [k for k in WEIGHTS_KEYS if cfg.data.get(k) is not None]  # the preprocessing the config sets
     start = read_start(init, cfg.finetune.get("init_kind", "model")) if init else None
-    with open_dict(cfg):
-        if start is not None:
-            given = [o.split("=", 1)[0].lstrip("+~") for o in overrides]
-            for key, value in start.resolve(values, given).items():
-                OmegaConf.update(cfg, key, value, merge=False)
-        preprocess_from = _resolve_preprocess(cfg, start)
+    changes = start.resolve(values, [o.split("=", 1)[0].lstrip("+~") for o in overrides]) if start else {}
+    with open_dict(cfg):  # sizes, switches and preprocessing, read and fitted in one step
+        for key, value in changes.items():
+            OmegaConf.update(cfg, key, value, merge=False)
     task, contrastive = check_config(cfg)  # the resolved config: the one that runs and is saved
+    taken = [k.removeprefix("data.") for k in changes if k.removeprefix("data.") in WEIGHTS_KEYS]
+    preprocess_from = _preprocess_from(configured, taken, start)
     kind = configured_kind if task is Task.caption else None
     trainer = _trainer_plan(cfg.trainer)
     rank_zero_only.rank = trainer.rank  # Lightning's rank-zero helpers answer as the Trainer will, before it exists
@@ -309,19 +310,15 @@ def _resolve_precision(cfg: DictConfig, trainer: TrainerPlan) -> str:
     return chosen
 
 
-def _resolve_preprocess(cfg: DictConfig, start: ModelWeights | EncoderWeights | None) -> str:
-    """Write into ``cfg.data`` the preprocessing ``start`` was trained with, where the config sets no ``data.*`` key
-    and the data takes it (its ``weights_keys``); returns where each part comes from."""
-    config = [k for k in WEIGHTS_KEYS if cfg.data.get(k) is not None]
-    taken = preprocess_taken(OmegaConf.to_container(cfg.data), start.preprocess if start is not None else None)
-    for key, value in taken.items():
-        cfg.data[key] = list(value) if isinstance(value, (list, tuple)) else value
+def _preprocess_from(configured: list[str], taken: list[str], start: ModelWeights | EncoderWeights | None) -> str:
+    """Where each part of the preprocessing comes from, for the log line: the ``data.*`` keys the config sets
+    (``configured``), those ``taken`` from ``start`` (the weights' own), the rest the data's."""
     parts = []
-    if config:
-        parts.append((", ".join(f"data.{k}" for k in config), "from the config"))
+    if configured:
+        parts.append((", ".join(f"data.{k}" for k in configured), "from the config"))
     if taken:
         parts.append((", ".join(taken), f"the pretrained weights' own, from {start.preprocess_from}"))
-    rest = [k for k in WEIGHTS_KEYS if k not in config and k not in taken]
+    rest = [k for k in WEIGHTS_KEYS if k not in configured and k not in taken]
     if rest:
         parts.append((", ".join(rest), _data_default(start, rest)))
     last = len(parts) - 1

@@ -1,7 +1,8 @@
 """``finetune.init``: the weights a run starts from, a whole vitattn ``model`` or an ``encoder`` (``init_kind``).
 
-``read_start`` reads them once; ``resolve`` writes what they fix into the run's config before it is checked,
-saved and built (``training.plan``); ``load_into`` copies them into the built system.
+``read_start`` reads them once; ``resolve`` returns what they fix in the run's config (sizes, switches and the
+preprocessing the data leaves unset), which the plan writes in before it is checked, saved and built
+(``training.plan``); the plan holds them, and ``training.build.load_start`` copies them into the built system.
 The kinds and what each brings: docs/finetuning.md.
 """
 
@@ -22,15 +23,12 @@ from vitattn.bundle import Bundle, load_bundle
 from vitattn.bundle.folder import CONFIG_FILE, WEIGHTS_FILE, is_bundle_folder, is_bundle_weights
 from vitattn.bundle.hub import describe_folder, hub_folder, is_hub_name
 from vitattn.data import Vocabulary
-from vitattn.data.preprocess import describe, from_timm
+from vitattn.data.preprocess import describe, from_timm, preprocess_taken
 from vitattn.data.tokenizer import Tokenizer
 from vitattn.errors import ConfigError, first_line
-from vitattn.models import VisionTransformer
-from vitattn.models.coca import CONTRASTIVE_PARTS
 from vitattn.models.timm_weights import (
     TIMM_SUFFIXES,
     convert_timm_state_dict,
-    load_encoder_state,
     pretrained_timm_model,
     read_timm_file,
     timm_file_data_config,
@@ -45,6 +43,7 @@ __all__ = [
     "ModelWeights",
     "read_start",
     "log_preprocess",
+    "preprocess_keys",
     "source_kind",
 ]
 
@@ -96,7 +95,8 @@ class ModelWeights:
 
     def resolve(self, values: dict[str, Any], given: list[str]) -> dict[str, Any]:
         """The model's sizes, image size and caption length where the config ``values`` (the plan's plain keys, by
-        their dotted names) differ: what the plan writes into the config; logged.
+        their dotted names) differ, logged, and its preprocessing where the data takes it (``preprocess_keys``):
+        what the plan writes into the config.
 
         Args:
             given: the keys the command line set (``resolve``'s overrides); one that the model contradicts is refused.
@@ -127,43 +127,7 @@ class ModelWeights:
             f"finetune.init={self.source}: the model's sizes, tokenizer and preprocessing"
             + (f"; set from it: {', '.join(f'{k} {current[k]} -> {v}' for k, v in changed.items())}" if changed else "")
         )
-        return changed
-
-    def load_into(self, system: Any) -> None:
-        """Copy every weight of the model into ``system.model`` (built from the config ``resolve`` set). A classifier
-        trains on its own classes, in its order. Between ``head=caption`` and ``head=coca`` the captioner's weights
-        load: the contrastive parts the model lacks start fresh, those it has and the run lacks are dropped, each
-        said in one line; any other mismatch is refused."""
-        classes = system.hparams.get("class_names")
-        if self.bundle.task == "classification" and list(classes) != list(self.bundle.class_names):
-            raise ConfigError(
-                f"finetune.init={self.source} classifies {list(self.bundle.class_names)}; the data's classes are "
-                f"{list(classes)}; train on the same classes"
-            )
-        ours, theirs = system.model.state_dict(), self.bundle.model.state_dict()
-        new, dropped = _parts(ours.keys() - theirs.keys()), _parts(theirs.keys() - ours.keys())
-        other = [part for part in new + dropped if part not in CONTRASTIVE_PARTS]
-        if other:
-            raise ConfigError(
-                f"finetune.init={self.source}: its model and the run's differ in {', '.join(other)}; only the "
-                f"contrastive parts ({', '.join(CONTRASTIVE_PARTS)}) may differ, between head=caption and head=coca"
-            )
-        strict = not (new or dropped)
-        try:
-            system.model.load_state_dict({k: v for k, v in theirs.items() if k in ours}, strict=strict)
-        except RuntimeError as err:
-            raise ConfigError(f"finetune.init={self.source}: {first_line(err)}") from None
-        what = "every weight" if strict else "the captioner's weights"
-        _info(
-            f"finetune.init: started from {what} of the {self.bundle.task} model {self.source}"
-            + (f"; new (the model has none): {', '.join(new)}" if new else "")
-            + (f"; dropped (the run has none): {', '.join(dropped)}" if dropped else "")
-        )
-
-
-def _parts(keys: Any) -> list[str]:
-    """The top-level modules and parameters that ``keys`` (state-dict keys) belong to, sorted."""
-    return sorted({key.split(".")[0] for key in keys})
+        return changed | preprocess_keys(values, self.preprocess)
 
 
 @dataclass
@@ -210,24 +174,13 @@ class EncoderWeights:
 
     def resolve(self, values: dict[str, Any], given: list[str]) -> dict[str, Any]:
         """The switches the weights show, as the ``model.*`` keys whose config ``values`` (the plan's plain keys)
-        differ: what the plan writes into the config that is checked and saved."""
+        differ, and their preprocessing where the data takes it (``preprocess_keys``): what the plan writes into the
+        config that is checked and saved."""
         model = {key.removeprefix("model."): v for key, v in values.items() if key.startswith("model.")}
         encoder = {**copy.deepcopy(model), "img_size": values["data.img_size"]}
         self.fit(encoder)
-        return {f"model.{k}": encoder[k] for k in model if k != "img_size" and k in encoder and model[k] != encoder[k]}
-
-    def load_into(self, target: Any) -> None:
-        """Copy the weights into ``target``'s encoder (a system, or a ``VisionTransformer`` built from the fitted
-        config) and log one line."""
-        encoder = target if isinstance(target, VisionTransformer) else getattr(target.model, "encoder", target.model)
-        try:
-            notes = load_encoder_state(encoder, self.state)
-        except ValueError as err:
-            raise ConfigError(f"finetune.init={self.source}: {first_line(err)}") from None
-        parts = [f"pretrained encoder: loaded {len(self.state)} tensors of {self.what}"]
-        if self.changes:
-            parts.append(f"set from the weights: {', '.join(self.changes)}")
-        _info("; ".join(parts + notes + self.notes))
+        fitted = {k: encoder[k] for k in model if k != "img_size" and k in encoder and model[k] != encoder[k]}
+        return {f"model.{k}": v for k, v in fitted.items()} | preprocess_keys(values, self.preprocess)
 
     def _set(self, encoder: dict[str, Any], key: str, value: Any) -> None:
         self.changes.append(f"model.{key} {_plain(encoder[key])} -> {_plain(value)}")
@@ -248,6 +201,14 @@ class EncoderWeights:
         sizes = [n for n in PRESETS if all(preset_config(n)[k] == self.known[k] for k in ("embed_dim", "depth"))]
         hint = f" (or model={sizes[0]})" if sizes and "in_chans" not in wrong else ""
         raise ConfigError(f"finetune.init={self.source}: the weights have {theirs}; set {fix}{hint}")
+
+
+def preprocess_keys(values: dict[str, Any], preprocess: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``data.*`` keys of the weights' ``preprocess`` that the config ``values`` (the plan's plain keys) leave
+    null and the data takes (``preprocess_taken``)."""
+    data = {key.removeprefix("data."): v for key, v in values.items() if key.startswith("data.")}
+    taken = preprocess_taken(data, preprocess)
+    return {f"data.{k}": list(v) if isinstance(v, (list, tuple)) else v for k, v in taken.items()}
 
 
 def _uses_fc_norm(encoder: dict[str, Any]) -> bool:
