@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from tests.helpers.bundles import CAPTION_PREPROCESS, distinct, make_caption_bundle, make_classifier_bundle
+from tests.helpers.onnx import check_int8_graphs, record_kept_fp32
 from vitattn.bundle import load_model
 from vitattn.bundle.folder import read_config
 from vitattn.bundle.onnx_export import export_onnx
@@ -181,3 +182,51 @@ def test_merging_a_max_patches_models_tokens_on_export_is_refused_in_one_line(fo
     ):
         export_onnx(load_model(folders[2]), tmp_path / "merged", merge_tokens=2)
     assert not (tmp_path / "merged").exists()
+
+
+def test_an_int8_folder_of_a_max_patches_captioner_is_quantized_and_captions_as_pytorch(folders, images, monkeypatch):
+    kept = record_kept_fp32(monkeypatch)
+    folder = export_onnx(load_model(folders[0]), folders[1].parent / "caption-int8.onnx", quantize="int8")
+    check_int8_graphs(folder, kept)
+    torch_model = Captioner.load(folders[0], precision="fp32")
+    ours, theirs = Captioner.load(folder).caption(images), [torch_model.caption(image) for image in images]
+    assert sum(a == b for a, b in zip(ours, theirs)) >= len(images) - 1, (ours, theirs)  # measured: 6 of 6
+
+
+def test_a_coca_folders_image_embeddings_of_a_mixed_batch_are_pytorchs_for_each_image_alone(images, tmp_path):
+    from vitattn.bundle import save_bundle
+    from vitattn.data.tokenizer import Vocabulary
+    from vitattn.models import CaptionDecoder, CocaCaptioner, VisionTransformer
+
+    torch.manual_seed(0)
+    vocab = Vocabulary(["a", "red", "circle"])
+    decoder = CaptionDecoder(len(vocab), embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0, max_len=8)
+    encoder = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0)
+    model = CocaCaptioner(encoder, decoder, embed_dim=16, text_depth=1, text_num_heads=2).eval()
+    bundle = save_bundle(tmp_path / "coca", model, task="caption", preprocess=PATCHES, vocab=vocab)
+    folder = export_onnx(load_model(bundle), tmp_path / "coca.onnx")
+    torch_model, onnx_model = load_model(bundle, precision="fp32"), load_model(folder)
+    embeds = onnx_model.model.embed_images(batch_images([onnx_model.transform(image) for image in images]))  # (B, E)
+    with torch.no_grad():
+        alone = torch.cat([torch_model.model.embed_images(_alone(torch_model, image)) for image in images])
+    torch.testing.assert_close(embeds, alone, atol=1e-5, rtol=0)
+
+
+def test_vitattn_caption_on_an_onnx_folder_captions_a_folder_of_mixed_aspects_as_pytorch(folders, images, tmp_path):
+    from vitattn.cli.caption import main as caption_main
+
+    for i, image in enumerate(images):
+        image.save(tmp_path / f"{i}.png")
+    out = tmp_path / "captions.jsonl"
+    args = [
+        f"model={folders[1]}",
+        f"images={tmp_path}",
+        f"out={out}",
+        "num_workers=0",
+        "progress=false",
+        "batch_size=4",
+    ]
+    assert caption_main(args) == 0
+    rows = {row["image"]: row["caption"] for row in map(json.loads, out.read_text().splitlines())}
+    torch_model = Captioner.load(folders[0], precision="fp32")
+    assert len(rows) == len(images) and rows == {path: torch_model.caption(path) for path in rows}
