@@ -230,3 +230,20 @@ def test_vitattn_caption_on_an_onnx_folder_captions_a_folder_of_mixed_aspects_as
     rows = {row["image"]: row["caption"] for row in map(json.loads, out.read_text().splitlines())}
     torch_model = Captioner.load(folders[0], precision="fp32")
     assert len(rows) == len(images) and rows == {path: torch_model.caption(path) for path in rows}
+
+
+def test_vitattn_eval_on_an_onnx_classifier_scores_mixed_aspects_as_pytorch_alone(folders, images, tmp_path):
+    from vitattn.cli.evaluate import main as eval_main
+
+    labels = [k * 2 // len(images) for k in range(len(images))]  # cat: the first half, dog: the second
+    for k, (image, label) in enumerate(zip(images, labels)):
+        (tmp_path / "data" / "val" / ("cat", "dog", "bird")[label]).mkdir(parents=True, exist_ok=True)
+        image.save(tmp_path / "data" / "val" / ("cat", "dog", "bird")[label] / f"{k}.png")
+    args = [f"model={folders[3]}", f"data_root={tmp_path / 'data'}", "split=val", f"out={tmp_path / 'out'}"]
+    assert eval_main([*args, "num_workers=0", "progress=false", "batch_size=4"]) == 0
+    torch_model = load_model(folders[2], precision="fp32")
+    with torch.no_grad():
+        hits = [int(torch_model.model(_alone(torch_model, image)).argmax()) == y for image, y in zip(images, labels)]
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())["metrics"]
+    assert metrics["num_images"] == len(images) and metrics["top1"] == pytest.approx(sum(hits) / len(hits))
+    assert 0 < sum(hits) < len(hits)  # a score that a wrong image order or mask could move
