@@ -46,16 +46,10 @@ SIZES = [(32, 16), (16, 32), (32, 32), (24, 8), (40, 24), (8, 40)]  # (width, he
 def folders(tmp_path_factory):
     """The captioner's and the classifier's bundles and fp32 ONNX folders, exported once for the module."""
     root = tmp_path_factory.mktemp("patches")
-    caption, classify = (
-        make_caption_bundle(root / "caption", PATCHES),
-        make_classifier_bundle(root / "cls", preprocess=PATCHES),
-    )
-    return (
-        caption,
-        export_onnx(load_model(caption), root / "caption.onnx"),
-        classify,
-        export_onnx(load_model(classify), root / "cls.onnx"),
-    )
+    caption = make_caption_bundle(root / "caption", PATCHES)
+    classify = make_classifier_bundle(root / "cls", preprocess=PATCHES)
+    caption_onnx, classify_onnx = (export_onnx(load_model(b), root / f"{b.name}.onnx") for b in (caption, classify))
+    return caption, caption_onnx, classify, classify_onnx
 
 
 @pytest.fixture(scope="module")
