@@ -35,9 +35,9 @@ def record_kept_fp32(monkeypatch) -> dict[str, list[str]]:
 def check_int8_graphs(folder: Path, kept: dict[str, list[str]]) -> dict[str, dict[str, int]]:
     """Assert that the graphs of int8 ONNX folder ``folder`` are quantized, whatever its ``onnx.json`` says:
     activations quantized at run time (``DynamicQuantizeLinear``), the products with weights integer
-    (``MatMulInteger``; the image encoder's attention ``QAttention`` unless it merges tokens, no fp32 ``Attention``
-    left), and the float ``MatMul``s exactly the products the export keeps in fp32 (``kept``, ``record_kept_fp32``),
-    each with float inputs. Returns each graph's operator counts."""
+    (``MatMulInteger``; the image encoder's attention ``QAttention`` unless it merges or pads tokens, no fp32
+    ``Attention`` left), and the float ``MatMul``s exactly the products the export keeps in fp32 (``kept``,
+    ``record_kept_fp32``), each with float inputs. Returns each graph's operator counts."""
     from collections import Counter
 
     import onnx
@@ -48,6 +48,7 @@ def check_int8_graphs(folder: Path, kept: dict[str, list[str]]) -> dict[str, dic
     graphs, model = config["graphs"], config["model"]
     merge_tokens = model.get("encoder", model).get("merge_tokens", 0)  # a captioner's encoder, or the classifier
     merging = any(merge_tokens) if isinstance(merge_tokens, list) else merge_tokens > 0
+    padded = config["preprocess"].get("max_patches") is not None  # images at their own grids: masked attention
     counts = {}
     for name, entry in graphs.items():
         graph = onnx.shape_inference.infer_shapes(onnx.load(folder / entry["file"])).graph
@@ -57,7 +58,7 @@ def check_int8_graphs(folder: Path, kept: dict[str, list[str]]) -> dict[str, dic
         counts[name] = dict(ops)
         assert ops["DynamicQuantizeLinear"] and ops["MatMulInteger"], f"{name}: not quantized, operators {dict(ops)}"
         # attention on the explicit path: masked, cached, or over merged tokens (``for_export``)
-        explicit = name in ("decoder_step", "text_embed") or merging
+        explicit = name in ("decoder_step", "text_embed") or merging or padded
         assert not ops["Attention"] and (ops["QAttention"] or explicit), f"{name}: {dict(ops)}"
         assert name in kept, f"the export listed no products to keep in fp32 for {name}"
         float_products = {node.name: node for node in graph.node if node.op_type == "MatMul"}

@@ -1,6 +1,6 @@
 """Bundles of models trained with ``data.max_patches``: the bundle records the budget (version 2, which an older
 reader refuses), the Python API and ``vitattn-caption`` batch mixed-aspect images with the padding mask, each image's
-caption and logits as the image's alone; ONNX export refused in one line."""
+caption and logits as the image's alone (ONNX folders of these models: tests/bundle/test_onnx_patches.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from PIL import Image
 from tests.helpers.bundles import CAPTION_PREPROCESS, distinct, make_caption_bundle, make_classifier_bundle
 from vitattn.bundle import BUNDLE_VERSION, load_model
 from vitattn.bundle.folder import BUNDLE_FORMAT, read_config
-from vitattn.bundle.onnx_export import export_onnx
 from vitattn.cli.caption import main as caption_main
 from vitattn.cli.evaluate import main as eval_main
 from vitattn.data.preprocess import describe, patch_grid
@@ -78,11 +77,6 @@ def test_the_bundle_records_the_budget_in_a_version_an_older_reader_refuses(capt
         read_config(captioner / "config.json", "vitattn bundle config", BUNDLE_FORMAT, BUNDLE_VERSION)
     square = json.loads((make_caption_bundle(tmp_path / "square") / "config.json").read_text())
     assert square["version"] == 1 and "max_patches" not in square["preprocess"]
-
-
-def test_onnx_export_of_a_max_patches_model_is_refused_in_one_line(captioner, tmp_path):
-    with pytest.raises(ValueError, match=r"^ONNX export of data\.max_patches models is not supported yet$"):
-        export_onnx(load_model(captioner), tmp_path / "onnx")
 
 
 def test_the_card_and_the_run_log_name_the_budget_instead_of_a_crop(captioner):

@@ -132,3 +132,19 @@ def test_each_images_generated_caption_is_its_caption_alone(num_beams):
         n = len(alone)
         assert batch[i, :n].tolist() == alone.tolist()
         assert (batch[i, n:] == model.decoder.pad_id).all()
+
+
+@pytest.mark.parametrize("size", [4, 14])
+def test_resample_weights_are_pytorchs_antialiased_bicubic_kernel(size):
+    """The oracle: ``F.interpolate(antialias=True)`` of the identity table, in float64, along the rows (two columns
+    kept: torch 2.14's kernel gives every output row the first one's weights when the other side is 1 wide)."""
+    import torch.nn.functional as F
+
+    from vitattn.models.vit import resample_weights
+
+    eye = torch.eye(size, dtype=torch.float64).reshape(1, size, size, 1).repeat(1, 1, 1, 2)  # channel j: entry j
+    for out in range(1, 3 * size + 1):  # shrinking, as it is, growing
+        kernel = F.interpolate(eye, size=(out, 2), mode="bicubic", antialias=True, align_corners=False)
+        expected = kernel[0, :, :, 0].T.float()  # (out, size): each output entry's weights
+        weights = resample_weights(torch.tensor(out), torch.arange(out), size)
+        torch.testing.assert_close(weights, expected, atol=3e-6, rtol=0)  # computed in fp32

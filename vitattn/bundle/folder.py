@@ -418,9 +418,12 @@ def load_bundle_folder(directory: Path, device: str | torch.device) -> Bundle:
     )
 
 
-def read_config(path: Path, what: str, format: str, version: int | tuple[int, ...], fix: str = "") -> dict[str, Any]:
+def read_config(
+    path: Path, what: str, format: str, version: int | tuple[int, ...], fix: str = "", newer: str = ""
+) -> dict[str, Any]:
     """The JSON ``what`` at ``path``, of ``format`` and ``version`` (or one of several) and with a known task;
-    ``fix`` (``"; ..."``) ends the errors of another format or version."""
+    ``fix`` (``"; ..."``) ends the errors of another format or version; ``newer``, when given, in its place for a
+    version above every one this vitattn reads (a newer vitattn wrote it: the fix is an upgrade)."""
     config = read_json(path, what)
     if not isinstance(config, dict) or config.get("format") != format:
         raise ValueError(f"{path} is not a {what} (format must be {format!r}){fix}")
@@ -428,9 +431,10 @@ def read_config(path: Path, what: str, format: str, version: int | tuple[int, ..
     if config.get("version") not in versions:
         written = f" (written by vitattn {brief(config['vitattn_version'])})" if "vitattn_version" in config else ""
         readable = " or ".join(map(str, versions))
-        raise ValueError(
-            f"{path} has version={brief(config.get('version'))}{written}; this vitattn reads version {readable}{fix}"
-        )
+        found = config.get("version")
+        later = isinstance(found, int) and not isinstance(found, bool) and found > max(versions)
+        ending = newer if later and newer else fix
+        raise ValueError(f"{path} has version={brief(found)}{written}; this vitattn reads version {readable}{ending}")
     if config.get("task") not in TASKS:
         raise ValueError(f"{path} has task={brief(config.get('task'))}; expected one of {list(TASKS)}")
     return config

@@ -1,12 +1,14 @@
 """A ``Bundle`` written as an ONNX folder (``onnx_folder``), optionally int8-quantized.
 
-Dimension letters: B images (B * K caption rows when decoding K beams), L decoder layers, H heads,
-d head width, P past caption positions, N image tokens (N' after merging), D width, V vocabulary, E embedding width.
+Dimension letters: B images (B * K caption rows when decoding K beams), L decoder layers, H heads, d head width,
+P past caption positions, N image tokens (N' after merging), M patches, D width, V vocabulary, E embedding width.
 
 PyTorch's TorchScript-based exporter (``dynamo=False``) traces the modules the PyTorch runtime runs. The
 encoder's self-attention is written as ONNX Runtime's contrib ``Attention`` op, and int8 folders take GELU's
 tanh form as ``FastGelu``; why, and the int8 choices: docs/captioning.md ("ONNX Runtime"). An encoder that merges
-tokens (ToMe, ``merge_tokens``) is traced with its schedule: each layer's token count is fixed in the graph.
+tokens (ToMe, ``merge_tokens``) is traced with its schedule: each layer's token count is fixed in the graph. A
+``data.max_patches`` model's image graphs take ``Patches`` (``PatchesInput``) on a dynamic patch axis, padding
+masked on the explicit attention path.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +32,12 @@ from torch.onnx import symbolic_helper
 from vitattn.bundle.folder import Bundle, encoder_of, plain_json
 from vitattn.bundle.onnx_folder import (
     CROSS_SIZE,
+    CROSS_VALID,
     ONNX_CONFIG_FILE,
     ONNX_FORMAT,
+    ONNX_PATCHES_VERSION,
     ONNX_VERSION,
+    PATCH_INPUTS,
     PRECISIONS,
     graph_file,
     graph_names,
@@ -41,10 +46,12 @@ from vitattn.bundle.onnx_folder import (
     require_onnxruntime,
     sha256,
 )
+from vitattn.data.preprocess import pad_patches, patch_grid, patchify
 from vitattn.data.tokenizer import tokenizer_file_name
 from vitattn.fileio import atomic_folder
 from vitattn.layers import EncoderLayer, LayerCache, MultiHeadAttention
 from vitattn.models import CaptionDecoder, CocaCaptioner, ImageCaptioner, VisionTransformer
+from vitattn.models.vit import Patches
 
 __all__ = [
     "OPSET",
@@ -52,6 +59,7 @@ __all__ = [
     "EmbeddingGraph",
     "EncoderGraph",
     "FastGelu",
+    "PatchesInput",
     "export_onnx",
     "for_export",
     "kept_fp32",
@@ -139,33 +147,56 @@ def for_export(model: nn.Module, approximate_gelu: bool = False, contrib_attenti
     return model
 
 
+class PatchesInput(nn.Module):
+    """``module`` called with ``Patches`` given as three tensors, the ``PATCH_INPUTS`` of an ONNX graph: patches
+    (B, M, P*P*C), their (B, M, 2) (row, column) and (B, M) validity, as timm's NaFlex ViT takes them."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, patches: Tensor, coord: Tensor, valid: Tensor) -> Tensor | tuple[Tensor, ...]:
+        return self.module(Patches(patches, coord, valid))
+
+
 class EncoderGraph(nn.Module):
-    """Images -> each decoder layer's cross-attention keys (B, H, d, N), transposed once per image (ONNX Runtime
-    reads a transposed operand more slowly at every step), and values (B, H, N, d); then, when the encoder merges
-    tokens, their sizes (B, N') (``CROSS_SIZE``), N' its ``num_tokens``."""
+    """Images (or ``Patches``) -> each decoder layer's cross-attention keys (B, H, d, N), transposed once per image
+    (ONNX Runtime reads a transposed operand more slowly at every step), and values (B, H, N, d); then, when the
+    encoder merges tokens, their sizes (B, N') (``CROSS_SIZE``), N' its ``num_tokens``; for ``Patches``, which
+    tokens are not padding (B, N) (``CROSS_VALID``)."""
 
     def __init__(self, model: ImageCaptioner) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, images: Tensor) -> tuple[Tensor, ...]:
-        memory = self.model.encode(images)  # (B, N, D) tokens, (B, N) sizes or None
+    def forward(self, images: Tensor | Patches) -> tuple[Tensor, ...]:
+        memory = self.model.encode(images)  # (B, N, D) tokens, (B, N) sizes or None, (B, N) valid or None
         heads = []
         for layer in self.model.decoder.layers:
             k, v = layer.mha2.project_kv(memory.tokens, memory.tokens)  # (B, H, N, d) each
             heads += [k.transpose(2, 3).contiguous(), v.contiguous()]  # (B, H, d, N), (B, H, N, d)
-        return tuple(heads) if memory.sizes is None else (*heads, memory.sizes)
+        rides = [t for t in (memory.sizes, memory.valid) if t is not None]  # never both: merging refuses padding
+        return (*heads, *rides)
 
 
 class _PastCache(LayerCache):
     """A ``LayerCache`` whose past keys/values are given and whose new ones are kept as ``present``."""
 
-    def __init__(self, past_k: Tensor, past_v: Tensor, cross_kt: Tensor, cross_v: Tensor, sizes: Tensor | None) -> None:
+    def __init__(
+        self,
+        past_k: Tensor,
+        past_v: Tensor,
+        cross_kt: Tensor,
+        cross_v: Tensor,
+        sizes: Tensor | None,
+        valid: Tensor | None,
+    ) -> None:
         super().__init__()
         self.past = (past_k, past_v)
         # (B / K, H, d, N) -> (B / K, H, N, d); the attention's q @ kᵀ transposes back: ONNX Runtime drops the pair
         self.cross_k, self.cross_v = cross_kt.transpose(2, 3), cross_v
         self.cross_sizes = sizes  # (B / K, N) merged image tokens' sizes, or None
+        self.cross_valid = valid  # (B / K, N) image tokens that are not padding, or None
         self.present: tuple[Tensor, Tensor] = self.past
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -176,18 +207,22 @@ class _PastCache(LayerCache):
 class DecoderStepGraph(nn.Module):
     """One token (B, 1), the past self-attention keys/values (B, H, P, d) and the cross ones of each
     layer, once per image (keys (B / K, H, d, N), values (B / K, H, N, d); the K beams of an image are
-    consecutive rows), then, for an encoder that merges tokens, their sizes (B / K, N) -> the next token's
-    logits (B, V) and the keys/values with the token added (B, H, P+1, d)."""
+    consecutive rows), then, for an encoder that merges tokens, their sizes (B / K, N), or, ``padded`` (images at
+    their own grids), which image tokens are not padding (B / K, N) -> the next token's logits (B, V) and the
+    keys/values with the token added (B, H, P+1, d)."""
 
-    def __init__(self, decoder: CaptionDecoder) -> None:
+    def __init__(self, decoder: CaptionDecoder, padded: bool = False) -> None:
         super().__init__()
-        self.decoder = decoder
+        self.decoder, self.padded = decoder, padded
 
     def forward(self, tokens: Tensor, *heads: Tensor) -> tuple[Tensor, ...]:
         L = len(self.decoder.layers)
         past, cross = heads[: 2 * L], heads[2 * L : 4 * L]
-        sizes = heads[4 * L] if len(heads) > 4 * L else None  # (B / K, N): merged tokens' sizes
-        caches = [_PastCache(past[2 * i], past[2 * i + 1], cross[2 * i], cross[2 * i + 1], sizes) for i in range(L)]
+        rides = heads[4 * L] if len(heads) > 4 * L else None  # (B / K, N): merged tokens' sizes, or the validity
+        sizes, valid = (None, rides) if self.padded else (rides, None)
+        caches = [
+            _PastCache(past[2 * i], past[2 * i + 1], cross[2 * i], cross[2 * i + 1], sizes, valid) for i in range(L)
+        ]
         start = past[0].shape[2]  # P: traced as the input's size, so the position follows the past length
         # no memory: the caches hold what the cross-attention reads of it (keys, values, sizes)
         logits = self.decoder(tokens, None, caches, start=start)[:, -1]  # (B, V)
@@ -195,14 +230,15 @@ class DecoderStepGraph(nn.Module):
 
 
 class EmbeddingGraph(nn.Module):
-    """``CocaCaptioner.embed_images`` (``what="images"``: (B, C, height, width) -> (B, E)) or ``embed_texts``
-    (``"texts"``: (N, T) right-padded token ids, the padding found in the graph -> (N, E)), as a module to export."""
+    """``CocaCaptioner.embed_images`` (``what="images"``: (B, C, height, width) or ``Patches`` -> (B, E)) or
+    ``embed_texts`` (``"texts"``: (N, T) right-padded token ids, the padding found in the graph -> (N, E)), as a
+    module to export."""
 
     def __init__(self, model: CocaCaptioner, what: str) -> None:
         super().__init__()
         self.model, self.what = model, what
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor | Patches) -> Tensor:
         return self.model.embed_images(x) if self.what == "images" else self.model.embed_texts(x)
 
 
@@ -217,8 +253,6 @@ def export_onnx(
     layer merges (ToMe: an int, or one count per layer; ``set_merge_tokens``), set on the exported copy and recorded
     in ``onnx.json``'s ``model``; None keeps the model's. Returns the folder."""
     precision = quantize or "fp32"
-    if bundle.preprocess.get("max_patches") is not None:  # its graphs take square images (B, 3, size, size)
-        raise ValueError("ONNX export of data.max_patches models is not supported yet")
     if precision not in PRECISIONS:
         raise ValueError(f"quantize={quantize!r} is unknown; choose quantize=int8 or leave it out for fp32")
     directory = Path(directory)
@@ -227,11 +261,15 @@ def export_onnx(
             f"{directory} exists and is not a vitattn ONNX folder; choose another folder or remove it"
         )
     model = _with_merge_tokens(bundle.model.to("cpu").eval(), merge_tokens)
-    size = bundle.preprocess["img_size"]
-    images = torch.rand(2, 3, size, size)
+    images = _ImageInputs.of(bundle.preprocess)
+    if images.padded and any(encoder_of(model).merge_schedule):  # ``merge_tokens`` refuses padding as it runs
+        raise ValueError(
+            f"merge_tokens={encoder_of(model).config['merge_tokens']} merges padded patches into real ones "
+            f"(data.max_patches={bundle.preprocess['max_patches']}): export with merge_tokens=0"
+        )
     config: dict[str, Any] = {
         "format": ONNX_FORMAT,
-        "version": ONNX_VERSION,
+        "version": ONNX_PATCHES_VERSION if images.padded else ONNX_VERSION,
         "runtime": "onnx",
         "task": bundle.task,
         "precision": precision,
@@ -252,8 +290,8 @@ def export_onnx(
             if isinstance(model, CocaCaptioner):
                 config.update(_export_embedders(model, images, tmp, precision))
         else:
-            graph = for_export(model, approximate_gelu=precision == "int8")
-            _export(graph, (images,), tmp / graph_file("classifier"), ["images"], ["logits"], {})
+            graph = images.wrap(for_export(model, precision == "int8", contrib_attention=not images.padded))
+            _export(graph, images.args, tmp / graph_file("classifier"), images.names, ["logits"], images.axes)
             config["class_names"] = list(bundle.class_names)
         if precision == "int8":
             _quantize(tmp, graph_names(bundle.task, config["model"]))
@@ -265,6 +303,31 @@ def export_onnx(
     return directory
 
 
+class _ImageInputs(NamedTuple):
+    """An image graph's example inputs (``args``), their ``names`` and dynamic ``axes``: two square images, or, for
+    images at their own grids (``padded``), the ``Patches`` of a wide and a tall image, padded."""
+
+    args: tuple[Tensor, ...]
+    names: list[str]
+    axes: dict[str, dict[int, str]]
+    padded: bool
+
+    @classmethod
+    def of(cls, preprocess: dict[str, Any]) -> _ImageInputs:
+        size, budget = preprocess["img_size"], preprocess.get("max_patches")
+        if budget is None:
+            return cls((torch.rand(2, 3, size, size),), ["images"], {}, False)
+        P = preprocess["patch_size"]
+        # traced with two grids of different lengths: padding, and no grid of the position table's size
+        grids = [patch_grid(1, 3, budget), patch_grid(2, 1, budget)]
+        patches = pad_patches([patchify(torch.rand(3, rows * P, cols * P), P) for rows, cols in grids])
+        return cls(tuple(patches), list(PATCH_INPUTS), {name: {1: "patches"} for name in PATCH_INPUTS}, True)
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """``module`` called with ``args``: ``PatchesInput(module)`` for patches."""
+        return PatchesInput(module) if self.padded else module
+
+
 def _with_merge_tokens(model: nn.Module, merge_tokens: int | Sequence[int] | None) -> nn.Module:
     """``model``, or a copy of it whose encoder merges ``merge_tokens`` (a one-line ``ValueError`` if too many)."""
     if merge_tokens is None:
@@ -274,24 +337,30 @@ def _with_merge_tokens(model: nn.Module, merge_tokens: int | Sequence[int] | Non
     return model
 
 
-def _export_captioner(model: ImageCaptioner, images: Tensor, folder: Path, precision: str) -> dict[str, Any]:
+def _export_captioner(model: ImageCaptioner, images: _ImageInputs, folder: Path, precision: str) -> dict[str, Any]:
     """Write ``encoder.onnx`` and ``decoder_step.onnx``; returns the ``decoder`` sizes for ``onnx.json``."""
     approximate_gelu = precision == "int8"
     dec = model.decoder
     L = len(dec.layers)
-    cross = EncoderGraph(model)(images)  # 2L x (B, H, N, d), and (B, N) sizes when merging
-    cross_names = kv_names("cross", L) + ([CROSS_SIZE] if len(cross) > 2 * L else [])
-    encoder = EncoderGraph(for_export(model, approximate_gelu))
-    _export(encoder, (images,), folder / graph_file("encoder"), ["images"], cross_names, {})
+    with torch.no_grad():
+        cross = images.wrap(EncoderGraph(model))(*images.args)  # 2L x (B, H, N, d), then (B, N) sizes or validity
+    rides = [CROSS_VALID if images.padded else CROSS_SIZE] if len(cross) > 2 * L else []
+    cross_names = kv_names("cross", L) + rides
+    # images at their own grids: N follows the patches, axis 3 of the keys (B, H, d, N), 2 of the values, 1 of the rest
+    axis = {"cross_k": 3, "cross_v": 2}
+    tokens_axes = {name: {axis.get(name.split(".")[0], 1): "tokens"} for name in cross_names} if images.padded else {}
+    encoder = images.wrap(EncoderGraph(for_export(model, approximate_gelu, contrib_attention=not images.padded)))
+    encoder_axes = _join(images.axes, tokens_axes)
+    _export(encoder, images.args, folder / graph_file("encoder"), images.names, cross_names, encoder_axes)
     B, H, _, d = cross[1].shape
     # traced with 2 rows per image (beams) and a past of 3 positions: any beam count and length run alike
     past = [torch.randn(2 * B, H, 3, d) for _ in range(2 * L)]
     tokens = torch.full((2 * B, 1), dec.bos_id, dtype=torch.long)
     past_axes = {name: {0: "batch", 2: "past"} for name in kv_names("past", L)}
     present_axes = {name: {0: "batch", 2: "past_plus_one"} for name in kv_names("present", L)}
-    cross_axes = {name: {0: "images"} for name in cross_names}
+    cross_axes = _join({name: {0: "images"} for name in cross_names}, tokens_axes)
     _export(
-        DecoderStepGraph(for_export(dec, approximate_gelu)),
+        DecoderStepGraph(for_export(dec, approximate_gelu), padded=images.padded),
         (tokens, *past, *cross),
         folder / graph_file("decoder_step"),
         ["tokens", *kv_names("past", L), *cross_names],
@@ -303,11 +372,21 @@ def _export_captioner(model: ImageCaptioner, images: Tensor, folder: Path, preci
     return {"decoder": {**sizes, **ids}}
 
 
-def _export_embedders(model: CocaCaptioner, images: Tensor, folder: Path, precision: str) -> dict[str, Any]:
+def _join(*axes: dict[str, dict[int, str]]) -> dict[str, dict[int, str]]:
+    """Dynamic axes of several sources, name by name."""
+    joined: dict[str, dict[int, str]] = {}
+    for part in axes:
+        for name, named in part.items():
+            joined[name] = {**joined.get(name, {}), **named}
+    return joined
+
+
+def _export_embedders(model: CocaCaptioner, images: _ImageInputs, folder: Path, precision: str) -> dict[str, Any]:
     """Write ``image_embed.onnx`` and ``text_embed.onnx``; returns the ``embed`` width and scale for ``onnx.json``."""
     approximate_gelu = precision == "int8"
-    image = EmbeddingGraph(for_export(model, approximate_gelu), "images")
-    _export(image, (images,), folder / graph_file("image_embed"), ["images"], ["embeds"], {})
+    embed = for_export(model, approximate_gelu, contrib_attention=not images.padded)
+    image = images.wrap(EmbeddingGraph(embed, "images"))
+    _export(image, images.args, folder / graph_file("image_embed"), images.names, ["embeds"], images.axes)
     dec = model.decoder
     # (N, T), traced with padding (T within the text tower's positions): any N and T <= max_len run alike
     tokens = torch.full((3, min(5, dec.max_len)), dec.eos_id, dtype=torch.long)
@@ -326,7 +405,7 @@ def _export(
     outputs: list[str],
     axes: dict[str, dict[int, str]],
 ) -> None:
-    axes = {**{name: {0: "batch"} for name in inputs + outputs}, **axes}
+    axes = _join({name: {0: "batch"} for name in inputs + outputs}, axes)
     with torch.no_grad(), warnings.catch_warnings(), _stable_argsort_as_topk():
         # the traced shape checks (caption length within max_len, causal mask for one query) hold for every step
         warnings.simplefilter("ignore", torch.jit.TracerWarning)

@@ -2,12 +2,13 @@
 ``LoadedModel`` that runs it on ONNX Runtime (on the CPU).
 
 Dimension letters: B images, K beams, L decoder layers, H heads, d head width, P past positions,
-N image tokens (fewer when the encoder merges them), V vocabulary.
+N image tokens (fewer when the encoder merges them), V vocabulary, M patches (``data.max_patches`` models).
 
 A caption folder holds ``encoder.onnx``, ``decoder_step.onnx`` and the tokenizer, a ``head=coca`` one also
 ``image_embed.onnx`` and ``text_embed.onnx``; a classifier, ``classifier.onnx``. Each graph's SHA-256 is checked
-before ONNX Runtime reads it. The graphs' inputs and outputs: ``onnx_export``; more in docs/captioning.md
-("ONNX Runtime").
+before ONNX Runtime reads it. A model trained with ``data.max_patches`` (version ``ONNX_PATCHES_VERSION``) takes
+each image at its own grid, as timm's NaFlex ViT: ``PATCH_INPUTS`` in place of ``images``. The graphs' inputs and
+outputs: ``onnx_export``; more in docs/captioning.md ("ONNX Runtime").
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ from vitattn.data.preprocess import check_preprocess
 from vitattn.errors import MissingDependencyError, brief, first_line
 from vitattn.models import Embedder
 from vitattn.models.generate import CaptionSearch, SpecialIds
+from vitattn.models.vit import Patches
 
 __all__ = [
     "CROSS_SIZE",
+    "CROSS_VALID",
     "DECODER_KEYS",
     "OnnxCaptioner",
     "OnnxClassifier",
@@ -44,12 +47,16 @@ __all__ = [
     "GRAPHS",
     "ONNX_CONFIG_FILE",
     "ONNX_FORMAT",
+    "ONNX_PATCHES_VERSION",
     "ONNX_VERSION",
+    "ONNX_VERSIONS",
+    "PATCH_INPUTS",
     "PRECISIONS",
     "check_onnx_config",
     "graph_file",
     "graph_names",
     "graph_path",
+    "image_feed",
     "is_onnx_folder",
     "kv_names",
     "load_onnx_folder",
@@ -61,6 +68,11 @@ log = logging.getLogger(__name__)
 
 ONNX_FORMAT = "vitattn-onnx"
 ONNX_VERSION = 2  # 2: cross-attention keys transposed and shared by the beams of an image
+# 3: images at their own aspect ratio (``preprocess`` holds ``max_patches``): the image graphs take ``PATCH_INPUTS``,
+# the decoder step ``CROSS_VALID``; an older vitattn, which would feed them square images, refuses the folder in one
+# line. Square folders stay 2, which every vitattn since reads (as bundles: ``PATCHES_VERSION``).
+ONNX_PATCHES_VERSION = 3
+ONNX_VERSIONS = (ONNX_VERSION, ONNX_PATCHES_VERSION)
 ONNX_CONFIG_FILE = "onnx.json"
 PRECISIONS = ("fp32", "int8")
 # the graphs of each kind of model (``graph_names``): a captioner, a head=coca one, a classifier
@@ -71,9 +83,16 @@ GRAPHS = {
 }
 # ``encoder.onnx``'s output and ``decoder_step.onnx``'s input when the encoder merges tokens (ToMe): their sizes
 CROSS_SIZE = "cross_size"
+# ``encoder.onnx``'s output and ``decoder_step.onnx``'s input for images at their own grids: the (B, N) image tokens
+# that are not padding, which the cross-attention masks (``Memory.valid``)
+CROSS_VALID = "cross_valid"
+# the image graphs' inputs for images at their own grids (timm NaFlex's names; ``Patches``): (B, M, P*P*C) float
+# patches, (B, M, 2) int64 (row, column) in the image's grid, (B, M) bool validity (False: padding)
+PATCH_INPUTS = ("patches", "patch_coord", "patch_valid")
 DECODER_KEYS = ("depth", "num_heads", "head_dim", "max_len", "vocab_size", "pad_id", "bos_id", "eos_id")
 
 _REEXPORT = "export it again with this vitattn: vitattn-export model=RUN format=onnx out=DIR"
+_UPGRADE = f"; a newer vitattn wrote it: upgrade vitattn (pip install -U vitattn) to run it, or {_REEXPORT}"
 
 
 def require_onnxruntime(export: bool = False) -> ModuleType:
@@ -121,11 +140,18 @@ def check_onnx_config(directory: Path) -> dict[str, Any]:
     model's embedding width and scale, and every graph's file and checksum. A one-line ``ValueError`` names the
     problem and the fix."""
     where = directory / ONNX_CONFIG_FILE
-    config = read_config(where, "vitattn ONNX config", ONNX_FORMAT, ONNX_VERSION, f"; {_REEXPORT}")
+    config = read_config(where, "vitattn ONNX config", ONNX_FORMAT, ONNX_VERSIONS, f"; {_REEXPORT}", _UPGRADE)
     task = config["task"]
     if config.get("precision") not in PRECISIONS:
         raise ValueError(f"{where} has precision={brief(config.get('precision'))}; expected one of {list(PRECISIONS)}")
     config["preprocess"] = check_preprocess(config.get("preprocess"), f"{where}: preprocess")
+    patches = config["preprocess"].get("max_patches") is not None
+    if (config["version"] == ONNX_PATCHES_VERSION) != patches:  # the graphs' inputs follow the version
+        needs = ONNX_PATCHES_VERSION if patches else ONNX_VERSION
+        raise ValueError(
+            f"{where} has version={config['version']} but its preprocess {'holds' if patches else 'has no'} "
+            f"max_patches, which needs version {needs}; {_REEXPORT}"
+        )
     if task == "caption":
         decoder = config.get("decoder") if isinstance(config.get("decoder"), Mapping) else {}
         bad = [k for k in DECODER_KEYS if not isinstance(decoder.get(k), int) or decoder[k] < 0]
@@ -173,13 +199,27 @@ def _numpy(x: Tensor) -> np.ndarray:
     return x.detach().cpu().float().contiguous().numpy()
 
 
+def image_feed(images: Tensor | Patches) -> dict[str, np.ndarray]:
+    """An image graph's inputs: (B, C, height, width) square images as ``images``, or ``Patches`` (``batch_images``
+    of the folder's ``eval_transform``, as the PyTorch runtime gets them) as ``PATCH_INPUTS``."""
+    if isinstance(images, Patches):
+        return dict(zip(PATCH_INPUTS, (_numpy(images.patches), _whole(images.coord), _whole(images.valid, bool))))
+    return {"images": _numpy(images)}
+
+
+def _whole(x: Tensor, dtype: type = np.int64) -> np.ndarray:
+    return x.detach().cpu().numpy().astype(dtype)
+
+
 class OnnxMemory(NamedTuple):
     """What ``decoder_step.onnx`` reads of B images, as ``encoder.onnx`` gives it: each decoder layer's cross-attention
-    keys (B, H, d, N) and values (B, H, N, d), and, when the encoder merges tokens, their sizes (B, N), which the
-    cross-attention weighs them by (None: unmerged), as ``Memory`` holds them for the PyTorch runtime."""
+    keys (B, H, d, N) and values (B, H, N, d); when the encoder merges tokens, their sizes (B, N), which the
+    cross-attention weighs them by (None: unmerged); for images at their own grids, which tokens are not padding
+    (B, N) (None: none padded), as ``Memory`` holds them for the PyTorch runtime."""
 
     cross: list[np.ndarray]
     sizes: np.ndarray | None = None
+    valid: np.ndarray | None = None
 
 
 class OnnxDecoderStep:
@@ -193,6 +233,8 @@ class OnnxDecoderStep:
         self.feed = dict(zip(kv_names("cross", depth), memory.cross))
         if memory.sizes is not None:
             self.feed[CROSS_SIZE] = memory.sizes  # (B, N)
+        if memory.valid is not None:
+            self.feed[CROSS_VALID] = memory.valid  # (B, N)
         self.past_names = kv_names("past", depth)
         self.past: list[np.ndarray] | None = None  # (B * K, H, P, d) each, from the first call
 
@@ -216,25 +258,30 @@ class OnnxCaptioner(CaptionSearch):
 
     def __init__(self, sessions: Sequence[Any], config: Mapping[str, Any], other_ids: tuple[int, ...] = ()) -> None:
         self.encoder_session, self.step_session = sessions[:2]
-        # the graphs of an encoder that merges tokens pass their sizes along (folders without merging: no such output)
-        self.merged = CROSS_SIZE in (output.name for output in self.encoder_session.get_outputs())
+        # what rides beside the keys and values (an output only where there is one): an encoder that merges tokens
+        # passes their sizes along, one of a max_patches model which tokens are padding
+        outputs = [output.name for output in self.encoder_session.get_outputs()]
+        self.merged, self.padded = CROSS_SIZE in outputs, CROSS_VALID in outputs
         decoder = config["decoder"]
         self.max_len = decoder["max_len"]
         self.vocab_size = decoder["vocab_size"]
         ids = (decoder["pad_id"], decoder["bos_id"], decoder["eos_id"], decoder["unk_id"])
         self.special_ids = SpecialIds(*ids, other_ids)  # the tokenizer's other special tokens: never generated
 
-    def encode(self, images: Tensor) -> OnnxMemory:
-        """(B, C, height, width) -> the ``OnnxMemory`` of the images: cross-attention keys and values, token sizes."""
-        outputs = self.encoder_session.run(None, {"images": _numpy(images)})
-        return OnnxMemory(outputs[:-1], outputs[-1]) if self.merged else OnnxMemory(outputs)
+    def encode(self, images: Tensor | Patches) -> OnnxMemory:
+        """(B, C, height, width) or ``Patches`` -> the ``OnnxMemory`` of the images: cross-attention keys and
+        values, token sizes or validity."""
+        outputs = self.encoder_session.run(None, image_feed(images))
+        if self.merged:
+            return OnnxMemory(outputs[:-1], sizes=outputs[-1])
+        return OnnxMemory(outputs[:-1], valid=outputs[-1]) if self.padded else OnnxMemory(outputs)
 
     def decode_step(self, memory: OnnxMemory, max_new_tokens: int, use_cache: bool = True) -> OnnxDecoderStep:
         """The ``DecodeStep`` over ``encode``'s output (it always caches: ``use_cache`` is PyTorch's)."""
         return OnnxDecoderStep(self.step_session, memory)
 
     def start_search(
-        self, images: Tensor, max_new_tokens: int, num_beams: int, use_cache: bool
+        self, images: Tensor | Patches, max_new_tokens: int, num_beams: int, use_cache: bool
     ) -> tuple[OnnxDecoderStep, int, str]:
         memory = self.encode(images)
         return self.decode_step(memory, max_new_tokens), memory.cross[0].shape[0], "cpu"
@@ -250,21 +297,22 @@ class OnnxCocaCaptioner(Embedder, OnnxCaptioner):
         self.embed_dim = config["embed"]["embed_dim"]
         self.logit_scale = torch.tensor([float(config["embed"]["logit_scale"])])  # (1,), as the model's parameter
 
-    def embed_images(self, images: Tensor) -> Tensor:
-        return torch.from_numpy(self.image_session.run(None, {"images": _numpy(images)})[0])
+    def embed_images(self, images: Tensor | Patches) -> Tensor:
+        return torch.from_numpy(self.image_session.run(None, image_feed(images))[0])
 
     def embed_texts(self, tokens: Tensor) -> Tensor:
         return torch.from_numpy(self.text_session.run(None, {"tokens": tokens.cpu().numpy().astype(np.int64)})[0])
 
 
 class OnnxClassifier:
-    """An ONNX folder's classifier: ``model(images)`` gives (B, num_classes) logits, as ``VisionTransformer``'s."""
+    """An ONNX folder's classifier: ``model(images)`` (square images or ``Patches``) gives (B, num_classes) logits, as
+    ``VisionTransformer``'s."""
 
     def __init__(self, session: Any, num_classes: int) -> None:
         self.session, self.num_classes = session, num_classes
 
-    def __call__(self, images: Tensor) -> Tensor:
-        return torch.from_numpy(self.session.run(None, {"images": _numpy(images)})[0])
+    def __call__(self, images: Tensor | Patches) -> Tensor:
+        return torch.from_numpy(self.session.run(None, image_feed(images))[0])
 
 
 @dataclass

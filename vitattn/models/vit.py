@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vitattn.layers import EncoderLayer, Memory, check_heads, merge_schedule
 
-__all__ = ["PRESETS", "Patches", "VisionTransformer", "layer_groups", "preset_config", "vit_preset"]
+__all__ = ["PRESETS", "Patches", "VisionTransformer", "layer_groups", "preset_config", "resample_weights", "vit_preset"]
 
 POOLS = ("cls", "mean", "avg")
 POS_EMBED_INITS = ("trunc_normal", "sincos")
@@ -66,6 +66,21 @@ def init_linears_(module: nn.Module) -> None:
             trunc_normal_(m.weight, std=0.02)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
+
+
+def resample_weights(out_size: Tensor, at: Tensor, size: int) -> Tensor:
+    """The weights over ``size`` table entries of output entry ``at`` when the table is resized to ``out_size``
+    entries: ``F.interpolate(mode="bicubic", antialias=True, align_corners=False)``, one axis, as a dense row
+    (PyTorch's filter, PIL's cubic with a = -0.5, widened by the scale when shrinking, normalised; taps beyond its
+    support weigh 0). ``out_size`` and ``at`` broadcast: (...,) -> (..., size). Equal to PyTorch's kernel in float64."""
+    scale = size / out_size.float()  # (...,): input entries per output entry
+    center = scale * (at.float() + 0.5)  # where output entry ``at`` sits on the table's axis
+    x = ((torch.arange(size, device=at.device) + 0.5 - center.unsqueeze(-1)) / scale.clamp(min=1).unsqueeze(-1)).abs()
+    a = -0.5
+    near = ((a + 2) * x - (a + 3)) * x * x + 1  # |x| < 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a  # 1 <= |x| < 2
+    w = torch.where(x < 1, near, torch.where(x < 2, far, torch.zeros_like(x)))  # (..., size)
+    return w / w.sum(dim=-1, keepdim=True)
 
 
 class Patches(NamedTuple):
@@ -261,27 +276,20 @@ class VisionTransformer(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def patch_positions(self, coord: Tensor, valid: Tensor) -> Tensor:
-        """(B, N, D) learned positions of patches at (B, N, 2) ``coord`` (``Patches``'): the position table,
-        sized by ``img_size``, resampled to each image's grid as weights of another image size are (bicubic,
-        antialiased; a grid of the table's size takes it as it is), once per distinct grid, at every forward."""
-        grid = self.patch_embed.grid_size
-        table = self.pos_embed[:, self.num_prefix_tokens :]  # (1, G*G, D)
-        grids = ((coord * valid.unsqueeze(-1)).amax(dim=1) + 1).tolist()  # (B, 2): each image's rows, columns
-        pos = table.new_zeros(*coord.shape[:2], table.shape[-1])  # (B, N, D): padding keeps 0, masked anyway
-        rows_of: dict[tuple[int, int], list[int]] = {}
-        for row, (h, w) in enumerate(grids):
-            rows_of.setdefault((h, w), []).append(row)
-        for (h, w), rows in rows_of.items():
-            if (h, w) == grid:
-                resized = table[0]
-            else:
-                from timm.layers import resample_abs_pos_embed  # timm: only for grids other than the table's
-
-                resized = resample_abs_pos_embed(table, [h, w], list(grid), num_prefix_tokens=0)[0]  # (h*w, D)
-            index = torch.tensor(rows, device=coord.device)
-            at = coord[index, :, 0] * w + coord[index, :, 1]  # (b, N): flat grid index of each patch
-            pos[index] = resized[at.clamp(0, h * w - 1)]  # padding's coordinates may lie off the grid
-        return pos
+        """(B, N, D) learned positions of patches at (B, N, 2) ``coord`` (``Patches``'): the position table, sized
+        by ``img_size``, resampled to each image's grid as weights of another image size are (timm's
+        ``resample_abs_pos_embed``: bicubic, antialiased; a grid of the table's size takes it as it is), at every
+        forward. Written as each patch's weights over the table's rows and columns (``resample_weights``), not a
+        loop over the batch's grids: tensors only, so the ONNX graph resamples any grid (docs/captioning.md)."""
+        G = self.patch_embed.grid_size[0]
+        table = self.pos_embed[0, self.num_prefix_tokens :]  # (G*G, D)
+        grids = (coord * valid.unsqueeze(-1)).amax(dim=1, keepdim=True) + 1  # (B, 1, 2): each image's rows, columns
+        rows = resample_weights(grids[..., 0], coord[..., 0], G)  # (B, N, G)
+        cols = resample_weights(grids[..., 1], coord[..., 1], G)  # (B, N, G)
+        weights = (rows.unsqueeze(-1) * cols.unsqueeze(-2)).flatten(2)  # (B, N, G*G)
+        with torch.autocast(coord.device.type, enabled=False):  # fp32, as timm resamples (padding: 0, masked anyway)
+            pos = (weights * valid.unsqueeze(-1)) @ table.float()  # (B, N, D)
+        return pos.to(table.dtype)
 
     def embed(self, x: Tensor | Patches) -> Memory:
         """(B, C, height, width) images or ``Patches`` -> the ``Memory`` of their (B, N, D) embedded tokens, class
