@@ -1,11 +1,11 @@
 """Every file and generated DataModule resumes mid-epoch exactly: the samples of an interrupted epoch, over both
-runs, are those of an uninterrupted one, in one process and in two (vitattn.training.datamodules.base)."""
+runs, are those of an uninterrupted one, in one process (vitattn.training.datamodules.base; DDP:
+test_data_resume_ddp.py)."""
 
 import json
 import os
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -14,7 +14,7 @@ from torch.utils.data import Dataset, DistributedSampler, RandomSampler
 
 from tests.helpers.datasets import make_coco
 from tests.helpers.images import make_image_folder
-from tests.helpers.processes import sample_keys, stop_twice_then_finish
+from tests.helpers.processes import sample_keys
 from tests.helpers.runs import TINY, compose_train
 from vitattn.data.tokenizer import load_tokenizer
 from vitattn.run_dir import RunDir
@@ -127,18 +127,20 @@ def _overrides(name: str, size: int, root: Path, teacher: Path | None = None) ->
     return [*TINY, *data, *run, "+callbacks.sample_keys._target_=vitattn.training.callbacks.SampleKeys"], keys
 
 
-# The fast run keeps coco without workers; the rest run with the slow tests (as do the DDP ones).
+# Every data path without loader workers (the fast run keeps the coco ones); with two, the human + pool mix. The
+# other paths' workers resume in test_data_resume_ddp.py (one a rank, each path) and on the loader itself
+# (test_a_loader_state_mid_epoch_resumes_the_rest_of_the_epoch, two workers).
 @pytest.mark.parametrize(
-    "name",
+    ("name", "workers"),
     [
-        "coco",
-        "coco-coca",
-        "coco-bootstrap",
-        pytest.param("imagefolder", marks=pytest.mark.slow),
-        pytest.param("shapes", marks=pytest.mark.slow),
+        ("coco", 0),
+        ("coco-coca", 0),
+        ("coco-bootstrap", 0),
+        pytest.param("imagefolder", 0, marks=pytest.mark.slow),
+        pytest.param("shapes", 0, marks=pytest.mark.slow),
+        pytest.param("coco-bootstrap", 2, marks=pytest.mark.slow),
     ],
 )
-@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_preempted_epoch_in_one_process_trains_what_an_uninterrupted_one_does(name, workers, tmp_path, request):
     teacher = request.getfixturevalue("shapes_caption_run") if name == "coco-bootstrap" else None
     overrides, expected = _overrides(name, 24, tmp_path / "data", teacher)
@@ -163,27 +165,6 @@ def test_a_preempted_epoch_in_one_process_trains_what_an_uninterrupted_one_does(
     steps = sample_keys(tmp_path / "keys")
     assert [s for _, s, _ in steps] == list(range(1, 7))  # steps 1..3, then 4..6 in the resumed run
     assert [k for _, _, ks in steps for k in ks] == whole  # the same samples, in the same order
-
-
-DDP_CPU = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["coco", "imagefolder", "shapes"])
-def test_a_ddp_epoch_stopped_by_sigterm_then_by_kill_9_resumes_with_every_sample_once(name, tmp_path):
-    overrides, expected = _overrides(name, 96, tmp_path / "data")
-    overrides.append(f"+callbacks.sample_keys.folder={tmp_path / 'keys'}")
-    command = [
-        *[sys.executable, "-m", "vitattn.cli.train", *DDP_CPU, "trainer.benchmark=false", *overrides],
-        *["data.num_workers=1", "callbacks.step_checkpoint.every_n_train_steps=2", "resume=auto"],
-        f"hydra.run.dir={tmp_path / 'run'}",
-    ]
-    steps = len(expected) // (2 * 4)  # 12: two ranks of 4 samples a step, every sample once (no padding)
-    runs = stop_twice_then_finish(command, tmp_path, tmp_path / "keys", first=3, every=2, steps=steps, batch=4, env=ENV)
-    trained = [k for run in runs for k in run]
-    repeated = [k for k, n in Counter(trained).items() if n > 1]
-    assert not repeated, f"{len(repeated)} samples trained twice: {repeated[:5]}"
-    assert sorted(trained) == sorted(expected)  # none skipped
 
 
 def test_in_a_process_group_the_loader_workers_start_from_a_fork_server(tmp_path):
