@@ -23,6 +23,7 @@ from vitattn.training.plan import (
     Plan,
     TrainerPlan,
     _trainer_plan,
+    global_rank,
     processes_per_node,
     resolve,
     run_tokenizer,
@@ -273,3 +274,31 @@ def test_another_rank_waits_for_rank_zeros_tokenizer_even_on_a_first_start(tmp_p
     with pytest.raises(TimeoutError):
         run_tokenizer("bpe", tmp_path, resuming=False, wait=3)
     assert clock.now > 3
+
+
+@pytest.mark.parametrize(
+    ("env", "rank"),
+    [
+        ({}, 0),
+        ({"RANK": "3", "NODE_RANK": "1"}, 3),  # torchrun: RANK says it all
+        ({"NODE_RANK": "1"}, 2),  # the first process of node 1 before fit: Lightning's launcher set only NODE_RANK
+        ({"LOCAL_RANK": "1"}, 1),
+        ({"NODE_RANK": "3", "LOCAL_RANK": "1"}, 7),  # node rank x processes per node + local rank
+        ({"GROUP_RANK": "1", "LOCAL_RANK": "1"}, 3),
+        ({"SLURM_PROCID": "5"}, 5),
+        ({"SLURM_PROCID": "5", "LOCAL_RANK": "0"}, 0),  # Lightning's own launcher inside a SLURM step
+    ],
+)
+def test_the_global_rank_is_lightnings_in_each_launchers_environment(env, rank, monkeypatch):
+    for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert global_rank(2) == rank
+
+
+@pytest.mark.parametrize("epochs", [-1, "2", 1.5])
+def test_a_number_of_frozen_epochs_that_is_not_a_whole_number_is_refused_in_one_line(epochs, machine, tmp_path):
+    machine(0)
+    with pytest.raises(ConfigError, match=rf"^finetune\.freeze_encoder_epochs={epochs} must be a whole number"):
+        _plan("cpu", "1", tmp_path, freeze_encoder_epochs=epochs)
