@@ -1,13 +1,16 @@
 """Every file and generated DataModule resumes mid-epoch exactly: the samples of an interrupted epoch, over both
-runs, are those of an uninterrupted one, in one process (vitattn.training.datamodules.base; DDP:
-test_data_resume_ddp.py)."""
+runs, are those of an uninterrupted one, and with data.max_patches their crops too, in one process
+(vitattn.training.datamodules.base; DDP: test_data_resume_ddp.py)."""
 
+import hashlib
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset, DistributedSampler, RandomSampler
@@ -19,8 +22,9 @@ from tests.helpers.runs import TINY, compose_train
 from vitattn.data.tokenizer import load_tokenizer
 from vitattn.run_dir import RunDir
 from vitattn.training import train
-from vitattn.training.datamodules.base import EpochSampler, ResumableLoader
+from vitattn.training.datamodules.base import EpochSampler, ResumableLoader, SeededDraws
 from vitattn.training.datamodules.shapes import ShapesDataModule
+from vitattn.training.systems import ClassificationSystem
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {
@@ -95,6 +99,41 @@ def test_a_loader_state_of_other_data_is_refused_in_one_line():
     assert "\n" not in str(err.value)
 
 
+class _Draws(Dataset):
+    """Item ``index``: a draw of Python's, NumPy's and torch's generators each."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple[float, float, float]:
+        return random.random(), float(np.random.random()), float(torch.rand(()))
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def test_seeded_draws_are_the_samples_own_in_any_order_and_worker_and_leave_the_process_generators_alone():
+    draws = SeededDraws(_Draws())
+    _seed(1)
+    first = [draws[(i, 7)] for i in range(8)]
+    after = _Draws()[0]
+    _seed(1)
+    assert after == _Draws()[0]  # the process's generators put back after each item
+    assert [draws[(i, 7)] for i in reversed(range(8))] == first[::-1]  # each item its own, in any order
+    assert len({x for item in first for x in item}) == 24 and draws[(0, 8)] != first[0]  # by index and epoch seed
+    loader = ResumableLoader(draws, sampler=EpochSampler(8, draws=True), batch_size=4, num_workers=2)
+    loader.sampler.resume(7, 0)
+    batches, indices = [], []
+    for batch in loader:  # two workers, each item drawn in one of them
+        batches.append(torch.stack(batch, 1))  # (4, 3)
+        indices += loader.last_indices
+    expected = torch.tensor([first[i] for i in indices], dtype=torch.float64)
+    torch.testing.assert_close(torch.cat(batches), expected, rtol=0, atol=0)
+
+
 def _overrides(name: str, size: int, root: Path, teacher: Path | None = None) -> tuple[list[str], list[str]]:
     """Overrides for a tiny one-epoch ``name`` run of ``size`` training samples (4 a batch) and their keys;
     ``coco-bootstrap``: 16 human-captioned images and a pool of 8 that ``teacher`` captions."""
@@ -165,6 +204,49 @@ def test_a_preempted_epoch_in_one_process_trains_what_an_uninterrupted_one_does(
     steps = sample_keys(tmp_path / "keys")
     assert [s for _, s, _ in steps] == list(range(1, 7))  # steps 1..3, then 4..6 in the resumed run
     assert [k for _, _, ks in steps for k in ks] == whole  # the same samples, in the same order
+
+
+def _record_batches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str, list[int]]]:
+    """Each classification training step's ``(global step, digest of its batch, valid patches per image)``: the
+    digest of the ``Patches``' patches, coordinates and validity and of the labels, as the step is given them."""
+    seen: list[tuple[int, str, list[int]]] = []
+    step = ClassificationSystem.training_step
+
+    def recording(self, batch, batch_idx):
+        (patches, coord, valid), labels = batch
+        digest = hashlib.sha256()
+        for tensor in (patches, coord, valid, labels):
+            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        seen.append((self.global_step, digest.hexdigest(), valid.sum(1).tolist()))
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(ClassificationSystem, "training_step", recording)
+    return seen
+
+
+def test_a_resumed_epoch_of_patches_is_augmented_as_an_uninterrupted_one(tmp_path, monkeypatch):
+    """``data.max_patches`` with augmentation, stopped mid-epoch and resumed from its step checkpoint: the resumed
+    steps get the uninterrupted run's samples and crops, pixel for pixel (``SeededDraws``), though the crop draws
+    from Python's ``random``, which no checkpoint holds."""
+    overrides, expected = _overrides("imagefolder", 24, tmp_path / "data")
+    # crops of aspects 1:2 to 2:1 of the square images: grids other than 4x4 (16 patches) once the augmentation runs
+    overrides += ["data.max_patches=16", "data.augment.enabled=true", "data.augment.ratio=[0.5,2.0]"]
+    overrides.append("data.num_workers=0")
+    seen = _record_batches(monkeypatch)
+    train(compose_train([*overrides, f"+callbacks.sample_keys.folder={tmp_path / 'whole'}"], tmp_path / "whole_run"))
+    whole, whole_keys = list(seen), [k for _, _, ks in sample_keys(tmp_path / "whole") for k in ks]
+    assert sorted(whole_keys) == sorted(expected) and len(whole) == 6
+    assert len({n for _, _, counts in whole for n in counts}) > 1  # the augmentation ran
+
+    seen.clear()  # stopped after step 3 with a step checkpoint there, then resumed from it
+    keys = f"+callbacks.sample_keys.folder={tmp_path / 'keys'}"
+    overrides.append("callbacks.step_checkpoint.every_n_train_steps=3")
+    train(compose_train([*overrides, keys, "trainer.max_steps=3"], tmp_path / "stopped"))
+    checkpoint = tmp_path / "stopped" / "checkpoints" / "step000003.ckpt"
+    train(compose_train([*overrides, keys, f"ckpt_path={checkpoint}"], tmp_path / "resumed"))
+    assert [k for _, _, ks in sample_keys(tmp_path / "keys") for k in ks] == whole_keys
+    assert seen[:3] == whole[:3]
+    assert seen[3:] == whole[3:]  # steps 3 to 5, the resumed run's: the same pixels, crops and grids
 
 
 def test_in_a_process_group_the_loader_workers_start_from_a_fork_server(tmp_path):

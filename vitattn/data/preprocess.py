@@ -405,7 +405,8 @@ class RandomResizedCropToPatches:
     """timm's ``RandomResizedCropToSequence``: a crop of a random share ``scale`` of the image's area, its aspect the
     image's times a log-uniform factor from ``ratio`` (a centre crop after 10 misses), resized to the largest size
     whose grid holds at most ``max_patches`` (``patch_grid``: timm's bisection solved exactly). The image's own
-    aspect is what the crop varies around, so a wide image stays wide. Draws from Python's ``random``, as timm."""
+    aspect is what the crop varies around, so a wide image stays wide. Draws from Python's ``random``, as timm (in
+    training seeded per sample: ``vitattn.training.datamodules.base.SeededDraws``)."""
 
     def __init__(
         self,

@@ -7,12 +7,14 @@ import dataclasses
 import logging
 import math
 import os
+import random
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_only
@@ -58,6 +60,7 @@ __all__ = [
     "EvaluationBatches",
     "ImageDataModule",
     "ResumableLoader",
+    "SeededDraws",
     "SemiLoader",
     "UnlabelledStream",
     "rank_and_world",
@@ -102,6 +105,34 @@ class EpochSampler(DistributedSampler):
             yield from ((index, self.epoch_seed) for index in self.share[skip:])
         else:
             yield from self.share[skip:]
+
+
+class SeededDraws(Dataset):
+    """``dataset`` whose item ``(index, epoch seed)`` (``EpochSampler(draws=True)``'s; a bare index: seed 0) is made
+    with Python's, NumPy's and torch's CPU generators seeded by the two, the process's own put back after: its random
+    augmentation a function of the sample, so a resumed epoch (any worker count) augments as the interrupted one."""
+
+    draws = True
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int | tuple[int, int]) -> Any:
+        i, epoch_seed = index if isinstance(index, tuple) else (index, 0)  # bare: Lightning's sampler (overfit)
+        seed = random.Random(f"augment/{epoch_seed}/{i}").getrandbits(63)
+        saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.random.default_generator.manual_seed(seed)  # the CPU's alone: CUDA's stream is the model's
+        try:
+            return self.dataset[index if getattr(self.dataset, "draws", False) else i]
+        finally:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            torch.set_rng_state(saved[2])
 
 
 class ResumableLoader(DataLoader):
@@ -246,6 +277,7 @@ class ImageDataModule(pl.LightningDataModule):
     reads_files = False  # images come from files (which may be unreadable), not from a generator
     crop = {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bicubic"}  # whole image, squashed
     weights_keys = WEIGHTS_KEYS  # the data.* keys a run takes from its start weights (training.start_weights)
+    seeded_draws = False  # training samples augmented from their epoch's seed and index (``SeededDraws``)
 
     def __init__(
         self,
@@ -514,6 +546,8 @@ class ImageDataModule(pl.LightningDataModule):
             raise RuntimeError(f"{type(self).__name__}.setup() must run before its dataloaders")
         workers = self._workers()
         collate = self.collate_fn
+        if shuffle and self.seeded_draws:
+            dataset = SeededDraws(dataset)
         draws = getattr(dataset, "draws", False)
         if self.reads_files:
             dataset = GuardedImages(dataset, self.bad_images)

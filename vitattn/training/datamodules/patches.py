@@ -23,6 +23,11 @@ class PatchBatches:
 
     budget: Budget | None = None
 
+    @property
+    def seeded_draws(self) -> bool:
+        """With a budget, training crops are resume-exact (``SeededDraws``); square runs draw as they always did."""
+        return self.budget is not None
+
     def use_budget(self, max_patches: int | None, patch_size: int) -> None:
         """At most ``max_patches`` patches per image (``check_max_patches``); None: square images."""
         if max_patches is not None:
