@@ -174,6 +174,7 @@ def test_devices_auto_counts_gpus_only_for_a_gpu_trainer_and_never_fewer_than_on
     assert processes_per_node("auto", on_gpu=True) == 4
     machine(0)
     assert processes_per_node("auto", on_gpu=True) == processes_per_node(0) == processes_per_node([]) == 1
+    assert processes_per_node(None) == 1  # trainer.devices=null
 
 
 def test_the_plan_and_its_parts_cannot_change_after_resolve(machine, tmp_path):
