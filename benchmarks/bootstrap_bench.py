@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
             rows.append(_row(name, task, scores))
     table = markdown_table(
-        ["dataset", "task", "metric", *args.arms, "student - teacher", "gap closed", "seeds"],
+        ["dataset", "task", "metric", *args.arms, "student (or semi) - teacher", "gap closed", "seeds"],
         [[r[k] for k in ("dataset", "task", "metric", *args.arms, "gain", "closed", "seeds")] for r in rows],
     )
     result = dict(argv=args.argv, rows=rows, runs=runs, created=time.strftime("%Y-%m-%d %H:%M:%S"))
@@ -220,8 +220,9 @@ def _row(name: str, task: str, scores: dict[str, dict[int, float]]) -> dict[str,
     seeds = sorted(scores.get("teacher", {}))
     row["seeds"] = len(seeds)
     row["gain"] = row["closed"] = "–"
-    if seeds and "student" in scores:
-        gains = [scores["student"][s] - scores["teacher"][s] for s in seeds]
+    learner = next((arm for arm in ("student", "semi") if arm in scores), None)  # the offline or online learner
+    if seeds and learner:
+        gains = [scores[learner][s] - scores["teacher"][s] for s in seeds]
         row["gain"] = f"{statistics.mean(gains):+.3f} ({min(gains):+.3f}–{max(gains):+.3f})"
         if "oracle" in scores:
             closed = [
