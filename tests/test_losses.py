@@ -137,3 +137,15 @@ def test_the_temperatures_are_the_papers():
     assert math.exp(INIT_LOGIT_SCALE["clip"]) == pytest.approx(14.2857142857, rel=1e-9)
     assert math.exp(INIT_LOGIT_SCALE["siglip"]) == pytest.approx(10.0, rel=1e-12)
     assert math.exp(MAX_LOGIT_SCALE) == pytest.approx(100.0, rel=1e-12)
+
+
+def test_the_scst_loss_of_one_generated_token_is_its_own_and_of_none_is_zero():
+    """The mean over generated tokens: one token is divided by 1, and a batch that generated nothing (every sample
+    ended at once) gives 0 and no gradient, never 0 / 0."""
+    log_probs = torch.tensor([[-0.5, -2.0], [-1.0, -3.0]], requires_grad=True)
+    advantage = torch.tensor([2.0, -1.0])
+    one = scst_loss(log_probs, torch.tensor([[1, 0], [0, 0]]), advantage)
+    assert one.item() == pytest.approx(-(2.0 * -0.5))
+    none = scst_loss(log_probs, torch.zeros(2, 2), advantage)
+    none.backward()
+    assert none.item() == 0.0 and torch.equal(log_probs.grad, torch.zeros(2, 2))
