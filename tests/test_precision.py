@@ -11,6 +11,7 @@ from PIL import Image
 
 import vitattn.bundle
 import vitattn.inference.api
+import vitattn.inference.jobs
 import vitattn.precision
 import vitattn.serve
 import vitattn.serve.api
@@ -242,7 +243,7 @@ def test_caption_eval_and_serve_load_in_the_precision_given(shapes_caption_run, 
         loaded.append(precision)
         return load(path, device, precision, merge_tokens)
 
-    for module in (vitattn.bundle, vitattn.inference.api, vitattn.serve.api):
+    for module in (vitattn.bundle, vitattn.inference.api, vitattn.inference.jobs, vitattn.serve.api):
         monkeypatch.setattr(module, "load_model", spy)
     out = tmp_path / "captions.jsonl"
     common = [f"model={shapes_caption_run}", "num_workers=0", "progress=false", "precision=bf16"]
