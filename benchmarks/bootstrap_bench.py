@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     run_seed = seed + FILTER_SEED if arm == "filter" else seed
                     wide = {"embed_dim": 2 * learning_bench.BenchConfig.embed_dim} if arm == "teacher_4x" else {}
                     export = arm in ("teacher", "filter", "teacher_4x")
-                    result = _train(task, source, args, run_seed, folder / arm, extra, export, wide)
+                    mu = args.mu if arm.startswith("semi") else 0
+                    result = _train(task, source, args, run_seed, folder / arm, extra, export, wide, mu)
                     scores[arm][seed] = result["score"]
                     runs.append({"dataset": name, "task": task, "seed": seed, "arm": arm, **result})
                     print(
@@ -168,16 +169,16 @@ def _train(
     extra: list[str],
     export: bool,
     size: dict[str, int] | None = None,
+    mu: int = 0,
 ) -> dict[str, Any]:
-    """One ``vitattn-train`` run of the learning bench's config (``size``: other model sizes); its val score
-    (CIDEr-D or accuracy)."""
+    """One ``vitattn-train`` run of the learning bench's config (``size``: other model sizes; ``mu``: unlabelled
+    images per labelled one, for the images seen); its val score (CIDEr-D or accuracy)."""
     cfg = learning_bench.BenchConfig(steps=args.steps, threads=args.threads, img_size=args.img_size, seed=seed)
     cfg = dataclasses.replace(cfg, **(size or {}))
     smoothing = [f"head.label_smoothing={args.class_smoothing}"] if task == "classification" else []
     cfg.vitattn_args = [*smoothing, *extra, *(["export_bundle=true"] if export else [])]
     side = learning_bench.run_vitattn(task, data, cfg, run_dir)
     metric = "cider_d" if task == "caption" else "acc"
-    mu = next((int(o.split("=")[1]) for o in extra if o.startswith("semi.ratio=")), 0)
     seen = side.steps * cfg.batch_size * (1 + mu)  # labelled images, plus mu unlabelled ones each
     result = {
         "score": side.metrics[metric],
