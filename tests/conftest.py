@@ -435,7 +435,23 @@ def hub_offline(monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
 
 
+# The files whose tests are mostly processes that run for minutes (DDP ranks killed and resumed, servers): handed
+# out first, so that ``--dist loadfile`` does not leave one of them running alone at the end.
+LONG_FILES = (
+    "tests/training/test_data_resume_ddp.py",
+    "tests/training/test_data_resume.py",
+    "tests/training/test_preemption.py",
+    "tests/serve/test_serve.py",
+    "tests/training/test_sweeps.py",
+    "tests/training/test_sharding.py",
+    "tests/training/test_shards_resume.py",
+    "tests/bundle/test_onnx_folder.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("slow") and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT))
+    first = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::", 1)[0], len(first)))  # stable: the rest in order
