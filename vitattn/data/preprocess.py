@@ -11,7 +11,8 @@ import math
 import numbers
 import random
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from fractions import Fraction
 from functools import partial
@@ -55,6 +56,7 @@ __all__ = [
     "preprocess_taken",
     "RandomResizedCropToPatches",
     "resize_to_patches",
+    "seeded_generators",
     "strong_view",
     "WEIGHTS_KEYS",
     "weights_preprocess",
@@ -537,6 +539,23 @@ class CaptionAugment:
         if self.auto is not None and not words & COLOURS:
             image = self.auto(image)
         return self.finish(image)
+
+
+@contextmanager
+def seeded_generators(key: str) -> Iterator[None]:
+    """Python's, NumPy's and torch's CPU generators seeded by ``key`` inside, the process's own put back after: a
+    random augmentation made inside is a function of ``key`` (a shard sample's epoch and position)."""
+    seed = random.Random(key).getrandbits(63)
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.random.default_generator.manual_seed(seed)  # the CPU's alone: CUDA's stream is the model's
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
 
 
 def check_max_patches(max_patches: Any, img_size: int, patch_size: int) -> int:
