@@ -51,6 +51,7 @@ __all__ = [
     "normalize",
     "pad_patches",
     "patch_grid",
+    "patch_grids",
     "patchify",
     "PREPROCESS_KEYS",
     "preprocess_taken",
@@ -58,6 +59,7 @@ __all__ = [
     "resize_to_patches",
     "seeded_generators",
     "strong_view",
+    "unpatchify",
     "WEIGHTS_KEYS",
     "weights_preprocess",
 ]
@@ -621,6 +623,21 @@ def patchify(image: torch.Tensor, patch_size: int) -> ImagePatches:
     patches = image.reshape(C, rows, patch_size, cols, patch_size).permute(1, 3, 2, 4, 0)  # (rows, cols, P, P, C)
     coord = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), dim=-1)
     return ImagePatches(patches.reshape(rows * cols, -1), coord.reshape(-1, 2))  # (N, P*P*C), (N, 2)
+
+
+def unpatchify(patches: torch.Tensor, grid: tuple[int, int], patch_size: int) -> torch.Tensor:
+    """``patchify`` undone: an image's patches (N >= rows*cols, P*P*C), its ``grid``'s first, row by row (padding
+    after them is left out) -> (C, rows*P, cols*P)."""
+    rows, cols = grid
+    P = patch_size
+    image = patches[: rows * cols].reshape(rows, cols, P, P, -1)  # (rows, cols, P, P, C)
+    return image.permute(4, 0, 2, 1, 3).reshape(-1, rows * P, cols * P)  # (C, height, width)
+
+
+def patch_grids(batch: Patches) -> list[tuple[int, int]]:
+    """Each image's (rows, columns) in a batch of ``Patches``: its valid patches' largest coordinates + 1."""
+    grids = (batch.coord * batch.valid.unsqueeze(-1)).amax(dim=1) + 1  # (B, 2)
+    return [(rows, cols) for rows, cols in grids.tolist()]
 
 
 def pad_patches(images: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Patches:
