@@ -52,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--repeats", type=int, default=None, help="timed samples per side (default 7, quick 3)")
+    p.add_argument("--min-time", type=float, default=None, help="shortest timed sample in seconds (default 0.2)")
     p.add_argument("--out", type=Path, default=Path("bench_results/naflex.json"))
 
 
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every part, the table printed, ``--out`` written."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    env = Env(args.device, args.quick, args.repeats)
+    env = Env(args.device, args.quick, args.repeats, args.min_time)
     side = ENCODER["img_size"] // ENCODER["patch_size"]
     if args.budget != side * side:
         print(f"note: --budget {args.budget} differs from the square's {side * side} patches: budgets unequal")

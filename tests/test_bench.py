@@ -329,7 +329,20 @@ def test_naflex_section_counts_valid_tokens_and_times_native_against_square_and_
     with pytest.MonkeyPatch.context() as m:
         m.setattr(naflex_bench, "ENCODER", dict(TINY))  # a 4 x 4 table: 16 patches
         m.setattr(naflex_bench, "DECODER", dict(vocab_size=40, embed_dim=32, depth=1, num_heads=2, max_len=8))
-        argv = ["--quick", "--repeats", "1", "--budget", "16", "--batch", "3", "--images", "12", "--tokens", "3"]
+        argv = [
+            "--repeats",
+            "1",
+            "--min-time",
+            "0",
+            "--budget",
+            "16",
+            "--batch",
+            "3",
+            "--images",
+            "12",
+            "--tokens",
+            "3",
+        ]
         cli.main(["naflex", *argv, "--out", str(out)])
     saved = json.loads(out.read_text())
     rows = {r["name"]: r for r in saved["rows"]}
