@@ -8,6 +8,7 @@
     python -m benchmarks learning --quick              # vitattn-train against a plain timm loop (docs/learning.md)
     python -m benchmarks merge --threads 2             # token merging: encoder, captions, training step
     python -m benchmarks candidates --threads 2        # K caption candidates per image against greedy
+    python -m benchmarks naflex --threads 2            # images at their own aspect against squares (max_patches)
     python -m benchmarks SECTION --help
 
 ``SECTIONS`` is the registry: a section adds its options to its own sub-command and runs from the parsed
@@ -38,6 +39,7 @@ from benchmarks import (
     load_serve,
     merge_bench,
     metric_parity,
+    naflex_bench,
     steps,
     transfer_bench,
 )
@@ -212,6 +214,11 @@ SECTIONS: dict[str, Section] = {
     "merge": Section("token merging (ToMe) against unmerged, timm and HF", merge_bench.add_arguments, merge_bench.run),
     "merge-quality": Section(
         "captions trained and scored with token merging", merge_bench.add_quality_arguments, merge_bench.run_quality
+    ),
+    "naflex": Section(
+        "images at their own aspect ratio against squares at an equal budget",
+        naflex_bench.add_arguments,
+        naflex_bench.run,
     ),
     "candidates": Section(
         "K caption candidates per image against greedy captions", candidates.add_arguments, candidates.run

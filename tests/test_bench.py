@@ -317,3 +317,43 @@ def test_train_flags_change_the_flagged_model_only():
         layout = torch.channels_last if flagged else torch.contiguous_format
         assert images.is_contiguous(memory_format=layout)
         assert model.patch_embed.proj.weight.is_contiguous(memory_format=layout)
+
+
+def test_naflex_section_counts_valid_tokens_and_times_native_against_square_and_the_mask(tmp_path):
+    """``python -m benchmarks naflex``: the set's valid patches and padded shares as counted by hand from its grids,
+    each tokens/s ratio the images/s ratio times the two arms' tokens, and the mask (every token valid) changing no
+    output of the layers it is timed on."""
+    from benchmarks import naflex_bench
+
+    out = tmp_path / "naflex.json"
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(naflex_bench, "ENCODER", dict(TINY))  # a 4 x 4 table: 16 patches
+        m.setattr(naflex_bench, "DECODER", dict(vocab_size=40, embed_dim=32, depth=1, num_heads=2, max_len=8))
+        argv = [
+            "--repeats",
+            "1",
+            "--min-time",
+            "0",
+            "--budget",
+            "16",
+            "--batch",
+            "3",
+            "--images",
+            "12",
+            "--tokens",
+            "3",
+        ]
+        cli.main(["naflex", *argv, "--out", str(out)])
+    saved = json.loads(out.read_text())
+    rows = {r["name"]: r for r in saved["rows"]}
+    lengths = [r * c for r, c in naflex_bench.mixed_grids(12, 16)]
+    assert max(lengths) <= 16 and len(set(lengths)) > 1  # within the budget, not one grid for all
+    assert rows["valid patches per image"]["ratio"] == pytest.approx(sum(lengths) / 12 / 16)
+    share = [1 - sum(b) / (3 * max(b)) for b in (lengths[i : i + 3] for i in range(0, 12, 3))]
+    assert rows["padded share, batches of 3 in order"]["ratio"] == pytest.approx(sum(share) / 4)
+    train = saved["details"]["train_step"]
+    assert train["tokens"] == [sum(lengths[:3]), 3 * 16]
+    tokens, images = rows["train step b3, patch tokens/s"], rows["train step b3, images/s"]
+    assert tokens["ratio"] == pytest.approx(images["ratio"] * sum(lengths[:3]) / 48)
+    assert saved["details"]["mask"]["max_abs_diff"] < 1e-5
+    assert set(saved["details"]["captions"]["seconds"]) == {"native", "square"}

@@ -151,3 +151,32 @@ def test_cli_writes_one_figure_per_captioned_image(tmp_path):
         == 1
     )
     assert records == [json.loads(line) for line in (tmp_path / "plain.jsonl").read_text().splitlines()]
+
+
+def test_maps_of_mixed_aspect_patches_are_each_images_own_by_hand():
+    """``Patches`` of three grids (1 x 4, 3 x 2, 2 x 1; padded to 6): each image's maps at its own grid, equal to a
+    hand computation over the image run alone: the last decoder layer's cross-attention weights averaged over heads
+    and renormalised over the patches, and the rollout's class row, layer by layer (heads averaged, identity added,
+    rows renormalised)."""
+    from vitattn.data.preprocess import pad_patches, patchify
+
+    model = tiny_captioner()
+    g = torch.Generator().manual_seed(0)
+    images = [torch.randn(3, 8 * r, 8 * c, generator=g) for r, c in ((1, 4), (3, 2), (2, 1))]
+    batch = pad_patches([patchify(image, 8) for image in images])
+    tokens, cross, rollout = caption_attention_maps(model, batch)
+    for i, image in enumerate(images):
+        rows, cols = image.shape[1] // 8, image.shape[2] // 8
+        alone = pad_patches([patchify(image, 8)])
+        inputs = torch.cat([tokens.new_full((1, 1), model.decoder.bos_id), tokens[i : i + 1, :-1]], dim=1)
+        with record_attention(model) as maps, torch.no_grad():
+            model.decoder(inputs, model.memory(model.encoder.forward_tokens(alone)))
+        words = maps["decoder.layers.1.mha2"][0][0].mean(0)[:, 1:]  # (T', rows*cols): heads averaged, no class token
+        expected = (words / words.sum(-1, keepdim=True)).view(-1, rows, cols)
+        torch.testing.assert_close(cross[i], expected, atol=1e-5, rtol=0)
+        flow = torch.eye(1 + rows * cols)
+        for block in range(2):
+            a = maps[f"encoder.blocks.{block}.mha"][0][0].mean(0) + torch.eye(1 + rows * cols)
+            flow = (a / a.sum(-1, keepdim=True)) @ flow
+        expected = (flow[0, 1:] / flow[0, 1:].sum()).view(rows, cols)
+        torch.testing.assert_close(rollout[i], expected, atol=1e-5, rtol=0)

@@ -18,6 +18,7 @@ from vitattn.cli.caption import main as caption_main
 from vitattn.cli.evaluate import main as eval_main
 from vitattn.data.preprocess import describe, patch_grid
 from vitattn.inference.api import Captioner, Classifier
+from vitattn.metrics import compute_caption_metrics
 from vitattn.models.vit import Patches
 
 PATCHES = {**CAPTION_PREPROCESS, "max_patches": 12, "patch_size": 8}
@@ -102,11 +103,50 @@ def test_vitattn_eval_scores_a_folder_of_mixed_aspects_as_each_image_alone(image
     assert metrics["num_images"] == len(files) and metrics["top1"] == pytest.approx(sum(hits) / len(hits))
 
 
-def test_attention_maps_of_a_max_patches_model_are_refused_in_one_line(captioner, images, tmp_path):
-    with pytest.raises(ValueError, match=r"^attention maps of data\.max_patches models are not supported yet$"):
-        Captioner.load(captioner).attention_maps(images / "0.png")
+def test_vitattn_eval_scores_captions_of_mixed_aspects_as_each_images_caption_alone(captioner, images, tmp_path):
+    """Captions generated in batches of 4 mixed-aspect images, scored against a COCO file: each image's caption the
+    one it gets alone, the metrics those of the captions made alone (the scorer's own function as the oracle)."""
+    files = [f"{i}.png" for i in range(len(SIZES))]
+    references = [[f"caption {i} of a shape", f"a shape {i}"] for i in range(len(files))]
+    coco = {
+        "images": [{"id": 10 + i, "file_name": name} for i, name in enumerate(files)],
+        "annotations": [
+            {"id": 100 * i + k, "image_id": 10 + i, "caption": ref}
+            for i, refs in enumerate(references)
+            for k, ref in enumerate(refs)
+        ],
+    }
+    (tmp_path / "refs.json").write_text(json.dumps(coco))
+    args = [f"model={captioner}", f"references={tmp_path / 'refs.json'}", f"image_dir={images}"]
+    assert eval_main([*args, f"out={tmp_path / 'out'}", "num_workers=0", "progress=false", "batch_size=4"]) == 0
+    model = Captioner.load(captioner)
+    alone = [model.caption(images / name) for name in files]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "captions.jsonl").read_text().splitlines()]
+    assert {row["image_id"]: row["caption"] for row in rows} == {10 + i: c for i, c in enumerate(alone)}
+    assert distinct(alone, at_least=3)
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())["metrics"]
+    expected = compute_caption_metrics(alone, references)
+    assert metrics["num_images"] == len(files)
+    assert {k: metrics[k] for k in expected} == pytest.approx(expected, rel=1e-12)
+
+
+def test_attention_maps_of_a_max_patches_model_are_at_each_images_grid_and_aspect(captioner, images, tmp_path):
+    """``Captioner.attention_maps`` of a wide image: maps at its own grid, the image shown as the model saw it (its
+    grid's pixels, resized by hand and normalised there and back), the figure's panels at its aspect; and
+    ``vitattn-caption attention_maps=DIR`` draws a folder of mixed aspects."""
+    model = Captioner.load(captioner)
+    maps = model.attention_maps(images / "0.png")  # 96 x 24 px
+    rows, cols = patch_grid(24, 96, 12)  # 2 x 6
+    assert cols > 2 * rows and maps.cross.shape == (len(maps.words), rows, cols) and maps.rollout.shape == (rows, cols)
+    torch.testing.assert_close(maps.cross.sum((-2, -1)), torch.ones(len(maps.words)))
+    seen = Image.open(images / "0.png").convert("RGB").resize((cols * 8, rows * 8), Image.BICUBIC)
+    expected = torch.from_numpy(np.array(seen)).permute(2, 0, 1).float() / 255  # (3, rows*8, cols*8)
+    torch.testing.assert_close(maps.image, expected, rtol=0, atol=1e-5)
+    panel = maps.figure().axes[1].images[1].get_array()  # the first word's overlay, at the image's pixels
+    assert panel.shape == (rows * 8, cols * 8)
     args = [f"model={captioner}", f"images={images}", f"out={tmp_path / 'c.jsonl'}", f"attention_maps={tmp_path}"]
-    assert caption_main([*args, "num_workers=0", "progress=false"]) == 2
+    assert caption_main([*args, "num_workers=0", "progress=false", "batch_size=4"]) == 0
+    assert sorted(p.name for p in tmp_path.glob("?.png")) == [f"{i}.png" for i in range(len(SIZES))]
 
 
 def test_a_mixed_batchs_candidates_are_each_images_alone(captioner, images):

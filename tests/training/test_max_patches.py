@@ -19,7 +19,7 @@ from vitattn.errors import ConfigError
 from vitattn.models.vit import Patches
 from vitattn.training import train
 from vitattn.training.config import check_config
-from vitattn.training.datamodules import ImageFolderDataModule, ShapesDataModule, WebDatasetDataModule
+from vitattn.training.datamodules import ImageFolderDataModule, ShapesDataModule
 from vitattn.training.systems import ClassificationSystem
 
 SIZES = [(64, 16), (16, 48), (40, 40), (50, 20)]  # (width, height): wide, tall, square, wide
@@ -183,11 +183,6 @@ def test_merging_with_max_patches_is_refused_in_one_line_before_any_data_is_read
     cfg.model.merge_tokens = 0 if merge == "2" else [0, 0]
     with pytest.raises(ConfigError, match=r"^data\.root="):  # unmerged: the next check, the missing folder
         check_config(cfg)
-
-
-def test_shards_with_max_patches_are_refused_in_one_line(tmp_path):
-    with pytest.raises(ValueError, match=r"^data\.max_patches=16 is not supported with data=webdataset yet: leave"):
-        WebDatasetDataModule(str(tmp_path / "a.tar"), str(tmp_path / "b.tar"), max_patches=16)
 
 
 @pytest.mark.parametrize("pool", ["semi=fixmatch", "bootstrap.teacher=RUN"])

@@ -11,7 +11,8 @@ import math
 import numbers
 import random
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from fractions import Fraction
 from functools import partial
@@ -50,12 +51,15 @@ __all__ = [
     "normalize",
     "pad_patches",
     "patch_grid",
+    "patch_grids",
     "patchify",
     "PREPROCESS_KEYS",
     "preprocess_taken",
     "RandomResizedCropToPatches",
     "resize_to_patches",
+    "seeded_generators",
     "strong_view",
+    "unpatchify",
     "WEIGHTS_KEYS",
     "weights_preprocess",
 ]
@@ -539,6 +543,23 @@ class CaptionAugment:
         return self.finish(image)
 
 
+@contextmanager
+def seeded_generators(key: str) -> Iterator[None]:
+    """Python's, NumPy's and torch's CPU generators seeded by ``key`` inside, the process's own put back after: a
+    random augmentation made inside is a function of ``key`` (a shard sample's epoch and position)."""
+    seed = random.Random(key).getrandbits(63)
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.random.default_generator.manual_seed(seed)  # the CPU's alone: CUDA's stream is the model's
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
+
+
 def check_max_patches(max_patches: Any, img_size: int, patch_size: int) -> int:
     """``max_patches`` as an int, refused in one line when not a whole number or below one row of the square
     grid (``img_size // patch_size`` patches), where an image would keep too few patches to see anything."""
@@ -602,6 +623,21 @@ def patchify(image: torch.Tensor, patch_size: int) -> ImagePatches:
     patches = image.reshape(C, rows, patch_size, cols, patch_size).permute(1, 3, 2, 4, 0)  # (rows, cols, P, P, C)
     coord = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), dim=-1)
     return ImagePatches(patches.reshape(rows * cols, -1), coord.reshape(-1, 2))  # (N, P*P*C), (N, 2)
+
+
+def unpatchify(patches: torch.Tensor, grid: tuple[int, int], patch_size: int) -> torch.Tensor:
+    """``patchify`` undone: an image's patches (N >= rows*cols, P*P*C), its ``grid``'s first, row by row (padding
+    after them is left out) -> (C, rows*P, cols*P)."""
+    rows, cols = grid
+    P = patch_size
+    image = patches[: rows * cols].reshape(rows, cols, P, P, -1)  # (rows, cols, P, P, C)
+    return image.permute(4, 0, 2, 1, 3).reshape(-1, rows * P, cols * P)  # (C, height, width)
+
+
+def patch_grids(batch: Patches) -> list[tuple[int, int]]:
+    """Each image's (rows, columns) in a batch of ``Patches``: its valid patches' largest coordinates + 1."""
+    grids = (batch.coord * batch.valid.unsqueeze(-1)).amax(dim=1) + 1  # (B, 2)
+    return [(rows, cols) for rows, cols in grids.tolist()]
 
 
 def pad_patches(images: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Patches:

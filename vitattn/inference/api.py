@@ -24,9 +24,9 @@ from torch import Tensor
 
 from vitattn.bundle import LoadedModel, load_model
 from vitattn.data.images import read_image, upright_rgb
-from vitattn.data.preprocess import batch_images, denormalize
+from vitattn.data.preprocess import batch_images
 from vitattn.errors import brief
-from vitattn.inference.attention_maps import attention_from_tokens, check_figures_runtime
+from vitattn.inference.attention_maps import attention_from_tokens, check_figures_runtime, shown_images
 from vitattn.inference.candidates import CandidateOptions, candidate_lists
 from vitattn.inference.captioning import generate_tokens
 from vitattn.inference.embeddings import embed_pixels, embed_texts
@@ -53,7 +53,8 @@ class Caption:
 class AttentionMaps:
     """Where each word of ``caption`` looked, as ``vitattn-caption attention_maps=DIR`` draws it: ``words`` (``<unk>``
     kept, one per map), ``cross`` (len(words), gh, gw), the last decoder layer's cross-attention averaged over
-    heads, ``rollout`` (gh, gw), the encoder's, and ``image`` (3, height, width) as the model saw it, in [0, 1].
+    heads, ``rollout`` (gh, gw), the encoder's, and ``image`` (3, height, width) as the model saw it, in [0, 1]
+    (``data.max_patches`` models: the image's own grid, rows x cols, and its own aspect).
     """
 
     caption: str
@@ -176,13 +177,13 @@ class Captioner(_TaskModel):
         """Caption one image and say where each word looked (needs the PyTorch runtime: attention
         weights are not outputs of the ONNX graphs)."""
         check_figures_runtime(self.bundle)
-        pixels = self.pixels([image])  # (1, C, height, width)
+        pixels = self.pixels([image])  # (1, C, height, width), or Patches: the image at its own grid
         texts, tokens = self.caption_pixels(pixels, **generate)  # tokens (1, T')
         with torch.inference_mode():  # maps in fp32, as vitattn-caption draws them: from the tokens generated
             cross, rollout = attention_from_tokens(self.model, pixels, tokens, layer)
         words = self.vocab.tokens(tokens[0].tolist())
-        shown = denormalize(pixels[0].float().cpu(), self.bundle.preprocess["mean"], self.bundle.preprocess["std"])
-        return AttentionMaps(texts[0], words, cross[0, : len(words)].cpu(), rollout[0].cpu(), shown.clamp(0, 1))
+        shown = shown_images(pixels, self.bundle.preprocess)[0]
+        return AttentionMaps(texts[0], words, cross[0][: len(words)].cpu(), rollout[0].cpu(), shown)
 
     def embed_images(self, images: ImageLike | Sequence[ImageLike], batch_size: int = 32) -> Tensor:
         """(B, E) unit-length embeddings of one image or a list (a ``head=coca`` model's), on the CPU."""

@@ -2,7 +2,8 @@
 their figures.
 
 Dimension letters: B batch, H heads, T' generated tokens, N image tokens (class token, then gh x gw patches),
-C channels; image sides are written out (height, width).
+C channels; image sides are written out (height, width). ``Patches`` (``data.max_patches`` models): each image's
+maps at its own grid (rows x cols), padding left out.
 
 Captions are generated as usual (fused attention, no weights); one teacher-forced pass of the generated tokens
 then runs under ``record_attention``: its position t is the step that produced word t, so its cross-attention
@@ -23,11 +24,12 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
-from vitattn.data.preprocess import denormalize
+from vitattn.data.preprocess import denormalize, patch_grids, unpatchify
 from vitattn.fileio import atomic_write
 from vitattn.layers import Memory, record_attention
 from vitattn.layers.merge import spread
 from vitattn.models import ImageCaptioner
+from vitattn.models.vit import Patches
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -40,6 +42,7 @@ __all__ = [
     "check_figures_runtime",
     "figure_paths",
     "figure_png",
+    "shown_images",
     "write_figures",
 ]
 
@@ -70,12 +73,14 @@ def attention_rollout(attentions: Sequence[Tensor], num_prefix_tokens: int = 1, 
 
 @torch.no_grad()
 def attention_from_tokens(
-    model: ImageCaptioner, images: Tensor, tokens: Tensor, layer: int = -1
-) -> tuple[Tensor, Tensor]:
+    model: ImageCaptioner, images: Tensor | Patches, tokens: Tensor, layer: int = -1
+) -> tuple[Tensor, Tensor] | tuple[list[Tensor], list[Tensor]]:
     """``(cross, rollout)`` of captions ``tokens`` (B, T') as ``generate`` returns them, from one recorded
     teacher-forced pass over ``images`` (B, C, height, width): (B, T', gh, gw) the cross-attention of decoder
     layer ``layer`` averaged over heads, each map summing to 1 over the patches (after ``<eos>``: padding), and
-    (B, gh, gw) the encoder's rollout. ``model`` in eval mode, so that dropout leaves the maps alone.
+    (B, gh, gw) the encoder's rollout. ``Patches``: lists of each image's (T', rows, cols) and (rows, cols), its
+    own grid, the padding (which no layer attends to) left out. ``model`` in eval mode, so that dropout leaves the
+    maps alone.
     """
     dec, enc = model.decoder, model.encoder
     depth = len(dec.layers)
@@ -96,6 +101,12 @@ def attention_from_tokens(
     cross = cross / cross.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(cross.dtype).tiny)
     weights = [maps[f"encoder.blocks.{i}.mha"][0] for i in range(len(enc.blocks))]
     rollout = attention_rollout(weights, prefix, trace)
+    if isinstance(images, Patches):  # each image's valid patches come first, row by row (``pad_patches``)
+        grids = patch_grids(images)
+        return (
+            [cross[i, :, : r * c].reshape(T, r, c) for i, (r, c) in enumerate(grids)],
+            [rollout[i, : r * c].reshape(r, c) for i, (r, c) in enumerate(grids)],
+        )
     return cross.view(B, T, gh, gw), rollout.view(B, gh, gw)
 
 
@@ -166,13 +177,29 @@ def figure_png(fig: Figure, dpi: int = 80) -> bytes:
     return buffer.getvalue()
 
 
+def shown_images(images: Tensor | Patches, preprocess: Mapping[str, Any]) -> list[Tensor]:
+    """Each image of normalised model inputs, (b, C, height, width) or ``Patches`` (at its own grid of
+    ``preprocess["patch_size"]`` patches: its own aspect), as (3, height, width) in [0, 1] on the CPU
+    (``preprocess``' ``mean`` and ``std`` undone)."""
+    if isinstance(images, Patches):
+        P = preprocess["patch_size"]
+        images = [unpatchify(x.float().cpu(), grid, P) for x, grid in zip(images.patches, patch_grids(images))]
+    return [denormalize(x.float().cpu(), preprocess["mean"], preprocess["std"]).clamp(0, 1) for x in images]
+
+
 def attention_figures(
-    model: Any, images: Tensor, tokens: Tensor, vocab: Any, preprocess: Mapping[str, Any], titles: Sequence[str | None]
+    model: Any,
+    images: Tensor | Patches,
+    tokens: Tensor,
+    vocab: Any,
+    preprocess: Mapping[str, Any],
+    titles: Sequence[str | None],
 ) -> list[Figure]:
-    """One ``attention_figure`` per row of ``images`` (b, C, height, width), normalised model inputs, and their
-    captions ``tokens`` (b, T'); ``preprocess``' ``mean`` and ``std`` undo the normalisation."""
-    cross, rollout = attention_from_tokens(model, images, tokens)  # (b, T', gh, gw), (b, gh, gw)
-    shown = denormalize(images.float(), preprocess["mean"], preprocess["std"]).clamp(0, 1).cpu()  # (b, 3, h, w)
+    """One ``attention_figure`` per image of ``images`` ((b, C, height, width) or ``Patches``: each at its own
+    aspect), normalised model inputs, and their captions ``tokens`` (b, T'); ``preprocess``' ``mean`` and ``std``
+    undo the normalisation (``shown_images``)."""
+    cross, rollout = attention_from_tokens(model, images, tokens)  # (b, T', gh, gw), (b, gh, gw), or lists
+    shown = shown_images(images, preprocess)
     return [
         attention_figure(shown[row], vocab.tokens(tokens[row].tolist()), cross[row], rollout[row], title=title)
         for row, title in enumerate(titles)
@@ -180,12 +207,9 @@ def attention_figures(
 
 
 def check_figures_runtime(model: Any) -> None:
-    """Refuse, in one line, to draw figures of a ``LoadedModel`` whose runtime has no attention weights (ONNX), or
-    whose images are not squares (``max_patches``: the figures draw a square grid)."""
+    """Refuse, in one line, to draw figures of a ``LoadedModel`` whose runtime has no attention weights (ONNX)."""
     if model.runtime != "torch":
         raise ValueError("attention maps need the PyTorch runtime; use the bundle or run folder, not the ONNX folder")
-    if model.preprocess.get("max_patches") is not None:
-        raise ValueError("attention maps of data.max_patches models are not supported yet")
 
 
 def figure_paths(inputs: Sequence[Any], folder: Path) -> dict[str, Path]:

@@ -1,6 +1,7 @@
 """The captioning ``LitAPI`` and what every route of a model shares (``BundleAPI``): a request's image (what it may
-be: docs/serving.md) becomes a tensor or a one-line reason; the good images of a batch are captioned together, bad
-ones answer HTTP 400 without failing their batch.
+be: docs/serving.md) becomes a tensor or a one-line reason; the good images of a batch are captioned together (a
+``data.max_patches`` model's in groups of similar patch counts, ``length_groups``), bad ones answer HTTP 400 without
+failing their batch.
 
 Dimension letters: B batch, C channels, T' generated tokens; image sides are written out (height, width).
 """
@@ -21,15 +22,19 @@ from fastapi.responses import JSONResponse
 from torch import Tensor
 
 from vitattn.bundle import load_model
-from vitattn.data.preprocess import batch_images
+from vitattn.data.preprocess import ImagePatches, batch_images
 from vitattn.inference.api import Captioner
 from vitattn.inference.attention_maps import attention_figures, figure_png
 from vitattn.inference.captioning import read_pixels
 from vitattn.serve.stop import leave_interrupts_to_parent
 
-__all__ = ["BundleAPI", "CaptionAPI", "ImageRequest", "decode_image_request"]
+__all__ = ["BundleAPI", "CaptionAPI", "ImageRequest", "decode_image_request", "length_groups", "MAX_PADDING"]
 
 log = logging.getLogger(__name__)
+
+# A generate call's padded share of its patch slots at most (issue 69's target for batches): LitServe fills a batch
+# first come, first served, whatever the images' lengths, so a batch is captioned in groups of similar lengths.
+MAX_PADDING = 0.1
 
 
 @dataclass
@@ -39,6 +44,26 @@ class ImageRequest:
     image: Tensor | None = None
     error: str | None = None
     attention: bool = False
+
+
+def length_groups(lengths: Sequence[int], max_padding: float = MAX_PADDING) -> list[list[int]]:
+    """The indices of images of ``lengths`` patches in groups captioned together: longest first, each image joins
+    the group before it while that group's padding (its slots beyond each image's own length, over all its slots)
+    stays within ``max_padding``, else it starts the next. Equal lengths (square images): one group."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: request order among equals
+        if groups:
+            group, longest = groups[-1], lengths[groups[-1][0]]
+            padded = sum(longest - lengths[j] for j in group) + longest - lengths[i]
+            if padded <= max_padding * longest * (len(group) + 1):
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def _length(image: Tensor | ImagePatches) -> int:
+    return len(image.patches) if isinstance(image, ImagePatches) else 0  # a square image: all alike
 
 
 def _is_upload(value: Any) -> bool:
@@ -162,6 +187,14 @@ class CaptionAPI(BundleAPI):
         return outputs if isinstance(x, list) else outputs[0]
 
     def _caption(self, requests: list[ImageRequest]) -> list[dict[str, Any]]:
+        """Each group of similar lengths (``length_groups``) in one ``generate`` call, answers in request order."""
+        results: list[dict[str, Any]] = [{} for _ in requests]
+        for group in length_groups([_length(r.image) for r in requests]):
+            for i, result in zip(group, self._caption_group([requests[i] for i in group])):
+                results[i] = result
+        return results
+
+    def _caption_group(self, requests: list[ImageRequest]) -> list[dict[str, Any]]:
         bundle = self.bundle
         images = batch_images([r.image for r in requests]).to(bundle.device)  # (B, C, height, width) or Patches
         captions, tokens = self.captioner.caption_pixels(images, **self.generate_kwargs)  # tokens (B, T')
@@ -174,9 +207,8 @@ class CaptionAPI(BundleAPI):
                 }
         elif wanted:
             titles = [captions[i] for i in wanted]
-            figures = attention_figures(
-                bundle.model, images[wanted], tokens[wanted], bundle.vocab, bundle.preprocess, titles
-            )
+            shown = batch_images([requests[i].image for i in wanted]).to(bundle.device)  # images or Patches
+            figures = attention_figures(bundle.model, shown, tokens[wanted], bundle.vocab, bundle.preprocess, titles)
             for i, fig in zip(wanted, figures):
                 results[i]["attention"] = "data:image/png;base64," + base64.b64encode(figure_png(fig)).decode("ascii")
         return results

@@ -8,6 +8,7 @@ import json
 import os
 import random
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from functools import partial
 from itertools import islice
 from typing import Any, NamedTuple
@@ -18,6 +19,7 @@ from webdataset.filters import shuffle
 
 from vitattn.data.bad_images import SkippedImage, collate_skipping
 from vitattn.data.images import IMAGE_EXTENSIONS, BadImageError, read_image
+from vitattn.data.preprocess import seeded_generators
 from vitattn.data.shards.epoch_split import EpochOrder, WorkerPlan
 from vitattn.data.shards.reading import ShardError, ShortShard, read_samples
 from vitattn.data.tokenizer import Tokenizer, draw_captions
@@ -66,7 +68,8 @@ class ShardSamples:
     """A shard sample as a head trains on it: ``{"image", "tokens", "references", "image_id"}`` (``vocab``,
     ``max_len``; the caption from ``.txt`` or the ``caption_key`` of ``.json``, or ``per_image`` of its references
     drawn by ``draw_captions``), or ``(image, label)`` from ``.cls`` (below ``num_classes``); ``transform`` makes
-    the image's tensor."""
+    the image's tensor (``seeded``: with the generators seeded by the sample's draw, so a resumed epoch augments
+    each sample as the interrupted one did)."""
 
     def __init__(
         self,
@@ -77,8 +80,9 @@ class ShardSamples:
         max_len: int = 32,
         num_classes: int | None = None,
         per_image: int | str | None = None,
+        seeded: bool = False,
     ) -> None:
-        self.task, self.transform, self.caption_key = task, transform, caption_key
+        self.task, self.transform, self.caption_key, self.seeded = task, transform, caption_key, seeded
         self.vocab, self.max_len, self.num_classes, self.per_image = vocab, max_len, num_classes, per_image
 
     def __call__(self, sample: dict[str, Any], sample_id: int, draw: str = "") -> Any:
@@ -99,16 +103,18 @@ class ShardSamples:
         if isinstance(image, BadImageError):
             raise BadImageError(f"{where}: {image.reason}", where, image.reason)
         if self.task != "caption":
-            return self.transform(image), label
+            with seeded_generators(f"augment/{draw}") if self.seeded else nullcontext():
+                return self.transform(image), label
         references = sample_references(sample, caption)
         if self.per_image is not None:
             captions = draw_captions(references, self.per_image, random.Random(draw))
         else:
             captions = [caption]
-        if getattr(self.transform, "reads_captions", False):  # CaptionAugment: flips and colours the captions allow
-            pixels = self.transform(image, captions)
-        else:
-            pixels = self.transform(image)
+        with seeded_generators(f"augment/{draw}") if self.seeded else nullcontext():
+            if getattr(self.transform, "reads_captions", False):  # CaptionAugment: flips and colours captions allow
+                pixels = self.transform(image, captions)
+            else:
+                pixels = self.transform(image)
         rows = tuple(torch.tensor(self.vocab.encode(c, max_len=self.max_len), dtype=torch.long) for c in captions)
         return {
             "image": pixels,

@@ -7,14 +7,12 @@ import dataclasses
 import logging
 import math
 import os
-import random
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_only
@@ -37,6 +35,7 @@ from vitattn.data.preprocess import (
     classification_train_transform,
     default_preprocess,
     eval_transform,
+    seeded_generators,
     strong_view,
 )
 from vitattn.data.tokenizer import (
@@ -109,8 +108,9 @@ class EpochSampler(DistributedSampler):
 
 class SeededDraws(Dataset):
     """``dataset`` whose item ``(index, epoch seed)`` (``EpochSampler(draws=True)``'s; a bare index: seed 0) is made
-    with Python's, NumPy's and torch's CPU generators seeded by the two, the process's own put back after: its random
-    augmentation a function of the sample, so a resumed epoch (any worker count) augments as the interrupted one."""
+    with Python's, NumPy's and torch's CPU generators seeded by the two (``seeded_generators``), the process's own put
+    back after: its random augmentation a function of the sample, so a resumed epoch (any worker count) augments as
+    the interrupted one."""
 
     draws = True
 
@@ -122,17 +122,8 @@ class SeededDraws(Dataset):
 
     def __getitem__(self, index: int | tuple[int, int]) -> Any:
         i, epoch_seed = index if isinstance(index, tuple) else (index, 0)  # bare: Lightning's sampler (overfit)
-        seed = random.Random(f"augment/{epoch_seed}/{i}").getrandbits(63)
-        saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.random.default_generator.manual_seed(seed)  # the CPU's alone: CUDA's stream is the model's
-        try:
+        with seeded_generators(f"augment/{epoch_seed}/{i}"):
             return self.dataset[index if getattr(self.dataset, "draws", False) else i]
-        finally:
-            random.setstate(saved[0])
-            np.random.set_state(saved[1])
-            torch.set_rng_state(saved[2])
 
 
 class ResumableLoader(DataLoader):

@@ -33,6 +33,7 @@ from vitattn.data.shards.stream import (
 from vitattn.data.tokenizer import collate_captions
 from vitattn.training.datamodules.base import EvaluationBatches, ImageDataModule, rank_and_world, worker_context
 from vitattn.training.datamodules.image_folder import ImageFolderDataModule
+from vitattn.training.datamodules.patches import PatchBatches, collate_patches
 
 __all__ = ["WebDatasetDataModule", "shard_captions", "shard_references"]
 
@@ -78,12 +79,14 @@ def _class_names(value: Any, urls: Sequence[str]) -> list[str]:
     return _class_names(str(listing), urls)
 
 
-class WebDatasetDataModule(ImageDataModule):
+class WebDatasetDataModule(PatchBatches, ImageDataModule):
     """Captions (``.txt``, or ``caption_key`` inside ``.json``) or classes (``.cls``) from tar shards.
 
     The arguments are the ``data.*`` keys that conf/data/webdataset.yaml describes (``settings``:
     ``ImageDataModule``'s); ``task`` is the head's, and ``mean`` to ``crop_mode`` default to the head's file
-    DataModule's (``ImageFolderDataModule``'s or ``KarpathyDataModule``'s).
+    DataModule's (``ImageFolderDataModule``'s or ``KarpathyDataModule``'s). ``max_patches``: each image at its own
+    aspect ratio, at most that many ``patch_size`` patches (``PatchBatches``), its training crop drawn from the
+    sample's epoch and position; None: squares of ``img_size``.
     """
 
     tasks = ("caption", "classification")
@@ -104,12 +107,9 @@ class WebDatasetDataModule(ImageDataModule):
         count_cache: str | os.PathLike | None = None,
         cache: str = "none",
         max_patches: int | None = None,
+        patch_size: int = 16,
         **settings: Any,
     ) -> None:
-        if max_patches is not None:
-            raise ValueError(
-                f"data.max_patches={max_patches} is not supported with data=webdataset yet: leave it unset"
-            )
         if task not in self.tasks:
             raise ValueError(f"task={task!r} is unknown; choose one of {list(self.tasks)}")
         self.task = task  # before the base builds the preprocessing: ``crop`` is the task's
@@ -119,6 +119,7 @@ class WebDatasetDataModule(ImageDataModule):
             raise ValueError(f"{what}: shards are streamed, not cached or read beforehand; use data.cache=none")
         if samples_per_epoch is not None and samples_per_epoch < 1:
             raise ValueError(f"data.samples_per_epoch={samples_per_epoch} must be at least 1, or null for all")
+        self.use_budget(max_patches, patch_size)
         self.shards = {"train": train_shards, "val": val_shards, "test": test_shards}
         self.caption_key, self.class_names_spec = caption_key, class_names
         scale = CAPTION_CROP_SCALE if task == "caption" else "auto"
@@ -157,13 +158,15 @@ class WebDatasetDataModule(ImageDataModule):
         else:
             self.class_names = _class_names(self.class_names_spec, urls["train"])
             self.num_classes, vocab = len(self.class_names), None
-            augmenter, collate = classification_train_transform, default_collate
+            augmenter = classification_train_transform
+            collate = default_collate if self.budget is None else collate_patches
         training, evaluate = self.transforms(augmenter)
 
         def stream(split: str, transform: Any, buffer: int) -> ShardStream:
             per_image = self.captions_per_image if split == "train" else None
+            seeded = split == "train" and self.seeded_draws
             samples = ShardSamples(
-                self.task, transform, self.caption_key, vocab, self.max_caption_len, self.num_classes, per_image
+                self.task, transform, self.caption_key, vocab, self.max_caption_len, self.num_classes, per_image, seeded
             )
             return ShardStream(urls[split], sizes[split], samples, collate, self.bad_images, buffer, self.count_cache)
 
