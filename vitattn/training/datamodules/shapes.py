@@ -48,6 +48,7 @@ class ShapesDataModule(PatchBatches, ImageDataModule):
         vocab: Tokenizer | None = None,
         max_patches: int | None = None,
         patch_size: int = 16,
+        batch_patches: int | None = None,
     ) -> None:
         captions = dict(max_caption_len=max_caption_len, captions_per_image=captions_per_image, vocab_path=vocab_path)
         settings = dict(batch_size=batch_size, num_workers=num_workers, mean=mean, std=std, tokenizer=tokenizer)
@@ -56,7 +57,7 @@ class ShapesDataModule(PatchBatches, ImageDataModule):
         self.num_train, self.num_val, self.num_test = num_train, num_val, num_test
         self.class_names = list(CLASS_NAMES)
         self.num_classes = len(CLASS_NAMES)
-        self.use_budget(max_patches, patch_size)
+        self.use_budget(max_patches, patch_size, batch_patches)
         if self.budget is not None and task == "classification":
             self.collate_fn = collate_patches
 

@@ -104,11 +104,17 @@ class WebDatasetDataModule(ImageDataModule):
         count_cache: str | os.PathLike | None = None,
         cache: str = "none",
         max_patches: int | None = None,
+        batch_patches: int | None = None,
         **settings: Any,
     ) -> None:
         if max_patches is not None:
             raise ValueError(
                 f"data.max_patches={max_patches} is not supported with data=webdataset yet: leave it unset"
+            )
+        if batch_patches is not None:
+            raise ValueError(
+                f"data.batch_patches={batch_patches} is not supported with data=webdataset (shards plan their own "
+                "batches): leave it unset"
             )
         if task not in self.tasks:
             raise ValueError(f"task={task!r} is unknown; choose one of {list(self.tasks)}")
