@@ -21,8 +21,10 @@ from tests.helpers.processes import sample_keys
 from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
 from tests.training.test_data_resume import _overrides, _record_batches
 from vitattn.data.preprocess import _PATCH_LIMIT, patch_grid
+from vitattn.errors import ConfigError
 from vitattn.models.vit import Patches
 from vitattn.training import train
+from vitattn.training.config import check_config
 from vitattn.training.datamodules import ImageFolderDataModule, WebDatasetDataModule
 from vitattn.training.datamodules.base import EpochSampler, ResumableLoader
 from vitattn.training.datamodules.patches import BucketItems, PatchBatchSampler, patch_buckets
@@ -254,3 +256,19 @@ def test_an_epoch_by_patches_resumed_mid_epoch_trains_the_uninterrupted_samples_
     train(compose_train([*overrides, keys, f"ckpt_path={checkpoint}"], tmp_path / "resumed"))
     assert [k for _, _, ks in sample_keys(tmp_path / "keys") for k in ks] == whole_keys
     assert seen == whole  # steps 0-1 stopped, then the resumed steps: the same pixels, crops and grids
+
+
+def test_overfit_batches_with_batch_patches_is_refused_in_one_line_before_any_data_is_read(tmp_path):
+    """Lightning's overfit_batches puts a sampler of its own under the loader, which a batch sampler refuses."""
+    missing = tmp_path / "no_such_folder"  # the refusal comes before the data path is looked at
+    overrides = ["head=classification", "data=imagefolder", f"data.root={missing}", *TINY, "data.max_patches=16"]
+    cfg = compose_train([*overrides, "data.batch_patches=64", "trainer.overfit_batches=2"], tmp_path)
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg)
+    assert str(err.value) == (
+        "trainer.overfit_batches=2 replays batches of data.batch_size, not batches by patches "
+        "(data.batch_patches=64): leave data.batch_patches unset to overfit"
+    )
+    cfg.trainer.overfit_batches = 0
+    with pytest.raises(ConfigError, match=r"^data\.root="):  # not overfitting: the next check, the missing folder
+        check_config(cfg)
