@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 from timm.data.naflex_loader import create_naflex_loader
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, DistributedSampler
 
 from tests.helpers.processes import sample_keys
 from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
@@ -113,6 +113,13 @@ def test_a_loader_state_after_some_samples_resumes_the_rest_of_the_epoch(ranks, 
         rest = list(second)
         assert seen + rest == whole
         assert second.state_dict()["trained"] == math.ceil(81 / ranks)
+
+
+def test_the_loader_shows_lightning_its_distributed_sampler():
+    """Under DDP (``use_distributed_sampler``) Lightning swaps a loader's ``sampler`` unless it is a
+    ``DistributedSampler``, and cannot swap one under a batch sampler of its own: the loader shows ``EpochSampler``."""
+    loader = _loader(37, 2, 1)
+    assert loader.sampler is loader.batch_sampler.sampler and isinstance(loader.sampler, DistributedSampler)
 
 
 def test_a_state_of_other_batch_patches_is_refused_in_one_line():
