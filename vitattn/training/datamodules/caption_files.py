@@ -23,7 +23,8 @@ class CaptionFilesDataModule(PatchBatches, ImageDataModule):
     every one), teacher-forced on one encoding of the image; val and test items take the first, and carry all of
     them as references. The arguments are the ``data.*`` keys of conf/data/coco.yaml and karpathy.yaml (``settings``:
     ``ImageDataModule``'s). ``max_patches``: each image at its own aspect ratio, at most that many ``patch_size``
-    patches (``PatchBatches``); None: squares of ``img_size``.
+    patches (``PatchBatches``); None: squares of ``img_size``. ``batch_patches``: training batches of at most that
+    many patches.
     """
 
     tasks = ("caption",)

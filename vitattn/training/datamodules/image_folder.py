@@ -22,7 +22,7 @@ class ImageFolderDataModule(PatchBatches, ImageDataModule):
     The arguments are the ``data.*`` keys that conf/data/imagefolder.yaml describes (``augment``:
     ``vitattn.data.preprocess.Augment``; ``settings``: ``ImageDataModule``'s). ``max_patches``: each image at its
     own aspect ratio, at most that many ``patch_size`` patches, batches of ``Patches`` (docs/training.md); None:
-    squares of ``img_size``.
+    squares of ``img_size``. ``batch_patches``: training batches of at most that many patches (``PatchBatches``).
     """
 
     tasks = ("classification",)

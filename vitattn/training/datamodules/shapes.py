@@ -24,6 +24,7 @@ class ShapesDataModule(PatchBatches, ImageDataModule):
     their mean and std: the images are drawn at ``img_size``, so no resize or crop of theirs applies.
     ``max_patches``: each square drawing resized to the largest square grid of at most that many ``patch_size``
     patches, batches of ``Patches`` (``PatchBatches``; the shapes at other aspects are issue 69's variant).
+    ``batch_patches``: training batches of at most that many patches.
     """
 
     tasks = ("caption", "classification")
