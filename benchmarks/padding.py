@@ -7,8 +7,9 @@ to 4:1, wide and tall (docs/training.md#images-at-their-own-aspect-ratio).
 
 Each arm is the ImageFolder DataModule's own training loader (augmentation on: the crop that keeps the aspect),
 read for one epoch; a batch's padded share is its padding patches over all its patches (the class token not
-counted), as the model is given them. ``batch_patches`` is ``batch_size x max_patches``: the same largest batch
-as ``data.batch_size`` alone, as timm's NaFlex loader sets ``max_tokens_per_batch``.
+counted), as the model is given them; ``packed``: the mean share were a batch's images packed several to a row of
+its length (NaViT, not built: ``packed_rows``). ``batch_patches`` is ``batch_size x max_patches``: the same largest
+batch as ``data.batch_size`` alone, as timm's NaFlex loader sets ``max_tokens_per_batch``.
 """
 
 from __future__ import annotations
@@ -66,10 +67,12 @@ def padded_shares(root: Path, max_patches: int, patch_size: int, batch_size: int
         batch_patches=batch_patches,
     )
     data.setup("fit")
-    shares, images, patches = [], [], []
+    shares, packed, images, patches = [], [], [], []
     for batch, _ in data.train_dataloader():
         valid = batch.valid  # (B, N)
         shares.append(1 - valid.sum().item() / valid.numel())
+        rows = packed_rows(valid.sum(1).tolist(), valid.shape[1])
+        packed.append(1 - valid.sum().item() / (rows * valid.shape[1]))
         images.append(valid.shape[0])
         patches.append(valid.numel())
     return {
@@ -77,9 +80,23 @@ def padded_shares(root: Path, max_patches: int, patch_size: int, batch_size: int
         "padded_share_mean": statistics.mean(shares),
         "padded_share_max": max(shares),
         "padded_share_all": 1 - sum((1 - s) * n for s, n in zip(shares, patches, strict=True)) / sum(patches),
+        "packed_share_mean": statistics.mean(packed),
         "images_per_batch_mean": statistics.mean(images),
         "patches_per_batch_max": max(patches),
     }
+
+
+def packed_rows(lengths: list[int], row: int) -> int:
+    """Rows of ``row`` patches that hold images of ``lengths`` patches packed first-fit decreasing, several to a row
+    (NaViT's packing, not built: an estimate of the padding it would leave)."""
+    free: list[int] = []
+    for length in sorted(lengths, reverse=True):
+        fit = next((i for i, room in enumerate(free) if room >= length), None)
+        if fit is None:
+            free.append(row - length)
+        else:
+            free[fit] -= length
+    return len(free)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -98,13 +115,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 found["buckets"] = list(buckets) if patches else [n]
                 results[f"max_patches={n} {arm}"] = found
                 rows.append((n, arm if patches is None else f"batch_patches={patches}", found))
-    print("| max_patches | batches of | buckets | batches | images/batch | padded share: mean | max | all |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| max_patches | batches of | buckets | batches | images/batch | padded share: mean | max | all | packed |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n, arm, f in rows:
         print(
             f"| {n} | {arm} | {', '.join(map(str, f['buckets']))} | {f['batches']} | {f['images_per_batch_mean']:.1f} "
             f"| {100 * f['padded_share_mean']:.1f} % | {100 * f['padded_share_max']:.1f} % "
-            f"| {100 * f['padded_share_all']:.1f} % |"
+            f"| {100 * f['padded_share_all']:.1f} % | {100 * f['packed_share_mean']:.1f} % |"
         )
     if args.out is not None:
         write_json(results, args.out)
