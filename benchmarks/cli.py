@@ -9,6 +9,8 @@
     python -m benchmarks merge --threads 2             # token merging: encoder, captions, training step
     python -m benchmarks candidates --threads 2        # K caption candidates per image against greedy
     python -m benchmarks naflex --threads 2            # images at their own aspect against squares (max_patches)
+    python -m benchmarks padding                       # padded share: batches by images against by patches
+    python -m benchmarks batch-loss --seeds 0 1 2      # batches by patches: the loss per batch or per image
     python -m benchmarks SECTION --help
 
 ``SECTIONS`` is the registry: a section adds its options to its own sub-command and runs from the parsed
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from benchmarks import (
+    batch_loss,
     bootstrap_bench,
     candidates,
     learning_bench,
@@ -40,6 +43,7 @@ from benchmarks import (
     merge_bench,
     metric_parity,
     naflex_bench,
+    padding,
     steps,
     transfer_bench,
 )
@@ -232,6 +236,14 @@ SECTIONS: dict[str, Section] = {
     "learning-data": Section("the learning datasets, from Debian", learning_data.add_arguments, learning_data.run),
     "transfer": Section("captions on a pretrained encoder", transfer_bench.add_arguments, transfer_bench.run),
     "metric-parity": Section("built-in metrics vs the COCO toolkit", metric_parity.add_arguments, metric_parity.run),
+    "padding": Section(
+        "padded share of batches at their own aspect, by images and by patches", padding.add_arguments, padding.run
+    ),
+    "batch-loss": Section(
+        "the loss of batches by patches: each batch's mean or weighted by its images",
+        batch_loss.add_arguments,
+        batch_loss.run,
+    ),
     "load-serve": Section(
         "load test of vitattn-serve on localhost", add_load_serve_arguments, lambda a: load_serve.main(a.settings)
     ),

@@ -2,7 +2,7 @@
 normalisation on the device (``Normalize``) and training augmentation (``Augment``; docs/data.md). A
 ``preprocess`` mapping (checkpoints, bundles) holds timm's ``create_transform`` arguments (``PREPROCESS_KEYS``).
 Images at their own aspect ratio (``data.max_patches``, docs/training.md): ``resize_to_patches``, ``patchify``,
-``pad_patches``."""
+``pad_patches``; ``patch_limit``, a batch's sequence length (``data.batch_patches``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import random
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, fields
 from fractions import Fraction
 from functools import partial
@@ -52,6 +53,7 @@ __all__ = [
     "pad_patches",
     "patch_grid",
     "patch_grids",
+    "patch_limit",
     "patchify",
     "PREPROCESS_KEYS",
     "preprocess_taken",
@@ -444,7 +446,7 @@ class RandomResizedCropToPatches:
     def __call__(self, image: Image.Image) -> Image.Image:
         _, height, width = TF.get_dimensions(image)
         top, left, crop_h, crop_w = self.get_params(height, width)
-        rows, cols = patch_grid(crop_h, crop_w, self.max_patches)
+        rows, cols = patch_grid(crop_h, crop_w, _limited(self.max_patches))
         size = [rows * self.patch_size, cols * self.patch_size]
         return TF.resized_crop(image, top, left, crop_h, crop_w, size, self.interpolation, antialias=True)
 
@@ -590,14 +592,34 @@ def patch_grid(height: int, width: int, max_patches: int) -> tuple[int, int]:
     return best
 
 
+_PATCH_LIMIT: ContextVar[int | None] = ContextVar("patch_limit", default=None)
+
+
+@contextmanager
+def patch_limit(max_patches: int) -> Iterator[None]:
+    """Within it, every resize to patches (``resize_to_patches``, ``RandomResizedCropToPatches``) holds at most
+    ``max_patches`` as well as its own budget: the sequence length of a batch by patches (``data.batch_patches``),
+    set around one item as timm builds a transform per sequence length, whatever transform the dataset holds."""
+    token = _PATCH_LIMIT.set(max_patches)
+    try:
+        yield
+    finally:
+        _PATCH_LIMIT.reset(token)
+
+
+def _limited(max_patches: int) -> int:
+    limit = _PATCH_LIMIT.get()
+    return max_patches if limit is None else min(max_patches, limit)
+
+
 def resize_to_patches(
     image: Image.Image, patch_size: int, max_patches: int, interpolation: str = "bicubic"
 ) -> Image.Image:
     """A PIL image (``read_image``'s: EXIF orientation applied) resized, its aspect ratio kept, to the largest
     size whose ``patch_size`` grid holds at most ``max_patches`` patches (``patch_grid``), each side a whole
-    number of patches; a (C, height, width) tensor (generated images) likewise."""
+    number of patches (fewer within ``patch_limit``); a (C, height, width) tensor (generated images) likewise."""
     _, height, width = TF.get_dimensions(image)
-    rows, cols = patch_grid(height, width, max_patches)
+    rows, cols = patch_grid(height, width, _limited(max_patches))
     return TF.resize(image, [rows * patch_size, cols * patch_size], T.InterpolationMode(interpolation))
 
 

@@ -198,7 +198,8 @@ def _check_sharded(cfg: DictConfig) -> None:
 
 def _check_patches(cfg: DictConfig) -> None:
     """``data.max_patches`` with token merging (``TokenMerge`` refuses padding) or with a pool of images without
-    labels (``semi=``, ``bootstrap.*``: their views are square): refused before anything is built."""
+    labels (``semi=``, ``bootstrap.*``: their views are square), and ``data.batch_patches`` with
+    ``trainer.overfit_batches``: refused before anything is built."""
     max_patches, merge = cfg.data.get("max_patches"), cfg.model.get("merge_tokens") or 0
     per_layer = OmegaConf.to_container(merge) if isinstance(merge, ListConfig) else [merge]
     if max_patches is not None and any(per_layer):
@@ -214,6 +215,12 @@ def _check_patches(cfg: DictConfig) -> None:
         raise ConfigError(
             f"{key} reads its pool images square; data.max_patches={max_patches} batches images at their own aspect: "
             "leave data.max_patches unset for a run with a pool"
+        )
+    batch_patches, overfit = cfg.data.get("batch_patches"), cfg.trainer.get("overfit_batches") or 0
+    if batch_patches is not None and overfit:  # Lightning replays the first batches through a sampler of its own
+        raise ConfigError(
+            f"trainer.overfit_batches={overfit} replays batches of data.batch_size, not batches by patches "
+            f"(data.batch_patches={batch_patches}): leave data.batch_patches unset to overfit"
         )
 
 

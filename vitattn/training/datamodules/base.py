@@ -4,6 +4,7 @@ device, the cache, the evaluation split, the tokenizer. The design: docs/trainin
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -127,59 +128,91 @@ class SeededDraws(Dataset):
 
 
 class ResumableLoader(DataLoader):
-    """A ``DataLoader`` over an ``EpochSampler`` whose state says how far the epoch is trained; ``len`` is a
-    whole epoch's batches, ``last_indices`` the dataset indices of the batch last handed out."""
+    """A ``DataLoader`` over an ``EpochSampler`` whose state says how far the epoch is trained, in samples; ``len``
+    is a whole epoch's batches, ``last_indices`` the dataset indices of the batch last handed out. Its batches are
+    ``batch_size`` samples, or a ``batch_sampler``'s over an ``EpochSampler`` that tells each epoch's batch sizes
+    (``epoch_sizes(epoch seed)``; ``PatchBatchSampler``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if isinstance(getattr(self.batch_sampler, "sampler", None), EpochSampler) and self.batch_size is None:
+            # the sampler a batch sampler draws from, as Lightning looks for it (a DistributedSampler is not swapped)
+            object.__setattr__(self, "sampler", self.batch_sampler.sampler)
         self.batches = 0  # batches of the current epoch handed out, those before a resume included
+        self.trained = 0  # samples of this rank's share of the epoch handed out, those before a resume included
         self.last_indices: list[int] = []
+
+    def epoch_sizes(self, epoch_seed: int) -> list[int]:
+        """The number of samples of each batch of epoch ``epoch_seed`` on this rank, in order."""
+        if self.batch_size is None:
+            return self.batch_sampler.epoch_sizes(epoch_seed)
+        share = self.sampler.num_samples
+        return [min(self.batch_size, share - start) for start in range(0, share, self.batch_size)]
 
     def __iter__(self) -> Iterator[Any]:
         sampler = self.sampler
         if not isinstance(sampler, EpochSampler):  # Lightning swapped it (overfit_batches): a plain loader
             yield from super().__iter__()
             return
-        skip = sampler._resume[1] if sampler._resume else 0
-        self.batches = skip // self.batch_size
+        self.trained = sampler._resume[1] if sampler._resume else 0
+        sizes = self.epoch_sizes(sampler._resume[0]) if self.trained else []
+        self.batches = len([end for end in itertools.accumulate(sizes) if end <= self.trained])
+        epoch: list[int] = []
         for batch in super().__iter__():
-            start = self.batches * self.batch_size
-            self.last_indices = sampler.share[start : start + self.batch_size]
-            self.batches += 1
+            epoch = epoch or self.epoch_sizes(sampler.epoch_seed)  # the epoch's seed is drawn by now
+            size = epoch[self.batches]
+            self.last_indices = sampler.share[self.trained : self.trained + size]
+            self.batches, self.trained = self.batches + 1, self.trained + size
             yield batch
 
+    def _batching(self) -> tuple[int, int | None, int | None, int]:
+        """(samples, batch size, patches per batch, ranks): what a mid-epoch state must match."""
+        patches = getattr(self.batch_sampler, "batch_patches", None) if self.batch_size is None else None
+        return self.sampler.size, self.batch_size, patches, self.sampler.num_replicas
+
     def state_dict(self) -> dict[str, Any]:
-        """The epoch's order (its seed), how many of its batches were handed out, and what they were drawn from."""
+        """The epoch's order (its seed), how many of this rank's samples (and batches) were handed out, and what
+        they were drawn from."""
         sampler = self.sampler
         if not isinstance(sampler, EpochSampler):
             return {}
+        samples, batch_size, patches, ranks = self._batching()
         return {
             "epoch": sampler.epoch,
             "epoch_seed": sampler.epoch_seed,
             "batches": self.batches,
-            "samples": sampler.size,
-            "batch_size": self.batch_size,
-            "ranks": sampler.num_replicas,
+            "trained": self.trained,
+            "samples": samples,
+            "batch_size": batch_size,
+            "batch_patches": patches,
+            "ranks": ranks,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue the epoch ``state_dict`` describes, unless it was finished (the next one then starts afresh); a
-        state of other data, batch size or ranks is refused."""
+        """Continue the epoch ``state_dict`` describes, from its samples handed out, unless it was finished (the
+        next one then starts afresh); a state of other data, batch size, patches per batch or ranks is refused."""
         sampler = self.sampler
         if not isinstance(sampler, EpochSampler) or not state_dict or state_dict.get("epoch_seed") is None:
             return
-        if int(state_dict["batches"]) >= len(self):
+        # a checkpoint written before states were counted in samples: whole batches of batch_size
+        trained = state_dict.get("trained", int(state_dict["batches"]) * int(state_dict.get("batch_size") or 0))
+        if int(trained) >= sampler.num_samples:
             return
-        saved = (state_dict.get("samples"), state_dict.get("batch_size"), state_dict.get("ranks"))
-        now = (sampler.size, self.batch_size, sampler.num_replicas)
+        keys = ("samples", "batch_size", "batch_patches", "ranks")
+        saved, now = tuple(state_dict.get(k) for k in keys), self._batching()
         if saved != now:
+            was, has = _per_batch(*saved[1:3]), _per_batch(*now[1:3])
             raise ValueError(
-                "the checkpoint's training loader stopped mid-epoch over {} samples in batches of {} on {} ranks, "
-                "this run has {} in batches of {} on {}: resume with the same data, data.batch_size and "
-                "trainer.devices x trainer.num_nodes".format(*saved, *now)
+                f"the checkpoint's training loader stopped mid-epoch over {saved[0]} samples in batches of {was} on "
+                f"{saved[3]} ranks, this run has {now[0]} in batches of {has} on {now[3]}: resume with the same data, "
+                "data.batch_size, data.batch_patches and trainer.devices x trainer.num_nodes"
             )
         sampler.set_epoch(int(state_dict["epoch"]))
-        sampler.resume(int(state_dict["epoch_seed"]), int(state_dict["batches"]) * self.batch_size)
+        sampler.resume(int(state_dict["epoch_seed"]), int(trained))
+
+
+def _per_batch(batch_size: int | None, patches: int | None) -> str:
+    return f"{patches} patches" if patches is not None else str(batch_size)
 
 
 class UnlabelledStream:
@@ -557,7 +590,9 @@ class ImageDataModule(pl.LightningDataModule):
         rank, world = rank_and_world(self.trainer)
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         sampler = EpochSampler(len(dataset), world, rank, seed, draws)
-        self._train_loader = ResumableLoader(dataset, sampler=sampler, **settings)
+        training, batching = self.training_batches(dataset, sampler)  # batch_size, or a batch_sampler in its place
+        loader_settings = {k: v for k, v in settings.items() if k != "batch_size"}
+        self._train_loader = ResumableLoader(training, **batching, **loader_settings)
         if self._train_loader_state is not None:
             self._train_loader.load_state_dict(self._train_loader_state)
             self._train_loader_state = None
@@ -570,6 +605,10 @@ class ImageDataModule(pl.LightningDataModule):
             self._unlabelled_stream.load_state_dict(self._unlabelled_state)
             self._unlabelled_state = None
         return SemiLoader(self._train_loader, self._unlabelled_stream)
+
+    def training_batches(self, dataset: Dataset, sampler: EpochSampler) -> tuple[Dataset, dict[str, Any]]:
+        """The training loader's dataset and how it batches ``sampler``'s samples: ``data.batch_size`` at a time."""
+        return dataset, {"sampler": sampler, "batch_size": self.batch_size}
 
     def state_dict(self) -> dict[str, Any]:
         """The training loader's state, in every checkpoint; Lightning's own copy comes back too late (after

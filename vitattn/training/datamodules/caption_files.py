@@ -23,7 +23,8 @@ class CaptionFilesDataModule(PatchBatches, ImageDataModule):
     every one), teacher-forced on one encoding of the image; val and test items take the first, and carry all of
     them as references. The arguments are the ``data.*`` keys of conf/data/coco.yaml and karpathy.yaml (``settings``:
     ``ImageDataModule``'s). ``max_patches``: each image at its own aspect ratio, at most that many ``patch_size``
-    patches (``PatchBatches``); None: squares of ``img_size``.
+    patches (``PatchBatches``); None: squares of ``img_size``. ``batch_patches``: training batches of at most that
+    many patches.
     """
 
     tasks = ("caption",)
@@ -35,13 +36,14 @@ class CaptionFilesDataModule(PatchBatches, ImageDataModule):
         augment: bool | Mapping[str, Any] = True,
         max_patches: int | None = None,
         patch_size: int = 16,
+        batch_patches: int | None = None,
         **settings: Any,
     ) -> None:
         super().__init__(**{"num_workers": "auto", "cache": "auto", **settings})
         self.image_dir = image_dir
         # the mild crop always; flips and colour jitter only where asked and no caption contradicts them
         self.augment = Augment.from_config(augment, scale=CAPTION_CROP_SCALE, hflip=0.0)
-        self.use_budget(max_patches, patch_size)
+        self.use_budget(max_patches, patch_size, batch_patches)
 
     def split_images(self) -> tuple[list[CocoImage], list[CocoImage], list[CocoImage]]:
         """The (train, val, test) images; test may be the val list itself, which then is one dataset."""

@@ -22,7 +22,7 @@ class ImageFolderDataModule(PatchBatches, ImageDataModule):
     The arguments are the ``data.*`` keys that conf/data/imagefolder.yaml describes (``augment``:
     ``vitattn.data.preprocess.Augment``; ``settings``: ``ImageDataModule``'s). ``max_patches``: each image at its
     own aspect ratio, at most that many ``patch_size`` patches, batches of ``Patches`` (docs/training.md); None:
-    squares of ``img_size``.
+    squares of ``img_size``. ``batch_patches``: training batches of at most that many patches (``PatchBatches``).
     """
 
     tasks = ("classification",)
@@ -35,12 +35,13 @@ class ImageFolderDataModule(PatchBatches, ImageDataModule):
         augment: bool | Mapping[str, Any] = True,
         max_patches: int | None = None,
         patch_size: int = 16,
+        batch_patches: int | None = None,
         **settings: Any,
     ) -> None:
         super().__init__(**{"cache": "auto", **settings})
         self.root = Path(root)
         self.augment = Augment.from_config(augment)
-        self.use_budget(max_patches, patch_size)
+        self.use_budget(max_patches, patch_size, batch_patches)
         if self.budget is not None:
             self.collate_fn = collate_patches
         self.class_names: list[str] | None = None

@@ -24,6 +24,7 @@ class ShapesDataModule(PatchBatches, ImageDataModule):
     their mean and std: the images are drawn at ``img_size``, so no resize or crop of theirs applies.
     ``max_patches``: each square drawing resized to the largest square grid of at most that many ``patch_size``
     patches, batches of ``Patches`` (``PatchBatches``; the shapes at other aspects are issue 69's variant).
+    ``batch_patches``: training batches of at most that many patches.
     """
 
     tasks = ("caption", "classification")
@@ -48,6 +49,7 @@ class ShapesDataModule(PatchBatches, ImageDataModule):
         vocab: Tokenizer | None = None,
         max_patches: int | None = None,
         patch_size: int = 16,
+        batch_patches: int | None = None,
     ) -> None:
         captions = dict(max_caption_len=max_caption_len, captions_per_image=captions_per_image, vocab_path=vocab_path)
         settings = dict(batch_size=batch_size, num_workers=num_workers, mean=mean, std=std, tokenizer=tokenizer)
@@ -56,7 +58,7 @@ class ShapesDataModule(PatchBatches, ImageDataModule):
         self.num_train, self.num_val, self.num_test = num_train, num_val, num_test
         self.class_names = list(CLASS_NAMES)
         self.num_classes = len(CLASS_NAMES)
-        self.use_budget(max_patches, patch_size)
+        self.use_budget(max_patches, patch_size, batch_patches)
         if self.budget is not None and task == "classification":
             self.collate_fn = collate_patches
 

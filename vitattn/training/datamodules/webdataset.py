@@ -108,8 +108,14 @@ class WebDatasetDataModule(PatchBatches, ImageDataModule):
         cache: str = "none",
         max_patches: int | None = None,
         patch_size: int = 16,
+        batch_patches: int | None = None,
         **settings: Any,
     ) -> None:
+        if batch_patches is not None:
+            raise ValueError(
+                f"data.batch_patches={batch_patches} is not supported with data=webdataset (shards plan their own "
+                "batches): leave it unset"
+            )
         if task not in self.tasks:
             raise ValueError(f"task={task!r} is unknown; choose one of {list(self.tasks)}")
         self.task = task  # before the base builds the preprocessing: ``crop`` is the task's
