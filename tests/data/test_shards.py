@@ -360,16 +360,12 @@ def test_a_checkpoint_of_other_shards_starts_the_epoch_over(shards, caplog):
     assert fewer._resume is None and "the train shards (or data.samples_per_epoch) changed" in caplog.text
 
 
-def test_vitattn_shards_writes_an_image_folder_as_shards(tmp_path):
+def test_vitattn_shards_writes_an_image_folder_as_shards(tmp_path, capsys):
+    from vitattn.cli.write_shards import main
+
     make_image_folder(tmp_path / "tree", per_class=5)
-    proc = subprocess.run(
-        [sys.executable, "-m", "vitattn.cli.write_shards", "source=folder", f"folder={tmp_path / 'tree' / 'train'}"]
-        + [f"out={tmp_path / 'out'}", "samples_per_shard=4"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+    args = ["source=folder", f"folder={tmp_path / 'tree' / 'train'}", f"out={tmp_path / 'out'}", "samples_per_shard=4"]
+    assert main(args) == 0, capsys.readouterr().err
     urls = expand_shards(str(tmp_path / "out"))
     assert len(urls) == 3 and shard_sizes(urls) == [4, 4, 2]
     samples = [s for url in urls for s in read_shard(url)]

@@ -9,11 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers.processes import sample_keys
 from tests.helpers.runs import TINY, TINY_SHAPES, compose_train, console_script
 from vitattn.run_dir import RunDir
 from vitattn.training import train
@@ -281,19 +283,38 @@ DDP_CPU = [
 ]
 
 
+def _held(keys: Path, step: int, stop: str) -> list[str]:
+    """The samples of the steps to ``step`` in the ``SampleKeys`` files of ``keys`` (one run's), which are then
+    renamed after ``stop`` for the next run to start its own."""
+    held = [k for _, s, ks in sample_keys(keys) if s <= step for k in ks]
+    for f in keys.glob("keys.rank*.txt"):
+        f.rename(f.with_suffix(f".{stop}"))
+    return held
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [[], DDP_CPU], ids=["one-process", "ddp-two-processes"])
-def test_sigterm_then_kill_9_each_resumed_by_resume_auto_repeat_no_step_and_keep_every_log(processes, tmp_path):
+@pytest.mark.parametrize(
+    ("processes", "ranks"),
+    [([], 1), ([*DDP_CPU, "data.num_workers=1"], 2)],  # DDP: a loader worker a rank, started by the fork server
+    ids=["one-process", "ddp-two-processes"],
+)
+def test_sigterm_then_kill_9_each_resumed_by_resume_auto_repeat_no_step_and_keep_every_log(processes, ranks, tmp_path):
     """One run stopped twice: SIGTERM (a preemption: its checkpoint, status 75), resumed; then the resumed run
     killed by ``kill -9`` past a step checkpoint of its own (steps logged that no checkpoint holds), resumed again
-    to the end; then the same command once more finds the run complete."""
-    run_dir, runs = tmp_path / "run", tmp_path / "runs"
+    to the end; then the same command once more finds the run complete. Its 40 steps are one epoch, so each stop
+    lands mid-epoch: over the three runs every sample is trained once (``SampleKeys``; the shapes' DDP case of
+    test_data_resume_ddp.py)."""
+    run_dir, runs, keys = tmp_path / "run", tmp_path / "runs", tmp_path / "keys"
+    num_train = 40 * 8 * ranks  # 40 steps of 8 samples a rank: one epoch
     command = [
         str(console_script("vitattn-train")),
         *processes,
         *RUN,
         "trainer.max_steps=40",
         "callbacks.step_checkpoint.every_n_train_steps=5",
+        f"data.num_train={num_train}",
+        "+callbacks.sample_keys._target_=vitattn.training.callbacks.SampleKeys",
+        f"+callbacks.sample_keys.folder={keys}",
         *LOGGERS,
         f"paths.runs_dir={runs}",
         f"hydra.run.dir={run_dir}",
@@ -314,6 +335,7 @@ def test_sigterm_then_kill_9_each_resumed_by_resume_auto_repeat_no_step_and_keep
     assert lines == [f"preempted by SIGTERM at step {saved}; checkpoint {last}; continue with resume={run_dir}"]
     before = _train_steps(run_dir)
     assert before == list(range(saved)) and 6 <= saved < 40  # every step logged is in the preemption's checkpoint
+    trained = [_held(keys, saved, "sigterm")]
 
     with open(tmp_path / "resumed.log", "w") as log:
         # its own process group: kill -9 takes every process of the run, as a lost machine would
@@ -333,6 +355,7 @@ def test_sigterm_then_kill_9_each_resumed_by_resume_auto_repeat_no_step_and_keep
     assert f"resume=auto: continuing from {last} (step {saved})" in (tmp_path / "resumed.log").read_text()
     killed_at = _step(last)
     assert saved < killed_at < 40
+    trained.append(_held(keys, killed_at, "kill-9"))
     killed = _logged(run_dir, runs)
     for name, steps in killed.items():  # each logger holds steps that the resumed run logs again
         assert max(steps["train"]) >= killed_at, (name, killed_at, steps)
@@ -341,6 +364,12 @@ def test_sigterm_then_kill_9_each_resumed_by_resume_auto_repeat_no_step_and_keep
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resume=auto: continuing from {last} (step {killed_at})" in proc.stdout
     _assert_each_step_once(run_dir, runs, 40)  # the steps of both stops once each; what was logged before kept
+    trained.append(_held(keys, 40, "end"))
+    assert [len(run) for run in trained] == [8 * ranks * n for n in (saved, killed_at - saved, 40 - killed_at)]
+    every = [k for run in trained for k in run]
+    repeated = [k for k, n in Counter(every).items() if n > 1]
+    assert not repeated, f"{len(repeated)} samples trained twice: {repeated[:5]}"
+    assert sorted(every, key=int) == [str(i) for i in range(num_train)]  # none skipped
     assert _step(last) == 40
     speed = re.search(r"^speed: +([0-9.]+) steps/s \(training with its validations\)$", proc.stdout, re.MULTILINE)
     assert speed and float(speed.group(1)) > 0, proc.stdout[-2000:]  # the summary's rate, of this start's steps
