@@ -167,8 +167,9 @@ def _overrides(name: str, size: int, root: Path, teacher: Path | None = None) ->
 
 
 # Every data path without loader workers (the fast run keeps the coco ones); with two, the human + pool mix. The
-# other paths' workers resume in test_data_resume_ddp.py (one a rank, each path) and on the loader itself
-# (test_a_loader_state_mid_epoch_resumes_the_rest_of_the_epoch, two workers).
+# other paths' workers resume in test_data_resume_ddp.py (coco and imagefolder, one a rank), test_preemption.py's DDP
+# chain (shapes, one a rank) and on the loader itself (test_a_loader_state_mid_epoch_resumes_the_rest_of_the_epoch,
+# two workers).
 @pytest.mark.parametrize(
     ("name", "workers"),
     [
