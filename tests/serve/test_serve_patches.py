@@ -74,3 +74,23 @@ def test_a_batch_of_mixed_aspects_is_captioned_in_groups_of_similar_lengths_each
     assert Image.open(io.BytesIO(png)).format == "PNG" and all(
         "attention" not in o for i, o in enumerate(outputs) if i != 3
     )
+
+
+def test_an_onnx_folder_of_a_max_patches_model_is_served_in_groups_each_answer_the_pytorch_models_alone(
+    served, tmp_path
+):
+    pytest.importorskip("onnxruntime")
+    from vitattn.bundle import load_model
+    from vitattn.bundle.onnx_export import export_onnx
+
+    bundle, folder = served
+    onnx_folder = export_onnx(load_model(bundle), tmp_path / "onnx")
+    api = CaptionAPI(str(onnx_folder), max_batch_size=len(SIZES))
+    api.setup("cpu")
+    paths = [folder / f"{i}.png" for i in range(len(SIZES))]
+    requests = [{"image": base64.b64encode(p.read_bytes()).decode()} for p in paths]
+    with mock.patch.object(api.captioner, "caption_pixels", wraps=api.captioner.caption_pixels) as caption_pixels:
+        outputs = api.predict(api.batch([api.decode_request(r) for r in requests]))
+    assert caption_pixels.call_count > 1  # grouped by length on the ONNX runtime too
+    alone = [Captioner.load(bundle).caption(p) for p in paths]  # PyTorch, each image alone
+    assert [out["caption"] for out in outputs] == alone and distinct(alone, at_least=3)
