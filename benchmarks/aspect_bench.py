@@ -32,8 +32,8 @@ from vitattn.data.shapes import ShapesDataset
 REPO = Path(__file__).resolve().parents[1]
 ARMS = {
     "native": [],  # data.max_patches=N, added with the budget
-    "squash": ["data.crop_mode=squash", "data.crop_pct=1.0"],
-    "centre": ["data.crop_mode=center", "data.crop_pct=1.0"],
+    "squash": ["data.crop_mode=squash"],
+    "centre": ["data.crop_mode=center"],
     "square": [],  # the shapes' squares: data.max_aspect=1
 }
 METRIC = {"caption": "cider_d", "classification": "acc"}
@@ -102,6 +102,7 @@ def _source(name: str, task: str, arm: str, args: argparse.Namespace, budget: in
             source += [f"data.max_caption_len={cfg.max_caption_len}", f"head.decoder.depth={cfg.decoder_depth}"]
     else:
         source = ["head=classification", "data=imagefolder", f"data.root={data.root}", "data.augment.enabled=false"]
+        source += ["data.crop_pct=1.0"]  # the whole image (the shapes' crop_pct is 1 already)
     return [*source, *ARMS[arm], *([f"data.max_patches={budget}"] if arm == "native" else [])]
 
 
