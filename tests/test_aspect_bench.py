@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import hydra
 import pytest
+import torch
 from PIL import Image, ImageDraw
 
 from benchmarks import aspect_bench, learning_bench, learning_data
@@ -61,3 +62,37 @@ def test_valid_tokens_count_each_grid_by_hand(tmp_path):
     assert aspect_bench.valid_tokens("tuxpaint", "squash", ARGS, 64, data) == dict(mean=64, min=64, max=64)
     shapes = aspect_bench.valid_tokens("shapes", "native", ARGS, 64, None)
     assert shapes["max"] == 64 and 40 <= shapes["min"] and shapes["mean"] < 64
+
+
+@pytest.mark.parametrize("arm", ["native", "squash", "centre"])
+def test_aspect_arms_on_a_folder_see_the_whole_image_or_its_centre(arm, tmp_path):
+    """A 4:1 image, a red quarter, a shaded green half, a blue quarter: squashed it keeps red and blue at its
+    ends, its centre square is green alone, at its own aspect it is a 4 x 16 grid (64 patches); untransformed
+    by augmentation, as it is scored."""
+    image = Image.new("RGB", (128, 32), (0, 200, 0))
+    for x in range(32, 96):  # the green half shaded along x, so that any other crop of it differs
+        ImageDraw.Draw(image).line((x, 0, x, 31), fill=(0, 200, x - 32))
+    ImageDraw.Draw(image).rectangle((0, 0, 31, 31), fill=(200, 0, 0))
+    ImageDraw.Draw(image).rectangle((96, 0, 127, 31), fill=(0, 0, 200))
+    for split in ("train", "val"):
+        (tmp_path / split / "c").mkdir(parents=True)
+        image.save(tmp_path / split / "c" / "wide.png")
+    cfg = learning_bench.BenchConfig(steps=3, img_size=64, patch_size=8, embed_dim=16, depth=1, num_heads=2)
+    data = SimpleNamespace(root=tmp_path)
+    source = aspect_bench._source("tuxpaint", "classification", arm, ARGS, 64, data, cfg)
+    overrides = learning_bench.vitattn_overrides("classification", data, cfg, tmp_path / "run", source)
+    composed = compose_train([o for o in overrides if not o.startswith("hydra.")], tmp_path / "run")
+    datamodule = hydra.utils.instantiate(composed.data)
+    datamodule.setup("fit")
+    seen = datamodule.train_dataset[0][0]
+    scored = datamodule.val_dataset[0][0]
+    assert all(torch.equal(a, b) for a, b in zip(seen, scored)) if arm == "native" else torch.equal(seen, scored)
+    if arm == "native":
+        assert seen.coord[-1].tolist() == [3, 15] and len(seen.patches) == 64
+        return
+    assert tuple(seen.shape) == (3, 64, 64)
+    left, right = seen[:, 32, 0].tolist(), seen[:, 32, 63].tolist()
+    if arm == "squash":
+        assert left[0] > 150 > left[1] and right[2] > 150 > right[1]
+    else:
+        assert left[1] > 150 > left[0] and right[1] > 150 > right[2]
