@@ -44,10 +44,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", nargs="+", choices=["caption", "classification"], default=["caption"])
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=["native", "squash", "centre"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=600, help="optimizer steps of every run")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps of every run")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--img-size", type=int, default=64, help="the squares' side; the shapes' short side")
     p.add_argument("--patch-size", type=int, default=8)
+    # the learning bench's model halved in width and depth: a run within ~4 min on one shared thread
+    p.add_argument("--embed-dim", type=int, default=64)
+    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--num-heads", type=int, default=2)
+    p.add_argument("--decoder-depth", type=int, default=1)
     p.add_argument("--max-aspect", type=float, default=4.0, help="the shapes' widest frame")
     p.add_argument("--num-train", type=int, default=20000, help="shapes' training scenes")
     p.add_argument("--stamp-side", type=int, default=256, help="the Tux Paint stamps' longer side, as prepared")
@@ -70,6 +75,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         threads=args.threads,
                         img_size=args.img_size,
                         patch_size=args.patch_size,
+                        embed_dim=args.embed_dim,
+                        depth=args.depth,
+                        num_heads=args.num_heads,
+                        decoder_depth=args.decoder_depth,
                         seed=seed,
                     )
                     run_dir = args.out.parent / "aspect" / f"{name}-{task}-{arm}-seed{seed}"
