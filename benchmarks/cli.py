@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from benchmarks import (
+    aspect_bench,
     batch_loss,
     bootstrap_bench,
     candidates,
@@ -234,6 +235,11 @@ SECTIONS: dict[str, Section] = {
     ),
     "learning": Section("vitattn-train against a plain timm loop", learning_bench.add_arguments, learning_bench.run),
     "learning-data": Section("the learning datasets, from Debian", learning_data.add_arguments, learning_data.run),
+    "aspect": Section(
+        "images at their own aspect against squashed and centre-cropped squares",
+        aspect_bench.add_arguments,
+        aspect_bench.run,
+    ),
     "transfer": Section("captions on a pretrained encoder", transfer_bench.add_arguments, transfer_bench.run),
     "metric-parity": Section("built-in metrics vs the COCO toolkit", metric_parity.add_arguments, metric_parity.run),
     "padding": Section(

@@ -104,20 +104,12 @@ class Side:
     command: str
 
 
-def vitattn_overrides(task: str, data: learning_data.PreparedDataset, cfg: BenchConfig, run_dir: Path) -> list[str]:
-    """``vitattn-train`` overrides for ``task`` on ``data``: size, batch, steps and threads set, the rest vitattn's."""
-    if task == "classification":
-        source = ["head=classification", "data=imagefolder", f"data.root={data.root}"]
-    else:
-        source = [
-            "head=caption",
-            "data=coco",
-            f"data.image_dir={data.root}",
-            f"data.train_annotations={data.train_annotations}",
-            f"data.val_annotations={data.val_annotations}",
-            f"data.max_caption_len={cfg.max_caption_len}",
-            f"head.decoder.depth={cfg.decoder_depth}",
-        ]
+def vitattn_overrides(
+    task: str, data: learning_data.PreparedDataset | None, cfg: BenchConfig, run_dir: Path, source: list[str] = ()
+) -> list[str]:
+    """``vitattn-train`` overrides for ``task`` on ``data``: size, batch, steps and threads set, the rest vitattn's;
+    ``source``: other data's keys in place of ``data``'s."""
+    source = list(source) or _data_source(task, data, cfg)
     size = [f"model.{k}={v}" for k, v in cfg.encoder.items() if k != "img_size"]
     return [
         *source,
@@ -142,13 +134,31 @@ def vitattn_overrides(task: str, data: learning_data.PreparedDataset, cfg: Bench
     ]
 
 
+def _data_source(task: str, data: learning_data.PreparedDataset, cfg: BenchConfig) -> list[str]:
+    if task == "classification":
+        return ["head=classification", "data=imagefolder", f"data.root={data.root}"]
+    return [
+        "head=caption",
+        "data=coco",
+        f"data.image_dir={data.root}",
+        f"data.train_annotations={data.train_annotations}",
+        f"data.val_annotations={data.val_annotations}",
+        f"data.max_caption_len={cfg.max_caption_len}",
+        f"head.decoder.depth={cfg.decoder_depth}",
+    ]
+
+
 def run_vitattn(task: str, data: learning_data.PreparedDataset, cfg: BenchConfig, run_dir: Path) -> Side:
     """Train with ``vitattn-train`` in a subprocess; its final evaluation of the val split is the score."""
-    overrides = vitattn_overrides(task, data, cfg, run_dir)
+    return run_overrides(task, vitattn_overrides(task, data, cfg, run_dir), cfg.threads, run_dir)
+
+
+def run_overrides(task: str, overrides: list[str], threads: int, run_dir: Path) -> Side:
+    """``vitattn-train overrides`` in a subprocess on ``threads`` threads, its log in ``run_dir``; the final
+    evaluation's ``test/`` metrics (its ``test=true``) are the score."""
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "vitattn.log"
-    threads = str(cfg.threads)
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "HYDRA_FULL_ERROR": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "HYDRA_FULL_ERROR": "1"}
     with open(log, "w") as f, stopwatch(children_cpu) as took:
         done = subprocess.run(
             [sys.executable, "-m", "vitattn.cli.train", *overrides], stdout=f, stderr=subprocess.STDOUT, env=env

@@ -11,7 +11,8 @@ Packages are fetched with ``apt-get download`` and unpacked with ``dpkg-deb -x``
     ROOT/dataset.json                                            source, licence, counts, parameters
 
 with ``ROOT = CACHE/<dataset>-<img_size>px-seed<seed>``. Images are the drawing cropped to its
-visible pixels, padded to a square and flattened on white; the split is stratified by class and
+visible pixels, padded to a square and flattened on white (``--keep-aspect``: not padded, the longer side
+``img_size``, in ``<dataset>-<img_size>px-aspect-seed<seed>``); the split is stratified by class and
 fixed by the seed. A dataset whose ``dataset.json`` records the same parameters is reused as it is.
 
 Datasets:
@@ -168,6 +169,23 @@ def square_on_white(image: Image.Image, size: int) -> Image.Image:
     canvas = Image.new("RGBA", (side, side), (255, 255, 255, 255))
     canvas.alpha_composite(rgba, ((side - rgba.width) // 2, (side - rgba.height) // 2))
     return canvas.convert("RGB").resize((size, size), Image.Resampling.LANCZOS)
+
+
+def aspect_on_white(image: Image.Image, size: int) -> Image.Image:
+    """Crop an image to its visible pixels, flatten it on white and resize it, its aspect ratio kept, so that its
+    longer side is ``size`` (the other at least 1): ``square_on_white`` without the padding (issue 69's sets).
+
+    Returns:
+        An RGB image whose longer side is ``size``.
+    """
+    rgba = image.convert("RGBA")
+    box = rgba.getchannel("A").getbbox() or (0, 0, *rgba.size)
+    rgba = rgba.crop(box)
+    canvas = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    canvas.alpha_composite(rgba)
+    scale = size / max(rgba.size)
+    width, height = max(1, round(rgba.width * scale)), max(1, round(rgba.height * scale))
+    return canvas.convert("RGB").resize((width, height), Image.Resampling.LANCZOS)
 
 
 def _open_rgba(path: Path) -> Image.Image:
@@ -339,11 +357,14 @@ def write_dataset(
     seed: int = 0,
     val_fraction: float = VAL_FRACTION,
     info: dict[str, Any] | None = None,
+    keep_aspect: bool = False,
 ) -> PreparedDataset:
-    """Write ``items`` as an ImageFolder tree plus COCO caption files under ``out`` (see the module doc).
+    """Write ``items`` as an ImageFolder tree plus COCO caption files under ``out`` (see the module doc);
+    ``keep_aspect``: each image not padded square, its longer side ``img_size`` (``aspect_on_white``).
 
     ``dataset.json`` is written last, so a folder that has one is complete.
     """
+    draw = aspect_on_white if keep_aspect else square_on_white
     names = [(it.label, it.name) for it in items]
     if len(set(names)) != len(names):
         raise ValueError(f"{name}: two items share a class and a name")
@@ -356,7 +377,7 @@ def write_dataset(
         for item in members:
             rel = Path(split) / item.label / f"{item.name}.png"
             (out / rel).parent.mkdir(parents=True, exist_ok=True)
-            square_on_white(item.load(), img_size).save(out / rel)
+            draw(item.load(), img_size).save(out / rel)
             images.append({"id": next_id, "file_name": rel.as_posix()})
             for caption in item.captions:
                 annotations.append({"id": len(annotations) + 1, "image_id": next_id, "caption": caption})
@@ -369,6 +390,7 @@ def write_dataset(
         "name": name,
         **(info or {}),
         "img_size": img_size,
+        "keep_aspect": keep_aspect,
         "seed": seed,
         "val_fraction": val_fraction,
         "classes": classes,
@@ -394,8 +416,11 @@ DATASETS: dict[str, dict[str, Any]] = {
 }
 
 
-def prepare(name: str, img_size: int = 32, seed: int = 0, cache: Path = DEFAULT_CACHE) -> PreparedDataset:
-    """Fetch, unpack and write dataset ``name`` (reusing a finished one with the same parameters).
+def prepare(
+    name: str, img_size: int = 32, seed: int = 0, cache: Path = DEFAULT_CACHE, keep_aspect: bool = False
+) -> PreparedDataset:
+    """Fetch, unpack and write dataset ``name`` (reusing a finished one with the same parameters); ``keep_aspect``:
+    not padded square, the longer side ``img_size`` (a folder of its own, ``NAME-SIZEpx-aspect-seedS``).
 
     Raises:
         DataError: a package cannot be fetched or does not hold what the dataset needs.
@@ -403,7 +428,7 @@ def prepare(name: str, img_size: int = 32, seed: int = 0, cache: Path = DEFAULT_
     if name not in DATASETS:
         raise DataError(f"unknown dataset {name!r}; choose from {sorted(DATASETS)}")
     spec = DATASETS[name]
-    out = cache / f"{name}-{img_size}px-seed{seed}"
+    out = cache / f"{name}-{img_size}px{'-aspect' if keep_aspect else ''}-seed{seed}"
     if (out / "dataset.json").is_file():
         done = PreparedDataset.load(out)
         if done.info.get("format") == FORMAT and done.info.get("val_fraction") == VAL_FRACTION:
@@ -419,7 +444,7 @@ def prepare(name: str, img_size: int = 32, seed: int = 0, cache: Path = DEFAULT_
         "source": spec["source"],
         "skipped": skipped,
     }
-    return write_dataset(out, name, items, img_size, seed, VAL_FRACTION, info)
+    return write_dataset(out, name, items, img_size, seed, VAL_FRACTION, info, keep_aspect)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -427,9 +452,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--img-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="download and output folder (bench_data/)")
+    p.add_argument("--keep-aspect", action="store_true", help="not padded square: the longer side --img-size")
 
 
 def run(args: argparse.Namespace) -> None:
     for name in args.datasets:
-        ds = prepare(name, args.img_size, args.seed, args.cache)
+        ds = prepare(name, args.img_size, args.seed, args.cache, args.keep_aspect)
         print(f"{name}: {ds.root} ({len(ds.classes)} classes, {ds.num_train} train, {ds.num_val} val)")

@@ -133,9 +133,10 @@ def coco(tmp_path_factory):
         ["head=caption", "data=shapes", *TINY_SHAPES, "data.max_patches=9"],
         ["head=coca", "data=shapes", *TINY_SHAPES, "data.max_patches=9"],
         ["head=classification", "data=shapes", *TINY_SHAPES, "data.max_patches=9"],
+        ["head=caption", "data=shapes", *TINY_SHAPES, "data.max_patches=9", "data.max_aspect=4"],
         ["head=caption", "data=coco", "data.max_patches=6", "data.augment.hflip=0.5", "data.augment.color_jitter=0.2"],
     ],
-    ids=["shapes-caption", "shapes-coca", "shapes-classification", "coco-caption-augmented"],
+    ids=["shapes-caption", "shapes-coca", "shapes-classification", "shapes-wide-caption", "coco-caption-augmented"],
 )
 def test_fast_dev_run_trains_captions_at_their_own_aspect(data, coco, tmp_path):
     extra = coco if "data=coco" in data else []

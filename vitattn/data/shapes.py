@@ -1,12 +1,16 @@
 """Shapes: a generated dataset for captioning and classification, a pure function of ``(seed, split, index)``:
 one to three shapes named left to right ("a small red circle left of a large blue square"); positions are
-fractions of the side, y down."""
+fractions of the side, y down. With ``max_aspect`` above 1 (issue 69's variant) each scene is a wide or tall frame
+of 1:1 to ``max_aspect``:1, its shapes spaced along the long side and named along it ("left of" or "above");
+positions are then in units of the short side."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -36,6 +40,12 @@ _MIN_DX = 0.06  # centre-x gap between neighbours, so the left-to-right order is
 _MIN_AXIS_GAP = 0.10  # least | |dx| - |dy| | between neighbours, so the relation is clear
 _PLACEMENT_TRIES = 50
 _CLASS_INDEX = {name: i for i, name in enumerate(CLASS_NAMES)}
+# The variant at other aspects (``max_aspect`` > 1), in units of the short side: shapes large enough to keep
+# 2 patches a side at 4:1 under 64 patches (4 patches across), apart by a gap along the long side.
+ASPECT_SIZES: dict[str, float] = {"small": 0.5, "large": 0.8}
+ASPECT_STEP = 16  # aspects are 1 + k / 16: a whole number of pixels at any image size that 16 divides
+_ASPECT_EDGE = 0.05
+_ASPECT_GAP = 0.10
 
 
 @dataclass(frozen=True)
@@ -48,16 +58,32 @@ class SceneObject:
     cx: float
     cy: float
 
+    aspect_sizes: bool = False  # sized by ``ASPECT_SIZES`` (the variant at other aspects)
+
     @property
     def side(self) -> float:
-        return SIZES[self.size]
+        return (ASPECT_SIZES if self.aspect_sizes else SIZES)[self.size]
 
     @property
     def phrase(self) -> str:
         return f"a {self.size} {self.colour} {self.shape}"
 
 
-Scene = tuple[SceneObject, ...]  # sorted left to right by cx
+Scene = tuple[SceneObject, ...]  # sorted left to right by cx (top to bottom by cy in a tall frame)
+
+
+class Frame(NamedTuple):
+    """A scene's image size in units of its short side: ``(aspect, 1)`` wide, ``(1, aspect)`` tall."""
+
+    width: float
+    height: float
+
+    @property
+    def tall(self) -> bool:
+        return self.height > self.width
+
+
+SQUARE = Frame(1.0, 1.0)
 
 
 def relation(a: SceneObject, b: SceneObject) -> str:
@@ -122,20 +148,77 @@ def sample_scene(rng: np.random.Generator) -> Scene:
                 return tuple(SceneObject(*kinds[i], *placed[i][:2]) for i in order)
 
 
-def generate_scene(seed: int, split: str, index: int) -> Scene:
-    """The scene at ``index`` of ``split``; the same arguments always give the same scene."""
+def _fits(sides: list[float], length: float) -> bool:
+    """Whether shapes of ``sides`` fit in a row along ``length``, with the edges and the gaps between them."""
+    return sum(sides) + _ASPECT_GAP * (len(sides) - 1) + 2 * _ASPECT_EDGE <= length + 1e-9
+
+
+def sample_aspect_scene(rng: np.random.Generator, max_aspect: float) -> tuple[Scene, Frame]:
+    """A frame of aspect 1 + k/16 up to ``max_aspect`` (k uniform), wide or tall at even odds, and 1-3 shapes
+    (as many as small ones fit in a row along its long side) spaced along it at random, each at a random place
+    across it: no overlap (the gap), and neighbours' centres apart along the long side by more than across it."""
+    aspect = 1 + int(rng.integers(0, math.floor((max_aspect - 1) * ASPECT_STEP + 1e-9) + 1)) / ASPECT_STEP
+    tall = bool(rng.integers(2))
+    small = min(ASPECT_SIZES.values())
+    most = max(n for n in range(1, _MAX_OBJECTS + 1) if n == 1 or _fits([small] * n, aspect))
+    n = int(rng.integers(1, most + 1))
+    sizes, colours = list(ASPECT_SIZES), list(COLOURS)
+    while True:  # kinds redrawn, keeping their number, until the row fits
+        draws = rng.integers([len(sizes), len(colours), len(SHAPES)], size=(n, 3))  # (n, 3)
+        kinds = [(sizes[s], colours[c], SHAPES[k]) for s, c, k in draws.tolist()]
+        sides = [ASPECT_SIZES[size] for size, _, _ in kinds]
+        if _fits(sides, aspect):
+            break
+    slack = aspect - sum(sides) - _ASPECT_GAP * (n - 1) - 2 * _ASPECT_EDGE  # free length, shared out at random
+    cuts = np.sort(rng.random(n)) * slack  # (n,) the free length before each shape, cumulative
+    across = rng.random(n)  # (n,) in [0, 1), stretched over each shape's free range across
+    objects, start = [], _ASPECT_EDGE
+    for side, kind, cut, u in zip(sides, kinds, cuts.tolist(), across.tolist()):
+        along = start + cut + side / 2
+        low = side / 2 + _ASPECT_EDGE
+        cross = low + u * (1 - 2 * low)
+        cx, cy = (cross, along) if tall else (along, cross)
+        objects.append(SceneObject(*kind, cx, cy, aspect_sizes=True))
+        start += side + _ASPECT_GAP
+    return tuple(objects), (Frame(1.0, aspect) if tall else Frame(aspect, 1.0))
+
+
+def _scene_rng(seed: int, split: str, index: int) -> np.random.Generator:
+    """The random stream of one scene: its own for each ``(seed, split, index)``."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r} must be one of {SPLITS}")
     if seed < 0 or index < 0:
         raise ValueError(f"seed={seed} and index={index} must be non-negative")
-    return sample_scene(np.random.default_rng([seed, SPLITS.index(split), index]))
+    return np.random.default_rng([seed, SPLITS.index(split), index])
 
 
-def render_scene(scene: Scene, img_size: int = 64) -> Image.Image:
-    """The scene as an ``img_size`` RGB square, drawn at 2-4x and box-filtered down (antialiased edges)."""
+def generate_scene(seed: int, split: str, index: int) -> Scene:
+    """The scene at ``index`` of ``split``; the same arguments always give the same scene."""
+    return sample_scene(_scene_rng(seed, split, index))
+
+
+def check_max_aspect(max_aspect: float) -> float:
+    """``max_aspect`` as a float, refused in one line when not a number from 1 (squares) to 16."""
+    if isinstance(max_aspect, bool) or not isinstance(max_aspect, numbers.Real) or not 1 <= max_aspect <= 16:
+        raise ValueError(f"max_aspect={max_aspect!r} must be a number from 1 (squares) to 16")
+    return float(max_aspect)
+
+
+def generate_aspect_scene(seed: int, split: str, index: int, max_aspect: float = 1.0) -> tuple[Scene, Frame]:
+    """The scene at ``index`` of ``split`` and its frame: up to ``max_aspect``:1 (``sample_aspect_scene``); 1 gives
+    ``generate_scene``'s square scenes, draw for draw."""
+    if check_max_aspect(max_aspect) == 1:
+        return generate_scene(seed, split, index), SQUARE
+    return sample_aspect_scene(_scene_rng(seed, split, index), max_aspect)
+
+
+def render_scene(scene: Scene, img_size: int = 64, frame: Frame = SQUARE) -> Image.Image:
+    """The scene as an RGB image of ``frame`` whose short side is ``img_size`` (a square by default), drawn at
+    2-4x and box-filtered down (antialiased edges)."""
     factor = max(2, min(4, -(-256 // img_size)))  # drawn at >= 256 px where 2-4x allows
-    side = img_size * factor
-    image = Image.new("RGB", (side, side), BACKGROUND)
+    side = img_size * factor  # the short side drawn, the unit of the positions
+    size = (round(frame.width * img_size) * factor, round(frame.height * img_size) * factor)
+    image = Image.new("RGB", size, BACKGROUND)
     draw = ImageDraw.Draw(image)
     for obj in scene:
         x, y, half = obj.cx * side, obj.cy * side, obj.side * side / 2
@@ -155,6 +238,7 @@ class ShapesDataset(Dataset):
 
     ``task="caption"`` items are ``{"image", "caption", "references", "image_id"}``, ``classification`` items
     ``(image, label)`` (the left-most shape's class); images are (3, height, width) uint8 after ``transform``.
+    ``max_aspect`` above 1: frames of 1:1 up to that, ``img_size`` their short side (``generate_aspect_scene``).
     """
 
     class_names = CLASS_NAMES
@@ -167,6 +251,7 @@ class ShapesDataset(Dataset):
         seed: int = 0,
         task: Literal["caption", "classification"] = "caption",
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        max_aspect: float = 1.0,
     ) -> None:
         if task not in TASKS:
             raise ValueError(f"task={task!r} must be one of {TASKS}")
@@ -176,7 +261,9 @@ class ShapesDataset(Dataset):
             raise ValueError(f"img_size={img_size} is too small to draw shapes; use 16 or more")
         self.split, self.img_size, self.seed, self.task = split, img_size, seed, task
         self.transform = transform
-        self.scenes: list[Scene] = [generate_scene(seed, split, i) for i in range(size)]
+        drawn = [generate_aspect_scene(seed, split, i, max_aspect) for i in range(size)]
+        self.scenes: list[Scene] = [scene for scene, _ in drawn]
+        self.frames: list[Frame] = [frame for _, frame in drawn]
 
     def __len__(self) -> int:
         return len(self.scenes)
@@ -198,7 +285,7 @@ class ShapesDataset(Dataset):
 
     def image(self, index: int) -> torch.Tensor:
         """The rendered image as (3, height, width) uint8, before ``transform``."""
-        return pil_to_tensor(render_scene(self.scenes[index], self.img_size))
+        return pil_to_tensor(render_scene(self.scenes[index], self.img_size, self.frames[index]))
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int] | dict:
         if not 0 <= index < len(self):
