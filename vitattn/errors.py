@@ -54,12 +54,13 @@ def first_line(err: BaseException, limit: int = 300) -> str:
 
 class Preempted(RuntimeError):
     """Training stopped on ``signal`` after a whole step; ``checkpoint`` holds ``step`` (None: the signal came while
-    testing, after training)."""
+    testing, after training), or is None where no callback keeps one (``callbacks=none``)."""
 
-    def __init__(self, signal: str, step: int | None, checkpoint: Path) -> None:
+    def __init__(self, signal: str, step: int | None, checkpoint: Path | None) -> None:
         self.signal, self.step, self.checkpoint = signal, step, checkpoint
         where = f"at step {step}" if step is not None else "after training, while testing"
-        super().__init__(f"preempted by {signal} {where}; checkpoint {checkpoint}")
+        kept = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint: callbacks=none keeps none"
+        super().__init__(f"preempted by {signal} {where}; {kept}")
 
 
 _brief = reprlib.Repr()

@@ -462,3 +462,20 @@ def test_ranks_agree_on_a_signal_over_host_tensors_and_never_read_the_device(tmp
         assert callback._agreed_signal(trainer) == signal.SIGUSR1
     finally:
         dist.destroy_process_group()
+
+
+def test_a_stop_without_the_preemption_callback_names_its_missing_checkpoint_in_one_line(tmp_path):
+    # callbacks=none keeps no Preemption callback: the stop is still a Preempted, with no checkpoint to resume from
+    import lightning.pytorch as pl
+
+    from vitattn.training.callbacks import Preemption
+    from vitattn.training.recipe import _preempted
+
+    bare = pl.Trainer(callbacks=[], logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    stop = _preempted(bare)
+    assert str(stop) == "preempted by SIGTERM at step 0; no checkpoint: callbacks=none keeps none"
+    assert stop.checkpoint is None
+    kept = pl.Trainer(
+        callbacks=[Preemption(tmp_path)], logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    assert _preempted(kept).checkpoint == RunDir(tmp_path).last_checkpoint  # the callback's own stop

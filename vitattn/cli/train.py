@@ -58,7 +58,8 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             result = train(cfg, overrides=list(HydraConfig.get().overrides.task))
         except Preempted as stop:
             if rank_zero_only.rank == 0:
-                print(f"{stop}; continue with resume={stop.checkpoint.parents[1]}", file=sys.stderr, flush=True)
+                again = f"; continue with resume={stop.checkpoint.parents[1]}" if stop.checkpoint else ""
+                print(f"{stop}{again}", file=sys.stderr, flush=True)
             sys.exit(os.EX_TEMPFAIL)  # 75: stopped with a checkpoint; start it again to continue
         if rank_zero_only.rank == 0 and not result.already_complete:  # else train() said so in one line
             _report(result)

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vitattn.bundle import bundle_from_system
 from vitattn.data.bad_images import gather_skipped
+from vitattn.errors import Preempted
 from vitattn.fileio import atomic_open
 from vitattn.run_dir import RunDir
 from vitattn.training.build import build
@@ -131,8 +132,10 @@ def _test(trainer: pl.Trainer, system: VisionSystem, datamodule: pl.LightningDat
     return {k: float(v) for row in rows for k, v in row.items()}
 
 
-def _preempted(trainer: pl.Trainer) -> Exception:
-    return next(c for c in trainer.callbacks if isinstance(c, Preemption)).preempted()
+def _preempted(trainer: pl.Trainer) -> Preempted:
+    """The stop's ``Preempted``: the ``Preemption`` callback's, or one without a checkpoint (``callbacks=none``)."""
+    callback = next((c for c in trainer.callbacks if isinstance(c, Preemption)), None)
+    return callback.preempted() if callback else Preempted("SIGTERM", trainer.global_step, None)
 
 
 def _finish_wandb_run() -> None:
