@@ -475,7 +475,5 @@ def test_a_stop_without_the_preemption_callback_names_its_missing_checkpoint_in_
     stop = _preempted(bare)
     assert str(stop) == "preempted by SIGTERM at step 0; no checkpoint: callbacks=none keeps none"
     assert stop.checkpoint is None
-    kept = pl.Trainer(
-        callbacks=[Preemption(tmp_path)], logger=False, enable_checkpointing=False, enable_progress_bar=False
-    )
+    kept = pl.Trainer(callbacks=[Preemption(tmp_path)], logger=False, enable_progress_bar=False)
     assert _preempted(kept).checkpoint == RunDir(tmp_path).last_checkpoint  # the callback's own stop
