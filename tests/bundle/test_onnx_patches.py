@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from tests.helpers.bundles import CAPTION_PREPROCESS, distinct, make_caption_bundle, make_classifier_bundle
+from tests.helpers.images import two_colour_images
 from tests.helpers.onnx import check_int8_graphs, record_kept_fp32
 from vitattn.bundle import load_model
 from vitattn.bundle.folder import read_config
@@ -54,13 +53,7 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def images():
-    rng = np.random.default_rng(3)
-    out = []
-    for w, h in SIZES:  # a colour of its own on each half: answers that differ between images
-        pixels = np.zeros((h, w, 3), dtype=np.uint8)
-        pixels[:, : w // 2], pixels[:, w // 2 :] = rng.integers(0, 256, 3), rng.integers(0, 256, 3)
-        out.append(Image.fromarray(pixels))
-    return out
+    return two_colour_images(SIZES, seed=3)
 
 
 def _alone(model, image):

@@ -18,6 +18,17 @@ def noisy_image(rng: np.random.Generator, size: int) -> Image.Image:
     return Image.fromarray(pixels)
 
 
+def two_colour_images(sizes: list[tuple[int, int]], seed: int) -> list[Image.Image]:
+    """An image of each (width, height) in ``sizes``, a random colour on each half: images of mixed aspects whose
+    captions differ."""
+    rng, images = np.random.default_rng(seed), []
+    for w, h in sizes:
+        pixels = np.zeros((h, w, 3), dtype=np.uint8)
+        pixels[:, : w // 2], pixels[:, w // 2 :] = rng.integers(0, 256, 3), rng.integers(0, 256, 3)
+        images.append(Image.fromarray(pixels))
+    return images
+
+
 def make_image_folder(root: Path, classes=("cat", "dog"), per_class: int = 6, size: int = 40) -> Path:
     """``root/{train,val}/<class>/<n>.png`` with random images."""
     rng = np.random.default_rng(0)

@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from tests.helpers.bundles import CAPTION_PREPROCESS, distinct, make_caption_bundle, make_classifier_bundle
+from tests.helpers.images import two_colour_images
 from vitattn.bundle import BUNDLE_VERSION, load_model
 from vitattn.bundle.folder import BUNDLE_FORMAT, read_config
 from vitattn.cli.caption import main as caption_main
@@ -28,11 +29,8 @@ SIZES = [(96, 24), (20, 60), (40, 40), (70, 30), (33, 47), (120, 16)]  # (width,
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mixed")
-    rng = np.random.default_rng(3)
-    for i, (w, h) in enumerate(SIZES):  # a colour of its own on each half: answers that differ between images
-        pixels = np.zeros((h, w, 3), dtype=np.uint8)
-        pixels[:, : w // 2], pixels[:, w // 2 :] = rng.integers(0, 256, 3), rng.integers(0, 256, 3)
-        Image.fromarray(pixels).save(folder / f"{i}.png")
+    for i, image in enumerate(two_colour_images(SIZES, seed=3)):
+        image.save(folder / f"{i}.png")
     return folder
 
 

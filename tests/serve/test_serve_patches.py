@@ -7,11 +7,11 @@ import base64
 import io
 from unittest import mock
 
-import numpy as np
 import pytest
 from PIL import Image
 
 from tests.helpers.bundles import CAPTION_PREPROCESS, distinct, make_caption_bundle
+from tests.helpers.images import two_colour_images
 from vitattn.data.preprocess import patch_grid
 from vitattn.inference.api import Captioner
 
@@ -20,6 +20,13 @@ from vitattn.serve.api import CaptionAPI, length_groups  # noqa: E402 - needs li
 
 SIZES = [(96, 24), (20, 60), (40, 40), (8, 120), (70, 30), (16, 16), (120, 16)]  # (width, height)
 BUDGET = 12
+
+
+class _Upload:
+    """A multipart upload as starlette hands it over: the file's bytes behind ``.file``."""
+
+    def __init__(self, path) -> None:
+        self.file = io.BytesIO(path.read_bytes())
 
 
 def _padding(lengths: list[int]) -> float:
@@ -41,11 +48,8 @@ def test_length_groups_keep_each_groups_padding_within_the_limit_longest_first()
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("served")
-    rng = np.random.default_rng(5)
-    for i, (w, h) in enumerate(SIZES):  # a colour of its own on each half: answers that differ between images
-        pixels = np.zeros((h, w, 3), dtype=np.uint8)
-        pixels[:, : w // 2], pixels[:, w // 2 :] = rng.integers(0, 256, 3), rng.integers(0, 256, 3)
-        Image.fromarray(pixels).save(folder / f"{i}.png")
+    for i, image in enumerate(two_colour_images(SIZES, seed=5)):
+        image.save(folder / f"{i}.png")
     preprocess = {**CAPTION_PREPROCESS, "max_patches": BUDGET, "patch_size": 8}
     return make_caption_bundle(folder / "bundle", preprocess), folder
 
@@ -88,7 +92,7 @@ def test_an_onnx_folder_of_a_max_patches_model_is_served_in_groups_each_answer_t
     api = CaptionAPI(str(onnx_folder), max_batch_size=len(SIZES))
     api.setup("cpu")
     paths = [folder / f"{i}.png" for i in range(len(SIZES))]
-    requests = [{"image": base64.b64encode(p.read_bytes()).decode()} for p in paths]
+    requests = [{"image": _Upload(p)} for p in paths]  # multipart uploads, as `curl -F image=@x.png` sends
     with mock.patch.object(api.captioner, "caption_pixels", wraps=api.captioner.caption_pixels) as caption_pixels:
         outputs = api.predict(api.batch([api.decode_request(r) for r in requests]))
     assert caption_pixels.call_count > 1  # grouped by length on the ONNX runtime too
