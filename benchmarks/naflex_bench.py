@@ -11,7 +11,9 @@ see at most as many patches an image. Rows: the valid patches per image and the 
 (forward, cross-entropy, backward, SGD) and greedy captions (``<eos>`` unreachable: every call makes the same
 tokens) on a batch of mixed-aspect ``Patches`` against the same number of squares, in valid patch tokens per
 second; and the encoder layers on the fused attention path with the padding mask against without one, the same
-tokens (every token valid), so that the ratio is the mask's cost alone.
+tokens (every token valid), so that the ratio is the mask's cost alone. The training step also runs packed
+(NaViT): each image's tokens placed several to a row of ``--pack-row`` tokens, first-fit decreasing, with a
+block-diagonal mask (``packing``); each image's logits there equal its logits alone (``max_abs_diff`` in the JSON).
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
 from benchmarks.machine import machine_info
+from benchmarks.padding import first_fit
 from benchmarks.report import format_table, row, write_json
 from benchmarks.timing import Env, paired_speedup, ratio_quartiles
 from benchmarks.workloads import forced_length
@@ -53,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--repeats", type=int, default=None, help="timed samples per side (default 7, quick 3)")
     p.add_argument("--min-time", type=float, default=None, help="shortest timed sample in seconds (default 0.2)")
+    p.add_argument("--pack-row", type=int, default=None, help="tokens a packed row holds (default 4 images' worth)")
     p.add_argument("--out", type=Path, default=Path("bench_results/naflex.json"))
 
 
@@ -73,6 +77,51 @@ def mixed_grids(count: int, budget: int, seed: int = 0) -> list[tuple[int, int]]
 def padded_share(lengths: list[int]) -> float:
     """The share of a batch's patch slots that are padding, the batch padded to its longest."""
     return 1 - sum(lengths) / (max(lengths) * len(lengths))
+
+
+class Packing(NamedTuple):
+    """Where a padded batch's valid tokens go when packed several images to a row (NaViT): ``source`` (R * row,)
+    the flat (B * N) index of each packed slot's token, B * N for an empty slot; ``mask`` (R, 1, row, row) True
+    where a query and key belong to different images or to none (the document's ``mask * -1e9``: block-diagonal);
+    ``cls`` (B,) the packed slot of each image's class token."""
+
+    source: Tensor
+    mask: Tensor
+    cls: Tensor
+
+
+def packing(valid: Tensor, row: int) -> Packing:
+    """The ``Packing`` of a batch's (B, N) valid tokens (class token first, then its patches) into rows of ``row``
+    tokens, first-fit decreasing (``benchmarks.padding.first_fit``): computed once for a batch, as a loader would."""
+    B, N = valid.shape
+    lengths = valid.sum(1).tolist()
+    places = first_fit(lengths, row)
+    R = 1 + max(r for r, _ in places)
+    source = torch.full((R * row,), B * N, dtype=torch.long)
+    segment = torch.full((R * row,), -1, dtype=torch.long)  # the image of each slot; -1 empty
+    for i, ((r, offset), n) in enumerate(zip(places, lengths, strict=True)):
+        start = r * row + offset
+        source[start : start + n] = i * N + valid[i].cpu().nonzero().squeeze(1)
+        segment[start : start + n] = i
+    segment = segment.view(R, row)
+    mask = (segment[:, :, None] != segment[:, None, :]).unsqueeze(1)  # (R, 1, row, row)
+    cls = torch.tensor([r * row + offset for r, offset in places])
+    return Packing(*(t.to(valid.device) for t in (source, mask, cls)))
+
+
+def packed_logits(model: VisionTransformer, batch: Patches, pack: Packing) -> Tensor:
+    """(B, classes) logits of ``batch`` run packed: its embedded tokens gathered into ``pack``'s rows, the encoder
+    layers with the block-diagonal mask, each image's class token pooled (``global_pool="cls"``)."""
+    if model.global_pool != "cls":
+        raise ValueError(f"packed rows pool each image's class token, not global_pool={model.global_pool!r}")
+    memory = model.embed(batch)
+    B, N, D = memory.tokens.shape
+    flat = torch.cat([memory.tokens.reshape(B * N, D), memory.tokens.new_zeros(1, D)])
+    x = flat[pack.source].view(-1, pack.mask.shape[-1], D)  # (R, row, D)
+    for block in model.blocks:
+        x = block(x, pack.mask)
+    cls = model.norm(x).flatten(0, 1)[pack.cls]  # (B, D)
+    return model.forward_head(Memory(cls.unsqueeze(1)))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -143,9 +192,11 @@ def _tokens(grids: list[tuple[int, int]], B: int, square: int) -> tuple[list[dic
     return rows, details
 
 
-def _rate_row(name: str, native: list[float], square: list[float], work: tuple[float, float], unit: str) -> dict:
-    """A row of native against square per second, each side its own ``work`` a call: the median of the per-round
-    ratios, and their quartiles in the note."""
+def _rate_row(
+    name: str, native: list[float], square: list[float], work: tuple[float, float], unit: str, ref_name: str = "square"
+) -> dict:
+    """A row of native (or another arm) against square (or ``ref_name``) per second, each side its own ``work`` a
+    call: the median of the per-round ratios, and their quartiles in the note."""
     scale = work[0] / work[1]
     q = [scale * x for x in ratio_quartiles(native, square)]
     note = f"IQR {q[0]:.3f}-{q[2]:.3f}"
@@ -157,32 +208,67 @@ def _rate_row(name: str, native: list[float], square: list[float], work: tuple[f
         unit,
         ratio,
         None,
-        "square",
+        ref_name,
         note=note,
     )
 
 
 def _train_step(env: Env, batch: Patches, squares: Tensor, args: argparse.Namespace) -> tuple[list[dict], dict]:
-    """A classifier's step on the mixed batch against the squares: valid patch tokens/s and images/s."""
+    """A classifier's step on the mixed batch padded, packed and against the squares: valid patch tokens/s and
+    images/s; the packed logits against each image's alone."""
     model = VisionTransformer(**ENCODER, num_classes=10).to(env.device).train()
     labels = torch.randint(0, 10, (len(squares),), device=env.device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    pack_row = args.pack_row or 4 * (1 + args.budget)
+    pack = packing(F.pad(batch.valid, (1, 0), value=True), pack_row)  # each image's class token first
+    with torch.no_grad():
+        model.eval()
+        alone = torch.cat(
+            [model(Patches(*(t[i : i + 1, : int(batch.valid[i].sum())] for t in batch))) for i in range(len(squares))]
+        )
+        diff = (packed_logits(model, batch, pack) - alone).abs().max().item()
+        model.train()
 
-    def step(images: Tensor | Patches) -> None:
+    def step(images: Tensor | Patches, packed: bool = False) -> None:
         opt.zero_grad(set_to_none=True)
         with env.autocast():
-            loss = F.cross_entropy(model(images), labels)
+            logits = packed_logits(model, images, pack) if packed else model(images)
+            loss = F.cross_entropy(logits, labels)
         loss.backward()
         opt.step()
 
-    t = env.time({"native": lambda: step(batch), "square": lambda: step(squares)})
+    t = env.time(
+        {"native": lambda: step(batch), "square": lambda: step(squares), "packed": lambda: step(batch, packed=True)}
+    )
     tokens = (int(batch.valid.sum()), squares.shape[0] * (ENCODER["img_size"] // ENCODER["patch_size"]) ** 2)
-    B = len(squares)
+    B, R = len(squares), pack.mask.shape[0]
+    slots = {"native": batch.valid.numel() + B, "packed": R * pack_row}  # class tokens included
+    packed_name = f"train step b{B} packed in rows of {pack_row}, images/s"
     rows = [
         _rate_row(f"train step b{B}, patch tokens/s", t["native"], t["square"], tokens, "tok/s"),
         _rate_row(f"train step b{B}, images/s", t["native"], t["square"], (B, B), "img/s"),
+        _rate_row(packed_name, t["packed"], t["native"], (B, B), "img/s", ref_name="native"),
+        row(
+            f"padded share, b{B} packed in {R} rows of {pack_row}",
+            None,
+            None,
+            "",
+            1 - (tokens[0] + B) / slots["packed"],
+            None,
+            percent=True,
+            note=f"padded {100 * (1 - (tokens[0] + B) / slots['native']):.1f}% (class tokens counted); "
+            f"logits packed vs alone max abs diff {diff:.1e}",
+        ),
     ]
-    return rows, dict(seconds=t, tokens=tokens, padded_slots=int((~batch.valid).sum()))
+    return rows, dict(
+        seconds=t,
+        tokens=tokens,
+        padded_slots=int((~batch.valid).sum()),
+        pack_row=pack_row,
+        packed_rows=R,
+        slots=slots,
+        max_abs_diff=diff,
+    )
 
 
 def _captions(env: Env, batch: Patches, squares: Tensor, args: argparse.Namespace) -> tuple[list[dict], dict]:
@@ -225,4 +311,5 @@ def _mask(env: Env, B: int) -> tuple[list[dict], dict]:
     diff = (layers(unmasked) - layers(masked)).abs().max().item()
     t = env.time({"with mask": lambda: layers(masked), "without": lambda: layers(unmasked)})
     name = f"encoder layers b{B} x {N} tokens, fused: with the mask vs without"
-    return [_rate_row(name, t["with mask"], t["without"], (B * N, B * N), "tok/s")], dict(seconds=t, max_abs_diff=diff)
+    rows = [_rate_row(name, t["with mask"], t["without"], (B * N, B * N), "tok/s", ref_name="without")]
+    return rows, dict(seconds=t, max_abs_diff=diff)

@@ -8,8 +8,9 @@ to 4:1, wide and tall (docs/training.md#images-at-their-own-aspect-ratio).
 Each arm is the ImageFolder DataModule's own training loader (augmentation on: the crop that keeps the aspect),
 read for one epoch; a batch's padded share is its padding patches over all its patches (the class token not
 counted), as the model is given them; ``packed``: the mean share were a batch's images packed several to a row of
-its length (NaViT, not built: ``packed_rows``). ``batch_patches`` is ``batch_size x max_patches``: the same largest
-batch as ``data.batch_size`` alone, as timm's NaFlex loader sets ``max_tokens_per_batch``.
+its length (NaViT's packing, ``packed_rows``; ``python -m benchmarks naflex`` times it in longer rows).
+``batch_patches`` is ``batch_size x max_patches``: the same largest batch as ``data.batch_size`` alone, as timm's
+NaFlex loader sets ``max_tokens_per_batch``.
 """
 
 from __future__ import annotations
@@ -86,17 +87,25 @@ def padded_shares(root: Path, max_patches: int, patch_size: int, batch_size: int
     }
 
 
-def packed_rows(lengths: list[int], row: int) -> int:
-    """Rows of ``row`` patches that hold images of ``lengths`` patches packed first-fit decreasing, several to a row
-    (NaViT's packing, not built: an estimate of the padding it would leave)."""
+def first_fit(lengths: list[int], row: int) -> list[tuple[int, int]]:
+    """Where each of ``lengths`` goes in rows of ``row`` slots packed first-fit decreasing (NaViT's packing): its
+    (row, offset), in the order given; the longest first, each in the first row with room."""
+    if max(lengths) > row:
+        raise ValueError(f"an image of {max(lengths)} tokens does not fit a row of {row}")
     free: list[int] = []
-    for length in sorted(lengths, reverse=True):
-        fit = next((i for i, room in enumerate(free) if room >= length), None)
-        if fit is None:
-            free.append(row - length)
-        else:
-            free[fit] -= length
-    return len(free)
+    places: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fit = next((r for r, room in enumerate(free) if room >= lengths[i]), len(free))
+        if fit == len(free):
+            free.append(row)
+        places[i] = (fit, row - free[fit])
+        free[fit] -= lengths[i]
+    return places
+
+
+def packed_rows(lengths: list[int], row: int) -> int:
+    """Rows of ``row`` patches that hold images of ``lengths`` patches packed several to a row (``first_fit``)."""
+    return 1 + max(r for r, _ in first_fit(lengths, row))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -357,3 +357,28 @@ def test_naflex_section_counts_valid_tokens_and_times_native_against_square_and_
     assert tokens["ratio"] == pytest.approx(images["ratio"] * sum(lengths[:3]) / 48)
     assert saved["details"]["mask"]["max_abs_diff"] < 1e-5
     assert set(saved["details"]["captions"]["seconds"]) == {"native", "square"}
+    assert train["max_abs_diff"] < 1e-5 and train["packed_rows"] == 1  # three images of at most 17 tokens in 68
+    assert rows["padded share, b3 packed in 1 rows of 68"]["ratio"] == pytest.approx(1 - (sum(lengths[:3]) + 3) / 68)
+
+
+def test_packed_rows_give_each_image_its_logits_alone():
+    """NaViT's packing (``naflex_bench.packing``): images of different grids several to a row, each image's class
+    logits equal to that image run alone (its own batch of one, no padding) within 1e-5."""
+    from benchmarks import naflex_bench
+    from vitattn.data.preprocess import pad_patches, patchify
+    from vitattn.models.vit import Patches
+
+    torch.manual_seed(0)
+    model = VisionTransformer(**TINY, num_classes=5).eval()
+    grids = [(4, 4), (2, 3), (1, 4), (3, 2), (4, 1), (2, 2)]  # 16, 6, 4, 6, 4, 4 patches
+    images = [patchify(torch.randn(3, 8 * r, 8 * c), 8) for r, c in grids]
+    batch = pad_patches(images)
+    pack = naflex_bench.packing(torch.nn.functional.pad(batch.valid, (1, 0), value=True), 20)
+    assert pack.mask.shape[0] < len(grids) - 1  # several images share a row
+    with torch.no_grad():
+        packed = naflex_bench.packed_logits(model, batch, pack)
+        alone = torch.cat(
+            [model(Patches(p[None], c[None], torch.ones(1, len(p), dtype=torch.bool))) for p, c in images]
+        )
+    assert alone.std(0).min() > 1e-3  # the images' logits differ
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)

@@ -9,6 +9,7 @@ from benchmarks import padding
 def test_packed_rows_fit_images_first_fit_decreasing():
     assert padding.packed_rows([8, 4, 4, 6, 2], 8) == 3  # 8 | 6 2 | 4 4
     assert padding.packed_rows([5, 5, 5], 8) == 3 and padding.packed_rows([3, 3, 2], 8) == 1
+    assert padding.first_fit([8, 4, 4, 6, 2], 8) == [(0, 0), (2, 0), (2, 4), (1, 0), (1, 6)]  # (row, offset) each
 
 
 def test_the_padding_section_measures_both_arms(tmp_path):
