@@ -9,9 +9,10 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.vitattn-installed
 ARGS   ?=
-# pytest-xdist processes: each test runs one torch thread (tests/conftest.py), so one per core
+# pytest-xdist processes: each test runs one torch thread (tests/conftest.py), so one per core; the files in the
+# order tests/conftest.py gives them (the longest first), not xdist's by number of tests
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: install train lint test test-fast bench learning-bench transfer-bench mutation clean
 

@@ -435,17 +435,26 @@ def hub_offline(monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
 
 
-# The files whose tests are mostly processes that run for minutes (DDP ranks killed and resumed, servers): handed
-# out first, so that ``--dist loadfile`` does not leave one of them running alone at the end.
+# The files that take longest (DDP ranks killed and resumed, servers, sweeps), longest first as measured by
+# ``--durations=0`` on two workers: handed out first (``make test`` passes ``--no-loadscope-reorder``, so that xdist
+# keeps this order rather than its own by number of tests), so that ``--dist loadfile`` does not leave one of them
+# running alone at the end.
 LONG_FILES = (
-    "tests/training/test_data_resume_ddp.py",
-    "tests/training/test_data_resume.py",
     "tests/training/test_preemption.py",
+    "tests/training/test_data_resume_ddp.py",
     "tests/serve/test_serve.py",
     "tests/training/test_sweeps.py",
-    "tests/training/test_sharding.py",
     "tests/training/test_shards_resume.py",
+    "tests/training/test_data_resume.py",
+    "tests/training/test_sharding.py",
+    "tests/training/test_bootstrap.py",
+    "tests/training/test_self_critical.py",
+    "tests/metrics/test_coco_toolkit.py",
+    "tests/inference/test_captioning_processes.py",
+    "tests/training/test_coca.py",
+    "tests/test_transfer_bench.py",
     "tests/bundle/test_onnx_folder.py",
+    "tests/inference/test_captioning_shards.py",
 )
 
 
