@@ -1,6 +1,7 @@
 """The run's data, built and set up before any step: an empty split and a checkpoint that does not fit the
 data (vocabulary, tokenizer, classes, head) are one-line errors, with nothing written."""
 
+import math
 import re
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from tests.training.test_config import error_data
 from vitattn.data.tokenizer import Vocabulary
 from vitattn.errors import ConfigError
 from vitattn.training import setup_data, train
-from vitattn.training.build import build_datamodule
+from vitattn.training.build import build_datamodule, build_system
 from vitattn.training.plan import resolve
 
 SHAPES = [*TINY, *TINY_SHAPES]
@@ -84,3 +85,18 @@ def test_class_list_differing_from_the_checkpoint_fails_before_any_step(tmp_path
     dm = build_datamodule(plan)
     with pytest.raises(ConfigError, match=r"classes \['bird', 'cat'\] differ from the checkpoint's \['cat', 'dog'\]"):
         setup_data(cfg, dm, plan.resume)
+
+
+def test_siglip_auto_bias_with_batches_by_patches_counts_the_images_of_a_full_length_batch(tmp_path):
+    """``init_logit_bias=auto`` is -log(n - 1), n the images of a training step: with ``data.batch_patches=T`` a
+    full-length batch's T // N images, not ``data.batch_size`` (which then sizes evaluation batches only)."""
+    cfg = compose_train(
+        ["head=coca", *SHAPES, "head.contrastive.loss=siglip", "data.batch_size=2"]
+        + ["data.max_patches=16", "data.batch_patches=96"],
+        tmp_path,
+    )
+    plan = resolve(cfg)
+    datamodule = build_datamodule(plan)
+    setup_data(cfg, datamodule)
+    bias = build_system(plan, datamodule).model.logit_bias
+    assert bias.item() == pytest.approx(-math.log(96 // 16 - 1))  # 6 images a step, one rank

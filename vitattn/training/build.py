@@ -322,7 +322,10 @@ def model_config_from(plan: Plan, datamodule: Any) -> dict[str, Any]:
     )
     config = {"encoder": {**encoder, "num_classes": 0}, "decoder": decoder}
     if plan.contrastive:  # head=coca
-        pairs = int(cfg.data.batch_size) * plan.trainer.processes * plan.trainer.num_nodes
+        images = int(cfg.data.batch_size)
+        if cfg.data.get("batch_patches"):  # training batches by patches: a full-length one (batch_size: evaluation)
+            images = int(cfg.data.batch_patches) // int(cfg.data.max_patches)
+        pairs = images * plan.trainer.processes * plan.trainer.num_nodes
         config["contrastive"] = contrastive_model_config(
             OmegaConf.to_container(cfg.head.contrastive, resolve=True), pairs
         )
