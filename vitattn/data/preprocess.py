@@ -52,7 +52,6 @@ __all__ = [
     "normalize",
     "pad_patches",
     "patch_grid",
-    "patch_grids",
     "patch_limit",
     "patchify",
     "PREPROCESS_KEYS",
@@ -654,12 +653,6 @@ def unpatchify(patches: torch.Tensor, grid: tuple[int, int], patch_size: int) ->
     P = patch_size
     image = patches[: rows * cols].reshape(rows, cols, P, P, -1)  # (rows, cols, P, P, C)
     return image.permute(4, 0, 2, 1, 3).reshape(-1, rows * P, cols * P)  # (C, height, width)
-
-
-def patch_grids(batch: Patches) -> list[tuple[int, int]]:
-    """Each image's (rows, columns) in a batch of ``Patches``: its valid patches' largest coordinates + 1."""
-    grids = (batch.coord * batch.valid.unsqueeze(-1)).amax(dim=1) + 1  # (B, 2)
-    return [(rows, cols) for rows, cols in grids.tolist()]
 
 
 def pad_patches(images: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Patches:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
-from vitattn.data.preprocess import denormalize, patch_grids, unpatchify
+from vitattn.data.preprocess import denormalize, unpatchify
 from vitattn.fileio import atomic_write
 from vitattn.layers import Memory, record_attention
 from vitattn.layers.merge import spread
@@ -102,7 +102,7 @@ def attention_from_tokens(
     weights = [maps[f"encoder.blocks.{i}.mha"][0] for i in range(len(enc.blocks))]
     rollout = attention_rollout(weights, prefix, trace)
     if isinstance(images, Patches):  # each image's valid patches come first, row by row (``pad_patches``)
-        grids = patch_grids(images)
+        grids = images.grids()
         return (
             [cross[i, :, : r * c].reshape(T, r, c) for i, (r, c) in enumerate(grids)],
             [rollout[i, : r * c].reshape(r, c) for i, (r, c) in enumerate(grids)],
@@ -183,7 +183,7 @@ def shown_images(images: Tensor | Patches, preprocess: Mapping[str, Any]) -> lis
     (``preprocess``' ``mean`` and ``std`` undone)."""
     if isinstance(images, Patches):
         P = preprocess["patch_size"]
-        images = [unpatchify(x.float().cpu(), grid, P) for x, grid in zip(images.patches, patch_grids(images))]
+        images = [unpatchify(x.float().cpu(), grid, P) for x, grid in zip(images.patches, images.grids())]
     return [denormalize(x.float().cpu(), preprocess["mean"], preprocess["std"]).clamp(0, 1) for x in images]
 
 

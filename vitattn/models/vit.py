@@ -22,7 +22,16 @@ from torch.utils.checkpoint import checkpoint
 
 from vitattn.layers import EncoderLayer, Memory, check_heads, merge_schedule
 
-__all__ = ["PRESETS", "Patches", "VisionTransformer", "layer_groups", "preset_config", "resample_weights", "vit_preset"]
+__all__ = [
+    "PRESETS",
+    "Patches",
+    "VisionTransformer",
+    "image_grids",
+    "layer_groups",
+    "preset_config",
+    "resample_weights",
+    "vit_preset",
+]
 
 POOLS = ("cls", "mean", "avg")
 POS_EMBED_INITS = ("trunc_normal", "sincos")
@@ -83,6 +92,12 @@ def resample_weights(out_size: Tensor, at: Tensor, size: int) -> Tensor:
     return w / w.sum(dim=-1, keepdim=True)
 
 
+def image_grids(coord: Tensor, valid: Tensor) -> Tensor:
+    """(B, N, 2) patch coordinates and (B, N) validity -> (B, 2) each image's rows and columns: its valid patches'
+    largest coordinates + 1 (tensors only, so an ONNX graph computes it)."""
+    return (coord * valid.unsqueeze(-1)).amax(dim=1) + 1
+
+
 class Patches(NamedTuple):
     """Images cut into P x P patches at each one's own grid, padded to the batch's longest (timm NaFlex's
     ``patches``, ``patch_coord``, ``patch_valid``): ``patches`` (B, N, P*P*C), each patch's pixels in (row, column,
@@ -96,6 +111,10 @@ class Patches(NamedTuple):
     @property
     def device(self) -> torch.device:
         return self.patches.device
+
+    def grids(self) -> list[tuple[int, int]]:
+        """Each image's (rows, columns) (``image_grids``)."""
+        return [(rows, cols) for rows, cols in image_grids(self.coord, self.valid).tolist()]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Patches:
         """The three tensors on ``device``, as a batch of images moves."""
@@ -283,7 +302,7 @@ class VisionTransformer(nn.Module):
         loop over the batch's grids: tensors only, so the ONNX graph resamples any grid (docs/captioning.md)."""
         G = self.patch_embed.grid_size[0]
         table = self.pos_embed[0, self.num_prefix_tokens :]  # (G*G, D)
-        grids = (coord * valid.unsqueeze(-1)).amax(dim=1, keepdim=True) + 1  # (B, 1, 2): each image's rows, columns
+        grids = image_grids(coord, valid).unsqueeze(1)  # (B, 1, 2): each image's rows, columns
         rows = resample_weights(grids[..., 0], coord[..., 0], G)  # (B, N, G)
         cols = resample_weights(grids[..., 1], coord[..., 1], G)  # (B, N, G)
         weights = (rows.unsqueeze(-1) * cols.unsqueeze(-2)).flatten(2)  # (B, N, G*G)
