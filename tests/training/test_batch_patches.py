@@ -19,7 +19,7 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from tests.helpers.processes import sample_keys
 from tests.helpers.runs import TINY, TINY_SHAPES, compose_train
-from tests.training.test_data_resume import _overrides, _record_batches
+from tests.training.test_data_resume import _overrides, _record_batches, _stopped_and_resumed
 from vitattn.data.preprocess import _PATCH_LIMIT, patch_grid
 from vitattn.errors import ConfigError
 from vitattn.models.vit import Patches
@@ -256,12 +256,7 @@ def test_an_epoch_by_patches_resumed_mid_epoch_trains_the_uninterrupted_samples_
     assert len({max(counts) for _, _, counts in whole}) > 1  # more than one sequence length
 
     seen.clear()
-    keys = f"+callbacks.sample_keys.folder={tmp_path / 'keys'}"
-    overrides.append("callbacks.step_checkpoint.every_n_train_steps=2")
-    train(compose_train([*overrides, keys, "trainer.max_steps=2"], tmp_path / "stopped"))
-    checkpoint = tmp_path / "stopped" / "checkpoints" / "step000002.ckpt"
-    train(compose_train([*overrides, keys, f"ckpt_path={checkpoint}"], tmp_path / "resumed"))
-    assert [k for _, _, ks in sample_keys(tmp_path / "keys") for k in ks] == whole_keys
+    assert _stopped_and_resumed(overrides, 2, tmp_path) == whole_keys
     assert seen == whole  # steps 0-1 stopped, then the resumed steps: the same pixels, crops and grids
 
 

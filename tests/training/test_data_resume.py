@@ -207,6 +207,17 @@ def test_a_preempted_epoch_in_one_process_trains_what_an_uninterrupted_one_does(
     assert [k for _, _, ks in steps for k in ks] == whole  # the same samples, in the same order
 
 
+def _stopped_and_resumed(overrides: list[str], step: int, tmp_path: Path) -> list[str]:
+    """The sample keys of a run of ``overrides`` stopped after ``step`` with a step checkpoint there, then resumed
+    from it in a new run (``ckpt_path``): both runs' keys, in order."""
+    keys = f"+callbacks.sample_keys.folder={tmp_path / 'keys'}"
+    overrides = [*overrides, f"callbacks.step_checkpoint.every_n_train_steps={step}"]
+    train(compose_train([*overrides, keys, f"trainer.max_steps={step}"], tmp_path / "stopped"))
+    checkpoint = tmp_path / "stopped" / "checkpoints" / f"step{step:06d}.ckpt"
+    train(compose_train([*overrides, keys, f"ckpt_path={checkpoint}"], tmp_path / "resumed"))
+    return [k for _, _, ks in sample_keys(tmp_path / "keys") for k in ks]
+
+
 def _record_batches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str, list[int]]]:
     """Each classification training step's ``(global step, digest of its batch, valid patches per image)``: the
     digest of the ``Patches``' patches, coordinates and validity and of the labels, as the step is given them."""
@@ -239,13 +250,8 @@ def test_a_resumed_epoch_of_patches_is_augmented_as_an_uninterrupted_one(tmp_pat
     assert sorted(whole_keys) == sorted(expected) and len(whole) == 6
     assert len({n for _, _, counts in whole for n in counts}) > 1  # the augmentation ran
 
-    seen.clear()  # stopped after step 3 with a step checkpoint there, then resumed from it
-    keys = f"+callbacks.sample_keys.folder={tmp_path / 'keys'}"
-    overrides.append("callbacks.step_checkpoint.every_n_train_steps=3")
-    train(compose_train([*overrides, keys, "trainer.max_steps=3"], tmp_path / "stopped"))
-    checkpoint = tmp_path / "stopped" / "checkpoints" / "step000003.ckpt"
-    train(compose_train([*overrides, keys, f"ckpt_path={checkpoint}"], tmp_path / "resumed"))
-    assert [k for _, _, ks in sample_keys(tmp_path / "keys") for k in ks] == whole_keys
+    seen.clear()
+    assert _stopped_and_resumed(overrides, 3, tmp_path) == whole_keys
     assert seen[:3] == whole[:3]
     assert seen[3:] == whole[3:]  # steps 3 to 5, the resumed run's: the same pixels, crops and grids
 
